@@ -1,0 +1,26 @@
+# Both targets create or refresh .venv and install lrjax (with its C++ extension) into it.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+PIP := $(VPY) -m pip
+BUILD_DEPS := "scikit-build-core>=0.10" "nanobind>=2.0" "jax>=0.10.2,<0.12" "jaxlib>=0.10.2,<0.12"
+
+.PHONY: venv demo test test-gpu clean
+
+venv:
+	$(PY) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(BUILD_DEPS)
+	$(PIP) install -q --no-build-isolation -e ".[test]"
+
+demo: venv
+	$(VPY) examples/demo.py
+
+test: venv
+	$(VPY) -m pytest -q -n 2 tests
+
+test-gpu:
+	$(VPY) -m pytest -q -m gpu tests
+
+clean:
+	rm -rf build dist $(VENV) .pytest_cache

@@ -1,0 +1,20 @@
+"""lrjax.lowering: the lr_xuv / lr_mlp primitives, the kernel registry and the fusion pass.
+
+Installed as ``lrjax.lowering`` (on disk: ``lowering/``).
+"""
+from lrjax.lowering import registry
+from lrjax.lowering.primitives import (
+    ACTIVATIONS,
+    lr_mlp,
+    lr_mlp_p,
+    lr_mlp_reference,
+    lr_xuv,
+    lr_xuv_p,
+    lr_xuv_reference,
+)
+from lrjax.lowering.registry import KernelLowering, force_reference
+
+__all__ = [
+    "ACTIVATIONS", "KernelLowering", "force_reference", "lr_mlp", "lr_mlp_p",
+    "lr_mlp_reference", "lr_xuv", "lr_xuv_p", "lr_xuv_reference", "registry",
+]

@@ -1,0 +1,297 @@
+"""The two primitives that are the contract between the pass and the kernels.
+
+``lr_xuv``  y = (x·u)·v (+ bias)                      x [..., K], u [K, r], v [r, N]
+``lr_mlp``  gated:     act(x·Ug·Vg + bg) ⊙ (x·Uu·Vu + bu) → ·Ud·Vd + bd
+            non-gated: act(x·U1·V1 + b1) → ·U2·V2 + b2
+
+Each primitive has an abstract eval, a pure-jnp reference (the default lowering on
+every platform), a vmap rule and a JVP whose tangent goes through the reference,
+so reverse mode (LoRA training through a fused model) works. The primal of a JVP
+still binds the primitive, so the kernel serves the forward pass.
+
+Numerics of the reference: every matmul accumulates in f32; the rank-space
+intermediate and the MLP's activations are rounded to ``inter_dtype`` (the dtype
+the unfused program had there), and the output is cast to ``out_dtype``.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from lrjax.lowering import registry
+
+log = logging.getLogger("lrjax.lowering")
+
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _gelu_exact(x):
+  return jax.nn.gelu(x, approximate=False)
+
+
+def _gelu_tanh(x):
+  return jax.nn.gelu(x, approximate=True)
+
+
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_tanh": _gelu_tanh,
+    "gelu": _gelu_exact,
+    "relu": jax.nn.relu,
+}
+
+
+def _check_float(name, a):
+  if jnp.dtype(a.dtype) not in FLOAT_DTYPES:
+    raise TypeError(f"{name}.dtype={a.dtype} is not supported; expected one of "
+                    f"{[str(d) for d in FLOAT_DTYPES]}")
+
+
+# ----------------------------------------------------------------------------- lr_xuv
+
+lr_xuv_p = Primitive("lr_xuv")
+
+
+def _xuv_check(x, u, v, bias):
+  for name, a in (("x", x), ("u", u), ("v", v)) + ((("bias", bias),) if bias is not None else ()):
+    _check_float(name, a)
+  if x.ndim < 1:
+    raise ValueError(f"{x.shape=} must have at least one dim [..., K]")
+  if u.ndim != 2 or v.ndim != 2:
+    raise ValueError(f"{u.shape=} and {v.shape=} must be 2-D: u [K, r], v [r, N]")
+  if x.shape[-1] != u.shape[0]:
+    raise ValueError(f"{x.shape=} and {u.shape=} disagree on K: expected x [..., K], u [K, r]")
+  if u.shape[1] != v.shape[0]:
+    raise ValueError(f"{u.shape=} and {v.shape=} disagree on the rank: expected u [K, r], v [r, N]")
+  if bias is not None and bias.shape != (v.shape[1],):
+    raise ValueError(f"{bias.shape=} must be ({v.shape[1]},), the output width N")
+
+
+def lr_xuv(x, u, v, bias=None, *, out_dtype=None, inter_dtype=None):
+  """y = (x·u)·v (+ bias), accumulated in f32.
+
+  Args:
+    x: [..., K] activations (bf16, f16 or f32).
+    u: [K, r] first factor.
+    v: [r, N] second factor.
+    bias: optional [N].
+    out_dtype: output dtype; defaults to the promoted input dtype.
+    inter_dtype: dtype of the rank-space intermediate in the reference;
+      defaults to ``out_dtype``. Kernels may keep it in f32.
+  """
+  _xuv_check(x, u, v, bias)
+  ops = (x, u, v) + ((bias,) if bias is not None else ())
+  out_dtype = jnp.dtype(out_dtype or jnp.result_type(*ops))
+  inter_dtype = jnp.dtype(inter_dtype or out_dtype)
+  return lr_xuv_p.bind(*ops, has_bias=bias is not None, inter_dtype=inter_dtype,
+                       out_dtype=out_dtype)
+
+
+def _xuv_chain(x, u, v, bias, inter_dtype, out_dtype):
+  """The shared f32-accumulating X·U·V used by both references."""
+  t = jnp.matmul(x, u, preferred_element_type=jnp.float32).astype(inter_dtype)
+  y = jnp.matmul(t, v, preferred_element_type=jnp.float32)
+  if bias is not None:
+    y = y + bias.astype(jnp.float32)
+  return y.astype(out_dtype)
+
+
+def lr_xuv_reference(x, u, v, bias=None, *, inter_dtype=None, out_dtype=None):
+  """Pure-jnp reference of :func:`lr_xuv` (also its default lowering)."""
+  out_dtype = jnp.dtype(out_dtype or jnp.result_type(x, u, v))
+  return _xuv_chain(x, u, v, bias, jnp.dtype(inter_dtype or out_dtype), out_dtype)
+
+
+def _xuv_ref_ops(*ops, has_bias, inter_dtype, out_dtype):
+  x, u, v = ops[:3]
+  return _xuv_chain(x, u, v, ops[3] if has_bias else None, inter_dtype, out_dtype)
+
+
+@lr_xuv_p.def_abstract_eval
+def _xuv_abstract(x, u, v, *rest, has_bias, inter_dtype, out_dtype):
+  _xuv_check(x, u, v, rest[0] if has_bias else None)
+  return jax.core.ShapedArray(x.shape[:-1] + (v.shape[1],), out_dtype)
+
+
+# ----------------------------------------------------------------------------- lr_mlp
+
+lr_mlp_p = Primitive("lr_mlp")
+
+# Operand layout: x, [ug, vg, (bg)], uu, vu, (bu), ud, vd, (bd). ``bias_mask`` has one
+# flag per projection in that order: (gate, up, down) if gated else (up, down).
+
+
+def mlp_operands(ops: Sequence[Any], gated: bool, bias_mask: Sequence[bool]) -> dict:
+  """Names the flat operands of ``lr_mlp``: {'x', 'gate', 'up', 'down'} -> (u, v, bias|None)."""
+  names = ("gate", "up", "down") if gated else ("up", "down")
+  if len(bias_mask) != len(names):
+    raise ValueError(f"{bias_mask=} must have {len(names)} flags for {names}")
+  out = {"x": ops[0], "gate": None}
+  i = 1
+  for name, hb in zip(names, bias_mask):
+    u, v = ops[i], ops[i + 1]
+    b = ops[i + 2] if hb else None
+    i += 3 if hb else 2
+    out[name] = (u, v, b)
+  if i != len(ops):
+    raise ValueError(f"lr_mlp got {len(ops)} operands, expected {i} for {gated=} {bias_mask=}")
+  return out
+
+
+def lr_mlp(x, up, down, gate=None, *, act="silu", out_dtype=None, inter_dtype=None):
+  """Low-rank MLP. ``up``, ``down`` and ``gate`` are (u, v) or (u, v, bias) tuples.
+
+  gated (``gate`` given): act(x·Ug·Vg + bg) ⊙ (x·Uu·Vu + bu) → ·Ud·Vd + bd
+  non-gated:              act(x·Uu·Vu + bu) → ·Ud·Vd + bd
+  """
+  if act not in ACTIVATIONS:
+    raise ValueError(f"{act=} is not supported; expected one of {sorted(ACTIVATIONS)}")
+  projs = ((gate,) if gate is not None else ()) + (up, down)
+  ops, mask = [x], []
+  for p in projs:
+    if not isinstance(p, (tuple, list)) or len(p) not in (2, 3):
+      raise ValueError(f"each projection must be (u, v) or (u, v, bias); got {type(p).__name__}")
+    b = p[2] if len(p) == 3 else None
+    ops += [p[0], p[1]] + ([b] if b is not None else [])
+    mask.append(b is not None)
+  out_dtype = jnp.dtype(out_dtype or jnp.result_type(*ops))
+  inter_dtype = jnp.dtype(inter_dtype or out_dtype)
+  params = dict(gated=gate is not None, act=act, bias_mask=tuple(mask),
+                inter_dtype=inter_dtype, out_dtype=out_dtype)
+  _mlp_check(ops, **params)
+  return lr_mlp_p.bind(*ops, **params)
+
+
+def _mlp_check(ops, *, gated, act, bias_mask, inter_dtype, out_dtype):
+  if act not in ACTIVATIONS:
+    raise ValueError(f"{act=} is not supported; expected one of {sorted(ACTIVATIONS)}")
+  d = mlp_operands(ops, gated, bias_mask)
+  x = d["x"]
+  up_u, up_v, _ = d["up"]
+  _xuv_check(x, up_u, up_v, d["up"][2])
+  if gated:
+    _xuv_check(x, *d["gate"])
+    if d["gate"][1].shape[1] != up_v.shape[1]:
+      raise ValueError(f"gate width {d['gate'][1].shape[1]} != up width {up_v.shape[1]}; "
+                       "the gated MLP multiplies them elementwise")
+  du, dv, db = d["down"]
+  if du.shape[0] != up_v.shape[1]:
+    raise ValueError(f"down u.shape={du.shape} must start with the intermediate width {up_v.shape[1]}")
+  _xuv_check(jax.ShapeDtypeStruct(x.shape[:-1] + (du.shape[0],), x.dtype), du, dv, db)
+  return x.shape[:-1] + (dv.shape[1],)
+
+
+def _mlp_ref_ops(*ops, gated, act, bias_mask, inter_dtype, out_dtype):
+  d = mlp_operands(ops, gated, bias_mask)
+  f = ACTIVATIONS[act]
+  h = _xuv_chain(d["x"], *d["up"], inter_dtype, inter_dtype)
+  if gated:
+    h = f(_xuv_chain(d["x"], *d["gate"], inter_dtype, inter_dtype)) * h
+  else:
+    h = f(h)
+  return _xuv_chain(h, *d["down"], inter_dtype, out_dtype)
+
+
+def lr_mlp_reference(x, up, down, gate=None, *, act="silu", out_dtype=None, inter_dtype=None):
+  """Pure-jnp reference of :func:`lr_mlp` (also its default lowering)."""
+  projs = ((gate,) if gate is not None else ()) + (up, down)
+  ops, mask = [x], []
+  for p in projs:
+    b = p[2] if len(p) == 3 else None
+    ops += [p[0], p[1]] + ([b] if b is not None else [])
+    mask.append(b is not None)
+  out_dtype = jnp.dtype(out_dtype or jnp.result_type(*ops))
+  return _mlp_ref_ops(*ops, gated=gate is not None, act=act, bias_mask=tuple(mask),
+                      inter_dtype=jnp.dtype(inter_dtype or out_dtype), out_dtype=out_dtype)
+
+
+@lr_mlp_p.def_abstract_eval
+def _mlp_abstract(*ops, **params):
+  return jax.core.ShapedArray(_mlp_check(ops, **params), params["out_dtype"])
+
+
+# ------------------------------------------------------------------ shared rules
+
+REFERENCES = {lr_xuv_p: _xuv_ref_ops, lr_mlp_p: _mlp_ref_ops}
+# Operand index 0 is the activation; all others are weights (shared across the batch).
+_ACT_OPERANDS = 1
+
+
+def _impl(prim):
+  def impl(*ops, **params):
+    return jax.jit(functools.partial(prim.bind, **params))(*ops)
+  return impl
+
+
+def _jvp(prim):
+  ref = REFERENCES[prim]
+
+  def jvp(primals, tangents, **params):
+    out = prim.bind(*primals, **params)
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    _, t_out = jax.jvp(functools.partial(ref, **params), tuple(primals), tuple(tangents))
+    return out, t_out
+  return jvp
+
+
+def _batch(prim):
+  ref = REFERENCES[prim]
+
+  def rule(args, dims, **params):
+    if all(d is None for d in dims[_ACT_OPERANDS:]):
+      # Only the activation is batched: the batch dim becomes one more leading dim.
+      x = jnp.moveaxis(args[0], dims[0], 0)
+      return prim.bind(x, *args[1:], **params), 0
+    # Batched weights (e.g. vmap over an ensemble): no kernel takes per-example
+    # factors, so vmap the reference.
+    out = jax.vmap(functools.partial(ref, **params), in_axes=dims)(*args)
+    return out, 0
+  return rule
+
+
+def _lowering(prim):
+  ref = REFERENCES[prim]
+
+  def rule(ctx, *args, **params):
+    platforms = tuple(ctx.module_context.platforms)
+    fn = ref
+    if len(platforms) == 1:
+      sel = registry.select(prim.name, platforms[0], ctx.avals_in, params)
+      for name, reason in sel.declined:
+        log.debug("%s on %s: %s declined: %s", prim.name, platforms[0], name, reason)
+      if sel.kernel is not None:
+        log.debug("%s on %s: lowering with %s", prim.name, platforms[0], sel.kernel.name)
+        fn = sel.kernel.load()
+    else:
+      log.debug("%s: multi-platform lowering %s uses the reference", prim.name, platforms)
+    return mlir.lower_fun(functools.partial(fn, **params), multiple_results=False)(ctx, *args)
+  return rule
+
+
+for _p in (lr_xuv_p, lr_mlp_p):
+  _p.def_impl(_impl(_p))
+  ad.primitive_jvps[_p] = _jvp(_p)
+  batching.primitive_batchers[_p] = _batch(_p)
+  mlir.register_lowering(_p, _lowering(_p))
+
+
+def reference_for(prim) -> Any:
+  """The reference function ``ref(*operands, **params)`` of an lrjax primitive."""
+  return REFERENCES[prim]
+
+
+def register_reference(prim, ref) -> None:
+  """Gives another primitive (e.g. a quantized one) the same jvp/vmap/lowering rules."""
+  REFERENCES[prim] = ref
+  prim.def_impl(_impl(prim))
+  ad.primitive_jvps[prim] = _jvp(prim)
+  batching.primitive_batchers[prim] = _batch(prim)
+  mlir.register_lowering(prim, _lowering(prim))
+

@@ -1,0 +1,118 @@
+"""Per-platform kernel registry for the lrjax primitives.
+
+Platform lowerings (Triton on ``cuda``, the XLA FFI W4A8 kernel on ``cpu``, NKI on
+``neuron``) register a :class:`KernelLowering` per primitive. At lowering time the
+dispatcher asks each candidate, highest priority first, whether it serves the
+abstract operands; the first that does is lowered, otherwise the pure-jnp
+reference is. Every decline is logged with its reason and is visible in
+:func:`lrjax.lowering.explain`.
+
+Kernel modules are never imported here: ``load`` is called only when a kernel is
+selected for lowering, so a CPU install never imports triton or NKI.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import threading
+from typing import Any, Callable, Mapping, Sequence
+
+log = logging.getLogger("lrjax.lowering")
+
+PLATFORMS = ("cpu", "cuda", "rocm", "neuron")
+
+# supports(avals_in, params) -> None when the kernel serves, else the reason it declines.
+SupportsFn = Callable[[Sequence[Any], Mapping[str, Any]], "str | None"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelLowering:
+  """One kernel that can lower one primitive on one platform."""
+
+  primitive: str  # "lr_xuv" | "lr_mlp" | any primitive registered in lowering.primitives
+  platform: str  # one of PLATFORMS
+  name: str  # e.g. "triton.xuv_splitk"
+  supports: SupportsFn
+  load: Callable[[], Callable[..., Any]]  # returns impl(*operands, **params) -> output
+  priority: int = 0
+
+  def __post_init__(self):
+    if self.platform not in PLATFORMS:
+      raise ValueError(f"{self.platform=} is not a known platform; expected one of {PLATFORMS}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+  """Outcome of kernel selection for one primitive instance on one platform."""
+
+  platform: str
+  kernel: KernelLowering | None  # None means the XLA reference lowering
+  declined: tuple[tuple[str, str], ...]  # (kernel name, reason)
+
+  @property
+  def name(self) -> str:
+    return self.kernel.name if self.kernel is not None else "reference"
+
+
+_REGISTRY: dict[tuple[str, str], list[KernelLowering]] = {}
+_LOCK = threading.Lock()
+_state = threading.local()
+
+
+def register(kernel: KernelLowering) -> KernelLowering:
+  """Registers ``kernel``; re-registering the same name replaces it."""
+  with _LOCK:
+    lst = _REGISTRY.setdefault((kernel.primitive, kernel.platform), [])
+    lst[:] = [k for k in lst if k.name != kernel.name] + [kernel]
+    lst.sort(key=lambda k: -k.priority)
+  return kernel
+
+
+def unregister(primitive: str, platform: str, name: str) -> None:
+  with _LOCK:
+    lst = _REGISTRY.get((primitive, platform), [])
+    lst[:] = [k for k in lst if k.name != name]
+
+
+def candidates(primitive: str, platform: str) -> tuple[KernelLowering, ...]:
+  with _LOCK:
+    return tuple(_REGISTRY.get((primitive, platform), ()))
+
+
+def reference_forced() -> bool:
+  return bool(getattr(_state, "force_reference", 0)) or os.environ.get(
+      "LRJAX_FORCE_REFERENCE", "") not in ("", "0")
+
+
+@contextlib.contextmanager
+def force_reference():
+  """Within this context, newly lowered primitives use the XLA reference.
+
+  Lowering happens when a jitted function is first compiled, so wrap the
+  first call (or ``.lower()``) of a fresh ``jax.jit`` object.
+  """
+  prev = getattr(_state, "force_reference", 0)
+  _state.force_reference = prev + 1
+  try:
+    yield
+  finally:
+    _state.force_reference = prev
+
+
+def select(primitive: str, platform: str, avals_in: Sequence[Any],
+           params: Mapping[str, Any]) -> Selection:
+  """Picks the kernel that serves these operands, or the reference."""
+  if reference_forced():
+    return Selection(platform, None, (("*", "reference forced (force_reference / LRJAX_FORCE_REFERENCE)"),))
+  declined = []
+  for k in candidates(primitive, platform):
+    try:
+      reason = k.supports(avals_in, params)
+    except Exception as e:  # a buggy predicate must not break compilation
+      reason = f"supports() raised {type(e).__name__}: {e}"
+    if reason is None:
+      return Selection(platform, k, tuple(declined))
+    declined.append((k.name, reason))
+  return Selection(platform, None, tuple(declined))
