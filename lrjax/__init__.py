@@ -2,6 +2,9 @@
 __version__ = "0.1.0"
 
 from lrjax import lowering
+from lrjax import custom_calls
 from lrjax.lowering import lr_mlp, lr_xuv
 
-__all__ = ["lowering", "lr_mlp", "lr_xuv", "__version__"]
+custom_calls.register_all()
+
+__all__ = ["custom_calls", "lowering", "lr_mlp", "lr_xuv", "__version__"]

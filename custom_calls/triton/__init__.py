@@ -1,0 +1,1 @@
+"""lrjax.custom_calls.triton"""
