@@ -1,0 +1,380 @@
+"""Llama-family decoder (Llama 2/3.x, Mistral, Qwen2, Qwen3) in Flax NNX with plain-jnp math.
+
+Each projection is an ``lrjax.nn.Linear`` or ``lrjax.nn.LowRankLinear``; the MLP is written as
+``down(silu(gate(x)) * up(x))`` so ``lrjax.fuse`` sees the x·u·v chains and the low-rank MLP.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from lrjax.models.config import ModelConfig
+from lrjax.nn.linear import Linear, LowRankLinear, param
+
+log = logging.getLogger("lrjax.models")
+
+ATTN_PROJS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_PROJS = ("gate_proj", "up_proj", "down_proj")
+PROJ_NAMES = ATTN_PROJS + MLP_PROJS
+_PROJ_AXES = {"q_proj": ("embed", "heads"), "k_proj": ("embed", "kv_heads"),
+              "v_proj": ("embed", "kv_heads"), "o_proj": ("heads", "embed"),
+              "gate_proj": ("embed", "mlp"), "up_proj": ("embed", "mlp"),
+              "down_proj": ("mlp", "embed")}
+
+# Per-layer ranks: {proj_name: rank} for low-rank projections; absent names are dense.
+LayerRanks = Mapping[str, int]
+
+
+def proj_axes(name: str) -> tuple[str, str]:
+  """Logical (in, out) axis names of projection ``name``."""
+  return _PROJ_AXES[name]
+
+
+def make_proj(cfg: ModelConfig, name: str, rank: int | None, *, dtype, param_dtype,
+              rngs: nnx.Rngs) -> Linear | LowRankLinear:
+  """The projection module ``name`` of one layer: dense if ``rank`` is None, else low-rank."""
+  k, n = cfg.proj_shapes()[name]
+  bias = {"q_proj": cfg.qkv_bias, "k_proj": cfg.qkv_bias, "v_proj": cfg.qkv_bias,
+          "o_proj": cfg.o_bias}.get(name, cfg.mlp_bias)
+  kw = dict(use_bias=bias, axes=_PROJ_AXES[name], dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+  if rank is None:
+    return Linear(k, n, **kw)
+  return LowRankLinear(k, n, int(rank), **kw)
+
+
+class RMSNorm(nnx.Module):
+  """y = w · x / rms(x) over the last axis; statistics in f32 (as HF)."""
+
+  def __init__(self, dim: int, eps: float, *, axes=("embed",), dtype=None,
+               param_dtype=jnp.float32):
+    self.eps, self.dtype = eps, dtype
+    self.weight = param(jnp.ones((dim,), param_dtype), axes)
+
+  def __call__(self, x):
+    dt = self.dtype or x.dtype
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return self.weight[...].astype(dt) * y.astype(dt)
+
+
+class Embed(nnx.Module):
+  """Token embedding table [vocab, embed]."""
+
+  def __init__(self, vocab: int, dim: int, *, dtype=None, param_dtype=jnp.float32,
+               rngs: nnx.Rngs):
+    self.dtype = dtype
+    self.embedding = param(jax.random.normal(rngs.params(), (vocab, dim), param_dtype) * 0.02,
+                           ("vocab", "embed"))
+
+  def __call__(self, tokens):
+    e = jnp.take(self.embedding[...], tokens, axis=0)
+    return e.astype(self.dtype or e.dtype)
+
+  def attend(self, h):
+    """Tied output head: h [..., embed] · embeddingᵀ → [..., vocab]."""
+    dt = self.dtype or h.dtype
+    return jnp.matmul(h.astype(dt), self.embedding[...].astype(dt).T)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+  """Rotary inverse frequencies [head_dim/2] (f64), with ``linear``/``llama3`` scaling."""
+  d = cfg.head_dim
+  inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+  rs = cfg.rope_scaling_dict
+  rtype = rs.get("rope_type", "default")
+  if rtype == "linear":
+    inv = inv / float(rs["factor"])
+  elif rtype == "llama3":
+    factor, lo, hi = float(rs["factor"]), float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+    old = float(rs["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > old / lo, inv / factor, inv)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+    inv = np.where(medium, smoothed, scaled)
+  return inv
+
+
+def apply_rope(x, positions, inv_freq):
+  """Rotate-half RoPE. x [B, S, H, D], positions [B, S] int, inv_freq [D/2] f32."""
+  ang = positions.astype(jnp.float32)[..., None] * inv_freq            # [B, S, D/2]
+  ang = jnp.concatenate([ang, ang], axis=-1)[:, :, None, :]            # [B, S, 1, D]
+  cos, sin = jnp.cos(ang).astype(x.dtype), jnp.sin(ang).astype(x.dtype)
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
+
+
+def attend(q, k, v, mask):
+  """Softmax attention with GQA. q [B,S,H,D], k/v [B,T,KV,D], mask [B,S,T] bool → [B,S,H·D]."""
+  b, s, h, d = q.shape
+  kvh = k.shape[2]
+  q = q.reshape(b, s, kvh, h // kvh, d)
+  scores = jnp.einsum("bskgd,btkd->bkgst", q, k).astype(jnp.float32) / math.sqrt(d)
+  scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  p = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  o = jnp.einsum("bkgst,btkd->bskgd", p, v)
+  return o.reshape(b, s, h * d)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+  """Static-shape KV cache. k, v [layers, batch, max_len, kv_heads, head_dim]; pos [batch] int32.
+
+  ``pos[b]`` is the number of valid positions of row b (the next write index).
+  """
+  k: jax.Array
+  v: jax.Array
+  pos: jax.Array
+
+  @classmethod
+  def init(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> "KVCache":
+    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+
+  @property
+  def max_len(self) -> int:
+    return self.k.shape[2]
+
+
+class Attention(nnx.Module):
+  def __init__(self, cfg: ModelConfig, ranks: LayerRanks, *, dtype, param_dtype, rngs):
+    self.cfg = cfg
+    for name in ATTN_PROJS:
+      setattr(self, name, make_proj(cfg, name, ranks.get(name), dtype=dtype,
+                                    param_dtype=param_dtype, rngs=rngs))
+    if cfg.qk_norm:
+      kw = dict(axes=(None,), dtype=dtype, param_dtype=param_dtype)
+      self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **kw)
+      self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **kw)
+    else:
+      self.q_norm = self.k_norm = None
+
+  def qkv(self, x, positions, inv_freq):
+    """x [B,S,E] → roped q [B,S,H,D], k [B,S,KV,D], v [B,S,KV,D]."""
+    c = self.cfg
+    b, s, _ = x.shape
+    q = self.q_proj(x).reshape(b, s, c.num_heads, c.head_dim)
+    k = self.k_proj(x).reshape(b, s, c.num_kv_heads, c.head_dim)
+    v = self.v_proj(x).reshape(b, s, c.num_kv_heads, c.head_dim)
+    if self.q_norm is not None:
+      q, k = self.q_norm(q), self.k_norm(k)
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+
+class MLP(nnx.Module):
+  def __init__(self, cfg: ModelConfig, ranks: LayerRanks, *, dtype, param_dtype, rngs):
+    for name in MLP_PROJS:
+      setattr(self, name, make_proj(cfg, name, ranks.get(name), dtype=dtype,
+                                    param_dtype=param_dtype, rngs=rngs))
+
+  def __call__(self, x):
+    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+  """Pre-norm block: h += o(attn(norm(h))); h += mlp(norm(h))."""
+
+  def __init__(self, cfg: ModelConfig, ranks: LayerRanks | None = None, *, dtype=None,
+               param_dtype=jnp.float32, rngs: nnx.Rngs):
+    ranks = dict(ranks or {})
+    bad = set(ranks) - set(PROJ_NAMES)
+    if bad:
+      raise ValueError(f"ranks has unknown projections {sorted(bad)}; expected names in "
+                       f"{PROJ_NAMES}")
+    kw = dict(dtype=dtype, param_dtype=param_dtype)
+    self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+    self.attn = Attention(cfg, ranks, rngs=rngs, **kw)
+    self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+    self.mlp = MLP(cfg, ranks, rngs=rngs, **kw)
+
+  def __call__(self, h, positions, inv_freq, mask, kv=None, write_pos=None, taps=None):
+    """One block. ``kv`` = (k_cache, v_cache) [B,T,KV,D] to attend over cached keys.
+
+    Returns (h, (k_cache, v_cache) or None). Without ``kv`` attention is over this call's keys
+    and ``write_pos`` is unused. With ``kv`` the new keys are written at ``write_pos`` [B] (the
+    start index per row) and attention covers the whole cache under ``mask`` [B,S,T].
+    ``taps``, a dict, receives the projection inputs (calibration).
+    """
+    x = self.input_layernorm(h)
+    q, k, v = self.attn.qkv(x, positions, inv_freq)
+    if kv is not None:
+      upd = jax.vmap(lambda c, n, p: jax.lax.dynamic_update_slice_in_dim(c, n, p, axis=0))
+      kc, vc = upd(kv[0], k.astype(kv[0].dtype), write_pos), upd(kv[1], v.astype(kv[1].dtype),
+                                                                  write_pos)
+      a = attend(q, kc.astype(q.dtype), vc.astype(q.dtype), mask)
+      kv = (kc, vc)
+    else:
+      a = attend(q, k, v, mask)
+    h = h + self.attn.o_proj(a)
+    x2 = self.post_attention_layernorm(h)
+    if taps is not None:
+      taps.update(qkv=x, o=a, gate_up=x2,
+                  down=jax.nn.silu(self.mlp.gate_proj(x2)) * self.mlp.up_proj(x2))
+    return h + self.mlp(x2), kv
+
+  def ranks(self) -> dict[str, int]:
+    """{proj_name: rank} of this layer's low-rank projections."""
+    out = {}
+    for name in PROJ_NAMES:
+      m = get_proj_module(self, name)
+      if isinstance(m, LowRankLinear):
+        out[name] = int(m.rank)
+    return out
+
+
+def get_proj_module(layer: DecoderLayer, name: str):
+  if name not in PROJ_NAMES:
+    raise ValueError(f"{name=} is not a projection; expected one of {PROJ_NAMES}")
+  return getattr(layer.attn if name in ATTN_PROJS else layer.mlp, name)
+
+
+def _mask(q_pos, k_pos, k_valid, window):
+  """[B,S,T] bool: key t is visible from query s (causal, valid, inside the sliding window)."""
+  m = (k_pos[:, None, :] <= q_pos[:, :, None]) & k_valid[:, None, :]
+  if window is not None:
+    m = m & (q_pos[:, :, None] - k_pos[:, None, :] < window)
+  return m
+
+
+class LlamaForCausalLM(nnx.Module):
+  """Decoder-only LM. ``model(tokens [B,S]) → logits [B,S,vocab]``.
+
+  ``layers`` is a list of :class:`DecoderLayer`; replace projections in place
+  (``model.layers[i].attn.q_proj = LowRankLinear(...)``) or with :func:`set_proj`.
+  When every layer has identical param shapes and ``scan_layers`` is true, the forward stacks
+  the layers' params and runs one ``lax.scan`` (one compiled block instead of L); otherwise it
+  runs a Python loop. Stacking copies the layer weights inside the compiled program.
+  """
+
+  def __init__(self, cfg: ModelConfig, ranks: Sequence[LayerRanks] | None = None, *,
+               dtype=None, param_dtype=jnp.float32, scan_layers: bool = True, rngs: nnx.Rngs):
+    if ranks is not None and len(ranks) != cfg.num_layers:
+      raise ValueError(f"len(ranks)={len(ranks)} must equal num_layers={cfg.num_layers}")
+    self.cfg, self.dtype, self.scan_layers = cfg, dtype, scan_layers
+    kw = dict(dtype=dtype, param_dtype=param_dtype)
+    self.embed = Embed(cfg.vocab_size, cfg.hidden_size, rngs=rngs, **kw)
+    self.layers = nnx.List([DecoderLayer(cfg, ranks[i] if ranks else None, rngs=rngs, **kw)
+                            for i in range(cfg.num_layers)])
+    self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+    self.lm_head = None if cfg.tie_word_embeddings else Linear(
+        cfg.hidden_size, cfg.vocab_size, axes=("embed", "vocab"), rngs=rngs, **kw)
+    # Compression record (method, ratio, calibration, LoRA); set by lrjax.compress.
+    self.compression: dict | None = None
+    self.source_digest: str | None = None
+
+  # ---- structure ---------------------------------------------------------------------------
+  def layer_ranks(self) -> list[dict[str, int]]:
+    return [layer.ranks() for layer in self.layers]
+
+  def homogeneous(self) -> bool:
+    """True when all layers have the same module structure and param shapes (scan-able)."""
+    g0, s0 = nnx.split(self.layers[0])
+    sig0 = jax.tree.map(lambda a: (a.shape, a.dtype), s0)
+    for layer in self.layers[1:]:
+      g, s = nnx.split(layer)
+      if g != g0 or jax.tree.map(lambda a: (a.shape, a.dtype), s) != sig0:
+        return False
+    return True
+
+  # ---- forward -----------------------------------------------------------------------------
+  def _logits(self, h):
+    h = self.norm(h)
+    return self.embed.attend(h) if self.lm_head is None else self.lm_head(h)
+
+  def _run_layers(self, h, positions, mask, cache=None, write_pos=None):
+    inv = jnp.asarray(rope_inv_freq(self.cfg), jnp.float32)
+    if self.scan_layers and len(self.layers) > 1 and self.homogeneous():
+      gdef = nnx.split(self.layers[0])[0]
+      stacked = jax.tree.map(lambda *xs: jnp.stack(xs),
+                             *[nnx.split(layer)[1] for layer in self.layers])
+
+      def body(h, xs):
+        st, kv = xs
+        h, kv = nnx.merge(gdef, st)(h, positions, inv, mask, kv, write_pos)
+        return h, kv
+
+      kvs = None if cache is None else (cache.k, cache.v)
+      h, kvs = jax.lax.scan(body, h, (stacked, kvs))
+      return h, kvs
+    ks, vs = [], []
+    for i, layer in enumerate(self.layers):
+      kv = None if cache is None else (cache.k[i], cache.v[i])
+      h, kv = layer(h, positions, inv, mask, kv, write_pos)
+      if kv is not None:
+        ks.append(kv[0]), vs.append(kv[1])
+    return h, (None if cache is None else (jnp.stack(ks), jnp.stack(vs)))
+
+  def __call__(self, tokens):
+    """Full-sequence forward (scoring/training): tokens [B,S] int → logits [B,S,vocab]."""
+    tokens = _check_tokens(tokens, 2)
+    b, s = tokens.shape
+    pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    mask = _mask(pos, pos, jnp.ones((b, s), bool), self.cfg.sliding_window)
+    h, _ = self._run_layers(self.embed(tokens), pos, mask)
+    return self._logits(h)
+
+  def prefill(self, tokens, cache: KVCache, lengths=None):
+    """Fill an empty cache with a right-padded prompt batch.
+
+    tokens [B,S] int, ``lengths`` [B] valid tokens per row (default S). Returns
+    (logits [B,S,vocab], cache) with ``cache.pos = lengths``; logits past a row's length are junk.
+    """
+    tokens = _check_tokens(tokens, 2)
+    b, s = tokens.shape
+    _check_cache(cache, self.cfg, b, s)
+    lengths = jnp.full((b,), s, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    t = jnp.broadcast_to(jnp.arange(cache.max_len, dtype=jnp.int32), (b, cache.max_len))
+    mask = _mask(pos, t, t < s, self.cfg.sliding_window)
+    h, (k, v) = self._run_layers(self.embed(tokens), pos, mask, cache,
+                                 jnp.zeros((b,), jnp.int32))
+    return self._logits(h), KVCache(k, v, lengths)
+
+  def decode(self, tokens, cache: KVCache):
+    """One step for each row: tokens [B] int at position ``cache.pos`` → (logits [B,vocab], cache)."""
+    tokens = _check_tokens(tokens, 1)
+    b = tokens.shape[0]
+    _check_cache(cache, self.cfg, b, 1)
+    pos = cache.pos[:, None]                                          # [B, 1]
+    t = jnp.broadcast_to(jnp.arange(cache.max_len, dtype=jnp.int32), (b, cache.max_len))
+    mask = _mask(pos, t, t <= pos, self.cfg.sliding_window)
+    h, (k, v) = self._run_layers(self.embed(tokens[:, None]), pos, mask, cache, cache.pos)
+    return self._logits(h)[:, 0], KVCache(k, v, cache.pos + 1)
+
+
+def _check_tokens(tokens, ndim):
+  tokens = jnp.asarray(tokens)
+  if tokens.ndim != ndim or not jnp.issubdtype(tokens.dtype, jnp.integer):
+    want = "[batch, seq]" if ndim == 2 else "[batch]"
+    raise ValueError(f"tokens.shape={tokens.shape} dtype={tokens.dtype} must be {want} integers")
+  return tokens
+
+
+def _check_cache(cache, cfg, b, s):
+  want = (cfg.num_layers, b, cache.k.shape[2], cfg.num_kv_heads, cfg.head_dim)
+  if cache.k.shape != want or cache.v.shape != want:
+    raise ValueError(f"cache.k.shape={cache.k.shape} must be {want} (layers, batch, max_len, "
+                     "kv_heads, head_dim); build it with KVCache.init(cfg, batch, max_len)")
+  if s > cache.max_len:
+    raise ValueError(f"{s=} tokens do not fit in cache max_len={cache.max_len}")
+
+
+@nnx.jit(donate_argnums=2)
+def prefill_step(model: LlamaForCausalLM, tokens, cache: KVCache, lengths=None):
+  """Jitted :meth:`LlamaForCausalLM.prefill`; the cache is donated."""
+  return model.prefill(tokens, cache, lengths)
+
+
+@nnx.jit(donate_argnums=2)
+def decode_step(model: LlamaForCausalLM, tokens, cache: KVCache):
+  """Jitted :meth:`LlamaForCausalLM.decode`; the cache is donated (updated in place)."""
+  return model.decode(tokens, cache)
