@@ -1,0 +1,90 @@
+"""``lrjax.lowering.explain``: what the pass rewrites, what it refuses, and which kernel serves.
+
+    report = lrjax.lowering.explain(f, *args)
+    print(report)            # readable
+    report.to_dict()         # data
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+from lrjax.lowering import registry
+from lrjax.lowering import rules as rules_lib
+from lrjax.lowering.fuse import analyze
+
+REPORT_PLATFORMS = ("cpu", "cuda", "neuron")
+
+
+def kernels_for(primitive: str, avals_in, params) -> dict:
+  """Per platform: the kernel that would serve these operands, and why others decline.
+
+  Registered kernels are asked through the registry (so forced-reference mode
+  shows). Kernels of a platform not present here (e.g. Neuron) are asked
+  directly from the custom_calls catalog.
+  """
+  from lrjax import custom_calls
+
+  catalog = [k for ks in custom_calls.kernel_catalog().values() for k in ks]
+  out = {}
+  for plat in REPORT_PLATFORMS:
+    if registry.candidates(primitive, plat):
+      sel = registry.select(primitive, plat, avals_in, params)
+      out[plat] = {"kernel": sel.name, "declined": [list(d) for d in sel.declined],
+                   "registered": True}
+      continue
+    declined, chosen = [], "reference"
+    for k in sorted((k for k in catalog if k.primitive == primitive and k.platform == plat),
+                    key=lambda k: -k.priority):
+      try:
+        reason = k.supports(avals_in, params)
+      except Exception as e:
+        reason = f"supports() raised {type(e).__name__}: {e}"
+      if reason is None:
+        chosen = k.name
+        break
+      declined.append([k.name, reason])
+    out[plat] = {"kernel": chosen, "declined": declined, "registered": False}
+  return out
+
+
+@dataclasses.dataclass
+class ExplainReport:
+  matches: list[dict]
+  near_misses: list[dict]
+  unmatched_rules: list[str]
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+  def __str__(self) -> str:
+    lines = [f"lrjax.fuse: {len(self.matches)} match(es), {len(self.near_misses)} near-miss(es)"]
+    for m in self.matches:
+      lines.append(f"  MATCH {m['pattern']:<20} {m['shapes']}")
+      lines.append(f"        at {m['location']}  [{m['path']}]")
+      ks = ", ".join(f"{p}: {v['kernel']}" + ("" if v["registered"] else " (not registered here)")
+                     for p, v in m["kernels"].items())
+      lines.append(f"        kernels: {ks}")
+    for n in self.near_misses:
+      lines.append(f"  MISS  {n['pattern']:<20} {n['reason']}")
+      lines.append(f"        at {n['location']}  [{n['path']}]")
+    if self.unmatched_rules:
+      lines.append(f"  rules that matched nothing: {', '.join(self.unmatched_rules)}")
+    return "\n".join(lines)
+
+
+def explain(fn: Callable, *args, rules: Sequence[Any] | None = None, **kwargs) -> ExplainReport:
+  """Traces ``fn(*args, **kwargs)`` and reports every match, near-miss and idle rule."""
+  rules = tuple(rules if rules is not None else rules_lib.DEFAULT_RULES)
+  from lrjax.lowering.fuse import _module_call
+  target = _module_call(fn)
+  a = ((fn,) + args) if target is not fn else args
+  _, _, _, _, analysis = analyze(target, a, kwargs, rules)
+  matches = [dict(pattern=m.pattern, location=m.location, path=m.path, shapes=m.shapes,
+                  params={k: str(v) for k, v in m.params.items()},
+                  kernels=kernels_for(m.primitive.name, m.avals_in, m.params))
+             for m in analysis.matches]
+  near = [dataclasses.asdict(n) for n in analysis.near_misses]
+  used = {m.pattern for m in analysis.matches}
+  unmatched = [rules_lib.rule_label(r) for r in rules if rules_lib.rule_label(r) not in used]
+  return ExplainReport(matches, near, unmatched)
