@@ -108,12 +108,14 @@ class ModelConfig:
     kw["num_kv_heads"] = int(cfg.get("num_key_value_heads") or heads)
     kw["head_dim"] = int(cfg.get("head_dim") or hidden // heads)
     kw["rms_norm_eps"] = float(cfg.get("rms_norm_eps", 1e-6))
-    kw["rope_theta"] = float(cfg.get("rope_theta", 10000.0))
-    rs = cfg.get("rope_scaling")
-    if rs:
-      rs = dict(rs)
-      rs["rope_type"] = rs.pop("type", None) or rs.get("rope_type", "default")
-      kw["rope_scaling"] = tuple(sorted((k, _freeze(v)) for k, v in rs.items()))
+    # transformers 4.x: rope_theta + rope_scaling; 5.x: rope_parameters (theta inside).
+    rp = dict(cfg.get("rope_scaling") or {})
+    rp.update(cfg.get("rope_parameters") or {})
+    kw["rope_theta"] = float(rp.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rtype = rp.pop("type", None) or rp.pop("rope_type", None) or "default"
+    if rtype != "default":
+      rp["rope_type"] = rtype
+      kw["rope_scaling"] = tuple(sorted((k, _freeze(v)) for k, v in rp.items()))
     kw["max_position_embeddings"] = int(cfg.get("max_position_embeddings", 2048))
     kw["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", False))
     kw["hidden_act"] = cfg.get("hidden_act", "silu")
@@ -125,14 +127,7 @@ class ModelConfig:
       kw["mlp_bias"] = bool(cfg.get("mlp_bias", False))
     if mt == "qwen3":
       kw["qk_norm"] = True
-    sw = cfg.get("sliding_window")
-    use_sw = {"mistral": True, "qwen2": cfg.get("use_sliding_window", False),
-              "qwen3": cfg.get("use_sliding_window", False)}.get(mt, False)
-    if sw and use_sw:
-      if mt != "mistral" and cfg.get("max_window_layers", 0) < kw["num_layers"]:
-        raise ValueError("Qwen sliding window on a subset of layers (max_window_layers="
-                         f"{cfg.get('max_window_layers')}) is not supported")
-      kw["sliding_window"] = int(sw)
+    kw["sliding_window"] = _sliding_window(cfg, mt, kw["num_layers"])
     return cls(**kw)
 
   def to_hf_config(self) -> dict:
@@ -145,6 +140,8 @@ class ModelConfig:
          "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
          "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
          "rope_scaling": self.rope_scaling_dict or None,
+         "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default",
+                             **self.rope_scaling_dict},
          "max_position_embeddings": self.max_position_embeddings,
          "tie_word_embeddings": self.tie_word_embeddings, "hidden_act": self.hidden_act}
     if self.model_type in ("llama", "qwen3"):
@@ -156,7 +153,7 @@ class ModelConfig:
     elif self.model_type in ("qwen2", "qwen3"):
       d["use_sliding_window"] = self.sliding_window is not None
       d["sliding_window"] = self.sliding_window
-      d["max_window_layers"] = self.num_layers
+      d["max_window_layers"] = 0
     return d
 
   def to_dict(self) -> dict:
@@ -221,6 +218,26 @@ class ModelConfig:
                num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
                rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=True,
                qk_norm=True)
+
+
+def _sliding_window(cfg, mt, n_layers):
+  """The window if every layer slides, None if none does; mixed layers are rejected."""
+  sw = cfg.get("sliding_window")
+  if mt == "mistral" or not sw:
+    return int(sw) if sw else None
+  types = cfg.get("layer_types")
+  if types is None:
+    use = bool(cfg.get("use_sliding_window", False))
+    mwl = int(cfg.get("max_window_layers", n_layers))
+    types = ["sliding_attention" if use and i >= mwl else "full_attention"
+             for i in range(n_layers)]
+  kinds = set(types)
+  if kinds == {"full_attention"}:
+    return None
+  if kinds == {"sliding_attention"}:
+    return int(sw)
+  raise ValueError(f"layer_types={types} mixes sliding and full attention; lrjax supports "
+                   "models where all layers or no layers use a sliding window")
 
 
 def _freeze(v):

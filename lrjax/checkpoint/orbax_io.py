@@ -1,0 +1,173 @@
+"""lrjax checkpoints: orbax arrays plus one ``lrjax_metadata.json``, written atomically.
+
+Layout of ``path/``::
+
+  lrjax_metadata.json   format, lrjax/jax/orbax versions, architecture config, per-layer ranks,
+                        compression record (method, ratio, calibration, LoRA), source digest,
+                        and every param's shape, dtype and logical axes
+  state/                orbax StandardCheckpointer tree {"layers.0.attn.q_proj.u": array, ...}
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from lrjax.checkpoint.atomic import atomic_dir
+from lrjax.checkpoint.hf import abstract_model
+from lrjax.models.config import ModelConfig
+from lrjax.models.llama import LlamaForCausalLM
+
+log = logging.getLogger("lrjax.checkpoint")
+
+METADATA_NAME = "lrjax_metadata.json"
+STATE_DIR = "state"
+FORMAT = "lrjax-orbax"
+FORMAT_VERSION = 1
+
+# What the ``shardings`` argument of :func:`load` may be.
+Shardings = (NamedSharding | Mapping[str, jax.sharding.Sharding]
+             | Callable[[str, tuple], jax.sharding.Sharding])
+
+
+def _key(path: tuple) -> str:
+  return ".".join(str(x) for x in path)
+
+
+def _flat(model: LlamaForCausalLM):
+  _, state = nnx.split(model)
+  return list(nnx.to_flat_state(state))
+
+
+def _axes(var) -> tuple:
+  return tuple(var.get_metadata().get("out_sharding") or ())
+
+
+def save(model: LlamaForCausalLM, path: str | os.PathLike, *, compression: Mapping | None = None,
+         source_digest: str | None = None, overwrite: bool = False) -> None:
+  """Save ``model`` to ``path`` (orbax arrays + metadata JSON) atomically.
+
+  ``compression`` and ``source_digest`` default to ``model.compression`` and
+  ``model.source_digest``.
+  """
+  import lrjax
+  flat = _flat(model)
+  arrays = {_key(p): var[...] for p, var in flat}
+  meta = {
+      "format": FORMAT, "format_version": FORMAT_VERSION,
+      "lrjax_version": lrjax.__version__, "jax_version": jax.__version__,
+      "orbax_version": getattr(ocp, "__version__", None),
+      "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "config": model.cfg.to_dict(),
+      "ranks": model.layer_ranks(),
+      "compression": dict(compression) if compression is not None else getattr(
+          model, "compression", None),
+      "source_digest": source_digest or getattr(model, "source_digest", None),
+      "params": {_key(p): {"shape": list(var.shape), "dtype": np.dtype(var.dtype).name,
+                           "axes": list(_axes(var))} for p, var in flat},
+  }
+  json.dumps(meta)  # fail before writing anything if the compression record is not JSON
+  with atomic_dir(path, overwrite) as tmp:
+    with ocp.StandardCheckpointer() as ckptr:
+      ckptr.save(os.path.join(tmp, STATE_DIR), arrays)
+      ckptr.wait_until_finished()
+    with open(os.path.join(tmp, METADATA_NAME), "w") as fh:
+      json.dump(meta, fh, indent=1)
+  log.info("saved %s (%d arrays)", path, len(arrays))
+
+
+def read_metadata(path: str | os.PathLike) -> dict:
+  mp = os.path.join(os.fspath(path), METADATA_NAME)
+  if not os.path.exists(mp):
+    raise FileNotFoundError(f"{mp} does not exist; {path} is not an lrjax checkpoint "
+                            "(for an HF directory use lrjax.models.from_hf)")
+  with open(mp) as fh:
+    meta = json.load(fh)
+  if meta.get("format") != FORMAT or meta.get("format_version", 0) > FORMAT_VERSION:
+    raise ValueError(f"{mp}: format={meta.get('format')!r} version={meta.get('format_version')} "
+                     f"is not readable by this lrjax (reads {FORMAT} <= {FORMAT_VERSION})")
+  return meta
+
+
+def logical_sharding(mesh: Mesh, rules: Mapping[str, str | None] | None = None):
+  """``(key, logical axes) → NamedSharding`` mapping logical names through ``rules``.
+
+  Names without a rule (or mapped to an axis the mesh lacks) are replicated.
+  """
+  rules = dict(rules or {})
+
+  def fn(key, axes):
+    spec = [rules.get(a) if a is not None and rules.get(a) in mesh.axis_names else None
+            for a in axes]
+    return NamedSharding(mesh, PartitionSpec(*spec))
+  return fn
+
+
+def load(path: str | os.PathLike, mesh: Mesh | None = None, shardings: Shardings | None = None,
+         *, rules: Mapping[str, str | None] | None = None) -> LlamaForCausalLM:
+  """Load an lrjax checkpoint, restoring arrays straight into their target shardings.
+
+  ``shardings``: one ``Sharding`` for all params, a dict ``{"layers.0.attn.q_proj.u": s}``
+  (missing keys replicate on ``mesh`` or go to the default device), or a function
+  ``(key, logical_axes) → Sharding``. With only ``mesh``, params are placed by logical axes
+  through ``rules`` ({"mlp": "tp", ...}; none → replicated on the mesh).
+  """
+  path = os.fspath(path)
+  meta = read_metadata(path)
+  cfg = ModelConfig.from_dict(meta["config"])
+  params = meta["params"]
+  emb = params.get("embed.embedding")
+  if emb is None:
+    raise ValueError(f"{path}: metadata lists no 'embed.embedding' param; checkpoint is corrupt")
+  model = abstract_model(cfg, meta["ranks"], jnp.dtype(emb["dtype"]))
+  gdef, state = nnx.split(model)
+  flat = list(nnx.to_flat_state(state))
+  keys = [_key(p) for p, _ in flat]
+  if set(keys) != set(params):
+    raise ValueError(f"{path}: metadata params differ from the model its config and ranks "
+                     f"describe: missing {sorted(set(keys) - set(params))[:3]}, "
+                     f"extra {sorted(set(params) - set(keys))[:3]}")
+  if shardings is None and mesh is not None:
+    shardings = logical_sharding(mesh, rules)
+  default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = {}
+  for k, (p, var) in zip(keys, flat):
+    info = params[k]
+    if tuple(info["shape"]) != tuple(var.shape):
+      raise ValueError(f"{path}: param {k} has shape {info['shape']}, config and ranks imply "
+                       f"{list(var.shape)}")
+    target[k] = jax.ShapeDtypeStruct(tuple(info["shape"]), jnp.dtype(info["dtype"]),
+                                     sharding=_pick(shardings, k, _axes(var), mesh, default))
+  with ocp.StandardCheckpointer() as ckptr:
+    restored = ckptr.restore(os.path.join(path, STATE_DIR), target)
+  state = nnx.from_flat_state([(p, var.replace(restored[k])) for k, (p, var) in
+                               zip(keys, flat)])
+  out = nnx.merge(gdef, state)
+  out.compression = meta.get("compression")
+  out.source_digest = meta.get("source_digest")
+  log.info("loaded %s (%s, ranks %s)", path, cfg.model_type, meta["ranks"])
+  return out
+
+
+def _pick(shardings: Any, key, axes, mesh, default):
+  if shardings is None:
+    return default
+  if isinstance(shardings, jax.sharding.Sharding):
+    return shardings
+  if callable(shardings):
+    return shardings(key, axes)
+  if isinstance(shardings, Mapping):
+    if key in shardings:
+      return shardings[key]
+    return NamedSharding(mesh, PartitionSpec()) if mesh is not None else default
+  raise TypeError(f"shardings={type(shardings).__name__} must be a Sharding, a dict of "
+                  "key → Sharding, or a function (key, logical_axes) → Sharding")
