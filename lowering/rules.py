@@ -11,6 +11,7 @@ reshapes, transposes or slices (e.g. one layer of stacked params inside a
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 from typing import Any, Callable
 
@@ -322,26 +323,38 @@ def identify_activation(g: Graph, a, h):
     for use, _ in g.uses.get(var, []):
       if use == "out" or use not in region:
         return None, "an activation intermediate is used elsewhere"
-  env = dict(g.const_values)
-  env[h] = _PROBE.astype(np.dtype(h.aval.dtype))  # numpy: never staged into the outer trace
   try:
-    with jax.ensure_compile_time_eval():
-      _eval_elementwise([g.eqns[i] for i in sorted(region)], env)
-      got = np.asarray(env[a], dtype=np.float32)
+    best, best_err = _probe_in_fresh_thread(g, region, a, h)
   except Exception as ex:  # a region we cannot evaluate eagerly is simply not fused
     return None, f"activation could not be probed ({type(ex).__name__})"
   tol = _ACT_TOL.get(jnp.dtype(a.aval.dtype), 3e-2)
-  xin = np.asarray(env[h], dtype=np.float32)
-  best, best_err = None, np.inf
-  for name, f in ACTIVATIONS.items():
-    with jax.ensure_compile_time_eval():
-      ref = np.asarray(f(jnp.asarray(xin)), dtype=np.float32)
-    err = float(np.max(np.abs(got - ref) / (1.0 + np.abs(ref))))
-    if err < best_err:
-      best, best_err = name, err
   if best_err > tol:
     return None, f"activation not recognised (closest: {best}, max rel. error {best_err:.2g})"
   return best, region
+
+
+def _probe_in_fresh_thread(g: Graph, region, a, h):
+  """Evaluates the region on probe points and returns the closest known activation.
+
+  Runs in a new thread: jax's trace state is thread-local, so the probe runs
+  eagerly whatever transformation (jit, vmap, grad) is tracing the caller.
+  """
+  def probe():
+    env = dict(g.const_values)
+    env[h] = _PROBE.astype(np.dtype(h.aval.dtype))
+    _eval_elementwise([g.eqns[i] for i in sorted(region)], env)
+    got = np.asarray(env[a], dtype=np.float32)
+    xin = jnp.asarray(env[h])
+    best, best_err = None, np.inf
+    for name, f in ACTIVATIONS.items():
+      ref = np.asarray(f(xin), dtype=np.float32)
+      err = float(np.max(np.abs(got - ref) / (1.0 + np.abs(ref))))
+      if err < best_err:
+        best, best_err = name, err
+    return best, best_err
+
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    return pool.submit(probe).result()
 
 
 # ------------------------------------------------------------------ MLP

@@ -21,7 +21,7 @@ RANK_AXIS = "rank"
 
 def param(value, names: Sequence[str | None]) -> nnx.Param:
   """A Param with logical axis names and no eager sharding (mesh comes later)."""
-  return nnx.Param(value, sharding_names=tuple(names), eager_sharding=False)
+  return nnx.Param(value, out_sharding=tuple(names), eager_sharding=False)
 
 
 def _check_dims(**dims):

@@ -1,0 +1,95 @@
+"""Kernel registry: selection, reference fallback with logged reasons, and the explain report."""
+import logging
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import lrjax
+from conftest import assert_close, randn
+from lrjax.lowering import registry
+from lrjax.lowering.primitives import _xuv_ref_ops
+
+
+def _count_in_hlo(fn, *args, needle):
+  return jax.jit(fn).lower(*args).as_text().count(needle)
+
+
+@pytest.fixture
+def test_kernel():
+  """A real (if simple) CPU kernel: XUV computed as x·(u·v), serving only even N."""
+  calls = []
+
+  def impl(x, u, v, *rest, has_bias, inter_dtype, out_dtype):
+    calls.append(x.shape)
+    w = jnp.matmul(u.astype(jnp.float32), v.astype(jnp.float32))
+    y = jnp.matmul(x.astype(jnp.float32), w)
+    y = y + rest[0].astype(jnp.float32) if has_bias else y
+    return jnp.sin(jnp.zeros_like(y)) + y.astype(out_dtype)  # sin marks our lowering in HLO
+
+  def supports(avals, params):
+    n = avals[2].shape[1]
+    return None if n % 2 == 0 else f"N={n} is odd"
+
+  k = registry.register(registry.KernelLowering("lr_xuv", "cpu", "test.xuv_even", supports,
+                                                lambda: impl, priority=100))
+  yield calls
+  registry.unregister("lr_xuv", "cpu", k.name)
+
+
+def test_registered_kernel_is_selected_and_agrees(test_kernel):
+  x, u, v = randn((3, 32)), randn((32, 4)), randn((4, 48))
+  f = lambda x: lrjax.lr_xuv(x, u, v)
+  assert _count_in_hlo(f, x, needle="sine") == 1
+  assert_close(jax.jit(f)(x), _xuv_ref_ops(x, u, v, has_bias=False, inter_dtype=jnp.float32,
+                                           out_dtype=jnp.float32), jnp.float32, factor=10)
+  assert test_kernel, "the kernel's impl was never traced"
+
+
+def test_declined_shape_falls_back_to_reference_and_logs(test_kernel, caplog):
+  x, u, v = randn((3, 32)), randn((32, 4)), randn((4, 47))
+  f = lambda x: lrjax.lr_xuv(x, u, v)
+  with caplog.at_level(logging.DEBUG, logger="lrjax.lowering"):
+    assert _count_in_hlo(f, x, needle="sine") == 0
+  assert any("test.xuv_even declined: N=47 is odd" in r.getMessage() for r in caplog.records)
+  assert_close(jax.jit(f)(x), x @ u @ v, jnp.float32)
+
+
+def test_force_reference(test_kernel):
+  x, u, v = randn((3, 32)), randn((32, 4)), randn((4, 48))
+  with registry.force_reference():
+    assert _count_in_hlo(lambda x: lrjax.lr_xuv(x, u, v), x, needle="sine") == 0
+
+
+def test_raising_predicate_is_a_decline():
+  k = registry.register(registry.KernelLowering(
+      "lr_xuv", "cpu", "test.broken", lambda a, p: 1 / 0, lambda: None, priority=200))
+  try:
+    sel = registry.select("lr_xuv", "cpu", (), {})
+    assert sel.kernel is None or sel.kernel.name != "test.broken"
+    assert any(n == "test.broken" and "ZeroDivisionError" in r for n, r in sel.declined)
+  finally:
+    registry.unregister("lr_xuv", "cpu", k.name)
+
+
+def test_bad_platform_rejected():
+  with pytest.raises(ValueError, match="platform"):
+    registry.KernelLowering("lr_xuv", "tpu9", "x", lambda a, p: None, lambda: None)
+
+
+def test_explain_report_data_and_text(test_kernel):
+  u, v = randn((64, 8)), randn((8, 96))
+  u2, v2 = randn((64, 60)), randn((60, 64))
+
+  def f(x):
+    return x @ u @ v, x @ u2 @ v2
+
+  rep = lrjax.explain(f, randn((2, 64)))
+  d = rep.to_dict()
+  assert len(d["matches"]) == 1 and d["matches"][0]["pattern"] == "lr_xuv"
+  assert d["matches"][0]["kernels"]["cpu"]["kernel"] == "test.xuv_even"
+  assert "test_registry_explain.py" in d["matches"][0]["location"]
+  assert len(d["near_misses"]) == 1 and "not low-rank" in d["near_misses"][0]["reason"]
+  assert set(d["unmatched_rules"]) == {"lr_mlp(gated)", "lr_mlp(non-gated)"}
+  text = str(rep)
+  assert "MATCH lr_xuv" in text and "MISS" in text and "cpu: test.xuv_even" in text
