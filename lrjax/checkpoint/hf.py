@@ -73,15 +73,50 @@ def _bias_name(path: tuple, state_paths: set) -> str:
   return name
 
 
-def _param_names(flat) -> dict[tuple, tuple[str, bool]]:
+def _param_names(flat) -> dict[tuple, tuple[str, str]]:
+  """{path: (HF name, layout)}; layout "id", "T" (transposed) or "bd" (per-head v, see below)."""
   paths = {p for p, _ in flat}
   out = {}
-  for p, _ in flat:
+  for p, var in flat:
     name, tr = hf_name(p)
     if p[-1] == "bias":
       name = _bias_name(p, paths)
-    out[p] = (name, tr)
+    out[p] = (name, "bd" if p[-1] == "v" and len(var.shape) == 3 else ("T" if tr else "id"))
   return out
+
+
+def _hf_shape(shape: tuple, layout: str) -> tuple:
+  if layout == "T":
+    return tuple(shape[::-1])
+  if layout == "bd":                      # v [H, r, d] ↔ block-diagonal v_proj.weight [H·d, H·r]
+    h, r, d = shape
+    return (h * d, h * r)
+  return tuple(shape)
+
+
+def _to_hf(a: np.ndarray, layout: str) -> np.ndarray:
+  if layout == "T":
+    return a.T
+  if layout == "bd":
+    h, r, d = a.shape
+    w = np.zeros((h * d, h * r), a.dtype)
+    for i in range(h):
+      w[i * d:(i + 1) * d, i * r:(i + 1) * r] = a[i].T
+    return w
+  return a
+
+
+def _from_hf(w: np.ndarray, layout: str, shape: tuple, name: str) -> np.ndarray:
+  if layout == "T":
+    return w.T
+  if layout == "bd":
+    h, r, d = shape
+    v = np.stack([w[i * d:(i + 1) * d, i * r:(i + 1) * r].T for i in range(h)])
+    if np.count_nonzero(w) != np.count_nonzero(v):
+      raise ValueError(f"tensor {name!r} of a per-head projection must be block diagonal "
+                       f"({h} blocks of [{d}, {r}]) but has entries off the diagonal blocks")
+    return v
+  return w
 
 
 def _ignorable(name: str, cfg: ModelConfig) -> bool:
@@ -115,9 +150,10 @@ def _dtype_from(cfg_json: dict, dtype):
   return jnp.dtype(_DTYPE_NAMES[name])
 
 
-def abstract_model(cfg: ModelConfig, ranks=None, param_dtype=jnp.float32) -> LlamaForCausalLM:
+def abstract_model(cfg: ModelConfig, ranks=None, param_dtype=jnp.float32,
+                   heads=None) -> LlamaForCausalLM:
   """A model with ShapeDtypeStruct params (no memory), to be filled by a loader."""
-  return nnx.eval_shape(lambda: LlamaForCausalLM(cfg, ranks, param_dtype=param_dtype,
+  return nnx.eval_shape(lambda: LlamaForCausalLM(cfg, ranks, heads, param_dtype=param_dtype,
                                                  rngs=nnx.Rngs(0)))
 
 
@@ -138,10 +174,12 @@ def load_hf(path: str | os.PathLike, dtype=None, *, with_digest: bool = True,
     cfg_json = json.load(fh)
   cfg = ModelConfig.from_hf_config(cfg_json)
   dt = _dtype_from(cfg_json, dtype)
-  ranks = None
+  ranks = heads = None
   if LOWRANK_KEY in cfg_json:
-    ranks = [{k: int(r) for k, r in layer.items()} for layer in cfg_json[LOWRANK_KEY]["ranks"]]
-  model = abstract_model(cfg, ranks, dt)
+    lr = cfg_json[LOWRANK_KEY]
+    ranks = [{k: int(r) for k, r in layer.items()} for layer in lr["ranks"]]
+    heads = lr.get("heads")
+  model = abstract_model(cfg, ranks, dt, heads)
   gdef, state = nnx.split(model)
   flat = list(nnx.to_flat_state(state))
   names = _param_names(flat)
@@ -150,7 +188,7 @@ def load_hf(path: str | os.PathLike, dtype=None, *, with_digest: bool = True,
   missing = [(p, n) for p, (n, _) in names.items() if n not in st]
   if missing:
     p, n = missing[0]
-    shape = _hf_shape(flat, p, names[p][1])
+    shape = _hf_shape(dict(flat)[p].shape, names[p][1])
     more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
     raise ValueError(f"missing tensor {n!r}{more}: expected shape {list(shape)} for "
                      f"{'.'.join(map(str, p))} of a {cfg.model_type} model from {cfg_path}")
@@ -161,17 +199,16 @@ def load_hf(path: str | os.PathLike, dtype=None, *, with_digest: bool = True,
                      f"(num_hidden_layers={cfg.num_layers}, model_type={cfg.model_type!r})")
   values = {}
   for p, var in tqdm(flat, desc="load", disable=not progress):
-    name, tr = names[p]
+    name, layout = names[p]
     tag, shape = st.info(name)
-    want = tuple(var.shape[::-1]) if tr else tuple(var.shape)
+    want = _hf_shape(var.shape, layout)
     if shape != want:
       raise ValueError(f"tensor {name!r} has shape {list(shape)}, expected {list(want)} from "
                        "config.json; config.json and the tensors disagree")
     if tag not in _FLOAT_TAGS:
       raise ValueError(f"tensor {name!r} has dtype {tag}; expected one of {_FLOAT_TAGS} "
                        "(quantized checkpoints are not supported)")
-    arr = st.get(name)
-    arr = arr.T if tr else arr
+    arr = _from_hf(st.get(name), layout, var.shape, name)
     values[p] = jax.device_put(np.ascontiguousarray(arr).astype(var.dtype), device)
     del arr
   st.close()
@@ -182,13 +219,6 @@ def load_hf(path: str | os.PathLike, dtype=None, *, with_digest: bool = True,
                          (digest(path, progress) if with_digest else None))
   log.info("loaded %s (%s, %d layers, %s)", path, cfg.model_type, cfg.num_layers, dt)
   return model
-
-
-def _hf_shape(flat, p, tr):
-  for q, var in flat:
-    if q == p:
-      return var.shape[::-1] if tr else var.shape
-  raise KeyError(p)
 
 
 def export_hf(model: LlamaForCausalLM, out: str | os.PathLike, *, max_shard_bytes: int = 4 << 30,
@@ -204,10 +234,9 @@ def export_hf(model: LlamaForCausalLM, out: str | os.PathLike, *, max_shard_byte
   names = _param_names(flat)
   specs, source = {}, {}
   for p, var in flat:
-    name, tr = names[p]
-    shape = tuple(var.shape[::-1]) if tr else tuple(var.shape)
-    specs[name] = (np.dtype(var.dtype), shape)
-    source[name] = (var, tr)
+    name, layout = names[p]
+    specs[name] = (np.dtype(var.dtype), _hf_shape(var.shape, layout))
+    source[name] = (var, layout)
   dtypes = {np.dtype(v.dtype).name for _, v in flat}
   cfg_json = model.cfg.to_hf_config()
   cfg_json["dtype"] = np.dtype(model.embed.embedding.dtype).name
@@ -216,8 +245,10 @@ def export_hf(model: LlamaForCausalLM, out: str | os.PathLike, *, max_shard_byte
     cfg_json[LOWRANK_KEY] = {
         "format": "lrjax-uv-v1",
         "naming": "<p>_u_proj.weight [rank, in], <p>_v_proj.weight [out, rank] (+ bias); "
-                  "y = v_proj(u_proj(x)); p in q,k,v,o,gate,up,down",
-        "ranks": ranks, "source_digest": getattr(model, "source_digest", None)}
+                  "y = v_proj(u_proj(x)); p in q,k,v,o,gate,up,down; per-head projections "
+                  "(heads) store v_proj block diagonal",
+        "ranks": ranks, "heads": model.layer_heads(),
+        "source_digest": getattr(model, "source_digest", None)}
   if getattr(model, "compression", None):
     cfg_json[COMPRESSION_KEY] = model.compression
   shards = plan_shards(specs, max_shard_bytes)
@@ -226,9 +257,8 @@ def export_hf(model: LlamaForCausalLM, out: str | os.PathLike, *, max_shard_byte
 
   def tensors(group) -> Iterator[tuple[str, np.ndarray]]:
     for name in group:
-      var, tr = source[name]
-      a = np.asarray(jax.device_get(var[...]))
-      yield name, (a.T if tr else a)
+      var, layout = source[name]
+      yield name, _to_hf(np.asarray(jax.device_get(var[...])), layout)
 
   with atomic_dir(out, overwrite) as tmp:
     with tqdm(total=len(specs), desc="export", disable=not progress) as bar:

@@ -69,6 +69,7 @@ def save(model: LlamaForCausalLM, path: str | os.PathLike, *, compression: Mappi
       "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       "config": model.cfg.to_dict(),
       "ranks": model.layer_ranks(),
+      "heads": model.layer_heads(),
       "compression": dict(compression) if compression is not None else getattr(
           model, "compression", None),
       "source_digest": source_digest or getattr(model, "source_digest", None),
@@ -128,7 +129,7 @@ def load(path: str | os.PathLike, mesh: Mesh | None = None, shardings: Shardings
   emb = params.get("embed.embedding")
   if emb is None:
     raise ValueError(f"{path}: metadata lists no 'embed.embedding' param; checkpoint is corrupt")
-  model = abstract_model(cfg, meta["ranks"], jnp.dtype(emb["dtype"]))
+  model = abstract_model(cfg, meta["ranks"], jnp.dtype(emb["dtype"]), meta.get("heads"))
   gdef, state = nnx.split(model)
   flat = list(nnx.to_flat_state(state))
   keys = [_key(p) for p, _ in flat]

@@ -37,16 +37,25 @@ def proj_axes(name: str) -> tuple[str, str]:
   return _PROJ_AXES[name]
 
 
-def make_proj(cfg: ModelConfig, name: str, rank: int | None, *, dtype, param_dtype,
-              rngs: nnx.Rngs) -> Linear | LowRankLinear:
-  """The projection module ``name`` of one layer: dense if ``rank`` is None, else low-rank."""
+def make_proj(cfg: ModelConfig, name: str, rank: int | None, *, heads: int = 1, dtype,
+              param_dtype, rngs: nnx.Rngs):
+  """The projection module ``name`` of one layer.
+
+  Dense ``Linear`` if ``rank`` is None, ``LowRankLinear`` if ``heads`` is 1, else a per-head
+  ``lrjax.compress.HeadwiseLowRankLinear`` with total rank ``rank`` over ``heads`` heads.
+  """
   k, n = cfg.proj_shapes()[name]
   bias = {"q_proj": cfg.qkv_bias, "k_proj": cfg.qkv_bias, "v_proj": cfg.qkv_bias,
           "o_proj": cfg.o_bias}.get(name, cfg.mlp_bias)
   kw = dict(use_bias=bias, axes=_PROJ_AXES[name], dtype=dtype, param_dtype=param_dtype, rngs=rngs)
   if rank is None:
     return Linear(k, n, **kw)
-  return LowRankLinear(k, n, int(rank), **kw)
+  if heads == 1:
+    return LowRankLinear(k, n, int(rank), **kw)
+  if n % heads or rank % heads:
+    raise ValueError(f"{name}: out={n} and {rank=} must be multiples of {heads=}")
+  from lrjax.compress.modules import HeadwiseLowRankLinear
+  return HeadwiseLowRankLinear(k, heads, n // heads, int(rank) // heads, **kw)
 
 
 class RMSNorm(nnx.Module):
@@ -146,11 +155,12 @@ class KVCache:
 
 
 class Attention(nnx.Module):
-  def __init__(self, cfg: ModelConfig, ranks: LayerRanks, *, dtype, param_dtype, rngs):
+  def __init__(self, cfg: ModelConfig, ranks: LayerRanks, heads: LayerRanks, *, dtype,
+               param_dtype, rngs):
     self.cfg = cfg
     for name in ATTN_PROJS:
-      setattr(self, name, make_proj(cfg, name, ranks.get(name), dtype=dtype,
-                                    param_dtype=param_dtype, rngs=rngs))
+      setattr(self, name, make_proj(cfg, name, ranks.get(name), heads=heads.get(name, 1),
+                                    dtype=dtype, param_dtype=param_dtype, rngs=rngs))
     if cfg.qk_norm:
       kw = dict(axes=(None,), dtype=dtype, param_dtype=param_dtype)
       self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **kw)
@@ -171,10 +181,11 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-  def __init__(self, cfg: ModelConfig, ranks: LayerRanks, *, dtype, param_dtype, rngs):
+  def __init__(self, cfg: ModelConfig, ranks: LayerRanks, heads: LayerRanks, *, dtype,
+               param_dtype, rngs):
     for name in MLP_PROJS:
-      setattr(self, name, make_proj(cfg, name, ranks.get(name), dtype=dtype,
-                                    param_dtype=param_dtype, rngs=rngs))
+      setattr(self, name, make_proj(cfg, name, ranks.get(name), heads=heads.get(name, 1),
+                                    dtype=dtype, param_dtype=param_dtype, rngs=rngs))
 
   def __call__(self, x):
     return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -183,18 +194,19 @@ class MLP(nnx.Module):
 class DecoderLayer(nnx.Module):
   """Pre-norm block: h += o(attn(norm(h))); h += mlp(norm(h))."""
 
-  def __init__(self, cfg: ModelConfig, ranks: LayerRanks | None = None, *, dtype=None,
-               param_dtype=jnp.float32, rngs: nnx.Rngs):
-    ranks = dict(ranks or {})
-    bad = set(ranks) - set(PROJ_NAMES)
+  def __init__(self, cfg: ModelConfig, ranks: LayerRanks | None = None,
+               heads: LayerRanks | None = None, *, dtype=None, param_dtype=jnp.float32,
+               rngs: nnx.Rngs):
+    ranks, heads = dict(ranks or {}), dict(heads or {})
+    bad = (set(ranks) | set(heads)) - set(PROJ_NAMES)
     if bad:
-      raise ValueError(f"ranks has unknown projections {sorted(bad)}; expected names in "
+      raise ValueError(f"ranks/heads name unknown projections {sorted(bad)}; expected names in "
                        f"{PROJ_NAMES}")
     kw = dict(dtype=dtype, param_dtype=param_dtype)
     self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
-    self.attn = Attention(cfg, ranks, rngs=rngs, **kw)
+    self.attn = Attention(cfg, ranks, heads, rngs=rngs, **kw)
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
-    self.mlp = MLP(cfg, ranks, rngs=rngs, **kw)
+    self.mlp = MLP(cfg, ranks, heads, rngs=rngs, **kw)
 
   def __call__(self, h, positions, inv_freq, mask, kv=None, write_pos=None, taps=None):
     """One block. ``kv`` = (k_cache, v_cache) [B,T,KV,D] to attend over cached keys.
@@ -222,13 +234,14 @@ class DecoderLayer(nnx.Module):
     return h + self.mlp(x2), kv
 
   def ranks(self) -> dict[str, int]:
-    """{proj_name: rank} of this layer's low-rank projections."""
-    out = {}
-    for name in PROJ_NAMES:
-      m = get_proj_module(self, name)
-      if isinstance(m, LowRankLinear):
-        out[name] = int(m.rank)
-    return out
+    """{proj_name: total rank} of this layer's low-rank projections (dense ones are absent)."""
+    return {name: int(m.rank) for name in PROJ_NAMES
+            if not isinstance(m := get_proj_module(self, name), Linear)}
+
+  def heads(self) -> dict[str, int]:
+    """{proj_name: heads} of this layer's per-head low-rank projections."""
+    return {name: int(m.heads) for name in PROJ_NAMES
+            if getattr(m := get_proj_module(self, name), "heads", 1) > 1}
 
 
 def get_proj_module(layer: DecoderLayer, name: str):
@@ -255,14 +268,17 @@ class LlamaForCausalLM(nnx.Module):
   runs a Python loop. Stacking copies the layer weights inside the compiled program.
   """
 
-  def __init__(self, cfg: ModelConfig, ranks: Sequence[LayerRanks] | None = None, *,
-               dtype=None, param_dtype=jnp.float32, scan_layers: bool = True, rngs: nnx.Rngs):
-    if ranks is not None and len(ranks) != cfg.num_layers:
-      raise ValueError(f"len(ranks)={len(ranks)} must equal num_layers={cfg.num_layers}")
+  def __init__(self, cfg: ModelConfig, ranks: Sequence[LayerRanks] | None = None,
+               heads: Sequence[LayerRanks] | None = None, *, dtype=None,
+               param_dtype=jnp.float32, scan_layers: bool = True, rngs: nnx.Rngs):
+    for name, per_layer in (("ranks", ranks), ("heads", heads)):
+      if per_layer is not None and len(per_layer) != cfg.num_layers:
+        raise ValueError(f"len({name})={len(per_layer)} must equal num_layers={cfg.num_layers}")
     self.cfg, self.dtype, self.scan_layers = cfg, dtype, scan_layers
     kw = dict(dtype=dtype, param_dtype=param_dtype)
     self.embed = Embed(cfg.vocab_size, cfg.hidden_size, rngs=rngs, **kw)
-    self.layers = nnx.List([DecoderLayer(cfg, ranks[i] if ranks else None, rngs=rngs, **kw)
+    self.layers = nnx.List([DecoderLayer(cfg, ranks[i] if ranks else None,
+                                         heads[i] if heads else None, rngs=rngs, **kw)
                             for i in range(cfg.num_layers)])
     self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
     self.lm_head = None if cfg.tie_word_embeddings else Linear(
@@ -273,7 +289,12 @@ class LlamaForCausalLM(nnx.Module):
 
   # ---- structure ---------------------------------------------------------------------------
   def layer_ranks(self) -> list[dict[str, int]]:
+    """Per layer, {proj_name: total rank} of the low-rank projections."""
     return [layer.ranks() for layer in self.layers]
+
+  def layer_heads(self) -> list[dict[str, int]]:
+    """Per layer, {proj_name: heads} of the per-head low-rank projections."""
+    return [layer.heads() for layer in self.layers]
 
   def homogeneous(self) -> bool:
     """True when all layers have the same module structure and param shapes (scan-able)."""
