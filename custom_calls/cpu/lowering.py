@@ -1,0 +1,111 @@
+"""CPU lowerings of the W4A8 primitives to the C++ XLA FFI kernels (light module).
+
+Importing this module imports neither the extension nor the primitives module;
+``load()`` imports ``lrjax.custom_calls.cpu._w4a8``, registers its handlers with
+XLA once and returns ``impl(*operands, **params)`` built on ``jax.ffi.ffi_call``.
+
+Kernels: ``cpu.w4a8_matmul`` (primitive ``w4a8_matmul``) and ``cpu.lr_xuv_w4a8``
+(primitive ``lr_xuv_w4a8``). Runtime CPU dispatch happens inside the extension:
+x86 AVX512-VNNI -> AVX-VNNI -> AVX2 -> scalar, aarch64 i8mm -> dotprod -> NEON ->
+scalar; ``LRJAX_W4A8_ISA`` caps it, ``LRJAX_W4A8_THREADS`` sets the thread count.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import threading
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from lrjax.lowering.registry import KernelLowering, register as _register_kernel
+
+log = logging.getLogger("lrjax.custom_calls.cpu")
+
+_EXT = "lrjax.custom_calls.cpu._w4a8"
+_TARGETS = {"w4a8_matmul": "lrjax_w4a8_matmul", "lr_xuv_w4a8": "lrjax_w4a8_xuv"}
+_LAYOUT_CODES = {"x86_vnni": 0, "arm_sdot4": 1, "arm_smmla8": 2}
+_KERNEL_DTYPES = ("float32", "bfloat16")
+_lock = threading.Lock()
+_registered = False
+
+
+def extension_available() -> bool:
+  """Whether the compiled extension is installed (without importing it)."""
+  try:
+    return importlib.util.find_spec(_EXT) is not None
+  except ModuleNotFoundError:
+    return False
+
+
+def extension():
+  """The compiled nanobind module, with its handlers registered with XLA."""
+  global _registered
+  import jax
+
+  from lrjax.custom_calls.cpu import _w4a8
+
+  with _lock:
+    if not _registered:
+      for name, capsule in _w4a8.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+      _registered = True
+  return _w4a8
+
+
+def _supports(avals_in: Sequence[Any], params: Mapping[str, Any]) -> str | None:
+  x = avals_in[0]
+  if str(x.dtype) not in _KERNEL_DTYPES:
+    return f"x dtype {x.dtype} is not float32/bfloat16"
+  if str(params["out_dtype"]) not in _KERNEL_DTYPES:
+    return f"out_dtype {params['out_dtype']} is not float32/bfloat16"
+  if params["layout"] not in _LAYOUT_CODES:
+    return f"layout {params['layout']!r} unknown"
+  if not extension_available():
+    return f"{_EXT} is not built (pip install lrjax builds it)"
+  return None
+
+
+def _empty_bias():
+  import jax.numpy as jnp
+  return jnp.zeros((0,), jnp.float32)
+
+
+def _load_matmul():
+  import jax
+
+  extension()
+
+  def impl(x, w, s, *rest, n, group, layout, has_bias, out_dtype):
+    bias = rest[0] if has_bias else _empty_bias()
+    out = jax.ShapeDtypeStruct(x.shape[:-1] + (n,), out_dtype)
+    return jax.ffi.ffi_call(_TARGETS["w4a8_matmul"], out, vmap_method="broadcast_all")(
+        x, w, s, bias, n=np.int64(n), group=np.int64(group),
+        layout=np.int64(_LAYOUT_CODES[layout]))
+  return impl
+
+
+def _load_xuv():
+  import jax
+
+  extension()
+
+  def impl(x, wu, su, wv, sv, *rest, r, n, group_u, group_v, layout, has_bias, out_dtype):
+    bias = rest[0] if has_bias else _empty_bias()
+    out = jax.ShapeDtypeStruct(x.shape[:-1] + (n,), out_dtype)
+    return jax.ffi.ffi_call(_TARGETS["lr_xuv_w4a8"], out, vmap_method="broadcast_all")(
+        x, wu, su, wv, sv, bias, r=np.int64(r), n=np.int64(n), group_u=np.int64(group_u),
+        group_v=np.int64(group_v), layout=np.int64(_LAYOUT_CODES[layout]))
+  return impl
+
+
+KERNELS = [
+    KernelLowering("w4a8_matmul", "cpu", "cpu.w4a8_matmul", _supports, _load_matmul, priority=10),
+    KernelLowering("lr_xuv_w4a8", "cpu", "cpu.lr_xuv_w4a8", _supports, _load_xuv, priority=10),
+]
+
+
+def register() -> None:
+  """Registers the CPU W4A8 kernels with the lowering registry."""
+  for k in KERNELS:
+    _register_kernel(k)

@@ -1,0 +1,102 @@
+"""Offline int4 quantization and packing of weights into the W4A8 kernel layouts.
+
+Layouts (byte-level definition in custom_calls/cpu/w4a8.h; the jnp inverse is
+:func:`lrjax.lowering.quantized.unpack_int4`). A weight q [K, N] in [-8, 7] is
+stored as u = q + 8 nibbles, K padded to Kp = roundup(K, 8), N to a block width:
+
+- ``x86_vnni`` (16 columns): per 8 k, 64 bytes; byte 4c+j holds k=j (low nibble)
+  and k=4+j (high nibble) of column c, so one load + and/shift gives the two
+  vpdpbusd operands (4 k per int32 lane) without shuffles.
+- ``arm_sdot4`` (4 columns, the paper's pack 4 for sdot): the same interleave on
+  16-byte chunks.
+- ``arm_smmla8`` (8 columns, the paper's pack 8 for smmla): per 8 k, 32 bytes;
+  bytes 16h+8cc+j hold k=j of column 4h+cc (high nibble) and 4h+2+cc (low
+  nibble): each nibble plane is one [2 x 8] smmla operand.
+"""
+from __future__ import annotations
+
+import logging
+import platform
+
+import numpy as np
+
+from lrjax.lowering.quantized import BLOCK_WIDTH, LAYOUTS, num_groups, round_up
+
+log = logging.getLogger("lrjax.quant")
+
+
+def default_layout() -> str:
+  """The layout this machine's fastest kernel reads."""
+  mach = platform.machine().lower()
+  if mach in ("aarch64", "arm64"):
+    try:
+      from lrjax.custom_calls.cpu import _w4a8
+      if "i8mm" in _w4a8.cpu_isas():
+        return "arm_smmla8"
+    except ImportError:
+      log.debug("W4A8 extension not built; packing for sdot")
+    return "arm_sdot4"
+  return "x86_vnni"
+
+
+def quantize_int4(w, group: int):
+  """Symmetric int4: q [K, N] int8 in [-8, 7] and scales [G, N] f32 (abs-max / 7).
+
+  ``group`` is 32/64/128 (any multiple of 8) rows of K per scale, or 0 for one
+  scale per output channel.
+  """
+  w = np.asarray(w, dtype=np.float32)
+  if w.ndim != 2:
+    raise ValueError(f"{w.shape=} must be 2-D [K, N]")
+  if group < 0 or group % 8:
+    raise ValueError(f"{group=} must be 0 (per channel) or a positive multiple of 8")
+  k, n = w.shape
+  grp = k if group == 0 else group
+  g = num_groups(k, group)
+  wp = np.zeros((g * grp, n), np.float32)
+  wp[:k] = w
+  wg = wp.reshape(g, grp, n)
+  amax = np.abs(wg).max(axis=1)
+  scales = np.where(amax > 0, amax / np.float32(7), np.float32(1)).astype(np.float32)
+  q = np.clip(np.rint(wg / scales[:, None, :]), -8, 7).astype(np.int8).reshape(g * grp, n)[:k]
+  return q, scales
+
+
+def dequantize_int4(q, scales, group: int):
+  """float64 [K, N] = q * scale of its group (the weight the kernel multiplies by)."""
+  q = np.asarray(q, np.float64)
+  k = q.shape[0]
+  grp = k if group == 0 else group
+  rows = np.arange(k) // grp
+  return q * np.asarray(scales, np.float64)[rows, : q.shape[1]]
+
+
+def pack_int4(q, layout: str) -> np.ndarray:
+  """Packs q [K, N] int8 in [-8, 7] into ``layout``: uint8 [Np/BW, Kp/8, 4 BW]."""
+  if layout not in LAYOUTS:
+    raise ValueError(f"{layout=} is not a W4A8 layout; expected one of {sorted(LAYOUTS)}")
+  q = np.asarray(q)
+  if q.ndim != 2 or q.min(initial=0) < -8 or q.max(initial=0) > 7:
+    raise ValueError(f"q must be 2-D int4 values in [-8, 7]; got shape {q.shape}")
+  k, n = q.shape
+  bw = BLOCK_WIDTH[layout]
+  kp, np_ = round_up(k, 8), round_up(n, bw)
+  u = np.full((kp, np_), 8, np.uint8)
+  u[:k, :n] = (q.astype(np.int16) + 8).astype(np.uint8)
+  kc, nb = kp // 8, np_ // bw
+  if layout == "arm_smmla8":
+    t = u.reshape(kc, 8, nb, 2, 2, 2).transpose(2, 0, 3, 5, 1, 4)  # [nb, kc, h, cc, j, p]
+    packed = (t[..., 0] << 4) | t[..., 1]
+  else:
+    t = u.reshape(kc, 2, 4, nb, bw).transpose(3, 0, 4, 2, 1)        # [nb, kc, c, j, h]
+    packed = t[..., 0] | (t[..., 1] << 4)
+  return np.ascontiguousarray(packed.reshape(nb, kc, 4 * bw).astype(np.uint8))
+
+
+def pad_scales(scales, layout: str) -> np.ndarray:
+  """scales [G, N] -> [G, Np] f32, zero in the padded columns."""
+  s = np.asarray(scales, np.float32)
+  np_ = round_up(s.shape[1], BLOCK_WIDTH[layout])
+  out = np.zeros((s.shape[0], np_), np.float32)
+  out[:, : s.shape[1]] = s
+  return out
