@@ -60,10 +60,13 @@ def bind_eqn(eqn: JaxprEqn, invals: Sequence[Any], params: dict | None = None) -
   return list(ans) if eqn.primitive.multiple_results else [ans]
 
 
-def location(eqn: JaxprEqn) -> str:
-  """'file.py:LINE (function)' of the user code that produced ``eqn``."""
+def location(eqn: JaxprEqn, depth: int = 2) -> str:
+  """'file.py:LINE (function)' of the user code that produced ``eqn``, innermost first,
+  with up to ``depth`` frames (e.g. the layer's __call__ and the model code calling it)."""
   try:
-    return source_info_util.summarize(eqn.source_info)
+    frames = list(source_info_util.user_frames(eqn.source_info.traceback))[:depth]
+    parts = [f"{f.file_name}:{f.start_line} ({f.function_name})" for f in frames]
+    return " <- ".join(parts) if parts else source_info_util.summarize(eqn.source_info)
   except Exception:  # pragma: no cover - best effort only
     return "<unknown>"
 

@@ -26,8 +26,10 @@ from lrjax.lowering.primitives import ACTIVATIONS, FLOAT_DTYPES, lr_mlp_p, lr_xu
 VIEW_OPS = frozenset({
     "convert_element_type", "reshape", "transpose", "squeeze", "expand_dims", "slice",
     "dynamic_slice", "gather", "copy", "copy_p", "sharding_constraint", "device_put",
-    "reduce_precision", "mesh_cast", "pvary", "optimization_barrier",
+    "reduce_precision", "mesh_cast", "pvary", "optimization_barrier", "broadcast_in_dim",
 })
+# Ops that build a weight from several weights (e.g. jnp.stack of per-layer params).
+COMBINE_OPS = frozenset({"concatenate", "stack"})
 
 ELEMENTWISE = frozenset({
     "add", "sub", "mul", "div", "neg", "exp", "exp2", "log", "log1p", "expm1", "logistic",
@@ -55,7 +57,9 @@ class Graph:
     self.weights = set(jaxpr.constvars)
     self.weights.update(v for v, w in zip(jaxpr.invars, weight_invars) if w)
     for e in self.eqns:
-      if e.primitive.name in VIEW_OPS and e.invars and self.is_weight(e.invars[0]):
+      name = e.primitive.name
+      if ((name in VIEW_OPS and e.invars and self.is_weight(e.invars[0]))
+          or (name in COMBINE_OPS and all(self.is_weight(a) for a in e.invars))):
         self.weights.update(e.outvars)
 
   def is_weight(self, a) -> bool:
