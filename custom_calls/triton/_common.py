@@ -1,0 +1,106 @@
+"""Triton helpers shared by the lrjax kernels: tile GEMM loops, activations, and the
+inter-CTA flags (release/acquire) that let one launch run dependent stages.
+
+Imports triton at module import: only ``load()`` of the CUDA lowering imports this.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def mm_acc(acc,  # [BM, BN] f32 accumulator
+           a_ptr,  # A [*, LDA] row-major, rows offs_m
+           b_ptr,  # B [*, LDB] row-major, columns offs_n
+           offs_m,  # [BM] rows of A
+           offs_n,  # [BN] columns of B
+           m_mask,  # [BM]
+           n_mask,  # [BN]
+           k_start, k_end,  # reduction range, k_start a multiple of BK
+           K: tl.constexpr, LDA: tl.constexpr, LDB: tl.constexpr, BK: tl.constexpr,
+           EVEN_K: tl.constexpr, A_CG: tl.constexpr):
+  """acc += A[offs_m, k_start:k_end] @ B[k_start:k_end, offs_n], software-pipelined."""
+  offs_k = tl.arange(0, BK)
+  for k0 in range(k_start, k_end, BK):
+    kk = k0 + offs_k
+    a_ptrs = a_ptr + offs_m[:, None] * LDA + kk[None, :]
+    b_ptrs = b_ptr + kk[:, None] * LDB + offs_n[None, :]
+    if EVEN_K:
+      a_m = m_mask[:, None]
+      b_m = n_mask[None, :]
+    else:
+      a_m = m_mask[:, None] & (kk[None, :] < K)
+      b_m = (kk[:, None] < K) & n_mask[None, :]
+    if A_CG:
+      a = tl.load(a_ptrs, mask=a_m, other=0.0, cache_modifier=".cg")
+    else:
+      a = tl.load(a_ptrs, mask=a_m, other=0.0)
+    b = tl.load(b_ptrs, mask=b_m, other=0.0)
+    acc = tl.dot(a.to(b.dtype), b, acc)
+  return acc
+
+
+@triton.jit
+def mm_acc2(acc1, acc2,  # [BM, BN] f32 accumulators
+            a1_ptr, a2_ptr,  # A1, A2 [*, LDA] row-major
+            b1_ptr, b2_ptr,  # B1, B2 [*, LDB] row-major
+            offs_m, offs_n, m_mask, n_mask, k_start, k_end,
+            K: tl.constexpr, LDA: tl.constexpr, LDB: tl.constexpr, BK: tl.constexpr,
+            EVEN_K: tl.constexpr, A_CG: tl.constexpr, SHARED_A: tl.constexpr):
+  """acc1 += A1 @ B1 and acc2 += A2 @ B2 in one pass (SHARED_A: A1 is A2, loaded once)."""
+  offs_k = tl.arange(0, BK)
+  for k0 in range(k_start, k_end, BK):
+    kk = k0 + offs_k
+    a_off = offs_m[:, None] * LDA + kk[None, :]
+    b_off = kk[:, None] * LDB + offs_n[None, :]
+    if EVEN_K:
+      a_m = m_mask[:, None]
+      b_m = n_mask[None, :]
+    else:
+      a_m = m_mask[:, None] & (kk[None, :] < K)
+      b_m = (kk[:, None] < K) & n_mask[None, :]
+    if A_CG:
+      a1 = tl.load(a1_ptr + a_off, mask=a_m, other=0.0, cache_modifier=".cg")
+    else:
+      a1 = tl.load(a1_ptr + a_off, mask=a_m, other=0.0)
+    if SHARED_A:
+      a2 = a1
+    elif A_CG:
+      a2 = tl.load(a2_ptr + a_off, mask=a_m, other=0.0, cache_modifier=".cg")
+    else:
+      a2 = tl.load(a2_ptr + a_off, mask=a_m, other=0.0)
+    b1 = tl.load(b1_ptr + b_off, mask=b_m, other=0.0)
+    b2 = tl.load(b2_ptr + b_off, mask=b_m, other=0.0)
+    acc1 = tl.dot(a1.to(b1.dtype), b1, acc1)
+    acc2 = tl.dot(a2.to(b2.dtype), b2, acc2)
+  return acc1, acc2
+
+
+@triton.jit
+def activation(x, ACT: tl.constexpr):
+  """ACT: 0 silu, 1 gelu_tanh, 2 gelu (erf), 3 relu; x is f32."""
+  if ACT == 0:
+    y = x * tl.sigmoid(x)
+  elif ACT == 1:
+    inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+    y = x * tl.sigmoid(2.0 * inner)  # 0.5·(1 + tanh(z)) = sigmoid(2z)
+  elif ACT == 2:
+    y = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
+  else:
+    y = tl.maximum(x, 0.0)
+  return y
+
+
+@triton.jit
+def signal(flag_ptr):
+  """Publishes this CTA's prior global writes: CTA barrier, then a gpu-scope release add."""
+  tl.debug_barrier()
+  tl.atomic_add(flag_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def wait_at_least(flag_ptr, target):
+  """Spins until *flag_ptr >= target, then acquires (gpu scope) for the whole CTA."""
+  while tl.load(flag_ptr, volatile=True) < target:
+    pass
+  tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+  tl.debug_barrier()

@@ -1,0 +1,165 @@
+"""CUDA lowerings of lr_xuv and lr_mlp: Triton kernels called through jax-triton.
+
+Light module: it imports neither triton nor jax_triton. ``load()`` imports the kernel
+module only when the registry selects the kernel for a CUDA lowering, so CPU installs
+never import triton. ``supports`` declines (with the reason) what the kernels do not serve,
+and the registry then lowers the XLA reference.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import math
+
+import numpy as np
+
+from lrjax.lowering.registry import KernelLowering, register as _register
+
+log = logging.getLogger("lrjax.custom_calls.triton")
+
+_KERNEL_DTYPES = ("bfloat16", "float16")
+_OUT_DTYPES = ("bfloat16", "float16", "float32")
+_INT32_MAX = 2**31 - 1
+# Token counts up to which the split-K decode kernels serve (measured crossover,
+# benchmarks/gpu_notes.md); above it the persistent prefill kernels do.
+XUV_DECODE_MAX_M = 64
+MLP_DECODE_MAX_M = 16
+
+
+def _dt(a) -> str:
+  return np.dtype(a.dtype).name
+
+
+def _rows(x) -> int:
+  return math.prod(x.shape[:-1])
+
+
+def _toolchain() -> str | None:
+  if importlib.util.find_spec("jax_triton") is None or importlib.util.find_spec("triton") is None:
+    return "jax-triton/triton not installed (pip install 'lrjax[cuda]')"
+  return None
+
+
+def _common_checks(x, factors, params) -> str | None:
+  if (reason := _toolchain()) is not None:
+    return reason
+  if _dt(x) not in _KERNEL_DTYPES:
+    return f"x dtype {_dt(x)} not in {_KERNEL_DTYPES} (f32 stays on XLA for exact f32 math)"
+  for i, a in enumerate(factors):
+    if _dt(a) != _dt(x):
+      return f"factor {i} dtype {_dt(a)} != x dtype {_dt(x)}"
+  if np.dtype(params["out_dtype"]).name not in _OUT_DTYPES:
+    return f"out_dtype {np.dtype(params['out_dtype']).name} not in {_OUT_DTYPES}"
+  inter = np.dtype(params["inter_dtype"]).name
+  if inter != _dt(x):
+    return (f"inter_dtype {inter} != {_dt(x)}: the kernel rounds the rank-space "
+            f"intermediate to {_dt(x)} for the tensor cores")
+  if _rows(x) == 0:
+    return "no rows (M=0)"
+  for a in (x,) + tuple(factors):
+    if math.prod(a.shape) > _INT32_MAX:
+      return f"operand of shape {a.shape} has more than 2^31-1 elements (int32 offsets)"
+  if _rows(x) > (1 << 14) * 128:
+    return f"M={_rows(x)} rows exceed the 14-bit row-block field of the tile schedule"
+  return None
+
+
+# ---------------------------------------------------------------- lr_xuv
+
+def _xuv_checks(avals, params) -> str | None:
+  x, u, v = avals[:3]
+  return _common_checks(x, (u, v), params)
+
+
+def xuv_decode_supports(avals, params) -> str | None:
+  if (reason := _xuv_checks(avals, params)) is not None:
+    return reason
+  m = _rows(avals[0])
+  if m > XUV_DECODE_MAX_M:
+    return f"M={m} > {XUV_DECODE_MAX_M}: prefill kernel serves"
+  return None
+
+
+def xuv_prefill_supports(avals, params) -> str | None:
+  if (reason := _xuv_checks(avals, params)) is not None:
+    return reason
+  n = avals[2].shape[1]
+  r = avals[1].shape[1]
+  if max(r, n) > (1 << 14) * 64:
+    return f"r={r} or N={n} exceed the 14-bit column-block field of the tile schedule"
+  return None
+
+
+def _xuv_impl(mod: str, fn: str):
+  def load():
+    kernel = getattr(importlib.import_module(f"lrjax.custom_calls.triton.{mod}"), fn)
+
+    def impl(*ops, has_bias, inter_dtype, out_dtype):
+      del inter_dtype  # checked equal to the factor dtype in supports
+      return kernel(ops[0], ops[1], ops[2], ops[3] if has_bias else None, out_dtype=out_dtype)
+    return impl
+  return load
+
+
+# ---------------------------------------------------------------- lr_mlp
+
+def _mlp_checks(avals, params) -> str | None:
+  from lrjax.lowering.primitives import mlp_operands
+  d = mlp_operands(avals, params["gated"], params["bias_mask"])
+  if params["act"] not in ("silu", "gelu_tanh", "gelu", "relu"):
+    return f"activation {params['act']!r} has no Triton epilogue"
+  factors = [d["up"][0], d["up"][1], d["down"][0], d["down"][1]]
+  if params["gated"]:
+    g = d["gate"]
+    if g[0].shape != d["up"][0].shape or g[1].shape != d["up"][1].shape:
+      return (f"gate factors {g[0].shape}x{g[1].shape} differ from up's "
+              f"{d['up'][0].shape}x{d['up'][1].shape}; the kernel computes both in one pass")
+    factors += [g[0], g[1]]
+  return _common_checks(d["x"], tuple(factors), params)
+
+
+def mlp_decode_supports(avals, params) -> str | None:
+  if (reason := _mlp_checks(avals, params)) is not None:
+    return reason
+  m = _rows(avals[0])
+  if m > MLP_DECODE_MAX_M:
+    return f"M={m} > {MLP_DECODE_MAX_M}: prefill kernel serves"
+  return None
+
+
+def mlp_prefill_supports(avals, params) -> str | None:
+  return _mlp_checks(avals, params)
+
+
+def _mlp_impl(mod: str, fn: str):
+  def load():
+    kernel = getattr(importlib.import_module(f"lrjax.custom_calls.triton.{mod}"), fn)
+
+    def impl(*ops, gated, act, bias_mask, inter_dtype, out_dtype):
+      del inter_dtype
+      from lrjax.lowering.primitives import mlp_operands
+      d = mlp_operands(ops, gated, bias_mask)
+      proj = lambda p: (p[0], p[1]) if p[2] is None else p
+      return kernel(d["x"], proj(d["up"]), proj(d["down"]),
+                    proj(d["gate"]) if gated else None, act=act, out_dtype=out_dtype)
+    return impl
+  return load
+
+
+KERNELS = [
+    KernelLowering("lr_xuv", "cuda", "triton.xuv_decode", xuv_decode_supports,
+                   _xuv_impl("xuv_decode", "xuv_decode"), priority=20),
+    KernelLowering("lr_xuv", "cuda", "triton.xuv_prefill", xuv_prefill_supports,
+                   _xuv_impl("xuv_prefill", "xuv_prefill"), priority=10),
+    KernelLowering("lr_mlp", "cuda", "triton.mlp_decode", mlp_decode_supports,
+                   _mlp_impl("mlp_decode", "mlp_decode"), priority=20),
+    KernelLowering("lr_mlp", "cuda", "triton.mlp_prefill", mlp_prefill_supports,
+                   _mlp_impl("mlp_prefill", "mlp_prefill"), priority=10),
+]
+
+
+def register() -> None:
+  """Registers the CUDA kernels (cheap: nothing is imported until a kernel is chosen)."""
+  for k in KERNELS:
+    _register(k)

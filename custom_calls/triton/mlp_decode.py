@@ -1,0 +1,248 @@
+"""Fused low-rank (Swi)GLU MLP for few tokens, in one launch of three dependent stages.
+
+  stage A  Pg = X·Ug, Pu = X·Uu          one pass over X (both factors per K tile),
+                                         inter-CTA split-K, f32 atomics into [M, r]
+  stage B  per B_F slice of the intermediate dim (one CTA each):
+           h = act(Pg·Vg[:, f] + bg) ⊙ (Pu·Vu[:, f] + bu)      [M, B_F], registers only
+           S += h · Ud[f, :]                                   f32 atomics into [M, r_d]
+  stage C  Y = S·Vd + bd                                       [M, D]
+
+The [M, D_ff] intermediate exists only as one [M, B_F] register tile per CTA; it never
+touches HBM. Only the rank-space vectors Pg, Pu, S (a few KB to a few hundred KB) go
+through L2. Stages are ordered inside the grid by two counters: stage-A CTAs
+``signal`` counter 0 and stage-B CTAs wait on it; stage-B CTAs ``signal`` counter 1
+and stage-C CTAs wait on it. This has the same forward-progress argument as
+xuv_decode: lower block indices are dispatched first. The accumulators and counters are
+zeroed by jax-triton's memset inside the same custom call. Non-gated MLPs
+(act(X·U1·V1 + b1)·U2·V2 + b2) run the same kernel with GATED=False.
+
+Every byte of the six factors is read once, so the floor is their size over HBM bandwidth.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import jax_triton as jt
+import triton
+import triton.language as tl
+
+from lrjax.custom_calls.triton import planner
+from lrjax.custom_calls.triton._common import (activation, mm_acc, mm_acc2, signal,
+                                               wait_at_least)
+
+ACT_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "relu": 3}
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  block_m: int  # token rows, padded (>= 16)
+  block_k: int  # stage-A reduction step over D
+  block_r: int  # stage-A rank columns per CTA
+  split_k: int  # stage-A inter-CTA split of D
+  block_f: int  # stage-B slice of the intermediate dim per CTA
+  block_rd: int  # stage-B chunk of the down rank per atomic flush
+  block_n: int  # stage-C output columns per CTA
+  block_kr: int = 64  # reduction step over a rank (stages B and C)
+  num_warps: int = 4
+  num_stages: int = 3
+
+  @classmethod
+  def get_default(cls, m: int, d: int, f: int, r: int, d_out: int) -> "BlockSizes":
+    bm = max(16, planner.next_pow2(m))
+    t = TUNED.get(("m<=16" if m <= 16 else "m<=64", "r>=2048" if r >= 2048 else "r<2048"))
+    if t is None:
+      p = planner.plan_decode(m, d, r, f)
+      t = cls(p.block_m, p.block_k, p.block_r, p.split_k, 64, 128, 64)
+    split = max(1, min(t.split_k, planner.cdiv(d, 2 * t.block_k)))
+    return dataclasses.replace(t, block_m=bm, split_k=split)
+
+
+# Tuned on the H200 (benchmarks/gpu_lowrank.py); shape class -> blocks.
+TUNED: dict[tuple[str, str], BlockSizes] = {
+    ("m<=16", "r>=2048"): BlockSizes(16, 64, 128, 4, 64, 128, 32, 64, 4, 4),
+    ("m<=16", "r<2048"): BlockSizes(16, 64, 64, 4, 64, 128, 32, 64, 4, 4),
+}
+
+MAX_M = 64  # beyond this the prefill kernel serves
+
+
+@triton.jit
+def _mlp_decode_kernel(
+    x_ptr,  # [M, D] activations
+    ug_ptr, vg_ptr, bg_ptr,  # [D, R], [R, F], [F] gate factors (unread if not GATED)
+    uu_ptr, vu_ptr, bu_ptr,  # [D, R], [R, F], [F] up factors
+    ud_ptr, vd_ptr, bd_ptr,  # [F, RD], [RD, DO], [DO] down factors
+    o_in_ptr,  # [M, DO] caller's output buffer aliased to o_ptr (else x; never read)
+    pg_ptr,  # [M, R] f32 X·Ug accumulator, zeroed
+    pu_ptr,  # [M, R] f32 X·Uu accumulator, zeroed
+    s_ptr,  # [M, RD] f32 h·Ud accumulator, zeroed
+    cnt_ptr,  # [2] i32 stage-A / stage-B CTAs done, zeroed
+    o_ptr,  # [M, DO] output
+    M: tl.constexpr, D: tl.constexpr, R: tl.constexpr, F: tl.constexpr,
+    RD: tl.constexpr, DO: tl.constexpr,
+    GATED: tl.constexpr, ACT: tl.constexpr,
+    HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr,
+    K_PER: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_F: tl.constexpr, BLOCK_RD: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_KR: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_R: tl.constexpr, EVEN_RD: tl.constexpr,
+):
+  pid = tl.program_id(0)
+  n_r = (R + BLOCK_R - 1) // BLOCK_R
+  n_a = n_r * SPLIT_K
+  n_b = (F + BLOCK_F - 1) // BLOCK_F
+  offs_m = tl.arange(0, BLOCK_M)
+  m_mask = offs_m < M
+  if pid < n_a:
+    # ---- stage A: split-K X·Ug and X·Uu, X loaded once per K tile
+    rb = pid % n_r
+    ks = pid // n_r
+    offs_r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    k0 = ks * K_PER
+    out_off = offs_m[:, None] * R + offs_r[None, :]
+    out_mask = m_mask[:, None] & r_mask[None, :]
+    acc_u = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    if GATED:
+      acc_g = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+      acc_g, acc_u = mm_acc2(acc_g, acc_u, x_ptr, x_ptr, ug_ptr, uu_ptr, offs_m, offs_r,
+                             m_mask, r_mask, k0, k0 + K_PER, D, D, R, BLOCK_K, EVEN_D,
+                             False, True)
+      tl.atomic_add(pg_ptr + out_off, acc_g, mask=out_mask, sem="relaxed")
+    else:
+      acc_u = mm_acc(acc_u, x_ptr, uu_ptr, offs_m, offs_r, m_mask, r_mask, k0, k0 + K_PER,
+                     D, D, R, BLOCK_K, EVEN_D, False)
+    tl.atomic_add(pu_ptr + out_off, acc_u, mask=out_mask, sem="relaxed")
+    signal(cnt_ptr)
+  elif pid < n_a + n_b:
+    # ---- stage B: one slice of the intermediate dim, projected straight into rank space
+    fb = pid - n_a
+    offs_f = fb * BLOCK_F + tl.arange(0, BLOCK_F)
+    f_mask = offs_f < F
+    wait_at_least(cnt_ptr, n_a)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_F], tl.float32)
+    if GATED:
+      acc_g = tl.zeros([BLOCK_M, BLOCK_F], tl.float32)
+      acc_g, acc_u = mm_acc2(acc_g, acc_u, pg_ptr, pu_ptr, vg_ptr, vu_ptr, offs_m, offs_f,
+                             m_mask, f_mask, 0, R, R, R, F, BLOCK_KR, EVEN_R, True, False)
+      if HAS_BG:
+        acc_g += tl.load(bg_ptr + offs_f, mask=f_mask, other=0.0).to(tl.float32)[None, :]
+    else:
+      acc_u = mm_acc(acc_u, pu_ptr, vu_ptr, offs_m, offs_f, m_mask, f_mask, 0, R, R, R, F,
+                     BLOCK_KR, EVEN_R, True)
+    if HAS_BU:
+      acc_u += tl.load(bu_ptr + offs_f, mask=f_mask, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+      h = activation(acc_g, ACT) * acc_u
+    else:
+      h = activation(acc_u, ACT)
+    h = h.to(ud_ptr.dtype.element_ty)  # [BLOCK_M, BLOCK_F]: the only copy of the slice
+    for c0 in range(0, RD, BLOCK_RD):
+      offs_c = c0 + tl.arange(0, BLOCK_RD)
+      c_mask = offs_c < RD
+      udt = tl.load(ud_ptr + offs_f[:, None] * RD + offs_c[None, :],
+                    mask=f_mask[:, None] & c_mask[None, :], other=0.0)
+      part = tl.dot(h, udt)
+      tl.atomic_add(s_ptr + offs_m[:, None] * RD + offs_c[None, :], part,
+                    mask=m_mask[:, None] & c_mask[None, :], sem="relaxed")
+    signal(cnt_ptr + 1)
+  else:
+    # ---- stage C: Y = S·Vd + bd
+    nb = pid - n_a - n_b
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < DO
+    wait_at_least(cnt_ptr + 1, n_b)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc = mm_acc(acc, s_ptr, vd_ptr, offs_m, offs_n, m_mask, n_mask, 0, RD, RD, RD, DO,
+                 BLOCK_KR, EVEN_RD, True)
+    if HAS_BD:
+      acc += tl.load(bd_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(o_ptr + offs_m[:, None] * DO + offs_n[None, :], acc.to(o_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes) -> dict:
+  k_per = planner.cdiv(planner.cdiv(d, bs.split_k), bs.block_k) * bs.block_k
+  split = planner.cdiv(d, k_per)
+  n_a = planner.cdiv(r, bs.block_r) * split
+  n_b = planner.cdiv(f, bs.block_f)
+  n_c = planner.cdiv(d_out, bs.block_n)
+  has = dict(zip(("bg", "bu", "bd") if gated else ("bu", "bd"), bias_mask))
+  meta = dict(M=m, D=d, R=r, F=f, RD=rd, DO=d_out, GATED=gated, ACT=ACT_CODES[act],
+              HAS_BG=has.get("bg", False), HAS_BU=has["bu"], HAS_BD=has["bd"],
+              K_PER=k_per, SPLIT_K=split, BLOCK_M=bs.block_m, BLOCK_K=bs.block_k,
+              BLOCK_R=bs.block_r, BLOCK_F=bs.block_f, BLOCK_RD=bs.block_rd,
+              BLOCK_N=bs.block_n, BLOCK_KR=bs.block_kr, EVEN_D=d % k_per == 0,
+              EVEN_R=r % bs.block_kr == 0, EVEN_RD=rd % bs.block_kr == 0)
+  return dict(grid=n_a + n_b + n_c, meta=meta)
+
+
+def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
+               block_sizes: BlockSizes | None = None, out=None):
+  """Low-rank MLP for few tokens; ``up``/``down``/``gate`` are (u, v) or (u, v, bias).
+
+  ``out`` [M, D_out]: optional buffer the kernel writes into (aliased; tests poison it).
+  """
+  if act not in ACT_CODES:
+    raise ValueError(f"{act=} is not supported; expected one of {sorted(ACT_CODES)}")
+  gated = gate is not None
+  projs = ((gate,) if gated else ()) + (up, down)
+  for p in projs:
+    if not isinstance(p, (tuple, list)) or len(p) not in (2, 3):
+      raise ValueError("each projection must be (u, v) or (u, v, bias)")
+  uu, vu = up[:2]
+  ud, vd = down[:2]
+  d, r = uu.shape
+  f = vu.shape[1]
+  rd, d_out = vd.shape
+  if x.shape[-1] != d or vu.shape[0] != r or ud.shape != (f, rd):
+    raise ValueError(f"{x.shape=}, up {uu.shape}x{vu.shape}, down {ud.shape}x{vd.shape}: "
+                     "expected x [..., D], up [D, r]x[r, F], down [F, r_d]x[r_d, D_out]")
+  if gated and (gate[0].shape != uu.shape or gate[1].shape != vu.shape):
+    raise ValueError(f"gate factors {gate[0].shape}x{gate[1].shape} must match up's "
+                     f"{uu.shape}x{vu.shape} (one pass computes both)")
+  lead = x.shape[:-1]
+  x2 = x.reshape(-1, d)
+  m = x2.shape[0]
+  out_dtype = jnp.dtype(out_dtype or x.dtype)
+  bs = block_sizes or BlockSizes.get_default(m, d, f, r, d_out)
+  if bs.block_m < m:
+    raise ValueError(f"{bs.block_m=} must cover the {m} rows; use mlp_prefill for large M")
+  bias_mask = tuple(len(p) == 3 for p in projs)
+  plan = launch_plan(m, d, r, f, rd, d_out, gated=gated, act=act, bias_mask=bias_mask, bs=bs)
+  ug, vg, bg = (gate + (None,))[:3] if gated else (uu, vu, None)
+  bu = up[2] if len(up) == 3 else None
+  bd = down[2] if len(down) == 3 else None
+  ops = (x2, ug, vg, bg if bg is not None else vg, uu, vu, bu if bu is not None else vu,
+         ud, vd, bd if bd is not None else vd)
+  f32 = jnp.float32
+  if out is not None and (tuple(out.shape) != (m, d_out) or out.dtype != out_dtype):
+    raise ValueError(f"{out.shape=} {out.dtype=}: expected {(m, d_out)} {out_dtype}")
+  outs = jt.triton_call(
+      *ops, x2 if out is None else out, kernel=_mlp_decode_kernel,
+      out_shape=(jax.ShapeDtypeStruct((m, r), f32), jax.ShapeDtypeStruct((m, r), f32),
+                 jax.ShapeDtypeStruct((m, rd), f32), jax.ShapeDtypeStruct((2,), jnp.int32),
+                 jax.ShapeDtypeStruct((m, d_out), out_dtype)),
+      grid=(plan["grid"],), zeroed_outputs=(0, 1, 2, 3),
+      input_output_aliases={10: 4} if out is not None else None, num_warps=bs.num_warps,
+      num_stages=bs.num_stages, name="lrjax_mlp_decode", **plan["meta"])
+  return outs[-1].reshape(*lead, d_out)
+
+
+def mlp_decode_reference(x, up, down, gate=None, *, act="silu", out_dtype=None):
+  """f32-accumulating low-rank MLP with the kernel's roundings (X·U and h to the factor dtype)."""
+  from lrjax.lowering.primitives import ACTIVATIONS
+  out_dtype = jnp.dtype(out_dtype or x.dtype)
+  f32 = jnp.float32
+
+  def xuv(a, p):
+    t = jnp.matmul(a, p[0], preferred_element_type=f32).astype(p[1].dtype)
+    y = jnp.matmul(t, p[1], preferred_element_type=f32)
+    return y + p[2].astype(f32) if len(p) == 3 else y
+
+  fn = ACTIVATIONS[act]
+  h = fn(xuv(x, gate)) * xuv(x, up) if gate is not None else fn(xuv(x, up))
+  return xuv(h.astype(down[0].dtype), down).astype(out_dtype)

@@ -1,0 +1,271 @@
+"""Fused low-rank (Swi)GLU MLP for many tokens: one persistent launch, four phases per
+row block, intermediates only in an L2-sized ring (never a [T, D_ff] tensor).
+
+  A  [Pg | Pu] = X·[Ug | Uu]         one pass over X: each tile computes both factors
+  B  H = act(Pg·Vg + bg) ⊙ (Pu·Vu + bu)   the activation fused into the dual GEMM
+  C  S = H·Ud                         H consumed B_M rows at a time, straight from the ring
+  D  Y = S·Vd + bd
+
+Why not FlashSVD-V2's one-tile-does-everything: projecting an [B_M, B_F] tile of H into the
+down rank needs an [B_M, r_d] accumulator per CTA (B_M=128, r_d=2560: 1.3 MB, six SMs'
+worth of registers), or f32 atomics of size T·r_d·D_ff/B_F (1.2 G adds at T=4096).
+The decode kernel (mlp_decode.py) does the atomics because there they are T·r_d·D_ff/B_F
+<= 16·2560·112. Here each B_M x D_ff strip of H is written once to a ring slot of
+``G·B_M`` rows. The phase-C tiles of those rows read it back from L2, and the slot is
+reused ``ring`` super-blocks later. The strips of P and S are ringed the same way. So
+scratch memory is ``ring·G·B_M·(2r + D_ff + r_d)`` elements, independent of T, and every
+element of H is produced once and consumed once.
+
+Dependencies are per row block, with release/acquire flags as in xuv_prefill.py. Phase
+X of row block m waits for phase X-1 of m. It also waits for phase X+1 of row block
+m - ring·G before overwriting that row block's slot. Tiles come from a host-built
+schedule: step s = [A(s), B(s-1), C(s-2), D(s-3)] over super-blocks. Every
+dependency points to an earlier tile, so the persistent grid cannot deadlock.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import jax_triton as jt
+import numpy as np
+import triton
+import triton.language as tl
+
+from lrjax.custom_calls.triton import planner
+from lrjax.custom_calls.triton._common import (activation, mm_acc, mm_acc2, signal,
+                                               wait_at_least)
+from lrjax.custom_calls.triton.mlp_decode import ACT_CODES
+
+_PHASE_SHIFT, _M_SHIFT = 28, 14
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  block_m: int
+  block_n: int  # output columns per tile (all phases)
+  block_k: int  # reduction step (all phases)
+  group_m: int  # row blocks per super-block (one ring slot)
+  ring: int = 2
+  num_warps: int = 8
+  num_stages: int = 3
+  programs: int = 132
+
+  @classmethod
+  def get_default(cls, m: int, d: int, f: int, r: int, rd: int, gated: bool) -> "BlockSizes":
+    t = TUNED.get(("m>512" if m > 512 else "m<=512", "r>=2048" if r >= 2048 else "r<2048"))
+    if t is None:
+      widths = ((2 * r) if gated else r, f, rd)
+      p = planner.plan_prefill(m, r, widths, ring=2)
+      t = cls(p.block_m, p.block_n, p.block_k, p.group_m, 2, p.warps, p.stages, p.programs)
+    n_mb = planner.cdiv(m, t.block_m)
+    return dataclasses.replace(t, group_m=max(1, min(t.group_m, n_mb)))
+
+
+# Tuned on the H200 (benchmarks/gpu_lowrank.py); missing classes use planner.plan_prefill.
+TUNED: dict[tuple[str, str], BlockSizes] = {
+    ("m>512", "r>=2048"): BlockSizes(128, 128, 64, 4, 2, 8, 4, 132),
+    ("m>512", "r<2048"): BlockSizes(128, 128, 64, 4, 2, 8, 4, 132),
+}
+
+
+@triton.jit
+def _mlp_prefill_kernel(
+    x_ptr,  # [M, D] activations
+    ug_ptr, vg_ptr, bg_ptr,  # [D, R], [R, F], [F] gate (unread if not GATED)
+    uu_ptr, vu_ptr, bu_ptr,  # [D, R], [R, F], [F] up
+    ud_ptr, vd_ptr, bd_ptr,  # [F, RD], [RD, DO], [DO] down
+    sched_ptr,  # [T] i32 tile codes: phase << 28 | row block << 14 | column block
+    o_in_ptr,  # [M, DO] caller's output buffer aliased to o_ptr (else x; never read)
+    p_ring,  # [RING*G*BLOCK_M, 2R] (gated) or [.., R]: X·Ug | X·Uu strips
+    h_ring,  # [RING*G*BLOCK_M, F] activation strips
+    s_ring,  # [RING*G*BLOCK_M, RD] down-rank strips
+    flags_ptr,  # [4, n_mb] i32 parts done per phase and row block, zeroed
+    o_ptr,  # [M, DO] output
+    M: tl.constexpr, D: tl.constexpr, R: tl.constexpr, F: tl.constexpr,
+    RD: tl.constexpr, DO: tl.constexpr, NMB: tl.constexpr,
+    GATED: tl.constexpr, ACT: tl.constexpr,
+    HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr,
+    T: tl.constexpr, PROGRAMS: tl.constexpr, G: tl.constexpr, RING: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_R: tl.constexpr, EVEN_F: tl.constexpr, EVEN_RD: tl.constexpr,
+):
+  pid = tl.program_id(0)
+  PW: tl.constexpr = 2 * R if GATED else R
+  n_r = (R + BLOCK_N - 1) // BLOCK_N
+  n_f = (F + BLOCK_N - 1) // BLOCK_N
+  n_s = (RD + BLOCK_N - 1) // BLOCK_N
+  n_n = (DO + BLOCK_N - 1) // BLOCK_N
+  SLOT: tl.constexpr = G * RING
+  for t in range(pid, T, PROGRAMS):
+    code = tl.load(sched_ptr + t)
+    phase = code >> 28
+    mb = (code >> 14) & 16383
+    j = code & 16383
+    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    rows = ((mb // G) % RING) * (G * BLOCK_M) + (mb % G) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_c = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    if phase == 0:
+      # A: [Pg | Pu] columns j of row block mb; the slot's last user was B of mb - SLOT
+      if mb >= SLOT:
+        wait_at_least(flags_ptr + NMB + mb - SLOT, n_f)
+      c_mask = offs_c < R
+      acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+      if GATED:
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_g, acc_u = mm_acc2(acc_g, acc_u, x_ptr, x_ptr, ug_ptr, uu_ptr, offs_m, offs_c,
+                               m_mask, c_mask, 0, D, D, D, R, BLOCK_K, EVEN_D, False, True)
+        tl.store(p_ring + rows[:, None] * PW + offs_c[None, :],
+                 acc_g.to(p_ring.dtype.element_ty), mask=c_mask[None, :])
+        tl.store(p_ring + rows[:, None] * PW + R + offs_c[None, :],
+                 acc_u.to(p_ring.dtype.element_ty), mask=c_mask[None, :])
+      else:
+        acc_u = mm_acc(acc_u, x_ptr, uu_ptr, offs_m, offs_c, m_mask, c_mask, 0, D, D, D, R,
+                       BLOCK_K, EVEN_D, False)
+        tl.store(p_ring + rows[:, None] * PW + offs_c[None, :],
+                 acc_u.to(p_ring.dtype.element_ty), mask=c_mask[None, :])
+      signal(flags_ptr + mb)
+    elif phase == 1:
+      # B: H columns j = act(Pg·Vg + bg) ⊙ (Pu·Vu + bu); slot's last user was C of mb - SLOT
+      wait_at_least(flags_ptr + mb, n_r)
+      if mb >= SLOT:
+        wait_at_least(flags_ptr + 2 * NMB + mb - SLOT, n_s)
+      c_mask = offs_c < F
+      acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+      if GATED:
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_g, acc_u = mm_acc2(acc_g, acc_u, p_ring, p_ring + R, vg_ptr, vu_ptr, rows, offs_c,
+                               m_mask, c_mask, 0, R, R, PW, F, BLOCK_K, EVEN_R, True, False)
+        if HAS_BG:
+          acc_g += tl.load(bg_ptr + offs_c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+      else:
+        acc_u = mm_acc(acc_u, p_ring, vu_ptr, rows, offs_c, m_mask, c_mask, 0, R, R, PW, F,
+                       BLOCK_K, EVEN_R, True)
+      if HAS_BU:
+        acc_u += tl.load(bu_ptr + offs_c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+      if GATED:
+        h = activation(acc_g, ACT) * acc_u
+      else:
+        h = activation(acc_u, ACT)
+      tl.store(h_ring + rows[:, None] * F + offs_c[None, :], h.to(h_ring.dtype.element_ty),
+               mask=c_mask[None, :])
+      signal(flags_ptr + NMB + mb)
+    elif phase == 2:
+      # C: S columns j = H·Ud; slot's last user was D of mb - SLOT
+      wait_at_least(flags_ptr + NMB + mb, n_f)
+      if mb >= SLOT:
+        wait_at_least(flags_ptr + 3 * NMB + mb - SLOT, n_n)
+      c_mask = offs_c < RD
+      acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+      acc = mm_acc(acc, h_ring, ud_ptr, rows, offs_c, m_mask, c_mask, 0, F, F, F, RD,
+                   BLOCK_K, EVEN_F, True)
+      tl.store(s_ring + rows[:, None] * RD + offs_c[None, :], acc.to(s_ring.dtype.element_ty),
+               mask=c_mask[None, :])
+      signal(flags_ptr + 2 * NMB + mb)
+    else:
+      # D: Y columns j = S·Vd + bd
+      wait_at_least(flags_ptr + 2 * NMB + mb, n_s)
+      c_mask = offs_c < DO
+      acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+      acc = mm_acc(acc, s_ring, vd_ptr, rows, offs_c, m_mask, c_mask, 0, RD, RD, RD, DO,
+                   BLOCK_K, EVEN_RD, True)
+      if HAS_BD:
+        acc += tl.load(bd_ptr + offs_c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+      tl.store(o_ptr + offs_m[:, None] * DO + offs_c[None, :], acc.to(o_ptr.dtype.element_ty),
+               mask=m_mask[:, None] & c_mask[None, :])
+      signal(flags_ptr + 3 * NMB + mb)
+
+
+def schedule(m: int, r: int, f: int, rd: int, d_out: int, bs: BlockSizes) -> np.ndarray:
+  """Tile codes in dependency order: step s = [A(s), B(s-1), C(s-2), D(s-3)]."""
+  n_mb = planner.cdiv(m, bs.block_m)
+  widths = [planner.cdiv(w, bs.block_n) for w in (r, f, rd, d_out)]
+  if n_mb >= 1 << 14 or max(widths) >= 1 << 14:
+    raise ValueError(f"{m=}, {r=}, {f=}, {rd=}, {d_out=} exceed the 14-bit tile code fields")
+  n_sb = planner.cdiv(n_mb, bs.group_m)
+  rows = lambda sb: range(sb * bs.group_m, min((sb + 1) * bs.group_m, n_mb))
+  codes = []
+  for s in range(n_sb + 3):
+    for phase in range(4):
+      sb = s - phase
+      if 0 <= sb < n_sb:
+        codes += [(phase << _PHASE_SHIFT) | (mb << _M_SHIFT) | j
+                  for j in range(widths[phase]) for mb in rows(sb)]
+  return np.asarray(codes, np.int32)
+
+
+def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes) -> dict:
+  sched = schedule(m, r, f, rd, d_out, bs)
+  n_mb = planner.cdiv(m, bs.block_m)
+  ring = min(bs.ring, planner.cdiv(n_mb, bs.group_m))
+  has = dict(zip(("bg", "bu", "bd") if gated else ("bu", "bd"), bias_mask))
+  programs = min(bs.programs, len(sched))
+  meta = dict(M=m, D=d, R=r, F=f, RD=rd, DO=d_out, NMB=n_mb, GATED=gated, ACT=ACT_CODES[act],
+              HAS_BG=has.get("bg", False), HAS_BU=has["bu"], HAS_BD=has["bd"],
+              T=len(sched), PROGRAMS=programs, G=bs.group_m, RING=ring,
+              BLOCK_M=bs.block_m, BLOCK_N=bs.block_n, BLOCK_K=bs.block_k,
+              EVEN_D=d % bs.block_k == 0, EVEN_R=r % bs.block_k == 0,
+              EVEN_F=f % bs.block_k == 0, EVEN_RD=rd % bs.block_k == 0)
+  ring_rows = ring * bs.group_m * bs.block_m
+  return dict(sched=sched, n_mb=n_mb, ring_rows=ring_rows, programs=programs, meta=meta,
+              scratch_elems=ring_rows * ((2 * r if gated else r) + f + rd))
+
+
+def mlp_prefill(x, up, down, gate=None, *, act="silu", out_dtype=None,
+                block_sizes: BlockSizes | None = None, out=None):
+  """Low-rank MLP for many tokens; ``up``/``down``/``gate`` are (u, v) or (u, v, bias).
+
+  ``out`` [M, D_out]: optional buffer the kernel writes into (aliased; tests poison it).
+  """
+  if act not in ACT_CODES:
+    raise ValueError(f"{act=} is not supported; expected one of {sorted(ACT_CODES)}")
+  gated = gate is not None
+  projs = ((gate,) if gated else ()) + (up, down)
+  for p in projs:
+    if not isinstance(p, (tuple, list)) or len(p) not in (2, 3):
+      raise ValueError("each projection must be (u, v) or (u, v, bias)")
+  uu, vu = up[:2]
+  ud, vd = down[:2]
+  d, r = uu.shape
+  f = vu.shape[1]
+  rd, d_out = vd.shape
+  if x.shape[-1] != d or vu.shape[0] != r or ud.shape != (f, rd):
+    raise ValueError(f"{x.shape=}, up {uu.shape}x{vu.shape}, down {ud.shape}x{vd.shape}: "
+                     "expected x [..., D], up [D, r]x[r, F], down [F, r_d]x[r_d, D_out]")
+  if gated and (gate[0].shape != uu.shape or gate[1].shape != vu.shape):
+    raise ValueError(f"gate factors {gate[0].shape}x{gate[1].shape} must match up's "
+                     f"{uu.shape}x{vu.shape} (one pass computes both)")
+  lead = x.shape[:-1]
+  x2 = x.reshape(-1, d)
+  m = x2.shape[0]
+  out_dtype = jnp.dtype(out_dtype or x.dtype)
+  bs = block_sizes or BlockSizes.get_default(m, d, f, r, rd, gated)
+  bias_mask = tuple(len(p) == 3 for p in projs)
+  plan = launch_plan(m, d, r, f, rd, d_out, gated=gated, act=act, bias_mask=bias_mask, bs=bs)
+  ug, vg, bg = (tuple(gate) + (None,))[:3] if gated else (uu, vu, None)
+  bu = up[2] if len(up) == 3 else None
+  bd = down[2] if len(down) == 3 else None
+  ops = (x2, ug, vg, bg if bg is not None else vg, uu, vu, bu if bu is not None else vu,
+         ud, vd, bd if bd is not None else vd, jnp.asarray(plan["sched"]))
+  rr = plan["ring_rows"]
+  dt = vu.dtype
+  if out is not None and (tuple(out.shape) != (m, d_out) or out.dtype != out_dtype):
+    raise ValueError(f"{out.shape=} {out.dtype=}: expected {(m, d_out)} {out_dtype}")
+  outs = jt.triton_call(
+      *ops, x2 if out is None else out, kernel=_mlp_prefill_kernel,
+      out_shape=(jax.ShapeDtypeStruct((rr, 2 * r if gated else r), dt),
+                 jax.ShapeDtypeStruct((rr, f), dt), jax.ShapeDtypeStruct((rr, rd), dt),
+                 jax.ShapeDtypeStruct((4, plan["n_mb"]), jnp.int32),
+                 jax.ShapeDtypeStruct((m, d_out), out_dtype)),
+      grid=(plan["programs"],), zeroed_outputs=(3,),
+      input_output_aliases={11: 4} if out is not None else None, num_warps=bs.num_warps,
+      num_stages=bs.num_stages, name="lrjax_mlp_prefill", **plan["meta"])
+  return outs[-1].reshape(*lead, d_out)
+
+
+def mlp_prefill_reference(x, up, down, gate=None, *, act="silu", out_dtype=None):
+  """Same function as the decode kernel's reference (the roundings are the same)."""
+  from lrjax.custom_calls.triton.mlp_decode import mlp_decode_reference
+  return mlp_decode_reference(x, up, down, gate, act=act, out_dtype=out_dtype)

@@ -1,0 +1,179 @@
+"""Tile planner for the Triton low-rank kernels: NeuronMM's eq. 10-11 rewritten for the H200.
+
+Pure Python (no triton import), so the CPU suite tests it and ``supports`` can use it.
+
+Two levels of on-chip memory matter on a GPU, not one:
+
+* **Shared memory per SM (228 KB).** This is NeuronMM's SBUF (eq. 11). A CTA can keep
+  the B_M x r strip of X·U on chip only when
+  ``B_M·r·s + stages·(B_M·B_K + B_K·B_N)·s <= smem``.
+  At the ranks LLMs use (r >= 1024) that leaves B_M <= 32 rows, and a CTA that owns a
+  row block must loop over all of N, so a 1024-token prefill would run on 32 of 132 SMs.
+  Splitting N over CTAs instead recomputes X·U once per split (NeuronMM's recomputation
+  penalty, Challenge 2).
+* **L2 (about 50-60 MB, shared by all SMs).** So when the strip does not fit one CTA, the
+  kernels keep it in an L2-sized *ring*: for a super-block of G row blocks the strip
+  (G·B_M x r) is computed exactly once, written to a scratch slot, and read back by every
+  N-block tile of those rows while it is still L2-resident; no recomputation, and the
+  strip's HBM traffic is at most one write (usually none: it is overwritten while cached).
+
+Eq. 10 then decides G: the V factor is streamed from HBM once per super-block, so
+``AI = 2r / ((1 + r/(G·B_M))·s)`` must clear the H200 ridge (790 TFLOP/s / 4.3 TB/s =
+184 FLOP/B) with margin, while the strip ``G·B_M·r·s`` stays within the L2 budget.
+Eq. 11 decides the CTA tile: the pipelined tiles must fit shared memory, and the largest
+wgmma-friendly tile that does is the most intense per byte of L2 traffic.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+  name: str = "NVIDIA H200"
+  smem_per_sm: int = 228 * 1024  # bytes; 227 KB usable by one CTA
+  smem_per_cta: int = 227 * 1024
+  l2_bytes: int = 50 * 1024 * 1024  # H100/H200 L2 (torch reports 60 MB incl. reserved)
+  hbm_bw: float = 4.3e12  # B/s, measured device-to-device copy
+  peak_flops: float = 790e12  # bf16 dense, measured 8192^3 product
+  num_sms: int = 132
+
+  @property
+  def ridge(self) -> float:
+    """FLOP per HBM byte above which a kernel is compute-bound."""
+    return self.peak_flops / self.hbm_bw
+
+
+H200 = Hardware()
+
+
+def cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+  return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def xuv_intensity(r: int, b_m: int, s: int = 2) -> float:
+  """NeuronMM eq. 10: FLOP per HBM byte of X·U·V when U, V are re-read per B_M rows."""
+  return 2 * r / ((1 + r / b_m) * s)
+
+
+def strip_smem_bytes(b_m: int, r: int, b_k: int, b_n: int, b_r: int, s: int = 2) -> int:
+  """NeuronMM eq. 11: peak on-chip bytes of one CTA that keeps the B_M x r strip."""
+  return (b_m * r + (b_m + b_r) * max(b_k, b_n)) * s
+
+
+def pipeline_smem_bytes(b_m: int, b_n: int, b_k: int, stages: int, s: int = 2) -> int:
+  """Shared memory of a software-pipelined Triton GEMM tile (A and B ring)."""
+  return stages * (b_m * b_k + b_k * b_n) * s
+
+
+def strip_fits_cta(b_m: int, r: int, b_k: int, b_n: int, stages: int, s: int = 2,
+                   hw: Hardware = H200) -> bool:
+  """Whether a CTA can hold the whole B_M x r strip next to its pipeline buffers."""
+  return b_m * r * s + pipeline_smem_bytes(b_m, b_n, b_k, stages, s) <= hw.smem_per_cta
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillPlan:
+  block_m: int
+  block_n: int
+  block_k: int
+  stages: int
+  warps: int
+  group_m: int  # row blocks per super-block (strip shared through L2)
+  ring: int  # super-block slots in the scratch ring
+  programs: int  # persistent CTAs
+  intensity: float  # eq. 10 at B_M = group_m·block_m
+  strip_bytes: int  # one super-block's strip
+  smem_bytes: int
+  reason: str
+
+
+# CTA tiles tried, largest first; all are wgmma shapes (B_M multiple of 64).
+_PREFILL_TILES = ((128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (64, 128, 64, 4, 4))
+
+
+def plan_prefill(m: int, r: int, widths: tuple[int, ...], s: int = 2, ring: int = 2,
+                 hw: Hardware = H200, l2_fraction: float = 0.4,
+                 margin: float = 2.0) -> PrefillPlan:
+  """Chooses the CTA tile (eq. 11 on smem) and the L2 super-block (eq. 10 on L2).
+
+  Args:
+    m: rows (tokens).
+    r: the rank (width of the strip).
+    widths: the widths of the strips the kernel keeps per row block (e.g. (r,) for
+      X·U·V, (2r, D_ff, r) for a gated MLP: P, H and S).
+    ring: super-block slots (2 lets one super-block be written while the last is read).
+  """
+  for b_m, b_n, b_k, stages, warps in _PREFILL_TILES:
+    smem = pipeline_smem_bytes(b_m, b_n, b_k, stages, s)
+    if smem <= hw.smem_per_cta and (b_m <= max(64, next_pow2(m))):
+      break
+  n_mb = cdiv(m, b_m)
+  per_row = sum(widths) * s
+  budget = l2_fraction * hw.l2_bytes
+  # Largest group whose ring stays within the L2 budget...
+  g_max = max(1, int(budget // (ring * b_m * per_row)))
+  # ...but no larger than needed to clear the ridge with margin (keeps tiles in flight
+  # of one super-block, so the strip is read back while cached).
+  g = 1
+  while g < min(g_max, n_mb) and xuv_intensity(r, g * b_m, s) < margin * hw.ridge:
+    g *= 2
+  g = max(1, min(g, g_max, n_mb))
+  ai = xuv_intensity(r, g * b_m, s)
+  reason = (f"tile {b_m}x{b_n}x{b_k}x{stages} uses {smem // 1024} KB smem; strip "
+            f"{b_m}x{r} ({b_m * r * s // 1024} KB) does not fit one CTA next to it, so "
+            f"super-blocks of {g} row blocks share the strip through L2 "
+            f"(eq.10 AI={ai:.0f} FLOP/B vs ridge {hw.ridge:.0f})")
+  return PrefillPlan(b_m, b_n, b_k, stages, warps, g, ring, hw.num_sms, ai,
+                     g * b_m * per_row, smem, reason)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+  block_m: int  # padded token rows (>= 16 for mma)
+  block_k: int  # stage-1 K step
+  block_r: int  # stage-1 output columns per CTA
+  split_k: int  # inter-CTA split of K
+  block_n: int  # stage-2 output columns per CTA
+  block_kv: int  # stage-2 reduction step
+  stages: int
+  warps: int
+
+
+def plan_decode(m: int, k: int, r: int, n: int, hw: Hardware = H200,
+                ctas_per_sm: int = 3) -> DecodePlan:
+  """Split-K so stage 1 has about ``ctas_per_sm`` CTAs per SM, each streaming >= 64 rows of U."""
+  block_m = max(16, next_pow2(m))
+  block_r = 128 if r >= 2048 else 64
+  block_k = 64 if block_m <= 32 else 32
+  n_r = cdiv(r, block_r)
+  want = hw.num_sms * ctas_per_sm
+  split_k = max(1, min(cdiv(want, n_r), cdiv(k, 4 * block_k)))
+  split_k = 1 << (split_k.bit_length() - 1)  # power of two
+  block_n = 64 if cdiv(n, 64) >= hw.num_sms else 32
+  stages = 4 if block_m <= 32 else 3
+  return DecodePlan(block_m, block_k, block_r, split_k, block_n, 64, stages, 4)
+
+
+def hbm_bytes_xuv(m: int, k: int, r: int, n: int, s: int = 2, bias: bool = False) -> int:
+  """Fewest HBM bytes of X·U·V: each input read once, the output written once."""
+  return s * (m * k + k * r + r * n + m * n + (n if bias else 0))
+
+
+def flops_xuv(m: int, k: int, r: int, n: int) -> int:
+  return 2 * m * r * (k + n)
+
+
+def hbm_bytes_mlp(m: int, d: int, f: int, r: int, gated: bool = True, s: int = 2) -> int:
+  n_up = 2 if gated else 1
+  return s * (2 * m * d + n_up * r * (d + f) + r * (f + d))
+
+
+def flops_mlp(m: int, d: int, f: int, r: int, gated: bool = True) -> int:
+  n_up = 2 if gated else 1
+  return 2 * m * r * (d + f) * (n_up + 1)
