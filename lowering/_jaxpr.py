@@ -6,6 +6,7 @@ small API below (eqn evaluation, sub-jaxpr discovery, source locations).
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable, Sequence
 
 import jax
@@ -60,11 +61,15 @@ def bind_eqn(eqn: JaxprEqn, invals: Sequence[Any], params: dict | None = None) -
   return list(ans) if eqn.primitive.multiple_results else [ans]
 
 
+_LOWERING_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
 def location(eqn: JaxprEqn, depth: int = 2) -> str:
   """'file.py:LINE (function)' of the user code that produced ``eqn``, innermost first,
   with up to ``depth`` frames (e.g. the layer's __call__ and the model code calling it)."""
   try:
-    frames = list(source_info_util.user_frames(eqn.source_info.traceback))[:depth]
+    frames = [f for f in source_info_util.user_frames(eqn.source_info.traceback)
+              if not f.file_name.startswith(_LOWERING_DIR)][:depth]
     parts = [f"{f.file_name}:{f.start_line} ({f.function_name})" for f in frames]
     return " <- ".join(parts) if parts else source_info_util.summarize(eqn.source_info)
   except Exception:  # pragma: no cover - best effort only

@@ -485,7 +485,59 @@ class MLPRule:
                  lr_mlp_p, tuple(avals), params, shapes)
 
 
-DEFAULT_RULES = (MLPRule(gated=True), MLPRule(name="lr_mlp", gated=False), XUVRule())
+# ------------------------------------------------------------------ W4A8
+
+@dataclasses.dataclass(frozen=True)
+class W4A8XUVRule:
+  """w4a8_matmul(w4a8_matmul(x, U), V) (+ bias)  ->  lr_xuv_w4a8.
+
+  The rank-r intermediate is then re-quantized inside one kernel instead of making a
+  round trip through memory (see lowering/quantized.py for the operand layout).
+  """
+
+  name: str = "lr_xuv_w4a8"
+
+  def find(self, g: Graph, taken: set) -> tuple[list, list]:
+    from lrjax.lowering import quantized as q
+
+    matches, near = [], []
+    for j, e2 in enumerate(g.eqns):
+      if e2.primitive is not q.w4a8_matmul_p or j in taken:
+        continue
+      t = e2.invars[0]
+      i, e1 = g.producer_eqn(t)
+      if e1 is None or e1.primitive is not q.w4a8_matmul_p or i in taken:
+        continue
+      loc = g.location(j)
+      if e1.params["has_bias"]:
+        near.append(NearMiss(self.name, g.path, loc, "the first factor has a bias"))
+        continue
+      if not g.single_use(t, j):
+        near.append(NearMiss(self.name, g.path, loc, "the intermediate x·U is used elsewhere"))
+        continue
+      if e1.params["layout"] != e2.params["layout"]:
+        near.append(NearMiss(self.name, g.path, loc, "U and V are packed in different layouts"))
+        continue
+      if not all(g.is_weight(a) for a in e1.invars[1:] + e2.invars[1:]):
+        near.append(NearMiss(self.name, g.path, loc, "packed factors are not weights"))
+        continue
+      has_bias = e2.params["has_bias"]
+      params = q.fused_xuv_params(e1.params, e2.params, has_bias)
+      ops = (e1.invars[0], *e1.invars[1:3], *e2.invars[1:])
+
+      def emit(read, ops=ops, params=params):
+        return q.lr_xuv_w4a8_p.bind(*[read(a) for a in ops], **params)
+
+      k = e1.invars[0].aval.shape[-1]
+      shapes = (f"x{list(e1.invars[0].aval.shape)} int4 U[{k},{params['r']}] "
+                f"int4 V[{params['r']},{params['n']}] {params['layout']}")
+      matches.append(Match(self.name, j, frozenset({i, j}), emit, g.path, loc, q.lr_xuv_w4a8_p,
+                           tuple(a.aval for a in ops), params, shapes))
+    return matches, near
+
+
+DEFAULT_RULES = (MLPRule(gated=True), MLPRule(name="lr_mlp", gated=False), XUVRule(),
+                 W4A8XUVRule())
 
 
 def rule_label(rule) -> str:

@@ -251,3 +251,20 @@ def test_fuse_rejects_non_callable():
     lrjax.fuse(3)
   with pytest.raises(ValueError, match="rank_threshold"):
     lrjax.fuse(lambda x: x, rank_threshold=0.0)
+
+
+def test_w4a8_chain_fuses_into_one_quantized_xuv():
+  from lrjax.quant import quantize
+
+  class M(nnx.Module):
+    def __init__(self):
+      self.proj = LowRankLinear(96, 80, 16, use_bias=True, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+      return self.proj(x)
+
+  q = quantize(M(), "w4a8", group=32)
+  x = randn((3, 96))
+  names = prims(lrjax.fuse(q), x)
+  assert names.count("lr_xuv_w4a8") == 1 and "w4a8_matmul" not in names
+  assert_close(jax.jit(lrjax.fuse(q))(x), jax.jit(lambda x: q(x))(x), jnp.float32, factor=10)
