@@ -80,7 +80,7 @@ def _load_matmul():
     bias = rest[0] if has_bias else _empty_bias()
     out = jax.ShapeDtypeStruct(x.shape[:-1] + (n,), out_dtype)
     return jax.ffi.ffi_call(_TARGETS["w4a8_matmul"], out, vmap_method="broadcast_all")(
-        x, w, s, bias, n=np.int64(n), group=np.int64(group),
+        x, w, s, bias, k=np.int64(x.shape[-1]), n=np.int64(n), group=np.int64(group),
         layout=np.int64(_LAYOUT_CODES[layout]))
   return impl
 
@@ -94,7 +94,7 @@ def _load_xuv():
     bias = rest[0] if has_bias else _empty_bias()
     out = jax.ShapeDtypeStruct(x.shape[:-1] + (n,), out_dtype)
     return jax.ffi.ffi_call(_TARGETS["lr_xuv_w4a8"], out, vmap_method="broadcast_all")(
-        x, wu, su, wv, sv, bias, r=np.int64(r), n=np.int64(n), group_u=np.int64(group_u),
+        x, wu, su, wv, sv, bias, k=np.int64(x.shape[-1]), r=np.int64(r), n=np.int64(n), group_u=np.int64(group_u),
         group_v=np.int64(group_v), layout=np.int64(_LAYOUT_CODES[layout]))
   return impl
 

@@ -80,12 +80,12 @@ ffi::Error CheckBias(ffi::Buffer<ffi::F32> bias, int64_t N, const float** out) {
   } while (0)
 
 ffi::Error W4A8MatmulImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> scales,
-                          ffi::Buffer<ffi::F32> bias, ffi::Result<ffi::AnyBuffer> y, int64_t n,
-                          int64_t group, int64_t layout) {
+                          ffi::Buffer<ffi::F32> bias, ffi::Result<ffi::AnyBuffer> y, int64_t k,
+                          int64_t n, int64_t group, int64_t layout) {
   DType xt, yt;
   LRJAX_RETURN_IF_ERROR(FloatType(x.element_type(), "x", &xt));
   LRJAX_RETURN_IF_ERROR(FloatType(y->element_type(), "output", &yt));
-  const int64_t K = x.dimensions().size() ? x.dimensions().back() : 0;
+  const int64_t K = k;
   int64_t M;
   LRJAX_RETURN_IF_ERROR(CheckActivations(x, K, y, n, &M));
   Weights wt;
@@ -99,12 +99,12 @@ ffi::Error W4A8MatmulImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U8> w, ffi::Buffer<
 
 ffi::Error LowRankW4A8Impl(ffi::AnyBuffer x, ffi::Buffer<ffi::U8> wu, ffi::Buffer<ffi::F32> su,
                            ffi::Buffer<ffi::U8> wv, ffi::Buffer<ffi::F32> sv,
-                           ffi::Buffer<ffi::F32> bias, ffi::Result<ffi::AnyBuffer> y, int64_t r,
-                           int64_t n, int64_t group_u, int64_t group_v, int64_t layout) {
+                           ffi::Buffer<ffi::F32> bias, ffi::Result<ffi::AnyBuffer> y, int64_t k,
+                           int64_t r, int64_t n, int64_t group_u, int64_t group_v, int64_t layout) {
   DType xt, yt;
   LRJAX_RETURN_IF_ERROR(FloatType(x.element_type(), "x", &xt));
   LRJAX_RETURN_IF_ERROR(FloatType(y->element_type(), "output", &yt));
-  const int64_t K = x.dimensions().size() ? x.dimensions().back() : 0;
+  const int64_t K = k;
   int64_t M;
   LRJAX_RETURN_IF_ERROR(CheckActivations(x, K, y, n, &M));
   Weights u, v;
@@ -126,6 +126,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LrjaxW4A8Matmul, W4A8MatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scales [G, Np]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // bias [N] or [0]
                                   .Ret<ffi::AnyBuffer>()       // y [..., N] f32|bf16
+                                  .Attr<int64_t>("k")
                                   .Attr<int64_t>("n")
                                   .Attr<int64_t>("group")      // 0: per channel
                                   .Attr<int64_t>("layout"));   // lrjax_w4a8::Layout
@@ -139,6 +140,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LrjaxW4A8Xuv, LowRankW4A8Impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v scales [Gv, Np]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // bias [N] or [0]
                                   .Ret<ffi::AnyBuffer>()       // y [..., N] f32|bf16
+                                  .Attr<int64_t>("k")
                                   .Attr<int64_t>("r")
                                   .Attr<int64_t>("n")
                                   .Attr<int64_t>("group_u")
