@@ -1,0 +1,160 @@
+"""Tensor parallelism for lrjax models: DeInfer's low-rank-space all-gather layout.
+
+  mesh  = lrjax.sharding.make_mesh(tp=4)                 # axes ("data", "tp")
+  model = lrjax.sharding.shard(model, mesh, strategy="lowrank_tp")
+  spec  = lrjax.sharding.cache_spec("lowrank_tp")       # KV cache PartitionSpec
+
+Params get ``NamedSharding``s from one rules table per strategy (:mod:`lrjax.sharding.rules`);
+XLA's SPMD partitioner then inserts the collectives. :mod:`lrjax.sharding.hlo` counts them in
+the compiled HLO. Fused kernels (``lr_xuv``/``lr_mlp`` custom calls) run on local shards through
+``custom_partitioning`` (``lrjax.lowering.partitioning``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from lrjax.sharding.hlo import Collective, collectives, summarize, weight_gathers
+from lrjax.sharding.rules import (CACHE, COL_PROJS, MESH_AXES, ROW_PROJS, RULES, STRATEGIES,
+                                  check_strategy, param_spec)
+
+log = logging.getLogger("lrjax.sharding")
+
+
+def make_mesh(tp: int, data: int = 1, devices=None) -> Mesh:
+  """A ("data", "tp") mesh over the first data·tp devices."""
+  devices = list(jax.devices() if devices is None else devices)
+  for name, v in (("tp", tp), ("data", data)):
+    if not isinstance(v, (int, np.integer)) or v < 1:
+      raise ValueError(f"{name}={v!r} must be a positive int")
+  if tp * data > len(devices):
+    raise ValueError(f"tp={tp} × data={data} needs {tp * data} devices; {len(devices)} visible "
+                     "(on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N before "
+                     "importing jax)")
+  return Mesh(np.asarray(devices[:tp * data]).reshape(data, tp), MESH_AXES)
+
+
+def _tp(mesh: Mesh) -> int:
+  if "tp" not in mesh.axis_names:
+    raise ValueError(f"mesh axes {mesh.axis_names} must include 'tp' (use make_mesh)")
+  return mesh.shape["tp"]
+
+
+def _key(path) -> str:
+  return ".".join(str(x) for x in path)
+
+
+def _axes(var) -> tuple:
+  return tuple(var.get_metadata().get("out_sharding") or ())
+
+
+def _check_cfg(cfg, strategy: str, tp: int):
+  if strategy in ("dense", "lowrank_tp", "repl_u_tp"):
+    for name in ("num_heads", "num_kv_heads"):
+      if getattr(cfg, name) % tp:
+        raise ValueError(f"{strategy} with tp={tp} splits attention by heads: cfg.{name}="
+                         f"{getattr(cfg, name)} must be a multiple of tp (or use a smaller tp)")
+    if cfg.intermediate_size % tp:
+      raise ValueError(f"cfg.intermediate_size={cfg.intermediate_size} must be a multiple of {tp=}")
+
+
+def spec_for(strategy: str, key: str, axes: tuple, shape: tuple, tp: int) -> P:
+  """The checked PartitionSpec of one param; lm_head falls back to replicated if vocab % tp."""
+  spec = param_spec(strategy, key, axes, len(shape))
+  for d, ax in enumerate(spec):
+    if ax == "tp" and shape[d] % tp:
+      if tuple(axes) == ("embed", "vocab"):
+        log.info("%s: vocab %d is not a multiple of tp=%d; lm_head replicated", key, shape[d], tp)
+        return P()
+      raise ValueError(f"{key}: dim {d} of shape {tuple(shape)} is split over tp={tp} by "
+                       f"{strategy} ({spec}) but is not a multiple of it; choose ranks that are "
+                       f"multiples of {tp} (compress with rank_multiple={tp}) or a smaller tp")
+  return spec
+
+
+def param_shardings(cfg, mesh: Mesh, strategy: str = "lowrank_tp"):
+  """``(key, logical_axes, shape) → NamedSharding`` plus a checkpoint-loader adapter.
+
+  Returns a function ``fn(key, axes)`` for :func:`lrjax.checkpoint.load` (which knows shapes
+  from its metadata only after the call, so divisibility is checked by :func:`shard`).
+  """
+  check_strategy(strategy)
+  tp = _tp(mesh)
+  _check_cfg(cfg, strategy, tp)
+
+  def fn(key, axes, shape=None):
+    if shape is None:
+      return NamedSharding(mesh, param_spec(strategy, key, axes, _ndim(axes)))
+    return NamedSharding(mesh, spec_for(strategy, key, axes, shape, tp))
+  return fn
+
+
+def _ndim(axes) -> int:
+  return len(axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class TPPlan:
+  """What :func:`shard` decided: the strategy, the mesh and the KV cache spec."""
+  strategy: str
+  mesh: Mesh
+
+  @property
+  def tp(self) -> int:
+    return self.mesh.shape["tp"]
+
+  def cache_sharding(self) -> NamedSharding:
+    return NamedSharding(self.mesh, CACHE[self.strategy])
+
+  def replicated(self) -> NamedSharding:
+    return NamedSharding(self.mesh, P())
+
+  def batch(self, ndim: int = 1) -> NamedSharding:
+    """Activations with a leading batch dim: split over "data", replicated over "tp"."""
+    return NamedSharding(self.mesh, P("data", *([None] * (ndim - 1))))
+
+
+def cache_spec(strategy: str) -> P:
+  return CACHE[check_strategy(strategy)]
+
+
+def shard(model, mesh: Mesh, strategy: str = "lowrank_tp"):
+  """Place every param of ``model`` by ``strategy``'s rules (in place); returns the model.
+
+  The plan is kept on ``model.tp_plan`` for the serving engine.
+  """
+  check_strategy(strategy)
+  tp = _tp(mesh)
+  _check_cfg(model.cfg, strategy, tp)
+  _, state = nnx.split(model)
+  n = 0
+  for path, var in nnx.to_flat_state(state):
+    key = _key(path)
+    spec = spec_for(strategy, key, _axes(var), tuple(var.shape), tp)
+    var.value = jax.device_put(var.value, NamedSharding(mesh, spec))
+    n += 1
+  model.tp_plan = TPPlan(strategy, mesh)
+  log.info("sharded %d params with %s over tp=%d", n, strategy, tp)
+  return model
+
+
+def plan_of(model) -> TPPlan | None:
+  return getattr(model, "tp_plan", None)
+
+
+def param_specs(model, strategy: str, tp: int) -> dict[str, P]:
+  """{flat key: PartitionSpec} for ``model`` under ``strategy`` (no placement)."""
+  _, state = nnx.split(model)
+  return {_key(p): spec_for(strategy, _key(p), _axes(v), tuple(v.shape), tp)
+          for p, v in nnx.to_flat_state(state)}
+
+
+__all__ = ["CACHE", "COL_PROJS", "Collective", "MESH_AXES", "ROW_PROJS", "RULES", "STRATEGIES",
+           "TPPlan", "cache_spec", "collectives", "make_mesh", "param_shardings", "param_spec",
+           "param_specs", "plan_of", "shard", "spec_for", "summarize", "weight_gathers"]
