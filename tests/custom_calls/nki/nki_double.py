@@ -209,17 +209,18 @@ class NkiDouble:
       old.alive = False
       self._release(old.id)
     alloc = _Alloc(next(self._ids), buffer, math.prod(shape[1:]) * dtype.itemsize, site[1:], name)
+    if buffer == SBUF and self.live_pp[SBUF] + alloc.pp_bytes > SBUF_PARTITION_BYTES:
+      raise NkiRuleError(f"SBUF over capacity: {self.live_pp[SBUF] + alloc.pp_bytes} live bytes per "
+                         f"partition > {SBUF_PARTITION_BYTES} (24 MiB / 128) when allocating "
+                         f"{shape} {dtype}")
+    if buffer == PSUM and self.live_banks + alloc.banks > PSUM_BANKS:
+      raise NkiRuleError(f"PSUM over capacity: {self.live_banks + alloc.banks} banks live > "
+                         f"{PSUM_BANKS} (2 KiB per partition each) when allocating {shape} {dtype}")
     self._meta[alloc.id] = (buffer, alloc.pp_bytes, alloc.banks)
     self._sites[site] = weakref.ref(alloc)
     self.live_pp[buffer] += alloc.pp_bytes
     self.live_banks += alloc.banks
     weakref.finalize(alloc, self._release, alloc.id)
-    if self.live_pp[SBUF] > SBUF_PARTITION_BYTES:
-      raise NkiRuleError(f"SBUF over capacity: {self.live_pp[SBUF]} live bytes per partition > "
-                         f"{SBUF_PARTITION_BYTES} (24 MiB / 128) when allocating {shape} {dtype}")
-    if self.live_banks > PSUM_BANKS:
-      raise NkiRuleError(f"PSUM over capacity: {self.live_banks} banks live > {PSUM_BANKS} "
-                         f"(2 KiB per partition each) when allocating {shape} {dtype}")
     self.peak_sbuf_pp = max(self.peak_sbuf_pp, self.live_pp[SBUF])
     self.peak_psum_banks = max(self.peak_psum_banks, self.live_banks)
     arr = np.zeros(shape, dtype) if self.execute else np.broadcast_to(np.zeros((), dtype), shape)

@@ -1,0 +1,90 @@
+"""XUV TrainiumFusion kernel on the NKI test double: numerics, traffic, footprint.
+
+Shapes that are not multiples of 128 are zero-padded by ``xuv.prepare`` (not masked);
+the padded output rows/columns are sliced off by ``xuv.finish``.
+"""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import assert_close
+from lrjax.custom_calls.nki import planner
+from lrjax.lowering import lr_xuv_reference
+from nki_helpers import hbm_total, j, on_double, rand
+
+SHAPES = [  # (M, K, r, N)
+    (1, 128, 128, 128),  # decode: one row
+    (300, 200, 130, 250),  # nothing a multiple of 128
+    (257, 384, 256, 520),
+    (512, 256, 384, 640),
+]
+
+
+def run_xuv(M, K, r, N, dtype, *, out_t=False, x_transposed=False, bias=False, blocks=None):
+  d, (mod,) = on_double("xuv")
+  x = rand((M, K), dtype)
+  u = rand((K, r), dtype, scale=K**-0.5)
+  v = rand((r, N), dtype, scale=r**-0.5)
+  b = rand((N,), dtype) if bias else None
+  xin = np.ascontiguousarray(x.T) if x_transposed else x
+  bs = mod.BlockSizes(*blocks) if blocks else None
+  args, kw, shape = mod.prepare(xin, u, v, b, xp=np, out_t=out_t, x_transposed=x_transposed,
+                                block_sizes=bs)
+  kern = mod.xuv_bias_kernel if bias else mod.xuv_kernel
+  out = mod.finish(kern(*args, **kw), shape, out_t)
+  ref = lr_xuv_reference(j(x), j(u), j(v), j(b))
+  return d, kw, out, ref
+
+
+LAYOUTS = [(False, False, True), (True, False, False), (True, True, True), (False, True, False)]
+CASES = ([(s, jnp.bfloat16, lay) for s in SHAPES for lay in LAYOUTS[:2]]
+         + [(s, jnp.float16, lay) for s, lay in zip(SHAPES, LAYOUTS[::-1])]
+         + [(SHAPES[1], jnp.bfloat16, LAYOUTS[2]), (SHAPES[2], jnp.bfloat16, LAYOUTS[3])])
+
+
+@pytest.mark.parametrize("shape,dtype,layout", CASES)
+def test_xuv_matches_reference_and_planner(shape, dtype, layout):
+  (M, K, r, N), (out_t, x_transposed, bias) = shape, layout
+  d, kw, out, ref = run_xuv(M, K, r, N, dtype, out_t=out_t, x_transposed=x_transposed, bias=bias)
+  assert out.dtype == np.dtype(dtype)
+  assert_close(out.T if out_t else out, ref, dtype)
+  p = planner.evaluate("xuv", M, K, r, N, dtype, (kw["bm"], kw["bk"], kw["br"], kw["bn"]),
+                       out_t=out_t, x_transposed=x_transposed, n_bias=int(bias))
+  assert p.fits
+  assert d.hbm_read_bytes == p.traffic.reads
+  assert d.hbm_write_bytes == p.traffic.writes
+  assert d.reads_by_arg["x"] == p.traffic.x
+  assert d.reads_by_arg["u"] == p.traffic.u
+  assert d.reads_by_arg["v"] == p.traffic.v
+  assert d.flops == p.flops
+  assert d.peak_sbuf_bytes == p.sbuf_peak_bytes
+
+
+@pytest.mark.parametrize("blocks", [(128, 128, 128, 128), (256, 128, 128, 512), (128, 384, 384, 256)])
+def test_xuv_explicit_blocks(blocks):
+  M, K, r, N = 256, 384, 384, 512
+  bm, bk, br, bn = blocks
+  d, kw, out, ref = run_xuv(M, K, r, N, jnp.bfloat16, blocks=blocks)
+  assert_close(out, ref, jnp.bfloat16)
+  s = 2
+  # X is read once per (row strip, rank block); U and V once per row strip; O written once.
+  assert d.reads_by_arg["x"] == M * K * s * (r // br)
+  assert d.reads_by_arg["u"] == (M // bm) * K * r * s
+  assert d.reads_by_arg["v"] == (M // bm) * r * N * s
+  assert d.hbm_write_bytes == M * N * s
+  assert hbm_total(d) == planner.evaluate("xuv", M, K, r, N, s, blocks).traffic.total
+
+
+def test_xuv_reads_x_and_u_once_per_strip_with_full_rank_block():
+  M, K, r, N = 512, 256, 256, 1024
+  blocks = (256, 256, 256, 512)  # B_r = r: one rank block
+  d, _, out, ref = run_xuv(M, K, r, N, jnp.bfloat16, blocks=blocks)
+  assert_close(out, ref, jnp.bfloat16)
+  assert d.reads_by_arg["x"] == M * K * 2  # every element of X exactly once
+  assert d.reads_by_arg["u"] == (M // 256) * K * r * 2  # U once per row strip
+
+
+def test_planner_rejects_blocks_that_spill():
+  with pytest.raises(planner.PlanError, match="SBUF"):
+    planner.plan("xuv", 4096, 7168, 4096, 18432, jnp.bfloat16, out_t=True,
+                 blocks=(2048, 512, 128, 256))
