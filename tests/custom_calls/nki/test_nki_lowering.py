@@ -1,0 +1,82 @@
+"""The Neuron lowering room: light import, guarded registration, would_serve, hardware test."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lrjax  # noqa: F401  (registers every room)
+from conftest import assert_close, randn
+from lrjax.custom_calls import kernel_catalog
+from lrjax.custom_calls.nki import _api, lowering
+from lrjax.lowering import lr_mlp, lr_mlp_reference, lr_xuv, lr_xuv_reference, registry
+
+S = jax.ShapeDtypeStruct
+BF = jnp.dtype(jnp.bfloat16)
+HAVE_NEURON = lowering.neuron_available()
+
+
+def xuv_params(dt=BF, has_bias=False):
+  return dict(has_bias=has_bias, inter_dtype=jnp.dtype(dt), out_dtype=jnp.dtype(dt))
+
+
+def test_catalog_lists_nki_kernels_for_neuron():
+  kernels = kernel_catalog()["nki"]
+  assert {(k.primitive, k.platform) for k in kernels} == {("lr_xuv", "neuron"), ("lr_mlp", "neuron")}
+
+
+@pytest.mark.skipif(HAVE_NEURON, reason="checks the no-Neuron path")
+def test_register_is_a_no_op_without_neuron():
+  lowering.register()
+  names = {k.name for k in registry.candidates("lr_xuv", "neuron")}
+  assert not names & {k.name for k in lowering.KERNELS}
+
+
+def test_would_serve_xuv():
+  av = [S((4, 300, 4096), BF), S((4096, 1000), BF), S((1000, 11008), BF), S((11008,), BF)]
+  name, why = lowering.would_serve("lr_xuv", av, xuv_params(has_bias=True))
+  assert name == "nki.xuv_trainium_fusion" and "blocks" in why
+  f32 = [S(a.shape, jnp.float32) for a in av]
+  name, why = lowering.would_serve("lr_xuv", f32, xuv_params(jnp.float32, True))
+  assert name is None and "x.dtype=float32" in why
+  p = dict(xuv_params(has_bias=True), inter_dtype=jnp.dtype(jnp.float32))
+  name, why = lowering.would_serve("lr_xuv", av, p)
+  assert name is None and "inter_dtype=float32" in why
+  huge = [S((4096, 4096), BF), S((4096, 65536), BF), S((65536, 4096), BF)]
+  name, why = lowering.would_serve("lr_xuv", huge, xuv_params())
+  assert name is None and "no block choice fits" in why
+  assert lowering.would_serve("lr_attention", av, {}) == (None, "no NKI kernel for lr_attention")
+
+
+def test_would_serve_mlp():
+  x = S((2, 77, 2048), BF)
+  ops = [x, S((2048, 500), BF), S((500, 8192), BF), S((2048, 512), BF), S((512, 8192), BF),
+         S((8192,), BF), S((8192, 400), BF), S((400, 2048), BF)]
+  params = dict(gated=True, act="gelu_tanh", bias_mask=(False, True, False), inter_dtype=BF,
+                out_dtype=BF)
+  name, why = lowering.would_serve("lr_mlp", ops, params)
+  assert name == "nki.mlp_up_gate_down" and "mlp_up_gate" in why and "xuv" in why
+  name, why = lowering.would_serve("lr_mlp", ops, dict(params, act="swish"))
+  assert name is None and "act='swish'" in why
+
+
+@pytest.mark.skipif(_api.available(), reason="checks the placeholder used without NKI")
+def test_kernel_modules_import_without_nki_and_fail_clearly_when_run():
+  from lrjax.custom_calls.nki import xuv
+  assert xuv.BlockSizes.get_default(4096, 7168, 4096, 18432, jnp.bfloat16, out_t=True).bm == 1024
+  x = np.ones((128, 128), np.float16)
+  with pytest.raises(ImportError, match="Neuron SDK"):
+    xuv.xuv_kernel(x, x, x, bm=128, bk=128, br=128, bn=128, out_t=False, x_transposed=False)
+
+
+@pytest.mark.neuron
+@pytest.mark.skipif(not HAVE_NEURON, reason="needs Trainium with the Neuron SDK (nki, jax_neuronx)")
+@pytest.mark.parametrize("M", [1, 300])
+def test_neuron_lowering_matches_reference(M):
+  dt = jnp.bfloat16
+  x, u, v, b = randn((M, 1000), dt), randn((1000, 256), dt, 0.03), randn((256, 700), dt, 0.06), randn((700,), dt)
+  assert_close(jax.jit(lr_xuv)(x, u, v, b), lr_xuv_reference(x, u, v, b), dt)
+  up, gate, down = ((randn((1000, 256), dt, 0.03), randn((256, 640), dt, 0.06)),
+                    (randn((1000, 200), dt, 0.03), randn((200, 640), dt, 0.07)),
+                    (randn((640, 128), dt, 0.04), randn((128, 1000), dt, 0.09)))
+  out = jax.jit(lambda *a: lr_mlp(a[0], a[1], a[2], a[3]))(x, up, down, gate)
+  assert_close(out, lr_mlp_reference(x, up, down, gate), dt)
