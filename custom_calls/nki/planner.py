@@ -125,6 +125,15 @@ class Plan:
     return self.flops / self.traffic.total
 
   @property
+  def traffic_eq10(self) -> float:
+    """HBM bytes in eq. 10's denominator: X read once, U and V once per strip, O once.
+
+    Our kernel reads X once per (strip, rank block), so it moves more when B_r < r.
+    """
+    M, K, r, N = self.shape
+    return self.itemsize * (M * (K + N) + (M / self.blocks.bm) * r * (K + N))
+
+  @property
   def sbuf_pipelined_bytes(self) -> int:
     return PIPELINE_BUFFERS * self.sbuf_peak_bytes
 
@@ -154,7 +163,7 @@ class Plan:
         "B_M": self.blocks.bm, "B_K": self.blocks.bk, "B_r": self.blocks.br, "B_N": self.blocks.bn,
         "out_t": self.out_t, "x_transposed": self.x_transposed,
         "hbm_bytes": self.traffic.total, "hbm_read_bytes": self.traffic.reads,
-        "hbm_write_bytes": self.traffic.writes, "flops": self.flops, "model_flops": self.model_flops,
+        "hbm_write_bytes": self.traffic.writes, "hbm_bytes_eq10": int(self.traffic_eq10), "flops": self.flops, "model_flops": self.model_flops,
         "ai": round(self.ai, 2), "ai_eq10": round(self.ai_eq10, 2),
         "sbuf_eq11_bytes": self.sbuf_eq11_bytes, "sbuf_peak_bytes": self.sbuf_peak_bytes,
         "sbuf_pipelined_bytes": self.sbuf_pipelined_bytes,
