@@ -7,7 +7,7 @@
 #   -cpu cortex-a72  : a CPU without dotprod/i8mm falls back to NEON.
 # Exits non-zero on any failure. Installs the toolchain with apt-get if missing.
 set -euo pipefail
-HERE="$(cd "$(dirname "$0")/.." && pwd)"  # custom_calls/cpu
+HERE="$(cd "$(dirname "$(readlink -f "$0")")/.." && pwd)"  # custom_calls/cpu
 
 if ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64 >/dev/null; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"

@@ -3,7 +3,7 @@
 # and runs every ISA path the CPU has, each compared bit-exactly with the scalar
 # path; then checks that LRJAX_W4A8_ISA caps the dispatcher. Exits non-zero on failure.
 set -euo pipefail
-HERE="$(cd "$(dirname "$0")/.." && pwd)"  # custom_calls/cpu
+HERE="$(cd "$(dirname "$(readlink -f "$0")")/.." && pwd)"  # custom_calls/cpu
 OUT="$(mktemp -d)"
 trap 'rm -rf "$OUT"' EXIT
 CXX="${CXX:-g++}"
