@@ -34,20 +34,22 @@ class BlockSizes:
   bk: int  # B_K contraction block of X·U
   br: int  # B_r rank block
   bn: int  # B_N block of D_ff
+  x_cache: bool = False  # hold the whole X^T row strip in SBUF: X read once per strip
 
   @classmethod
   def get_default(cls, M, K, r, d_ff, dtype, *, gated=True, n_bias=0) -> "BlockSizes":
     """Tuned table first, the planner's least-traffic plan otherwise."""
     key = (tuple(planner.pad128(d) for d in (K, r, d_ff)), gated)
     blocks = TUNED.get(key)
+    kw = dict(out_t=True, n_bias=n_bias, gated=gated)
+    p = None
     if blocks is not None:
       try:
-        return cls(*planner.plan("mlp_up_gate", M, K, r, d_ff, dtype, out_t=True, n_bias=n_bias,
-                                 gated=gated, blocks=blocks).blocks.as_tuple())
+        p = planner.plan("mlp_up_gate", M, K, r, d_ff, dtype, blocks=blocks, **kw)
       except ValueError:
-        pass
-    return cls(*planner.plan("mlp_up_gate", M, K, r, d_ff, dtype, out_t=True, n_bias=n_bias,
-                             gated=gated).blocks.as_tuple())
+        p = None
+    p = p or planner.plan("mlp_up_gate", M, K, r, d_ff, dtype, **kw)
+    return cls(*p.blocks.as_tuple(), p.blocks.x_cache)
 
 
 # ((K, r, D_ff) padded, gated) -> blocks. Empty: nothing has been tuned on hardware yet.
@@ -84,7 +86,7 @@ def _load_block(dst, src, r0, c0, cols):
     nisa.dma_copy(dst=dst[:, t, :], src=src[r0 + t * P:r0 + (t + 1) * P, c0:c0 + cols])
 
 
-def _strips(x, ug, uu, m0, bm, bk, br):
+def _strips(x, ug, uu, m0, bm, bk, br, x_cache):
   """Phase 1: the (X·Ug)^T and (X·Uu)^T strips of rows m0..m0+bm (ug is None if not gated)."""
   K, r = uu.shape
   tm = _moving_tile(bm)
@@ -94,6 +96,8 @@ def _strips(x, ug, uu, m0, bm, bk, br):
   sg = None
   if ug is not None:
     sg = nl.ndarray((P, r // P, bm), dtype=x.dtype, buffer=nl.sbuf)
+  if x_cache:
+    xs = _load_xt(x, m0, 0, bm, K, tm)  # X_m*^T, read once for all rank blocks
   for p in nl.affine_range(r // br):
     accu = nl.ndarray((P, n_rt * n_mt, tm), dtype=nl.float32, buffer=nl.psum)
     nisa.memset(dst=accu, value=0.0)
@@ -101,7 +105,10 @@ def _strips(x, ug, uu, m0, bm, bk, br):
       accg = nl.ndarray((P, n_rt * n_mt, tm), dtype=nl.float32, buffer=nl.psum)
       nisa.memset(dst=accg, value=0.0)
     for k in nl.affine_range(K // bk):
-      xt = _load_xt(x, m0, k * bk, bm, bk, tm)
+      if x_cache:
+        xt = xs[:, k * (bk // P):(k + 1) * (bk // P), :]
+      else:
+        xt = _load_xt(x, m0, k * bk, bm, bk, tm)
       uub = nl.ndarray((P, bk // P, br), dtype=uu.dtype, buffer=nl.sbuf)
       _load_block(uub, uu, k * bk, p * br, br)
       if ug is not None:
@@ -185,42 +192,42 @@ def _project(sg, su, vg, vu, bg, bu, yt, m0, bm, br, bn, act):
       nisa.dma_copy(dst=yt[n0 + nt * P:n0 + (nt + 1) * P, m0:m0 + bm], src=yb[:, nt, :])
 
 
-def _up_gate_body(x, ug, vg, bg, uu, vu, bu, act, bm, bk, br, bn):
+def _up_gate_body(x, ug, vg, bg, uu, vu, bu, act, bm, bk, br, bn, x_cache):
   M = x.shape[0]
   N = vu.shape[1]
   yt = nl.ndarray((N, M), dtype=x.dtype, buffer=nl.shared_hbm)
   f = _act(act)
   for m in nl.affine_range(M // bm):
-    sg, su = _strips(x, ug, uu, m * bm, bm, bk, br)
+    sg, su = _strips(x, ug, uu, m * bm, bm, bk, br, x_cache)
     _project(sg, su, vg, vu, bg, bu, yt, m * bm, bm, br, bn, f)
   return yt
 
 
 @nki.jit
-def up_gate_kernel(x, ug, vg, uu, vu, act, bm, bk, br, bn):
+def up_gate_kernel(x, ug, vg, uu, vu, act, bm, bk, br, bn, x_cache=False):
   """Y^T = act(X·Ug·Vg) ⊙ (X·Uu·Vu), transposed.
 
   x: [M, K]; ug, uu: [K, r]; vg, vu: [r, D_ff]; returns [D_ff, M] in x.dtype.
   """
-  return _up_gate_body(x, ug, vg, None, uu, vu, None, act, bm, bk, br, bn)
+  return _up_gate_body(x, ug, vg, None, uu, vu, None, act, bm, bk, br, bn, x_cache)
 
 
 @nki.jit
-def up_gate_bias_kernel(x, ug, vg, bg, uu, vu, bu, act, bm, bk, br, bn):
+def up_gate_bias_kernel(x, ug, vg, bg, uu, vu, bu, act, bm, bk, br, bn, x_cache=False):
   """As :func:`up_gate_kernel` with biases bg, bu: [1, D_ff] each."""
-  return _up_gate_body(x, ug, vg, bg, uu, vu, bu, act, bm, bk, br, bn)
+  return _up_gate_body(x, ug, vg, bg, uu, vu, bu, act, bm, bk, br, bn, x_cache)
 
 
 @nki.jit
-def up_kernel(x, uu, vu, act, bm, bk, br, bn):
+def up_kernel(x, uu, vu, act, bm, bk, br, bn, x_cache=False):
   """Non-gated: Y^T = act(X·U·V)^T. x: [M, K]; uu: [K, r]; vu: [r, D_ff] -> [D_ff, M]."""
-  return _up_gate_body(x, None, None, None, uu, vu, None, act, bm, bk, br, bn)
+  return _up_gate_body(x, None, None, None, uu, vu, None, act, bm, bk, br, bn, x_cache)
 
 
 @nki.jit
-def up_bias_kernel(x, uu, vu, bu, act, bm, bk, br, bn):
+def up_bias_kernel(x, uu, vu, bu, act, bm, bk, br, bn, x_cache=False):
   """Non-gated with bias bu: [1, D_ff]."""
-  return _up_gate_body(x, None, None, None, uu, vu, bu, act, bm, bk, br, bn)
+  return _up_gate_body(x, None, None, None, uu, vu, bu, act, bm, bk, br, bn, x_cache)
 
 
 # ----------------------------------------------------------------------------- wrapper
@@ -263,7 +270,7 @@ def prepare(x, up, gate=None, *, xp, act="silu", block_sizes=None):
     args += proj(*gate)
   args += proj(uu, vu, bu)
   name = ("up_gate" if gate is not None else "up") + ("_bias" if has_bias else "") + "_kernel"
-  kwargs = dict(act=act, bm=bs.bm, bk=bs.bk, br=bs.br, bn=bs.bn)
+  kwargs = dict(act=act, bm=bs.bm, bk=bs.bk, br=bs.br, bn=bs.bn, x_cache=bs.x_cache)
   return name, args, kwargs, (M, d_ff)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 
 import numpy as np
@@ -68,6 +69,7 @@ class Blocks:
   bk: int  # B_K: contraction block of the first matmul
   br: int  # B_r: rank block
   bn: int  # B_N: output-column block
+  x_cache: bool = False  # keep the whole X^T row strip [K, B_M] in SBUF: X read once per strip
 
   def as_tuple(self):
     return (self.bm, self.bk, self.br, self.bn)
@@ -161,6 +163,7 @@ class Plan:
     return {
         "kernel": self.kernel, "M": M, "K": K, "r": r, "N": N, "itemsize": self.itemsize,
         "B_M": self.blocks.bm, "B_K": self.blocks.bk, "B_r": self.blocks.br, "B_N": self.blocks.bn,
+        "x_cache": self.blocks.x_cache,
         "out_t": self.out_t, "x_transposed": self.x_transposed,
         "hbm_bytes": self.traffic.total, "hbm_read_bytes": self.traffic.reads,
         "hbm_write_bytes": self.traffic.writes, "hbm_bytes_eq10": int(self.traffic_eq10), "flops": self.flops, "model_flops": self.model_flops,
@@ -201,7 +204,7 @@ def _evaluate(kernel, shape, s, b: Blocks, out_t, x_transposed, n_bias, gated) -
   proj = 2 if (kernel == "mlp_up_gate" and gated) else 1
   bias_pp = (n_bias * b.bn + b.bm) * s if n_bias else 0  # [1, B_N] bias row(s) + [1, B_M] ones
   strip_pp = proj * (r // P) * b.bm * s
-  x_pp = (b.bk // P) * b.bm * s
+  x_pp = ((K if b.x_cache else b.bk) // P) * b.bm * s
   u_pp = proj * (b.bk // P) * b.br * s
   v_pp = proj * (b.br // P) * b.bn * s
   o_pp = (b.bn // P) * b.bm * s if out_t else (b.bm // P) * b.bn * s
@@ -210,7 +213,7 @@ def _evaluate(kernel, shape, s, b: Blocks, out_t, x_transposed, n_bias, gated) -
     acc2 = proj * (b.bn // P) * (b.bm // tm)
   else:
     acc2 = (b.bm // P) * (b.bn // tn)
-  x_reads = M * K * s * rblocks
+  x_reads = M * K * s * (1 if b.x_cache else rblocks)
   u_reads = proj * strips * K * r * s
   v_reads = proj * strips * r * N * s
   bias_reads = n_bias * strips * N * s
@@ -226,8 +229,8 @@ def _evaluate(kernel, shape, s, b: Blocks, out_t, x_transposed, n_bias, gated) -
     peak_pp = max(strip_pp + x_pp + u_pp, strip_pp + v_pp + o_pp + bias_pp + act_pp)
     psum = max(acc1, acc2)
   elif kernel == "xuv_naive":
-    if out_t or x_transposed or n_bias:
-      raise ValueError("xuv_naive (Algorithm 1) writes O from X, without bias")
+    if out_t or x_transposed or n_bias or b.x_cache:
+      raise ValueError("xuv_naive (Algorithm 1) writes O from X, without bias or X cache")
     # Algorithm 1: the Y_mp block is recomputed for every output block O_mn.
     y_pp = (b.br // P) * b.bm * s
     peak_pp = x_pp + u_pp + y_pp + v_pp + o_pp
@@ -256,20 +259,22 @@ def _search(kernel, shape, s, out_t, x_transposed, n_bias, gated, bm_fixed):
   """Least-traffic fitting plan; with ``bm_fixed`` and nothing fitting, the smallest footprint."""
   M, K, r, N = shape
   best = smallest = None
-  for bm in ([bm_fixed] if bm_fixed else _divisor_blocks(M, 8192)):
-    for br in _divisor_blocks(r, 4096):
-      for bk in _divisor_blocks(K, 4096):
-        for bn in _divisor_blocks(N, 4096):
-          p = _evaluate(kernel, shape, s, Blocks(bm, bk, br, bn), out_t, x_transposed, n_bias, gated)
-          if p.psum_tiles > PSUM_BANKS:
-            continue
-          if p.fits:
-            # Least HBM traffic; then fewer, larger DMAs; then the smaller footprint.
-            key = (p.traffic.total, -(bk * bn), p.sbuf_peak_bytes)
-            if best is None or key < best[0]:
-              best = (key, p)
-          elif smallest is None or p.sbuf_peak_bytes < smallest.sbuf_peak_bytes:
-            smallest = p
+  caches = (False,) if kernel == "xuv_naive" else (False, True)
+  bms = [bm_fixed] if bm_fixed else _divisor_blocks(M, 8192)
+  for bm, br, bk, bn, xc in itertools.product(bms, _divisor_blocks(r, 4096), _divisor_blocks(K, 4096),
+                                              _divisor_blocks(N, 4096), caches):
+    if xc and br == r:
+      continue  # one rank block: X is read once per strip anyway
+    p = _evaluate(kernel, shape, s, Blocks(bm, bk, br, bn, xc), out_t, x_transposed, n_bias, gated)
+    if p.psum_tiles > PSUM_BANKS:
+      continue
+    if p.fits:
+      # Least HBM traffic; then fewer, larger DMAs; then the smaller footprint.
+      key = (p.traffic.total, -(bk * bn), p.sbuf_peak_bytes)
+      if best is None or key < best[0]:
+        best = (key, p)
+    elif smallest is None or p.sbuf_peak_bytes < smallest.sbuf_peak_bytes:
+      smallest = p
   if best is not None:
     return best[1]
   return smallest if bm_fixed else None

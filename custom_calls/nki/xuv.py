@@ -16,7 +16,8 @@ Dataflow, per row strip m of B_M rows (loop over M):
   bias     a rank-1 nc_matmul of the bias row with a row of ones into the same
            PSUM accumulator (no broadcast DMA, no extra engine pass).
 
-HBM traffic: X once per (strip, rank block), U and V once per strip, O once; the
+HBM traffic: X once per strip when its X^T row strip [K, B_M] also fits in SBUF
+(``x_cache``), else once per (strip, rank block); U and V once per strip, O once; the
 intermediate X·U never leaves the chip. The planner (``planner.py``) computes the
 same numbers exactly. DownProjection of the MLP (Algorithm 3) is this kernel with
 ``x_transposed=True, out_t=False``.
@@ -46,6 +47,7 @@ class BlockSizes:
   bk: int  # B_K contraction block of X·U
   br: int  # B_r rank block
   bn: int  # B_N output-column block
+  x_cache: bool = False  # hold the whole X^T row strip in SBUF: X read once per strip
 
   @classmethod
   def get_default(cls, M, K, r, N, dtype, *, out_t=False, x_transposed=False,
@@ -56,8 +58,9 @@ class BlockSizes:
     if bm is not None and planner.pad128(M) % bm == 0:
       p = planner.best_for_bm("xuv", M, K, r, N, dtype, bm, **kw)
       if p is not None and p.fits:
-        return cls(*p.blocks.as_tuple())
-    return cls(*planner.plan("xuv", M, K, r, N, dtype, **kw).blocks.as_tuple())
+        return cls(*p.blocks.as_tuple(), p.blocks.x_cache)
+    p = planner.plan("xuv", M, K, r, N, dtype, **kw)
+    return cls(*p.blocks.as_tuple(), p.blocks.x_cache)
 
 
 # (K, r, N) padded -> B_M measured best on trn1 by NeuronMM (Table 4, DeepSeek-V3 up_proj,
@@ -82,18 +85,23 @@ def _load_xt(x, m0, k0, bm, bk, tm, x_transposed):
   return xt
 
 
-def _xu_strip(x, u, m0, bm, bk, br, x_transposed):
+def _xu_strip(x, u, m0, bm, bk, br, x_transposed, x_cache):
   """Phase 1: the strip (X·U)^T of rows m0..m0+bm, cached in SBUF as [P, r/P, bm]."""
   K, r = u.shape
   tm = _moving_tile(bm)
   n_mt = bm // tm
   n_rt = br // P
   strip = nl.ndarray((P, r // P, bm), dtype=x.dtype, buffer=nl.sbuf)
+  if x_cache:
+    xs = _load_xt(x, m0, 0, bm, K, tm, x_transposed)  # X_m*^T, read once for all rank blocks
   for p in nl.affine_range(r // br):
     acc = nl.ndarray((P, n_rt * n_mt, tm), dtype=nl.float32, buffer=nl.psum)
     nisa.memset(dst=acc, value=0.0)
     for k in nl.affine_range(K // bk):
-      xt = _load_xt(x, m0, k * bk, bm, bk, tm, x_transposed)
+      if x_cache:
+        xt = xs[:, k * (bk // P):(k + 1) * (bk // P), :]
+      else:
+        xt = _load_xt(x, m0, k * bk, bm, bk, tm, x_transposed)
       ub = nl.ndarray((P, bk // P, br), dtype=u.dtype, buffer=nl.sbuf)
       for kt in nl.affine_range(bk // P):
         nisa.dma_copy(dst=ub[:, kt, :],
@@ -173,7 +181,7 @@ def _strip_times_v(strip, v, bias, out, m0, bm, br, bn, out_t):
         nisa.dma_copy(dst=out[m0 + mi * P:m0 + (mi + 1) * P, n0:n0 + bn], src=ob[:, mi, :])
 
 
-def _xuv_body(x, u, v, bias, bm, bk, br, bn, out_t, x_transposed):
+def _xuv_body(x, u, v, bias, bm, bk, br, bn, out_t, x_transposed, x_cache):
   if x_transposed:
     K, M = x.shape
   else:
@@ -184,25 +192,25 @@ def _xuv_body(x, u, v, bias, bm, bk, br, bn, out_t, x_transposed):
   else:
     out = nl.ndarray((M, N), dtype=x.dtype, buffer=nl.shared_hbm)
   for m in nl.affine_range(M // bm):
-    strip = _xu_strip(x, u, m * bm, bm, bk, br, x_transposed)
+    strip = _xu_strip(x, u, m * bm, bm, bk, br, x_transposed, x_cache)
     _strip_times_v(strip, v, bias, out, m * bm, bm, br, bn, out_t)
   return out
 
 
 @nki.jit
-def xuv_kernel(x, u, v, bm, bk, br, bn, out_t, x_transposed):
+def xuv_kernel(x, u, v, bm, bk, br, bn, out_t, x_transposed, x_cache=False):
   """O (or O^T) = X·U·V.
 
   x: [M, K] (or X^T [K, M] if x_transposed); u: [K, r]; v: [r, N]; all dims multiples
   of 128 and of their blocks; returns [M, N] (or [N, M] if out_t) in x.dtype.
   """
-  return _xuv_body(x, u, v, None, bm, bk, br, bn, out_t, x_transposed)
+  return _xuv_body(x, u, v, None, bm, bk, br, bn, out_t, x_transposed, x_cache)
 
 
 @nki.jit
-def xuv_bias_kernel(x, u, v, bias, bm, bk, br, bn, out_t, x_transposed):
+def xuv_bias_kernel(x, u, v, bias, bm, bk, br, bn, out_t, x_transposed, x_cache=False):
   """As :func:`xuv_kernel` plus bias: [1, N] added to every output row."""
-  return _xuv_body(x, u, v, bias, bm, bk, br, bn, out_t, x_transposed)
+  return _xuv_body(x, u, v, bias, bm, bk, br, bn, out_t, x_transposed, x_cache)
 
 
 # ----------------------------------------------------------------------------- wrapper
@@ -234,7 +242,8 @@ def prepare(x, u, v, bias=None, *, xp, out_t=False, x_transposed=False, block_si
     if bias.shape != (N,):
       raise ValueError(f"{bias.shape=} must be ({N},)")
     args += (_pad2(xp, bias.reshape(1, N), 1, Np),)
-  kwargs = dict(bm=bs.bm, bk=bs.bk, br=bs.br, bn=bs.bn, out_t=out_t, x_transposed=x_transposed)
+  kwargs = dict(bm=bs.bm, bk=bs.bk, br=bs.br, bn=bs.bn, out_t=out_t, x_transposed=x_transposed,
+                x_cache=bs.x_cache)
   return args, kwargs, (M, N)
 
 

@@ -19,11 +19,11 @@ PAPER_GFLOPS = {"sequential": 85.90, "naive": 343.60}
 PAPER_TRAFFIC_MB = {"sequential": 298.66, "naive": 3140.42}
 
 
-def count(name, blocks):
+def count(name, blocks, x_cache=False):
   d, (mod,) = on_double(name, execute=False)
   kw = dict(bm=blocks[0], bk=blocks[1], br=blocks[2], bn=blocks[3])
   if name == "xuv":
-    kw.update(out_t=False, x_transposed=False)
+    kw.update(out_t=False, x_transposed=False, x_cache=x_cache)
   bf = jnp.bfloat16
   getattr(mod, f"{name}_kernel")(ShapeOnly((M, K), bf), ShapeOnly((K, R), bf),
                                  ShapeOnly((R, N), bf), **kw)
@@ -49,9 +49,9 @@ def test_table1_flops_and_rereads():
 def test_table1_traffic_ratio_against_planned_fusion():
   naive = count("xuv_naive", NAIVE_BLOCKS)
   plan = planner.plan("xuv", M, K, R, N, jnp.bfloat16)
-  fused = count("xuv", plan.blocks.as_tuple())
+  fused = count("xuv", plan.blocks.as_tuple(), plan.blocks.x_cache)
   assert hbm_total(fused) == plan.traffic.total
-  assert fused.reads_by_arg["x"] == M * K * 2 * (R // plan.blocks.br)
+  assert fused.reads_by_arg["x"] == M * K * 2  # the planned kernel reads X exactly once
   # Paper: naive fusion moves 10.5x the bytes of the sequential kernel; the planned
   # TrainiumFusion kernel moves fewer bytes than sequential (Y never goes to HBM), so the
   # naive/fused ratio is larger still. Our naive count is within 4% of the paper's 3140 MB.

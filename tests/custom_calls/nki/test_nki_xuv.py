@@ -27,7 +27,7 @@ def run_xuv(M, K, r, N, dtype, *, out_t=False, x_transposed=False, bias=False, b
   v = rand((r, N), dtype, scale=r**-0.5)
   b = rand((N,), dtype) if bias else None
   xin = np.ascontiguousarray(x.T) if x_transposed else x
-  bs = mod.BlockSizes(*blocks) if blocks else None
+  bs = mod.BlockSizes(*blocks[:4], x_cache=blocks[4] if len(blocks) > 4 else False) if blocks else None
   args, kw, shape = mod.prepare(xin, u, v, b, xp=np, out_t=out_t, x_transposed=x_transposed,
                                 block_sizes=bs)
   kern = mod.xuv_bias_kernel if bias else mod.xuv_kernel
@@ -48,8 +48,8 @@ def test_xuv_matches_reference_and_planner(shape, dtype, layout):
   d, kw, out, ref = run_xuv(M, K, r, N, dtype, out_t=out_t, x_transposed=x_transposed, bias=bias)
   assert out.dtype == np.dtype(dtype)
   assert_close(out.T if out_t else out, ref, dtype)
-  p = planner.evaluate("xuv", M, K, r, N, dtype, (kw["bm"], kw["bk"], kw["br"], kw["bn"]),
-                       out_t=out_t, x_transposed=x_transposed, n_bias=int(bias))
+  p = planner.evaluate("xuv", M, K, r, N, dtype,
+                       planner.Blocks(kw["bm"], kw["bk"], kw["br"], kw["bn"], kw["x_cache"]), out_t=out_t, x_transposed=x_transposed, n_bias=int(bias))
   assert p.fits
   assert d.hbm_read_bytes == p.traffic.reads
   assert d.hbm_write_bytes == p.traffic.writes
@@ -75,13 +75,17 @@ def test_xuv_explicit_blocks(blocks):
   assert hbm_total(d) == planner.evaluate("xuv", M, K, r, N, s, blocks).traffic.total
 
 
-def test_xuv_reads_x_and_u_once_per_strip_with_full_rank_block():
+@pytest.mark.parametrize("blocks", [(256, 256, 256, 512, False),  # B_r = r: one rank block
+                                    (256, 128, 128, 512, True)])  # B_r < r, X^T strip cached
+def test_xuv_reads_x_and_u_once_per_strip(blocks):
   M, K, r, N = 512, 256, 256, 1024
-  blocks = (256, 256, 256, 512)  # B_r = r: one rank block
-  d, _, out, ref = run_xuv(M, K, r, N, jnp.bfloat16, blocks=blocks)
+  d, kw, out, ref = run_xuv(M, K, r, N, jnp.bfloat16, blocks=blocks)
+  assert kw["x_cache"] == blocks[4]
   assert_close(out, ref, jnp.bfloat16)
   assert d.reads_by_arg["x"] == M * K * 2  # every element of X exactly once
   assert d.reads_by_arg["u"] == (M // 256) * K * r * 2  # U once per row strip
+  p = planner.evaluate("xuv", M, K, r, N, 2, planner.Blocks(*blocks))
+  assert hbm_total(d) == p.traffic.total and d.peak_sbuf_bytes == p.sbuf_peak_bytes
 
 
 def test_planner_rejects_blocks_that_spill():
