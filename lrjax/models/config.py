@@ -131,7 +131,18 @@ class ModelConfig:
     return cls(**kw)
 
   def to_hf_config(self) -> dict:
-    """HF ``config.json`` dict that :meth:`from_hf_config` maps back to this config."""
+    """HF ``config.json`` dict that :meth:`from_hf_config` maps back to this config.
+
+    Raises ``ValueError`` for a combination the HF ``model_type`` cannot express.
+    """
+    mt = self.model_type
+    bias_ok = {"llama": self.qkv_bias == self.o_bias, "qwen3": self.qkv_bias == self.o_bias,
+               "qwen2": self.qkv_bias and not self.o_bias,
+               "mistral": not (self.qkv_bias or self.o_bias)}[mt]
+    if not bias_ok or (self.mlp_bias and mt != "llama") or self.qk_norm != (mt == "qwen3"):
+      raise ValueError(f"model_type={mt!r} cannot express qkv_bias={self.qkv_bias} with "
+                       f"o_bias={self.o_bias}, mlp_bias={self.mlp_bias}, qk_norm={self.qk_norm}; "
+                       "pick the model_type whose HF architecture has these features")
     arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[self.model_type]
     d = {"architectures": [arch], "model_type": self.model_type, "vocab_size": self.vocab_size,
