@@ -40,7 +40,7 @@ PSUM_BANK_BYTES = PSUM_BYTES // P // PSUM_BANKS  # 2 KiB per partition per bank
 PIPELINE_BUFFERS = 2
 COMPUTE_BOUND_AI = 222.0  # flops/byte, bf16 NeuronCore (paper §4.2.1)
 
-KERNELS = ("xuv", "xuv_naive", "mlp_up_gate")
+KERNEL_NAMES = ("xuv", "xuv_naive", "mlp_up_gate")
 
 
 class PlanError(ValueError):
@@ -105,7 +105,7 @@ class Traffic:
 class Plan:
   """One kernel launch: blocks plus the model's predictions."""
 
-  kernel: str  # one of KERNELS
+  kernel: str  # one of KERNEL_NAMES
   shape: tuple[int, int, int, int]  # padded (M, K, r, N)
   itemsize: int  # bytes per element of x, u, v, bias and the output
   blocks: Blocks
@@ -239,7 +239,7 @@ def _evaluate(kernel, shape, s, b: Blocks, out_t, x_transposed, n_bias, gated) -
     u_reads *= nblocks
     flops = 2 * M * K * r * nblocks + 2 * M * r * N
   else:
-    raise ValueError(f"{kernel=} is not one of {KERNELS}")
+    raise ValueError(f"{kernel=} is not one of {KERNEL_NAMES}")
   traffic = Traffic(x=x_reads, u=u_reads, v=v_reads, bias=bias_reads, out=M * N * s)
   eq11 = proj * sbuf_eq11(r, b, s)
   return Plan(kernel=kernel, shape=(M, K, r, N), itemsize=s, blocks=b, out_t=out_t,

@@ -4,7 +4,6 @@ Table 1: X [2048, 2048], U [2048, 2048], V [2048, 8192], B_N = 512, bf16. Counte
 the double in count-only mode (same control flow and rule checks, no arithmetic).
 """
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from conftest import assert_close
