@@ -37,8 +37,7 @@ from lrjax.custom_calls.triton import planner
 from lrjax.custom_calls.triton._common import (activation, mm_acc, mm_acc2, signal,
                                                wait_at_least)
 from lrjax.custom_calls.triton.mlp_decode import ACT_CODES
-
-_PHASE_SHIFT, _M_SHIFT = 28, 14
+from lrjax.custom_calls.triton.xuv_prefill import tile_codes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,13 +59,16 @@ class BlockSizes:
       p = planner.plan_prefill(m, r, widths, ring=2)
       t = cls(p.block_m, p.block_n, p.block_k, p.group_m, 2, p.warps, p.stages, p.programs)
     n_mb = planner.cdiv(m, t.block_m)
-    return dataclasses.replace(t, group_m=max(1, min(t.group_m, n_mb)))
+    # phase B streams two A and two B tiles per step (eq. 11 with both factors)
+    per_stage = 2 * planner.pipeline_smem_bytes(t.block_m, t.block_n, t.block_k, 1)
+    stages = max(2, min(t.num_stages, int(0.9 * planner.H200.smem_per_cta // per_stage)))
+    return dataclasses.replace(t, group_m=max(1, min(t.group_m, n_mb)), num_stages=stages)
 
 
 # Tuned on the H200 (benchmarks/gpu_lowrank.py); missing classes use planner.plan_prefill.
 TUNED: dict[tuple[str, str], BlockSizes] = {
-    ("m>512", "r>=2048"): BlockSizes(128, 128, 64, 4, 2, 8, 4, 132),
-    ("m>512", "r<2048"): BlockSizes(128, 128, 64, 4, 2, 8, 4, 132),
+    ("m>512", "r>=2048"): BlockSizes(128, 128, 64, 4, 2, 8, 3, 132),
+    ("m>512", "r<2048"): BlockSizes(128, 128, 64, 4, 2, 8, 3, 132),
 }
 
 
@@ -178,26 +180,26 @@ def _mlp_prefill_kernel(
       signal(flags_ptr + 3 * NMB + mb)
 
 
-def schedule(m: int, r: int, f: int, rd: int, d_out: int, bs: BlockSizes) -> np.ndarray:
+def schedule(m: int, r: int, f: int, rd: int, d_out: int, bs: BlockSizes, xp=np):
   """Tile codes in dependency order: step s = [A(s), B(s-1), C(s-2), D(s-3)]."""
   n_mb = planner.cdiv(m, bs.block_m)
   widths = [planner.cdiv(w, bs.block_n) for w in (r, f, rd, d_out)]
   if n_mb >= 1 << 14 or max(widths) >= 1 << 14:
     raise ValueError(f"{m=}, {r=}, {f=}, {rd=}, {d_out=} exceed the 14-bit tile code fields")
   n_sb = planner.cdiv(n_mb, bs.group_m)
-  rows = lambda sb: range(sb * bs.group_m, min((sb + 1) * bs.group_m, n_mb))
-  codes = []
+  pieces = []
   for s in range(n_sb + 3):
     for phase in range(4):
       sb = s - phase
       if 0 <= sb < n_sb:
-        codes += [(phase << _PHASE_SHIFT) | (mb << _M_SHIFT) | j
-                  for j in range(widths[phase]) for mb in rows(sb)]
-  return np.asarray(codes, np.int32)
+        g = min(bs.group_m, n_mb - sb * bs.group_m)
+        pieces.append(tile_codes(xp, phase, sb * bs.group_m, g, widths[phase], True))
+  return xp.concatenate(pieces)
 
 
-def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes) -> dict:
-  sched = schedule(m, r, f, rd, d_out, bs)
+def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes,
+                xp=np) -> dict:
+  sched = schedule(m, r, f, rd, d_out, bs, xp)
   n_mb = planner.cdiv(m, bs.block_m)
   ring = min(bs.ring, planner.cdiv(n_mb, bs.group_m))
   has = dict(zip(("bg", "bu", "bd") if gated else ("bu", "bd"), bias_mask))
@@ -243,12 +245,13 @@ def mlp_prefill(x, up, down, gate=None, *, act="silu", out_dtype=None,
   out_dtype = jnp.dtype(out_dtype or x.dtype)
   bs = block_sizes or BlockSizes.get_default(m, d, f, r, rd, gated)
   bias_mask = tuple(len(p) == 3 for p in projs)
-  plan = launch_plan(m, d, r, f, rd, d_out, gated=gated, act=act, bias_mask=bias_mask, bs=bs)
+  plan = launch_plan(m, d, r, f, rd, d_out, gated=gated, act=act, bias_mask=bias_mask, bs=bs,
+                     xp=jnp)
   ug, vg, bg = (tuple(gate) + (None,))[:3] if gated else (uu, vu, None)
   bu = up[2] if len(up) == 3 else None
   bd = down[2] if len(down) == 3 else None
   ops = (x2, ug, vg, bg if bg is not None else vg, uu, vu, bu if bu is not None else vu,
-         ud, vd, bd if bd is not None else vd, jnp.asarray(plan["sched"]))
+         ud, vd, bd if bd is not None else vd, plan["sched"])
   rr = plan["ring_rows"]
   dt = vu.dtype
   if out is not None and (tuple(out.shape) != (m, d_out) or out.dtype != out_dtype):

@@ -130,7 +130,18 @@ def _xuv_prefill_kernel(
       signal(flag_d_ptr + mb)
 
 
-def schedule(m: int, r: int, n: int, bs: BlockSizes) -> np.ndarray:
+def tile_codes(xp, phase: int, mb0: int, g: int, width: int, rows_fastest: bool):
+  """Codes of one phase over row blocks [mb0, mb0+g) x column blocks [0, width).
+
+  ``xp`` is numpy or jax.numpy. Under jit, jnp.arange is an iota, so the schedule is
+  built from ops rather than captured as an array constant.
+  """
+  i = xp.arange(g * width, dtype=xp.int32)
+  mb, j = (mb0 + i % g, i // g) if rows_fastest else (mb0 + i // width, i % width)
+  return (phase << _PHASE_SHIFT) | (mb << _M_SHIFT) | j
+
+
+def schedule(m: int, r: int, n: int, bs: BlockSizes, xp=np):
   """Tile codes in dependency order: step s = [A(super-block s), D(super-block s-1)]."""
   n_mb = planner.cdiv(m, bs.block_m)
   n_r = planner.cdiv(r, bs.block_n)
@@ -138,20 +149,18 @@ def schedule(m: int, r: int, n: int, bs: BlockSizes) -> np.ndarray:
   if n_mb >= 1 << 14 or max(n_r, n_n) >= 1 << 14:
     raise ValueError(f"{m=}, {r=}, {n=} exceed the 14-bit tile code fields")
   n_sb = planner.cdiv(n_mb, bs.group_m)
-  rows = lambda sb: range(sb * bs.group_m, min((sb + 1) * bs.group_m, n_mb))
-  codes = []
+  g = lambda sb: min(bs.group_m, n_mb - sb * bs.group_m)
+  pieces = []
   for s in range(n_sb + 1):
     if s < n_sb:
-      codes += [(PHASE_A << _PHASE_SHIFT) | (mb << _M_SHIFT) | j
-                for mb in rows(s) for j in range(n_r)]
+      pieces.append(tile_codes(xp, PHASE_A, s * bs.group_m, g(s), n_r, False))
     if s >= 1:
-      codes += [(PHASE_D << _PHASE_SHIFT) | (mb << _M_SHIFT) | j
-                for j in range(n_n) for mb in rows(s - 1)]
-  return np.asarray(codes, np.int32)
+      pieces.append(tile_codes(xp, PHASE_D, (s - 1) * bs.group_m, g(s - 1), n_n, True))
+  return xp.concatenate(pieces)
 
 
-def launch_plan(m: int, k: int, r: int, n: int, has_bias: bool, bs: BlockSizes) -> dict:
-  sched = schedule(m, r, n, bs)
+def launch_plan(m: int, k: int, r: int, n: int, has_bias: bool, bs: BlockSizes, xp=np) -> dict:
+  sched = schedule(m, r, n, bs, xp)
   n_mb = planner.cdiv(m, bs.block_m)
   ring = min(bs.ring, planner.cdiv(n_mb, bs.group_m))  # fewer slots when all rows fit
   programs = min(bs.programs, len(sched))
@@ -180,9 +189,9 @@ def xuv_prefill(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes |
   m = x2.shape[0]
   out_dtype = jnp.dtype(out_dtype or x.dtype)
   bs = block_sizes or BlockSizes.get_default(m, k, r, n)
-  plan = launch_plan(m, k, r, n, bias is not None, bs)
+  plan = launch_plan(m, k, r, n, bias is not None, bs, jnp)
   b = bias if bias is not None else v  # never read without HAS_BIAS
-  sched = jnp.asarray(plan["sched"])
+  sched = plan["sched"]
   if out is not None and (tuple(out.shape) != (m, n) or out.dtype != out_dtype):
     raise ValueError(f"{out.shape=} {out.dtype=}: expected {(m, n)} {out_dtype}")
   _, _, _, o = jt.triton_call(

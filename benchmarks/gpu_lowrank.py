@@ -1,0 +1,268 @@
+"""H200 benchmark of the Triton low-rank kernels against XLA, side by side in one run.
+
+Method (DESIGN.md "Measuring"): per shape, L distinct layers' weights (together larger than
+L2, so each call streams its weights from HBM) are called inside ONE jit, once (L calls)
+and three times over (3L calls). Host time around each jit with block_until_ready, warmed up,
+median over repetitions; per-call time = (t_3L - t_L) / 2L. The difference cancels
+dispatch, allocation and synchronization, so what is left is device time per call.
+
+For every shape: ours (lrjax.lr_xuv / lr_mlp lowered through the registry to Triton), XLA's
+unfused low-rank chain, XLA's dense layer, and the roofline floor (max of HBM bytes / BW and
+FLOPs / peak, with BW and peak measured in the same run: a device copy and an 8192^3 product).
+
+  python benchmarks/gpu_lowrank.py --suite all --out benchmarks/results/gpu_lowrank_h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import lrjax
+from lrjax.custom_calls.triton import planner
+
+DT = jnp.bfloat16
+
+
+def _sync(x):
+  jax.tree_util.tree_map(lambda a: a.block_until_ready(), x)
+
+
+def _median_time(f, args, reps):
+  _sync(f(*args))  # compile + warm up
+  _sync(f(*args))
+  ts = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    _sync(f(*args))
+    ts.append(time.perf_counter() - t0)
+  return statistics.median(ts), (max(ts) - min(ts)) / statistics.median(ts)
+
+
+def per_call_us(fn, x, layers, reps=15):
+  """Device time of one fn(x, *layer) call: (t(3L calls) - t(L calls)) / 2L."""
+  def many(passes):
+    @jax.jit
+    def f(x, layers):
+      outs = []
+      for p in range(passes):
+        # distinct data per pass, so XLA cannot merge the passes (CSE); one elementwise op
+        # on x per pass, the same for every variant
+        xp = x + jnp.asarray(p, x.dtype)
+        outs += [fn(xp, *w) for w in layers]
+      return outs
+    return f
+  t1, s1 = _median_time(many(1), (x, layers), reps)
+  t3, s3 = _median_time(many(3), (x, layers), reps)
+  return 1e6 * (t3 - t1) / (2 * len(layers)), max(s1, s3)
+
+
+def rand(key, shape, scale=1.0):
+  return (scale * jax.random.normal(key, shape, jnp.float32)).astype(DT)
+
+
+def n_layers(bytes_per_layer, l2=50e6, cap=12):
+  return int(min(cap, max(4, np.ceil(4 * l2 / bytes_per_layer))))
+
+
+# ------------------------------------------------------------------ ceilings
+
+def measure_ceilings():
+  """HBM bandwidth of a device copy (bytes read + written) and an 8192^3 bf16 product."""
+  n = 1 << 28  # 512 MiB of bf16 per buffer
+  arrays = [(rand(jax.random.key(i), (n,)),) for i in range(4)]
+  t_us, _ = per_call_us(lambda x, a: a * x[0], rand(jax.random.key(9), (1,)), arrays, reps=10)
+  bw = 2 * 2 * n / (t_us * 1e-6)
+  del arrays
+  k = 8192
+  mats = [(rand(jax.random.key(10 + i), (k, k)),) for i in range(4)]
+  t_us, _ = per_call_us(lambda x, q: x @ q, rand(jax.random.key(20), (k, k)), mats, reps=5)
+  return bw, 2 * k ** 3 / (t_us * 1e-6)
+
+
+# ------------------------------------------------------------------ XUV
+
+def xuv_record(m, k, r, n, bw, peak, kernel="auto", reps=15):
+  key = jax.random.key(m * 7 + k + r + n)
+  ks = jax.random.split(key, 4)
+  per_layer = 2 * (k * r + r * n)
+  nl = n_layers(per_layer, cap=12 if m <= 4096 else 4)
+  x = rand(ks[0], (m, k))
+  lr_layers = [(rand(jax.random.fold_in(ks[1], i), (k, r), k ** -0.5),
+                rand(jax.random.fold_in(ks[2], i), (r, n), r ** -0.5)) for i in range(nl)]
+  if kernel == "auto":
+    ours = lambda x, u, v: lrjax.lr_xuv(x, u, v)
+  else:
+    ours = _xuv_variant(kernel, m, k, r, n)
+  t_ours, spread = per_call_us(ours, x, lr_layers, reps)
+  t_xla, _ = per_call_us(lambda x, u, v: (x @ u) @ v, x, lr_layers, reps)
+  del lr_layers
+  dense = [(rand(jax.random.fold_in(ks[3], i), (k, n), k ** -0.5),) for i in range(nl)]
+  t_dense, _ = per_call_us(lambda x, w: x @ w, x, dense, reps)
+  del dense
+  bytes_ = planner.hbm_bytes_xuv(m, k, r, n)
+  flops = planner.flops_xuv(m, k, r, n)
+  floor = max(bytes_ / bw, flops / peak) * 1e6
+  return dict(op="xuv", variant=kernel, M=m, K=k, r=r, N=n, dtype="bfloat16",
+              ours_us=t_ours, xla_lowrank_us=t_xla, xla_dense_us=t_dense,
+              floor_us=floor, hbm_floor_us=bytes_ / bw * 1e6,
+              hbm_roofline_frac=bytes_ / bw * 1e6 / t_ours, tflops=flops / t_ours / 1e6,
+              speedup_vs_xla=t_xla / t_ours, layers=nl, spread=spread)
+
+
+def _xuv_variant(kernel, m, k, r, n):
+  from lrjax.custom_calls.triton import xuv_decode, xuv_prefill
+  if kernel == "decode_2launch":
+    bs = dataclasses.replace(xuv_decode.BlockSizes.get_default(m, k, r, n), single_launch=False)
+    return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, block_sizes=bs)
+  if kernel == "decode":
+    return lambda x, u, v: xuv_decode.xuv_decode(x, u, v)
+  if kernel == "prefill":
+    return lambda x, u, v: xuv_prefill.xuv_prefill(x, u, v)
+  if kernel.startswith("prefill:"):  # prefill:BM,BN,BK,G,ring,warps,stages,programs
+    vals = [int(t) for t in kernel.split(":")[1].split(",")]
+    bs = xuv_prefill.BlockSizes(*vals)
+    return lambda x, u, v: xuv_prefill.xuv_prefill(x, u, v, block_sizes=bs)
+  if kernel.startswith("decode:"):  # decode:BM,BK,BR,split,BN,BKV,warps,stages
+    vals = [int(t) for t in kernel.split(":")[1].split(",")]
+    bs = xuv_decode.BlockSizes(*vals)
+    return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, block_sizes=bs)
+  raise ValueError(f"{kernel=}")
+
+
+# ------------------------------------------------------------------ MLP
+
+def _swiglu_lowrank(x, ug, vg, uu, vu, ud, vd):
+  return (jax.nn.silu((x @ ug) @ vg) * ((x @ uu) @ vu)) @ ud @ vd
+
+
+def _swiglu_dense(x, wg, wu, wd):
+  return (jax.nn.silu(x @ wg) * (x @ wu)) @ wd
+
+
+def mlp_record(m, d, f, r, bw, peak, kernel="auto", reps=15):
+  key = jax.random.key(m * 13 + d + f + r)
+  ks = jax.random.split(key, 8)
+  per_layer = 2 * 3 * r * (d + f)
+  nl = n_layers(per_layer, cap=12 if m <= 4096 else 4)
+  x = rand(ks[0], (m, d))
+
+  def fac(i, j, a, b):
+    return rand(jax.random.fold_in(ks[j], i), (a, b), a ** -0.5)
+  layers = [(fac(i, 1, d, r), fac(i, 2, r, f), fac(i, 3, d, r), fac(i, 4, r, f),
+             fac(i, 5, f, r), fac(i, 6, r, d)) for i in range(nl)]
+  if kernel == "auto":
+    ours = lambda x, ug, vg, uu, vu, ud, vd: lrjax.lr_mlp(x, (uu, vu), (ud, vd), (ug, vg))
+  else:
+    from lrjax.custom_calls.triton import mlp_decode, mlp_prefill
+    kern = {"decode": mlp_decode.mlp_decode, "prefill": mlp_prefill.mlp_prefill}[kernel]
+    ours = lambda x, ug, vg, uu, vu, ud, vd: kern(x, (uu, vu), (ud, vd), (ug, vg))
+  t_ours, spread = per_call_us(ours, x, layers, reps)
+  t_xla, _ = per_call_us(_swiglu_lowrank, x, layers, reps)
+  mem_ours = jax.jit(ours).lower(x, *layers[0]).compile().memory_analysis()
+  mem_xla = jax.jit(_swiglu_lowrank).lower(x, *layers[0]).compile().memory_analysis()
+  del layers
+  dense = [(fac(i, 1, d, f), fac(i, 2, d, f), fac(i, 3, f, d)) for i in range(min(nl, 6))]
+  t_dense, _ = per_call_us(_swiglu_dense, x, dense, reps)
+  del dense
+  bytes_ = planner.hbm_bytes_mlp(m, d, f, r)
+  flops = planner.flops_mlp(m, d, f, r)
+  floor = max(bytes_ / bw, flops / peak) * 1e6
+  return dict(op="mlp_swiglu", variant=kernel, M=m, K=d, r=r, N=f, dtype="bfloat16",
+              ours_us=t_ours, xla_lowrank_us=t_xla, xla_dense_us=t_dense, floor_us=floor,
+              hbm_floor_us=bytes_ / bw * 1e6, hbm_roofline_frac=bytes_ / bw * 1e6 / t_ours,
+              tflops=flops / t_ours / 1e6, speedup_vs_xla=t_xla / t_ours,
+              temp_bytes_ours=mem_ours.temp_size_in_bytes,
+              temp_bytes_xla=mem_xla.temp_size_in_bytes, layers=nl, spread=spread)
+
+
+# ------------------------------------------------------------------ suites
+
+DECODE_M = (1, 2, 4, 8, 16, 32, 64, 128)
+XUV_DECODE_SHAPES = ((8192, 4096, 16384), (4096, 2560, 14336))
+PREFILL_M = (1024, 2048, 4096, 8192, 16384, 32768)
+MLP_SHAPES = {"llama3.2-1b": (2048, 8192, 1280), "llama3-8b": (4096, 14336, 2560),
+              "llama3-8b-r1024": (4096, 14336, 1024)}
+
+
+def suite(name, bw, peak, args, recs):
+  if name in ("decode", "all"):
+    for (k, r, n) in XUV_DECODE_SHAPES:
+      for m in DECODE_M:
+        recs.append(xuv_record(m, k, r, n, bw, peak))
+        if m <= 16 and args.variants:
+          recs.append(xuv_record(m, k, r, n, bw, peak, "decode_2launch"))
+        if m >= 16 and args.variants:
+          recs.append(xuv_record(m, k, r, n, bw, peak, "prefill"))
+  if name in ("prefill", "all"):
+    for m in PREFILL_M:
+      recs.append(xuv_record(m, 8192, 4096, 16384, bw, peak, reps=7 if m > 4096 else 15))
+    for m in (1024, 4096):
+      recs.append(xuv_record(m, 7168, 4096, 18432, bw, peak))
+  if name in ("mlp", "all"):
+    for label, (d, f, r) in MLP_SHAPES.items():
+      for m in DECODE_M + (1024, 4096):
+        if label == "llama3-8b-r1024" and m not in (1, 16, 4096):
+          continue
+        recs.append(dict(mlp_record(m, d, f, r, bw, peak), model=label))
+  for spec in args.extra:
+    # op/M,K,r,N/variant (mlp: M,D,F,r)
+    op, dims, variant = spec.split("/")
+    dims = [int(t) for t in dims.split(",")]
+    fn = xuv_record if op == "xuv" else mlp_record
+    recs.append(fn(*dims, bw, peak, variant))
+  return recs
+
+
+def _print(rec):
+  print(f"{rec['op']:<10} {rec['variant']:<14} M={rec['M']:<6} K={rec['K']:<5} r={rec['r']:<5} "
+        f"N={rec['N']:<6} ours {rec['ours_us']:8.1f} us  xla {rec['xla_lowrank_us']:8.1f}  "
+        f"dense {rec['xla_dense_us']:8.1f}  floor {rec['floor_us']:7.1f}  "
+        f"hbm {100 * rec['hbm_roofline_frac']:5.1f}%  {rec['tflops']:6.1f} TF/s  "
+        f"x{rec['speedup_vs_xla']:.2f}", flush=True)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--suite", default="all", choices=["decode", "prefill", "mlp", "all", "none"])
+  ap.add_argument("--variants", action="store_true", help="also time non-default kernels")
+  ap.add_argument("--extra", nargs="*", default=[], help="op/M,K,r,N/variant")
+  ap.add_argument("--out", default="benchmarks/results/gpu_lowrank_h200.json")
+  args = ap.parse_args()
+  import triton
+  dev = jax.devices()[0]
+  bw, peak = measure_ceilings()
+  print(f"device {dev.device_kind}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s")
+  meta = dict(machine=f"{dev.device_kind} ({os.cpu_count()} CPU cores, {platform.machine()})",
+              jax=jax.__version__, triton=triton.__version__,
+              jax_triton=__import__("jax_triton").__version__,
+              date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              measured_hbm_bw=bw, measured_bf16_flops=peak,
+              method=("per-call time = (t(3L calls) - t(L calls)) / 2L inside one jit, L distinct "
+                      "layers (> L2 in total), median of repetitions after warm-up"))
+  os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+
+  class Records(list):  # rewrites the JSON after every record (a killed run keeps its data)
+    def append(self, rec):
+      super().append(rec)
+      _print(rec)
+      with open(args.out, "w") as fh:
+        json.dump(dict(meta=meta, records=list(self)), fh, indent=1)
+
+  recs = Records()
+  suite(args.suite, bw, peak, args, recs)
+  print(f"wrote {len(recs)} records to {args.out}")
+
+
+if __name__ == "__main__":
+  main()

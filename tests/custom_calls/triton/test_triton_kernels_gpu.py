@@ -1,0 +1,202 @@
+"""GPU tests of the Triton kernels (``pytest -m gpu`` on a CUDA machine with jax-triton).
+
+Each test draws fresh random inputs, poisons the output buffer with NaN (the kernel
+writes into it through input_output_aliases, so an unwritten element stays NaN and
+fails), and compares with a float64 host reference that applies the kernels' rounding
+of the rank-space intermediate to the factor dtype.
+"""
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import assert_close, randn
+
+
+def _gpu_reason():
+  if importlib.util.find_spec("jax_triton") is None:
+    return "jax-triton is not installed (pip install 'lrjax[cuda]')"
+  try:
+    if not jax.devices("gpu"):
+      return "no GPU"
+  except RuntimeError as e:
+    return f"no CUDA backend: {e}"
+  return None
+
+
+_REASON = _gpu_reason()
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(_REASON is not None, reason=f"needs an NVIDIA GPU: {_REASON}")]
+
+DTYPES = [jnp.bfloat16, jnp.float16]
+
+
+def f64(a):
+  return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+
+
+def rnd(a, dtype):
+  """Rounds a float64 host array to ``dtype`` (the kernels' intermediate rounding)."""
+  return f64(jnp.asarray(a, jnp.float32).astype(dtype))
+
+
+def poisoned(shape, dtype):
+  return jnp.full(shape, jnp.nan, dtype)
+
+
+def xuv_ref(x, u, v, b, dtype):
+  y = rnd(f64(x) @ f64(u), dtype) @ f64(v)
+  return y + f64(b) if b is not None else y
+
+
+def lr_factors(k, r, n, dtype):
+  return randn((k, r), dtype, k ** -0.5), randn((r, n), dtype, r ** -0.5)
+
+
+XUV_SHAPES = [  # (M, K, r, N): M=1, ragged everything, a multi-super-block prefill
+    (1, 512, 128, 256), (1, 200, 72, 130), (7, 1000, 96, 520), (16, 4096, 256, 1024),
+    (64, 384, 136, 200), (100, 320, 256, 384), (333, 1000, 200, 700), (1280, 512, 320, 640),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", XUV_SHAPES)
+@pytest.mark.parametrize("kind", ["decode", "decode_2launch", "prefill"])
+def test_xuv_kernels(kind, shape, bias, dtype):
+  from lrjax.custom_calls.triton import xuv_decode, xuv_prefill
+  import dataclasses
+  m, k, r, n = shape
+  if kind.startswith("decode") and m > xuv_decode.MAX_M:
+    pytest.skip(f"decode kernel serves M <= {xuv_decode.MAX_M}")
+  x = randn((m, k), dtype)
+  u, v = lr_factors(k, r, n, dtype)
+  b = randn((n,), dtype) if bias else None
+  if kind == "prefill":
+    fn = lambda x, u, v, b, o: xuv_prefill.xuv_prefill(x, u, v, b, out=o)
+  else:
+    bs = xuv_decode.BlockSizes.get_default(m, k, r, n)
+    bs = dataclasses.replace(bs, single_launch=kind == "decode")
+    fn = lambda x, u, v, b, o: xuv_decode.xuv_decode(x, u, v, b, out=o, block_sizes=bs)
+  out = jax.jit(fn)(x, u, v, b, poisoned((m, n), dtype))
+  assert_close(out, xuv_ref(x, u, v, b, dtype), dtype)
+
+
+def test_xuv_prefill_ring_reuse_and_small_grid():
+  """More super-blocks than ring slots and fewer CTAs than tiles: slot reuse waits."""
+  from lrjax.custom_calls.triton import xuv_prefill
+  dtype = jnp.bfloat16
+  m, k, r, n = 1100, 256, 192, 320
+  x = randn((m, k), dtype)
+  u, v = lr_factors(k, r, n, dtype)
+  bs = xuv_prefill.BlockSizes(128, 64, 64, 1, 2, 4, 3, 7)
+  out = jax.jit(lambda x, u, v, o: xuv_prefill.xuv_prefill(x, u, v, out=o, block_sizes=bs))(
+      x, u, v, poisoned((m, n), dtype))
+  assert_close(out, xuv_ref(x, u, v, None, dtype), dtype)
+
+
+ACT = {"silu": lambda t: t / (1 + np.exp(-t)), "relu": lambda t: np.maximum(t, 0),
+       "gelu_tanh": lambda t: 0.5 * t * (1 + np.tanh(0.7978845608028654 * (t + 0.044715 * t ** 3)))}
+
+
+def mlp_ref(x, gate, up, down, act, dtype):
+  def xuv(a, p):
+    return xuv_ref(a, p[0], p[1], p[2] if len(p) == 3 else None, dtype)
+  h = ACT[act](xuv(x, gate)) * xuv(x, up) if gate is not None else ACT[act](xuv(x, up))
+  return xuv(rnd(h, dtype), down)
+
+
+def mlp_params(d, f, r, rd, d_out, dtype, gated, bias):
+  def proj(k, rr, n):
+    u, v = lr_factors(k, rr, n, dtype)
+    return (u, v, randn((n,), dtype)) if bias else (u, v)
+  return (proj(d, r, f) if gated else None), proj(d, r, f), proj(f, rd, d_out)
+
+
+MLP_SHAPES = [  # (M, D, F, r, r_d)
+    (1, 256, 704, 128, 128), (1, 200, 520, 72, 40), (5, 512, 1000, 96, 136),
+    (16, 1024, 2816, 256, 256), (64, 320, 1000, 200, 72), (300, 512, 1400, 256, 192),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gated,act,bias", [(True, "silu", False), (True, "gelu_tanh", True),
+                                            (False, "relu", True)])
+@pytest.mark.parametrize("shape", MLP_SHAPES)
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_mlp_kernels(kind, shape, gated, act, bias, dtype):
+  from lrjax.custom_calls.triton import mlp_decode, mlp_prefill
+  m, d, f, r, rd = shape
+  if kind == "decode" and m > mlp_decode.MAX_M:
+    pytest.skip(f"decode kernel serves M <= {mlp_decode.MAX_M}")
+  gate, up, down = mlp_params(d, f, r, rd, d, dtype, gated, bias)
+  x = randn((m, d), dtype)
+  kern = mlp_decode.mlp_decode if kind == "decode" else mlp_prefill.mlp_prefill
+  out = jax.jit(lambda x, g, u, dn, o: kern(x, u, dn, g, act=act, out=o))(
+      x, gate, up, down, poisoned((m, d), dtype))
+  assert_close(out, mlp_ref(x, gate, up, down, act, dtype), dtype)
+
+
+def test_mlp_prefill_ring_reuse():
+  from lrjax.custom_calls.triton import mlp_prefill
+  dtype = jnp.bfloat16
+  m, d, f, r = 700, 256, 640, 128
+  gate, up, down = mlp_params(d, f, r, r, d, dtype, True, False)
+  x = randn((m, d), dtype)
+  bs = mlp_prefill.BlockSizes(64, 64, 64, 2, 2, 4, 3, 11)
+  out = jax.jit(lambda x, g, u, dn, o: mlp_prefill.mlp_prefill(x, u, dn, g, out=o,
+                                                               block_sizes=bs))(
+      x, gate, up, down, poisoned((m, d), dtype))
+  assert_close(out, mlp_ref(x, gate, up, down, "silu", dtype), dtype)
+
+
+def _count_triton_calls(compiled_text):
+  return compiled_text.count('custom_call_target="triton_kernel_call"')
+
+
+@pytest.mark.parametrize("m", [1, 300])
+def test_lr_primitives_lower_to_triton(m):
+  """jax.jit of lrjax.lr_xuv / lr_mlp on GPU emits the Triton custom calls."""
+  import lrjax
+  dtype = jnp.bfloat16
+  x = randn((m, 512), dtype)
+  u, v = lr_factors(512, 128, 768, dtype)
+  b = randn((768,), dtype)
+  f = jax.jit(lambda x, u, v, b: lrjax.lr_xuv(x, u, v, b))
+  text = f.lower(x, u, v, b).compile().as_text()
+  assert _count_triton_calls(text) == 1, text[:2000]
+  assert_close(f(x, u, v, b), xuv_ref(x, u, v, b, dtype), dtype)
+  gate, up, down = mlp_params(512, 1024, 128, 128, 512, dtype, True, False)
+  g = jax.jit(lambda x, gate, up, down: lrjax.lr_mlp(x, up, down, gate))
+  assert _count_triton_calls(g.lower(x, gate, up, down).compile().as_text()) == 1
+  assert_close(g(x, gate, up, down), mlp_ref(x, gate, up, down, "silu", dtype), dtype)
+
+
+def test_fused_model_emits_triton_calls():
+  """jax.jit(lrjax.fuse(model)) on a low-rank NNX model: one Triton call per fused op."""
+  import lrjax
+  nnx = pytest.importorskip("flax.nnx")
+  if not hasattr(lrjax, "fuse"):
+    pytest.skip("lrjax.fuse is not available")
+  from lrjax.nn import LowRankLinear, LowRankMLP
+
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      self.mlp = LowRankMLP(512, 1408, (128, 128, 128), dtype=jnp.bfloat16,
+                            param_dtype=jnp.bfloat16, rngs=rngs)
+      self.proj = LowRankLinear(512, 768, 96, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                                rngs=rngs)
+
+    def __call__(self, x):
+      return self.proj(x + self.mlp(x))
+
+  model = Block(nnx.Rngs(0))
+  for m in (1, 200):
+    x = randn((m, 512), jnp.bfloat16)
+    fused = jax.jit(lrjax.fuse(model))
+    text = fused.lower(x).compile().as_text()
+    assert _count_triton_calls(text) == 2, f"M={m}: expected lr_mlp + lr_xuv Triton calls"
+    ref = model(x)
+    assert_close(fused(x), ref, jnp.bfloat16, factor=2.0)

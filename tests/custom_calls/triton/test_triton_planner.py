@@ -1,0 +1,119 @@
+"""CPU tests of the Triton room: the H200 tile planner and the ``supports`` decisions."""
+import jax
+import jax.numpy as jnp
+import pytest
+
+from lrjax.custom_calls.triton import lowering, planner
+
+
+def test_eq10_intensity_matches_the_paper_formula():
+  # eq. 10: 2Mr(K+N) / (s(M(K+N) + M/B_M r(K+N))) = 2r / ((1 + r/B_M) s)
+  m, k, r, n, bm, s = 4096, 8192, 4096, 16384, 512, 2
+  direct = 2 * m * r * (k + n) / (s * (m * (k + n) + m / bm * r * (k + n)))
+  assert planner.xuv_intensity(r, bm, s) == pytest.approx(direct)
+  assert planner.xuv_intensity(r, 128) < planner.H200.ridge < planner.xuv_intensity(r, 1024)
+
+
+def test_eq11_strip_fits_only_at_small_rank():
+  assert planner.strip_fits_cta(64, 256, 64, 128, 3)
+  assert not planner.strip_fits_cta(64, 4096, 64, 128, 3)
+  assert planner.strip_smem_bytes(64, 256, 64, 128, 128) == (64 * 256 + 192 * 128) * 2
+
+
+@pytest.mark.parametrize("m,r", [(1024, 4096), (32768, 4096), (4096, 1280), (256, 2560)])
+def test_prefill_plan_fits_smem_l2_and_clears_ridge(m, r):
+  p = planner.plan_prefill(m, r, (r,))
+  assert p.smem_bytes <= planner.H200.smem_per_cta
+  assert p.ring * p.strip_bytes <= 0.4 * planner.H200.l2_bytes or p.group_m == 1
+  n_mb = planner.cdiv(m, p.block_m)
+  if p.group_m < n_mb:  # more rows than one super-block: it must be compute-bound
+    assert p.intensity >= planner.H200.ridge
+  assert "L2" in p.reason
+
+
+def test_decode_plan_fills_the_machine():
+  p = planner.plan_decode(1, 8192, 4096, 16384)
+  assert p.block_m == 16
+  assert planner.cdiv(4096, p.block_r) * p.split_k >= planner.H200.num_sms
+  assert planner.plan_decode(40, 8192, 4096, 16384).block_m == 64
+
+
+def test_roofline_counts():
+  assert planner.hbm_bytes_xuv(1, 8192, 4096, 16384) == 2 * (8192 + 8192 * 4096 + 4096 * 16384 + 16384)
+  assert planner.flops_xuv(2, 3, 4, 5) == 2 * 2 * 4 * 8
+  assert planner.hbm_bytes_mlp(1, 4096, 14336, 2560) == 2 * (2 * 4096 + 3 * 2560 * (4096 + 14336))
+
+
+def _aval(shape, dtype=jnp.bfloat16):
+  return jax.core.ShapedArray(shape, jnp.dtype(dtype))
+
+
+XUV_PARAMS = dict(has_bias=False, inter_dtype=jnp.dtype(jnp.bfloat16),
+                  out_dtype=jnp.dtype(jnp.bfloat16))
+
+
+@pytest.fixture
+def toolchain(monkeypatch):
+  monkeypatch.setattr(lowering, "_toolchain", lambda: None)
+
+
+def test_supports_without_toolchain_names_the_extra(monkeypatch):
+  monkeypatch.setattr(lowering.importlib.util, "find_spec", lambda name: None)
+  avals = [_aval((4, 64)), _aval((64, 16)), _aval((16, 32))]
+  assert "lrjax[cuda]" in lowering.xuv_decode_supports(avals, XUV_PARAMS)
+
+
+def test_xuv_supports_decisions(toolchain):
+  avals = lambda m, dt=jnp.bfloat16: [_aval((m, 512), dt), _aval((512, 64), dt),
+                                       _aval((64, 256), dt)]
+  assert lowering.xuv_decode_supports(avals(16), XUV_PARAMS) is None
+  assert "prefill" in lowering.xuv_decode_supports(avals(1024), XUV_PARAMS)
+  assert lowering.xuv_prefill_supports(avals(1024), XUV_PARAMS) is None
+  assert "float32" in lowering.xuv_prefill_supports(avals(8, jnp.float32), XUV_PARAMS)
+  mixed = [_aval((8, 512)), _aval((512, 64), jnp.float16), _aval((64, 256))]
+  assert "dtype" in lowering.xuv_decode_supports(mixed, XUV_PARAMS)
+  f32_inter = dict(XUV_PARAMS, inter_dtype=jnp.dtype(jnp.float32))
+  assert "inter_dtype" in lowering.xuv_decode_supports(avals(8), f32_inter)
+  assert "M=0" in lowering.xuv_decode_supports(avals(0), XUV_PARAMS)
+
+
+def _mlp_avals(m, gated=True, gate_rank=64):
+  d, f, r = 256, 704, 64
+  ops = [_aval((m, d))]
+  if gated:
+    ops += [_aval((d, gate_rank)), _aval((gate_rank, f))]
+  ops += [_aval((d, r)), _aval((r, f)), _aval((f, r)), _aval((r, d))]
+  return ops
+
+
+def _mlp_params(gated=True, act="silu"):
+  return dict(gated=gated, act=act, bias_mask=(False,) * (3 if gated else 2),
+              inter_dtype=jnp.dtype(jnp.bfloat16), out_dtype=jnp.dtype(jnp.bfloat16))
+
+
+def test_mlp_supports_decisions(toolchain):
+  assert lowering.mlp_decode_supports(_mlp_avals(1), _mlp_params()) is None
+  assert "prefill" in lowering.mlp_decode_supports(_mlp_avals(4096), _mlp_params())
+  assert lowering.mlp_prefill_supports(_mlp_avals(4096), _mlp_params()) is None
+  assert lowering.mlp_prefill_supports(_mlp_avals(7, False), _mlp_params(False, "gelu")) is None
+  assert "one pass" in lowering.mlp_decode_supports(_mlp_avals(1, gate_rank=32), _mlp_params())
+  assert "epilogue" in lowering.mlp_decode_supports(_mlp_avals(1), _mlp_params(act="swish2"))
+
+
+def test_cuda_kernels_registered_and_triton_not_imported():
+  import sys
+  from lrjax.lowering import registry
+  names = {k.name for p in ("lr_xuv", "lr_mlp") for k in registry.candidates(p, "cuda")}
+  assert {"triton.xuv_decode", "triton.xuv_prefill", "triton.mlp_decode",
+          "triton.mlp_prefill"} <= names
+  assert all(k.platform == "cuda" for k in lowering.KERNELS)
+  assert "jax_triton" not in sys.modules and "triton" not in sys.modules
+
+
+def test_cpu_lowering_never_selects_triton():
+  import lrjax
+  x = jnp.ones((4, 64), jnp.bfloat16)
+  u = jnp.ones((64, 16), jnp.bfloat16)
+  v = jnp.ones((16, 32), jnp.bfloat16)
+  text = jax.jit(lambda x, u, v: lrjax.lr_xuv(x, u, v)).lower(x, u, v).as_text()
+  assert "triton" not in text
