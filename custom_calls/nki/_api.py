@@ -6,7 +6,8 @@ module globals ``nki``, ``nl`` and ``nisa``. They bind them with one line,
 
 * the real NKI modules of the Neuron SDK (``import nki``; NKI 0.7, Neuron SDK 2.33)
   when they are installed;
-* otherwise placeholders: ``nki.jit`` leaves the function undecorated so the module
+* otherwise (not installed, or PyPI's placeholder ``nki`` 0.0.1 that raises on
+  import) placeholders: ``nki.jit`` leaves the function undecorated so the module
   still imports (for its BlockSizes, docs and wrappers), and any use of ``nl`` or
   ``nisa`` raises an ImportError that names the fix;
 * the names pre-seeded by :func:`instantiate`, which executes a private copy of a
@@ -53,8 +54,11 @@ def toolchain(module_globals: dict):
   if all(k in module_globals for k in ("nki", "nl", "nisa")):
     return module_globals["nki"], module_globals["nl"], module_globals["nisa"]
   if available():
-    return (importlib.import_module("nki"), importlib.import_module("nki.language"),
-            importlib.import_module("nki.isa"))
+    try:
+      return (importlib.import_module("nki"), importlib.import_module("nki.language"),
+              importlib.import_module("nki.isa"))
+    except ImportError:  # e.g. PyPI's placeholder `nki` 0.0.1, which raises on import
+      pass
   return _MissingNki("nki"), _Missing("nki.language"), _Missing("nki.isa")
 
 

@@ -12,6 +12,7 @@ replaced ``jax_neuronx.nki_call`` in Neuron 2.23).
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
 import math
@@ -137,6 +138,11 @@ def register() -> None:
   """Registers the NKI lowerings when the Neuron toolchain is installed; else does nothing."""
   if not neuron_available():
     log.debug("NKI lowerings not registered: nki / jax_neuronx not installed")
+    return
+  try:  # only reached where both packages exist: tell the real NKI from PyPI's placeholder
+    importlib.import_module("nki.language")
+  except ImportError as e:
+    log.warning("NKI lowerings not registered: `import nki.language` failed: %s", e)
     return
   for k in KERNELS:
     registry.register(k)

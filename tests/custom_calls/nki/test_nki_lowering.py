@@ -1,4 +1,6 @@
 """The Neuron lowering room: light import, guarded registration, would_serve, hardware test."""
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -80,3 +82,18 @@ def test_neuron_lowering_matches_reference(M):
                     (randn((640, 128), dt, 0.04), randn((128, 1000), dt, 0.09)))
   out = jax.jit(lambda *a: lr_mlp(a[0], a[1], a[2], a[3]))(x, up, down, gate)
   assert_close(out, lr_mlp_reference(x, up, down, gate), dt)
+
+
+def test_pypi_placeholder_nki_falls_back_to_placeholders(tmp_path, monkeypatch):
+  """PyPI's `nki` 0.0.1 raises ImportError on import; kernels must still import and say why."""
+  pkg = tmp_path / "nki"
+  pkg.mkdir()
+  (pkg / "__init__.py").write_text('raise ImportError("WRONG PACKAGE")\n')
+  monkeypatch.syspath_prepend(str(tmp_path))
+  for name in [m for m in list(sys.modules) if m == "nki" or m.startswith("nki.")]:
+    monkeypatch.delitem(sys.modules, name)
+  assert _api.available()
+  nki, nl, nisa = _api.toolchain({})
+  assert nki.jit(len) is len
+  with pytest.raises(ImportError, match="Neuron SDK"):
+    nl.ndarray
