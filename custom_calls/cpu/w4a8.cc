@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -182,56 +183,68 @@ class Pool {
   }
   int size() const { return int(workers_.size()) + 1; }
 
-  // Runs fn(0..n-1); each index exactly once. A call that finds the pool busy
-  // (another XLA thread) runs its tasks inline. Results never depend on which
-  // thread ran a task.
+  // Runs fn(0..n-1); each index exactly once, by whichever thread claims it; the
+  // caller works too and returns once all n are done, without waiting for workers
+  // that never woke (a busy machine). A call that finds the pool busy (another
+  // XLA thread) runs its tasks inline. Results never depend on the thread.
   void ParallelFor(int64_t n, const std::function<void(int64_t)>& fn) {
-    std::unique_lock<std::mutex> job(job_mu_, std::try_to_lock);
-    if (!job.owns_lock() || workers_.empty() || n <= 1) {
+    std::unique_lock<std::mutex> busy(job_mu_, std::try_to_lock);
+    if (!busy.owns_lock() || workers_.empty() || n <= 1) {
       for (int64_t i = 0; i < n; ++i) fn(i);
       return;
     }
+    auto job = std::make_shared<Job>();
+    job->fn = &fn;
+    job->n = n;
     {
       std::lock_guard<std::mutex> l(mu_);
-      fn_ = &fn;
-      n_ = n;
-      next_.store(0);
-      active_ = int(workers_.size());
+      job_ = job;
       ++gen_;
     }
     cv_.notify_all();
-    Work();
+    Run(*job);
     std::unique_lock<std::mutex> l(mu_);
-    done_cv_.wait(l, [this] { return active_ == 0; });
-    fn_ = nullptr;
+    done_cv_.wait(l, [&] { return job->done.load() == n; });
+    job_.reset();
   }
 
  private:
-  void Work() {
-    for (int64_t i; (i = next_.fetch_add(1)) < n_;) (*fn_)(i);
+  struct Job {
+    const std::function<void(int64_t)>* fn = nullptr;
+    int64_t n = 0;
+    std::atomic<int64_t> next{0}, done{0};
+  };
+
+  // Claims and runs tasks; `fn` is only called for a claimed index < n, while the
+  // caller is still waiting, so it is alive.
+  void Run(Job& j) {
+    int64_t ran = 0;
+    for (int64_t i; (i = j.next.fetch_add(1)) < j.n; ++ran) (*j.fn)(i);
+    if (ran && j.done.fetch_add(ran) + ran == j.n) {
+      std::lock_guard<std::mutex> l(mu_);
+      done_cv_.notify_all();
+    }
   }
+
   void Loop() {
     uint64_t seen = 0;
     for (;;) {
+      std::shared_ptr<Job> job;
       {
         std::unique_lock<std::mutex> l(mu_);
         cv_.wait(l, [&] { return stop_ || gen_ != seen; });
         if (stop_) return;
         seen = gen_;
+        job = job_;
       }
-      Work();
-      std::lock_guard<std::mutex> l(mu_);
-      if (--active_ == 0) done_cv_.notify_one();
+      if (job) Run(*job);
     }
   }
 
   std::vector<std::thread> workers_;
   std::mutex job_mu_, mu_;
   std::condition_variable cv_, done_cv_;
-  const std::function<void(int64_t)>* fn_ = nullptr;
-  int64_t n_ = 0;
-  std::atomic<int64_t> next_{0};
-  int active_ = 0;
+  std::shared_ptr<Job> job_;
   uint64_t gen_ = 0;
   bool stop_ = false;
 };

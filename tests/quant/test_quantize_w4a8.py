@@ -137,3 +137,15 @@ def test_fused_xuv_params_from_chain(rng):
   assert_close(fused, ql(x), jnp.float32)
   with pytest.raises(ValueError, match="bias"):
     fused_xuv_params(dict(eqns[0].params, has_bias=True), eqns[1].params, has_bias=True)
+
+
+@needs_ext
+def test_fuse_turns_quantized_low_rank_into_one_xuv_call():
+  m = LowRankLinear(256, 128, 64, use_bias=True, rngs=nnx.Rngs(0))
+  m.bias[...] = randn((128,))
+  q = quantize(m, group=64)
+  x = randn((3, 256))
+  hlo = jax.jit(lrjax.fuse(q)).lower(x).compile().as_text()
+  assert hlo.count('custom_call_target="lrjax_w4a8_xuv"') == 1
+  assert 'custom_call_target="lrjax_w4a8_matmul"' not in hlo
+  assert_close(jax.jit(lrjax.fuse(q))(x), q(x), jnp.float32)
