@@ -40,7 +40,7 @@ def fused_mlp(x, up, down, gate=None, *, act="silu", xp, up_gate_mod, xuv_mod):
   M = x.shape[0]
   name, args, kwargs, _ = up_gate_mod.prepare(x, up, gate, xp=xp, act=act)
   yt = getattr(up_gate_mod, name)(*args, **kwargs)  # [D_ff padded, M padded]
-  ud, vd, bd = down
+  ud, vd, bd = tuple(down) + (None,) * (3 - len(down))
   Dp = yt.shape[0]
   if ud.shape[0] != up[1].shape[1]:
     raise ValueError(f"down u.shape={ud.shape} must start with D_ff={up[1].shape[1]}")
@@ -51,14 +51,19 @@ def fused_mlp(x, up, down, gate=None, *, act="silu", xp, up_gate_mod, xuv_mod):
   return z[:M, :N]
 
 
-def mlp(x, up, down, gate=None, *, act="silu"):
-  """JAX entry point for the NKI fused MLP: x [..., K] -> [..., N]."""
+def mlp(x, up, down, gate=None, *, act="silu", up_gate_mod=None, xuv_mod=None):
+  """JAX entry point for the NKI fused MLP: x [..., K] -> [..., N].
+
+  The kernel modules default to the real ones; tests pass copies bound to the double.
+  """
   import jax.numpy as jnp
 
-  from lrjax.custom_calls.nki import mlp_up_gate, xuv
+  if up_gate_mod is None or xuv_mod is None:
+    from lrjax.custom_calls.nki import mlp_up_gate, xuv
+    up_gate_mod, xuv_mod = up_gate_mod or mlp_up_gate, xuv_mod or xuv
   lead = x.shape[:-1]
   z = fused_mlp(x.reshape(-1, x.shape[-1]), up, down, gate, act=act, xp=jnp,
-                up_gate_mod=mlp_up_gate, xuv_mod=xuv)
+                up_gate_mod=up_gate_mod, xuv_mod=xuv_mod)
   return z.reshape(lead + (z.shape[-1],))
 
 

@@ -237,6 +237,13 @@ def _pad2(xp, a, rows, cols):
   return a if (pr, pc) == (0, 0) else xp.pad(a, ((0, pr), (0, pc)))
 
 
+def _proj3(p):
+  """(u, v) or (u, v, bias) -> (u, v, bias|None)."""
+  if len(p) not in (2, 3):
+    raise ValueError(f"a projection must be (u, v) or (u, v, bias); got {len(p)} items")
+  return tuple(p) + (None,) * (3 - len(p))
+
+
 def prepare(x, up, gate=None, *, xp, act="silu", block_sizes=None):
   """Pads operands and picks the kernel; ``up``/``gate`` are (u, v, bias|None).
 
@@ -247,6 +254,8 @@ def prepare(x, up, gate=None, *, xp, act="silu", block_sizes=None):
   if x.ndim != 2:
     raise ValueError(f"{x.shape=} must be 2-D [M, K]")
   M, K = x.shape
+  up = _proj3(up)
+  gate = None if gate is None else _proj3(gate)
   uu, vu, bu = up
   d_ff = vu.shape[1]
   r = max(uu.shape[1], gate[0].shape[1]) if gate is not None else uu.shape[1]

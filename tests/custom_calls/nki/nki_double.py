@@ -166,8 +166,8 @@ class NkiDouble:
     def run(*args, **kwargs):
       bound = sig.bind(*args, **kwargs)
       for name, val in list(bound.arguments.items()):
-        if isinstance(val, (np.ndarray, ShapeOnly)):
-          bound.arguments[name] = self._hbm_input(val, name)
+        if isinstance(val, ShapeOnly) or (hasattr(val, "__array__") and hasattr(val, "shape")):
+          bound.arguments[name] = self._hbm_input(val, name)  # numpy or jax arrays
       out = fn(*bound.args, **bound.kwargs)
       if isinstance(out, tuple):
         return tuple(self._result(o) for o in out)
@@ -179,6 +179,7 @@ class NkiDouble:
     if isinstance(val, ShapeOnly):
       arr = np.broadcast_to(np.zeros((), val.dtype), val.shape)
     else:
+      val = np.asarray(val)
       arr = np.ascontiguousarray(val) if self.execute else np.broadcast_to(
           np.zeros((), val.dtype), val.shape)
     return Tensor(arr, HBM, _Alloc(next(self._ids), HBM, 0, None, name))

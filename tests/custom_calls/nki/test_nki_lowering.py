@@ -70,6 +70,24 @@ def test_kernel_modules_import_without_nki_and_fail_clearly_when_run():
     xuv.xuv_kernel(x, x, x, bm=128, bk=128, br=128, bn=128, out_t=False, x_transposed=False)
 
 
+def test_jax_entry_points_on_the_double():
+  """xuv.xuv / mlp.mlp (what load() returns impls around) with jax arrays, run on the double."""
+  from nki_helpers import on_double
+  d, (xv, ug) = on_double("xuv", "mlp_up_gate")
+  dt = jnp.bfloat16
+  x, u, v, b = randn((2, 5, 200), dt), randn((200, 130), dt, 0.07), randn((130, 300), dt, 0.09), randn((300,), dt)
+  y = xv.xuv(x, u, v, b)
+  assert y.shape == (2, 5, 300)
+  assert_close(y, lr_xuv_reference(x, u, v, b), dt)
+  up, gate, down = ((u, randn((130, 256), dt, 0.09)), (randn((200, 64), dt, 0.07), randn((64, 256), dt, 0.12)),
+                    (randn((256, 96), dt, 0.06), randn((96, 200), dt, 0.1), randn((200,), dt)))
+  from lrjax.custom_calls.nki import mlp
+  z = mlp.mlp(x, up, down, gate, act="silu", up_gate_mod=ug, xuv_mod=xv)
+  assert z.shape == (2, 5, 200)
+  assert_close(z, lr_mlp_reference(x, up, down, gate), dt)
+  assert d.flops > 0 and d.hbm_read_bytes > 0
+
+
 @pytest.mark.neuron
 @pytest.mark.skipif(not HAVE_NEURON, reason="needs Trainium with the Neuron SDK (nki, jax_neuronx)")
 @pytest.mark.parametrize("M", [1, 300])
