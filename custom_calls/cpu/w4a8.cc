@@ -150,6 +150,10 @@ std::string CheckWeights(const Weights& w, int64_t d0, int64_t d1, int64_t d2, i
   int lay = int(w.layout);
   if (lay < 0 || lay > 2) return "layout=" + std::to_string(lay) + " must be 0, 1 or 2";
   const int64_t bw = BlockWidth(w.layout), Kp = RoundUp(w.K, 8), Np = RoundUp(w.N, bw);
+  // int32 sums of one group: |sum| <= len * 15 * 127 must stay below 2^31.
+  const int64_t glen = w.group == 0 ? Kp : std::min(w.group, Kp);
+  if (glen > (int64_t(1) << 20))
+    return "group length " + std::to_string(glen) + " > 2^20 would overflow int32 sums; use group=128";
   if (d0 != Np / bw || d1 != Kp / 8 || d2 != bw * 4)
     return "packed weight shape (" + std::to_string(d0) + ", " + std::to_string(d1) + ", " +
            std::to_string(d2) + ") != expected (" + std::to_string(Np / bw) + ", " +

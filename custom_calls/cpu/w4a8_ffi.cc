@@ -3,6 +3,7 @@
 // (follows jax's examples/ffi). Every buffer shape is checked; a bad call
 // returns ffi::Error (a Python exception), never crashes.
 #include <cstdint>
+#include <exception>
 #include <string>
 
 #include "nanobind/nanobind.h"
@@ -92,7 +93,12 @@ ffi::Error W4A8MatmulImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U8> w, ffi::Buffer<
   LRJAX_RETURN_IF_ERROR(MakeWeights("w", w, scales, K, n, group, layout, &wt));
   const float* b;
   LRJAX_RETURN_IF_ERROR(CheckBias(bias, n, &b));
-  std::string e = Matmul(x.untyped_data(), xt, M, wt, b, y->untyped_data(), yt);
+  std::string e;
+  try {
+    e = Matmul(x.untyped_data(), xt, M, wt, b, y->untyped_data(), yt);
+  } catch (const std::exception& ex) {  // e.g. std::bad_alloc: never unwind into XLA
+    return ffi::Error::Internal(std::string("w4a8_matmul: ") + ex.what());
+  }
   if (!e.empty()) return ffi::Error::InvalidArgument(e);
   return ffi::Error::Success();
 }
@@ -112,7 +118,12 @@ ffi::Error LowRankW4A8Impl(ffi::AnyBuffer x, ffi::Buffer<ffi::U8> wu, ffi::Buffe
   LRJAX_RETURN_IF_ERROR(MakeWeights("v", wv, sv, r, n, group_v, layout, &v));
   const float* b;
   LRJAX_RETURN_IF_ERROR(CheckBias(bias, n, &b));
-  std::string e = LowRankMatmul(x.untyped_data(), xt, M, u, v, b, y->untyped_data(), yt);
+  std::string e;
+  try {
+    e = LowRankMatmul(x.untyped_data(), xt, M, u, v, b, y->untyped_data(), yt);
+  } catch (const std::exception& ex) {  // e.g. std::bad_alloc: never unwind into XLA
+    return ffi::Error::Internal(std::string("lr_xuv_w4a8: ") + ex.what());
+  }
   if (!e.empty()) return ffi::Error::InvalidArgument(e);
   return ffi::Error::Success();
 }
