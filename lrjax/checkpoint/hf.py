@@ -209,7 +209,7 @@ def load_hf(path: str | os.PathLike, dtype=None, *, with_digest: bool = True,
       raise ValueError(f"tensor {name!r} has dtype {tag}; expected one of {_FLOAT_TAGS} "
                        "(quantized checkpoints are not supported)")
     arr = _from_hf(st.get(name), layout, var.shape, name)
-    values[p] = jax.device_put(np.ascontiguousarray(arr).astype(var.dtype), device)
+    values[p] = jax.device_put(np.ascontiguousarray(arr, dtype=var.dtype), device)
     del arr
   st.close()
   state = nnx.from_flat_state([(p, var.replace(values[p])) for p, var in flat])

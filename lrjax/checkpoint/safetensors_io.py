@@ -98,7 +98,6 @@ class SafetensorsDir:
       if lost:
         raise ValueError(f"{INDEX_NAME} lists tensors that no shard holds: {lost[:5]}; "
                          "a shard is incomplete")
-    self._handles: dict[str, object] = {}
 
   @property
   def names(self) -> list[str]:
@@ -113,14 +112,14 @@ class SafetensorsDir:
     return i["dtype"], tuple(i["shape"])
 
   def get(self, name: str) -> np.ndarray:
+    """Read one tensor. The file is mapped only for this read, so its pages do not stay in
+    this process's resident set while the rest of the checkpoint loads."""
     f, _ = self._info[name]
-    h = self._handles.get(f)
-    if h is None:
-      h = self._handles[f] = safe_open(os.path.join(self.path, f), framework="numpy")
-    return h.get_tensor(name)
+    with safe_open(os.path.join(self.path, f), framework="numpy") as h:
+      return h.get_tensor(name)
 
   def close(self):
-    self._handles.clear()
+    """Nothing stays open between reads; kept so the class works as a context manager."""
 
   def __enter__(self):
     return self
