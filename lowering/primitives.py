@@ -268,7 +268,11 @@ def _lowering(prim):
         log.debug("%s on %s: %s declined: %s", prim.name, platforms[0], name, reason)
       if sel.kernel is not None:
         log.debug("%s on %s: lowering with %s", prim.name, platforms[0], sel.kernel.name)
-        fn = sel.kernel.load()
+        # A kernel is a custom call XLA cannot split: lrjax.sharding runs it on local shards
+        # (lowering/partitioning.py; inlined unchanged on a single device).
+        from lrjax.lowering import partitioning
+        impl = partitioning.wrap(prim.name, sel.kernel.load(), params)
+        return mlir.lower_fun(impl, multiple_results=False)(ctx, *args)
     else:
       log.debug("%s: multi-platform lowering %s uses the reference", prim.name, platforms)
     return mlir.lower_fun(functools.partial(fn, **params), multiple_results=False)(ctx, *args)
@@ -280,6 +284,9 @@ for _p in (lr_xuv_p, lr_mlp_p):
   ad.primitive_jvps[_p] = _jvp(_p)
   batching.primitive_batchers[_p] = _batch(_p)
   mlir.register_lowering(_p, _lowering(_p))
+
+# Kernels run on local shards under SPMD (registers the primitives as needing devices at lowering).
+from lrjax.lowering import partitioning as _partitioning  # noqa: E402,F401
 
 
 def reference_for(prim) -> Any:

@@ -1,0 +1,283 @@
+"""Run lr_xuv / lr_mlp kernels on local shards under SPMD partitioning (``custom_partitioning``).
+
+A kernel is a custom call: XLA's partitioner cannot split it and would gather every sharded
+operand (whole weights) onto each device. :func:`wrap` gives a selected kernel a partitioning
+rule instead. Its ``partition`` callback reads the factor shardings that the params carry
+(:mod:`lrjax.sharding` rules) and builds the per-device program:
+
+  u [K,r]     v [r,N]     layout     per device
+  ----------  ----------  ---------  ---------------------------------------------------------
+  -           -           repl       the primitive on the full operands
+  (-, tp)     (tp, -)     rank       the primitive on (u_l, v_l), psum of the [..,N] output
+  -           (-, tp)     col        the primitive on (u, v_l); output split on N
+  (-, tp)     (-, tp)     lr_col     x·u_l, all-gather in rank space, ·v_l; output split on N
+  (tp, -)     -           lr_row     x_l·u_l, psum in rank space, ·v; x must be split on K
+
+``lr_mlp`` composes these per projection (the intermediate is all-gathered or sliced when the
+down projection needs another layout). Inside the per-device program the primitives are bound
+again on local shapes, so kernel selection (``supports``) sees the shard shapes; there every mesh
+axis is manual and this wrapper inlines. Any other layout replicates its operands (logged).
+
+The Shardy rule gives every weight dim its own factor, so that no weight is resharded to make
+factors agree; only the batch dims ("...") and the output width (tied to the last v) propagate.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from lrjax.lowering.primitives import lr_mlp_p, lr_xuv_p
+
+log = logging.getLogger("lrjax.lowering")
+
+
+def _require_devices_during_lowering(*prims):
+  # jax hands device assignments only to lowering rules of primitives in this set, and
+  # custom_partitioning needs them. Internal jax API (pinned jax range, see pyproject).
+  from jax._src import dispatch
+  dispatch.prim_requires_devices_during_lowering.update(prims)
+
+
+_require_devices_during_lowering(lr_xuv_p, lr_mlp_p)
+
+LAYOUTS = ("repl", "rank", "col", "lr_col", "lr_row")
+
+
+def _spec(sharding, ndim: int) -> tuple:
+  spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
+  return spec + (None,) * (ndim - len(spec))
+
+
+def pair_layout(su: tuple, sv: tuple) -> tuple[str, str | None]:
+  """(layout, mesh axis) of one factor pair from the u and v PartitionSpecs."""
+  axes = {a for a in su + sv if a is not None}
+  if not axes:
+    return "repl", None
+  if len(axes) > 1 or any(isinstance(a, tuple) for a in axes):
+    return "other", None
+  ax = axes.pop()
+  table = {((None, ax), (ax, None)): "rank", ((None, None), (None, ax)): "col",
+           ((None, ax), (None, ax)): "lr_col", ((ax, None), (None, None)): "lr_row"}
+  return table.get((su, sv), "other"), ax
+
+
+def _out_split(layout: str) -> bool:
+  return layout in ("col", "lr_col")
+
+
+def _dot(a, b):
+  return jnp.matmul(a, b, preferred_element_type=jnp.float32)
+
+
+def _local_xuv(x, u, v, b, layout, ax, inter_dtype, out_dtype):
+  """One factor pair on local shards (inside the manual per-device program)."""
+  from lrjax.lowering.primitives import lr_xuv_p
+  kw = dict(inter_dtype=inter_dtype, out_dtype=out_dtype)
+  if layout in ("repl", "col"):
+    ops = (x, u, v) + ((b,) if b is not None else ())
+    return lr_xuv_p.bind(*ops, has_bias=b is not None, **kw)
+  if layout == "rank":
+    y = jax.lax.psum(lr_xuv_p.bind(x, u, v, has_bias=False, **kw), ax)
+    return y if b is None else (y.astype(jnp.float32) + b.astype(jnp.float32)).astype(out_dtype)
+  if layout == "lr_col":
+    t = jax.lax.all_gather(_dot(x, u).astype(inter_dtype), ax, axis=x.ndim - 1, tiled=True)
+  else:  # lr_row: rank-space partial sums, reduced in the intermediate dtype
+    t = jax.lax.psum(_dot(x, u).astype(inter_dtype), ax)
+  y = _dot(t, v)
+  if b is not None:
+    y = y + b.astype(jnp.float32)
+  return y.astype(out_dtype)
+
+
+def _to_layout(h, split: bool, want_split: bool, ax):
+  """Move the MLP intermediate [.., m] between split-on-m and replicated."""
+  if split == want_split:
+    return h
+  if split:
+    return jax.lax.all_gather(h, ax, axis=h.ndim - 1, tiled=True)
+  n = h.shape[-1] // jax.lax.psum(1, ax)
+  return jax.lax.dynamic_slice_in_dim(h, jax.lax.axis_index(ax) * n, n, axis=h.ndim - 1)
+
+
+def _plan(prim_name: str, shardings, shapes, params):
+  """Per-projection layouts, or None when the operands need replicating."""
+  from lrjax.lowering.primitives import mlp_operands
+  specs = [_spec(s, len(sh)) for s, sh in zip(shardings, shapes)]
+  if prim_name == "lr_xuv":
+    projs = {"p": (specs[1], specs[2], specs[3] if params["has_bias"] else None)}
+  else:
+    d = mlp_operands(specs, params["gated"], params["bias_mask"])
+    projs = {k: d[k] for k in ("gate", "up", "down") if d.get(k) is not None}
+  out = {}
+  for name, (su, sv, _) in projs.items():
+    layout, ax = pair_layout(su, sv)
+    if layout == "other":
+      return None
+    out[name] = (layout, ax)
+  axes = {ax for _, ax in out.values() if ax is not None}
+  if len(axes) > 1:
+    return None
+  return out
+
+
+def _x_spec(x_spec, needs_split_k: bool, ax):
+  return P(*x_spec[:-1], ax if needs_split_k else None)
+
+
+def _bias_spec(layout, ax):
+  return P(ax) if _out_split(layout) else P(None)
+
+
+def _weights_spec(layout, ax):
+  su, sv = {"repl": (P(), P()), "rank": (P(None, ax), P(ax, None)),
+            "col": (P(), P(None, ax)), "lr_col": (P(None, ax), P(None, ax)),
+            "lr_row": (P(ax, None), P())}[layout]
+  return su, sv
+
+
+def _arg_and_out_specs(prim_name, plan, x_spec, params, nops):
+  """PartitionSpecs of every operand and of the output for ``plan``."""
+  if prim_name == "lr_xuv":
+    layout, ax = plan["p"]
+    specs = [_x_spec(x_spec, layout == "lr_row", ax), *_weights_spec(layout, ax)]
+    if params["has_bias"]:
+      specs.append(_bias_spec(layout, ax))
+    out_last = ax if _out_split(layout) else None
+    return specs, P(*x_spec[:-1], out_last)
+  first = plan.get("gate", plan["up"])
+  specs = [_x_spec(x_spec, first[0] == "lr_row", first[1])]
+  names = ("gate", "up", "down") if params["gated"] else ("up", "down")
+  for name, hb in zip(names, params["bias_mask"]):
+    layout, ax = plan[name]
+    specs += list(_weights_spec(layout, ax))
+    if hb:
+      specs.append(_bias_spec(layout, ax))
+  assert len(specs) == nops
+  layout, ax = plan["down"]
+  return specs, P(*x_spec[:-1], ax if _out_split(layout) else None)
+
+
+def _lower_fn(prim_name, plan, params):
+  from lrjax.lowering.primitives import mlp_operands
+  inter, out_dt = params["inter_dtype"], params["out_dtype"]
+  if prim_name == "lr_xuv":
+    layout, ax = plan["p"]
+
+    def xuv(*ops):
+      b = ops[3] if params["has_bias"] else None
+      return _local_xuv(ops[0], ops[1], ops[2], b, layout, ax, inter, out_dt)
+    return xuv
+
+  from lrjax.lowering.primitives import ACTIVATIONS
+  act = ACTIVATIONS[params["act"]]
+
+  def mlp(*ops):
+    d = mlp_operands(ops, params["gated"], params["bias_mask"])
+    x = d["x"]
+    lu, ax = plan["up"]
+    h = _local_xuv(x, *d["up"], lu, ax, inter, inter)
+    split = _out_split(lu)
+    if params["gated"]:
+      lg, axg = plan["gate"]
+      g = _local_xuv(x, *d["gate"], lg, axg, inter, inter)
+      g = _to_layout(g, _out_split(lg), split, axg or ax)
+      h = act(g) * h
+    else:
+      h = act(h)
+    ld, axd = plan["down"]
+    h = _to_layout(h, split, ld == "lr_row", axd or ax)
+    return _local_xuv(h, *d["down"], ld, axd, inter, out_dt)
+  return mlp
+
+
+def _rule_string(prim_name, shapes, params) -> str:
+  """Einsum-like Shardy rule: batch dims shared by x and the output, the output width tied to
+  the last v's width, every other weight dim its own factor (so no weight gets resharded)."""
+  from lrjax.lowering.primitives import mlp_operands
+  idx = list(range(len(shapes)))
+  if prim_name == "lr_xuv":
+    last_v = 2
+  else:
+    d = mlp_operands(idx, params["gated"], params["bias_mask"])
+    last_v = d["down"][1]
+  terms, n = ["... k"], 0
+  for i in idx[1:]:
+    names = []
+    for j in range(len(shapes[i])):
+      if i == last_v and j == len(shapes[i]) - 1:
+        names.append("n")
+      else:
+        names.append(f"w{n}")
+        n += 1
+    terms.append(" ".join(names))
+  return ", ".join(terms) + " -> ... n"
+
+
+@functools.lru_cache(maxsize=None)
+def _wrapped(prim_name: str, kernel_fn, param_items: tuple):
+  params = dict(param_items)
+
+  @functools.partial(custom_partitioning)
+  def call(*ops):
+    return kernel_fn(*ops, **params)
+
+  def plan_and_specs(arg_shapes):
+    shardings = [a.sharding for a in arg_shapes]
+    shapes = [a.shape for a in arg_shapes]
+    plan = _plan(prim_name, shardings, shapes, params)
+    x_spec = _spec(shardings[0], len(shapes[0]))
+    return plan, x_spec
+
+  def infer(mesh, arg_shapes, result_shape):
+    plan, x_spec = plan_and_specs(arg_shapes)
+    if plan is None:
+      return NamedSharding(mesh, P(*x_spec[:-1], None))
+    _, out = _arg_and_out_specs(prim_name, plan, x_spec, params, len(arg_shapes))
+    return NamedSharding(mesh, out)
+
+  def partition(mesh, arg_shapes, result_shape):
+    plan, x_spec = plan_and_specs(arg_shapes)
+    if plan is None:
+      log.warning("%s: operand shardings %s fit no local layout; replicating them",
+                  prim_name, [_spec(a.sharding, a.ndim) for a in arg_shapes])
+      args = tuple(NamedSharding(mesh, P()) for _ in arg_shapes)
+      return mesh, (lambda *ops: kernel_fn(*ops, **params)), NamedSharding(mesh, P()), args
+    specs, out = _arg_and_out_specs(prim_name, plan, x_spec, params, len(arg_shapes))
+    log.debug("%s: partitioned as %s", prim_name, plan)
+    return (mesh, _lower_fn(prim_name, plan, params), NamedSharding(mesh, out),
+            tuple(NamedSharding(mesh, s) for s in specs))
+
+  call.def_partition(
+      partition=partition, infer_sharding_from_operands=infer,
+      sharding_rule=lambda mesh, value_types, result_types: _rule_string(
+          prim_name, [tuple(t.shape) for t in value_types], params))
+  return call
+
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def disabled():
+  """Within this context kernels lower as bare custom calls (to show what XLA does then)."""
+  prev = getattr(_state, "off", False)
+  _state.off = True
+  try:
+    yield
+  finally:
+    _state.off = prev
+
+
+def wrap(prim_name: str, kernel_fn, params: dict):
+  """``impl(*ops)`` that runs ``kernel_fn(*ops, **params)`` on local shards under SPMD."""
+  if prim_name not in ("lr_xuv", "lr_mlp") or getattr(_state, "off", False):
+    return functools.partial(kernel_fn, **params)
+  return _wrapped(prim_name, kernel_fn, tuple(sorted(params.items())))
