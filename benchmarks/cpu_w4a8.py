@@ -72,14 +72,19 @@ def dram_read_gbs() -> float:
   return best
 
 
+CPU_SHARE = []  # per timed run: process CPU time / (wall time x cores)
+
+
 def time_calls(fn, args, calls: int, reps: int) -> float:
   """Median seconds per call of a jitted fn that makes ``calls`` calls."""
   jax.block_until_ready(fn(*args))
   ts = []
+  c0, w0 = time.process_time(), time.perf_counter()
   for _ in range(reps):
     t = time.perf_counter()
     jax.block_until_ready(fn(*args))
     ts.append((time.perf_counter() - t) / calls)
+  CPU_SHARE.append((time.process_time() - c0) / ((time.perf_counter() - w0) * os.cpu_count()))
   return float(np.median(ts))
 
 
@@ -173,12 +178,14 @@ def main():
   print(f"{info.get('Model name')} x{cores}, {mhz:.0f} MHz, DRAM read {dram:.1f} GB/s, "
         f"VNNI peak {vnni_peak:.0f} GOP/s, kernel ISA {ext.selected_isa(Q.LAYOUTS[layout])}, "
         f"{ext.num_threads()} threads, layout {layout}, group {args.group}")
+  load_start = os.getloadavg()
   rng = np.random.default_rng(0)
   rows = []
   shapes = [("dense", m, 4096, None, 4096) for m in (1, 8, 128, 1024)]
   shapes += [("lowrank_xuv", m, 4096, 1024, 14336) for m in (1, 8, 128, 1024)]
   for kind, m, k, r_, n in shapes:
     reps = (3 if args.quick else 7) if m >= 128 else (5 if args.quick else 20)
+    CPU_SHARE.clear()
     if kind == "dense":
       res = bench_dense(m, k, n, args.group, layout, reps, rng)
       flops = 2 * m * k * n
@@ -193,6 +200,7 @@ def main():
                weight_gbs=res["weight_bytes"] / t / 1e9,
                speedup_vs_xla_f32=res["xla_f32_us"] / res["ours_us"],
                speedup_vs_xla_bf16=res["xla_bf16_us"] / res["ours_us"])
+    row["ours_cpu_share"] = CPU_SHARE[0]  # < 1: other processes took cores meanwhile
     row["frac_dram_bw"] = row["weight_gbs"] / dram
     row["frac_vnni_peak"] = row["gflops"] / vnni_peak
     rows.append(row)
@@ -202,7 +210,8 @@ def main():
           f"({100 * row['frac_dram_bw']:.0f}% DRAM, {100 * row['frac_vnni_peak']:.1f}% VNNI) | "
           f"XLA f32 {res['xla_f32_us']:9.1f} us bf16 {res['xla_bf16_us']:9.1f} us | "
           f"x{row['speedup_vs_xla_f32']:.1f} vs f32"
-          + (f" | unfused {res['ours_unfused_us']:.1f} us" if "ours_unfused_us" in res else ""))
+          + (f" | unfused {res['ours_unfused_us']:.1f} us" if "ours_unfused_us" in res else "")
+          + f" | cpu share {row['ours_cpu_share']:.2f}")
   flags = info.get("Flags", "").split()
   out = dict(
       benchmark="cpu_w4a8", date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -214,6 +223,9 @@ def main():
                     numpy=np.__version__, lrjax=lrjax.__version__),
       kernel=dict(isa=ext.selected_isa(Q.LAYOUTS[layout]), threads=ext.num_threads(),
                   layout=layout, group=args.group),
+      load_average=dict(start=load_start, end=os.getloadavg(),
+                        note="1-min load averages; >2 on this 2-core machine means other "
+                             "processes shared the cores (see ours_cpu_share per row)"),
       roofline=dict(dram_read_gbs=dram, vnni_peak_gops=vnni_peak,
                     vnni_peak_derivation=f"{cores} cores x {mhz:.0f} MHz x 2 vpdpbusd zmm/cycle "
                                          "x 64 MACs x 2 ops"),

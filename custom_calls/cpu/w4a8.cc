@@ -365,13 +365,18 @@ void RunGemm(const QAct& a, const Weights& w, Isa isa, const Epi& epi) {
   const int nc = M == 1 ? tile.nc1 : tile.nc;
   const int64_t npanels = (w.N + nc - 1) / nc;
   const int T = GetPool().size();
-  // Split M too when there are few column panels.
-  int64_t msplit = 1;
-  if (npanels < 4 * T) msplit = std::min<int64_t>((M + mr - 1) / mr, (4 * T + npanels - 1) / npanels);
-  const int64_t mchunk = RoundUp((M + msplit - 1) / msplit, mr);
-  msplit = (M + mchunk - 1) / mchunk;
+  // Row chunks of ~256 KiB of activations stay in L2 while column panels stream
+  // by; with few panels, smaller chunks give every thread work.
+  int64_t mchunk = RoundUp(std::max<int64_t>(1, (256 << 10) / a.Kp), mr);
+  if (npanels < 4 * T) {
+    const int64_t want = (4 * T + npanels - 1) / npanels;
+    mchunk = std::min(mchunk, RoundUp((M + want - 1) / want, mr));
+  }
+  mchunk = std::min(mchunk, RoundUp(M, mr));
+  const int64_t msplit = (M + mchunk - 1) / mchunk;
+  // Consecutive tasks share a row chunk, so concurrent threads reuse it in L3.
   GetPool().ParallelFor(npanels * msplit, [&](int64_t task) {
-    const int64_t p = task / msplit, mc = task % msplit;
+    const int64_t mc = task / npanels, p = task % npanels;
     const int64_t n0 = p * nc;
     const int ncc = int(std::min<int64_t>(nc, Np - n0));
     alignas(64) float acc[kTileM * kTileN];
