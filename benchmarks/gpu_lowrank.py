@@ -32,6 +32,9 @@ import lrjax
 from lrjax.custom_calls.triton import planner
 
 DT = jnp.bfloat16
+# The roofline the targets are stated against (the H200's measured copy rate and bf16
+# product rate on these machines, KINDS.md). This run's own ceilings go into "meta".
+BW_ROOF, PEAK_ROOF = planner.H200.hbm_bw, planner.H200.peak_flops
 
 
 def _sync(x):
@@ -50,16 +53,22 @@ def _median_time(f, args, reps):
 
 
 def per_call_us(fn, x, layers, reps=15):
-  """Device time of one fn(x, *layer) call: (t(3L calls) - t(L calls)) / 2L."""
+  """Device time of one fn(x, *layer) call: (t(3L calls) - t(L calls)) / 2L.
+
+  Each call's input is chained to the previous call's output through an
+  optimization_barrier (no data change, no copy). XLA can therefore neither CSE the passes
+  nor merge calls that share an operand (its DotMerger would otherwise batch the decode
+  GEMVs of different passes into one read of the weights).
+  """
   def many(passes):
     @jax.jit
     def f(x, layers):
-      outs = []
-      for p in range(passes):
-        # distinct data per pass, so XLA cannot merge the passes (CSE); one elementwise op
-        # on x per pass, the same for every variant
-        xp = x + jnp.asarray(p, x.dtype)
-        outs += [fn(xp, *w) for w in layers]
+      outs, cur = [], x
+      for _ in range(passes):
+        for w in layers:
+          y = fn(cur, *w)
+          outs.append(y)
+          cur = jax.lax.optimization_barrier((x, y))[0]
       return outs
     return f
   t1, s1 = _median_time(many(1), (x, layers), reps)
@@ -112,19 +121,16 @@ def xuv_record(m, k, r, n, bw, peak, kernel="auto", reps=15):
   del dense
   bytes_ = planner.hbm_bytes_xuv(m, k, r, n)
   flops = planner.flops_xuv(m, k, r, n)
-  floor = max(bytes_ / bw, flops / peak) * 1e6
+  floor = max(bytes_ / BW_ROOF, flops / PEAK_ROOF) * 1e6
   return dict(op="xuv", variant=kernel, M=m, K=k, r=r, N=n, dtype="bfloat16",
               ours_us=t_ours, xla_lowrank_us=t_xla, xla_dense_us=t_dense,
-              floor_us=floor, hbm_floor_us=bytes_ / bw * 1e6,
-              hbm_roofline_frac=bytes_ / bw * 1e6 / t_ours, tflops=flops / t_ours / 1e6,
+              floor_us=floor, hbm_floor_us=bytes_ / BW_ROOF * 1e6,
+              hbm_roofline_frac=bytes_ / BW_ROOF * 1e6 / t_ours, tflops=flops / t_ours / 1e6,
               speedup_vs_xla=t_xla / t_ours, layers=nl, spread=spread)
 
 
 def _xuv_variant(kernel, m, k, r, n):
   from lrjax.custom_calls.triton import xuv_decode, xuv_prefill
-  if kernel == "decode_2launch":
-    bs = dataclasses.replace(xuv_decode.BlockSizes.get_default(m, k, r, n), single_launch=False)
-    return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, block_sizes=bs)
   if kernel == "decode":
     return lambda x, u, v: xuv_decode.xuv_decode(x, u, v)
   if kernel == "prefill":
@@ -133,7 +139,7 @@ def _xuv_variant(kernel, m, k, r, n):
     vals = [int(t) for t in kernel.split(":")[1].split(",")]
     bs = xuv_prefill.BlockSizes(*vals)
     return lambda x, u, v: xuv_prefill.xuv_prefill(x, u, v, block_sizes=bs)
-  if kernel.startswith("decode:"):  # decode:BM,BK,BR,split,BN,BKV,warps,stages
+  if kernel.startswith("decode:"):  # decode:BM,BK,BR,split,BN,BKV,chunks,warps,stages
     vals = [int(t) for t in kernel.split(":")[1].split(",")]
     bs = xuv_decode.BlockSizes(*vals)
     return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, block_sizes=bs)
@@ -165,8 +171,11 @@ def mlp_record(m, d, f, r, bw, peak, kernel="auto", reps=15):
     ours = lambda x, ug, vg, uu, vu, ud, vd: lrjax.lr_mlp(x, (uu, vu), (ud, vd), (ug, vg))
   else:
     from lrjax.custom_calls.triton import mlp_decode, mlp_prefill
-    kern = {"decode": mlp_decode.mlp_decode, "prefill": mlp_prefill.mlp_prefill}[kernel]
-    ours = lambda x, ug, vg, uu, vu, ud, vd: kern(x, (uu, vu), (ud, vd), (ug, vg))
+    name, _, spec = kernel.partition(":")
+    mod = {"decode": mlp_decode, "prefill": mlp_prefill}[name]
+    kern = getattr(mod, f"mlp_{name}")
+    bs = mod.BlockSizes(*[int(t) for t in spec.split(",")]) if spec else None
+    ours = lambda x, ug, vg, uu, vu, ud, vd: kern(x, (uu, vu), (ud, vd), (ug, vg), block_sizes=bs)
   t_ours, spread = per_call_us(ours, x, layers, reps)
   t_xla, _ = per_call_us(_swiglu_lowrank, x, layers, reps)
   mem_ours = jax.jit(ours).lower(x, *layers[0]).compile().memory_analysis()
@@ -177,10 +186,10 @@ def mlp_record(m, d, f, r, bw, peak, kernel="auto", reps=15):
   del dense
   bytes_ = planner.hbm_bytes_mlp(m, d, f, r)
   flops = planner.flops_mlp(m, d, f, r)
-  floor = max(bytes_ / bw, flops / peak) * 1e6
+  floor = max(bytes_ / BW_ROOF, flops / PEAK_ROOF) * 1e6
   return dict(op="mlp_swiglu", variant=kernel, M=m, K=d, r=r, N=f, dtype="bfloat16",
               ours_us=t_ours, xla_lowrank_us=t_xla, xla_dense_us=t_dense, floor_us=floor,
-              hbm_floor_us=bytes_ / bw * 1e6, hbm_roofline_frac=bytes_ / bw * 1e6 / t_ours,
+              hbm_floor_us=bytes_ / BW_ROOF * 1e6, hbm_roofline_frac=bytes_ / BW_ROOF * 1e6 / t_ours,
               tflops=flops / t_ours / 1e6, speedup_vs_xla=t_xla / t_ours,
               temp_bytes_ours=mem_ours.temp_size_in_bytes,
               temp_bytes_xla=mem_xla.temp_size_in_bytes, layers=nl, spread=spread)
@@ -200,8 +209,6 @@ def suite(name, bw, peak, args, recs):
     for (k, r, n) in XUV_DECODE_SHAPES:
       for m in DECODE_M:
         recs.append(xuv_record(m, k, r, n, bw, peak))
-        if m <= 16 and args.variants:
-          recs.append(xuv_record(m, k, r, n, bw, peak, "decode_2launch"))
         if m >= 16 and args.variants:
           recs.append(xuv_record(m, k, r, n, bw, peak, "prefill"))
   if name in ("prefill", "all"):
@@ -247,7 +254,8 @@ def main():
               jax=jax.__version__, triton=triton.__version__,
               jax_triton=__import__("jax_triton").__version__,
               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              measured_hbm_bw=bw, measured_bf16_flops=peak,
+              measured_hbm_bw=bw, measured_bf16_flops=peak, roofline_hbm_bw=BW_ROOF,
+              roofline_bf16_flops=PEAK_ROOF,
               method=("per-call time = (t(3L calls) - t(L calls)) / 2L inside one jit, L distinct "
                       "layers (> L2 in total), median of repetitions after warm-up"))
   os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

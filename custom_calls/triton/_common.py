@@ -104,3 +104,37 @@ def wait_at_least(flag_ptr, target):
     pass
   tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
   tl.debug_barrier()
+
+
+@triton.jit
+def splitr_out_tile(nb, rc,  # output column block, reduction chunk
+                    a_ptr,  # [M, R] f32 left operand (complete for rows of chunk rc)
+                    v_ptr,  # [R, N] right factor
+                    b_ptr,  # [N] bias (read only if HAS_BIAS)
+                    acc_ptr,  # [M, N] f32 accumulator, zeroed
+                    sem_ptr,  # [ceil(N/BLOCK_N)] i32 chunks done per column block, zeroed
+                    o_ptr,  # [M, N] output
+                    M: tl.constexpr, R: tl.constexpr, N: tl.constexpr,
+                    R_PER: tl.constexpr, N_CHUNKS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KV: tl.constexpr,
+                    EVEN_R: tl.constexpr):
+  """One chunk of a split-r O = A·V: f32 atomics into acc; the last chunk to arrive for a
+  column block (semaphore, acq_rel) adds the bias and writes the output: one launch."""
+  offs_m = tl.arange(0, BLOCK_M)
+  m_mask = offs_m < M
+  offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+  n_mask = offs_n < N
+  acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+  acc = mm_acc(acc, a_ptr, v_ptr, offs_m, offs_n, m_mask, n_mask, rc * R_PER, rc * R_PER + R_PER,
+               R, R, N, BLOCK_KV, EVEN_R, True)
+  off = offs_m[:, None] * N + offs_n[None, :]
+  mask = m_mask[:, None] & n_mask[None, :]
+  tl.atomic_add(acc_ptr + off, acc, mask=mask, sem="relaxed")
+  tl.debug_barrier()
+  ticket = tl.atomic_add(sem_ptr + nb, 1, sem="acq_rel", scope="gpu")
+  tl.debug_barrier()
+  if ticket == N_CHUNKS - 1:
+    tot = tl.load(acc_ptr + off, mask=mask, other=0.0, cache_modifier=".cg")
+    if HAS_BIAS:
+      tot += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(o_ptr + off, tot.to(o_ptr.dtype.element_ty), mask=mask)

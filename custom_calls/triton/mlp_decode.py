@@ -5,7 +5,8 @@
   stage B  per B_F slice of the intermediate dim (one CTA each):
            h = act(Pg·Vg[:, f] + bg) ⊙ (Pu·Vu[:, f] + bu)      [M, B_F], registers only
            S += h · Ud[f, :]                                   f32 atomics into [M, r_d]
-  stage C  Y = S·Vd + bd                                       [M, D]
+  stage C  Y = S·Vd + bd        split over r_d chunks, f32 atomics; the last chunk to arrive
+                                for a column block writes the output (as in xuv_decode)
 
 The [M, D_ff] intermediate exists only as one [M, B_F] register tile per CTA; it never
 touches HBM. Only the rank-space vectors Pg, Pu, S (a few KB to a few hundred KB) go
@@ -30,7 +31,7 @@ import triton.language as tl
 
 from lrjax.custom_calls.triton import planner
 from lrjax.custom_calls.triton._common import (activation, mm_acc, mm_acc2, signal,
-                                               wait_at_least)
+                                               splitr_out_tile, wait_at_least)
 
 ACT_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "relu": 3}
 
@@ -45,6 +46,7 @@ class BlockSizes:
   block_rd: int  # stage-B chunk of the down rank per atomic flush
   block_n: int  # stage-C output columns per CTA
   block_kr: int = 64  # reduction step over a rank (stages B and C)
+  c_chunks: int = 4  # stage-C split of r_d
   num_warps: int = 4
   num_stages: int = 3
 
@@ -54,15 +56,15 @@ class BlockSizes:
     t = TUNED.get(("m<=16" if m <= 16 else "m<=64", "r>=2048" if r >= 2048 else "r<2048"))
     if t is None:
       p = planner.plan_decode(m, d, r, f)
-      t = cls(p.block_m, p.block_k, p.block_r, p.split_k, 64, 128, 64)
+      t = cls(p.block_m, p.block_k, p.block_r, p.split_k, 64, 128, 128)
     split = max(1, min(t.split_k, planner.cdiv(d, 2 * t.block_k)))
     return dataclasses.replace(t, block_m=bm, split_k=split)
 
 
 # Tuned on the H200 (benchmarks/gpu_lowrank.py); shape class -> blocks.
 TUNED: dict[tuple[str, str], BlockSizes] = {
-    ("m<=16", "r>=2048"): BlockSizes(16, 64, 128, 4, 64, 128, 32, 64, 4, 4),
-    ("m<=16", "r<2048"): BlockSizes(16, 64, 64, 4, 64, 128, 32, 64, 4, 4),
+    ("m<=16", "r>=2048"): BlockSizes(16, 64, 256, 8, 64, 256, 128, 64, 4, 4, 4),
+    ("m<=16", "r<2048"): BlockSizes(16, 64, 128, 8, 64, 256, 128, 64, 4, 4, 4),
 }
 
 MAX_M = 64  # beyond this the prefill kernel serves
@@ -79,12 +81,14 @@ def _mlp_decode_kernel(
     pu_ptr,  # [M, R] f32 X·Uu accumulator, zeroed
     s_ptr,  # [M, RD] f32 h·Ud accumulator, zeroed
     cnt_ptr,  # [2] i32 stage-A / stage-B CTAs done, zeroed
+    acc_ptr,  # [M, DO] f32 split-r accumulator of the output, zeroed
+    sem_ptr,  # [ceil(DO/BLOCK_N)] i32 r_d-chunks done per output column block, zeroed
     o_ptr,  # [M, DO] output
     M: tl.constexpr, D: tl.constexpr, R: tl.constexpr, F: tl.constexpr,
     RD: tl.constexpr, DO: tl.constexpr,
     GATED: tl.constexpr, ACT: tl.constexpr,
     HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr,
-    K_PER: tl.constexpr, SPLIT_K: tl.constexpr,
+    K_PER: tl.constexpr, SPLIT_K: tl.constexpr, C_CHUNKS: tl.constexpr, RD_PER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_F: tl.constexpr, BLOCK_RD: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_KR: tl.constexpr,
@@ -98,8 +102,8 @@ def _mlp_decode_kernel(
   m_mask = offs_m < M
   if pid < n_a:
     # ---- stage A: split-K X·Ug and X·Uu, X loaded once per K tile
-    rb = pid % n_r
-    ks = pid // n_r
+    rb = pid // SPLIT_K
+    ks = pid % SPLIT_K
     offs_r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
     k0 = ks * K_PER
@@ -150,18 +154,12 @@ def _mlp_decode_kernel(
                     mask=m_mask[:, None] & c_mask[None, :], sem="relaxed")
     signal(cnt_ptr + 1)
   else:
-    # ---- stage C: Y = S·Vd + bd
-    nb = pid - n_a - n_b
-    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < DO
+    # ---- stage C: Y = S·Vd + bd, split over r_d chunks
+    n_nb = (DO + BLOCK_N - 1) // BLOCK_N
+    q = pid - n_a - n_b
     wait_at_least(cnt_ptr + 1, n_b)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc = mm_acc(acc, s_ptr, vd_ptr, offs_m, offs_n, m_mask, n_mask, 0, RD, RD, RD, DO,
-                 BLOCK_KR, EVEN_RD, True)
-    if HAS_BD:
-      acc += tl.load(bd_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(o_ptr + offs_m[:, None] * DO + offs_n[None, :], acc.to(o_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+    splitr_out_tile(q % n_nb, q // n_nb, s_ptr, vd_ptr, bd_ptr, acc_ptr, sem_ptr, o_ptr,
+                    M, RD, DO, RD_PER, C_CHUNKS, HAS_BD, BLOCK_M, BLOCK_N, BLOCK_KR, EVEN_RD)
 
 
 def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes) -> dict:
@@ -169,15 +167,18 @@ def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes)
   split = planner.cdiv(d, k_per)
   n_a = planner.cdiv(r, bs.block_r) * split
   n_b = planner.cdiv(f, bs.block_f)
-  n_c = planner.cdiv(d_out, bs.block_n)
+  n_nb = planner.cdiv(d_out, bs.block_n)
+  rd_per = planner.cdiv(planner.cdiv(rd, bs.c_chunks), bs.block_kr) * bs.block_kr
+  c_chunks = planner.cdiv(rd, rd_per)
   has = dict(zip(("bg", "bu", "bd") if gated else ("bu", "bd"), bias_mask))
   meta = dict(M=m, D=d, R=r, F=f, RD=rd, DO=d_out, GATED=gated, ACT=ACT_CODES[act],
               HAS_BG=has.get("bg", False), HAS_BU=has["bu"], HAS_BD=has["bd"],
-              K_PER=k_per, SPLIT_K=split, BLOCK_M=bs.block_m, BLOCK_K=bs.block_k,
+              K_PER=k_per, SPLIT_K=split, C_CHUNKS=c_chunks, RD_PER=rd_per,
+              BLOCK_M=bs.block_m, BLOCK_K=bs.block_k,
               BLOCK_R=bs.block_r, BLOCK_F=bs.block_f, BLOCK_RD=bs.block_rd,
               BLOCK_N=bs.block_n, BLOCK_KR=bs.block_kr, EVEN_D=d % k_per == 0,
-              EVEN_R=r % bs.block_kr == 0, EVEN_RD=rd % bs.block_kr == 0)
-  return dict(grid=n_a + n_b + n_c, meta=meta)
+              EVEN_R=r % bs.block_kr == 0, EVEN_RD=rd % rd_per == 0)
+  return dict(grid=n_a + n_b + n_nb * c_chunks, n_nb=n_nb, meta=meta)
 
 
 def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
@@ -225,9 +226,11 @@ def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
       *ops, x2 if out is None else out, kernel=_mlp_decode_kernel,
       out_shape=(jax.ShapeDtypeStruct((m, r), f32), jax.ShapeDtypeStruct((m, r), f32),
                  jax.ShapeDtypeStruct((m, rd), f32), jax.ShapeDtypeStruct((2,), jnp.int32),
+                 jax.ShapeDtypeStruct((m, d_out), f32),
+                 jax.ShapeDtypeStruct((plan["n_nb"],), jnp.int32),
                  jax.ShapeDtypeStruct((m, d_out), out_dtype)),
-      grid=(plan["grid"],), zeroed_outputs=(0, 1, 2, 3),
-      input_output_aliases={10: 4} if out is not None else None, num_warps=bs.num_warps,
+      grid=(plan["grid"],), zeroed_outputs=(0, 1, 2, 3, 4, 5),
+      input_output_aliases={10: 6} if out is not None else None, num_warps=bs.num_warps,
       num_stages=bs.num_stages, name="lrjax_mlp_decode", **plan["meta"])
   return outs[-1].reshape(*lead, d_out)
 

@@ -1,23 +1,25 @@
-"""Decode X·U·V (small M): inter-CTA split-K on X·U, then ·V, in one launch.
+"""Decode X·U·V (small M): inter-CTA split-K on X·U, then split-r ·V, in one launch.
 
 Stage 1 splits the long K reduction of X·U over ``split_k x ceil(r/block_r)`` CTAs.
-Each streams a K-chunk x block_r slab of U through a software-pipelined loop
-(``num_stages`` deep) and adds its [M, block_r] partial into an f32 accumulator P with
-relaxed f32 atomics (the reduction of the split-K partials). It then bumps a
-stage counter with a gpu-scope *release*.
+Each streams a K-chunk x block_r slab of U (block_r = 256: 512-byte row segments) through a
+software-pipelined loop (``num_stages`` deep). It adds its [M, block_r] partial into an f32
+accumulator P with relaxed f32 atomics (the split-K reduction) and bumps the
+counter of its r-chunk (gpu-scope release).
 
-Stage 2 CTAs (launched after the stage-1 CTAs, in the same grid) wait for the counter to
-reach the number of stage-1 CTAs (acquire), then stream their block_n columns of V against
-P (read from L2, rounded to V's dtype). They apply the bias and write the output.
+Stage 2 is split too: CTA (c, n) computes P[:, chunk c]·V[chunk c, n-block] as soon as
+chunk c of P is complete (acquire on that chunk's counter). It does not wait for all of P,
+so V starts streaming while stage 1 still streams the rest of U. Stage-1 CTAs are
+ordered r-block-major and stage-2 CTAs chunk-major. Partials go to an f32 output
+accumulator by atomics, and the last chunk to arrive for a column block (an acq_rel
+semaphore, as in the split-K paper's single-launch reduction) adds the bias and writes the
+output.
 
-Why one launch: at M <= 16 the whole op is 45-60 µs of HBM streaming, and a second
-launch costs a dependent-launch gap plus a second tail. In one grid, stage-2 CTAs are
-already resident when P completes. The accumulator and counter are zeroed by
-jax-triton's pre-launch memset (``zeroed_outputs``), inside the same custom call.
-Forward progress relies on CUDA dispatching lower block indices first, so every
-stage-1 CTA is running or done before a stage-2 CTA can occupy its slot; that is the
-same assumption as decoupled look-back scans. ``single_launch=False`` runs the
-two stages as two launches (kept for the measurement in benchmarks/gpu_notes.md).
+Why one launch: at M <= 16 the op is ~45 µs of HBM streaming. Two launches leave the
+HBM idle during the dependent-launch gap and the stage-1 tail; the per-chunk counters
+overlap the two streams instead. The accumulators, counters and semaphores are zeroed by
+jax-triton's pre-launch memset (``zeroed_outputs``) inside the same custom call. Forward
+progress relies on CUDA dispatching lower block indices first: a stage-2 CTA only waits on
+stage-1 CTAs with lower indices, the assumption of decoupled look-back scans.
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ import triton
 import triton.language as tl
 
 from lrjax.custom_calls.triton import planner
-from lrjax.custom_calls.triton._common import mm_acc, signal, wait_at_least
+from lrjax.custom_calls.triton._common import (mm_acc, signal, splitr_out_tile,
+                                               wait_at_least)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,20 +44,24 @@ class BlockSizes:
   split_k: int  # stage-1 CTAs per column block (inter-CTA split-K)
   block_n: int  # stage-2 columns of V per CTA
   block_kv: int  # stage-2 reduction step over r
+  r_chunks: int  # stage-2 split of r (each chunk a whole number of stage-1 column blocks)
   num_warps: int = 4
   num_stages: int = 4
-  single_launch: bool = True
 
   @classmethod
   def get_default(cls, m: int, k: int, r: int, n: int) -> "BlockSizes":
     key = (_m_class(m), _r_class(r))
     if key in TUNED:
       t = TUNED[key]
-      split = max(1, min(t.split_k, planner.cdiv(k, 2 * t.block_k)))
-      return dataclasses.replace(t, block_m=max(16, planner.next_pow2(m)), split_k=split)
-    p = planner.plan_decode(m, k, r, n)
-    return cls(p.block_m, p.block_k, p.block_r, p.split_k, p.block_n, p.block_kv,
-               p.warps, p.stages)
+    else:
+      p = planner.plan_decode(m, k, r, n)
+      t = cls(p.block_m, p.block_k, p.block_r, p.split_k, p.block_n, p.block_kv, 4,
+              p.warps, p.stages)
+    split = max(1, min(t.split_k, planner.cdiv(k, 2 * t.block_k)))
+    n_rb = planner.cdiv(r, t.block_r)
+    chunks = max(1, min(t.r_chunks, n_rb))
+    return dataclasses.replace(t, block_m=max(16, planner.next_pow2(m)), split_k=split,
+                               r_chunks=chunks)
 
 
 def _m_class(m: int) -> str:
@@ -65,54 +72,16 @@ def _r_class(r: int) -> str:
   return "r>=2048" if r >= 2048 else "r<2048"
 
 
-# Tuned on the H200 (benchmarks/gpu_lowrank.py); shape class -> blocks. Other shapes
-# fall back to planner.plan_decode.
+# Tuned on the H200 (benchmarks/gpu_lowrank.py, gpu_notes.md); shape class -> blocks.
+# Other shapes fall back to planner.plan_decode.
 TUNED: dict[tuple[str, str], BlockSizes] = {
-    ("m<=16", "r>=2048"): BlockSizes(16, 64, 128, 8, 64, 64, 4, 4),
-    ("m<=16", "r<2048"): BlockSizes(16, 64, 64, 8, 64, 64, 4, 4),
-    ("m<=64", "r>=2048"): BlockSizes(64, 64, 128, 8, 64, 64, 4, 3),
-    ("m<=64", "r<2048"): BlockSizes(64, 64, 64, 8, 64, 64, 4, 3),
+    ("m<=16", "r>=2048"): BlockSizes(16, 64, 256, 16, 256, 64, 4, 4, 4),
+    ("m<=16", "r<2048"): BlockSizes(16, 64, 128, 16, 256, 64, 4, 4, 4),
+    ("m<=64", "r>=2048"): BlockSizes(64, 64, 256, 16, 256, 64, 4, 4, 3),
+    ("m<=64", "r<2048"): BlockSizes(64, 64, 128, 16, 256, 64, 4, 4, 3),
 }
 
 MAX_M = 128  # beyond this the prefill kernel serves
-
-
-@triton.jit
-def _stage1(pid, x_ptr, u_ptr, p_ptr,
-            M: tl.constexpr, K: tl.constexpr, R: tl.constexpr, K_PER: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-            EVEN_K: tl.constexpr):
-  n_r = (R + BLOCK_R - 1) // BLOCK_R
-  rb = pid % n_r
-  ks = pid // n_r
-  offs_m = tl.arange(0, BLOCK_M)
-  m_mask = offs_m < M
-  offs_r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
-  r_mask = offs_r < R
-  k_start = ks * K_PER
-  acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-  acc = mm_acc(acc, x_ptr, u_ptr, offs_m, offs_r, m_mask, r_mask, k_start, k_start + K_PER,
-               K, K, R, BLOCK_K, EVEN_K, False)
-  tl.atomic_add(p_ptr + offs_m[:, None] * R + offs_r[None, :], acc,
-                mask=m_mask[:, None] & r_mask[None, :], sem="relaxed")
-
-
-@triton.jit
-def _stage2(nb, p_ptr, v_ptr, b_ptr, o_ptr,
-            M: tl.constexpr, R: tl.constexpr, N: tl.constexpr, HAS_BIAS: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KV: tl.constexpr,
-            EVEN_R: tl.constexpr):
-  offs_m = tl.arange(0, BLOCK_M)
-  m_mask = offs_m < M
-  offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-  n_mask = offs_n < N
-  acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-  acc = mm_acc(acc, p_ptr, v_ptr, offs_m, offs_n, m_mask, n_mask, 0, R,
-               R, R, N, BLOCK_KV, EVEN_R, True)
-  if HAS_BIAS:
-    acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-  tl.store(o_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(o_ptr.dtype.element_ty),
-           mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -122,46 +91,65 @@ def _xuv_decode_kernel(
     v_ptr,  # [R, N] second factor
     b_ptr,  # [N] bias (read only if HAS_BIAS)
     o_in_ptr,  # [M, N] caller's output buffer aliased to o_ptr (else x; never read)
-    p_ptr,  # [M, R] f32 split-K accumulator of X·U, zeroed before launch
-    cnt_ptr,  # [1] i32 stage-1 CTAs done, zeroed before launch
-    o_ptr,  # [M, N] output (unused when STAGE == 1)
+    p_ptr,  # [M, R] f32 split-K accumulator of X·U, zeroed
+    flag_ptr,  # [R_CHUNKS] i32 stage-1 CTAs done per r-chunk, zeroed
+    acc_ptr,  # [M, N] f32 split-r accumulator of the output, zeroed
+    sem_ptr,  # [ceil(N/BLOCK_N)] i32 r-chunks done per output column block, zeroed
+    o_ptr,  # [M, N] output
     M: tl.constexpr, K: tl.constexpr, R: tl.constexpr, N: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    STAGE: tl.constexpr,  # 0: both stages in one grid; 1 or 2: that stage alone
     K_PER: tl.constexpr,  # K-chunk per split (multiple of BLOCK_K; the last may be ragged)
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, R_CHUNKS: tl.constexpr, RB_PER_CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_KV: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_R: tl.constexpr,
 ):
   pid = tl.program_id(0)
-  n1 = (R + BLOCK_R - 1) // BLOCK_R * SPLIT_K
-  if STAGE == 1:
-    _stage1(pid, x_ptr, u_ptr, p_ptr, M, K, R, K_PER, BLOCK_M, BLOCK_K, BLOCK_R, EVEN_K)
-  elif STAGE == 2:
-    _stage2(pid, p_ptr, v_ptr, b_ptr, o_ptr, M, R, N, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_KV,
-            EVEN_R)
+  n_rb = (R + BLOCK_R - 1) // BLOCK_R
+  n1 = n_rb * SPLIT_K
+  offs_m = tl.arange(0, BLOCK_M)
+  m_mask = offs_m < M
+  if pid < n1:
+    # stage 1: r-block-major, so the first r-chunks of P complete first
+    rb = pid // SPLIT_K
+    ks = pid % SPLIT_K
+    offs_r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    k_start = ks * K_PER
+    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    acc = mm_acc(acc, x_ptr, u_ptr, offs_m, offs_r, m_mask, r_mask, k_start, k_start + K_PER,
+                 K, K, R, BLOCK_K, EVEN_K, False)
+    tl.atomic_add(p_ptr + offs_m[:, None] * R + offs_r[None, :], acc,
+                  mask=m_mask[:, None] & r_mask[None, :], sem="relaxed")
+    signal(flag_ptr + rb // RB_PER_CHUNK)
   else:
-    if pid < n1:
-      _stage1(pid, x_ptr, u_ptr, p_ptr, M, K, R, K_PER, BLOCK_M, BLOCK_K, BLOCK_R, EVEN_K)
-      signal(cnt_ptr)
-    else:
-      wait_at_least(cnt_ptr, n1)
-      _stage2(pid - n1, p_ptr, v_ptr, b_ptr, o_ptr, M, R, N, HAS_BIAS, BLOCK_M, BLOCK_N,
-              BLOCK_KV, EVEN_R)
+    # stage 2: chunk-major; starts when its chunk of P is complete
+    n_nb = (N + BLOCK_N - 1) // BLOCK_N
+    q = pid - n1
+    rc = q // n_nb
+    nb = q % n_nb
+    n_rb_c = tl.minimum(n_rb - rc * RB_PER_CHUNK, RB_PER_CHUNK)
+    wait_at_least(flag_ptr + rc, n_rb_c * SPLIT_K)
+    splitr_out_tile(nb, rc, p_ptr, v_ptr, b_ptr, acc_ptr, sem_ptr, o_ptr, M, R, N,
+                    RB_PER_CHUNK * BLOCK_R, R_CHUNKS, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_KV,
+                    EVEN_R)
 
 
 def launch_plan(m: int, k: int, r: int, n: int, has_bias: bool, bs: BlockSizes) -> dict:
-  """Grid sizes and constexprs of one call (shared by the wrapper and the GPU tests)."""
+  """Grid size and constexprs of one call (shared by the wrapper and the tests)."""
   k_per = planner.cdiv(planner.cdiv(k, bs.split_k), bs.block_k) * bs.block_k
   split = planner.cdiv(k, k_per)  # no chunk starts past K
-  n1 = planner.cdiv(r, bs.block_r) * split
-  n2 = planner.cdiv(n, bs.block_n)
+  n_rb = planner.cdiv(r, bs.block_r)
+  rb_per_chunk = planner.cdiv(n_rb, bs.r_chunks)
+  chunks = planner.cdiv(n_rb, rb_per_chunk)
+  n_nb = planner.cdiv(n, bs.block_n)
+  r_per = rb_per_chunk * bs.block_r
   meta = dict(M=m, K=k, R=r, N=n, HAS_BIAS=has_bias, K_PER=k_per, SPLIT_K=split,
-              BLOCK_M=bs.block_m, BLOCK_K=bs.block_k, BLOCK_R=bs.block_r,
-              BLOCK_N=bs.block_n, BLOCK_KV=bs.block_kv, EVEN_K=k % k_per == 0,
-              EVEN_R=r % bs.block_kv == 0)
-  return dict(n1=n1, n2=n2, meta=meta)
+              R_CHUNKS=chunks, RB_PER_CHUNK=rb_per_chunk, BLOCK_M=bs.block_m,
+              BLOCK_K=bs.block_k, BLOCK_R=bs.block_r, BLOCK_N=bs.block_n,
+              BLOCK_KV=bs.block_kv, EVEN_K=k % k_per == 0,
+              EVEN_R=r % r_per == 0 and r_per % bs.block_kv == 0)
+  return dict(grid=n_rb * split + chunks * n_nb, chunks=chunks, n_nb=n_nb, meta=meta)
 
 
 def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | None = None,
@@ -184,28 +172,20 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
   bs = block_sizes or BlockSizes.get_default(m, k, r, n)
   if bs.block_m < m:
     raise ValueError(f"{bs.block_m=} must cover the {m} rows; use xuv_prefill for large M")
+  _check_out(out, (m, n), out_dtype)
   b = bias if bias is not None else v  # never read without HAS_BIAS
   plan = launch_plan(m, k, r, n, bias is not None, bs)
-  meta = plan["meta"]
-  acc_shape = jax.ShapeDtypeStruct((m, r), jnp.float32)
-  cnt_shape = jax.ShapeDtypeStruct((1,), jnp.int32)
-  o_shape = jax.ShapeDtypeStruct((m, n), out_dtype)
-  common = dict(kernel=_xuv_decode_kernel, num_warps=bs.num_warps,
-                num_stages=bs.num_stages, name="lrjax_xuv_decode")
-  _check_out(out, (m, n), out_dtype)
-  if bs.single_launch:
-    _, _, o = jt.triton_call(x2, u, v, b, x2 if out is None else out, out_shape=(acc_shape, cnt_shape, o_shape),
-                             grid=(plan["n1"] + plan["n2"],), zeroed_outputs=(0, 1),
-                             input_output_aliases={4: 2} if out is not None else None,
-                             STAGE=0, **common, **meta)
-  else:
-    p, cnt, _ = jt.triton_call(x2, u, v, b, x2, out_shape=(
-        acc_shape, cnt_shape, jax.ShapeDtypeStruct((1,), out_dtype)),
-        grid=(plan["n1"],), zeroed_outputs=(0, 1), STAGE=1, **common, **meta)
-    o = jt.triton_call(x2, u, v, b, x2 if out is None else out, p, cnt, out_shape=o_shape, grid=(plan["n2"],),
-                       input_output_aliases={4: 0} if out is not None else None,
-                       STAGE=2, **common, **meta)
-  return o.reshape(*lead, n)
+  f32, i32 = jnp.float32, jnp.int32
+  outs = jt.triton_call(
+      x2, u, v, b, x2 if out is None else out, kernel=_xuv_decode_kernel,
+      out_shape=(jax.ShapeDtypeStruct((m, r), f32), jax.ShapeDtypeStruct((plan["chunks"],), i32),
+                 jax.ShapeDtypeStruct((m, n), f32), jax.ShapeDtypeStruct((plan["n_nb"],), i32),
+                 jax.ShapeDtypeStruct((m, n), out_dtype)),
+      grid=(plan["grid"],), zeroed_outputs=(0, 1, 2, 3),
+      input_output_aliases={4: 4} if out is not None else None,
+      num_warps=bs.num_warps, num_stages=bs.num_stages, name="lrjax_xuv_decode",
+      **plan["meta"])
+  return outs[-1].reshape(*lead, n)
 
 
 def _check_out(out, shape, dtype):

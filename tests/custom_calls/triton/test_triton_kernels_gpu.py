@@ -64,7 +64,7 @@ XUV_SHAPES = [  # (M, K, r, N): M=1, ragged everything, a multi-super-block pref
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", XUV_SHAPES)
-@pytest.mark.parametrize("kind", ["decode", "decode_2launch", "prefill"])
+@pytest.mark.parametrize("kind", ["decode", "decode_small_blocks", "prefill"])
 def test_xuv_kernels(kind, shape, bias, dtype):
   from lrjax.custom_calls.triton import xuv_decode, xuv_prefill
   import dataclasses
@@ -78,7 +78,8 @@ def test_xuv_kernels(kind, shape, bias, dtype):
     fn = lambda x, u, v, b, o: xuv_prefill.xuv_prefill(x, u, v, b, out=o)
   else:
     bs = xuv_decode.BlockSizes.get_default(m, k, r, n)
-    bs = dataclasses.replace(bs, single_launch=kind == "decode")
+    if kind == "decode_small_blocks":  # many ragged r-chunks and column blocks
+      bs = dataclasses.replace(bs, block_r=32, split_k=3, block_n=32, block_kv=32, r_chunks=3)
     fn = lambda x, u, v, b, o: xuv_decode.xuv_decode(x, u, v, b, out=o, block_sizes=bs)
   out = jax.jit(fn)(x, u, v, b, poisoned((m, n), dtype))
   assert_close(out, xuv_ref(x, u, v, b, dtype), dtype)
