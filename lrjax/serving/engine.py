@@ -1,0 +1,253 @@
+"""Generation engine: jitted prefill/decode over a mesh, slot-based continuous batching.
+
+  engine = Engine(model, max_slots=8, max_len=512)          # model sharded by lrjax.sharding
+  outs = engine.generate([Request([1, 2, 3], SamplingParams(max_new_tokens=32))])
+
+The KV cache is one static-shape buffer [layers, slots, max_len, kv_heads, head_dim] (or the
+rank-space :class:`~lrjax.serving.lowrank_kv.LowRankKVCache`), sharded by the model's
+:class:`~lrjax.sharding.TPPlan` and donated to every step. A new request is prefilled into a free
+slot (prompt right-padded to a length bucket, so compiles are bounded by the bucket count); all
+slots then decode together, one token per step; a finished request frees its slot between
+steps and the next waiting request joins.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+from typing import Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from lrjax.models import KVCache
+from lrjax.serving import lowrank_kv as lrkv
+from lrjax.serving.sampling import SamplingParams, sample
+
+log = logging.getLogger("lrjax.serving")
+
+
+@dataclasses.dataclass
+class Request:
+  prompt: Sequence[int]
+  sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+  id: int | None = None
+
+
+@dataclasses.dataclass
+class Result:
+  id: int
+  prompt: list[int]
+  tokens: list[int]
+  finish_reason: str            # "stop" | "length" | "cache_full"
+  ttft_s: float                 # submit → first token
+  token_times: list[float]      # wall time of every generated token (perf_counter)
+
+
+def default_buckets(max_len: int, smallest: int = 16) -> tuple[int, ...]:
+  b, out = smallest, []
+  while b < max_len:
+    out.append(b)
+    b *= 2
+  return tuple(out) + (max_len,)
+
+
+class Engine:
+  """Continuous-batching generator over ``model`` (sharded or on one device)."""
+
+  def __init__(self, model, *, max_slots: int = 8, max_len: int = 256,
+               buckets: Sequence[int] | None = None, cache_dtype=None, lowrank_kv: bool = False,
+               fuse: bool = False):
+    cfg = model.cfg
+    if not isinstance(max_slots, int) or max_slots < 1:
+      raise ValueError(f"{max_slots=} must be a positive int")
+    if not isinstance(max_len, int) or max_len < 2:
+      raise ValueError(f"{max_len=} must be an int >= 2")
+    self.cfg, self.max_slots, self.max_len = cfg, max_slots, max_len
+    self.buckets = tuple(sorted(set(buckets or default_buckets(max_len))))
+    if self.buckets[-1] > max_len or self.buckets[0] < 1:
+      raise ValueError(f"buckets={self.buckets} must lie in [1, {max_len=}]")
+    self.plan = getattr(model, "tp_plan", None)
+    self.lowrank_kv = lowrank_kv
+    dtype = cache_dtype or model.dtype or model.embed.embedding[...].dtype
+    self.gdef, self.state = nnx.split(model)
+    if lowrank_kv:
+      cache = lrkv.LowRankKVCache.init(model, max_slots, max_len, dtype)
+      spec = P(None, "data") if self.plan else None
+    else:
+      cache = KVCache.init(cfg, max_slots, max_len, dtype)
+      spec = self.plan.cache_sharding().spec if self.plan else None
+    self._cache_shardings = None
+    if self.plan is not None:
+      mesh = self.plan.mesh
+      data = NamedSharding(mesh, spec)
+      self._cache_shardings = jax.tree.map(lambda a: data if a.ndim > 1 else
+                                           NamedSharding(mesh, P()), cache)
+      cache = jax.device_put(cache, self._cache_shardings)
+    self.cache = cache
+    self._fuse = fuse
+    self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,))
+    self._decode = jax.jit(self._decode_fn, donate_argnums=(1,))
+    self._free = list(range(max_slots))
+    self._slots: dict[int, dict] = {}
+    self._waiting: collections.deque = collections.deque()
+    self._next_id = 0
+    self._tokens = np.zeros((max_slots,), np.int32)
+    self._temp = np.zeros((max_slots,), np.float32)
+    self._topk = np.zeros((max_slots,), np.int32)
+    self._topp = np.ones((max_slots,), np.float32)
+    self._key = jax.random.key(0)
+
+  # ---- jitted steps --------------------------------------------------------------------------
+  def _model(self, state):
+    return nnx.merge(self.gdef, state)
+
+  def _constrain(self, cache):
+    if self._cache_shardings is None:
+      return cache
+    return jax.tree.map(jax.lax.with_sharding_constraint, cache, self._cache_shardings)
+
+  def _call(self, method, *args):
+    model = self._model(args[0])
+    if self.lowrank_kv:
+      fn = {"prefill": lrkv.prefill, "decode": lrkv.decode}[method]
+    else:
+      fn = {"prefill": type(model).prefill, "decode": type(model).decode}[method]
+    if self._fuse:
+      import lrjax
+      fn = lrjax.fuse(fn)
+    return fn(model, *args[1:])
+
+  def _prefill_fn(self, state, cache, tokens, length, slot, key, temp, topk, topp):
+    """tokens [1, bucket], length/slot [] int32 → (first token [1], cache)."""
+    sl = lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=1)  # noqa: E731
+    if self.lowrank_kv:
+      sub = lrkv.LowRankKVCache(sl(cache.zk), sl(cache.zv), jnp.zeros((1,), jnp.int32))
+    else:
+      sub = KVCache(sl(cache.k), sl(cache.v), jnp.zeros((1,), jnp.int32))
+    logits, sub = self._call("prefill", state, tokens, sub, length[None])
+    put = lambda a, s: jax.lax.dynamic_update_slice_in_dim(a, s, slot, axis=1)  # noqa: E731
+    pos = cache.pos.at[slot].set(length)
+    if self.lowrank_kv:
+      cache = lrkv.LowRankKVCache(put(cache.zk, sub.zk), put(cache.zv, sub.zv), pos)
+    else:
+      cache = KVCache(put(cache.k, sub.k), put(cache.v, sub.v), pos)
+    last = jax.lax.dynamic_index_in_dim(logits[0], length - 1, axis=0)
+    return sample(last, key, temp, topk, topp), self._constrain(cache)
+
+  def _decode_fn(self, state, cache, tokens, key, temp, topk, topp):
+    """tokens [slots] → (next tokens [slots], cache)."""
+    logits, cache = self._call("decode", state, tokens, cache)
+    return sample(logits, key, temp, topk, topp), self._constrain(cache)
+
+  # ---- requests ------------------------------------------------------------------------------
+  def _check(self, req: Request) -> list[int]:
+    if not isinstance(req, Request):
+      raise TypeError(f"request must be a lrjax.serving.Request; got {type(req).__name__}")
+    if not isinstance(req.sampling, SamplingParams):
+      raise TypeError(f"request.sampling must be SamplingParams; got {type(req.sampling).__name__}")
+    prompt = [int(t) for t in req.prompt]
+    if not prompt:
+      raise ValueError("prompt is empty; a request needs at least one token id")
+    if len(prompt) > self.buckets[-1] or len(prompt) >= self.max_len:
+      raise ValueError(f"prompt has {len(prompt)} tokens; this engine takes at most "
+                       f"{min(self.buckets[-1], self.max_len - 1)} (max_len={self.max_len} "
+                       "leaves room for one generated token)")
+    bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
+    if bad:
+      raise ValueError(f"prompt token ids {bad[:5]} are outside [0, vocab_size="
+                       f"{self.cfg.vocab_size})")
+    return prompt
+
+  def submit(self, req: Request) -> int:
+    """Queue a request (validated now); returns its id."""
+    prompt = self._check(req)
+    rid = req.id if req.id is not None else self._next_id
+    self._next_id = max(self._next_id, rid + 1)
+    self._waiting.append((rid, prompt, req.sampling, time.perf_counter()))
+    return rid
+
+  def _bucket(self, n: int) -> int:
+    return next(b for b in self.buckets if b >= n)
+
+  def _admit(self, finished: list[Result]):
+    while self._waiting and self._free:
+      rid, prompt, sp, t0 = self._waiting.popleft()
+      slot = self._free.pop(0)
+      b = self._bucket(len(prompt))
+      toks = np.zeros((1, b), np.int32)
+      toks[0, :len(prompt)] = prompt
+      key = jax.random.fold_in(jax.random.key(sp.seed), rid)
+      self._temp[slot], self._topk[slot], self._topp[slot] = sp.temperature, sp.top_k, sp.top_p
+      first, self.cache = self._prefill(
+          self.state, self.cache, jnp.asarray(toks), jnp.int32(len(prompt)), jnp.int32(slot),
+          key, self._temp[slot:slot + 1], self._topk[slot:slot + 1], self._topp[slot:slot + 1])
+      tok = int(first[0])
+      now = time.perf_counter()
+      st = dict(id=rid, prompt=prompt, sp=sp, tokens=[tok], t0=t0, ttft=now - t0, times=[now],
+                key=key)
+      self._tokens[slot] = tok
+      self._slots[slot] = st
+      self._maybe_finish(slot, finished)
+
+  def _maybe_finish(self, slot: int, finished: list[Result]):
+    st = self._slots[slot]
+    sp, toks = st["sp"], st["tokens"]
+    reason = None
+    if toks[-1] in sp.stop_tokens:
+      reason = "stop"
+    elif len(toks) >= sp.max_new_tokens:
+      reason = "length"
+    elif len(st["prompt"]) + len(toks) >= self.max_len:
+      reason = "cache_full"
+    if reason is not None:
+      finished.append(Result(st["id"], st["prompt"], list(toks), reason, st["ttft"], st["times"]))
+      del self._slots[slot]
+      self._free.append(slot)
+      self._temp[slot], self._topk[slot], self._topp[slot] = 0.0, 0, 1.0
+
+  def step(self) -> list[Result]:
+    """Admit waiting requests into free slots, then one decode step for all slots."""
+    finished: list[Result] = []
+    self._admit(finished)
+    if not self._slots:
+      return finished
+    self._key, k = jax.random.split(self._key)
+    nxt, self.cache = self._decode(self.state, self.cache, jnp.asarray(self._tokens), k,
+                                   jnp.asarray(self._temp), jnp.asarray(self._topk),
+                                   jnp.asarray(self._topp))
+    nxt = np.asarray(nxt)
+    now = time.perf_counter()
+    for slot in list(self._slots):
+      st = self._slots[slot]
+      st["tokens"].append(int(nxt[slot]))
+      st["times"].append(now)
+      self._tokens[slot] = nxt[slot]
+      self._maybe_finish(slot, finished)
+    return finished
+
+  @property
+  def busy(self) -> bool:
+    return bool(self._slots or self._waiting)
+
+  def generate(self, requests: Iterable[Request]) -> list[Result]:
+    """Run ``requests`` to completion (continuous batching); results in submission order."""
+    ids = [self.submit(r) for r in requests]
+    done: dict[int, Result] = {}
+    while self.busy:
+      for r in self.step():
+        done[r.id] = r
+    return [done[i] for i in ids]
+
+
+def itl(results: Sequence[Result]) -> list[float]:
+  """Inter-token latencies (s) over all results."""
+  out = []
+  for r in results:
+    out += list(np.diff(r.token_times))
+  return out

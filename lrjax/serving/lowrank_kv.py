@@ -1,0 +1,124 @@
+"""Low-rank KV cache (DeInfer §4.2, Palu): cache x·U_k and x·U_v, rebuild K and V every step.
+
+For a layer whose k_proj / v_proj are ``LowRankLinear`` (u [hidden, r], v [r, kv_heads·head_dim])
+the cache holds the rank-space activations z_k = x·u_k [T, r_k] and z_v = x·u_v [T, r_v] instead
+of K and V [T, kv_heads·head_dim]. Each step rebuilds K = rope(z_k·v_k) and V = z_v·v_v for the
+whole (static-length) cache and attends as usual. Under ``lowrank_tp`` z is the all-gathered
+rank-space activation (replicated over "tp"), and the rebuild with the column-parallel v_k / v_v
+yields each device's own KV heads. It pays off in memory when r_k + r_v < 2·kv_heads·head_dim and
+costs 2·T·(r_k + r_v)·kv_heads·head_dim extra flops per token and layer.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from lrjax.models.llama import _mask, apply_rope, attend, rope_inv_freq
+from lrjax.nn.linear import LowRankLinear
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LowRankKVCache:
+  """zk [layers, batch, max_len, r_k], zv [layers, batch, max_len, r_v], pos [batch] int32."""
+  zk: jax.Array
+  zv: jax.Array
+  pos: jax.Array
+
+  @classmethod
+  def init(cls, model, batch: int, max_len: int, dtype=jnp.float32) -> "LowRankKVCache":
+    rk, rv = kv_ranks(model)
+    n = model.cfg.num_layers
+    return cls(jnp.zeros((n, batch, max_len, rk), dtype), jnp.zeros((n, batch, max_len, rv), dtype),
+               jnp.zeros((batch,), jnp.int32))
+
+  @property
+  def max_len(self) -> int:
+    return self.zk.shape[2]
+
+
+def kv_ranks(model) -> tuple[int, int]:
+  """(r_k, r_v), the same in every layer; ValueError if k/v are not ``LowRankLinear``."""
+  ranks = set()
+  for i, layer in enumerate(model.layers):
+    for name in ("k_proj", "v_proj"):
+      m = getattr(layer.attn, name)
+      if type(m) is not LowRankLinear:
+        raise ValueError(f"layer {i} {name} is {type(m).__name__}; the low-rank KV cache needs "
+                         "LowRankLinear k_proj and v_proj in every layer (use the dense cache)")
+    ranks.add((int(layer.attn.k_proj.rank), int(layer.attn.v_proj.rank)))
+  if len(ranks) != 1:
+    raise ValueError(f"k/v ranks differ across layers {sorted(ranks)}; the low-rank KV cache "
+                     "stacks layers and needs one (r_k, r_v)")
+  return ranks.pop()
+
+
+def _rebuild(proj: LowRankLinear, z, dt):
+  y = jnp.matmul(z.astype(dt), proj.v[...].astype(dt))
+  return y if proj.bias is None else y + proj.bias[...].astype(dt)
+
+
+def _layer(layer, cfg, h, positions, inv, mask, zk_c, zv_c, write_pos):
+  x = layer.input_layernorm(h)
+  attn = layer.attn
+  b, s, _ = x.shape
+  kp, vp = attn.k_proj, attn.v_proj
+  dt = kp.dtype or x.dtype
+  q = attn.q_proj(x).reshape(b, s, cfg.num_heads, cfg.head_dim)
+  zk = jnp.matmul(x.astype(dt), kp.u[...].astype(dt))
+  zv = jnp.matmul(x.astype(dt), vp.u[...].astype(dt))
+  upd = jax.vmap(lambda c, n, p: jax.lax.dynamic_update_slice_in_dim(c, n, p, axis=0))
+  zk_c = upd(zk_c, zk.astype(zk_c.dtype), write_pos)
+  zv_c = upd(zv_c, zv.astype(zv_c.dtype), write_pos)
+  t = zk_c.shape[1]
+  k = _rebuild(kp, zk_c, dt).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+  v = _rebuild(vp, zv_c, dt).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+  if attn.q_norm is not None:
+    q, k = attn.q_norm(q), attn.k_norm(k)
+  kpos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  q, k = apply_rope(q, positions, inv), apply_rope(k, kpos, inv)
+  a = attend(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+  h = h + attn.o_proj(a)
+  return h + layer.mlp(layer.post_attention_layernorm(h)), zk_c, zv_c
+
+
+def _run(model, h, positions, mask, cache, write_pos):
+  inv = jnp.asarray(rope_inv_freq(model.cfg), jnp.float32)
+  zks, zvs = [], []
+  for i, layer in enumerate(model.layers):
+    h, zk, zv = _layer(layer, model.cfg, h, positions, inv, mask, cache.zk[i], cache.zv[i],
+                       write_pos)
+    zks.append(zk), zvs.append(zv)
+  return h, jnp.stack(zks), jnp.stack(zvs)
+
+
+def prefill(model, tokens, cache: LowRankKVCache, lengths=None):
+  """Like ``LlamaForCausalLM.prefill`` with a :class:`LowRankKVCache`."""
+  b, s = tokens.shape
+  if s > cache.max_len:
+    raise ValueError(f"{s=} tokens do not fit in cache max_len={cache.max_len}")
+  lengths = jnp.full((b,), s, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+  pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+  t = jnp.broadcast_to(jnp.arange(cache.max_len, dtype=jnp.int32), (b, cache.max_len))
+  mask = _mask(pos, t, t < s, model.cfg.sliding_window)
+  h, zk, zv = _run(model, model.embed(tokens), pos, mask, cache, jnp.zeros((b,), jnp.int32))
+  return model._logits(h), LowRankKVCache(zk, zv, lengths)
+
+
+def decode(model, tokens, cache: LowRankKVCache):
+  """Like ``LlamaForCausalLM.decode`` with a :class:`LowRankKVCache`."""
+  b = tokens.shape[0]
+  pos = cache.pos[:, None]
+  t = jnp.broadcast_to(jnp.arange(cache.max_len, dtype=jnp.int32), (b, cache.max_len))
+  mask = _mask(pos, t, t <= pos, model.cfg.sliding_window)
+  h, zk, zv = _run(model, model.embed(tokens[:, None]), pos, mask, cache, cache.pos)
+  return model._logits(h)[:, 0], LowRankKVCache(zk, zv, cache.pos + 1)
+
+
+def bytes_per_token(model, dtype_bytes: int, lowrank: bool) -> int:
+  """KV cache bytes per token (all layers)."""
+  cfg = model.cfg
+  per_layer = sum(kv_ranks(model)) if lowrank else 2 * cfg.num_kv_heads * cfg.head_dim
+  return per_layer * cfg.num_layers * dtype_bytes
