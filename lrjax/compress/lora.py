@@ -65,10 +65,10 @@ def module_paths(model, targets) -> list[tuple]:
   return [where[id(get_proj(model, i, p))] for i, p in targets]
 
 
-def adapter_loss(graphdef, state, paths, adapters, tokens):
-  """Next-token loss of the model (graphdef, state) with ``adapters`` added to u and v.
+def adapter_model(graphdef, state, paths, adapters):
+  """The model (graphdef, state) with ``adapters`` added to u and v, built functionally.
 
-  Functional (no mutation), so it can be differentiated w.r.t. ``adapters`` under jit.
+  No mutation, so it can be differentiated w.r.t. ``adapters`` under jit.
   """
   delta = {}
   for path, ad in zip(paths, adapters):
@@ -76,12 +76,14 @@ def adapter_loss(graphdef, state, paths, adapters, tokens):
       delta[tuple(path) + (name,)] = ad["b" + name] @ ad["a" + name]
   flat = [(p, v.replace((v[...].astype(jnp.float32) + delta[p]).astype(v[...].dtype))
            if p in delta else v) for p, v in nnx.to_flat_state(state)]
-  return next_token_loss(nnx.merge(graphdef, nnx.from_flat_state(flat)), tokens)
+  return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
 def lora_recover(model, targets, tokens, *, steps: int, rank: int = 8, lr: float = 1e-3,
                  batch: int = 8, seed: int = 0, progress: bool = True) -> dict:
   """Train adapters on ``targets`` [(layer, proj)] for ``steps`` Adam steps, merge, return a record.
+
+  The learning rate warms up over the first 10% of steps to ``lr``, then decays to 0 (cosine).
 
   ``tokens`` int [n, seq]: minibatches of ``batch`` rows are drawn in a seeded random order
   (reshuffled every pass).
@@ -95,13 +97,14 @@ def lora_recover(model, targets, tokens, *, steps: int, rank: int = 8, lr: float
   graphdef, state = nnx.split(model)
   paths = module_paths(model, targets)
   adapters = init_adapters(model, targets, rank, jax.random.key(seed))
-  opt = optax.adam(lr)
+  sched = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 10), steps, 0.0)
+  opt = optax.adam(sched)
   opt_state = opt.init(adapters)
 
   @jax.jit
   def step(adapters, opt_state, state, tok):
     loss, g = jax.value_and_grad(
-        lambda ad: adapter_loss(graphdef, state, paths, ad, tok))(adapters)
+        lambda ad: next_token_loss(adapter_model(graphdef, state, paths, ad), tok))(adapters)
     upd, opt_state = opt.update(g, opt_state, adapters)
     return optax.apply_updates(adapters, upd), opt_state, loss
 
@@ -121,7 +124,7 @@ def lora_recover(model, targets, tokens, *, steps: int, rank: int = 8, lr: float
   apply_adapters(model, targets, adapters)
   k = max(1, min(20, steps // 5))
   rec = {"steps": steps, "rank": rank, "lr": lr, "batch": batch, "seed": seed,
-         "optimizer": "adam", "frozen_factors": True, "merged": True,
+         "optimizer": "adam, 10% warmup + cosine decay to 0", "frozen_factors": True, "merged": True,
          "loss_first": float(np.mean(losses[:k])), "loss_last": float(np.mean(losses[-k:])),
          "tokens": int(tokens.size), "seconds": round(time.perf_counter() - t0, 3)}
   log.info("LoRA: %d steps, train loss %.4f → %.4f (merged into u, v; ranks unchanged)",

@@ -205,7 +205,7 @@ def compress(model, *, ratio: float, calib_tokens=None, method: str = "whiten", 
 
 def _accumulate(i, taps, layer_plan):
   """{group: XᵀX (f64)} over the (i, {group: X}) taps of one layer, for groups in the plan."""
-  groups = sorted({PROJ_GROUP[p] for p in layer_plan})
+  groups = list(dict.fromkeys(PROJ_GROUP[p] for p in layer_plan))   # qkv, o, gate_up, down
   grams = {}
   for li, xs in taps:
     if li != i:

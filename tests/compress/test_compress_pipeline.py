@@ -1,0 +1,185 @@
+"""Model-level compression: ranks, parameter counts, whitening vs SVD, per-head GQA, LoRA, errors."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_close
+from flax import nnx
+
+from lrjax.compress import (ALL_PROJS, HeadwiseLowRankLinear, MLP_PROJS, compress, param_counts,
+                            reconstruct)
+from lrjax.compress.lora import (adapter_model, apply_adapters, init_adapters, lora_recover,
+                                 module_paths, next_token_loss)
+from lrjax.models import LlamaForCausalLM, ModelConfig, get_proj, layer_inputs
+from lrjax.nn import Linear, LowRankLinear
+from lrjax.quality.source import MarkovSource, SourceConfig
+
+CFG = ModelConfig.tiny()   # hidden 64, MLP 128, 2 layers, 4 heads / 2 KV heads of 16, vocab 256
+
+
+def _model(seed, cfg=CFG):
+  return LlamaForCausalLM(cfg, rngs=nnx.Rngs(seed))
+
+
+def _tokens(rng, n=8, s=24, vocab=CFG.vocab_size):
+  return rng.integers(0, vocab, (n, s)).astype(np.int32)
+
+
+@pytest.mark.parametrize("method", ["svd", "whiten"])
+@pytest.mark.parametrize("ratio,block", [(0.2, 8), (0.35, 4)])
+def test_ranks_block_aligned_and_param_counts_match_ratio(method, ratio, block, rng):
+  m = _model(int(rng.integers(1 << 30)))
+  before = param_counts(m)
+  compress(m, ratio=ratio, calib_tokens=_tokens(rng), method=method, block=block, progress=False)
+  rec = m.compression
+  shapes = CFG.proj_shapes()
+  total = 0
+  for i, ranks in enumerate(rec["ranks"]):
+    assert set(ranks) == set(ALL_PROJS)
+    for p, r in ranks.items():
+      k, n = shapes[p]
+      mod = get_proj(m, i, p)
+      assert isinstance(mod, LowRankLinear) and mod.rank == r and r % block == 0
+      assert r * (k + n) <= (1 - ratio) * k * n < (r + block) * (k + n)
+      total += r * (k + n)
+  assert m.layer_ranks() == rec["ranks"]
+  assert rec["params"]["compressed"] == total == param_counts(m)["actual"]
+  assert rec["params"]["dense"] == before["actual"]
+  assert rec["params"]["removed_fraction"] >= ratio
+  assert np.isclose(rec["params"]["removed_fraction"], 1 - total / before["actual"])
+
+
+def test_mlp_only_keeps_attention_dense(rng):
+  m = _model(int(rng.integers(1 << 30)))
+  compress(m, ratio=0.3, calib_tokens=_tokens(rng), block=8, mlp_only=True, progress=False)
+  for i in range(CFG.num_layers):
+    for p in ALL_PROJS:
+      assert isinstance(get_proj(m, i, p), LowRankLinear if p in MLP_PROJS else Linear)
+  assert all(set(r) == set(MLP_PROJS) for r in m.compression["ranks"])
+
+
+def test_whitening_reduces_output_error_on_calibration_data(rng):
+  seed = int(rng.integers(1 << 30))
+  tok = _tokens(rng, n=16, s=32)
+  dense = _model(seed)
+  xs = next(layer_inputs(dense, tok))[1]              # layer-0 inputs of the dense model
+  group = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o",
+           "gate_proj": "gate_up", "up_proj": "gate_up", "down_proj": "down"}
+  errs = {}
+  for method in ("svd", "whiten"):
+    m = _model(seed)
+    compress(m, ratio=0.4, calib_tokens=tok, method=method, block=8, progress=False)
+    errs[method] = {}
+    for p in ALL_PROJS:
+      x = xs[group[p]]
+      ref = get_proj(dense, 0, p)(x)
+      errs[method][p] = float(jnp.linalg.norm(get_proj(m, 0, p)(x) - ref) / jnp.linalg.norm(ref))
+  for p in ALL_PROJS:
+    assert errs["whiten"][p] < errs["svd"][p], (p, errs)
+
+
+def test_per_head_gqa(rng):
+  m = _model(int(rng.integers(1 << 30)))
+  dense_k = np.asarray(get_proj(m, 0, "k_proj").kernel[...])
+  compress(m, ratio=0.3, calib_tokens=_tokens(rng), block=8, per_head=True, progress=False)
+  q, k = get_proj(m, 0, "q_proj"), get_proj(m, 0, "k_proj")
+  assert isinstance(q, HeadwiseLowRankLinear) and q.heads == CFG.num_heads
+  assert isinstance(k, HeadwiseLowRankLinear) and k.heads == CFG.num_kv_heads
+  assert k.v[...].shape == (CFG.num_kv_heads, k.rank // CFG.num_kv_heads, CFG.head_dim)
+  assert m.compression["heads"][0] == {"q_proj": 4, "k_proj": 2, "v_proj": 2}
+  # Per-head budget: H·r_h·(K + d) ≤ (1 − ratio)·K·N.
+  assert k.rank * (CFG.hidden_size + CFG.head_dim) <= 0.7 * dense_k.size
+  w = reconstruct(np.asarray(k.u[...]), np.asarray(k.v[...]))
+  assert np.linalg.norm(w - dense_k) < np.linalg.norm(dense_k)
+  logits = m(_tokens(rng, n=2, s=8))
+  assert logits.shape == (2, 8, CFG.vocab_size) and bool(jnp.all(jnp.isfinite(logits)))
+
+
+def _source_tokens(n, s, seed):
+  return MarkovSource(SourceConfig(vocab=CFG.vocab_size, seed=1)).sample(n, s, seed)
+
+
+def test_lora_reduces_loss_and_keeps_ranks(rng):
+  m = _model(int(rng.integers(1 << 30)))
+  tok = _source_tokens(32, 24, int(rng.integers(1 << 30)))
+  compress(m, ratio=0.5, calib_tokens=tok, block=8, progress=False)
+  ranks = m.layer_ranks()
+  before = float(next_token_loss(m, jnp.asarray(tok)))
+  targets = [(i, p) for i in range(CFG.num_layers) for p in ALL_PROJS]
+  rec = lora_recover(m, targets, tok, steps=40, rank=4, lr=1e-2, batch=8, progress=False)
+  after = float(next_token_loss(m, jnp.asarray(tok)))
+  assert after < before - 0.05, (before, after)
+  assert rec["loss_last"] < rec["loss_first"]
+  assert m.layer_ranks() == ranks
+
+
+def test_merged_model_equals_adapter_model(rng):
+  m = _model(int(rng.integers(1 << 30)))
+  tok = _tokens(rng, n=4, s=16)
+  compress(m, ratio=0.3, calib_tokens=tok, block=8, per_head=True, progress=False)
+  targets = [(i, p) for i in range(CFG.num_layers) for p in ALL_PROJS]
+  ad = init_adapters(m, targets, 4, jax.random.key(int(rng.integers(1 << 30))))
+  # Non-zero B so the adapters change the model.
+  ad = [{k: (v if k.startswith("a") else 0.05 * jax.random.normal(jax.random.key(j), v.shape))
+         for k, v in a.items()} for j, a in enumerate(ad)]
+  graphdef, state = nnx.split(m)
+  with_adapters = adapter_model(graphdef, state, module_paths(m, targets), ad)(tok)
+  plain = m(tok)
+  apply_adapters(m, targets, ad)
+  merged = m(tok)
+  assert float(jnp.max(jnp.abs(with_adapters - plain))) > 1e-3
+  assert_close(merged, with_adapters, jnp.float32, factor=10)
+
+
+def test_compress_with_lora_records_settings(rng):
+  m = _model(int(rng.integers(1 << 30)))
+  tok = _source_tokens(16, 24, int(rng.integers(1 << 30)))
+  compress(m, ratio=0.4, calib_tokens=tok, block=8, mlp_only=True, lora_steps=5, lora_rank=2,
+           lora_lr=1e-3, progress=False)
+  rec = m.compression
+  assert rec["lora"]["steps"] == 5 and rec["lora"]["rank"] == 2 and rec["lora"]["merged"]
+  assert rec["calibration"]["tokens"] == tok.size
+
+
+@pytest.mark.parametrize("ratio", [0.0, 1.0, -0.2, 2.0])
+def test_bad_ratio(ratio, rng):
+  with pytest.raises(ValueError, match=r"\(0, 1\)"):
+    compress(_model(0), ratio=ratio, calib_tokens=_tokens(rng), block=8, progress=False)
+
+
+def test_rank_above_min_dims_in_model(rng):
+  with pytest.raises(ValueError, match=r"layer 0 k_proj: rank=48 > min\(K, N\)=32"):
+    compress(_model(0), ratio=0.2, method="svd", ranks={"k_proj": 48}, block=8, progress=False)
+
+
+def test_block_too_large_for_tiny_model(rng):
+  with pytest.raises(ValueError, match="pass a smaller block"):
+    compress(_model(0), ratio=0.2, calib_tokens=_tokens(rng), progress=False)   # block=128
+
+
+def test_nan_inf_calibration_activations(rng):
+  m = _model(1)
+  m.embed.embedding[5] = jnp.full((CFG.hidden_size,), jnp.inf)
+  tok = _tokens(rng)
+  tok[0, 3] = 5
+  with pytest.raises(ValueError, match="layer 0 qkv input: [0-9]+ NaN/Inf calibration activations"):
+    compress(m, ratio=0.2, calib_tokens=tok, block=8, progress=False)
+
+
+def test_calibration_tokens_out_of_vocab(rng):
+  tok = _tokens(rng)
+  tok[1, 2] = CFG.vocab_size
+  with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 256\)"):
+    compress(_model(0), ratio=0.2, calib_tokens=tok, block=8, progress=False)
+  with pytest.raises(ValueError, match=r"must be \[batch, seq\] integers"):
+    compress(_model(0), ratio=0.2, calib_tokens=tok.astype(np.float32), block=8,
+             progress=False)
+
+
+def test_whiten_needs_calibration_and_dense_model(rng):
+  with pytest.raises(ValueError, match="needs calib_tokens"):
+    compress(_model(0), ratio=0.2, block=8, progress=False)
+  m = _model(0)
+  compress(m, ratio=0.2, method="svd", block=8, progress=False)
+  with pytest.raises(ValueError, match="already compressed"):
+    compress(m, ratio=0.2, method="svd", block=8, progress=False)
