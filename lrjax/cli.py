@@ -19,7 +19,7 @@ import sys
 from typing import Callable
 
 # Modules that register further subcommands (skipped with a note if not importable).
-EXTENSIONS: tuple[str, ...] = ()
+EXTENSIONS: tuple[str, ...] = ("lrjax.serving.cli",)
 
 Configure = Callable[[argparse.ArgumentParser], Callable[[argparse.Namespace], int | None]]
 _COMMANDS: dict[str, tuple[str, Configure]] = {}
