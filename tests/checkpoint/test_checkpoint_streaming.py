@@ -31,18 +31,22 @@ def test_load_peak_memory_is_about_one_model(tmp_path, rng):
   model_bytes = os.path.getsize(d / "model.safetensors")
   assert model_bytes > 250e6
   code = textwrap.dedent(f"""
-    import resource, jax, jax.numpy as jnp
+    import jax, jax.numpy as jnp
     from lrjax.models import from_hf
+    def hwm():  # peak RSS in bytes
+      line = next(l for l in open("/proc/self/status") if l.startswith("VmHWM"))
+      return int(line.split()[1]) * 1024
     jax.numpy.ones(3).block_until_ready()
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    open("/proc/self/clear_refs", "w").write("5")   # reset the peak (exec keeps the parent's)
+    base = hwm()
     m = from_hf({str(d)!r}, dtype=jnp.float32, with_digest=False)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(peak - base)
+    print(hwm() - base)
   """)
   r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                      env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert r.returncode == 0, r.stderr[-2000:]
   grew = int(r.stdout.split()[-1])
-  # The model itself must be resident; a loader holding the file too would need ~2x.
+  # The model itself must be resident; a loader holding the file too would need >= 2x. The rest
+  # is per-tensor temporaries and allocator slack (measured 1.3-1.5x here).
   print(f"peak RSS growth {grew / model_bytes:.2f}x the model")
-  assert 0.9 * model_bytes < grew < 1.5 * model_bytes, (grew, model_bytes)
+  assert 0.9 * model_bytes < grew < 1.75 * model_bytes, (grew, model_bytes)
