@@ -1,0 +1,37 @@
+"""The low-rank model's plain-jnp forward is rewritten by lrjax.fuse into lr_xuv / lr_mlp."""
+import jax
+import jax.extend.core
+import jax.numpy as jnp
+import pytest
+from conftest import assert_close, fresh_key
+from flax import nnx
+
+from lrjax.lowering import fuse
+from lrjax.models import PROJ_NAMES, LlamaForCausalLM, ModelConfig
+
+
+def _count(jaxpr, counts):
+  for eqn in jaxpr.eqns:
+    counts[eqn.primitive.name] = counts.get(eqn.primitive.name, 0) + 1
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      _count(sub, counts)
+  return counts
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_fuse_rewrites_every_projection(scan):
+  cfg = ModelConfig.tiny()
+  m = LlamaForCausalLM(cfg, [{p: 8 for p in PROJ_NAMES}] * cfg.num_layers,
+                       rngs=nnx.Rngs(int(jax.random.randint(fresh_key(), (), 0, 2**30))))
+  m.scan_layers = scan
+  tok = jax.random.randint(fresh_key(), (2, 5), 0, cfg.vocab_size)
+  graphdef, state = nnx.split(m)
+
+  def fwd(state, tok):
+    return nnx.merge(graphdef, state)(tok)
+
+  counts = _count(jax.make_jaxpr(fuse(fwd))(state, tok).jaxpr, {})
+  per_trace = 1 if scan else cfg.num_layers       # scan traces the layer body once
+  assert counts.get("lr_mlp", 0) == per_trace
+  assert counts.get("lr_xuv", 0) == 4 * per_trace  # q, k, v, o
+  assert_close(jax.jit(fuse(fwd))(state, tok), jax.jit(fwd)(state, tok), jnp.float32)
