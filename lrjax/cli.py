@@ -93,7 +93,6 @@ def convert(p: argparse.ArgumentParser):
                  help="reload the output and check it equals the compressed model bit for bit")
 
   def run(a):
-    import numpy as np
     from lrjax import checkpoint
     try:
       from lrjax.compress import compress

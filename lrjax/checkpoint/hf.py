@@ -192,6 +192,9 @@ def load_hf(path: str | os.PathLike, dtype=None, *, with_digest: bool = True,
     more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
     raise ValueError(f"missing tensor {n!r}{more}: expected shape {list(shape)} for "
                      f"{'.'.join(map(str, p))} of a {cfg.model_type} model from {cfg_path}")
+  skipped = sorted(n for n in st.names if n not in expected and _ignorable(n, cfg))
+  if skipped:
+    log.info("ignoring %d tensors the model does not use: %s", len(skipped), skipped[:3])
   extra = sorted(n for n in st.names if n not in expected and not _ignorable(n, cfg))
   if extra:
     raise ValueError(f"checkpoint has {len(extra)} tensors that config.json does not describe, "

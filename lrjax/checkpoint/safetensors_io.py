@@ -7,22 +7,19 @@ file's size first, so a truncated file fails with the name of the tensor that is
 from __future__ import annotations
 
 import json
-import logging
 import os
 import struct
 from typing import Iterable, Mapping
 
-import ml_dtypes
+import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
-
-log = logging.getLogger("lrjax.checkpoint")
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 # safetensors dtype tag ↔ numpy dtype (the float and int types checkpoints use).
 DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32),
-          "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16),
+          "F16": np.dtype(np.float16), "BF16": np.dtype(jnp.bfloat16),
           "I64": np.dtype(np.int64), "I32": np.dtype(np.int32), "I8": np.dtype(np.int8),
           "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_)}
 TAGS = {v: k for k, v in DTYPES.items()}

@@ -3,8 +3,10 @@
 API note (for ``lrjax.compress`` and other consumers; kept stable)::
 
   cfg   = ModelConfig.from_hf_config("ckpt/config.json")      # or ModelConfig.tiny(), presets
-  model = LlamaForCausalLM(cfg, ranks=None, rngs=nnx.Rngs(0))  # random init; ranks: per-layer
-                                                               # [{proj: rank}] → LowRankLinear
+  model = LlamaForCausalLM(cfg, ranks=None, heads=None,       # random init; ranks: per layer
+                           rngs=nnx.Rngs(0))                   # {proj: rank} → LowRankLinear;
+                                                               # heads: {proj: h} → per-head
+                                                               # HeadwiseLowRankLinear
   model = from_hf("ckpt_dir", dtype=jnp.float32)               # real weights from safetensors
   logits = model(tokens)                                       # [B, S] int → [B, S, vocab]
 
@@ -12,7 +14,7 @@ API note (for ``lrjax.compress`` and other consumers; kept stable)::
       xs["qkv"], xs["o"], xs["gate_up"], xs["down"]            # each [B·S, K] projection input
       w = get_proj(model, i, "q_proj")                         # Linear: w.kernel [in, out]
       set_proj(model, i, "q_proj", LowRankLinear(...))         # or model.layers[i].attn.q_proj = m
-  model.layer_ranks()                                          # [{proj: rank}] per layer
+  model.layer_ranks(), model.layer_heads()                     # [{proj: rank}], [{proj: h}]
   model.compression = {"method": ..., "ratio": ...}            # recorded in saved metadata
 
 Projection names: PROJ_NAMES = q_proj k_proj v_proj o_proj (``model.layers[i].attn``) and
@@ -22,7 +24,8 @@ the inputs that later layers see (sequential calibration).
 
 Decoding: ``cache = KVCache.init(cfg, batch, max_len)``; ``logits, cache = prefill_step(model,
 tokens, cache, lengths)``; ``logits, cache = decode_step(model, next_tokens, cache)`` (jitted,
-cache donated). ``model.prefill``/``model.decode`` are the un-jitted methods.
+cache donated). ``model.prefill``/``model.decode`` are the un-jitted methods. The cache keeps
+all ``max_len`` positions; a sliding window (Mistral) is applied as a mask, not a ring buffer.
 
 Logical axis names on params (a rules table maps them to mesh axes for tensor parallelism):
 

@@ -323,9 +323,12 @@ class LlamaForCausalLM(nnx.Module):
         h, kv = nnx.merge(gdef, st)(h, positions, inv, mask, kv, write_pos)
         return h, kv
 
+      log.debug("forward: lax.scan over %d identical layers", len(self.layers))
       kvs = None if cache is None else (cache.k, cache.v)
       h, kvs = jax.lax.scan(body, h, (stacked, kvs))
       return h, kvs
+    log.debug("forward: Python loop over %d layers (scan_layers=%s)", len(self.layers),
+              self.scan_layers)
     ks, vs = [], []
     for i, layer in enumerate(self.layers):
       kv = None if cache is None else (cache.k[i], cache.v[i])

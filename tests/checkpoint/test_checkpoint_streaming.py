@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from lrjax.checkpoint import write_safetensors
-from lrjax.models import LlamaForCausalLM, ModelConfig
+from lrjax.models import ModelConfig
 
 
 @pytest.mark.slow
