@@ -2,7 +2,8 @@
 
   stage A  Pg = X·Ug, Pu = X·Uu          one pass over X (both factors per K tile),
                                          inter-CTA split-K, f32 atomics into [M, r]
-  stage B  per B_F slice of the intermediate dim (one CTA each):
+  stage B  per B_F slice of the intermediate dim (one CTA each), consuming Pg, Pu
+           r-chunk by r-chunk as stage A completes them (so Vg, Vu stream while Ug, Uu do):
            h = act(Pg·Vg[:, f] + bg) ⊙ (Pu·Vu[:, f] + bu)      [M, B_F], registers only
            S += h · Ud[f, :]                                   f32 atomics into [M, r_d]
   stage C  Y = S·Vd + bd        split over r_d chunks, f32 atomics; the last chunk to arrive
@@ -10,11 +11,11 @@
 
 The [M, D_ff] intermediate exists only as one [M, B_F] register tile per CTA; it never
 touches HBM. Only the rank-space vectors Pg, Pu, S (a few KB to a few hundred KB) go
-through L2. Stages are ordered inside the grid by two counters: stage-A CTAs
-``signal`` counter 0 and stage-B CTAs wait on it; stage-B CTAs ``signal`` counter 1
-and stage-C CTAs wait on it. This has the same forward-progress argument as
-xuv_decode: lower block indices are dispatched first. The accumulators and counters are
-zeroed by jax-triton's memset inside the same custom call. Non-gated MLPs
+through L2. Stages are ordered inside the grid by counters: stage-A CTAs ``signal`` the
+counter of their r-chunk and stage-B CTAs wait on each chunk before using it; stage-B
+CTAs ``signal`` one counter that stage-C CTAs wait on. This has the same forward-progress
+argument as xuv_decode: lower block indices are dispatched first. All accumulators and
+counters live in one scratch buffer zeroed by one memset inside the custom call. Non-gated MLPs
 (act(X·U1·V1 + b1)·U2·V2 + b2) run the same kernel with GATED=False.
 
 Every byte of the six factors is read once, so the floor is their size over HBM bandwidth.
@@ -47,6 +48,7 @@ class BlockSizes:
   block_n: int  # stage-C output columns per CTA
   block_kr: int = 64  # reduction step over a rank (stages B and C)
   c_chunks: int = 4  # stage-C split of r_d
+  a_chunks: int = 4  # r-chunks of Pg/Pu that stage B consumes as they complete
   num_warps: int = 4
   num_stages: int = 3
 
@@ -57,14 +59,16 @@ class BlockSizes:
     if t is None:
       p = planner.plan_decode(m, d, r, f)
       t = cls(p.block_m, p.block_k, p.block_r, p.split_k, 64, 128, 128)
-    split = max(1, min(t.split_k, planner.cdiv(d, 2 * t.block_k)))
+    max_split = max(1, d // (8 * t.block_k))  # >= 8 pipelined K steps per CTA
+    n_rb = planner.cdiv(r, t.block_r)
+    split = max(1, min(max_split, planner.cdiv(2 * planner.H200.num_sms, n_rb)))
     return dataclasses.replace(t, block_m=bm, split_k=split)
 
 
 # Tuned on the H200 (benchmarks/gpu_lowrank.py); shape class -> blocks.
 TUNED: dict[tuple[str, str], BlockSizes] = {
-    ("m<=16", "r>=2048"): BlockSizes(16, 64, 256, 8, 64, 256, 128, 64, 4, 4, 4),
-    ("m<=16", "r<2048"): BlockSizes(16, 64, 128, 8, 64, 256, 128, 64, 4, 4, 4),
+    ("m<=16", "r>=2048"): BlockSizes(16, 64, 128, 8, 64, 256, 128, 64, 4, 4, 4, 4),
+    ("m<=16", "r<2048"): BlockSizes(16, 64, 128, 8, 64, 256, 128, 64, 4, 4, 4, 4),
 }
 
 MAX_M = 64  # beyond this the prefill kernel serves
@@ -77,24 +81,28 @@ def _mlp_decode_kernel(
     uu_ptr, vu_ptr, bu_ptr,  # [D, R], [R, F], [F] up factors
     ud_ptr, vd_ptr, bd_ptr,  # [F, RD], [RD, DO], [DO] down factors
     o_in_ptr,  # [M, DO] caller's output buffer aliased to o_ptr (else x; never read)
-    pg_ptr,  # [M, R] f32 X·Ug accumulator, zeroed
-    pu_ptr,  # [M, R] f32 X·Uu accumulator, zeroed
-    s_ptr,  # [M, RD] f32 h·Ud accumulator, zeroed
-    cnt_ptr,  # [2] i32 stage-A / stage-B CTAs done, zeroed
-    acc_ptr,  # [M, DO] f32 split-r accumulator of the output, zeroed
-    sem_ptr,  # [ceil(DO/BLOCK_N)] i32 r_d-chunks done per output column block, zeroed
+    scratch_ptr,  # f32, zeroed by one memset: Pg [M, R], Pu [M, R], S [M, RD],
+                  # output accumulator [M, DO], then (i32) A_CHUNKS stage-A counters,
+                  # the stage-B counter, and ceil(DO/BLOCK_N) stage-C semaphores
     o_ptr,  # [M, DO] output
     M: tl.constexpr, D: tl.constexpr, R: tl.constexpr, F: tl.constexpr,
     RD: tl.constexpr, DO: tl.constexpr,
     GATED: tl.constexpr, ACT: tl.constexpr,
     HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr,
     K_PER: tl.constexpr, SPLIT_K: tl.constexpr, C_CHUNKS: tl.constexpr, RD_PER: tl.constexpr,
+    A_CHUNKS: tl.constexpr, RB_PER_CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_F: tl.constexpr, BLOCK_RD: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_KR: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_R: tl.constexpr, EVEN_RD: tl.constexpr,
 ):
   pid = tl.program_id(0)
+  pg_ptr = scratch_ptr
+  pu_ptr = scratch_ptr + M * R
+  s_ptr = scratch_ptr + 2 * M * R
+  acc_ptr = scratch_ptr + 2 * M * R + M * RD
+  cnt_ptr = (scratch_ptr + 2 * M * R + M * RD + M * DO).to(tl.pointer_type(tl.int32))
+  sem_ptr = cnt_ptr + A_CHUNKS + 1
   n_r = (R + BLOCK_R - 1) // BLOCK_R
   n_a = n_r * SPLIT_K
   n_b = (F + BLOCK_F - 1) // BLOCK_F
@@ -120,23 +128,27 @@ def _mlp_decode_kernel(
       acc_u = mm_acc(acc_u, x_ptr, uu_ptr, offs_m, offs_r, m_mask, r_mask, k0, k0 + K_PER,
                      D, D, R, BLOCK_K, EVEN_D, False)
     tl.atomic_add(pu_ptr + out_off, acc_u, mask=out_mask, sem="relaxed")
-    signal(cnt_ptr)
+    signal(cnt_ptr + rb // RB_PER_CHUNK)
   elif pid < n_a + n_b:
     # ---- stage B: one slice of the intermediate dim, projected straight into rank space
     fb = pid - n_a
     offs_f = fb * BLOCK_F + tl.arange(0, BLOCK_F)
     f_mask = offs_f < F
-    wait_at_least(cnt_ptr, n_a)
     acc_u = tl.zeros([BLOCK_M, BLOCK_F], tl.float32)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_F], tl.float32)
+    R_PER: tl.constexpr = RB_PER_CHUNK * BLOCK_R
+    for c in range(A_CHUNKS):
+      wait_at_least(cnt_ptr + c, tl.minimum(n_r - c * RB_PER_CHUNK, RB_PER_CHUNK) * SPLIT_K)
+      if GATED:
+        acc_g, acc_u = mm_acc2(acc_g, acc_u, pg_ptr, pu_ptr, vg_ptr, vu_ptr, offs_m, offs_f,
+                               m_mask, f_mask, c * R_PER, c * R_PER + R_PER, R, R, F, BLOCK_KR,
+                               EVEN_R, True, False)
+      else:
+        acc_u = mm_acc(acc_u, pu_ptr, vu_ptr, offs_m, offs_f, m_mask, f_mask, c * R_PER,
+                       c * R_PER + R_PER, R, R, F, BLOCK_KR, EVEN_R, True)
     if GATED:
-      acc_g = tl.zeros([BLOCK_M, BLOCK_F], tl.float32)
-      acc_g, acc_u = mm_acc2(acc_g, acc_u, pg_ptr, pu_ptr, vg_ptr, vu_ptr, offs_m, offs_f,
-                             m_mask, f_mask, 0, R, R, R, F, BLOCK_KR, EVEN_R, True, False)
       if HAS_BG:
         acc_g += tl.load(bg_ptr + offs_f, mask=f_mask, other=0.0).to(tl.float32)[None, :]
-    else:
-      acc_u = mm_acc(acc_u, pu_ptr, vu_ptr, offs_m, offs_f, m_mask, f_mask, 0, R, R, R, F,
-                     BLOCK_KR, EVEN_R, True)
     if HAS_BU:
       acc_u += tl.load(bu_ptr + offs_f, mask=f_mask, other=0.0).to(tl.float32)[None, :]
     if GATED:
@@ -152,12 +164,12 @@ def _mlp_decode_kernel(
       part = tl.dot(h, udt)
       tl.atomic_add(s_ptr + offs_m[:, None] * RD + offs_c[None, :], part,
                     mask=m_mask[:, None] & c_mask[None, :], sem="relaxed")
-    signal(cnt_ptr + 1)
+    signal(cnt_ptr + A_CHUNKS)
   else:
     # ---- stage C: Y = S·Vd + bd, split over r_d chunks
     n_nb = (DO + BLOCK_N - 1) // BLOCK_N
     q = pid - n_a - n_b
-    wait_at_least(cnt_ptr + 1, n_b)
+    wait_at_least(cnt_ptr + A_CHUNKS, n_b)
     splitr_out_tile(q % n_nb, q // n_nb, s_ptr, vd_ptr, bd_ptr, acc_ptr, sem_ptr, o_ptr,
                     M, RD, DO, RD_PER, C_CHUNKS, HAS_BD, BLOCK_M, BLOCK_N, BLOCK_KR, EVEN_RD)
 
@@ -165,7 +177,10 @@ def _mlp_decode_kernel(
 def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes) -> dict:
   k_per = planner.cdiv(planner.cdiv(d, bs.split_k), bs.block_k) * bs.block_k
   split = planner.cdiv(d, k_per)
-  n_a = planner.cdiv(r, bs.block_r) * split
+  n_rb = planner.cdiv(r, bs.block_r)
+  rb_per_chunk = planner.cdiv(n_rb, bs.a_chunks)
+  a_chunks = planner.cdiv(n_rb, rb_per_chunk)
+  n_a = n_rb * split
   n_b = planner.cdiv(f, bs.block_f)
   n_nb = planner.cdiv(d_out, bs.block_n)
   rd_per = planner.cdiv(planner.cdiv(rd, bs.c_chunks), bs.block_kr) * bs.block_kr
@@ -174,11 +189,15 @@ def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes)
   meta = dict(M=m, D=d, R=r, F=f, RD=rd, DO=d_out, GATED=gated, ACT=ACT_CODES[act],
               HAS_BG=has.get("bg", False), HAS_BU=has["bu"], HAS_BD=has["bd"],
               K_PER=k_per, SPLIT_K=split, C_CHUNKS=c_chunks, RD_PER=rd_per,
+              A_CHUNKS=a_chunks, RB_PER_CHUNK=rb_per_chunk,
               BLOCK_M=bs.block_m, BLOCK_K=bs.block_k,
               BLOCK_R=bs.block_r, BLOCK_F=bs.block_f, BLOCK_RD=bs.block_rd,
               BLOCK_N=bs.block_n, BLOCK_KR=bs.block_kr, EVEN_D=d % k_per == 0,
-              EVEN_R=r % bs.block_kr == 0, EVEN_RD=rd % rd_per == 0)
-  return dict(grid=n_a + n_b + n_nb * c_chunks, n_nb=n_nb, meta=meta)
+              EVEN_R=r % (rb_per_chunk * bs.block_r) == 0
+              and (rb_per_chunk * bs.block_r) % bs.block_kr == 0,
+              EVEN_RD=rd % rd_per == 0)
+  scratch = m * (2 * r + rd + d_out) + a_chunks + 1 + n_nb
+  return dict(grid=n_a + n_b + n_nb * c_chunks, n_nb=n_nb, scratch=scratch, meta=meta)
 
 
 def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,

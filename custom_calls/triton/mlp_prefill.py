@@ -19,8 +19,8 @@ element of H is produced once and consumed once.
 Dependencies are per row block, with release/acquire flags as in xuv_prefill.py. Phase
 X of row block m waits for phase X-1 of m. It also waits for phase X+1 of row block
 m - ring·G before overwriting that row block's slot. Tiles come from a host-built
-schedule: step s = [A(s), B(s-1), C(s-2), D(s-3)] over super-blocks. Every
-dependency points to an earlier tile, so the persistent grid cannot deadlock.
+schedule: step s = [C(s-2), A(s), B(s-1), D(s-3)] over super-blocks. Every
+dependency points to an earlier step, so the persistent grid cannot deadlock.
 """
 from __future__ import annotations
 
@@ -181,7 +181,10 @@ def _mlp_prefill_kernel(
 
 
 def schedule(m: int, r: int, f: int, rd: int, d_out: int, bs: BlockSizes, xp=np):
-  """Tile codes in dependency order: step s = [A(s), B(s-1), C(s-2), D(s-3)]."""
+  """Tile codes in dependency order: step s = [C(s-2), A(s), B(s-1), D(s-3)].
+
+  The long-K phase-C tiles (K = D_ff) go first in each step, so they do not trail it.
+  """
   n_mb = planner.cdiv(m, bs.block_m)
   widths = [planner.cdiv(w, bs.block_n) for w in (r, f, rd, d_out)]
   if n_mb >= 1 << 14 or max(widths) >= 1 << 14:
@@ -189,7 +192,7 @@ def schedule(m: int, r: int, f: int, rd: int, d_out: int, bs: BlockSizes, xp=np)
   n_sb = planner.cdiv(n_mb, bs.group_m)
   pieces = []
   for s in range(n_sb + 3):
-    for phase in range(4):
+    for phase in (2, 0, 1, 3):
       sb = s - phase
       if 0 <= sb < n_sb:
         g = min(bs.group_m, n_mb - sb * bs.group_m)

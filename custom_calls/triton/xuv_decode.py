@@ -57,11 +57,16 @@ class BlockSizes:
       p = planner.plan_decode(m, k, r, n)
       t = cls(p.block_m, p.block_k, p.block_r, p.split_k, p.block_n, p.block_kv, 4,
               p.warps, p.stages)
-    split = max(1, min(t.split_k, planner.cdiv(k, 2 * t.block_k)))
-    n_rb = planner.cdiv(r, t.block_r)
+    # >= 8 pipelined K steps per CTA; narrower column blocks when that leaves SMs idle
+    max_split = max(1, k // (8 * t.block_k))
+    block_r = t.block_r
+    if planner.cdiv(r, block_r) * min(t.split_k, max_split) < planner.H200.num_sms:
+      block_r = max(64, block_r // 2)
+    n_rb = planner.cdiv(r, block_r)
+    split = max(1, min(max_split, planner.cdiv(2 * planner.H200.num_sms, n_rb), 2 * t.split_k))
     chunks = max(1, min(t.r_chunks, n_rb))
-    return dataclasses.replace(t, block_m=max(16, planner.next_pow2(m)), split_k=split,
-                               r_chunks=chunks)
+    return dataclasses.replace(t, block_m=max(16, planner.next_pow2(m)), block_r=block_r,
+                               split_k=split, r_chunks=chunks)
 
 
 def _m_class(m: int) -> str:
@@ -91,10 +96,9 @@ def _xuv_decode_kernel(
     v_ptr,  # [R, N] second factor
     b_ptr,  # [N] bias (read only if HAS_BIAS)
     o_in_ptr,  # [M, N] caller's output buffer aliased to o_ptr (else x; never read)
-    p_ptr,  # [M, R] f32 split-K accumulator of X·U, zeroed
-    flag_ptr,  # [R_CHUNKS] i32 stage-1 CTAs done per r-chunk, zeroed
-    acc_ptr,  # [M, N] f32 split-r accumulator of the output, zeroed
-    sem_ptr,  # [ceil(N/BLOCK_N)] i32 r-chunks done per output column block, zeroed
+    scratch_ptr,  # [M*R + M*N + R_CHUNKS + n_nb] f32, zeroed by one memset: the split-K
+                  # accumulator P [M, R], the output accumulator [M, N], then (as i32) the
+                  # per-r-chunk counters and per-column-block semaphores
     o_ptr,  # [M, N] output
     M: tl.constexpr, K: tl.constexpr, R: tl.constexpr, N: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -105,6 +109,10 @@ def _xuv_decode_kernel(
     EVEN_K: tl.constexpr, EVEN_R: tl.constexpr,
 ):
   pid = tl.program_id(0)
+  p_ptr = scratch_ptr
+  acc_ptr = scratch_ptr + M * R
+  flag_ptr = (scratch_ptr + M * R + M * N).to(tl.pointer_type(tl.int32))
+  sem_ptr = flag_ptr + R_CHUNKS
   n_rb = (R + BLOCK_R - 1) // BLOCK_R
   n1 = n_rb * SPLIT_K
   offs_m = tl.arange(0, BLOCK_M)
@@ -175,14 +183,13 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
   _check_out(out, (m, n), out_dtype)
   b = bias if bias is not None else v  # never read without HAS_BIAS
   plan = launch_plan(m, k, r, n, bias is not None, bs)
-  f32, i32 = jnp.float32, jnp.int32
+  scratch = m * r + m * n + plan["chunks"] + plan["n_nb"]
   outs = jt.triton_call(
       x2, u, v, b, x2 if out is None else out, kernel=_xuv_decode_kernel,
-      out_shape=(jax.ShapeDtypeStruct((m, r), f32), jax.ShapeDtypeStruct((plan["chunks"],), i32),
-                 jax.ShapeDtypeStruct((m, n), f32), jax.ShapeDtypeStruct((plan["n_nb"],), i32),
+      out_shape=(jax.ShapeDtypeStruct((scratch,), jnp.float32),
                  jax.ShapeDtypeStruct((m, n), out_dtype)),
-      grid=(plan["grid"],), zeroed_outputs=(0, 1, 2, 3),
-      input_output_aliases={4: 4} if out is not None else None,
+      grid=(plan["grid"],), zeroed_outputs=(0,),
+      input_output_aliases={4: 1} if out is not None else None,
       num_warps=bs.num_warps, num_stages=bs.num_stages, name="lrjax_xuv_decode",
       **plan["meta"])
   return outs[-1].reshape(*lead, n)
