@@ -2,13 +2,15 @@
 
 Method (DESIGN.md "Measuring"): per shape, L distinct layers' weights (together larger than
 L2, so each call streams its weights from HBM) are called inside ONE jit, once (L calls)
-and three times over (3L calls). Host time around each jit with block_until_ready, warmed up,
-median over repetitions; per-call time = (t_3L - t_L) / 2L. The difference cancels
-dispatch, allocation and synchronization, so what is left is device time per call.
+and three times over (3L calls), each call chained to the previous one's output. Host
+time around each jit with block_until_ready, warmed up, the two jits alternated; per-call
+time = median(t_3L - t_L) / 2L. The difference cancels dispatch, allocation and
+synchronization, so what is left is device time per call.
 
 For every shape: ours (lrjax.lr_xuv / lr_mlp lowered through the registry to Triton), XLA's
 unfused low-rank chain, XLA's dense layer, and the roofline floor (max of HBM bytes / BW and
-FLOPs / peak, with BW and peak measured in the same run: a device copy and an 8192^3 product).
+FLOPs / peak at the H200's 4.3 TB/s and 790 TFLOP/s; this run's own copy and 8192^3
+product are measured too and stored in "meta").
 
   python benchmarks/gpu_lowrank.py --suite all --out benchmarks/results/gpu_lowrank_h200.json
 """
@@ -41,17 +43,6 @@ def _sync(x):
   jax.tree_util.tree_map(lambda a: a.block_until_ready(), x)
 
 
-def _median_time(f, args, reps):
-  _sync(f(*args))  # compile + warm up
-  _sync(f(*args))
-  ts = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    _sync(f(*args))
-    ts.append(time.perf_counter() - t0)
-  return statistics.median(ts), (max(ts) - min(ts)) / statistics.median(ts)
-
-
 def per_call_us(fn, x, layers, reps=15):
   """Device time of one fn(x, *layer) call: (t(3L calls) - t(L calls)) / 2L.
 
@@ -71,9 +62,20 @@ def per_call_us(fn, x, layers, reps=15):
           cur = jax.lax.optimization_barrier((x, y))[0]
       return outs
     return f
-  t1, s1 = _median_time(many(1), (x, layers), reps)
-  t3, s3 = _median_time(many(3), (x, layers), reps)
-  return 1e6 * (t3 - t1) / (2 * len(layers)), max(s1, s3)
+  f1, f3 = many(1), many(3)
+  for f in (f1, f3, f1, f3):  # compile, then warm up (clocks, allocator)
+    _sync(f(x, layers))
+  diffs = []
+  for _ in range(reps):  # alternate, so drift hits both alike; median of the differences
+    t0 = time.perf_counter()
+    _sync(f1(x, layers))
+    t1 = time.perf_counter()
+    _sync(f3(x, layers))
+    t3 = time.perf_counter()
+    diffs.append((t3 - t1) - (t1 - t0))
+  med = statistics.median(diffs)
+  q1, q3 = np.percentile(diffs, [25, 75])
+  return 1e6 * med / (2 * len(layers)), float((q3 - q1) / med)
 
 
 def rand(key, shape, scale=1.0):
@@ -239,13 +241,66 @@ def _print(rec):
         f"x{rec['speedup_vs_xla']:.2f}", flush=True)
 
 
+def plot(path_json: str) -> str:
+  """Plots a results JSON beside it (PNG): roofline fractions and speedups vs XLA."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  recs = json.load(open(path_json))["records"]
+  auto = [r for r in recs if r["variant"] == "auto"]
+  fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+  ax = axes[0]
+  for shape in sorted({(r["K"], r["r"], r["N"]) for r in auto if r["op"] == "xuv" and r["M"] <= 128}):
+    rs = sorted((r for r in auto if r["op"] == "xuv" and (r["K"], r["r"], r["N"]) == shape
+                 and r["M"] <= 128), key=lambda r: r["M"])
+    lbl = f"{shape[0]}→{shape[1]}→{shape[2]}"
+    ax.plot([r["M"] for r in rs], [r["hbm_roofline_frac"] for r in rs], "o-", label=f"lrjax {lbl}")
+    ax.plot([r["M"] for r in rs], [r["hbm_floor_us"] / r["xla_lowrank_us"] for r in rs], "x--",
+            label=f"XLA (x@u)@v {lbl}")
+  ax.axhline(0.85, color="gray", lw=0.8)
+  ax.set(xscale="log", xlabel="tokens M", ylabel="fraction of HBM roofline (4.3 TB/s)",
+         title="decode X·U·V")
+  ax.legend(fontsize=7)
+  ax = axes[1]
+  rs = sorted((r for r in auto if r["op"] == "xuv" and r["M"] >= 1024 and r["K"] == 8192),
+              key=lambda r: r["M"])
+  if rs:
+    flops = [planner.flops_xuv(r["M"], r["K"], r["r"], r["N"]) for r in rs]
+    ax.plot([r["M"] for r in rs], [r["tflops"] for r in rs], "o-", label="lrjax (Triton)")
+    ax.plot([r["M"] for r in rs], [f / r["xla_lowrank_us"] / 1e6 for f, r in zip(flops, rs)],
+            "x--", label="XLA (x@u)@v")
+    ax.plot([r["M"] for r in rs], [f / r["xla_dense_us"] / 1e6 for f, r in zip(flops, rs)],
+            "s:", label="XLA dense x@w (low-rank FLOPs / time)")
+    ax.axhline(670, color="gray", lw=0.8)
+  ax.set(xscale="log", xlabel="tokens M", ylabel="TFLOP/s", title="prefill X·U·V 8192→4096→16384")
+  ax.legend(fontsize=7)
+  ax = axes[2]
+  for model in sorted({r.get("model") for r in auto if r["op"] == "mlp_swiglu"} - {None}):
+    rs = sorted((r for r in auto if r.get("model") == model), key=lambda r: r["M"])
+    ax.plot([r["M"] for r in rs], [r["speedup_vs_xla"] for r in rs], "o-", label=f"{model} vs XLA unfused")
+    ax.plot([r["M"] for r in rs], [r["xla_dense_us"] / r["ours_us"] for r in rs], "x--",
+            label=f"{model} vs XLA dense MLP")
+  ax.axhline(1.0, color="gray", lw=0.8)
+  ax.set(xscale="log", xlabel="tokens T", ylabel="speedup (higher is better)",
+         title="fused low-rank SwiGLU MLP")
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  out = os.path.splitext(path_json)[0] + ".png"
+  fig.savefig(out, dpi=110)
+  return out
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--suite", default="all", choices=["decode", "prefill", "mlp", "all", "none"])
   ap.add_argument("--variants", action="store_true", help="also time non-default kernels")
   ap.add_argument("--extra", nargs="*", default=[], help="op/M,K,r,N/variant")
   ap.add_argument("--out", default="benchmarks/results/gpu_lowrank_h200.json")
+  ap.add_argument("--plot", metavar="JSON", help="only plot an existing results file")
   args = ap.parse_args()
+  if args.plot:
+    print(plot(args.plot))
+    return
   import triton
   dev = jax.devices()[0]
   bw, peak = measure_ceilings()
@@ -256,8 +311,9 @@ def main():
               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               measured_hbm_bw=bw, measured_bf16_flops=peak, roofline_hbm_bw=BW_ROOF,
               roofline_bf16_flops=PEAK_ROOF,
-              method=("per-call time = (t(3L calls) - t(L calls)) / 2L inside one jit, L distinct "
-                      "layers (> L2 in total), median of repetitions after warm-up"))
+              method=("per-call time = median(t(3L chained calls) - t(L chained calls)) / 2L, "
+                      "one jit each, alternated, L distinct layers (> L2 in total), after "
+                      "warm-up; spread = IQR/median of the differences"))
   os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
 
   class Records(list):  # rewrites the JSON after every record (a killed run keeps its data)
@@ -269,7 +325,7 @@ def main():
 
   recs = Records()
   suite(args.suite, bw, peak, args, recs)
-  print(f"wrote {len(recs)} records to {args.out}")
+  print(f"wrote {len(recs)} records to {args.out}; plot {plot(args.out)}")
 
 
 if __name__ == "__main__":
