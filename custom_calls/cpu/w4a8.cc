@@ -512,8 +512,9 @@ std::string LowRankMatmul(const void* x, DType x_dtype, int64_t M, const Weights
   const int64_t grp_v = v.group == 0 ? Rp : v.group;
   const size_t esz = y_dtype == DType::kF32 ? 4 : 2;
   const size_t xesz = x_dtype == DType::kF32 ? 4 : 2;
-  // Row blocks keep the rank-space intermediate (f32 then int8) cache resident.
-  const int64_t mb = std::max<int64_t>(8, std::min<int64_t>(M, (256 << 10) / (4 * Rp)) / 8 * 8);
+  // Row blocks keep the rank-space intermediate (<= 1 MiB of f32, then int8) cache
+  // resident; the block size does not change any result.
+  const int64_t mb = std::max<int64_t>(8, std::min<int64_t>(M, (1 << 20) / (4 * Rp)) / 8 * 8);
   QAct a, t;
   std::vector<float> tf;
   for (int64_t m0 = 0; m0 < M; m0 += mb) {
@@ -525,12 +526,16 @@ std::string LowRankMatmul(const void* x, DType x_dtype, int64_t M, const Weights
       StoreRow(a.sa[size_t(m)], acc, nullptr, n, &tf[size_t(m * R + n0)], DType::kF32);
     });
     Prepare(t, rows, Rp, Gv, pairs);
-    for (int64_t m = 0; m < rows; ++m) {
-      int8_t* q = &t.xq[size_t(m * Rp)];
-      t.sa[size_t(m)] = QuantizeRow(&tf[size_t(m * R)], R, Rp, q);
-      FinishRow(q, Rp, Gv, grp_v, &t.xinit[size_t(m * Gv)]);
-    }
-    if (pairs) MakePairs(t, 0, rows);
+    const int64_t qrows = 16;  // even: row pairs stay within one task
+    GetPool().ParallelFor((rows + qrows - 1) / qrows, [&](int64_t task) {
+      const int64_t r0 = task * qrows, r1 = std::min(rows, r0 + qrows);
+      for (int64_t m = r0; m < r1; ++m) {
+        int8_t* q = &t.xq[size_t(m * Rp)];
+        t.sa[size_t(m)] = QuantizeRow(&tf[size_t(m * R)], R, Rp, q);
+        FinishRow(q, Rp, Gv, grp_v, &t.xinit[size_t(m * Gv)]);
+      }
+      if (pairs) MakePairs(t, r0, r1);
+    });
     char* yb = static_cast<char*>(y) + m0 * v.N * esz;
     RunGemm(t, v, isa, [&](int64_t m, int64_t n0, int n, const float* acc) {
       StoreRow(t.sa[size_t(m)], acc, bias ? bias + n0 : nullptr, n, yb + (m * v.N + n0) * esz,
