@@ -209,21 +209,25 @@ class DecoderLayer(nnx.Module):
     self.mlp = MLP(cfg, ranks, heads, rngs=rngs, **kw)
 
   def __call__(self, h, positions, inv_freq, mask, kv=None, write_pos=None, taps=None):
-    """One block. ``kv`` = (k_cache, v_cache) [B,T,KV,D] to attend over cached keys.
+    """One block. Returns (h, kv).
 
-    Returns (h, (k_cache, v_cache) or None). Without ``kv`` attention is over this call's keys
-    and ``write_pos`` is unused. With ``kv`` the new keys are written at ``write_pos`` [B] (the
-    start index per row) and attention covers the whole cache under ``mask`` [B,S,T].
+    Without ``kv`` attention is over this call's keys. With ``kv`` = (k_all, v_all, i), the
+    whole caches [L,B,T,KV,D] and this layer's index, the new keys and values are scattered
+    into layer i at positions ``write_pos`` [B] + 0..S-1 (in place when the cache is donated)
+    and attention covers layer i's cache under ``mask`` [B,S,T]; kv comes back updated.
     ``taps``, a dict, receives the projection inputs (calibration).
     """
     x = self.input_layernorm(h)
     q, k, v = self.attn.qkv(x, positions, inv_freq)
     if kv is not None:
-      upd = jax.vmap(lambda c, n, p: jax.lax.dynamic_update_slice_in_dim(c, n, p, axis=0))
-      kc, vc = upd(kv[0], k.astype(kv[0].dtype), write_pos), upd(kv[1], v.astype(kv[1].dtype),
-                                                                  write_pos)
-      a = attend(q, kc.astype(q.dtype), vc.astype(q.dtype), mask)
-      kv = (kc, vc)
+      k_all, v_all, i = kv
+      b, s = k.shape[:2]
+      rows = jnp.arange(b)[:, None]
+      cols = write_pos[:, None] + jnp.arange(s, dtype=jnp.int32)[None]
+      k_all = k_all.at[i, rows, cols].set(k.astype(k_all.dtype), mode="drop")
+      v_all = v_all.at[i, rows, cols].set(v.astype(v_all.dtype), mode="drop")
+      a = attend(q, k_all[i].astype(q.dtype), v_all[i].astype(q.dtype), mask)
+      kv = (k_all, v_all, i)
     else:
       a = attend(q, k, v, mask)
     h = h + self.attn.o_proj(a)
@@ -312,30 +316,30 @@ class LlamaForCausalLM(nnx.Module):
     return self.embed.attend(h) if self.lm_head is None else self.lm_head(h)
 
   def _run_layers(self, h, positions, mask, cache=None, write_pos=None):
+    """Run all layers; with ``cache`` returns (h, (k_all, v_all)) updated in place."""
     inv = jnp.asarray(rope_inv_freq(self.cfg), jnp.float32)
+    kv = None if cache is None else (cache.k, cache.v)
     if self.scan_layers and len(self.layers) > 1 and self.homogeneous():
       gdef = nnx.split(self.layers[0])[0]
       stacked = jax.tree.map(lambda *xs: jnp.stack(xs),
                              *[nnx.split(layer)[1] for layer in self.layers])
 
-      def body(h, xs):
-        st, kv = xs
-        h, kv = nnx.merge(gdef, st)(h, positions, inv, mask, kv, write_pos)
-        return h, kv
+      def body(carry, xs):
+        h, kv = carry
+        st, i = xs
+        h, kv = nnx.merge(gdef, st)(h, positions, inv, mask,
+                                    None if kv is None else (*kv, i), write_pos)
+        return (h, None if kv is None else kv[:2]), None
 
       log.debug("forward: lax.scan over %d identical layers", len(self.layers))
-      kvs = None if cache is None else (cache.k, cache.v)
-      h, kvs = jax.lax.scan(body, h, (stacked, kvs))
-      return h, kvs
+      (h, kv), _ = jax.lax.scan(body, (h, kv), (stacked, jnp.arange(len(self.layers))))
+      return h, kv
     log.debug("forward: Python loop over %d layers (scan_layers=%s)", len(self.layers),
               self.scan_layers)
-    ks, vs = [], []
     for i, layer in enumerate(self.layers):
-      kv = None if cache is None else (cache.k[i], cache.v[i])
-      h, kv = layer(h, positions, inv, mask, kv, write_pos)
-      if kv is not None:
-        ks.append(kv[0]), vs.append(kv[1])
-    return h, (None if cache is None else (jnp.stack(ks), jnp.stack(vs)))
+      h, kv = layer(h, positions, inv, mask, None if kv is None else (*kv, i), write_pos)
+      kv = None if kv is None else kv[:2]
+    return h, kv
 
   def __call__(self, tokens):
     """Full-sequence forward (scoring/training): tokens [B,S] int → logits [B,S,vocab]."""
