@@ -93,6 +93,11 @@ def lora_recover(model, targets, tokens, *, steps: int, rank: int = 8, lr: float
   if not (isinstance(lr, (int, float)) and lr > 0):
     raise ValueError(f"lora_lr={lr!r} must be a positive float")
   tokens = np.asarray(tokens, np.int32)
+  passes = steps * batch / len(tokens)
+  if passes > 1:
+    log.warning("LoRA: %d steps × %d sequences revisit each of the %d training sequences %.1f "
+                "times; pass more lora_tokens if the held-out loss rises (overfitting)",
+                steps, batch, len(tokens), passes)
   t0 = time.perf_counter()
   graphdef, state = nnx.split(model)
   paths = module_paths(model, targets)

@@ -229,18 +229,19 @@ def _lowrank_module(old: Linear, u, v, rank: int, heads: int):
   from flax import nnx
   dt = old.param_dtype
   bias = None if old.bias is None else old.bias[...]
-  rngs = nnx.Rngs(0)
   if heads == 1:
-    m = LowRankLinear(old.in_features, old.out_features, rank, use_bias=bias is not None,
-                      axes=old.axes, dtype=old.dtype, param_dtype=dt, rngs=rngs)
+    make = lambda: LowRankLinear(old.in_features, old.out_features, rank,
+                                 use_bias=bias is not None, axes=old.axes, dtype=old.dtype,
+                                 param_dtype=dt, rngs=nnx.Rngs(0))
   else:
-    m = HeadwiseLowRankLinear(old.in_features, heads, old.out_features // heads, rank // heads,
-                              use_bias=bias is not None, axes=old.axes, dtype=old.dtype,
-                              param_dtype=dt, rngs=rngs)
-  m.u[...] = jnp.asarray(u, dt)
-  m.v[...] = jnp.asarray(v, dt)
+    make = lambda: HeadwiseLowRankLinear(old.in_features, heads, old.out_features // heads,
+                                         rank // heads, use_bias=bias is not None, axes=old.axes,
+                                         dtype=old.dtype, param_dtype=dt, rngs=nnx.Rngs(0))
+  m = nnx.eval_shape(make)                    # structure only: no random init to compile
+  m.u.set_value(jnp.asarray(u, dt))
+  m.v.set_value(jnp.asarray(v, dt))
   if bias is not None:
-    m.bias[...] = bias
+    m.bias.set_value(jnp.asarray(bias, dt))
   return m
 
 

@@ -28,11 +28,11 @@ VARIANTS = ("svd", "whiten", "whiten+lora")
 class EvalConfig:
   eval_seqs: int = 512
   calib_seqs: int = 64
-  lora_seqs: int = 1024
+  lora_seqs: int | None = None   # default lora_steps·lora_batch: one pass, no repeats
   lora_steps: int = 200
   lora_rank: int = 8
-  lora_lr: float = 2e-3
-  lora_batch: int = 16
+  lora_lr: float = 1e-3
+  lora_batch: int = 32
   block: int = 4
   seed: int = 12345
 
@@ -75,7 +75,8 @@ def quality_table(ratios=(0.1, 0.2, 0.4), *, variants=VARIANTS, src: MarkovSourc
   seq = train_cfg.seq_len                     # RoPE is only trained up to this length
   eval_tok = src.sample(ec.eval_seqs, seq + 1, seed=ec.seed)
   calib_tok = src.sample(ec.calib_seqs, seq, seed=ec.seed + 1)
-  lora_tok = src.sample(ec.lora_seqs, seq + 1, seed=ec.seed + 2)
+  lora_tok = src.sample(ec.lora_seqs or ec.lora_steps * ec.lora_batch, seq + 1,
+                        seed=ec.seed + 2)
   dense = {"variant": "dense", "ratio": 0.0, **evaluate(model, src, eval_tok),
            "weights": param_counts(model)["actual"]}
   rows = []

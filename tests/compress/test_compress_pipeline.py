@@ -15,6 +15,7 @@ from lrjax.nn import Linear, LowRankLinear
 from lrjax.quality.source import MarkovSource, SourceConfig
 
 CFG = ModelConfig.tiny()   # hidden 64, MLP 128, 2 layers, 4 heads / 2 KV heads of 16, vocab 256
+CFG1 = CFG.replace(num_layers=1)   # for the LoRA tests (compile time)
 
 
 def _model(seed, cfg=CFG):
@@ -100,12 +101,12 @@ def _source_tokens(n, s, seed):
 
 
 def test_lora_reduces_loss_and_keeps_ranks(rng):
-  m = _model(int(rng.integers(1 << 30)))
+  m = _model(int(rng.integers(1 << 30)), CFG1)
   tok = _source_tokens(32, 24, int(rng.integers(1 << 30)))
   compress(m, ratio=0.5, calib_tokens=tok, block=8, progress=False)
   ranks = m.layer_ranks()
   before = float(next_token_loss(m, jnp.asarray(tok)))
-  targets = [(i, p) for i in range(CFG.num_layers) for p in ALL_PROJS]
+  targets = [(i, p) for i in range(CFG1.num_layers) for p in ALL_PROJS]
   rec = lora_recover(m, targets, tok, steps=40, rank=4, lr=1e-2, batch=8, progress=False)
   after = float(next_token_loss(m, jnp.asarray(tok)))
   assert after < before - 0.05, (before, after)
@@ -114,10 +115,10 @@ def test_lora_reduces_loss_and_keeps_ranks(rng):
 
 
 def test_merged_model_equals_adapter_model(rng):
-  m = _model(int(rng.integers(1 << 30)))
+  m = _model(int(rng.integers(1 << 30)), CFG1)
   tok = _tokens(rng, n=4, s=16)
   compress(m, ratio=0.3, calib_tokens=tok, block=8, per_head=True, progress=False)
-  targets = [(i, p) for i in range(CFG.num_layers) for p in ALL_PROJS]
+  targets = [(i, p) for i in range(CFG1.num_layers) for p in ALL_PROJS]
   ad = init_adapters(m, targets, 4, jax.random.key(int(rng.integers(1 << 30))))
   # Non-zero B so the adapters change the model.
   ad = [{k: (v if k.startswith("a") else 0.05 * jax.random.normal(jax.random.key(j), v.shape))
@@ -132,7 +133,7 @@ def test_merged_model_equals_adapter_model(rng):
 
 
 def test_compress_with_lora_records_settings(rng):
-  m = _model(int(rng.integers(1 << 30)))
+  m = _model(int(rng.integers(1 << 30)), CFG1)
   tok = _source_tokens(16, 24, int(rng.integers(1 << 30)))
   compress(m, ratio=0.4, calib_tokens=tok, block=8, mlp_only=True, lora_steps=5, lora_rank=2,
            lora_lr=1e-3, progress=False)

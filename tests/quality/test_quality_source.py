@@ -89,7 +89,7 @@ def test_bad_source_config():
 
 def test_training_cache_is_keyed_by_config(tmp_path):
   from lrjax.models import ModelConfig
-  from lrjax.quality.train import TrainConfig, trained_model
+  from lrjax.quality.train import TrainConfig, cache_key, trained_model
   src = MarkovSource(SourceConfig(vocab=64, groups=2, support=3, seed=2))
   mcfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
                      num_heads=2, num_kv_heads=1, head_dim=16)
@@ -101,7 +101,10 @@ def test_training_cache_is_keyed_by_config(tmp_path):
   np.testing.assert_array_equal(np.asarray(m1(tok)), np.asarray(m2(tok)))
   with open(os.path.join(r1["cache_entry"], "record.json")) as fh:
     assert json.load(fh)["train"]["steps"] == 3
-  _, r3 = trained_model(src, mcfg, TrainConfig(steps=4, warmup=1, batch=2, seq_len=8),
-                        cache_dir=str(tmp_path), progress=False)
-  assert not r3["cached"] and r3["cache_entry"] != r1["cache_entry"]
+  # Any config change gives a different key, so a stale entry is never picked up.
+  other = cache_key(src.cfg, mcfg, TrainConfig(steps=4, warmup=1, batch=2, seq_len=8))
+  assert other != os.path.basename(r1["cache_entry"])
+  assert cache_key(src.cfg, mcfg.replace(hidden_size=64), tc) != other
+  assert cache_key(SourceConfig(vocab=64, groups=2, support=3, seed=3), mcfg, tc) != other
+  assert not os.path.exists(os.path.join(tmp_path, other))
   assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]   # no temp dirs left
