@@ -17,4 +17,10 @@ from lrjax.lowering import explain, fuse, lr_mlp, lr_xuv
 
 custom_calls.register_all()
 
-__all__ = ["custom_calls", "explain", "fuse", "lowering", "lr_mlp", "lr_xuv", "__version__"]
+
+def quantize(model, scheme: str = "w4a8", **kwargs):
+  """Quantizes a model's low-rank and dense projections (see :func:`lrjax.quant.quantize`)."""
+  from lrjax.quant import quantize as _quantize
+  return _quantize(model, scheme, **kwargs)
+
+__all__ = ["custom_calls", "explain", "fuse", "lowering", "lr_mlp", "lr_xuv", "quantize", "__version__"]

@@ -90,6 +90,6 @@ def test_explain_report_data_and_text(test_kernel):
   assert d["matches"][0]["kernels"]["cpu"]["kernel"] == "test.xuv_even"
   assert "test_registry_explain.py" in d["matches"][0]["location"]
   assert len(d["near_misses"]) == 1 and "not low-rank" in d["near_misses"][0]["reason"]
-  assert set(d["unmatched_rules"]) == {"lr_mlp(gated)", "lr_mlp(non-gated)"}
+  assert set(d["unmatched_rules"]) == {"lr_mlp(gated)", "lr_mlp(non-gated)", "lr_xuv_w4a8"}
   text = str(rep)
   assert "MATCH lr_xuv" in text and "MISS" in text and "cpu: test.xuv_even" in text
