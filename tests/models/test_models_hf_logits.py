@@ -15,20 +15,24 @@ from lrjax.models import ModelConfig, from_hf
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf")
 NAMES = ["llama3", "llama2_bias_tied", "qwen3", "qwen2_bf16", "mistral_f16"]
+# Extra roots of fixture dirs (e.g. from ``make_hf_fixtures.py --random N --out DIR``).
+EXTRA = [os.path.join(root, d) for root in filter(None, os.environ.get(
+    "LRJAX_EXTRA_HF_FIXTURES", "").split(os.pathsep)) for d in sorted(os.listdir(root))
+         if os.path.exists(os.path.join(root, d, "reference.safetensors"))]
 
 
 _fwd = nnx.jit(lambda m, t: m(t))
 
 
 def _ref(name):
-  return load_file(os.path.join(FIXTURES, name, "reference.safetensors"))
+  return load_file(os.path.join(FIXTURES, name, "reference.safetensors"))  # name may be a path
 
 
 def _rel_max(out, ref):
   return float(np.max(np.abs(np.asarray(out, np.float64) - ref)) / np.max(np.abs(ref)))
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", NAMES + EXTRA)
 def test_from_hf_matches_transformers_logits(name):
   ref = _ref(name)
   model = from_hf(os.path.join(FIXTURES, name), dtype=jnp.float32)
