@@ -75,6 +75,8 @@ def plan_ranks(cfg, *, ratio: float, block: int, mlp_only: bool, per_head: bool,
         r = budget_rank(k, n, ratio, block, heads=heads, name=where)
       else:
         r = check_rank(k, n, override, heads=heads, name=where)
+        if r % block:
+          log.warning("%s: explicit rank %d is not a multiple of block=%d", where, r, block)
       layer[p] = (r, heads)
     plan.append(layer)
   return plan

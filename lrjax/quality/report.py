@@ -2,7 +2,8 @@
 
 ``excess_nats`` = mean cross-entropy of the model on held-out source tokens (targets at positions
 ≥ ``MarkovSource.floor_from``) − the source's exact entropy rate. ``excess_paired`` subtracts the
-true model's cross-entropy on the same tokens instead (a lower-variance KL estimate).
+true model's cross-entropy on the same tokens instead (a lower-variance KL estimate; its
+``stderr_paired`` is over per-sequence means).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ VARIANTS = ("svd", "whiten", "whiten+lora")
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
-  eval_seqs: int = 512
+  eval_seqs: int = 4096
   calib_seqs: int = 64
   lora_seqs: int | None = None   # default lora_steps·lora_batch: one pass, no repeats
   lora_steps: int = 200
@@ -53,7 +54,8 @@ def evaluate(model, src: MarkovSource, tokens, batch: int = 64) -> dict:
   mean = float(ce.mean())
   return {"ce_nats": mean, "excess_nats": mean - src.entropy_rate,
           "excess_paired": mean - float(true_ce.mean()),
-          "stderr_paired": float((ce - true_ce).std() / np.sqrt(ce.size))}
+          "stderr_paired": float((ce - true_ce).mean(axis=1).std() / np.sqrt(len(ce))),
+          "sample_floor_nats": float(true_ce.mean()), "eval_tokens": int(ce.size)}
 
 
 def quality_table(ratios=(0.1, 0.2, 0.4), *, variants=VARIANTS, src: MarkovSource | None = None,
