@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import time
 from typing import Iterable, Sequence
@@ -82,17 +83,13 @@ class Engine:
     else:
       cache = KVCache.init(cfg, max_slots, max_len, dtype)
       spec = self.plan.cache_sharding().spec if self.plan else None
-    self._cache_shardings = None
+    self._cache_shardings = None      # (sharding of the two cache arrays, of pos): hashable
     if self.plan is not None:
       mesh = self.plan.mesh
-      data = NamedSharding(mesh, spec)
-      self._cache_shardings = jax.tree.map(lambda a: data if a.ndim > 1 else
-                                           NamedSharding(mesh, P()), cache)
-      cache = jax.device_put(cache, self._cache_shardings)
+      self._cache_shardings = (NamedSharding(mesh, spec), NamedSharding(mesh, P()))
+      cache = jax.device_put(cache, _cache_tree(cache, self._cache_shardings))
     self.cache = cache
     self._fuse = fuse
-    self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,))
-    self._decode = jax.jit(self._decode_fn, donate_argnums=(1,))
     self._free = list(range(max_slots))
     self._slots: dict[int, dict] = {}
     self._waiting: collections.deque = collections.deque()
@@ -103,47 +100,12 @@ class Engine:
     self._topp = np.ones((max_slots,), np.float32)
     self._key = jax.random.key(0)
 
-  # ---- jitted steps --------------------------------------------------------------------------
-  def _model(self, state):
-    return nnx.merge(self.gdef, state)
+  # ---- jitted steps (module-level jits: engines over the same model share compilations) ------
+  def _prefill(self, *args):
+    return _prefill_jit(self.gdef, self.lowrank_kv, self._fuse, self._cache_shardings, *args)
 
-  def _constrain(self, cache):
-    if self._cache_shardings is None:
-      return cache
-    return jax.tree.map(jax.lax.with_sharding_constraint, cache, self._cache_shardings)
-
-  def _call(self, method, *args):
-    model = self._model(args[0])
-    if self.lowrank_kv:
-      fn = {"prefill": lrkv.prefill, "decode": lrkv.decode}[method]
-    else:
-      fn = {"prefill": type(model).prefill, "decode": type(model).decode}[method]
-    if self._fuse:
-      import lrjax
-      fn = lrjax.fuse(fn)
-    return fn(model, *args[1:])
-
-  def _prefill_fn(self, state, cache, tokens, length, slot, key, temp, topk, topp):
-    """tokens [1, bucket], length/slot [] int32 → (first token [1], cache)."""
-    sl = lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=1)  # noqa: E731
-    if self.lowrank_kv:
-      sub = lrkv.LowRankKVCache(sl(cache.zk), sl(cache.zv), jnp.zeros((1,), jnp.int32))
-    else:
-      sub = KVCache(sl(cache.k), sl(cache.v), jnp.zeros((1,), jnp.int32))
-    logits, sub = self._call("prefill", state, tokens, sub, length[None])
-    put = lambda a, s: jax.lax.dynamic_update_slice_in_dim(a, s, slot, axis=1)  # noqa: E731
-    pos = cache.pos.at[slot].set(length)
-    if self.lowrank_kv:
-      cache = lrkv.LowRankKVCache(put(cache.zk, sub.zk), put(cache.zv, sub.zv), pos)
-    else:
-      cache = KVCache(put(cache.k, sub.k), put(cache.v, sub.v), pos)
-    last = jax.lax.dynamic_index_in_dim(logits[0], length - 1, axis=0)
-    return sample(last, key, temp, topk, topp), self._constrain(cache)
-
-  def _decode_fn(self, state, cache, tokens, key, temp, topk, topp):
-    """tokens [slots] → (next tokens [slots], cache)."""
-    logits, cache = self._call("decode", state, tokens, cache)
-    return sample(logits, key, temp, topk, topp), self._constrain(cache)
+  def _decode(self, *args):
+    return _decode_jit(self.gdef, self.lowrank_kv, self._fuse, self._cache_shardings, *args)
 
   # ---- requests ------------------------------------------------------------------------------
   def _check(self, req: Request) -> list[int]:
@@ -243,6 +205,57 @@ class Engine:
       for r in self.step():
         done[r.id] = r
     return [done[i] for i in ids]
+
+
+def _cache_tree(cache, shardings):
+  arr, pos = shardings
+  return jax.tree.map(lambda a: arr if a.ndim > 1 else pos, cache)
+
+
+def _call(gdef, lowrank, fuse, method, state, *args):
+  model = nnx.merge(gdef, state)
+  if lowrank:
+    fn = {"prefill": lrkv.prefill, "decode": lrkv.decode}[method]
+  else:
+    fn = {"prefill": type(model).prefill, "decode": type(model).decode}[method]
+  if fuse:
+    import lrjax
+    fn = lrjax.fuse(fn)
+  return fn(model, *args)
+
+
+def _constrain(cache, shardings):
+  """The cache keeps its sharding (KV heads over "tp") across steps."""
+  if shardings is None:
+    return cache
+  return jax.tree.map(jax.lax.with_sharding_constraint, cache, _cache_tree(cache, shardings))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
+def _prefill_jit(gdef, lowrank, fuse, shardings, state, cache, tokens, length, slot, key, temp,
+                 topk, topp):
+  """tokens [1, bucket], length/slot [] int32 → (first token [1], cache with the slot filled)."""
+  sl = lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=1)  # noqa: E731
+  put = lambda a, s: jax.lax.dynamic_update_slice_in_dim(a, s, slot, axis=1)  # noqa: E731
+  zero = jnp.zeros((1,), jnp.int32)
+  pos = cache.pos.at[slot].set(length)
+  if lowrank:
+    sub = lrkv.LowRankKVCache(sl(cache.zk), sl(cache.zv), zero)
+    logits, sub = _call(gdef, lowrank, fuse, "prefill", state, tokens, sub, length[None])
+    cache = lrkv.LowRankKVCache(put(cache.zk, sub.zk), put(cache.zv, sub.zv), pos)
+  else:
+    sub = KVCache(sl(cache.k), sl(cache.v), zero)
+    logits, sub = _call(gdef, lowrank, fuse, "prefill", state, tokens, sub, length[None])
+    cache = KVCache(put(cache.k, sub.k), put(cache.v, sub.v), pos)
+  last = jax.lax.dynamic_index_in_dim(logits[0], length - 1, axis=0)
+  return sample(last, key, temp, topk, topp), _constrain(cache, shardings)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
+def _decode_jit(gdef, lowrank, fuse, shardings, state, cache, tokens, key, temp, topk, topp):
+  """tokens [slots] → (next tokens [slots], cache)."""
+  logits, cache = _call(gdef, lowrank, fuse, "decode", state, tokens, cache)
+  return sample(logits, key, temp, topk, topp), _constrain(cache, shardings)
 
 
 def itl(results: Sequence[Result]) -> list[float]:

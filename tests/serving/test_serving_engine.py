@@ -1,0 +1,159 @@
+"""Engine correctness on one device: batching, continuous batching, sampling, bad requests,
+and the low-rank KV cache."""
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from lrjax.models import KVCache, LlamaForCausalLM, ModelConfig, decode_step, prefill_step
+from lrjax.serving import Engine, Request, SamplingParams, lowrank_kv, sample
+from lrjax.sharding.analysis import compressed_ranks
+
+CFG = ModelConfig.tiny(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2,
+                       head_dim=16, num_layers=2, vocab_size=128)
+MAX_LEN = 40
+
+
+@pytest.fixture(scope="module")
+def model():
+  seed = random.randrange(1 << 20)
+  return LlamaForCausalLM(CFG, ranks=[compressed_ranks(CFG, 0.4, 8)] * CFG.num_layers,
+                          rngs=nnx.Rngs(seed))
+
+
+def prompts(n, rng):
+  return [list(rng.integers(0, CFG.vocab_size, size=int(rng.integers(1, 14)))) for _ in range(n)]
+
+
+def greedy_reference(model, prompt, n_new):
+  """One request at a time with the model's own prefill/decode (no engine)."""
+  cache = KVCache.init(CFG, 1, MAX_LEN)
+  padded = np.zeros((1, 16), np.int32)
+  padded[0, :len(prompt)] = prompt
+  logits, cache = prefill_step(model, jnp.asarray(padded), cache,
+                               jnp.asarray([len(prompt)], jnp.int32))
+  toks = [int(jnp.argmax(logits[0, len(prompt) - 1]))]
+  for _ in range(n_new - 1):
+    logits, cache = decode_step(model, jnp.asarray([toks[-1]], jnp.int32), cache)
+    toks.append(int(jnp.argmax(logits[0])))
+  return toks
+
+
+def test_batched_generation_equals_one_at_a_time(model):
+  rng = np.random.default_rng(random.randrange(1 << 20))
+  ps = prompts(4, rng)
+  eng = Engine(model, max_slots=3, max_len=MAX_LEN, buckets=(16,))
+  res = eng.generate([Request(p, SamplingParams(max_new_tokens=5 + i)) for i, p in enumerate(ps)])
+  for i, (p, r) in enumerate(zip(ps, res)):
+    assert r.prompt == [int(t) for t in p]
+    assert r.tokens == greedy_reference(model, p, 5 + i), i
+    assert r.finish_reason == "length"
+
+
+def test_continuous_batching_loses_no_request(model):
+  rng = np.random.default_rng(random.randrange(1 << 20))
+  eng = Engine(model, max_slots=2, max_len=MAX_LEN, buckets=(16,))
+  reqs = [Request(p, SamplingParams(max_new_tokens=int(rng.integers(1, 6))), id=100 + i)
+          for i, p in enumerate(prompts(7, rng))]
+  res = eng.generate(reqs)
+  assert [r.id for r in res] == [100 + i for i in range(7)]
+  for q, r in zip(reqs, res):
+    assert len(r.tokens) == q.sampling.max_new_tokens and r.finish_reason == "length"
+    assert len(r.token_times) == len(r.tokens) and r.ttft_s > 0
+  assert not eng.busy and sorted(eng._free) == [0, 1]
+  # Requests submitted between steps join free slots.
+  eng.submit(Request([3, 4], SamplingParams(max_new_tokens=3), id=7))
+  first = eng.step()
+  eng.submit(Request([5], SamplingParams(max_new_tokens=2), id=8))
+  done = first + [r for _ in range(10) for r in eng.step()]
+  assert sorted(r.id for r in done) == [7, 8]
+
+
+def test_stop_token_and_cache_full(model):
+  p = [5, 9, 2]
+  ref = greedy_reference(model, p, 3)
+  eng = Engine(model, max_slots=2, max_len=MAX_LEN, buckets=(16,))
+  [r] = eng.generate([Request(p, SamplingParams(max_new_tokens=10, stop_tokens=(ref[1],)))])
+  assert r.tokens == ref[:2] or r.tokens == ref[:1]
+  assert r.finish_reason == "stop" and r.tokens[-1] == ref[1]
+  short = Engine(model, max_slots=1, max_len=8, buckets=(4,))
+  [r] = short.generate([Request([1, 2, 3], SamplingParams(max_new_tokens=50))])
+  assert r.finish_reason == "cache_full" and len(r.tokens) == 8 - 3
+
+
+def test_bad_requests(model):
+  eng = Engine(model, max_slots=1, max_len=MAX_LEN, buckets=(16,))
+  with pytest.raises(ValueError, match="prompt is empty"):
+    eng.submit(Request([]))
+  with pytest.raises(ValueError, match="at most 16"):
+    eng.submit(Request(list(range(17))))
+  with pytest.raises(ValueError, match="outside"):
+    eng.submit(Request([1, CFG.vocab_size]))
+  with pytest.raises(TypeError, match="Request"):
+    eng.submit([1, 2, 3])
+  for kw, msg in ((dict(temperature=-1.0), "temperature"), (dict(top_k=-2), "top_k"),
+                  (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+                  (dict(max_new_tokens=0), "max_new_tokens"), (dict(stop_tokens=(-1,)), "stop")):
+    with pytest.raises(ValueError, match=msg):
+      SamplingParams(**kw)
+  with pytest.raises(ValueError, match="buckets"):
+    Engine(model, max_len=16, buckets=(32,))
+
+
+def test_sampling_filters():
+  key = jax.random.key(random.randrange(1 << 20))
+  logits = jax.random.normal(key, (6, 50)) * 3
+  greedy = np.asarray(jnp.argmax(logits, -1))
+  b = logits.shape[0]
+  jsample = jax.jit(sample)
+  f = lambda t, k, p, s: np.asarray(jsample(  # noqa: E731
+      logits, jax.random.key(s), jnp.full((b,), t), jnp.full((b,), k, jnp.int32),
+      jnp.full((b,), p)))
+  assert (f(0.0, 0, 1.0, 0) == greedy).all()
+  assert (f(1.0, 1, 1.0, 1) == greedy).all()           # top-k 1 is greedy
+  assert (f(1.0, 0, 1e-6, 2) == greedy).all()          # top-p → only the best token
+  top3 = np.argsort(-np.asarray(logits), -1)[:, :3]
+  for s in range(5):
+    t = f(2.0, 3, 1.0, s)
+    assert all(t[i] in top3[i] for i in range(b))
+  assert (f(1.0, 0, 1.0, 7) == f(1.0, 0, 1.0, 7)).all()  # same key, same tokens
+  draws = np.stack([f(5.0, 0, 1.0, s) for s in range(8)])
+  assert len(np.unique(draws)) > b                      # high temperature really samples
+
+
+def test_lowrank_kv_cache_equals_dense_cache(model):
+  rng = np.random.default_rng(random.randrange(1 << 20))
+  toks = jnp.asarray(rng.integers(0, CFG.vocab_size, (2, 6)), jnp.int32)
+  lengths = jnp.asarray([6, 4], jnp.int32)
+  d_pre, d_dec = nnx.jit(type(model).prefill), nnx.jit(type(model).decode)
+  l_pre, l_dec = nnx.jit(lowrank_kv.prefill), nnx.jit(lowrank_kv.decode)
+  d_logits, dc = d_pre(model, toks, KVCache.init(CFG, 2, 16), lengths)
+  l_logits, lc = l_pre(model, toks, lowrank_kv.LowRankKVCache.init(model, 2, 16), lengths)
+  rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))  # noqa: E731
+  assert rel(l_logits[0], d_logits[0]) < 1e-5 and rel(l_logits[1, :4], d_logits[1, :4]) < 1e-5
+  nxt = jnp.asarray(rng.integers(0, CFG.vocab_size, (2,)), jnp.int32)
+  for _ in range(3):
+    d, dc = d_dec(model, nxt, dc)
+    lo, lc = l_dec(model, nxt, lc)
+    assert rel(lo, d) < 1e-5
+    nxt = jnp.argmax(d, -1).astype(jnp.int32)
+  rk, rv = lowrank_kv.kv_ranks(model)
+  assert lc.zk.shape == (CFG.num_layers, 2, 16, rk)
+  dense_b = lowrank_kv.bytes_per_token(model, 4, lowrank=False)
+  assert lowrank_kv.bytes_per_token(model, 4, lowrank=True) == (rk + rv) * CFG.num_layers * 4
+  assert dense_b == 2 * CFG.num_kv_heads * CFG.head_dim * CFG.num_layers * 4
+  # And through the engine.
+  ps = prompts(3, rng)
+  reqs = lambda: [Request(p, SamplingParams(max_new_tokens=4)) for p in ps]  # noqa: E731
+  a = Engine(model, max_slots=2, max_len=MAX_LEN, buckets=(16,)).generate(reqs())
+  b = Engine(model, max_slots=2, max_len=MAX_LEN, buckets=(16,), lowrank_kv=True).generate(reqs())
+  assert [r.tokens for r in a] == [r.tokens for r in b]
+
+
+def test_lowrank_kv_needs_lowrank_projections():
+  dense = LlamaForCausalLM(CFG, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="LowRankLinear k_proj"):
+    lowrank_kv.LowRankKVCache.init(dense, 1, 8)
