@@ -185,7 +185,7 @@ class ModelConfig:
   # ---- presets (published architectures; weights always come from a checkpoint) ------------
   @classmethod
   def tiny(cls, **kw) -> "ModelConfig":
-    """Test-sized Llama-3 style config (hidden 64, 2 layers, GQA 4/2, vocab 256)."""
+    """Test-sized Llama config (hidden 64, 2 layers, GQA 4 heads / 2 kv heads, vocab 256)."""
     return cls(**kw)
 
   @classmethod

@@ -6,6 +6,7 @@ Each projection is an ``lrjax.nn.Linear`` or ``lrjax.nn.LowRankLinear``; the MLP
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 from typing import Mapping, Sequence
@@ -30,6 +31,13 @@ _PROJ_AXES = {"q_proj": ("embed", "heads"), "k_proj": ("embed", "kv_heads"),
 
 # Per-layer ranks: {proj_name: rank} for low-rank projections; absent names are dense.
 LayerRanks = Mapping[str, int]
+
+
+class Record(dict):
+  """A JSON-like dict that hashes by content, so a model holding it keeps a hashable graphdef."""
+
+  def __hash__(self):
+    return hash(json.dumps(self, sort_keys=True, default=str))
 
 
 def proj_axes(name: str) -> tuple[str, str]:
@@ -287,9 +295,18 @@ class LlamaForCausalLM(nnx.Module):
     self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
     self.lm_head = None if cfg.tie_word_embeddings else Linear(
         cfg.hidden_size, cfg.vocab_size, axes=("embed", "vocab"), rngs=rngs, **kw)
-    # Compression record (method, ratio, calibration, LoRA); set by lrjax.compress.
-    self.compression: dict | None = None
+    self._compression: Record | None = None
     self.source_digest: str | None = None
+
+  @property
+  def compression(self) -> dict | None:
+    """Compression record (method, ratio, ranks, calibration, LoRA), JSON-able; set by
+    ``lrjax.compress`` and saved in checkpoint metadata."""
+    return self._compression
+
+  @compression.setter
+  def compression(self, value):
+    self._compression = None if value is None else Record(value)
 
   # ---- structure ---------------------------------------------------------------------------
   def layer_ranks(self) -> list[dict[str, int]]:

@@ -168,3 +168,13 @@ def test_logical_axes_on_every_param():
     assert len(axes) == var.ndim and set(axes) <= allowed, path
   assert m.layers[0].attn.o_proj.u.get_metadata()["out_sharding"] == ("heads", "rank")
   assert m.layers[0].attn.k_proj.kernel.get_metadata()["out_sharding"] == ("embed", "kv_heads")
+
+
+def test_compression_record_keeps_graphdef_hashable():
+  m = _model(CONFIGS["gqa"])
+  m.compression = {"method": "svd", "ranks": [{"q_proj": 8}]}
+  m.compression["lora"] = {"steps": 2}
+  graphdef, state = nnx.split(m)
+  hash(graphdef)
+  back = nnx.merge(graphdef, state)
+  assert back.compression == {"method": "svd", "ranks": [{"q_proj": 8}], "lora": {"steps": 2}}
