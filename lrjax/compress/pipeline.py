@@ -153,31 +153,37 @@ def compress(model, *, ratio: float, calib_tokens=None, method: str = "whiten", 
       u, v = factorize(np.asarray(old.kernel[...], np.float64), r, chol, heads=heads,
                        name=f"layer {i} {p}")
       set_proj(model, i, p, _lowrank_module(old, u, v, r, heads))
-    bar.update(1)
+      svd_bar.update(1)
 
-  bar = tqdm(total=cfg.num_layers, desc=f"compress ({method})", unit="layer",
-             disable=not progress)
-  n_calib = 0
+  n_calib, bars = 0, []
   if method == "svd":
+    svd_bar = tqdm(total=sum(map(len, plan)), desc="factorize (svd)", unit="proj",
+                   disable=not progress)
+    bars.append(svd_bar)
     for i in range(cfg.num_layers):
       compress_layer(i, None)
   else:
     batches = [calib_tokens[j:j + calib_batch] for j in range(0, len(calib_tokens), calib_batch)]
     n_calib = int(calib_tokens.size)
+    cal_bar = tqdm(total=cfg.num_layers * len(batches), desc="calibrate (XᵀX, f64)",
+                   unit="batch", disable=not progress, position=0)
+    svd_bar = tqdm(total=sum(map(len, plan)), desc="factorize (whitened svd)", unit="proj",
+                   disable=not progress, position=1)
+    bars += [cal_bar, svd_bar]
     if sequential:
       gens = [layer_inputs(model, b) for b in batches]
       for i in range(cfg.num_layers):
-        grams = _accumulate(i, [next(g) for g in gens], plan[i])
-        compress_layer(i, grams)
+        compress_layer(i, _accumulate(i, (next(g) for g in gens), plan[i], cal_bar))
     else:
       all_grams = [dict() for _ in range(cfg.num_layers)]
       for b in batches:
         for i, xs in layer_inputs(model, b):
-          for g, x in _accumulate(i, [(i, xs)], plan[i]).items():
+          for g, x in _accumulate(i, [(i, xs)], plan[i], cal_bar).items():
             all_grams[i][g] = all_grams[i].get(g, 0) + x
       for i in range(cfg.num_layers):
         compress_layer(i, all_grams[i])
-  bar.close()
+  for b in bars:
+    b.close()
   compressed_params = sum(_weights(get_proj(model, i, p)) for i, l in enumerate(plan) for p in l)
   model.compression = {
       "method": method, "ratio": ratio, "block": int(block), "mlp_only": bool(mlp_only),
@@ -205,7 +211,7 @@ def compress(model, *, ratio: float, calib_tokens=None, method: str = "whiten", 
   return model
 
 
-def _accumulate(i, taps, layer_plan):
+def _accumulate(i, taps, layer_plan, bar):
   """{group: XᵀX (f64)} over the (i, {group: X}) taps of one layer, for groups in the plan."""
   groups = list(dict.fromkeys(PROJ_GROUP[p] for p in layer_plan))   # qkv, o, gate_up, down
   grams = {}
@@ -219,6 +225,7 @@ def _accumulate(i, taps, layer_plan):
         raise ValueError(f"layer {i} {g} input: {bad} NaN/Inf calibration activations; the "
                          "model overflows on these tokens (check weights, dtype, or tokens)")
       grams[g] = grams.get(g, 0) + x.T @ x
+    bar.update(1)
   return grams
 
 

@@ -184,3 +184,16 @@ def test_whiten_needs_calibration_and_dense_model(rng):
   compress(m, ratio=0.2, method="svd", block=8, progress=False)
   with pytest.raises(ValueError, match="already compressed"):
     compress(m, ratio=0.2, method="svd", block=8, progress=False)
+
+
+def test_sequential_calibration_uses_compressed_prefix(rng):
+  seed, tok = int(rng.integers(1 << 30)), _tokens(rng, n=12)
+  seq, joint = _model(seed), _model(seed)
+  compress(seq, ratio=0.4, calib_tokens=tok, block=8, calib_batch=5, progress=False)
+  compress(joint, ratio=0.4, calib_tokens=tok, block=8, calib_batch=5, sequential=False,
+           progress=False)
+  # Layer 0 sees the same (dense) inputs either way; layer 1 sees a compressed layer 0 only
+  # in sequential mode.
+  u = lambda m, i: np.asarray(get_proj(m, i, "gate_proj").u[...])
+  np.testing.assert_allclose(u(seq, 0), u(joint, 0), rtol=1e-4, atol=1e-5)
+  assert np.abs(u(seq, 1) - u(joint, 1)).max() > 1e-3
