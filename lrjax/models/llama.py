@@ -275,9 +275,10 @@ class LlamaForCausalLM(nnx.Module):
 
   ``layers`` is a list of :class:`DecoderLayer`; replace projections in place
   (``model.layers[i].attn.q_proj = LowRankLinear(...)``) or with :func:`set_proj`.
-  When every layer has identical param shapes and ``scan_layers`` is true, the forward stacks
-  the layers' params and runs one ``lax.scan`` (one compiled block instead of L); otherwise it
-  runs a Python loop. Stacking copies the layer weights inside the compiled program.
+  When every layer has identical param shapes and ``scan_layers`` is true, the full forward and
+  prefill stack the layers' params and run one ``lax.scan`` (one compiled block instead of L);
+  otherwise they run a Python loop. Stacking copies the layer weights inside the compiled
+  program, which prefill amortises over its tokens; ``decode`` therefore always loops.
   """
 
   def __init__(self, cfg: ModelConfig, ranks: Sequence[LayerRanks] | None = None,
@@ -332,11 +333,11 @@ class LlamaForCausalLM(nnx.Module):
     h = self.norm(h)
     return self.embed.attend(h) if self.lm_head is None else self.lm_head(h)
 
-  def _run_layers(self, h, positions, mask, cache=None, write_pos=None):
+  def _run_layers(self, h, positions, mask, cache=None, write_pos=None, scan=True):
     """Run all layers; with ``cache`` returns (h, (k_all, v_all)) updated in place."""
     inv = jnp.asarray(rope_inv_freq(self.cfg), jnp.float32)
     kv = None if cache is None else (cache.k, cache.v)
-    if self.scan_layers and len(self.layers) > 1 and self.homogeneous():
+    if scan and self.scan_layers and len(self.layers) > 1 and self.homogeneous():
       gdef = nnx.split(self.layers[0])[0]
       stacked = jax.tree.map(lambda *xs: jnp.stack(xs),
                              *[nnx.split(layer)[1] for layer in self.layers])
@@ -392,7 +393,10 @@ class LlamaForCausalLM(nnx.Module):
     pos = cache.pos[:, None]                                          # [B, 1]
     t = jnp.broadcast_to(jnp.arange(cache.max_len, dtype=jnp.int32), (b, cache.max_len))
     mask = _mask(pos, t, t <= pos, self.cfg.sliding_window)
-    h, (k, v) = self._run_layers(self.embed(tokens[:, None]), pos, mask, cache, cache.pos)
+    # Python loop: a per-step stack of the layer weights for lax.scan would double the weight
+    # traffic of a bandwidth-bound step.
+    h, (k, v) = self._run_layers(self.embed(tokens[:, None]), pos, mask, cache, cache.pos,
+                                 scan=False)
     return self._logits(h)[:, 0], KVCache(k, v, cache.pos + 1)
 
 
