@@ -37,6 +37,7 @@ DT = jnp.bfloat16
 # The roofline the targets are stated against (the H200's measured copy rate and bf16
 # product rate on these machines, KINDS.md). This run's own ceilings go into "meta".
 BW_ROOF, PEAK_ROOF = planner.H200.hbm_bw, planner.H200.peak_flops
+VERBOSE = False
 
 
 def _sync(x):
@@ -63,8 +64,10 @@ def per_call_us(fn, x, layers, reps=15):
       return outs
     return f
   f1, f3 = many(1), many(3)
+  t0 = time.perf_counter()
   for f in (f1, f3, f1, f3):  # compile, then warm up (clocks, allocator)
     _sync(f(x, layers))
+  t_compile = time.perf_counter() - t0
   diffs = []
   for _ in range(reps):  # alternate, so drift hits both alike; median of the differences
     t0 = time.perf_counter()
@@ -75,6 +78,9 @@ def per_call_us(fn, x, layers, reps=15):
     diffs.append((t3 - t1) - (t1 - t0))
   med = statistics.median(diffs)
   q1, q3 = np.percentile(diffs, [25, 75])
+  if VERBOSE:
+    print(f"    [compile+warm-up {t_compile:.1f} s, timing {time.perf_counter() - t0 - t_compile:.1f} s]",
+          flush=True)
   return 1e6 * med / (2 * len(layers)), float((q3 - q1) / med)
 
 
@@ -297,7 +303,10 @@ def main():
   ap.add_argument("--extra", nargs="*", default=[], help="op/M,K,r,N/variant")
   ap.add_argument("--out", default="benchmarks/results/gpu_lowrank_h200.json")
   ap.add_argument("--plot", metavar="JSON", help="only plot an existing results file")
+  ap.add_argument("--verbose", action="store_true", help="print compile and timing seconds")
   args = ap.parse_args()
+  global VERBOSE
+  VERBOSE = args.verbose
   if args.plot:
     print(plot(args.plot))
     return

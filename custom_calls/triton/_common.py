@@ -114,7 +114,7 @@ def splitr_out_tile(nb, rc,  # output column block, reduction chunk
                     acc_ptr,  # [M, N] f32 accumulator, zeroed
                     sem_ptr,  # [ceil(N/BLOCK_N)] i32 chunks done per column block, zeroed
                     o_ptr,  # [M, N] output
-                    M: tl.constexpr, R: tl.constexpr, N: tl.constexpr,
+                    M, R: tl.constexpr, N: tl.constexpr,
                     R_PER: tl.constexpr, N_CHUNKS: tl.constexpr, HAS_BIAS: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KV: tl.constexpr,
                     EVEN_R: tl.constexpr):

@@ -81,11 +81,12 @@ def _mlp_decode_kernel(
     uu_ptr, vu_ptr, bu_ptr,  # [D, R], [R, F], [F] up factors
     ud_ptr, vd_ptr, bd_ptr,  # [F, RD], [RD, DO], [DO] down factors
     o_in_ptr,  # [M, DO] caller's output buffer aliased to o_ptr (else x; never read)
+    M,  # rows (runtime: one compile serves every M <= BLOCK_M)
     scratch_ptr,  # f32, zeroed by one memset: Pg [M, R], Pu [M, R], S [M, RD],
                   # output accumulator [M, DO], then (i32) A_CHUNKS stage-A counters,
                   # the stage-B counter, and ceil(DO/BLOCK_N) stage-C semaphores
     o_ptr,  # [M, DO] output
-    M: tl.constexpr, D: tl.constexpr, R: tl.constexpr, F: tl.constexpr,
+    D: tl.constexpr, R: tl.constexpr, F: tl.constexpr,
     RD: tl.constexpr, DO: tl.constexpr,
     GATED: tl.constexpr, ACT: tl.constexpr,
     HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr,
@@ -186,7 +187,7 @@ def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes)
   rd_per = planner.cdiv(planner.cdiv(rd, bs.c_chunks), bs.block_kr) * bs.block_kr
   c_chunks = planner.cdiv(rd, rd_per)
   has = dict(zip(("bg", "bu", "bd") if gated else ("bu", "bd"), bias_mask))
-  meta = dict(M=m, D=d, R=r, F=f, RD=rd, DO=d_out, GATED=gated, ACT=ACT_CODES[act],
+  meta = dict(D=d, R=r, F=f, RD=rd, DO=d_out, GATED=gated, ACT=ACT_CODES[act],
               HAS_BG=has.get("bg", False), HAS_BU=has["bu"], HAS_BD=has["bd"],
               K_PER=k_per, SPLIT_K=split, C_CHUNKS=c_chunks, RD_PER=rd_per,
               A_CHUNKS=a_chunks, RB_PER_CHUNK=rb_per_chunk,
@@ -238,18 +239,14 @@ def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
   bd = down[2] if len(down) == 3 else None
   ops = (x2, ug, vg, bg if bg is not None else vg, uu, vu, bu if bu is not None else vu,
          ud, vd, bd if bd is not None else vd)
-  f32 = jnp.float32
   if out is not None and (tuple(out.shape) != (m, d_out) or out.dtype != out_dtype):
     raise ValueError(f"{out.shape=} {out.dtype=}: expected {(m, d_out)} {out_dtype}")
   outs = jt.triton_call(
-      *ops, x2 if out is None else out, kernel=_mlp_decode_kernel,
-      out_shape=(jax.ShapeDtypeStruct((m, r), f32), jax.ShapeDtypeStruct((m, r), f32),
-                 jax.ShapeDtypeStruct((m, rd), f32), jax.ShapeDtypeStruct((2,), jnp.int32),
-                 jax.ShapeDtypeStruct((m, d_out), f32),
-                 jax.ShapeDtypeStruct((plan["n_nb"],), jnp.int32),
+      *ops, x2 if out is None else out, m, kernel=_mlp_decode_kernel,
+      out_shape=(jax.ShapeDtypeStruct((plan["scratch"],), jnp.float32),
                  jax.ShapeDtypeStruct((m, d_out), out_dtype)),
-      grid=(plan["grid"],), zeroed_outputs=(0, 1, 2, 3, 4, 5),
-      input_output_aliases={10: 6} if out is not None else None, num_warps=bs.num_warps,
+      grid=(plan["grid"],), zeroed_outputs=(0,),
+      input_output_aliases={10: 1} if out is not None else None, num_warps=bs.num_warps,
       num_stages=bs.num_stages, name="lrjax_mlp_decode", **plan["meta"])
   return outs[-1].reshape(*lead, d_out)
 

@@ -96,11 +96,12 @@ def _xuv_decode_kernel(
     v_ptr,  # [R, N] second factor
     b_ptr,  # [N] bias (read only if HAS_BIAS)
     o_in_ptr,  # [M, N] caller's output buffer aliased to o_ptr (else x; never read)
+    M,  # rows (runtime: one compile serves every M <= BLOCK_M)
     scratch_ptr,  # [M*R + M*N + R_CHUNKS + n_nb] f32, zeroed by one memset: the split-K
                   # accumulator P [M, R], the output accumulator [M, N], then (as i32) the
                   # per-r-chunk counters and per-column-block semaphores
     o_ptr,  # [M, N] output
-    M: tl.constexpr, K: tl.constexpr, R: tl.constexpr, N: tl.constexpr,
+    K: tl.constexpr, R: tl.constexpr, N: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     K_PER: tl.constexpr,  # K-chunk per split (multiple of BLOCK_K; the last may be ragged)
     SPLIT_K: tl.constexpr, R_CHUNKS: tl.constexpr, RB_PER_CHUNK: tl.constexpr,
@@ -152,7 +153,7 @@ def launch_plan(m: int, k: int, r: int, n: int, has_bias: bool, bs: BlockSizes) 
   chunks = planner.cdiv(n_rb, rb_per_chunk)
   n_nb = planner.cdiv(n, bs.block_n)
   r_per = rb_per_chunk * bs.block_r
-  meta = dict(M=m, K=k, R=r, N=n, HAS_BIAS=has_bias, K_PER=k_per, SPLIT_K=split,
+  meta = dict(K=k, R=r, N=n, HAS_BIAS=has_bias, K_PER=k_per, SPLIT_K=split,
               R_CHUNKS=chunks, RB_PER_CHUNK=rb_per_chunk, BLOCK_M=bs.block_m,
               BLOCK_K=bs.block_k, BLOCK_R=bs.block_r, BLOCK_N=bs.block_n,
               BLOCK_KV=bs.block_kv, EVEN_K=k % k_per == 0,
@@ -185,7 +186,7 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
   plan = launch_plan(m, k, r, n, bias is not None, bs)
   scratch = m * r + m * n + plan["chunks"] + plan["n_nb"]
   outs = jt.triton_call(
-      x2, u, v, b, x2 if out is None else out, kernel=_xuv_decode_kernel,
+      x2, u, v, b, x2 if out is None else out, m, kernel=_xuv_decode_kernel,
       out_shape=(jax.ShapeDtypeStruct((scratch,), jnp.float32),
                  jax.ShapeDtypeStruct((m, n), out_dtype)),
       grid=(plan["grid"],), zeroed_outputs=(0,),

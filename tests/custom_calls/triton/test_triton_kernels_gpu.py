@@ -30,7 +30,6 @@ _REASON = _gpu_reason()
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(_REASON is not None, reason=f"needs an NVIDIA GPU: {_REASON}")]
 
-DTYPES = [jnp.bfloat16, jnp.float16]
 
 
 def f64(a):
@@ -61,11 +60,11 @@ XUV_SHAPES = [  # (M, K, r, N): M=1, ragged everything, a multi-super-block pref
 ]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype,bias", [(jnp.bfloat16, False), (jnp.float16, True),
+                                        (jnp.bfloat16, True)])
 @pytest.mark.parametrize("shape", XUV_SHAPES)
 @pytest.mark.parametrize("kind", ["decode", "decode_small_blocks", "prefill"])
-def test_xuv_kernels(kind, shape, bias, dtype):
+def test_xuv_kernels(kind, shape, dtype, bias):
   from lrjax.custom_calls.triton import xuv_decode, xuv_prefill
   import dataclasses
   m, k, r, n = shape
@@ -117,17 +116,17 @@ def mlp_params(d, f, r, rd, d_out, dtype, gated, bias):
 
 
 MLP_SHAPES = [  # (M, D, F, r, r_d)
-    (1, 256, 704, 128, 128), (1, 200, 520, 72, 40), (5, 512, 1000, 96, 136),
-    (16, 1024, 2816, 256, 256), (64, 320, 1000, 200, 72), (300, 512, 1400, 256, 192),
+    (1, 200, 520, 72, 40), (5, 512, 1000, 96, 136), (16, 1024, 2816, 256, 256),
+    (300, 512, 1400, 256, 192),
 ]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("gated,act,bias", [(True, "silu", False), (True, "gelu_tanh", True),
-                                            (False, "relu", True)])
+@pytest.mark.parametrize("dtype,gated,act,bias", [
+    (jnp.bfloat16, True, "silu", False), (jnp.float16, True, "gelu_tanh", True),
+    (jnp.bfloat16, False, "relu", True)])
 @pytest.mark.parametrize("shape", MLP_SHAPES)
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
-def test_mlp_kernels(kind, shape, gated, act, bias, dtype):
+def test_mlp_kernels(kind, shape, dtype, gated, act, bias):
   from lrjax.custom_calls.triton import mlp_decode, mlp_prefill
   m, d, f, r, rd = shape
   if kind == "decode" and m > mlp_decode.MAX_M:
