@@ -99,6 +99,7 @@ class Engine:
     self._topk = np.zeros((max_slots,), np.int32)
     self._topp = np.ones((max_slots,), np.float32)
     self._key = jax.random.key(0)
+    self._dev = None   # device copies of (tokens, temp, top_k, top_p); None after slot changes
 
   # ---- jitted steps (module-level jits: engines over the same model share compilations) ------
   def _prefill(self, *args):
@@ -155,6 +156,7 @@ class Engine:
                 key=key)
       self._tokens[slot] = tok
       self._slots[slot] = st
+      self._dev = None
       self._maybe_finish(slot, finished)
 
   def _maybe_finish(self, slot: int, finished: list[Result]):
@@ -172,6 +174,7 @@ class Engine:
       del self._slots[slot]
       self._free.append(slot)
       self._temp[slot], self._topk[slot], self._topp[slot] = 0.0, 0, 1.0
+      self._dev = None
 
   def step(self) -> list[Result]:
     """Admit waiting requests into free slots, then one decode step for all slots."""
@@ -179,11 +182,14 @@ class Engine:
     self._admit(finished)
     if not self._slots:
       return finished
-    self._key, k = jax.random.split(self._key)
-    nxt, self.cache = self._decode(self.state, self.cache, jnp.asarray(self._tokens), k,
-                                   jnp.asarray(self._temp), jnp.asarray(self._topk),
-                                   jnp.asarray(self._topp))
-    nxt = np.asarray(nxt)
+    if self._dev is None:   # upload only after slots changed; else feed back the last tokens
+      self._dev = tuple(jnp.asarray(a) for a in (self._tokens, self._temp, self._topk,
+                                                 self._topp))
+    toks, temp, topk, topp = self._dev
+    nxt_dev, self._key, self.cache = self._decode(self.state, self.cache, toks, self._key, temp,
+                                                  topk, topp)
+    self._dev = (nxt_dev, temp, topk, topp)
+    nxt = np.asarray(nxt_dev)
     now = time.perf_counter()
     for slot in list(self._slots):
       st = self._slots[slot]
@@ -253,9 +259,10 @@ def _prefill_jit(gdef, lowrank, fuse, shardings, state, cache, tokens, length, s
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
 def _decode_jit(gdef, lowrank, fuse, shardings, state, cache, tokens, key, temp, topk, topp):
-  """tokens [slots] → (next tokens [slots], cache)."""
+  """tokens [slots] → (next tokens [slots], next key, cache)."""
   logits, cache = _call(gdef, lowrank, fuse, "decode", state, tokens, cache)
-  return sample(logits, key, temp, topk, topp), _constrain(cache, shardings)
+  key, sub = jax.random.split(key)
+  return sample(logits, sub, temp, topk, topp), key, _constrain(cache, shardings)
 
 
 def itl(results: Sequence[Result]) -> list[float]:
