@@ -21,6 +21,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from lrjax.checkpoint.atomic import atomic_dir
+from lrjax.checkpoint.placement import logical_sharding, param_axes, param_key, pick
 from lrjax.checkpoint.safetensors_io import (INDEX_NAME, SINGLE_NAME, SafetensorsDir,
                                              plan_shards, write_safetensors)
 from lrjax.models.config import ModelConfig
@@ -158,13 +159,15 @@ def abstract_model(cfg: ModelConfig, ranks=None, param_dtype=jnp.float32,
 
 
 def load_hf(path: str | os.PathLike, dtype=None, *, with_digest: bool = True,
-            progress: bool = False, device=None) -> LlamaForCausalLM:
+            progress: bool = False, mesh=None, shardings=None, rules=None) -> LlamaForCausalLM:
   """Load an HF checkpoint dir (config.json + model.safetensors or an index and shards).
 
-  Tensors are read one at a time (bf16, f16, f32 or f64 on disk) and cast to ``dtype``
-  (default: the config's ``dtype``/``torch_dtype``, else float32). Low-rank exports of
-  :func:`export_hf` load back as ``LowRankLinear`` projections. Raises ``ValueError`` naming
-  the tensor for missing, unexpected, mis-shaped or truncated tensors.
+  Tensors are read one at a time (bf16, f16, f32 or f64 on disk), cast to ``dtype`` (default:
+  the config's ``dtype``/``torch_dtype``, else float32) and placed straight into their target
+  sharding (``mesh``/``shardings``/``rules`` as in :func:`lrjax.checkpoint.load`; default: the
+  first device). Low-rank exports of :func:`export_hf` load back as low-rank projections.
+  Raises ``ValueError`` naming the tensor for missing, unexpected, mis-shaped or truncated
+  tensors.
   """
   path = os.fspath(path)
   cfg_path = os.path.join(path, "config.json")
@@ -183,6 +186,8 @@ def load_hf(path: str | os.PathLike, dtype=None, *, with_digest: bool = True,
   gdef, state = nnx.split(model)
   flat = list(nnx.to_flat_state(state))
   names = _param_names(flat)
+  if shardings is None and mesh is not None:
+    shardings = logical_sharding(mesh, rules)
   st = SafetensorsDir(path)
   expected = {n for n, _ in names.values()}
   missing = [(p, n) for p, (n, _) in names.items() if n not in st]
@@ -212,7 +217,8 @@ def load_hf(path: str | os.PathLike, dtype=None, *, with_digest: bool = True,
       raise ValueError(f"tensor {name!r} has dtype {tag}; expected one of {_FLOAT_TAGS} "
                        "(quantized checkpoints are not supported)")
     arr = _from_hf(st.get(name), layout, var.shape, name)
-    values[p] = jax.device_put(np.ascontiguousarray(arr, dtype=var.dtype), device)
+    where = pick(shardings, param_key(p), param_axes(var), mesh)
+    values[p] = jax.device_put(np.ascontiguousarray(arr, dtype=var.dtype), where)
     del arr
   st.close()
   state = nnx.from_flat_state([(p, var.replace(values[p])) for p, var in flat])

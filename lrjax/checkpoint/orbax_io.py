@@ -13,17 +13,18 @@ import datetime
 import json
 import logging
 import os
-from typing import Any, Callable, Mapping
+from typing import Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from lrjax.checkpoint.atomic import atomic_dir
 from lrjax.checkpoint.hf import abstract_model
+from lrjax.checkpoint.placement import Shardings, logical_sharding, param_axes, param_key, pick
 from lrjax.models.config import ModelConfig
 from lrjax.models.llama import LlamaForCausalLM
 
@@ -34,22 +35,11 @@ STATE_DIR = "state"
 FORMAT = "lrjax-orbax"
 FORMAT_VERSION = 1
 
-# What the ``shardings`` argument of :func:`load` may be.
-Shardings = (NamedSharding | Mapping[str, jax.sharding.Sharding]
-             | Callable[[str, tuple], jax.sharding.Sharding])
-
-
-def _key(path: tuple) -> str:
-  return ".".join(str(x) for x in path)
 
 
 def _flat(model: LlamaForCausalLM):
   _, state = nnx.split(model)
   return list(nnx.to_flat_state(state))
-
-
-def _axes(var) -> tuple:
-  return tuple(var.get_metadata().get("out_sharding") or ())
 
 
 def save(model: LlamaForCausalLM, path: str | os.PathLike, *, compression: Mapping | None = None,
@@ -61,7 +51,7 @@ def save(model: LlamaForCausalLM, path: str | os.PathLike, *, compression: Mappi
   """
   import lrjax
   flat = _flat(model)
-  arrays = {_key(p): var[...] for p, var in flat}
+  arrays = {param_key(p): var[...] for p, var in flat}
   meta = {
       "format": FORMAT, "format_version": FORMAT_VERSION,
       "lrjax_version": lrjax.__version__, "jax_version": jax.__version__,
@@ -73,8 +63,8 @@ def save(model: LlamaForCausalLM, path: str | os.PathLike, *, compression: Mappi
       "compression": dict(compression) if compression is not None else getattr(
           model, "compression", None),
       "source_digest": source_digest or getattr(model, "source_digest", None),
-      "params": {_key(p): {"shape": list(var.shape), "dtype": np.dtype(var.dtype).name,
-                           "axes": list(_axes(var))} for p, var in flat},
+      "params": {param_key(p): {"shape": list(var.shape), "dtype": np.dtype(var.dtype).name,
+                           "axes": list(param_axes(var))} for p, var in flat},
   }
   json.dumps(meta)  # fail before writing anything if the compression record is not JSON
   with atomic_dir(path, overwrite) as tmp:
@@ -99,20 +89,6 @@ def read_metadata(path: str | os.PathLike) -> dict:
   return meta
 
 
-def logical_sharding(mesh: Mesh, rules: Mapping[str, str | None] | None = None):
-  """``(key, logical axes) → NamedSharding`` mapping logical names through ``rules``.
-
-  Names without a rule (or mapped to an axis the mesh lacks) are replicated.
-  """
-  rules = dict(rules or {})
-
-  def fn(key, axes):
-    spec = [rules.get(a) if a is not None and rules.get(a) in mesh.axis_names else None
-            for a in axes]
-    return NamedSharding(mesh, PartitionSpec(*spec))
-  return fn
-
-
 def load(path: str | os.PathLike, mesh: Mesh | None = None, shardings: Shardings | None = None,
          *, rules: Mapping[str, str | None] | None = None) -> LlamaForCausalLM:
   """Load an lrjax checkpoint, restoring arrays straight into their target shardings.
@@ -132,14 +108,13 @@ def load(path: str | os.PathLike, mesh: Mesh | None = None, shardings: Shardings
   model = abstract_model(cfg, meta["ranks"], jnp.dtype(emb["dtype"]), meta.get("heads"))
   gdef, state = nnx.split(model)
   flat = list(nnx.to_flat_state(state))
-  keys = [_key(p) for p, _ in flat]
+  keys = [param_key(p) for p, _ in flat]
   if set(keys) != set(params):
     raise ValueError(f"{path}: metadata params differ from the model its config and ranks "
                      f"describe: missing {sorted(set(keys) - set(params))[:3]}, "
                      f"extra {sorted(set(params) - set(keys))[:3]}")
   if shardings is None and mesh is not None:
     shardings = logical_sharding(mesh, rules)
-  default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   target = {}
   for k, (p, var) in zip(keys, flat):
     info = params[k]
@@ -147,7 +122,7 @@ def load(path: str | os.PathLike, mesh: Mesh | None = None, shardings: Shardings
       raise ValueError(f"{path}: param {k} has shape {info['shape']}, config and ranks imply "
                        f"{list(var.shape)}")
     target[k] = jax.ShapeDtypeStruct(tuple(info["shape"]), jnp.dtype(info["dtype"]),
-                                     sharding=_pick(shardings, k, _axes(var), mesh, default))
+                                     sharding=pick(shardings, k, param_axes(var), mesh))
   with ocp.StandardCheckpointer() as ckptr:
     restored = ckptr.restore(os.path.join(path, STATE_DIR), target)
   state = nnx.from_flat_state([(p, var.replace(restored[k])) for k, (p, var) in
@@ -157,18 +132,3 @@ def load(path: str | os.PathLike, mesh: Mesh | None = None, shardings: Shardings
   out.source_digest = meta.get("source_digest")
   log.info("loaded %s (%s, ranks %s)", path, cfg.model_type, meta["ranks"])
   return out
-
-
-def _pick(shardings: Any, key, axes, mesh, default):
-  if shardings is None:
-    return default
-  if isinstance(shardings, jax.sharding.Sharding):
-    return shardings
-  if callable(shardings):
-    return shardings(key, axes)
-  if isinstance(shardings, Mapping):
-    if key in shardings:
-      return shardings[key]
-    return NamedSharding(mesh, PartitionSpec()) if mesh is not None else default
-  raise TypeError(f"shardings={type(shardings).__name__} must be a Sharding, a dict of "
-                  "key → Sharding, or a function (key, logical_axes) → Sharding")

@@ -20,7 +20,7 @@ from lrjax.checkpoint import hf as hf_mod
 from lrjax.compress import HeadwiseLowRankLinear
 from lrjax.models import LlamaForCausalLM, ModelConfig, from_hf, set_proj
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf")
+FIXTURES = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf"))
 
 
 def _random_model(cfg, ranks=None, dtype=jnp.float32):
@@ -101,6 +101,10 @@ def test_load_into_named_shardings(tmp_path):
   back2 = checkpoint.load(tmp_path / "ck", shardings=one)
   assert back2.layers[1].attn.q_proj.v[...].sharding == one
   _assert_bit_equal(m, back2)
+  h = checkpoint.load_hf(os.path.join(FIXTURES, "qwen3"), mesh=mesh, rules={"kv_heads": "tp"})
+  assert h.layers[1].attn.v_proj.kernel[...].sharding == NamedSharding(mesh,
+                                                                       PartitionSpec(None, "tp"))
+  _assert_bit_equal(h, from_hf(os.path.join(FIXTURES, "qwen3")))
 
 
 def test_load_shards_across_two_devices(tmp_path):
@@ -116,6 +120,9 @@ def test_load_shards_across_two_devices(tmp_path):
     assert len(k.addressable_shards) == 2, k.sharding
     assert k.addressable_shards[0].data.shape == (24, 64), k.addressable_shards[0].data.shape
     assert tuple(k.sharding.spec) == (None, "tp"), k.sharding.spec
+    h = checkpoint.load_hf({FIXTURES!r} + "/llama3", mesh=mesh, rules={{"heads": "tp"}})
+    q = h.layers[0].attn.q_proj.kernel[...]
+    assert tuple(q.sharding.spec) == (None, "tp") and q.addressable_shards[0].data.shape == (64, 32)
     print("ok")
   """)
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
