@@ -210,6 +210,10 @@ XUV_DECODE_SHAPES = ((8192, 4096, 16384), (4096, 2560, 14336))
 PREFILL_M = (1024, 2048, 4096, 8192, 16384, 32768)
 MLP_SHAPES = {"llama3.2-1b": (2048, 8192, 1280), "llama3-8b": (4096, 14336, 2560),
               "llama3-8b-r1024": (4096, 14336, 1024)}
+# in priority order (the JSON is rewritten after every record)
+MLP_TOKENS = (("llama3-8b", (1, 16, 4096, 4, 64)), ("llama3.2-1b", (1, 16, 4096)),
+              ("llama3-8b-r1024", (1, 16, 4096)), ("llama3-8b", (2, 8, 32, 128, 1024)),
+              ("llama3.2-1b", (4, 64, 1024)))
 
 
 def suite(name, bw, peak, args, recs):
@@ -225,10 +229,9 @@ def suite(name, bw, peak, args, recs):
     for m in (1024, 4096):
       recs.append(xuv_record(m, 7168, 4096, 18432, bw, peak))
   if name in ("mlp", "all"):
-    for label, (d, f, r) in MLP_SHAPES.items():
-      for m in DECODE_M + (1024, 4096):
-        if label == "llama3-8b-r1024" and m not in (1, 16, 4096):
-          continue
+    for label, tokens in MLP_TOKENS:
+      d, f, r = MLP_SHAPES[label]
+      for m in tokens:
         recs.append(dict(mlp_record(m, d, f, r, bw, peak), model=label))
   for spec in args.extra:
     # op/M,K,r,N/variant (mlp: M,D,F,r)
