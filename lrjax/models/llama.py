@@ -216,14 +216,16 @@ class DecoderLayer(nnx.Module):
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
     self.mlp = MLP(cfg, ranks, heads, rngs=rngs, **kw)
 
-  def __call__(self, h, positions, inv_freq, mask, kv=None, write_pos=None, taps=None):
+  def __call__(self, h, positions, inv_freq, mask, kv=None, write_pos=None, taps=None,
+               attend_cache=True):
     """One block. Returns (h, kv).
 
-    Without ``kv`` attention is over this call's keys. With ``kv`` = (k_all, v_all, i), the
-    whole caches [L,B,T,KV,D] and this layer's index, the new keys and values are scattered
-    into layer i at positions ``write_pos`` [B] + 0..S-1 (in place when the cache is donated)
-    and attention covers layer i's cache under ``mask`` [B,S,T]; kv comes back updated.
-    ``taps``, a dict, receives the projection inputs (calibration).
+    Without ``kv`` attention is over this call's keys (``mask`` [B,S,S]). With ``kv`` =
+    (k_all, v_all, i), the whole caches [L,B,T,KV,D] and this layer's index, the new keys and
+    values are scattered into layer i at positions ``write_pos`` [B] + 0..S-1 (in place when
+    the cache is donated); kv comes back updated. Attention then covers layer i's cache under
+    ``mask`` [B,S,T], or only this call's keys if ``attend_cache`` is False (prefill of an
+    empty cache, ``mask`` [B,S,S]). ``taps``, a dict, receives the projection inputs.
     """
     x = self.input_layernorm(h)
     q, k, v = self.attn.qkv(x, positions, inv_freq)
@@ -234,7 +236,10 @@ class DecoderLayer(nnx.Module):
       cols = write_pos[:, None] + jnp.arange(s, dtype=jnp.int32)[None]
       k_all = k_all.at[i, rows, cols].set(k.astype(k_all.dtype), mode="drop")
       v_all = v_all.at[i, rows, cols].set(v.astype(v_all.dtype), mode="drop")
-      a = attend(q, k_all[i].astype(q.dtype), v_all[i].astype(q.dtype), mask)
+      if attend_cache:
+        a = attend(q, k_all[i].astype(q.dtype), v_all[i].astype(q.dtype), mask)
+      else:
+        a = attend(q, k, v, mask)
       kv = (k_all, v_all, i)
     else:
       a = attend(q, k, v, mask)
@@ -333,7 +338,8 @@ class LlamaForCausalLM(nnx.Module):
     h = self.norm(h)
     return self.embed.attend(h) if self.lm_head is None else self.lm_head(h)
 
-  def _run_layers(self, h, positions, mask, cache=None, write_pos=None, scan=True):
+  def _run_layers(self, h, positions, mask, cache=None, write_pos=None, scan=True,
+                  attend_cache=True):
     """Run all layers; with ``cache`` returns (h, (k_all, v_all)) updated in place."""
     inv = jnp.asarray(rope_inv_freq(self.cfg), jnp.float32)
     kv = None if cache is None else (cache.k, cache.v)
@@ -346,7 +352,8 @@ class LlamaForCausalLM(nnx.Module):
         h, kv = carry
         st, i = xs
         h, kv = nnx.merge(gdef, st)(h, positions, inv, mask,
-                                    None if kv is None else (*kv, i), write_pos)
+                                    None if kv is None else (*kv, i), write_pos,
+                                    attend_cache=attend_cache)
         return (h, None if kv is None else kv[:2]), None
 
       log.debug("forward: lax.scan over %d identical layers", len(self.layers))
@@ -355,7 +362,8 @@ class LlamaForCausalLM(nnx.Module):
     log.debug("forward: Python loop over %d layers (scan_layers=%s)", len(self.layers),
               self.scan_layers)
     for i, layer in enumerate(self.layers):
-      h, kv = layer(h, positions, inv, mask, None if kv is None else (*kv, i), write_pos)
+      h, kv = layer(h, positions, inv, mask, None if kv is None else (*kv, i), write_pos,
+                    attend_cache=attend_cache)
       kv = None if kv is None else kv[:2]
     return h, kv
 
@@ -379,10 +387,10 @@ class LlamaForCausalLM(nnx.Module):
     _check_cache(cache, self.cfg, b, s)
     lengths = jnp.full((b,), s, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    t = jnp.broadcast_to(jnp.arange(cache.max_len, dtype=jnp.int32), (b, cache.max_len))
-    mask = _mask(pos, t, t < s, self.cfg.sliding_window)
+    mask = _mask(pos, pos, jnp.ones((b, s), bool), self.cfg.sliding_window)
+    # The cache starts empty: attend over this call's S keys, not all max_len slots.
     h, (k, v) = self._run_layers(self.embed(tokens), pos, mask, cache,
-                                 jnp.zeros((b,), jnp.int32))
+                                 jnp.zeros((b,), jnp.int32), attend_cache=False)
     return self._logits(h), KVCache(k, v, lengths)
 
   def decode(self, tokens, cache: KVCache):
