@@ -1,8 +1,8 @@
 """A small Llama trained on :class:`MarkovSource` with optax, cached on disk by config.
 
-The cache key is a SHA-256 of the source, model and training configs plus
-:data:`CACHE_VERSION` (bump it when the training code changes), so a cache entry is only reused
-for exactly the configuration that produced it. Weights are stored as ``.npz`` (read with
+The cache key is a SHA-256 of the source, model and training configs, :data:`CACHE_VERSION`
+and the text of the modules that define the source, the model and the training loop, so a cache
+entry is only reused for exactly the configuration and code that produced it. Weights are stored as ``.npz`` (read with
 ``allow_pickle=False``) next to a JSON record; writes are atomic (temp dir, then rename).
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
 
@@ -53,10 +54,25 @@ def default_cache_dir() -> str:
                       "quality")
 
 
+def code_digest() -> str:
+  """SHA-256 of the modules whose code decides what a trained model is."""
+  import lrjax.compress.lora
+  import lrjax.models.config
+  import lrjax.models.llama
+  import lrjax.nn.linear
+  import lrjax.quality.source
+  h = hashlib.sha256()
+  for mod in (lrjax.models.config, lrjax.models.llama, lrjax.nn.linear, lrjax.quality.source,
+              lrjax.compress.lora, sys.modules[__name__]):
+    with open(mod.__file__, "rb") as fh:
+      h.update(fh.read())
+  return h.hexdigest()
+
+
 def cache_key(src_cfg: SourceConfig, model_cfg, train_cfg: TrainConfig) -> str:
   blob = json.dumps({"version": CACHE_VERSION, "source": dataclasses.asdict(src_cfg),
-                     "model": model_cfg.to_dict(), "train": dataclasses.asdict(train_cfg)},
-                    sort_keys=True)
+                     "model": model_cfg.to_dict(), "train": dataclasses.asdict(train_cfg),
+                     "code": code_digest()}, sort_keys=True)
   return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
@@ -80,7 +96,7 @@ def _load_params(model, arrays) -> None:
     v[...] = jnp.asarray(a, v[...].dtype)
 
 
-def train(src: MarkovSource, model_cfg, train_cfg: TrainConfig, *, progress: bool = True):
+def train_model(src: MarkovSource, model_cfg, train_cfg: TrainConfig, *, progress: bool = True):
   """Train a fresh ``LlamaForCausalLM`` on fresh source samples; returns (model, record)."""
   from lrjax.compress.lora import next_token_loss
   from lrjax.models import LlamaForCausalLM
@@ -141,7 +157,7 @@ def trained_model(src: MarkovSource | None = None, model_cfg=None,
       _load_params(model, {k: z[k] for k in z.files})
     log.info("reused cached trained model %s", entry)
     return model, {**rec, "cached": True, "cache_entry": entry}
-  model, rec = train(src, model_cfg, train_cfg, progress=progress)
+  model, rec = train_model(src, model_cfg, train_cfg, progress=progress)
   rec = {**rec, "key": key, "source": dataclasses.asdict(src.cfg), "model": model_cfg.to_dict(),
          "train": dataclasses.asdict(train_cfg), "cache_version": CACHE_VERSION}
   if entry:

@@ -197,3 +197,16 @@ def test_sequential_calibration_uses_compressed_prefix(rng):
   u = lambda m, i: np.asarray(get_proj(m, i, "gate_proj").u[...])
   np.testing.assert_allclose(u(seq, 0), u(joint, 0), rtol=1e-4, atol=1e-5)
   assert np.abs(u(seq, 1) - u(joint, 1)).max() > 1e-3
+
+
+def test_bad_options(rng):
+  tok = _tokens(rng)
+  for kw, msg in [(dict(method="asvd"), "method='asvd' must be one of"),
+                  (dict(calib_batch=0), "calib_batch=0 must be a positive int"),
+                  (dict(lora_steps=-1), "lora_steps=-1 must be a non-negative int"),
+                  (dict(block=0), "block=0 must be a positive int")]:
+    with pytest.raises(ValueError, match=msg):
+      compress(_model(0), ratio=0.2, calib_tokens=tok, **{"block": 8, **kw}, progress=False)
+  with pytest.raises(ValueError, match="lora_rank=0 must be a positive int"):
+    compress(_model(0), ratio=0.2, calib_tokens=tok, block=8, lora_steps=1, lora_rank=0,
+             progress=False)

@@ -87,7 +87,7 @@ def test_bad_source_config():
     SourceConfig(vocab=8, support=9)
 
 
-def test_training_cache_is_keyed_by_config(tmp_path):
+def test_training_cache_is_keyed_by_config(tmp_path, monkeypatch):
   from lrjax.models import ModelConfig
   from lrjax.quality.train import TrainConfig, cache_key, trained_model
   src = MarkovSource(SourceConfig(vocab=64, groups=2, support=3, seed=2))
@@ -107,4 +107,8 @@ def test_training_cache_is_keyed_by_config(tmp_path):
   assert cache_key(src.cfg, mcfg.replace(hidden_size=64), tc) != other
   assert cache_key(SourceConfig(vocab=64, groups=2, support=3, seed=3), mcfg, tc) != other
   assert not os.path.exists(os.path.join(tmp_path, other))
+  # ... and so does a change to the code that defines the model or the training loop.
+  import lrjax.quality.train as train_mod
+  monkeypatch.setattr(train_mod, "code_digest", lambda: "edited")
+  assert cache_key(src.cfg, mcfg, tc) != os.path.basename(r1["cache_entry"])
   assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]   # no temp dirs left
