@@ -1,9 +1,10 @@
 """Matrix-level pieces of the compression pipeline (NeuronMM §4.1, eq. 2-8), in f64 numpy.
 
-Layout: a dense kernel ``w`` is [K, N] (``y = x·w``, lrjax's ``Linear`` layout). The activation-aware
-factorisation minimises ‖X·w − X·u·v‖_F over the calibration inputs X [T, K]: with XᵀX = L·Lᵀ
-(Cholesky, L lower), ‖X·Δ‖_F = ‖Lᵀ·Δ‖_F, so the optimum is the truncated SVD of Lᵀ·w mapped back
-with a triangular solve: u = L⁻ᵀ·U_r·√Σ_r, v = √Σ_r·V_rᵀ (the √Σ split of eq. 6-8).
+Layout: a dense kernel ``w`` is [K, N] (``y = x·w``, lrjax's ``Linear`` layout). The
+activation-aware factorisation minimises ‖X·w − X·u·v‖_F over the calibration inputs X [T, K]:
+with XᵀX = L·Lᵀ (Cholesky, L lower), ‖X·Δ‖_F = ‖Lᵀ·Δ‖_F, so the optimum is the truncated SVD
+of Lᵀ·w mapped back with a triangular solve: u = L⁻ᵀ·U_r·√Σ_r, v = √Σ_r·V_rᵀ (the √Σ split of
+eq. 6-8; NeuronMM's W·S with S = L in torch's [out, in] layout).
 
 ``ratio`` is the fraction of a projection's weight parameters removed: a projection with K·N
 weights keeps at most (1 − ratio)·K·N of them, i.e. r·(K + N) ≤ (1 − ratio)·K·N (biases are kept

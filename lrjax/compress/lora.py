@@ -129,7 +129,8 @@ def lora_recover(model, targets, tokens, *, steps: int, rank: int = 8, lr: float
   apply_adapters(model, targets, adapters)
   k = max(1, min(20, steps // 5))
   rec = {"steps": steps, "rank": rank, "lr": lr, "batch": batch, "seed": seed,
-         "optimizer": "adam, 10% warmup + cosine decay to 0", "frozen_factors": True, "merged": True,
+         "optimizer": "adam, 10% warmup + cosine decay to 0", "frozen_factors": True,
+         "merged": True,
          "loss_first": float(np.mean(losses[:k])), "loss_last": float(np.mean(losses[-k:])),
          "tokens": int(tokens.size), "seconds": round(time.perf_counter() - t0, 3)}
   log.info("LoRA: %d steps, train loss %.4f → %.4f (merged into u, v; ranks unchanged)",

@@ -91,7 +91,8 @@ def compress(model, *, ratio: float, calib_tokens=None, method: str = "whiten", 
 
   Args:
     ratio: fraction of each compressed projection's weight parameters removed, in (0, 1).
-    calib_tokens: int [batch, seq] calibration tokens; required for ``method="whiten"`` and LoRA.
+    calib_tokens: int [batch, seq] calibration tokens; required for ``method="whiten"``. XᵀX is
+      accumulated in f64 on the host for one layer at a time (sequential mode).
     method: ``"whiten"`` (activation-aware, Cholesky of XᵀX) or ``"svd"`` (plain truncated SVD).
     block: rank alignment (NeuronMM eq. 5); every rank is a multiple of it.
     mlp_only: compress only gate/up/down (NeuronMM); else all seven projections.
@@ -102,6 +103,7 @@ def compress(model, *, ratio: float, calib_tokens=None, method: str = "whiten", 
     sequential: calibrate layer i on the outputs of the already-compressed layers < i.
     lora_steps, lora_rank, lora_lr, lora_tokens, lora_batch, lora_seed: LoRA recovery (eq. 9)
       on the next-token loss over ``lora_tokens`` (default ``calib_tokens``); 0 steps skips it.
+      Give at least lora_steps·lora_batch sequences: cycling a small set overfits (logged).
     progress: show tqdm bars.
 
   Records ``model.compression`` (a JSON-able dict: method, ratio, block, ranks per layer,

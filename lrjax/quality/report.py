@@ -11,7 +11,6 @@ import dataclasses
 import logging
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax

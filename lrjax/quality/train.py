@@ -2,8 +2,9 @@
 
 The cache key is a SHA-256 of the source, model and training configs, :data:`CACHE_VERSION`
 and the text of the modules that define the source, the model and the training loop, so a cache
-entry is only reused for exactly the configuration and code that produced it. Weights are stored as ``.npz`` (read with
-``allow_pickle=False``) next to a JSON record; writes are atomic (temp dir, then rename).
+entry is only reused for exactly the configuration and code that produced it. Weights are
+stored as ``.npz`` (read with ``allow_pickle=False``) next to a JSON record; writes are atomic
+(temp dir, then rename).
 """
 from __future__ import annotations
 

@@ -161,5 +161,6 @@ def test_rank_above_min_dims(rng):
 
 
 def test_block_larger_than_budget_names_the_fix():
-  with pytest.raises(ValueError, match=r"block=128 exceeds .* pass a smaller block \(block=16 fits\)"):
+  with pytest.raises(ValueError,
+                     match=r"block=128 exceeds .* pass a smaller block \(block=16 fits\)"):
     budget_rank(64, 64, 0.5, 128, name="layer 0 q_proj")

@@ -1,4 +1,4 @@
-"""Model-level compression: ranks, parameter counts, whitening vs SVD, per-head GQA, LoRA, errors."""
+"""Model-level compression: ranks, parameter counts, whitening, per-head GQA, LoRA, errors."""
 import jax
 import jax.numpy as jnp
 import numpy as np

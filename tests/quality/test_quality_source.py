@@ -5,7 +5,6 @@ import os
 
 import numpy as np
 import pytest
-from flax import nnx
 
 from lrjax.quality.source import MarkovSource, SourceConfig
 
