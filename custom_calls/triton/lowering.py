@@ -24,7 +24,7 @@ _INT32_MAX = 2**31 - 1
 # Token counts up to which the split-K decode kernels serve (measured crossover,
 # benchmarks/gpu_notes.md); above it the persistent prefill kernels do.
 XUV_DECODE_MAX_M = 64
-MLP_DECODE_MAX_M = 16
+MLP_DECODE_MAX_M = 128
 
 
 def _dt(a) -> str:

@@ -62,7 +62,8 @@ class BlockSizes:
     max_split = max(1, d // (8 * t.block_k))  # >= 8 pipelined K steps per CTA
     n_rb = planner.cdiv(r, t.block_r)
     split = max(1, min(max_split, planner.cdiv(2 * planner.H200.num_sms, n_rb)))
-    return dataclasses.replace(t, block_m=bm, split_k=split)
+    warps = t.num_warps if bm <= 32 else 8  # [bm, 64] x2 f32 accumulators per CTA
+    return dataclasses.replace(t, block_m=bm, split_k=split, num_warps=warps)
 
 
 # Tuned on the H200 (benchmarks/gpu_lowrank.py); shape class -> blocks.
@@ -71,7 +72,7 @@ TUNED: dict[tuple[str, str], BlockSizes] = {
     ("m<=16", "r<2048"): BlockSizes(16, 64, 128, 8, 64, 256, 128, 64, 4, 4, 4, 4),
 }
 
-MAX_M = 64  # beyond this the prefill kernel serves
+MAX_M = 128  # beyond this the prefill kernel serves
 
 
 @triton.jit

@@ -93,6 +93,7 @@ def _mlp_params(gated=True, act="silu"):
 
 def test_mlp_supports_decisions(toolchain):
   assert lowering.mlp_decode_supports(_mlp_avals(1), _mlp_params()) is None
+  assert lowering.mlp_decode_supports(_mlp_avals(128), _mlp_params()) is None
   assert "prefill" in lowering.mlp_decode_supports(_mlp_avals(4096), _mlp_params())
   assert lowering.mlp_prefill_supports(_mlp_avals(4096), _mlp_params()) is None
   assert lowering.mlp_prefill_supports(_mlp_avals(7, False), _mlp_params(False, "gelu")) is None
