@@ -156,6 +156,13 @@ def replace_sub_jaxpr(eqn: JaxprEqn, sub: SubJaxpr, new: ClosedJaxpr, params: di
   return params, extra
 
 
+def require_devices_during_lowering(*prims) -> None:
+  """Makes jax hand device assignments to these primitives' lowering rules
+  (custom_partitioning needs them when a kernel is lowered under SPMD)."""
+  from jax._src import dispatch
+  dispatch.prim_requires_devices_during_lowering.update(prims)
+
+
 def last_uses(jaxpr: Jaxpr) -> dict:
   """var -> list of (eqn index | 'out', operand position) that read it."""
   uses: dict = {}

@@ -45,7 +45,19 @@ def kernels_for(primitive: str, avals_in, params) -> dict:
         break
       declined.append([k.name, reason])
     out[plat] = {"kernel": chosen, "declined": declined, "registered": False}
+  if primitive in ("lr_xuv", "lr_mlp") and out["neuron"]["kernel"] != "reference":
+    from lrjax.custom_calls.nki.lowering import would_serve
+    out["neuron"]["plan"] = would_serve(primitive, avals_in, params)[1]
   return out
+
+
+def _kernel_note(v: dict) -> str:
+  if v["declined"] and v["kernel"] == "reference":
+    name, reason = v["declined"][0]
+    return f"reference ({name} declined: {reason})"
+  if v["kernel"] == "reference":
+    return "reference (no kernel for this primitive)"
+  return v["kernel"] + ("" if v["registered"] else " (not registered here)")
 
 
 @dataclasses.dataclass
@@ -62,9 +74,10 @@ class ExplainReport:
     for m in self.matches:
       lines.append(f"  MATCH {m['pattern']:<20} {m['shapes']}")
       lines.append(f"        at {m['location']}  [{m['path']}]")
-      ks = ", ".join(f"{p}: {v['kernel']}" + ("" if v["registered"] else " (not registered here)")
-                     for p, v in m["kernels"].items())
+      ks = ", ".join(f"{p}: {_kernel_note(v)}" for p, v in m["kernels"].items())
       lines.append(f"        kernels: {ks}")
+      if "plan" in m["kernels"].get("neuron", {}):
+        lines.append(f"        neuron plan: {m['kernels']['neuron']['plan']}")
     for n in self.near_misses:
       lines.append(f"  MISS  {n['pattern']:<20} {n['reason']}")
       lines.append(f"        at {n['location']}  [{n['path']}]")
