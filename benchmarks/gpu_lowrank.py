@@ -256,7 +256,7 @@ def plot(path_json: str) -> str:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   recs = json.load(open(path_json))["records"]
-  auto = [r for r in recs if r["variant"] == "auto"]
+  auto = [r for r in recs if r["variant"] == "auto" and r.get("canonical", True)]
   fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
   ax = axes[0]
   for shape in sorted({(r["K"], r["r"], r["N"]) for r in auto if r["op"] == "xuv" and r["M"] <= 128}):
