@@ -4,7 +4,9 @@ Llama-3-70B proportions shrunk 32× (hidden 8192→256, 64 heads of 128→4, 8 K
 28672→896), 40% of each projection's params removed (ranks rounded to multiples of 8). Each
 strategy is compiled on 8 simulated CPU devices; every collective in the compiled HLO is counted
 with its bytes (all-reduce counted twice, DeInfer Table 1). Logits of a 1-layer model are compared
-with single-device logits. Writes benchmarks/results/tp_collectives.json.
+with single-device logits. Rows with ``fused`` run ``lrjax.fuse`` with CPU stand-in kernels that
+lower to opaque custom calls (lrjax.sharding.testing), partitioned by lowering/partitioning.py.
+Writes benchmarks/results/tp_collectives.json.
 
   python benchmarks/tp_collectives.py [--tp 2 4 8]
 """
@@ -62,6 +64,7 @@ def main():
         records.append(rec)
         print(f"tp={tp} {strategy:11s} fused={fused!s:5s} bytes/token={rec['bytes_per_token']:9.1f}"
               f" n={rec['n_collectives']:2d} err={rec['max_rel_logit_err']:.2e}"
+              f" kernels={rec['kernel_custom_calls']}"
               f" whole-weight gathers={rec['whole_weight_all_gathers']}")
   ratios = {}
   for tp in args.tp:

@@ -54,18 +54,31 @@ def measure(make_model, cfg, strategy: str, tp: int, *, batch: int = 2, seq: int
             seed: int = 0, fused: bool = False) -> dict:
   """One record: collectives of one sharded layer per token, and the logits error vs 1 device.
 
-  ``make_model()`` must return the same model (same weights) on every call.
+  ``make_model()`` must return the same model (same weights) on every call. With ``fused`` the
+  forward goes through ``lrjax.fuse`` and the CPU stand-in kernels of
+  :mod:`lrjax.sharding.testing` (opaque custom calls), so the HLO shows the kernels partitioned.
   """
+  import contextlib
+
+  import lrjax
+  from lrjax.sharding import testing
   ref_model = make_model()
   tokens = jax.random.randint(jax.random.key(seed), (batch, seq), 0, cfg.vocab_size)
   ref = np.asarray(nnx.jit(lambda m, t: m(t))(ref_model, tokens), np.float64)
   model = shard(make_model(), make_mesh(tp), strategy)
-  fwd = (lambda m, t: __import__("lrjax").fuse(lambda mm, tt: mm(tt))(m, t)) if fused else (
-      lambda m, t: m(t))
-  out = np.asarray(nnx.jit(fwd)(model, tokens), np.float64)
+  if fused:
+    fwd = lambda m, t: lrjax.fuse(lambda mm, tt: mm(tt))(m, t)  # noqa: E731
+    run_ctx, hlo_ctx = testing.callback_kernels(execute=True), testing.callback_kernels()
+  else:
+    fwd = lambda m, t: m(t)  # noqa: E731
+    run_ctx = hlo_ctx = contextlib.nullcontext()
+  with run_ctx:
+    out = np.asarray(nnx.jit(fwd)(model, tokens), np.float64)
   err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
   h = jax.random.normal(jax.random.key(seed + 1), (batch, seq, cfg.hidden_size), jnp.float32)
-  colls = hlo.collectives(layer_hlo(model.layers[0], cfg, h, fused=fused))
+  with hlo_ctx:
+    text = layer_hlo(model.layers[0], cfg, h, fused=fused)
+  colls = hlo.collectives(text)
   s = hlo.summarize(colls)
   n_tok = batch * seq
   gathers = hlo.weight_gathers(colls, weight_shapes(model.layers[0]))
@@ -74,4 +87,5 @@ def measure(make_model, cfg, strategy: str, tp: int, *, batch: int = 2, seq: int
           "n_collectives": s["n"], "max_rel_logit_err": err,
           "by_kind": {k: {"n": v["n"], "bytes_per_token": v["bytes"] / n_tok}
                       for k, v in s["by_kind"].items()},
+          "kernel_custom_calls": text.count("custom-call(") if fused else 0,
           "whole_weight_all_gathers": len(gathers)}
