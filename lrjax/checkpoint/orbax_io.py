@@ -5,7 +5,10 @@ Layout of ``path/``::
   lrjax_metadata.json   format, lrjax/jax/orbax versions, architecture config, per-layer ranks,
                         compression record (method, ratio, calibration, LoRA), source digest,
                         and every param's shape, dtype and logical axes
-  state/                orbax StandardCheckpointer tree {"layers.0.attn.q_proj.u": array, ...}
+  state/                orbax standard (OCDBT) tree {"layers.0.attn.q_proj.u": array, ...}
+
+Saving and restoring keep at most ``concurrent_gb`` of array bytes in flight, so the host
+copies orbax makes while writing stay bounded instead of duplicating the whole model.
 """
 from __future__ import annotations
 
@@ -42,8 +45,16 @@ def _flat(model: LlamaForCausalLM):
   return list(nnx.to_flat_state(state))
 
 
+def _checkpointer(concurrent_gb: int) -> ocp.Checkpointer:
+  if not isinstance(concurrent_gb, int) or concurrent_gb < 1:
+    raise ValueError(f"{concurrent_gb=} must be an int >= 1 (GB of array bytes in flight)")
+  return ocp.Checkpointer(ocp.StandardCheckpointHandler(save_concurrent_gb=concurrent_gb,
+                                                        restore_concurrent_gb=concurrent_gb))
+
+
 def save(model: LlamaForCausalLM, path: str | os.PathLike, *, compression: Mapping | None = None,
-         source_digest: str | None = None, overwrite: bool = False) -> None:
+         source_digest: str | None = None, overwrite: bool = False,
+         concurrent_gb: int = 1) -> None:
   """Save ``model`` to ``path`` (orbax arrays + metadata JSON) atomically.
 
   ``compression`` and ``source_digest`` default to ``model.compression`` and
@@ -68,9 +79,8 @@ def save(model: LlamaForCausalLM, path: str | os.PathLike, *, compression: Mappi
   }
   json.dumps(meta)  # fail before writing anything if the compression record is not JSON
   with atomic_dir(path, overwrite) as tmp:
-    with ocp.StandardCheckpointer() as ckptr:
-      ckptr.save(os.path.join(tmp, STATE_DIR), arrays)
-      ckptr.wait_until_finished()
+    _checkpointer(concurrent_gb).save(os.path.join(tmp, STATE_DIR),
+                                      args=ocp.args.StandardSave(arrays))
     with open(os.path.join(tmp, METADATA_NAME), "w") as fh:
       json.dump(meta, fh, indent=1)
   log.info("saved %s (%d arrays)", path, len(arrays))
@@ -90,7 +100,8 @@ def read_metadata(path: str | os.PathLike) -> dict:
 
 
 def load(path: str | os.PathLike, mesh: Mesh | None = None, shardings: Shardings | None = None,
-         *, rules: Mapping[str, str | None] | None = None) -> LlamaForCausalLM:
+         *, rules: Mapping[str, str | None] | None = None,
+         concurrent_gb: int = 1) -> LlamaForCausalLM:
   """Load an lrjax checkpoint, restoring arrays straight into their target shardings.
 
   ``shardings``: one ``Sharding`` for all params, a dict ``{"layers.0.attn.q_proj.u": s}``
@@ -123,8 +134,8 @@ def load(path: str | os.PathLike, mesh: Mesh | None = None, shardings: Shardings
                        f"{list(var.shape)}")
     target[k] = jax.ShapeDtypeStruct(tuple(info["shape"]), jnp.dtype(info["dtype"]),
                                      sharding=pick(shardings, k, param_axes(var), mesh))
-  with ocp.StandardCheckpointer() as ckptr:
-    restored = ckptr.restore(os.path.join(path, STATE_DIR), target)
+  restored = _checkpointer(concurrent_gb).restore(os.path.join(path, STATE_DIR),
+                                                  args=ocp.args.StandardRestore(target))
   state = nnx.from_flat_state([(p, var.replace(restored[k])) for k, (p, var) in
                                zip(keys, flat)])
   out = nnx.merge(gdef, state)
