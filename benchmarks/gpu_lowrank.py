@@ -44,7 +44,10 @@ def _sync(x):
   jax.tree_util.tree_map(lambda a: a.block_until_ready(), x)
 
 
-def per_call_us(fn, x, layers, reps=15):
+REPS = 15
+
+
+def per_call_us(fn, x, layers, reps=None):
   """Device time of one fn(x, *layer) call: (t(3L calls) - t(L calls)) / 2L.
 
   Each call's input is chained to the previous call's output through an
@@ -63,11 +66,12 @@ def per_call_us(fn, x, layers, reps=15):
           cur = jax.lax.optimization_barrier((x, y))[0]
       return outs
     return f
+  reps = reps or REPS
   f1, f3 = many(1), many(3)
-  t0 = time.perf_counter()
+  t_start = time.perf_counter()
   for f in (f1, f3, f1, f3):  # compile, then warm up (clocks, allocator)
     _sync(f(x, layers))
-  t_compile = time.perf_counter() - t0
+  t_compile = time.perf_counter() - t_start
   diffs = []
   for _ in range(reps):  # alternate, so drift hits both alike; median of the differences
     t0 = time.perf_counter()
@@ -79,7 +83,8 @@ def per_call_us(fn, x, layers, reps=15):
   med = statistics.median(diffs)
   q1, q3 = np.percentile(diffs, [25, 75])
   if VERBOSE:
-    print(f"    [compile+warm-up {t_compile:.1f} s, timing {time.perf_counter() - t0 - t_compile:.1f} s]",
+    print(f"    [compile+warm-up {t_compile:.1f} s, "
+          f"timing {time.perf_counter() - t_start - t_compile:.1f} s]",
           flush=True)
   return 1e6 * med / (2 * len(layers)), float((q3 - q1) / med)
 
@@ -109,7 +114,7 @@ def measure_ceilings():
 
 # ------------------------------------------------------------------ XUV
 
-def xuv_record(m, k, r, n, bw, peak, kernel="auto", reps=15):
+def xuv_record(m, k, r, n, bw, peak, kernel="auto", reps=None):
   key = jax.random.key(m * 7 + k + r + n)
   ks = jax.random.split(key, 4)
   per_layer = 2 * (k * r + r * n)
@@ -164,7 +169,7 @@ def _swiglu_dense(x, wg, wu, wd):
   return (jax.nn.silu(x @ wg) * (x @ wu)) @ wd
 
 
-def mlp_record(m, d, f, r, bw, peak, kernel="auto", reps=15):
+def mlp_record(m, d, f, r, bw, peak, kernel="auto", reps=None):
   key = jax.random.key(m * 13 + d + f + r)
   ks = jax.random.split(key, 8)
   per_layer = 2 * 3 * r * (d + f)
@@ -225,7 +230,7 @@ def suite(name, bw, peak, args, recs):
           recs.append(xuv_record(m, k, r, n, bw, peak, "prefill"))
   if name in ("prefill", "all"):
     for m in PREFILL_M:
-      recs.append(xuv_record(m, 8192, 4096, 16384, bw, peak, reps=7 if m > 4096 else 15))
+      recs.append(xuv_record(m, 8192, 4096, 16384, bw, peak, reps=7 if m > 4096 else None))
     for m in (1024, 4096):
       recs.append(xuv_record(m, 7168, 4096, 18432, bw, peak))
   if name in ("mlp", "all"):
@@ -307,9 +312,10 @@ def main():
   ap.add_argument("--out", default="benchmarks/results/gpu_lowrank_h200.json")
   ap.add_argument("--plot", metavar="JSON", help="only plot an existing results file")
   ap.add_argument("--verbose", action="store_true", help="print compile and timing seconds")
+  ap.add_argument("--reps", type=int, default=15, help="alternated repetitions per timing")
   args = ap.parse_args()
-  global VERBOSE
-  VERBOSE = args.verbose
+  global VERBOSE, REPS
+  VERBOSE, REPS = args.verbose, args.reps
   if args.plot:
     print(plot(args.plot))
     return
