@@ -146,6 +146,8 @@ def _xuv_variant(kernel, m, k, r, n):
   from lrjax.custom_calls.triton import xuv_decode, xuv_prefill
   if kernel == "decode":
     return lambda x, u, v: xuv_decode.xuv_decode(x, u, v)
+  if kernel == "decode_xz":  # scratch zeroed by XLA instead of jax-triton's memset
+    return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, xla_zeroing=True)
   if kernel == "prefill":
     return lambda x, u, v: xuv_prefill.xuv_prefill(x, u, v)
   if kernel.startswith("prefill:"):  # prefill:BM,BN,BK,G,ring,warps,stages,programs

@@ -95,7 +95,8 @@ def _xuv_decode_kernel(
     u_ptr,  # [K, R] first factor
     v_ptr,  # [R, N] second factor
     b_ptr,  # [N] bias (read only if HAS_BIAS)
-    o_in_ptr,  # [M, N] caller's output buffer aliased to o_ptr (else x; never read)
+    o_in_ptr,  # [M, N] caller's output buffer aliased to o_ptr, or the zeroed scratch aliased
+               # to scratch_ptr (xla_zeroing), else x; never read
     M,  # rows (runtime: one compile serves every M <= BLOCK_M)
     scratch_ptr,  # [M*R + M*N + R_CHUNKS + n_nb] f32, zeroed by one memset: the split-K
                   # accumulator P [M, R], the output accumulator [M, N], then (as i32) the
@@ -162,16 +163,20 @@ def launch_plan(m: int, k: int, r: int, n: int, has_bias: bool, bs: BlockSizes) 
 
 
 def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | None = None,
-               out=None):
+               out=None, xla_zeroing: bool = False):
   """y = (x·u)·v (+ bias) for few tokens. x [..., K], u [K, r], v [r, N], bias [N].
 
   ``out`` [M, N]: optional buffer the kernel writes into (aliased; the tests poison it).
+  ``xla_zeroing``: zero the scratch with an XLA op aliased into the call, instead of
+  jax-triton's memset inside the custom call.
   """
   if u.ndim != 2 or v.ndim != 2 or x.shape[-1] != u.shape[0] or u.shape[1] != v.shape[0]:
     raise ValueError(f"{x.shape=}, {u.shape=}, {v.shape=}: expected x [..., K], u [K, r], "
                      "v [r, N]")
   if u.dtype != v.dtype or x.dtype != u.dtype:
     raise TypeError(f"{x.dtype=}, {u.dtype=}, {v.dtype=} must match")
+  if xla_zeroing and out is not None:
+    raise ValueError("out= and xla_zeroing=True cannot be combined")
   lead = x.shape[:-1]
   k, r = u.shape
   n = v.shape[1]
@@ -185,12 +190,16 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
   b = bias if bias is not None else v  # never read without HAS_BIAS
   plan = launch_plan(m, k, r, n, bias is not None, bs)
   scratch = m * r + m * n + plan["chunks"] + plan["n_nb"]
+  if xla_zeroing:  # the 5th operand is then the zeroed scratch, aliased to output 0
+    fifth, aliases, zeroed = jnp.zeros((scratch,), jnp.float32), {4: 0}, ()
+  else:
+    fifth = x2 if out is None else out
+    aliases, zeroed = ({4: 1} if out is not None else None), (0,)
   outs = jt.triton_call(
-      x2, u, v, b, x2 if out is None else out, m, kernel=_xuv_decode_kernel,
+      x2, u, v, b, fifth, m, kernel=_xuv_decode_kernel,
       out_shape=(jax.ShapeDtypeStruct((scratch,), jnp.float32),
                  jax.ShapeDtypeStruct((m, n), out_dtype)),
-      grid=(plan["grid"],), zeroed_outputs=(0,),
-      input_output_aliases={4: 1} if out is not None else None,
+      grid=(plan["grid"],), zeroed_outputs=zeroed, input_output_aliases=aliases,
       num_warps=bs.num_warps, num_stages=bs.num_stages, name="lrjax_xuv_decode",
       **plan["meta"])
   return outs[-1].reshape(*lead, n)
