@@ -210,3 +210,24 @@ def test_bad_options(rng):
   with pytest.raises(ValueError, match="lora_rank=0 must be a positive int"):
     compress(_model(0), ratio=0.2, calib_tokens=tok, block=8, lora_steps=1, lora_rank=0,
              progress=False)
+
+
+@pytest.mark.parametrize("arch", [
+    dict(model_type="qwen2", qkv_bias=True, tie_word_embeddings=True),
+    dict(model_type="qwen3", qk_norm=True),
+    dict(model_type="mistral", sliding_window=8),
+    dict(model_type="llama", qkv_bias=True, o_bias=True, mlp_bias=True),
+])
+def test_architectures_keep_biases(arch, rng):
+  cfg = CFG1.replace(**arch)
+  m = _model(int(rng.integers(1 << 30)), cfg)
+  biases = {p: np.asarray(get_proj(m, 0, p).bias[...]) for p in ALL_PROJS
+            if get_proj(m, 0, p).bias is not None}
+  for p in biases:                              # non-zero biases, so "kept" can fail
+    get_proj(m, 0, p).bias[...] = jnp.asarray(rng.standard_normal(biases[p].shape), jnp.float32)
+    biases[p] = np.asarray(get_proj(m, 0, p).bias[...])
+  tok = _tokens(rng, n=4, s=12)
+  compress(m, ratio=0.3, calib_tokens=tok, block=8, per_head=True, progress=False)
+  for p, b in biases.items():
+    np.testing.assert_array_equal(np.asarray(get_proj(m, 0, p).bias[...]), b)
+  assert bool(jnp.all(jnp.isfinite(m(tok))))
