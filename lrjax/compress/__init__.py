@@ -19,3 +19,15 @@ __all__ = ["ALL_PROJS", "HeadwiseLowRankLinear", "METHODS", "MLP_PROJS", "budget
            "check_rank", "check_ratio", "check_tokens", "cholesky_factor", "compress",
            "factorize", "headwise_apply", "lora_recover", "lowrank_params", "next_token_loss",
            "param_counts", "plan_ranks", "reconstruct"]
+
+
+class _CallableModule(type(__import__("sys"))):
+  """Lets ``lrjax.compress(model, ratio=...)`` call :func:`compress`. Importing this
+  submodule rebinds the ``lrjax.compress`` attribute to the module, so the module itself
+  must be callable for the documented spelling to keep working."""
+
+  def __call__(self, model, **kwargs):
+    return compress(model, **kwargs)
+
+
+__import__("sys").modules[__name__].__class__ = _CallableModule
