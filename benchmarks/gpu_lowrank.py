@@ -144,9 +144,9 @@ def xuv_record(m, k, r, n, bw, peak, kernel="auto", reps=None):
 
 def _xuv_variant(kernel, m, k, r, n):
   from lrjax.custom_calls.triton import xuv_decode, xuv_prefill
-  if kernel == "decode":
-    return lambda x, u, v: xuv_decode.xuv_decode(x, u, v)
-  if kernel == "decode_xz":  # scratch zeroed by XLA instead of jax-triton's memset
+  if kernel == "decode":  # scratch zeroed by jax-triton's memset inside the call
+    return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, xla_zeroing=False)
+  if kernel == "decode_xz":  # scratch zeroed by XLA, aliased into the call (the default)
     return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, xla_zeroing=True)
   if kernel == "prefill":
     return lambda x, u, v: xuv_prefill.xuv_prefill(x, u, v)
