@@ -59,12 +59,21 @@ def default_buckets(max_len: int, smallest: int = 16) -> tuple[int, ...]:
 
 
 class Engine:
-  """Continuous-batching generator over ``model`` (sharded or on one device)."""
+  """Continuous-batching generator over ``model`` (sharded or on one device).
+
+  ``unroll_layers`` (default) sets ``model.scan_layers = False``: a scanned model would stack
+  (copy) all layer weights inside every step. ``fuse`` runs the steps through ``lrjax.fuse``.
+  """
 
   def __init__(self, model, *, max_slots: int = 8, max_len: int = 256,
                buckets: Sequence[int] | None = None, cache_dtype=None, lowrank_kv: bool = False,
-               fuse: bool = False):
+               fuse: bool = False, unroll_layers: bool = True):
     cfg = model.cfg
+    if unroll_layers and getattr(model, "scan_layers", False):
+      # The model's scan stacks every layer's weights inside each call: a full weight copy per
+      # decode step. Unrolled, each step reads the weights once.
+      log.info("engine: running %s's layers unrolled (scan_layers=False)", type(model).__name__)
+      model.scan_layers = False
     if not isinstance(max_slots, int) or max_slots < 1:
       raise ValueError(f"{max_slots=} must be a positive int")
     if not isinstance(max_len, int) or max_len < 2:
@@ -98,7 +107,8 @@ class Engine:
     self._temp = np.zeros((max_slots,), np.float32)
     self._topk = np.zeros((max_slots,), np.int32)
     self._topp = np.ones((max_slots,), np.float32)
-    self._key = jax.random.key(0)
+    # Per-slot request keys: a request's draws depend only on its seed and positions.
+    self._keys = jax.random.split(jax.random.key(0), max_slots)
     self._dev = None   # device copies of (tokens, temp, top_k, top_p); None after slot changes
 
   # ---- jitted steps (module-level jits: engines over the same model share compilations) ------
@@ -145,7 +155,8 @@ class Engine:
       b = self._bucket(len(prompt))
       toks = np.zeros((1, b), np.int32)
       toks[0, :len(prompt)] = prompt
-      key = jax.random.fold_in(jax.random.key(sp.seed), rid)
+      key = jax.random.key(sp.seed)
+      self._keys = self._keys.at[slot].set(key)
       self._temp[slot], self._topk[slot], self._topp[slot] = sp.temperature, sp.top_k, sp.top_p
       first, self.cache = self._prefill(
           self.state, self.cache, jnp.asarray(toks), jnp.int32(len(prompt)), jnp.int32(slot),
@@ -186,8 +197,8 @@ class Engine:
       self._dev = tuple(jnp.asarray(a) for a in (self._tokens, self._temp, self._topk,
                                                  self._topp))
     toks, temp, topk, topp = self._dev
-    nxt_dev, self._key, self.cache = self._decode(self.state, self.cache, toks, self._key, temp,
-                                                  topk, topp)
+    nxt_dev, self.cache = self._decode(self.state, self.cache, toks, self._keys, temp, topk,
+                                       topp)
     self._dev = (nxt_dev, temp, topk, topp)
     nxt = np.asarray(nxt_dev)
     now = time.perf_counter()
@@ -258,11 +269,11 @@ def _prefill_jit(gdef, lowrank, fuse, shardings, state, cache, tokens, length, s
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
-def _decode_jit(gdef, lowrank, fuse, shardings, state, cache, tokens, key, temp, topk, topp):
-  """tokens [slots] → (next tokens [slots], next key, cache)."""
+def _decode_jit(gdef, lowrank, fuse, shardings, state, cache, tokens, keys, temp, topk, topp):
+  """tokens [slots], keys [slots] (each slot's request key) → (next tokens [slots], cache)."""
+  step_keys = jax.vmap(jax.random.fold_in)(keys, cache.pos)   # draw i of a request: its pos
   logits, cache = _call(gdef, lowrank, fuse, "decode", state, tokens, cache)
-  key, sub = jax.random.split(key)
-  return sample(logits, sub, temp, topk, topp), key, _constrain(cache, shardings)
+  return sample(logits, step_keys, temp, topk, topp), _constrain(cache, shardings)
 
 
 def itl(results: Sequence[Result]) -> list[float]:

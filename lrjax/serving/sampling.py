@@ -40,8 +40,8 @@ class SamplingParams:
 def sample(logits, key, temperature, top_k, top_p):
   """Next token per row. logits [B, V]; temperature/top_p [B] f32; top_k [B] int32 → [B] int32.
 
-  Rows with temperature 0 take the argmax. The sorted top-k/top-p path runs only when some
-  row samples.
+  ``key`` is one PRNG key or one per row ([B]). Rows with temperature 0 take the argmax. The
+  sorted top-k/top-p path runs only when some row samples.
   """
   logits = logits.astype(jnp.float32)
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -57,7 +57,11 @@ def sample(logits, key, temperature, top_k, top_p):
     probs = jax.nn.softmax(jnp.where(keep, srt / t, -jnp.inf), axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs          # mass of strictly better tokens
     keep = keep & ((before < top_p[:, None]) | (rank == 0))
-    choice = jax.random.categorical(key, jnp.where(keep, srt / t, -jnp.inf), axis=-1)
+    masked = jnp.where(keep, srt / t, -jnp.inf)
+    if key.ndim == 1:
+      choice = jax.vmap(lambda k, row: jax.random.categorical(k, row))(key, masked)
+    else:
+      choice = jax.random.categorical(key, masked, axis=-1)
     tok = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
     return jnp.where(temperature > 0, tok, greedy)
 

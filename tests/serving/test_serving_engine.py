@@ -1,5 +1,6 @@
 """Engine correctness on one device: batching, continuous batching, sampling, bad requests,
 and the low-rank KV cache."""
+import dataclasses
 import random
 
 import jax
@@ -70,6 +71,19 @@ def test_continuous_batching_loses_no_request(model):
   eng.submit(Request([5], SamplingParams(max_new_tokens=2), id=8))
   done = first + [r for _ in range(10) for r in eng.step()]
   assert sorted(r.id for r in done) == [7, 8]
+
+
+def test_sampled_request_is_independent_of_batch(model):
+  rng = np.random.default_rng(random.randrange(1 << 20))
+  ps = prompts(3, rng)
+  sp = SamplingParams(max_new_tokens=6, temperature=1.5, top_k=40, top_p=0.95, seed=11)
+  alone = Engine(model, max_slots=1, max_len=MAX_LEN, buckets=(16,)).generate([Request(ps[0], sp)])
+  eng = Engine(model, max_slots=3, max_len=MAX_LEN, buckets=(16,))
+  mixed = eng.generate([Request(ps[1], SamplingParams(max_new_tokens=3, temperature=1.0)),
+                        Request(ps[0], sp), Request(ps[2], SamplingParams(max_new_tokens=9))])
+  assert mixed[1].tokens == alone[0].tokens
+  other = eng.generate([Request(ps[0], dataclasses.replace(sp, seed=12))])
+  assert other[0].tokens != alone[0].tokens          # another seed, other draws
 
 
 def test_stop_token_and_cache_full(model):
