@@ -79,10 +79,10 @@ def spec_for(strategy: str, key: str, axes: tuple, shape: tuple, tp: int) -> P:
 
 
 def param_shardings(cfg, mesh: Mesh, strategy: str = "lowrank_tp"):
-  """``(key, logical_axes, shape) → NamedSharding`` plus a checkpoint-loader adapter.
+  """``fn(key, logical_axes, shape=None) → NamedSharding`` for ``strategy`` on ``mesh``.
 
-  Returns a function ``fn(key, axes)`` for :func:`lrjax.checkpoint.load` (which knows shapes
-  from its metadata only after the call, so divisibility is checked by :func:`shard`).
+  With ``shape`` the divisibility is checked (:func:`spec_for`); ``lrjax.serving.load_model``
+  passes it to :func:`lrjax.checkpoint.load` so params are restored straight into these shardings.
   """
   check_strategy(strategy)
   tp = _tp(mesh)
@@ -90,13 +90,9 @@ def param_shardings(cfg, mesh: Mesh, strategy: str = "lowrank_tp"):
 
   def fn(key, axes, shape=None):
     if shape is None:
-      return NamedSharding(mesh, param_spec(strategy, key, axes, _ndim(axes)))
+      return NamedSharding(mesh, param_spec(strategy, key, axes, len(axes)))
     return NamedSharding(mesh, spec_for(strategy, key, axes, shape, tp))
   return fn
-
-
-def _ndim(axes) -> int:
-  return len(axes)
 
 
 @dataclasses.dataclass(frozen=True)

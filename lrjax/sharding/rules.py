@@ -20,7 +20,9 @@ Strategies (TP degree n = mesh size along "tp"):
               on out (local heads / local MLP columns); row u split on in (row-parallel) with its
               rank-space partial sums all-reduced, row v replicated.
   repl_u_tp   Third column: every u replicated, every v split on out like a column-parallel
-              dense weight; each projection's output is all-gathered at full width.
+              dense weight. Unfused, XLA then keeps the residual stream split on hidden and
+              all-reduces in rank space; with fused kernels (lowering/partitioning.py) each
+              projection's output is all-gathered at full width.
 """
 from __future__ import annotations
 
