@@ -21,8 +21,10 @@ log = logging.getLogger("lrjax.custom_calls.triton")
 _KERNEL_DTYPES = ("bfloat16", "float16")
 _OUT_DTYPES = ("bfloat16", "float16", "float32")
 _INT32_MAX = 2**31 - 1
-# Token counts up to which the split-K decode kernels serve (measured crossover,
-# benchmarks/gpu_notes.md); above it the persistent prefill kernels do.
+# Token counts up to which the split-K decode kernels serve; above them the persistent
+# prefill kernels do. MLP: the decode kernel measured faster than the prefill kernel at
+# 32 and 128 tokens (slower at 64), benchmarks/gpu_notes.md. XUV: BLOCK_M=128 would need
+# a [128, 256] f32 stage-1 accumulator per 4-warp CTA.
 XUV_DECODE_MAX_M = 64
 MLP_DECODE_MAX_M = 128
 

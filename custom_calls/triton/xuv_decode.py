@@ -16,8 +16,9 @@ output.
 
 Why one launch: at M <= 16 the op is ~45 µs of HBM streaming. Two launches leave the
 HBM idle during the dependent-launch gap and the stage-1 tail; the per-chunk counters
-overlap the two streams instead. The accumulators, counters and semaphores are zeroed by
-jax-triton's pre-launch memset (``zeroed_outputs``) inside the same custom call. Forward
+overlap the two streams instead. The accumulators, counters and semaphores live in one
+scratch buffer, zeroed by an XLA op aliased into the call (or, with ``out=``, by
+jax-triton's pre-launch memset); the XLA-side zeroing measured 3-10 µs less per call. Forward
 progress relies on CUDA dispatching lower block indices first: a stage-2 CTA only waits on
 stage-1 CTAs with lower indices, the assumption of decoupled look-back scans.
 """
