@@ -35,6 +35,13 @@ for strategy, tp, lowrank in (("lowrank_tp", 4, False), ("naive_tp", 2, False),
                               ("lowrank_tp", 4, True)):
   eng = load_engine(ckpt, tp=tp, strategy=strategy, lowrank_kv=lowrank, **kw)
   out[f"{strategy}_{tp}_{lowrank}"] = [r.tokens for r in eng.generate(reqs())]
+# Fused steps with opaque stand-in kernels, partitioned onto local shards.
+from lrjax.sharding.testing import callback_kernels  # noqa: E402
+with callback_kernels(execute=True):
+  eng = load_engine(ckpt, tp=4, fuse=True, **kw)
+  out["fused_lowrank_tp_4"] = [r.tokens for r in eng.generate(reqs())]
+  eng = load_engine(ckpt, tp=2, strategy="naive_tp", fuse=True, **kw)
+  out["fused_naive_tp_2"] = [r.tokens for r in eng.generate(reqs())]
 # Params were restored straight into their target shardings.
 m = load_model(ckpt, tp=4)
 u = m.layers[0].attn.q_proj.u[...]

@@ -171,3 +171,15 @@ def test_lowrank_kv_needs_lowrank_projections():
   dense = LlamaForCausalLM(CFG, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="LowRankLinear k_proj"):
     lowrank_kv.LowRankKVCache.init(dense, 1, 8)
+
+
+def test_fused_engine_runs_kernels_and_matches(model, caplog):
+  from lrjax.sharding.testing import callback_kernels
+  rng = np.random.default_rng(random.randrange(1 << 20))
+  ps = prompts(3, rng)
+  reqs = lambda: [Request(p, SamplingParams(max_new_tokens=4)) for p in ps]  # noqa: E731
+  plain = Engine(model, max_slots=2, max_len=MAX_LEN, buckets=(16,)).generate(reqs())
+  with callback_kernels(execute=True), caplog.at_level("DEBUG", logger="lrjax.lowering"):
+    fused = Engine(model, max_slots=2, max_len=MAX_LEN, buckets=(16,), fuse=True).generate(reqs())
+  assert [r.tokens for r in fused] == [r.tokens for r in plain]
+  assert any("lowering with test.callback_xuv" in r.getMessage() for r in caplog.records)

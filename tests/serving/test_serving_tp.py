@@ -22,7 +22,8 @@ def test_engine_and_cli_on_n_devices_match_one_device(tmp_path):
   out = json.loads(lines[-1][4:])
   single = out["single"]
   assert all(len(t) == 5 for t in single)
-  for key in ("lowrank_tp_4_False", "naive_tp_2_False", "lowrank_tp_4_True"):
+  for key in ("lowrank_tp_4_False", "naive_tp_2_False", "lowrank_tp_4_True",
+              "fused_lowrank_tp_4", "fused_naive_tp_2"):
     assert out[key] == single, (key, seed)
   assert out["strategy"] == "lowrank_tp"
   assert out["q_u_spec"] == ["None", "tp"]
