@@ -97,6 +97,8 @@ class Engine:
       mesh = self.plan.mesh
       self._cache_shardings = (NamedSharding(mesh, spec), NamedSharding(mesh, P()))
       cache = jax.device_put(cache, _cache_tree(cache, self._cache_shardings))
+    else:   # committed from the start, like every step's output: one compiled variant
+      cache = jax.device_put(cache, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
     self.cache = cache
     self._fuse = fuse
     self._free = list(range(max_slots))
@@ -108,7 +110,11 @@ class Engine:
     self._topk = np.zeros((max_slots,), np.int32)
     self._topp = np.ones((max_slots,), np.float32)
     # Per-slot request keys: a request's draws depend only on its seed and positions.
-    self._keys = jax.random.split(jax.random.key(0), max_slots)
+    # Small per-step inputs live replicated (on the mesh, or on one device), the same sharding
+    # as the decode step's outputs, so feeding tokens back never changes the compiled variant.
+    self._rep = (NamedSharding(self.plan.mesh, P()) if self.plan is not None
+                 else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    self._keys = jax.device_put(jax.random.split(jax.random.key(0), max_slots), self._rep)
     self._dev = None   # device copies of (tokens, temp, top_k, top_p); None after slot changes
 
   # ---- jitted steps (module-level jits: engines over the same model share compilations) ------
@@ -156,7 +162,7 @@ class Engine:
       toks = np.zeros((1, b), np.int32)
       toks[0, :len(prompt)] = prompt
       key = jax.random.key(sp.seed)
-      self._keys = self._keys.at[slot].set(key)
+      self._keys = jax.device_put(self._keys.at[slot].set(key), self._rep)
       self._temp[slot], self._topk[slot], self._topp[slot] = sp.temperature, sp.top_k, sp.top_p
       first, self.cache = self._prefill(
           self.state, self.cache, jnp.asarray(toks), jnp.int32(len(prompt)), jnp.int32(slot),
@@ -194,8 +200,8 @@ class Engine:
     if not self._slots:
       return finished
     if self._dev is None:   # upload only after slots changed; else feed back the last tokens
-      self._dev = tuple(jnp.asarray(a) for a in (self._tokens, self._temp, self._topk,
-                                                 self._topp))
+      self._dev = tuple(jax.device_put(a, self._rep)
+                        for a in (self._tokens, self._temp, self._topk, self._topp))
     toks, temp, topk, topp = self._dev
     nxt_dev, self.cache = self._decode(self.state, self.cache, toks, self._keys, temp, topk,
                                        topp)
@@ -273,7 +279,10 @@ def _decode_jit(gdef, lowrank, fuse, shardings, state, cache, tokens, keys, temp
   """tokens [slots], keys [slots] (each slot's request key) → (next tokens [slots], cache)."""
   step_keys = jax.vmap(jax.random.fold_in)(keys, cache.pos)   # draw i of a request: its pos
   logits, cache = _call(gdef, lowrank, fuse, "decode", state, tokens, cache)
-  return sample(logits, step_keys, temp, topk, topp), _constrain(cache, shardings)
+  nxt = sample(logits, step_keys, temp, topk, topp)
+  if shardings is not None:
+    nxt = jax.lax.with_sharding_constraint(nxt, shardings[1])
+  return nxt, _constrain(cache, shardings)
 
 
 def itl(results: Sequence[Result]) -> list[float]:
