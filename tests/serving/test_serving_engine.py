@@ -183,3 +183,14 @@ def test_fused_engine_runs_kernels_and_matches(model, caplog):
     fused = Engine(model, max_slots=2, max_len=MAX_LEN, buckets=(16,), fuse=True).generate(reqs())
   assert [r.tokens for r in fused] == [r.tokens for r in plain]
   assert any("lowering with test.callback_xuv" in r.getMessage() for r in caplog.records)
+
+
+def test_one_compiled_variant_per_shape(model):
+  from lrjax.serving import engine as engine_mod
+  rng = np.random.default_rng(random.randrange(1 << 20))
+  before = (engine_mod._prefill_jit._cache_size(), engine_mod._decode_jit._cache_size())
+  eng = Engine(model, max_slots=2, max_len=37, buckets=(8, 16))   # shapes no other test uses
+  eng.generate([Request(p, SamplingParams(max_new_tokens=5)) for p in prompts(5, rng)])
+  buckets = 2
+  after = (engine_mod._prefill_jit._cache_size(), engine_mod._decode_jit._cache_size())
+  assert after[0] - before[0] <= buckets and after[1] - before[1] == 1
