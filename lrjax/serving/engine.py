@@ -83,6 +83,9 @@ class Engine:
     if self.buckets[-1] > max_len or self.buckets[0] < 1:
       raise ValueError(f"buckets={self.buckets} must lie in [1, {max_len=}]")
     self.plan = getattr(model, "tp_plan", None)
+    if self.plan is not None and max_slots % self.plan.mesh.shape["data"]:
+      raise ValueError(f"{max_slots=} must be a multiple of the mesh's data axis "
+                       f"({self.plan.mesh.shape['data']}): slots are split over it")
     self.lowrank_kv = lowrank_kv
     dtype = cache_dtype or model.dtype or model.embed.embedding[...].dtype
     self.gdef, self.state = nnx.split(model)
