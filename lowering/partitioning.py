@@ -34,19 +34,15 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from lrjax.lowering import _jaxpr
 from lrjax.lowering.primitives import lr_mlp_p, lr_xuv_p
 
 log = logging.getLogger("lrjax.lowering")
 
 
-def _require_devices_during_lowering(*prims):
-  # jax hands device assignments only to lowering rules of primitives in this set, and
-  # custom_partitioning needs them. Internal jax API (pinned jax range, see pyproject).
-  from jax._src import dispatch
-  dispatch.prim_requires_devices_during_lowering.update(prims)
-
-
-_require_devices_during_lowering(lr_xuv_p, lr_mlp_p)
+# jax hands device assignments only to lowering rules of primitives marked so, and
+# custom_partitioning needs them.
+_jaxpr.require_devices_during_lowering(lr_xuv_p, lr_mlp_p)
 
 LAYOUTS = ("repl", "rank", "col", "lr_col", "lr_row")
 

@@ -36,7 +36,7 @@ ELEMENTWISE = frozenset({
     "tanh", "sin", "cos", "erf", "erfc", "erf_inv", "sqrt", "rsqrt", "cbrt", "pow",
     "integer_pow", "square", "max", "min", "abs", "sign", "select_n", "convert_element_type",
     "copy", "copy_p", "gt", "ge", "lt", "le", "eq", "ne", "and", "or", "not", "clamp",
-    "stop_gradient", "reduce_precision",
+    "stop_gradient", "reduce_precision", "sharding_constraint",
 })
 CALL_PRIMS = frozenset({"jit", "pjit", "closed_call", "custom_jvp_call", "custom_vjp_call",
                         "remat", "remat2", "checkpoint"})
