@@ -408,6 +408,8 @@ class MLPRule:
         return None
       if not g.single_use(up.out, pi):
         return "the up projection's output is used elsewhere"
+      if a is hu or not g.single_use(a, pi):
+        return "the activation output is used elsewhere"
       # a = act(h_gate): find the gate chain feeding the activation region.
       gate = next((m for m in xuvs.values() if m is not up and m is not down
                    and not (m.eqns & taken) and self._feeds(g, m.out, a)), None)

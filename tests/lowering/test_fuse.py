@@ -268,3 +268,17 @@ def test_w4a8_chain_fuses_into_one_quantized_xuv():
   names = prims(lrjax.fuse(q), x)
   assert names.count("lr_xuv_w4a8") == 1 and "w4a8_matmul" not in names
   assert_close(jax.jit(lrjax.fuse(q))(x), jax.jit(lambda x: q(x))(x), jnp.float32, factor=10)
+
+
+def test_mlp_refused_when_activation_is_also_returned():
+  p = mlp_params()
+
+  def f(x):
+    a = jax.nn.silu(x @ p[0] @ p[1])
+    return (a * (x @ p[2] @ p[3])) @ p[4] @ p[5], a
+
+  x = randn((2, 64))
+  names = prims(lrjax.fuse(f), x)
+  assert "lr_mlp" not in names and names.count("lr_xuv") == 3
+  for got, want in zip(jax.jit(lrjax.fuse(f))(x), f(x)):
+    assert_close(got, want, jnp.float32)
