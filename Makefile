@@ -17,7 +17,7 @@ demo: venv
 	$(VPY) examples/demo.py
 
 test: venv
-	$(VPY) -m pytest -q -n 2 tests
+	$(VPY) -m pytest -q -rs -n 2 tests
 
 test-gpu:
 	$(VPY) -m pytest -q -m gpu tests
