@@ -16,7 +16,7 @@ def _count_in_hlo(fn, *args, needle):
 
 
 @pytest.fixture
-def test_kernel():
+def even_kernel():
   """A real (if simple) CPU kernel: XUV computed as x·(u·v), serving only even N."""
   calls = []
 
@@ -37,16 +37,16 @@ def test_kernel():
   registry.unregister("lr_xuv", "cpu", k.name)
 
 
-def test_registered_kernel_is_selected_and_agrees(test_kernel):
+def test_registered_kernel_is_selected_and_agrees(even_kernel):
   x, u, v = randn((3, 32)), randn((32, 4)), randn((4, 48))
   f = lambda x: lrjax.lr_xuv(x, u, v)
   assert _count_in_hlo(f, x, needle="sine") == 1
   assert_close(jax.jit(f)(x), _xuv_ref_ops(x, u, v, has_bias=False, inter_dtype=jnp.float32,
                                            out_dtype=jnp.float32), jnp.float32, factor=10)
-  assert test_kernel, "the kernel's impl was never traced"
+  assert even_kernel, "the kernel's impl was never traced"
 
 
-def test_declined_shape_falls_back_to_reference_and_logs(test_kernel, caplog):
+def test_declined_shape_falls_back_to_reference_and_logs(even_kernel, caplog):
   x, u, v = randn((3, 32)), randn((32, 4)), randn((4, 47))
   f = lambda x: lrjax.lr_xuv(x, u, v)
   with caplog.at_level(logging.DEBUG, logger="lrjax.lowering"):
@@ -55,7 +55,7 @@ def test_declined_shape_falls_back_to_reference_and_logs(test_kernel, caplog):
   assert_close(jax.jit(f)(x), x @ u @ v, jnp.float32)
 
 
-def test_force_reference(test_kernel):
+def test_force_reference(even_kernel):
   x, u, v = randn((3, 32)), randn((32, 4)), randn((4, 48))
   with registry.force_reference():
     assert _count_in_hlo(lambda x: lrjax.lr_xuv(x, u, v), x, needle="sine") == 0
@@ -77,7 +77,7 @@ def test_bad_platform_rejected():
     registry.KernelLowering("lr_xuv", "tpu9", "x", lambda a, p: None, lambda: None)
 
 
-def test_explain_report_data_and_text(test_kernel):
+def test_explain_report_data_and_text(even_kernel):
   u, v = randn((64, 8)), randn((8, 96))
   u2, v2 = randn((64, 60)), randn((60, 64))
 
