@@ -83,6 +83,10 @@ def convert(p: argparse.ArgumentParser):
   p.add_argument("--lora-steps", type=int, default=0)
   p.add_argument("--lora-rank", type=int, default=8)
   p.add_argument("--lora-lr", type=float, default=1e-3)
+  p.add_argument("--lora-tokens", metavar="FILE",
+                 help="LoRA training tokens (same formats as --calib; default: the calibration "
+                      "tokens, which overfit when there are few sequences)")
+  p.add_argument("--lora-batch", type=int, default=8, help="sequences per LoRA step")
   p.add_argument("--mlp-only", action="store_true", help="compress gate/up/down only")
   p.add_argument("--per-head", action="store_true", help="factorise q/k/v per (kv) head")
   p.add_argument("--block", type=int, default=128, help="ranks are multiples of this")
@@ -106,6 +110,7 @@ def convert(p: argparse.ArgumentParser):
       print("lrjax convert: --dtype applies to --hf sources only", file=sys.stderr)
       return 2
     calib = load_tokens(a.calib) if a.calib else None
+    lora_tokens = load_tokens(a.lora_tokens) if a.lora_tokens else None
     if a.hf:
       print(f"loading HF checkpoint {a.hf}")
       model = checkpoint.load_hf(a.hf, dtype=a.dtype, progress=True)
@@ -114,7 +119,8 @@ def convert(p: argparse.ArgumentParser):
       model = checkpoint.load(a.orbax)
     model = compress(model, ratio=a.ratio, calib_tokens=calib, method=a.method, block=a.block,
                      mlp_only=a.mlp_only, per_head=a.per_head, lora_steps=a.lora_steps,
-                     lora_rank=a.lora_rank, lora_lr=a.lora_lr, progress=True)
+                     lora_rank=a.lora_rank, lora_lr=a.lora_lr, lora_tokens=lora_tokens,
+                     lora_batch=a.lora_batch, progress=True)
     rec = dict(model.compression or {})
     rec["source"] = os.path.abspath(a.hf or a.orbax)
     model.compression = rec

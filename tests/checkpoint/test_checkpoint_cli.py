@@ -98,3 +98,16 @@ def test_load_tokens_formats(tmp_path, rng):
   np.save(tmp_path / "f.npy", t.astype(np.float32))
   with pytest.raises(ValueError, match=r"must be integers \[batch, seq\]"):
     cli.load_tokens(str(tmp_path / "f.npy"))
+
+
+def test_convert_lora_uses_its_own_tokens(tmp_path, calib, rng):
+  src = os.path.join(FIXTURES, "llama3")
+  lora = tmp_path / "lora.npy"
+  np.save(lora, rng.integers(0, 128, (12, 17)).astype(np.int32))
+  args = ["convert", "--hf", src, "--ratio", "0.3", "--method", "whiten", "--calib", str(calib),
+          "--block", "8", "--lora-steps", "3", "--lora-batch", "4"]
+  assert cli.main(args + ["--out", str(tmp_path / "a"), "--lora-tokens", str(lora)]) == 0
+  ref = compress(from_hf(src), ratio=0.3, calib_tokens=np.load(calib), method="whiten", block=8,
+                 lora_steps=3, lora_batch=4, lora_tokens=np.load(lora), progress=False)
+  _assert_bit_equal(ref, checkpoint.load(tmp_path / "a"))
+  assert checkpoint.load(tmp_path / "a").compression["lora"]["steps"] == 3
