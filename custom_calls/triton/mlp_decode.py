@@ -202,11 +202,12 @@ def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes)
   return dict(grid=n_a + n_b + n_nb * c_chunks, n_nb=n_nb, scratch=scratch, meta=meta)
 
 
-def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
-               block_sizes: BlockSizes | None = None, out=None):
-  """Low-rank MLP for few tokens; ``up``/``down``/``gate`` are (u, v) or (u, v, bias).
+def unpack_mlp_args(x, up, down, gate, act):
+  """Validates the MLP kernels' arguments (shared by mlp_decode and mlp_prefill).
 
-  ``out`` [M, D_out]: optional buffer the kernel writes into (aliased; tests poison it).
+  Returns (x2 [M, D], lead dims, (d, r, f, rd, d_out), bias_mask, ops) where ``ops`` are the
+  ten kernel operands x2, ug, vg, bg, uu, vu, bu, ud, vd, bd (an absent bias is replaced by
+  its v factor, which the kernel never reads).
   """
   if act not in ACT_CODES:
     raise ValueError(f"{act=} is not supported; expected one of {sorted(ACT_CODES)}")
@@ -228,18 +229,29 @@ def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
                      f"{uu.shape}x{vu.shape} (one pass computes both)")
   lead = x.shape[:-1]
   x2 = x.reshape(-1, d)
+  bias_mask = tuple(len(p) == 3 for p in projs)
+  ug, vg, bg = (tuple(gate) + (None,))[:3] if gated else (uu, vu, None)
+  bu = up[2] if len(up) == 3 else None
+  bd = down[2] if len(down) == 3 else None
+  ops = (x2, ug, vg, bg if bg is not None else vg, uu, vu, bu if bu is not None else vu,
+         ud, vd, bd if bd is not None else vd)
+  return x2, lead, (d, r, f, rd, d_out), bias_mask, ops
+
+
+def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
+               block_sizes: BlockSizes | None = None, out=None):
+  """Low-rank MLP for few tokens; ``up``/``down``/``gate`` are (u, v) or (u, v, bias).
+
+  ``out`` [M, D_out]: optional buffer the kernel writes into (aliased; tests poison it).
+  """
+  gated = gate is not None
+  x2, lead, (d, r, f, rd, d_out), bias_mask, ops = unpack_mlp_args(x, up, down, gate, act)
   m = x2.shape[0]
   out_dtype = jnp.dtype(out_dtype or x.dtype)
   bs = block_sizes or BlockSizes.get_default(m, d, f, r, d_out)
   if bs.block_m < m:
     raise ValueError(f"{bs.block_m=} must cover the {m} rows; use mlp_prefill for large M")
-  bias_mask = tuple(len(p) == 3 for p in projs)
   plan = launch_plan(m, d, r, f, rd, d_out, gated=gated, act=act, bias_mask=bias_mask, bs=bs)
-  ug, vg, bg = (gate + (None,))[:3] if gated else (uu, vu, None)
-  bu = up[2] if len(up) == 3 else None
-  bd = down[2] if len(down) == 3 else None
-  ops = (x2, ug, vg, bg if bg is not None else vg, uu, vu, bu if bu is not None else vu,
-         ud, vd, bd if bd is not None else vd)
   if out is not None and (tuple(out.shape) != (m, d_out) or out.dtype != out_dtype):
     raise ValueError(f"{out.shape=} {out.dtype=}: expected {(m, d_out)} {out_dtype}")
   outs = jt.triton_call(

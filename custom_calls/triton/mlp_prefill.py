@@ -36,7 +36,7 @@ import triton.language as tl
 from lrjax.custom_calls.triton import planner
 from lrjax.custom_calls.triton._common import (activation, mm_acc, mm_acc2, signal,
                                                wait_at_least)
-from lrjax.custom_calls.triton.mlp_decode import ACT_CODES
+from lrjax.custom_calls.triton.mlp_decode import ACT_CODES, unpack_mlp_args
 from lrjax.custom_calls.triton.xuv_prefill import tile_codes
 
 
@@ -224,39 +224,16 @@ def mlp_prefill(x, up, down, gate=None, *, act="silu", out_dtype=None,
 
   ``out`` [M, D_out]: optional buffer the kernel writes into (aliased; tests poison it).
   """
-  if act not in ACT_CODES:
-    raise ValueError(f"{act=} is not supported; expected one of {sorted(ACT_CODES)}")
   gated = gate is not None
-  projs = ((gate,) if gated else ()) + (up, down)
-  for p in projs:
-    if not isinstance(p, (tuple, list)) or len(p) not in (2, 3):
-      raise ValueError("each projection must be (u, v) or (u, v, bias)")
-  uu, vu = up[:2]
-  ud, vd = down[:2]
-  d, r = uu.shape
-  f = vu.shape[1]
-  rd, d_out = vd.shape
-  if x.shape[-1] != d or vu.shape[0] != r or ud.shape != (f, rd):
-    raise ValueError(f"{x.shape=}, up {uu.shape}x{vu.shape}, down {ud.shape}x{vd.shape}: "
-                     "expected x [..., D], up [D, r]x[r, F], down [F, r_d]x[r_d, D_out]")
-  if gated and (gate[0].shape != uu.shape or gate[1].shape != vu.shape):
-    raise ValueError(f"gate factors {gate[0].shape}x{gate[1].shape} must match up's "
-                     f"{uu.shape}x{vu.shape} (one pass computes both)")
-  lead = x.shape[:-1]
-  x2 = x.reshape(-1, d)
+  x2, lead, (d, r, f, rd, d_out), bias_mask, ops = unpack_mlp_args(x, up, down, gate, act)
   m = x2.shape[0]
   out_dtype = jnp.dtype(out_dtype or x.dtype)
   bs = block_sizes or BlockSizes.get_default(m, d, f, r, rd, gated)
-  bias_mask = tuple(len(p) == 3 for p in projs)
   plan = launch_plan(m, d, r, f, rd, d_out, gated=gated, act=act, bias_mask=bias_mask, bs=bs,
                      xp=jnp)
-  ug, vg, bg = (tuple(gate) + (None,))[:3] if gated else (uu, vu, None)
-  bu = up[2] if len(up) == 3 else None
-  bd = down[2] if len(down) == 3 else None
-  ops = (x2, ug, vg, bg if bg is not None else vg, uu, vu, bu if bu is not None else vu,
-         ud, vd, bd if bd is not None else vd, plan["sched"])
+  ops = ops + (plan["sched"],)
   rr = plan["ring_rows"]
-  dt = vu.dtype
+  dt = ops[5].dtype  # vu
   if out is not None and (tuple(out.shape) != (m, d_out) or out.dtype != out_dtype):
     raise ValueError(f"{out.shape=} {out.dtype=}: expected {(m, d_out)} {out_dtype}")
   outs = jt.triton_call(
