@@ -282,3 +282,15 @@ def test_mlp_refused_when_activation_is_also_returned():
   assert "lr_mlp" not in names and names.count("lr_xuv") == 3
   for got, want in zip(jax.jit(lrjax.fuse(f))(x), f(x)):
     assert_close(got, want, jnp.float32)
+
+
+def test_closed_call():
+  from jax.extend.core import primitives as core_prims
+  u, v = lr_params()
+  inner = jax.make_jaxpr(lambda x: jnp.tanh(x @ u @ v))(randn((3, 64)))
+  params = core_prims.closed_call_p.get_bind_params({"call_jaxpr": inner})
+  f = lambda x: core_prims.closed_call_p.bind(x, **params)[0]
+  x = randn((3, 64))
+  names = prims(lrjax.fuse(f), x)
+  assert "closed_call" in names and names.count("lr_xuv") == 1
+  assert_close(jax.jit(lrjax.fuse(f))(x), f(x), jnp.float32)
