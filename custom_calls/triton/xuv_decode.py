@@ -216,9 +216,5 @@ def _check_out(out, shape, dtype):
 
 def xuv_decode_reference(x, u, v, bias=None, *, out_dtype=None):
   """f32-accumulating (x·u)·v (+ bias); X·U rounded to v's dtype as the kernel does."""
-  out_dtype = jnp.dtype(out_dtype or x.dtype)
-  p = jnp.matmul(x, u, preferred_element_type=jnp.float32).astype(v.dtype)
-  y = jnp.matmul(p, v, preferred_element_type=jnp.float32)
-  if bias is not None:
-    y = y + bias.astype(jnp.float32)
-  return y.astype(out_dtype)
+  from lrjax.lowering.primitives import lr_xuv_reference
+  return lr_xuv_reference(x, u, v, bias, inter_dtype=v.dtype, out_dtype=out_dtype or x.dtype)
