@@ -80,32 +80,30 @@ def mlp_plan(avals_in, params) -> planner.MlpPlan:
                           down_bias=bd is not None)
 
 
-def _xuv_supports(avals_in, params):
-  reason = _dtype_reason(avals_in, params)
-  if reason:
-    return reason
-  if _rows(avals_in[0]) == 0:
-    return "empty input (M=0)"
-  try:
-    xuv_plan(avals_in, params)
-  except ValueError as e:
-    return str(e)
-  return None
+def _planned_supports(plan):
+  """supports() from a planner: dtype rules, non-empty input, and a plan that fits."""
+  def supports(avals_in, params):
+    reason = _dtype_reason(avals_in, params)
+    if reason:
+      return reason
+    if _rows(avals_in[0]) == 0:
+      return "empty input (M=0)"
+    try:
+      plan(avals_in, params)
+    except ValueError as e:
+      return str(e)
+    return None
+  return supports
+
+
+_xuv_supports = _planned_supports(xuv_plan)
+_plan_mlp_supports = _planned_supports(mlp_plan)
 
 
 def _mlp_supports(avals_in, params):
   if params["act"] not in _ACTS:
     return f"act={params['act']!r} has no NKI activation; expected one of {_ACTS}"
-  reason = _dtype_reason(avals_in, params)
-  if reason:
-    return reason
-  if _rows(avals_in[0]) == 0:
-    return "empty input (M=0)"
-  try:
-    mlp_plan(avals_in, params)
-  except ValueError as e:
-    return str(e)
-  return None
+  return _plan_mlp_supports(avals_in, params)
 
 
 def _load_xuv():
