@@ -7,10 +7,12 @@ time around each jit with block_until_ready, warmed up, the two jits alternated;
 time = median(t_3L - t_L) / 2L. The difference cancels dispatch, allocation and
 synchronization, so what is left is device time per call.
 
-For every shape: ours (lrjax.lr_xuv / lr_mlp lowered through the registry to Triton), XLA's
-unfused low-rank chain, XLA's dense layer, and the roofline floor (max of HBM bytes / BW and
-FLOPs / peak at the H200's 4.3 TB/s and 790 TFLOP/s; this run's own copy and 8192^3
-product are measured too and stored in "meta").
+For every shape: ours (lrjax.lr_xuv / lr_mlp lowered to its Triton kernel, under
+prefer_kernels), XLA's unfused low-rank chain, XLA's dense layer, and the roofline floor
+(max of HBM bytes / BW and FLOPs / peak at the H200's 4.3 TB/s and 790 TFLOP/s; this run's
+own copy and 8192^3 product are measured too and stored in "meta"). ``default_lowering`` /
+``default_us`` record what lrjax does without prefer_kernels: the measured speed policy
+(custom_calls/triton/measured.py, from the previous results) may leave the shape to XLA.
 
   python benchmarks/gpu_lowrank.py --suite all --out benchmarks/results/gpu_lowrank_h200.json
 """
@@ -89,6 +91,17 @@ def per_call_us(fn, x, layers, reps=None):
   return 1e6 * med / (2 * len(layers)), float((q3 - q1) / med)
 
 
+def ours_and_default(fn, x, layers, reps):
+  """(ours_us, spread, default_lowering, default_us): the Triton kernel forced, then what
+  the default policy lowers (timed separately only when it is not the same program)."""
+  with lrjax.lowering.prefer_kernels():
+    t_ours, spread = per_call_us(fn, x, layers, reps)
+  text = jax.jit(lambda x, w: fn(x, *w)).lower(x, layers[0]).compile().as_text()
+  if "triton_kernel_call" in text:
+    return t_ours, spread, "triton", t_ours
+  return t_ours, spread, "xla", per_call_us(fn, x, layers, reps)[0]
+
+
 def rand(key, shape, scale=1.0):
   return (scale * jax.random.normal(key, shape, jnp.float32)).astype(DT)
 
@@ -100,16 +113,20 @@ def n_layers(bytes_per_layer, l2=50e6, cap=12):
 # ------------------------------------------------------------------ ceilings
 
 def measure_ceilings():
-  """HBM bandwidth of a device copy (bytes read + written) and an 8192^3 bf16 product."""
+  """HBM bandwidth of a device copy (bytes read + written) and of a read-only reduction
+  (a decode GEMV's access pattern), and an 8192^3 bf16 product."""
   n = 1 << 28  # 512 MiB of bf16 per buffer
   arrays = [(rand(jax.random.key(i), (n,)),) for i in range(4)]
   t_us, _ = per_call_us(lambda x, a: a * x[0], rand(jax.random.key(9), (1,)), arrays, reps=10)
   bw = 2 * 2 * n / (t_us * 1e-6)
+  t_us, _ = per_call_us(lambda x, a: x + jnp.sum(a, dtype=jnp.float32).astype(DT),
+                        rand(jax.random.key(9), (1,)), arrays, reps=10)
+  read_bw = 2 * n / (t_us * 1e-6)
   del arrays
   k = 8192
   mats = [(rand(jax.random.key(10 + i), (k, k)),) for i in range(4)]
   t_us, _ = per_call_us(lambda x, q: x @ q, rand(jax.random.key(20), (k, k)), mats, reps=5)
-  return bw, 2 * k ** 3 / (t_us * 1e-6)
+  return bw, read_bw, 2 * k ** 3 / (t_us * 1e-6)
 
 
 # ------------------------------------------------------------------ XUV
@@ -124,9 +141,11 @@ def xuv_record(m, k, r, n, bw, peak, kernel="auto", reps=None):
                 rand(jax.random.fold_in(ks[2], i), (r, n), r ** -0.5)) for i in range(nl)]
   if kernel == "auto":
     ours = lambda x, u, v: lrjax.lr_xuv(x, u, v)
+    t_ours, spread, low, t_def = ours_and_default(ours, x, lr_layers, reps)
   else:
     ours = _xuv_variant(kernel, m, k, r, n)
-  t_ours, spread = per_call_us(ours, x, lr_layers, reps)
+    t_ours, spread = per_call_us(ours, x, lr_layers, reps)
+    low, t_def = "triton", t_ours
   t_xla, _ = per_call_us(lambda x, u, v: (x @ u) @ v, x, lr_layers, reps)
   del lr_layers
   dense = [(rand(jax.random.fold_in(ks[3], i), (k, n), k ** -0.5),) for i in range(nl)]
@@ -137,6 +156,7 @@ def xuv_record(m, k, r, n, bw, peak, kernel="auto", reps=None):
   floor = max(bytes_ / BW_ROOF, flops / PEAK_ROOF) * 1e6
   return dict(op="xuv", variant=kernel, M=m, K=k, r=r, N=n, dtype="bfloat16",
               ours_us=t_ours, xla_lowrank_us=t_xla, xla_dense_us=t_dense,
+              default_lowering=low, default_us=t_def,
               floor_us=floor, hbm_floor_us=bytes_ / BW_ROOF * 1e6,
               hbm_roofline_frac=bytes_ / BW_ROOF * 1e6 / t_ours, tflops=flops / t_ours / 1e6,
               speedup_vs_xla=t_xla / t_ours, layers=nl, spread=spread)
@@ -182,8 +202,10 @@ def mlp_record(m, d, f, r, bw, peak, kernel="auto", reps=None):
     return rand(jax.random.fold_in(ks[j], i), (a, b), a ** -0.5)
   layers = [(fac(i, 1, d, r), fac(i, 2, r, f), fac(i, 3, d, r), fac(i, 4, r, f),
              fac(i, 5, f, r), fac(i, 6, r, d)) for i in range(nl)]
+  low = None
   if kernel == "auto":
     ours = lambda x, ug, vg, uu, vu, ud, vd: lrjax.lr_mlp(x, (uu, vu), (ud, vd), (ug, vg))
+    t_ours, spread, low, t_def = ours_and_default(ours, x, layers, reps)
   else:
     from lrjax.custom_calls.triton import mlp_decode, mlp_prefill
     name, _, spec = kernel.partition(":")
@@ -191,9 +213,12 @@ def mlp_record(m, d, f, r, bw, peak, kernel="auto", reps=None):
     kern = getattr(mod, f"mlp_{name}")
     bs = mod.BlockSizes(*[int(t) for t in spec.split(",")]) if spec else None
     ours = lambda x, ug, vg, uu, vu, ud, vd: kern(x, (uu, vu), (ud, vd), (ug, vg), block_sizes=bs)
-  t_ours, spread = per_call_us(ours, x, layers, reps)
+  if low is None:
+    t_ours, spread = per_call_us(ours, x, layers, reps)
+    low, t_def = "triton", t_ours
   t_xla, _ = per_call_us(_swiglu_lowrank, x, layers, reps)
-  mem_ours = jax.jit(ours).lower(x, *layers[0]).compile().memory_analysis()
+  with lrjax.lowering.prefer_kernels():
+    mem_ours = jax.jit(ours).lower(x, *layers[0]).compile().memory_analysis()
   mem_xla = jax.jit(_swiglu_lowrank).lower(x, *layers[0]).compile().memory_analysis()
   del layers
   dense = [(fac(i, 1, d, f), fac(i, 2, d, f), fac(i, 3, f, d)) for i in range(min(nl, 6))]
@@ -204,6 +229,7 @@ def mlp_record(m, d, f, r, bw, peak, kernel="auto", reps=None):
   floor = max(bytes_ / BW_ROOF, flops / PEAK_ROOF) * 1e6
   return dict(op="mlp_swiglu", variant=kernel, M=m, K=d, r=r, N=f, dtype="bfloat16",
               ours_us=t_ours, xla_lowrank_us=t_xla, xla_dense_us=t_dense, floor_us=floor,
+              default_lowering=low, default_us=t_def,
               hbm_floor_us=bytes_ / BW_ROOF * 1e6, hbm_roofline_frac=bytes_ / BW_ROOF * 1e6 / t_ours,
               tflops=flops / t_ours / 1e6, speedup_vs_xla=t_xla / t_ours,
               temp_bytes_ours=mem_ours.temp_size_in_bytes,
@@ -254,7 +280,8 @@ def _print(rec):
         f"N={rec['N']:<6} ours {rec['ours_us']:8.1f} us  xla {rec['xla_lowrank_us']:8.1f}  "
         f"dense {rec['xla_dense_us']:8.1f}  floor {rec['floor_us']:7.1f}  "
         f"hbm {100 * rec['hbm_roofline_frac']:5.1f}%  {rec['tflops']:6.1f} TF/s  "
-        f"x{rec['speedup_vs_xla']:.2f}", flush=True)
+        f"x{rec['speedup_vs_xla']:.2f}  default: {rec['default_lowering']} "
+        f"{rec['default_us']:.1f} us", flush=True)
 
 
 def plot(path_json: str) -> str:
@@ -313,6 +340,10 @@ def main():
   ap.add_argument("--extra", nargs="*", default=[], help="op/M,K,r,N/variant")
   ap.add_argument("--out", default="benchmarks/results/gpu_lowrank_h200.json")
   ap.add_argument("--plot", metavar="JSON", help="only plot an existing results file")
+  ap.add_argument("--emit-policy", metavar="JSON",
+                  help="only regenerate custom_calls/triton/measured.py from a results file")
+  ap.add_argument("--append", action="store_true",
+                  help="keep the records already in --out (a sweep split over several runs)")
   ap.add_argument("--verbose", action="store_true", help="print compile and timing seconds")
   ap.add_argument("--reps", type=int, default=15, help="alternated repetitions per timing")
   args = ap.parse_args()
@@ -321,27 +352,50 @@ def main():
   if args.plot:
     print(plot(args.plot))
     return
+  if args.emit_policy:
+    from lrjax.custom_calls.triton import measured
+    with open(measured.__file__) as fh:
+      text = measured.render(args.emit_policy, fh.read())
+    with open(measured.__file__, "w") as fh:
+      fh.write(text)
+    print(f"wrote {measured.__file__}")
+    return
   import triton
   dev = jax.devices()[0]
-  bw, peak = measure_ceilings()
-  print(f"device {dev.device_kind}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s")
+  bw, read_bw, peak = measure_ceilings()
+  print(f"device {dev.device_kind}: copy {bw / 1e12:.2f} TB/s, read {read_bw / 1e12:.2f} TB/s, "
+        f"bf16 matmul {peak / 1e12:.0f} TFLOP/s")
   meta = dict(machine=f"{dev.device_kind} ({os.cpu_count()} CPU cores, {platform.machine()})",
               jax=jax.__version__, triton=triton.__version__,
               jax_triton=__import__("jax_triton").__version__,
+              xla_flags=os.environ.get("XLA_FLAGS", ""),
               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              measured_hbm_bw=bw, measured_bf16_flops=peak, roofline_hbm_bw=BW_ROOF,
+              measured_hbm_bw=bw, measured_read_bw=read_bw, measured_bf16_flops=peak,
+              roofline_hbm_bw=BW_ROOF,
               roofline_bf16_flops=PEAK_ROOF,
               method=("per-call time = median(t(3L chained calls) - t(L chained calls)) / 2L, "
                       "one jit each, alternated, L distinct layers (> L2 in total), after "
                       "warm-up; spread = IQR/median of the differences"))
   os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
 
+  prior, runs = [], []
+  if args.append and os.path.exists(args.out):
+    with open(args.out) as fh:
+      old = json.load(fh)
+    prior, runs = old["records"], old["meta"].get("runs", [])
+  run = dict(index=len(runs), suite=args.suite, extra=args.extra, **{
+      k: meta[k] for k in ("date", "measured_hbm_bw", "measured_read_bw", "measured_bf16_flops",
+                           "xla_flags")})
+  meta["runs"] = runs + [run]
+
   class Records(list):  # rewrites the JSON after every record (a killed run keeps its data)
     def append(self, rec):
-      super().append(rec)
+      super().append(dict(rec, run=run["index"]))
       _print(rec)
-      with open(args.out, "w") as fh:
-        json.dump(dict(meta=meta, records=list(self)), fh, indent=1)
+      tmp = args.out + ".tmp"
+      with open(tmp, "w") as fh:
+        json.dump(dict(meta=meta, records=prior + list(self)), fh, indent=1)
+      os.replace(tmp, args.out)
 
   recs = Records()
   suite(args.suite, bw, peak, args, recs)

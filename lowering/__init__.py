@@ -12,12 +12,13 @@ from lrjax.lowering.primitives import (
     lr_xuv_p,
     lr_xuv_reference,
 )
-from lrjax.lowering.registry import KernelLowering, force_reference
+from lrjax.lowering.registry import KernelLowering, force_reference, prefer_kernels
 from lrjax.lowering.rules import DEFAULT_RULES, MLPRule, XUVRule
 from lrjax.lowering.fuse import fuse
 from lrjax.lowering.explain import ExplainReport, explain
 
 __all__ = [
-    "ACTIVATIONS", "DEFAULT_RULES", "ExplainReport", "MLPRule", "XUVRule", "explain", "fuse", "KernelLowering", "force_reference", "lr_mlp", "lr_mlp_p",
-    "lr_mlp_reference", "lr_xuv", "lr_xuv_p", "lr_xuv_reference", "registry",
+    "ACTIVATIONS", "DEFAULT_RULES", "ExplainReport", "MLPRule", "XUVRule", "explain", "fuse",
+    "KernelLowering", "force_reference", "lr_mlp", "lr_mlp_p", "lr_mlp_reference", "lr_xuv",
+    "lr_xuv_p", "lr_xuv_reference", "prefer_kernels", "registry",
 ]

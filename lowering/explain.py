@@ -33,18 +33,12 @@ def kernels_for(primitive: str, avals_in, params) -> dict:
       out[plat] = {"kernel": sel.name, "declined": [list(d) for d in sel.declined],
                    "registered": True}
       continue
-    declined, chosen = [], "reference"
-    for k in sorted((k for k in catalog if k.primitive == primitive and k.platform == plat),
-                    key=lambda k: -k.priority):
-      try:
-        reason = k.supports(avals_in, params)
-      except Exception as e:
-        reason = f"supports() raised {type(e).__name__}: {e}"
-      if reason is None:
-        chosen = k.name
-        break
-      declined.append([k.name, reason])
-    out[plat] = {"kernel": chosen, "declined": declined, "registered": False}
+    kernel, declined = registry.choose(
+        sorted((k for k in catalog if k.primitive == primitive and k.platform == plat),
+               key=lambda k: -k.priority), avals_in, params)
+    chosen = kernel.name if kernel is not None else "reference"
+    out[plat] = {"kernel": chosen, "declined": [list(d) for d in declined],
+                 "registered": False}
   if primitive in ("lr_xuv", "lr_mlp") and out["neuron"]["kernel"] != "reference":
     from lrjax.custom_calls.nki.lowering import would_serve
     out["neuron"]["plan"] = would_serve(primitive, avals_in, params)[1]

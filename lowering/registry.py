@@ -7,6 +7,12 @@ abstract operands; the first that does is lowered, otherwise the pure-jnp
 reference is. Every decline is logged with its reason and is visible in
 :func:`lrjax.lowering.explain`.
 
+Two questions are asked of a kernel: can it serve these operands (``supports``), and, where
+the kernel's platform has measurements, is it faster than XLA's own lowering of the
+reference there (``faster``). A kernel that serves but measured slower is declined too,
+unless :func:`prefer_kernels` (or ``LRJAX_PREFER_KERNELS=1``) asks for kernels wherever
+they serve, e.g. for their smaller memory footprint.
+
 Kernel modules are never imported here: ``load`` is called only when a kernel is
 selected for lowering, so a CPU install never imports triton or NKI.
 """
@@ -37,6 +43,9 @@ class KernelLowering:
   supports: SupportsFn
   load: Callable[[], Callable[..., Any]]  # returns impl(*operands, **params) -> output
   priority: int = 0
+  # faster(avals_in, params) -> None when measured at least as fast as XLA's lowering of the
+  # reference (or never measured), else why not. Skipped under prefer_kernels().
+  faster: SupportsFn | None = None
 
   def __post_init__(self):
     if self.platform not in PLATFORMS:
@@ -86,6 +95,25 @@ def reference_forced() -> bool:
       "LRJAX_FORCE_REFERENCE", "") not in ("", "0")
 
 
+def kernels_preferred() -> bool:
+  return bool(getattr(_state, "prefer_kernels", 0)) or os.environ.get(
+      "LRJAX_PREFER_KERNELS", "") not in ("", "0")
+
+
+@contextlib.contextmanager
+def prefer_kernels():
+  """Within this context, kernels serve wherever they can, even where measured slower
+  than XLA (their ``faster`` check is skipped). Like :func:`force_reference`, it acts at
+  lowering time: wrap the first call (or ``.lower()``) of a fresh ``jax.jit`` object.
+  """
+  prev = getattr(_state, "prefer_kernels", 0)
+  _state.prefer_kernels = prev + 1
+  try:
+    yield
+  finally:
+    _state.prefer_kernels = prev
+
+
 @contextlib.contextmanager
 def force_reference():
   """Within this context, newly lowered primitives use the XLA reference.
@@ -106,13 +134,29 @@ def select(primitive: str, platform: str, avals_in: Sequence[Any],
   """Picks the kernel that serves these operands, or the reference."""
   if reference_forced():
     return Selection(platform, None, (("*", "reference forced (force_reference / LRJAX_FORCE_REFERENCE)"),))
+  kernel, declined = choose(candidates(primitive, platform), avals_in, params)
+  return Selection(platform, kernel, declined)
+
+
+def choose(kernels: Sequence[KernelLowering], avals_in: Sequence[Any],
+           params: Mapping[str, Any]) -> tuple[KernelLowering | None, tuple[tuple[str, str], ...]]:
+  """The first of ``kernels`` (in order) that serves and, unless kernels are preferred,
+  is not measured slower than XLA; with the (name, reason) of each one passed over."""
   declined = []
-  for k in candidates(primitive, platform):
-    try:
-      reason = k.supports(avals_in, params)
-    except Exception as e:  # a buggy predicate must not break compilation
-      reason = f"supports() raised {type(e).__name__}: {e}"
+  checks = ("supports",) if kernels_preferred() else ("supports", "faster")
+  for k in kernels:
+    reason = None
+    for check in checks:
+      fn = getattr(k, check)
+      if fn is None:
+        continue
+      try:
+        reason = fn(avals_in, params)
+      except Exception as e:  # a buggy predicate must not break compilation
+        reason = f"{check}() raised {type(e).__name__}: {e}"
+      if reason is not None:
+        break
     if reason is None:
-      return Selection(platform, k, tuple(declined))
+      return k, tuple(declined)
     declined.append((k.name, reason))
-  return Selection(platform, None, tuple(declined))
+  return None, tuple(declined)

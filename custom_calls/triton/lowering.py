@@ -3,7 +3,8 @@
 Light module: it imports neither triton nor jax_triton. ``load()`` imports the kernel
 module only when the registry selects the kernel for a CUDA lowering, so CPU installs
 never import triton. ``supports`` declines (with the reason) what the kernels do not serve,
-and the registry then lowers the XLA reference.
+and ``*_faster`` declines shapes where the kernels measured slower than XLA
+(custom_calls/triton/measured.py); the registry then lowers the XLA reference.
 """
 from __future__ import annotations
 
@@ -93,6 +94,12 @@ def xuv_prefill_supports(avals, params) -> str | None:
   return None
 
 
+def xuv_faster(avals, params) -> str | None:
+  from lrjax.custom_calls.triton import measured
+  x, u, v = avals[:3]
+  return measured.verdict("xuv", _rows(x), u.shape[0], u.shape[1], v.shape[1])
+
+
 def _xuv_impl(mod: str, fn: str):
   def load():
     kernel = getattr(importlib.import_module(f"lrjax.custom_calls.triton.{mod}"), fn)
@@ -134,6 +141,14 @@ def mlp_prefill_supports(avals, params) -> str | None:
   return _mlp_checks(avals, params)
 
 
+def mlp_faster(avals, params) -> str | None:
+  from lrjax.custom_calls.triton import measured
+  from lrjax.lowering.primitives import mlp_operands
+  d = mlp_operands(avals, params["gated"], params["bias_mask"])
+  u, v = d["up"][0], d["up"][1]
+  return measured.verdict("mlp_swiglu", _rows(d["x"]), u.shape[0], u.shape[1], v.shape[1])
+
+
 def _mlp_impl(mod: str, fn: str):
   def load():
     kernel = getattr(importlib.import_module(f"lrjax.custom_calls.triton.{mod}"), fn)
@@ -151,13 +166,13 @@ def _mlp_impl(mod: str, fn: str):
 
 KERNELS = [
     KernelLowering("lr_xuv", "cuda", "triton.xuv_decode", xuv_decode_supports,
-                   _xuv_impl("xuv_decode", "xuv_decode"), priority=20),
+                   _xuv_impl("xuv_decode", "xuv_decode"), priority=20, faster=xuv_faster),
     KernelLowering("lr_xuv", "cuda", "triton.xuv_prefill", xuv_prefill_supports,
-                   _xuv_impl("xuv_prefill", "xuv_prefill"), priority=10),
+                   _xuv_impl("xuv_prefill", "xuv_prefill"), priority=10, faster=xuv_faster),
     KernelLowering("lr_mlp", "cuda", "triton.mlp_decode", mlp_decode_supports,
-                   _mlp_impl("mlp_decode", "mlp_decode"), priority=20),
+                   _mlp_impl("mlp_decode", "mlp_decode"), priority=20, faster=mlp_faster),
     KernelLowering("lr_mlp", "cuda", "triton.mlp_prefill", mlp_prefill_supports,
-                   _mlp_impl("mlp_prefill", "mlp_prefill"), priority=10),
+                   _mlp_impl("mlp_prefill", "mlp_prefill"), priority=10, faster=mlp_faster),
 ]
 
 

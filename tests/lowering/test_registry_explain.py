@@ -61,6 +61,32 @@ def test_force_reference(even_kernel):
     assert _count_in_hlo(lambda x: lrjax.lr_xuv(x, u, v), x, needle="sine") == 0
 
 
+def test_measured_slower_kernel_declines_unless_kernels_preferred(monkeypatch):
+  """``faster`` is asked after ``supports``; prefer_kernels() / the env var skip it."""
+  x, u, v = randn((3, 32)), randn((32, 4)), randn((4, 48))
+  slow = lambda avals, params: "XLA measured faster" if avals[0].shape[0] < 8 else None
+  k = registry.register(registry.KernelLowering(
+      "lr_xuv", "cpu", "test.slow", lambda a, p: None,
+      lambda: lambda x, u, v, *r, **kw: jnp.sin(x @ u @ v), priority=300, faster=slow))
+  try:
+    f = lambda x: lrjax.lr_xuv(x, u, v)
+    g = lambda x: lrjax.lr_xuv(x, u, v)  # a fresh function: lowerings are cached per jaxpr
+    sel = registry.select("lr_xuv", "cpu", (x, u, v), {})
+    assert sel.name != "test.slow" and ("test.slow", "XLA measured faster") in sel.declined
+    assert registry.select("lr_xuv", "cpu", (randn((9, 32)), u, v), {}).name == "test.slow"
+    assert _count_in_hlo(f, x, needle="sine") == 0
+    with registry.prefer_kernels():
+      assert registry.select("lr_xuv", "cpu", (x, u, v), {}).name == "test.slow"
+      assert _count_in_hlo(g, x, needle="sine") == 1
+    assert registry.select("lr_xuv", "cpu", (x, u, v), {}).name != "test.slow"
+    monkeypatch.setenv("LRJAX_PREFER_KERNELS", "1")
+    assert registry.select("lr_xuv", "cpu", (x, u, v), {}).name == "test.slow"
+    with registry.force_reference():  # forcing the reference still wins
+      assert registry.select("lr_xuv", "cpu", (x, u, v), {}).name == "reference"
+  finally:
+    registry.unregister("lr_xuv", "cpu", k.name)
+
+
 def test_raising_predicate_is_a_decline():
   k = registry.register(registry.KernelLowering(
       "lr_xuv", "cpu", "test.broken", lambda a, p: 1 / 0, lambda: None, priority=200))

@@ -1,0 +1,65 @@
+"""CPU tests of the Triton room's measured speed policy (custom_calls/triton/measured.py)."""
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from lrjax.custom_calls.triton import lowering, measured
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+
+
+def test_records_are_the_committed_benchmark_results():
+  """RECORDS must be regenerated (gpu_lowrank.py --emit-policy) whenever the JSON changes."""
+  on, recs = measured.records_from_results(os.path.join(REPO, measured.SOURCE))
+  assert (on, recs) == (measured.MEASURED_ON, measured.RECORDS)
+  assert {r[0] for r in recs} == {"xuv", "mlp_swiglu"}
+  assert min(r[1] for r in recs) == 1 and max(r[1] for r in recs) >= 4096
+
+
+def test_render_rewrites_only_the_generated_block():
+  with open(measured.__file__) as fh:
+    text = fh.read()
+  assert measured.render(os.path.join(REPO, measured.SOURCE), text) == text
+  stale = text.replace(repr(measured.RECORDS[0]), "('xuv', 7, 1, 1, 1, 1.0, 1.0)")
+  assert stale != text
+  assert measured.render(os.path.join(REPO, measured.SOURCE), stale) == text
+
+
+def test_nearest_record_and_verdict(monkeypatch):
+  monkeypatch.setattr(measured, "RECORDS", (
+      ("xuv", 1, 4096, 1024, 4096, 10.0, 12.0),  # faster than XLA
+      ("xuv", 1024, 4096, 1024, 4096, 100.0, 80.0),  # slower: 0.80x
+      ("xuv", 16, 4096, 1024, 4096, 10.0, 0.98 * 10.0),  # at parity (noise): serves
+      ("mlp_swiglu", 1, 4096, 1024, 14336, 50.0, 40.0)))
+  assert measured.verdict("xuv", 1, 4096, 1024, 4096) is None
+  assert measured.verdict("xuv", 2, 3000, 1000, 4000) is None  # nearest: M=1
+  assert measured.verdict("xuv", 16, 4096, 1024, 4096) is None
+  why = measured.verdict("xuv", 600, 4096, 1024, 4096)
+  assert why is not None and "0.80x" in why and "M=1024" in why and "prefer_kernels" in why
+  assert measured.nearest("xuv", 600, 4096, 1024, 4096)[1] == 1024
+  assert "D_ff=14336" in measured.verdict("mlp_swiglu", 1, 4096, 1024, 14336)
+  monkeypatch.setattr(measured, "RECORDS", ())
+  assert measured.verdict("xuv", 600, 4096, 1024, 4096) is None  # nothing measured
+
+
+def _xuv_avals(m, k, r, n, dtype=jnp.bfloat16):
+  return [jax.ShapeDtypeStruct(s, dtype) for s in ((m, k), (k, r), (r, n))]
+
+
+def test_lowering_policy_follows_every_measured_record():
+  """Each benchmarked shape gets the verdict its own measurement gives."""
+  for op, m, k, r, n, ours, xla in measured.RECORDS:
+    if op == "xuv":
+      why = lowering.xuv_faster(_xuv_avals(m, k, r, n), {})
+    else:
+      a = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+      avals = [a(m, k), a(k, r), a(r, n), a(k, r), a(r, n), a(n, r), a(r, k)]
+      params = dict(gated=True, bias_mask=(False, False, False))
+      why = lowering.mlp_faster(avals, params)
+    assert (why is None) == (xla / ours >= measured.PARITY), (op, m, k, r, n, why)
+
+
+def test_every_triton_kernel_has_the_speed_check():
+  assert all(k.faster is not None for k in lowering.KERNELS)
