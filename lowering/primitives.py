@@ -95,11 +95,15 @@ def lr_xuv(x, u, v, bias=None, *, out_dtype=None, inter_dtype=None):
 
 
 def _xuv_chain(x, u, v, bias, inter_dtype, out_dtype):
-  """The shared f32-accumulating X·U·V used by both references."""
-  t = jnp.matmul(x, u, preferred_element_type=jnp.float32).astype(inter_dtype)
-  y = jnp.matmul(t, v, preferred_element_type=jnp.float32)
-  if bias is not None:
-    y = y + bias.astype(jnp.float32)
+  """The shared X·U·V of both references: each product accumulates in f32 (XLA's GEMMs
+  do for 16-bit inputs) and is rounded once, to the dtype it is stored in. Asking the dot
+  for that dtype directly, not for f32 plus a convert, lets XLA emit the same single GEMM
+  it emits for a user's ``(x @ u) @ v``: an f32 product and a separate convert measured
+  ~10% slower at prefill on the H200 (benchmarks/gpu_notes.md)."""
+  t = jnp.matmul(x, u, preferred_element_type=inter_dtype)
+  if bias is None:
+    return jnp.matmul(t, v, preferred_element_type=out_dtype)
+  y = jnp.matmul(t, v, preferred_element_type=jnp.float32) + bias.astype(jnp.float32)
   return y.astype(out_dtype)
 
 
