@@ -69,10 +69,6 @@ def _out_split(layout: str) -> bool:
   return layout in ("col", "lr_col")
 
 
-def _dot(a, b):
-  return jnp.matmul(a, b, preferred_element_type=jnp.float32)
-
-
 def _local_xuv(x, u, v, b, layout, ax, inter_dtype, out_dtype):
   """One factor pair on local shards (inside the manual per-device program)."""
   from lrjax.lowering.primitives import lr_xuv_p
@@ -83,13 +79,16 @@ def _local_xuv(x, u, v, b, layout, ax, inter_dtype, out_dtype):
   if layout == "rank":
     y = jax.lax.psum(lr_xuv_p.bind(x, u, v, has_bias=False, **kw), ax)
     return y if b is None else (y.astype(jnp.float32) + b.astype(jnp.float32)).astype(out_dtype)
+  # The rank-space collective sits between the two products, so they stay two GEMMs, each
+  # rounded once to the dtype it is stored in (as in primitives._xuv_chain).
+  xu = jnp.matmul(x, u, preferred_element_type=inter_dtype)
   if layout == "lr_col":
-    t = jax.lax.all_gather(_dot(x, u).astype(inter_dtype), ax, axis=x.ndim - 1, tiled=True)
+    t = jax.lax.all_gather(xu, ax, axis=x.ndim - 1, tiled=True)
   else:  # lr_row: rank-space partial sums, reduced in the intermediate dtype
-    t = jax.lax.psum(_dot(x, u).astype(inter_dtype), ax)
-  y = _dot(t, v)
-  if b is not None:
-    y = y + b.astype(jnp.float32)
+    t = jax.lax.psum(xu, ax)
+  if b is None:
+    return jnp.matmul(t, v, preferred_element_type=out_dtype)
+  y = jnp.matmul(t, v, preferred_element_type=jnp.float32) + b.astype(jnp.float32)
   return y.astype(out_dtype)
 
 

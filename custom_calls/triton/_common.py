@@ -138,3 +138,18 @@ def splitr_out_tile(nb, rc,  # output column block, reduction chunk
     if HAS_BIAS:
       tot += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(o_ptr + off, tot.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def ring_tile(code, M, G: tl.constexpr, RING: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+  """Decodes a persistent-schedule tile code (xuv_prefill.tile_codes: phase << 28 |
+  row block << 14 | column block). Returns the phase, the row block, its rows and row mask,
+  the rows of its strip in a ring of RING slots of G row blocks, and the tile's columns."""
+  phase = code >> 28
+  mb = (code >> 14) & 16383
+  j = code & 16383
+  offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+  rows = ((mb // G) % RING) * (G * BLOCK_M) + (mb % G) * BLOCK_M + tl.arange(0, BLOCK_M)
+  offs_c = j * BLOCK_N + tl.arange(0, BLOCK_N)
+  return phase, mb, offs_m, offs_m < M, rows, offs_c

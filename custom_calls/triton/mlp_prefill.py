@@ -34,8 +34,8 @@ import triton
 import triton.language as tl
 
 from lrjax.custom_calls.triton import planner
-from lrjax.custom_calls.triton._common import (activation, mm_acc, mm_acc2, signal,
-                                               wait_at_least)
+from lrjax.custom_calls.triton._common import (activation, mm_acc, mm_acc2, ring_tile,
+                                               signal, wait_at_least)
 from lrjax.custom_calls.triton.mlp_decode import ACT_CODES, unpack_mlp_args
 from lrjax.custom_calls.triton.xuv_prefill import tile_codes
 
@@ -101,14 +101,8 @@ def _mlp_prefill_kernel(
   n_n = (DO + BLOCK_N - 1) // BLOCK_N
   SLOT: tl.constexpr = G * RING
   for t in range(pid, T, PROGRAMS):
-    code = tl.load(sched_ptr + t)
-    phase = code >> 28
-    mb = (code >> 14) & 16383
-    j = code & 16383
-    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < M
-    rows = ((mb // G) % RING) * (G * BLOCK_M) + (mb % G) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_c = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    phase, mb, offs_m, m_mask, rows, offs_c = ring_tile(
+        tl.load(sched_ptr + t), M, G, RING, BLOCK_M, BLOCK_N)
     if phase == 0:
       # A: [Pg | Pu] columns j of row block mb; the slot's last user was B of mb - SLOT
       if mb >= SLOT:

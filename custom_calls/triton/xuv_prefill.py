@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from lrjax.custom_calls.triton import planner
-from lrjax.custom_calls.triton._common import mm_acc, signal, wait_at_least
+from lrjax.custom_calls.triton._common import mm_acc, ring_tile, signal, wait_at_least
 
 PHASE_A, PHASE_D = 0, 3
 _PHASE_SHIFT, _M_SHIFT, _J_MASK = 28, 14, (1 << 14) - 1
@@ -99,15 +99,8 @@ def _xuv_prefill_kernel(
   n_r = (R + BLOCK_N - 1) // BLOCK_N
   n_n = (N + BLOCK_N - 1) // BLOCK_N
   for t in range(pid, T, PROGRAMS):
-    code = tl.load(sched_ptr + t)
-    phase = code >> 28
-    mb = (code >> 14) & 16383
-    j = code & 16383
-    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < M
-    # rows of this row block's strip inside the ring
-    ring_rows = ((mb // G) % RING) * (G * BLOCK_M) + (mb % G) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_c = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    phase, mb, offs_m, m_mask, ring_rows, offs_c = ring_tile(
+        tl.load(sched_ptr + t), M, G, RING, BLOCK_M, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if phase == 0:
       if mb >= G * RING:  # slot reuse: the previous occupant must be fully consumed
