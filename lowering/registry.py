@@ -95,6 +95,17 @@ def reference_forced() -> bool:
       "LRJAX_FORCE_REFERENCE", "") not in ("", "0")
 
 
+@contextlib.contextmanager
+def _flag_raised(name: str):
+  """Raises this thread's nesting count of the mode ``name`` for the context."""
+  prev = getattr(_state, name, 0)
+  setattr(_state, name, prev + 1)
+  try:
+    yield
+  finally:
+    setattr(_state, name, prev)
+
+
 def kernels_preferred() -> bool:
   return bool(getattr(_state, "prefer_kernels", 0)) or os.environ.get(
       "LRJAX_PREFER_KERNELS", "") not in ("", "0")
@@ -106,12 +117,8 @@ def prefer_kernels():
   than XLA (their ``faster`` check is skipped). Like :func:`force_reference`, it acts at
   lowering time: wrap the first call (or ``.lower()``) of a fresh ``jax.jit`` object.
   """
-  prev = getattr(_state, "prefer_kernels", 0)
-  _state.prefer_kernels = prev + 1
-  try:
+  with _flag_raised("prefer_kernels"):
     yield
-  finally:
-    _state.prefer_kernels = prev
 
 
 @contextlib.contextmanager
@@ -121,12 +128,8 @@ def force_reference():
   Lowering happens when a jitted function is first compiled, so wrap the
   first call (or ``.lower()``) of a fresh ``jax.jit`` object.
   """
-  prev = getattr(_state, "force_reference", 0)
-  _state.force_reference = prev + 1
-  try:
+  with _flag_raised("force_reference"):
     yield
-  finally:
-    _state.force_reference = prev
 
 
 def select(primitive: str, platform: str, avals_in: Sequence[Any],
