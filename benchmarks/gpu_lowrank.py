@@ -240,7 +240,10 @@ def mlp_record(m, d, f, r, bw, peak, kernel="auto", reps=None):
 # ------------------------------------------------------------------ suites
 
 DECODE_M = (1, 2, 4, 8, 16, 32, 64, 128)
-XUV_DECODE_SHAPES = ((8192, 4096, 16384), (4096, 2560, 14336))
+# The two shapes (ratio r(K+N)/KN ~0.75-0.8), then two at the 0.3-0.4 ratios lrjax's
+# users compress to
+XUV_DECODE_SHAPES = ((8192, 4096, 16384), (4096, 2560, 14336), (8192, 2048, 16384),
+                     (4096, 1024, 14336))
 PREFILL_M = (1024, 2048, 4096, 8192, 16384, 32768)
 MLP_SHAPES = {"llama3.2-1b": (2048, 8192, 1280), "llama3-8b": (4096, 14336, 2560),
               "llama3-8b-r1024": (4096, 14336, 1024)}
