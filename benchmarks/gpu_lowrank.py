@@ -426,6 +426,8 @@ def main():
     with open(args.out) as fh:
       old = json.load(fh)
     prior, runs = old["records"], old["meta"].get("runs", [])
+    if "note" in old["meta"]:  # what was written about the earlier runs stays with them
+      meta["note"] = old["meta"]["note"]
   run = dict(index=len(runs), suite=args.suite, extra=args.extra, **{
       k: meta[k] for k in ("date", "measured_hbm_bw", "measured_read_bw", "measured_bf16_flops",
                            "xla_flags")})

@@ -23,6 +23,9 @@ SOURCE = "benchmarks/results/gpu_lowrank_h200.json"
 # the per-call timings is several percent at decode (benchmarks/gpu_notes.md), and the fused
 # kernels also keep the intermediates out of HBM.
 PARITY = 0.97
+# Records of the nearest shape with M within this factor of the nearest record's M are
+# pooled (median speed ratio): at least three token counts for the end points of a sweep.
+WINDOW = 4
 
 # (op, M, K, r, N, ours_us, xla_us); mlp rows: K = D, N = D_ff.
 # BEGIN GENERATED
@@ -47,21 +50,37 @@ RECORDS: tuple[tuple[str, int, int, int, int, float, float], ...] = (
     ('mlp_swiglu', 4096, 2048, 1280, 8192, 946.2, 508.5),
     ('mlp_swiglu', 4096, 4096, 1024, 14336, 1423.5, 743.3),
     ('mlp_swiglu', 4096, 4096, 2560, 14336, 2475.3, 1794.7),
+    ('xuv', 1, 4096, 1024, 14336, 21.5, 32.4),
     ('xuv', 1, 4096, 2560, 14336, 26.8, 31.3),
+    ('xuv', 1, 8192, 2048, 16384, 33.9, 33.9),
     ('xuv', 1, 8192, 4096, 16384, 58.9, 57.0),
+    ('xuv', 2, 4096, 1024, 14336, 20.7, 17.3),
     ('xuv', 2, 4096, 2560, 14336, 33.4, 29.7),
+    ('xuv', 2, 8192, 2048, 16384, 35.9, 32.4),
     ('xuv', 2, 8192, 4096, 16384, 62.1, 57.0),
+    ('xuv', 4, 4096, 1024, 14336, 22.5, 19.1),
     ('xuv', 4, 4096, 2560, 14336, 35.9, 34.3),
+    ('xuv', 4, 8192, 2048, 16384, 34.3, 35.1),
     ('xuv', 4, 8192, 4096, 16384, 52.5, 57.9),
+    ('xuv', 8, 4096, 1024, 14336, 21.2, 16.7),
     ('xuv', 8, 4096, 2560, 14336, 35.5, 31.1),
+    ('xuv', 8, 8192, 2048, 16384, 35.8, 31.5),
     ('xuv', 8, 8192, 4096, 16384, 60.3, 61.0),
+    ('xuv', 16, 4096, 1024, 14336, 24.4, 18.7),
     ('xuv', 16, 4096, 2560, 14336, 37.6, 34.7),
+    ('xuv', 16, 8192, 2048, 16384, 37.4, 33.6),
     ('xuv', 16, 8192, 4096, 16384, 62.8, 61.9),
+    ('xuv', 32, 4096, 1024, 14336, 28.2, 18.0),
     ('xuv', 32, 4096, 2560, 14336, 42.6, 36.4),
+    ('xuv', 32, 8192, 2048, 16384, 42.2, 37.1),
     ('xuv', 32, 8192, 4096, 16384, 77.3, 77.3),
+    ('xuv', 64, 4096, 1024, 14336, 34.7, 21.8),
     ('xuv', 64, 4096, 2560, 14336, 46.7, 42.2),
+    ('xuv', 64, 8192, 2048, 16384, 53.7, 42.6),
     ('xuv', 64, 8192, 4096, 16384, 83.7, 70.6),
+    ('xuv', 128, 4096, 1024, 14336, 42.5, 23.6),
     ('xuv', 128, 4096, 2560, 14336, 51.9, 42.5),
+    ('xuv', 128, 8192, 2048, 16384, 71.4, 41.0),
     ('xuv', 128, 8192, 4096, 16384, 91.2, 65.4),
     ('xuv', 1024, 7168, 4096, 18432, 332.8, 290.0),
     ('xuv', 1024, 8192, 4096, 16384, 282.7, 275.1),
@@ -122,7 +141,7 @@ def verdict(op: str, m: int, k: int, r: int, n: int) -> str | None:
   """None if the kernel measured at least PARITY x XLA's speed around the nearest
   benchmarked shape (or nothing was benchmarked), else the reason to leave this call to XLA.
 
-  "Around": the median speed ratio of that shape's records with M within a factor of two
+  "Around": the median speed ratio of that shape's records with M within a factor WINDOW
   of the nearest record's, so one noisy timing does not flip the choice between
   neighbouring token counts."""
   rec = nearest(op, m, k, r, n)
@@ -130,7 +149,7 @@ def verdict(op: str, m: int, k: int, r: int, n: int) -> str | None:
     return None
   _, rm, rk, rr, rn, ours, xla = rec
   window = [q for q in RECORDS if q[0] == op and q[2:5] == (rk, rr, rn)
-            and rm / 2 <= q[1] <= 2 * rm]
+            and rm / WINDOW <= q[1] <= WINDOW * rm]
   ratio = statistics.median(q[6] / q[5] for q in window)
   if ratio >= PARITY:
     return None

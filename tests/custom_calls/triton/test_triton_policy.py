@@ -38,6 +38,7 @@ def test_nearest_record_and_verdict(monkeypatch):
       ("mlp_swiglu", 1, 4096, 1024, 14336, 50.0, 40.0)))
   assert measured.verdict("xuv", 1, 4096, 1024, 4096) is None
   assert measured.verdict("xuv", 2, 4096, 1024, 4096) is None  # median of M=1, 2, 4: 1.1x
+  assert measured.verdict("xuv", 1, 4096, 1024, 4096) is None  # median of M=1, 2, 4 too
   assert measured.verdict("xuv", 3, 3000, 1000, 4000) is None
   assert measured.verdict("xuv", 16, 4096, 1024, 4096) is None
   why = measured.verdict("xuv", 600, 4096, 1024, 4096)
@@ -55,7 +56,8 @@ def _xuv_avals(m, k, r, n, dtype=jnp.bfloat16):
 def _window_ratio(rec):
   op, m, k, r, n = rec[:5]
   return statistics.median(q[6] / q[5] for q in measured.RECORDS
-                           if q[0] == op and q[2:5] == (k, r, n) and m / 2 <= q[1] <= 2 * m)
+                           if q[0] == op and q[2:5] == (k, r, n)
+                           and m / measured.WINDOW <= q[1] <= measured.WINDOW * m)
 
 
 def test_lowering_policy_follows_every_measured_record():
