@@ -237,6 +237,44 @@ def mlp_record(m, d, f, r, bw, peak, kernel="auto", reps=None):
               temp_bytes_xla=mem_xla.temp_size_in_bytes, layers=nl, spread=spread)
 
 
+# ------------------------------------------------------------------ per-call overhead
+
+def overhead_records(bw, peak):
+  """Per-call cost of the pieces around a decode kernel, each chained like a layer call:
+  an XLA elementwise op, a jax-triton custom call whose kernel does (almost) nothing, the
+  same call with a zeroed scratch aliased into it (the decode kernels' pattern, at the
+  scratch size of X·U·V decode M=1 on 8192->4096->16384), and a bare jnp.zeros of that size."""
+  import jax_triton as jt
+  import triton
+  import triton.language as tl
+
+  @triton.jit
+  def _touch(x_ptr, s_in_ptr, s_ptr, o_ptr):  # o[0] = x[0] (+ s[0], which is zero)
+    tl.store(o_ptr, tl.load(x_ptr) + tl.load(s_in_ptr).to(tl.bfloat16))
+
+  scratch = 4096 + 16384 + 4 + 64
+  x = rand(jax.random.key(0), (1, 8))
+  layers = [(rand(jax.random.key(1 + i), (1, 8)),) for i in range(12)]
+
+  def empty_call(x, w, s):
+    return jt.triton_call(x, s, kernel=_touch, grid=(1,), input_output_aliases={1: 0},
+                          out_shape=(jax.ShapeDtypeStruct(s.shape, s.dtype),
+                                     jax.ShapeDtypeStruct(x.shape, x.dtype)))[1] + w
+
+  cases = {
+      "xla_add": lambda x, w: x + w,
+      "triton_empty": lambda x, w: empty_call(x, w, jnp.zeros((1,), jnp.float32)),
+      "triton_empty_zeroed_scratch": lambda x, w: empty_call(
+          x, w, jnp.zeros((scratch,), jnp.float32)),
+  }
+  out = []
+  for name, fn in cases.items():
+    t, spread = per_call_us(fn, x, layers)
+    out.append(dict(op="overhead", variant=name, M=1, K=8, r=0, N=8, dtype="bfloat16",
+                    ours_us=t, spread=spread, scratch_floats=scratch))
+  return out
+
+
 # ------------------------------------------------------------------ suites
 
 DECODE_M = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -254,6 +292,10 @@ MLP_TOKENS = (("llama3-8b", (1, 16, 4096, 4, 64)), ("llama3.2-1b", (1, 16, 4096)
 
 
 def suite(name, bw, peak, args, recs):
+  if name == "overhead":
+    for rec in overhead_records(bw, peak):
+      recs.append(rec)
+    return recs
   if name in ("decode", "all"):
     for (k, r, n) in XUV_DECODE_SHAPES:
       for m in DECODE_M:
@@ -280,6 +322,9 @@ def suite(name, bw, peak, args, recs):
 
 
 def _print(rec):
+  if rec["op"] == "overhead":
+    print(f"overhead   {rec['variant']:<30} {rec['ours_us']:7.2f} us per call", flush=True)
+    return
   print(f"{rec['op']:<10} {rec['variant']:<14} M={rec['M']:<6} K={rec['K']:<5} r={rec['r']:<5} "
         f"N={rec['N']:<6} ours {rec['ours_us']:8.1f} us  xla {rec['xla_lowrank_us']:8.1f}  "
         f"dense {rec['xla_dense_us']:8.1f}  floor {rec['floor_us']:7.1f}  "
@@ -370,7 +415,7 @@ def plot(path_json: str) -> str:
 
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("--suite", default="all", choices=["decode", "prefill", "mlp", "all", "none"])
+  ap.add_argument("--suite", default="all", choices=["decode", "prefill", "mlp", "all", "none", "overhead"])
   ap.add_argument("--variants", action="store_true", help="also time non-default kernels")
   ap.add_argument("--extra", nargs="*", default=[], help="op/M,K,r,N/variant")
   ap.add_argument("--out", default="benchmarks/results/gpu_lowrank_h200.json")
