@@ -239,11 +239,11 @@ def mlp_record(m, d, f, r, bw, peak, kernel="auto", reps=None):
 
 # ------------------------------------------------------------------ per-call overhead
 
-def overhead_records(bw, peak):
+def overhead_records():
   """Per-call cost of the pieces around a decode kernel, each chained like a layer call:
-  an XLA elementwise op, a jax-triton custom call whose kernel does (almost) nothing, the
-  same call with a zeroed scratch aliased into it (the decode kernels' pattern, at the
-  scratch size of X·U·V decode M=1 on 8192->4096->16384), and a bare jnp.zeros of that size."""
+  an XLA elementwise op, a jax-triton custom call whose kernel does (almost) nothing, and
+  the same call with a zeroed scratch aliased into it (the decode kernels' pattern, at the
+  scratch size of X·U·V decode M=1 on 8192->4096->16384)."""
   import jax_triton as jt
   import triton
   import triton.language as tl
@@ -293,7 +293,7 @@ MLP_TOKENS = (("llama3-8b", (1, 16, 4096, 4, 64)), ("llama3.2-1b", (1, 16, 4096)
 
 def suite(name, bw, peak, args, recs):
   if name == "overhead":
-    for rec in overhead_records(bw, peak):
+    for rec in overhead_records():
       recs.append(rec)
     return recs
   if name in ("decode", "all"):
@@ -415,7 +415,8 @@ def plot(path_json: str) -> str:
 
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("--suite", default="all", choices=["decode", "prefill", "mlp", "all", "none", "overhead"])
+  ap.add_argument("--suite", default="all",
+                  choices=["decode", "prefill", "mlp", "all", "none", "overhead"])
   ap.add_argument("--variants", action="store_true", help="also time non-default kernels")
   ap.add_argument("--extra", nargs="*", default=[], help="op/M,K,r,N/variant")
   ap.add_argument("--out", default="benchmarks/results/gpu_lowrank_h200.json")
