@@ -169,6 +169,9 @@ def _xuv_variant(kernel, m, k, r, n):
     return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, xla_zeroing=False)
   if kernel == "decode_xz":  # scratch zeroed by XLA, aliased into the call (the default)
     return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, xla_zeroing=True)
+  if kernel.startswith("decode_stages:"):  # 1: stage 1 alone, 2: stage 2 alone (timing only)
+    st = int(kernel.split(":")[1])
+    return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, _stages=st)
   if kernel == "prefill":
     return lambda x, u, v: xuv_prefill.xuv_prefill(x, u, v)
   if kernel.startswith("prefill:"):  # prefill:BM,BN,BK,G,ring,warps,stages,programs

@@ -110,6 +110,7 @@ def _xuv_decode_kernel(
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_KV: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_R: tl.constexpr,
+    STAGES: tl.constexpr = 3,  # timing only: bit 1 streams U (stage 1), bit 2 streams V
 ):
   pid = tl.program_id(0)
   p_ptr = scratch_ptr
@@ -127,13 +128,14 @@ def _xuv_decode_kernel(
     offs_r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
     k_start = ks * K_PER
-    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-    acc = mm_acc(acc, x_ptr, u_ptr, offs_m, offs_r, m_mask, r_mask, k_start, k_start + K_PER,
-                 K, K, R, BLOCK_K, EVEN_K, False)
-    tl.atomic_add(p_ptr + offs_m[:, None] * R + offs_r[None, :], acc,
-                  mask=m_mask[:, None] & r_mask[None, :], sem="relaxed")
+    if STAGES & 1:
+      acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+      acc = mm_acc(acc, x_ptr, u_ptr, offs_m, offs_r, m_mask, r_mask, k_start,
+                   k_start + K_PER, K, K, R, BLOCK_K, EVEN_K, False)
+      tl.atomic_add(p_ptr + offs_m[:, None] * R + offs_r[None, :], acc,
+                    mask=m_mask[:, None] & r_mask[None, :], sem="relaxed")
     signal(flag_ptr + rb // RB_PER_CHUNK)
-  else:
+  elif STAGES & 2:
     # stage 2: chunk-major; starts when its chunk of P is complete
     n_nb = (N + BLOCK_N - 1) // BLOCK_N
     q = pid - n1
@@ -146,8 +148,11 @@ def _xuv_decode_kernel(
                     EVEN_R)
 
 
-def launch_plan(m: int, k: int, r: int, n: int, has_bias: bool, bs: BlockSizes) -> dict:
-  """Grid size and constexprs of one call (shared by the wrapper and the tests)."""
+def launch_plan(m: int, k: int, r: int, n: int, has_bias: bool, bs: BlockSizes,
+                stages: int = 3) -> dict:
+  """Grid size and constexprs of one call (shared by the wrapper and the tests).
+
+  ``stages`` < 3 leaves a stage's streaming out, to time the other one (wrong output)."""
   k_per = planner.cdiv(planner.cdiv(k, bs.split_k), bs.block_k) * bs.block_k
   split = planner.cdiv(k, k_per)  # no chunk starts past K
   n_rb = planner.cdiv(r, bs.block_r)
@@ -159,18 +164,19 @@ def launch_plan(m: int, k: int, r: int, n: int, has_bias: bool, bs: BlockSizes) 
               R_CHUNKS=chunks, RB_PER_CHUNK=rb_per_chunk, BLOCK_M=bs.block_m,
               BLOCK_K=bs.block_k, BLOCK_R=bs.block_r, BLOCK_N=bs.block_n,
               BLOCK_KV=bs.block_kv, EVEN_K=k % k_per == 0,
-              EVEN_R=r % r_per == 0 and r_per % bs.block_kv == 0)
+              EVEN_R=r % r_per == 0 and r_per % bs.block_kv == 0, STAGES=stages)
   return dict(grid=n_rb * split + chunks * n_nb, chunks=chunks, n_nb=n_nb, meta=meta)
 
 
 def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | None = None,
-               out=None, xla_zeroing: bool | None = None):
+               out=None, xla_zeroing: bool | None = None, _stages: int = 3):
   """y = (x·u)·v (+ bias) for few tokens. x [..., K], u [K, r], v [r, N], bias [N].
 
   ``out`` [M, N]: optional buffer the kernel writes into (aliased; the tests poison it).
   ``xla_zeroing``: zero the scratch with an XLA op aliased into the call instead of
   jax-triton's memset inside the custom call (default: yes unless ``out`` is given; measured
   3-10 µs less per call at M=1, gpu_notes.md).
+  ``_stages``: benchmarking only (1: stage 1 alone, 2: stage 2 alone; the output is wrong).
   """
   if u.ndim != 2 or v.ndim != 2 or x.shape[-1] != u.shape[0] or u.shape[1] != v.shape[0]:
     raise ValueError(f"{x.shape=}, {u.shape=}, {v.shape=}: expected x [..., K], u [K, r], "
@@ -192,7 +198,9 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
     raise ValueError(f"{bs.block_m=} must cover the {m} rows; use xuv_prefill for large M")
   _check_out(out, (m, n), out_dtype)
   b = bias if bias is not None else v  # never read without HAS_BIAS
-  plan = launch_plan(m, k, r, n, bias is not None, bs)
+  if _stages not in (1, 2, 3):
+    raise ValueError(f"{_stages=} must be 1, 2 or 3")
+  plan = launch_plan(m, k, r, n, bias is not None, bs, _stages)
   scratch = m * r + m * n + plan["chunks"] + plan["n_nb"]
   if xla_zeroing:  # the 5th operand is then the zeroed scratch, aliased to output 0
     fifth, aliases, zeroed = jnp.zeros((scratch,), jnp.float32), {4: 0}, ()
