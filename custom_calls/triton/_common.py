@@ -141,15 +141,12 @@ def splitr_out_tile(nb, rc,  # output column block, reduction chunk
 
 
 @triton.jit
-def ring_tile(code, M, G: tl.constexpr, RING: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr):
+def ring_tile(code, M, G: tl.constexpr, RING: tl.constexpr, BLOCK_M: tl.constexpr):
   """Decodes a persistent-schedule tile code (xuv_prefill.tile_codes: phase << 28 |
   row block << 14 | column block). Returns the phase, the row block, its rows and row mask,
-  the rows of its strip in a ring of RING slots of G row blocks, and the tile's columns."""
+  the rows of its strip in a ring of RING slots of G row blocks, and the column block."""
   phase = code >> 28
   mb = (code >> 14) & 16383
-  j = code & 16383
   offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
   rows = ((mb // G) % RING) * (G * BLOCK_M) + (mb % G) * BLOCK_M + tl.arange(0, BLOCK_M)
-  offs_c = j * BLOCK_N + tl.arange(0, BLOCK_N)
-  return phase, mb, offs_m, offs_m < M, rows, offs_c
+  return phase, mb, offs_m, offs_m < M, rows, code & 16383

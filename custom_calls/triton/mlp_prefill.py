@@ -43,13 +43,14 @@ from lrjax.custom_calls.triton.xuv_prefill import tile_codes
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
   block_m: int
-  block_n: int  # output columns per tile (all phases)
+  block_n: int  # output columns per tile of phases A and B (two accumulators each)
   block_k: int  # reduction step (all phases)
   group_m: int  # row blocks per super-block (one ring slot)
   ring: int = 2
   num_warps: int = 8
   num_stages: int = 3
   programs: int = 132
+  block_n_cd: int = 0  # output columns per tile of phases C and D (one accumulator); 0: block_n
 
   @classmethod
   def get_default(cls, m: int, d: int, f: int, r: int, rd: int, gated: bool) -> "BlockSizes":
@@ -67,7 +68,10 @@ class BlockSizes:
 
 # Tuned on the H200 (benchmarks/gpu_lowrank.py); missing classes use planner.plan_prefill.
 TUNED: dict[tuple[str, str], BlockSizes] = {
-    ("m>512", "r>=2048"): BlockSizes(128, 128, 64, 4, 2, 8, 3, 132),
+    # phases C and D in 128x256 tiles: 2325 vs 2437 us at T=4096, 8B r=2560; at 1B r=1280
+    # (r_d/256 = 5 phase-C tiles per row block) 989 vs 963 us, so not there
+    # (results/gpu_mlp_prefill_tiles_h200.json)
+    ("m>512", "r>=2048"): BlockSizes(128, 128, 64, 4, 2, 8, 3, 132, 256),
     ("m>512", "r<2048"): BlockSizes(128, 128, 64, 4, 2, 8, 3, 132),
 }
 
@@ -91,18 +95,21 @@ def _mlp_prefill_kernel(
     HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr,
     T: tl.constexpr, PROGRAMS: tl.constexpr, G: tl.constexpr, RING: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_NW: tl.constexpr,  # phases C and D: one accumulator, so wider tiles fit
     EVEN_D: tl.constexpr, EVEN_R: tl.constexpr, EVEN_F: tl.constexpr, EVEN_RD: tl.constexpr,
 ):
   pid = tl.program_id(0)
   PW: tl.constexpr = 2 * R if GATED else R
   n_r = (R + BLOCK_N - 1) // BLOCK_N
   n_f = (F + BLOCK_N - 1) // BLOCK_N
-  n_s = (RD + BLOCK_N - 1) // BLOCK_N
-  n_n = (DO + BLOCK_N - 1) // BLOCK_N
+  n_s = (RD + BLOCK_NW - 1) // BLOCK_NW
+  n_n = (DO + BLOCK_NW - 1) // BLOCK_NW
   SLOT: tl.constexpr = G * RING
   for t in range(pid, T, PROGRAMS):
-    phase, mb, offs_m, m_mask, rows, offs_c = ring_tile(
-        tl.load(sched_ptr + t), M, G, RING, BLOCK_M, BLOCK_N)
+    phase, mb, offs_m, m_mask, rows, j = ring_tile(
+        tl.load(sched_ptr + t), M, G, RING, BLOCK_M)
+    offs_c = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = j * BLOCK_NW + tl.arange(0, BLOCK_NW)
     if phase == 0:
       # A: [Pg | Pu] columns j of row block mb; the slot's last user was B of mb - SLOT
       if mb >= SLOT:
@@ -153,24 +160,24 @@ def _mlp_prefill_kernel(
       wait_at_least(flags_ptr + NMB + mb, n_f)
       if mb >= SLOT:
         wait_at_least(flags_ptr + 3 * NMB + mb - SLOT, n_n)
-      c_mask = offs_c < RD
-      acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-      acc = mm_acc(acc, h_ring, ud_ptr, rows, offs_c, m_mask, c_mask, 0, F, F, F, RD,
+      w_mask = offs_w < RD  # (a branch-local name: Triton types each name once per if)
+      acc = tl.zeros([BLOCK_M, BLOCK_NW], tl.float32)
+      acc = mm_acc(acc, h_ring, ud_ptr, rows, offs_w, m_mask, w_mask, 0, F, F, F, RD,
                    BLOCK_K, EVEN_F, True)
-      tl.store(s_ring + rows[:, None] * RD + offs_c[None, :], acc.to(s_ring.dtype.element_ty),
-               mask=c_mask[None, :])
+      tl.store(s_ring + rows[:, None] * RD + offs_w[None, :], acc.to(s_ring.dtype.element_ty),
+               mask=w_mask[None, :])
       signal(flags_ptr + 2 * NMB + mb)
     else:
       # D: Y columns j = S·Vd + bd
       wait_at_least(flags_ptr + 2 * NMB + mb, n_s)
-      c_mask = offs_c < DO
-      acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-      acc = mm_acc(acc, s_ring, vd_ptr, rows, offs_c, m_mask, c_mask, 0, RD, RD, RD, DO,
+      w_mask = offs_w < DO
+      acc = tl.zeros([BLOCK_M, BLOCK_NW], tl.float32)
+      acc = mm_acc(acc, s_ring, vd_ptr, rows, offs_w, m_mask, w_mask, 0, RD, RD, RD, DO,
                    BLOCK_K, EVEN_RD, True)
       if HAS_BD:
-        acc += tl.load(bd_ptr + offs_c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
-      tl.store(o_ptr + offs_m[:, None] * DO + offs_c[None, :], acc.to(o_ptr.dtype.element_ty),
-               mask=m_mask[:, None] & c_mask[None, :])
+        acc += tl.load(bd_ptr + offs_w, mask=w_mask, other=0.0).to(tl.float32)[None, :]
+      tl.store(o_ptr + offs_m[:, None] * DO + offs_w[None, :], acc.to(o_ptr.dtype.element_ty),
+               mask=m_mask[:, None] & w_mask[None, :])
       signal(flags_ptr + 3 * NMB + mb)
 
 
@@ -180,7 +187,9 @@ def schedule(m: int, r: int, f: int, rd: int, d_out: int, bs: BlockSizes, xp=np)
   The long-K phase-C tiles (K = D_ff) go first in each step, so they do not trail it.
   """
   n_mb = planner.cdiv(m, bs.block_m)
-  widths = [planner.cdiv(w, bs.block_n) for w in (r, f, rd, d_out)]
+  bw = bs.block_n_cd or bs.block_n
+  widths = [planner.cdiv(w, b) for w, b in ((r, bs.block_n), (f, bs.block_n), (rd, bw),
+                                            (d_out, bw))]
   if n_mb >= 1 << 14 or max(widths) >= 1 << 14:
     raise ValueError(f"{m=}, {r=}, {f=}, {rd=}, {d_out=} exceed the 14-bit tile code fields")
   n_sb = planner.cdiv(n_mb, bs.group_m)
@@ -205,6 +214,7 @@ def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes,
               HAS_BG=has.get("bg", False), HAS_BU=has["bu"], HAS_BD=has["bd"],
               T=len(sched), PROGRAMS=programs, G=bs.group_m, RING=ring,
               BLOCK_M=bs.block_m, BLOCK_N=bs.block_n, BLOCK_K=bs.block_k,
+              BLOCK_NW=bs.block_n_cd or bs.block_n,
               EVEN_D=d % bs.block_k == 0, EVEN_R=r % bs.block_k == 0,
               EVEN_F=f % bs.block_k == 0, EVEN_RD=rd % bs.block_k == 0)
   ring_rows = ring * bs.group_m * bs.block_m

@@ -99,8 +99,9 @@ def _xuv_prefill_kernel(
   n_r = (R + BLOCK_N - 1) // BLOCK_N
   n_n = (N + BLOCK_N - 1) // BLOCK_N
   for t in range(pid, T, PROGRAMS):
-    phase, mb, offs_m, m_mask, ring_rows, offs_c = ring_tile(
-        tl.load(sched_ptr + t), M, G, RING, BLOCK_M, BLOCK_N)
+    phase, mb, offs_m, m_mask, ring_rows, j = ring_tile(
+        tl.load(sched_ptr + t), M, G, RING, BLOCK_M)
+    offs_c = j * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if phase == 0:
       if mb >= G * RING:  # slot reuse: the previous occupant must be fully consumed

@@ -141,13 +141,14 @@ def test_mlp_kernels(kind, shape, dtype, gated, act, bias):
   assert_close(out, mlp_ref(x, gate, up, down, act, dtype), dtype)
 
 
-def test_mlp_prefill_ring_reuse():
+@pytest.mark.parametrize("block_n_cd", [0, 128])  # 128: wider phase-C/D tiles than A/B's
+def test_mlp_prefill_ring_reuse(block_n_cd):
   from lrjax.custom_calls.triton import mlp_prefill
   dtype = jnp.bfloat16
-  m, d, f, r = 700, 256, 640, 128
+  m, d, f, r = 700, 328, 640, 136  # r_d and D_out not multiples of 128
   gate, up, down = mlp_params(d, f, r, r, d, dtype, True, False)
   x = randn((m, d), dtype)
-  bs = mlp_prefill.BlockSizes(64, 64, 64, 2, 2, 4, 3, 11)
+  bs = mlp_prefill.BlockSizes(64, 64, 64, 2, 2, 4, 3, 11, block_n_cd)
   out = jax.jit(lambda x, g, u, dn, o: mlp_prefill.mlp_prefill(x, u, dn, g, out=o,
                                                                block_sizes=bs))(
       x, gate, up, down, poisoned((m, d), dtype))
