@@ -3,8 +3,29 @@ inter-CTA flags (release/acquire) that let one launch run dependent stages.
 
 Imports triton at module import: only ``load()`` of the CUDA lowering imports this.
 """
+import jax.numpy as jnp
 import triton
 import triton.language as tl
+
+
+def unpack_xuv_args(x, u, v, out_dtype):
+  """Validates the X·U·V kernels' arguments (shared by xuv_decode and xuv_prefill).
+
+  Returns (x2 [M, K], lead dims, (m, k, r, n), out_dtype)."""
+  if u.ndim != 2 or v.ndim != 2 or x.shape[-1] != u.shape[0] or u.shape[1] != v.shape[0]:
+    raise ValueError(f"{x.shape=}, {u.shape=}, {v.shape=}: expected x [..., K], u [K, r], "
+                     "v [r, N]")
+  if u.dtype != v.dtype or x.dtype != u.dtype:
+    raise TypeError(f"{x.dtype=}, {u.dtype=}, {v.dtype=} must match")
+  k, r = u.shape
+  x2 = x.reshape(-1, k)
+  return x2, x.shape[:-1], (x2.shape[0], k, r, v.shape[1]), jnp.dtype(out_dtype or x.dtype)
+
+
+def check_out(out, shape, dtype):
+  """``out=`` (a caller's output buffer, aliased into the call) must be [M, N] of dtype."""
+  if out is not None and (tuple(out.shape) != tuple(shape) or out.dtype != dtype):
+    raise ValueError(f"{out.shape=} {out.dtype=}: expected {tuple(shape)} {dtype}")
 
 
 @triton.jit

@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 
 from lrjax.custom_calls.triton import planner
-from lrjax.custom_calls.triton._common import (activation, mm_acc, mm_acc2, signal,
-                                               splitr_out_tile, wait_at_least)
+from lrjax.custom_calls.triton._common import (activation, check_out, mm_acc, mm_acc2,
+                                               signal, splitr_out_tile, wait_at_least)
 
 ACT_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "relu": 3}
 
@@ -252,8 +252,7 @@ def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
   if bs.block_m < m:
     raise ValueError(f"{bs.block_m=} must cover the {m} rows; use mlp_prefill for large M")
   plan = launch_plan(m, d, r, f, rd, d_out, gated=gated, act=act, bias_mask=bias_mask, bs=bs)
-  if out is not None and (tuple(out.shape) != (m, d_out) or out.dtype != out_dtype):
-    raise ValueError(f"{out.shape=} {out.dtype=}: expected {(m, d_out)} {out_dtype}")
+  check_out(out, (m, d_out), out_dtype)
   outs = jt.triton_call(
       *ops, x2 if out is None else out, m, kernel=_mlp_decode_kernel,
       out_shape=(jax.ShapeDtypeStruct((plan["scratch"],), jnp.float32),

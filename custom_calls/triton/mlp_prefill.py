@@ -34,8 +34,8 @@ import triton
 import triton.language as tl
 
 from lrjax.custom_calls.triton import planner
-from lrjax.custom_calls.triton._common import (activation, mm_acc, mm_acc2, ring_tile,
-                                               signal, wait_at_least)
+from lrjax.custom_calls.triton._common import (activation, check_out, mm_acc, mm_acc2,
+                                               ring_tile, signal, wait_at_least)
 from lrjax.custom_calls.triton.mlp_decode import ACT_CODES, unpack_mlp_args
 from lrjax.custom_calls.triton.xuv_prefill import tile_codes
 
@@ -238,8 +238,7 @@ def mlp_prefill(x, up, down, gate=None, *, act="silu", out_dtype=None,
   ops = ops + (plan["sched"],)
   rr = plan["ring_rows"]
   dt = ops[5].dtype  # vu
-  if out is not None and (tuple(out.shape) != (m, d_out) or out.dtype != out_dtype):
-    raise ValueError(f"{out.shape=} {out.dtype=}: expected {(m, d_out)} {out_dtype}")
+  check_out(out, (m, d_out), out_dtype)
   outs = jt.triton_call(
       *ops, x2 if out is None else out, kernel=_mlp_prefill_kernel,
       out_shape=(jax.ShapeDtypeStruct((rr, 2 * r if gated else r), dt),

@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 
 from lrjax.custom_calls.triton import planner
-from lrjax.custom_calls.triton._common import (mm_acc, signal, splitr_out_tile,
-                                               wait_at_least)
+from lrjax.custom_calls.triton._common import (check_out, mm_acc, signal, splitr_out_tile,
+                                               unpack_xuv_args, wait_at_least)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,25 +178,15 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
   3-10 µs less per call at M=1, gpu_notes.md).
   ``_stages``: benchmarking only (1: stage 1 alone, 2: stage 2 alone; the output is wrong).
   """
-  if u.ndim != 2 or v.ndim != 2 or x.shape[-1] != u.shape[0] or u.shape[1] != v.shape[0]:
-    raise ValueError(f"{x.shape=}, {u.shape=}, {v.shape=}: expected x [..., K], u [K, r], "
-                     "v [r, N]")
-  if u.dtype != v.dtype or x.dtype != u.dtype:
-    raise TypeError(f"{x.dtype=}, {u.dtype=}, {v.dtype=} must match")
+  x2, lead, (m, k, r, n), out_dtype = unpack_xuv_args(x, u, v, out_dtype)
   if xla_zeroing is None:
     xla_zeroing = out is None
   if xla_zeroing and out is not None:
     raise ValueError("out= and xla_zeroing=True cannot be combined")
-  lead = x.shape[:-1]
-  k, r = u.shape
-  n = v.shape[1]
-  x2 = x.reshape(-1, k)
-  m = x2.shape[0]
-  out_dtype = jnp.dtype(out_dtype or x.dtype)
   bs = block_sizes or BlockSizes.get_default(m, k, r, n)
   if bs.block_m < m:
     raise ValueError(f"{bs.block_m=} must cover the {m} rows; use xuv_prefill for large M")
-  _check_out(out, (m, n), out_dtype)
+  check_out(out, (m, n), out_dtype)
   b = bias if bias is not None else v  # never read without HAS_BIAS
   if _stages not in (1, 2, 3):
     raise ValueError(f"{_stages=} must be 1, 2 or 3")
@@ -215,11 +205,6 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
       num_warps=bs.num_warps, num_stages=bs.num_stages, name="lrjax_xuv_decode",
       **plan["meta"])
   return outs[-1].reshape(*lead, n)
-
-
-def _check_out(out, shape, dtype):
-  if out is not None and (tuple(out.shape) != shape or out.dtype != dtype):
-    raise ValueError(f"{out.shape=} {out.dtype=}: expected {shape} {dtype}")
 
 
 def xuv_decode_reference(x, u, v, bias=None, *, out_dtype=None):

@@ -34,7 +34,8 @@ import triton
 import triton.language as tl
 
 from lrjax.custom_calls.triton import planner
-from lrjax.custom_calls.triton._common import mm_acc, ring_tile, signal, wait_at_least
+from lrjax.custom_calls.triton._common import (check_out, mm_acc, ring_tile, signal,
+                                               unpack_xuv_args, wait_at_least)
 
 PHASE_A, PHASE_D = 0, 3
 _PHASE_SHIFT, _M_SHIFT, _J_MASK = 28, 14, (1 << 14) - 1
@@ -171,23 +172,12 @@ def xuv_prefill(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes |
 
   ``out`` [M, N]: optional buffer the kernel writes into (aliased; the tests poison it).
   """
-  if u.ndim != 2 or v.ndim != 2 or x.shape[-1] != u.shape[0] or u.shape[1] != v.shape[0]:
-    raise ValueError(f"{x.shape=}, {u.shape=}, {v.shape=}: expected x [..., K], u [K, r], "
-                     "v [r, N]")
-  if u.dtype != v.dtype or x.dtype != u.dtype:
-    raise TypeError(f"{x.dtype=}, {u.dtype=}, {v.dtype=} must match")
-  lead = x.shape[:-1]
-  k, r = u.shape
-  n = v.shape[1]
-  x2 = x.reshape(-1, k)
-  m = x2.shape[0]
-  out_dtype = jnp.dtype(out_dtype or x.dtype)
+  x2, lead, (m, k, r, n), out_dtype = unpack_xuv_args(x, u, v, out_dtype)
+  check_out(out, (m, n), out_dtype)
   bs = block_sizes or BlockSizes.get_default(m, k, r, n)
   plan = launch_plan(m, k, r, n, bias is not None, bs, jnp)
   b = bias if bias is not None else v  # never read without HAS_BIAS
   sched = plan["sched"]
-  if out is not None and (tuple(out.shape) != (m, n) or out.dtype != out_dtype):
-    raise ValueError(f"{out.shape=} {out.dtype=}: expected {(m, n)} {out_dtype}")
   _, _, _, o = jt.triton_call(
       x2, u, v, b, sched, x2 if out is None else out, kernel=_xuv_prefill_kernel,
       input_output_aliases={5: 3} if out is not None else None,
