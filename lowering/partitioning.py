@@ -71,7 +71,7 @@ def _out_split(layout: str) -> bool:
 
 def _local_xuv(x, u, v, b, layout, ax, inter_dtype, out_dtype):
   """One factor pair on local shards (inside the manual per-device program)."""
-  from lrjax.lowering.primitives import lr_xuv_p
+  from lrjax.lowering.primitives import lr_xuv_p, rank_space_out
   kw = dict(inter_dtype=inter_dtype, out_dtype=out_dtype)
   if layout in ("repl", "col"):
     ops = (x, u, v) + ((b,) if b is not None else ())
@@ -86,10 +86,7 @@ def _local_xuv(x, u, v, b, layout, ax, inter_dtype, out_dtype):
     t = jax.lax.all_gather(xu, ax, axis=x.ndim - 1, tiled=True)
   else:  # lr_row: rank-space partial sums, reduced in the intermediate dtype
     t = jax.lax.psum(xu, ax)
-  if b is None:
-    return jnp.matmul(t, v, preferred_element_type=out_dtype)
-  y = jnp.matmul(t, v, preferred_element_type=jnp.float32) + b.astype(jnp.float32)
-  return y.astype(out_dtype)
+  return rank_space_out(t, v, b, out_dtype)
 
 
 def _to_layout(h, split: bool, want_split: bool, ax):

@@ -100,7 +100,13 @@ def _xuv_chain(x, u, v, bias, inter_dtype, out_dtype):
   for that dtype directly, not for f32 plus a convert, lets XLA emit the same single GEMM
   it emits for a user's ``(x @ u) @ v``: an f32 product and a separate convert measured
   ~10% slower at prefill on the H200 (benchmarks/gpu_notes.md)."""
-  t = jnp.matmul(x, u, preferred_element_type=inter_dtype)
+  return rank_space_out(jnp.matmul(x, u, preferred_element_type=inter_dtype), v, bias,
+                        out_dtype)
+
+
+def rank_space_out(t, v, bias, out_dtype):
+  """t·v (+ bias): the second product of X·U·V from its rank-space intermediate ``t``,
+  rounded once to ``out_dtype`` (the bias is added in f32 before that rounding)."""
   if bias is None:
     return jnp.matmul(t, v, preferred_element_type=out_dtype)
   y = jnp.matmul(t, v, preferred_element_type=jnp.float32) + bias.astype(jnp.float32)
