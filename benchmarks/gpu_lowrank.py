@@ -132,7 +132,10 @@ def measure_ceilings():
 
 # ------------------------------------------------------------------ XUV
 
-def xuv_record(m, k, r, n, bw, peak, kernel="auto", reps=None):
+def xuv_record(m, k, r, n, bw, peak, kernel="auto", reps=None, baselines=None):
+  """One shape: our kernel (``kernel``: "auto" = lrjax's own choice, else a variant of
+  _xuv_variant), XLA's (x@u)@v and XLA's dense x@w. ``baselines``: a record of the same
+  shape whose XLA times are reused (a variant sweep times them once per shape)."""
   key = jax.random.key(m * 7 + k + r + n)
   ks = jax.random.split(key, 4)
   per_layer = 2 * (k * r + r * n)
@@ -147,11 +150,14 @@ def xuv_record(m, k, r, n, bw, peak, kernel="auto", reps=None):
     ours = _xuv_variant(kernel, m, k, r, n)
     t_ours, spread = per_call_us(ours, x, lr_layers, reps)
     low, t_def = "triton", t_ours
-  t_xla, _ = per_call_us(lambda x, u, v: (x @ u) @ v, x, lr_layers, reps)
+  if baselines is not None:
+    t_xla, t_dense = baselines["xla_lowrank_us"], baselines["xla_dense_us"]
+  else:
+    t_xla, _ = per_call_us(lambda x, u, v: (x @ u) @ v, x, lr_layers, reps)
+    dense = [(rand(jax.random.fold_in(ks[3], i), (k, n), k ** -0.5),) for i in range(nl)]
+    t_dense, _ = per_call_us(lambda x, w: x @ w, x, dense, reps)
+    del dense
   del lr_layers
-  dense = [(rand(jax.random.fold_in(ks[3], i), (k, n), k ** -0.5),) for i in range(nl)]
-  t_dense, _ = per_call_us(lambda x, w: x @ w, x, dense, reps)
-  del dense
   bytes_ = planner.hbm_bytes_xuv(m, k, r, n)
   flops = planner.flops_xuv(m, k, r, n)
   floor = max(bytes_ / BW_ROOF, flops / PEAK_ROOF) * 1e6
@@ -165,13 +171,21 @@ def xuv_record(m, k, r, n, bw, peak, kernel="auto", reps=None):
 
 def _xuv_variant(kernel, m, k, r, n):
   from lrjax.custom_calls.triton import xuv_decode, xuv_prefill
+  # decode*: the tiled schedule
   if kernel == "decode":  # scratch zeroed by jax-triton's memset inside the call
-    return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, xla_zeroing=False)
+    return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, xla_zeroing=False, persistent=False)
   if kernel == "decode_xz":  # scratch zeroed by XLA, aliased into the call (the default)
-    return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, xla_zeroing=True)
+    return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, xla_zeroing=True, persistent=False)
   if kernel.startswith("decode_stages:"):  # 1: stage 1 alone, 2: stage 2 alone (timing only)
     st = int(kernel.split(":")[1])
-    return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, _stages=st)
+    return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, _stages=st, persistent=False)
+  if kernel == "persistent":
+    return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, persistent=True)
+  if kernel.startswith("persistent:"):  # persistent:field=value,... (PersistentDecodePlan)
+    fields = {f: int(v) for f, v in (t.split("=") for t in kernel.split(":")[1].split(","))}
+    planned = planner.plan_decode_persistent(m, k, r, n, programs=fields.pop("programs", None))
+    p = dataclasses.replace(planned, **fields)
+    return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, persistent=p)
   if kernel == "prefill":
     return lambda x, u, v: xuv_prefill.xuv_prefill(x, u, v)
   if kernel.startswith("prefill:"):  # prefill:BM,BN,BK,G,ring,warps,stages,programs
@@ -181,7 +195,7 @@ def _xuv_variant(kernel, m, k, r, n):
   if kernel.startswith("decode:"):  # decode:BM,BK,BR,split,BN,BKV,chunks,warps,stages
     vals = [int(t) for t in kernel.split(":")[1].split(",")]
     bs = xuv_decode.BlockSizes(*vals)
-    return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, block_sizes=bs)
+    return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, block_sizes=bs, persistent=False)
   raise ValueError(f"{kernel=}")
 
 
@@ -294,6 +308,10 @@ MLP_TOKENS = (("llama3-8b", (1, 16, 4096, 4, 64)), ("llama3.2-1b", (1, 16, 4096)
               ("llama3.2-1b", (4, 64, 1024)))
 
 
+PERSISTENT_VARIANTS = ("persistent", "persistent:prefetch=0", "persistent:warps=8",
+                       "persistent:programs=264,stages=3")
+
+
 def suite(name, bw, peak, args, recs):
   if name == "overhead":
     for rec in overhead_records():
@@ -302,9 +320,13 @@ def suite(name, bw, peak, args, recs):
   if name in ("decode", "all"):
     for (k, r, n) in XUV_DECODE_SHAPES:
       for m in DECODE_M:
-        recs.append(xuv_record(m, k, r, n, bw, peak))
-        if m >= 16 and args.variants:
-          recs.append(xuv_record(m, k, r, n, bw, peak, "prefill"))
+        base = xuv_record(m, k, r, n, bw, peak)
+        recs.append(base)
+        if args.variants:  # the other decode schedule (and the prefill kernel from M=16)
+          from lrjax.custom_calls.triton import xuv_decode
+          other = "decode_xz" if m <= xuv_decode.PERSISTENT_MAX_M else "persistent"
+          for variant in (other,) + (("prefill",) if m >= 16 else ()):
+            recs.append(xuv_record(m, k, r, n, bw, peak, variant, baselines=base))
   if name in ("prefill", "all"):
     for m in PREFILL_M:
       recs.append(xuv_record(m, 8192, 4096, 16384, bw, peak, reps=7 if m > 4096 else None))
@@ -315,6 +337,13 @@ def suite(name, bw, peak, args, recs):
       d, f, r = MLP_SHAPES[label]
       for m in tokens:
         recs.append(dict(mlp_record(m, d, f, r, bw, peak), model=label))
+  if name == "decode_persistent":  # the persistent decode kernel against the tiled one
+    for (k, r, n) in XUV_DECODE_SHAPES:
+      for m in (1, 4, 16):
+        base = xuv_record(m, k, r, n, bw, peak, "decode_xz")
+        recs.append(base)
+        for variant in PERSISTENT_VARIANTS:
+          recs.append(xuv_record(m, k, r, n, bw, peak, variant, baselines=base))
   for spec in args.extra:
     # op/M,K,r,N/variant (mlp: M,D,F,r)
     op, dims, variant = spec.split("/")
@@ -419,7 +448,8 @@ def plot(path_json: str) -> str:
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--suite", default="all",
-                  choices=["decode", "prefill", "mlp", "all", "none", "overhead"])
+                  choices=["decode", "prefill", "mlp", "all", "none", "overhead",
+                           "decode_persistent"])
   ap.add_argument("--variants", action="store_true", help="also time non-default kernels")
   ap.add_argument("--extra", nargs="*", default=[], help="op/M,K,r,N/variant")
   ap.add_argument("--out", default="benchmarks/results/gpu_lowrank_h200.json")

@@ -138,27 +138,46 @@ def splitr_out_tile(nb, rc,  # output column block, reduction chunk
                     M, R: tl.constexpr, N: tl.constexpr,
                     R_PER: tl.constexpr, N_CHUNKS: tl.constexpr, HAS_BIAS: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KV: tl.constexpr,
-                    EVEN_R: tl.constexpr):
+                    EVEN_R: tl.constexpr, COLS_N: tl.constexpr):
   """One chunk of a split-r O = A·V: f32 atomics into acc; the last chunk to arrive for a
-  column block (semaphore, acq_rel) adds the bias and writes the output: one launch."""
+  column block (semaphore, acq_rel) adds the bias and writes the output: one launch.
+  A column block is COLS_N <= BLOCK_N columns wide; with one chunk the output is stored
+  directly (acc and the semaphores are then unused)."""
   offs_m = tl.arange(0, BLOCK_M)
   m_mask = offs_m < M
-  offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+  offs_n = nb * COLS_N + tl.arange(0, BLOCK_N)
   n_mask = offs_n < N
+  if COLS_N < BLOCK_N:
+    n_mask = n_mask & (tl.arange(0, BLOCK_N) < COLS_N)
   acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
   acc = mm_acc(acc, a_ptr, v_ptr, offs_m, offs_n, m_mask, n_mask, rc * R_PER, rc * R_PER + R_PER,
                R, R, N, BLOCK_KV, EVEN_R, True)
   off = offs_m[:, None] * N + offs_n[None, :]
   mask = m_mask[:, None] & n_mask[None, :]
-  tl.atomic_add(acc_ptr + off, acc, mask=mask, sem="relaxed")
-  tl.debug_barrier()
-  ticket = tl.atomic_add(sem_ptr + nb, 1, sem="acq_rel", scope="gpu")
-  tl.debug_barrier()
-  if ticket == N_CHUNKS - 1:
-    tot = tl.load(acc_ptr + off, mask=mask, other=0.0, cache_modifier=".cg")
+  if N_CHUNKS == 1:
     if HAS_BIAS:
-      tot += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(o_ptr + off, tot.to(o_ptr.dtype.element_ty), mask=mask)
+      acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(o_ptr + off, acc.to(o_ptr.dtype.element_ty), mask=mask)
+  else:
+    tl.atomic_add(acc_ptr + off, acc, mask=mask, sem="relaxed")
+    tl.debug_barrier()
+    ticket = tl.atomic_add(sem_ptr + nb, 1, sem="acq_rel", scope="gpu")
+    tl.debug_barrier()
+    if ticket == N_CHUNKS - 1:
+      tot = tl.load(acc_ptr + off, mask=mask, other=0.0, cache_modifier=".cg")
+      if HAS_BIAS:
+        tot += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+      tl.store(o_ptr + off, tot.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def prefetch_l2(ptrs, mask):
+  """Asks L2 to fetch the lines at ``ptrs`` (one per 128 bytes suffices), kept at evict_last
+  priority; returns nothing useful (the asm is impure so it is not removed)."""
+  return tl.inline_asm_elementwise(
+      "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; "
+      "mov.u32 $0, 0; }", "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32,
+      is_pure=False, pack=1)
 
 
 @triton.jit

@@ -177,3 +177,66 @@ def hbm_bytes_mlp(m: int, d: int, f: int, r: int, gated: bool = True, s: int = 2
 def flops_mlp(m: int, d: int, f: int, r: int, gated: bool = True) -> int:
   n_up = 2 if gated else 1
   return 2 * m * r * (d + f) * (n_up + 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class PersistentDecodePlan:
+  block_m: int  # padded token rows (>= 16 for mma)
+  block_k: int  # phase-1 K step
+  block_r: int  # phase-1 tile width in registers (a power of two)
+  cols_r: int  # phase-1 columns of U per tile (<= block_r, a multiple of 16)
+  k_per: int  # phase-1 K rows per tile (a multiple of block_k)
+  block_n: int  # phase-2 tile width in registers (a power of two, >= 64)
+  cols_n: int  # phase-2 columns of V per tile (<= block_n, a multiple of 16)
+  block_kv: int  # phase-2 reduction step over r
+  r_chunks: int  # phase-2 split of r
+  programs: int  # persistent CTAs (all resident at once)
+  warps: int
+  stages: int
+  prefetch: int  # V rows of its first phase-2 tile each CTA prefetches into L2 (0: none)
+  est_us: float  # the model's time at ``bw``
+
+
+def _widths(pow2s):
+  """(register width, columns): columns a multiple of 16 in (width/2, width]."""
+  return [(w, c) for w in pow2s for c in range(w // 2 + 16, w + 1, 16)]
+
+
+def plan_decode_persistent(m: int, k: int, r: int, n: int, hw: Hardware = H200,
+                           programs: int | None = None, bw: float = 4.0e12,
+                           fill_us: float = 1.5) -> PersistentDecodePlan:
+  """Tiles for the persistent decode kernel: ``programs`` CTAs stream U (phase 1), then V.
+
+  Each CTA's share of a phase is ceil(tiles / programs) tiles, so the phase lasts as long
+  as its busiest CTA: tiles x (tile bytes / the CTA's share of ``bw`` + ``fill_us``, the
+  pipeline refill, atomics and flag of each tile). Tiles need not be powers of two wide
+  (columns in multiples of 16, i.e. whole 32-byte sectors), so the tile count can match
+  the grid. The plan minimises the estimate.
+  """
+  g = programs or hw.num_sms
+  per_cta_bw = bw / g
+  block_m = max(16, next_pow2(m))
+  block_k = 64
+
+  def phase_us(n_tiles, tile_bytes):
+    return cdiv(n_tiles, g) * (tile_bytes / per_cta_bw * 1e6 + fill_us)
+
+  # ties go to fewer tiles, then to wider ones (longer contiguous rows)
+  t1, _, _, block_r, cols_r, k_per = min(
+      (phase_us(cdiv(r, c) * cdiv(k, steps * block_k), steps * block_k * c * 2),
+       cdiv(r, c) * cdiv(k, steps * block_k), -c, w, c, steps * block_k)
+      for w, c in _widths((64, 128, 256)) if c <= max(16, r) + 15
+      for steps in (2, 4, 8, 16, 32, 64) if steps * block_k < k + block_k)
+  n_rb = cdiv(r, cols_r)
+  cands = []
+  for w, c in _widths((64, 128, 256)):
+    for chunks in range(1, min(n_rb, 16) + 1):
+      per = cdiv(n_rb, chunks)
+      if cdiv(n_rb, per) != chunks or (chunks > 1 and (per * cols_r) % 64):
+        continue
+      n_tiles = chunks * cdiv(n, c)
+      cands.append((phase_us(n_tiles, per * cols_r * c * 2), n_tiles, chunks, -c, w, c))
+  t2, _, chunks, _, block_n, cols_n = min(cands)  # ties: fewer chunks (no atomics at one)
+  stages = 4 if block_m <= 32 else 3
+  return PersistentDecodePlan(block_m, block_k, block_r, cols_r, k_per, block_n, cols_n, 64,
+                              chunks, g, 4, stages, 128, t1 + t2)

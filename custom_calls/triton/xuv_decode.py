@@ -1,26 +1,33 @@
 """Decode X·U·V (small M): inter-CTA split-K on X·U, then split-r ·V, in one launch.
 
-Stage 1 splits the long K reduction of X·U over ``split_k x ceil(r/block_r)`` CTAs.
-Each streams a K-chunk x block_r slab of U (block_r = 256: 512-byte row segments) through a
-software-pipelined loop (``num_stages`` deep). It adds its [M, block_r] partial into an f32
-accumulator P with relaxed f32 atomics (the split-K reduction) and bumps the
-counter of its r-chunk (gpu-scope release).
+Two schedules of the same dataflow; ``xuv_decode`` picks the persistent one for
+M <= PERSISTENT_MAX_M (measured faster there, gpu_notes.md "Session 3").
 
-Stage 2 is split too: CTA (c, n) computes P[:, chunk c]·V[chunk c, n-block] as soon as
-chunk c of P is complete (acquire on that chunk's counter). It does not wait for all of P,
-so V starts streaming while stage 1 still streams the rest of U. Stage-1 CTAs are
-ordered r-block-major and stage-2 CTAs chunk-major. Partials go to an f32 output
-accumulator by atomics, and the last chunk to arrive for a column block (an acq_rel
-semaphore, as in the split-K paper's single-launch reduction) adds the bias and writes the
-output.
+**Persistent** (``_xuv_decode_persistent_kernel``): one CTA per SM. Phase 1 splits X·U
+into tiles of K_PER rows x COLS_R columns of U (K split across CTAs: inter-CTA split-K),
+phase 2 splits ·V into tiles of whole r-chunks x COLS_N columns. Column widths are
+multiples of 16 (whole 32-byte sectors), not powers of two, so each phase has about one
+tile per SM (``planner.plan_decode_persistent``) and no SM idles while others stream a
+second tile. A phase-1 tile adds its [M, COLS_R] partial into an f32 accumulator P with
+relaxed atomics and bumps its r-chunk's counter (release); a phase-2 tile waits for its
+chunk (acquire). Before waiting, a CTA asks L2 to prefetch the first rows of its V tile,
+so its pipeline restarts from L2 when P completes. With one r-chunk the output is stored
+directly; with several, the last chunk to arrive for a column block (an acq_rel
+semaphore, the split-K paper's single-launch reduction) adds the bias and writes it.
+All CTAs are resident at once (grid = SMs), so a waiting CTA never blocks a producer.
 
-Why one launch: at M <= 16 the op is ~45 µs of HBM streaming. Two launches leave the
-HBM idle during the dependent-launch gap and the stage-1 tail; the per-chunk counters
-overlap the two streams instead. The accumulators, counters and semaphores live in one
-scratch buffer, zeroed by an XLA op aliased into the call (or, with ``out=``, by
-jax-triton's pre-launch memset); the XLA-side zeroing measured 3-10 µs less per call. Forward
-progress relies on CUDA dispatching lower block indices first: a stage-2 CTA only waits on
-stage-1 CTAs with lower indices, the assumption of decoupled look-back scans.
+**Tiled** (``_xuv_decode_kernel``): one CTA per tile. Stage-1 CTAs (split_k x
+ceil(r/block_r), block_r = 256: 512-byte row segments) come first in the grid, r-block-
+major; stage-2 CTAs (chunk-major) start as soon as their chunk of P is complete, so V
+streams while the rest of U does. Forward progress relies on CUDA dispatching lower block
+indices first: a stage-2 CTA only waits on stage-1 CTAs with lower indices, the
+assumption of decoupled look-back scans.
+
+Why one launch: at M <= 16 the op is 10-50 µs of HBM streaming. Two launches leave the
+HBM idle during the dependent-launch gap and the stage-1 tail. The accumulators, counters
+and semaphores live in one scratch buffer, zeroed by an XLA op aliased into the call (or,
+with ``out=``, by jax-triton's pre-launch memset); the XLA-side zeroing measured 3-10 µs
+less per call.
 """
 from __future__ import annotations
 
@@ -33,8 +40,9 @@ import triton
 import triton.language as tl
 
 from lrjax.custom_calls.triton import planner
-from lrjax.custom_calls.triton._common import (check_out, mm_acc, signal, splitr_out_tile,
-                                               unpack_xuv_args, wait_at_least)
+from lrjax.custom_calls.triton._common import (check_out, mm_acc, prefetch_l2, signal,
+                                               splitr_out_tile, unpack_xuv_args,
+                                               wait_at_least)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +96,7 @@ TUNED: dict[tuple[str, str], BlockSizes] = {
 }
 
 MAX_M = 128  # beyond this the prefill kernel serves
+PERSISTENT_MAX_M = 16  # the persistent schedule is the default up to here (measured)
 
 
 @triton.jit
@@ -145,7 +154,71 @@ def _xuv_decode_kernel(
     wait_at_least(flag_ptr + rc, n_rb_c * SPLIT_K)
     splitr_out_tile(nb, rc, p_ptr, v_ptr, b_ptr, acc_ptr, sem_ptr, o_ptr, M, R, N,
                     RB_PER_CHUNK * BLOCK_R, R_CHUNKS, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_KV,
-                    EVEN_R)
+                    EVEN_R, BLOCK_N)
+
+
+@triton.jit
+def _xuv_decode_persistent_kernel(
+    x_ptr, u_ptr, v_ptr, b_ptr,  # as in _xuv_decode_kernel
+    o_in_ptr,  # aliased buffer (see _xuv_decode_kernel); never read
+    M,
+    scratch_ptr,  # _xuv_decode_kernel's layout, less the [M, N] accumulator at one r-chunk
+    o_ptr,
+    K: tl.constexpr, R: tl.constexpr, N: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    K_PER: tl.constexpr,  # phase-1 K rows per tile (a multiple of BLOCK_K)
+    SPLIT_K: tl.constexpr, R_CHUNKS: tl.constexpr, RB_PER_CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_KV: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_R: tl.constexpr,
+    COLS_R: tl.constexpr,  # phase-1 columns per tile (<= BLOCK_R, a multiple of 16)
+    COLS_N: tl.constexpr,  # phase-2 columns per tile (<= BLOCK_N, a multiple of 16)
+    PROGRAMS: tl.constexpr,  # the grid; all CTAs resident at once
+    PREFETCH: tl.constexpr,  # V rows of its first phase-2 tile a CTA prefetches into L2
+):
+  pid = tl.program_id(0)
+  p_ptr = scratch_ptr
+  acc_ptr = scratch_ptr + M * R  # the output accumulator: only with several r-chunks
+  if R_CHUNKS > 1:
+    flag_ptr = (scratch_ptr + M * R + M * N).to(tl.pointer_type(tl.int32))
+  else:
+    flag_ptr = (scratch_ptr + M * R).to(tl.pointer_type(tl.int32))
+  sem_ptr = flag_ptr + R_CHUNKS
+  n_rb = (R + COLS_R - 1) // COLS_R
+  n1 = n_rb * SPLIT_K
+  offs_m = tl.arange(0, BLOCK_M)
+  m_mask = offs_m < M
+  # phase 1: tiles t = pid, pid + PROGRAMS, ...; r-block-major, so the first r-chunks of P
+  # complete first. No waits here, so every phase-1 tile finishes.
+  for t in range(pid, n1, PROGRAMS):
+    rb = t // SPLIT_K
+    k_start = (t % SPLIT_K) * K_PER
+    offs_r = rb * COLS_R + tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    if COLS_R < BLOCK_R:
+      r_mask = r_mask & (tl.arange(0, BLOCK_R) < COLS_R)
+    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    acc = mm_acc(acc, x_ptr, u_ptr, offs_m, offs_r, m_mask, r_mask, k_start,
+                 k_start + K_PER, K, K, R, BLOCK_K, EVEN_K, False)
+    tl.atomic_add(p_ptr + offs_m[:, None] * R + offs_r[None, :], acc,
+                  mask=m_mask[:, None] & r_mask[None, :], sem="relaxed")
+    signal(flag_ptr + rb // RB_PER_CHUNK)
+  # phase 2: tiles q = pid, pid + PROGRAMS, ...; chunk-major; each waits for its chunk of P
+  n_nb = (N + COLS_N - 1) // COLS_N
+  if PREFETCH > 0:  # the first rows of this CTA's first V tile load while it waits
+    if pid < R_CHUNKS * n_nb:
+      rows = (pid // n_nb) * (RB_PER_CHUNK * COLS_R) + tl.arange(0, PREFETCH)
+      cols = (pid % n_nb) * COLS_N + tl.arange(0, BLOCK_N // 64) * 64
+      pf_mask = (rows[:, None] < R) & (cols[None, :] < N)
+      prefetch_l2(v_ptr + rows[:, None] * N + cols[None, :], pf_mask)
+  for q in range(pid, R_CHUNKS * n_nb, PROGRAMS):
+    rc = q // n_nb
+    nb = q % n_nb
+    n_rb_c = tl.minimum(n_rb - rc * RB_PER_CHUNK, RB_PER_CHUNK)
+    wait_at_least(flag_ptr + rc, n_rb_c * SPLIT_K)
+    splitr_out_tile(nb, rc, p_ptr, v_ptr, b_ptr, acc_ptr, sem_ptr, o_ptr, M, R, N,
+                    RB_PER_CHUNK * COLS_R, R_CHUNKS, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_KV,
+                    EVEN_R, COLS_N)
 
 
 def launch_plan(m: int, k: int, r: int, n: int, has_bias: bool, bs: BlockSizes,
@@ -165,17 +238,49 @@ def launch_plan(m: int, k: int, r: int, n: int, has_bias: bool, bs: BlockSizes,
               BLOCK_K=bs.block_k, BLOCK_R=bs.block_r, BLOCK_N=bs.block_n,
               BLOCK_KV=bs.block_kv, EVEN_K=k % k_per == 0,
               EVEN_R=r % r_per == 0 and r_per % bs.block_kv == 0, STAGES=stages)
-  return dict(grid=n_rb * split + chunks * n_nb, chunks=chunks, n_nb=n_nb, meta=meta)
+  return dict(grid=n_rb * split + chunks * n_nb, chunks=chunks, n_nb=n_nb, meta=meta,
+              scratch=m * r + m * n + chunks + n_nb)
+
+
+def num_sms() -> int:
+  """SMs of the first GPU (the persistent grid; every CTA must be resident at once);
+  0 when the runtime does not say."""
+  return int(getattr(jax.local_devices(backend="gpu")[0], "core_count", 0) or 0)
+
+
+def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
+                           p: planner.PersistentDecodePlan) -> dict:
+  """Grid size and constexprs of one persistent call (shared by the wrapper and the tests)."""
+  split = planner.cdiv(k, p.k_per)
+  n_rb = planner.cdiv(r, p.cols_r)
+  rb_per_chunk = planner.cdiv(n_rb, p.r_chunks)
+  chunks = planner.cdiv(n_rb, rb_per_chunk)
+  r_per = rb_per_chunk * p.cols_r
+  if chunks > 1 and r_per % p.block_kv:
+    raise ValueError(f"{p}: r-chunks of {r_per} rows are not a multiple of block_kv")
+  meta = dict(K=k, R=r, N=n, HAS_BIAS=has_bias, K_PER=p.k_per, SPLIT_K=split,
+              R_CHUNKS=chunks, RB_PER_CHUNK=rb_per_chunk, BLOCK_M=p.block_m,
+              BLOCK_K=p.block_k, BLOCK_R=p.block_r, BLOCK_N=p.block_n,
+              BLOCK_KV=p.block_kv, EVEN_K=k % p.k_per == 0,
+              EVEN_R=r % r_per == 0 and r_per % p.block_kv == 0, COLS_R=p.cols_r,
+              COLS_N=p.cols_n, PROGRAMS=p.programs, PREFETCH=p.prefetch)
+  n_nb = planner.cdiv(n, p.cols_n)
+  return dict(grid=p.programs, chunks=chunks, n_nb=n_nb, meta=meta,
+              scratch=m * r + (m * n if chunks > 1 else 0) + chunks + n_nb)
 
 
 def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | None = None,
-               out=None, xla_zeroing: bool | None = None, _stages: int = 3):
+               out=None, xla_zeroing: bool | None = None, _stages: int = 3,
+               persistent: "bool | planner.PersistentDecodePlan | None" = None):
   """y = (x·u)·v (+ bias) for few tokens. x [..., K], u [K, r], v [r, N], bias [N].
 
   ``out`` [M, N]: optional buffer the kernel writes into (aliased; the tests poison it).
   ``xla_zeroing``: zero the scratch with an XLA op aliased into the call instead of
   jax-triton's memset inside the custom call (default: yes unless ``out`` is given; measured
   3-10 µs less per call at M=1, gpu_notes.md).
+  ``persistent``: the persistent schedule (True, or a ``planner.PersistentDecodePlan``) or
+  the tiled one (False; ``block_sizes`` applies to it); default: persistent for
+  M <= PERSISTENT_MAX_M.
   ``_stages``: benchmarking only (1: stage 1 alone, 2: stage 2 alone; the output is wrong).
   """
   x2, lead, (m, k, r, n), out_dtype = unpack_xuv_args(x, u, v, out_dtype)
@@ -183,26 +288,46 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
     xla_zeroing = out is None
   if xla_zeroing and out is not None:
     raise ValueError("out= and xla_zeroing=True cannot be combined")
-  bs = block_sizes or BlockSizes.get_default(m, k, r, n)
-  if bs.block_m < m:
-    raise ValueError(f"{bs.block_m=} must cover the {m} rows; use xuv_prefill for large M")
   check_out(out, (m, n), out_dtype)
   b = bias if bias is not None else v  # never read without HAS_BIAS
-  if _stages not in (1, 2, 3):
-    raise ValueError(f"{_stages=} must be 1, 2 or 3")
-  plan = launch_plan(m, k, r, n, bias is not None, bs, _stages)
-  scratch = m * r + m * n + plan["chunks"] + plan["n_nb"]
+  if persistent is None:
+    persistent = (m <= PERSISTENT_MAX_M and block_sizes is None and _stages == 3
+                  and num_sms() > 0)
+  if persistent:
+    if block_sizes is not None or _stages != 3:
+      raise ValueError("block_sizes= and _stages= apply to the tiled schedule "
+                       "(persistent=False); pass a planner.PersistentDecodePlan instead")
+    if m > MAX_M:
+      raise ValueError(f"{m} rows: the persistent decode kernel serves M <= {MAX_M}")
+    p = persistent if isinstance(persistent, planner.PersistentDecodePlan) else \
+        planner.plan_decode_persistent(m, k, r, n, programs=num_sms())
+    if not 0 < p.programs <= num_sms():
+      raise ValueError(f"{p.programs=} must be in [1, {num_sms()}] (the SMs; 0: unknown): "
+                       "every CTA must be resident, or a waiting CTA could block its producer")
+    if p.block_m < m:
+      raise ValueError(f"{p.block_m=} must cover the {m} rows")
+    plan = persistent_launch_plan(m, k, r, n, bias is not None, p)
+    kernel, warps, stages = _xuv_decode_persistent_kernel, p.warps, p.stages
+  else:
+    bs = block_sizes or BlockSizes.get_default(m, k, r, n)
+    if bs.block_m < m:
+      raise ValueError(f"{bs.block_m=} must cover the {m} rows; use xuv_prefill for large M")
+    if _stages not in (1, 2, 3):
+      raise ValueError(f"{_stages=} must be 1, 2 or 3")
+    plan = launch_plan(m, k, r, n, bias is not None, bs, _stages)
+    kernel, warps, stages = _xuv_decode_kernel, bs.num_warps, bs.num_stages
+  scratch = plan["scratch"]
   if xla_zeroing:  # the 5th operand is then the zeroed scratch, aliased to output 0
     fifth, aliases, zeroed = jnp.zeros((scratch,), jnp.float32), {4: 0}, ()
   else:
     fifth = x2 if out is None else out
     aliases, zeroed = ({4: 1} if out is not None else None), (0,)
   outs = jt.triton_call(
-      x2, u, v, b, fifth, m, kernel=_xuv_decode_kernel,
+      x2, u, v, b, fifth, m, kernel=kernel,
       out_shape=(jax.ShapeDtypeStruct((scratch,), jnp.float32),
                  jax.ShapeDtypeStruct((m, n), out_dtype)),
       grid=(plan["grid"],), zeroed_outputs=zeroed, input_output_aliases=aliases,
-      num_warps=bs.num_warps, num_stages=bs.num_stages, name="lrjax_xuv_decode",
+      num_warps=warps, num_stages=stages, name="lrjax_xuv_decode",
       **plan["meta"])
   return outs[-1].reshape(*lead, n)
 

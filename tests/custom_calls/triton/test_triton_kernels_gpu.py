@@ -64,18 +64,26 @@ XUV_SHAPES = [  # (M, K, r, N): M=1, ragged everything, a multi-super-block pref
 @pytest.mark.parametrize("dtype,bias", [(jnp.bfloat16, False), (jnp.float16, True),
                                         (jnp.bfloat16, True)])
 @pytest.mark.parametrize("shape", XUV_SHAPES)
-@pytest.mark.parametrize("kind", ["decode", "decode_small_blocks", "prefill"])
+@pytest.mark.parametrize("kind", ["decode", "decode_small_blocks", "persistent",
+                                  "persistent_small_grid", "prefill"])
 def test_xuv_kernels(kind, shape, dtype, bias):
   from lrjax.custom_calls.triton import xuv_decode, xuv_prefill
   import dataclasses
   m, k, r, n = shape
-  if kind.startswith("decode") and m > xuv_decode.MAX_M:
+  if kind != "prefill" and m > xuv_decode.MAX_M:
     pytest.skip(f"decode kernel serves M <= {xuv_decode.MAX_M}")
   x = randn((m, k), dtype)
   u, v = lr_factors(k, r, n, dtype)
   b = randn((n,), dtype) if bias else None
   if kind == "prefill":
     fn = lambda x, u, v, b, o: xuv_prefill.xuv_prefill(x, u, v, b, out=o)
+  elif kind.startswith("persistent"):
+    from lrjax.custom_calls.triton import planner
+    p = planner.plan_decode_persistent(m, k, r, n)
+    if kind == "persistent_small_grid":  # several ragged, part-width tiles per CTA
+      p = dataclasses.replace(p, block_r=64, cols_r=32, k_per=128, block_n=64, cols_n=48,
+                              block_kv=32, r_chunks=3, programs=5, prefetch=16)
+    fn = lambda x, u, v, b, o: xuv_decode.xuv_decode(x, u, v, b, out=o, persistent=p)
   else:
     bs = xuv_decode.BlockSizes.get_default(m, k, r, n)
     if kind == "decode_small_blocks":  # many ragged r-chunks and column blocks

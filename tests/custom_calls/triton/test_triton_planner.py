@@ -38,6 +38,35 @@ def test_decode_plan_fills_the_machine():
   assert planner.plan_decode(40, 8192, 4096, 16384).block_m == 64
 
 
+@pytest.mark.parametrize("m,k,r,n", [(1, 8192, 4096, 16384), (4, 4096, 2560, 14336),
+                                     (16, 8192, 2048, 16384), (1, 4096, 1024, 14336)])
+def test_persistent_decode_plan_gives_each_sm_about_one_tile(m, k, r, n):
+  p = planner.plan_decode_persistent(m, k, r, n)
+  g = planner.H200.num_sms
+  tiles1 = planner.cdiv(r, p.cols_r) * planner.cdiv(k, p.k_per)
+  tiles2 = p.r_chunks * planner.cdiv(n, p.cols_n)
+  for tiles in (tiles1, tiles2):  # one round, and at most 1/8 of the SMs idle
+    assert 7 * g // 8 <= tiles <= g, (p, tiles1, tiles2)
+  floor_us = planner.hbm_bytes_xuv(m, k, r, n) / 4.0e12 * 1e6
+  assert floor_us < p.est_us < floor_us + 4 * 1.5
+
+
+@pytest.mark.parametrize("m,k,r,n,programs", [(1, 200, 72, 130, None), (3, 1000, 96, 520, 7),
+                                              (16, 4096, 256, 1024, None),
+                                              (128, 2048, 2304, 1000, None)])
+def test_persistent_decode_plan_is_well_formed(m, k, r, n, programs):
+  p = planner.plan_decode_persistent(m, k, r, n, programs=programs)
+  assert p.block_m >= m and p.programs == (programs or planner.H200.num_sms)
+  for width, cols in ((p.block_r, p.cols_r), (p.block_n, p.cols_n)):
+    assert width & (width - 1) == 0 and cols % 16 == 0 and width // 2 < cols <= width
+  assert p.block_n >= 64  # the L2 prefetch addresses one line per 64 columns
+  assert p.k_per % p.block_k == 0
+  n_rb = planner.cdiv(r, p.cols_r)
+  per = planner.cdiv(n_rb, p.r_chunks)
+  assert planner.cdiv(n_rb, per) == p.r_chunks
+  assert p.r_chunks == 1 or (per * p.cols_r) % p.block_kv == 0  # chunks of whole steps
+
+
 def test_roofline_counts():
   assert planner.hbm_bytes_xuv(1, 8192, 4096, 16384) == 2 * (8192 + 8192 * 4096 + 4096 * 16384 + 16384)
   assert planner.flops_xuv(2, 3, 4, 5) == 2 * 2 * 4 * 8
