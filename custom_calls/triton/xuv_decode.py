@@ -96,7 +96,7 @@ TUNED: dict[tuple[str, str], BlockSizes] = {
 }
 
 MAX_M = 128  # beyond this the prefill kernel serves
-PERSISTENT_MAX_M = 16  # the persistent schedule is the default up to here (measured)
+PERSISTENT_MAX_M = 64  # the persistent schedule is the default up to here (measured)
 
 
 @triton.jit
