@@ -35,9 +35,15 @@ def test_nearest_record_and_verdict(monkeypatch):
       ("xuv", 4, 4096, 1024, 4096, 10.0, 11.0),
       ("xuv", 16, 4096, 1024, 4096, 10.0, 0.98 * 10.0),  # at parity (noise): serves
       ("xuv", 1024, 4096, 1024, 4096, 100.0, 80.0),  # slower: 0.80x
-      ("mlp_swiglu", 1, 4096, 1024, 14336, 50.0, 40.0)))
+      ("xuv", 1, 8192, 2048, 16384, 10.0, 11.0),
+      ("xuv", 2, 8192, 2048, 16384, 10.0, 11.0),
+      ("xuv", 4, 8192, 2048, 16384, 10.0, 8.5),  # 0.85x: clearly slower, though the median
+      ("mlp_swiglu", 1, 4096, 1024, 14336, 50.0, 40.0)))  # of M=1, 2, 4 is 1.1x
   assert measured.verdict("xuv", 1, 4096, 1024, 4096) is None
   assert measured.verdict("xuv", 2, 4096, 1024, 4096) is None  # median of M=1, 2, 4: 1.1x
+  assert measured.verdict("xuv", 2, 8192, 2048, 16384) is None
+  why = measured.verdict("xuv", 4, 8192, 2048, 16384)
+  assert why is not None and "clearly" in why and "0.85x" in why and "M=4" in why
   assert measured.verdict("xuv", 1, 4096, 1024, 4096) is None  # median of M=1, 2, 4 too
   assert measured.verdict("xuv", 3, 3000, 1000, 4000) is None
   assert measured.verdict("xuv", 16, 4096, 1024, 4096) is None
@@ -71,7 +77,8 @@ def test_lowering_policy_follows_every_measured_record():
       avals = [a(m, k), a(k, r), a(r, n), a(k, r), a(r, n), a(n, r), a(r, k)]
       params = dict(gated=True, bias_mask=(False, False, False))
       why = lowering.mlp_faster(avals, params)
-    assert (why is None) == (_window_ratio(rec) >= measured.PARITY), (rec, why)
+    serves = _window_ratio(rec) >= measured.PARITY and rec[6] / rec[5] >= measured.CLEAR_LOSS
+    assert (why is None) == serves, (rec, why)
 
 
 def test_every_triton_kernel_has_the_speed_check():
