@@ -214,7 +214,9 @@ def _swiglu_dense(x, wg, wu, wd):
   return (jax.nn.silu(x @ wg) * (x @ wu)) @ wd
 
 
-def mlp_record(m, d, f, r, bw, peak, kernel="auto", reps=None):
+def mlp_record(m, d, f, r, bw, peak, kernel="auto", reps=None, baselines=None):
+  """One SwiGLU shape: our kernel ("auto", or a variant below), XLA's unfused low-rank MLP
+  and XLA's dense MLP (``baselines``: a record whose XLA times are reused)."""
   key = jax.random.key(m * 13 + d + f + r)
   ks = jax.random.split(key, 8)
   per_layer = 2 * 3 * r * (d + f)
@@ -232,21 +234,31 @@ def mlp_record(m, d, f, r, bw, peak, kernel="auto", reps=None):
   else:
     from lrjax.custom_calls.triton import mlp_decode, mlp_prefill
     name, _, spec = kernel.partition(":")
+    extra = {}
+    if name == "decode_memset":  # scratch zeroed by jax-triton's memset inside the call
+      name, extra = "decode", dict(xla_zeroing=False)
     mod = {"decode": mlp_decode, "prefill": mlp_prefill}[name]
     kern = getattr(mod, f"mlp_{name}")
     bs = mod.BlockSizes(*[int(t) for t in spec.split(",")]) if spec else None
-    ours = lambda x, ug, vg, uu, vu, ud, vd: kern(x, (uu, vu), (ud, vd), (ug, vg), block_sizes=bs)
+    ours = lambda x, ug, vg, uu, vu, ud, vd: kern(x, (uu, vu), (ud, vd), (ug, vg), block_sizes=bs,
+                                                  **extra)
   if low is None:
     t_ours, spread = per_call_us(ours, x, layers, reps)
     low, t_def = "triton", t_ours
-  t_xla, _ = per_call_us(_swiglu_lowrank, x, layers, reps)
+  if baselines is None:
+    t_xla, _ = per_call_us(_swiglu_lowrank, x, layers, reps)
+  else:
+    t_xla = baselines["xla_lowrank_us"]
   with lrjax.lowering.prefer_kernels():
     mem_ours = jax.jit(ours).lower(x, *layers[0]).compile().memory_analysis()
   mem_xla = jax.jit(_swiglu_lowrank).lower(x, *layers[0]).compile().memory_analysis()
   del layers
-  dense = [(fac(i, 1, d, f), fac(i, 2, d, f), fac(i, 3, f, d)) for i in range(min(nl, 6))]
-  t_dense, _ = per_call_us(_swiglu_dense, x, dense, reps)
-  del dense
+  if baselines is None:
+    dense = [(fac(i, 1, d, f), fac(i, 2, d, f), fac(i, 3, f, d)) for i in range(min(nl, 6))]
+    t_dense, _ = per_call_us(_swiglu_dense, x, dense, reps)
+    del dense
+  else:
+    t_dense = baselines["xla_dense_us"]
   bytes_ = planner.hbm_bytes_mlp(m, d, f, r)
   flops = planner.flops_mlp(m, d, f, r)
   floor = max(bytes_ / BW_ROOF, flops / PEAK_ROOF) * 1e6
@@ -313,6 +325,8 @@ MLP_TOKENS = (("llama3-8b", (1, 16, 4096, 4, 64)), ("llama3.2-1b", (1, 16, 4096)
               ("llama3.2-1b", (4, 64, 1024)))
 
 
+MLP_DECODE_VARIANTS = ("decode_memset", "decode:16,64,128,8,32,256,128,64,4,4,4,4",
+                       "decode:16,64,128,8,128,256,128,64,4,4,4,3")
 PERSISTENT_VARIANTS = ("persistent", "persistent:prefetch=0", "persistent:warps=8",
                        "persistent:programs=264,stages=3")
 
@@ -324,7 +338,7 @@ def suite(name, bw, peak, args, recs):
     return recs
   if name in ("decode", "all"):
     for (k, r, n) in XUV_DECODE_SHAPES:
-      for m in DECODE_M:
+      for m in (m for m in DECODE_M if m <= args.max_m):
         base = xuv_record(m, k, r, n, bw, peak)
         recs.append(base)
         if args.variants:  # the other decode schedule (and the prefill kernel from M=16)
@@ -341,7 +355,8 @@ def suite(name, bw, peak, args, recs):
     for label, tokens in MLP_TOKENS:
       d, f, r = MLP_SHAPES[label]
       for m in tokens:
-        recs.append(dict(mlp_record(m, d, f, r, bw, peak), model=label))
+        if m <= args.max_m:
+          recs.append(dict(mlp_record(m, d, f, r, bw, peak), model=label))
   if name == "decode_persistent":  # the persistent decode kernel against the tiled one
     for (k, r, n) in XUV_DECODE_SHAPES:
       for m in (1, 4, 16):
@@ -349,6 +364,15 @@ def suite(name, bw, peak, args, recs):
         recs.append(base)
         for variant in PERSISTENT_VARIANTS:
           recs.append(xuv_record(m, k, r, n, bw, peak, variant, baselines=base))
+  if name == "mlp_decode_variants":  # scratch zeroing and stage-B slice width, side by side
+    for label in ("llama3-8b", "llama3.2-1b", "llama3-8b-r1024"):
+      d, f, r = MLP_SHAPES[label]
+      for m in (1, 4, 16):
+        base = dict(mlp_record(m, d, f, r, bw, peak), model=label)
+        recs.append(base)
+        for variant in MLP_DECODE_VARIANTS:
+          recs.append(dict(mlp_record(m, d, f, r, bw, peak, variant, baselines=base),
+                           model=label))
   for spec in args.extra:
     # op/M,K,r,N/variant (mlp: M,D,F,r)
     op, dims, variant = spec.split("/")
@@ -454,7 +478,7 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--suite", default="all",
                   choices=["decode", "prefill", "mlp", "all", "none", "overhead",
-                           "decode_persistent"])
+                           "decode_persistent", "mlp_decode_variants"])
   ap.add_argument("--variants", action="store_true", help="also time non-default kernels")
   ap.add_argument("--extra", nargs="*", default=[], help="op/M,K,r,N/variant")
   ap.add_argument("--out", default="benchmarks/results/gpu_lowrank_h200.json")
@@ -465,6 +489,8 @@ def main():
   ap.add_argument("--append", action="store_true",
                   help="keep the records already in --out (a sweep split over several runs); "
                   "a shape measured again replaces its old record")
+  ap.add_argument("--max-m", type=int, default=1 << 30,
+                  help="only the decode and MLP shapes with at most this many tokens")
   ap.add_argument("--verbose", action="store_true", help="print compile and timing seconds")
   ap.add_argument("--reps", type=int, default=15, help="alternated repetitions per timing")
   args = ap.parse_args()

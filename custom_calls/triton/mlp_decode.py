@@ -15,7 +15,8 @@ through L2. Stages are ordered inside the grid by counters: stage-A CTAs ``signa
 counter of their r-chunk and stage-B CTAs wait on each chunk before using it; stage-B
 CTAs ``signal`` one counter that stage-C CTAs wait on. This has the same forward-progress
 argument as xuv_decode: lower block indices are dispatched first. All accumulators and
-counters live in one scratch buffer zeroed by one memset inside the custom call. Non-gated MLPs
+counters live in one scratch buffer, zeroed by an XLA op aliased into the call (or, with
+``out=``, by jax-triton's memset inside the custom call). Non-gated MLPs
 (act(X·U1·V1 + b1)·U2·V2 + b2) run the same kernel with GATED=False.
 
 Every byte of the six factors is read once, so the floor is their size over HBM bandwidth.
@@ -62,8 +63,14 @@ class BlockSizes:
     max_split = max(1, d // (8 * t.block_k))  # >= 8 pipelined K steps per CTA
     n_rb = planner.cdiv(r, t.block_r)
     split = max(1, min(max_split, planner.cdiv(2 * planner.H200.num_sms, n_rb)))
-    warps = t.num_warps if bm <= 32 else 8  # [bm, 64] x2 f32 accumulators per CTA
-    return dataclasses.replace(t, block_m=bm, split_k=split, num_warps=warps)
+    warps = t.num_warps if bm <= 32 else 8  # [bm, block_f] x2 f32 accumulators per CTA
+    block_f, stages = t.block_f, t.num_stages
+    if bm <= 16 and planner.cdiv(f, 128) >= 3 * planner.H200.num_sms // 4:
+      # fewer, longer stage-B slices while >= 3/4 of the SMs still get one: 8-14 % faster
+      # at D_ff=14336 (gpu_mlp_decode_variants_h200.json); 3 stages fit the wider tiles
+      block_f, stages = 128, 3
+    return dataclasses.replace(t, block_m=bm, split_k=split, num_warps=warps, block_f=block_f,
+                               num_stages=stages)
 
 
 # Tuned on the H200 (benchmarks/gpu_lowrank.py); shape class -> blocks.
@@ -81,9 +88,10 @@ def _mlp_decode_kernel(
     ug_ptr, vg_ptr, bg_ptr,  # [D, R], [R, F], [F] gate factors (unread if not GATED)
     uu_ptr, vu_ptr, bu_ptr,  # [D, R], [R, F], [F] up factors
     ud_ptr, vd_ptr, bd_ptr,  # [F, RD], [RD, DO], [DO] down factors
-    o_in_ptr,  # [M, DO] caller's output buffer aliased to o_ptr (else x; never read)
+    o_in_ptr,  # [M, DO] caller's output buffer aliased to o_ptr, or the zeroed scratch
+               # aliased to scratch_ptr (xla_zeroing), else x; never read
     M,  # rows (runtime: one compile serves every M <= BLOCK_M)
-    scratch_ptr,  # f32, zeroed by one memset: Pg [M, R], Pu [M, R], S [M, RD],
+    scratch_ptr,  # f32, zeroed before the launch: Pg [M, R], Pu [M, R], S [M, RD],
                   # output accumulator [M, DO], then (i32) A_CHUNKS stage-A counters,
                   # the stage-B counter, and ceil(DO/BLOCK_N) stage-C semaphores
     o_ptr,  # [M, DO] output
@@ -240,10 +248,13 @@ def unpack_mlp_args(x, up, down, gate, act):
 
 
 def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
-               block_sizes: BlockSizes | None = None, out=None):
+               block_sizes: BlockSizes | None = None, out=None, xla_zeroing: bool | None = None):
   """Low-rank MLP for few tokens; ``up``/``down``/``gate`` are (u, v) or (u, v, bias).
 
   ``out`` [M, D_out]: optional buffer the kernel writes into (aliased; tests poison it).
+  ``xla_zeroing``: zero the scratch with an XLA op aliased into the call instead of
+  jax-triton's memset inside the custom call (default: yes unless ``out`` is given), as
+  xuv_decode does.
   """
   gated = gate is not None
   x2, lead, (d, r, f, rd, d_out), bias_mask, ops = unpack_mlp_args(x, up, down, gate, act)
@@ -254,13 +265,22 @@ def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
     raise ValueError(f"{bs.block_m=} must cover the {m} rows; use mlp_prefill for large M")
   plan = launch_plan(m, d, r, f, rd, d_out, gated=gated, act=act, bias_mask=bias_mask, bs=bs)
   check_out(out, (m, d_out), out_dtype)
+  if xla_zeroing is None:
+    xla_zeroing = out is None
+  if xla_zeroing and out is not None:
+    raise ValueError("out= and xla_zeroing=True cannot be combined")
+  if xla_zeroing:  # the 11th operand is then the zeroed scratch, aliased to output 0
+    eleventh, aliases, zeroed = jnp.zeros((plan["scratch"],), jnp.float32), {10: 0}, ()
+  else:
+    eleventh = x2 if out is None else out
+    aliases, zeroed = ({10: 1} if out is not None else None), (0,)
   outs = jt.triton_call(
-      *ops, x2 if out is None else out, m, kernel=_mlp_decode_kernel,
+      *ops, eleventh, m, kernel=_mlp_decode_kernel,
       out_shape=(jax.ShapeDtypeStruct((plan["scratch"],), jnp.float32),
                  jax.ShapeDtypeStruct((m, d_out), out_dtype)),
-      grid=(plan["grid"],), zeroed_outputs=(0,),
-      input_output_aliases={10: 1} if out is not None else None, num_warps=bs.num_warps,
-      num_stages=bs.num_stages, name="lrjax_mlp_decode", **plan["meta"])
+      grid=(plan["grid"],), zeroed_outputs=zeroed, input_output_aliases=aliases,
+      num_warps=bs.num_warps, num_stages=bs.num_stages, name="lrjax_mlp_decode",
+      **plan["meta"])
   return outs[-1].reshape(*lead, d_out)
 
 

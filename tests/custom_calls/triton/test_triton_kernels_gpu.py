@@ -65,7 +65,7 @@ XUV_SHAPES = [  # (M, K, r, N): M=1, ragged everything, a multi-super-block pref
                                         (jnp.bfloat16, True)])
 @pytest.mark.parametrize("shape", XUV_SHAPES)
 @pytest.mark.parametrize("kind", ["decode", "decode_small_blocks", "persistent",
-                                  "persistent_small_grid", "prefill"])
+                                  "persistent_small_grid", "persistent_xla_zeroing", "prefill"])
 def test_xuv_kernels(kind, shape, dtype, bias):
   from lrjax.custom_calls.triton import xuv_decode, xuv_prefill
   import dataclasses
@@ -84,6 +84,8 @@ def test_xuv_kernels(kind, shape, dtype, bias):
       p = dataclasses.replace(p, block_r=64, cols_r=32, k_per=128, block_n=64, cols_n=48,
                               block_kv=32, r_chunks=3, programs=5, prefetch=16)
     fn = lambda x, u, v, b, o: xuv_decode.xuv_decode(x, u, v, b, out=o, persistent=p)
+    if kind == "persistent_xla_zeroing":  # the default: scratch zeroed by XLA, no out=
+      fn = lambda x, u, v, b, o: xuv_decode.xuv_decode(x, u, v, b, persistent=p)
   else:
     bs = xuv_decode.BlockSizes.get_default(m, k, r, n)
     if kind == "decode_small_blocks":  # many ragged r-chunks and column blocks
@@ -128,6 +130,7 @@ MLP_SHAPES = [  # (M, D, F, r, r_d)
     (1, 200, 520, 72, 40), (5, 512, 1000, 96, 136), (16, 1024, 2816, 256, 256),
     (64, 320, 1000, 200, 72), (128, 256, 704, 128, 128), (300, 512, 1400, 256, 192),
     (2, 1024, 2000, 2304, 2048),  # r >= 2048: the tuned large-rank configs
+    (3, 256, 12900, 64, 72),  # D_ff wide enough for 128-column stage-B slices, ragged
 ]
 
 
@@ -135,17 +138,20 @@ MLP_SHAPES = [  # (M, D, F, r, r_d)
     (jnp.bfloat16, True, "silu", False), (jnp.float16, True, "gelu_tanh", True),
     (jnp.bfloat16, False, "relu", True)])
 @pytest.mark.parametrize("shape", MLP_SHAPES)
-@pytest.mark.parametrize("kind", ["decode", "prefill"])
+@pytest.mark.parametrize("kind", ["decode", "decode_xla_zeroing", "prefill"])
 def test_mlp_kernels(kind, shape, dtype, gated, act, bias):
   from lrjax.custom_calls.triton import mlp_decode, mlp_prefill
   m, d, f, r, rd = shape
-  if kind == "decode" and m > mlp_decode.MAX_M:
+  if kind.startswith("decode") and m > mlp_decode.MAX_M:
     pytest.skip(f"decode kernel serves M <= {mlp_decode.MAX_M}")
   gate, up, down = mlp_params(d, f, r, rd, d, dtype, gated, bias)
   x = randn((m, d), dtype)
-  kern = mlp_decode.mlp_decode if kind == "decode" else mlp_prefill.mlp_prefill
-  out = jax.jit(lambda x, g, u, dn, o: kern(x, u, dn, g, act=act, out=o))(
-      x, gate, up, down, poisoned((m, d), dtype))
+  kern = mlp_decode.mlp_decode if kind.startswith("decode") else mlp_prefill.mlp_prefill
+  if kind == "decode_xla_zeroing":  # the default: scratch zeroed by XLA, no out= buffer
+    out = jax.jit(lambda x, g, u, dn: kern(x, u, dn, g, act=act))(x, gate, up, down)
+  else:
+    out = jax.jit(lambda x, g, u, dn, o: kern(x, u, dn, g, act=act, out=o))(
+        x, gate, up, down, poisoned((m, d), dtype))
   assert_close(out, mlp_ref(x, gate, up, down, act, dtype), dtype)
 
 
