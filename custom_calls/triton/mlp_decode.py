@@ -66,7 +66,7 @@ class BlockSizes:
     warps = t.num_warps if bm <= 32 else 8  # [bm, block_f] x2 f32 accumulators per CTA
     block_f, stages = t.block_f, t.num_stages
     if bm <= 16 and planner.cdiv(f, 128) >= 3 * planner.H200.num_sms // 4:
-      # fewer, longer stage-B slices while >= 3/4 of the SMs still get one: 8-14 % faster
+      # fewer, longer stage-B slices while >= 3/4 of the SMs still get one: 4-18 % faster
       # at D_ff=14336 (gpu_mlp_decode_variants_h200.json); 3 stages fit the wider tiles
       block_f, stages = 128, 3
     return dataclasses.replace(t, block_m=bm, split_k=split, num_warps=warps, block_f=block_f,
