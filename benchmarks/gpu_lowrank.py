@@ -237,6 +237,8 @@ def mlp_record(m, d, f, r, bw, peak, kernel="auto", reps=None, baselines=None):
     extra = {}
     if name == "decode_memset":  # scratch zeroed by jax-triton's memset inside the call
       name, extra = "decode", dict(xla_zeroing=False)
+    if name == "persistent":  # the persistent decode schedule
+      name, extra = "decode", dict(persistent=True)
     mod = {"decode": mlp_decode, "prefill": mlp_prefill}[name]
     kern = getattr(mod, f"mlp_{name}")
     bs = mod.BlockSizes(*[int(t) for t in spec.split(",")]) if spec else None
@@ -325,8 +327,9 @@ MLP_TOKENS = (("llama3-8b", (1, 16, 4096, 4, 64)), ("llama3.2-1b", (1, 16, 4096)
               ("llama3.2-1b", (4, 64, 1024)))
 
 
-MLP_DECODE_VARIANTS = ("decode_memset", "decode:16,64,128,8,32,256,128,64,4,4,4,4",
-                       "decode:16,64,128,8,128,256,128,64,4,4,4,3")
+# session 3 also ran "decode_memset" and "decode:16,64,128,8,{32,128},256,128,64,4,4,4,{4,3}"
+# (results/gpu_mlp_decode_variants_h200.json)
+MLP_DECODE_VARIANTS = ("persistent",)
 PERSISTENT_VARIANTS = ("persistent", "persistent:prefetch=0", "persistent:warps=8",
                        "persistent:programs=264,stages=3")
 
@@ -364,7 +367,7 @@ def suite(name, bw, peak, args, recs):
         recs.append(base)
         for variant in PERSISTENT_VARIANTS:
           recs.append(xuv_record(m, k, r, n, bw, peak, variant, baselines=base))
-  if name == "mlp_decode_variants":  # scratch zeroing and stage-B slice width, side by side
+  if name == "mlp_decode_variants":  # MLP_DECODE_VARIANTS next to the default, one run
     for label in ("llama3-8b", "llama3.2-1b", "llama3-8b-r1024"):
       d, f, r = MLP_SHAPES[label]
       for m in (1, 4, 16):

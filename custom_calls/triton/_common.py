@@ -3,6 +3,7 @@ inter-CTA flags (release/acquire) that let one launch run dependent stages.
 
 Imports triton at module import: only ``load()`` of the CUDA lowering imports this.
 """
+import jax
 import jax.numpy as jnp
 import triton
 import triton.language as tl
@@ -20,6 +21,12 @@ def unpack_xuv_args(x, u, v, out_dtype):
   k, r = u.shape
   x2 = x.reshape(-1, k)
   return x2, x.shape[:-1], (x2.shape[0], k, r, v.shape[1]), jnp.dtype(out_dtype or x.dtype)
+
+
+def num_sms() -> int:
+  """SMs of the first GPU (the persistent grids; every CTA must be resident at once);
+  0 when the runtime does not say."""
+  return int(getattr(jax.local_devices(backend="gpu")[0], "core_count", 0) or 0)
 
 
 def check_out(out, shape, dtype):

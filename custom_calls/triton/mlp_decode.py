@@ -33,7 +33,8 @@ import triton.language as tl
 
 from lrjax.custom_calls.triton import planner
 from lrjax.custom_calls.triton._common import (activation, check_out, mm_acc, mm_acc2,
-                                               signal, splitr_out_tile, wait_at_least)
+                                               num_sms, prefetch_l2, signal, splitr_out_tile,
+                                               wait_at_least)
 
 ACT_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "relu": 3}
 
@@ -80,6 +81,39 @@ TUNED: dict[tuple[str, str], BlockSizes] = {
 }
 
 MAX_M = 128  # beyond this the prefill kernel serves
+PERSISTENT_MAX_M = 64  # the persistent schedule serves up to here (f32 tiles in registers)
+
+
+@triton.jit
+def _swiglu_tile(acc_g, acc_u, bg_ptr, bu_ptr, offs_f, f_mask, GATED: tl.constexpr,
+                 ACT: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr):
+  """h = act(Pg·Vg + bg) ⊙ (Pu·Vu + bu) of one [BLOCK_M, BLOCK_F] slice (act(Pu·Vu + bu)
+  when not GATED), from the f32 accumulators."""
+  if GATED:
+    if HAS_BG:
+      acc_g += tl.load(bg_ptr + offs_f, mask=f_mask, other=0.0).to(tl.float32)[None, :]
+  if HAS_BU:
+    acc_u += tl.load(bu_ptr + offs_f, mask=f_mask, other=0.0).to(tl.float32)[None, :]
+  if GATED:
+    h = activation(acc_g, ACT) * acc_u
+  else:
+    h = activation(acc_u, ACT)
+  return h
+
+
+@triton.jit
+def _project_rank(h,  # [BLOCK_M, BLOCK_F] slice of the intermediate, the only copy of it
+                  ud_ptr, s_ptr, offs_m, m_mask, offs_f, f_mask, RD: tl.constexpr,
+                  BLOCK_RD: tl.constexpr):
+  """S += h · Ud[f, :]: f32 atomics into the down factor's rank space, BLOCK_RD at a time."""
+  for c0 in range(0, RD, BLOCK_RD):
+    offs_c = c0 + tl.arange(0, BLOCK_RD)
+    c_mask = offs_c < RD
+    udt = tl.load(ud_ptr + offs_f[:, None] * RD + offs_c[None, :],
+                  mask=f_mask[:, None] & c_mask[None, :], other=0.0)
+    part = tl.dot(h, udt)
+    tl.atomic_add(s_ptr + offs_m[:, None] * RD + offs_c[None, :], part,
+                  mask=m_mask[:, None] & c_mask[None, :], sem="relaxed")
 
 
 @triton.jit
@@ -156,24 +190,9 @@ def _mlp_decode_kernel(
       else:
         acc_u = mm_acc(acc_u, pu_ptr, vu_ptr, offs_m, offs_f, m_mask, f_mask, c * R_PER,
                        c * R_PER + R_PER, R, R, F, BLOCK_KR, EVEN_R, True)
-    if GATED:
-      if HAS_BG:
-        acc_g += tl.load(bg_ptr + offs_f, mask=f_mask, other=0.0).to(tl.float32)[None, :]
-    if HAS_BU:
-      acc_u += tl.load(bu_ptr + offs_f, mask=f_mask, other=0.0).to(tl.float32)[None, :]
-    if GATED:
-      h = activation(acc_g, ACT) * acc_u
-    else:
-      h = activation(acc_u, ACT)
-    h = h.to(ud_ptr.dtype.element_ty)  # [BLOCK_M, BLOCK_F]: the only copy of the slice
-    for c0 in range(0, RD, BLOCK_RD):
-      offs_c = c0 + tl.arange(0, BLOCK_RD)
-      c_mask = offs_c < RD
-      udt = tl.load(ud_ptr + offs_f[:, None] * RD + offs_c[None, :],
-                    mask=f_mask[:, None] & c_mask[None, :], other=0.0)
-      part = tl.dot(h, udt)
-      tl.atomic_add(s_ptr + offs_m[:, None] * RD + offs_c[None, :], part,
-                    mask=m_mask[:, None] & c_mask[None, :], sem="relaxed")
+    h = _swiglu_tile(acc_g, acc_u, bg_ptr, bu_ptr, offs_f, f_mask, GATED, ACT, HAS_BG, HAS_BU)
+    _project_rank(h.to(ud_ptr.dtype.element_ty), ud_ptr, s_ptr, offs_m, m_mask, offs_f,
+                  f_mask, RD, BLOCK_RD)
     signal(cnt_ptr + A_CHUNKS)
   else:
     # ---- stage C: Y = S·Vd + bd, split over r_d chunks
@@ -183,6 +202,108 @@ def _mlp_decode_kernel(
     splitr_out_tile(q % n_nb, q // n_nb, s_ptr, vd_ptr, bd_ptr, acc_ptr, sem_ptr, o_ptr,
                     M, RD, DO, RD_PER, C_CHUNKS, HAS_BD, BLOCK_M, BLOCK_N, BLOCK_KR, EVEN_RD,
                     BLOCK_N)
+
+
+@triton.jit
+def _mlp_decode_persistent_kernel(
+    x_ptr, ug_ptr, vg_ptr, bg_ptr, uu_ptr, vu_ptr, bu_ptr, ud_ptr, vd_ptr, bd_ptr,  # as above
+    o_in_ptr,  # aliased buffer (as above); never read
+    M,
+    scratch_ptr,  # as above, less the [M, DO] accumulator when C_CHUNKS == 1
+    o_ptr,
+    D: tl.constexpr, R: tl.constexpr, F: tl.constexpr,
+    RD: tl.constexpr, DO: tl.constexpr,
+    GATED: tl.constexpr, ACT: tl.constexpr,
+    HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr,
+    K_PER: tl.constexpr, SPLIT_K: tl.constexpr, C_CHUNKS: tl.constexpr, RD_PER: tl.constexpr,
+    A_CHUNKS: tl.constexpr, RB_PER_CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_F: tl.constexpr, BLOCK_RD: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_KR: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_R: tl.constexpr, EVEN_RD: tl.constexpr,
+    COLS_R: tl.constexpr, COLS_F: tl.constexpr, COLS_N: tl.constexpr,
+    PROGRAMS: tl.constexpr, PREFETCH: tl.constexpr,
+):
+  pid = tl.program_id(0)
+  pg_ptr = scratch_ptr
+  pu_ptr = scratch_ptr + M * R
+  s_ptr = scratch_ptr + 2 * M * R
+  acc_ptr = scratch_ptr + 2 * M * R + M * RD  # the output accumulator: only at C_CHUNKS > 1
+  if C_CHUNKS > 1:
+    cnt_ptr = (scratch_ptr + 2 * M * R + M * RD + M * DO).to(tl.pointer_type(tl.int32))
+  else:
+    cnt_ptr = (scratch_ptr + 2 * M * R + M * RD).to(tl.pointer_type(tl.int32))
+  sem_ptr = cnt_ptr + A_CHUNKS + 1
+  n_r = (R + COLS_R - 1) // COLS_R
+  n_a = n_r * SPLIT_K
+  n_b = (F + COLS_F - 1) // COLS_F
+  n_nb = (DO + COLS_N - 1) // COLS_N
+  offs_m = tl.arange(0, BLOCK_M)
+  m_mask = offs_m < M
+  # ---- phase A: split-K X·Ug and X·Uu, X loaded once per K tile; never waits
+  for t in range(pid, n_a, PROGRAMS):
+    rb = t // SPLIT_K
+    k0 = (t % SPLIT_K) * K_PER
+    offs_r = rb * COLS_R + tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    if COLS_R < BLOCK_R:
+      r_mask = r_mask & (tl.arange(0, BLOCK_R) < COLS_R)
+    out_off = offs_m[:, None] * R + offs_r[None, :]
+    out_mask = m_mask[:, None] & r_mask[None, :]
+    acc_u = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    if GATED:
+      acc_g = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+      acc_g, acc_u = mm_acc2(acc_g, acc_u, x_ptr, x_ptr, ug_ptr, uu_ptr, offs_m, offs_r,
+                             m_mask, r_mask, k0, k0 + K_PER, D, D, R, BLOCK_K, EVEN_D,
+                             False, True)
+      tl.atomic_add(pg_ptr + out_off, acc_g, mask=out_mask, sem="relaxed")
+    else:
+      acc_u = mm_acc(acc_u, x_ptr, uu_ptr, offs_m, offs_r, m_mask, r_mask, k0, k0 + K_PER,
+                     D, D, R, BLOCK_K, EVEN_D, False)
+    tl.atomic_add(pu_ptr + out_off, acc_u, mask=out_mask, sem="relaxed")
+    signal(cnt_ptr + rb // RB_PER_CHUNK)
+  # ---- phase B: one D_ff slice per tile, consuming Pg/Pu chunk by chunk
+  if PREFETCH > 0:  # the first rows of this CTA's first Vu slice load while it waits
+    if pid < n_b:
+      rows = tl.arange(0, PREFETCH)
+      cols = pid * COLS_F + tl.arange(0, BLOCK_F // 64) * 64
+      pf_mask = (rows[:, None] < R) & (cols[None, :] < F)
+      prefetch_l2(vu_ptr + rows[:, None] * F + cols[None, :], pf_mask)
+      if GATED:
+        prefetch_l2(vg_ptr + rows[:, None] * F + cols[None, :], pf_mask)
+  R_PER: tl.constexpr = RB_PER_CHUNK * COLS_R
+  for fb in range(pid, n_b, PROGRAMS):
+    offs_f = fb * COLS_F + tl.arange(0, BLOCK_F)
+    f_mask = offs_f < F
+    if COLS_F < BLOCK_F:
+      f_mask = f_mask & (tl.arange(0, BLOCK_F) < COLS_F)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_F], tl.float32)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_F], tl.float32)
+    for c in range(A_CHUNKS):
+      wait_at_least(cnt_ptr + c, tl.minimum(n_r - c * RB_PER_CHUNK, RB_PER_CHUNK) * SPLIT_K)
+      if GATED:
+        acc_g, acc_u = mm_acc2(acc_g, acc_u, pg_ptr, pu_ptr, vg_ptr, vu_ptr, offs_m, offs_f,
+                               m_mask, f_mask, c * R_PER, c * R_PER + R_PER, R, R, F, BLOCK_KR,
+                               EVEN_R, True, False)
+      else:
+        acc_u = mm_acc(acc_u, pu_ptr, vu_ptr, offs_m, offs_f, m_mask, f_mask, c * R_PER,
+                       c * R_PER + R_PER, R, R, F, BLOCK_KR, EVEN_R, True)
+    h = _swiglu_tile(acc_g, acc_u, bg_ptr, bu_ptr, offs_f, f_mask, GATED, ACT, HAS_BG, HAS_BU)
+    _project_rank(h.to(ud_ptr.dtype.element_ty), ud_ptr, s_ptr, offs_m, m_mask, offs_f,
+                  f_mask, RD, BLOCK_RD)
+    signal(cnt_ptr + A_CHUNKS)
+  # ---- phase C: Y = S·Vd + bd once every phase-B tile has landed in S
+  if PREFETCH > 0:
+    if pid < C_CHUNKS * n_nb:
+      rows = (pid // n_nb) * RD_PER + tl.arange(0, PREFETCH)
+      cols = (pid % n_nb) * COLS_N + tl.arange(0, BLOCK_N // 64) * 64
+      prefetch_l2(vd_ptr + rows[:, None] * DO + cols[None, :],
+                  (rows[:, None] < RD) & (cols[None, :] < DO))
+  for q in range(pid, C_CHUNKS * n_nb, PROGRAMS):
+    wait_at_least(cnt_ptr + A_CHUNKS, n_b)
+    splitr_out_tile(q % n_nb, q // n_nb, s_ptr, vd_ptr, bd_ptr, acc_ptr, sem_ptr, o_ptr,
+                    M, RD, DO, RD_PER, C_CHUNKS, HAS_BD, BLOCK_M, BLOCK_N, BLOCK_KR, EVEN_RD,
+                    COLS_N)
 
 
 def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes) -> dict:
@@ -209,6 +330,33 @@ def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes)
               EVEN_RD=rd % rd_per == 0)
   scratch = m * (2 * r + rd + d_out) + a_chunks + 1 + n_nb
   return dict(grid=n_a + n_b + n_nb * c_chunks, n_nb=n_nb, scratch=scratch, meta=meta)
+
+
+def persistent_launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask,
+                           p: planner.PersistentMlpPlan) -> dict:
+  """Grid size, scratch size and constexprs of one persistent call."""
+  split = planner.cdiv(d, p.k_per)
+  n_rb = planner.cdiv(r, p.cols_r)
+  rb_per_chunk = planner.cdiv(n_rb, 4)  # phase B consumes Pg/Pu in up to 4 chunks...
+  if (rb_per_chunk * p.cols_r) % 64:  # ...of whole 64-row reduction steps
+    rb_per_chunk = n_rb
+  a_chunks = planner.cdiv(n_rb, rb_per_chunk)
+  rd_per = planner.cdiv(planner.cdiv(rd, 64), p.c_chunks) * 64
+  c_chunks = planner.cdiv(rd, rd_per)
+  n_nb = planner.cdiv(d_out, p.cols_n)
+  r_per = rb_per_chunk * p.cols_r
+  has = dict(zip(("bg", "bu", "bd") if gated else ("bu", "bd"), bias_mask))
+  meta = dict(D=d, R=r, F=f, RD=rd, DO=d_out, GATED=gated, ACT=ACT_CODES[act],
+              HAS_BG=has.get("bg", False), HAS_BU=has["bu"], HAS_BD=has["bd"],
+              K_PER=p.k_per, SPLIT_K=split, C_CHUNKS=c_chunks, RD_PER=rd_per,
+              A_CHUNKS=a_chunks, RB_PER_CHUNK=rb_per_chunk, BLOCK_M=p.block_m, BLOCK_K=64,
+              BLOCK_R=p.block_r, BLOCK_F=p.block_f, BLOCK_RD=256, BLOCK_N=p.block_n,
+              BLOCK_KR=64, EVEN_D=d % p.k_per == 0,
+              EVEN_R=r % r_per == 0 and r_per % 64 == 0, EVEN_RD=rd % rd_per == 0,
+              COLS_R=p.cols_r, COLS_F=p.cols_f, COLS_N=p.cols_n, PROGRAMS=p.programs,
+              PREFETCH=p.prefetch)
+  scratch = m * (2 * r + rd + (d_out if c_chunks > 1 else 0)) + a_chunks + 1 + n_nb
+  return dict(grid=p.programs, n_nb=n_nb, scratch=scratch, meta=meta)
 
 
 def unpack_mlp_args(x, up, down, gate, act):
@@ -248,22 +396,43 @@ def unpack_mlp_args(x, up, down, gate, act):
 
 
 def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
-               block_sizes: BlockSizes | None = None, out=None, xla_zeroing: bool | None = None):
+               block_sizes: BlockSizes | None = None, out=None, xla_zeroing: bool | None = None,
+               persistent: "bool | planner.PersistentMlpPlan" = False):
   """Low-rank MLP for few tokens; ``up``/``down``/``gate`` are (u, v) or (u, v, bias).
 
   ``out`` [M, D_out]: optional buffer the kernel writes into (aliased; tests poison it).
   ``xla_zeroing``: zero the scratch with an XLA op aliased into the call instead of
   jax-triton's memset inside the custom call (default: yes unless ``out`` is given), as
   xuv_decode does.
+  ``persistent``: one CTA per SM runs its share of each phase
+  (``planner.plan_mlp_decode_persistent`` unless a plan is given).
   """
   gated = gate is not None
   x2, lead, (d, r, f, rd, d_out), bias_mask, ops = unpack_mlp_args(x, up, down, gate, act)
   m = x2.shape[0]
   out_dtype = jnp.dtype(out_dtype or x.dtype)
-  bs = block_sizes or BlockSizes.get_default(m, d, f, r, d_out)
-  if bs.block_m < m:
-    raise ValueError(f"{bs.block_m=} must cover the {m} rows; use mlp_prefill for large M")
-  plan = launch_plan(m, d, r, f, rd, d_out, gated=gated, act=act, bias_mask=bias_mask, bs=bs)
+  if persistent:
+    if block_sizes is not None:
+      raise ValueError("block_sizes= applies to the tiled schedule (persistent=False); "
+                       "pass a planner.PersistentMlpPlan instead")
+    p = persistent if isinstance(persistent, planner.PersistentMlpPlan) else \
+        planner.plan_mlp_decode_persistent(m, d, f, r, rd, d_out, gated, programs=num_sms())
+    if m > PERSISTENT_MAX_M or p.block_m < m:
+      raise ValueError(f"{m} rows ({p.block_m=}): the persistent schedule serves "
+                       f"M <= {PERSISTENT_MAX_M}")
+    if not 0 < p.programs <= num_sms():
+      raise ValueError(f"{p.programs=} must be in [1, {num_sms()}] (the SMs; 0: unknown): "
+                       "every CTA must be resident, or a waiting CTA could block its producer")
+    plan = persistent_launch_plan(m, d, r, f, rd, d_out, gated=gated, act=act,
+                                  bias_mask=bias_mask, p=p)
+    kernel, warps, stages = _mlp_decode_persistent_kernel, p.warps, p.stages
+  else:
+    bs = block_sizes or BlockSizes.get_default(m, d, f, r, d_out)
+    if bs.block_m < m:
+      raise ValueError(f"{bs.block_m=} must cover the {m} rows; use mlp_prefill for large M")
+    plan = launch_plan(m, d, r, f, rd, d_out, gated=gated, act=act, bias_mask=bias_mask,
+                       bs=bs)
+    kernel, warps, stages = _mlp_decode_kernel, bs.num_warps, bs.num_stages
   check_out(out, (m, d_out), out_dtype)
   if xla_zeroing is None:
     xla_zeroing = out is None
@@ -275,11 +444,11 @@ def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
     eleventh = x2 if out is None else out
     aliases, zeroed = ({10: 1} if out is not None else None), (0,)
   outs = jt.triton_call(
-      *ops, eleventh, m, kernel=_mlp_decode_kernel,
+      *ops, eleventh, m, kernel=kernel,
       out_shape=(jax.ShapeDtypeStruct((plan["scratch"],), jnp.float32),
                  jax.ShapeDtypeStruct((m, d_out), out_dtype)),
       grid=(plan["grid"],), zeroed_outputs=zeroed, input_output_aliases=aliases,
-      num_warps=bs.num_warps, num_stages=bs.num_stages, name="lrjax_mlp_decode",
+      num_warps=warps, num_stages=stages, name="lrjax_mlp_decode",
       **plan["meta"])
   return outs[-1].reshape(*lead, d_out)
 

@@ -202,41 +202,89 @@ def _widths(pow2s):
   return [(w, c) for w in pow2s for c in range(w // 2 + 16, w + 1, 16)]
 
 
+def _phase_us(n_tiles: int, tile_bytes: float, g: int, bw: float, fill_us: float) -> float:
+  """A persistent phase lasts as long as its busiest CTA: ceil(tiles / g) tiles, each its
+  bytes over the CTA's share of ``bw`` plus ``fill_us`` (pipeline refill, atomics, flag)."""
+  return cdiv(n_tiles, g) * (tile_bytes / (bw / g) * 1e6 + fill_us)
+
+
+def _split_k_tiles(k: int, r: int, factors: int, g: int, bw: float, fill_us: float):
+  """(us, block_r, cols_r, k_per) for a split-K phase over ``factors`` [K, r] matrices."""
+  # ties go to fewer tiles, then to wider ones (longer contiguous rows)
+  best = min((_phase_us(cdiv(r, c) * cdiv(k, st * 64), st * 64 * c * 2 * factors, g, bw,
+                        fill_us), cdiv(r, c) * cdiv(k, st * 64), -c, w, c, st * 64)
+             for w, c in _widths((64, 128, 256)) if c <= max(16, r) + 15
+             for st in (2, 4, 8, 16, 32, 64) if st * 64 < k + 64)
+  return best[0], best[3], best[4], best[5]
+
+
+def _column_tiles(n: int, n_rb: int, rows_rb: int, g: int, bw: float, fill_us: float,
+                  max_chunks: int = 16):
+  """(us, block_n, cols_n, chunks) for a phase that streams [n_rb * rows_rb, n] in tiles of
+  a chunk of whole row blocks x cols_n columns (2-byte elements)."""
+  cands = []
+  for w, c in _widths((64, 128, 256)):
+    for chunks in range(1, min(n_rb, max_chunks) + 1):
+      per = cdiv(n_rb, chunks)
+      if cdiv(n_rb, per) != chunks or (chunks > 1 and (per * rows_rb) % 64):
+        continue
+      n_tiles = chunks * cdiv(n, c)
+      cands.append((_phase_us(n_tiles, per * rows_rb * c * 2, g, bw, fill_us), n_tiles,
+                    chunks, -c, w, c))
+  best = min(cands)  # ties: fewer chunks (no output atomics at one), then wider
+  return best[0], best[4], best[5], best[2]
+
+
 def plan_decode_persistent(m: int, k: int, r: int, n: int, hw: Hardware = H200,
                            programs: int | None = None, bw: float = 4.0e12,
                            fill_us: float = 1.5) -> PersistentDecodePlan:
   """Tiles for the persistent decode kernel: ``programs`` CTAs stream U (phase 1), then V.
 
   Each CTA's share of a phase is ceil(tiles / programs) tiles, so the phase lasts as long
-  as its busiest CTA: tiles x (tile bytes / the CTA's share of ``bw`` + ``fill_us``, the
-  pipeline refill, atomics and flag of each tile). Tiles need not be powers of two wide
-  (columns in multiples of 16, i.e. whole 32-byte sectors), so the tile count can match
-  the grid. The plan minimises the estimate.
+  as its busiest CTA (``_phase_us``). Tiles need not be powers of two wide (columns in
+  multiples of 16, i.e. whole 32-byte sectors), so the tile count can match the grid. The
+  plan minimises the estimate.
   """
   g = programs or hw.num_sms
-  per_cta_bw = bw / g
   block_m = max(16, next_pow2(m))
-  block_k = 64
-
-  def phase_us(n_tiles, tile_bytes):
-    return cdiv(n_tiles, g) * (tile_bytes / per_cta_bw * 1e6 + fill_us)
-
-  # ties go to fewer tiles, then to wider ones (longer contiguous rows)
-  t1, _, _, block_r, cols_r, k_per = min(
-      (phase_us(cdiv(r, c) * cdiv(k, steps * block_k), steps * block_k * c * 2),
-       cdiv(r, c) * cdiv(k, steps * block_k), -c, w, c, steps * block_k)
-      for w, c in _widths((64, 128, 256)) if c <= max(16, r) + 15
-      for steps in (2, 4, 8, 16, 32, 64) if steps * block_k < k + block_k)
-  n_rb = cdiv(r, cols_r)
-  cands = []
-  for w, c in _widths((64, 128, 256)):
-    for chunks in range(1, min(n_rb, 16) + 1):
-      per = cdiv(n_rb, chunks)
-      if cdiv(n_rb, per) != chunks or (chunks > 1 and (per * cols_r) % 64):
-        continue
-      n_tiles = chunks * cdiv(n, c)
-      cands.append((phase_us(n_tiles, per * cols_r * c * 2), n_tiles, chunks, -c, w, c))
-  t2, _, chunks, _, block_n, cols_n = min(cands)  # ties: fewer chunks (no atomics at one)
+  t1, block_r, cols_r, k_per = _split_k_tiles(k, r, 1, g, bw, fill_us)
+  t2, block_n, cols_n, chunks = _column_tiles(n, cdiv(r, cols_r), cols_r, g, bw, fill_us)
   stages = 4 if block_m <= 32 else 3
-  return PersistentDecodePlan(block_m, block_k, block_r, cols_r, k_per, block_n, cols_n, 64,
+  return PersistentDecodePlan(block_m, 64, block_r, cols_r, k_per, block_n, cols_n, 64,
                               chunks, g, 4, stages, 128, t1 + t2)
+
+
+@dataclasses.dataclass(frozen=True)
+class PersistentMlpPlan:
+  block_m: int
+  block_r: int  # phase A (X·Ug, X·Uu split-K): tile width in registers
+  cols_r: int  # phase A columns per tile (a multiple of 16)
+  k_per: int  # phase A rows of D per tile
+  block_f: int  # phase B (one slice of D_ff per tile): width in registers
+  cols_f: int  # phase B columns of D_ff per tile
+  block_n: int  # phase C (S·Vd): width in registers
+  cols_n: int  # phase C output columns per tile
+  c_chunks: int  # phase C split of r_d
+  programs: int
+  warps: int
+  stages: int
+  prefetch: int  # rows of its first phase-B/C tile each CTA prefetches into L2 (0: none)
+  est_us: float
+
+
+def plan_mlp_decode_persistent(m: int, d: int, f: int, r: int, rd: int, d_out: int,
+                               gated: bool = True, hw: Hardware = H200,
+                               programs: int | None = None, bw: float = 4.0e12,
+                               fill_us: float = 1.5) -> PersistentMlpPlan:
+  """Tiles for the persistent MLP decode kernel: phase A streams Ug and Uu (split-K), phase
+  B one D_ff slice of Vg, Vu and Ud per tile, phase C Vd; each phase cut as in
+  ``plan_decode_persistent``."""
+  g = programs or hw.num_sms
+  n_up = 2 if gated else 1
+  ta, block_r, cols_r, k_per = _split_k_tiles(d, r, n_up, g, bw, fill_us)
+  tb, block_f, cols_f, _ = _column_tiles(f, 1, n_up * r + rd, g, bw, fill_us, max_chunks=1)
+  tc, block_n, cols_n, chunks = _column_tiles(d_out, cdiv(rd, 64), 64, g, bw, fill_us)
+  block_m = max(16, next_pow2(m))
+  warps = 4 if block_m <= 32 else 8  # two [block_m, block_f] f32 accumulators per CTA
+  return PersistentMlpPlan(block_m, block_r, cols_r, k_per, block_f, cols_f, block_n, cols_n,
+                           chunks, g, warps, 3, 64, ta + tb + tc)

@@ -40,8 +40,8 @@ import triton
 import triton.language as tl
 
 from lrjax.custom_calls.triton import planner
-from lrjax.custom_calls.triton._common import (check_out, mm_acc, prefetch_l2, signal,
-                                               splitr_out_tile, unpack_xuv_args,
+from lrjax.custom_calls.triton._common import (check_out, mm_acc, num_sms, prefetch_l2,
+                                               signal, splitr_out_tile, unpack_xuv_args,
                                                wait_at_least)
 
 
@@ -240,12 +240,6 @@ def launch_plan(m: int, k: int, r: int, n: int, has_bias: bool, bs: BlockSizes,
               EVEN_R=r % r_per == 0 and r_per % bs.block_kv == 0, STAGES=stages)
   return dict(grid=n_rb * split + chunks * n_nb, chunks=chunks, n_nb=n_nb, meta=meta,
               scratch=m * r + m * n + chunks + n_nb)
-
-
-def num_sms() -> int:
-  """SMs of the first GPU (the persistent grid; every CTA must be resident at once);
-  0 when the runtime does not say."""
-  return int(getattr(jax.local_devices(backend="gpu")[0], "core_count", 0) or 0)
 
 
 def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,

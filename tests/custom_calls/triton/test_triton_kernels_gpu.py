@@ -138,17 +138,29 @@ MLP_SHAPES = [  # (M, D, F, r, r_d)
     (jnp.bfloat16, True, "silu", False), (jnp.float16, True, "gelu_tanh", True),
     (jnp.bfloat16, False, "relu", True)])
 @pytest.mark.parametrize("shape", MLP_SHAPES)
-@pytest.mark.parametrize("kind", ["decode", "decode_xla_zeroing", "prefill"])
+@pytest.mark.parametrize("kind", ["decode", "decode_xla_zeroing", "persistent",
+                                  "persistent_small_grid", "prefill"])
 def test_mlp_kernels(kind, shape, dtype, gated, act, bias):
   from lrjax.custom_calls.triton import mlp_decode, mlp_prefill
   m, d, f, r, rd = shape
   if kind.startswith("decode") and m > mlp_decode.MAX_M:
     pytest.skip(f"decode kernel serves M <= {mlp_decode.MAX_M}")
+  if kind.startswith("persistent") and m > mlp_decode.PERSISTENT_MAX_M:
+    pytest.skip(f"persistent schedule serves M <= {mlp_decode.PERSISTENT_MAX_M}")
   gate, up, down = mlp_params(d, f, r, rd, d, dtype, gated, bias)
   x = randn((m, d), dtype)
-  kern = mlp_decode.mlp_decode if kind.startswith("decode") else mlp_prefill.mlp_prefill
+  kern = mlp_prefill.mlp_prefill if kind == "prefill" else mlp_decode.mlp_decode
   if kind == "decode_xla_zeroing":  # the default: scratch zeroed by XLA, no out= buffer
     out = jax.jit(lambda x, g, u, dn: kern(x, u, dn, g, act=act))(x, gate, up, down)
+  elif kind.startswith("persistent"):
+    import dataclasses
+    from lrjax.custom_calls.triton import planner
+    p = planner.plan_mlp_decode_persistent(m, d, f, r, rd, d, gate is not None)
+    if kind == "persistent_small_grid":  # several ragged, part-width tiles per CTA
+      p = dataclasses.replace(p, block_r=64, cols_r=32, k_per=128, block_f=64, cols_f=48,
+                              block_n=64, cols_n=48, c_chunks=3, programs=5, prefetch=16)
+    out = jax.jit(lambda x, g, u, dn, o: kern(x, u, dn, g, act=act, out=o, persistent=p))(
+        x, gate, up, down, poisoned((m, d), dtype))
   else:
     out = jax.jit(lambda x, g, u, dn, o: kern(x, u, dn, g, act=act, out=o))(
         x, gate, up, down, poisoned((m, d), dtype))

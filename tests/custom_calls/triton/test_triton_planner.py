@@ -67,6 +67,20 @@ def test_persistent_decode_plan_is_well_formed(m, k, r, n, programs):
   assert p.r_chunks == 1 or (per * p.cols_r) % p.block_kv == 0  # chunks of whole steps
 
 
+@pytest.mark.parametrize("m,d,f,r", [(1, 4096, 14336, 2560), (16, 2048, 8192, 1280),
+                                     (4, 4096, 14336, 1024)])
+def test_persistent_mlp_plan_gives_each_sm_about_one_tile_per_phase(m, d, f, r):
+  p = planner.plan_mlp_decode_persistent(m, d, f, r, r, d)
+  g = planner.H200.num_sms
+  tiles = (planner.cdiv(r, p.cols_r) * planner.cdiv(d, p.k_per), planner.cdiv(f, p.cols_f),
+           p.c_chunks * planner.cdiv(d, p.cols_n))
+  assert all(7 * g // 8 <= t <= g for t in tiles), (p, tiles)
+  for width, cols in ((p.block_r, p.cols_r), (p.block_f, p.cols_f), (p.block_n, p.cols_n)):
+    assert width & (width - 1) == 0 and cols % 16 == 0 and width // 2 < cols <= width
+  floor_us = planner.hbm_bytes_mlp(m, d, f, r) / 4.0e12 * 1e6
+  assert floor_us < p.est_us < floor_us + 3 * 2 * 1.5
+
+
 def test_roofline_counts():
   assert planner.hbm_bytes_xuv(1, 8192, 4096, 16384) == 2 * (8192 + 8192 * 4096 + 4096 * 16384 + 16384)
   assert planner.flops_xuv(2, 3, 4, 5) == 2 * 2 * 4 * 8
