@@ -20,6 +20,11 @@ counters live in one scratch buffer, zeroed by an XLA op aliased into the call (
 (act(X·U1·V1 + b1)·U2·V2 + b2) run the same kernel with GATED=False.
 
 Every byte of the six factors is read once, so the floor is their size over HBM bandwidth.
+
+``persistent=True`` runs the same three phases on one CTA per SM
+(``_mlp_decode_persistent_kernel``, tiles from ``planner.plan_mlp_decode_persistent``, as
+xuv_decode's persistent schedule): measured within ±5 % of this tiled schedule on most
+shapes (benchmarks/gpu_notes.md, session 3), so it is not the default.
 """
 from __future__ import annotations
 
