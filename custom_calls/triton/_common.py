@@ -178,13 +178,35 @@ def splitr_out_tile(nb, rc,  # output column block, reduction chunk
 
 
 @triton.jit
-def prefetch_l2(ptrs, mask):
-  """Asks L2 to fetch the lines at ``ptrs`` (one per 128 bytes suffices), kept at evict_last
-  priority; returns nothing useful (the asm is impure so it is not removed)."""
-  return tl.inline_asm_elementwise(
+def prefetch_l2(ptr,  # [n_rows, LD] row-major 2-byte matrix
+                row0, col0, n_rows, n_cols, LD: tl.constexpr,
+                ROWS: tl.constexpr, WIDTH: tl.constexpr):
+  """Asks L2 to fetch ROWS x WIDTH elements from (row0, col0) (one address per 128-byte
+  line), kept at evict_last priority. The asm is impure, so it is not removed."""
+  rows = row0 + tl.arange(0, ROWS)
+  cols = col0 + tl.arange(0, WIDTH // 64) * 64
+  mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+  tl.inline_asm_elementwise(
       "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; "
-      "mov.u32 $0, 0; }", "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32,
-      is_pure=False, pack=1)
+      "mov.u32 $0, 0; }", "=r,l,r", [ptr + rows[:, None] * LD + cols[None, :],
+                                     mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def swiglu_epilogue(acc_g, acc_u, bg_ptr, bu_ptr, offs_f, f_mask, GATED: tl.constexpr,
+                    ACT: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr):
+  """h = act(Pg·Vg + bg) ⊙ (Pu·Vu + bu) of one tile of the intermediate (act(Pu·Vu + bu)
+  when not GATED), from the f32 accumulators (both MLP kernels)."""
+  if GATED:
+    if HAS_BG:
+      acc_g += tl.load(bg_ptr + offs_f, mask=f_mask, other=0.0).to(tl.float32)[None, :]
+  if HAS_BU:
+    acc_u += tl.load(bu_ptr + offs_f, mask=f_mask, other=0.0).to(tl.float32)[None, :]
+  if GATED:
+    h = activation(acc_g, ACT) * acc_u
+  else:
+    h = activation(acc_u, ACT)
+  return h
 
 
 @triton.jit

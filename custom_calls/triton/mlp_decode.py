@@ -37,9 +37,9 @@ import triton
 import triton.language as tl
 
 from lrjax.custom_calls.triton import planner
-from lrjax.custom_calls.triton._common import (activation, check_out, mm_acc, mm_acc2,
-                                               num_sms, prefetch_l2, signal, splitr_out_tile,
-                                               wait_at_least)
+from lrjax.custom_calls.triton._common import (check_out, mm_acc, mm_acc2, num_sms,
+                                               prefetch_l2, signal, splitr_out_tile,
+                                               swiglu_epilogue, wait_at_least)
 
 ACT_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "relu": 3}
 
@@ -90,20 +90,31 @@ PERSISTENT_MAX_M = 64  # the persistent schedule serves up to here (f32 tiles in
 
 
 @triton.jit
-def _swiglu_tile(acc_g, acc_u, bg_ptr, bu_ptr, offs_f, f_mask, GATED: tl.constexpr,
-                 ACT: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr):
-  """h = act(Pg·Vg + bg) ⊙ (Pu·Vu + bu) of one [BLOCK_M, BLOCK_F] slice (act(Pu·Vu + bu)
-  when not GATED), from the f32 accumulators."""
+def _up_tile(rb, k0,  # column block of the rank, first row of D
+             x_ptr, ug_ptr, uu_ptr, pg_ptr, pu_ptr, cnt_ptr, offs_m, m_mask,
+             D: tl.constexpr, R: tl.constexpr, GATED: tl.constexpr, K_PER: tl.constexpr,
+             RB_PER_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+             BLOCK_R: tl.constexpr, COLS_R: tl.constexpr, EVEN_D: tl.constexpr):
+  """One split-K tile of Pg = X·Ug and Pu = X·Uu (X loaded once per K step): f32 atomics
+  into Pg/Pu, then this rank chunk's counter."""
+  offs_r = rb * COLS_R + tl.arange(0, BLOCK_R)
+  r_mask = offs_r < R
+  if COLS_R < BLOCK_R:
+    r_mask = r_mask & (tl.arange(0, BLOCK_R) < COLS_R)
+  out_off = offs_m[:, None] * R + offs_r[None, :]
+  out_mask = m_mask[:, None] & r_mask[None, :]
+  acc_u = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
   if GATED:
-    if HAS_BG:
-      acc_g += tl.load(bg_ptr + offs_f, mask=f_mask, other=0.0).to(tl.float32)[None, :]
-  if HAS_BU:
-    acc_u += tl.load(bu_ptr + offs_f, mask=f_mask, other=0.0).to(tl.float32)[None, :]
-  if GATED:
-    h = activation(acc_g, ACT) * acc_u
+    acc_g = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    acc_g, acc_u = mm_acc2(acc_g, acc_u, x_ptr, x_ptr, ug_ptr, uu_ptr, offs_m, offs_r,
+                           m_mask, r_mask, k0, k0 + K_PER, D, D, R, BLOCK_K, EVEN_D,
+                           False, True)
+    tl.atomic_add(pg_ptr + out_off, acc_g, mask=out_mask, sem="relaxed")
   else:
-    h = activation(acc_u, ACT)
-  return h
+    acc_u = mm_acc(acc_u, x_ptr, uu_ptr, offs_m, offs_r, m_mask, r_mask, k0, k0 + K_PER,
+                   D, D, R, BLOCK_K, EVEN_D, False)
+  tl.atomic_add(pu_ptr + out_off, acc_u, mask=out_mask, sem="relaxed")
+  signal(cnt_ptr + rb // RB_PER_CHUNK)
 
 
 @triton.jit
@@ -119,6 +130,39 @@ def _project_rank(h,  # [BLOCK_M, BLOCK_F] slice of the intermediate, the only c
     part = tl.dot(h, udt)
     tl.atomic_add(s_ptr + offs_m[:, None] * RD + offs_c[None, :], part,
                   mask=m_mask[:, None] & c_mask[None, :], sem="relaxed")
+
+
+@triton.jit
+def _down_slice(fb,  # slice of the intermediate dim
+                pg_ptr, pu_ptr, vg_ptr, bg_ptr, vu_ptr, bu_ptr, ud_ptr, s_ptr, cnt_ptr,
+                offs_m, m_mask, n_r, R: tl.constexpr, F: tl.constexpr, RD: tl.constexpr,
+                GATED: tl.constexpr, ACT: tl.constexpr, HAS_BG: tl.constexpr,
+                HAS_BU: tl.constexpr, SPLIT_K: tl.constexpr, A_CHUNKS: tl.constexpr,
+                RB_PER_CHUNK: tl.constexpr, R_PER: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_F: tl.constexpr, COLS_F: tl.constexpr, BLOCK_RD: tl.constexpr,
+                BLOCK_KR: tl.constexpr, EVEN_R: tl.constexpr):
+  """One COLS_F-wide slice h of the intermediate, consuming Pg/Pu chunk by chunk as they
+  complete, projected straight into S (the down factor's rank space); then the counter."""
+  offs_f = fb * COLS_F + tl.arange(0, BLOCK_F)
+  f_mask = offs_f < F
+  if COLS_F < BLOCK_F:
+    f_mask = f_mask & (tl.arange(0, BLOCK_F) < COLS_F)
+  acc_u = tl.zeros([BLOCK_M, BLOCK_F], tl.float32)
+  acc_g = tl.zeros([BLOCK_M, BLOCK_F], tl.float32)
+  for c in range(A_CHUNKS):
+    wait_at_least(cnt_ptr + c, tl.minimum(n_r - c * RB_PER_CHUNK, RB_PER_CHUNK) * SPLIT_K)
+    if GATED:
+      acc_g, acc_u = mm_acc2(acc_g, acc_u, pg_ptr, pu_ptr, vg_ptr, vu_ptr, offs_m, offs_f,
+                             m_mask, f_mask, c * R_PER, c * R_PER + R_PER, R, R, F, BLOCK_KR,
+                             EVEN_R, True, False)
+    else:
+      acc_u = mm_acc(acc_u, pu_ptr, vu_ptr, offs_m, offs_f, m_mask, f_mask, c * R_PER,
+                     c * R_PER + R_PER, R, R, F, BLOCK_KR, EVEN_R, True)
+  h = swiglu_epilogue(acc_g, acc_u, bg_ptr, bu_ptr, offs_f, f_mask, GATED, ACT, HAS_BG,
+                      HAS_BU)
+  _project_rank(h.to(ud_ptr.dtype.element_ty), ud_ptr, s_ptr, offs_m, m_mask, offs_f,
+                f_mask, RD, BLOCK_RD)
+  signal(cnt_ptr + A_CHUNKS)
 
 
 @triton.jit
@@ -159,46 +203,15 @@ def _mlp_decode_kernel(
   m_mask = offs_m < M
   if pid < n_a:
     # ---- stage A: split-K X·Ug and X·Uu, X loaded once per K tile
-    rb = pid // SPLIT_K
-    ks = pid % SPLIT_K
-    offs_r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_mask = offs_r < R
-    k0 = ks * K_PER
-    out_off = offs_m[:, None] * R + offs_r[None, :]
-    out_mask = m_mask[:, None] & r_mask[None, :]
-    acc_u = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-    if GATED:
-      acc_g = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-      acc_g, acc_u = mm_acc2(acc_g, acc_u, x_ptr, x_ptr, ug_ptr, uu_ptr, offs_m, offs_r,
-                             m_mask, r_mask, k0, k0 + K_PER, D, D, R, BLOCK_K, EVEN_D,
-                             False, True)
-      tl.atomic_add(pg_ptr + out_off, acc_g, mask=out_mask, sem="relaxed")
-    else:
-      acc_u = mm_acc(acc_u, x_ptr, uu_ptr, offs_m, offs_r, m_mask, r_mask, k0, k0 + K_PER,
-                     D, D, R, BLOCK_K, EVEN_D, False)
-    tl.atomic_add(pu_ptr + out_off, acc_u, mask=out_mask, sem="relaxed")
-    signal(cnt_ptr + rb // RB_PER_CHUNK)
+    _up_tile(pid // SPLIT_K, (pid % SPLIT_K) * K_PER, x_ptr, ug_ptr, uu_ptr, pg_ptr, pu_ptr,
+             cnt_ptr, offs_m, m_mask, D, R, GATED, K_PER, RB_PER_CHUNK, BLOCK_M, BLOCK_K,
+             BLOCK_R, BLOCK_R, EVEN_D)
   elif pid < n_a + n_b:
     # ---- stage B: one slice of the intermediate dim, projected straight into rank space
-    fb = pid - n_a
-    offs_f = fb * BLOCK_F + tl.arange(0, BLOCK_F)
-    f_mask = offs_f < F
-    acc_u = tl.zeros([BLOCK_M, BLOCK_F], tl.float32)
-    acc_g = tl.zeros([BLOCK_M, BLOCK_F], tl.float32)
-    R_PER: tl.constexpr = RB_PER_CHUNK * BLOCK_R
-    for c in range(A_CHUNKS):
-      wait_at_least(cnt_ptr + c, tl.minimum(n_r - c * RB_PER_CHUNK, RB_PER_CHUNK) * SPLIT_K)
-      if GATED:
-        acc_g, acc_u = mm_acc2(acc_g, acc_u, pg_ptr, pu_ptr, vg_ptr, vu_ptr, offs_m, offs_f,
-                               m_mask, f_mask, c * R_PER, c * R_PER + R_PER, R, R, F, BLOCK_KR,
-                               EVEN_R, True, False)
-      else:
-        acc_u = mm_acc(acc_u, pu_ptr, vu_ptr, offs_m, offs_f, m_mask, f_mask, c * R_PER,
-                       c * R_PER + R_PER, R, R, F, BLOCK_KR, EVEN_R, True)
-    h = _swiglu_tile(acc_g, acc_u, bg_ptr, bu_ptr, offs_f, f_mask, GATED, ACT, HAS_BG, HAS_BU)
-    _project_rank(h.to(ud_ptr.dtype.element_ty), ud_ptr, s_ptr, offs_m, m_mask, offs_f,
-                  f_mask, RD, BLOCK_RD)
-    signal(cnt_ptr + A_CHUNKS)
+    _down_slice(pid - n_a, pg_ptr, pu_ptr, vg_ptr, bg_ptr, vu_ptr, bu_ptr, ud_ptr, s_ptr,
+                cnt_ptr, offs_m, m_mask, n_r, R, F, RD, GATED, ACT, HAS_BG, HAS_BU, SPLIT_K,
+                A_CHUNKS, RB_PER_CHUNK, RB_PER_CHUNK * BLOCK_R, BLOCK_M, BLOCK_F, BLOCK_F,
+                BLOCK_RD, BLOCK_KR, EVEN_R)
   else:
     # ---- stage C: Y = S·Vd + bd, split over r_d chunks
     n_nb = (DO + BLOCK_N - 1) // BLOCK_N
@@ -247,63 +260,25 @@ def _mlp_decode_persistent_kernel(
   m_mask = offs_m < M
   # ---- phase A: split-K X·Ug and X·Uu, X loaded once per K tile; never waits
   for t in range(pid, n_a, PROGRAMS):
-    rb = t // SPLIT_K
-    k0 = (t % SPLIT_K) * K_PER
-    offs_r = rb * COLS_R + tl.arange(0, BLOCK_R)
-    r_mask = offs_r < R
-    if COLS_R < BLOCK_R:
-      r_mask = r_mask & (tl.arange(0, BLOCK_R) < COLS_R)
-    out_off = offs_m[:, None] * R + offs_r[None, :]
-    out_mask = m_mask[:, None] & r_mask[None, :]
-    acc_u = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-    if GATED:
-      acc_g = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-      acc_g, acc_u = mm_acc2(acc_g, acc_u, x_ptr, x_ptr, ug_ptr, uu_ptr, offs_m, offs_r,
-                             m_mask, r_mask, k0, k0 + K_PER, D, D, R, BLOCK_K, EVEN_D,
-                             False, True)
-      tl.atomic_add(pg_ptr + out_off, acc_g, mask=out_mask, sem="relaxed")
-    else:
-      acc_u = mm_acc(acc_u, x_ptr, uu_ptr, offs_m, offs_r, m_mask, r_mask, k0, k0 + K_PER,
-                     D, D, R, BLOCK_K, EVEN_D, False)
-    tl.atomic_add(pu_ptr + out_off, acc_u, mask=out_mask, sem="relaxed")
-    signal(cnt_ptr + rb // RB_PER_CHUNK)
+    _up_tile(t // SPLIT_K, (t % SPLIT_K) * K_PER, x_ptr, ug_ptr, uu_ptr, pg_ptr, pu_ptr,
+             cnt_ptr, offs_m, m_mask, D, R, GATED, K_PER, RB_PER_CHUNK, BLOCK_M, BLOCK_K,
+             BLOCK_R, COLS_R, EVEN_D)
   # ---- phase B: one D_ff slice per tile, consuming Pg/Pu chunk by chunk
-  if PREFETCH > 0:  # the first rows of this CTA's first Vu slice load while it waits
+  if PREFETCH > 0:  # the first rows of this CTA's first Vu (Vg) slice load while it waits
     if pid < n_b:
-      rows = tl.arange(0, PREFETCH)
-      cols = pid * COLS_F + tl.arange(0, BLOCK_F // 64) * 64
-      pf_mask = (rows[:, None] < R) & (cols[None, :] < F)
-      prefetch_l2(vu_ptr + rows[:, None] * F + cols[None, :], pf_mask)
+      prefetch_l2(vu_ptr, 0, pid * COLS_F, R, F, F, PREFETCH, BLOCK_F)
       if GATED:
-        prefetch_l2(vg_ptr + rows[:, None] * F + cols[None, :], pf_mask)
-  R_PER: tl.constexpr = RB_PER_CHUNK * COLS_R
+        prefetch_l2(vg_ptr, 0, pid * COLS_F, R, F, F, PREFETCH, BLOCK_F)
   for fb in range(pid, n_b, PROGRAMS):
-    offs_f = fb * COLS_F + tl.arange(0, BLOCK_F)
-    f_mask = offs_f < F
-    if COLS_F < BLOCK_F:
-      f_mask = f_mask & (tl.arange(0, BLOCK_F) < COLS_F)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_F], tl.float32)
-    acc_g = tl.zeros([BLOCK_M, BLOCK_F], tl.float32)
-    for c in range(A_CHUNKS):
-      wait_at_least(cnt_ptr + c, tl.minimum(n_r - c * RB_PER_CHUNK, RB_PER_CHUNK) * SPLIT_K)
-      if GATED:
-        acc_g, acc_u = mm_acc2(acc_g, acc_u, pg_ptr, pu_ptr, vg_ptr, vu_ptr, offs_m, offs_f,
-                               m_mask, f_mask, c * R_PER, c * R_PER + R_PER, R, R, F, BLOCK_KR,
-                               EVEN_R, True, False)
-      else:
-        acc_u = mm_acc(acc_u, pu_ptr, vu_ptr, offs_m, offs_f, m_mask, f_mask, c * R_PER,
-                       c * R_PER + R_PER, R, R, F, BLOCK_KR, EVEN_R, True)
-    h = _swiglu_tile(acc_g, acc_u, bg_ptr, bu_ptr, offs_f, f_mask, GATED, ACT, HAS_BG, HAS_BU)
-    _project_rank(h.to(ud_ptr.dtype.element_ty), ud_ptr, s_ptr, offs_m, m_mask, offs_f,
-                  f_mask, RD, BLOCK_RD)
-    signal(cnt_ptr + A_CHUNKS)
+    _down_slice(fb, pg_ptr, pu_ptr, vg_ptr, bg_ptr, vu_ptr, bu_ptr, ud_ptr, s_ptr, cnt_ptr,
+                offs_m, m_mask, n_r, R, F, RD, GATED, ACT, HAS_BG, HAS_BU, SPLIT_K, A_CHUNKS,
+                RB_PER_CHUNK, RB_PER_CHUNK * COLS_R, BLOCK_M, BLOCK_F, COLS_F, BLOCK_RD,
+                BLOCK_KR, EVEN_R)
   # ---- phase C: Y = S·Vd + bd once every phase-B tile has landed in S
   if PREFETCH > 0:
     if pid < C_CHUNKS * n_nb:
-      rows = (pid // n_nb) * RD_PER + tl.arange(0, PREFETCH)
-      cols = (pid % n_nb) * COLS_N + tl.arange(0, BLOCK_N // 64) * 64
-      prefetch_l2(vd_ptr + rows[:, None] * DO + cols[None, :],
-                  (rows[:, None] < RD) & (cols[None, :] < DO))
+      prefetch_l2(vd_ptr, (pid // n_nb) * RD_PER, (pid % n_nb) * COLS_N, RD, DO, DO, PREFETCH,
+                  BLOCK_N)
   for q in range(pid, C_CHUNKS * n_nb, PROGRAMS):
     wait_at_least(cnt_ptr + A_CHUNKS, n_b)
     splitr_out_tile(q % n_nb, q // n_nb, s_ptr, vd_ptr, bd_ptr, acc_ptr, sem_ptr, o_ptr,

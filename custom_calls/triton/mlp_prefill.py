@@ -34,8 +34,8 @@ import triton
 import triton.language as tl
 
 from lrjax.custom_calls.triton import planner
-from lrjax.custom_calls.triton._common import (activation, check_out, mm_acc, mm_acc2,
-                                               ring_tile, signal, wait_at_least)
+from lrjax.custom_calls.triton._common import (check_out, mm_acc, mm_acc2, ring_tile, signal,
+                                               swiglu_epilogue, wait_at_least)
 from lrjax.custom_calls.triton.mlp_decode import ACT_CODES, unpack_mlp_args
 from lrjax.custom_calls.triton.xuv_prefill import tile_codes
 
@@ -137,21 +137,15 @@ def _mlp_prefill_kernel(
         wait_at_least(flags_ptr + 2 * NMB + mb - SLOT, n_s)
       c_mask = offs_c < F
       acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+      acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # unused unless GATED
       if GATED:
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_g, acc_u = mm_acc2(acc_g, acc_u, p_ring, p_ring + R, vg_ptr, vu_ptr, rows, offs_c,
                                m_mask, c_mask, 0, R, R, PW, F, BLOCK_K, EVEN_R, True, False)
-        if HAS_BG:
-          acc_g += tl.load(bg_ptr + offs_c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
       else:
         acc_u = mm_acc(acc_u, p_ring, vu_ptr, rows, offs_c, m_mask, c_mask, 0, R, R, PW, F,
                        BLOCK_K, EVEN_R, True)
-      if HAS_BU:
-        acc_u += tl.load(bu_ptr + offs_c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
-      if GATED:
-        h = activation(acc_g, ACT) * acc_u
-      else:
-        h = activation(acc_u, ACT)
+      h = swiglu_epilogue(acc_g, acc_u, bg_ptr, bu_ptr, offs_c, c_mask, GATED, ACT, HAS_BG,
+                          HAS_BU)
       tl.store(h_ring + rows[:, None] * F + offs_c[None, :], h.to(h_ring.dtype.element_ty),
                mask=c_mask[None, :])
       signal(flags_ptr + NMB + mb)

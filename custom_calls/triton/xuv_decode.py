@@ -100,6 +100,42 @@ PERSISTENT_MAX_M = 64  # the persistent schedule is the default up to here (meas
 
 
 @triton.jit
+def _xu_tile(rb, k_start,  # column block of U, first row of K
+             x_ptr, u_ptr, p_ptr, flag_ptr, offs_m, m_mask, K: tl.constexpr, R: tl.constexpr,
+             K_PER: tl.constexpr, RB_PER_CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
+             BLOCK_R: tl.constexpr, COLS_R: tl.constexpr, EVEN_K: tl.constexpr,
+             STREAM: tl.constexpr):
+  """One split-K tile of P = X·U: f32 atomics into P, then its r-chunk's counter (release).
+  STREAM=False skips the streaming (timing the other stage only)."""
+  offs_r = rb * COLS_R + tl.arange(0, BLOCK_R)
+  r_mask = offs_r < R
+  if COLS_R < BLOCK_R:
+    r_mask = r_mask & (tl.arange(0, BLOCK_R) < COLS_R)
+  if STREAM:
+    acc = tl.zeros([offs_m.shape[0], BLOCK_R], tl.float32)
+    acc = mm_acc(acc, x_ptr, u_ptr, offs_m, offs_r, m_mask, r_mask, k_start, k_start + K_PER,
+                 K, K, R, BLOCK_K, EVEN_K, False)
+    tl.atomic_add(p_ptr + offs_m[:, None] * R + offs_r[None, :], acc,
+                  mask=m_mask[:, None] & r_mask[None, :], sem="relaxed")
+  signal(flag_ptr + rb // RB_PER_CHUNK)
+
+
+@triton.jit
+def _pv_tile(q, n_nb, n_rb, p_ptr, v_ptr, b_ptr, acc_ptr, flag_ptr, sem_ptr, o_ptr, M,
+             R: tl.constexpr, N: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+             R_CHUNKS: tl.constexpr, RB_PER_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_KV: tl.constexpr, EVEN_R: tl.constexpr,
+             COLS_R: tl.constexpr, COLS_N: tl.constexpr):
+  """Tile q of Y = P·V (chunk-major): waits until its r-chunk of P is complete."""
+  rc = q // n_nb
+  n_rb_c = tl.minimum(n_rb - rc * RB_PER_CHUNK, RB_PER_CHUNK)
+  wait_at_least(flag_ptr + rc, n_rb_c * SPLIT_K)
+  splitr_out_tile(q % n_nb, rc, p_ptr, v_ptr, b_ptr, acc_ptr, sem_ptr, o_ptr, M, R, N,
+                  RB_PER_CHUNK * COLS_R, R_CHUNKS, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_KV,
+                  EVEN_R, COLS_N)
+
+
+@triton.jit
 def _xuv_decode_kernel(
     x_ptr,  # [M, K] activations
     u_ptr,  # [K, R] first factor
@@ -132,29 +168,14 @@ def _xuv_decode_kernel(
   m_mask = offs_m < M
   if pid < n1:
     # stage 1: r-block-major, so the first r-chunks of P complete first
-    rb = pid // SPLIT_K
-    ks = pid % SPLIT_K
-    offs_r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_mask = offs_r < R
-    k_start = ks * K_PER
-    if STAGES & 1:
-      acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-      acc = mm_acc(acc, x_ptr, u_ptr, offs_m, offs_r, m_mask, r_mask, k_start,
-                   k_start + K_PER, K, K, R, BLOCK_K, EVEN_K, False)
-      tl.atomic_add(p_ptr + offs_m[:, None] * R + offs_r[None, :], acc,
-                    mask=m_mask[:, None] & r_mask[None, :], sem="relaxed")
-    signal(flag_ptr + rb // RB_PER_CHUNK)
+    _xu_tile(pid // SPLIT_K, (pid % SPLIT_K) * K_PER, x_ptr, u_ptr, p_ptr, flag_ptr, offs_m,
+             m_mask, K, R, K_PER, RB_PER_CHUNK, BLOCK_K, BLOCK_R, BLOCK_R, EVEN_K,
+             (STAGES & 1) != 0)
   elif STAGES & 2:
     # stage 2: chunk-major; starts when its chunk of P is complete
-    n_nb = (N + BLOCK_N - 1) // BLOCK_N
-    q = pid - n1
-    rc = q // n_nb
-    nb = q % n_nb
-    n_rb_c = tl.minimum(n_rb - rc * RB_PER_CHUNK, RB_PER_CHUNK)
-    wait_at_least(flag_ptr + rc, n_rb_c * SPLIT_K)
-    splitr_out_tile(nb, rc, p_ptr, v_ptr, b_ptr, acc_ptr, sem_ptr, o_ptr, M, R, N,
-                    RB_PER_CHUNK * BLOCK_R, R_CHUNKS, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_KV,
-                    EVEN_R, BLOCK_N)
+    _pv_tile(pid - n1, (N + BLOCK_N - 1) // BLOCK_N, n_rb, p_ptr, v_ptr, b_ptr, acc_ptr,
+             flag_ptr, sem_ptr, o_ptr, M, R, N, HAS_BIAS, SPLIT_K, R_CHUNKS, RB_PER_CHUNK,
+             BLOCK_M, BLOCK_N, BLOCK_KV, EVEN_R, BLOCK_R, BLOCK_N)
 
 
 @triton.jit
@@ -191,34 +212,18 @@ def _xuv_decode_persistent_kernel(
   # phase 1: tiles t = pid, pid + PROGRAMS, ...; r-block-major, so the first r-chunks of P
   # complete first. No waits here, so every phase-1 tile finishes.
   for t in range(pid, n1, PROGRAMS):
-    rb = t // SPLIT_K
-    k_start = (t % SPLIT_K) * K_PER
-    offs_r = rb * COLS_R + tl.arange(0, BLOCK_R)
-    r_mask = offs_r < R
-    if COLS_R < BLOCK_R:
-      r_mask = r_mask & (tl.arange(0, BLOCK_R) < COLS_R)
-    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-    acc = mm_acc(acc, x_ptr, u_ptr, offs_m, offs_r, m_mask, r_mask, k_start,
-                 k_start + K_PER, K, K, R, BLOCK_K, EVEN_K, False)
-    tl.atomic_add(p_ptr + offs_m[:, None] * R + offs_r[None, :], acc,
-                  mask=m_mask[:, None] & r_mask[None, :], sem="relaxed")
-    signal(flag_ptr + rb // RB_PER_CHUNK)
+    _xu_tile(t // SPLIT_K, (t % SPLIT_K) * K_PER, x_ptr, u_ptr, p_ptr, flag_ptr, offs_m,
+             m_mask, K, R, K_PER, RB_PER_CHUNK, BLOCK_K, BLOCK_R, COLS_R, EVEN_K, True)
   # phase 2: tiles q = pid, pid + PROGRAMS, ...; chunk-major; each waits for its chunk of P
   n_nb = (N + COLS_N - 1) // COLS_N
   if PREFETCH > 0:  # the first rows of this CTA's first V tile load while it waits
     if pid < R_CHUNKS * n_nb:
-      rows = (pid // n_nb) * (RB_PER_CHUNK * COLS_R) + tl.arange(0, PREFETCH)
-      cols = (pid % n_nb) * COLS_N + tl.arange(0, BLOCK_N // 64) * 64
-      pf_mask = (rows[:, None] < R) & (cols[None, :] < N)
-      prefetch_l2(v_ptr + rows[:, None] * N + cols[None, :], pf_mask)
+      prefetch_l2(v_ptr, (pid // n_nb) * (RB_PER_CHUNK * COLS_R), (pid % n_nb) * COLS_N, R, N,
+                  N, PREFETCH, BLOCK_N)
   for q in range(pid, R_CHUNKS * n_nb, PROGRAMS):
-    rc = q // n_nb
-    nb = q % n_nb
-    n_rb_c = tl.minimum(n_rb - rc * RB_PER_CHUNK, RB_PER_CHUNK)
-    wait_at_least(flag_ptr + rc, n_rb_c * SPLIT_K)
-    splitr_out_tile(nb, rc, p_ptr, v_ptr, b_ptr, acc_ptr, sem_ptr, o_ptr, M, R, N,
-                    RB_PER_CHUNK * COLS_R, R_CHUNKS, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_KV,
-                    EVEN_R, COLS_N)
+    _pv_tile(q, n_nb, n_rb, p_ptr, v_ptr, b_ptr, acc_ptr, flag_ptr, sem_ptr, o_ptr, M, R, N,
+             HAS_BIAS, SPLIT_K, R_CHUNKS, RB_PER_CHUNK, BLOCK_M, BLOCK_N, BLOCK_KV, EVEN_R,
+             COLS_R, COLS_N)
 
 
 def launch_plan(m: int, k: int, r: int, n: int, has_bias: bool, bs: BlockSizes,
