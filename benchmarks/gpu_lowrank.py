@@ -239,6 +239,8 @@ def mlp_record(m, d, f, r, bw, peak, kernel="auto", reps=None, baselines=None):
       name, extra = "decode", dict(xla_zeroing=False)
     if name == "persistent":  # the persistent decode schedule
       name, extra = "decode", dict(persistent=True)
+    if name == "persistent_phases":  # it with only some phases streaming (timing only)
+      name, extra, spec = "decode", dict(persistent=True, _phases=int(spec)), ""
     mod = {"decode": mlp_decode, "prefill": mlp_prefill}[name]
     kern = getattr(mod, f"mlp_{name}")
     bs = mod.BlockSizes(*[int(t) for t in spec.split(",")]) if spec else None
@@ -376,6 +378,14 @@ def suite(name, bw, peak, args, recs):
         for variant in MLP_DECODE_VARIANTS:
           recs.append(dict(mlp_record(m, d, f, r, bw, peak, variant, baselines=base),
                            model=label))
+  if name == "mlp_phases":  # the persistent MLP decode kernel by phase (A=1, B=2, C=4)
+    for label, m in (("llama3-8b", 1), ("llama3-8b", 16), ("llama3-8b-r1024", 1)):
+      d, f, r = MLP_SHAPES[label]
+      base = dict(mlp_record(m, d, f, r, bw, peak, "persistent"), model=label)
+      recs.append(base)
+      for phases in (1, 2, 4, 3, 6):
+        recs.append(dict(mlp_record(m, d, f, r, bw, peak, f"persistent_phases:{phases}",
+                                    baselines=base), model=label))
   for spec in args.extra:
     # op/M,K,r,N/variant (mlp: M,D,F,r)
     op, dims, variant = spec.split("/")
@@ -481,7 +491,7 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--suite", default="all",
                   choices=["decode", "prefill", "mlp", "all", "none", "overhead",
-                           "decode_persistent", "mlp_decode_variants"])
+                           "decode_persistent", "mlp_decode_variants", "mlp_phases"])
   ap.add_argument("--variants", action="store_true", help="also time non-default kernels")
   ap.add_argument("--extra", nargs="*", default=[], help="op/M,K,r,N/variant")
   ap.add_argument("--out", default="benchmarks/results/gpu_lowrank_h200.json")

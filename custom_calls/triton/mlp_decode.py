@@ -94,26 +94,28 @@ def _up_tile(rb, k0,  # column block of the rank, first row of D
              x_ptr, ug_ptr, uu_ptr, pg_ptr, pu_ptr, cnt_ptr, offs_m, m_mask,
              D: tl.constexpr, R: tl.constexpr, GATED: tl.constexpr, K_PER: tl.constexpr,
              RB_PER_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-             BLOCK_R: tl.constexpr, COLS_R: tl.constexpr, EVEN_D: tl.constexpr):
+             BLOCK_R: tl.constexpr, COLS_R: tl.constexpr, EVEN_D: tl.constexpr,
+             STREAM: tl.constexpr):
   """One split-K tile of Pg = X·Ug and Pu = X·Uu (X loaded once per K step): f32 atomics
-  into Pg/Pu, then this rank chunk's counter."""
+  into Pg/Pu, then this rank chunk's counter. STREAM=False only signals (phase timing)."""
   offs_r = rb * COLS_R + tl.arange(0, BLOCK_R)
   r_mask = offs_r < R
   if COLS_R < BLOCK_R:
     r_mask = r_mask & (tl.arange(0, BLOCK_R) < COLS_R)
   out_off = offs_m[:, None] * R + offs_r[None, :]
   out_mask = m_mask[:, None] & r_mask[None, :]
-  acc_u = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-  if GATED:
-    acc_g = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-    acc_g, acc_u = mm_acc2(acc_g, acc_u, x_ptr, x_ptr, ug_ptr, uu_ptr, offs_m, offs_r,
-                           m_mask, r_mask, k0, k0 + K_PER, D, D, R, BLOCK_K, EVEN_D,
-                           False, True)
-    tl.atomic_add(pg_ptr + out_off, acc_g, mask=out_mask, sem="relaxed")
-  else:
-    acc_u = mm_acc(acc_u, x_ptr, uu_ptr, offs_m, offs_r, m_mask, r_mask, k0, k0 + K_PER,
-                   D, D, R, BLOCK_K, EVEN_D, False)
-  tl.atomic_add(pu_ptr + out_off, acc_u, mask=out_mask, sem="relaxed")
+  if STREAM:
+    acc_u = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    if GATED:
+      acc_g = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+      acc_g, acc_u = mm_acc2(acc_g, acc_u, x_ptr, x_ptr, ug_ptr, uu_ptr, offs_m, offs_r,
+                             m_mask, r_mask, k0, k0 + K_PER, D, D, R, BLOCK_K, EVEN_D,
+                             False, True)
+      tl.atomic_add(pg_ptr + out_off, acc_g, mask=out_mask, sem="relaxed")
+    else:
+      acc_u = mm_acc(acc_u, x_ptr, uu_ptr, offs_m, offs_r, m_mask, r_mask, k0, k0 + K_PER,
+                     D, D, R, BLOCK_K, EVEN_D, False)
+    tl.atomic_add(pu_ptr + out_off, acc_u, mask=out_mask, sem="relaxed")
   signal(cnt_ptr + rb // RB_PER_CHUNK)
 
 
@@ -140,9 +142,10 @@ def _down_slice(fb,  # slice of the intermediate dim
                 HAS_BU: tl.constexpr, SPLIT_K: tl.constexpr, A_CHUNKS: tl.constexpr,
                 RB_PER_CHUNK: tl.constexpr, R_PER: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_F: tl.constexpr, COLS_F: tl.constexpr, BLOCK_RD: tl.constexpr,
-                BLOCK_KR: tl.constexpr, EVEN_R: tl.constexpr):
+                BLOCK_KR: tl.constexpr, EVEN_R: tl.constexpr, STREAM: tl.constexpr):
   """One COLS_F-wide slice h of the intermediate, consuming Pg/Pu chunk by chunk as they
-  complete, projected straight into S (the down factor's rank space); then the counter."""
+  complete, projected straight into S (the down factor's rank space); then the counter.
+  STREAM=False only waits and signals (phase timing)."""
   offs_f = fb * COLS_F + tl.arange(0, BLOCK_F)
   f_mask = offs_f < F
   if COLS_F < BLOCK_F:
@@ -151,17 +154,19 @@ def _down_slice(fb,  # slice of the intermediate dim
   acc_g = tl.zeros([BLOCK_M, BLOCK_F], tl.float32)
   for c in range(A_CHUNKS):
     wait_at_least(cnt_ptr + c, tl.minimum(n_r - c * RB_PER_CHUNK, RB_PER_CHUNK) * SPLIT_K)
-    if GATED:
-      acc_g, acc_u = mm_acc2(acc_g, acc_u, pg_ptr, pu_ptr, vg_ptr, vu_ptr, offs_m, offs_f,
-                             m_mask, f_mask, c * R_PER, c * R_PER + R_PER, R, R, F, BLOCK_KR,
-                             EVEN_R, True, False)
-    else:
-      acc_u = mm_acc(acc_u, pu_ptr, vu_ptr, offs_m, offs_f, m_mask, f_mask, c * R_PER,
-                     c * R_PER + R_PER, R, R, F, BLOCK_KR, EVEN_R, True)
-  h = swiglu_epilogue(acc_g, acc_u, bg_ptr, bu_ptr, offs_f, f_mask, GATED, ACT, HAS_BG,
-                      HAS_BU)
-  _project_rank(h.to(ud_ptr.dtype.element_ty), ud_ptr, s_ptr, offs_m, m_mask, offs_f,
-                f_mask, RD, BLOCK_RD)
+    if STREAM:
+      if GATED:
+        acc_g, acc_u = mm_acc2(acc_g, acc_u, pg_ptr, pu_ptr, vg_ptr, vu_ptr, offs_m, offs_f,
+                               m_mask, f_mask, c * R_PER, c * R_PER + R_PER, R, R, F,
+                               BLOCK_KR, EVEN_R, True, False)
+      else:
+        acc_u = mm_acc(acc_u, pu_ptr, vu_ptr, offs_m, offs_f, m_mask, f_mask, c * R_PER,
+                       c * R_PER + R_PER, R, R, F, BLOCK_KR, EVEN_R, True)
+  if STREAM:
+    h = swiglu_epilogue(acc_g, acc_u, bg_ptr, bu_ptr, offs_f, f_mask, GATED, ACT, HAS_BG,
+                        HAS_BU)
+    _project_rank(h.to(ud_ptr.dtype.element_ty), ud_ptr, s_ptr, offs_m, m_mask, offs_f,
+                  f_mask, RD, BLOCK_RD)
   signal(cnt_ptr + A_CHUNKS)
 
 
@@ -205,13 +210,13 @@ def _mlp_decode_kernel(
     # ---- stage A: split-K X·Ug and X·Uu, X loaded once per K tile
     _up_tile(pid // SPLIT_K, (pid % SPLIT_K) * K_PER, x_ptr, ug_ptr, uu_ptr, pg_ptr, pu_ptr,
              cnt_ptr, offs_m, m_mask, D, R, GATED, K_PER, RB_PER_CHUNK, BLOCK_M, BLOCK_K,
-             BLOCK_R, BLOCK_R, EVEN_D)
+             BLOCK_R, BLOCK_R, EVEN_D, True)
   elif pid < n_a + n_b:
     # ---- stage B: one slice of the intermediate dim, projected straight into rank space
     _down_slice(pid - n_a, pg_ptr, pu_ptr, vg_ptr, bg_ptr, vu_ptr, bu_ptr, ud_ptr, s_ptr,
                 cnt_ptr, offs_m, m_mask, n_r, R, F, RD, GATED, ACT, HAS_BG, HAS_BU, SPLIT_K,
                 A_CHUNKS, RB_PER_CHUNK, RB_PER_CHUNK * BLOCK_R, BLOCK_M, BLOCK_F, BLOCK_F,
-                BLOCK_RD, BLOCK_KR, EVEN_R)
+                BLOCK_RD, BLOCK_KR, EVEN_R, True)
   else:
     # ---- stage C: Y = S·Vd + bd, split over r_d chunks
     n_nb = (DO + BLOCK_N - 1) // BLOCK_N
@@ -241,6 +246,7 @@ def _mlp_decode_persistent_kernel(
     EVEN_D: tl.constexpr, EVEN_R: tl.constexpr, EVEN_RD: tl.constexpr,
     COLS_R: tl.constexpr, COLS_F: tl.constexpr, COLS_N: tl.constexpr,
     PROGRAMS: tl.constexpr, PREFETCH: tl.constexpr,
+    PHASES: tl.constexpr,  # 7; timing only: bits 1, 2, 4 stream phases A, B, C
 ):
   pid = tl.program_id(0)
   pg_ptr = scratch_ptr
@@ -262,7 +268,7 @@ def _mlp_decode_persistent_kernel(
   for t in range(pid, n_a, PROGRAMS):
     _up_tile(t // SPLIT_K, (t % SPLIT_K) * K_PER, x_ptr, ug_ptr, uu_ptr, pg_ptr, pu_ptr,
              cnt_ptr, offs_m, m_mask, D, R, GATED, K_PER, RB_PER_CHUNK, BLOCK_M, BLOCK_K,
-             BLOCK_R, COLS_R, EVEN_D)
+             BLOCK_R, COLS_R, EVEN_D, (PHASES & 1) != 0)
   # ---- phase B: one D_ff slice per tile, consuming Pg/Pu chunk by chunk
   if PREFETCH > 0:  # the first rows of this CTA's first Vu (Vg) slice load while it waits
     if pid < n_b:
@@ -273,17 +279,18 @@ def _mlp_decode_persistent_kernel(
     _down_slice(fb, pg_ptr, pu_ptr, vg_ptr, bg_ptr, vu_ptr, bu_ptr, ud_ptr, s_ptr, cnt_ptr,
                 offs_m, m_mask, n_r, R, F, RD, GATED, ACT, HAS_BG, HAS_BU, SPLIT_K, A_CHUNKS,
                 RB_PER_CHUNK, RB_PER_CHUNK * COLS_R, BLOCK_M, BLOCK_F, COLS_F, BLOCK_RD,
-                BLOCK_KR, EVEN_R)
+                BLOCK_KR, EVEN_R, (PHASES & 2) != 0)
   # ---- phase C: Y = S·Vd + bd once every phase-B tile has landed in S
-  if PREFETCH > 0:
-    if pid < C_CHUNKS * n_nb:
-      prefetch_l2(vd_ptr, (pid // n_nb) * RD_PER, (pid % n_nb) * COLS_N, RD, DO, DO, PREFETCH,
-                  BLOCK_N)
-  for q in range(pid, C_CHUNKS * n_nb, PROGRAMS):
-    wait_at_least(cnt_ptr + A_CHUNKS, n_b)
-    splitr_out_tile(q % n_nb, q // n_nb, s_ptr, vd_ptr, bd_ptr, acc_ptr, sem_ptr, o_ptr,
-                    M, RD, DO, RD_PER, C_CHUNKS, HAS_BD, BLOCK_M, BLOCK_N, BLOCK_KR, EVEN_RD,
-                    COLS_N)
+  if (PHASES & 4) != 0:
+    if PREFETCH > 0:
+      if pid < C_CHUNKS * n_nb:
+        prefetch_l2(vd_ptr, (pid // n_nb) * RD_PER, (pid % n_nb) * COLS_N, RD, DO, DO,
+                    PREFETCH, BLOCK_N)
+    for q in range(pid, C_CHUNKS * n_nb, PROGRAMS):
+      wait_at_least(cnt_ptr + A_CHUNKS, n_b)
+      splitr_out_tile(q % n_nb, q // n_nb, s_ptr, vd_ptr, bd_ptr, acc_ptr, sem_ptr, o_ptr,
+                      M, RD, DO, RD_PER, C_CHUNKS, HAS_BD, BLOCK_M, BLOCK_N, BLOCK_KR, EVEN_RD,
+                      COLS_N)
 
 
 def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes) -> dict:
@@ -313,8 +320,9 @@ def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes)
 
 
 def persistent_launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask,
-                           p: planner.PersistentMlpPlan) -> dict:
-  """Grid size, scratch size and constexprs of one persistent call."""
+                           p: planner.PersistentMlpPlan, phases: int = 7) -> dict:
+  """Grid size, scratch size and constexprs of one persistent call (``phases`` < 7 leaves
+  phases out, to time the others: wrong output)."""
   split = planner.cdiv(d, p.k_per)
   n_rb = planner.cdiv(r, p.cols_r)
   rb_per_chunk = planner.cdiv(n_rb, 4)  # phase B consumes Pg/Pu in up to 4 chunks...
@@ -334,7 +342,7 @@ def persistent_launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask,
               BLOCK_KR=64, EVEN_D=d % p.k_per == 0,
               EVEN_R=r % r_per == 0 and r_per % 64 == 0, EVEN_RD=rd % rd_per == 0,
               COLS_R=p.cols_r, COLS_F=p.cols_f, COLS_N=p.cols_n, PROGRAMS=p.programs,
-              PREFETCH=p.prefetch)
+              PREFETCH=p.prefetch, PHASES=phases)
   scratch = m * (2 * r + rd + (d_out if c_chunks > 1 else 0)) + a_chunks + 1 + n_nb
   return dict(grid=p.programs, n_nb=n_nb, scratch=scratch, meta=meta)
 
@@ -377,7 +385,7 @@ def unpack_mlp_args(x, up, down, gate, act):
 
 def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
                block_sizes: BlockSizes | None = None, out=None, xla_zeroing: bool | None = None,
-               persistent: "bool | planner.PersistentMlpPlan" = False):
+               persistent: "bool | planner.PersistentMlpPlan" = False, _phases: int = 7):
   """Low-rank MLP for few tokens; ``up``/``down``/``gate`` are (u, v) or (u, v, bias).
 
   ``out`` [M, D_out]: optional buffer the kernel writes into (aliased; tests poison it).
@@ -386,6 +394,8 @@ def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
   xuv_decode does.
   ``persistent``: one CTA per SM runs its share of each phase
   (``planner.plan_mlp_decode_persistent`` unless a plan is given).
+  ``_phases``: benchmarking the persistent schedule only (bits 1, 2, 4 stream phases A, B,
+  C; the output is wrong unless all three run).
   """
   gated = gate is not None
   x2, lead, (d, r, f, rd, d_out), bias_mask, ops = unpack_mlp_args(x, up, down, gate, act)
@@ -403,10 +413,14 @@ def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
     if not 0 < p.programs <= num_sms():
       raise ValueError(f"{p.programs=} must be in [1, {num_sms()}] (the SMs; 0: unknown): "
                        "every CTA must be resident, or a waiting CTA could block its producer")
+    if _phases not in range(1, 8):
+      raise ValueError(f"{_phases=} must be in 1..7")
     plan = persistent_launch_plan(m, d, r, f, rd, d_out, gated=gated, act=act,
-                                  bias_mask=bias_mask, p=p)
+                                  bias_mask=bias_mask, p=p, phases=_phases)
     kernel, warps, stages = _mlp_decode_persistent_kernel, p.warps, p.stages
   else:
+    if _phases != 7:
+      raise ValueError("_phases= applies to the persistent schedule only")
     bs = block_sizes or BlockSizes.get_default(m, d, f, r, d_out)
     if bs.block_m < m:
       raise ValueError(f"{bs.block_m=} must cover the {m} rows; use mlp_prefill for large M")

@@ -246,3 +246,13 @@ def test_fused_model_emits_triton_calls():
     assert _count_triton_calls(fused.as_text()) == 2, f"M={m}: expected lr_mlp + lr_xuv calls"
     ref = model(x)
     assert_close(fused(x), ref, jnp.bfloat16, factor=2.0)
+
+
+def test_mlp_decode_timing_masks_are_checked():
+  from lrjax.custom_calls.triton import mlp_decode
+  gate, up, down = mlp_params(256, 512, 64, 64, 256, jnp.bfloat16, True, False)
+  x = randn((2, 256), jnp.bfloat16)
+  with pytest.raises(ValueError, match="persistent schedule only"):
+    mlp_decode.mlp_decode(x, up, down, gate, _phases=1)
+  with pytest.raises(ValueError, match="must be in 1..7"):
+    mlp_decode.mlp_decode(x, up, down, gate, persistent=True, _phases=0)
