@@ -241,6 +241,10 @@ def mlp_record(m, d, f, r, bw, peak, kernel="auto", reps=None, baselines=None):
       name, extra = "decode", dict(persistent=True)
     if name == "persistent_phases":  # it with only some phases streaming (timing only)
       name, extra, spec = "decode", dict(persistent=True, _phases=int(spec)), ""
+    if name == "persistent_pfc":  # it prefetching this many rows of its phase-C tile
+      plan = planner.plan_mlp_decode_persistent(m, d, f, r, r, d)
+      name, extra = "decode", dict(persistent=dataclasses.replace(plan, prefetch_c=int(spec)))
+      spec = ""
     mod = {"decode": mlp_decode, "prefill": mlp_prefill}[name]
     kern = getattr(mod, f"mlp_{name}")
     bs = mod.BlockSizes(*[int(t) for t in spec.split(",")]) if spec else None
@@ -332,6 +336,9 @@ MLP_TOKENS = (("llama3-8b", (1, 16, 4096, 4, 64)), ("llama3.2-1b", (1, 16, 4096)
 # session 3 also ran "decode_memset" and "decode:16,64,128,8,{32,128},256,128,64,4,4,4,{4,3}"
 # (results/gpu_mlp_decode_variants_h200.json)
 MLP_DECODE_VARIANTS = ("persistent",)
+# phases A=1, B=2, C=4 alone or together; then the whole phase-C chunk prefetched into L2
+MLP_PHASE_VARIANTS = ("persistent_phases:1", "persistent_phases:2", "persistent_phases:4",
+                      "persistent_phases:3", "persistent_phases:6", "persistent_pfc:2048")
 PERSISTENT_VARIANTS = ("persistent", "persistent:prefetch=0", "persistent:warps=8",
                        "persistent:programs=264,stages=3")
 
@@ -383,9 +390,9 @@ def suite(name, bw, peak, args, recs):
       d, f, r = MLP_SHAPES[label]
       base = dict(mlp_record(m, d, f, r, bw, peak, "persistent"), model=label)
       recs.append(base)
-      for phases in (1, 2, 4, 3, 6):
-        recs.append(dict(mlp_record(m, d, f, r, bw, peak, f"persistent_phases:{phases}",
-                                    baselines=base), model=label))
+      for variant in MLP_PHASE_VARIANTS:
+        recs.append(dict(mlp_record(m, d, f, r, bw, peak, variant, baselines=base),
+                         model=label))
   for spec in args.extra:
     # op/M,K,r,N/variant (mlp: M,D,F,r)
     op, dims, variant = spec.split("/")

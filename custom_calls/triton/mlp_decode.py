@@ -245,7 +245,7 @@ def _mlp_decode_persistent_kernel(
     BLOCK_KR: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_R: tl.constexpr, EVEN_RD: tl.constexpr,
     COLS_R: tl.constexpr, COLS_F: tl.constexpr, COLS_N: tl.constexpr,
-    PROGRAMS: tl.constexpr, PREFETCH: tl.constexpr,
+    PROGRAMS: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_C: tl.constexpr,
     PHASES: tl.constexpr,  # 7; timing only: bits 1, 2, 4 stream phases A, B, C
 ):
   pid = tl.program_id(0)
@@ -282,10 +282,11 @@ def _mlp_decode_persistent_kernel(
                 BLOCK_KR, EVEN_R, (PHASES & 2) != 0)
   # ---- phase C: Y = S·Vd + bd once every phase-B tile has landed in S
   if (PHASES & 4) != 0:
-    if PREFETCH > 0:
+    if PREFETCH_C > 0:
       if pid < C_CHUNKS * n_nb:
-        prefetch_l2(vd_ptr, (pid // n_nb) * RD_PER, (pid % n_nb) * COLS_N, RD, DO, DO,
-                    PREFETCH, BLOCK_N)
+        row0 = (pid // n_nb) * RD_PER  # this CTA's first chunk, no further
+        prefetch_l2(vd_ptr, row0, (pid % n_nb) * COLS_N, tl.minimum(RD, row0 + RD_PER), DO,
+                    DO, PREFETCH_C, BLOCK_N)
     for q in range(pid, C_CHUNKS * n_nb, PROGRAMS):
       wait_at_least(cnt_ptr + A_CHUNKS, n_b)
       splitr_out_tile(q % n_nb, q // n_nb, s_ptr, vd_ptr, bd_ptr, acc_ptr, sem_ptr, o_ptr,
@@ -342,7 +343,7 @@ def persistent_launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask,
               BLOCK_KR=64, EVEN_D=d % p.k_per == 0,
               EVEN_R=r % r_per == 0 and r_per % 64 == 0, EVEN_RD=rd % rd_per == 0,
               COLS_R=p.cols_r, COLS_F=p.cols_f, COLS_N=p.cols_n, PROGRAMS=p.programs,
-              PREFETCH=p.prefetch, PHASES=phases)
+              PREFETCH=p.prefetch, PREFETCH_C=p.prefetch_c, PHASES=phases)
   scratch = m * (2 * r + rd + (d_out if c_chunks > 1 else 0)) + a_chunks + 1 + n_nb
   return dict(grid=p.programs, n_nb=n_nb, scratch=scratch, meta=meta)
 

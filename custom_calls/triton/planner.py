@@ -268,7 +268,8 @@ class PersistentMlpPlan:
   programs: int
   warps: int
   stages: int
-  prefetch: int  # rows of its first phase-B/C tile each CTA prefetches into L2 (0: none)
+  prefetch: int  # rows of its first phase-B tile each CTA prefetches into L2 (0: none)
+  prefetch_c: int  # the same for its first phase-C tile (a power of two; rows past it unread)
   est_us: float
 
 
@@ -287,4 +288,4 @@ def plan_mlp_decode_persistent(m: int, d: int, f: int, r: int, rd: int, d_out: i
   block_m = max(16, next_pow2(m))
   warps = 4 if block_m <= 32 else 8  # two [block_m, block_f] f32 accumulators per CTA
   return PersistentMlpPlan(block_m, block_r, cols_r, k_per, block_f, cols_f, block_n, cols_n,
-                           chunks, g, warps, 3, 64, ta + tb + tc)
+                           chunks, g, warps, 3, 64, 64, ta + tb + tc)
