@@ -76,7 +76,12 @@ def test_quantize_model_emits_custom_calls_and_stays_close():
   with lrjax.lowering.force_reference():
     fr, _ = _jit(qmodel)
     yr = fr(state, x)
-  assert_close(y, yr, jnp.float32, factor=10)
+  # Kernel and reference agree to f32 rounding per matmul (tests/custom_calls/cpu), but each
+  # of the 9 chained layers re-quantizes its input to int8: an f32-level difference can move
+  # an activation across a rounding boundary, one int8 step (1/127 of the row's max), which
+  # later layers carry on. Measured over 150 seeds: up to 2.2e-3 relative (4 seeds above
+  # the old 1e-4 bound); a wrong scale, group or layout costs O(0.1).
+  assert_close(y, yr, jnp.float32, factor=1000)
 
 
 @needs_ext
