@@ -360,8 +360,9 @@ MLP_DECODE_VARIANTS = ("persistent",)
 # phases A=1, B=2, C=4 alone or together; then the whole phase-C chunk prefetched into L2
 MLP_PHASE_VARIANTS = ("persistent_phases:1", "persistent_phases:2", "persistent_phases:4",
                       "persistent_phases:3", "persistent_phases:6", "persistent_pfc:2048")
-PERSISTENT_VARIANTS = ("persistent", "persistent:prefetch=0", "persistent:warps=8",
-                       "persistent:programs=264,stages=3")
+# gpu_xuv_decode_persistent_h200.json also has "persistent:programs=264,stages=3" (two CTAs
+# per SM), measured before xuv_decode refused grids larger than the SM count
+PERSISTENT_VARIANTS = ("persistent", "persistent:prefetch=0", "persistent:warps=8")
 
 
 def suite(name, bw, peak, args, recs):
