@@ -262,9 +262,10 @@ def mlp_record(m, d, f, r, bw, peak, kernel="auto", reps=None, baselines=None):
       name, extra = "decode", dict(persistent=True)
     if name == "persistent_phases":  # it with only some phases streaming (timing only)
       name, extra, spec = "decode", dict(persistent=True, _phases=int(spec)), ""
-    if name == "persistent_pfc":  # it prefetching this many rows of its phase-C tile
-      plan = planner.plan_mlp_decode_persistent(m, d, f, r, r, d)
-      name, extra = "decode", dict(persistent=dataclasses.replace(plan, prefetch_c=int(spec)))
+    if name in ("persistent_pfb", "persistent_pfc"):  # it prefetching this many rows of
+      plan = planner.plan_mlp_decode_persistent(m, d, f, r, r, d)  # its phase-B (C) tile
+      field = "prefetch" if name == "persistent_pfb" else "prefetch_c"
+      name, extra = "decode", dict(persistent=dataclasses.replace(plan, **{field: int(spec)}))
       spec = ""
     mod = {"decode": mlp_decode, "prefill": mlp_prefill}[name]
     kern = getattr(mod, f"mlp_{name}")
@@ -360,6 +361,8 @@ MLP_DECODE_VARIANTS = ("persistent",)
 # phases A=1, B=2, C=4 alone or together; then the whole phase-C chunk prefetched into L2
 MLP_PHASE_VARIANTS = ("persistent_phases:1", "persistent_phases:2", "persistent_phases:4",
                       "persistent_phases:3", "persistent_phases:6", "persistent_pfc:2048")
+# deeper L2 prefetch of the phase-B slices (Vg, Vu rows) while phase A streams
+MLP_PREFETCH_VARIANTS = ("persistent_pfb:256", "persistent_pfb:512", "persistent_pfb:1024")
 # gpu_xuv_decode_persistent_h200.json also has "persistent:programs=264,stages=3" (two CTAs
 # per SM), measured before xuv_decode refused grids larger than the SM count
 PERSISTENT_VARIANTS = ("persistent", "persistent:prefetch=0", "persistent:warps=8")
@@ -407,6 +410,14 @@ def suite(name, bw, peak, args, recs):
         for variant in MLP_DECODE_VARIANTS:
           recs.append(dict(mlp_record(m, d, f, r, bw, peak, variant, baselines=base),
                            model=label))
+  if name == "mlp_prefetch":  # the persistent MLP kernel's phase-B prefetch depth
+    for label, m in (("llama3-8b", 1), ("llama3-8b", 16), ("llama3-8b-r1024", 1)):
+      d, f, r = MLP_SHAPES[label]
+      base = dict(mlp_record(m, d, f, r, bw, peak), model=label)
+      recs.append(base)
+      for variant in ("persistent",) + MLP_PREFETCH_VARIANTS:
+        recs.append(dict(mlp_record(m, d, f, r, bw, peak, variant, baselines=base),
+                         model=label))
   if name == "mlp_phases":  # the persistent MLP decode kernel by phase (A=1, B=2, C=4)
     for label, m in (("llama3-8b", 1), ("llama3-8b", 16), ("llama3-8b-r1024", 1)):
       d, f, r = MLP_SHAPES[label]
@@ -520,7 +531,8 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--suite", default="all",
                   choices=["decode", "prefill", "mlp", "all", "none", "overhead",
-                           "decode_persistent", "mlp_decode_variants", "mlp_phases"])
+                           "decode_persistent", "mlp_decode_variants", "mlp_phases",
+                           "mlp_prefetch"])
   ap.add_argument("--variants", action="store_true", help="also time non-default kernels")
   ap.add_argument("--extra", nargs="*", default=[], help="op/M,K,r,N/variant")
   ap.add_argument("--out", default="benchmarks/results/gpu_lowrank_h200.json")

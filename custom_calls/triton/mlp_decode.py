@@ -264,17 +264,17 @@ def _mlp_decode_persistent_kernel(
   n_nb = (DO + COLS_N - 1) // COLS_N
   offs_m = tl.arange(0, BLOCK_M)
   m_mask = offs_m < M
+  if PREFETCH > 0:  # the first rows of this CTA's first Vu (Vg) slice load during phase A
+    if pid < n_b:
+      prefetch_l2(vu_ptr, 0, pid * COLS_F, R, F, F, PREFETCH, BLOCK_F)
+      if GATED:
+        prefetch_l2(vg_ptr, 0, pid * COLS_F, R, F, F, PREFETCH, BLOCK_F)
   # ---- phase A: split-K X·Ug and X·Uu, X loaded once per K tile; never waits
   for t in range(pid, n_a, PROGRAMS):
     _up_tile(t // SPLIT_K, (t % SPLIT_K) * K_PER, x_ptr, ug_ptr, uu_ptr, pg_ptr, pu_ptr,
              cnt_ptr, offs_m, m_mask, D, R, GATED, K_PER, RB_PER_CHUNK, BLOCK_M, BLOCK_K,
              BLOCK_R, COLS_R, EVEN_D, (PHASES & 1) != 0)
   # ---- phase B: one D_ff slice per tile, consuming Pg/Pu chunk by chunk
-  if PREFETCH > 0:  # the first rows of this CTA's first Vu (Vg) slice load while it waits
-    if pid < n_b:
-      prefetch_l2(vu_ptr, 0, pid * COLS_F, R, F, F, PREFETCH, BLOCK_F)
-      if GATED:
-        prefetch_l2(vg_ptr, 0, pid * COLS_F, R, F, F, PREFETCH, BLOCK_F)
   for fb in range(pid, n_b, PROGRAMS):
     _down_slice(fb, pg_ptr, pu_ptr, vg_ptr, bg_ptr, vu_ptr, bu_ptr, ud_ptr, s_ptr, cnt_ptr,
                 offs_m, m_mask, n_r, R, F, RD, GATED, ACT, HAS_BG, HAS_BU, SPLIT_K, A_CHUNKS,

@@ -268,7 +268,7 @@ class PersistentMlpPlan:
   programs: int
   warps: int
   stages: int
-  prefetch: int  # rows of its first phase-B tile each CTA prefetches into L2 (0: none)
+  prefetch: int  # rows of its first phase-B slices each CTA prefetches into L2 at its start
   prefetch_c: int  # the same for its first phase-C tile (a power of two; rows past it unread)
   est_us: float
 
