@@ -24,9 +24,13 @@ def unpack_xuv_args(x, u, v, out_dtype):
 
 
 def num_sms() -> int:
-  """SMs of the first GPU (the persistent grids; every CTA must be resident at once);
-  0 when the runtime does not say."""
-  return int(getattr(jax.local_devices(backend="gpu")[0], "core_count", 0) or 0)
+  """SMs of the first local GPU (the persistent grids; every CTA must be resident at once);
+  0 when the runtime does not say or no GPU is attached (e.g. compiling ahead of time)."""
+  try:
+    dev = jax.local_devices(backend="gpu")[0]
+  except (RuntimeError, IndexError):
+    return 0
+  return int(getattr(dev, "core_count", 0) or 0)
 
 
 def check_out(out, shape, dtype):
