@@ -25,7 +25,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 
 import jax

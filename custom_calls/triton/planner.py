@@ -26,7 +26,6 @@ wgmma-friendly tile that does is the most intense per byte of L2 traffic.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 
 @dataclasses.dataclass(frozen=True)
