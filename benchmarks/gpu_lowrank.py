@@ -213,7 +213,7 @@ def _xuv_variant(kernel, m, k, r, n):
     return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, persistent=p)
   if kernel == "prefill":
     return lambda x, u, v: xuv_prefill.xuv_prefill(x, u, v)
-  if kernel.startswith("prefill:"):  # prefill:BM,BN,BK,G,ring,warps,stages,programs
+  if kernel.startswith("prefill:"):  # prefill:BM,BN,BK,G,ring,warps,stages,programs,dynamic
     vals = [int(t) for t in kernel.split(":")[1].split(",")]
     bs = xuv_prefill.BlockSizes(*vals)
     return lambda x, u, v: xuv_prefill.xuv_prefill(x, u, v, block_sizes=bs)
@@ -367,6 +367,39 @@ MLP_PREFETCH_VARIANTS = ("persistent_pfb:256", "persistent_pfb:512", "persistent
 PERSISTENT_VARIANTS = ("persistent", "persistent:prefetch=0", "persistent:warps=8")
 
 
+def xuv_prefill_variants(m, k, r, n):
+  """Specs of the prefill X·U·V kernel's default block sizes with tiles claimed from a
+  counter, also with a 4th pipeline stage."""
+  from lrjax.custom_calls.triton import xuv_prefill
+  bs = xuv_prefill.BlockSizes.get_default(m, k, r, n)
+  out = []
+  for kw in (dict(dynamic=True), dict(dynamic=True, num_stages=4)):
+    v = dataclasses.replace(bs, **kw)
+    out.append("prefill:" + ",".join(str(int(getattr(v, fl.name)))
+                                      for fl in dataclasses.fields(v)))
+  return out
+
+
+def mlp_prefill_variants(m, d, f, r):
+  """Specs of the prefill MLP kernel's schedule variants next to its default block sizes:
+  tiles claimed from a counter (dyn), phase B in wide two-pass tiles, a fourth pipeline
+  stage, deeper rings of (smaller) super-blocks, and phase C's reduction in chunks."""
+  from lrjax.custom_calls.triton import mlp_prefill
+  bs = mlp_prefill.BlockSizes.get_default(m, d, f, r, r, True)
+  dyn = dict(dynamic=True)
+  wide = dict(dyn, wide_b=True, block_n_cd=bs.block_n_cd or 256)
+  out = []
+  for kw in (dyn, dict(wide_b=True, block_n_cd=wide["block_n_cd"]), wide,
+             dict(wide, num_stages=4), dict(dyn, ring=3), dict(dyn, group_m=2, ring=4),
+             dict(wide, num_stages=4, ring=3), dict(wide, num_stages=4, group_m=2, ring=4),
+             dict(dyn, split_c=2), dict(dyn, split_c=4), dict(wide, num_stages=4, split_c=2),
+             dict(wide, num_stages=4, split_c=4), dict(wide, num_stages=4, split_c=2, ring=3)):
+    v = dataclasses.replace(bs, **kw)
+    out.append("prefill:" + ",".join(str(int(getattr(v, fl.name)))
+                                      for fl in dataclasses.fields(v)))
+  return out
+
+
 def suite(name, bw, peak, args, recs):
   if name == "overhead":
     for rec in overhead_records():
@@ -391,7 +424,7 @@ def suite(name, bw, peak, args, recs):
     for label, tokens in MLP_TOKENS:
       d, f, r = MLP_SHAPES[label]
       for m in tokens:
-        if m <= args.max_m:
+        if args.min_m <= m <= args.max_m:
           recs.append(dict(mlp_record(m, d, f, r, bw, peak), model=label))
   if name == "decode_persistent":  # the persistent decode kernel against the tiled one
     for (k, r, n) in XUV_DECODE_SHAPES:
@@ -423,6 +456,23 @@ def suite(name, bw, peak, args, recs):
       base = dict(mlp_record(m, d, f, r, bw, peak, "persistent"), model=label)
       recs.append(base)
       for variant in MLP_PHASE_VARIANTS:
+        recs.append(dict(mlp_record(m, d, f, r, bw, peak, variant, baselines=base),
+                         model=label))
+  if name == "prefill_variants":  # the prefill X·U·V kernel's schedules, one run
+    for (m, k, r, n) in ((1024, 8192, 4096, 16384), (4096, 8192, 4096, 16384),
+                         (16384, 8192, 4096, 16384), (1024, 7168, 4096, 18432)):
+      reps = 7 if m > 4096 else None
+      base = xuv_record(m, k, r, n, bw, peak, reps=reps)
+      recs.append(base)
+      for variant in xuv_prefill_variants(m, k, r, n):
+        recs.append(xuv_record(m, k, r, n, bw, peak, variant, reps=reps, baselines=base))
+  if name == "mlp_prefill_variants":  # the prefill MLP kernel's schedules, one run
+    for label, m in (("llama3-8b", 4096), ("llama3.2-1b", 4096), ("llama3-8b-r1024", 4096),
+                     ("llama3-8b", 1024)):
+      d, f, r = MLP_SHAPES[label]
+      base = dict(mlp_record(m, d, f, r, bw, peak), model=label)
+      recs.append(base)
+      for variant in mlp_prefill_variants(m, d, f, r):
         recs.append(dict(mlp_record(m, d, f, r, bw, peak, variant, baselines=base),
                          model=label))
   for spec in args.extra:
@@ -531,7 +581,7 @@ def main():
   ap.add_argument("--suite", default="all",
                   choices=["decode", "prefill", "mlp", "all", "none", "overhead",
                            "decode_persistent", "mlp_decode_variants", "mlp_phases",
-                           "mlp_prefetch"])
+                           "mlp_prefetch", "mlp_prefill_variants", "prefill_variants"])
   ap.add_argument("--variants", action="store_true", help="also time non-default kernels")
   ap.add_argument("--extra", nargs="*", default=[], help="op/M,K,r,N/variant")
   ap.add_argument("--out", default="benchmarks/results/gpu_lowrank_h200.json")
@@ -544,6 +594,8 @@ def main():
                   "a shape measured again replaces its old record")
   ap.add_argument("--max-m", type=int, default=1 << 30,
                   help="only the decode and MLP shapes with at most this many tokens")
+  ap.add_argument("--min-m", type=int, default=0,
+                  help="only the MLP shapes with at least this many tokens")
   ap.add_argument("--verbose", action="store_true", help="print compile and timing seconds")
   ap.add_argument("--reps", type=int, default=15, help="alternated repetitions per timing")
   args = ap.parse_args()

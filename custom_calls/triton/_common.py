@@ -139,6 +139,28 @@ def wait_at_least(flag_ptr, target):
 
 
 @triton.jit
+def first_tile(counter_ptr, DYNAMIC: tl.constexpr):
+  """A persistent CTA's first tile of a schedule: claimed from a zeroed counter (DYNAMIC;
+  every earlier tile is then held by a running CTA, so waits on earlier tiles end), else
+  its program id."""
+  if DYNAMIC:
+    t = tl.atomic_add(counter_ptr, 1, sem="relaxed")
+  else:
+    t = tl.program_id(0)
+  return t
+
+
+@triton.jit
+def next_tile(counter_ptr, t, PROGRAMS: tl.constexpr, DYNAMIC: tl.constexpr):
+  """The CTA's next tile after ``t``: the next unclaimed one (DYNAMIC), else t + PROGRAMS."""
+  if DYNAMIC:
+    t = tl.atomic_add(counter_ptr, 1, sem="relaxed")
+  else:
+    t += PROGRAMS
+  return t
+
+
+@triton.jit
 def splitr_out_tile(nb, rc,  # output column block, reduction chunk
                     a_ptr,  # [M, R] f32 left operand (complete for rows of chunk rc)
                     v_ptr,  # [R, N] right factor

@@ -21,6 +21,13 @@ X of row block m waits for phase X-1 of m. It also waits for phase X+1 of row bl
 m - ring·G before overwriting that row block's slot. Tiles come from a host-built
 schedule: step s = [C(s-2), A(s), B(s-1), D(s-3)] over super-blocks. Every
 dependency points to an earlier step, so the persistent grid cannot deadlock.
+
+The tuned configs claim tiles in schedule order from an atomic counter (``dynamic``): a
+round-robin split by program id piles the long phase-C tiles (K = D_ff) onto a few CTAs,
+and claiming them was worth 7-27 % at T=1024-4096. Phase B then runs in 128 x 256 tiles with one
+accumulator (``wide_b``): the gate pass parks act(Pg·Vg) in the tile's own place in the H
+ring, the up pass reads it back and multiplies. ``split_c`` cuts phase C's reduction into
+chunks (f32 atomics; the last chunk writes S and re-zeroes its accumulator).
 """
 from __future__ import annotations
 
@@ -34,7 +41,8 @@ import triton
 import triton.language as tl
 
 from lrjax.custom_calls.triton import planner
-from lrjax.custom_calls.triton._common import (check_out, mm_acc, mm_acc2, ring_tile, signal,
+from lrjax.custom_calls.triton._common import (activation, check_out, first_tile, mm_acc,
+                                               mm_acc2, next_tile, ring_tile, signal,
                                                swiglu_epilogue, wait_at_least)
 from lrjax.custom_calls.triton.mlp_decode import ACT_CODES, unpack_mlp_args
 from lrjax.custom_calls.triton.xuv_prefill import tile_codes
@@ -51,6 +59,14 @@ class BlockSizes:
   num_stages: int = 3
   programs: int = 132
   block_n_cd: int = 0  # output columns per tile of phases C and D (one accumulator); 0: block_n
+  # phase B in tiles as wide as C and D's: gate then up, one accumulator, act(gate) parked
+  # in the tile's own place in the H ring between the two passes
+  wide_b: bool = False
+  # tiles claimed in schedule order from an atomic counter (else round-robin by program id)
+  dynamic: bool = False
+  # phase C's reduction over D_ff cut into this many chunks (shorter tiles; f32 atomics, the
+  # last chunk of a tile writes S and re-zeroes its accumulator for the slot's next user)
+  split_c: int = 1
 
   @classmethod
   def get_default(cls, m: int, d: int, f: int, r: int, rd: int, gated: bool) -> "BlockSizes":
@@ -60,19 +76,30 @@ class BlockSizes:
       p = planner.plan_prefill(m, r, widths, ring=2)
       t = cls(p.block_m, p.block_n, p.block_k, p.group_m, 2, p.warps, p.stages, p.programs)
     n_mb = planner.cdiv(m, t.block_m)
-    # phase B streams two A and two B tiles per step (eq. 11 with both factors)
-    per_stage = 2 * planner.pipeline_smem_bytes(t.block_m, t.block_n, t.block_k, 1)
-    stages = max(2, min(t.num_stages, int(0.9 * planner.H200.smem_per_cta // per_stage)))
+    stages = max(2, min(t.num_stages, int(0.9 * planner.H200.smem_per_cta // t.stage_bytes())))
     return dataclasses.replace(t, group_m=max(1, min(t.group_m, n_mb)), num_stages=stages)
+
+  def stage_bytes(self) -> int:
+    """Shared memory per pipeline stage of the widest phase (eq. 11 per phase): A loads one
+    X tile and two factor tiles, the dual-accumulator B two of each, the others one of each."""
+    bm, bn, bk = self.block_m, self.block_n, self.block_k
+    bw = self.block_n_cd or bn
+    one = planner.pipeline_smem_bytes(bm, bw, bk, 1)
+    phase_a = 2 * (bm * bk + 2 * bk * bn)
+    phase_b = one if self.wide_b else 2 * planner.pipeline_smem_bytes(bm, bn, bk, 1)
+    return max(one, phase_a, phase_b)
 
 
 # Tuned on the H200 (benchmarks/gpu_lowrank.py); missing classes use planner.plan_prefill.
+# Tiles claimed from a counter, phase B in two-pass 128x256 tiles, 4 stages and a 3-slot ring:
+# 2045 vs 2344 us (8B r=2560), 684 vs 951 (1B r=1280), 966 vs 1431 (8B r=1024) at T=4096,
+# 556 vs 610 at T=1024; counter-claimed tiles alone gave most of it (2120 / 718 / 1049 us).
+# Phase C in 2-4 reduction chunks was not better overall
+# (results/gpu_mlp_prefill_variants_h200.json).
+# Earlier: phases C and D in 128x256 tiles (results/gpu_mlp_prefill_tiles_h200.json).
 TUNED: dict[tuple[str, str], BlockSizes] = {
-    # phases C and D in 128x256 tiles: 2325 vs 2437 us at T=4096, 8B r=2560; at 1B r=1280
-    # (r_d/256 = 5 phase-C tiles per row block) 989 vs 963 us, so not there
-    # (results/gpu_mlp_prefill_tiles_h200.json)
-    ("m>512", "r>=2048"): BlockSizes(128, 128, 64, 4, 2, 8, 3, 132, 256),
-    ("m>512", "r<2048"): BlockSizes(128, 128, 64, 4, 2, 8, 3, 132),
+    ("m>512", "r>=2048"): BlockSizes(128, 128, 64, 4, 3, 8, 4, 132, 256, True, True),
+    ("m>512", "r<2048"): BlockSizes(128, 128, 64, 4, 3, 8, 4, 132, 256, True, True),
 }
 
 
@@ -87,7 +114,9 @@ def _mlp_prefill_kernel(
     p_ring,  # [RING*G*BLOCK_M, 2R] (gated) or [.., R]: X·Ug | X·Uu strips
     h_ring,  # [RING*G*BLOCK_M, F] activation strips
     s_ring,  # [RING*G*BLOCK_M, RD] down-rank strips
-    flags_ptr,  # [4, n_mb] i32 parts done per phase and row block, zeroed
+    sacc_ring,  # [RING*G*BLOCK_M, RD] f32 phase-C partial sums (SPLIT_C > 1), zeroed
+    flags_ptr,  # [4 * n_mb + 1 + RING*G*n_s] i32, zeroed: parts done per phase and row
+                # block, the tile counter (DYNAMIC), phase-C chunks done per slot tile
     o_ptr,  # [M, DO] output
     M: tl.constexpr, D: tl.constexpr, R: tl.constexpr, F: tl.constexpr,
     RD: tl.constexpr, DO: tl.constexpr, NMB: tl.constexpr,
@@ -96,16 +125,22 @@ def _mlp_prefill_kernel(
     T: tl.constexpr, PROGRAMS: tl.constexpr, G: tl.constexpr, RING: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_NW: tl.constexpr,  # phases C and D: one accumulator, so wider tiles fit
+    WIDE_B: tl.constexpr,  # phase B in BLOCK_NW-wide tiles, gate and up in two passes
+    DYNAMIC: tl.constexpr,  # tiles claimed from a counter (else round-robin)
+    SPLIT_C: tl.constexpr, K_PER_C: tl.constexpr,  # phase-C reduction chunks, their length
     EVEN_D: tl.constexpr, EVEN_R: tl.constexpr, EVEN_F: tl.constexpr, EVEN_RD: tl.constexpr,
 ):
-  pid = tl.program_id(0)
   PW: tl.constexpr = 2 * R if GATED else R
+  BW_B: tl.constexpr = BLOCK_NW if WIDE_B else BLOCK_N
   n_r = (R + BLOCK_N - 1) // BLOCK_N
-  n_f = (F + BLOCK_N - 1) // BLOCK_N
+  n_f = (F + BW_B - 1) // BW_B
   n_s = (RD + BLOCK_NW - 1) // BLOCK_NW
   n_n = (DO + BLOCK_NW - 1) // BLOCK_NW
   SLOT: tl.constexpr = G * RING
-  for t in range(pid, T, PROGRAMS):
+  counter = flags_ptr + 4 * NMB
+  chunks_done = counter + 1
+  t = first_tile(counter, DYNAMIC)
+  while t < T:
     phase, mb, offs_m, m_mask, rows, j = ring_tile(
         tl.load(sched_ptr + t), M, G, RING, BLOCK_M)
     offs_c = j * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -134,36 +169,74 @@ def _mlp_prefill_kernel(
       # B: H columns j = act(Pg·Vg + bg) ⊙ (Pu·Vu + bu); slot's last user was C of mb - SLOT
       wait_at_least(flags_ptr + mb, n_r)
       if mb >= SLOT:
-        wait_at_least(flags_ptr + 2 * NMB + mb - SLOT, n_s)
-      c_mask = offs_c < F
-      acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-      acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # unused unless GATED
-      if GATED:
-        acc_g, acc_u = mm_acc2(acc_g, acc_u, p_ring, p_ring + R, vg_ptr, vu_ptr, rows, offs_c,
-                               m_mask, c_mask, 0, R, R, PW, F, BLOCK_K, EVEN_R, True, False)
-      else:
-        acc_u = mm_acc(acc_u, p_ring, vu_ptr, rows, offs_c, m_mask, c_mask, 0, R, R, PW, F,
+        wait_at_least(flags_ptr + 2 * NMB + mb - SLOT, n_s * SPLIT_C)
+      if WIDE_B:
+        f_mask = offs_w < F
+        acc = tl.zeros([BLOCK_M, BLOCK_NW], tl.float32)
+        if GATED:  # act(gate) parked in this tile's H, read back (same CTA) after the up pass
+          acc = mm_acc(acc, p_ring, vg_ptr, rows, offs_w, m_mask, f_mask, 0, R, R, PW, F,
                        BLOCK_K, EVEN_R, True)
-      h = swiglu_epilogue(acc_g, acc_u, bg_ptr, bu_ptr, offs_c, c_mask, GATED, ACT, HAS_BG,
-                          HAS_BU)
-      tl.store(h_ring + rows[:, None] * F + offs_c[None, :], h.to(h_ring.dtype.element_ty),
-               mask=c_mask[None, :])
+          if HAS_BG:
+            acc += tl.load(bg_ptr + offs_w, mask=f_mask, other=0.0).to(tl.float32)[None, :]
+          tl.store(h_ring + rows[:, None] * F + offs_w[None, :],
+                   activation(acc, ACT).to(h_ring.dtype.element_ty), mask=f_mask[None, :])
+          tl.debug_barrier()
+          acc = tl.zeros([BLOCK_M, BLOCK_NW], tl.float32)
+        acc = mm_acc(acc, p_ring + (R if GATED else 0), vu_ptr, rows, offs_w, m_mask, f_mask,
+                     0, R, R, PW, F, BLOCK_K, EVEN_R, True)
+        if HAS_BU:
+          acc += tl.load(bu_ptr + offs_w, mask=f_mask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+          h = tl.load(h_ring + rows[:, None] * F + offs_w[None, :], mask=f_mask[None, :],
+                      other=0.0).to(tl.float32) * acc
+        else:
+          h = activation(acc, ACT)
+        tl.store(h_ring + rows[:, None] * F + offs_w[None, :], h.to(h_ring.dtype.element_ty),
+                 mask=f_mask[None, :])
+      else:
+        c_mask = offs_c < F
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # unused unless GATED
+        if GATED:
+          acc_g, acc_u = mm_acc2(acc_g, acc_u, p_ring, p_ring + R, vg_ptr, vu_ptr, rows,
+                                 offs_c, m_mask, c_mask, 0, R, R, PW, F, BLOCK_K, EVEN_R, True,
+                                 False)
+        else:
+          acc_u = mm_acc(acc_u, p_ring, vu_ptr, rows, offs_c, m_mask, c_mask, 0, R, R, PW, F,
+                         BLOCK_K, EVEN_R, True)
+        h = swiglu_epilogue(acc_g, acc_u, bg_ptr, bu_ptr, offs_c, c_mask, GATED, ACT, HAS_BG,
+                            HAS_BU)
+        tl.store(h_ring + rows[:, None] * F + offs_c[None, :], h.to(h_ring.dtype.element_ty),
+                 mask=c_mask[None, :])
       signal(flags_ptr + NMB + mb)
     elif phase == 2:
       # C: S columns j = H·Ud; slot's last user was D of mb - SLOT
       wait_at_least(flags_ptr + NMB + mb, n_f)
       if mb >= SLOT:
         wait_at_least(flags_ptr + 3 * NMB + mb - SLOT, n_n)
-      w_mask = offs_w < RD  # (a branch-local name: Triton types each name once per if)
+      jc = j // SPLIT_C
+      kc = j % SPLIT_C
+      offs_s = jc * BLOCK_NW + tl.arange(0, BLOCK_NW)
+      s_mask = offs_s < RD  # (a branch-local name: Triton types each name once per if)
       acc = tl.zeros([BLOCK_M, BLOCK_NW], tl.float32)
-      acc = mm_acc(acc, h_ring, ud_ptr, rows, offs_w, m_mask, w_mask, 0, F, F, F, RD,
-                   BLOCK_K, EVEN_F, True)
-      tl.store(s_ring + rows[:, None] * RD + offs_w[None, :], acc.to(s_ring.dtype.element_ty),
-               mask=w_mask[None, :])
+      acc = mm_acc(acc, h_ring, ud_ptr, rows, offs_s, m_mask, s_mask, kc * K_PER_C,
+                   tl.minimum(kc * K_PER_C + K_PER_C, F), F, F, RD, BLOCK_K, EVEN_F, True)
+      s_off = rows[:, None] * RD + offs_s[None, :]
+      if SPLIT_C == 1:
+        tl.store(s_ring + s_off, acc.to(s_ring.dtype.element_ty), mask=s_mask[None, :])
+      else:
+        tl.atomic_add(sacc_ring + s_off, acc, mask=s_mask[None, :], sem="relaxed")
+        tl.debug_barrier()
+        sem = chunks_done + (mb % SLOT) * n_s + jc
+        if tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu") == SPLIT_C - 1:
+          tot = tl.load(sacc_ring + s_off, mask=s_mask[None, :], other=0.0, cache_modifier=".cg")
+          tl.store(s_ring + s_off, tot.to(s_ring.dtype.element_ty), mask=s_mask[None, :])
+          tl.store(sacc_ring + s_off, tl.zeros_like(tot), mask=s_mask[None, :])
+          tl.atomic_xchg(sem, 0, sem="relaxed")
       signal(flags_ptr + 2 * NMB + mb)
     else:
       # D: Y columns j = S·Vd + bd
-      wait_at_least(flags_ptr + 2 * NMB + mb, n_s)
+      wait_at_least(flags_ptr + 2 * NMB + mb, n_s * SPLIT_C)
       w_mask = offs_w < DO
       acc = tl.zeros([BLOCK_M, BLOCK_NW], tl.float32)
       acc = mm_acc(acc, s_ring, vd_ptr, rows, offs_w, m_mask, w_mask, 0, RD, RD, RD, DO,
@@ -173,6 +246,7 @@ def _mlp_prefill_kernel(
       tl.store(o_ptr + offs_m[:, None] * DO + offs_w[None, :], acc.to(o_ptr.dtype.element_ty),
                mask=m_mask[:, None] & w_mask[None, :])
       signal(flags_ptr + 3 * NMB + mb)
+    t = next_tile(counter, t, PROGRAMS, DYNAMIC)
 
 
 def schedule(m: int, r: int, f: int, rd: int, d_out: int, bs: BlockSizes, xp=np):
@@ -182,8 +256,8 @@ def schedule(m: int, r: int, f: int, rd: int, d_out: int, bs: BlockSizes, xp=np)
   """
   n_mb = planner.cdiv(m, bs.block_m)
   bw = bs.block_n_cd or bs.block_n
-  widths = [planner.cdiv(w, b) for w, b in ((r, bs.block_n), (f, bs.block_n), (rd, bw),
-                                            (d_out, bw))]
+  widths = [planner.cdiv(r, bs.block_n), planner.cdiv(f, bw if bs.wide_b else bs.block_n),
+            planner.cdiv(rd, bw) * bs.split_c, planner.cdiv(d_out, bw)]
   if n_mb >= 1 << 14 or max(widths) >= 1 << 14:
     raise ValueError(f"{m=}, {r=}, {f=}, {rd=}, {d_out=} exceed the 14-bit tile code fields")
   n_sb = planner.cdiv(n_mb, bs.group_m)
@@ -199,21 +273,27 @@ def schedule(m: int, r: int, f: int, rd: int, d_out: int, bs: BlockSizes, xp=np)
 
 def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes,
                 xp=np) -> dict:
+  if bs.split_c < 1:
+    raise ValueError(f"split_c={bs.split_c}: expected >= 1 chunks of phase C's reduction")
   sched = schedule(m, r, f, rd, d_out, bs, xp)
   n_mb = planner.cdiv(m, bs.block_m)
   ring = min(bs.ring, planner.cdiv(n_mb, bs.group_m))
+  n_s = planner.cdiv(rd, bs.block_n_cd or bs.block_n)
+  k_per_c = planner.cdiv(planner.cdiv(f, bs.split_c), bs.block_k) * bs.block_k
   has = dict(zip(("bg", "bu", "bd") if gated else ("bu", "bd"), bias_mask))
   programs = min(bs.programs, len(sched))
   meta = dict(M=m, D=d, R=r, F=f, RD=rd, DO=d_out, NMB=n_mb, GATED=gated, ACT=ACT_CODES[act],
               HAS_BG=has.get("bg", False), HAS_BU=has["bu"], HAS_BD=has["bd"],
               T=len(sched), PROGRAMS=programs, G=bs.group_m, RING=ring,
               BLOCK_M=bs.block_m, BLOCK_N=bs.block_n, BLOCK_K=bs.block_k,
-              BLOCK_NW=bs.block_n_cd or bs.block_n,
+              BLOCK_NW=bs.block_n_cd or bs.block_n, WIDE_B=bool(bs.wide_b),
+              DYNAMIC=bool(bs.dynamic), SPLIT_C=bs.split_c, K_PER_C=k_per_c,
               EVEN_D=d % bs.block_k == 0, EVEN_R=r % bs.block_k == 0,
               EVEN_F=f % bs.block_k == 0, EVEN_RD=rd % bs.block_k == 0)
   ring_rows = ring * bs.group_m * bs.block_m
   return dict(sched=sched, n_mb=n_mb, ring_rows=ring_rows, programs=programs, meta=meta,
-              scratch_elems=ring_rows * ((2 * r if gated else r) + f + rd))
+              sacc_shape=(ring_rows, rd) if bs.split_c > 1 else (1, 1),
+              n_flags=4 * n_mb + 1 + ring * bs.group_m * n_s)
 
 
 def mlp_prefill(x, up, down, gate=None, *, act="silu", out_dtype=None,
@@ -237,10 +317,11 @@ def mlp_prefill(x, up, down, gate=None, *, act="silu", out_dtype=None,
       *ops, x2 if out is None else out, kernel=_mlp_prefill_kernel,
       out_shape=(jax.ShapeDtypeStruct((rr, 2 * r if gated else r), dt),
                  jax.ShapeDtypeStruct((rr, f), dt), jax.ShapeDtypeStruct((rr, rd), dt),
-                 jax.ShapeDtypeStruct((4, plan["n_mb"]), jnp.int32),
+                 jax.ShapeDtypeStruct(plan["sacc_shape"], jnp.float32),
+                 jax.ShapeDtypeStruct((plan["n_flags"],), jnp.int32),
                  jax.ShapeDtypeStruct((m, d_out), out_dtype)),
-      grid=(plan["programs"],), zeroed_outputs=(3,),
-      input_output_aliases={11: 4} if out is not None else None, num_warps=bs.num_warps,
+      grid=(plan["programs"],), zeroed_outputs=(3, 4),
+      input_output_aliases={11: 5} if out is not None else None, num_warps=bs.num_warps,
       num_stages=bs.num_stages, name="lrjax_mlp_prefill", **plan["meta"])
   return outs[-1].reshape(*lead, d_out)
 

@@ -21,6 +21,8 @@ super-block s, then phase D of super-block s-1 (N outer, rows inner, so
 concurrent CTAs share V tiles through L2). A tile depends only on tiles earlier in
 the table, and each persistent CTA walks its tiles in table order, so the earliest
 unfinished tile can always run: no deadlock with a grid of at most one resident wave.
+With ``dynamic`` the CTAs claim tiles in table order from an atomic counter instead of
+taking every PROGRAMS-th one; the same argument holds.
 """
 from __future__ import annotations
 
@@ -34,8 +36,9 @@ import triton
 import triton.language as tl
 
 from lrjax.custom_calls.triton import planner
-from lrjax.custom_calls.triton._common import (check_out, mm_acc, ring_tile, signal,
-                                               unpack_xuv_args, wait_at_least)
+from lrjax.custom_calls.triton._common import (check_out, first_tile, mm_acc, next_tile,
+                                               ring_tile, signal, unpack_xuv_args,
+                                               wait_at_least)
 
 PHASE_A, PHASE_D = 0, 3
 _PHASE_SHIFT, _M_SHIFT, _J_MASK = 28, 14, (1 << 14) - 1
@@ -51,6 +54,7 @@ class BlockSizes:
   num_warps: int = 8
   num_stages: int = 3
   programs: int = 132  # persistent CTAs (one per SM at these tile sizes)
+  dynamic: bool = False  # tiles claimed in schedule order from a counter (else round-robin)
 
   @classmethod
   def get_default(cls, m: int, k: int, r: int, n: int) -> "BlockSizes":
@@ -87,19 +91,20 @@ def _xuv_prefill_kernel(
     sched_ptr,  # [T] i32 tile codes: phase << 28 | row block << 14 | column block
     o_in_ptr,  # [M, N] caller's output buffer aliased to o_ptr (else x; never read)
     ring_ptr,  # [RING * G * BLOCK_M, R] strip ring (V's dtype)
-    flag_a_ptr,  # [n_mb] i32 strip parts stored per row block, zeroed
+    flag_a_ptr,  # [n_mb + 1] i32 strip parts stored per row block, then the tile counter
     flag_d_ptr,  # [n_mb] i32 output tiles done per row block, zeroed
     o_ptr,  # [M, N] output
-    M: tl.constexpr, K: tl.constexpr, R: tl.constexpr, N: tl.constexpr,
+    M: tl.constexpr, K: tl.constexpr, R: tl.constexpr, N: tl.constexpr, NMB: tl.constexpr,
     HAS_BIAS: tl.constexpr, T: tl.constexpr, PROGRAMS: tl.constexpr,
     G: tl.constexpr, RING: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_R: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_R: tl.constexpr, DYNAMIC: tl.constexpr,
 ):
-  pid = tl.program_id(0)
   n_r = (R + BLOCK_N - 1) // BLOCK_N
   n_n = (N + BLOCK_N - 1) // BLOCK_N
-  for t in range(pid, T, PROGRAMS):
+  counter = flag_a_ptr + NMB
+  t = first_tile(counter, DYNAMIC)
+  while t < T:
     phase, mb, offs_m, m_mask, ring_rows, j = ring_tile(
         tl.load(sched_ptr + t), M, G, RING, BLOCK_M)
     offs_c = j * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -123,6 +128,7 @@ def _xuv_prefill_kernel(
       tl.store(o_ptr + offs_m[:, None] * N + offs_c[None, :], acc.to(o_ptr.dtype.element_ty),
                mask=m_mask[:, None] & c_mask[None, :])
       signal(flag_d_ptr + mb)
+    t = next_tile(counter, t, PROGRAMS, DYNAMIC)
 
 
 def tile_codes(xp, phase: int, mb0: int, g: int, width: int, rows_fastest: bool):
@@ -161,7 +167,8 @@ def launch_plan(m: int, k: int, r: int, n: int, has_bias: bool, bs: BlockSizes, 
   programs = min(bs.programs, len(sched))
   meta = dict(M=m, K=k, R=r, N=n, HAS_BIAS=has_bias, T=len(sched), PROGRAMS=programs,
               G=bs.group_m, RING=ring, BLOCK_M=bs.block_m, BLOCK_N=bs.block_n,
-              BLOCK_K=bs.block_k, EVEN_K=k % bs.block_k == 0, EVEN_R=r % bs.block_k == 0)
+              BLOCK_K=bs.block_k, EVEN_K=k % bs.block_k == 0, EVEN_R=r % bs.block_k == 0,
+              NMB=n_mb, DYNAMIC=bool(bs.dynamic))
   return dict(sched=sched, n_mb=n_mb, ring_rows=ring * bs.group_m * bs.block_m,
               programs=programs, meta=meta)
 
@@ -182,7 +189,7 @@ def xuv_prefill(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes |
       x2, u, v, b, sched, x2 if out is None else out, kernel=_xuv_prefill_kernel,
       input_output_aliases={5: 3} if out is not None else None,
       out_shape=(jax.ShapeDtypeStruct((plan["ring_rows"], r), v.dtype),
-                 jax.ShapeDtypeStruct((plan["n_mb"],), jnp.int32),
+                 jax.ShapeDtypeStruct((plan["n_mb"] + 1,), jnp.int32),
                  jax.ShapeDtypeStruct((plan["n_mb"],), jnp.int32),
                  jax.ShapeDtypeStruct((m, n), out_dtype)),
       grid=(plan["programs"],), zeroed_outputs=(1, 2), num_warps=bs.num_warps,

@@ -95,14 +95,15 @@ def test_xuv_kernels(kind, shape, dtype, bias):
   assert_close(out, xuv_ref(x, u, v, b, dtype), dtype)
 
 
-def test_xuv_prefill_ring_reuse_and_small_grid():
+@pytest.mark.parametrize("dynamic", [False, True])  # tiles round-robin / from a counter
+def test_xuv_prefill_ring_reuse_and_small_grid(dynamic):
   """More super-blocks than ring slots and fewer CTAs than tiles: slot reuse waits."""
   from lrjax.custom_calls.triton import xuv_prefill
   dtype = jnp.bfloat16
   m, k, r, n = 1100, 256, 192, 320
   x = randn((m, k), dtype)
   u, v = lr_factors(k, r, n, dtype)
-  bs = xuv_prefill.BlockSizes(128, 64, 64, 1, 2, 4, 3, 7)
+  bs = xuv_prefill.BlockSizes(128, 64, 64, 1, 2, 4, 3, 7, dynamic)
   out = jax.jit(lambda x, u, v, o: xuv_prefill.xuv_prefill(x, u, v, out=o, block_sizes=bs))(
       x, u, v, poisoned((m, n), dtype))
   assert_close(out, xuv_ref(x, u, v, None, dtype), dtype)
@@ -167,18 +168,26 @@ def test_mlp_kernels(kind, shape, dtype, gated, act, bias):
   assert_close(out, mlp_ref(x, gate, up, down, act, dtype), dtype)
 
 
-@pytest.mark.parametrize("block_n_cd", [0, 128])  # 128: wider phase-C/D tiles than A/B's
-def test_mlp_prefill_ring_reuse(block_n_cd):
+# block_n_cd 128: wider phase-C/D tiles than A/B's; wide_b: phase B in those tiles, two
+# passes; dynamic: tiles claimed from a counter; split_c: phase C's reduction in chunks
+# (the per-tile accumulators and chunk counters are reused by later row blocks)
+@pytest.mark.parametrize("block_n_cd,wide_b,dynamic,split_c,gated,bias", [
+    (0, False, False, 1, True, False), (128, False, False, 1, True, False),
+    (128, True, False, 1, True, False), (128, True, True, 3, True, True),
+    (0, True, True, 1, False, True), (0, False, True, 2, True, False),
+    (0, False, False, 4, True, False)])
+def test_mlp_prefill_ring_reuse(block_n_cd, wide_b, dynamic, split_c, gated, bias):
   from lrjax.custom_calls.triton import mlp_prefill
   dtype = jnp.bfloat16
   m, d, f, r = 700, 328, 640, 136  # r_d and D_out not multiples of 128
-  gate, up, down = mlp_params(d, f, r, r, d, dtype, True, False)
+  gate, up, down = mlp_params(d, f, r, r, d, dtype, gated, bias)
   x = randn((m, d), dtype)
-  bs = mlp_prefill.BlockSizes(64, 64, 64, 2, 2, 4, 3, 11, block_n_cd)
-  out = jax.jit(lambda x, g, u, dn, o: mlp_prefill.mlp_prefill(x, u, dn, g, out=o,
+  bs = mlp_prefill.BlockSizes(64, 64, 64, 2, 2, 4, 3, 11, block_n_cd, wide_b, dynamic, split_c)
+  act = "silu" if gated else "gelu_tanh"
+  out = jax.jit(lambda x, g, u, dn, o: mlp_prefill.mlp_prefill(x, u, dn, g, act=act, out=o,
                                                                block_sizes=bs))(
       x, gate, up, down, poisoned((m, d), dtype))
-  assert_close(out, mlp_ref(x, gate, up, down, "silu", dtype), dtype)
+  assert_close(out, mlp_ref(x, gate, up, down, act, dtype), dtype)
 
 
 def _count_triton_calls(compiled_text):
