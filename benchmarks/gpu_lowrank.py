@@ -266,6 +266,8 @@ def mlp_record(m, d, f, r, bw, peak, kernel="auto", reps=None, baselines=None):
       field = "prefetch" if name == "persistent_pfb" else "prefetch_c"
       name, extra = "decode", dict(persistent=dataclasses.replace(plan, **{field: int(spec)}))
       spec = ""
+    if name == "prefill_phases":  # the default prefill kernel, some phases or no waits
+      name, extra, spec = "prefill", dict(_phases=int(spec) or 15, _waits=int(spec) != 0), ""
     mod = {"decode": mlp_decode, "prefill": mlp_prefill}[name]
     kern = getattr(mod, f"mlp_{name}")
     bs = mod.BlockSizes(*[int(t) for t in spec.split(",")]) if spec else None
@@ -360,6 +362,9 @@ MLP_DECODE_VARIANTS = ("persistent",)
 # phases A=1, B=2, C=4 alone or together; then the whole phase-C chunk prefetched into L2
 MLP_PHASE_VARIANTS = ("persistent_phases:1", "persistent_phases:2", "persistent_phases:4",
                       "persistent_phases:3", "persistent_phases:6", "persistent_pfc:2048")
+# the prefill kernel with no waits (0: all phases), then each phase alone (timing only)
+MLP_PREFILL_PHASE_VARIANTS = ("prefill_phases:0", "prefill_phases:1", "prefill_phases:2",
+                              "prefill_phases:4", "prefill_phases:8")
 # deeper L2 prefetch of the phase-B slices (Vg, Vu rows) while phase A streams
 MLP_PREFETCH_VARIANTS = ("persistent_pfb:256", "persistent_pfb:512", "persistent_pfb:1024")
 # gpu_xuv_decode_persistent_h200.json also has "persistent:programs=264,stages=3" (two CTAs
@@ -466,6 +471,14 @@ def suite(name, bw, peak, args, recs):
       recs.append(base)
       for variant in xuv_prefill_variants(m, k, r, n):
         recs.append(xuv_record(m, k, r, n, bw, peak, variant, reps=reps, baselines=base))
+  if name == "mlp_prefill_phases":  # the prefill MLP kernel by phase (A=1 B=2 C=4 D=8)
+    for label, m in (("llama3-8b", 4096), ("llama3-8b-r1024", 4096)):
+      d, f, r = MLP_SHAPES[label]
+      base = dict(mlp_record(m, d, f, r, bw, peak), model=label)
+      recs.append(base)
+      for variant in MLP_PREFILL_PHASE_VARIANTS:
+        recs.append(dict(mlp_record(m, d, f, r, bw, peak, variant, baselines=base),
+                         model=label))
   if name == "mlp_prefill_variants":  # the prefill MLP kernel's schedules, one run
     for label, m in (("llama3-8b", 4096), ("llama3.2-1b", 4096), ("llama3-8b-r1024", 4096),
                      ("llama3-8b", 1024)):
@@ -581,7 +594,8 @@ def main():
   ap.add_argument("--suite", default="all",
                   choices=["decode", "prefill", "mlp", "all", "none", "overhead",
                            "decode_persistent", "mlp_decode_variants", "mlp_phases",
-                           "mlp_prefetch", "mlp_prefill_variants", "prefill_variants"])
+                           "mlp_prefetch", "mlp_prefill_variants", "prefill_variants",
+                           "mlp_prefill_phases"])
   ap.add_argument("--variants", action="store_true", help="also time non-default kernels")
   ap.add_argument("--extra", nargs="*", default=[], help="op/M,K,r,N/variant")
   ap.add_argument("--out", default="benchmarks/results/gpu_lowrank_h200.json")

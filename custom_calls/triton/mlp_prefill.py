@@ -104,6 +104,12 @@ TUNED: dict[tuple[str, str], BlockSizes] = {
 
 
 @triton.jit
+def _wait(flag_ptr, target, WAITS: tl.constexpr):
+  if WAITS:  # off only when timing some phases alone (the others never signal)
+    wait_at_least(flag_ptr, target)
+
+
+@triton.jit
 def _mlp_prefill_kernel(
     x_ptr,  # [M, D] activations
     ug_ptr, vg_ptr, bg_ptr,  # [D, R], [R, F], [F] gate (unread if not GATED)
@@ -128,6 +134,7 @@ def _mlp_prefill_kernel(
     WIDE_B: tl.constexpr,  # phase B in BLOCK_NW-wide tiles, gate and up in two passes
     DYNAMIC: tl.constexpr,  # tiles claimed from a counter (else round-robin)
     SPLIT_C: tl.constexpr, K_PER_C: tl.constexpr,  # phase-C reduction chunks, their length
+    WAITS: tl.constexpr,  # False: timing only, no dependencies honoured (wrong output)
     EVEN_D: tl.constexpr, EVEN_R: tl.constexpr, EVEN_F: tl.constexpr, EVEN_RD: tl.constexpr,
 ):
   PW: tl.constexpr = 2 * R if GATED else R
@@ -148,7 +155,7 @@ def _mlp_prefill_kernel(
     if phase == 0:
       # A: [Pg | Pu] columns j of row block mb; the slot's last user was B of mb - SLOT
       if mb >= SLOT:
-        wait_at_least(flags_ptr + NMB + mb - SLOT, n_f)
+        _wait(flags_ptr + NMB + mb - SLOT, n_f, WAITS)
       c_mask = offs_c < R
       acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
       if GATED:
@@ -167,9 +174,9 @@ def _mlp_prefill_kernel(
       signal(flags_ptr + mb)
     elif phase == 1:
       # B: H columns j = act(Pg·Vg + bg) ⊙ (Pu·Vu + bu); slot's last user was C of mb - SLOT
-      wait_at_least(flags_ptr + mb, n_r)
+      _wait(flags_ptr + mb, n_r, WAITS)
       if mb >= SLOT:
-        wait_at_least(flags_ptr + 2 * NMB + mb - SLOT, n_s * SPLIT_C)
+        _wait(flags_ptr + 2 * NMB + mb - SLOT, n_s * SPLIT_C, WAITS)
       if WIDE_B:
         f_mask = offs_w < F
         acc = tl.zeros([BLOCK_M, BLOCK_NW], tl.float32)
@@ -211,9 +218,9 @@ def _mlp_prefill_kernel(
       signal(flags_ptr + NMB + mb)
     elif phase == 2:
       # C: S columns j = H·Ud; slot's last user was D of mb - SLOT
-      wait_at_least(flags_ptr + NMB + mb, n_f)
+      _wait(flags_ptr + NMB + mb, n_f, WAITS)
       if mb >= SLOT:
-        wait_at_least(flags_ptr + 3 * NMB + mb - SLOT, n_n)
+        _wait(flags_ptr + 3 * NMB + mb - SLOT, n_n, WAITS)
       jc = j // SPLIT_C
       kc = j % SPLIT_C
       offs_s = jc * BLOCK_NW + tl.arange(0, BLOCK_NW)
@@ -236,7 +243,7 @@ def _mlp_prefill_kernel(
       signal(flags_ptr + 2 * NMB + mb)
     else:
       # D: Y columns j = S·Vd + bd
-      wait_at_least(flags_ptr + 2 * NMB + mb, n_s * SPLIT_C)
+      _wait(flags_ptr + 2 * NMB + mb, n_s * SPLIT_C, WAITS)
       w_mask = offs_w < DO
       acc = tl.zeros([BLOCK_M, BLOCK_NW], tl.float32)
       acc = mm_acc(acc, s_ring, vd_ptr, rows, offs_w, m_mask, w_mask, 0, RD, RD, RD, DO,
@@ -249,10 +256,12 @@ def _mlp_prefill_kernel(
     t = next_tile(counter, t, PROGRAMS, DYNAMIC)
 
 
-def schedule(m: int, r: int, f: int, rd: int, d_out: int, bs: BlockSizes, xp=np):
+def schedule(m: int, r: int, f: int, rd: int, d_out: int, bs: BlockSizes, xp=np,
+             phases: int = 15):
   """Tile codes in dependency order: step s = [C(s-2), A(s), B(s-1), D(s-3)].
 
   The long-K phase-C tiles (K = D_ff) go first in each step, so they do not trail it.
+  ``phases`` (timing only): bits 1, 2, 4, 8 keep phases A, B, C, D.
   """
   n_mb = planner.cdiv(m, bs.block_m)
   bw = bs.block_n_cd or bs.block_n
@@ -265,17 +274,19 @@ def schedule(m: int, r: int, f: int, rd: int, d_out: int, bs: BlockSizes, xp=np)
   for s in range(n_sb + 3):
     for phase in (2, 0, 1, 3):
       sb = s - phase
-      if 0 <= sb < n_sb:
+      if 0 <= sb < n_sb and (phases >> phase) & 1:
         g = min(bs.group_m, n_mb - sb * bs.group_m)
         pieces.append(tile_codes(xp, phase, sb * bs.group_m, g, widths[phase], True))
   return xp.concatenate(pieces)
 
 
 def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes,
-                xp=np) -> dict:
+                xp=np, phases: int = 15, waits: bool = True) -> dict:
   if bs.split_c < 1:
     raise ValueError(f"split_c={bs.split_c}: expected >= 1 chunks of phase C's reduction")
-  sched = schedule(m, r, f, rd, d_out, bs, xp)
+  if phases not in range(1, 16):
+    raise ValueError(f"{phases=} must be in 1..15 (bits 1, 2, 4, 8: phases A, B, C, D)")
+  sched = schedule(m, r, f, rd, d_out, bs, xp, phases)
   n_mb = planner.cdiv(m, bs.block_m)
   ring = min(bs.ring, planner.cdiv(n_mb, bs.group_m))
   n_s = planner.cdiv(rd, bs.block_n_cd or bs.block_n)
@@ -288,6 +299,7 @@ def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes,
               BLOCK_M=bs.block_m, BLOCK_N=bs.block_n, BLOCK_K=bs.block_k,
               BLOCK_NW=bs.block_n_cd or bs.block_n, WIDE_B=bool(bs.wide_b),
               DYNAMIC=bool(bs.dynamic), SPLIT_C=bs.split_c, K_PER_C=k_per_c,
+              WAITS=waits and phases == 15,
               EVEN_D=d % bs.block_k == 0, EVEN_R=r % bs.block_k == 0,
               EVEN_F=f % bs.block_k == 0, EVEN_RD=rd % bs.block_k == 0)
   ring_rows = ring * bs.group_m * bs.block_m
@@ -297,10 +309,14 @@ def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes,
 
 
 def mlp_prefill(x, up, down, gate=None, *, act="silu", out_dtype=None,
-                block_sizes: BlockSizes | None = None, out=None):
+                block_sizes: BlockSizes | None = None, out=None, _phases: int = 15,
+                _waits: bool = True):
   """Low-rank MLP for many tokens; ``up``/``down``/``gate`` are (u, v) or (u, v, bias).
 
   ``out`` [M, D_out]: optional buffer the kernel writes into (aliased; tests poison it).
+  ``_phases``, ``_waits``: benchmarking only (bits 1, 2, 4, 8 run phases A, B, C, D; with
+  fewer than all four, or ``_waits=False``, no tile waits for another and the output is
+  wrong).
   """
   gated = gate is not None
   x2, lead, (d, r, f, rd, d_out), bias_mask, ops = unpack_mlp_args(x, up, down, gate, act)
@@ -308,7 +324,7 @@ def mlp_prefill(x, up, down, gate=None, *, act="silu", out_dtype=None,
   out_dtype = jnp.dtype(out_dtype or x.dtype)
   bs = block_sizes or BlockSizes.get_default(m, d, f, r, rd, gated)
   plan = launch_plan(m, d, r, f, rd, d_out, gated=gated, act=act, bias_mask=bias_mask, bs=bs,
-                     xp=jnp)
+                     xp=jnp, phases=_phases, waits=_waits)
   ops = ops + (plan["sched"],)
   rr = plan["ring_rows"]
   dt = ops[5].dtype  # vu
