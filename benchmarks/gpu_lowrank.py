@@ -340,6 +340,41 @@ def overhead_records():
   return out
 
 
+# ------------------------------------------------------------------ GEMM ceiling
+
+# (M, K, N, what): the prefill kernels' GEMMs. The MLP's phase A is one GEMM X·[Ug | Uu],
+# and B is one of its two passes.
+GEMM_SHAPES = ((4096, 4096, 5120, "MLP A, 8B r=2560"), (4096, 2560, 14336, "MLP B pass"),
+               (4096, 14336, 2560, "MLP C"), (4096, 2560, 4096, "MLP D"),
+               (4096, 1024, 14336, "MLP B pass, r=1024"),
+               (1024, 8192, 4096, "X·U·V phase A, M=1024"),
+               (1024, 4096, 16384, "X·U·V phase D, M=1024"))
+GEMM_CONFIGS = (dict(stages=3), dict(stages=4), dict(bn=128, stages=4))
+
+
+def gemm_records():
+  """A plain Triton GEMM with the kernels' tile loop against XLA's dot on the same shape:
+  the tile throughput the prefill kernels work under (benchmarks/gemm_probe.py)."""
+  import gemm_probe
+  out = []
+  for (m, k, n, what) in GEMM_SHAPES:
+    ks = jax.random.split(jax.random.key(m + k + n), 2)
+    x = rand(ks[0], (m, k))
+    nl = n_layers(2 * k * n, m)
+    ws = [(rand(jax.random.fold_in(ks[1], i), (k, n), k ** -0.5),) for i in range(nl)]
+    t_xla, _ = per_call_us(lambda x, w: x @ w, x, ws)
+    flops = 2 * m * k * n
+    for cfg in GEMM_CONFIGS:
+      gemm_probe.check(x, ws[0][0], **cfg)
+      t, spread = per_call_us(lambda x, w: gemm_probe.gemm(x, w, **cfg), x, ws)
+      rec = dict(op="gemm", variant=",".join(f"{a}={b}" for a, b in cfg.items()), what=what,
+                 M=m, K=k, r=0, N=n, dtype="bfloat16", ours_us=t, xla_us=t_xla,
+                 tflops=flops / t / 1e6, xla_tflops=flops / t_xla / 1e6,
+                 speedup_vs_xla=t_xla / t, layers=nl, spread=spread)
+      out.append(rec)
+  return out
+
+
 # ------------------------------------------------------------------ suites
 
 DECODE_M = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -408,6 +443,10 @@ def mlp_prefill_variants(m, d, f, r):
 def suite(name, bw, peak, args, recs):
   if name == "overhead":
     for rec in overhead_records():
+      recs.append(rec)
+    return recs
+  if name == "gemm_ceiling":
+    for rec in gemm_records():
       recs.append(rec)
     return recs
   if name in ("decode", "all"):
@@ -500,6 +539,11 @@ def suite(name, bw, peak, args, recs):
 def _print(rec):
   if rec["op"] == "overhead":
     print(f"overhead   {rec['variant']:<30} {rec['ours_us']:7.2f} us per call", flush=True)
+    return
+  if rec["op"] == "gemm":
+    print(f"gemm {rec['what']:<22} {rec['variant']:<18} {rec['M']}x{rec['K']}x{rec['N']}  "
+          f"triton {rec['ours_us']:8.1f} us {rec['tflops']:6.1f} TF/s  xla {rec['xla_us']:8.1f} "
+          f"us {rec['xla_tflops']:6.1f} TF/s  x{rec['speedup_vs_xla']:.2f}", flush=True)
     return
   print(f"{rec['op']:<10} {rec['variant']:<14} M={rec['M']:<6} K={rec['K']:<5} r={rec['r']:<5} "
         f"N={rec['N']:<6} ours {rec['ours_us']:8.1f} us  xla {rec['xla_lowrank_us']:8.1f}  "
@@ -595,7 +639,7 @@ def main():
                   choices=["decode", "prefill", "mlp", "all", "none", "overhead",
                            "decode_persistent", "mlp_decode_variants", "mlp_phases",
                            "mlp_prefetch", "mlp_prefill_variants", "prefill_variants",
-                           "mlp_prefill_phases"])
+                           "mlp_prefill_phases", "gemm_ceiling"])
   ap.add_argument("--variants", action="store_true", help="also time non-default kernels")
   ap.add_argument("--extra", nargs="*", default=[], help="op/M,K,r,N/variant")
   ap.add_argument("--out", default="benchmarks/results/gpu_lowrank_h200.json")
