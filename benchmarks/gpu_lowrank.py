@@ -405,6 +405,9 @@ MLP_PREFETCH_VARIANTS = ("persistent_pfb:256", "persistent_pfb:512", "persistent
 # gpu_xuv_decode_persistent_h200.json also has "persistent:programs=264,stages=3" (two CTAs
 # per SM), measured before xuv_decode refused grids larger than the SM count
 PERSISTENT_VARIANTS = ("persistent", "persistent:prefetch=0", "persistent:warps=8")
+# deeper L2 prefetch of each CTA's first V tile than the default 128 rows
+DECODE_PREFETCH_VARIANTS = ("persistent:prefetch=256", "persistent:prefetch=512",
+                            "persistent:prefetch=1024")
 
 
 def xuv_prefill_variants(m, k, r, n):
@@ -476,6 +479,13 @@ def suite(name, bw, peak, args, recs):
         base = xuv_record(m, k, r, n, bw, peak, "decode_xz")
         recs.append(base)
         for variant in PERSISTENT_VARIANTS:
+          recs.append(xuv_record(m, k, r, n, bw, peak, variant, baselines=base))
+  if name == "decode_prefetch":  # the persistent decode kernel's V prefetch depth
+    for (k, r, n) in XUV_DECODE_SHAPES:
+      for m in (1, 4, 16):
+        base = xuv_record(m, k, r, n, bw, peak)
+        recs.append(base)
+        for variant in DECODE_PREFETCH_VARIANTS:
           recs.append(xuv_record(m, k, r, n, bw, peak, variant, baselines=base))
   if name == "mlp_decode_variants":  # MLP_DECODE_VARIANTS next to the default, one run
     for label in ("llama3-8b", "llama3.2-1b", "llama3-8b-r1024"):
@@ -639,7 +649,7 @@ def main():
                   choices=["decode", "prefill", "mlp", "all", "none", "overhead",
                            "decode_persistent", "mlp_decode_variants", "mlp_phases",
                            "mlp_prefetch", "mlp_prefill_variants", "prefill_variants",
-                           "mlp_prefill_phases", "gemm_ceiling"])
+                           "mlp_prefill_phases", "gemm_ceiling", "decode_prefetch"])
   ap.add_argument("--variants", action="store_true", help="also time non-default kernels")
   ap.add_argument("--extra", nargs="*", default=[], help="op/M,K,r,N/variant")
   ap.add_argument("--out", default="benchmarks/results/gpu_lowrank_h200.json")
