@@ -340,6 +340,79 @@ def overhead_records():
   return out
 
 
+# ------------------------------------------------------------------ low-rank KV attention
+
+def _dense_cache_attention(q, k, v, pos):
+  """The dense-cache decode attention a user would otherwise run (lrjax.models.llama)."""
+  from lrjax.models.llama import _mask, attend
+  b, t = k.shape[:2]
+  kpos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  return attend(q[:, None], k, v, _mask(pos[:, None], kpos, kpos <= pos[:, None], None))[:, 0]
+
+
+def _fresh(q, *cache):
+  """The cache tied to this call's q: without it XLA hoists the reference's rebuild of K and V
+  (which does not depend on q) out of the repeated calls and times only the attention."""
+  return jax.lax.optimization_barrier((q,) + cache)[1:]
+
+
+def kv_attention_record(b, t, r, hq=32, hkv=8, d=128, kernel="auto", baselines=None):
+  """One decode step of attention at Llama-3-8B heads over a low-rank KV cache of rank r
+  (r_k = r_v): the Triton kernel ("auto": through lr_kv_attention, else "kv:BN,BK,warps,
+  stages" block sizes), XLA's lowering of the reference (rebuild K and V for the whole cache),
+  and attention over a dense K/V cache of the same length."""
+  ks = jax.random.split(jax.random.key(b * 7 + t + r), 6)
+  q = rand(ks[0], (b, hq, d))
+  per_layer = 2 * b * t * 2 * r
+  nl = n_layers(per_layer, 1)
+  pos = jnp.full((b,), t - 1, jnp.int32)
+  inv = jnp.asarray(1.0 / (500000.0 ** (np.arange(0, d, 2) / d)), jnp.float32)
+  caches = [(rand(jax.random.fold_in(ks[1], i), (b, t, r)),
+             rand(jax.random.fold_in(ks[2], i), (b, t, r)),
+             rand(jax.random.fold_in(ks[3], i), (r, hkv * d), r ** -0.5),
+             rand(jax.random.fold_in(ks[4], i), (r, hkv * d), r ** -0.5)) for i in range(nl)]
+  attn = lambda q, *c: lrjax.lowering.lr_kv_attention(q, *_fresh(q, *c), pos, inv)
+  if kernel == "auto":
+    t_ours, spread, low, t_def = ours_and_default(attn, q, caches, None)
+  else:
+    from lrjax.custom_calls.triton import kv_attention
+    bn, bk, warps, stages = (int(v) for v in kernel.split(":")[1].split(","))
+    bs = kv_attention.BlockSizes(bn, bk, warps, stages)
+    t_ours, spread = per_call_us(
+        lambda q, *c: kv_attention.kv_attention(q, *_fresh(q, *c), pos, inv, block_sizes=bs),
+        q, caches)
+    low, t_def = "triton", t_ours
+  if baselines is not None:
+    t_xla, t_dense = baselines["xla_lowrank_us"], baselines["xla_dense_us"]
+  else:
+    with lrjax.lowering.force_reference():
+      t_xla, _ = per_call_us(attn, q, caches)
+  # a fresh function per lowering: jax would reuse the first lowering of ``attn`` for both
+  with lrjax.lowering.prefer_kernels():
+    mem_ours = jax.jit(lambda *a: attn(*a)).lower(q, *caches[0]).compile().memory_analysis()
+  with lrjax.lowering.force_reference():
+    mem_xla = jax.jit(lambda *a: attn(*a)).lower(q, *caches[0]).compile().memory_analysis()
+  del caches
+  if baselines is None:
+    dense = [(rand(jax.random.fold_in(ks[5], i), (b, t, hkv, d)),
+              rand(jax.random.fold_in(ks[5], 1000 + i), (b, t, hkv, d))) for i in range(nl)]
+    t_dense, _ = per_call_us(lambda q, k, v: _dense_cache_attention(q, *_fresh(q, k, v), pos),
+                             q, dense)
+    del dense
+  bytes_ = 2 * (b * t * 2 * r + 2 * r * hkv * d + b * hq * d * 2)
+  flops = 2 * b * t * hkv * d * r + 2 * 2 * b * hq * t * d + 2 * b * hq * t * r
+  floor = max(bytes_ / BW_ROOF, flops / PEAK_ROOF) * 1e6
+  return dict(op="kv_attention", variant=kernel, M=b, K=t, r=r, N=hq * d, dtype="bfloat16",
+              heads=(hq, hkv, d), ours_us=t_ours, xla_lowrank_us=t_xla, xla_dense_us=t_dense,
+              floor_us=floor, default_lowering=low, default_us=t_def,
+              hbm_floor_us=bytes_ / BW_ROOF * 1e6,
+              hbm_roofline_frac=bytes_ / BW_ROOF * 1e6 / t_ours, tflops=flops / t_ours / 1e6,
+              roofline_frac=floor / t_ours,
+              speedup_vs_xla=t_xla / t_ours, speedup_vs_dense=t_dense / t_ours, layers=nl,
+              spread=spread, temp_bytes_ours=mem_ours.temp_size_in_bytes,
+              temp_bytes_xla=mem_xla.temp_size_in_bytes)
+
+
 # ------------------------------------------------------------------ GEMM ceiling
 
 # (M, K, N, what): the prefill kernels' GEMMs. The MLP's phase A is one GEMM X·[Ug | Uu],
@@ -400,6 +473,11 @@ MLP_PHASE_VARIANTS = ("persistent_phases:1", "persistent_phases:2", "persistent_
 # the prefill kernel with no waits (0: all phases), then each phase alone (timing only)
 MLP_PREFILL_PHASE_VARIANTS = ("prefill_phases:0", "prefill_phases:1", "prefill_phases:2",
                               "prefill_phases:4", "prefill_phases:8")
+# the low-rank KV attention kernel's block sizes: keys per block, r_k step, warps, stages
+# (results/gpu_kv_attention_v1_h200.json; the flat-loop kernel's own list is in
+# results/gpu_kv_attention_flat_h200.json)
+KV_ATTENTION_VARIANTS = ("kv:128,64,8,2", "kv:128,64,8,3", "kv:128,128,8,2", "kv:64,64,4,3",
+                         "kv:64,128,8,2")
 # deeper L2 prefetch of the phase-B slices (Vg, Vu rows) while phase A streams
 MLP_PREFETCH_VARIANTS = ("persistent_pfb:256", "persistent_pfb:512", "persistent_pfb:1024")
 # gpu_xuv_decode_persistent_h200.json also has "persistent:programs=264,stages=3" (two CTAs
@@ -447,6 +525,15 @@ def suite(name, bw, peak, args, recs):
   if name == "overhead":
     for rec in overhead_records():
       recs.append(rec)
+    return recs
+  if name == "kv_attention":  # decode attention over a low-rank KV cache
+    for (b, t, r) in ((1, 4096, 512), (8, 4096, 512), (8, 16384, 512), (8, 16384, 256),
+                      (32, 4096, 512), (1, 32768, 512)):
+      base = kv_attention_record(b, t, r)
+      recs.append(base)
+      if args.variants and (b, t) == (8, 4096):
+        for variant in KV_ATTENTION_VARIANTS:
+          recs.append(kv_attention_record(b, t, r, kernel=variant, baselines=base))
     return recs
   if name == "gemm_ceiling":
     for rec in gemm_records():
@@ -649,7 +736,8 @@ def main():
                   choices=["decode", "prefill", "mlp", "all", "none", "overhead",
                            "decode_persistent", "mlp_decode_variants", "mlp_phases",
                            "mlp_prefetch", "mlp_prefill_variants", "prefill_variants",
-                           "mlp_prefill_phases", "gemm_ceiling", "decode_prefetch"])
+                           "mlp_prefill_phases", "gemm_ceiling", "decode_prefetch",
+                           "kv_attention"])
   ap.add_argument("--variants", action="store_true", help="also time non-default kernels")
   ap.add_argument("--extra", nargs="*", default=[], help="op/M,K,r,N/variant")
   ap.add_argument("--out", default="benchmarks/results/gpu_lowrank_h200.json")

@@ -1,4 +1,5 @@
-"""lrjax.lowering: the lr_xuv / lr_mlp primitives, the kernel registry and the fusion pass.
+"""lrjax.lowering: the lr_xuv / lr_mlp / lr_kv_attention primitives, the kernel registry and
+the fusion pass.
 
 Installed as ``lrjax.lowering`` (on disk: ``lowering/``).
 """
@@ -12,6 +13,11 @@ from lrjax.lowering.primitives import (
     lr_xuv_p,
     lr_xuv_reference,
 )
+from lrjax.lowering.kv_attention import (
+    lr_kv_attention,
+    lr_kv_attention_p,
+    lr_kv_attention_reference,
+)
 from lrjax.lowering.registry import KernelLowering, force_reference, prefer_kernels
 from lrjax.lowering.rules import DEFAULT_RULES, MLPRule, XUVRule
 from lrjax.lowering.fuse import fuse
@@ -19,6 +25,7 @@ from lrjax.lowering.explain import ExplainReport, explain
 
 __all__ = [
     "ACTIVATIONS", "DEFAULT_RULES", "ExplainReport", "MLPRule", "XUVRule", "explain", "fuse",
-    "KernelLowering", "force_reference", "lr_mlp", "lr_mlp_p", "lr_mlp_reference", "lr_xuv",
+    "KernelLowering", "force_reference", "lr_kv_attention", "lr_kv_attention_p",
+    "lr_kv_attention_reference", "lr_mlp", "lr_mlp_p", "lr_mlp_reference", "lr_xuv",
     "lr_xuv_p", "lr_xuv_reference", "prefer_kernels", "registry",
 ]

@@ -47,3 +47,32 @@ def randn(shape, dtype=jnp.float32, scale=1.0, key=None):
 @pytest.fixture
 def rng():
   return np.random.default_rng(next(_seed))
+
+
+def kv_attention_f64(q, zk, zv, vk, vv, pos, inv_freq, bk=None, bv=None, window=None):
+  """float64 host reference of lrjax.lowering.lr_kv_attention (no intermediate rounding)."""
+  f = lambda a: None if a is None else np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+  q, zk, zv, vk, vv, bk, bv = map(f, (q, zk, zv, vk, vv, bk, bv))
+  b, hq, d = q.shape
+  t = zk.shape[1]
+  hkv = vk.shape[1] // d
+  k = zk @ vk + (0 if bk is None else bk)  # [B, T, Hkv*D]
+  v = zv @ vv + (0 if bv is None else bv)
+  k, v = k.reshape(b, t, hkv, d), v.reshape(b, t, hkv, d)
+  ang = np.arange(t)[:, None] * np.asarray(inv_freq, np.float64)[None, :]
+  cos, sin = np.cos(np.concatenate([ang, ang], 1)), np.sin(np.concatenate([ang, ang], 1))
+  rot = np.concatenate([-k[..., d // 2:], k[..., :d // 2]], -1)  # rotate-half
+  k = k * cos[None, :, None] + rot * sin[None, :, None]
+  out = np.zeros((b, hq, d))
+  for i in range(b):
+    keys = np.arange(t)
+    vis = keys <= pos[i]
+    if window is not None:
+      vis &= pos[i] - keys < window
+    for j in range(hq):
+      kh = j // (hq // hkv)
+      s = (k[i, :, kh] @ q[i, j]) / np.sqrt(d)
+      s = np.where(vis, s, -np.inf)
+      p = np.exp(s - s.max())
+      out[i, j] = (p / p.sum()) @ v[i, :, kh]
+  return out.reshape(b, hq * d)

@@ -1,4 +1,5 @@
-"""CUDA lowerings of lr_xuv and lr_mlp: Triton kernels called through jax-triton.
+"""CUDA lowerings of lr_xuv, lr_mlp and lr_kv_attention: Triton kernels called through
+jax-triton.
 
 Light module: it imports neither triton nor jax_triton. ``load()`` imports the kernel
 module only when the registry selects the kernel for a CUDA lowering, so CPU installs
@@ -164,6 +165,44 @@ def _mlp_impl(mod: str, fn: str):
   return load
 
 
+def kv_attention_supports(avals, params) -> str | None:
+  from lrjax.lowering.kv_attention import split_operands
+  if (reason := _toolchain()) is not None:
+    return reason
+  q, zk, zv, vk, vv, _, _, bk, bv = split_operands(avals, params["has_bk"], params["has_bv"])
+  if _dt(q) not in _KERNEL_DTYPES:
+    return f"q dtype {_dt(q)} not in {_KERNEL_DTYPES}"
+  for name, a in (("zk", zk), ("zv", zv), ("vk", vk), ("vv", vv)):
+    if _dt(a) != _dt(q):
+      return f"{name} dtype {_dt(a)} != q dtype {_dt(q)} (cast the cache to the model dtype)"
+  d, rv = q.shape[2], zv.shape[2]
+  hkv = vk.shape[1] // d
+  if d < 32 or d & (d - 1):
+    return f"head dim {d} is not a power of two >= 32"
+  if rv > 1024 or q.shape[1] // hkv > 64:
+    return f"r_v={rv} > 1024 or {q.shape[1] // hkv} query heads per KV head > 64"
+  if zk.shape[0] * zk.shape[1] * max(zk.shape[2], rv) > _INT32_MAX:
+    return "cache too large for 32-bit offsets"
+  return None
+
+
+def kv_attention_faster(avals, params) -> str | None:
+  del avals, params
+  return ("measured 0.71-1.24x XLA's rebuild of K and V, faster only at one sequence of 4096 "
+          "keys (benchmarks/results/gpu_kv_attention_h200.json); prefer_kernels() uses it, e.g. "
+          "to avoid the rebuilt [B, T, Hkv*D] K and V temporaries")
+
+
+def _kv_attention_impl():
+  from lrjax.custom_calls.triton.kv_attention import kv_attention
+  from lrjax.lowering.kv_attention import split_operands
+
+  def impl(*ops, has_bk, has_bv, window):
+    q, zk, zv, vk, vv, pos, inv, bk, bv = split_operands(ops, has_bk, has_bv)
+    return kv_attention(q, zk, zv, vk, vv, pos, inv, bk, bv, window=window)
+  return impl
+
+
 KERNELS = [
     KernelLowering("lr_xuv", "cuda", "triton.xuv_decode", xuv_decode_supports,
                    _xuv_impl("xuv_decode", "xuv_decode"), priority=20, faster=xuv_faster),
@@ -173,6 +212,8 @@ KERNELS = [
                    _mlp_impl("mlp_decode", "mlp_decode"), priority=20, faster=mlp_faster),
     KernelLowering("lr_mlp", "cuda", "triton.mlp_prefill", mlp_prefill_supports,
                    _mlp_impl("mlp_prefill", "mlp_prefill"), priority=10, faster=mlp_faster),
+    KernelLowering("lr_kv_attention", "cuda", "triton.kv_attention", kv_attention_supports,
+                   _kv_attention_impl, priority=10, faster=kv_attention_faster),
 ]
 
 

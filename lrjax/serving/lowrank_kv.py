@@ -3,7 +3,9 @@
 For a layer whose k_proj / v_proj are ``LowRankLinear`` (u [hidden, r], v [r, kv_heads·head_dim])
 the cache holds the rank-space activations z_k = x·u_k [T, r_k] and z_v = x·u_v [T, r_v] instead
 of K and V [T, kv_heads·head_dim]. Each step rebuilds K = rope(z_k·v_k) and V = z_v·v_v for the
-whole (static-length) cache and attends as usual. Under ``lowrank_tp`` z is the all-gathered
+whole (static-length) cache and attends as usual. A decode step (one new token, no q/k norm)
+binds ``lr_kv_attention`` instead, whose reference is that same program and whose CUDA
+lowering rebuilds K on chip and never rebuilds V (custom_calls/triton/kv_attention.py). Under ``lowrank_tp`` z is the all-gathered
 rank-space activation (replicated over "tp"), and the rebuild with the column-parallel v_k / v_v
 yields each device's own KV heads. It pays off in memory when r_k + r_v < 2·kv_heads·head_dim and
 costs 2·T·(r_k + r_v)·kv_heads·head_dim extra flops per token and layer.
@@ -15,6 +17,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from lrjax.lowering.kv_attention import lr_kv_attention
 from lrjax.models.llama import _mask, apply_rope, attend, rope_inv_freq
 from lrjax.nn.linear import LowRankLinear
 
@@ -73,6 +76,14 @@ def _layer(layer, cfg, h, positions, inv, mask, zk_c, zv_c, write_pos):
   zk_c = upd(zk_c, zk.astype(zk_c.dtype), write_pos)
   zv_c = upd(zv_c, zv.astype(zv_c.dtype), write_pos)
   t = zk_c.shape[1]
+  if s == 1 and attn.q_norm is None:  # decode: one primitive, a GPU kernel never rebuilds K/V
+    q = apply_rope(q, positions, inv)
+    bias = lambda p: None if p.bias is None else p.bias[...].astype(dt)
+    a = lr_kv_attention(q[:, 0].astype(dt), zk_c.astype(dt), zv_c.astype(dt), kp.v[...].astype(dt),
+                        vp.v[...].astype(dt), positions[:, 0], inv, bias(kp), bias(vp),
+                        window=cfg.sliding_window)[:, None].astype(q.dtype)
+    h = h + attn.o_proj(a)
+    return h + layer.mlp(layer.post_attention_layernorm(h)), zk_c, zv_c
   k = _rebuild(kp, zk_c, dt).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
   v = _rebuild(vp, zv_c, dt).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
   if attn.q_norm is not None:
