@@ -46,16 +46,20 @@ class BlockSizes:
   @classmethod
   def get_default(cls, b: int, hkv: int, t: int, d: int, rk: int, rv: int) -> "BlockSizes":
     del b, hkv, t, d
-    # The [block_n, r_v] zv block goes through shared memory: 64 keys and 2 stages above
-    # r_v = 512. With a one-step r_k loop Triton pipelines the key loop instead and
-    # multi-buffers that block (> 227 KB at 128 keys): no pipelining then.
-    if rk <= cls.block_k:
-      return cls(block_n=64 if rv > 512 else 128, num_stages=1)
-    return cls(block_n=64, num_stages=2) if rv > 512 else cls()
+    return TUNED[("rk<=64" if rk <= cls.block_k else "rk>64", "rv>512" if rv > 512 else "rv<=512")]
 
 
 # 128 keys, 8 warps, 3 stages: 303 µs against 455 at 64 keys and 4 warps (Llama-3-8B heads,
-# B=8, T=4096, r=512; results/gpu_kv_attention_v1_h200.json).
+# B=8, T=4096, r=512; results/gpu_kv_attention_v1_h200.json). The [block_n, r_v] zv block goes
+# through shared memory: 64 keys and 2 stages above r_v = 512. With a one-step r_k loop Triton
+# pipelines the key loop instead and multi-buffers that block (> 227 KB at 128 keys), so no
+# pipelining there (sizes checked with ptxas for sm_90 over D 32-128, r_k 16-1024, r_v 16-1024).
+TUNED: dict[tuple[str, str], BlockSizes] = {
+    ("rk>64", "rv<=512"): BlockSizes(),
+    ("rk>64", "rv>512"): BlockSizes(block_n=64, num_stages=2),
+    ("rk<=64", "rv<=512"): BlockSizes(num_stages=1),
+    ("rk<=64", "rv>512"): BlockSizes(block_n=64, num_stages=1),
+}
 
 
 @triton.jit

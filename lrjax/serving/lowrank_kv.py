@@ -3,12 +3,14 @@
 For a layer whose k_proj / v_proj are ``LowRankLinear`` (u [hidden, r], v [r, kv_heads·head_dim])
 the cache holds the rank-space activations z_k = x·u_k [T, r_k] and z_v = x·u_v [T, r_v] instead
 of K and V [T, kv_heads·head_dim]. Each step rebuilds K = rope(z_k·v_k) and V = z_v·v_v for the
-whole (static-length) cache and attends as usual. A decode step (one new token, no q/k norm)
-binds ``lr_kv_attention`` instead, whose reference is that same program and whose CUDA
-lowering rebuilds K on chip and never rebuilds V (custom_calls/triton/kv_attention.py). Under ``lowrank_tp`` z is the all-gathered
+whole (static-length) cache and attends as usual. Under ``lowrank_tp`` z is the all-gathered
 rank-space activation (replicated over "tp"), and the rebuild with the column-parallel v_k / v_v
 yields each device's own KV heads. It pays off in memory when r_k + r_v < 2·kv_heads·head_dim and
 costs 2·T·(r_k + r_v)·kv_heads·head_dim extra flops per token and layer.
+
+A decode step (one new token, no q/k norm) binds ``lr_kv_attention`` for this. Its reference is
+the same program; its opt-in CUDA lowering rebuilds K on chip and never rebuilds V
+(custom_calls/triton/kv_attention.py).
 """
 from __future__ import annotations
 
