@@ -506,7 +506,9 @@ def mlp_prefill_variants(m, d, f, r):
   tiles claimed from a counter (dyn), phase B in wide two-pass tiles, a fourth pipeline
   stage, deeper rings of (smaller) super-blocks, and phase C's reduction in chunks."""
   from lrjax.custom_calls.triton import mlp_prefill
-  bs = mlp_prefill.BlockSizes.get_default(m, d, f, r, r, True)
+  del m, d, f
+  # the defaults these variants were measured against (session 3's tuned table)
+  bs = mlp_prefill.BlockSizes(128, 128, 64, 4, 2, 8, 3, 132, 256 if r >= 2048 else 0)
   dyn = dict(dynamic=True)
   wide = dict(dyn, wide_b=True, block_n_cd=bs.block_n_cd or 256)
   out = []
