@@ -683,6 +683,30 @@ def evaluate_targets(records) -> list[dict]:
   return out
 
 
+def _plot_kv_attention(recs, path_json, plt) -> str:
+  """Time and temporary memory per shape: the kernel, XLA's rebuild, and a dense cache."""
+  labels = [f"B={r['M']}\nT={r['K']}\nr={r['r']}" for r in recs]
+  x = np.arange(len(recs))
+  fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+  for i, (key, name) in enumerate((("ours_us", "Triton kernel"),
+                                   ("xla_lowrank_us", "XLA: rebuild K and V"),
+                                   ("xla_dense_us", "XLA: dense K/V cache"))):
+    axes[0].bar(x + (i - 1) * 0.27, [r[key] for r in recs], 0.27, label=name)
+  axes[0].set(yscale="log", ylabel="µs per decode step (one layer)",
+              title="attention from a low-rank KV cache")
+  for i, (key, name) in enumerate((("temp_bytes_ours", "Triton kernel"),
+                                   ("temp_bytes_xla", "XLA: rebuild K and V"))):
+    axes[1].bar(x + (i - 0.5) * 0.4, [r[key] / 1e6 for r in recs], 0.4, label=name)
+  axes[1].set(yscale="log", ylabel="temporary memory (MB)", title="temporaries")
+  for ax in axes:
+    ax.set_xticks(x, labels, fontsize=7)
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  out = os.path.splitext(path_json)[0] + ".png"
+  fig.savefig(out, dpi=110)
+  return out
+
+
 def plot(path_json: str) -> str:
   """Plots a results JSON beside it (PNG): roofline fractions and speedups vs XLA."""
   import matplotlib
@@ -690,6 +714,8 @@ def plot(path_json: str) -> str:
   import matplotlib.pyplot as plt
   recs = json.load(open(path_json))["records"]
   auto = [r for r in recs if r["variant"] == "auto" and r.get("canonical", True)]
+  if auto and all(r["op"] == "kv_attention" for r in auto):
+    return _plot_kv_attention(auto, path_json, plt)
   fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
   ax = axes[0]
   for shape in sorted({(r["K"], r["r"], r["N"]) for r in auto if r["op"] == "xuv" and r["M"] <= 128}):
