@@ -167,6 +167,25 @@ def test_lowrank_kv_cache_equals_dense_cache(model):
   assert [r.tokens for r in a] == [r.tokens for r in b]
 
 
+def test_lowrank_kv_decode_binds_the_attention_primitive(model):
+  """A decode step goes through lr_kv_attention (so a GPU can lower it to the kernel); a
+  prefill of several tokens keeps the inline rebuild."""
+  cache = lowrank_kv.LowRankKVCache.init(model, 2, 16)
+  toks = jnp.zeros((2,), jnp.int32)
+  dec = str(jax.make_jaxpr(lambda c: lowrank_kv.decode(model, toks, c))(cache))
+  pre = str(jax.make_jaxpr(lambda c: lowrank_kv.prefill(model, jnp.zeros((2, 5), jnp.int32),
+                                                        c))(cache))
+  assert dec.count("lr_kv_attention") == CFG.num_layers
+  assert "lr_kv_attention" not in pre
+  # q/k norms (Qwen3) act on the rebuilt K: those layers keep the inline rebuild
+  cfg = dataclasses.replace(CFG, qk_norm=True)
+  normed = LlamaForCausalLM(cfg, ranks=[compressed_ranks(cfg, 0.4, 8)] * cfg.num_layers,
+                            rngs=nnx.Rngs(1))
+  c = lowrank_kv.LowRankKVCache.init(normed, 2, 16)
+  assert "lr_kv_attention" not in str(jax.make_jaxpr(
+      lambda c: lowrank_kv.decode(normed, toks, c))(c))
+
+
 def test_lowrank_kv_needs_lowrank_projections():
   dense = LlamaForCausalLM(CFG, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="LowRankLinear k_proj"):
