@@ -501,12 +501,11 @@ def xuv_prefill_variants(m, k, r, n):
   return out
 
 
-def mlp_prefill_variants(m, d, f, r):
+def mlp_prefill_variants(r):
   """Specs of the prefill MLP kernel's schedule variants next to its default block sizes:
   tiles claimed from a counter (dyn), phase B in wide two-pass tiles, a fourth pipeline
   stage, deeper rings of (smaller) super-blocks, and phase C's reduction in chunks."""
   from lrjax.custom_calls.triton import mlp_prefill
-  del m, d, f
   # the defaults these variants were measured against (session 3's tuned table)
   bs = mlp_prefill.BlockSizes(128, 128, 64, 4, 2, 8, 3, 132, 256 if r >= 2048 else 0)
   dyn = dict(dynamic=True)
@@ -623,7 +622,7 @@ def suite(name, bw, peak, args, recs):
       d, f, r = MLP_SHAPES[label]
       base = dict(mlp_record(m, d, f, r, bw, peak), model=label)
       recs.append(base)
-      for variant in mlp_prefill_variants(m, d, f, r):
+      for variant in mlp_prefill_variants(r):
         recs.append(dict(mlp_record(m, d, f, r, bw, peak, variant, baselines=base),
                          model=label))
   for spec in args.extra:

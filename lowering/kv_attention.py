@@ -56,10 +56,15 @@ def lr_kv_attention(q, zk, zv, vk, vv, pos, inv_freq, bk=None, bv=None, *, windo
   _check(q, zk, zv, vk, vv, pos, inv_freq, bk, bv)
   if window is not None and int(window) < 1:
     raise ValueError(f"{window=}: expected a sliding window of >= 1 keys, or None")
-  ops = (q, zk, zv, vk, vv, jnp.asarray(pos, jnp.int32), jnp.asarray(inv_freq, jnp.float32))
-  ops += tuple(a for a in (bk, bv) if a is not None)
-  return lr_kv_attention_p.bind(*ops, has_bk=bk is not None, has_bv=bv is not None,
+  return lr_kv_attention_p.bind(*_operands(q, zk, zv, vk, vv, pos, inv_freq, bk, bv),
+                                has_bk=bk is not None, has_bv=bv is not None,
                                 window=None if window is None else int(window))
+
+
+def _operands(q, zk, zv, vk, vv, pos, inv_freq, bk, bv):
+  """The bound operand tuple: positions as int32, frequencies as f32, biases only if given."""
+  ops = (q, zk, zv, vk, vv, jnp.asarray(pos, jnp.int32), jnp.asarray(inv_freq, jnp.float32))
+  return ops + tuple(a for a in (bk, bv) if a is not None)
 
 
 def split_operands(ops, has_bk, has_bv):
@@ -93,9 +98,8 @@ def _reference(*ops, has_bk, has_bv, window):
 def lr_kv_attention_reference(q, zk, zv, vk, vv, pos, inv_freq, bk=None, bv=None, *,
                               window=None):
   """Pure-jnp reference of :func:`lr_kv_attention` (also its default lowering)."""
-  ops = (q, zk, zv, vk, vv, jnp.asarray(pos, jnp.int32), jnp.asarray(inv_freq, jnp.float32))
-  ops += tuple(a for a in (bk, bv) if a is not None)
-  return _reference(*ops, has_bk=bk is not None, has_bv=bv is not None, window=window)
+  return _reference(*_operands(q, zk, zv, vk, vv, pos, inv_freq, bk, bv),
+                    has_bk=bk is not None, has_bv=bv is not None, window=window)
 
 
 @lr_kv_attention_p.def_abstract_eval

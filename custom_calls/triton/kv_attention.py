@@ -29,10 +29,8 @@ import triton.language as tl
 
 from lrjax.custom_calls.triton import planner
 from lrjax.custom_calls.triton._common import mm_acc2, num_sms
+from lrjax.custom_calls.triton.lowering import kv_attention_shape_reason
 from lrjax.lowering.kv_attention import lr_kv_attention_reference
-
-MAX_RV = 1024  # the value-rank accumulator [16+, r_v] lives in registers
-MAX_GROUP = 64  # query heads per KV head
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,9 +158,8 @@ def kv_attention(q, zk, zv, vk, vv, pos, inv_freq, bk=None, bv=None, *, window=N
   hkv = vk.shape[1] // d
   if zk.dtype != q.dtype or zv.dtype != q.dtype or vk.dtype != q.dtype:
     raise TypeError(f"{q.dtype=} {zk.dtype=} {zv.dtype=} {vk.dtype=} must match")
-  if rv > MAX_RV or hq // hkv > MAX_GROUP or d < 32 or d & (d - 1):
-    raise ValueError(f"r_v={rv} (<= {MAX_RV}), {hq // hkv} query heads per KV head "
-                     f"(<= {MAX_GROUP}), head dim {d} (a power of two >= 32) unsupported")
+  if (reason := kv_attention_shape_reason(d, rv, hq // hkv)) is not None:
+    raise ValueError(reason)
   bs = block_sizes or BlockSizes.get_default(b, hkv, t, d, rk, rv)
   plan = launch_plan(b, hq, hkv, t, d, rk, rv, window, bk is not None, bs, num_sms())
   meta = plan["meta"]

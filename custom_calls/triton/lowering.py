@@ -165,6 +165,21 @@ def _mlp_impl(mod: str, fn: str):
   return load
 
 
+KV_MAX_RV = 1024  # the kernel's value-rank accumulator [16+, r_v] lives in registers
+KV_MAX_GROUP = 64  # query heads per KV head
+
+
+def kv_attention_shape_reason(d: int, rv: int, group: int) -> str | None:
+  """Why the attention kernel cannot take head dim ``d``, value rank ``rv`` and ``group``
+  query heads per KV head (None: it can). Shared by ``supports`` and the kernel's wrapper."""
+  if d < 32 or d & (d - 1):
+    return f"head dim {d} is not a power of two >= 32"
+  if rv > KV_MAX_RV or group > KV_MAX_GROUP:
+    return (f"r_v={rv} (at most {KV_MAX_RV}) or {group} query heads per KV head "
+            f"(at most {KV_MAX_GROUP}) unsupported")
+  return None
+
+
 def kv_attention_supports(avals, params) -> str | None:
   from lrjax.lowering.kv_attention import split_operands
   if (reason := _toolchain()) is not None:
@@ -175,12 +190,9 @@ def kv_attention_supports(avals, params) -> str | None:
   for name, a in (("zk", zk), ("zv", zv), ("vk", vk), ("vv", vv)):
     if _dt(a) != _dt(q):
       return f"{name} dtype {_dt(a)} != q dtype {_dt(q)} (cast the cache to the model dtype)"
-  d, rv = q.shape[2], zv.shape[2]
-  hkv = vk.shape[1] // d
-  if d < 32 or d & (d - 1):
-    return f"head dim {d} is not a power of two >= 32"
-  if rv > 1024 or q.shape[1] // hkv > 64:
-    return f"r_v={rv} > 1024 or {q.shape[1] // hkv} query heads per KV head > 64"
+  if (reason := kv_attention_shape_reason(q.shape[2], zv.shape[2],
+                                          q.shape[1] // (vk.shape[1] // q.shape[2]))):
+    return reason
   if zk.shape[0] * zk.shape[1] * max(zk.shape[2], rv) > _INT32_MAX:
     return "cache too large for 32-bit offsets"
   return None
