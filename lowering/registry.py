@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import os
 import threading
+import warnings
 from typing import Any, Callable, Mapping, Sequence
 
 log = logging.getLogger("lrjax.lowering")
@@ -155,8 +156,10 @@ def choose(kernels: Sequence[KernelLowering], avals_in: Sequence[Any],
         continue
       try:
         reason = fn(avals_in, params)
-      except Exception as e:  # a buggy predicate must not break compilation
+      except Exception as e:  # a buggy predicate must not break compilation, nor hide
         reason = f"{check}() raised {type(e).__name__}: {e}"
+        warnings.warn(f"lrjax: kernel {k.name} falls back to the reference because its "
+                      f"{reason}", RuntimeWarning, stacklevel=2)
       if reason is not None:
         break
     if reason is None:

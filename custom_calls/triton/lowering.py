@@ -193,7 +193,7 @@ def kv_attention_supports(avals, params) -> str | None:
   if (reason := kv_attention_shape_reason(q.shape[2], zv.shape[2],
                                           q.shape[1] // (vk.shape[1] // q.shape[2]))):
     return reason
-  if zk.shape[0] * zk.shape[1] * max(zk.shape[2], rv) > _INT32_MAX:
+  if zk.shape[0] * zk.shape[1] * max(zk.shape[2], zv.shape[2]) > _INT32_MAX:
     return "cache too large for 32-bit offsets"
   return None
 

@@ -144,6 +144,25 @@ def test_mlp_supports_decisions(toolchain):
   assert "epilogue" in lowering.mlp_decode_supports(_mlp_avals(1), _mlp_params(act="swish2"))
 
 
+def _kv_avals(b=2, hq=8, hkv=2, d=64, t=256, rk=96, rv=80, dt=jnp.bfloat16, biases=0):
+  ops = [_aval((b, hq, d), dt), _aval((b, t, rk), dt), _aval((b, t, rv), dt),
+         _aval((rk, hkv * d), dt), _aval((rv, hkv * d), dt), _aval((b,), jnp.int32),
+         _aval((d // 2,), jnp.float32)]
+  return ops + [_aval((hkv * d,), dt)] * biases
+
+
+def test_kv_attention_supports_decisions(toolchain):
+  params = lambda nb=0: dict(has_bk=nb > 0, has_bv=nb > 1, window=None)
+  assert lowering.kv_attention_supports(_kv_avals(), params()) is None
+  assert lowering.kv_attention_supports(_kv_avals(biases=2), params(2)) is None
+  assert "power of two" in lowering.kv_attention_supports(_kv_avals(d=48), params())
+  assert "r_v=2048" in lowering.kv_attention_supports(_kv_avals(rv=2048), params())
+  assert "float32" in lowering.kv_attention_supports(_kv_avals(dt=jnp.float32), params())
+  assert "32-bit" in lowering.kv_attention_supports(_kv_avals(b=64, t=1 << 20, rk=64), params())
+  # the model's answer always declines by default (measured slower); prefer_kernels skips it
+  assert "measured" in lowering.kv_attention_faster(_kv_avals(), params())
+
+
 def test_cuda_kernels_registered_and_triton_not_imported():
   import sys
   from lrjax.lowering import registry
