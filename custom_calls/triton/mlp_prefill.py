@@ -179,14 +179,15 @@ def _mlp_prefill_kernel(
         _wait(flags_ptr + 2 * NMB + mb - SLOT, n_s * SPLIT_C, WAITS)
       if WIDE_B:
         f_mask = offs_w < F
+        h_tile = h_ring + rows[:, None] * F + offs_w[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_NW], tl.float32)
         if GATED:  # act(gate) parked in this tile's H, read back (same CTA) after the up pass
           acc = mm_acc(acc, p_ring, vg_ptr, rows, offs_w, m_mask, f_mask, 0, R, R, PW, F,
                        BLOCK_K, EVEN_R, True)
           if HAS_BG:
             acc += tl.load(bg_ptr + offs_w, mask=f_mask, other=0.0).to(tl.float32)[None, :]
-          tl.store(h_ring + rows[:, None] * F + offs_w[None, :],
-                   activation(acc, ACT).to(h_ring.dtype.element_ty), mask=f_mask[None, :])
+          tl.store(h_tile, activation(acc, ACT).to(h_ring.dtype.element_ty),
+                   mask=f_mask[None, :])
           tl.debug_barrier()
           acc = tl.zeros([BLOCK_M, BLOCK_NW], tl.float32)
         acc = mm_acc(acc, p_ring + (R if GATED else 0), vu_ptr, rows, offs_w, m_mask, f_mask,
@@ -194,12 +195,10 @@ def _mlp_prefill_kernel(
         if HAS_BU:
           acc += tl.load(bu_ptr + offs_w, mask=f_mask, other=0.0).to(tl.float32)[None, :]
         if GATED:
-          h = tl.load(h_ring + rows[:, None] * F + offs_w[None, :], mask=f_mask[None, :],
-                      other=0.0).to(tl.float32) * acc
+          h = tl.load(h_tile, mask=f_mask[None, :], other=0.0).to(tl.float32) * acc
         else:
           h = activation(acc, ACT)
-        tl.store(h_ring + rows[:, None] * F + offs_w[None, :], h.to(h_ring.dtype.element_ty),
-                 mask=f_mask[None, :])
+        tl.store(h_tile, h.to(h_ring.dtype.element_ty), mask=f_mask[None, :])
       else:
         c_mask = offs_c < F
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
