@@ -4,9 +4,9 @@
 
 A low-rank KV cache (lrjax.serving.lowrank_kv) stores zk = x·u_k and zv = x·u_v per token
 instead of K and V. ``lrjax.lowering.lr_kv_attention`` is one decode step of attention over it.
-Its reference (the default lowering everywhere) rebuilds K = rope(zk·v_k) and V = zv·v_v for
-the whole cache. On CUDA, the Triton kernel (custom_calls/triton/kv_attention.py) rebuilds K
-block by block on chip and never rebuilds V. It is opt-in (``prefer_kernels()``): on the H200
+Its reference (the default lowering everywhere) rebuilds K = rope(zk·v_k) for the whole
+cache and never rebuilds V: it attends with (p·zv)·v_v. On CUDA, the Triton kernel
+(custom_calls/triton/kv_attention.py) also rebuilds K block by block on chip. It is opt-in (``prefer_kernels()``): on the H200
 it measured 0.71-1.24x the reference's speed, with 2-96x less temporary memory.
 """
 import statistics

@@ -1,11 +1,11 @@
 """``lr_kv_attention``: one decode step of attention over a low-rank KV cache.
 
 The cache (lrjax.serving.lowrank_kv) holds the rank-space activations zk = x·u_k and
-zv = x·u_v of every past token, not K and V. The primitive's reference rebuilds
-K = rope(zk·v_k + b_k) and V = zv·v_v + b_v for the whole cache and attends, as the unfused
-program does. A kernel can instead rebuild K block by block on chip, FlashSVD-style, and never
-rebuild V: softmax(s)·(zv·v_v) = (softmax(s)·zv)·v_v. Because the weights sum to 1, b_v is
-added once at the end.
+zv = x·u_v of every past token, not K and V. V is never rebuilt, in the
+reference or the kernels: softmax(s)·(zv·v_v) = (softmax(s)·zv)·v_v, and because the weights
+sum to 1, b_v is added once at the end. The reference rebuilds K = rope(zk·v_k + b_k) for the
+whole cache (RoPE does not commute with ·v_k); a kernel can instead rebuild K block by block on
+chip, FlashSVD-style.
 
   q        [B, Hq, D]   the new token's queries, RoPE already applied
   zk, zv   [B, T, r_k], [B, T, r_v]   the cache (T = its static length)
@@ -16,6 +16,8 @@ added once at the end.
   → [B, Hq·D] in q's dtype; query head j attends with KV head j // (Hq / Hkv).
 """
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -76,23 +78,30 @@ def split_operands(ops, has_bk, has_bv):
 
 
 def _reference(*ops, has_bk, has_bv, window):
-  """The unfused program: rebuild K and V for the whole cache (in the factors' dtype, as
-  lrjax.serving.lowrank_kv did inline), RoPE on K, masked softmax attention."""
-  from lrjax.models.llama import _mask, apply_rope, attend
+  """Rebuild K for the whole cache (in the factors' dtype), RoPE it, masked softmax, then
+  fold V: (p·zv)·v_v + b_v, never V = zv·v_v itself."""
+  from lrjax.models.llama import _mask, apply_rope
   q, zk, zv, vk, vv, pos, inv, bk, bv = split_operands(ops, has_bk, has_bv)
   b, t = zk.shape[:2]
-  d = q.shape[2]
-  dt = vk.dtype
-
-  def rebuild(z, v, bias):
-    y = jnp.matmul(z.astype(dt), v)
-    return (y if bias is None else y + bias.astype(dt)).reshape(b, t, -1, d)
-
+  _, hq, d = q.shape
+  hkv = vk.shape[1] // d
+  dt, f32 = vk.dtype, jnp.float32
+  k = jnp.matmul(zk.astype(dt), vk)
+  if bk is not None:
+    k = k + bk.astype(dt)
   kpos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  k = apply_rope(rebuild(zk, vk, bk), kpos, inv)
-  v = rebuild(zv, vv, bv)
-  mask = _mask(pos[:, None], kpos, kpos <= pos[:, None], window)
-  return attend(q[:, None], k.astype(q.dtype), v.astype(q.dtype), mask)[:, 0]
+  k = apply_rope(k.reshape(b, t, hkv, d), kpos, inv).astype(q.dtype)
+  mask = _mask(pos[:, None], kpos, kpos <= pos[:, None], window)[:, 0]  # [B, T]
+  qg = q.reshape(b, hkv, hq // hkv, d)
+  s = jnp.einsum("bkgd,btkd->bkgt", qg, k, preferred_element_type=f32) / math.sqrt(d)
+  s = jnp.where(mask[:, None, None], s, jnp.finfo(f32).min)
+  p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
+  pz = jnp.einsum("bkgt,btr->bkgr", p, zv.astype(q.dtype), preferred_element_type=f32)
+  o = jnp.einsum("bkgr,rkd->bkgd", pz.astype(dt), vv.reshape(-1, hkv, d),
+                 preferred_element_type=f32)
+  if bv is not None:  # the weights of every row sum to 1
+    o = o + bv.astype(f32).reshape(hkv, 1, d)
+  return o.reshape(b, hq * d).astype(q.dtype)
 
 
 def lr_kv_attention_reference(q, zk, zv, vk, vv, pos, inv_freq, bk=None, bv=None, *,

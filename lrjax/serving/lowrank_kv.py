@@ -1,16 +1,17 @@
-"""Low-rank KV cache (DeInfer §4.2, Palu): cache x·U_k and x·U_v, rebuild K and V every step.
+"""Low-rank KV cache (DeInfer §4.2, Palu): cache x·U_k and x·U_v, not K and V.
 
 For a layer whose k_proj / v_proj are ``LowRankLinear`` (u [hidden, r], v [r, kv_heads·head_dim])
 the cache holds the rank-space activations z_k = x·u_k [T, r_k] and z_v = x·u_v [T, r_v] instead
-of K and V [T, kv_heads·head_dim]. Each step rebuilds K = rope(z_k·v_k) and V = z_v·v_v for the
-whole (static-length) cache and attends as usual. Under ``lowrank_tp`` z is the all-gathered
-rank-space activation (replicated over "tp"), and the rebuild with the column-parallel v_k / v_v
-yields each device's own KV heads. It pays off in memory when r_k + r_v < 2·kv_heads·head_dim and
-costs 2·T·(r_k + r_v)·kv_heads·head_dim extra flops per token and layer.
+of K and V [T, kv_heads·head_dim]. It pays off in memory when r_k + r_v < 2·kv_heads·head_dim.
+Under ``lowrank_tp`` z is the all-gathered rank-space activation (replicated over "tp"), and
+the column-parallel v_k / v_v yield each device's own KV heads.
 
-A decode step (one new token, no q/k norm) binds ``lr_kv_attention`` for this. Its reference is
-the same program; its opt-in CUDA lowering rebuilds K on chip and never rebuilds V
-(custom_calls/triton/kv_attention.py).
+A decode step (one new token, no q/k norm) binds ``lr_kv_attention``. Its reference rebuilds
+K = rope(z_k·v_k) for the whole (static-length) cache, 2·T·r_k·kv_heads·head_dim flops per
+sequence and layer, but never V: it forms p·z_v and applies v_v once
+(2·heads·r_v·(T + head_dim) flops). Its opt-in CUDA lowering also rebuilds K on chip, block by
+block (custom_calls/triton/kv_attention.py). A multi-token prefill (or a q/k-norm layer)
+rebuilds K and V for the whole cache and attends as usual.
 """
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ def _layer(layer, cfg, h, positions, inv, mask, zk_c, zv_c, write_pos):
   zk_c = upd(zk_c, zk.astype(zk_c.dtype), write_pos)
   zv_c = upd(zv_c, zv.astype(zv_c.dtype), write_pos)
   t = zk_c.shape[1]
-  if s == 1 and attn.q_norm is None:  # decode: one primitive, a GPU kernel never rebuilds K/V
+  if s == 1 and attn.q_norm is None:  # decode: one primitive; V is never rebuilt
     q = apply_rope(q, positions, inv)
     bias = lambda p: None if p.bias is None else p.bias[...].astype(dt)
     a = lr_kv_attention(q[:, 0].astype(dt), zk_c.astype(dt), zv_c.astype(dt), kp.v[...].astype(dt),
