@@ -358,9 +358,10 @@ def _fresh(q, *cache):
 
 def kv_attention_record(b, t, r, hq=32, hkv=8, d=128, kernel="auto", baselines=None):
   """One decode step of attention at Llama-3-8B heads over a low-rank KV cache of rank r
-  (r_k = r_v): the Triton kernel ("auto": through lr_kv_attention, else "kv:BN,BK,warps,
-  stages" block sizes), XLA's lowering of the reference (rebuild K and V for the whole cache),
-  and attention over a dense K/V cache of the same length."""
+  (r_k = r_v): the Triton kernel ("auto": through lr_kv_attention, else
+  "kv:BN,BK,warps,stages[,splits,prefetch,interleaved]" block sizes), XLA's lowering of the
+  reference (rebuild K for the whole cache, then (p·zv)·v_v), and attention over a dense
+  K/V cache of the same length."""
   ks = jax.random.split(jax.random.key(b * 7 + t + r), 6)
   q = rand(ks[0], (b, hq, d))
   per_layer = 2 * b * t * 2 * r
@@ -376,8 +377,7 @@ def kv_attention_record(b, t, r, hq=32, hkv=8, d=128, kernel="auto", baselines=N
     t_ours, spread, low, t_def = ours_and_default(attn, q, caches, None)
   else:
     from lrjax.custom_calls.triton import kv_attention
-    bn, bk, warps, stages = (int(v) for v in kernel.split(":")[1].split(","))
-    bs = kv_attention.BlockSizes(bn, bk, warps, stages)
+    bs = kv_attention.BlockSizes(*(int(v) for v in kernel.split(":")[1].split(",")))
     t_ours, spread = per_call_us(
         lambda q, *c: kv_attention.kv_attention(q, *_fresh(q, *c), pos, inv, block_sizes=bs),
         q, caches)
@@ -473,6 +473,9 @@ MLP_PHASE_VARIANTS = ("persistent_phases:1", "persistent_phases:2", "persistent_
 # the prefill kernel with no waits (0: all phases), then each phase alone (timing only)
 MLP_PREFILL_PHASE_VARIANTS = ("prefill_phases:0", "prefill_phases:1", "prefill_phases:2",
                               "prefill_phases:4", "prefill_phases:8")
+# (batch, cache length, rank) at Llama-3-8B heads
+KV_ATTENTION_SHAPES = ((1, 4096, 512), (8, 4096, 512), (8, 16384, 512), (8, 16384, 256),
+                       (32, 4096, 512), (1, 32768, 512))
 # the low-rank KV attention kernel's block sizes: keys per block, r_k step, warps, stages
 # (results/gpu_kv_attention_v1_h200.json; the flat-loop kernel's own list is in
 # results/gpu_kv_attention_flat_h200.json)
@@ -486,6 +489,28 @@ PERSISTENT_VARIANTS = ("persistent", "persistent:prefetch=0", "persistent:warps=
 # deeper L2 prefetch of each CTA's first V tile than the default 128 rows
 DECODE_PREFETCH_VARIANTS = ("persistent:prefetch=256", "persistent:prefetch=512",
                             "persistent:prefetch=1024")
+
+
+def kv_attention_variants(b, t, r, hkv=8, d=128):
+  """Specs of the attention kernel's default blocks with session 4's splits
+  (cdiv(2 * SMs, B * Hkv), at most one per key block), with the next key block prefetched
+  into L2, and with one interleaved [B_N, D] K accumulator instead of two halves."""
+  from lrjax.custom_calls.triton import kv_attention
+  bs = kv_attention.BlockSizes.get_default(b, hkv, t, d, r, r)
+  old = min(planner.cdiv(2 * 132, b * hkv), planner.cdiv(t, bs.block_n))
+  return ["kv:" + ",".join(str(getattr(v, f.name)) for f in dataclasses.fields(v))
+          for v in (dataclasses.replace(bs, splits=old), dataclasses.replace(bs, prefetch=1),
+                    dataclasses.replace(bs, interleaved=1))]
+
+
+def decode_wide_m_variants(m, k, r, n):
+  """Specs of the persistent decode kernel at M = 32..128 next to the default: 8 warps at
+  M <= 64; at M = 128 (8 warps planned) twice the K rows per phase-1 tile (half the f32
+  atomics into P) and a fourth pipeline stage."""
+  if m <= 64:
+    return ("persistent:warps=8",)
+  k_per = planner.plan_decode_persistent(m, k, r, n).k_per
+  return ("persistent", f"persistent:k_per={2 * k_per}", "persistent:stages=4", "prefill")
 
 
 def xuv_prefill_variants(m, k, r, n):
@@ -528,13 +553,15 @@ def suite(name, bw, peak, args, recs):
       recs.append(rec)
     return recs
   if name == "kv_attention":  # decode attention over a low-rank KV cache
-    for (b, t, r) in ((1, 4096, 512), (8, 4096, 512), (8, 16384, 512), (8, 16384, 256),
-                      (32, 4096, 512), (1, 32768, 512)):
+    for (b, t, r) in KV_ATTENTION_SHAPES:
       base = kv_attention_record(b, t, r)
       recs.append(base)
       if args.variants and (b, t) == (8, 4096):
         for variant in KV_ATTENTION_VARIANTS:
           recs.append(kv_attention_record(b, t, r, kernel=variant, baselines=base))
+      if args.variants:
+        for spec in kv_attention_variants(b, t, r):
+          recs.append(kv_attention_record(b, t, r, kernel=spec, baselines=base))
     return recs
   if name == "gemm_ceiling":
     for rec in gemm_records():
@@ -567,6 +594,13 @@ def suite(name, bw, peak, args, recs):
         base = xuv_record(m, k, r, n, bw, peak, "decode_xz")
         recs.append(base)
         for variant in PERSISTENT_VARIANTS:
+          recs.append(xuv_record(m, k, r, n, bw, peak, variant, baselines=base))
+  if name == "decode_wide_m":  # the persistent decode kernel at M = 32..128
+    for (k, r, n) in XUV_DECODE_SHAPES:
+      for m in (32, 64, 128):
+        base = xuv_record(m, k, r, n, bw, peak)
+        recs.append(base)
+        for variant in decode_wide_m_variants(m, k, r, n):
           recs.append(xuv_record(m, k, r, n, bw, peak, variant, baselines=base))
   if name == "decode_prefetch":  # the persistent decode kernel's V prefetch depth
     for (k, r, n) in XUV_DECODE_SHAPES:
@@ -683,18 +717,19 @@ def evaluate_targets(records) -> list[dict]:
 
 
 def _plot_kv_attention(recs, path_json, plt) -> str:
-  """Time and temporary memory per shape: the kernel, XLA's rebuild, and a dense cache."""
+  """Time and temporary memory per shape: the kernel, XLA's reference lowering, and a
+  dense cache."""
   labels = [f"B={r['M']}\nT={r['K']}\nr={r['r']}" for r in recs]
   x = np.arange(len(recs))
   fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
   for i, (key, name) in enumerate((("ours_us", "Triton kernel"),
-                                   ("xla_lowrank_us", "XLA: rebuild K and V"),
+                                   ("xla_lowrank_us", "XLA: the reference lowering"),
                                    ("xla_dense_us", "XLA: dense K/V cache"))):
     axes[0].bar(x + (i - 1) * 0.27, [r[key] for r in recs], 0.27, label=name)
   axes[0].set(yscale="log", ylabel="µs per decode step (one layer)",
               title="attention from a low-rank KV cache")
   for i, (key, name) in enumerate((("temp_bytes_ours", "Triton kernel"),
-                                   ("temp_bytes_xla", "XLA: rebuild K and V"))):
+                                   ("temp_bytes_xla", "XLA: the reference lowering"))):
     axes[1].bar(x + (i - 0.5) * 0.4, [r[key] / 1e6 for r in recs], 0.4, label=name)
   axes[1].set(yscale="log", ylabel="temporary memory (MB)", title="temporaries")
   for ax in axes:
@@ -763,7 +798,7 @@ def main():
                   choices=["decode", "prefill", "mlp", "all", "none", "overhead",
                            "decode_persistent", "mlp_decode_variants", "mlp_phases",
                            "mlp_prefetch", "mlp_prefill_variants", "prefill_variants",
-                           "mlp_prefill_phases", "gemm_ceiling", "decode_prefetch",
+                           "mlp_prefill_phases", "gemm_ceiling", "decode_prefetch", "decode_wide_m",
                            "kv_attention"])
   ap.add_argument("--variants", action="store_true", help="also time non-default kernels")
   ap.add_argument("--extra", nargs="*", default=[], help="op/M,K,r,N/variant")

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from lrjax.custom_calls.triton import planner
-from lrjax.custom_calls.triton._common import mm_acc2, num_sms
+from lrjax.custom_calls.triton._common import mm_acc, mm_acc2, num_sms, prefetch_l2
 from lrjax.custom_calls.triton.lowering import kv_attention_shape_reason
 from lrjax.lowering.kv_attention import lr_kv_attention_reference
 
@@ -39,7 +39,9 @@ class BlockSizes:
   block_k: int = 64  # reduction step over r_k when rebuilding K
   num_warps: int = 8
   num_stages: int = 3
-  programs: int = 0  # target grid size (splits of the cache fill it); 0: two per SM
+  splits: int = 0  # programs per (sequence, KV head); 0: ``choose_splits``
+  prefetch: int = 0  # 1: ask L2 for the next key block's zk and zv rows while on this one
+  interleaved: int = 0  # 1: one [B_N, D] K accumulator with each head's halves interleaved
 
   @classmethod
   def get_default(cls, b: int, hkv: int, t: int, d: int, rk: int, rv: int) -> "BlockSizes":
@@ -74,6 +76,8 @@ def _kv_attention_kernel(
     RK: tl.constexpr, RV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, RVP: tl.constexpr,
     S: tl.constexpr, CHUNK: tl.constexpr, WINDOW: tl.constexpr, HAS_BK: tl.constexpr,
     SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_RK: tl.constexpr,
+    PREFETCH: tl.constexpr, RKW: tl.constexpr, RVW: tl.constexpr,  # widths in 64-col lines
+    INTERLEAVED: tl.constexpr,  # q, vk, bk columns of a head ordered lo0, hi0, lo1, hi1, ...
 ):
   b = tl.program_id(0)
   h = tl.program_id(1)
@@ -88,9 +92,14 @@ def _kv_attention_kernel(
   offs_g = tl.arange(0, GP)
   g_mask = offs_g < G
   offs_d = tl.arange(0, HALF)
+  offs_dd = tl.arange(0, D)
   q_rows = (b * HQ + h * G + offs_g)[:, None] * D
-  q_lo = tl.load(q_ptr + q_rows + offs_d[None, :], mask=g_mask[:, None], other=0.0)
-  q_hi = tl.load(q_ptr + q_rows + HALF + offs_d[None, :], mask=g_mask[:, None], other=0.0)
+  if INTERLEAVED:  # q_lo is the whole [GP, D] interleaved query; q_hi is not used
+    q_lo = tl.load(q_ptr + q_rows + offs_dd[None, :], mask=g_mask[:, None], other=0.0)
+    q_hi = q_lo
+  else:
+    q_lo = tl.load(q_ptr + q_rows + offs_d[None, :], mask=g_mask[:, None], other=0.0)
+    q_hi = tl.load(q_ptr + q_rows + HALF + offs_d[None, :], mask=g_mask[:, None], other=0.0)
   inv = tl.load(inv_ptr + offs_d)
   offs_r = tl.arange(0, RVP)
   r_mask = offs_r < RV
@@ -102,24 +111,38 @@ def _kv_attention_kernel(
   # (One flat loop over (key block, r_k step), which keeps the rebuild's pipeline running
   # across blocks, measured slower: results/gpu_kv_attention_flat_h200.json.)
   for start in range(lo, hi, BLOCK_N):
+    if PREFETCH:
+      prefetch_l2(zk_b, start + BLOCK_N, 0, hi, RK, RK, BLOCK_N, RKW)
+      prefetch_l2(zv_ptr + b * T * RV, start + BLOCK_N, 0, hi, RV, RV, BLOCK_N, RVW)
     offs_t = start + tl.arange(0, BLOCK_N)
     t_mask = offs_t < hi
     if WINDOW > 0:
       t_mask = t_mask & (pos - offs_t < WINDOW)
-    k_lo = tl.zeros([BLOCK_N, HALF], tl.float32)
-    k_hi = tl.zeros([BLOCK_N, HALF], tl.float32)
-    k_lo, k_hi = mm_acc2(k_lo, k_hi, zk_b, zk_b, vk_ptr + h * D, vk_ptr + h * D + HALF, offs_t,
-                         offs_d, t_mask, d_all, 0, RK, RK, RK, HKV * D, BLOCK_K, EVEN_RK, False,
-                         True)
-    if HAS_BK:
-      k_lo += tl.load(bk_ptr + h * D + offs_d).to(tl.float32)[None, :]
-      k_hi += tl.load(bk_ptr + h * D + HALF + offs_d).to(tl.float32)[None, :]
+    if INTERLEAVED:  # one N = D accumulator; its column pairs are (lo_i, hi_i)
+      k = tl.zeros([BLOCK_N, D], tl.float32)
+      k = mm_acc(k, zk_b, vk_ptr + h * D, offs_t, offs_dd, t_mask, offs_dd < D, 0, RK, RK, RK,
+                 HKV * D, BLOCK_K, EVEN_RK, False)
+      if HAS_BK:
+        k += tl.load(bk_ptr + h * D + offs_dd).to(tl.float32)[None, :]
+      k_lo, k_hi = tl.split(tl.reshape(k, [BLOCK_N, HALF, 2]))
+    else:
+      k_lo = tl.zeros([BLOCK_N, HALF], tl.float32)
+      k_hi = tl.zeros([BLOCK_N, HALF], tl.float32)
+      k_lo, k_hi = mm_acc2(k_lo, k_hi, zk_b, zk_b, vk_ptr + h * D, vk_ptr + h * D + HALF,
+                           offs_t, offs_d, t_mask, d_all, 0, RK, RK, RK, HKV * D, BLOCK_K,
+                           EVEN_RK, False, True)
+      if HAS_BK:
+        k_lo += tl.load(bk_ptr + h * D + offs_d).to(tl.float32)[None, :]
+        k_hi += tl.load(bk_ptr + h * D + HALF + offs_d).to(tl.float32)[None, :]
     ang = offs_t.to(tl.float32)[:, None] * inv[None, :]
     cos = tl.cos(ang)
     sin = tl.sin(ang)
     r_lo = (k_lo * cos - k_hi * sin).to(q_lo.dtype)
     r_hi = (k_hi * cos + k_lo * sin).to(q_lo.dtype)
-    sc = tl.dot(q_lo, tl.trans(r_lo)) + tl.dot(q_hi, tl.trans(r_hi))
+    if INTERLEAVED:
+      sc = tl.dot(q_lo, tl.trans(tl.reshape(tl.join(r_lo, r_hi), [BLOCK_N, D])))
+    else:
+      sc = tl.dot(q_lo, tl.trans(r_lo)) + tl.dot(q_hi, tl.trans(r_hi))
     sc = tl.where(t_mask[None, :], sc * SCALE, -1.0e30)
     m_new = tl.maximum(m_i, tl.max(sc, 1))
     alpha = tl.exp(m_i - m_new)
@@ -135,18 +158,38 @@ def _kv_attention_kernel(
   tl.store(z_ptr + row[:, None] * RVP + offs_r[None, :], acc)
 
 
+def choose_splits(b: int, hkv: int, t: int, bs: BlockSizes, sms: int) -> int:
+  """Splits of the cache per (sequence, KV head) that finish soonest in whole waves.
+
+  A program's time is taken as its keys plus one block (its fixed costs), and the grid runs
+  in waves of ``slots`` resident programs: one per SM at 8 warps (255 registers a thread
+  fill the register file), two at 4. So 64 (sequence, head) pairs take 2 splits (one wave)
+  rather than 5 (2.4 waves, the last one 42 % full)."""
+  slots = (sms or 132) * max(1, 8 // bs.num_warps)
+  n_blocks = planner.cdiv(t, bs.block_n)
+  best = None
+  for s in range(1, min(n_blocks, 4 * slots) + 1):
+    chunk = planner.cdiv(n_blocks, s) * bs.block_n
+    s_real = planner.cdiv(t, chunk)
+    cost = planner.cdiv(b * hkv * s_real, slots) * (chunk + bs.block_n)
+    if best is None or cost < best[0]:
+      best = (cost, s_real)
+  return best[1]
+
+
 def launch_plan(b: int, hq: int, hkv: int, t: int, d: int, rk: int, rv: int, window,
                 has_bk: bool, bs: BlockSizes, sms: int) -> dict:
   g = hq // hkv
-  target = bs.programs or 2 * (sms or 132)
-  splits = max(1, min(planner.cdiv(target, b * hkv), planner.cdiv(t, bs.block_n)))
+  splits = min(bs.splits, planner.cdiv(t, bs.block_n)) or choose_splits(b, hkv, t, bs, sms)
   chunk = planner.cdiv(planner.cdiv(t, splits), bs.block_n) * bs.block_n
   splits = planner.cdiv(t, chunk)
   meta = dict(T=t, HQ=hq, HKV=hkv, D=d, RK=rk, RV=rv, G=g, GP=max(16, planner.next_pow2(g)),
               RVP=max(16, planner.next_pow2(rv)), S=splits, CHUNK=chunk,
               WINDOW=0 if window is None else int(window), HAS_BK=has_bk,
               SCALE=float(d) ** -0.5, BLOCK_N=bs.block_n, BLOCK_K=bs.block_k,
-              EVEN_RK=rk % bs.block_k == 0)
+              EVEN_RK=rk % bs.block_k == 0, PREFETCH=bs.prefetch,
+              RKW=64 * planner.next_pow2(planner.cdiv(rk, 64)),
+              RVW=64 * planner.next_pow2(planner.cdiv(rv, 64)), INTERLEAVED=bs.interleaved)
   return dict(grid=(b, hkv, splits), meta=meta)
 
 
@@ -164,6 +207,9 @@ def kv_attention(q, zk, zv, vk, vv, pos, inv_freq, bk=None, bv=None, *, window=N
   plan = launch_plan(b, hq, hkv, t, d, rk, rv, window, bk is not None, bs, num_sms())
   meta = plan["meta"]
   s, gp, rvp = meta["S"], meta["GP"], meta["RVP"]
+  if bs.interleaved:  # each head's columns as (lo_0, hi_0, lo_1, hi_1, ...)
+    q, vk = _interleave(q, d), _interleave(vk, d)
+    bk = None if bk is None else _interleave(bk, d)
   m, l, z = jt.triton_call(
       q, zk, zv, vk, bk if bk is not None else vk, jnp.asarray(pos, jnp.int32),
       jnp.asarray(inv_freq, jnp.float32), kernel=_kv_attention_kernel,
@@ -173,6 +219,13 @@ def kv_attention(q, zk, zv, vk, vv, pos, inv_freq, bk=None, bv=None, *, window=N
       grid=plan["grid"], num_warps=bs.num_warps, num_stages=bs.num_stages,
       name="lrjax_kv_attention", **meta)
   return merge_splits(m, l, z, vv, bv, meta["G"], rv, q.dtype)
+
+
+def _interleave(a, d):
+  """[..., H·D] (or [..., H, D]) with each head's halves interleaved column by column."""
+  shape = a.shape
+  a = a.reshape(*shape[:-1], -1, 2, d // 2)
+  return jnp.swapaxes(a, -1, -2).reshape(shape)
 
 
 def merge_splits(m, l, z, vv, bv, g, rv, dtype):

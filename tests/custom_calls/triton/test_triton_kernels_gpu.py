@@ -5,6 +5,7 @@ writes into it through input_output_aliases, so an unwritten element stays NaN a
 fails), and compares with a float64 host reference that applies the kernels' rounding
 of the rank-space intermediate to the factor dtype.
 """
+import dataclasses
 import importlib.util
 
 import jax
@@ -68,7 +69,6 @@ XUV_SHAPES = [  # (M, K, r, N): M=1, ragged everything, a multi-super-block pref
                                   "persistent_small_grid", "persistent_xla_zeroing", "prefill"])
 def test_xuv_kernels(kind, shape, dtype, bias):
   from lrjax.custom_calls.triton import xuv_decode, xuv_prefill
-  import dataclasses
   m, k, r, n = shape
   if kind != "prefill" and m > xuv_decode.MAX_M:
     pytest.skip(f"decode kernel serves M <= {xuv_decode.MAX_M}")
@@ -154,7 +154,6 @@ def test_mlp_kernels(kind, shape, dtype, gated, act, bias):
   if kind == "decode_xla_zeroing":  # the default: scratch zeroed by XLA, no out= buffer
     out = jax.jit(lambda x, g, u, dn: kern(x, u, dn, g, act=act))(x, gate, up, down)
   elif kind.startswith("persistent"):
-    import dataclasses
     from lrjax.custom_calls.triton import planner
     p = planner.plan_mlp_decode_persistent(m, d, f, r, rd, d, gate is not None)
     if kind == "persistent_small_grid":  # several ragged, part-width tiles per CTA
@@ -275,9 +274,11 @@ KV_SHAPES = [  # (B, Hq, Hkv, D, T, r_k, r_v, window, bias)
 ]
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("dtype,tweak", [
+    (jnp.bfloat16, {}), (jnp.float16, {}), (jnp.bfloat16, dict(splits=3, prefetch=1)),
+    (jnp.float16, dict(interleaved=1)), (jnp.bfloat16, dict(interleaved=1, splits=3))])
 @pytest.mark.parametrize("shape", KV_SHAPES)
-def test_kv_attention_kernel(shape, dtype):
+def test_kv_attention_kernel(shape, dtype, tweak):
   """Every program stores its whole split state unconditionally and XLA merges the splits,
   so there is no output buffer to poison; a skipped split would still change the result."""
   from conftest import kv_attention_f64
@@ -291,7 +292,8 @@ def test_kv_attention_kernel(shape, dtype):
   pos = np.random.default_rng(t).integers(0, t, size=b).astype(np.int32)
   pos[0], pos[-1] = t - 1, (0 if b > 1 else t - 1)  # the whole cache; one key
   inv = 1.0 / (500000.0 ** (np.arange(0, d, 2) / d))
-  out = jax.jit(lambda *a: kv_attention.kv_attention(*a, window=window))(
+  bs = dataclasses.replace(kv_attention.BlockSizes.get_default(b, hkv, t, d, rk, rv), **tweak)
+  out = jax.jit(lambda *a: kv_attention.kv_attention(*a, window=window, block_sizes=bs))(
       q, zk, zv, vk, vv, pos, inv, bk, bv)
   assert out.shape == (b, hq * d) and out.dtype == dtype
   assert_close(out, kv_attention_f64(q, zk, zv, vk, vv, pos, inv, bk, bv, window), dtype)
