@@ -359,7 +359,7 @@ def _fresh(q, *cache):
 def kv_attention_record(b, t, r, hq=32, hkv=8, d=128, kernel="auto", baselines=None):
   """One decode step of attention at Llama-3-8B heads over a low-rank KV cache of rank r
   (r_k = r_v): the Triton kernel ("auto": through lr_kv_attention, else
-  "kv:BN,BK,warps,stages[,splits,prefetch,interleaved]" block sizes), XLA's lowering of the
+  "kv:BN,BK,warps,stages[,splits]" block sizes), XLA's lowering of the
   reference (rebuild K for the whole cache, then (p·zv)·v_v), and attention over a dense
   K/V cache of the same length."""
   ks = jax.random.split(jax.random.key(b * 7 + t + r), 6)
@@ -493,14 +493,15 @@ DECODE_PREFETCH_VARIANTS = ("persistent:prefetch=256", "persistent:prefetch=512"
 
 def kv_attention_variants(b, t, r, hkv=8, d=128):
   """Specs of the attention kernel's default blocks with session 4's splits
-  (cdiv(2 * SMs, B * Hkv), at most one per key block), with the next key block prefetched
-  into L2, and with one interleaved [B_N, D] K accumulator instead of two halves."""
+  (cdiv(2 * SMs, B * Hkv), at most one per key block). The committed results also time two
+  options removed after they measured slower: the next key block prefetched into L2
+  ("kv:...,0,1,0") and one interleaved [B_N, D] K accumulator ("kv:...,0,0,1"); the kernel
+  with them is at commit 976a376."""
   from lrjax.custom_calls.triton import kv_attention
   bs = kv_attention.BlockSizes.get_default(b, hkv, t, d, r, r)
   old = min(planner.cdiv(2 * 132, b * hkv), planner.cdiv(t, bs.block_n))
-  return ["kv:" + ",".join(str(getattr(v, f.name)) for f in dataclasses.fields(v))
-          for v in (dataclasses.replace(bs, splits=old), dataclasses.replace(bs, prefetch=1),
-                    dataclasses.replace(bs, interleaved=1))]
+  v = dataclasses.replace(bs, splits=old)
+  return ["kv:" + ",".join(str(getattr(v, f.name)) for f in dataclasses.fields(v))]
 
 
 def decode_wide_m_variants(m, k, r, n):

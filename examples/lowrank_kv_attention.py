@@ -6,8 +6,9 @@ A low-rank KV cache (lrjax.serving.lowrank_kv) stores zk = x·u_k and zv = x·u_
 instead of K and V. ``lrjax.lowering.lr_kv_attention`` is one decode step of attention over it.
 Its reference (the default lowering everywhere) rebuilds K = rope(zk·v_k) for the whole
 cache and never rebuilds V: it attends with (p·zv)·v_v. On CUDA, the Triton kernel
-(custom_calls/triton/kv_attention.py) also rebuilds K block by block on chip. It is opt-in (``prefer_kernels()``): on the H200
-it measured 0.71-1.24x the reference's speed, with 2-96x less temporary memory.
+(custom_calls/triton/kv_attention.py) also rebuilds K block by block on chip. It is opt-in
+(``prefer_kernels()``): on the H200 it measured 0.50-0.74x the reference's speed, with
+4-270x less temporary memory.
 """
 import statistics
 import time

@@ -92,9 +92,10 @@ def _reference(*ops, has_bk, has_bv, window):
   kpos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   k = apply_rope(k.reshape(b, t, hkv, d), kpos, inv).astype(q.dtype)
   mask = _mask(pos[:, None], kpos, kpos <= pos[:, None], window)[:, 0]  # [B, T]
-  qg = q.reshape(b, hkv, hq // hkv, d)
-  s = jnp.einsum("bkgd,btkd->bkgt", qg, k, preferred_element_type=f32) / math.sqrt(d)
-  s = jnp.where(mask[:, None, None], s, jnp.finfo(f32).min)
+  # the query as a length-1 sequence: XLA:CPU ran "bkgd,btkd->bkgt" 2.5x slower in a decode loop
+  qg = q.reshape(b, 1, hkv, hq // hkv, d)
+  s = jnp.einsum("bskgd,btkd->bkgst", qg, k, preferred_element_type=f32)[:, :, :, 0]
+  s = jnp.where(mask[:, None, None], s / math.sqrt(d), jnp.finfo(f32).min)
   p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
   pz = jnp.einsum("bkgt,btr->bkgr", p, zv.astype(q.dtype), preferred_element_type=f32)
   o = jnp.einsum("bkgr,rkd->bkgd", pz.astype(dt), vv.reshape(-1, hkv, d),

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from lrjax.custom_calls.triton import planner
-from lrjax.custom_calls.triton._common import mm_acc, mm_acc2, num_sms, prefetch_l2
+from lrjax.custom_calls.triton._common import mm_acc2, num_sms
 from lrjax.custom_calls.triton.lowering import kv_attention_shape_reason
 from lrjax.lowering.kv_attention import lr_kv_attention_reference
 
@@ -40,8 +40,6 @@ class BlockSizes:
   num_warps: int = 8
   num_stages: int = 3
   splits: int = 0  # programs per (sequence, KV head); 0: ``choose_splits``
-  prefetch: int = 0  # 1: ask L2 for the next key block's zk and zv rows while on this one
-  interleaved: int = 0  # 1: one [B_N, D] K accumulator with each head's halves interleaved
 
   @classmethod
   def get_default(cls, b: int, hkv: int, t: int, d: int, rk: int, rv: int) -> "BlockSizes":
@@ -76,8 +74,6 @@ def _kv_attention_kernel(
     RK: tl.constexpr, RV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, RVP: tl.constexpr,
     S: tl.constexpr, CHUNK: tl.constexpr, WINDOW: tl.constexpr, HAS_BK: tl.constexpr,
     SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_RK: tl.constexpr,
-    PREFETCH: tl.constexpr, RKW: tl.constexpr, RVW: tl.constexpr,  # widths in 64-col lines
-    INTERLEAVED: tl.constexpr,  # q, vk, bk columns of a head ordered lo0, hi0, lo1, hi1, ...
 ):
   b = tl.program_id(0)
   h = tl.program_id(1)
@@ -92,14 +88,9 @@ def _kv_attention_kernel(
   offs_g = tl.arange(0, GP)
   g_mask = offs_g < G
   offs_d = tl.arange(0, HALF)
-  offs_dd = tl.arange(0, D)
   q_rows = (b * HQ + h * G + offs_g)[:, None] * D
-  if INTERLEAVED:  # q_lo is the whole [GP, D] interleaved query; q_hi is not used
-    q_lo = tl.load(q_ptr + q_rows + offs_dd[None, :], mask=g_mask[:, None], other=0.0)
-    q_hi = q_lo
-  else:
-    q_lo = tl.load(q_ptr + q_rows + offs_d[None, :], mask=g_mask[:, None], other=0.0)
-    q_hi = tl.load(q_ptr + q_rows + HALF + offs_d[None, :], mask=g_mask[:, None], other=0.0)
+  q_lo = tl.load(q_ptr + q_rows + offs_d[None, :], mask=g_mask[:, None], other=0.0)
+  q_hi = tl.load(q_ptr + q_rows + HALF + offs_d[None, :], mask=g_mask[:, None], other=0.0)
   inv = tl.load(inv_ptr + offs_d)
   offs_r = tl.arange(0, RVP)
   r_mask = offs_r < RV
@@ -111,38 +102,24 @@ def _kv_attention_kernel(
   # (One flat loop over (key block, r_k step), which keeps the rebuild's pipeline running
   # across blocks, measured slower: results/gpu_kv_attention_flat_h200.json.)
   for start in range(lo, hi, BLOCK_N):
-    if PREFETCH:
-      prefetch_l2(zk_b, start + BLOCK_N, 0, hi, RK, RK, BLOCK_N, RKW)
-      prefetch_l2(zv_ptr + b * T * RV, start + BLOCK_N, 0, hi, RV, RV, BLOCK_N, RVW)
     offs_t = start + tl.arange(0, BLOCK_N)
     t_mask = offs_t < hi
     if WINDOW > 0:
       t_mask = t_mask & (pos - offs_t < WINDOW)
-    if INTERLEAVED:  # one N = D accumulator; its column pairs are (lo_i, hi_i)
-      k = tl.zeros([BLOCK_N, D], tl.float32)
-      k = mm_acc(k, zk_b, vk_ptr + h * D, offs_t, offs_dd, t_mask, offs_dd < D, 0, RK, RK, RK,
-                 HKV * D, BLOCK_K, EVEN_RK, False)
-      if HAS_BK:
-        k += tl.load(bk_ptr + h * D + offs_dd).to(tl.float32)[None, :]
-      k_lo, k_hi = tl.split(tl.reshape(k, [BLOCK_N, HALF, 2]))
-    else:
-      k_lo = tl.zeros([BLOCK_N, HALF], tl.float32)
-      k_hi = tl.zeros([BLOCK_N, HALF], tl.float32)
-      k_lo, k_hi = mm_acc2(k_lo, k_hi, zk_b, zk_b, vk_ptr + h * D, vk_ptr + h * D + HALF,
-                           offs_t, offs_d, t_mask, d_all, 0, RK, RK, RK, HKV * D, BLOCK_K,
-                           EVEN_RK, False, True)
-      if HAS_BK:
-        k_lo += tl.load(bk_ptr + h * D + offs_d).to(tl.float32)[None, :]
-        k_hi += tl.load(bk_ptr + h * D + HALF + offs_d).to(tl.float32)[None, :]
+    k_lo = tl.zeros([BLOCK_N, HALF], tl.float32)
+    k_hi = tl.zeros([BLOCK_N, HALF], tl.float32)
+    k_lo, k_hi = mm_acc2(k_lo, k_hi, zk_b, zk_b, vk_ptr + h * D, vk_ptr + h * D + HALF, offs_t,
+                         offs_d, t_mask, d_all, 0, RK, RK, RK, HKV * D, BLOCK_K, EVEN_RK, False,
+                         True)
+    if HAS_BK:
+      k_lo += tl.load(bk_ptr + h * D + offs_d).to(tl.float32)[None, :]
+      k_hi += tl.load(bk_ptr + h * D + HALF + offs_d).to(tl.float32)[None, :]
     ang = offs_t.to(tl.float32)[:, None] * inv[None, :]
     cos = tl.cos(ang)
     sin = tl.sin(ang)
     r_lo = (k_lo * cos - k_hi * sin).to(q_lo.dtype)
     r_hi = (k_hi * cos + k_lo * sin).to(q_lo.dtype)
-    if INTERLEAVED:
-      sc = tl.dot(q_lo, tl.trans(tl.reshape(tl.join(r_lo, r_hi), [BLOCK_N, D])))
-    else:
-      sc = tl.dot(q_lo, tl.trans(r_lo)) + tl.dot(q_hi, tl.trans(r_hi))
+    sc = tl.dot(q_lo, tl.trans(r_lo)) + tl.dot(q_hi, tl.trans(r_hi))
     sc = tl.where(t_mask[None, :], sc * SCALE, -1.0e30)
     m_new = tl.maximum(m_i, tl.max(sc, 1))
     alpha = tl.exp(m_i - m_new)
@@ -187,9 +164,7 @@ def launch_plan(b: int, hq: int, hkv: int, t: int, d: int, rk: int, rv: int, win
               RVP=max(16, planner.next_pow2(rv)), S=splits, CHUNK=chunk,
               WINDOW=0 if window is None else int(window), HAS_BK=has_bk,
               SCALE=float(d) ** -0.5, BLOCK_N=bs.block_n, BLOCK_K=bs.block_k,
-              EVEN_RK=rk % bs.block_k == 0, PREFETCH=bs.prefetch,
-              RKW=64 * planner.next_pow2(planner.cdiv(rk, 64)),
-              RVW=64 * planner.next_pow2(planner.cdiv(rv, 64)), INTERLEAVED=bs.interleaved)
+              EVEN_RK=rk % bs.block_k == 0)
   return dict(grid=(b, hkv, splits), meta=meta)
 
 
@@ -207,9 +182,6 @@ def kv_attention(q, zk, zv, vk, vv, pos, inv_freq, bk=None, bv=None, *, window=N
   plan = launch_plan(b, hq, hkv, t, d, rk, rv, window, bk is not None, bs, num_sms())
   meta = plan["meta"]
   s, gp, rvp = meta["S"], meta["GP"], meta["RVP"]
-  if bs.interleaved:  # each head's columns as (lo_0, hi_0, lo_1, hi_1, ...)
-    q, vk = _interleave(q, d), _interleave(vk, d)
-    bk = None if bk is None else _interleave(bk, d)
   m, l, z = jt.triton_call(
       q, zk, zv, vk, bk if bk is not None else vk, jnp.asarray(pos, jnp.int32),
       jnp.asarray(inv_freq, jnp.float32), kernel=_kv_attention_kernel,
@@ -219,13 +191,6 @@ def kv_attention(q, zk, zv, vk, vv, pos, inv_freq, bk=None, bv=None, *, window=N
       grid=plan["grid"], num_warps=bs.num_warps, num_stages=bs.num_stages,
       name="lrjax_kv_attention", **meta)
   return merge_splits(m, l, z, vv, bv, meta["G"], rv, q.dtype)
-
-
-def _interleave(a, d):
-  """[..., H·D] (or [..., H, D]) with each head's halves interleaved column by column."""
-  shape = a.shape
-  a = a.reshape(*shape[:-1], -1, 2, d // 2)
-  return jnp.swapaxes(a, -1, -2).reshape(shape)
 
 
 def merge_splits(m, l, z, vv, bv, g, rv, dtype):
