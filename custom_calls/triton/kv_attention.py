@@ -39,7 +39,7 @@ class BlockSizes:
   block_k: int = 64  # reduction step over r_k when rebuilding K
   num_warps: int = 8
   num_stages: int = 3
-  splits: int = 0  # programs per (sequence, KV head); 0: ``choose_splits``
+  splits: int = 0  # programs per (sequence, KV head); 0: ``planner.plan_kv_splits``
 
   @classmethod
   def get_default(cls, b: int, hkv: int, t: int, d: int, rk: int, rv: int) -> "BlockSizes":
@@ -135,29 +135,11 @@ def _kv_attention_kernel(
   tl.store(z_ptr + row[:, None] * RVP + offs_r[None, :], acc)
 
 
-def choose_splits(b: int, hkv: int, t: int, bs: BlockSizes, sms: int) -> int:
-  """Splits of the cache per (sequence, KV head) that finish soonest in whole waves.
-
-  A program's time is taken as its keys plus one block (its fixed costs), and the grid runs
-  in waves of ``slots`` resident programs: one per SM at 8 warps (255 registers a thread
-  fill the register file), two at 4. So 64 (sequence, head) pairs take 2 splits (one wave)
-  rather than 5 (2.4 waves, the last one 42 % full)."""
-  slots = (sms or 132) * max(1, 8 // bs.num_warps)
-  n_blocks = planner.cdiv(t, bs.block_n)
-  best = None
-  for s in range(1, min(n_blocks, 4 * slots) + 1):
-    chunk = planner.cdiv(n_blocks, s) * bs.block_n
-    s_real = planner.cdiv(t, chunk)
-    cost = planner.cdiv(b * hkv * s_real, slots) * (chunk + bs.block_n)
-    if best is None or cost < best[0]:
-      best = (cost, s_real)
-  return best[1]
-
-
 def launch_plan(b: int, hq: int, hkv: int, t: int, d: int, rk: int, rv: int, window,
                 has_bk: bool, bs: BlockSizes, sms: int) -> dict:
   g = hq // hkv
-  splits = min(bs.splits, planner.cdiv(t, bs.block_n)) or choose_splits(b, hkv, t, bs, sms)
+  splits = (min(bs.splits, planner.cdiv(t, bs.block_n))
+            or planner.plan_kv_splits(b, hkv, t, bs.block_n, bs.num_warps, sms))
   chunk = planner.cdiv(planner.cdiv(t, splits), bs.block_n) * bs.block_n
   splits = planner.cdiv(t, chunk)
   meta = dict(T=t, HQ=hq, HKV=hkv, D=d, RK=rk, RV=rv, G=g, GP=max(16, planner.next_pow2(g)),

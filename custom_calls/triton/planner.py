@@ -290,3 +290,24 @@ def plan_mlp_decode_persistent(m: int, d: int, f: int, r: int, rd: int, d_out: i
   warps = 4 if block_m <= 32 else 8  # two [block_m, block_f] f32 accumulators per CTA
   return PersistentMlpPlan(block_m, block_r, cols_r, k_per, block_f, cols_f, block_n, cols_n,
                            chunks, g, warps, 3, 64, 64, ta + tb + tc)
+
+
+def plan_kv_splits(b: int, hkv: int, t: int, block_n: int, warps: int,
+                   sms: int = H200.num_sms) -> int:
+  """Cache splits per (sequence, KV head) for the low-rank KV attention kernel: the count
+  that finishes soonest in whole waves.
+
+  A program's time is taken as its keys plus one block (its fixed costs), and the grid runs
+  in waves of resident programs: one per SM at 8 warps (255 registers a thread fill the
+  register file), two at 4. So 64 (sequence, head) pairs take 2 splits (one wave) rather
+  than 5 (2.4 waves, the last one 42 % full)."""
+  slots = (sms or H200.num_sms) * max(1, 8 // warps)
+  n_blocks = cdiv(t, block_n)
+  best = None
+  for s in range(1, min(n_blocks, 4 * slots) + 1):
+    chunk = cdiv(n_blocks, s) * block_n
+    splits = cdiv(t, chunk)
+    cost = cdiv(b * hkv * splits, slots) * (chunk + block_n)
+    if best is None or cost < best[0]:
+      best = (cost, splits)
+  return best[1]

@@ -163,6 +163,17 @@ def test_kv_attention_supports_decisions(toolchain):
   assert "measured" in lowering.kv_attention_faster(_kv_avals(), params())
 
 
+def test_kv_splits_fill_whole_waves():
+  # 64 (sequence, head) pairs on 132 SMs: 2 splits (one wave), not 5 (2.4 waves)
+  assert planner.plan_kv_splits(8, 8, 4096, 128, 8, 132) == 2
+  assert planner.plan_kv_splits(1, 8, 4096, 128, 8, 132) == 16  # 128 programs, one wave
+  assert planner.plan_kv_splits(32, 8, 4096, 128, 8, 132) == 1  # 256 programs already
+  assert planner.plan_kv_splits(1, 1, 100, 128, 8, 132) == 1  # one key block
+  for b, hkv, t, warps in ((3, 2, 300, 8), (5, 12, 77, 4), (2, 8, 100_000, 8)):
+    s = planner.plan_kv_splits(b, hkv, t, 64, warps, 132)
+    assert 1 <= s <= planner.cdiv(t, 64)
+
+
 def test_cuda_kernels_registered_and_triton_not_imported():
   import sys
   from lrjax.lowering import registry
