@@ -799,8 +799,8 @@ def main():
                   choices=["decode", "prefill", "mlp", "all", "none", "overhead",
                            "decode_persistent", "mlp_decode_variants", "mlp_phases",
                            "mlp_prefetch", "mlp_prefill_variants", "prefill_variants",
-                           "mlp_prefill_phases", "gemm_ceiling", "decode_prefetch", "decode_wide_m",
-                           "kv_attention"])
+                           "mlp_prefill_phases", "gemm_ceiling", "decode_prefetch",
+                           "decode_wide_m", "kv_attention"])
   ap.add_argument("--variants", action="store_true", help="also time non-default kernels")
   ap.add_argument("--extra", nargs="*", default=[], help="op/M,K,r,N/variant")
   ap.add_argument("--out", default="benchmarks/results/gpu_lowrank_h200.json")

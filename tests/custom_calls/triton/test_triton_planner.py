@@ -159,7 +159,7 @@ def test_kv_attention_supports_decisions(toolchain):
   assert "r_v=2048" in lowering.kv_attention_supports(_kv_avals(rv=2048), params())
   assert "float32" in lowering.kv_attention_supports(_kv_avals(dt=jnp.float32), params())
   assert "32-bit" in lowering.kv_attention_supports(_kv_avals(b=64, t=1 << 20, rk=64), params())
-  # the model's answer always declines by default (measured slower); prefer_kernels skips it
+  # faster() always declines (measured slower than XLA); prefer_kernels() skips that check
   assert "measured" in lowering.kv_attention_faster(_kv_avals(), params())
 
 
