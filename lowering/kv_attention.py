@@ -98,11 +98,20 @@ def _reference(*ops, has_bk, has_bv, window):
   s = jnp.where(mask[:, None, None], s / math.sqrt(d), jnp.finfo(f32).min)
   p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
   pz = jnp.einsum("bkgt,btr->bkgr", p, zv.astype(q.dtype), preferred_element_type=f32)
-  o = jnp.einsum("bkgr,rkd->bkgd", pz.astype(dt), vv.reshape(-1, hkv, d),
-                 preferred_element_type=f32)
-  if bv is not None:  # the weights of every row sum to 1
-    o = o + bv.astype(f32).reshape(hkv, 1, d)
-  return o.reshape(b, hq * d).astype(q.dtype)
+  return fold_values(pz, vv, bv, q.dtype)
+
+
+def fold_values(pz, vv, bv, dtype):
+  """The attention output from the softmax-weighted rank-space values pz [B, Hkv, G, r_v]:
+  pz·v_v[:, head] + b_v (the weights of every row sum to 1) → [B, Hkv·G·D] in ``dtype``.
+  Shared by the reference and the kernels' split merge."""
+  b, hkv, g, rv = pz.shape
+  d = vv.shape[1] // hkv
+  o = jnp.einsum("bkgr,rkd->bkgd", pz.astype(vv.dtype), vv.reshape(rv, hkv, d),
+                 preferred_element_type=jnp.float32)
+  if bv is not None:
+    o = o + bv.astype(jnp.float32).reshape(hkv, 1, d)
+  return o.reshape(b, hkv * g * d).astype(dtype)
 
 
 def lr_kv_attention_reference(q, zk, zv, vk, vv, pos, inv_freq, bk=None, bv=None, *,

@@ -30,7 +30,7 @@ import triton.language as tl
 from lrjax.custom_calls.triton import planner
 from lrjax.custom_calls.triton._common import mm_acc2, num_sms
 from lrjax.custom_calls.triton.lowering import kv_attention_shape_reason
-from lrjax.lowering.kv_attention import lr_kv_attention_reference
+from lrjax.lowering.kv_attention import fold_values, lr_kv_attention_reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,13 +181,7 @@ def merge_splits(m, l, z, vv, bv, g, rv, dtype):
   w = jnp.exp(m - big)  # empty splits: exp(-1e30 - max) = 0
   norm = jnp.sum(w * l, axis=2)[..., :g]  # [B, HKV, G]
   zsum = jnp.sum(w[..., None] * z, axis=2)[:, :, :g, :rv] / norm[..., None]
-  b, hkv = m.shape[:2]
-  d = vv.shape[1] // hkv
-  out = jnp.einsum("bkgr,rkd->bkgd", zsum.astype(vv.dtype), vv.reshape(rv, hkv, d),
-                   preferred_element_type=jnp.float32)
-  if bv is not None:
-    out = out + bv.reshape(hkv, d).astype(jnp.float32)[None, :, None, :]
-  return out.reshape(b, hkv * g * d).astype(dtype)
+  return fold_values(zsum, vv, bv, dtype)
 
 
 kv_attention_reference = lr_kv_attention_reference
