@@ -491,6 +491,11 @@ DECODE_PREFETCH_VARIANTS = ("persistent:prefetch=256", "persistent:prefetch=512"
                             "persistent:prefetch=1024")
 
 
+def _spec(prefix, bs):
+  """A variant spec "prefix:v1,v2,..." of a block-size dataclass (bools as 0/1)."""
+  return prefix + ":" + ",".join(str(int(getattr(bs, f.name))) for f in dataclasses.fields(bs))
+
+
 def kv_attention_variants(b, t, r, hkv=8, d=128):
   """Specs of the attention kernel's default blocks with session 4's splits
   (cdiv(2 * SMs, B * Hkv), at most one per key block). The committed results also time two
@@ -501,7 +506,7 @@ def kv_attention_variants(b, t, r, hkv=8, d=128):
   bs = kv_attention.BlockSizes.get_default(b, hkv, t, d, r, r)
   old = min(planner.cdiv(2 * 132, b * hkv), planner.cdiv(t, bs.block_n))
   v = dataclasses.replace(bs, splits=old)
-  return ["kv:" + ",".join(str(getattr(v, f.name)) for f in dataclasses.fields(v))]
+  return [_spec("kv", v)]
 
 
 def decode_wide_m_variants(m, k, r, n):
@@ -522,8 +527,7 @@ def xuv_prefill_variants(m, k, r, n):
   out = []
   for kw in (dict(dynamic=True), dict(dynamic=True, num_stages=4)):
     v = dataclasses.replace(bs, **kw)
-    out.append("prefill:" + ",".join(str(int(getattr(v, fl.name)))
-                                      for fl in dataclasses.fields(v)))
+    out.append(_spec("prefill", v))
   return out
 
 
@@ -543,8 +547,7 @@ def mlp_prefill_variants(r):
              dict(dyn, split_c=2), dict(dyn, split_c=4), dict(wide, num_stages=4, split_c=2),
              dict(wide, num_stages=4, split_c=4), dict(wide, num_stages=4, split_c=2, ring=3)):
     v = dataclasses.replace(bs, **kw)
-    out.append("prefill:" + ",".join(str(int(getattr(v, fl.name)))
-                                      for fl in dataclasses.fields(v)))
+    out.append(_spec("prefill", v))
   return out
 
 
