@@ -50,3 +50,49 @@ def test_per_call_us_goes_through_the_retry(bench, monkeypatch):
   assert 1 <= len(seen) <= bench.TRIES
   assert (t_us, spread) == min(seen, key=lambda a: a[1])  # the steadiest attempt is kept
   assert math.isfinite(t_us) and spread >= 0  # spread is a magnitude, even for a noisy median
+
+
+def test_executions_split_at_the_pauses_between_them(bench):
+  ev = [(0, 10, "a"), (12, 30, "b"), (25, 28, "c"),  # one execution, overlapping kernels
+        (2_000, 2_040, "d"),  # a host stall inside it (shorter than the pause)
+        (5_000_000, 5_000_040, "a"), (5_000_041, 5_000_050, "b")]
+  assert bench.execution_spans(ev, 2, pause_ns=1_000_000) == [2_040, 50]
+  groups = bench.split_executions(list(reversed(ev)), 2, pause_ns=1_000_000)
+  assert [[e[2] for e in g] for g in groups] == [["a", "b", "c", "d"], ["a", "b"]]
+  assert bench.execution_spans(ev[:1], 1, pause_ns=1_000_000) == [10]
+
+
+def test_a_trace_that_does_not_split_into_the_executions_run_is_an_error(bench):
+  ev = [(0, 10, "a"), (20, 30, "b")]
+  with pytest.raises(RuntimeError, match="not split into the 2 executions.*1 pieces"):
+    bench.execution_spans(ev, 2, pause_ns=1_000_000)
+  # a stray event after the last execution: three pieces for two executions
+  ev = [(0, 10, "a"), (2_000_000, 2_000_010, "a"), (4_000_000, 4_000_001, "memcpy")]
+  with pytest.raises(RuntimeError, match="not split into the 2 executions.*3 pieces"):
+    bench.execution_spans(ev, 2, pause_ns=1_000_000)
+  with pytest.raises(RuntimeError, match="1 device events for 2 executions"):
+    bench.execution_spans(ev[:1], 2, pause_ns=1_000_000)
+
+
+def test_device_events_need_a_gpu_plane(bench, tmp_path):
+  import jax
+  import jax.numpy as jnp
+  with jax.profiler.trace(str(tmp_path)):
+    jnp.ones(8).block_until_ready()
+  if jax.devices()[0].platform == "gpu":
+    assert bench.device_kernel_events(str(tmp_path))
+  else:
+    with pytest.raises(RuntimeError, match="no device events on a GPU stream"):
+      bench.device_kernel_events(str(tmp_path))
+
+
+def test_host_timing_is_used_off_a_gpu(bench, monkeypatch):
+  import math
+  import jax
+  import jax.numpy as jnp
+  if jax.devices()[0].platform == "gpu":
+    pytest.skip("checks the CPU fallback")
+  monkeypatch.setattr(bench, "_device_diffs", lambda *a: pytest.fail("device timing on CPU"))
+  x = jnp.ones((16,), jnp.float32)
+  t_us, _ = bench.per_call_us(lambda x, w: x + w, x, [(jnp.ones(16),)], reps=2)
+  assert math.isfinite(t_us)

@@ -1,0 +1,119 @@
+"""Where a short call's time goes: the benchmark's chain, kernel by kernel.
+
+gpu_lowrank.py reports one number per call: the device span of 3L chained calls less that
+of L calls, over 2L. This script shows what is inside that span for a few decode shapes,
+from the same chained jit (3 passes over L distinct layers) under ``jax.profiler.trace``:
+
+- ``kernels``: each kernel's launches per call and median duration;
+- ``gpu_busy_us``: the union of kernel intervals per call, ``gpu_span_us`` the execution's
+  span per call, so span - busy is the time the GPU sat idle between kernels;
+- ``device_us`` and ``host_us``: gpu_lowrank.per_call_us with device and with host timing.
+
+  python benchmarks/gpu_timeline.py --out benchmarks/results/gpu_timeline_h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import jax
+
+import gpu_lowrank as gl
+import lrjax
+
+SHAPES = ((1, 8192, 4096, 16384), (8, 8192, 4096, 16384), (1, 4096, 1024, 14336),
+          (8, 4096, 1024, 14336), (8, 4096, 2560, 14336), (128, 8192, 4096, 16384))
+PASSES, EXECUTIONS = 3, 5
+
+
+def _union_ns(events):
+  total, end = 0, None
+  for s, e, *_ in sorted(events):
+    if end is None or s > end:
+      total, end = total + e - s, e
+    elif e > end:
+      total, end = total + e - end, e
+  return total
+
+
+def timeline(fn, x, layers):
+  """Kernel table and busy/span per call of the 3-pass chain, medians over executions."""
+  f = gl.chained(fn, PASSES)
+  for _ in range(2):
+    gl._sync(f(x, layers))
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d):
+      for _ in range(EXECUTIONS):
+        gl._sync(f(x, layers))
+        time.sleep(gl.PAUSE_S)
+    groups = gl.split_executions(gl.device_kernel_events(d), EXECUTIONS)
+  calls = PASSES * len(layers)
+  per_name = collections.defaultdict(list)
+  for g in groups:
+    for s, e, name in g:
+      per_name[name[:60]].append((e - s) / 1e3)
+  kernels = sorted(({"name": n, "per_call": len(d) / EXECUTIONS / calls,
+                     "median_us": statistics.median(d)} for n, d in per_name.items()),
+                   key=lambda k: -k["per_call"] * k["median_us"])
+  return dict(gpu_busy_us=statistics.median(_union_ns(g) for g in groups) / calls / 1e3,
+              gpu_span_us=statistics.median(g[-1][1] - g[0][0] for g in groups) / calls / 1e3,
+              kernels=kernels[:6])
+
+
+CASES = {"xla": lambda x, u, v: (x @ u) @ v, "ours": lrjax.lr_xuv}
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--out", default="benchmarks/results/gpu_timeline_h200.json")
+  ap.add_argument("--shapes", nargs="*", default=[",".join(map(str, s)) for s in SHAPES],
+                  help="M,K,r,N")
+  args = ap.parse_args()
+  if jax.devices()[0].platform != "gpu":
+    raise SystemExit(f"needs a GPU; this machine's JAX devices are {jax.devices()}")
+  import triton
+  dev = jax.devices()[0]
+  meta = dict(machine=dev.device_kind, jax=jax.__version__, triton=triton.__version__,
+              jax_triton=__import__("jax_triton").__version__,
+              date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              method=f"the chain of gpu_lowrank.chained ({PASSES} passes over L layers), "
+                     f"{EXECUTIONS} executions under jax.profiler.trace, medians over "
+                     "executions divided by the calls per execution; 'ours' is lrjax.lr_xuv "
+                     "under prefer_kernels")
+  recs = []
+  for spec in args.shapes:
+    m, k, r, n = (int(t) for t in spec.split(","))
+    key = jax.random.key(m + k + r + n)
+    nl = gl.n_layers(2 * (k * r + r * n), m)
+    x = gl.rand(key, (m, k))
+    layers = [(gl.rand(jax.random.fold_in(key, 2 * i + 1), (k, r), k ** -0.5),
+               gl.rand(jax.random.fold_in(key, 2 * i + 2), (r, n), r ** -0.5))
+              for i in range(nl)]
+    for name, fn in CASES.items():
+      with lrjax.lowering.prefer_kernels():  # acts when each fresh jit is lowered
+        times = {}
+        for timing in ("device", "host"):
+          gl.TIMING = timing
+          times[timing + "_us"], times[timing + "_spread"] = gl.per_call_us(fn, x, layers)
+        gl.TIMING = "device"
+        rec = dict(op="xuv", case=name, M=m, K=k, r=r, N=n, layers=nl, **times,
+                   **timeline(fn, x, layers))
+      recs.append(rec)
+      print(f"M={m:<3} {k}->{r}->{n} {name:<5} device {rec['device_us']:6.1f} us  host "
+            f"{rec['host_us']:6.1f}  busy {rec['gpu_busy_us']:6.1f}  span "
+            f"{rec['gpu_span_us']:6.1f}  " + ", ".join(
+                f"{q['name'][:24]} x{q['per_call']:.2f} {q['median_us']:.1f}"
+                for q in rec["kernels"][:3]), flush=True)
+      with open(args.out + ".tmp", "w") as fh:
+        json.dump(dict(meta=meta, records=recs), fh, indent=1)
+      os.replace(args.out + ".tmp", args.out)
+
+
+if __name__ == "__main__":
+  main()
