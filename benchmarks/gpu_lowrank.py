@@ -600,6 +600,17 @@ def decode_wide_m_variants(m, k, r, n):
   return ("persistent", f"persistent:k_per={2 * k_per}", "persistent:stages=4", "prefill")
 
 
+def decode_chunk_variants(m, k, r, n):
+  """Specs of the persistent decode kernel with phase 2 in 1, 2 or 4 r-chunks (2 and 4:
+  tiles twice as wide), so each tile reads all, half or a quarter of the f32 P from L2
+  (M x r x 4 bytes a tile at one chunk: 1 MB at M = 64, r = 4096), at the cost of f32
+  output atomics. The planner picks 1 or 2 by ``planner.P_SPLIT_BYTES``."""
+  one = planner.plan_decode_persistent(m, k, r, n, p_split_bytes=float("inf"))
+  wide = f"cols_n={2 * one.cols_n},block_n={planner.next_pow2(2 * one.cols_n)}"
+  return (f"persistent:r_chunks=1,cols_n={one.cols_n},block_n={one.block_n}",
+          f"persistent:r_chunks=2,{wide}", f"persistent:r_chunks=4,{wide}")
+
+
 def xuv_prefill_variants(m, k, r, n):
   """Specs of the prefill X·U·V kernel's default block sizes with tiles claimed from a
   counter, also with a 4th pipeline stage."""
@@ -686,6 +697,13 @@ def suite(name, bw, peak, args, recs):
         base = xuv_record(m, k, r, n, bw, peak)
         recs.append(base)
         for variant in decode_wide_m_variants(m, k, r, n):
+          recs.append(xuv_record(m, k, r, n, bw, peak, variant, baselines=base))
+  if name == "decode_chunks":  # the persistent decode kernel with phase 2 split over r
+    for (k, r, n) in XUV_DECODE_SHAPES:
+      for m in args.chunk_m:
+        base = xuv_record(m, k, r, n, bw, peak)
+        recs.append(base)
+        for variant in decode_chunk_variants(m, k, r, n):
           recs.append(xuv_record(m, k, r, n, bw, peak, variant, baselines=base))
   if name == "decode_prefetch":  # the persistent decode kernel's V prefetch depth
     for (k, r, n) in XUV_DECODE_SHAPES:
@@ -884,7 +902,7 @@ def main():
                            "decode_persistent", "mlp_decode_variants", "mlp_phases",
                            "mlp_prefetch", "mlp_prefill_variants", "prefill_variants",
                            "mlp_prefill_phases", "gemm_ceiling", "decode_prefetch",
-                           "decode_wide_m", "kv_attention"])
+                           "decode_wide_m", "decode_chunks", "kv_attention"])
   ap.add_argument("--variants", action="store_true", help="also time non-default kernels")
   ap.add_argument("--extra", nargs="*", default=[], help="op/M,K,r,N/variant")
   ap.add_argument("--out", default="benchmarks/results/gpu_lowrank_h200.json")
@@ -899,6 +917,8 @@ def main():
                   help="only the decode and MLP shapes with at most this many tokens")
   ap.add_argument("--min-m", type=int, default=0,
                   help="only the MLP shapes with at least this many tokens")
+  ap.add_argument("--chunk-m", type=int, nargs="*", default=[16, 32, 64],
+                  help="token counts of the decode_chunks suite")
   ap.add_argument("--verbose", action="store_true", help="print compile and timing seconds")
   ap.add_argument("--reps", type=int, default=15, help="alternated repetitions per timing")
   ap.add_argument("--timing", choices=["device", "host"], default="device",

@@ -25,9 +25,10 @@ _OUT_DTYPES = ("bfloat16", "float16", "float32")
 _INT32_MAX = 2**31 - 1
 # Token counts up to which the split-K decode kernels serve; above them the persistent
 # prefill kernels do. MLP: the decode kernel measured faster than the prefill kernel at
-# 32 and 128 tokens (slower at 64), benchmarks/gpu_notes.md. XUV: BLOCK_M=128 would need
-# a [128, 256] f32 stage-1 accumulator per 4-warp CTA.
-XUV_DECODE_MAX_M = 64
+# 32 and 128 tokens (slower at 64), benchmarks/gpu_notes.md. XUV: the persistent decode
+# kernel measured 4-26 % faster than the prefill kernel at M=128 on all four decode
+# shapes (results/gpu_xuv_decode_chunks_h200.json).
+XUV_DECODE_MAX_M = 128
 MLP_DECODE_MAX_M = 128
 
 

@@ -234,20 +234,35 @@ def _column_tiles(n: int, n_rb: int, rows_rb: int, g: int, bw: float, fill_us: f
   return best[0], best[4], best[5], best[2]
 
 
+# Each phase-2 tile of the persistent decode kernel reads its r-chunk of the f32 P = X·U
+# from L2: m x r x 4 bytes a tile at one chunk. From about this many bytes, two r-chunks
+# with tiles twice as wide (half of P per tile, plus f32 output atomics) measured faster:
+# M=64 at r=4096 and 2560 (640 KB and 1 MB a tile) 11 % and 10 % faster, M=64 at r=2048
+# and M=32 at r=4096 (512 KB) 3-5 % slower (results/gpu_xuv_decode_chunks_h200.json).
+P_SPLIT_BYTES = 576 * 1024
+
+
 def plan_decode_persistent(m: int, k: int, r: int, n: int, hw: Hardware = H200,
                            programs: int | None = None, bw: float = 4.0e12,
-                           fill_us: float = 1.5) -> PersistentDecodePlan:
+                           fill_us: float = 1.5,
+                           p_split_bytes: float = P_SPLIT_BYTES) -> PersistentDecodePlan:
   """Tiles for the persistent decode kernel: ``programs`` CTAs stream U (phase 1), then V.
 
   Each CTA's share of a phase is ceil(tiles / programs) tiles, so the phase lasts as long
   as its busiest CTA (``_phase_us``). Tiles need not be powers of two wide (columns in
   multiples of 16, i.e. whole 32-byte sectors), so the tile count can match the grid. The
-  plan minimises the estimate.
+  plan minimises the estimate (HBM bytes only). Where a phase-2 tile would read at least
+  ``p_split_bytes`` of P from L2 (``P_SPLIT_BYTES``), phase 2 takes two r-chunks of tiles
+  twice as wide instead of one (the same tile count).
   """
   g = programs or hw.num_sms
   block_m = max(16, next_pow2(m))
   t1, block_r, cols_r, k_per = _split_k_tiles(k, r, 1, g, bw, fill_us)
   t2, block_n, cols_n, chunks = _column_tiles(n, cdiv(r, cols_r), cols_r, g, bw, fill_us)
+  n_rb = cdiv(r, cols_r)
+  if (chunks == 1 and m * r * 4 >= p_split_bytes and n_rb >= 2 and 2 * cols_n <= 256
+      and (cdiv(n_rb, 2) * cols_r) % 64 == 0):
+    chunks, cols_n, block_n = 2, 2 * cols_n, next_pow2(2 * cols_n)
   stages = 4 if block_m <= 32 else 3
   # 4 warps hold a [128, 256] f32 phase-1 tile only by spilling (2.6 KB/thread, ptxas sm_90a)
   warps = 8 if block_m >= 128 else 4

@@ -1,7 +1,7 @@
 """Decode X·U·V (small M): inter-CTA split-K on X·U, then split-r ·V, in one launch.
 
 Two schedules of the same dataflow; ``xuv_decode`` picks the persistent one for
-M <= PERSISTENT_MAX_M (measured faster there, gpu_notes.md "Session 3").
+M <= PERSISTENT_MAX_M (measured faster there, gpu_notes.md "Session 3" and "Session 6").
 
 **Persistent** (``_xuv_decode_persistent_kernel``): one CTA per SM. Phase 1 splits X·U
 into tiles of K_PER rows x COLS_R columns of U (K split across CTAs: inter-CTA split-K),
@@ -96,7 +96,9 @@ TUNED: dict[tuple[str, str], BlockSizes] = {
 }
 
 MAX_M = 128  # beyond this the prefill kernel serves
-PERSISTENT_MAX_M = 64  # the persistent schedule is the default up to here (measured)
+# the persistent schedule is the default up to here: measured faster than the tiled one at
+# M <= 64 (gpu_notes.md, session 3) and than the prefill kernel at M=128 (session 6)
+PERSISTENT_MAX_M = 128
 
 
 @triton.jit

@@ -59,6 +59,7 @@ XUV_SHAPES = [  # (M, K, r, N): M=1, ragged everything, a multi-super-block pref
     (1, 512, 128, 256), (1, 200, 72, 130), (7, 1000, 96, 520), (16, 4096, 256, 1024),
     (64, 384, 136, 200), (100, 320, 256, 384), (333, 1000, 200, 700), (1280, 512, 320, 640),
     (3, 2048, 2304, 1000),  # r >= 2048: the tuned large-rank configs
+    (64, 1000, 2560, 8200),  # P per phase-2 tile >= planner.P_SPLIT_BYTES: two r-chunks
 ]
 
 
@@ -210,6 +211,30 @@ def test_lr_primitives_lower_to_triton(m):
   assert_close(f(x, u, v, b), xuv_ref(x, u, v, b, dtype), dtype)
   assert _count_triton_calls(g.as_text()) == 1
   assert_close(g(x, gate, up, down), mlp_ref(x, gate, up, down, "silu", dtype), dtype)
+
+
+def test_many_decode_calls_in_one_jit_each_start_from_zeroed_scratch():
+  """The decode kernels' scratch (counters, split-K sums) is zeroed by an XLA op aliased
+  into each call. In one jit XLA emits one fusion for all those zeros (the benchmark's
+  profiles show it); every call must still see its own zeroed buffer."""
+  import lrjax
+  dtype = jnp.bfloat16
+  x = randn((3, 512), dtype)
+  xuvs = [lr_factors(512, 128, 768, dtype) for _ in range(6)]
+  mlps = [mlp_params(512, 1024, 128, 128, 512, dtype, True, False) for _ in range(6)]
+
+  def many(x, xuvs, mlps):
+    return ([lrjax.lr_xuv(x, u, v) for u, v in xuvs] +
+            [lrjax.lr_mlp(x, up, down, gate) for gate, up, down in mlps])
+  with lrjax.lowering.prefer_kernels():
+    f = jax.jit(many).lower(x, xuvs, mlps).compile()
+  assert _count_triton_calls(f.as_text()) == 12
+  for _ in range(2):  # the second run reuses the first one's buffers
+    outs = f(x, xuvs, mlps)
+    for y, (u, v) in zip(outs[:6], xuvs):
+      assert_close(y, xuv_ref(x, u, v, None, dtype), dtype)
+    for y, (gate, up, down) in zip(outs[6:], mlps):
+      assert_close(y, mlp_ref(x, gate, up, down, "silu", dtype), dtype)
 
 
 def test_measured_policy_leaves_slower_shapes_to_xla(monkeypatch):

@@ -51,6 +51,26 @@ def test_persistent_decode_plan_gives_each_sm_about_one_tile(m, k, r, n):
   assert floor_us < p.est_us < floor_us + 4 * 1.5
 
 
+@pytest.mark.parametrize("m,k,r,n,split", [(64, 8192, 4096, 16384, True),
+                                           (64, 4096, 2560, 14336, True),
+                                           (64, 1000, 2560, 8200, True),  # a GPU test shape
+                                           (64, 8192, 2048, 16384, False),
+                                           (32, 8192, 4096, 16384, False),
+                                           (1, 8192, 4096, 16384, False)])
+def test_persistent_decode_plan_halves_p_per_tile_when_it_is_large(m, k, r, n, split):
+  """From P_SPLIT_BYTES of f32 P a phase-2 tile, two r-chunks of tiles twice as wide."""
+  p = planner.plan_decode_persistent(m, k, r, n)
+  one = planner.plan_decode_persistent(m, k, r, n, p_split_bytes=float("inf"))
+  assert one.r_chunks == 1
+  assert (m * r * 4 >= planner.P_SPLIT_BYTES) == split
+  if split:
+    assert (p.r_chunks, p.cols_n) == (2, 2 * one.cols_n) and p.block_n >= p.cols_n
+    tiles = [q.r_chunks * planner.cdiv(n, q.cols_n) for q in (p, one)]
+    assert tiles[0] <= max(tiles[1], planner.H200.num_sms)  # still about one tile per SM
+  else:
+    assert p == one
+
+
 @pytest.mark.parametrize("m,k,r,n,programs", [(1, 200, 72, 130, None), (3, 1000, 96, 520, 7),
                                               (16, 4096, 256, 1024, None),
                                               (128, 2048, 2304, 1000, None)])
