@@ -7,7 +7,7 @@ instead of K and V. ``lrjax.lowering.lr_kv_attention`` is one decode step of att
 Its reference (the default lowering everywhere) rebuilds K = rope(zk·v_k) for the whole
 cache and never rebuilds V: it attends with (p·zv)·v_v. On CUDA, the Triton kernel
 (custom_calls/triton/kv_attention.py) also rebuilds K block by block on chip. It is opt-in
-(``prefer_kernels()``): on the H200 it measured 0.50-0.74x the reference's speed, with
+(``prefer_kernels()``): on the H200 it measured 0.50-0.63x the reference's speed, with
 4-270x less temporary memory.
 """
 import statistics

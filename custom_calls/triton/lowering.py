@@ -201,7 +201,7 @@ def kv_attention_supports(avals, params) -> str | None:
 
 def kv_attention_faster(avals, params) -> str | None:
   del avals, params
-  return ("measured 0.50-0.74x XLA's reference (which rebuilds K and folds V), slower at every "
+  return ("measured 0.50-0.63x XLA's reference (which rebuilds K and folds V), slower at every "
           "shape timed (benchmarks/results/gpu_kv_attention_h200.json); prefer_kernels() uses "
           "it, e.g. to avoid the rebuilt [B, T, Hkv*D] K temporary (4-270x less memory)")
 
