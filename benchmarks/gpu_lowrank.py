@@ -975,7 +975,9 @@ def main():
     prior, runs = old["records"], old["meta"].get("runs", [])
     if "note" in old["meta"]:  # what was written about the earlier runs stays with them
       meta["note"] = old["meta"]["note"]
+  from lrjax.custom_calls.triton import launch
   run = dict(index=len(runs), suite=args.suite, extra=args.extra, timing=TIMING,
+             triton_launch=launch.FFI_TARGET if launch.use_ffi() else launch.LEGACY_TARGET,
              retry=dict(max_spread=MAX_SPREAD, tries=TRIES), **{
       k: meta[k] for k in ("date", "measured_hbm_bw", "measured_read_bw", "measured_bf16_flops",
                            "xla_flags")})

@@ -66,7 +66,9 @@ def timeline(fn, x, layers):
               kernels=kernels[:6])
 
 
-CASES = {"xla": lambda x, u, v: (x @ u) @ v, "ours": lrjax.lr_xuv}
+# "ours_legacy": the kernel launched through jax-triton's legacy custom call
+# (LRJAX_TRITON_LEGACY_CALL=1), not jaxlib's typed-FFI one (custom_calls/triton/launch.py)
+CASES = {"xla": lambda x, u, v: (x @ u) @ v, "ours": lrjax.lr_xuv, "ours_legacy": lrjax.lr_xuv}
 
 
 def main():
@@ -85,7 +87,8 @@ def main():
               method=f"the chain of gpu_lowrank.chained ({PASSES} passes over L layers), "
                      f"{EXECUTIONS} executions under jax.profiler.trace, medians over "
                      "executions divided by the calls per execution; 'ours' is lrjax.lr_xuv "
-                     "under prefer_kernels")
+                     "under prefer_kernels, launched through triton_kernel_call_ffi; "
+                     "'ours_legacy' the same through jax-triton's legacy triton_kernel_call")
   recs = []
   for spec in args.shapes:
     m, k, r, n = (int(t) for t in spec.split(","))
@@ -96,6 +99,7 @@ def main():
                gl.rand(jax.random.fold_in(key, 2 * i + 2), (r, n), r ** -0.5))
               for i in range(nl)]
     for name, fn in CASES.items():
+      os.environ["LRJAX_TRITON_LEGACY_CALL"] = "1" if name == "ours_legacy" else "0"
       with lrjax.lowering.prefer_kernels():  # acts when each fresh jit is lowered
         times = {}
         for timing in ("device", "host"):
@@ -105,7 +109,7 @@ def main():
         rec = dict(op="xuv", case=name, M=m, K=k, r=r, N=n, layers=nl, **times,
                    **timeline(fn, x, layers))
       recs.append(rec)
-      print(f"M={m:<3} {k}->{r}->{n} {name:<5} device {rec['device_us']:6.1f} us  host "
+      print(f"M={m:<3} {k}->{r}->{n} {name:<11} device {rec['device_us']:6.1f} us  host "
             f"{rec['host_us']:6.1f}  busy {rec['gpu_busy_us']:6.1f}  span "
             f"{rec['gpu_span_us']:6.1f}  " + ", ".join(
                 f"{q['name'][:24]} x{q['per_call']:.2f} {q['median_us']:.1f}"

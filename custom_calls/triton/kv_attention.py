@@ -23,11 +23,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import jax_triton as jt
 import triton
 import triton.language as tl
 
-from lrjax.custom_calls.triton import planner
+from lrjax.custom_calls.triton import launch, planner
 from lrjax.custom_calls.triton._common import mm_acc2, num_sms
 from lrjax.custom_calls.triton.lowering import kv_attention_shape_reason
 from lrjax.lowering.kv_attention import fold_values, lr_kv_attention_reference
@@ -164,7 +163,7 @@ def kv_attention(q, zk, zv, vk, vv, pos, inv_freq, bk=None, bv=None, *, window=N
   plan = launch_plan(b, hq, hkv, t, d, rk, rv, window, bk is not None, bs, num_sms())
   meta = plan["meta"]
   s, gp, rvp = meta["S"], meta["GP"], meta["RVP"]
-  m, l, z = jt.triton_call(
+  m, l, z = launch.triton_call(
       q, zk, zv, vk, bk if bk is not None else vk, jnp.asarray(pos, jnp.int32),
       jnp.asarray(inv_freq, jnp.float32), kernel=_kv_attention_kernel,
       out_shape=(jax.ShapeDtypeStruct((b, hkv, s, gp), jnp.float32),

@@ -32,11 +32,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import jax_triton as jt
 import triton
 import triton.language as tl
 
-from lrjax.custom_calls.triton import planner
+from lrjax.custom_calls.triton import launch, planner
 from lrjax.custom_calls.triton._common import (check_out, mm_acc, mm_acc2, num_sms,
                                                prefetch_l2, signal, splitr_out_tile,
                                                swiglu_epilogue, wait_at_least)
@@ -438,7 +437,7 @@ def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
   else:
     eleventh = x2 if out is None else out
     aliases, zeroed = ({10: 1} if out is not None else None), (0,)
-  outs = jt.triton_call(
+  outs = launch.triton_call(
       *ops, eleventh, m, kernel=kernel,
       out_shape=(jax.ShapeDtypeStruct((plan["scratch"],), jnp.float32),
                  jax.ShapeDtypeStruct((m, d_out), out_dtype)),

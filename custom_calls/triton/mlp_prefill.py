@@ -35,12 +35,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import jax_triton as jt
 import numpy as np
 import triton
 import triton.language as tl
 
-from lrjax.custom_calls.triton import planner
+from lrjax.custom_calls.triton import launch, planner
 from lrjax.custom_calls.triton._common import (activation, check_out, first_tile, mm_acc,
                                                mm_acc2, next_tile, ring_tile, signal,
                                                swiglu_epilogue, wait_at_least)
@@ -328,7 +327,7 @@ def mlp_prefill(x, up, down, gate=None, *, act="silu", out_dtype=None,
   rr = plan["ring_rows"]
   dt = ops[5].dtype  # vu
   check_out(out, (m, d_out), out_dtype)
-  outs = jt.triton_call(
+  outs = launch.triton_call(
       *ops, x2 if out is None else out, kernel=_mlp_prefill_kernel,
       out_shape=(jax.ShapeDtypeStruct((rr, 2 * r if gated else r), dt),
                  jax.ShapeDtypeStruct((rr, f), dt), jax.ShapeDtypeStruct((rr, rd), dt),

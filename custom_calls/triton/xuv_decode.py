@@ -35,11 +35,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import jax_triton as jt
 import triton
 import triton.language as tl
 
-from lrjax.custom_calls.triton import planner
+from lrjax.custom_calls.triton import launch, planner
 from lrjax.custom_calls.triton._common import (check_out, mm_acc, num_sms, prefetch_l2,
                                                signal, splitr_out_tile, unpack_xuv_args,
                                                wait_at_least)
@@ -323,7 +322,7 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
   else:
     fifth = x2 if out is None else out
     aliases, zeroed = ({4: 1} if out is not None else None), (0,)
-  outs = jt.triton_call(
+  outs = launch.triton_call(
       x2, u, v, b, fifth, m, kernel=kernel,
       out_shape=(jax.ShapeDtypeStruct((scratch,), jnp.float32),
                  jax.ShapeDtypeStruct((m, n), out_dtype)),

@@ -30,12 +30,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import jax_triton as jt
 import numpy as np
 import triton
 import triton.language as tl
 
-from lrjax.custom_calls.triton import planner
+from lrjax.custom_calls.triton import launch, planner
 from lrjax.custom_calls.triton._common import (check_out, first_tile, mm_acc, next_tile,
                                                ring_tile, signal, unpack_xuv_args,
                                                wait_at_least)
@@ -185,7 +184,7 @@ def xuv_prefill(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes |
   plan = launch_plan(m, k, r, n, bias is not None, bs, jnp)
   b = bias if bias is not None else v  # never read without HAS_BIAS
   sched = plan["sched"]
-  _, _, _, o = jt.triton_call(
+  _, _, _, o = launch.triton_call(
       x2, u, v, b, sched, x2 if out is None else out, kernel=_xuv_prefill_kernel,
       input_output_aliases={5: 3} if out is not None else None,
       out_shape=(jax.ShapeDtypeStruct((plan["ring_rows"], r), v.dtype),

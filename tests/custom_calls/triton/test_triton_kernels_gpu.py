@@ -191,7 +191,8 @@ def test_mlp_prefill_ring_reuse(block_n_cd, wide_b, dynamic, split_c, gated, bia
 
 
 def _count_triton_calls(compiled_text):
-  return compiled_text.count('custom_call_target="triton_kernel_call"')
+  from lrjax.custom_calls.triton import launch
+  return launch.count_calls(compiled_text)
 
 
 @pytest.mark.parametrize("m", [1, 300])
@@ -211,6 +212,49 @@ def test_lr_primitives_lower_to_triton(m):
   assert_close(f(x, u, v, b), xuv_ref(x, u, v, b, dtype), dtype)
   assert _count_triton_calls(g.as_text()) == 1
   assert_close(g(x, gate, up, down), mlp_ref(x, gate, up, down, "silu", dtype), dtype)
+
+
+def test_kernels_launch_through_the_typed_ffi_call(monkeypatch):
+  """The kernels lower to jaxlib's command-buffer-compatible triton_kernel_call_ffi;
+  LRJAX_TRITON_LEGACY_CALL=1 keeps jax-triton's legacy call. Same results either way."""
+  import lrjax
+  from lrjax.custom_calls.triton import launch
+  dtype = jnp.bfloat16
+  x = randn((5, 512), dtype)
+  u, v = lr_factors(512, 128, 768, dtype)
+  texts, outs = {}, {}
+  for legacy in ("0", "1"):
+    monkeypatch.setenv("LRJAX_TRITON_LEGACY_CALL", legacy)
+    with lrjax.lowering.prefer_kernels():
+      f = jax.jit(lambda x, u, v: lrjax.lr_xuv(x, u, v)).lower(x, u, v).compile()
+    texts[legacy], outs[legacy] = f.as_text(), f(x, u, v)
+  assert texts["0"].count(f'custom_call_target="{launch.FFI_TARGET}"') == 1
+  assert f'custom_call_target="{launch.LEGACY_TARGET}"' not in texts["0"]
+  assert texts["1"].count(f'custom_call_target="{launch.LEGACY_TARGET}"') == 1
+  assert launch.FFI_TARGET not in texts["1"]
+  ref = xuv_ref(x, u, v, None, dtype)
+  for y in outs.values():
+    assert_close(y, ref, dtype)
+
+
+def test_other_jax_triton_calls_keep_their_own_lowering():
+  """Registering lrjax's rule must not change a user's own jax_triton.triton_call."""
+  import jax_triton as jt
+  import triton
+  import triton.language as tl
+  from lrjax.custom_calls.triton import launch  # noqa: F401  (registers the rule)
+
+  @triton.jit
+  def _double(x_ptr, n, o_ptr, BLOCK: tl.constexpr):  # inputs, then the output
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(o_ptr + i, 2 * tl.load(x_ptr + i, mask=i < n), mask=i < n)
+
+  x = randn((1000,), jnp.float32)
+  f = jax.jit(lambda x: jt.triton_call(x, x.size, kernel=_double, grid=(8,), BLOCK=128,
+                                       out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype)))
+  text = f.lower(x).compile().as_text()
+  assert 'custom_call_target="triton_kernel_call"' in text and "triton_kernel_call_ffi" not in text
+  np.testing.assert_array_equal(np.asarray(f(x)), 2 * np.asarray(x))
 
 
 def test_many_decode_calls_in_one_jit_each_start_from_zeroed_scratch():

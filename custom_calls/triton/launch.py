@@ -1,0 +1,73 @@
+"""How the Triton kernels are launched: jaxlib's typed-FFI Triton call.
+
+jax-triton 0.3.1 compiles a kernel and lowers ``jax_triton.triton_call`` to jaxlib's legacy
+``triton_kernel_call`` custom call (API version 2). XLA does not record legacy custom calls
+into its command buffers, and in the H200 profiles each one left the GPU idle 1.1-1.6 µs
+before the next kernel started (benchmarks/gpu_notes.md, session 6). jaxlib also registers
+``triton_kernel_call_ffi``: a typed-FFI handler for the same compressed kernel-call proto
+(passed as an ``opaque`` attribute), marked command-buffer compatible, that parses the proto
+once at initialization; later jax-triton releases lower to it. With it the idle gaps were
+gone and each decode call 1.2-1.6 µs shorter.
+
+``triton_call`` here is ``jax_triton.triton_call`` with a target name that this module's
+lowering rule recognises: it lets jax-triton compile and lower the call as usual, then
+replaces the legacy op with the typed-FFI one. Every other jax-triton call keeps jax-triton's
+own lowering. ``LRJAX_TRITON_LEGACY_CALL=1`` (read when a call is lowered) keeps the legacy
+op, for A/B timing; so does a jaxlib without the FFI target (<= 0.10.2).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax_triton as jt
+import jaxlib.version
+from jax._src.lib.mlir import ir
+from jax.interpreters import mlir
+from jax_triton import triton_lib
+
+LEGACY_TARGET = "triton_kernel_call"
+FFI_TARGET = "triton_kernel_call_ffi"
+_REQUEST = "lrjax_triton_kernel_call"  # the name our calls pass; never reaches XLA
+
+
+def use_ffi() -> bool:
+  return (jaxlib.version.__version_info__ > (0, 10, 2)
+          and os.environ.get("LRJAX_TRITON_LEGACY_CALL", "") in ("", "0"))
+
+
+def triton_call(*args, **kwargs):
+  """``jax_triton.triton_call``, launched through the typed-FFI target where available."""
+  if "custom_call_target_name" in kwargs:
+    raise TypeError("lrjax chooses the custom-call target of its kernels")
+  return jt.triton_call(*args, custom_call_target_name=_REQUEST, **kwargs)
+
+
+def count_calls(hlo_text: str) -> int:
+  """Triton custom calls (either target) in a compiled module's HLO text."""
+  return sum(hlo_text.count(f'custom_call_target="{t}"') for t in (LEGACY_TARGET, FFI_TARGET))
+
+
+_jax_triton_rule = functools.partial(triton_lib.triton_kernel_call_lowering,
+                                     triton_lib.get_cuda_backend)
+
+
+def _lowering(ctx, *array_args, custom_call_target_name, **params):
+  if custom_call_target_name != _REQUEST:  # someone else's jax-triton call
+    return _jax_triton_rule(ctx, *array_args, custom_call_target_name=custom_call_target_name,
+                            **params)
+  legacy = _jax_triton_rule(ctx, *array_args, custom_call_target_name=LEGACY_TARGET, **params)
+  if not use_ffi():
+    return legacy
+  op = legacy[0].owner
+  op = getattr(op, "operation", op)
+  opaque = ir.StringAttr(op.attributes["backend_config"]).value_bytes
+  rule = jax.ffi.ffi_lowering(FFI_TARGET, api_version=4,
+                              operand_output_aliases=dict(params["input_output_aliases"]))
+  results = rule(ctx, *array_args, opaque=opaque)
+  op.erase()  # nothing uses the legacy op's results
+  return results
+
+
+mlir.register_lowering(triton_lib.triton_kernel_call_p, _lowering, platform="cuda")
