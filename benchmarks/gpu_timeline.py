@@ -62,7 +62,8 @@ def timeline(fn, x, layers):
                      "median_us": statistics.median(d)} for n, d in per_name.items()),
                    key=lambda k: -k["per_call"] * k["median_us"])
   return dict(gpu_busy_us=statistics.median(_union_ns(g) for g in groups) / calls / 1e3,
-              gpu_span_us=statistics.median(g[-1][1] - g[0][0] for g in groups) / calls / 1e3,
+              gpu_span_us=statistics.median(gl.execution_spans(
+                  [ev for g in groups for ev in g], EXECUTIONS)) / calls / 1e3,
               kernels=kernels[:6])
 
 

@@ -7,7 +7,7 @@ before the next kernel started (benchmarks/gpu_notes.md, session 6). jaxlib also
 ``triton_kernel_call_ffi``: a typed-FFI handler for the same compressed kernel-call proto
 (passed as an ``opaque`` attribute), marked command-buffer compatible, that parses the proto
 once at initialization; later jax-triton releases lower to it. With it the idle gaps were
-gone and each decode call 1.2-1.6 µs shorter.
+gone and each decode call 1.2-2.0 µs shorter.
 
 ``triton_call`` here is ``jax_triton.triton_call`` with a target name that this module's
 lowering rule recognises: it lets jax-triton compile and lower the call as usual, then

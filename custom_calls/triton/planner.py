@@ -237,7 +237,7 @@ def _column_tiles(n: int, n_rb: int, rows_rb: int, g: int, bw: float, fill_us: f
 # Each phase-2 tile of the persistent decode kernel reads its r-chunk of the f32 P = X·U
 # from L2: m x r x 4 bytes a tile at one chunk. From about this many bytes, two r-chunks
 # with tiles twice as wide (half of P per tile, plus f32 output atomics) measured faster:
-# M=64 at r=4096 and 2560 (640 KB and 1 MB a tile) 11 % and 10 % faster, M=64 at r=2048
+# M=64 at r=4096 and 2560 (1 MB and 640 KB a tile) 11 % and 10 % faster, M=64 at r=2048
 # and M=32 at r=4096 (512 KB) 3-5 % slower (results/gpu_xuv_decode_chunks_h200.json).
 P_SPLIT_BYTES = 576 * 1024
 
@@ -261,7 +261,7 @@ def plan_decode_persistent(m: int, k: int, r: int, n: int, hw: Hardware = H200,
   t2, block_n, cols_n, chunks = _column_tiles(n, cdiv(r, cols_r), cols_r, g, bw, fill_us)
   n_rb = cdiv(r, cols_r)
   if (chunks == 1 and m * r * 4 >= p_split_bytes and n_rb >= 2 and 2 * cols_n <= 256
-      and (cdiv(n_rb, 2) * cols_r) % 64 == 0):
+      and (cdiv(n_rb, 2) * cols_r) % 64 == 0):  # chunks of whole 64-row (block_kv) steps
     chunks, cols_n, block_n = 2, 2 * cols_n, next_pow2(2 * cols_n)
   stages = 4 if block_m <= 32 else 3
   # 4 warps hold a [128, 256] f32 phase-1 tile only by spilling (2.6 KB/thread, ptxas sm_90a)

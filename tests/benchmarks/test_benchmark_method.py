@@ -96,3 +96,13 @@ def test_host_timing_is_used_off_a_gpu(bench, monkeypatch):
   x = jnp.ones((16,), jnp.float32)
   t_us, _ = bench.per_call_us(lambda x, w: x + w, x, [(jnp.ones(16),)], reps=2)
   assert math.isfinite(t_us)
+
+
+def test_timeline_busy_time_is_the_union_of_kernel_intervals(monkeypatch):
+  monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
+  spec = importlib.util.spec_from_file_location(
+      "gpu_timeline", os.path.join(REPO, "benchmarks", "gpu_timeline.py"))
+  timeline = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(timeline)
+  assert timeline._union_ns([(0, 10, "a"), (5, 15, "b"), (20, 30, "c")]) == 25
+  assert timeline._union_ns([(0, 10, "a"), (2, 3, "b")]) == 10  # one inside another
