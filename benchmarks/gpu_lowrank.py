@@ -119,14 +119,19 @@ PAUSE_S = 0.01  # host pause after each profiled execution: an idle gap on the d
 
 def _device_diffs(f1, f3, x, layers, reps):
   """Seconds: span(f3) - span(f1) per alternated pair, spans from one profiler trace."""
+  spans = [span_ns(g) for g in profiled_executions([f1, f3] * reps, x, layers)]
+  return [1e-9 * (s3 - s1) for s1, s3 in zip(spans[0::2], spans[1::2])]
+
+
+def profiled_executions(fns, x, layers):
+  """Runs each f(x, layers) of ``fns`` in turn under one profiler trace, a host pause after
+  each; returns each execution's device events (split_executions)."""
   with tempfile.TemporaryDirectory() as d:
     with jax.profiler.trace(d):
-      for _ in range(reps):
-        for f in (f1, f3):
-          _sync(f(x, layers))
-          time.sleep(PAUSE_S)
-    spans = execution_spans(device_kernel_events(d), 2 * reps)
-  return [1e-9 * (s3 - s1) for s1, s3 in zip(spans[0::2], spans[1::2])]
+      for f in fns:
+        _sync(f(x, layers))
+        time.sleep(PAUSE_S)
+    return split_executions(device_kernel_events(d), len(fns))
 
 
 def device_kernel_events(trace_dir):
@@ -170,9 +175,14 @@ def split_executions(events, n, pause_ns=int(0.9e9 * PAUSE_S)):
   return [ev[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
+def span_ns(execution):
+  """Device span of one execution's time-sorted events: first start to last end."""
+  return max(ev[1] for ev in execution) - execution[0][0]
+
+
 def execution_spans(events, n, **kw):
-  """Device span (ns) of each execution (split_executions): first start to last end."""
-  return [max(ev[1] for ev in g) - g[0][0] for g in split_executions(events, n, **kw)]
+  """Device span (ns) of each execution (split_executions)."""
+  return [span_ns(g) for g in split_executions(events, n, **kw)]
 
 
 MAX_SPREAD, TRIES = 0.5, 3
@@ -585,7 +595,7 @@ def kv_attention_variants(b, t, r, hkv=8, d=128):
   with them is at commit 976a376."""
   from lrjax.custom_calls.triton import kv_attention
   bs = kv_attention.BlockSizes.get_default(b, hkv, t, d, r, r)
-  old = min(planner.cdiv(2 * 132, b * hkv), planner.cdiv(t, bs.block_n))
+  old = min(planner.cdiv(2 * planner.H200.num_sms, b * hkv), planner.cdiv(t, bs.block_n))
   v = dataclasses.replace(bs, splits=old)
   return [_spec("kv", v)]
 
@@ -684,34 +694,22 @@ def suite(name, bw, peak, args, recs):
       for m in tokens:
         if args.min_m <= m <= args.max_m:
           recs.append(dict(mlp_record(m, d, f, r, bw, peak), model=label))
+  def xuv_decode_sweep(ms, variants, base_kernel="auto"):
+    """Each decode shape at each M: a base record, then ``variants(m, k, r, n)`` beside it."""
+    for (k, r, n) in XUV_DECODE_SHAPES:
+      for m in ms:
+        base = xuv_record(m, k, r, n, bw, peak, base_kernel)
+        recs.append(base)
+        for variant in variants(m, k, r, n):
+          recs.append(xuv_record(m, k, r, n, bw, peak, variant, baselines=base))
   if name == "decode_persistent":  # the persistent decode kernel against the tiled one
-    for (k, r, n) in XUV_DECODE_SHAPES:
-      for m in (1, 4, 16):
-        base = xuv_record(m, k, r, n, bw, peak, "decode_xz")
-        recs.append(base)
-        for variant in PERSISTENT_VARIANTS:
-          recs.append(xuv_record(m, k, r, n, bw, peak, variant, baselines=base))
+    xuv_decode_sweep((1, 4, 16), lambda *_: PERSISTENT_VARIANTS, "decode_xz")
   if name == "decode_wide_m":  # the persistent decode kernel at M = 32..128
-    for (k, r, n) in XUV_DECODE_SHAPES:
-      for m in (32, 64, 128):
-        base = xuv_record(m, k, r, n, bw, peak)
-        recs.append(base)
-        for variant in decode_wide_m_variants(m, k, r, n):
-          recs.append(xuv_record(m, k, r, n, bw, peak, variant, baselines=base))
+    xuv_decode_sweep((32, 64, 128), decode_wide_m_variants)
   if name == "decode_chunks":  # the persistent decode kernel with phase 2 split over r
-    for (k, r, n) in XUV_DECODE_SHAPES:
-      for m in args.chunk_m:
-        base = xuv_record(m, k, r, n, bw, peak)
-        recs.append(base)
-        for variant in decode_chunk_variants(m, k, r, n):
-          recs.append(xuv_record(m, k, r, n, bw, peak, variant, baselines=base))
+    xuv_decode_sweep(args.chunk_m, decode_chunk_variants)
   if name == "decode_prefetch":  # the persistent decode kernel's V prefetch depth
-    for (k, r, n) in XUV_DECODE_SHAPES:
-      for m in (1, 4, 16):
-        base = xuv_record(m, k, r, n, bw, peak)
-        recs.append(base)
-        for variant in DECODE_PREFETCH_VARIANTS:
-          recs.append(xuv_record(m, k, r, n, bw, peak, variant, baselines=base))
+    xuv_decode_sweep((1, 4, 16), lambda *_: DECODE_PREFETCH_VARIANTS)
   if name == "mlp_decode_variants":  # MLP_DECODE_VARIANTS next to the default, one run
     for label in ("llama3-8b", "llama3.2-1b", "llama3-8b-r1024"):
       d, f, r = MLP_SHAPES[label]

@@ -19,8 +19,6 @@ import datetime
 import json
 import os
 import statistics
-import tempfile
-import time
 
 import jax
 
@@ -47,12 +45,7 @@ def timeline(fn, x, layers):
   f = gl.chained(fn, PASSES)
   for _ in range(2):
     gl._sync(f(x, layers))
-  with tempfile.TemporaryDirectory() as d:
-    with jax.profiler.trace(d):
-      for _ in range(EXECUTIONS):
-        gl._sync(f(x, layers))
-        time.sleep(gl.PAUSE_S)
-    groups = gl.split_executions(gl.device_kernel_events(d), EXECUTIONS)
+  groups = gl.profiled_executions([f] * EXECUTIONS, x, layers)
   calls = PASSES * len(layers)
   per_name = collections.defaultdict(list)
   for g in groups:
@@ -62,8 +55,7 @@ def timeline(fn, x, layers):
                      "median_us": statistics.median(d)} for n, d in per_name.items()),
                    key=lambda k: -k["per_call"] * k["median_us"])
   return dict(gpu_busy_us=statistics.median(_union_ns(g) for g in groups) / calls / 1e3,
-              gpu_span_us=statistics.median(gl.execution_spans(
-                  [ev for g in groups for ev in g], EXECUTIONS)) / calls / 1e3,
+              gpu_span_us=statistics.median(map(gl.span_ns, groups)) / calls / 1e3,
               kernels=kernels[:6])
 
 

@@ -106,3 +106,32 @@ def test_timeline_busy_time_is_the_union_of_kernel_intervals(monkeypatch):
   spec.loader.exec_module(timeline)
   assert timeline._union_ns([(0, 10, "a"), (5, 15, "b"), (20, 30, "c")]) == 25
   assert timeline._union_ns([(0, 10, "a"), (2, 3, "b")]) == 10  # one inside another
+
+
+def test_device_diffs_pair_each_short_execution_with_the_next_long_one(bench, monkeypatch):
+  """span(3L) - span(L) per alternated pair, from the executions of one trace."""
+  groups = [[(0, 10, "a")], [(100, 130, "a")], [(200, 212, "a")], [(300, 340, "a")]]
+  monkeypatch.setattr(bench, "profiled_executions", lambda fns, x, layers: groups)
+  diffs = bench._device_diffs("f1", "f3", None, None, 2)
+  assert [round(1e9 * d) for d in diffs] == [20, 28]
+
+
+def test_decode_variant_suites_time_each_variant_beside_its_base(bench, monkeypatch):
+  import argparse
+  calls = []
+
+  def fake(m, k, r, n, bw, peak, kernel="auto", reps=None, baselines=None):
+    calls.append((m, k, kernel, baselines is not None))
+    return dict(M=m, K=k, variant=kernel)
+  monkeypatch.setattr(bench, "xuv_record", fake)
+  args = argparse.Namespace(extra=[], chunk_m=[64])
+  recs = bench.suite("decode_chunks", 1.0, 1.0, args, [])
+  shapes = len(bench.XUV_DECODE_SHAPES)
+  assert len(recs) == shapes * 4 and len(calls) == shapes * 4
+  assert [c[2:] for c in calls[:4]] == [("auto", False)] + [
+      (v, True) for v in bench.decode_chunk_variants(64, *bench.XUV_DECODE_SHAPES[0])]
+  calls.clear()
+  bench.suite("decode_persistent", 1.0, 1.0, args, [])
+  assert calls[0][2:] == ("decode_xz", False)
+  assert [c[2] for c in calls[1:1 + len(bench.PERSISTENT_VARIANTS)]] == list(
+      bench.PERSISTENT_VARIANTS)
