@@ -198,7 +198,7 @@ class PersistentDecodePlan:
 
 def _widths(pow2s):
   """(register width, columns): columns a multiple of 16 in (width/2, width]."""
-  return [(w, c) for w in pow2s for c in range(w // 2 + 16, w + 1, 16)]
+  return [(w, c) for w in pow2s for c in range(16, w + 1, 16) if c > w // 2]
 
 
 def _phase_us(n_tiles: int, tile_bytes: float, g: int, bw: float, fill_us: float) -> float:
@@ -209,11 +209,13 @@ def _phase_us(n_tiles: int, tile_bytes: float, g: int, bw: float, fill_us: float
 
 def _split_k_tiles(k: int, r: int, factors: int, g: int, bw: float, fill_us: float):
   """(us, block_r, cols_r, k_per) for a split-K phase over ``factors`` [K, r] matrices."""
-  # ties go to fewer tiles, then to wider ones (longer contiguous rows)
+  # ties go to fewer tiles, then to wider ones (longer contiguous rows); ranks <= 32 (e.g. a
+  # TP shard of a small factor) take 16- or 32-column tiles; K <= 64 one 64-row step
+  widths = (64, 128, 256) if r > 32 else (16, 32)
+  steps = [st for st in (2, 4, 8, 16, 32, 64) if st * 64 < k + 64] or [1]
   best = min((_phase_us(cdiv(r, c) * cdiv(k, st * 64), st * 64 * c * 2 * factors, g, bw,
                         fill_us), cdiv(r, c) * cdiv(k, st * 64), -c, w, c, st * 64)
-             for w, c in _widths((64, 128, 256)) if c <= max(16, r) + 15
-             for st in (2, 4, 8, 16, 32, 64) if st * 64 < k + 64)
+             for w, c in _widths(widths) if c <= max(16, r) + 15 for st in steps)
   return best[0], best[3], best[4], best[5]
 
 

@@ -60,6 +60,8 @@ XUV_SHAPES = [  # (M, K, r, N): M=1, ragged everything, a multi-super-block pref
     (64, 384, 136, 200), (100, 320, 256, 384), (333, 1000, 200, 700), (1280, 512, 320, 640),
     (3, 2048, 2304, 1000),  # r >= 2048: the tuned large-rank configs
     (64, 1000, 2560, 8200),  # P per phase-2 tile >= planner.P_SPLIT_BYTES: two r-chunks
+    (1, 512, 16, 1024), (5, 300, 7, 200),  # ranks <= 32 (TP-8 shards): narrow tiles
+    (4, 64, 16, 32), (2, 40, 1, 48),  # K <= 64: one 64-row step; rank one
 ]
 
 
@@ -133,6 +135,7 @@ MLP_SHAPES = [  # (M, D, F, r, r_d)
     (64, 320, 1000, 200, 72), (128, 256, 704, 128, 128), (300, 512, 1400, 256, 192),
     (2, 1024, 2000, 2304, 2048),  # r >= 2048: the tuned large-rank configs
     (3, 256, 12900, 64, 72),  # D_ff wide enough for 128-column stage-B slices, ragged
+    (1, 512, 1024, 16, 24), (2, 48, 100, 8, 8),  # ranks <= 32 (TP-8 shards); D <= 64
 ]
 
 
