@@ -1,20 +1,25 @@
-"""Decode latency and tokens/s under TP: dense vs naive_tp vs lowrank_tp (8B proportions).
+"""Decode latency and tokens/s under TP: dense vs naive_tp vs lowrank_tp.
 
-Llama-3-8B shapes (hidden 4096, 32/8 heads of 128, MLP 14336, vocab 128256) with ``--layers``
-decoder layers and random weights; the low-rank model keeps 60% of each projection's params
-(ranks rounded to a multiple of 64). For each TP size and strategy:
+``--model 8b``: Llama-3-8B shapes (hidden 4096, 32/8 heads of 128, MLP 14336, vocab 128256);
+``--model 70b``: Llama-3-70B shapes (hidden 8192, 64/8 heads of 128, MLP 28672, vocab 128256).
+Each with ``--layers`` decoder layers and random weights; the low-rank model keeps 1 - ``--ratio``
+of each projection's params (ranks rounded to a multiple of 64). For each model, TP size and
+strategy:
 
   decode   ``--steps`` greedy decode steps of ``--batch`` sequences at ``--ctx`` cache length,
-           inside one jit (a fori_loop), timed device-side (block_until_ready), median of
-           ``--reps``; per-step latency, tokens/s, per-device bytes read and the fraction of
+           inside one jit (a fori_loop), timed on the host around block_until_ready (the
+           steps amortise the dispatch), median of ``--reps``; per-step latency, tokens/s, per-device bytes read and the fraction of
            the HBM roofline (bytes / 4.3 TB/s).
   serving  ``--requests`` concurrent requests through lrjax.serving.Engine (continuous batching,
            prompts of ``--prompt-len``): TTFT (submit → first token) and ITL (token gaps),
            median and p90, after a warm-up pass that compiles every shape.
 
-  python benchmarks/tp_gpu.py --tp 2 4 [--layers 4] [--out results/tp_h200.json]
+  python benchmarks/tp_gpu.py --model 8b 70b --tp 2 4 8 [--layers 4] [--out results/tp_h200.json]
 
-Runs unchanged for any TP size the host has devices for (TP=8 on 8 GPUs).
+Runs unchanged for any TP size the host has devices for (TP=8 on 8 GPUs). Several ``--ratio``
+values sweep the compression (DeInfer Fig. 7); dense runs once and serving at the first ratio.
+Records carry the model's name and ratio; ``models`` in the JSON holds each model's config and
+``ranks`` each ``model@ratio``'s ranks.
 """
 import argparse
 import datetime
@@ -30,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import lrjax
 from lrjax import sharding
 from lrjax.models import LlamaForCausalLM, ModelConfig
 from lrjax.models.llama import KVCache
@@ -63,12 +69,14 @@ def versions():
   return out
 
 
-def config(args):
+MODELS = {"8b": ModelConfig.llama3_8b, "70b": ModelConfig.llama3_70b}
+
+
+def config(args, name):
   if args.smoke:
     return ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=448, num_layers=2,
                        num_heads=8, num_kv_heads=8, head_dim=16)
-  base = ModelConfig.llama3_8b()
-  return base.replace(num_layers=args.layers)
+  return MODELS[name]().replace(num_layers=args.layers)
 
 
 def device_bytes(tree) -> int:
@@ -80,17 +88,29 @@ def device_bytes(tree) -> int:
   return n
 
 
-def decode_loop(gdef, steps, cache_shardings):
+def decode_loop(gdef, steps, cache_shardings, fuse=False):
   def run(state, cache, tokens):
     model = nnx.merge(gdef, state)
+    decode = type(model).decode
+    if fuse:  # lr_xuv / lr_mlp: Triton kernels on the local shards where the policy picks them
+      decode = lrjax.fuse(decode)
 
     def body(_, carry):
       cache, tok = carry
-      logits, cache = model.decode(tok, cache)
+      logits, cache = decode(model, tok, cache)
       return cache, jnp.argmax(logits, -1).astype(jnp.int32)
     cache, tok = jax.lax.fori_loop(0, steps, body, (cache, tokens))
     return cache, tok
   return jax.jit(run, donate_argnums=(1,), out_shardings=(cache_shardings, None))
+
+
+def fused_ops(gdef, state, cache, toks):
+  """lr_xuv / lr_mlp equations lrjax.fuse puts into one decode step."""
+  def step(state, cache, toks):
+    model = nnx.merge(gdef, state)
+    return lrjax.fuse(type(model).decode)(model, toks, cache)
+  text = str(jax.make_jaxpr(step)(state, cache, toks))
+  return {p: text.count(f" {p}[") for p in ("lr_xuv", "lr_mlp")}
 
 
 def time_decode(model, plan, args, dtype):
@@ -104,7 +124,7 @@ def time_decode(model, plan, args, dtype):
   # Start half-full so attention reads real context; steps stay inside the cache.
   cache = half(cache)
   toks = jnp.zeros((args.batch,), jnp.int32)
-  fn = decode_loop(gdef, args.steps, shardings)
+  fn = decode_loop(gdef, args.steps, shardings, args.fuse)
   t0 = time.perf_counter()
   for _ in range(2):   # the second call compiles for the committed token sharding
     cache, toks = fn(state, half(cache), toks)
@@ -118,6 +138,11 @@ def time_decode(model, plan, args, dtype):
     toks.block_until_ready()
     times.append(time.perf_counter() - t0)
   step = float(np.median(times)) / args.steps
+  kernels = {}
+  if args.fuse:  # what the fused step really runs: Triton custom calls in the compiled HLO
+    text = fn.lower(state, half(cache), toks).compile().as_text()
+    kernels = {"triton_calls": text.count('custom_call_target="triton_kernel_call'),
+               "fused_ops_in_jaxpr": fused_ops(gdef, state, cache, toks)}
   w_bytes = device_bytes(state)
   kv_bytes = device_bytes(cache)
   return {"step_ms": step * 1e3, "tokens_per_s": args.batch / step,
@@ -125,13 +150,13 @@ def time_decode(model, plan, args, dtype):
           "compile_s": compile_s, "device0_weight_bytes": w_bytes,
           "device0_kv_bytes": kv_bytes,
           "roofline_step_ms": (w_bytes + kv_bytes) / HBM_BPS * 1e3,
-          "roofline_fraction": (w_bytes + kv_bytes) / HBM_BPS / step}
+          "roofline_fraction": (w_bytes + kv_bytes) / HBM_BPS / step, **kernels}
 
 
 def time_serving(model, args):
   rng = np.random.default_rng(0)
   eng = Engine(model, max_slots=args.requests, max_len=args.prompt_len + args.new_tokens + 1,
-               buckets=(args.prompt_len,))
+               buckets=(args.prompt_len,), fuse=args.fuse)
   sp = SamplingParams(max_new_tokens=args.new_tokens)
   mk = lambda: [Request(list(rng.integers(0, model.cfg.vocab_size, args.prompt_len)), sp)  # noqa: E731
                 for _ in range(args.requests)]
@@ -148,12 +173,63 @@ def time_serving(model, args):
           "itl_ms_p90": float(np.percentile(gaps, 90)), "tokens_per_s": n / wall}
 
 
+def run_model(name, cfg, args, dtype, out, save):
+  """Every TP size × strategy × ratio × batch of one model; appends to ``out``, saves each record.
+
+  Dense runs once (it has no ratio); serving runs for the first ratio only."""
+  def build(ranks):
+    t0 = time.perf_counter()
+    m = LlamaForCausalLM(cfg, ranks=None if ranks is None else [ranks] * cfg.num_layers,
+                         dtype=dtype, param_dtype=dtype, scan_layers=False, rngs=nnx.Rngs(0))
+    print(f"{name}: built {'dense' if ranks is None else 'low-rank'} model in "
+          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    return m
+
+  runs = []       # (strategy, ratio, model)
+  if "dense" in args.strategies:
+    runs.append(("dense", None, build(None)))
+  for ratio in args.ratio:
+    ranks = compressed_ranks(cfg, ratio, multiple=8 if args.smoke else 64)
+    out["ranks"][f"{name}@{ratio}"] = ranks
+    lowrank = [s for s in args.strategies if s != "dense"]
+    if lowrank:
+      m = build(ranks)
+      runs += [(s, ratio, m) for s in lowrank]
+  for tp in args.tp:
+    if tp > jax.device_count():
+      print(f"skip tp={tp}: only {jax.device_count()} devices", flush=True)
+      continue
+    mesh = sharding.make_mesh(tp)
+    for strategy, ratio, model in runs:
+      sharding.shard(model, mesh, strategy)
+      plan = model.tp_plan
+      tag = {"model": name, "strategy": strategy, "ratio": ratio, "tp": tp, "fuse": args.fuse}
+      for batch in args.batch:
+        a = argparse.Namespace(**{**vars(args), "batch": batch})
+        rec = {**tag, "batch": batch, "ctx": args.ctx, "layers": cfg.num_layers,
+               **time_decode(model, plan, a, dtype)}
+        print(f"{name} tp={tp} {strategy:10s} ratio={ratio} batch={batch:3d} "
+              f"step {rec['step_ms']:.3f} ms {rec['tokens_per_s']:.0f} tok/s "
+              f"roofline {rec['roofline_fraction']:.2f} (compile {rec['compile_s']:.1f} s)",
+              flush=True)
+        out["records"].append(rec)
+        save()
+      if not args.no_serving and ratio in (None, args.ratio[0]):
+        s = time_serving(model, args)
+        out["records"].append({**tag, "serving": s})
+        print(f"{name} tp={tp} {strategy:10s} serving ttft {s['ttft_ms_median']:.1f} ms itl "
+              f"{s['itl_ms_median']:.2f} ms {s['tokens_per_s']:.0f} tok/s", flush=True)
+        save()
+
+
 def main():
   ap = argparse.ArgumentParser()
+  ap.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["8b"])
   ap.add_argument("--tp", type=int, nargs="+", default=[2, 4])
   ap.add_argument("--strategies", nargs="+", default=["dense", "naive_tp", "lowrank_tp"])
   ap.add_argument("--layers", type=int, default=4)
-  ap.add_argument("--ratio", type=float, default=0.4)
+  ap.add_argument("--ratio", type=float, nargs="+", default=[0.4],
+                  help="fractions of each projection's params removed (serving: the first)")
   ap.add_argument("--batch", type=int, nargs="+", default=[32])
   ap.add_argument("--ctx", type=int, default=2048)
   ap.add_argument("--steps", type=int, default=32)
@@ -162,67 +238,61 @@ def main():
   ap.add_argument("--prompt-len", type=int, default=128)
   ap.add_argument("--new-tokens", type=int, default=32)
   ap.add_argument("--no-serving", action="store_true")
+  ap.add_argument("--fuse", action="store_true",
+                  help="run the steps through lrjax.fuse (Triton kernels on GPU, per the policy)")
   ap.add_argument("--dtype", default="bfloat16")
   ap.add_argument("--smoke", action="store_true", help="tiny dims (CPU check of the script)")
+  ap.add_argument("--append", action="store_true",
+                  help="keep --out's other records (a re-measured one replaces its record)")
   ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                 "tp_h200.json"))
   args = ap.parse_args()
   dtype = jnp.dtype(args.dtype)
-  cfg = config(args)
-  ranks = compressed_ranks(cfg, args.ratio, multiple=8 if args.smoke else 64)
-  out = {"benchmark": "tp_gpu", "date": datetime.datetime.now(
-      datetime.timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
-      "versions": versions(), "argv": sys.argv[1:],
-      "model": {**cfg.to_dict(), "ranks": ranks, "compression_ratio": args.ratio,
-                "param_dtype": str(dtype), "weights": "random"},
-      "roofline": f"device-0 bytes (weights + KV cache) / {HBM_BPS / 1e12} TB/s per step",
-      "records": []}
+  start = time.perf_counter()
+  run = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+         "machine": machine(), "versions": versions(), "argv": sys.argv[1:]}
+  out = {"benchmark": "tp_gpu",
+         "roofline": f"device-0 bytes (weights + KV cache) / {HBM_BPS / 1e12} TB/s per step",
+         "runs": [], "models": {}, "ranks": {}, "records": []}
+  if args.append and os.path.exists(args.out):
+    with open(args.out) as fh:
+      old = json.load(fh)
+    for k in ("runs", "models", "ranks", "records"):
+      out[k] = old[k]
+  run["index"] = len(out["runs"])
+  out["runs"].append(run)
+
+  class Records(list):  # a re-measured record replaces the earlier one of the same kind
+    def append(self, rec):
+      rec = {**rec, "run": run["index"]}
+      kind = lambda r: tuple(r.get(k) for k in (  # noqa: E731
+          "model", "strategy", "ratio", "tp", "fuse", "batch")) + ("serving" in r,)
+      self[:] = [r for r in self if kind(r) != kind(rec)]
+      super().append(rec)
+
+  out["records"] = Records(out["records"])
 
   def save():
+    run["elapsed_s"] = time.perf_counter() - start
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as fh:
+    tmp = args.out + ".tmp"
+    with open(tmp, "w") as fh:
       json.dump(out, fh, indent=1)
+    os.replace(tmp, args.out)
 
-  models = {}
-  for strategy in args.strategies:
-    key = "dense" if strategy == "dense" else "lowrank"
-    if key not in models:
-      t0 = time.perf_counter()
-      models[key] = LlamaForCausalLM(cfg, ranks=None if key == "dense" else [ranks] * cfg.num_layers,
-                                     dtype=dtype, param_dtype=dtype, scan_layers=False,
-                                     rngs=nnx.Rngs(0))
-      print(f"built {key} model in {time.perf_counter() - t0:.1f} s", flush=True)
-  for tp in args.tp:
-    if tp > jax.device_count():
-      print(f"skip tp={tp}: only {jax.device_count()} devices", flush=True)
-      continue
-    mesh = sharding.make_mesh(tp)
-    for strategy in args.strategies:
-      model = models["dense" if strategy == "dense" else "lowrank"]
-      sharding.shard(model, mesh, strategy)
-      plan = model.tp_plan
-      for batch in args.batch:
-        a = argparse.Namespace(**{**vars(args), "batch": batch})
-        rec = {"strategy": strategy, "tp": tp, "batch": batch, "ctx": args.ctx,
-               "layers": cfg.num_layers, **time_decode(model, plan, a, dtype)}
-        print(f"tp={tp} {strategy:10s} batch={batch:3d} step {rec['step_ms']:.3f} ms "
-              f"{rec['tokens_per_s']:.0f} tok/s roofline {rec['roofline_fraction']:.2f} "
-              f"(compile {rec['compile_s']:.1f} s)", flush=True)
-        out["records"].append(rec)
-        save()
-      if not args.no_serving:
-        s = time_serving(model, args)
-        out["records"].append({"strategy": strategy, "tp": tp, "serving": s})
-        print(f"tp={tp} {strategy:10s} serving ttft {s['ttft_ms_median']:.1f} ms itl "
-              f"{s['itl_ms_median']:.2f} ms {s['tokens_per_s']:.0f} tok/s", flush=True)
-        save()
+  for name in args.model:
+    cfg = config(args, name)
+    out["models"][name] = {**cfg.to_dict(), "param_dtype": str(dtype), "weights": "random"}
+    run_model(name, cfg, args, dtype, out, save)
   speed = {}
   for r in out["records"]:
     if "step_ms" in r and r["strategy"] == "lowrank_tp":
-      base = next((b for b in out["records"] if b.get("strategy") == "naive_tp" and
-                   b["tp"] == r["tp"] and b.get("batch") == r["batch"] and "step_ms" in b), None)
+      same = ("model", "ratio", "tp", "batch", "fuse")
+      base = next((b for b in out["records"] if b["strategy"] == "naive_tp" and "step_ms" in b
+                   and all(b[k] == r[k] for k in same)), None)
       if base:
-        speed[f"tp{r['tp']}_b{r['batch']}"] = base["step_ms"] / r["step_ms"]
+        key = f"{r['model']}_r{r['ratio']}_tp{r['tp']}_b{r['batch']}" + ("_fused" * r["fuse"])
+        speed[key] = base["step_ms"] / r["step_ms"]
   out["lowrank_over_naive_decode_speedup"] = speed
   print("lowrank_tp / naive_tp decode speed-up:", speed)
   save()

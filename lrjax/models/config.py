@@ -201,6 +201,12 @@ class ModelConfig:
                rope_theta=500000.0, max_position_embeddings=8192)
 
   @classmethod
+  def llama3_70b(cls) -> "ModelConfig":
+    return cls(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80,
+               num_heads=64, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+               rope_theta=500000.0, max_position_embeddings=8192)
+
+  @classmethod
   def llama3_2_1b(cls) -> "ModelConfig":
     rs = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}

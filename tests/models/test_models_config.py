@@ -7,7 +7,7 @@ import pytest
 
 from lrjax.models import ModelConfig, rope_inv_freq
 
-PRESETS = ["tiny", "llama2_7b", "llama3_8b", "llama3_2_1b", "mistral_7b", "qwen2_0_5b",
+PRESETS = ["tiny", "llama2_7b", "llama3_8b", "llama3_70b", "llama3_2_1b", "mistral_7b", "qwen2_0_5b",
            "qwen3_0_6b"]
 
 
@@ -23,6 +23,8 @@ def test_published_sizes():
   c = ModelConfig.llama3_2_1b()
   assert (c.q_dim, c.kv_dim, c.num_heads // c.num_kv_heads) == (2048, 512, 4)
   assert c.proj_shapes()["down_proj"] == (8192, 2048)
+  b = ModelConfig.llama3_70b()
+  assert (b.q_dim, b.kv_dim, b.proj_shapes()["gate_proj"]) == (8192, 1024, (8192, 28672))
   q = ModelConfig.qwen3_0_6b()
   assert q.q_dim == 2048 != q.hidden_size        # head_dim decoupled from hidden/heads
 

@@ -1,5 +1,7 @@
 """The Triton kernels on local shards of a multi-GPU mesh (``pytest -m gpu`` on >= 2 GPUs).
 
+The mesh takes every GPU of the host (TP 2, 4 or 8).
+
 lowering/partitioning.py gives each selected kernel a custom_partitioning rule, so under
 tensor parallelism every GPU runs the Triton kernel on its own shards of the factors and no
 whole weight is gathered. On CPU the same paths are covered with callback kernels
@@ -47,7 +49,7 @@ MLP_LAYOUTS = {  # up/gate u, v; down u, v; kernel on the shards
 
 def _mesh():
   from lrjax import sharding as S
-  return S.make_mesh(2)
+  return S.make_mesh(len(jax.devices("gpu")))   # D, F, R divide by 2, 4 and 8
 
 
 def _compiled(f, args):

@@ -1,0 +1,43 @@
+"""benchmarks/tp_gpu.py on simulated CPU devices (--smoke): records, ratios, --append."""
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _run(out, *args):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             JAX_PLATFORMS="cpu")
+  cmd = [sys.executable, os.path.join(REPO, "benchmarks", "tp_gpu.py"), "--smoke", "--batch",
+         "2", "--steps", "2", "--reps", "1", "--ctx", "32", "--no-serving", "--out", out, *args]
+  r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  with open(out) as fh:
+    return json.load(fh)
+
+
+def test_models_ratios_and_append(tmp_path):
+  out = str(tmp_path / "tp.json")
+  d = _run(out, "--model", "8b", "70b", "--tp", "2", "8", "--ratio", "0.4", "0.6",
+           "--strategies", "naive_tp", "lowrank_tp")
+  # TP 8 is skipped on 4 devices; 2 models x 2 ratios x 2 strategies at TP 2
+  recs = d["records"]
+  assert len(recs) == 8 and {r["tp"] for r in recs} == {2}
+  assert {(r["model"], r["ratio"]) for r in recs} == {(m, q) for m in ("8b", "70b")
+                                                      for q in (0.4, 0.6)}
+  assert set(d["ranks"]) == {"8b@0.4", "8b@0.6", "70b@0.4", "70b@0.6"}
+  assert all(r["step_ms"] > 0 and r["run"] == 0 and r["fuse"] is False for r in recs)
+  assert set(d["lowrank_over_naive_decode_speedup"]) == {
+      f"{m}_r{q}_tp2_b2" for m in ("8b", "70b") for q in (0.4, 0.6)}
+
+  again = _run(out, "--append", "--model", "8b", "--tp", "2", "--ratio", "0.4",
+               "--strategies", "dense", "lowrank_tp")
+  assert [r["index"] for r in again["runs"]] == [0, 1]
+  recs = again["records"]
+  assert len(recs) == 9  # dense added; 8b lowrank_tp at 0.4 replaced, not duplicated
+  mine = [r for r in recs if r["model"] == "8b" and r["strategy"] == "lowrank_tp"
+          and r["ratio"] == 0.4]
+  assert len(mine) == 1 and mine[0]["run"] == 1
+  assert [r["ratio"] for r in recs if r["strategy"] == "dense"] == [None]
