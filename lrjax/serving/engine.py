@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -103,7 +103,12 @@ class Engine:
     else:   # committed from the start, like every step's output: one compiled variant
       cache = jax.device_put(cache, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
     self.cache = cache
-    self._fuse = fuse
+    # Each step's jit is keyed by the graph, the cache layout and two flags. Hashing a GraphDef
+    # walks the whole model (1.8 ms at 32 layers), and flattening the nnx State costs as much
+    # again, every token: both are done once here, and the steps take the weights as a list.
+    leaves, treedef = jax.tree.flatten(self.state)
+    self._weights = leaves
+    self._static = _Static(_StepKey(self.gdef, treedef, lowrank_kv, fuse, self._cache_shardings))
     self._free = list(range(max_slots))
     self._slots: dict[int, dict] = {}
     self._waiting: collections.deque = collections.deque()
@@ -122,10 +127,10 @@ class Engine:
 
   # ---- jitted steps (module-level jits: engines over the same model share compilations) ------
   def _prefill(self, *args):
-    return _prefill_jit(self.gdef, self.lowrank_kv, self._fuse, self._cache_shardings, *args)
+    return _prefill_jit(self._static, self._weights, *args)
 
   def _decode(self, *args):
-    return _decode_jit(self.gdef, self.lowrank_kv, self._fuse, self._cache_shardings, *args)
+    return _decode_jit(self._static, self._weights, *args)
 
   # ---- requests ------------------------------------------------------------------------------
   def _check(self, req: Request) -> list[int]:
@@ -168,7 +173,7 @@ class Engine:
       self._keys = jax.device_put(self._keys.at[slot].set(key), self._rep)
       self._temp[slot], self._topk[slot], self._topp[slot] = sp.temperature, sp.top_k, sp.top_p
       first, self.cache = self._prefill(
-          self.state, self.cache, jnp.asarray(toks), jnp.int32(len(prompt)), jnp.int32(slot),
+          self.cache, jnp.asarray(toks), jnp.int32(len(prompt)), jnp.int32(slot),
           key, self._temp[slot:slot + 1], self._topk[slot:slot + 1], self._topp[slot:slot + 1])
       tok = int(first[0])
       now = time.perf_counter()
@@ -206,8 +211,7 @@ class Engine:
       self._dev = tuple(jax.device_put(a, self._rep)
                         for a in (self._tokens, self._temp, self._topk, self._topp))
     toks, temp, topk, topp = self._dev
-    nxt_dev, self.cache = self._decode(self.state, self.cache, toks, self._keys, temp, topk,
-                                       topp)
+    nxt_dev, self.cache = self._decode(self.cache, toks, self._keys, temp, topk, topp)
     self._dev = (nxt_dev, temp, topk, topp)
     nxt = np.asarray(nxt_dev)
     now = time.perf_counter()
@@ -238,13 +242,38 @@ def _cache_tree(cache, shardings):
   return jax.tree.map(lambda a: arr if a.ndim > 1 else pos, cache)
 
 
-def _call(gdef, lowrank, fuse, method, state, *args):
-  model = nnx.merge(gdef, state)
-  if lowrank:
+class _StepKey(NamedTuple):
+  gdef: nnx.GraphDef
+  treedef: jax.tree_util.PyTreeDef   # of the weights list
+  lowrank: bool                      # rank-space KV cache
+  fuse: bool
+  shardings: tuple | None            # (the cache arrays', pos's) or None on one device
+
+
+class _Static:
+  """A static jit argument whose hash is computed once; equal to itself at once (by identity)
+  and to an equal value from another engine (so engines over one model share compilations)."""
+  __slots__ = ("value", "_hash")
+
+  def __init__(self, value):
+    self.value, self._hash = value, hash(value)
+
+  def __hash__(self):
+    return self._hash
+
+  def __eq__(self, other):
+    return isinstance(other, _Static) and (
+        self.value is other.value or (self._hash == other._hash and self.value == other.value))
+
+
+def _call(static, weights, method, *args):
+  key = static.value
+  model = nnx.merge(key.gdef, jax.tree.unflatten(key.treedef, weights))
+  if key.lowrank:
     fn = {"prefill": lrkv.prefill, "decode": lrkv.decode}[method]
   else:
     fn = {"prefill": type(model).prefill, "decode": type(model).decode}[method]
-  if fuse:
+  if key.fuse:
     import lrjax
     fn = lrjax.fuse(fn)
   return fn(model, *args)
@@ -257,32 +286,32 @@ def _constrain(cache, shardings):
   return jax.tree.map(jax.lax.with_sharding_constraint, cache, _cache_tree(cache, shardings))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
-def _prefill_jit(gdef, lowrank, fuse, shardings, state, cache, tokens, length, slot, key, temp,
-                 topk, topp):
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def _prefill_jit(static, weights, cache, tokens, length, slot, key, temp, topk, topp):
   """tokens [1, bucket], length/slot [] int32 → (first token [1], cache with the slot filled)."""
   sl = lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=1)  # noqa: E731
   put = lambda a, s: jax.lax.dynamic_update_slice_in_dim(a, s, slot, axis=1)  # noqa: E731
   zero = jnp.zeros((1,), jnp.int32)
   pos = cache.pos.at[slot].set(length)
-  if lowrank:
+  if static.value.lowrank:
     sub = lrkv.LowRankKVCache(sl(cache.zk), sl(cache.zv), zero)
-    logits, sub = _call(gdef, lowrank, fuse, "prefill", state, tokens, sub, length[None])
+    logits, sub = _call(static, weights, "prefill", tokens, sub, length[None])
     cache = lrkv.LowRankKVCache(put(cache.zk, sub.zk), put(cache.zv, sub.zv), pos)
   else:
     sub = KVCache(sl(cache.k), sl(cache.v), zero)
-    logits, sub = _call(gdef, lowrank, fuse, "prefill", state, tokens, sub, length[None])
+    logits, sub = _call(static, weights, "prefill", tokens, sub, length[None])
     cache = KVCache(put(cache.k, sub.k), put(cache.v, sub.v), pos)
   last = jax.lax.dynamic_index_in_dim(logits[0], length - 1, axis=0)
-  return sample(last, key, temp, topk, topp), _constrain(cache, shardings)
+  return sample(last, key, temp, topk, topp), _constrain(cache, static.value.shardings)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
-def _decode_jit(gdef, lowrank, fuse, shardings, state, cache, tokens, keys, temp, topk, topp):
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def _decode_jit(static, weights, cache, tokens, keys, temp, topk, topp):
   """tokens [slots], keys [slots] (each slot's request key) → (next tokens [slots], cache)."""
   step_keys = jax.vmap(jax.random.fold_in)(keys, cache.pos)   # draw i of a request: its pos
-  logits, cache = _call(gdef, lowrank, fuse, "decode", state, tokens, cache)
+  logits, cache = _call(static, weights, "decode", tokens, cache)
   nxt = sample(logits, step_keys, temp, topk, topp)
+  shardings = static.value.shardings
   if shardings is not None:
     nxt = jax.lax.with_sharding_constraint(nxt, shardings[1])
   return nxt, _constrain(cache, shardings)
