@@ -73,8 +73,9 @@ def main():
   logits, cache = prefill_step(again, jnp.asarray(probe), cache)
   nxt = jnp.argmax(logits[:, -1], axis=-1)
   gen = [nxt]
+  step = nnx.cached_partial(decode_step, again)  # walks the model's graph once, not per token
   for _ in range(7):
-    logits, cache = decode_step(again, nxt, cache)
+    logits, cache = step(nxt, cache)
     nxt = jnp.argmax(logits, axis=-1)
     gen.append(nxt)
   print("greedy continuation:", np.stack(gen, 1).tolist())

@@ -433,5 +433,9 @@ def prefill_step(model: LlamaForCausalLM, tokens, cache: KVCache, lengths=None):
 
 @nnx.jit(donate_argnums=2)
 def decode_step(model: LlamaForCausalLM, tokens, cache: KVCache):
-  """Jitted :meth:`LlamaForCausalLM.decode`; the cache is donated (updated in place)."""
+  """Jitted :meth:`LlamaForCausalLM.decode`; the cache is donated (updated in place).
+
+  Each call walks the model's NNX graph on the host (25 ms a call for 32 layers on a CPU, of
+  a 3 ms step). In a token loop, ``step = nnx.cached_partial(decode_step, model)`` walks it
+  once; build a new one after changing the model's structure (e.g. ``lrjax.compress``)."""
   return model.decode(tokens, cache)

@@ -60,6 +60,20 @@ def test_prefill_then_decode_equals_full_forward(cfg_name, scan):
     assert _rel(step, full[:, t]) <= 1e-5, t
 
 
+def test_cached_partial_decode_loop_matches():
+  """The README's token loop: ``nnx.cached_partial(decode_step, model)`` walks the graph once."""
+  from flax import nnx
+  cfg = CONFIGS["gqa"]
+  m = _model(cfg, scan=False)
+  tok = _tokens(2, 8, cfg.vocab_size)
+  full = _fwd(m, tok)
+  _, cache = prefill_step(m, tok[:, :3], KVCache.init(cfg, 2, 10))
+  step = nnx.cached_partial(decode_step, m)
+  for t in range(3, 8):
+    logits, cache = step(tok[:, t], cache)
+    assert _rel(logits, full[:, t]) <= 1e-5, t
+
+
 def test_ragged_prefill_rows_continue_independently():
   cfg = CONFIGS["gqa"]
   m = _model(cfg)
