@@ -8,8 +8,9 @@ strategy:
 
   decode   ``--steps`` greedy decode steps of ``--batch`` sequences at ``--ctx`` cache length,
            inside one jit (a fori_loop), timed on the host around block_until_ready (the
-           steps amortise the dispatch), median of ``--reps``; per-step latency, tokens/s, per-device bytes read and the fraction of
-           the HBM roofline (bytes / 4.3 TB/s).
+           steps amortise the dispatch), median of ``--reps``; per-step latency, tokens/s,
+           per-device bytes read and the fraction of the HBM roofline (bytes / 4.3 TB/s).
+           With ``--fuse``, also the Triton calls in the compiled step.
   serving  ``--requests`` concurrent requests through lrjax.serving.Engine (continuous batching,
            prompts of ``--prompt-len``): TTFT (submit → first token) and ITL (token gaps),
            median and p90, after a warm-up pass that compiles every shape.
@@ -141,7 +142,7 @@ def time_decode(model, plan, args, dtype):
   kernels = {}
   if args.fuse:  # what the fused step really runs: Triton custom calls in the compiled HLO
     text = fn.lower(state, half(cache), toks).compile().as_text()
-    kernels = {"triton_calls": text.count('custom_call_target="triton_kernel_call'),
+    kernels = {"triton_calls": text.count('custom_call_target="triton_kernel_call'),  # +_ffi
                "fused_ops_in_jaxpr": fused_ops(gdef, state, cache, toks)}
   w_bytes = device_bytes(state)
   kv_bytes = device_bytes(cache)
@@ -174,7 +175,7 @@ def time_serving(model, args):
 
 
 def run_model(name, cfg, args, dtype, out, save):
-  """Every TP size × strategy × ratio × batch of one model; appends to ``out``, saves each record.
+  """Every TP size × strategy × ratio × batch of one model, each record saved as it comes.
 
   Dense runs once (it has no ratio); serving runs for the first ratio only."""
   def build(ranks):

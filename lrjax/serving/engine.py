@@ -104,8 +104,8 @@ class Engine:
       cache = jax.device_put(cache, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
     self.cache = cache
     # Each step's jit is keyed by the graph, the cache layout and two flags. Hashing a GraphDef
-    # walks the whole model (1.8 ms at 32 layers), and flattening the nnx State costs as much
-    # again, every token: both are done once here, and the steps take the weights as a list.
+    # walks the whole model (1.8 ms at 32 layers) and flattening the nnx State takes 0.4 ms:
+    # both once here, not every token; the steps take the weights as a flat list.
     leaves, treedef = jax.tree.flatten(self.state)
     self._weights = leaves
     self._static = _Static(_StepKey(self.gdef, treedef, lowrank_kv, fuse, self._cache_shardings))

@@ -219,7 +219,8 @@ def test_steps_do_not_hash_the_graph(model, monkeypatch):
   """The per-token host work does not grow with the model: the GraphDef is hashed once, when
   the engine is built (1.8 ms a token at 32 layers otherwise; the weights go in as a list)."""
   rng = np.random.default_rng(random.randrange(1 << 20))
-  reqs = lambda: [Request(p, SamplingParams(max_new_tokens=6)) for p in prompts(3, rng)]  # noqa: E731
+  sp = SamplingParams(max_new_tokens=6)
+  reqs = lambda: [Request(p, sp) for p in prompts(3, rng)]  # noqa: E731
   Engine(model, max_slots=2, max_len=MAX_LEN, buckets=(16,)).generate(reqs())  # compiles
   eng = Engine(model, max_slots=2, max_len=MAX_LEN, buckets=(16,))
   calls = []
