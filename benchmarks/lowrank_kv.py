@@ -13,17 +13,17 @@ import datetime
 import json
 import os
 import platform
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from lrjax import sharding
 from lrjax.models import KVCache, LlamaForCausalLM, ModelConfig
 from lrjax.serving import lowrank_kv as lrkv
 from lrjax.sharding.analysis import compressed_ranks
+
+from decode_timing import greedy_loop, median_step, time_loop
 
 
 def configs(args):
@@ -49,30 +49,12 @@ def run(model, cfg, args, ctx, lowrank, dtype, plan):
   else:
     sh = jax.tree.map(lambda a: a.sharding, cache)
   dec = lrkv.decode if lowrank else type(model).decode
-
-  def loop(state, cache, tok):
-    m = nnx.merge(gdef, state)
-
-    def body(_, c):
-      cache, tok = c
-      logits, cache = dec(m, tok, cache)
-      return cache, jnp.argmax(logits, -1).astype(jnp.int32)
-    return jax.lax.fori_loop(0, args.steps, body, (cache, tok))
-  fn = jax.jit(loop, donate_argnums=(1,), out_shardings=(sh, None))
+  fn = greedy_loop(gdef, dec, args.steps, sh)
   half = lambda c: jax.device_put(dataclass_replace(c, jnp.full((args.batch,), ctx // 2,  # noqa: E731
                                                                 jnp.int32)), sh)
   tok = jnp.zeros((args.batch,), jnp.int32)
-  for _ in range(2):   # the second call compiles for the committed token sharding
-    cache, tok = fn(state, half(cache), tok)
-  tok.block_until_ready()
-  times = []
-  for _ in range(args.reps):
-    c = half(cache)
-    t0 = time.perf_counter()
-    cache, tok = fn(state, c, tok)
-    tok.block_until_ready()
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times)) / args.steps * 1e3
+  times, _, _, _ = time_loop(fn, state, cache, tok, half, args.reps)
+  return median_step(times, args.steps) * 1e3
 
 
 def dataclass_replace(c, pos):

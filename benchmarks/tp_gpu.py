@@ -43,6 +43,8 @@ from lrjax.models.llama import KVCache
 from lrjax.serving import Engine, Request, SamplingParams, itl
 from lrjax.sharding.analysis import compressed_ranks
 
+from decode_timing import greedy_loop, median_step, time_loop
+
 HBM_BPS = 4.3e12
 
 
@@ -89,22 +91,6 @@ def device_bytes(tree) -> int:
   return n
 
 
-def decode_loop(gdef, steps, cache_shardings, fuse=False):
-  def run(state, cache, tokens):
-    model = nnx.merge(gdef, state)
-    decode = type(model).decode
-    if fuse:  # lr_xuv / lr_mlp: Triton kernels on the local shards where the policy picks them
-      decode = lrjax.fuse(decode)
-
-    def body(_, carry):
-      cache, tok = carry
-      logits, cache = decode(model, tok, cache)
-      return cache, jnp.argmax(logits, -1).astype(jnp.int32)
-    cache, tok = jax.lax.fori_loop(0, steps, body, (cache, tokens))
-    return cache, tok
-  return jax.jit(run, donate_argnums=(1,), out_shardings=(cache_shardings, None))
-
-
 def fused_ops(gdef, state, cache, toks):
   """lr_xuv / lr_mlp equations lrjax.fuse puts into one decode step."""
   def step(state, cache, toks):
@@ -125,20 +111,10 @@ def time_decode(model, plan, args, dtype):
   # Start half-full so attention reads real context; steps stay inside the cache.
   cache = half(cache)
   toks = jnp.zeros((args.batch,), jnp.int32)
-  fn = decode_loop(gdef, args.steps, shardings, args.fuse)
-  t0 = time.perf_counter()
-  for _ in range(2):   # the second call compiles for the committed token sharding
-    cache, toks = fn(state, half(cache), toks)
-  toks.block_until_ready()
-  compile_s = time.perf_counter() - t0
-  times = []
-  for _ in range(args.reps):
-    cache = half(cache)
-    t0 = time.perf_counter()
-    cache, toks = fn(state, cache, toks)
-    toks.block_until_ready()
-    times.append(time.perf_counter() - t0)
-  step = float(np.median(times)) / args.steps
+  decode = lrjax.fuse(type(model).decode) if args.fuse else type(model).decode
+  fn = greedy_loop(gdef, decode, args.steps, shardings)
+  times, compile_s, cache, toks = time_loop(fn, state, cache, toks, half, args.reps)
+  step = median_step(times, args.steps)
   kernels = {}
   if args.fuse:  # what the fused step really runs: Triton custom calls in the compiled HLO
     text = fn.lower(state, half(cache), toks).compile().as_text()
