@@ -546,6 +546,11 @@ DECODE_M = (1, 2, 4, 8, 16, 32, 64, 128)
 # users compress to
 XUV_DECODE_SHAPES = ((8192, 4096, 16384), (4096, 2560, 14336), (8192, 2048, 16384),
                      (4096, 1024, 14336))
+# Attention projections at 40 % removed (lrjax.sharding.analysis.compressed_ranks): Llama-3-8B
+# q/o and k/v, Llama-3.2-1B q/o and k/v, and a TP-8 shard of the 8B q_proj. Smaller than every
+# shape above, so without these records the policy leaves them to XLA (measured.EXTRAPOLATE).
+XUV_ATTN_SHAPES = ((4096, 1216, 4096), (4096, 512, 1024), (2048, 640, 2048), (2048, 256, 512),
+                   (4096, 152, 4096))
 PREFILL_M = (1024, 2048, 4096, 8192, 16384, 32768)
 MLP_SHAPES = {"llama3.2-1b": (2048, 8192, 1280), "llama3-8b": (4096, 14336, 2560),
               "llama3-8b-r1024": (4096, 14336, 1024)}
@@ -683,6 +688,10 @@ def suite(name, bw, peak, args, recs):
           other = "decode_xz" if m <= xuv_decode.PERSISTENT_MAX_M else "persistent"
           for variant in (other,) + (("prefill",) if m >= 16 else ()):
             recs.append(xuv_record(m, k, r, n, bw, peak, variant, baselines=base))
+  if name in ("decode_attn", "all"):
+    for (k, r, n) in XUV_ATTN_SHAPES:
+      for m in (m for m in DECODE_M if m <= min(16, args.max_m)):
+        recs.append(xuv_record(m, k, r, n, bw, peak))
   if name in ("prefill", "all"):
     for m in PREFILL_M:
       recs.append(xuv_record(m, 8192, 4096, 16384, bw, peak, reps=7 if m > 4096 else None))
@@ -896,7 +905,7 @@ def plot(path_json: str) -> str:
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--suite", default="all",
-                  choices=["decode", "prefill", "mlp", "all", "none", "overhead",
+                  choices=["decode", "decode_attn", "prefill", "mlp", "all", "none", "overhead",
                            "decode_persistent", "mlp_decode_variants", "mlp_phases",
                            "mlp_prefetch", "mlp_prefill_variants", "prefill_variants",
                            "mlp_prefill_phases", "gemm_ceiling", "decode_prefetch",

@@ -3,7 +3,8 @@
 The registry asks ``faster`` before it lowers a primitive with a Triton kernel: the
 verdict of the benchmarked shape nearest to the call's (distance: |log2| of the token
 ratio plus |log2| of the weight-bytes ratio, same op), smoothed over that shape's
-neighbouring token counts. Where the kernel measured slower than XLA's unfused chain there
+neighbouring token counts. Calls whose factors are more than EXTRAPOLATE times smaller or
+larger than every benchmarked shape's go to XLA (e.g. TP shards of small factors). Where the kernel measured slower than XLA's unfused chain there
 (median ratio below PARITY), the call is declined and XLA lowers the reference; ``lrjax.lowering.prefer_kernels()`` overrides that. Non-gated MLPs use the
 SwiGLU measurements. Measured on one H200; other NVIDIA GPUs get the same verdicts.
 
@@ -29,6 +30,11 @@ WINDOW = 4
 # ...but a nearest record this far behind XLA declines on its own (beyond the noise: the
 # pooled median once kept a 0.61x record at the end of a sweep).
 CLEAR_LOSS = 0.9
+# A call whose factors are more than this many times smaller or larger than every benchmarked
+# shape's is not judged from them: XLA lowers it. On 8 H200s the kernels on TP shards 4-15x
+# smaller than any benchmarked shape made naive_tp's decode step up to 6 % slower
+# (benchmarks/gpu_notes.md, session 7).
+EXTRAPOLATE = 4.0
 
 # (op, M, K, r, N, ours_us, xla_us); mlp rows: K = D, N = D_ff.
 # BEGIN GENERATED
@@ -143,6 +149,8 @@ def nearest(op: str, m: int, k: int, r: int, n: int):
 def verdict(op: str, m: int, k: int, r: int, n: int) -> str | None:
   """None if the kernel measured at least PARITY x XLA's speed around the nearest
   benchmarked shape (or nothing was benchmarked), else the reason to leave this call to XLA.
+  A call more than EXTRAPOLATE times smaller or larger (factor elements) than every
+  benchmarked shape of its op goes to XLA.
 
   "Around": the median speed ratio of that shape's records with M within a factor WINDOW
   of the nearest record's, so one noisy timing does not flip the choice between
@@ -153,6 +161,13 @@ def verdict(op: str, m: int, k: int, r: int, n: int) -> str | None:
   rec = nearest(op, m, k, r, n)
   if rec is None:
     return None
+  w = _weight_elems(op, k, r, n)
+  gap = min(abs(math.log2(w / _weight_elems(op, *q[2:5]))) for q in RECORDS if q[0] == op)
+  if gap > math.log2(EXTRAPOLATE):
+    here = f"K={k} r={r} N={n}" if op == "xuv" else f"D={k} r={r} D_ff={n}"
+    return (f"no benchmarked {op} shape within {EXTRAPOLATE:g}x of this call's factor size "
+            f"({here}: {2 ** gap:.1f}x from the nearest; {MEASURED_ON}, {SOURCE}); "
+            f"lrjax.lowering.prefer_kernels() or LRJAX_PREFER_KERNELS=1 uses the kernel anyway")
   _, rm, rk, rr, rn, ours, xla = rec
   window = [q for q in RECORDS if q[0] == op and q[2:5] == (rk, rr, rn)
             and rm / WINDOW <= q[1] <= WINDOW * rm and (q[1] == 1) == (rm == 1)]

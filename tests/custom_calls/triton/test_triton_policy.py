@@ -54,6 +54,21 @@ def test_nearest_record_and_verdict(monkeypatch):
   assert measured.verdict("xuv", 600, 4096, 1024, 4096) is None  # nothing measured
 
 
+def test_calls_far_from_every_benchmarked_size_go_to_xla(monkeypatch):
+  """No extrapolation beyond EXTRAPOLATE x in factor size (e.g. a TP-8 shard of q_proj)."""
+  monkeypatch.setattr(measured, "RECORDS", (
+      ("xuv", 1, 4096, 1024, 14336, 14.7, 26.1),  # 1.78x, 18.9M factor elements
+      ("mlp_swiglu", 1, 2048, 1280, 8192, 35.1, 57.4)))
+  assert measured.EXTRAPOLATE == 4.0
+  assert measured.verdict("xuv", 1, 4096, 1216, 4096) is None  # 1.9x smaller: judged
+  assert measured.verdict("xuv", 1, 4096, 608, 4096) is None  # 3.8x: still judged
+  why = measured.verdict("xuv", 1, 4096, 152, 4096)  # 15.2x smaller
+  assert why is not None and "within 4x" in why and "15.2x" in why and "prefer_kernels" in why
+  assert measured.verdict("xuv", 1, 16384, 8192, 65536) is not None  # 32x larger
+  why = measured.verdict("mlp_swiglu", 1, 896, 300, 4864)  # a 0.5B model's MLP: 7.6x
+  assert why is not None and "D_ff=4864" in why
+
+
 def test_one_row_is_judged_apart_from_wider_calls(monkeypatch):
   """XLA lowers M=1 with a multiply and a reduce, not a GEMM: no pooling across it."""
   monkeypatch.setattr(measured, "RECORDS", (
