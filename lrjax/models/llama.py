@@ -236,8 +236,9 @@ class DecoderLayer(nnx.Module):
       cols = write_pos[:, None] + jnp.arange(s, dtype=jnp.int32)[None]
       k_all = k_all.at[i, rows, cols].set(k.astype(k_all.dtype), mode="drop")
       v_all = v_all.at[i, rows, cols].set(v.astype(v_all.dtype), mode="drop")
-      if attend_cache:
-        a = attend(q, k_all[i].astype(q.dtype), v_all[i].astype(q.dtype), mask)
+      if attend_cache:  # the first mask.shape[-1] positions (decode's ``attend_len``)
+        t = mask.shape[-1]
+        a = attend(q, k_all[i, :, :t].astype(q.dtype), v_all[i, :, :t].astype(q.dtype), mask)
       else:
         a = attend(q, k, v, mask)
       kv = (k_all, v_all, i)
@@ -393,19 +394,38 @@ class LlamaForCausalLM(nnx.Module):
                                  jnp.zeros((b,), jnp.int32), attend_cache=False)
     return self._logits(h), KVCache(k, v, lengths)
 
-  def decode(self, tokens, cache: KVCache):
-    """One step for each row: tokens [B] int at position ``cache.pos`` → (logits [B,vocab], cache)."""
+  def decode(self, tokens, cache: KVCache, attend_len: int | None = None):
+    """One step for each row: tokens [B] int at position ``cache.pos`` → (logits [B,vocab], cache).
+
+    ``attend_len`` (a Python int, default ``max_len``): attention reads only the first
+    ``attend_len`` cache positions, so a step costs what the context holds, not what the cache
+    could. Every row's ``pos`` must be below it (checked when ``pos`` is concrete); a row past
+    it attends to the wrong keys.
+    """
     tokens = _check_tokens(tokens, 1)
     b = tokens.shape[0]
     _check_cache(cache, self.cfg, b, 1)
+    t_len = check_attend_len(attend_len, cache.max_len, cache.pos)
     pos = cache.pos[:, None]                                          # [B, 1]
-    t = jnp.broadcast_to(jnp.arange(cache.max_len, dtype=jnp.int32), (b, cache.max_len))
+    t = jnp.broadcast_to(jnp.arange(t_len, dtype=jnp.int32), (b, t_len))
     mask = _mask(pos, t, t <= pos, self.cfg.sliding_window)
     # Python loop: a per-step stack of the layer weights for lax.scan would double the weight
     # traffic of a bandwidth-bound step.
     h, (k, v) = self._run_layers(self.embed(tokens[:, None]), pos, mask, cache, cache.pos,
                                  scan=False)
     return self._logits(h)[:, 0], KVCache(k, v, cache.pos + 1)
+
+
+def check_attend_len(attend_len, max_len: int, pos) -> int:
+  """``attend_len`` (default ``max_len``) after checking it; rows' ``pos`` too when concrete."""
+  if attend_len is None:
+    return max_len
+  if not isinstance(attend_len, int) or not 1 <= attend_len <= max_len:
+    raise ValueError(f"{attend_len=} must be a Python int in [1, max_len={max_len}]")
+  if not isinstance(pos, jax.core.Tracer) and int(jnp.max(pos)) >= attend_len:
+    raise ValueError(f"a row is at position {int(jnp.max(pos))}, past {attend_len=}: its key "
+                     "would fall outside the attended positions")
+  return attend_len
 
 
 def _check_tokens(tokens, ndim):

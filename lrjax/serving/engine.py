@@ -63,11 +63,14 @@ class Engine:
 
   ``unroll_layers`` (default) sets ``model.scan_layers = False``: a scanned model would stack
   (copy) all layer weights inside every step. ``fuse`` runs the steps through ``lrjax.fuse``.
+  ``attend_buckets`` (default: powers of two from 128, and ``max_len``): each decode step
+  attends over the smallest that holds every active row's context.
   """
 
   def __init__(self, model, *, max_slots: int = 8, max_len: int = 256,
                buckets: Sequence[int] | None = None, cache_dtype=None, lowrank_kv: bool = False,
-               fuse: bool = False, unroll_layers: bool = True):
+               fuse: bool = False, unroll_layers: bool = True,
+               attend_buckets: Sequence[int] | None = None):
     cfg = model.cfg
     if unroll_layers and getattr(model, "scan_layers", False):
       # The model's scan stacks every layer's weights inside each call: a full weight copy per
@@ -82,6 +85,12 @@ class Engine:
     self.buckets = tuple(sorted(set(buckets or default_buckets(max_len))))
     if self.buckets[-1] > max_len or self.buckets[0] < 1:
       raise ValueError(f"buckets={self.buckets} must lie in [1, {max_len=}]")
+    # Decode attends over the smallest of these (max_len always one) that holds every active
+    # row's context, not over the whole cache: one compiled step each.
+    ab = tuple(attend_buckets or default_buckets(max_len, 128))
+    if not all(isinstance(b, int) and 1 <= b <= max_len for b in ab):
+      raise ValueError(f"attend_buckets={ab} must be ints in [1, {max_len=}]")
+    self.attend_buckets = tuple(sorted(set(ab) | {max_len}))
     self.plan = getattr(model, "tp_plan", None)
     if self.plan is not None and max_slots % self.plan.mesh.shape["data"]:
       raise ValueError(f"{max_slots=} must be a multiple of the mesh's data axis "
@@ -129,8 +138,8 @@ class Engine:
   def _prefill(self, *args):
     return _prefill_jit(self._static, self._weights, *args)
 
-  def _decode(self, *args):
-    return _decode_jit(self._static, self._weights, *args)
+  def _decode(self, attend_len, *args):
+    return _decode_jit(self._static, attend_len, self._weights, *args)
 
   # ---- requests ------------------------------------------------------------------------------
   def _check(self, req: Request) -> list[int]:
@@ -211,7 +220,10 @@ class Engine:
       self._dev = tuple(jax.device_put(a, self._rep)
                         for a in (self._tokens, self._temp, self._topk, self._topp))
     toks, temp, topk, topp = self._dev
-    nxt_dev, self.cache = self._decode(self.cache, toks, self._keys, temp, topk, topp)
+    # every active row decodes at position len(prompt) + len(tokens) - 1
+    need = max(len(st["prompt"]) + len(st["tokens"]) for st in self._slots.values())
+    attend = next(b for b in self.attend_buckets if b >= min(need, self.max_len))
+    nxt_dev, self.cache = self._decode(attend, self.cache, toks, self._keys, temp, topk, topp)
     self._dev = (nxt_dev, temp, topk, topp)
     nxt = np.asarray(nxt_dev)
     now = time.perf_counter()
@@ -266,13 +278,14 @@ class _Static:
         self.value is other.value or (self._hash == other._hash and self.value == other.value))
 
 
-def _call(static, weights, method, *args):
+def _call(static, weights, method, *args, **static_kw):
   key = static.value
   model = nnx.merge(key.gdef, jax.tree.unflatten(key.treedef, weights))
   if key.lowrank:
     fn = {"prefill": lrkv.prefill, "decode": lrkv.decode}[method]
   else:
     fn = {"prefill": type(model).prefill, "decode": type(model).decode}[method]
+  fn = functools.partial(fn, **static_kw) if static_kw else fn
   if key.fuse:
     import lrjax
     fn = lrjax.fuse(fn)
@@ -305,11 +318,12 @@ def _prefill_jit(static, weights, cache, tokens, length, slot, key, temp, topk, 
   return sample(last, key, temp, topk, topp), _constrain(cache, static.value.shardings)
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
-def _decode_jit(static, weights, cache, tokens, keys, temp, topk, topp):
-  """tokens [slots], keys [slots] (each slot's request key) → (next tokens [slots], cache)."""
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
+def _decode_jit(static, attend_len, weights, cache, tokens, keys, temp, topk, topp):
+  """tokens [slots], keys [slots] (each slot's request key) → (next tokens [slots], cache);
+  attention over the first ``attend_len`` cache positions."""
   step_keys = jax.vmap(jax.random.fold_in)(keys, cache.pos)   # draw i of a request: its pos
-  logits, cache = _call(static, weights, "decode", tokens, cache)
+  logits, cache = _call(static, weights, "decode", tokens, cache, attend_len=attend_len)
   nxt = sample(logits, step_keys, temp, topk, topp)
   shardings = static.value.shardings
   if shardings is not None:

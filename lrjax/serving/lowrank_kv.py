@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from lrjax.lowering.kv_attention import lr_kv_attention
-from lrjax.models.llama import _mask, apply_rope, attend, rope_inv_freq
+from lrjax.models.llama import _mask, apply_rope, attend, check_attend_len, rope_inv_freq
 from lrjax.nn.linear import LowRankLinear
 
 
@@ -78,17 +78,18 @@ def _layer(layer, cfg, h, positions, inv, mask, zk_c, zv_c, write_pos):
   upd = jax.vmap(lambda c, n, p: jax.lax.dynamic_update_slice_in_dim(c, n, p, axis=0))
   zk_c = upd(zk_c, zk.astype(zk_c.dtype), write_pos)
   zv_c = upd(zv_c, zv.astype(zv_c.dtype), write_pos)
-  t = zk_c.shape[1]
+  t = mask.shape[-1]  # attended positions: all, or decode's attend_len
+  zk_t, zv_t = zk_c[:, :t], zv_c[:, :t]
   if s == 1 and attn.q_norm is None:  # decode: one primitive; V is never rebuilt
     q = apply_rope(q, positions, inv)
     bias = lambda p: None if p.bias is None else p.bias[...].astype(dt)
-    a = lr_kv_attention(q[:, 0].astype(dt), zk_c.astype(dt), zv_c.astype(dt), kp.v[...].astype(dt),
+    a = lr_kv_attention(q[:, 0].astype(dt), zk_t.astype(dt), zv_t.astype(dt), kp.v[...].astype(dt),
                         vp.v[...].astype(dt), positions[:, 0], inv, bias(kp), bias(vp),
                         window=cfg.sliding_window)[:, None].astype(q.dtype)
     h = h + attn.o_proj(a)
     return h + layer.mlp(layer.post_attention_layernorm(h)), zk_c, zv_c
-  k = _rebuild(kp, zk_c, dt).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-  v = _rebuild(vp, zv_c, dt).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+  k = _rebuild(kp, zk_t, dt).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+  v = _rebuild(vp, zv_t, dt).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
   if attn.q_norm is not None:
     q, k = attn.q_norm(q), attn.k_norm(k)
   kpos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -121,11 +122,12 @@ def prefill(model, tokens, cache: LowRankKVCache, lengths=None):
   return model._logits(h), LowRankKVCache(zk, zv, lengths)
 
 
-def decode(model, tokens, cache: LowRankKVCache):
-  """Like ``LlamaForCausalLM.decode`` with a :class:`LowRankKVCache`."""
+def decode(model, tokens, cache: LowRankKVCache, attend_len: int | None = None):
+  """Like ``LlamaForCausalLM.decode`` (``attend_len`` too) with a :class:`LowRankKVCache`."""
   b = tokens.shape[0]
+  t_len = check_attend_len(attend_len, cache.max_len, cache.pos)
   pos = cache.pos[:, None]
-  t = jnp.broadcast_to(jnp.arange(cache.max_len, dtype=jnp.int32), (b, cache.max_len))
+  t = jnp.broadcast_to(jnp.arange(t_len, dtype=jnp.int32), (b, t_len))
   mask = _mask(pos, t, t <= pos, model.cfg.sliding_window)
   h, zk, zv = _run(model, model.embed(tokens[:, None]), pos, mask, cache, cache.pos)
   return model._logits(h)[:, 0], LowRankKVCache(zk, zv, cache.pos + 1)

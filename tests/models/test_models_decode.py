@@ -74,6 +74,32 @@ def test_cached_partial_decode_loop_matches():
     assert _rel(logits, full[:, t]) <= 1e-5, t
 
 
+def test_decode_over_the_first_attend_len_positions_matches():
+  """attend_len reads a prefix of the cache: same logits and cache as the whole cache; a row
+  past it, or a bad attend_len, is an error (checked when pos is concrete)."""
+  from lrjax.models.llama import KVCache as KV
+  from lrjax.serving import lowrank_kv
+  from lrjax.sharding.analysis import compressed_ranks
+  cfg = CONFIGS["gqa"]
+  m = _model(cfg, [compressed_ranks(cfg, 0.4, 8)] * cfg.num_layers, scan=False)
+  tok = _tokens(2, 6, cfg.vocab_size)
+  _, cache = prefill_step(m, tok[:, :4], KV.init(cfg, 2, 32))
+  full, c_full = m.decode(tok[:, 4], cache)
+  part, c_part = m.decode(tok[:, 4], cache, attend_len=8)
+  assert _rel(part, full) <= 1e-6
+  assert np.array_equal(np.asarray(c_part.k), np.asarray(c_full.k))
+  with pytest.raises(ValueError, match="past attend_len=4"):
+    m.decode(tok[:, 4], cache, attend_len=4)
+  for bad in (0, 33, 8.0):
+    with pytest.raises(ValueError, match="must be a Python int"):
+      m.decode(tok[:, 4], cache, attend_len=bad)
+  lr = lowrank_kv.LowRankKVCache.init(m, 2, 32, jnp.float32)
+  _, lr = lowrank_kv.prefill(m, tok[:, :4], lr)
+  full, _ = lowrank_kv.decode(m, tok[:, 4], lr)
+  part, _ = lowrank_kv.decode(m, tok[:, 4], lr, attend_len=8)
+  assert _rel(part, full) <= 1e-6
+
+
 def test_ragged_prefill_rows_continue_independently():
   cfg = CONFIGS["gqa"]
   m = _model(cfg)

@@ -230,3 +230,24 @@ def test_steps_do_not_hash_the_graph(model, monkeypatch):
   out = eng.generate(reqs())
   assert all(len(r.tokens) == 6 for r in out)
   assert not calls
+
+
+def test_decode_attends_only_the_context_bucket(model):
+  """attend_buckets: each step reads the smallest bucket holding every row's context; the
+  tokens are those of attending over the whole cache."""
+  from lrjax.serving import engine as engine_mod
+  rng = np.random.default_rng(random.randrange(1 << 20))
+  ps = prompts(2, rng) + [list(rng.integers(0, CFG.vocab_size, size=14))]
+  reqs = lambda: [Request(p, SamplingParams(max_new_tokens=24)) for p in ps]  # noqa: E731
+  whole = Engine(model, max_slots=3, max_len=MAX_LEN, buckets=(16,),
+                 attend_buckets=(MAX_LEN,)).generate(reqs())
+  before = engine_mod._decode_jit._cache_size()
+  eng = Engine(model, max_slots=3, max_len=MAX_LEN, buckets=(16,), attend_buckets=(16, 24, 32))
+  assert eng.attend_buckets == (16, 24, 32, MAX_LEN)
+  got = eng.generate(reqs())
+  assert [r.tokens for r in got] == [r.tokens for r in whole]
+  # the longest context grows from 15 to 37 tokens: new steps over 16, 24 and 32 positions
+  # (the one over all 40 is the whole-cache engine's)
+  assert engine_mod._decode_jit._cache_size() - before == 3
+  with pytest.raises(ValueError, match="attend_buckets"):
+    Engine(model, max_slots=1, max_len=MAX_LEN, attend_buckets=(64,))
