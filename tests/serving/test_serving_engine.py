@@ -251,3 +251,6 @@ def test_decode_attends_only_the_context_bucket(model):
   assert engine_mod._decode_jit._cache_size() - before == 3
   with pytest.raises(ValueError, match="attend_buckets"):
     Engine(model, max_slots=1, max_len=MAX_LEN, attend_buckets=(64,))
+  lowrank = [Engine(model, max_slots=3, max_len=MAX_LEN, buckets=(16,), lowrank_kv=True,
+                    attend_buckets=ab).generate(reqs()) for ab in ((MAX_LEN,), (16, 24, 32))]
+  assert [r.tokens for r in lowrank[0]] == [r.tokens for r in lowrank[1]]
