@@ -4,9 +4,11 @@ The registry asks ``faster`` before it lowers a primitive with a Triton kernel: 
 verdict of the benchmarked shape nearest to the call's (distance: |log2| of the token
 ratio plus |log2| of the weight-bytes ratio, same op), smoothed over that shape's
 neighbouring token counts. Calls whose factors are more than EXTRAPOLATE times smaller or
-larger than every benchmarked shape's go to XLA (e.g. TP shards of small factors). Where the kernel measured slower than XLA's unfused chain there
-(median ratio below PARITY), the call is declined and XLA lowers the reference; ``lrjax.lowering.prefer_kernels()`` overrides that. Non-gated MLPs use the
-SwiGLU measurements. Measured on one H200; other NVIDIA GPUs get the same verdicts.
+larger than every benchmarked shape's go to XLA (e.g. TP shards of small factors). Where the
+kernel measured slower than XLA's unfused chain there (median ratio below PARITY), the call is
+declined and XLA lowers the reference; ``lrjax.lowering.prefer_kernels()`` overrides that.
+Non-gated MLPs use the SwiGLU measurements. Measured on one H200; other NVIDIA GPUs get the
+same verdicts.
 
 RECORDS is generated from the committed benchmark results, never edited by hand:
 ``python benchmarks/gpu_lowrank.py --emit-policy benchmarks/results/gpu_lowrank_h200.json``

@@ -420,7 +420,8 @@ def check_attend_len(attend_len, max_len: int, pos) -> int:
   """``attend_len`` (default ``max_len``) after checking it; rows' ``pos`` too when concrete."""
   if attend_len is None:
     return max_len
-  if not isinstance(attend_len, int) or not 1 <= attend_len <= max_len:
+  if (not isinstance(attend_len, int) or isinstance(attend_len, bool)
+      or not 1 <= attend_len <= max_len):
     raise ValueError(f"{attend_len=} must be a Python int in [1, max_len={max_len}]")
   if not isinstance(pos, jax.core.Tracer) and int(jnp.max(pos)) >= attend_len:
     raise ValueError(f"a row is at position {int(jnp.max(pos))}, past {attend_len=}: its key "

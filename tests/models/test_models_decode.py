@@ -90,7 +90,7 @@ def test_decode_over_the_first_attend_len_positions_matches():
   assert np.array_equal(np.asarray(c_part.k), np.asarray(c_full.k))
   with pytest.raises(ValueError, match="past attend_len=4"):
     m.decode(tok[:, 4], cache, attend_len=4)
-  for bad in (0, 33, 8.0):
+  for bad in (0, 33, 8.0, True):
     with pytest.raises(ValueError, match="must be a Python int"):
       m.decode(tok[:, 4], cache, attend_len=bad)
   lr = lowrank_kv.LowRankKVCache.init(m, 2, 32, jnp.float32)
