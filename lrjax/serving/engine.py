@@ -7,8 +7,9 @@ The KV cache is one static-shape buffer [layers, slots, max_len, kv_heads, head_
 rank-space :class:`~lrjax.serving.lowrank_kv.LowRankKVCache`), sharded by the model's
 :class:`~lrjax.sharding.TPPlan` and donated to every step. A new request is prefilled into a free
 slot (prompt right-padded to a length bucket, so compiles are bounded by the bucket count); all
-slots then decode together, one token per step; a finished request frees its slot between
-steps and the next waiting request joins.
+slots then decode together, one token per step, attending over the smallest attend bucket that
+holds every active row's context (one compile per attend bucket); a finished request frees its
+slot between steps and the next waiting request joins.
 """
 from __future__ import annotations
 
