@@ -108,7 +108,10 @@ class Engine:
     self._cache_shardings = None      # (sharding of the two cache arrays, of pos): hashable
     if self.plan is not None:
       mesh = self.plan.mesh
-      self._cache_shardings = (NamedSharding(mesh, spec), NamedSharding(mesh, P()))
+      # spelled as the steps return it (size-1 mesh axes and trailing Nones dropped), so the
+      # fresh cache and every step's output share one compiled variant of each step
+      self._cache_shardings = (NamedSharding(mesh, _canonical_spec(spec, mesh)),
+                               NamedSharding(mesh, P()))
       cache = jax.device_put(cache, _cache_tree(cache, self._cache_shardings))
     else:   # committed from the start, like every step's output: one compiled variant
       cache = jax.device_put(cache, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
@@ -236,6 +239,39 @@ class Engine:
       self._maybe_finish(slot, finished)
     return finished
 
+  def warmup(self) -> int:
+    """Compile every step this engine can take (a prefill per length bucket, a decode per
+    attend bucket) before serving, so no request waits on a compile. Only while idle: it runs
+    the steps on the free slots' rows. Returns the number of steps run."""
+    if self.busy:
+      raise RuntimeError("warmup() needs an idle engine (no active or waiting requests)")
+    done = 0
+    for b in self.buckets:
+      t0 = time.perf_counter()
+      first, self.cache = self._prefill(
+          self.cache, jnp.zeros((1, b), jnp.int32), jnp.int32(b), jnp.int32(0),
+          jax.random.key(0), self._temp[:1], self._topk[:1], self._topp[:1])
+      first.block_until_ready()
+      done += 1
+      log.info("engine warmup: prefill over %d tokens in %.1f s", b, time.perf_counter() - t0)
+    self._reset_positions()
+    toks, temp, topk, topp = (jax.device_put(a, self._rep)
+                              for a in (self._tokens, self._temp, self._topk, self._topp))
+    for b in self.attend_buckets:
+      t0 = time.perf_counter()
+      nxt, self.cache = self._decode(b, self.cache, toks, self._keys, temp, topk, topp)
+      nxt.block_until_ready()
+      done += 1
+      log.info("engine warmup: decode over %d positions in %.1f s", b, time.perf_counter() - t0)
+    self._reset_positions()
+    self._dev = None
+    return done
+
+  def _reset_positions(self):
+    pos = self.cache.pos
+    self.cache = dataclasses.replace(
+        self.cache, pos=jax.device_put(jnp.zeros(pos.shape, pos.dtype), pos.sharding))
+
   @property
   def busy(self) -> bool:
     return bool(self._slots or self._waiting)
@@ -248,6 +284,18 @@ class Engine:
       for r in self.step():
         done[r.id] = r
     return [done[i] for i in ids]
+
+
+def _canonical_spec(spec, mesh) -> P:
+  """``spec`` without size-1 mesh axes or trailing Nones: how XLA spells a step's output."""
+  out = []
+  for a in spec:
+    names = tuple(n for n in (a if isinstance(a, tuple) else (a,))
+                  if n is not None and mesh.shape[n] > 1)
+    out.append(None if not names else names[0] if len(names) == 1 else names)
+  while out and out[-1] is None:
+    out.pop()
+  return P(*out)
 
 
 def _cache_tree(cache, shardings):

@@ -31,10 +31,17 @@ ps = [list(map(int, rng.integers(0, 128, size=n))) for n in (3, 9, 1, 6)]
 reqs = lambda: [Request(p, SamplingParams(max_new_tokens=5)) for p in ps]  # noqa: E731
 kw = dict(max_slots=3, max_len=32, buckets=(16,))
 out = {"single": [r.tokens for r in load_engine(ckpt, **kw).generate(reqs())]}
+from lrjax.serving import engine as engine_mod  # noqa: E402
+compiles = lambda: (engine_mod._prefill_jit._cache_size(),  # noqa: E731
+                    engine_mod._decode_jit._cache_size())
 for strategy, tp, lowrank in (("lowrank_tp", 4, False), ("naive_tp", 2, False),
                               ("lowrank_tp", 4, True)):
   eng = load_engine(ckpt, tp=tp, strategy=strategy, lowrank_kv=lowrank, **kw)
+  eng.warmup()
+  before = compiles()
   out[f"{strategy}_{tp}_{lowrank}"] = [r.tokens for r in eng.generate(reqs())]
+  out[f"compiled_after_warmup_{strategy}_{tp}_{lowrank}"] = [
+      a - b for a, b in zip(compiles(), before)]
 # Fused steps with opaque stand-in kernels, partitioned onto local shards.
 from lrjax.sharding.testing import callback_kernels  # noqa: E402
 with callback_kernels(execute=True):

@@ -254,3 +254,23 @@ def test_decode_attends_only_the_context_bucket(model):
   lowrank = [Engine(model, max_slots=3, max_len=MAX_LEN, buckets=(16,), lowrank_kv=True,
                     attend_buckets=ab).generate(reqs()) for ab in ((MAX_LEN,), (16, 24, 32))]
   assert [r.tokens for r in lowrank[0]] == [r.tokens for r in lowrank[1]]
+
+
+def test_warmup_compiles_every_step_before_serving(model):
+  from lrjax.serving import engine as engine_mod
+  rng = np.random.default_rng(random.randrange(1 << 20))
+  ps = prompts(3, rng) + [list(rng.integers(0, CFG.vocab_size, size=14))]
+  reqs = lambda: [Request(p, SamplingParams(max_new_tokens=20)) for p in ps]  # noqa: E731
+  kw = dict(max_len=MAX_LEN, buckets=(8, 16), attend_buckets=(20, 28))
+  sizes = lambda: (engine_mod._prefill_jit._cache_size(), engine_mod._decode_jit._cache_size())  # noqa: E731
+  eng = Engine(model, max_slots=5, **kw)   # a slot count no other test compiles for
+  before = sizes()
+  assert eng.warmup() == 2 + 3   # prefill at 8 and 16 tokens; decode over 20, 28 and 40
+  assert sizes() == (before[0] + 2, before[1] + 3)
+  warm = eng.generate(reqs())
+  assert sizes() == (before[0] + 2, before[1] + 3)  # nothing left to compile
+  cold = Engine(model, max_slots=3, **kw).generate(reqs())
+  assert [r.tokens for r in warm] == [r.tokens for r in cold]
+  eng.submit(Request(ps[0]))
+  with pytest.raises(RuntimeError, match="idle"):
+    eng.warmup()

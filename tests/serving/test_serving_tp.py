@@ -25,6 +25,8 @@ def test_engine_and_cli_on_n_devices_match_one_device(tmp_path):
   for key in ("lowrank_tp_4_False", "naive_tp_2_False", "lowrank_tp_4_True",
               "fused_lowrank_tp_4", "fused_naive_tp_2"):
     assert out[key] == single, (key, seed)
+  for key in ("lowrank_tp_4_False", "naive_tp_2_False", "lowrank_tp_4_True"):
+    assert out[f"compiled_after_warmup_{key}"] == [0, 0], key   # warmup() compiled every step
   assert out["strategy"] == "lowrank_tp"
   assert out["q_u_spec"] == ["None", "tp"]
   assert out["q_u_shard_shape"] == [64, out["q_rank"] // 4]     # restored as local shards
