@@ -54,8 +54,33 @@ def serve(model, args, max_len, attend_buckets):
           "tokens_per_s": n / wall}
 
 
+def plot(path_json: str) -> str:
+  """ITL over max_len beside the JSON (whole cache vs context bucket). Needs matplotlib."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  with open(path_json) as fh:
+    recs = sorted(json.load(fh)["records"], key=lambda r: r["max_len"])
+  fig, ax = plt.subplots(figsize=(5, 3.6))
+  x = [r["max_len"] for r in recs]
+  for key, style, label in (("whole", "x--", "attend over the whole cache"),
+                            ("buckets", "o-", "attend over a context bucket")):
+    ax.plot(x, [r[key]["itl_ms_median"] for r in recs], style, label=label)
+  ax.set(yscale="log", xlabel="engine max_len", ylabel="ITL, ms (median)",
+         title="decode step vs cache size")
+  ax.set_xscale("log", base=2)
+  ax.set_xticks(x, [str(v) for v in x])
+  ax.minorticks_off()
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  out = os.path.splitext(path_json)[0] + ".png"
+  fig.savefig(out, dpi=110)
+  return out
+
+
 def main():
   ap = argparse.ArgumentParser()
+  ap.add_argument("--plot", metavar="JSON", help="only draw the plot of a results file")
   ap.add_argument("--model", choices=["tiny", "8b"], default="tiny")
   ap.add_argument("--layers", type=int, default=4)
   ap.add_argument("--max-len", type=int, nargs="+", default=[512, 2048, 8192])
@@ -65,6 +90,9 @@ def main():
   ap.add_argument("--dtype", default="float32")
   ap.add_argument("--out", default=None)
   args = ap.parse_args()
+  if args.plot:
+    print("wrote", plot(args.plot))
+    return
   if min(args.max_len) <= args.prompt_len + args.new_tokens:
     ap.error(f"--max-len must exceed --prompt-len + --new-tokens "
              f"({args.prompt_len + args.new_tokens})")

@@ -199,8 +199,52 @@ def run_model(name, cfg, args, dtype, out, save):
         save()
 
 
+def plot(path_json: str) -> str:
+  """Beside the JSON: decode step per strategy over TP (one panel per model and batch), and
+  lowrank_tp's speed-up over naive_tp per compression ratio. Needs matplotlib."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  with open(path_json) as fh:
+    recs = [r for r in json.load(fh)["records"] if "step_ms" in r and not r.get("fuse")]
+  panels = sorted({(r["model"], r["batch"]) for r in recs})
+  fig, axes = plt.subplots(1, len(panels) + 1, figsize=(4.2 * (len(panels) + 1), 3.8))
+  for ax, (model, batch) in zip(axes, panels):
+    for strategy, style in (("dense", "s:"), ("naive_tp", "x--"), ("lowrank_tp", "o-")):
+      rs = sorted((r for r in recs if (r["model"], r["batch"], r["strategy"]) ==
+                   (model, batch, strategy) and r["ratio"] in (None, 0.4)), key=lambda r: r["tp"])
+      ax.plot([r["tp"] for r in rs], [r["step_ms"] for r in rs], style, label=strategy)
+    ax.set(xlabel="TP", ylabel="ms per decode step", title=f"{model}, batch {batch}")
+    ax.legend(fontsize=7)
+  ax = axes[-1]
+  for (model, ratio, batch) in sorted({(r["model"], r["ratio"], r["batch"]) for r in recs
+                                       if r["strategy"] == "lowrank_tp"}):
+    pts = []
+    for r in sorted(recs, key=lambda r: r["tp"]):
+      if (r["model"], r["ratio"], r["batch"], r["strategy"]) == (model, ratio, batch, "naive_tp"):
+        low = next((q for q in recs if (q["model"], q["ratio"], q["batch"], q["tp"],
+                                         q["strategy"]) == (model, ratio, batch, r["tp"],
+                                                            "lowrank_tp")), None)
+        if low:
+          pts.append((r["tp"], r["step_ms"] / low["step_ms"]))
+    ax.plot(*zip(*pts), "o-" if batch >= 32 else "x--", label=f"{model} r{ratio} b{batch}")
+  ax.axhline(1.3, color="gray", lw=0.8)
+  ax.set(xlabel="TP", ylabel="lowrank_tp / naive_tp speed", title="speed-up (target 1.3x)")
+  ax.legend(fontsize=6)
+  tps = sorted({r["tp"] for r in recs})
+  for ax in axes:
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(tps, [str(t) for t in tps])
+    ax.minorticks_off()
+  fig.tight_layout()
+  out = os.path.splitext(path_json)[0] + ".png"
+  fig.savefig(out, dpi=110)
+  return out
+
+
 def main():
   ap = argparse.ArgumentParser()
+  ap.add_argument("--plot", metavar="JSON", help="only draw the plot of a results file")
   ap.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["8b"])
   ap.add_argument("--tp", type=int, nargs="+", default=[2, 4])
   ap.add_argument("--strategies", nargs="+", default=["dense", "naive_tp", "lowrank_tp"])
@@ -224,6 +268,9 @@ def main():
   ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                 "tp_h200.json"))
   args = ap.parse_args()
+  if args.plot:
+    print("wrote", plot(args.plot))
+    return
   dtype = jnp.dtype(args.dtype)
   start = time.perf_counter()
   run = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
