@@ -829,6 +829,7 @@ def evaluate_targets(records) -> list[dict]:
 def _plot_kv_attention(recs, path_json, plt) -> str:
   """Time and temporary memory per shape: the kernel, XLA's reference lowering, and a
   dense cache."""
+  from plotting import save_beside
   labels = [f"B={r['M']}\nT={r['K']}\nr={r['r']}" for r in recs]
   x = np.arange(len(recs))
   fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
@@ -845,17 +846,13 @@ def _plot_kv_attention(recs, path_json, plt) -> str:
   for ax in axes:
     ax.set_xticks(x, labels, fontsize=7)
     ax.legend(fontsize=7)
-  fig.tight_layout()
-  out = os.path.splitext(path_json)[0] + ".png"
-  fig.savefig(out, dpi=110)
-  return out
+  return save_beside(fig, path_json)
 
 
 def plot(path_json: str) -> str:
   """Plots a results JSON beside it (PNG): roofline fractions and speedups vs XLA."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  from plotting import pyplot, save_beside
+  plt = pyplot()
   recs = json.load(open(path_json))["records"]
   auto = [r for r in recs if r["variant"] == "auto" and r.get("canonical", True)]
   if auto and all(r["op"] == "kv_attention" for r in auto):
@@ -896,10 +893,7 @@ def plot(path_json: str) -> str:
   ax.set(xscale="log", xlabel="tokens T", ylabel="speedup (higher is better)",
          title="fused low-rank SwiGLU MLP")
   ax.legend(fontsize=7)
-  fig.tight_layout()
-  out = os.path.splitext(path_json)[0] + ".png"
-  fig.savefig(out, dpi=110)
-  return out
+  return save_beside(fig, path_json)
 
 
 def main():

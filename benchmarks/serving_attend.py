@@ -56,9 +56,8 @@ def serve(model, args, max_len, attend_buckets):
 
 def plot(path_json: str) -> str:
   """ITL over max_len beside the JSON (whole cache vs context bucket). Needs matplotlib."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  from plotting import pyplot, save_beside
+  plt = pyplot()
   with open(path_json) as fh:
     recs = sorted(json.load(fh)["records"], key=lambda r: r["max_len"])
   fig, ax = plt.subplots(figsize=(5, 3.6))
@@ -72,10 +71,7 @@ def plot(path_json: str) -> str:
   ax.set_xticks(x, [str(v) for v in x])
   ax.minorticks_off()
   ax.legend(fontsize=7)
-  fig.tight_layout()
-  out = os.path.splitext(path_json)[0] + ".png"
-  fig.savefig(out, dpi=110)
-  return out
+  return save_beside(fig, path_json)
 
 
 def main():

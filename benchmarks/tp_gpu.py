@@ -202,9 +202,8 @@ def run_model(name, cfg, args, dtype, out, save):
 def plot(path_json: str) -> str:
   """Beside the JSON: decode step per strategy over TP (one panel per model and batch), and
   lowrank_tp's speed-up over naive_tp per compression ratio. Needs matplotlib."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  from plotting import pyplot, save_beside
+  plt = pyplot()
   with open(path_json) as fh:
     recs = [r for r in json.load(fh)["records"] if "step_ms" in r and not r.get("fuse")]
   panels = sorted({(r["model"], r["batch"]) for r in recs})
@@ -236,10 +235,7 @@ def plot(path_json: str) -> str:
     ax.set_xscale("log", base=2)
     ax.set_xticks(tps, [str(t) for t in tps])
     ax.minorticks_off()
-  fig.tight_layout()
-  out = os.path.splitext(path_json)[0] + ".png"
-  fig.savefig(out, dpi=110)
-  return out
+  return save_beside(fig, path_json)
 
 
 def main():
