@@ -86,7 +86,7 @@ def test_decode_over_the_first_attend_len_positions_matches():
   _, cache = prefill_step(m, tok[:, :4], KV.init(cfg, 2, 32))
   full, c_full = m.decode(tok[:, 4], cache)
   part, c_part = m.decode(tok[:, 4], cache, attend_len=8)
-  assert _rel(part, full) <= 1e-6
+  assert _rel(part, full) <= 1e-5
   assert np.array_equal(np.asarray(c_part.k), np.asarray(c_full.k))
   with pytest.raises(ValueError, match="past attend_len=4"):
     m.decode(tok[:, 4], cache, attend_len=4)
@@ -97,7 +97,7 @@ def test_decode_over_the_first_attend_len_positions_matches():
   _, lr = lowrank_kv.prefill(m, tok[:, :4], lr)
   full, _ = lowrank_kv.decode(m, tok[:, 4], lr)
   part, _ = lowrank_kv.decode(m, tok[:, 4], lr, attend_len=8)
-  assert _rel(part, full) <= 1e-6
+  assert _rel(part, full) <= 1e-5
 
 
 def test_ragged_prefill_rows_continue_independently():
