@@ -405,10 +405,8 @@ class LlamaForCausalLM(nnx.Module):
     tokens = _check_tokens(tokens, 1)
     b = tokens.shape[0]
     _check_cache(cache, self.cfg, b, 1)
-    t_len = check_attend_len(attend_len, cache.max_len, cache.pos)
     pos = cache.pos[:, None]                                          # [B, 1]
-    t = jnp.broadcast_to(jnp.arange(t_len, dtype=jnp.int32), (b, t_len))
-    mask = _mask(pos, t, t <= pos, self.cfg.sliding_window)
+    mask = decode_mask(cache.pos, cache.max_len, attend_len, self.cfg.sliding_window)
     # Python loop: a per-step stack of the layer weights for lax.scan would double the weight
     # traffic of a bandwidth-bound step.
     h, (k, v) = self._run_layers(self.embed(tokens[:, None]), pos, mask, cache, cache.pos,
@@ -416,17 +414,17 @@ class LlamaForCausalLM(nnx.Module):
     return self._logits(h)[:, 0], KVCache(k, v, cache.pos + 1)
 
 
-def check_attend_len(attend_len, max_len: int, pos) -> int:
-  """``attend_len`` (default ``max_len``) after checking it; rows' ``pos`` too when concrete."""
-  if attend_len is None:
-    return max_len
-  if (not isinstance(attend_len, int) or isinstance(attend_len, bool)
-      or not 1 <= attend_len <= max_len):
+def decode_mask(pos, max_len: int, attend_len=None, window=None):
+  """[B, 1, T] decode mask of rows at ``pos`` [B] over the first T = ``attend_len`` (default
+  ``max_len``) cache positions; ``attend_len`` checked, and ``pos`` against it when concrete."""
+  t_len = max_len if attend_len is None else attend_len
+  if not isinstance(t_len, int) or isinstance(t_len, bool) or not 1 <= t_len <= max_len:
     raise ValueError(f"{attend_len=} must be a Python int in [1, max_len={max_len}]")
-  if not isinstance(pos, jax.core.Tracer) and int(jnp.max(pos)) >= attend_len:
+  if not isinstance(pos, jax.core.Tracer) and int(jnp.max(pos)) >= t_len:
     raise ValueError(f"a row is at position {int(jnp.max(pos))}, past {attend_len=}: its key "
                      "would fall outside the attended positions")
-  return attend_len
+  t = jnp.broadcast_to(jnp.arange(t_len, dtype=jnp.int32), (pos.shape[0], t_len))
+  return _mask(pos[:, None], t, t <= pos[:, None], window)
 
 
 def _check_tokens(tokens, ndim):

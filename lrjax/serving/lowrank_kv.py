@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from lrjax.lowering.kv_attention import lr_kv_attention
-from lrjax.models.llama import _mask, apply_rope, attend, check_attend_len, rope_inv_freq
+from lrjax.models.llama import _mask, apply_rope, attend, decode_mask, rope_inv_freq
 from lrjax.nn.linear import LowRankLinear
 
 
@@ -124,11 +124,8 @@ def prefill(model, tokens, cache: LowRankKVCache, lengths=None):
 
 def decode(model, tokens, cache: LowRankKVCache, attend_len: int | None = None):
   """Like ``LlamaForCausalLM.decode`` (``attend_len`` too) with a :class:`LowRankKVCache`."""
-  b = tokens.shape[0]
-  t_len = check_attend_len(attend_len, cache.max_len, cache.pos)
   pos = cache.pos[:, None]
-  t = jnp.broadcast_to(jnp.arange(t_len, dtype=jnp.int32), (b, t_len))
-  mask = _mask(pos, t, t <= pos, model.cfg.sliding_window)
+  mask = decode_mask(cache.pos, cache.max_len, attend_len, model.cfg.sliding_window)
   h, zk, zv = _run(model, model.embed(tokens[:, None]), pos, mask, cache, cache.pos)
   return model._logits(h)[:, 0], LowRankKVCache(zk, zv, cache.pos + 1)
 
