@@ -9,6 +9,7 @@ step). Writes benchmarks/results/lowrank_kv_<platform>.json.
   python benchmarks/lowrank_kv.py [--ctx 1024 4096] [--tp 1]
 """
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -39,7 +40,7 @@ def run(model, cfg, args, ctx, lowrank, dtype, plan):
   gdef, state = nnx.split(model)
   if lowrank:
     cache = lrkv.LowRankKVCache.init(model, args.batch, ctx, dtype)
-    spec = jax.sharding.PartitionSpec(None, "data") if plan else None
+    spec = jax.sharding.PartitionSpec("data") if plan else None
   else:
     cache = KVCache.init(cfg, args.batch, ctx, dtype)
     spec = plan.cache_sharding().spec if plan else None
@@ -50,15 +51,11 @@ def run(model, cfg, args, ctx, lowrank, dtype, plan):
     sh = jax.tree.map(lambda a: a.sharding, cache)
   dec = lrkv.decode if lowrank else type(model).decode
   fn = greedy_loop(gdef, dec, args.steps, sh)
-  half = lambda c: jax.device_put(dataclass_replace(c, jnp.full((args.batch,), ctx // 2,  # noqa: E731
-                                                                jnp.int32)), sh)
+  half = lambda c: jax.device_put(  # noqa: E731
+      dataclasses.replace(c, pos=jnp.full((args.batch,), ctx // 2, jnp.int32)), sh)
   tok = jnp.zeros((args.batch,), jnp.int32)
   times, _, _, _ = time_loop(fn, state, cache, tok, half, args.reps)
   return median_step(times, args.steps) * 1e3
-
-
-def dataclass_replace(c, pos):
-  return type(c)(*(list(jax.tree.leaves(c))[:2]), pos)
 
 
 def main():

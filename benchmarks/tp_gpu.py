@@ -10,7 +10,8 @@ strategy:
            inside one jit (a fori_loop), timed on the host around block_until_ready (the
            steps amortise the dispatch), median of ``--reps``; per-step latency, tokens/s,
            per-device bytes read and the fraction of the HBM roofline (bytes / 4.3 TB/s).
-           With ``--fuse``, also the Triton calls in the compiled step.
+           With ``--fuse``, also the Triton calls in the compiled step; with ``--profile``,
+           the GPU's busy time per step and the kernels that fill it (one traced call).
   serving  ``--requests`` concurrent requests through lrjax.serving.Engine (continuous batching,
            prompts of ``--prompt-len``): TTFT (submit → first token) and ITL (token gaps),
            median and p90, after a warm-up pass that compiles every shape.
@@ -27,6 +28,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -100,6 +102,31 @@ def fused_ops(gdef, state, cache, toks):
   return {p: text.count(f" {p}[") for p in ("lr_xuv", "lr_mlp")}
 
 
+def kernel_profile(fn, fn_args, steps, top=12):
+  """One traced call ``fn(*fn_args)`` of the decode loop. Returns its outputs and, per step,
+  the GPU's busy time (the union of kernel intervals) and the ``top`` kernel names by time
+  (trailing layer and fusion numbers stripped, so a name sums over the layers)."""
+  import tempfile
+  from gpu_lowrank import device_kernel_events
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d):
+      outs = jax.block_until_ready(fn(*fn_args))
+    events = sorted(device_kernel_events(d))
+  busy, end = 0, None
+  by_name = {}
+  for s, e, name in events:
+    busy += e - s if end is None or s > end else max(0, e - end)
+    end = e if end is None else max(end, e)
+    key = re.sub(r"([._]\d+)+$", "", name)[:64]
+    t, n = by_name.get(key, (0, 0))
+    by_name[key] = (t + e - s, n + 1)
+  kernels = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+  return outs, {
+      "gpu_busy_ms": busy / steps / 1e6, "gpu_span_ms": (end - events[0][0]) / steps / 1e6,
+      "kernels": [{"name": k, "us_per_step": t / steps / 1e3, "launches_per_step": n / steps}
+                  for k, (t, n) in kernels]}
+
+
 def time_decode(model, plan, args, dtype):
   cfg = model.cfg
   gdef, state = nnx.split(model)
@@ -120,6 +147,8 @@ def time_decode(model, plan, args, dtype):
     text = fn.lower(state, half(cache), toks).compile().as_text()
     kernels = {"triton_calls": text.count('custom_call_target="triton_kernel_call'),  # +_ffi
                "fused_ops_in_jaxpr": fused_ops(gdef, state, cache, toks)}
+  if args.profile:
+    (cache, toks), kernels["profile"] = kernel_profile(fn, (state, half(cache), toks), args.steps)
   w_bytes = device_bytes(state)
   kv_bytes = device_bytes(cache)
   return {"step_ms": step * 1e3, "tokens_per_s": args.batch / step,
@@ -257,6 +286,8 @@ def main():
   ap.add_argument("--no-serving", action="store_true")
   ap.add_argument("--fuse", action="store_true",
                   help="run the steps through lrjax.fuse (Triton kernels on GPU, per the policy)")
+  ap.add_argument("--profile", action="store_true",
+                  help="also trace one call: GPU busy time and top kernels per step")
   ap.add_argument("--dtype", default="bfloat16")
   ap.add_argument("--smoke", action="store_true", help="tiny dims (CPU check of the script)")
   ap.add_argument("--append", action="store_true",
@@ -267,6 +298,9 @@ def main():
   if args.plot:
     print("wrote", plot(args.plot))
     return
+  if args.profile and jax.devices()[0].platform != "gpu":
+    raise SystemExit(f"--profile reads GPU kernel traces; this machine's devices are "
+                     f"{jax.devices()}")
   dtype = jnp.dtype(args.dtype)
   start = time.perf_counter()
   run = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -144,22 +144,37 @@ def attend(q, k, v, mask):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-  """Static-shape KV cache. k, v [layers, batch, max_len, kv_heads, head_dim]; pos [batch] int32.
+  """Static-shape KV cache, one buffer per layer: ``k[i]``, ``v[i]`` [batch, max_len, kv_heads,
+  head_dim] (tuples of num_layers arrays); pos [batch] int32.
 
-  ``pos[b]`` is the number of valid positions of row b (the next write index).
+  ``pos[b]`` is the number of valid positions of row b (the next write index). Per-layer
+  buffers, not one [layers, ...] array: XLA copies a layer's slice out of a stacked array before
+  attention reads it (two memcpys a layer on an H200, 16-25 % of a Llama-3-8B decode step at
+  batch 8-16: benchmarks/results/model_1gpu_h200.json), while a buffer of its own is read where
+  it lies and updated in place.
   """
-  k: jax.Array
-  v: jax.Array
+  k: tuple
+  v: tuple
   pos: jax.Array
 
   @classmethod
   def init(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> "KVCache":
-    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+    shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))  # noqa: E731
+    return cls(zeros(), zeros(), jnp.zeros((batch,), jnp.int32))
 
   @property
   def max_len(self) -> int:
-    return self.k.shape[2]
+    return self.k[0].shape[1]
+
+
+def write_kv(buf, new, write_pos):
+  """``buf`` [B,T,...] with ``new`` [B,S,...] written at positions ``write_pos`` [B] + 0..S-1
+  (in place when ``buf`` is donated); writes past T are dropped."""
+  b, s = new.shape[:2]
+  rows = jnp.arange(b)[:, None]
+  cols = write_pos[:, None] + jnp.arange(s, dtype=jnp.int32)[None]
+  return buf.at[rows, cols].set(new.astype(buf.dtype), mode="drop")
 
 
 class Attention(nnx.Module):
@@ -221,27 +236,19 @@ class DecoderLayer(nnx.Module):
     """One block. Returns (h, kv).
 
     Without ``kv`` attention is over this call's keys (``mask`` [B,S,S]). With ``kv`` =
-    (k_all, v_all, i), the whole caches [L,B,T,KV,D] and this layer's index, the new keys and
-    values are scattered into layer i at positions ``write_pos`` [B] + 0..S-1 (in place when
-    the cache is donated); kv comes back updated. Attention then covers layer i's cache under
-    ``mask`` [B,S,T], or only this call's keys if ``attend_cache`` is False (prefill of an
-    empty cache, ``mask`` [B,S,S]). ``taps``, a dict, receives the projection inputs.
+    (k_buf, v_buf), this layer's cache buffers [B,T,KV,D], the new keys and values are written
+    at positions ``write_pos`` [B] + 0..S-1 (in place when the cache is donated) and kv comes
+    back updated. Attention then covers the cache under ``mask`` [B,S,T], or only this call's
+    keys if ``attend_cache`` is False (prefill of an empty cache, ``mask`` [B,S,S]). ``taps``,
+    a dict, receives the projection inputs.
     """
     x = self.input_layernorm(h)
     q, k, v = self.attn.qkv(x, positions, inv_freq)
     if kv is not None:
-      k_all, v_all, i = kv
-      b, s = k.shape[:2]
-      rows = jnp.arange(b)[:, None]
-      cols = write_pos[:, None] + jnp.arange(s, dtype=jnp.int32)[None]
-      k_all = k_all.at[i, rows, cols].set(k.astype(k_all.dtype), mode="drop")
-      v_all = v_all.at[i, rows, cols].set(v.astype(v_all.dtype), mode="drop")
-      if attend_cache:  # the first mask.shape[-1] positions (decode's ``attend_len``)
-        t = mask.shape[-1]
-        a = attend(q, k_all[i, :, :t].astype(q.dtype), v_all[i, :, :t].astype(q.dtype), mask)
-      else:
-        a = attend(q, k, v, mask)
-      kv = (k_all, v_all, i)
+      kv = (write_kv(kv[0], k, write_pos), write_kv(kv[1], v, write_pos))
+    if kv is not None and attend_cache:  # the first mask.shape[-1] positions (``attend_len``)
+      t = mask.shape[-1]
+      a = attend(q, kv[0][:, :t].astype(q.dtype), kv[1][:, :t].astype(q.dtype), mask)
     else:
       a = attend(q, k, v, mask)
     h = h + self.attn.o_proj(a)
@@ -341,32 +348,43 @@ class LlamaForCausalLM(nnx.Module):
 
   def _run_layers(self, h, positions, mask, cache=None, write_pos=None, scan=True,
                   attend_cache=True):
-    """Run all layers; with ``cache`` returns (h, (k_all, v_all)) updated in place."""
+    """Run all layers; with ``cache`` returns (h, (k_bufs, v_bufs)), the cache's per-layer
+    buffers updated in place."""
     inv = jnp.asarray(rope_inv_freq(self.cfg), jnp.float32)
-    kv = None if cache is None else (cache.k, cache.v)
     if scan and self.scan_layers and len(self.layers) > 1 and self.homogeneous():
+      if cache is not None and attend_cache:
+        raise ValueError("the layer scan attends only to each call's own keys "
+                         "(attend_cache=False); run attention over a cache with scan=False")
       gdef = nnx.split(self.layers[0])[0]
       stacked = jax.tree.map(lambda *xs: jnp.stack(xs),
                              *[nnx.split(layer)[1] for layer in self.layers])
+      b, s = h.shape[:2]
+      if cache is not None:
+        fresh = jnp.zeros((b, s, *cache.k[0].shape[2:]), cache.k[0].dtype)
 
-      def body(carry, xs):
-        h, kv = carry
-        st, i = xs
-        h, kv = nnx.merge(gdef, st)(h, positions, inv, mask,
-                                    None if kv is None else (*kv, i), write_pos,
-                                    attend_cache=attend_cache)
-        return (h, None if kv is None else kv[:2]), None
+      def body(h, st):
+        # a cache's layers cannot be indexed by the scan: each layer's keys and values go
+        # into an S-long buffer of their own, stacked by the scan, written below
+        kv = None if cache is None else (fresh, fresh)
+        h, kv = nnx.merge(gdef, st)(h, positions, inv, mask, kv, jnp.zeros((b,), jnp.int32),
+                                    attend_cache=False)
+        return h, kv
 
       log.debug("forward: lax.scan over %d identical layers", len(self.layers))
-      (h, kv), _ = jax.lax.scan(body, (h, kv), (stacked, jnp.arange(len(self.layers))))
-      return h, kv
+      h, new = jax.lax.scan(body, h, stacked)
+      if cache is None:
+        return h, None
+      return h, tuple(tuple(write_kv(buf, n[i], write_pos) for i, buf in enumerate(bufs))
+                      for bufs, n in zip((cache.k, cache.v), new))
     log.debug("forward: Python loop over %d layers (scan_layers=%s)", len(self.layers),
               self.scan_layers)
+    ks, vs = [], []
     for i, layer in enumerate(self.layers):
-      h, kv = layer(h, positions, inv, mask, None if kv is None else (*kv, i), write_pos,
-                    attend_cache=attend_cache)
-      kv = None if kv is None else kv[:2]
-    return h, kv
+      kv = None if cache is None else (cache.k[i], cache.v[i])
+      h, kv = layer(h, positions, inv, mask, kv, write_pos, attend_cache=attend_cache)
+      if kv is not None:
+        ks.append(kv[0]), vs.append(kv[1])
+    return h, (None if cache is None else (tuple(ks), tuple(vs)))
 
   def __call__(self, tokens):
     """Full-sequence forward (scoring/training): tokens [B,S] int → logits [B,S,vocab]."""
@@ -436,10 +454,16 @@ def _check_tokens(tokens, ndim):
 
 
 def _check_cache(cache, cfg, b, s):
-  want = (cfg.num_layers, b, cache.k.shape[2], cfg.num_kv_heads, cfg.head_dim)
-  if cache.k.shape != want or cache.v.shape != want:
-    raise ValueError(f"cache.k.shape={cache.k.shape} must be {want} (layers, batch, max_len, "
-                     "kv_heads, head_dim); build it with KVCache.init(cfg, batch, max_len)")
+  bufs = (cache.k, cache.v)
+  t = cache.k[0].shape[1] if isinstance(cache.k, tuple) and cache.k else None
+  want = (b, t, cfg.num_kv_heads, cfg.head_dim)
+  if any(not isinstance(x, tuple) or len(x) != cfg.num_layers
+         or any(getattr(a, "shape", None) != want for a in x) for x in bufs):
+    got = [type(x).__name__ if not isinstance(x, tuple) else
+           f"{len(x)} x {getattr(x[0], 'shape', None) if x else None}" for x in bufs]
+    raise ValueError(f"cache.k / cache.v are {got}; each must be a tuple of "
+                     f"num_layers={cfg.num_layers} arrays {want} (batch, max_len, kv_heads, "
+                     "head_dim); build the cache with KVCache.init(cfg, batch, max_len)")
   if s > cache.max_len:
     raise ValueError(f"{s=} tokens do not fit in cache max_len={cache.max_len}")
 

@@ -3,8 +3,8 @@
   engine = Engine(model, max_slots=8, max_len=512)          # model sharded by lrjax.sharding
   outs = engine.generate([Request([1, 2, 3], SamplingParams(max_new_tokens=32))])
 
-The KV cache is one static-shape buffer [layers, slots, max_len, kv_heads, head_dim] (or the
-rank-space :class:`~lrjax.serving.lowrank_kv.LowRankKVCache`), sharded by the model's
+The KV cache holds one static-shape buffer [slots, max_len, kv_heads, head_dim] per layer (or
+the rank-space :class:`~lrjax.serving.lowrank_kv.LowRankKVCache`), sharded by the model's
 :class:`~lrjax.sharding.TPPlan` and donated to every step. A new request is prefilled into a free
 slot (prompt right-padded to a length bucket, so compiles are bounded by the bucket count); all
 slots then decode together, one token per step, attending over the smallest attend bucket that
@@ -101,7 +101,7 @@ class Engine:
     self.gdef, self.state = nnx.split(model)
     if lowrank_kv:
       cache = lrkv.LowRankKVCache.init(model, max_slots, max_len, dtype)
-      spec = P(None, "data") if self.plan else None
+      spec = P("data") if self.plan else None
     else:
       cache = KVCache.init(cfg, max_slots, max_len, dtype)
       spec = self.plan.cache_sharding().spec if self.plan else None
@@ -351,8 +351,10 @@ def _constrain(cache, shardings):
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
 def _prefill_jit(static, weights, cache, tokens, length, slot, key, temp, topk, topp):
   """tokens [1, bucket], length/slot [] int32 → (first token [1], cache with the slot filled)."""
-  sl = lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=1)  # noqa: E731
-  put = lambda a, s: jax.lax.dynamic_update_slice_in_dim(a, s, slot, axis=1)  # noqa: E731
+  # a slot is row ``slot`` of every layer's buffer
+  sl = lambda bufs: tuple(jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0) for a in bufs)  # noqa: E731
+  put = lambda bufs, sub: tuple(jax.lax.dynamic_update_slice_in_dim(a, s, slot, axis=0)  # noqa: E731
+                                for a, s in zip(bufs, sub))
   zero = jnp.zeros((1,), jnp.int32)
   pos = cache.pos.at[slot].set(length)
   if static.value.lowrank:

@@ -21,44 +21,43 @@ import jax
 import jax.numpy as jnp
 
 from lrjax.lowering.kv_attention import lr_kv_attention
-from lrjax.models.llama import _mask, apply_rope, attend, decode_mask, rope_inv_freq
+from lrjax.models.llama import (_mask, apply_rope, attend, decode_mask, rope_inv_freq,
+                                write_kv)
 from lrjax.nn.linear import LowRankLinear
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LowRankKVCache:
-  """zk [layers, batch, max_len, r_k], zv [layers, batch, max_len, r_v], pos [batch] int32."""
-  zk: jax.Array
-  zv: jax.Array
+  """One buffer per layer (as ``KVCache``): ``zk[i]`` [batch, max_len, r_k], ``zv[i]`` [batch,
+  max_len, r_v] (tuples of num_layers arrays); pos [batch] int32."""
+  zk: tuple
+  zv: tuple
   pos: jax.Array
 
   @classmethod
   def init(cls, model, batch: int, max_len: int, dtype=jnp.float32) -> "LowRankKVCache":
-    rk, rv = kv_ranks(model)
-    n = model.cfg.num_layers
-    return cls(jnp.zeros((n, batch, max_len, rk), dtype), jnp.zeros((n, batch, max_len, rv), dtype),
+    ranks = kv_ranks(model)
+    return cls(tuple(jnp.zeros((batch, max_len, rk), dtype) for rk, _ in ranks),
+               tuple(jnp.zeros((batch, max_len, rv), dtype) for _, rv in ranks),
                jnp.zeros((batch,), jnp.int32))
 
   @property
   def max_len(self) -> int:
-    return self.zk.shape[2]
+    return self.zk[0].shape[1]
 
 
-def kv_ranks(model) -> tuple[int, int]:
-  """(r_k, r_v), the same in every layer; ValueError if k/v are not ``LowRankLinear``."""
-  ranks = set()
+def kv_ranks(model) -> list[tuple[int, int]]:
+  """(r_k, r_v) of each layer; ValueError if a k/v projection is not ``LowRankLinear``."""
+  ranks = []
   for i, layer in enumerate(model.layers):
     for name in ("k_proj", "v_proj"):
       m = getattr(layer.attn, name)
       if type(m) is not LowRankLinear:
         raise ValueError(f"layer {i} {name} is {type(m).__name__}; the low-rank KV cache needs "
                          "LowRankLinear k_proj and v_proj in every layer (use the dense cache)")
-    ranks.add((int(layer.attn.k_proj.rank), int(layer.attn.v_proj.rank)))
-  if len(ranks) != 1:
-    raise ValueError(f"k/v ranks differ across layers {sorted(ranks)}; the low-rank KV cache "
-                     "stacks layers and needs one (r_k, r_v)")
-  return ranks.pop()
+    ranks.append((int(layer.attn.k_proj.rank), int(layer.attn.v_proj.rank)))
+  return ranks
 
 
 def _rebuild(proj: LowRankLinear, z, dt):
@@ -75,9 +74,7 @@ def _layer(layer, cfg, h, positions, inv, mask, zk_c, zv_c, write_pos):
   q = attn.q_proj(x).reshape(b, s, cfg.num_heads, cfg.head_dim)
   zk = jnp.matmul(x.astype(dt), kp.u[...].astype(dt))
   zv = jnp.matmul(x.astype(dt), vp.u[...].astype(dt))
-  upd = jax.vmap(lambda c, n, p: jax.lax.dynamic_update_slice_in_dim(c, n, p, axis=0))
-  zk_c = upd(zk_c, zk.astype(zk_c.dtype), write_pos)
-  zv_c = upd(zv_c, zv.astype(zv_c.dtype), write_pos)
+  zk_c, zv_c = write_kv(zk_c, zk, write_pos), write_kv(zv_c, zv, write_pos)
   t = mask.shape[-1]  # attended positions: all, or decode's attend_len
   zk_t, zv_t = zk_c[:, :t], zv_c[:, :t]
   if s == 1 and attn.q_norm is None:  # decode: one primitive; V is never rebuilt
@@ -106,7 +103,7 @@ def _run(model, h, positions, mask, cache, write_pos):
     h, zk, zv = _layer(layer, model.cfg, h, positions, inv, mask, cache.zk[i], cache.zv[i],
                        write_pos)
     zks.append(zk), zvs.append(zv)
-  return h, jnp.stack(zks), jnp.stack(zvs)
+  return h, tuple(zks), tuple(zvs)
 
 
 def prefill(model, tokens, cache: LowRankKVCache, lengths=None):
@@ -133,5 +130,6 @@ def decode(model, tokens, cache: LowRankKVCache, attend_len: int | None = None):
 def bytes_per_token(model, dtype_bytes: int, lowrank: bool) -> int:
   """KV cache bytes per token (all layers)."""
   cfg = model.cfg
-  per_layer = sum(kv_ranks(model)) if lowrank else 2 * cfg.num_kv_heads * cfg.head_dim
-  return per_layer * cfg.num_layers * dtype_bytes
+  if lowrank:
+    return sum(rk + rv for rk, rv in kv_ranks(model)) * dtype_bytes
+  return 2 * cfg.num_kv_heads * cfg.head_dim * cfg.num_layers * dtype_bytes

@@ -64,11 +64,11 @@ RULES: dict[str, dict[tuple[str, str], P]] = {
 # (the lookup stays local); lm_head is column-parallel over the vocabulary in every strategy.
 OTHER = {("vocab", "embed"): P(), ("embed", "vocab"): P(None, "tp")}
 
-# KV cache [layers, batch, max_len, kv_heads, head_dim]: sharded on KV heads except in naive_tp,
-# whose attention runs replicated.
-CACHE = {"dense": P(None, "data", None, "tp", None), "naive_tp": P(None, "data"),
-         "lowrank_tp": P(None, "data", None, "tp", None),
-         "repl_u_tp": P(None, "data", None, "tp", None)}
+# Each layer's KV cache buffer [batch, max_len, kv_heads, head_dim]: sharded on KV heads except
+# in naive_tp, whose attention runs replicated.
+CACHE = {"dense": P("data", None, "tp", None), "naive_tp": P("data"),
+         "lowrank_tp": P("data", None, "tp", None),
+         "repl_u_tp": P("data", None, "tp", None)}
 
 
 def check_strategy(strategy: str) -> str:

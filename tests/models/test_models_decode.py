@@ -1,4 +1,5 @@
 """Prefill + decode with the static KV cache equals the full forward; structure and hooks."""
+import collections
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -118,12 +119,12 @@ def test_decode_donates_cache():
   cfg = CONFIGS["gqa"]
   m = _model(cfg)
   cache = KVCache.init(cfg, 1, 6)
-  old_k = cache.k
+  old = cache.k + cache.v
   _, cache = prefill_step(m, _tokens(1, 2, cfg.vocab_size), cache)
-  assert old_k.is_deleted()
-  old_k = cache.k
+  assert all(a.is_deleted() for a in old)
+  old = cache.k + cache.v
   _, cache = decode_step(m, _tokens(1, 1, cfg.vocab_size)[:, 0], cache)
-  assert old_k.is_deleted()
+  assert all(a.is_deleted() for a in old)
 
 
 def test_heterogeneous_low_rank_model_decodes_and_loops():
@@ -218,3 +219,24 @@ def test_compression_record_keeps_graphdef_hashable():
   hash(graphdef)
   back = nnx.merge(graphdef, state)
   assert back.compression == {"method": "svd", "ranks": [{"q_proj": 8}], "lora": {"steps": 2}}
+
+
+@pytest.mark.parametrize("attend_len", [None, 8])
+def test_decode_reads_each_layer_cache_where_it_lies(attend_len):
+  """One buffer per layer: a decode step writes each buffer in place (scatter) and attention
+  reads it directly; a stacked [layers, ...] cache was sliced per layer, and XLA:GPU copied
+  every slice (two memcpys a layer). Only an ``attend_len`` shorter than the cache slices it."""
+  cfg = CONFIGS["gqa"]
+  m = _model(cfg)
+  cache = KVCache.init(cfg, 2, 16)
+  assert len(cache.k) == len(cache.v) == cfg.num_layers
+  assert all(a.shape == (2, 16, cfg.num_kv_heads, cfg.head_dim) for a in cache.k + cache.v)
+  jaxpr = jax.make_jaxpr(lambda c: m.decode(jnp.zeros((2,), jnp.int32), c, attend_len))(cache)
+  buf = cache.k[0].shape
+  readers = collections.Counter(
+      str(e.primitive) for e in jaxpr.jaxpr.eqns
+      if any(getattr(v, "aval", None) is not None and v.aval.shape == buf for v in e.invars))
+  want = {"scatter": 2 * cfg.num_layers}
+  want.update({"dot_general": 2 * cfg.num_layers} if attend_len is None else
+              {"slice": 2 * cfg.num_layers})
+  assert readers == want

@@ -154,8 +154,10 @@ def test_lowrank_kv_cache_equals_dense_cache(model):
     lo, lc = l_dec(model, nxt, lc)
     assert rel(lo, d) < 1e-5
     nxt = jnp.argmax(d, -1).astype(jnp.int32)
-  rk, rv = lowrank_kv.kv_ranks(model)
-  assert lc.zk.shape == (CFG.num_layers, 2, 16, rk)
+  ranks = lowrank_kv.kv_ranks(model)
+  assert len(ranks) == CFG.num_layers and len(set(ranks)) == 1
+  rk, rv = ranks[0]
+  assert len(lc.zk) == CFG.num_layers and all(z.shape == (2, 16, rk) for z in lc.zk)
   dense_b = lowrank_kv.bytes_per_token(model, 4, lowrank=False)
   assert lowrank_kv.bytes_per_token(model, 4, lowrank=True) == (rk + rv) * CFG.num_layers * 4
   assert dense_b == 2 * CFG.num_kv_heads * CFG.head_dim * CFG.num_layers * 4
