@@ -10,7 +10,13 @@ declined and XLA lowers the reference; ``lrjax.lowering.prefer_kernels()`` overr
 Non-gated MLPs use the SwiGLU measurements. Measured on one H200; other NVIDIA GPUs get the
 same verdicts.
 
-RECORDS is generated from the committed benchmark results, never edited by hand:
+A benchmarked shape is a call alone. In a whole decode step the kernels can lose where their
+calls win alone (XLA merges the dots that share an input, and each kernel call zeroes its own
+scratch): MODEL_AB holds the decode step of Llama-3-8B on one H200 with and without the kernels,
+and at M >= 2 a call is left to XLA when the step at the nearest batch (of 2 or more rows) was
+slower with them.
+
+RECORDS and MODEL_AB are generated from the committed benchmark results, never edited by hand:
 ``python benchmarks/gpu_lowrank.py --emit-policy benchmarks/results/gpu_lowrank_h200.json``
 (tests/custom_calls/triton/test_triton_policy.py checks that they agree).
 """
@@ -18,10 +24,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import statistics
 
 SOURCE = "benchmarks/results/gpu_lowrank_h200.json"
+MODEL_SOURCE = "benchmarks/results/model_1gpu_h200.json"
 # At or above this fraction of XLA's speed the kernel keeps serving: XLA's own time for one
 # shape moves by a few percent between runs and compiles (benchmarks/gpu_notes.md), and the
 # fused kernels also keep the intermediates out of HBM.
@@ -38,7 +46,8 @@ CLEAR_LOSS = 0.9
 # (benchmarks/gpu_notes.md, session 7).
 EXTRAPOLATE = 4.0
 
-# (op, M, K, r, N, ours_us, xla_us); mlp rows: K = D, N = D_ff.
+# (op, M, K, r, N, ours_us, xla_us); mlp rows: K = D, N = D_ff. MODEL_AB: (batch, decode
+# step ms with the kernels, ms without) of the whole model (benchmarks/tp_gpu.py --fuse).
 # BEGIN GENERATED
 MEASURED_ON = 'NVIDIA H200, 2026-11-22'
 RECORDS: tuple[tuple[str, int, int, int, int, float, float], ...] = (
@@ -61,23 +70,48 @@ RECORDS: tuple[tuple[str, int, int, int, int, float, float], ...] = (
     ('mlp_swiglu', 4096, 2048, 1280, 8192, 630.9, 487.1),
     ('mlp_swiglu', 4096, 4096, 1024, 14336, 921.1, 691.6),
     ('mlp_swiglu', 4096, 4096, 2560, 14336, 1842.3, 1573.9),
+    ('xuv', 1, 2048, 256, 512, 4.5, 7.0),
+    ('xuv', 1, 2048, 640, 2048, 6.9, 11.7),
+    ('xuv', 1, 4096, 152, 4096, 4.4, 9.7),
+    ('xuv', 1, 4096, 512, 1024, 6.2, 13.1),
     ('xuv', 1, 4096, 1024, 14336, 13.6, 26.4),
+    ('xuv', 1, 4096, 1216, 4096, 10.9, 29.9),
     ('xuv', 1, 4096, 2560, 14336, 27.3, 27.6),
     ('xuv', 1, 8192, 2048, 16384, 27.0, 29.0),
     ('xuv', 1, 8192, 4096, 16384, 49.8, 50.1),
+    ('xuv', 2, 2048, 256, 512, 4.4, 4.1),
+    ('xuv', 2, 2048, 640, 2048, 7.1, 7.7),
+    ('xuv', 2, 4096, 152, 4096, 4.6, 4.5),
+    ('xuv', 2, 4096, 512, 1024, 6.3, 7.4),
     ('xuv', 2, 4096, 1024, 14336, 14.0, 14.1),
+    ('xuv', 2, 4096, 1216, 4096, 11.0, 14.9),
     ('xuv', 2, 4096, 2560, 14336, 27.5, 27.1),
     ('xuv', 2, 8192, 2048, 16384, 27.4, 27.8),
     ('xuv', 2, 8192, 4096, 16384, 50.2, 50.2),
+    ('xuv', 4, 2048, 256, 512, 4.4, 4.1),
+    ('xuv', 4, 2048, 640, 2048, 7.2, 7.9),
+    ('xuv', 4, 4096, 152, 4096, 4.7, 4.5),
+    ('xuv', 4, 4096, 512, 1024, 6.4, 7.1),
     ('xuv', 4, 4096, 1024, 14336, 14.1, 14.6),
+    ('xuv', 4, 4096, 1216, 4096, 11.1, 15.3),
     ('xuv', 4, 4096, 2560, 14336, 27.8, 27.8),
     ('xuv', 4, 8192, 2048, 16384, 27.4, 28.2),
     ('xuv', 4, 8192, 4096, 16384, 50.3, 51.5),
+    ('xuv', 8, 2048, 256, 512, 4.4, 4.4),
+    ('xuv', 8, 2048, 640, 2048, 7.4, 7.8),
+    ('xuv', 8, 4096, 152, 4096, 4.9, 4.8),
+    ('xuv', 8, 4096, 512, 1024, 6.6, 7.9),
     ('xuv', 8, 4096, 1024, 14336, 14.5, 14.1),
+    ('xuv', 8, 4096, 1216, 4096, 11.3, 12.9),
     ('xuv', 8, 4096, 2560, 14336, 28.3, 28.1),
     ('xuv', 8, 8192, 2048, 16384, 27.8, 28.4),
     ('xuv', 8, 8192, 4096, 16384, 50.6, 52.5),
+    ('xuv', 16, 2048, 256, 512, 4.5, 4.8),
+    ('xuv', 16, 2048, 640, 2048, 7.6, 7.9),
+    ('xuv', 16, 4096, 152, 4096, 5.1, 4.7),
+    ('xuv', 16, 4096, 512, 1024, 6.9, 7.6),
     ('xuv', 16, 4096, 1024, 14336, 15.3, 14.6),
+    ('xuv', 16, 4096, 1216, 4096, 11.7, 13.2),
     ('xuv', 16, 4096, 2560, 14336, 29.0, 29.4),
     ('xuv', 16, 8192, 2048, 16384, 28.4, 28.8),
     ('xuv', 16, 8192, 4096, 16384, 51.4, 55.7),
@@ -102,6 +136,7 @@ RECORDS: tuple[tuple[str, int, int, int, int, float, float], ...] = (
     ('xuv', 16384, 8192, 4096, 16384, 4939.4, 4100.6),
     ('xuv', 32768, 8192, 4096, 16384, 10254.6, 9482.5),
 )
+MODEL_AB: tuple[tuple[int, float, float], ...] = ((1, 4.938, 8.686), (8, 5.102, 4.816), (16, 5.847, 5.564))
 # END GENERATED
 
 
@@ -120,13 +155,28 @@ def records_from_results(path: str) -> tuple[str, tuple]:
   return f"{meta['machine'].split(' (')[0]}, {meta['date'][:10]}", tuple(sorted(rows.values()))
 
 
-def render(path: str, module_text: str) -> str:
-  """``module_text`` with its generated block replaced by the records of ``path``."""
+def model_ab_from_results(path: str) -> tuple:
+  """MODEL_AB from a tp_gpu.py results file: (batch, step ms with the kernels, without) of
+  each batch of the one-GPU low-rank model measured both ways."""
+  with open(path) as fh:
+    recs = [r for r in json.load(fh)["records"]
+            if "step_ms" in r and r["strategy"] == "lowrank_tp" and r["tp"] == 1]
+  steps = {(r["batch"], bool(r.get("fuse"))): r["step_ms"] for r in recs}
+  return tuple((b, round(steps[b, True], 3), round(steps[b, False], 3))
+               for b in sorted({b for b, _ in steps}) if (b, True) in steps and (b, False) in steps)
+
+
+def render(path: str, module_text: str, model_path: str | None = None) -> str:
+  """``module_text`` with its generated block replaced by the records of ``path`` (and of
+  ``model_path``, default: MODEL_SOURCE's file name beside ``path``)."""
   on, recs = records_from_results(path)
+  model_path = model_path or os.path.join(os.path.dirname(path), os.path.basename(MODEL_SOURCE))
+  ab = model_ab_from_results(model_path)
   body = "\n".join(f"    {r!r}," for r in recs)
   block = (f"# BEGIN GENERATED\nMEASURED_ON = {on!r}\n"
            f"RECORDS: tuple[tuple[str, int, int, int, int, float, float], ...] = (\n"
-           f"{body}\n)\n# END GENERATED")
+           f"{body}\n)\nMODEL_AB: tuple[tuple[int, float, float], ...] = {ab!r}\n"
+           f"# END GENERATED")
   return re.sub(r"^# BEGIN GENERATED$.*?^# END GENERATED$", lambda _: block, module_text,
                 flags=re.S | re.M)
 
@@ -148,11 +198,27 @@ def nearest(op: str, m: int, k: int, r: int, n: int):
   return best
 
 
+def _model_verdict(m: int) -> str | None:
+  """The reason to leave an M-row call to XLA if the whole decode step at the nearest batch
+  of 2 or more rows (within WINDOW x of M; ties: the larger) was slower with the kernels."""
+  near = [a for a in MODEL_AB if a[0] >= 2 and m >= 2 and a[0] / WINDOW <= m <= WINDOW * a[0]]
+  if not near:
+    return None
+  b, ours, xla = min(near, key=lambda a: (abs(math.log2(m / a[0])), -a[0]))
+  if xla / ours >= PARITY:
+    return None
+  return (f"in the whole Llama-3-8B decode step at batch {b} the kernels were slower "
+          f"({ours:.2f} ms a step, {xla:.2f} ms with XLA's lowering; {MEASURED_ON}, "
+          f"{MODEL_SOURCE}); lrjax.lowering.prefer_kernels() or LRJAX_PREFER_KERNELS=1 uses "
+          "the kernel anyway")
+
+
 def verdict(op: str, m: int, k: int, r: int, n: int) -> str | None:
   """None if the kernel measured at least PARITY x XLA's speed around the nearest
   benchmarked shape (or nothing was benchmarked), else the reason to leave this call to XLA.
   A call more than EXTRAPOLATE times smaller or larger (factor elements) than every
-  benchmarked shape of its op goes to XLA.
+  benchmarked shape of its op goes to XLA, and so does one at M >= 2 near a batch whose
+  whole decode step was slower with the kernels (MODEL_AB).
 
   "Around": the median speed ratio of that shape's records with M within a factor WINDOW
   of the nearest record's, so one noisy timing does not flip the choice between
@@ -170,6 +236,8 @@ def verdict(op: str, m: int, k: int, r: int, n: int) -> str | None:
     return (f"no benchmarked {op} shape within {EXTRAPOLATE:g}x of this call's factor size "
             f"({here}: {2 ** gap:.1f}x from the nearest; {MEASURED_ON}, {SOURCE}); "
             f"lrjax.lowering.prefer_kernels() or LRJAX_PREFER_KERNELS=1 uses the kernel anyway")
+  if (why := _model_verdict(m)) is not None:
+    return why
   _, rm, rk, rr, rn, ours, xla = rec
   window = [q for q in RECORDS if q[0] == op and q[2:5] == (rk, rr, rn)
             and rm / WINDOW <= q[1] <= WINDOW * rm and (q[1] == 1) == (rm == 1)]

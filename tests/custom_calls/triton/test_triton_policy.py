@@ -15,6 +15,8 @@ def test_records_are_the_committed_benchmark_results():
   """RECORDS must be regenerated (gpu_lowrank.py --emit-policy) whenever the JSON changes."""
   on, recs = measured.records_from_results(os.path.join(REPO, measured.SOURCE))
   assert (on, recs) == (measured.MEASURED_ON, measured.RECORDS)
+  ab = measured.model_ab_from_results(os.path.join(REPO, measured.MODEL_SOURCE))
+  assert ab == measured.MODEL_AB and 1 in [a[0] for a in ab]
   assert {r[0] for r in recs} == {"xuv", "mlp_swiglu"}
   assert min(r[1] for r in recs) == 1 and max(r[1] for r in recs) >= 4096
 
@@ -29,6 +31,7 @@ def test_render_rewrites_only_the_generated_block():
 
 
 def test_nearest_record_and_verdict(monkeypatch):
+  monkeypatch.setattr(measured, "MODEL_AB", ())
   monkeypatch.setattr(measured, "RECORDS", (
       ("xuv", 1, 4096, 1024, 4096, 10.0, 12.0),  # faster than XLA
       ("xuv", 2, 4096, 1024, 4096, 10.0, 9.0),  # one slow point between fast ones
@@ -71,6 +74,7 @@ def test_calls_far_from_every_benchmarked_size_go_to_xla(monkeypatch):
 
 def test_one_row_is_judged_apart_from_wider_calls(monkeypatch):
   """XLA lowers M=1 with a multiply and a reduce, not a GEMM: no pooling across it."""
+  monkeypatch.setattr(measured, "MODEL_AB", ())
   monkeypatch.setattr(measured, "RECORDS", (
       ("xuv", 1, 4096, 1024, 14336, 14.7, 26.1),  # 1.78x
       ("xuv", 2, 4096, 1024, 14336, 15.0, 14.0),  # 0.93x
@@ -79,6 +83,25 @@ def test_one_row_is_judged_apart_from_wider_calls(monkeypatch):
   assert measured.verdict("xuv", 1, 4096, 1024, 14336) is None
   why = measured.verdict("xuv", 2, 4096, 1024, 14336)
   assert why is not None and "M=2, 4, 8" in why  # M=1 is not in M=2's window
+
+
+def test_a_batch_whose_whole_step_was_slower_with_the_kernels_goes_to_xla(monkeypatch):
+  """MODEL_AB: a call at M >= 2 follows the whole-model A/B at the nearest batch >= 2 (within
+  WINDOW x), whatever its shape's own record says; M = 1 and far-off M keep the records."""
+  monkeypatch.setattr(measured, "RECORDS", (
+      ("xuv", 1, 4096, 1024, 14336, 10.0, 20.0), ("xuv", 8, 4096, 1024, 14336, 10.0, 12.0),
+      ("xuv", 64, 4096, 1024, 14336, 10.0, 12.0), ("xuv", 1024, 4096, 1024, 14336, 10.0, 12.0)))
+  monkeypatch.setattr(measured, "MODEL_AB", ((1, 5.0, 9.0), (8, 5.2, 4.8), (32, 5.0, 5.5)))
+  assert measured.verdict("xuv", 1, 4096, 1024, 14336) is None
+  for m in (2, 4, 8, 16):  # nearest: batch 8 (16 is a tie between 8 and 32: the larger)
+    why = measured.verdict("xuv", m, 4096, 1024, 14336)
+    assert (why is None) == (m == 16), (m, why)
+  why = measured.verdict("xuv", 8, 4096, 1024, 14336)
+  assert "batch 8" in why and "5.20 ms" in why and "4.80 ms" in why and "prefer_kernels" in why
+  assert measured.verdict("xuv", 64, 4096, 1024, 14336) is None  # batch 32: faster
+  assert measured.verdict("xuv", 1024, 4096, 1024, 14336) is None  # beyond WINDOW x of 32
+  monkeypatch.setattr(measured, "MODEL_AB", ((1, 5.0, 9.0),))
+  assert measured.verdict("xuv", 8, 4096, 1024, 14336) is None  # no A/B at 2 or more rows
 
 
 def _xuv_avals(m, k, r, n, dtype=jnp.bfloat16):
@@ -104,7 +127,8 @@ def test_lowering_policy_follows_every_measured_record():
       avals = [a(m, k), a(k, r), a(r, n), a(k, r), a(r, n), a(n, r), a(r, k)]
       params = dict(gated=True, bias_mask=(False, False, False))
       why = lowering.mlp_faster(avals, params)
-    serves = _window_ratio(rec) >= measured.PARITY and rec[6] / rec[5] >= measured.CLEAR_LOSS
+    serves = (_window_ratio(rec) >= measured.PARITY and rec[6] / rec[5] >= measured.CLEAR_LOSS
+              and measured._model_verdict(m) is None)
     assert (why is None) == serves, (rec, why)
 
 
