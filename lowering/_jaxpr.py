@@ -116,11 +116,24 @@ def sub_jaxprs(eqn: JaxprEqn) -> list[SubJaxpr]:
   return out
 
 
+def scan_counts(eqn: JaxprEqn) -> tuple[int, int]:
+  """(consts, carry) operand counts of a scan: ``num_consts`` / ``num_carry`` up to jax 0.10,
+  the (consts, carry, xs) split of its ``ft_in`` tree from jax 0.11."""
+  p = eqn.params
+  if "num_consts" in p:
+    return p["num_consts"], p["num_carry"]
+  if "ft_in" in p:
+    consts, carry, _ = p["ft_in"].update(list(range(len(eqn.invars)))).unpack()
+    return len(consts), len(carry)
+  raise NotImplementedError(f"scan params {sorted(p)}: neither num_consts nor ft_in "
+                            "(an unsupported jax version)")
+
+
 def carried_invars(eqn: JaxprEqn, sub: SubJaxpr) -> set[int]:
   """Inner invar positions that are loop-carried (their value changes across iterations)."""
   name = eqn.primitive.name
   if name == "scan":
-    nc, ncar = eqn.params["num_consts"], eqn.params["num_carry"]
+    nc, ncar = scan_counts(eqn)
     return set(range(nc, nc + ncar))
   if name == "while":
     k = eqn.params["cond_nconsts"] if sub.key == "cond_jaxpr" else eqn.params["body_nconsts"]

@@ -6,6 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+# f32 dots at full f32 precision on every backend: the f32 tolerances below assume it, and a
+# GPU's default for f32 dots is TF32 (~1e-3 relative). A no-op on CPUs.
+jax.config.update("jax_default_matmul_precision", "highest")
+
 # Relative tolerance on ||out - ref|| / ||ref||, per compute dtype.
 TOLERANCES = {
     jnp.dtype(jnp.float32): 1e-5,
@@ -76,3 +80,14 @@ def kv_attention_f64(q, zk, zv, vk, vv, pos, inv_freq, bk=None, bv=None, window=
       p = np.exp(s - s.max())
       out[i, j] = (p / p.sum()) @ v[i, :, kh]
   return out.reshape(b, hq * d)
+
+
+@pytest.fixture(autouse=True)
+def _cpu_device_unless_gpu_test(request):
+  """Tests not marked ``gpu`` are the CPU suite: on a GPU host they run on its CPU device, so
+  they lower and compile for the platform their expectations were written for."""
+  if request.node.get_closest_marker("gpu") or jax.default_backend() == "cpu":
+    yield
+    return
+  with jax.default_device(jax.devices("cpu")[0]):
+    yield

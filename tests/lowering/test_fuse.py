@@ -291,6 +291,8 @@ def test_closed_call():
   params = core_prims.closed_call_p.get_bind_params({"call_jaxpr": inner})
   f = lambda x: core_prims.closed_call_p.bind(x, **params)[0]
   x = randn((3, 64))
+  if "closed_call" not in prims(f, x):
+    pytest.skip(f"jax {jax.__version__} inlines closed_call when tracing: nothing to rewrite")
   names = prims(lrjax.fuse(f), x)
   assert "closed_call" in names and names.count("lr_xuv") == 1
   assert_close(jax.jit(lrjax.fuse(f))(x), f(x), jnp.float32)
