@@ -175,6 +175,18 @@ def split_executions(events, n, pause_ns=int(0.9e9 * PAUSE_S)):
   return [ev[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
+def busy_ns(events):
+  """Time covered by at least one of ``events`` [(start_ns, end_ns, ...)]: the union of their
+  intervals (the GPU's busy time; overlapping kernels count once)."""
+  total, end = 0, None
+  for s, e, *_ in sorted(events):
+    if end is None or s > end:
+      total, end = total + e - s, e
+    elif e > end:
+      total, end = total + e - end, e
+  return total
+
+
 def span_ns(execution):
   """Device span of one execution's time-sorted events: first start to last end."""
   return max(ev[1] for ev in execution) - execution[0][0]

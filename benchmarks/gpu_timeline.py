@@ -30,16 +30,6 @@ SHAPES = ((1, 8192, 4096, 16384), (8, 8192, 4096, 16384), (1, 4096, 1024, 14336)
 PASSES, EXECUTIONS = 3, 5
 
 
-def _union_ns(events):
-  total, end = 0, None
-  for s, e, *_ in sorted(events):
-    if end is None or s > end:
-      total, end = total + e - s, e
-    elif e > end:
-      total, end = total + e - end, e
-  return total
-
-
 def timeline(fn, x, layers):
   """Kernel table and busy/span per call of the 3-pass chain, medians over executions."""
   f = gl.chained(fn, PASSES)
@@ -54,7 +44,7 @@ def timeline(fn, x, layers):
   kernels = sorted(({"name": n, "per_call": len(d) / EXECUTIONS / calls,
                      "median_us": statistics.median(d)} for n, d in per_name.items()),
                    key=lambda k: -k["per_call"] * k["median_us"])
-  return dict(gpu_busy_us=statistics.median(_union_ns(g) for g in groups) / calls / 1e3,
+  return dict(gpu_busy_us=statistics.median(gl.busy_ns(g) for g in groups) / calls / 1e3,
               gpu_span_us=statistics.median(map(gl.span_ns, groups)) / calls / 1e3,
               kernels=kernels[:6])
 

@@ -107,22 +107,19 @@ def kernel_profile(fn, fn_args, steps, top=12):
   the GPU's busy time (the union of kernel intervals) and the ``top`` kernel names by time
   (trailing layer and fusion numbers stripped, so a name sums over the layers)."""
   import tempfile
-  from gpu_lowrank import device_kernel_events
+  from gpu_lowrank import busy_ns, device_kernel_events, span_ns
   with tempfile.TemporaryDirectory() as d:
     with jax.profiler.trace(d):
       outs = jax.block_until_ready(fn(*fn_args))
     events = sorted(device_kernel_events(d))
-  busy, end = 0, None
   by_name = {}
   for s, e, name in events:
-    busy += e - s if end is None or s > end else max(0, e - end)
-    end = e if end is None else max(end, e)
     key = re.sub(r"([._]\d+)+$", "", name)[:64]
     t, n = by_name.get(key, (0, 0))
     by_name[key] = (t + e - s, n + 1)
   kernels = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
   return outs, {
-      "gpu_busy_ms": busy / steps / 1e6, "gpu_span_ms": (end - events[0][0]) / steps / 1e6,
+      "gpu_busy_ms": busy_ns(events) / steps / 1e6, "gpu_span_ms": span_ns(events) / steps / 1e6,
       "kernels": [{"name": k, "us_per_step": t / steps / 1e3, "launches_per_step": n / steps}
                   for k, (t, n) in kernels]}
 
@@ -148,7 +145,8 @@ def time_decode(model, plan, args, dtype):
     kernels = {"triton_calls": text.count('custom_call_target="triton_kernel_call'),  # +_ffi
                "fused_ops_in_jaxpr": fused_ops(gdef, state, cache, toks)}
   if args.profile:
-    (cache, toks), kernels["profile"] = kernel_profile(fn, (state, half(cache), toks), args.steps)
+    (cache, toks), kernels["profile"] = kernel_profile(fn, (state, half(cache), toks),
+                                                       args.steps)
   w_bytes = device_bytes(state)
   kv_bytes = device_bytes(cache)
   return {"step_ms": step * 1e3, "tokens_per_s": args.batch / step,

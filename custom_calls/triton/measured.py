@@ -136,7 +136,11 @@ RECORDS: tuple[tuple[str, int, int, int, int, float, float], ...] = (
     ('xuv', 16384, 8192, 4096, 16384, 4939.4, 4100.6),
     ('xuv', 32768, 8192, 4096, 16384, 10254.6, 9482.5),
 )
-MODEL_AB: tuple[tuple[int, float, float], ...] = ((1, 4.938, 8.686), (8, 5.102, 4.816), (16, 5.847, 5.564))
+MODEL_AB: tuple[tuple[int, float, float], ...] = (
+    (1, 4.938, 8.686),
+    (8, 5.102, 4.816),
+    (16, 5.847, 5.564),
+)
 # END GENERATED
 
 
@@ -175,8 +179,8 @@ def render(path: str, module_text: str, model_path: str | None = None) -> str:
   body = "\n".join(f"    {r!r}," for r in recs)
   block = (f"# BEGIN GENERATED\nMEASURED_ON = {on!r}\n"
            f"RECORDS: tuple[tuple[str, int, int, int, int, float, float], ...] = (\n"
-           f"{body}\n)\nMODEL_AB: tuple[tuple[int, float, float], ...] = {ab!r}\n"
-           f"# END GENERATED")
+           f"{body}\n)\nMODEL_AB: tuple[tuple[int, float, float], ...] = (\n"
+           + "".join(f"    {a!r},\n" for a in ab) + ")\n# END GENERATED")
   return re.sub(r"^# BEGIN GENERATED$.*?^# END GENERATED$", lambda _: block, module_text,
                 flags=re.S | re.M)
 

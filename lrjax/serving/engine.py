@@ -352,9 +352,11 @@ def _constrain(cache, shardings):
 def _prefill_jit(static, weights, cache, tokens, length, slot, key, temp, topk, topp):
   """tokens [1, bucket], length/slot [] int32 → (first token [1], cache with the slot filled)."""
   # a slot is row ``slot`` of every layer's buffer
-  sl = lambda bufs: tuple(jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0) for a in bufs)  # noqa: E731
-  put = lambda bufs, sub: tuple(jax.lax.dynamic_update_slice_in_dim(a, s, slot, axis=0)  # noqa: E731
-                                for a, s in zip(bufs, sub))
+  def sl(bufs):
+    return tuple(jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0) for a in bufs)
+
+  def put(bufs, sub):
+    return tuple(jax.lax.dynamic_update_slice_in_dim(a, s, slot, axis=0) for a, s in zip(bufs, sub))
   zero = jnp.zeros((1,), jnp.int32)
   pos = cache.pos.at[slot].set(length)
   if static.value.lowrank:

@@ -4,7 +4,8 @@ On CPU the primitives lower to their jnp reference, plain HLO that XLA partition
 the sharded path of a real kernel would go untested. :func:`callback_kernels` registers, for
 ``lr_xuv`` and ``lr_mlp`` on ``cpu`` (and ``cuda``, so the suite also runs on a GPU host),
 kernels whose body is a ``jax.pure_callback`` into the numpy reference: an opaque
-``custom_call`` that the SPMD partitioner cannot split, exactly like a Triton or FFI kernel. Without ``lowering/partitioning.py`` XLA must gather their operands.
+``custom_call`` that the SPMD partitioner cannot split, exactly like a Triton or FFI kernel.
+Without ``lowering/partitioning.py`` XLA must gather their operands.
 """
 from __future__ import annotations
 

@@ -104,8 +104,8 @@ def test_timeline_busy_time_is_the_union_of_kernel_intervals(monkeypatch):
       "gpu_timeline", os.path.join(REPO, "benchmarks", "gpu_timeline.py"))
   timeline = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(timeline)
-  assert timeline._union_ns([(0, 10, "a"), (5, 15, "b"), (20, 30, "c")]) == 25
-  assert timeline._union_ns([(0, 10, "a"), (2, 3, "b")]) == 10  # one inside another
+  assert timeline.gl.busy_ns([(0, 10, "a"), (5, 15, "b"), (20, 30, "c")]) == 25
+  assert timeline.gl.busy_ns([(0, 10, "a"), (2, 3, "b")]) == 10  # one inside another
 
 
 def test_device_diffs_pair_each_short_execution_with_the_next_long_one(bench, monkeypatch):
