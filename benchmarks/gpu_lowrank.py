@@ -78,8 +78,8 @@ def per_call_us(fn, x, layers, reps=None):
   alternated, median over ``reps`` pairs; returns (µs, spread = IQR/median).
 
   t is the device span of one execution (first kernel start to last kernel end, from
-  jax.profiler's trace) when TIMING == "device" on a GPU, else host wall-clock around the
-  jit. The difference cancels the execution's fixed costs either way.
+  jax.profiler's trace) when TIMING == "device" and ``x`` is on a GPU, else host wall-clock
+  around the jit. The difference cancels the execution's fixed costs either way.
   """
   reps = reps or REPS
   f1, f3 = chained(fn, 1), chained(fn, 3)
@@ -87,7 +87,7 @@ def per_call_us(fn, x, layers, reps=None):
   for f in (f1, f3, f1, f3):  # compile, then warm up (clocks, allocator)
     _sync(f(x, layers))
   t_compile = time.perf_counter() - t_start
-  device = TIMING == "device" and jax.devices()[0].platform == "gpu"
+  device = TIMING == "device" and next(iter(x.devices())).platform == "gpu"
 
   def attempt():
     diffs = (_device_diffs if device else _host_diffs)(f1, f3, x, layers, reps)

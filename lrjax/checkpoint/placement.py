@@ -6,6 +6,8 @@ from typing import Any, Callable, Mapping
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from lrjax.sharding import default_device
+
 # What the ``shardings`` argument of the loaders may be.
 Shardings = (jax.sharding.Sharding | Mapping[str, jax.sharding.Sharding]
              | Callable[[str, tuple], jax.sharding.Sharding])
@@ -37,7 +39,7 @@ def logical_sharding(mesh: Mesh, rules: Mapping[str, str | None] | None = None):
 
 def pick(shardings: Any, key: str, axes: tuple, mesh: Mesh | None) -> jax.sharding.Sharding:
   """The sharding of param ``key`` (logical ``axes``) under ``shardings`` / ``mesh``."""
-  default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  default = jax.sharding.SingleDeviceSharding(default_device())
   if shardings is None:
     return NamedSharding(mesh, PartitionSpec()) if mesh is not None else default
   if isinstance(shardings, jax.sharding.Sharding):

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from lrjax.models import KVCache
 from lrjax.serving import lowrank_kv as lrkv
 from lrjax.serving.sampling import SamplingParams, sample
+from lrjax.sharding import default_device
 
 log = logging.getLogger("lrjax.serving")
 
@@ -114,7 +115,7 @@ class Engine:
                                NamedSharding(mesh, P()))
       cache = jax.device_put(cache, _cache_tree(cache, self._cache_shardings))
     else:   # committed from the start, like every step's output: one compiled variant
-      cache = jax.device_put(cache, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+      cache = jax.device_put(cache, jax.sharding.SingleDeviceSharding(default_device()))
     self.cache = cache
     # Each step's jit is keyed by the graph, the cache layout and two flags. Hashing a GraphDef
     # walks the whole model (1.8 ms at 32 layers) and flattening the nnx State takes 0.4 ms:
@@ -134,7 +135,7 @@ class Engine:
     # Small per-step inputs live replicated (on the mesh, or on one device), the same sharding
     # as the decode step's outputs, so feeding tokens back never changes the compiled variant.
     self._rep = (NamedSharding(self.plan.mesh, P()) if self.plan is not None
-                 else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+                 else jax.sharding.SingleDeviceSharding(default_device()))
     self._keys = jax.device_put(jax.random.split(jax.random.key(0), max_slots), self._rep)
     self._dev = None   # device copies of (tokens, temp, top_k, top_p); None after slot changes
 

@@ -27,6 +27,15 @@ from lrjax.sharding.rules import (CACHE, COL_PROJS, MESH_AXES, ROW_PROJS, RULES,
 log = logging.getLogger("lrjax.sharding")
 
 
+def default_device() -> jax.Device:
+  """Where arrays go without a mesh: ``jax.default_device``'s device when one is set (a
+  Device or a platform name), else the first device."""
+  d = jax.config.jax_default_device
+  if d is None:
+    return jax.devices()[0]
+  return jax.devices(d)[0] if isinstance(d, str) else d
+
+
 def make_mesh(tp: int, data: int = 1, devices=None) -> Mesh:
   """A ("data", "tp") mesh over the first data·tp devices."""
   devices = list(jax.devices() if devices is None else devices)
@@ -152,5 +161,5 @@ def param_specs(model, strategy: str, tp: int) -> dict[str, P]:
 
 
 __all__ = ["CACHE", "COL_PROJS", "Collective", "MESH_AXES", "ROW_PROJS", "RULES", "STRATEGIES",
-           "TPPlan", "cache_spec", "collectives", "make_mesh", "param_shardings", "param_spec",
+           "TPPlan", "cache_spec", "collectives", "default_device", "make_mesh", "param_shardings", "param_spec",
            "param_specs", "plan_of", "shard", "spec_for", "summarize", "weight_gathers"]

@@ -1,4 +1,8 @@
 """Sharding rules, spec checks and HLO collective parsing (no devices needed)."""
+import os
+import subprocess
+import sys
+
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -76,3 +80,28 @@ def test_collective_parsing():
   s = hlo.summarize(cs)
   assert s["n"] == 4 and s["by_kind"]["all-gather"]["n"] == 2
   assert hlo.weight_gathers(cs, [(8, 16), (3, 3)]) == [ags]
+
+
+_DEFAULT_DEVICE_CHECK = """
+import jax
+from lrjax import sharding
+from lrjax.checkpoint import placement
+d0, d1 = jax.devices()[:2]
+assert sharding.default_device() == d0
+with jax.default_device(d1):
+  assert sharding.default_device() == d1
+  assert placement.pick(None, "w", ("embed",), None).device_set == {d1}
+with jax.default_device("cpu"):
+  assert sharding.default_device() == d0
+print("OK")
+"""
+
+
+def test_default_device_follows_jax_default_device():
+  """Single-device placement (checkpoint.load, the engine) honours ``jax.default_device`` (in a
+  subprocess with 2 simulated devices, so the default is not the first device)."""
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+         "JAX_PLATFORMS": "cpu"}
+  p = subprocess.run([sys.executable, "-c", _DEFAULT_DEVICE_CHECK], capture_output=True,
+                     text=True, env=env, timeout=120)
+  assert p.returncode == 0 and p.stdout.strip() == "OK", p.stderr[-2000:]
