@@ -6,10 +6,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-# f32 dots at full f32 precision on every backend: the f32 tolerances below assume it, and a
-# GPU's default for f32 dots is TF32 (~1e-3 relative). A no-op on CPUs.
-jax.config.update("jax_default_matmul_precision", "highest")
-
 # Relative tolerance on ||out - ref|| / ||ref||, per compute dtype.
 TOLERANCES = {
     jnp.dtype(jnp.float32): 1e-5,

@@ -2,10 +2,9 @@
 
 On CPU the primitives lower to their jnp reference, plain HLO that XLA partitions by itself, so
 the sharded path of a real kernel would go untested. :func:`callback_kernels` registers, for
-``lr_xuv`` and ``lr_mlp`` on ``cpu`` (and ``cuda``, so the suite also runs on a GPU host),
-kernels whose body is a ``jax.pure_callback`` into the numpy reference: an opaque
-``custom_call`` that the SPMD partitioner cannot split, exactly like a Triton or FFI kernel.
-Without ``lowering/partitioning.py`` XLA must gather their operands.
+``lr_xuv`` and ``lr_mlp`` on ``cpu``, kernels whose body is a ``jax.pure_callback`` into the
+numpy reference: an opaque ``custom_call`` that the SPMD partitioner cannot split, exactly like a
+Triton or FFI kernel. Without ``lowering/partitioning.py`` XLA must gather their operands.
 """
 from __future__ import annotations
 
@@ -88,9 +87,9 @@ def callback_kernels(execute: bool = False):
   the HLO (do not run a partitioned program; jax cannot run a callback inside it).
   ``execute=True``: partitioned programs use the reference on local shards, so they run.
   """
-  ks = [registry.KernelLowering(p, platform, n, lambda avals, params: None,
+  ks = [registry.KernelLowering(p, "cpu", n, lambda avals, params: None,
                                 (lambda p=p: _callback_impl(p, execute)), priority=1000)
-        for p, n in zip(("lr_xuv", "lr_mlp"), NAMES) for platform in ("cpu", "cuda")]
+        for p, n in zip(("lr_xuv", "lr_mlp"), NAMES)]
   for k in ks:
     registry.register(k)
   try:
