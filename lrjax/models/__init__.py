@@ -25,7 +25,7 @@ the inputs that later layers see (sequential calibration).
 Decoding: ``cache = KVCache.init(cfg, batch, max_len)``; ``logits, cache = prefill_step(model,
 tokens, cache, lengths)``; ``logits, cache = decode_step(model, next_tokens, cache)`` (jitted,
 cache donated). ``model.prefill``/``model.decode`` are the un-jitted methods. The cache holds
-one buffer per layer (``cache.k[i]`` [batch, max_len, kv_heads, head_dim]) and keeps all
+one buffer per layer (``cache.k[i]`` [batch, kv_heads, max_len, head_dim]) and keeps all
 ``max_len`` positions; a sliding window (Mistral) is applied as a mask, not a ring buffer.
 
 Logical axis names on params (a rules table maps them to mesh axes for tensor parallelism):

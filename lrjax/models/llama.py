@@ -129,29 +129,33 @@ def apply_rope(x, positions, inv_freq):
   return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
 
 
-def attend(q, k, v, mask):
-  """Softmax attention with GQA. q [B,S,H,D], k/v [B,T,KV,D], mask [B,S,T] bool → [B,S,H·D]."""
+def attend(q, k, v, mask, heads_first: bool = False):
+  """Softmax attention with GQA. q [B,S,H,D], k/v [B,T,KV,D] (or [B,KV,T,D] with
+  ``heads_first``, the cache's layout), mask [B,S,T] bool → [B,S,H·D]."""
   b, s, h, d = q.shape
-  kvh = k.shape[2]
+  kvh = k.shape[1 if heads_first else 2]
+  kv = "bktd" if heads_first else "btkd"
   q = q.reshape(b, s, kvh, h // kvh, d)
-  scores = jnp.einsum("bskgd,btkd->bkgst", q, k).astype(jnp.float32) / math.sqrt(d)
+  scores = jnp.einsum(f"bskgd,{kv}->bkgst", q, k).astype(jnp.float32) / math.sqrt(d)
   scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
   p = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  o = jnp.einsum("bkgst,btkd->bskgd", p, v)
+  o = jnp.einsum(f"bkgst,{kv}->bskgd", p, v)
   return o.reshape(b, s, h * d)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-  """Static-shape KV cache, one buffer per layer: ``k[i]``, ``v[i]`` [batch, max_len, kv_heads,
+  """Static-shape KV cache, one buffer per layer: ``k[i]``, ``v[i]`` [batch, kv_heads, max_len,
   head_dim] (tuples of num_layers arrays); pos [batch] int32.
 
   ``pos[b]`` is the number of valid positions of row b (the next write index). Per-layer
   buffers, not one [layers, ...] array: XLA copies a layer's slice out of a stacked array before
   attention reads it (two memcpys a layer on an H200, 16-25 % of a Llama-3-8B decode step at
   batch 8-16: benchmarks/results/model_1gpu_h200.json), while a buffer of its own is read where
-  it lies and updated in place.
+  it lies and updated in place. Heads before positions: the attention dots batch over (batch,
+  head), and with positions first XLA:GPU transposed every layer's whole buffer on the way in
+  and out of a jitted decode step.
   """
   k: tuple
   v: tuple
@@ -159,22 +163,24 @@ class KVCache:
 
   @classmethod
   def init(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> "KVCache":
-    shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))  # noqa: E731
     return cls(zeros(), zeros(), jnp.zeros((batch,), jnp.int32))
 
   @property
   def max_len(self) -> int:
-    return self.k[0].shape[1]
+    return self.k[0].shape[2]
 
 
-def write_kv(buf, new, write_pos):
-  """``buf`` [B,T,...] with ``new`` [B,S,...] written at positions ``write_pos`` [B] + 0..S-1
-  (in place when ``buf`` is donated); writes past T are dropped."""
+def write_kv(buf, new, write_pos, heads_first: bool = False):
+  """``buf`` [B,T,...] (or [B,H,T,D] with ``heads_first``) with ``new`` [B,S,...] written at
+  positions ``write_pos`` [B] + 0..S-1 (in place when ``buf`` is donated); writes past T are
+  dropped."""
   b, s = new.shape[:2]
   rows = jnp.arange(b)[:, None]
   cols = write_pos[:, None] + jnp.arange(s, dtype=jnp.int32)[None]
-  return buf.at[rows, cols].set(new.astype(buf.dtype), mode="drop")
+  at = buf.at[rows, :, cols] if heads_first else buf.at[rows, cols]  # both take [B,S,...]
+  return at.set(new.astype(buf.dtype), mode="drop")
 
 
 class Attention(nnx.Module):
@@ -236,7 +242,7 @@ class DecoderLayer(nnx.Module):
     """One block. Returns (h, kv).
 
     Without ``kv`` attention is over this call's keys (``mask`` [B,S,S]). With ``kv`` =
-    (k_buf, v_buf), this layer's cache buffers [B,T,KV,D], the new keys and values are written
+    (k_buf, v_buf), this layer's cache buffers [B,KV,T,D], the new keys and values are written
     at positions ``write_pos`` [B] + 0..S-1 (in place when the cache is donated) and kv comes
     back updated. Attention then covers the cache under ``mask`` [B,S,T], or only this call's
     keys if ``attend_cache`` is False (prefill of an empty cache, ``mask`` [B,S,S]). ``taps``,
@@ -245,10 +251,11 @@ class DecoderLayer(nnx.Module):
     x = self.input_layernorm(h)
     q, k, v = self.attn.qkv(x, positions, inv_freq)
     if kv is not None:
-      kv = (write_kv(kv[0], k, write_pos), write_kv(kv[1], v, write_pos))
+      kv = tuple(write_kv(c, n, write_pos, heads_first=True) for c, n in zip(kv, (k, v)))
     if kv is not None and attend_cache:  # the first mask.shape[-1] positions (``attend_len``)
       t = mask.shape[-1]
-      a = attend(q, kv[0][:, :t].astype(q.dtype), kv[1][:, :t].astype(q.dtype), mask)
+      a = attend(q, kv[0][:, :, :t].astype(q.dtype), kv[1][:, :, :t].astype(q.dtype), mask,
+                 heads_first=True)
     else:
       a = attend(q, k, v, mask)
     h = h + self.attn.o_proj(a)
@@ -360,7 +367,8 @@ class LlamaForCausalLM(nnx.Module):
                              *[nnx.split(layer)[1] for layer in self.layers])
       b, s = h.shape[:2]
       if cache is not None:
-        fresh = jnp.zeros((b, s, *cache.k[0].shape[2:]), cache.k[0].dtype)
+        _, kvh, _, d = cache.k[0].shape
+        fresh = jnp.zeros((b, kvh, s, d), cache.k[0].dtype)
 
       def body(h, st):
         # a cache's layers cannot be indexed by the scan: each layer's keys and values go
@@ -374,7 +382,8 @@ class LlamaForCausalLM(nnx.Module):
       h, new = jax.lax.scan(body, h, stacked)
       if cache is None:
         return h, None
-      return h, tuple(tuple(write_kv(buf, n[i], write_pos) for i, buf in enumerate(bufs))
+      return h, tuple(tuple(write_kv(buf, n[i].swapaxes(1, 2), write_pos, heads_first=True)
+                            for i, buf in enumerate(bufs))
                       for bufs, n in zip((cache.k, cache.v), new))
     log.debug("forward: Python loop over %d layers (scan_layers=%s)", len(self.layers),
               self.scan_layers)
@@ -455,14 +464,14 @@ def _check_tokens(tokens, ndim):
 
 def _check_cache(cache, cfg, b, s):
   bufs = (cache.k, cache.v)
-  t = cache.k[0].shape[1] if isinstance(cache.k, tuple) and cache.k else None
-  want = (b, t, cfg.num_kv_heads, cfg.head_dim)
+  t = cache.k[0].shape[2] if isinstance(cache.k, tuple) and cache.k else None
+  want = (b, cfg.num_kv_heads, t, cfg.head_dim)
   if any(not isinstance(x, tuple) or len(x) != cfg.num_layers
          or any(getattr(a, "shape", None) != want for a in x) for x in bufs):
     got = [type(x).__name__ if not isinstance(x, tuple) else
            f"{len(x)} x {getattr(x[0], 'shape', None) if x else None}" for x in bufs]
     raise ValueError(f"cache.k / cache.v are {got}; each must be a tuple of "
-                     f"num_layers={cfg.num_layers} arrays {want} (batch, max_len, kv_heads, "
+                     f"num_layers={cfg.num_layers} arrays {want} (batch, kv_heads, max_len, "
                      "head_dim); build the cache with KVCache.init(cfg, batch, max_len)")
   if s > cache.max_len:
     raise ValueError(f"{s=} tokens do not fit in cache max_len={cache.max_len}")

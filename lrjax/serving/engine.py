@@ -3,7 +3,7 @@
   engine = Engine(model, max_slots=8, max_len=512)          # model sharded by lrjax.sharding
   outs = engine.generate([Request([1, 2, 3], SamplingParams(max_new_tokens=32))])
 
-The KV cache holds one static-shape buffer [slots, max_len, kv_heads, head_dim] per layer (or
+The KV cache holds one static-shape buffer [slots, kv_heads, max_len, head_dim] per layer (or
 the rank-space :class:`~lrjax.serving.lowrank_kv.LowRankKVCache`), sharded by the model's
 :class:`~lrjax.sharding.TPPlan` and donated to every step. A new request is prefilled into a free
 slot (prompt right-padded to a length bucket, so compiles are bounded by the bucket count); all

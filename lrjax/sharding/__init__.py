@@ -161,5 +161,6 @@ def param_specs(model, strategy: str, tp: int) -> dict[str, P]:
 
 
 __all__ = ["CACHE", "COL_PROJS", "Collective", "MESH_AXES", "ROW_PROJS", "RULES", "STRATEGIES",
-           "TPPlan", "cache_spec", "collectives", "default_device", "make_mesh", "param_shardings", "param_spec",
-           "param_specs", "plan_of", "shard", "spec_for", "summarize", "weight_gathers"]
+           "TPPlan", "cache_spec", "collectives", "default_device", "make_mesh", "param_shardings",
+           "param_spec", "param_specs", "plan_of", "shard", "spec_for", "summarize",
+           "weight_gathers"]

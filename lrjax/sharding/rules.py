@@ -64,11 +64,10 @@ RULES: dict[str, dict[tuple[str, str], P]] = {
 # (the lookup stays local); lm_head is column-parallel over the vocabulary in every strategy.
 OTHER = {("vocab", "embed"): P(), ("embed", "vocab"): P(None, "tp")}
 
-# Each layer's KV cache buffer [batch, max_len, kv_heads, head_dim]: sharded on KV heads except
+# Each layer's KV cache buffer [batch, kv_heads, max_len, head_dim]: sharded on KV heads except
 # in naive_tp, whose attention runs replicated.
-CACHE = {"dense": P("data", None, "tp", None), "naive_tp": P("data"),
-         "lowrank_tp": P("data", None, "tp", None),
-         "repl_u_tp": P("data", None, "tp", None)}
+CACHE = {"dense": P("data", "tp"), "naive_tp": P("data"), "lowrank_tp": P("data", "tp"),
+         "repl_u_tp": P("data", "tp")}
 
 
 def check_strategy(strategy: str) -> str:

@@ -230,7 +230,7 @@ def test_decode_reads_each_layer_cache_where_it_lies(attend_len):
   m = _model(cfg)
   cache = KVCache.init(cfg, 2, 16)
   assert len(cache.k) == len(cache.v) == cfg.num_layers
-  assert all(a.shape == (2, 16, cfg.num_kv_heads, cfg.head_dim) for a in cache.k + cache.v)
+  assert all(a.shape == (2, cfg.num_kv_heads, 16, cfg.head_dim) for a in cache.k + cache.v)
   jaxpr = jax.make_jaxpr(lambda c: m.decode(jnp.zeros((2,), jnp.int32), c, attend_len))(cache)
   buf = cache.k[0].shape
   readers = collections.Counter(

@@ -37,8 +37,8 @@ def test_other_params_and_cache():
   assert S.param_spec("lowrank_tp", "embed.embedding", ("vocab", "embed"), 2) == P()
   assert S.param_spec("naive_tp", "lm_head.kernel", ("embed", "vocab"), 2) == P(None, "tp")
   assert S.param_spec("lowrank_tp", "layers.0.input_layernorm.weight", ("embed",), 1) == P()
-  assert S.cache_spec("naive_tp") == P("data")                             # replicated attention
-  assert S.cache_spec("lowrank_tp") == P("data", None, "tp", None)   # local KV heads
+  assert S.cache_spec("naive_tp") == P("data")         # replicated attention
+  assert S.cache_spec("lowrank_tp") == P("data", "tp")   # local KV heads
 
 
 def test_spec_errors_name_the_fix():
