@@ -360,6 +360,12 @@ def mlp_record(m, d, f, r, bw, peak, kernel="auto", reps=None, baselines=None):
     extra = {}
     if name == "decode_memset":  # scratch zeroed by jax-triton's memset inside the call
       name, extra = "decode", dict(xla_zeroing=False)
+    if name == "decode_kw":  # decode_kw:field=value,...: the default blocks, some replaced
+      fields = {k: int(v) for k, v in (t.split("=") for t in spec.split(","))}
+      bs0 = mlp_decode.BlockSizes.get_default(m, d, f, r, d)
+      name, spec, extra = "decode", "", dict(block_sizes=dataclasses.replace(bs0, **fields))
+    if name == "decode_s_store":  # stage B stores S instead of adding it (timing only)
+      name, extra = "decode", dict(_s_atomics=False)
     if name == "persistent":  # the persistent decode schedule
       name, extra = "decode", dict(persistent=True)
     if name == "persistent_phases":  # it with only some phases streaming (timing only)
@@ -369,13 +375,21 @@ def mlp_record(m, d, f, r, bw, peak, kernel="auto", reps=None, baselines=None):
       field = "prefetch" if name == "persistent_pfb" else "prefetch_c"
       name, extra = "decode", dict(persistent=dataclasses.replace(plan, **{field: int(spec)}))
       spec = ""
+    if name in ("decode_p16", "persistent_p16"):  # stage B reads Pg, Pu rounded once
+      if name == "decode_p16":
+        bs0 = mlp_decode.BlockSizes.get_default(m, d, f, r, d)
+        extra = dict(block_sizes=dataclasses.replace(bs0, p16=True))
+      else:
+        plan = planner.plan_mlp_decode_persistent(m, d, f, r, r, d)
+        extra = dict(persistent=dataclasses.replace(plan, p16=True))
+      name, spec = "decode", ""
     if name == "prefill_phases":  # the default prefill kernel, some phases or no waits
       name, extra, spec = "prefill", dict(_phases=int(spec) or 15, _waits=int(spec) != 0), ""
     mod = {"decode": mlp_decode, "prefill": mlp_prefill}[name]
     kern = getattr(mod, f"mlp_{name}")
-    bs = mod.BlockSizes(*[int(t) for t in spec.split(",")]) if spec else None
-    ours = lambda x, ug, vg, uu, vu, ud, vd: kern(x, (uu, vu), (ud, vd), (ug, vg), block_sizes=bs,
-                                                  **extra)
+    extra.setdefault("block_sizes",
+                     mod.BlockSizes(*[int(t) for t in spec.split(",")]) if spec else None)
+    ours = lambda x, ug, vg, uu, vu, ud, vd: kern(x, (uu, vu), (ud, vd), (ug, vg), **extra)
   if low is None:
     t_ours, spread = per_call_us(ours, x, layers, reps)
     low, t_def = "triton", t_ours
@@ -575,6 +589,10 @@ MLP_TOKENS = (("llama3-8b", (1, 16, 4096, 4, 64)), ("llama3.2-1b", (1, 16, 4096)
 # session 3 also ran "decode_memset" and "decode:16,64,128,8,{32,128},256,128,64,4,4,4,{4,3}"
 # (results/gpu_mlp_decode_variants_h200.json)
 MLP_DECODE_VARIANTS = ("persistent",)
+# the tiled MLP decode kernel with stage B storing S (the atomics' cost; wrong output), and
+# with no register spills (ptxas: 40 bytes of stack a thread at the defaults)
+MLP_DECODE_PROBES = ("decode_s_store", "decode_kw:block_rd=128", "decode_kw:num_warps=8",
+                     "decode_kw:block_rd=128,num_warps=8")
 # phases A=1, B=2, C=4 alone or together; then the whole phase-C chunk prefetched into L2
 MLP_PHASE_VARIANTS = ("persistent_phases:1", "persistent_phases:2", "persistent_phases:4",
                       "persistent_phases:3", "persistent_phases:6", "persistent_pfc:2048")
@@ -729,6 +747,16 @@ def suite(name, bw, peak, args, recs):
     xuv_decode_sweep((32, 64, 128), decode_wide_m_variants)
   if name == "decode_chunks":  # the persistent decode kernel with phase 2 split over r
     xuv_decode_sweep(args.chunk_m, decode_chunk_variants)
+  if name == "decode_p16":  # phase 2 reads P rounded once to bf16 instead of the f32 sums
+    xuv_decode_sweep(args.chunk_m, lambda *_: ("persistent:p16=1",))
+    for label in ("llama3-8b", "llama3.2-1b", "llama3-8b-r1024"):
+      d, f, r = MLP_SHAPES[label]
+      for m in (1, 4, 16):
+        base = dict(mlp_record(m, d, f, r, bw, peak), model=label)
+        recs.append(base)
+        for variant in ("decode_p16", "persistent", "persistent_p16"):
+          recs.append(dict(mlp_record(m, d, f, r, bw, peak, variant, baselines=base),
+                           model=label))
   if name == "decode_prefetch":  # the persistent decode kernel's V prefetch depth
     xuv_decode_sweep((1, 4, 16), lambda *_: DECODE_PREFETCH_VARIANTS)
   if name == "mlp_decode_variants":  # MLP_DECODE_VARIANTS next to the default, one run
@@ -740,6 +768,15 @@ def suite(name, bw, peak, args, recs):
         for variant in MLP_DECODE_VARIANTS:
           recs.append(dict(mlp_record(m, d, f, r, bw, peak, variant, baselines=base),
                            model=label))
+  if name == "mlp_decode_probes":  # MLP_DECODE_PROBES next to the tiled kernel, one run
+    for label, m in (("llama3-8b", 1), ("llama3-8b", 4), ("llama3-8b", 16),
+                     ("llama3-8b-r1024", 16), ("llama3.2-1b", 16)):
+      d, f, r = MLP_SHAPES[label]
+      base = dict(mlp_record(m, d, f, r, bw, peak, "decode"), model=label)
+      recs.append(base)
+      for variant in MLP_DECODE_PROBES:
+        recs.append(dict(mlp_record(m, d, f, r, bw, peak, variant, baselines=base),
+                         model=label))
   if name == "mlp_prefetch":  # the persistent MLP kernel's phase-B prefetch depth
     for label, m in (("llama3-8b", 1), ("llama3-8b", 16), ("llama3-8b-r1024", 1)):
       d, f, r = MLP_SHAPES[label]
@@ -915,7 +952,8 @@ def main():
                            "decode_persistent", "mlp_decode_variants", "mlp_phases",
                            "mlp_prefetch", "mlp_prefill_variants", "prefill_variants",
                            "mlp_prefill_phases", "gemm_ceiling", "decode_prefetch",
-                           "decode_wide_m", "decode_chunks", "kv_attention"])
+                           "decode_wide_m", "decode_chunks", "decode_p16",
+                           "mlp_decode_probes", "kv_attention"])
   ap.add_argument("--variants", action="store_true", help="also time non-default kernels")
   ap.add_argument("--extra", nargs="*", default=[], help="op/M,K,r,N/variant")
   ap.add_argument("--out", default="benchmarks/results/gpu_lowrank_h200.json")
@@ -931,7 +969,7 @@ def main():
   ap.add_argument("--min-m", type=int, default=0,
                   help="only the MLP shapes with at least this many tokens")
   ap.add_argument("--chunk-m", type=int, nargs="*", default=[16, 32, 64],
-                  help="token counts of the decode_chunks suite")
+                  help="token counts of the decode_chunks and decode_p16 suites")
   ap.add_argument("--verbose", action="store_true", help="print compile and timing seconds")
   ap.add_argument("--reps", type=int, default=15, help="alternated repetitions per timing")
   ap.add_argument("--timing", choices=["device", "host"], default="device",

@@ -139,6 +139,24 @@ def wait_at_least(flag_ptr, target):
 
 
 @triton.jit
+def last_arrival(cnt_ptr, n):
+  """True in the last of ``n`` CTAs to arrive at a zeroed counter (the split-K paper's
+  semaphore): each releases its prior global writes, and the last acquires all of them."""
+  tl.debug_barrier()
+  ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+  tl.debug_barrier()
+  return ticket == n - 1
+
+
+@triton.jit
+def round_once(src_ptr, dst_ptr, off, mask):
+  """dst[off] = src[off]: an f32 split-K sum read from L2, rounded once to dst's dtype (the
+  dtype the next stage's dot consumes), so the next stage's tiles read half the bytes."""
+  t = tl.load(src_ptr + off, mask=mask, other=0.0, cache_modifier=".cg")
+  tl.store(dst_ptr + off, t.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def first_tile(counter_ptr, DYNAMIC: tl.constexpr):
   """A persistent CTA's first tile of a schedule: claimed from a zeroed counter (DYNAMIC;
   every earlier tile is then held by a running CTA, so waits on earlier tiles end), else
@@ -162,7 +180,7 @@ def next_tile(counter_ptr, t, PROGRAMS: tl.constexpr, DYNAMIC: tl.constexpr):
 
 @triton.jit
 def splitr_out_tile(nb, rc,  # output column block, reduction chunk
-                    a_ptr,  # [M, R] f32 left operand (complete for rows of chunk rc)
+                    a_ptr,  # [M, R] left operand, f32 or V's dtype (complete for chunk rc)
                     v_ptr,  # [R, N] right factor
                     b_ptr,  # [N] bias (read only if HAS_BIAS)
                     acc_ptr,  # [M, N] f32 accumulator, zeroed
@@ -173,7 +191,7 @@ def splitr_out_tile(nb, rc,  # output column block, reduction chunk
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KV: tl.constexpr,
                     EVEN_R: tl.constexpr, COLS_N: tl.constexpr):
   """One chunk of a split-r O = A·V: f32 atomics into acc; the last chunk to arrive for a
-  column block (semaphore, acq_rel) adds the bias and writes the output: one launch.
+  column block (``last_arrival``) adds the bias and writes the output: one launch.
   A column block is COLS_N <= BLOCK_N columns wide; with one chunk the output is stored
   directly (acc and the semaphores are then unused)."""
   offs_m = tl.arange(0, BLOCK_M)
@@ -193,10 +211,7 @@ def splitr_out_tile(nb, rc,  # output column block, reduction chunk
     tl.store(o_ptr + off, acc.to(o_ptr.dtype.element_ty), mask=mask)
   else:
     tl.atomic_add(acc_ptr + off, acc, mask=mask, sem="relaxed")
-    tl.debug_barrier()
-    ticket = tl.atomic_add(sem_ptr + nb, 1, sem="acq_rel", scope="gpu")
-    tl.debug_barrier()
-    if ticket == N_CHUNKS - 1:
+    if last_arrival(sem_ptr + nb, N_CHUNKS):
       tot = tl.load(acc_ptr + off, mask=mask, other=0.0, cache_modifier=".cg")
       if HAS_BIAS:
         tot += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]

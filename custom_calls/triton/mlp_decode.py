@@ -21,6 +21,12 @@ counters live in one scratch buffer, zeroed by an XLA op aliased into the call (
 
 Every byte of the six factors is read once, so the floor is their size over HBM bandwidth.
 
+With ``p16`` (the tiled default) the last stage-A tile of each rank column block
+(``_common.last_arrival``) rounds its f32 sums once to the factors' dtype, and stage B reads
+that copy: half the L2 bytes per slice, 1-3 % faster at Llama-3-8B r=2560 and Llama-3.2-1B
+(benchmarks/gpu_notes.md, session 9). The kernel rounded P to that dtype before its dot
+anyway, so the output is the same.
+
 ``persistent=True`` runs the same three phases on one CTA per SM
 (``_mlp_decode_persistent_kernel``, tiles from ``planner.plan_mlp_decode_persistent``, as
 xuv_decode's persistent schedule): measured within ±5 % of this tiled schedule on most
@@ -36,9 +42,10 @@ import triton
 import triton.language as tl
 
 from lrjax.custom_calls.triton import launch, planner
-from lrjax.custom_calls.triton._common import (check_out, mm_acc, mm_acc2, num_sms,
-                                               prefetch_l2, signal, splitr_out_tile,
-                                               swiglu_epilogue, wait_at_least)
+from lrjax.custom_calls.triton._common import (check_out, last_arrival, mm_acc, mm_acc2,
+                                               num_sms, prefetch_l2, round_once,
+                                               signal, splitr_out_tile, swiglu_epilogue,
+                                               wait_at_least)
 
 ACT_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "relu": 3}
 
@@ -57,6 +64,7 @@ class BlockSizes:
   a_chunks: int = 4  # r-chunks of Pg/Pu that stage B consumes as they complete
   num_warps: int = 4
   num_stages: int = 3
+  p16: bool = False  # stage B reads Pg, Pu rounded once to the factors' dtype
 
   @classmethod
   def get_default(cls, m: int, d: int, f: int, r: int, d_out: int) -> "BlockSizes":
@@ -74,8 +82,10 @@ class BlockSizes:
       # fewer, longer stage-B slices while >= 3/4 of the SMs still get one: 4-18 % faster
       # at D_ff=14336 (gpu_mlp_decode_variants_h200.json); 3 stages fit the wider tiles
       block_f, stages = 128, 3
+    # p16: stage B reads Pg, Pu in bf16, 1-3 % faster on Llama-3-8B r=2560 and 3.2-1B
+    # (results/gpu_decode_p16_h200.json)
     return dataclasses.replace(t, block_m=bm, split_k=split, num_warps=warps, block_f=block_f,
-                               num_stages=stages)
+                               num_stages=stages, p16=True)
 
 
 # Tuned on the H200 (benchmarks/gpu_lowrank.py); shape class -> blocks.
@@ -94,9 +104,12 @@ def _up_tile(rb, k0,  # column block of the rank, first row of D
              D: tl.constexpr, R: tl.constexpr, GATED: tl.constexpr, K_PER: tl.constexpr,
              RB_PER_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
              BLOCK_R: tl.constexpr, COLS_R: tl.constexpr, EVEN_D: tl.constexpr,
-             STREAM: tl.constexpr):
+             STREAM: tl.constexpr, P16: tl.constexpr, pg16_ptr, pu16_ptr, rb_cnt_ptr,
+             SPLIT_K: tl.constexpr):
   """One split-K tile of Pg = X·Ug and Pu = X·Uu (X loaded once per K step): f32 atomics
-  into Pg/Pu, then this rank chunk's counter. STREAM=False only signals (phase timing)."""
+  into Pg/Pu, then this rank chunk's counter. P16: the column block's last tile
+  (``last_arrival``) rounds it once into pg16/pu16 (the factors' dtype) and alone signals.
+  STREAM=False only signals (phase timing)."""
   offs_r = rb * COLS_R + tl.arange(0, BLOCK_R)
   r_mask = offs_r < R
   if COLS_R < BLOCK_R:
@@ -115,22 +128,34 @@ def _up_tile(rb, k0,  # column block of the rank, first row of D
       acc_u = mm_acc(acc_u, x_ptr, uu_ptr, offs_m, offs_r, m_mask, r_mask, k0, k0 + K_PER,
                      D, D, R, BLOCK_K, EVEN_D, False)
     tl.atomic_add(pu_ptr + out_off, acc_u, mask=out_mask, sem="relaxed")
-  signal(cnt_ptr + rb // RB_PER_CHUNK)
+  if P16:
+    if last_arrival(rb_cnt_ptr + rb, SPLIT_K):
+      if GATED:
+        round_once(pg_ptr, pg16_ptr, out_off, out_mask)
+      round_once(pu_ptr, pu16_ptr, out_off, out_mask)
+      signal(cnt_ptr + rb // RB_PER_CHUNK)
+  else:
+    signal(cnt_ptr + rb // RB_PER_CHUNK)
 
 
 @triton.jit
 def _project_rank(h,  # [BLOCK_M, BLOCK_F] slice of the intermediate, the only copy of it
                   ud_ptr, s_ptr, offs_m, m_mask, offs_f, f_mask, RD: tl.constexpr,
-                  BLOCK_RD: tl.constexpr):
-  """S += h · Ud[f, :]: f32 atomics into the down factor's rank space, BLOCK_RD at a time."""
+                  BLOCK_RD: tl.constexpr, S_ATOMICS: tl.constexpr):
+  """S += h · Ud[f, :]: f32 atomics into the down factor's rank space, BLOCK_RD at a time
+  (S_ATOMICS=False: plain stores, a wrong S; timing the atomics only)."""
   for c0 in range(0, RD, BLOCK_RD):
     offs_c = c0 + tl.arange(0, BLOCK_RD)
     c_mask = offs_c < RD
     udt = tl.load(ud_ptr + offs_f[:, None] * RD + offs_c[None, :],
                   mask=f_mask[:, None] & c_mask[None, :], other=0.0)
     part = tl.dot(h, udt)
-    tl.atomic_add(s_ptr + offs_m[:, None] * RD + offs_c[None, :], part,
-                  mask=m_mask[:, None] & c_mask[None, :], sem="relaxed")
+    if S_ATOMICS:
+      tl.atomic_add(s_ptr + offs_m[:, None] * RD + offs_c[None, :], part,
+                    mask=m_mask[:, None] & c_mask[None, :], sem="relaxed")
+    else:
+      tl.store(s_ptr + offs_m[:, None] * RD + offs_c[None, :], part,
+               mask=m_mask[:, None] & c_mask[None, :])
 
 
 @triton.jit
@@ -141,9 +166,11 @@ def _down_slice(fb,  # slice of the intermediate dim
                 HAS_BU: tl.constexpr, SPLIT_K: tl.constexpr, A_CHUNKS: tl.constexpr,
                 RB_PER_CHUNK: tl.constexpr, R_PER: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_F: tl.constexpr, COLS_F: tl.constexpr, BLOCK_RD: tl.constexpr,
-                BLOCK_KR: tl.constexpr, EVEN_R: tl.constexpr, STREAM: tl.constexpr):
+                BLOCK_KR: tl.constexpr, EVEN_R: tl.constexpr, STREAM: tl.constexpr,
+                P16: tl.constexpr, S_ATOMICS: tl.constexpr):
   """One COLS_F-wide slice h of the intermediate, consuming Pg/Pu chunk by chunk as they
   complete, projected straight into S (the down factor's rank space); then the counter.
+  P16: pg_ptr/pu_ptr are the rounded copies (one signal per column block, not per tile).
   STREAM=False only waits and signals (phase timing)."""
   offs_f = fb * COLS_F + tl.arange(0, BLOCK_F)
   f_mask = offs_f < F
@@ -152,7 +179,10 @@ def _down_slice(fb,  # slice of the intermediate dim
   acc_u = tl.zeros([BLOCK_M, BLOCK_F], tl.float32)
   acc_g = tl.zeros([BLOCK_M, BLOCK_F], tl.float32)
   for c in range(A_CHUNKS):
-    wait_at_least(cnt_ptr + c, tl.minimum(n_r - c * RB_PER_CHUNK, RB_PER_CHUNK) * SPLIT_K)
+    if P16:
+      wait_at_least(cnt_ptr + c, tl.minimum(n_r - c * RB_PER_CHUNK, RB_PER_CHUNK))
+    else:
+      wait_at_least(cnt_ptr + c, tl.minimum(n_r - c * RB_PER_CHUNK, RB_PER_CHUNK) * SPLIT_K)
     if STREAM:
       if GATED:
         acc_g, acc_u = mm_acc2(acc_g, acc_u, pg_ptr, pu_ptr, vg_ptr, vu_ptr, offs_m, offs_f,
@@ -165,7 +195,7 @@ def _down_slice(fb,  # slice of the intermediate dim
     h = swiglu_epilogue(acc_g, acc_u, bg_ptr, bu_ptr, offs_f, f_mask, GATED, ACT, HAS_BG,
                         HAS_BU)
     _project_rank(h.to(ud_ptr.dtype.element_ty), ud_ptr, s_ptr, offs_m, m_mask, offs_f,
-                  f_mask, RD, BLOCK_RD)
+                  f_mask, RD, BLOCK_RD, S_ATOMICS)
   signal(cnt_ptr + A_CHUNKS)
 
 
@@ -180,8 +210,10 @@ def _mlp_decode_kernel(
     M,  # rows (runtime: one compile serves every M <= BLOCK_M)
     scratch_ptr,  # f32, zeroed before the launch: Pg [M, R], Pu [M, R], S [M, RD],
                   # output accumulator [M, DO], then (i32) A_CHUNKS stage-A counters,
-                  # the stage-B counter, and ceil(DO/BLOCK_N) stage-C semaphores
+                  # the stage-B counter, ceil(DO/BLOCK_N) stage-C semaphores, and with P16
+                  # one stage-A counter per column block of Pg/Pu
     o_ptr,  # [M, DO] output
+    p16_ptr,  # [2, M, R] in the factors' dtype: Pg, Pu rounded once (P16); else unused
     D: tl.constexpr, R: tl.constexpr, F: tl.constexpr,
     RD: tl.constexpr, DO: tl.constexpr,
     GATED: tl.constexpr, ACT: tl.constexpr,
@@ -192,6 +224,8 @@ def _mlp_decode_kernel(
     BLOCK_F: tl.constexpr, BLOCK_RD: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_KR: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_R: tl.constexpr, EVEN_RD: tl.constexpr,
+    P16: tl.constexpr,
+    S_ATOMICS: tl.constexpr,  # True; timing only: False stores S instead (wrong output)
 ):
   pid = tl.program_id(0)
   pg_ptr = scratch_ptr
@@ -203,19 +237,23 @@ def _mlp_decode_kernel(
   n_r = (R + BLOCK_R - 1) // BLOCK_R
   n_a = n_r * SPLIT_K
   n_b = (F + BLOCK_F - 1) // BLOCK_F
+  rb_cnt_ptr = sem_ptr + (DO + BLOCK_N - 1) // BLOCK_N
+  pg16_ptr = p16_ptr
+  pu16_ptr = p16_ptr + M * R
   offs_m = tl.arange(0, BLOCK_M)
   m_mask = offs_m < M
   if pid < n_a:
     # ---- stage A: split-K X·Ug and X·Uu, X loaded once per K tile
     _up_tile(pid // SPLIT_K, (pid % SPLIT_K) * K_PER, x_ptr, ug_ptr, uu_ptr, pg_ptr, pu_ptr,
              cnt_ptr, offs_m, m_mask, D, R, GATED, K_PER, RB_PER_CHUNK, BLOCK_M, BLOCK_K,
-             BLOCK_R, BLOCK_R, EVEN_D, True)
+             BLOCK_R, BLOCK_R, EVEN_D, True, P16, pg16_ptr, pu16_ptr, rb_cnt_ptr, SPLIT_K)
   elif pid < n_a + n_b:
     # ---- stage B: one slice of the intermediate dim, projected straight into rank space
-    _down_slice(pid - n_a, pg_ptr, pu_ptr, vg_ptr, bg_ptr, vu_ptr, bu_ptr, ud_ptr, s_ptr,
-                cnt_ptr, offs_m, m_mask, n_r, R, F, RD, GATED, ACT, HAS_BG, HAS_BU, SPLIT_K,
-                A_CHUNKS, RB_PER_CHUNK, RB_PER_CHUNK * BLOCK_R, BLOCK_M, BLOCK_F, BLOCK_F,
-                BLOCK_RD, BLOCK_KR, EVEN_R, True)
+    _down_slice(pid - n_a, pg16_ptr if P16 else pg_ptr, pu16_ptr if P16 else pu_ptr, vg_ptr,
+                bg_ptr, vu_ptr, bu_ptr, ud_ptr, s_ptr, cnt_ptr, offs_m, m_mask, n_r, R, F, RD,
+                GATED, ACT, HAS_BG, HAS_BU, SPLIT_K, A_CHUNKS, RB_PER_CHUNK,
+                RB_PER_CHUNK * BLOCK_R, BLOCK_M, BLOCK_F, BLOCK_F, BLOCK_RD, BLOCK_KR, EVEN_R,
+                True, P16, S_ATOMICS)
   else:
     # ---- stage C: Y = S·Vd + bd, split over r_d chunks
     n_nb = (DO + BLOCK_N - 1) // BLOCK_N
@@ -233,6 +271,7 @@ def _mlp_decode_persistent_kernel(
     M,
     scratch_ptr,  # as above, less the [M, DO] accumulator when C_CHUNKS == 1
     o_ptr,
+    p16_ptr,  # as above
     D: tl.constexpr, R: tl.constexpr, F: tl.constexpr,
     RD: tl.constexpr, DO: tl.constexpr,
     GATED: tl.constexpr, ACT: tl.constexpr,
@@ -246,6 +285,7 @@ def _mlp_decode_persistent_kernel(
     COLS_R: tl.constexpr, COLS_F: tl.constexpr, COLS_N: tl.constexpr,
     PROGRAMS: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_C: tl.constexpr,
     PHASES: tl.constexpr,  # 7; timing only: bits 1, 2, 4 stream phases A, B, C
+    P16: tl.constexpr,
 ):
   pid = tl.program_id(0)
   pg_ptr = scratch_ptr
@@ -261,6 +301,9 @@ def _mlp_decode_persistent_kernel(
   n_a = n_r * SPLIT_K
   n_b = (F + COLS_F - 1) // COLS_F
   n_nb = (DO + COLS_N - 1) // COLS_N
+  rb_cnt_ptr = sem_ptr + n_nb
+  pg16_ptr = p16_ptr
+  pu16_ptr = p16_ptr + M * R
   offs_m = tl.arange(0, BLOCK_M)
   m_mask = offs_m < M
   if PREFETCH > 0:  # the first rows of this CTA's first Vu (Vg) slice load during phase A
@@ -272,13 +315,15 @@ def _mlp_decode_persistent_kernel(
   for t in range(pid, n_a, PROGRAMS):
     _up_tile(t // SPLIT_K, (t % SPLIT_K) * K_PER, x_ptr, ug_ptr, uu_ptr, pg_ptr, pu_ptr,
              cnt_ptr, offs_m, m_mask, D, R, GATED, K_PER, RB_PER_CHUNK, BLOCK_M, BLOCK_K,
-             BLOCK_R, COLS_R, EVEN_D, (PHASES & 1) != 0)
+             BLOCK_R, COLS_R, EVEN_D, (PHASES & 1) != 0, P16, pg16_ptr, pu16_ptr, rb_cnt_ptr,
+             SPLIT_K)
   # ---- phase B: one D_ff slice per tile, consuming Pg/Pu chunk by chunk
   for fb in range(pid, n_b, PROGRAMS):
-    _down_slice(fb, pg_ptr, pu_ptr, vg_ptr, bg_ptr, vu_ptr, bu_ptr, ud_ptr, s_ptr, cnt_ptr,
-                offs_m, m_mask, n_r, R, F, RD, GATED, ACT, HAS_BG, HAS_BU, SPLIT_K, A_CHUNKS,
-                RB_PER_CHUNK, RB_PER_CHUNK * COLS_R, BLOCK_M, BLOCK_F, COLS_F, BLOCK_RD,
-                BLOCK_KR, EVEN_R, (PHASES & 2) != 0)
+    _down_slice(fb, pg16_ptr if P16 else pg_ptr, pu16_ptr if P16 else pu_ptr, vg_ptr, bg_ptr,
+                vu_ptr, bu_ptr, ud_ptr, s_ptr, cnt_ptr, offs_m, m_mask, n_r, R, F, RD, GATED,
+                ACT, HAS_BG, HAS_BU, SPLIT_K, A_CHUNKS, RB_PER_CHUNK, RB_PER_CHUNK * COLS_R,
+                BLOCK_M, BLOCK_F, COLS_F, BLOCK_RD, BLOCK_KR, EVEN_R, (PHASES & 2) != 0, P16,
+                True)
   # ---- phase C: Y = S·Vd + bd once every phase-B tile has landed in S
   if (PHASES & 4) != 0:
     if PREFETCH_C > 0:
@@ -314,9 +359,10 @@ def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes)
               BLOCK_N=bs.block_n, BLOCK_KR=bs.block_kr, EVEN_D=d % k_per == 0,
               EVEN_R=r % (rb_per_chunk * bs.block_r) == 0
               and (rb_per_chunk * bs.block_r) % bs.block_kr == 0,
-              EVEN_RD=rd % rd_per == 0)
-  scratch = m * (2 * r + rd + d_out) + a_chunks + 1 + n_nb
-  return dict(grid=n_a + n_b + n_nb * c_chunks, n_nb=n_nb, scratch=scratch, meta=meta)
+              EVEN_RD=rd % rd_per == 0, P16=bs.p16, S_ATOMICS=True)
+  scratch = m * (2 * r + rd + d_out) + a_chunks + 1 + n_nb + (n_rb if bs.p16 else 0)
+  return dict(grid=n_a + n_b + n_nb * c_chunks, n_nb=n_nb, scratch=scratch, meta=meta,
+              p16=2 * m * r if bs.p16 else 1)
 
 
 def persistent_launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask,
@@ -342,9 +388,11 @@ def persistent_launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask,
               BLOCK_KR=64, EVEN_D=d % p.k_per == 0,
               EVEN_R=r % r_per == 0 and r_per % 64 == 0, EVEN_RD=rd % rd_per == 0,
               COLS_R=p.cols_r, COLS_F=p.cols_f, COLS_N=p.cols_n, PROGRAMS=p.programs,
-              PREFETCH=p.prefetch, PREFETCH_C=p.prefetch_c, PHASES=phases)
-  scratch = m * (2 * r + rd + (d_out if c_chunks > 1 else 0)) + a_chunks + 1 + n_nb
-  return dict(grid=p.programs, n_nb=n_nb, scratch=scratch, meta=meta)
+              PREFETCH=p.prefetch, PREFETCH_C=p.prefetch_c, PHASES=phases, P16=p.p16)
+  scratch = (m * (2 * r + rd + (d_out if c_chunks > 1 else 0)) + a_chunks + 1 + n_nb
+             + (n_rb if p.p16 else 0))
+  return dict(grid=p.programs, n_nb=n_nb, scratch=scratch, meta=meta,
+              p16=2 * m * r if p.p16 else 1)
 
 
 def unpack_mlp_args(x, up, down, gate, act):
@@ -385,7 +433,8 @@ def unpack_mlp_args(x, up, down, gate, act):
 
 def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
                block_sizes: BlockSizes | None = None, out=None, xla_zeroing: bool | None = None,
-               persistent: "bool | planner.PersistentMlpPlan" = False, _phases: int = 7):
+               persistent: "bool | planner.PersistentMlpPlan" = False, _phases: int = 7,
+               _s_atomics: bool = True):
   """Low-rank MLP for few tokens; ``up``/``down``/``gate`` are (u, v) or (u, v, bias).
 
   ``out`` [M, D_out]: optional buffer the kernel writes into (aliased; tests poison it).
@@ -396,6 +445,8 @@ def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
   (``planner.plan_mlp_decode_persistent`` unless a plan is given).
   ``_phases``: benchmarking the persistent schedule only (bits 1, 2, 4 stream phases A, B,
   C; the output is wrong unless all three run).
+  ``_s_atomics=False``: benchmarking the tiled schedule only: stage B stores its partial of S
+  instead of adding it (the output is wrong), to time the atomics.
   """
   gated = gate is not None
   x2, lead, (d, r, f, rd, d_out), bias_mask, ops = unpack_mlp_args(x, up, down, gate, act)
@@ -415,6 +466,8 @@ def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
                        "every CTA must be resident, or a waiting CTA could block its producer")
     if _phases not in range(1, 8):
       raise ValueError(f"{_phases=} must be in 1..7")
+    if not _s_atomics:
+      raise ValueError("_s_atomics= applies to the tiled schedule only")
     plan = persistent_launch_plan(m, d, r, f, rd, d_out, gated=gated, act=act,
                                   bias_mask=bias_mask, p=p, phases=_phases)
     kernel, warps, stages = _mlp_decode_persistent_kernel, p.warps, p.stages
@@ -426,6 +479,8 @@ def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
       raise ValueError(f"{bs.block_m=} must cover the {m} rows; use mlp_prefill for large M")
     plan = launch_plan(m, d, r, f, rd, d_out, gated=gated, act=act, bias_mask=bias_mask,
                        bs=bs)
+    if not _s_atomics:
+      plan["meta"]["S_ATOMICS"] = False
     kernel, warps, stages = _mlp_decode_kernel, bs.num_warps, bs.num_stages
   check_out(out, (m, d_out), out_dtype)
   if xla_zeroing is None:
@@ -440,11 +495,12 @@ def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
   outs = launch.triton_call(
       *ops, eleventh, m, kernel=kernel,
       out_shape=(jax.ShapeDtypeStruct((plan["scratch"],), jnp.float32),
-                 jax.ShapeDtypeStruct((m, d_out), out_dtype)),
+                 jax.ShapeDtypeStruct((m, d_out), out_dtype),
+                 jax.ShapeDtypeStruct((plan["p16"],), ops[5].dtype)),  # P16's Pg, Pu; not zeroed
       grid=(plan["grid"],), zeroed_outputs=zeroed, input_output_aliases=aliases,
       num_warps=warps, num_stages=stages, name="lrjax_mlp_decode",
       **plan["meta"])
-  return outs[-1].reshape(*lead, d_out)
+  return outs[1].reshape(*lead, d_out)
 
 
 def mlp_decode_reference(x, up, down, gate=None, *, act="silu", out_dtype=None):

@@ -194,6 +194,7 @@ class PersistentDecodePlan:
   stages: int
   prefetch: int  # V rows of its first phase-2 tile each CTA prefetches into L2 (0: none)
   est_us: float  # the model's time at ``bw``
+  p16: bool = False  # phase 2 reads P rounded once to V's dtype, not the f32 sums
 
 
 def _widths(pow2s):
@@ -289,6 +290,7 @@ class PersistentMlpPlan:
   prefetch: int  # rows of its first phase-B slices each CTA prefetches into L2 at its start
   prefetch_c: int  # the same for its first phase-C tile (a power of two; rows past it unread)
   est_us: float
+  p16: bool = False  # phase B reads Pg, Pu rounded once to the factors' dtype
 
 
 def plan_mlp_decode_persistent(m: int, d: int, f: int, r: int, rd: int, d_out: int,

@@ -15,6 +15,9 @@ so its pipeline restarts from L2 when P completes. With one r-chunk the output i
 directly; with several, the last chunk to arrive for a column block (an acq_rel
 semaphore, the split-K paper's single-launch reduction) adds the bias and writes it.
 All CTAs are resident at once (grid = SMs), so a waiting CTA never blocks a producer.
+``PersistentDecodePlan.p16`` makes the last phase-1 tile of each column block round it once
+to V's dtype for phase 2 (as the SwiGLU kernel's default does); here it measured -3...+5 %
+against the f32 reads, so it is off by default (gpu_notes.md, session 9).
 
 **Tiled** (``_xuv_decode_kernel``): one CTA per tile. Stage-1 CTAs (split_k x
 ceil(r/block_r), block_r = 256: 512-byte row segments) come first in the grid, r-block-
@@ -39,8 +42,9 @@ import triton
 import triton.language as tl
 
 from lrjax.custom_calls.triton import launch, planner
-from lrjax.custom_calls.triton._common import (check_out, mm_acc, num_sms, prefetch_l2,
-                                               signal, splitr_out_tile, unpack_xuv_args,
+from lrjax.custom_calls.triton._common import (check_out, last_arrival, mm_acc, num_sms,
+                                               prefetch_l2, round_once, signal,
+                                               splitr_out_tile, unpack_xuv_args,
                                                wait_at_least)
 
 
@@ -105,8 +109,11 @@ def _xu_tile(rb, k_start,  # column block of U, first row of K
              x_ptr, u_ptr, p_ptr, flag_ptr, offs_m, m_mask, K: tl.constexpr, R: tl.constexpr,
              K_PER: tl.constexpr, RB_PER_CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
              BLOCK_R: tl.constexpr, COLS_R: tl.constexpr, EVEN_K: tl.constexpr,
-             STREAM: tl.constexpr):
+             STREAM: tl.constexpr, P16: tl.constexpr, p16_ptr, rb_cnt_ptr,
+             SPLIT_K: tl.constexpr):
   """One split-K tile of P = X·U: f32 atomics into P, then its r-chunk's counter (release).
+  P16: the last of the column block's SPLIT_K tiles (``last_arrival`` on its counter)
+  rounds the block once into p16 (V's dtype) and alone signals the chunk.
   STREAM=False skips the streaming (timing the other stage only)."""
   offs_r = rb * COLS_R + tl.arange(0, BLOCK_R)
   r_mask = offs_r < R
@@ -118,7 +125,13 @@ def _xu_tile(rb, k_start,  # column block of U, first row of K
                  K, K, R, BLOCK_K, EVEN_K, False)
     tl.atomic_add(p_ptr + offs_m[:, None] * R + offs_r[None, :], acc,
                   mask=m_mask[:, None] & r_mask[None, :], sem="relaxed")
-  signal(flag_ptr + rb // RB_PER_CHUNK)
+  if P16:
+    if last_arrival(rb_cnt_ptr + rb, SPLIT_K):
+      round_once(p_ptr, p16_ptr, offs_m[:, None] * R + offs_r[None, :],
+                 m_mask[:, None] & r_mask[None, :])
+      signal(flag_ptr + rb // RB_PER_CHUNK)
+  else:
+    signal(flag_ptr + rb // RB_PER_CHUNK)
 
 
 @triton.jit
@@ -126,11 +139,15 @@ def _pv_tile(q, n_nb, n_rb, p_ptr, v_ptr, b_ptr, acc_ptr, flag_ptr, sem_ptr, o_p
              R: tl.constexpr, N: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
              R_CHUNKS: tl.constexpr, RB_PER_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_KV: tl.constexpr, EVEN_R: tl.constexpr,
-             COLS_R: tl.constexpr, COLS_N: tl.constexpr):
-  """Tile q of Y = P·V (chunk-major): waits until its r-chunk of P is complete."""
+             COLS_R: tl.constexpr, COLS_N: tl.constexpr, P16: tl.constexpr):
+  """Tile q of Y = P·V (chunk-major): waits until its r-chunk of P is complete (P16: p_ptr
+  is the rounded copy, one signal per column block, not one per split-K tile)."""
   rc = q // n_nb
   n_rb_c = tl.minimum(n_rb - rc * RB_PER_CHUNK, RB_PER_CHUNK)
-  wait_at_least(flag_ptr + rc, n_rb_c * SPLIT_K)
+  if P16:
+    wait_at_least(flag_ptr + rc, n_rb_c)
+  else:
+    wait_at_least(flag_ptr + rc, n_rb_c * SPLIT_K)
   splitr_out_tile(q % n_nb, rc, p_ptr, v_ptr, b_ptr, acc_ptr, sem_ptr, o_ptr, M, R, N,
                   RB_PER_CHUNK * COLS_R, R_CHUNKS, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_KV,
                   EVEN_R, COLS_N)
@@ -149,6 +166,7 @@ def _xuv_decode_kernel(
                   # accumulator P [M, R], the output accumulator [M, N], then (as i32) the
                   # per-r-chunk counters and per-column-block semaphores
     o_ptr,  # [M, N] output
+    p16_ptr,  # unused here (the persistent kernel's rounded P)
     K: tl.constexpr, R: tl.constexpr, N: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     K_PER: tl.constexpr,  # K-chunk per split (multiple of BLOCK_K; the last may be ragged)
@@ -171,12 +189,12 @@ def _xuv_decode_kernel(
     # stage 1: r-block-major, so the first r-chunks of P complete first
     _xu_tile(pid // SPLIT_K, (pid % SPLIT_K) * K_PER, x_ptr, u_ptr, p_ptr, flag_ptr, offs_m,
              m_mask, K, R, K_PER, RB_PER_CHUNK, BLOCK_K, BLOCK_R, BLOCK_R, EVEN_K,
-             (STAGES & 1) != 0)
+             (STAGES & 1) != 0, False, p_ptr, flag_ptr, SPLIT_K)
   elif STAGES & 2:
     # stage 2: chunk-major; starts when its chunk of P is complete
     _pv_tile(pid - n1, (N + BLOCK_N - 1) // BLOCK_N, n_rb, p_ptr, v_ptr, b_ptr, acc_ptr,
              flag_ptr, sem_ptr, o_ptr, M, R, N, HAS_BIAS, SPLIT_K, R_CHUNKS, RB_PER_CHUNK,
-             BLOCK_M, BLOCK_N, BLOCK_KV, EVEN_R, BLOCK_R, BLOCK_N)
+             BLOCK_M, BLOCK_N, BLOCK_KV, EVEN_R, BLOCK_R, BLOCK_N, False)
 
 
 @triton.jit
@@ -184,8 +202,10 @@ def _xuv_decode_persistent_kernel(
     x_ptr, u_ptr, v_ptr, b_ptr,  # as in _xuv_decode_kernel
     o_in_ptr,  # aliased buffer (see _xuv_decode_kernel); never read
     M,
-    scratch_ptr,  # _xuv_decode_kernel's layout, less the [M, N] accumulator at one r-chunk
+    scratch_ptr,  # _xuv_decode_kernel's layout, less the [M, N] accumulator at one r-chunk;
+                  # with P16, then (i32) one split-K counter per column block of P
     o_ptr,
+    p16_ptr,  # [M, R] in V's dtype: P rounded once (P16), which phase 2 reads; else unused
     K: tl.constexpr, R: tl.constexpr, N: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     K_PER: tl.constexpr,  # phase-1 K rows per tile (a multiple of BLOCK_K)
@@ -197,6 +217,7 @@ def _xuv_decode_persistent_kernel(
     COLS_N: tl.constexpr,  # phase-2 columns per tile (<= BLOCK_N, a multiple of 16)
     PROGRAMS: tl.constexpr,  # the grid; all CTAs resident at once
     PREFETCH: tl.constexpr,  # V rows of its first phase-2 tile a CTA prefetches into L2
+    P16: tl.constexpr,  # phase 2 reads P rounded once to V's dtype (half the L2 bytes)
 ):
   pid = tl.program_id(0)
   p_ptr = scratch_ptr
@@ -207,6 +228,8 @@ def _xuv_decode_persistent_kernel(
     flag_ptr = (scratch_ptr + M * R).to(tl.pointer_type(tl.int32))
   sem_ptr = flag_ptr + R_CHUNKS
   n_rb = (R + COLS_R - 1) // COLS_R
+  n_nb = (N + COLS_N - 1) // COLS_N
+  rb_cnt_ptr = sem_ptr + n_nb
   n1 = n_rb * SPLIT_K
   offs_m = tl.arange(0, BLOCK_M)
   m_mask = offs_m < M
@@ -214,17 +237,17 @@ def _xuv_decode_persistent_kernel(
   # complete first. No waits here, so every phase-1 tile finishes.
   for t in range(pid, n1, PROGRAMS):
     _xu_tile(t // SPLIT_K, (t % SPLIT_K) * K_PER, x_ptr, u_ptr, p_ptr, flag_ptr, offs_m,
-             m_mask, K, R, K_PER, RB_PER_CHUNK, BLOCK_K, BLOCK_R, COLS_R, EVEN_K, True)
+             m_mask, K, R, K_PER, RB_PER_CHUNK, BLOCK_K, BLOCK_R, COLS_R, EVEN_K, True, P16,
+             p16_ptr, rb_cnt_ptr, SPLIT_K)
   # phase 2: tiles q = pid, pid + PROGRAMS, ...; chunk-major; each waits for its chunk of P
-  n_nb = (N + COLS_N - 1) // COLS_N
   if PREFETCH > 0:  # the first rows of this CTA's first V tile load while it waits
     if pid < R_CHUNKS * n_nb:
       prefetch_l2(v_ptr, (pid // n_nb) * (RB_PER_CHUNK * COLS_R), (pid % n_nb) * COLS_N, R, N,
                   N, PREFETCH, BLOCK_N)
   for q in range(pid, R_CHUNKS * n_nb, PROGRAMS):
-    _pv_tile(q, n_nb, n_rb, p_ptr, v_ptr, b_ptr, acc_ptr, flag_ptr, sem_ptr, o_ptr, M, R, N,
-             HAS_BIAS, SPLIT_K, R_CHUNKS, RB_PER_CHUNK, BLOCK_M, BLOCK_N, BLOCK_KV, EVEN_R,
-             COLS_R, COLS_N)
+    _pv_tile(q, n_nb, n_rb, p16_ptr if P16 else p_ptr, v_ptr, b_ptr, acc_ptr, flag_ptr,
+             sem_ptr, o_ptr, M, R, N, HAS_BIAS, SPLIT_K, R_CHUNKS, RB_PER_CHUNK, BLOCK_M,
+             BLOCK_N, BLOCK_KV, EVEN_R, COLS_R, COLS_N, P16)
 
 
 def launch_plan(m: int, k: int, r: int, n: int, has_bias: bool, bs: BlockSizes,
@@ -245,7 +268,7 @@ def launch_plan(m: int, k: int, r: int, n: int, has_bias: bool, bs: BlockSizes,
               BLOCK_KV=bs.block_kv, EVEN_K=k % k_per == 0,
               EVEN_R=r % r_per == 0 and r_per % bs.block_kv == 0, STAGES=stages)
   return dict(grid=n_rb * split + chunks * n_nb, chunks=chunks, n_nb=n_nb, meta=meta,
-              scratch=m * r + m * n + chunks + n_nb)
+              scratch=m * r + m * n + chunks + n_nb, p16=1)
 
 
 def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
@@ -263,10 +286,11 @@ def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
               BLOCK_K=p.block_k, BLOCK_R=p.block_r, BLOCK_N=p.block_n,
               BLOCK_KV=p.block_kv, EVEN_K=k % p.k_per == 0,
               EVEN_R=r % r_per == 0 and r_per % p.block_kv == 0, COLS_R=p.cols_r,
-              COLS_N=p.cols_n, PROGRAMS=p.programs, PREFETCH=p.prefetch)
+              COLS_N=p.cols_n, PROGRAMS=p.programs, PREFETCH=p.prefetch, P16=p.p16)
   n_nb = planner.cdiv(n, p.cols_n)
   return dict(grid=p.programs, chunks=chunks, n_nb=n_nb, meta=meta,
-              scratch=m * r + (m * n if chunks > 1 else 0) + chunks + n_nb)
+              scratch=m * r + (m * n if chunks > 1 else 0) + chunks + n_nb
+              + (n_rb if p.p16 else 0), p16=m * r if p.p16 else 1)
 
 
 def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | None = None,
@@ -325,11 +349,12 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
   outs = launch.triton_call(
       x2, u, v, b, fifth, m, kernel=kernel,
       out_shape=(jax.ShapeDtypeStruct((scratch,), jnp.float32),
-                 jax.ShapeDtypeStruct((m, n), out_dtype)),
+                 jax.ShapeDtypeStruct((m, n), out_dtype),
+                 jax.ShapeDtypeStruct((plan["p16"],), v.dtype)),  # P16's P; never zeroed
       grid=(plan["grid"],), zeroed_outputs=zeroed, input_output_aliases=aliases,
       num_warps=warps, num_stages=stages, name="lrjax_xuv_decode",
       **plan["meta"])
-  return outs[-1].reshape(*lead, n)
+  return outs[1].reshape(*lead, n)
 
 
 def xuv_decode_reference(x, u, v, bias=None, *, out_dtype=None):

@@ -69,7 +69,8 @@ XUV_SHAPES = [  # (M, K, r, N): M=1, ragged everything, a multi-super-block pref
                                         (jnp.bfloat16, True)])
 @pytest.mark.parametrize("shape", XUV_SHAPES)
 @pytest.mark.parametrize("kind", ["decode", "decode_small_blocks", "persistent",
-                                  "persistent_small_grid", "persistent_xla_zeroing", "prefill"])
+                                  "persistent_small_grid", "persistent_xla_zeroing",
+                                  "persistent_p16", "persistent_small_grid_p16", "prefill"])
 def test_xuv_kernels(kind, shape, dtype, bias):
   from lrjax.custom_calls.triton import xuv_decode, xuv_prefill
   m, k, r, n = shape
@@ -83,9 +84,11 @@ def test_xuv_kernels(kind, shape, dtype, bias):
   elif kind.startswith("persistent"):
     from lrjax.custom_calls.triton import planner
     p = planner.plan_decode_persistent(m, k, r, n)
-    if kind == "persistent_small_grid":  # several ragged, part-width tiles per CTA
+    if kind.startswith("persistent_small_grid"):  # several ragged, part-width tiles per CTA
       p = dataclasses.replace(p, block_r=64, cols_r=32, k_per=128, block_n=64, cols_n=48,
                               block_kv=32, r_chunks=3, programs=5, prefetch=16)
+    if kind.endswith("_p16"):  # phase 2 reads P rounded once by each block's last tile
+      p = dataclasses.replace(p, p16=True)
     fn = lambda x, u, v, b, o: xuv_decode.xuv_decode(x, u, v, b, out=o, persistent=p)
     if kind == "persistent_xla_zeroing":  # the default: scratch zeroed by XLA, no out=
       fn = lambda x, u, v, b, o: xuv_decode.xuv_decode(x, u, v, b, persistent=p)
@@ -143,8 +146,9 @@ MLP_SHAPES = [  # (M, D, F, r, r_d)
     (jnp.bfloat16, True, "silu", False), (jnp.float16, True, "gelu_tanh", True),
     (jnp.bfloat16, False, "relu", True)])
 @pytest.mark.parametrize("shape", MLP_SHAPES)
-@pytest.mark.parametrize("kind", ["decode", "decode_xla_zeroing", "persistent",
-                                  "persistent_small_grid", "prefill"])
+@pytest.mark.parametrize("kind", ["decode", "decode_xla_zeroing", "decode_p16", "persistent",
+                                  "persistent_small_grid", "persistent_small_grid_p16",
+                                  "prefill"])
 def test_mlp_kernels(kind, shape, dtype, gated, act, bias):
   from lrjax.custom_calls.triton import mlp_decode, mlp_prefill
   m, d, f, r, rd = shape
@@ -160,13 +164,18 @@ def test_mlp_kernels(kind, shape, dtype, gated, act, bias):
   elif kind.startswith("persistent"):
     from lrjax.custom_calls.triton import planner
     p = planner.plan_mlp_decode_persistent(m, d, f, r, rd, d, gate is not None)
-    if kind == "persistent_small_grid":  # several ragged, part-width tiles per CTA
+    if kind.startswith("persistent_small_grid"):  # several ragged, part-width tiles per CTA
       p = dataclasses.replace(p, block_r=64, cols_r=32, k_per=128, block_f=64, cols_f=48,
                               block_n=64, cols_n=48, c_chunks=3, programs=5, prefetch=16)
+    if kind.endswith("_p16"):  # phase B reads Pg, Pu rounded once by each block's last tile
+      p = dataclasses.replace(p, p16=True)
     out = jax.jit(lambda x, g, u, dn, o: kern(x, u, dn, g, act=act, out=o, persistent=p))(
         x, gate, up, down, poisoned((m, d), dtype))
   else:
-    out = jax.jit(lambda x, g, u, dn, o: kern(x, u, dn, g, act=act, out=o))(
+    bs = None
+    if kind == "decode_p16":  # stage B reads Pg, Pu rounded once by each block's last tile
+      bs = dataclasses.replace(mlp_decode.BlockSizes.get_default(m, d, f, r, d), p16=True)
+    out = jax.jit(lambda x, g, u, dn, o: kern(x, u, dn, g, act=act, out=o, block_sizes=bs))(
         x, gate, up, down, poisoned((m, d), dtype))
   assert_close(out, mlp_ref(x, gate, up, down, act, dtype), dtype)
 
@@ -336,6 +345,8 @@ def test_mlp_decode_timing_masks_are_checked():
     mlp_decode.mlp_decode(x, up, down, gate, _phases=1)
   with pytest.raises(ValueError, match="must be in 1..7"):
     mlp_decode.mlp_decode(x, up, down, gate, persistent=True, _phases=0)
+  with pytest.raises(ValueError, match="tiled schedule only"):
+    mlp_decode.mlp_decode(x, up, down, gate, persistent=True, _s_atomics=False)
 
 
 KV_SHAPES = [  # (B, Hq, Hkv, D, T, r_k, r_v, window, bias)
