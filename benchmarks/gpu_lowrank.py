@@ -733,9 +733,9 @@ def suite(name, bw, peak, args, recs):
       for m in tokens:
         if args.min_m <= m <= args.max_m:
           recs.append(dict(mlp_record(m, d, f, r, bw, peak), model=label))
-  def xuv_decode_sweep(ms, variants, base_kernel="auto"):
+  def xuv_decode_sweep(ms, variants, base_kernel="auto", shapes=XUV_DECODE_SHAPES):
     """Each decode shape at each M: a base record, then ``variants(m, k, r, n)`` beside it."""
-    for (k, r, n) in XUV_DECODE_SHAPES:
+    for (k, r, n) in shapes:
       for m in ms:
         base = xuv_record(m, k, r, n, bw, peak, base_kernel)
         recs.append(base)
@@ -757,6 +757,10 @@ def suite(name, bw, peak, args, recs):
         for variant in ("decode_p16", "persistent", "persistent_p16"):
           recs.append(dict(mlp_record(m, d, f, r, bw, peak, variant, baselines=base),
                            model=label))
+  if name == "decode_grid":  # the persistent decode kernel on a quarter / half of the SMs
+    xuv_decode_sweep((2, 8, 16), lambda *_: ("persistent:programs=33", "persistent:programs=66"),
+                     "persistent", ((4096, 152, 4096), (2048, 256, 512), (4096, 512, 1024),
+                                    (4096, 1024, 14336)))
   if name == "decode_prefetch":  # the persistent decode kernel's V prefetch depth
     xuv_decode_sweep((1, 4, 16), lambda *_: DECODE_PREFETCH_VARIANTS)
   if name == "mlp_decode_variants":  # MLP_DECODE_VARIANTS next to the default, one run
@@ -952,7 +956,7 @@ def main():
                            "decode_persistent", "mlp_decode_variants", "mlp_phases",
                            "mlp_prefetch", "mlp_prefill_variants", "prefill_variants",
                            "mlp_prefill_phases", "gemm_ceiling", "decode_prefetch",
-                           "decode_wide_m", "decode_chunks", "decode_p16",
+                           "decode_wide_m", "decode_chunks", "decode_p16", "decode_grid",
                            "mlp_decode_probes", "kv_attention"])
   ap.add_argument("--variants", action="store_true", help="also time non-default kernels")
   ap.add_argument("--extra", nargs="*", default=[], help="op/M,K,r,N/variant")

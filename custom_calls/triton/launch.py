@@ -37,6 +37,14 @@ def use_ffi() -> bool:
           and os.environ.get("LRJAX_TRITON_LEGACY_CALL", "") in ("", "0"))
 
 
+def xla_zeroing() -> bool:
+  """Whether a decode kernel's scratch is zeroed by an XLA op aliased into the call (the
+  default) or by jax-triton's memset inside it (``LRJAX_TRITON_SCRATCH_MEMSET=1``, read
+  when a call is traced; for A/B timing). In the Llama-3-8B decode step on the H200 both
+  cost about 1 µs a call (results/model_1gpu_memset_h200.json)."""
+  return os.environ.get("LRJAX_TRITON_SCRATCH_MEMSET", "") in ("", "0")
+
+
 def triton_call(*args, **kwargs):
   """``jax_triton.triton_call``, launched through the typed-FFI target where available."""
   if "custom_call_target_name" in kwargs:

@@ -137,9 +137,9 @@ RECORDS: tuple[tuple[str, int, int, int, int, float, float], ...] = (
     ('xuv', 32768, 8192, 4096, 16384, 10254.6, 9482.5),
 )
 MODEL_AB: tuple[tuple[int, float, float], ...] = (
-    (1, 4.835, 8.321),
-    (8, 4.979, 4.695),
-    (16, 5.662, 5.415),
+    (1, 4.885, 8.196),
+    (8, 5.148, 4.708),
+    (16, 5.717, 5.452),
 )
 # END GENERATED
 

@@ -439,8 +439,7 @@ def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
 
   ``out`` [M, D_out]: optional buffer the kernel writes into (aliased; tests poison it).
   ``xla_zeroing``: zero the scratch with an XLA op aliased into the call instead of
-  jax-triton's memset inside the custom call (default: yes unless ``out`` is given), as
-  xuv_decode does.
+  jax-triton's memset inside the custom call (default as in xuv_decode).
   ``persistent``: one CTA per SM runs its share of each phase
   (``planner.plan_mlp_decode_persistent`` unless a plan is given).
   ``_phases``: benchmarking the persistent schedule only (bits 1, 2, 4 stream phases A, B,
@@ -484,7 +483,7 @@ def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
     kernel, warps, stages = _mlp_decode_kernel, bs.num_warps, bs.num_stages
   check_out(out, (m, d_out), out_dtype)
   if xla_zeroing is None:
-    xla_zeroing = out is None
+    xla_zeroing = out is None and launch.xla_zeroing()
   if xla_zeroing and out is not None:
     raise ValueError("out= and xla_zeroing=True cannot be combined")
   if xla_zeroing:  # the 11th operand is then the zeroed scratch, aliased to output 0

@@ -300,8 +300,9 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
 
   ``out`` [M, N]: optional buffer the kernel writes into (aliased; the tests poison it).
   ``xla_zeroing``: zero the scratch with an XLA op aliased into the call instead of
-  jax-triton's memset inside the custom call (default: yes unless ``out`` is given; measured
-  3-10 µs less per call at M=1, gpu_notes.md).
+  jax-triton's memset inside the custom call (default: yes unless ``out`` is given or
+  ``launch.xla_zeroing()`` says no; with the legacy launch it measured 3-10 µs less per call
+  at M=1, with the typed-FFI launch the two cost the same in a model, gpu_notes.md).
   ``persistent``: the persistent schedule (True, or a ``planner.PersistentDecodePlan``) or
   the tiled one (False; ``block_sizes`` applies to it); default: persistent for
   M <= PERSISTENT_MAX_M.
@@ -309,7 +310,7 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
   """
   x2, lead, (m, k, r, n), out_dtype = unpack_xuv_args(x, u, v, out_dtype)
   if xla_zeroing is None:
-    xla_zeroing = out is None
+    xla_zeroing = out is None and launch.xla_zeroing()
   if xla_zeroing and out is not None:
     raise ValueError("out= and xla_zeroing=True cannot be combined")
   check_out(out, (m, n), out_dtype)

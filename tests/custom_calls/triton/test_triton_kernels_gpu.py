@@ -337,6 +337,23 @@ def test_fused_model_emits_triton_calls():
     assert_close(fused(x), ref, jnp.bfloat16, factor=2.0)
 
 
+def test_scratch_memset_switch(monkeypatch):
+  """LRJAX_TRITON_SCRATCH_MEMSET=1 moves the scratch zeroing from an XLA zero buffer into the
+  call (jax-triton's memset); both give the reference's result."""
+  from lrjax.custom_calls.triton import xuv_decode
+  x = randn((3, 512), jnp.bfloat16)
+  u, v = lr_factors(512, 128, 256, jnp.bfloat16)
+  fresh = lambda: (lambda x, u, v: xuv_decode.xuv_decode(x, u, v))  # no trace cache reuse
+  zeros = lambda: sum(e.primitive.name == "broadcast_in_dim"
+                      for e in jax.make_jaxpr(fresh())(x, u, v).jaxpr.eqns)
+  want = xuv_ref(x, u, v, None, jnp.bfloat16)
+  assert zeros() == 1
+  assert_close(jax.jit(fresh())(x, u, v), want, jnp.bfloat16)
+  monkeypatch.setenv("LRJAX_TRITON_SCRATCH_MEMSET", "1")
+  assert zeros() == 0
+  assert_close(jax.jit(fresh())(x, u, v), want, jnp.bfloat16)
+
+
 def test_mlp_decode_timing_masks_are_checked():
   from lrjax.custom_calls.triton import mlp_decode
   gate, up, down = mlp_params(256, 512, 64, 64, 256, jnp.bfloat16, True, False)
