@@ -741,6 +741,17 @@ def suite(name, bw, peak, args, recs):
         recs.append(base)
         for variant in variants(m, k, r, n):
           recs.append(xuv_record(m, k, r, n, bw, peak, variant, baselines=base))
+  def mlp_sweep(points, variants, base_kernel="auto"):
+    """Each (model label, tokens): a base record, then ``variants(r)`` beside it."""
+    for label, m in points:
+      d, f, r = MLP_SHAPES[label]
+      base = dict(mlp_record(m, d, f, r, bw, peak, base_kernel), model=label)
+      recs.append(base)
+      for variant in variants(r):
+        recs.append(dict(mlp_record(m, d, f, r, bw, peak, variant, baselines=base),
+                         model=label))
+  decode_points = [(label, m) for label in ("llama3-8b", "llama3.2-1b", "llama3-8b-r1024")
+                   for m in (1, 4, 16)]
   if name == "decode_persistent":  # the persistent decode kernel against the tiled one
     xuv_decode_sweep((1, 4, 16), lambda *_: PERSISTENT_VARIANTS, "decode_xz")
   if name == "decode_wide_m":  # the persistent decode kernel at M = 32..128
@@ -749,14 +760,7 @@ def suite(name, bw, peak, args, recs):
     xuv_decode_sweep(args.chunk_m, decode_chunk_variants)
   if name == "decode_p16":  # phase 2 reads P rounded once to bf16 instead of the f32 sums
     xuv_decode_sweep(args.chunk_m, lambda *_: ("persistent:p16=1",))
-    for label in ("llama3-8b", "llama3.2-1b", "llama3-8b-r1024"):
-      d, f, r = MLP_SHAPES[label]
-      for m in (1, 4, 16):
-        base = dict(mlp_record(m, d, f, r, bw, peak), model=label)
-        recs.append(base)
-        for variant in ("decode_p16", "persistent", "persistent_p16"):
-          recs.append(dict(mlp_record(m, d, f, r, bw, peak, variant, baselines=base),
-                           model=label))
+    mlp_sweep(decode_points, lambda _: ("decode_p16", "persistent", "persistent_p16"))
   if name == "decode_grid":  # the persistent decode kernel on a quarter / half of the SMs
     xuv_decode_sweep((2, 8, 16), lambda *_: ("persistent:programs=33", "persistent:programs=66"),
                      "persistent", ((4096, 152, 4096), (2048, 256, 512), (4096, 512, 1024),
@@ -764,39 +768,16 @@ def suite(name, bw, peak, args, recs):
   if name == "decode_prefetch":  # the persistent decode kernel's V prefetch depth
     xuv_decode_sweep((1, 4, 16), lambda *_: DECODE_PREFETCH_VARIANTS)
   if name == "mlp_decode_variants":  # MLP_DECODE_VARIANTS next to the default, one run
-    for label in ("llama3-8b", "llama3.2-1b", "llama3-8b-r1024"):
-      d, f, r = MLP_SHAPES[label]
-      for m in (1, 4, 16):
-        base = dict(mlp_record(m, d, f, r, bw, peak), model=label)
-        recs.append(base)
-        for variant in MLP_DECODE_VARIANTS:
-          recs.append(dict(mlp_record(m, d, f, r, bw, peak, variant, baselines=base),
-                           model=label))
+    mlp_sweep(decode_points, lambda _: MLP_DECODE_VARIANTS)
   if name == "mlp_decode_probes":  # MLP_DECODE_PROBES next to the tiled kernel, one run
-    for label, m in (("llama3-8b", 1), ("llama3-8b", 4), ("llama3-8b", 16),
-                     ("llama3-8b-r1024", 16), ("llama3.2-1b", 16)):
-      d, f, r = MLP_SHAPES[label]
-      base = dict(mlp_record(m, d, f, r, bw, peak, "decode"), model=label)
-      recs.append(base)
-      for variant in MLP_DECODE_PROBES:
-        recs.append(dict(mlp_record(m, d, f, r, bw, peak, variant, baselines=base),
-                         model=label))
+    mlp_sweep((("llama3-8b", 1), ("llama3-8b", 4), ("llama3-8b", 16), ("llama3-8b-r1024", 16),
+               ("llama3.2-1b", 16)), lambda _: MLP_DECODE_PROBES, "decode")
   if name == "mlp_prefetch":  # the persistent MLP kernel's phase-B prefetch depth
-    for label, m in (("llama3-8b", 1), ("llama3-8b", 16), ("llama3-8b-r1024", 1)):
-      d, f, r = MLP_SHAPES[label]
-      base = dict(mlp_record(m, d, f, r, bw, peak), model=label)
-      recs.append(base)
-      for variant in ("persistent",) + MLP_PREFETCH_VARIANTS:
-        recs.append(dict(mlp_record(m, d, f, r, bw, peak, variant, baselines=base),
-                         model=label))
+    mlp_sweep((("llama3-8b", 1), ("llama3-8b", 16), ("llama3-8b-r1024", 1)),
+              lambda _: ("persistent",) + MLP_PREFETCH_VARIANTS)
   if name == "mlp_phases":  # the persistent MLP decode kernel by phase (A=1, B=2, C=4)
-    for label, m in (("llama3-8b", 1), ("llama3-8b", 16), ("llama3-8b-r1024", 1)):
-      d, f, r = MLP_SHAPES[label]
-      base = dict(mlp_record(m, d, f, r, bw, peak, "persistent"), model=label)
-      recs.append(base)
-      for variant in MLP_PHASE_VARIANTS:
-        recs.append(dict(mlp_record(m, d, f, r, bw, peak, variant, baselines=base),
-                         model=label))
+    mlp_sweep((("llama3-8b", 1), ("llama3-8b", 16), ("llama3-8b-r1024", 1)),
+              lambda _: MLP_PHASE_VARIANTS, "persistent")
   if name == "prefill_variants":  # the prefill X·U·V kernel's schedules, one run
     for (m, k, r, n) in ((1024, 8192, 4096, 16384), (4096, 8192, 4096, 16384),
                          (16384, 8192, 4096, 16384), (1024, 7168, 4096, 18432)):
@@ -806,22 +787,11 @@ def suite(name, bw, peak, args, recs):
       for variant in xuv_prefill_variants(m, k, r, n):
         recs.append(xuv_record(m, k, r, n, bw, peak, variant, reps=reps, baselines=base))
   if name == "mlp_prefill_phases":  # the prefill MLP kernel by phase (A=1 B=2 C=4 D=8)
-    for label, m in (("llama3-8b", 4096), ("llama3-8b-r1024", 4096)):
-      d, f, r = MLP_SHAPES[label]
-      base = dict(mlp_record(m, d, f, r, bw, peak), model=label)
-      recs.append(base)
-      for variant in MLP_PREFILL_PHASE_VARIANTS:
-        recs.append(dict(mlp_record(m, d, f, r, bw, peak, variant, baselines=base),
-                         model=label))
+    mlp_sweep((("llama3-8b", 4096), ("llama3-8b-r1024", 4096)),
+              lambda _: MLP_PREFILL_PHASE_VARIANTS)
   if name == "mlp_prefill_variants":  # the prefill MLP kernel's schedules, one run
-    for label, m in (("llama3-8b", 4096), ("llama3.2-1b", 4096), ("llama3-8b-r1024", 4096),
-                     ("llama3-8b", 1024)):
-      d, f, r = MLP_SHAPES[label]
-      base = dict(mlp_record(m, d, f, r, bw, peak), model=label)
-      recs.append(base)
-      for variant in mlp_prefill_variants(r):
-        recs.append(dict(mlp_record(m, d, f, r, bw, peak, variant, baselines=base),
-                         model=label))
+    mlp_sweep((("llama3-8b", 4096), ("llama3.2-1b", 4096), ("llama3-8b-r1024", 4096),
+               ("llama3-8b", 1024)), mlp_prefill_variants)
   for spec in args.extra:
     # op/M,K,r,N/variant (mlp: M,D,F,r)
     op, dims, variant = spec.split("/")
