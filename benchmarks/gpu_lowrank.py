@@ -590,7 +590,7 @@ MLP_TOKENS = (("llama3-8b", (1, 16, 4096, 4, 64)), ("llama3.2-1b", (1, 16, 4096)
 # (results/gpu_mlp_decode_variants_h200.json)
 MLP_DECODE_VARIANTS = ("persistent",)
 # the tiled MLP decode kernel with stage B storing S (the atomics' cost; wrong output), and
-# with no register spills (ptxas: 40 bytes of stack a thread at the defaults)
+# with narrower Ud tiles and/or 8 warps
 MLP_DECODE_PROBES = ("decode_s_store", "decode_kw:block_rd=128", "decode_kw:num_warps=8",
                      "decode_kw:block_rd=128,num_warps=8")
 # phases A=1, B=2, C=4 alone or together; then the whole phase-C chunk prefetched into L2
