@@ -297,6 +297,54 @@ def xuv_record(m, k, r, n, bw, peak, kernel="auto", reps=None, baselines=None):
               speedup_vs_xla=t_xla / t_ours, layers=nl, spread=spread)
 
 
+def group_record(m, k, members, bw, peak, kernel="group", baselines=None):
+  """X·U_i·V_i for members [(r_i, N_i)] sharing x (q/k/v): our grouped kernel (``group``,
+  one launch) or one persistent decode call per member (``separate``), against XLA's
+  [(x@u_i)@v_i] in one function (its dot merger batches the x@u_i) and XLA's dense x@w_i.
+  r and N of the record are the members' sums."""
+  from lrjax.custom_calls.triton import xuv_decode
+  key = jax.random.key(m * 7 + k + sum(r + n for r, n in members))
+  ks = jax.random.split(key, 3)
+  per_layer = sum(2 * (k * r + r * n) for r, n in members)
+  nl = n_layers(per_layer, m)
+  x = rand(ks[0], (m, k))
+
+  def facs(i):
+    out = []
+    for j, (r, n) in enumerate(members):
+      out += [rand(jax.random.fold_in(ks[1], 16 * i + j), (k, r), k ** -0.5),
+              rand(jax.random.fold_in(ks[2], 16 * i + j), (r, n), r ** -0.5)]
+    return tuple(out)
+  layers = [facs(i) for i in range(nl)]
+  pairs = lambda w: list(zip(w[0::2], w[1::2]))  # noqa: E731
+  if kernel == "group":
+    ours = lambda x, *w: tuple(xuv_decode.xuv_decode_group(x, pairs(w)))
+  elif kernel == "separate":
+    ours = lambda x, *w: tuple(xuv_decode.xuv_decode(x, u, v) for u, v in pairs(w))
+  else:
+    raise ValueError(f"{kernel=}")
+  t_ours, spread = per_call_us(ours, x, layers)
+  if baselines is None:
+    t_xla, _ = per_call_us(lambda x, *w: tuple((x @ u) @ v for u, v in pairs(w)), x, layers)
+    dense = [tuple(rand(jax.random.fold_in(ks[1], 100 + 16 * i + j), (k, n), k ** -0.5)
+                   for j, (_, n) in enumerate(members)) for i in range(nl)]
+    t_dense, _ = per_call_us(lambda x, *w: tuple(x @ wi for wi in w), x, dense)
+    del dense
+  else:
+    t_xla, t_dense = baselines["xla_lowrank_us"], baselines["xla_dense_us"]
+  del layers
+  bytes_ = sum(planner.hbm_bytes_xuv(m, k, r, n) for r, n in members)
+  flops = sum(planner.flops_xuv(m, k, r, n) for r, n in members)
+  return dict(op="xuv_group", variant=kernel, M=m, K=k, r=sum(r for r, _ in members),
+              N=sum(n for _, n in members), members=members, dtype="bfloat16",
+              ours_us=t_ours, xla_lowrank_us=t_xla, xla_dense_us=t_dense,
+              default_lowering="triton", default_us=t_ours,
+              floor_us=max(bytes_ / BW_ROOF, flops / PEAK_ROOF) * 1e6,
+              hbm_floor_us=bytes_ / BW_ROOF * 1e6,
+              hbm_roofline_frac=bytes_ / BW_ROOF * 1e6 / t_ours, tflops=flops / t_ours / 1e6,
+              speedup_vs_xla=t_xla / t_ours, layers=nl, spread=spread)
+
+
 def _xuv_variant(kernel, m, k, r, n):
   from lrjax.custom_calls.triton import xuv_decode, xuv_prefill
   # decode*: the tiled schedule
@@ -577,6 +625,9 @@ XUV_DECODE_SHAPES = ((8192, 4096, 16384), (4096, 2560, 14336), (8192, 2048, 1638
 # shape above, so without these records the policy leaves them to XLA (measured.EXTRAPOLATE).
 XUV_ATTN_SHAPES = ((4096, 1216, 4096), (4096, 512, 1024), (2048, 640, 2048), (2048, 256, 512),
                    (4096, 152, 4096))
+# q/k/v projections of Llama-3-8B and Llama-3.2-1B at 40 % removed: (K, [(r_i, N_i)])
+GROUP_SHAPES = ((4096, ((1216, 4096), (512, 1024), (512, 1024))),
+                (2048, ((640, 2048), (256, 512), (256, 512))))
 PREFILL_M = (1024, 2048, 4096, 8192, 16384, 32768)
 MLP_SHAPES = {"llama3.2-1b": (2048, 8192, 1280), "llama3-8b": (4096, 14336, 2560),
               "llama3-8b-r1024": (4096, 14336, 1024)}
@@ -765,6 +816,12 @@ def suite(name, bw, peak, args, recs):
     xuv_decode_sweep((2, 8, 16), lambda *_: ("persistent:programs=33", "persistent:programs=66"),
                      "persistent", ((4096, 152, 4096), (2048, 256, 512), (4096, 512, 1024),
                                     (4096, 1024, 14336)))
+  if name == "decode_group":  # q/k/v in one launch against one call each and XLA
+    for k, members in GROUP_SHAPES:
+      for m in (1, 2, 4, 8, 16):
+        base = group_record(m, k, members, bw, peak)
+        recs.append(base)
+        recs.append(group_record(m, k, members, bw, peak, "separate", baselines=base))
   if name == "decode_prefetch":  # the persistent decode kernel's V prefetch depth
     xuv_decode_sweep((1, 4, 16), lambda *_: DECODE_PREFETCH_VARIANTS)
   if name == "mlp_decode_variants":  # MLP_DECODE_VARIANTS next to the default, one run
@@ -927,6 +984,7 @@ def main():
                            "mlp_prefetch", "mlp_prefill_variants", "prefill_variants",
                            "mlp_prefill_phases", "gemm_ceiling", "decode_prefetch",
                            "decode_wide_m", "decode_chunks", "decode_p16", "decode_grid",
+                           "decode_group",
                            "mlp_decode_probes", "kv_attention"])
   ap.add_argument("--variants", action="store_true", help="also time non-default kernels")
   ap.add_argument("--extra", nargs="*", default=[], help="op/M,K,r,N/variant")

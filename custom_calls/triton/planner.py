@@ -274,6 +274,54 @@ def plan_decode_persistent(m: int, k: int, r: int, n: int, hw: Hardware = H200,
 
 
 @dataclasses.dataclass(frozen=True)
+class GroupDecodePlan:
+  """Tiles of the grouped X·U·V decode kernel: several X·U_i·V_i sharing X in one launch.
+  Per member i: its phase-1 tiles (block_r[i], cols_r[i], k_per[i]) and phase-2 tiles
+  (block_n[i], cols_n[i], one r-chunk)."""
+  block_m: int
+  block_r: tuple
+  cols_r: tuple
+  k_per: tuple
+  block_n: tuple
+  cols_n: tuple
+  programs: int
+  warps: int
+  stages: int
+  prefetch: int
+  est_us: float
+
+
+def _shares(sizes, g: int) -> list:
+  """``g`` programs split in proportion to ``sizes`` (each member at least one)."""
+  tot = sum(sizes)
+  return [max(1, round(g * s / tot)) for s in sizes]
+
+
+def plan_decode_group(m: int, k: int, members, hw: Hardware = H200,
+                      programs: int | None = None, bw: float = 4.0e12,
+                      fill_us: float = 1.5) -> GroupDecodePlan:
+  """Tiles for the grouped decode kernel: ``members`` is [(r_i, n_i)]. Each phase gives each
+  member a share of the ``programs`` CTAs in proportion to its bytes in that phase (U_i in
+  phase 1, V_i in phase 2) and cuts its tiles as ``plan_decode_persistent`` does for that
+  many CTAs, with one r-chunk (phase 2 waits for the member's whole X·U_i)."""
+  g = programs or hw.num_sms
+  g1 = _shares([k * r for r, _ in members], g)
+  g2 = _shares([r * n for r, n in members], g)
+  est1 = est2 = 0.0
+  block_r, cols_r, k_per, block_n, cols_n = [], [], [], [], []
+  for (r, n), a, b in zip(members, g1, g2):
+    t1, br, cr, kp = _split_k_tiles(k, r, 1, a, bw * a / g, fill_us)
+    t2, bn, cn, _ = _column_tiles(n, cdiv(r, cr), cr, b, bw * b / g, fill_us, max_chunks=1)
+    block_r.append(br), cols_r.append(cr), k_per.append(kp)
+    block_n.append(bn), cols_n.append(cn)
+    est1, est2 = max(est1, t1), max(est2, t2)
+  block_m = max(16, next_pow2(m))
+  return GroupDecodePlan(block_m, tuple(block_r), tuple(cols_r), tuple(k_per), tuple(block_n),
+                         tuple(cols_n), g, 4 if block_m <= 32 else 8, 4 if block_m <= 32 else 3,
+                         128, est1 + est2)
+
+
+@dataclasses.dataclass(frozen=True)
 class PersistentMlpPlan:
   block_m: int
   block_r: int  # phase A (X·Ug, X·Uu split-K): tile width in registers

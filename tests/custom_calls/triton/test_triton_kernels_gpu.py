@@ -101,6 +101,45 @@ def test_xuv_kernels(kind, shape, dtype, bias):
   assert_close(out, xuv_ref(x, u, v, b, dtype), dtype)
 
 
+GROUP_CASES = [  # (M, K, [(r_i, N_i)], members with a bias): Llama-3-8B q/k/v at 40 % removed,
+    (8, 4096, [(1216, 4096), (512, 1024), (512, 1024)], (1,)),  # ragged pairs, tiny ranks
+    (1, 1000, [(96, 520), (72, 130)], (0, 1)), (5, 64, [(16, 32), (7, 20), (1, 48)], ()),
+    (16, 512, [(136, 200), (64, 64), (256, 100)], (2,)),
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("case", GROUP_CASES)
+@pytest.mark.parametrize("small_grid", [False, True])
+def test_xuv_decode_group(case, dtype, small_grid):
+  """Several X·U_i·V_i sharing X in one launch; each output poisoned, against the reference."""
+  from lrjax.custom_calls.triton import planner, xuv_decode
+  m, k, mem, biased = case
+  x = randn((m, k), dtype)
+  members = []
+  for i, (r, n) in enumerate(mem):
+    u, v = lr_factors(k, r, n, dtype)
+    members.append((u, v, randn((n,), dtype)) if i in biased else (u, v))
+  plan = planner.plan_decode_group(m, k, mem, programs=7 if small_grid else None)
+  outs = jax.jit(lambda x, ms, o: xuv_decode.xuv_decode_group(x, ms, out=o, plan=plan))(
+      x, members, [poisoned((m, n), dtype) for _, n in mem])
+  assert len(outs) == len(mem)
+  for out, mb in zip(outs, members):
+    assert_close(out, xuv_ref(x, mb[0], mb[1], mb[2] if len(mb) == 3 else None, dtype), dtype)
+
+
+def test_xuv_decode_group_checks_its_input():
+  from lrjax.custom_calls.triton import xuv_decode
+  x = randn((2, 64), jnp.bfloat16)
+  u, v = lr_factors(64, 16, 32, jnp.bfloat16)
+  with pytest.raises(ValueError, match="2 or 3"):
+    xuv_decode.xuv_decode_group(x, [(u, v)])
+  with pytest.raises(ValueError, match="M <= 16"):
+    xuv_decode.xuv_decode_group(randn((17, 64), jnp.bfloat16), [(u, v), (u, v)])
+  with pytest.raises(ValueError, match="bias"):
+    xuv_decode.xuv_decode_group(x, [(u, v, randn((31,), jnp.bfloat16)), (u, v)])
+
+
 @pytest.mark.parametrize("dynamic", [False, True])  # tiles round-robin / from a counter
 def test_xuv_prefill_ring_reuse_and_small_grid(dynamic):
   """More super-blocks than ring slots and fewer CTAs than tiles: slot reuse waits."""
