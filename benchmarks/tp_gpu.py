@@ -11,7 +11,8 @@ strategy:
            steps amortise the dispatch), median of ``--reps``; per-step latency, tokens/s,
            per-device bytes read and the fraction of the HBM roofline (bytes / 4.3 TB/s).
            With ``--fuse``, also the Triton calls in the compiled step (each call judged by its
-           own benchmarked shape: these records are measured.MODEL_AB); with ``--profile``,
+           own benchmarked shape: these records are measured.MODEL_AB; ``--no-group`` keeps
+           q/k/v as three calls instead of one lr_xuv_group); with ``--profile``,
            the GPU's busy time per step and the kernels that fill it (one traced call).
   serving  ``--requests`` concurrent requests through lrjax.serving.Engine (continuous batching,
            prompts of ``--prompt-len``): TTFT (submit → first token) and ITL (token gaps),
@@ -95,13 +96,13 @@ def device_bytes(tree) -> int:
   return n
 
 
-def fused_ops(gdef, state, cache, toks):
-  """lr_xuv / lr_mlp equations lrjax.fuse puts into one decode step."""
+def fused_ops(gdef, state, cache, toks, group=True):
+  """lr_xuv / lr_mlp / lr_xuv_group equations lrjax.fuse puts into one decode step."""
   def step(state, cache, toks):
     model = nnx.merge(gdef, state)
-    return lrjax.fuse(type(model).decode)(model, toks, cache)
+    return lrjax.fuse(type(model).decode, group=group)(model, toks, cache)
   text = str(jax.make_jaxpr(step)(state, cache, toks))
-  return {p: text.count(f" {p}[") for p in ("lr_xuv", "lr_mlp")}
+  return {p: text.count(f" {p}[") for p in ("lr_xuv", "lr_mlp", "lr_xuv_group")}
 
 
 @contextlib.contextmanager
@@ -149,7 +150,8 @@ def time_decode(model, plan, args, dtype):
   # Start half-full so attention reads real context; steps stay inside the cache.
   cache = half(cache)
   toks = jnp.zeros((args.batch,), jnp.int32)
-  decode = lrjax.fuse(type(model).decode) if args.fuse else type(model).decode
+  decode = (lrjax.fuse(type(model).decode, group=not args.no_group) if args.fuse
+            else type(model).decode)
   fn = greedy_loop(gdef, decode, args.steps, shardings)
   kernels = {}
   with calls_judged_alone():
@@ -157,7 +159,7 @@ def time_decode(model, plan, args, dtype):
     if args.fuse:  # what the fused step really runs: Triton custom calls in the compiled HLO
       text = fn.lower(state, half(cache), toks).compile().as_text()
       kernels = {"triton_calls": text.count('custom_call_target="triton_kernel_call'),  # +_ffi
-                 "fused_ops_in_jaxpr": fused_ops(gdef, state, cache, toks)}
+                 "fused_ops_in_jaxpr": fused_ops(gdef, state, cache, toks, not args.no_group)}
   step = median_step(times, args.steps)
   if args.profile:
     (cache, toks), kernels["profile"] = kernel_profile(fn, (state, half(cache), toks),
@@ -222,7 +224,8 @@ def run_model(name, cfg, args, dtype, out, save):
     for strategy, ratio, model in runs:
       sharding.shard(model, mesh, strategy)
       plan = model.tp_plan
-      tag = {"model": name, "strategy": strategy, "ratio": ratio, "tp": tp, "fuse": args.fuse}
+      tag = {"model": name, "strategy": strategy, "ratio": ratio, "tp": tp, "fuse": args.fuse,
+             **({"group": not args.no_group} if args.fuse else {})}
       for batch in args.batch:
         a = argparse.Namespace(**{**vars(args), "batch": batch})
         rec = {**tag, "batch": batch, "ctx": args.ctx, "layers": cfg.num_layers,
@@ -299,6 +302,8 @@ def main():
   ap.add_argument("--no-serving", action="store_true")
   ap.add_argument("--fuse", action="store_true",
                   help="run the steps through lrjax.fuse (Triton kernels on GPU, per the policy)")
+  ap.add_argument("--no-group", action="store_true",
+                  help="with --fuse: lrjax.fuse(..., group=False) (q/k/v as three lr_xuv)")
   ap.add_argument("--profile", action="store_true",
                   help="also trace one call: GPU busy time and top kernels per step")
   ap.add_argument("--dtype", default="bfloat16")
@@ -311,6 +316,8 @@ def main():
   if args.plot:
     print("wrote", plot(args.plot))
     return
+  if args.no_group and not args.fuse:
+    raise SystemExit("--no-group applies to the chains lrjax.fuse finds: it needs --fuse")
   if args.profile and jax.devices()[0].platform != "gpu":
     raise SystemExit(f"--profile reads GPU kernel traces; this machine's devices are "
                      f"{jax.devices()}")
@@ -333,7 +340,7 @@ def main():
     def append(self, rec):
       rec = {**rec, "run": run["index"]}
       kind = lambda r: tuple(r.get(k) for k in (  # noqa: E731
-          "model", "strategy", "ratio", "tp", "fuse", "batch")) + ("serving" in r,)
+          "model", "strategy", "ratio", "tp", "fuse", "group", "batch")) + ("serving" in r,)
       self[:] = [r for r in self if kind(r) != kind(rec)]
       super().append(rec)
 

@@ -1,5 +1,5 @@
-"""lrjax.lowering: the lr_xuv / lr_mlp / lr_kv_attention primitives, the kernel registry and
-the fusion pass.
+"""lrjax.lowering: the lr_xuv / lr_mlp / lr_xuv_group / lr_kv_attention primitives, the kernel
+registry and the fusion pass.
 
 Installed as ``lrjax.lowering`` (on disk: ``lowering/``).
 """
@@ -13,6 +13,7 @@ from lrjax.lowering.primitives import (
     lr_xuv_p,
     lr_xuv_reference,
 )
+from lrjax.lowering.group import lr_xuv_group, lr_xuv_group_p
 from lrjax.lowering.kv_attention import (
     lr_kv_attention,
     lr_kv_attention_p,
@@ -27,5 +28,6 @@ __all__ = [
     "ACTIVATIONS", "DEFAULT_RULES", "ExplainReport", "MLPRule", "XUVRule", "explain", "fuse",
     "KernelLowering", "force_reference", "lr_kv_attention", "lr_kv_attention_p",
     "lr_kv_attention_reference", "lr_mlp", "lr_mlp_p", "lr_mlp_reference", "lr_xuv",
-    "lr_xuv_p", "lr_xuv_reference", "prefer_kernels", "registry",
+    "lr_xuv_group", "lr_xuv_group_p", "lr_xuv_p", "lr_xuv_reference", "prefer_kernels",
+    "registry",
 ]

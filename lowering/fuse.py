@@ -3,7 +3,8 @@
 ``fuse(fn)`` returns a function with ``fn``'s signature. Each call traces ``fn``
 to a jaxpr, finds X·U·V chains and low-rank MLPs (``lowering/rules.py``) at every
 nesting level (jit, closed_call, custom_jvp/vjp, checkpoint, scan, cond, while),
-and evaluates the jaxpr with the matches replaced by ``lr_xuv`` / ``lr_mlp``.
+and evaluates the jaxpr with the matches replaced by ``lr_xuv`` / ``lr_mlp``; 2-3
+``lr_xuv`` that read the same input are bound as one ``lr_xuv_group``.
 Nested jaxprs are re-traced with their rewrites and re-bound with their original
 params, so shardings, donation and names of jitted sub-functions are kept.
 
@@ -21,6 +22,7 @@ import jax
 
 from lrjax.lowering import _jaxpr as jx
 from lrjax.lowering import rules as rules_lib
+from lrjax.lowering.primitives import lr_xuv_p
 
 log = logging.getLogger("lrjax.lowering")
 
@@ -32,6 +34,8 @@ class Plan:
   roots: dict  # eqn index -> Match
   absorbed: frozenset  # eqn indices that disappear
   subs: dict  # eqn index -> [(SubJaxpr, Plan)]
+  groups: dict = dataclasses.field(default_factory=dict)  # first root -> (Match, ...)
+  grouped: frozenset = frozenset()  # the other members' roots (emitted with their group)
 
   @property
   def empty(self) -> bool:
@@ -50,8 +54,34 @@ def _eqn_label(e) -> str:
   return f"{e.primitive.name}({name})" if isinstance(name, str) else e.primitive.name
 
 
+def xuv_groups(jaxpr, matches, absorbed) -> list:
+  """lr_xuv matches that read the same input var with the same dtypes, in groups of 2-3
+  (in eqn order), each placed at its first member's root: every operand of every member
+  must exist by then (an input, a literal, or the output of an earlier kept eqn)."""
+  from lrjax.lowering.group import MAX_MEMBERS
+  produced = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+  by_input: dict = {}
+  for m in sorted(matches, key=lambda m: m.root):
+    if m.primitive is lr_xuv_p and m.x is not None and not jx.is_literal(m.x):
+      key = (m.x, m.params["inter_dtype"], m.params["out_dtype"])
+      by_input.setdefault(key, []).append(m)
+  groups = []
+  for members in by_input.values():
+    while len(members) >= 2:
+      first, ready = members[0].root, [members[0]]
+      for m in members[1:]:
+        if len(ready) < MAX_MEMBERS and all(
+            jx.is_literal(v) or v not in produced
+            or (produced[v] < first and produced[v] not in absorbed) for v in m.reads):
+          ready.append(m)
+      if len(ready) >= 2:
+        groups.append(tuple(ready))
+      members = [m for m in members[1:] if m not in ready]
+  return groups
+
+
 def build_plan(jaxpr, consts, weight_invars: Sequence[bool], rules, analysis: Analysis,
-               path: str = "") -> Plan:
+               path: str = "", group: bool = False) -> Plan:
   g = rules_lib.Graph(jaxpr, weight_invars, path or "<top>", consts)
   matches, near = rules_lib.find_matches(g, rules)
   analysis.matches += matches
@@ -69,10 +99,26 @@ def build_plan(jaxpr, consts, weight_invars: Sequence[bool], rules, analysis: An
       flags = [om is not None and k not in carried and g.is_weight(e.invars[om])
                for k, om in enumerate(s.operand_map)]
       p = build_plan(s.jaxpr, s.consts, flags, rules, analysis,
-                     f"{path}/{_eqn_label(e)}" if path else _eqn_label(e))
+                     f"{path}/{_eqn_label(e)}" if path else _eqn_label(e), group)
       if not p.empty:
         subs.setdefault(i, []).append((s, p))
-  return Plan(roots, absorbed, subs)
+  groups = xuv_groups(jaxpr, matches, absorbed) if group else []
+  return Plan(roots, absorbed, subs, {g[0].root: g for g in groups},
+              frozenset(m.root for g in groups for m in g[1:]))
+
+
+def emit_group(jaxpr, members, read, env) -> None:
+  """Binds one lr_xuv_group for ``members`` and sets each member's root output."""
+  from lrjax.lowering.group import lr_xuv_group_p
+  ops, mask = [read(members[0].x)], []
+  for m in members:
+    ops += m.operands(read)[1:]
+    mask.append(m.params["has_bias"])
+  p = members[0].params
+  outs = lr_xuv_group_p.bind(*ops, bias_mask=tuple(mask), inter_dtype=p["inter_dtype"],
+                             out_dtype=p["out_dtype"])
+  for m, y in zip(members, outs):
+    env[jaxpr.eqns[m.root].outvars[0]] = y
 
 
 def run_plan(jaxpr, consts, plan: Plan, *args):
@@ -85,7 +131,10 @@ def run_plan(jaxpr, consts, plan: Plan, *args):
   env.update(zip(jaxpr.constvars, consts))
   env.update(zip(jaxpr.invars, args))
   for i, e in enumerate(jaxpr.eqns):
-    if i in plan.absorbed:
+    if i in plan.absorbed or i in plan.grouped:
+      continue
+    if i in plan.groups:
+      emit_group(jaxpr, plan.groups[i], read, env)
       continue
     m = plan.roots.get(i)
     if m is not None:
@@ -129,30 +178,33 @@ def trace(fn: Callable, args, kwargs):
   return closed, dyn, jax.tree_util.tree_structure(out_shape)
 
 
-def analyze(fn: Callable, args, kwargs, rules) -> tuple:
+def analyze(fn: Callable, args, kwargs, rules, group: bool = False) -> tuple:
   closed, dyn, out_tree = trace(fn, args, kwargs)
   analysis = Analysis([], [], tuple(rules))
   # At the top level every input may be a weight: the rules also require the
   # x·u·v shape, the rank condition and single use before anything is rewritten.
   plan = build_plan(closed.jaxpr, closed.consts, [True] * len(closed.jaxpr.invars), rules,
-                    analysis)
+                    analysis, group=group)
   return closed, dyn, out_tree, plan, analysis
 
 
 def fuse(fn: Callable | None = None, *, rules: Sequence[Any] | None = None,
-         rank_threshold: float | None = None) -> Callable:
+         rank_threshold: float | None = None, group: bool = True) -> Callable:
   """Returns ``fn`` with its X·U·V chains and low-rank MLPs rewritten into lrjax primitives.
 
   Args:
     fn: any JAX function, or a Flax NNX module (then ``fuse(module)(*args)`` calls it).
     rules: rewrite rules (default ``rules.DEFAULT_RULES``).
     rank_threshold: fuse x·u·v only when r·(K+N) < rank_threshold·K·N (default 1.0).
+    group: bind 2-3 X·U·V chains that read the same input (e.g. q/k/v) as one
+      ``lr_xuv_group`` (lowering/group.py; default on): one grouped kernel on a single CUDA
+      device, the members' own lowerings elsewhere. ``False`` keeps one ``lr_xuv`` each.
 
   Usable as ``jax.jit(lrjax.fuse(f))``, inside ``nnx.jit`` or Linen ``apply``, and
   under ``jax.grad`` / ``jax.vmap``.
   """
   if fn is None:
-    return functools.partial(fuse, rules=rules, rank_threshold=rank_threshold)
+    return functools.partial(fuse, rules=rules, rank_threshold=rank_threshold, group=group)
   rules = tuple(rules if rules is not None else rules_lib.DEFAULT_RULES)
   if rank_threshold is not None:
     if not rank_threshold > 0:
@@ -166,7 +218,7 @@ def fuse(fn: Callable | None = None, *, rules: Sequence[Any] | None = None,
   @functools.wraps(fn if not _is_module(fn) else type(fn).__call__)
   def fused(*args, **kwargs):
     a, k = ((fn,) + args, kwargs) if target is not fn else (args, kwargs)
-    closed, dyn, out_tree, plan, analysis = analyze(target, a, k, rules)
+    closed, dyn, out_tree, plan, analysis = analyze(target, a, k, rules, group)
     for m in analysis.matches:
       log.debug("fuse: %s at %s (%s)", m.pattern, m.location, m.path)
     outs = run_plan(closed.jaxpr, closed.consts, plan, *dyn)

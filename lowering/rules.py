@@ -99,6 +99,9 @@ class Match:
   avals_in: tuple
   params: dict
   shapes: str
+  x: Any = None  # lr_xuv matches: the input var, the vars ``operands`` reads, and
+  reads: tuple = ()  # ``operands(read)``, the bound operands (fuse(group=True) groups
+  operands: Callable[[Callable], list] | None = None  # matches that share ``x``)
 
 
 # ------------------------------------------------------------------ X·U·V
@@ -237,14 +240,22 @@ class XUVRule:
     m.eqns |= {k} | extra
     m.root, m.out = k, e.outvars[0]
 
-  def emit_xuv(self, m: _Xuv):
-    def emit(read):
+  @staticmethod
+  def xuv_operands(m: _Xuv):
+    def operands(read):
       ops = [read(m.x), _operand(read, m.u, m.u_t), _operand(read, m.v, m.v_t)]
       if m.bias is not None:
         b = read(m.bias)
         ops.append(jnp.reshape(b, (m.N,)) if m.bias_reshape else b)
-      return lr_xuv_p.bind(*ops, has_bias=m.bias is not None, inter_dtype=m.inter_dtype,
-                           out_dtype=m.out_dtype)
+      return ops
+    return operands
+
+  def emit_xuv(self, m: _Xuv):
+    operands = self.xuv_operands(m)
+
+    def emit(read):
+      return lr_xuv_p.bind(*operands(read), has_bias=m.bias is not None,
+                           inter_dtype=m.inter_dtype, out_dtype=m.out_dtype)
     return emit
 
   def to_match(self, g: Graph, m: _Xuv) -> Match:
@@ -255,8 +266,10 @@ class XUVRule:
       avals += (jax.core.ShapedArray((m.N,), m.bias.aval.dtype),)
     shapes = (f"x{list(m.x.aval.shape)}·u[{m.K},{m.r}]·v[{m.r},{m.N}]"
               f"{' + bias' if m.bias is not None else ''} {m.x.aval.dtype}")
+    reads = (m.x, m.u, m.v) + ((m.bias,) if m.bias is not None else ())
     return Match(self.name, m.root, frozenset(m.eqns), self.emit_xuv(m), g.path,
-                 g.location(m.root), lr_xuv_p, avals, params, shapes)
+                 g.location(m.root), lr_xuv_p, avals, params, shapes, m.x, reads,
+                 self.xuv_operands(m))
 
 
 # ------------------------------------------------------------------ activations

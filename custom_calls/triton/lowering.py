@@ -1,5 +1,5 @@
-"""CUDA lowerings of lr_xuv, lr_mlp and lr_kv_attention: Triton kernels called through
-jax-triton.
+"""CUDA lowerings of lr_xuv, lr_mlp, lr_xuv_group and lr_kv_attention: Triton kernels called
+through jax-triton.
 
 Light module: it imports neither triton nor jax_triton. ``load()`` imports the kernel
 module only when the registry selects the kernel for a CUDA lowering, so CPU installs
@@ -111,6 +111,45 @@ def _xuv_impl(mod: str, fn: str):
       return kernel(ops[0], ops[1], ops[2], ops[3] if has_bias else None, out_dtype=out_dtype)
     return impl
   return load
+
+
+# ---------------------------------------------------------------- lr_xuv_group
+
+GROUP_MAX_M = 16  # xuv_decode.GROUP_MAX_M: the grouped kernel serves decode rows
+
+
+def _group(avals, params):
+  from lrjax.lowering.group import members_of
+  return avals[0], members_of(avals, params["bias_mask"])
+
+
+def xuv_group_supports(avals, params) -> str | None:
+  x, members = _group(avals, params)
+  if (reason := _common_checks(x, tuple(a for u, v, _ in members for a in (u, v)),
+                               params)) is not None:
+    return reason
+  if _rows(x) > GROUP_MAX_M:
+    return f"M={_rows(x)} > {GROUP_MAX_M}: the grouped kernel serves decode rows"
+  return None
+
+
+def xuv_group_faster(avals, params) -> str | None:
+  from lrjax.custom_calls.triton import measured
+  x, members = _group(avals, params)
+  return measured.verdict("xuv_group", _rows(x), x.shape[-1],
+                          sum(u.shape[1] for u, _, _ in members),
+                          sum(v.shape[1] for _, v, _ in members), model_ab=False)
+
+
+def _group_impl():
+  from lrjax.custom_calls.triton.xuv_decode import xuv_decode_group
+  from lrjax.lowering.group import members_of
+
+  def impl(*ops, bias_mask, inter_dtype, out_dtype):
+    del inter_dtype  # checked equal to the factor dtype in supports
+    members = [(u, v) if b is None else (u, v, b) for u, v, b in members_of(ops, bias_mask)]
+    return xuv_decode_group(ops[0], members, out_dtype=out_dtype)
+  return impl
 
 
 # ---------------------------------------------------------------- lr_mlp
@@ -225,6 +264,8 @@ KERNELS = [
                    _mlp_impl("mlp_decode", "mlp_decode"), priority=20, faster=mlp_faster),
     KernelLowering("lr_mlp", "cuda", "triton.mlp_prefill", mlp_prefill_supports,
                    _mlp_impl("mlp_prefill", "mlp_prefill"), priority=10, faster=mlp_faster),
+    KernelLowering("lr_xuv_group", "cuda", "triton.xuv_decode_group", xuv_group_supports,
+                   _group_impl, priority=20, faster=xuv_group_faster),
     KernelLowering("lr_kv_attention", "cuda", "triton.kv_attention", kv_attention_supports,
                    _kv_attention_impl, priority=10, faster=kv_attention_faster),
 ]

@@ -16,7 +16,8 @@ scratch): MODEL_AB holds the decode step of Llama-3-8B on one H200 with and with
 and at M >= 2 a call is left to XLA when the step at the nearest batch (of 2 or more rows) was
 slower with them.
 
-RECORDS and MODEL_AB are generated from the committed benchmark results, never edited by hand:
+RECORDS (the sweep's and the grouped q/k/v kernel's, GROUP_SOURCE) and MODEL_AB are generated
+from the committed benchmark results, never edited by hand:
 ``python benchmarks/gpu_lowrank.py --emit-policy benchmarks/results/gpu_lowrank_h200.json``
 (tests/custom_calls/triton/test_triton_policy.py checks that they agree).
 """
@@ -30,6 +31,8 @@ import statistics
 
 SOURCE = "benchmarks/results/gpu_lowrank_h200.json"
 MODEL_SOURCE = "benchmarks/results/model_1gpu_h200.json"
+# the grouped X·U·V kernel (op "xuv_group": K, then r and N summed over the members)
+GROUP_SOURCE = "benchmarks/results/gpu_xuv_group_h200.json"
 # At or above this fraction of XLA's speed the kernel keeps serving: XLA's own time for one
 # shape moves by a few percent between runs and compiles (benchmarks/gpu_notes.md), and the
 # fused kernels also keep the intermediates out of HBM.
@@ -135,11 +138,21 @@ RECORDS: tuple[tuple[str, int, int, int, int, float, float], ...] = (
     ('xuv', 8192, 8192, 4096, 16384, 2204.2, 2015.6),
     ('xuv', 16384, 8192, 4096, 16384, 4939.4, 4100.6),
     ('xuv', 32768, 8192, 4096, 16384, 10254.6, 9482.5),
+    ('xuv_group', 1, 2048, 1152, 3072, 7.8, 26.3),
+    ('xuv_group', 1, 4096, 2240, 6144, 15.0, 54.5),
+    ('xuv_group', 2, 2048, 1152, 3072, 8.1, 13.3),
+    ('xuv_group', 2, 4096, 2240, 6144, 14.9, 23.1),
+    ('xuv_group', 4, 2048, 1152, 3072, 8.1, 13.4),
+    ('xuv_group', 4, 4096, 2240, 6144, 15.0, 23.3),
+    ('xuv_group', 8, 2048, 1152, 3072, 8.2, 15.7),
+    ('xuv_group', 8, 4096, 2240, 6144, 15.2, 23.8),
+    ('xuv_group', 16, 2048, 1152, 3072, 8.6, 16.0),
+    ('xuv_group', 16, 4096, 2240, 6144, 16.0, 25.5),
 )
 MODEL_AB: tuple[tuple[int, float, float], ...] = (
-    (1, 4.885, 8.196),
-    (8, 5.148, 4.708),
-    (16, 5.717, 5.452),
+    (1, 4.541, 8.233),
+    (8, 4.763, 4.7),
+    (16, 5.26, 5.376),
 )
 # END GENERATED
 
@@ -159,12 +172,35 @@ def records_from_results(path: str) -> tuple[str, tuple]:
   return f"{meta['machine'].split(' (')[0]}, {meta['date'][:10]}", tuple(sorted(rows.values()))
 
 
+def group_records_from_results(path: str) -> tuple:
+  """RECORDS rows of the grouped kernel (its ``group`` records) from a --suite decode_group
+  results file; an absent file gives none."""
+  if not os.path.exists(path):
+    return ()
+  with open(path) as fh:
+    recs = json.load(fh)["records"]
+  return tuple(sorted({(r["op"], r["M"], r["K"], r["r"], r["N"], round(r["ours_us"], 1),
+                        round(r["xla_lowrank_us"], 1)) for r in recs if r["variant"] == "group"}))
+
+
+def policy_records(path: str) -> tuple[str, tuple]:
+  """(MEASURED_ON, RECORDS): the sweep's records and the grouped kernel's (GROUP_SOURCE's
+  file name beside ``path``)."""
+  on, recs = records_from_results(path)
+  group = os.path.join(os.path.dirname(path), os.path.basename(GROUP_SOURCE))
+  return on, tuple(sorted(recs + group_records_from_results(group)))
+
+
 def model_ab_from_results(path: str) -> tuple:
   """MODEL_AB from a tp_gpu.py results file: (batch, step ms with the kernels, without) of
-  each batch of the one-GPU low-rank model measured both ways."""
+  each batch of the one-GPU low-rank model measured both ways (with the kernels: lrjax.fuse's
+  default, grouping q/k/v; ``--no-group`` runs are not the default and are left out)."""
   with open(path) as fh:
     recs = [r for r in json.load(fh)["records"]
-            if "step_ms" in r and r["strategy"] == "lowrank_tp" and r["tp"] == 1]
+            if "step_ms" in r and r["strategy"] == "lowrank_tp" and r["tp"] == 1
+            and r.get("group") is not False]
+  # fused runs with lrjax.fuse's default grouping replace those from before it existed
+  recs.sort(key=lambda r: r.get("group", False))
   steps = {(r["batch"], bool(r.get("fuse"))): r["step_ms"] for r in recs}
   return tuple((b, round(steps[b, True], 3), round(steps[b, False], 3))
                for b in sorted({b for b, _ in steps}) if (b, True) in steps and (b, False) in steps)
@@ -173,7 +209,7 @@ def model_ab_from_results(path: str) -> tuple:
 def render(path: str, module_text: str, model_path: str | None = None) -> str:
   """``module_text`` with its generated block replaced by the records of ``path`` (and of
   ``model_path``, default: MODEL_SOURCE's file name beside ``path``)."""
-  on, recs = records_from_results(path)
+  on, recs = policy_records(path)
   model_path = model_path or os.path.join(os.path.dirname(path), os.path.basename(MODEL_SOURCE))
   ab = model_ab_from_results(model_path)
   body = "\n".join(f"    {r!r}," for r in recs)
@@ -186,7 +222,7 @@ def render(path: str, module_text: str, model_path: str | None = None) -> str:
 
 
 def _weight_elems(op: str, k: int, r: int, n: int) -> int:
-  return r * (k + n) if op == "xuv" else 3 * r * (k + n)
+  return 3 * r * (k + n) if op == "mlp_swiglu" else r * (k + n)  # xuv_group: a bound
 
 
 def nearest(op: str, m: int, k: int, r: int, n: int):
@@ -217,12 +253,13 @@ def _model_verdict(m: int) -> str | None:
           "the kernel anyway")
 
 
-def verdict(op: str, m: int, k: int, r: int, n: int) -> str | None:
+def verdict(op: str, m: int, k: int, r: int, n: int, model_ab: bool = True) -> str | None:
   """None if the kernel measured at least PARITY x XLA's speed around the nearest
   benchmarked shape (or nothing was benchmarked), else the reason to leave this call to XLA.
   A call more than EXTRAPOLATE times smaller or larger (factor elements) than every
   benchmarked shape of its op goes to XLA, and so does one at M >= 2 near a batch whose
-  whole decode step was slower with the kernels (MODEL_AB).
+  whole decode step was slower with the kernels (MODEL_AB; ``model_ab=False`` skips that:
+  the grouped kernel is judged against XLA's merged dots, the cause of that loss).
 
   "Around": the median speed ratio of that shape's records with M within a factor WINDOW
   of the nearest record's, so one noisy timing does not flip the choice between
@@ -236,17 +273,17 @@ def verdict(op: str, m: int, k: int, r: int, n: int) -> str | None:
   w = _weight_elems(op, k, r, n)
   gap = min(abs(math.log2(w / _weight_elems(op, *q[2:5]))) for q in RECORDS if q[0] == op)
   if gap > math.log2(EXTRAPOLATE):
-    here = f"K={k} r={r} N={n}" if op == "xuv" else f"D={k} r={r} D_ff={n}"
+    here = f"D={k} r={r} D_ff={n}" if op == "mlp_swiglu" else f"K={k} r={r} N={n}"
     return (f"no benchmarked {op} shape within {EXTRAPOLATE:g}x of this call's factor size "
             f"({here}: {2 ** gap:.1f}x from the nearest; {MEASURED_ON}, {SOURCE}); "
             f"lrjax.lowering.prefer_kernels() or LRJAX_PREFER_KERNELS=1 uses the kernel anyway")
-  if (why := _model_verdict(m)) is not None:
+  if model_ab and (why := _model_verdict(m)) is not None:
     return why
   _, rm, rk, rr, rn, ours, xla = rec
   window = [q for q in RECORDS if q[0] == op and q[2:5] == (rk, rr, rn)
             and rm / WINDOW <= q[1] <= WINDOW * rm and (q[1] == 1) == (rm == 1)]
   ratio = statistics.median(q[6] / q[5] for q in window)
-  dims = f"K={rk} r={rr} N={rn}" if op == "xuv" else f"D={rk} r={rr} D_ff={rn}"
+  dims = f"D={rk} r={rr} D_ff={rn}" if op == "mlp_swiglu" else f"K={rk} r={rr} N={rn}"
   if xla / ours < CLEAR_LOSS:
     return (f"XLA measured clearly faster at the nearest benchmarked shape ({op} {dims}, "
             f"M={rm}: {xla / ours:.2f}x XLA's speed; {MEASURED_ON}, {SOURCE}); "

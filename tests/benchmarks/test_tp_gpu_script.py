@@ -41,3 +41,25 @@ def test_models_ratios_and_append(tmp_path):
           and r["ratio"] == 0.4]
   assert len(mine) == 1 and mine[0]["run"] == 1
   assert [r["ratio"] for r in recs if r["strategy"] == "dense"] == [None]
+
+
+def test_grouped_fuse_runs_on_one_and_several_devices(tmp_path):
+  """--fuse: q/k/v as one lr_xuv_group per layer, also under TP (where the group lowers as its
+  members); --no-group keeps three lr_xuv and is a record of its own; --no-group without
+  --fuse is refused."""
+  out = str(tmp_path / "g.json")
+  d = _run(out, "--model", "8b", "--tp", "1", "2", "--strategies", "lowrank_tp", "--fuse")
+  recs = d["records"]
+  assert len(recs) == 2 and all(r["group"] and r["fuse"] and r["step_ms"] > 0 for r in recs)
+  ops = recs[0]["fused_ops_in_jaxpr"]
+  assert ops["lr_xuv_group"] >= 1 and ops["lr_xuv"] == ops["lr_xuv_group"]  # o_proj alone
+  d = _run(out, "--append", "--model", "8b", "--tp", "1", "--strategies", "lowrank_tp",
+           "--fuse", "--no-group")
+  alone = [r for r in d["records"] if r["group"] is False]
+  assert len(d["records"]) == 3 and len(alone) == 1
+  assert alone[0]["fused_ops_in_jaxpr"]["lr_xuv_group"] == 0
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  r = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "tp_gpu.py"), "--smoke",
+                      "--no-group", "--out", str(tmp_path / "x.json")],
+                     capture_output=True, text=True, env=env, timeout=300)
+  assert r.returncode != 0 and "needs --fuse" in r.stderr

@@ -241,7 +241,10 @@ def test_refuses_unrecognised_activation_but_keeps_xuv():
   p = mlp_params()
   f = lambda x: (jnp.sin(x @ p[0] @ p[1]) * (x @ p[2] @ p[3])) @ p[4] @ p[5]
   names = prims(lrjax.fuse(f), randn((2, 64)))
-  assert "lr_mlp" not in names and names.count("lr_xuv") == 3
+  # gate and up share x: one lr_xuv_group (lowering/group.py), then the down chain
+  assert "lr_mlp" not in names and names.count("lr_xuv_group") == 1
+  assert names.count("lr_xuv") == 1
+  assert prims(lrjax.fuse(f, group=False), randn((2, 64))).count("lr_xuv") == 3
   rep = lrjax.explain(f, randn((2, 64)))
   assert any("not recognised" in n["reason"] for n in rep.near_misses)
 
@@ -279,7 +282,8 @@ def test_mlp_refused_when_activation_is_also_returned():
 
   x = randn((2, 64))
   names = prims(lrjax.fuse(f), x)
-  assert "lr_mlp" not in names and names.count("lr_xuv") == 3
+  assert "lr_mlp" not in names and names.count("lr_xuv_group") == 1  # gate, up
+  assert names.count("lr_xuv") == 1
   for got, want in zip(jax.jit(lrjax.fuse(f))(x), f(x)):
     assert_close(got, want, jnp.float32)
 

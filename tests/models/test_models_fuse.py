@@ -33,5 +33,8 @@ def test_fuse_rewrites_every_projection(scan):
   counts = _count(jax.make_jaxpr(fuse(fwd))(state, tok).jaxpr, {})
   per_trace = 1 if scan else cfg.num_layers       # scan traces the layer body once
   assert counts.get("lr_mlp", 0) == per_trace
-  assert counts.get("lr_xuv", 0) == 4 * per_trace  # q, k, v, o
+  assert counts.get("lr_xuv_group", 0) == per_trace  # q, k, v share the normed input
+  assert counts.get("lr_xuv", 0) == per_trace  # o
+  ungrouped = _count(jax.make_jaxpr(fuse(fwd, group=False))(state, tok).jaxpr, {})
+  assert ungrouped.get("lr_xuv", 0) == 4 * per_trace and "lr_xuv_group" not in ungrouped
   assert_close(jax.jit(fuse(fwd))(state, tok), jax.jit(fwd)(state, tok), jnp.float32)

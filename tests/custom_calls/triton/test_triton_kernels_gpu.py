@@ -376,6 +376,25 @@ def test_fused_model_emits_triton_calls():
     assert_close(fused(x), ref, jnp.bfloat16, factor=2.0)
 
 
+def test_fuse_group_emits_one_triton_call_for_qkv():
+  """jax.jit(lrjax.fuse(f, group=True)) on one GPU: q/k/v sharing x become one grouped call
+  (three without group=True); the outputs match the unfused function."""
+  import lrjax
+  dtype = jnp.bfloat16
+  ws = [lr_factors(512, r, n, dtype) for r, n in ((96, 512), (48, 128), (48, 128))]
+  x = randn((4, 512), dtype)
+
+  def qkv(x, ws):
+    return [x @ u @ v for u, v in ws]
+  want = [xuv_ref(x, u, v, None, dtype) for u, v in ws]
+  for group, calls in ((True, 1), (False, 3)):
+    with lrjax.lowering.prefer_kernels():
+      fused = jax.jit(lrjax.fuse(qkv, group=group)).lower(x, ws).compile()
+    assert _count_triton_calls(fused.as_text()) == calls, f"{group=}"
+    for got, ref in zip(fused(x, ws), want):
+      assert_close(got, ref, dtype)
+
+
 def test_scratch_memset_switch(monkeypatch):
   """LRJAX_TRITON_SCRATCH_MEMSET=1 moves the scratch zeroing from an XLA zero buffer into the
   call (jax-triton's memset); both give the reference's result."""

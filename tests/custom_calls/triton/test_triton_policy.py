@@ -13,11 +13,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)
 
 def test_records_are_the_committed_benchmark_results():
   """RECORDS must be regenerated (gpu_lowrank.py --emit-policy) whenever the JSON changes."""
-  on, recs = measured.records_from_results(os.path.join(REPO, measured.SOURCE))
+  on, recs = measured.policy_records(os.path.join(REPO, measured.SOURCE))
   assert (on, recs) == (measured.MEASURED_ON, measured.RECORDS)
   ab = measured.model_ab_from_results(os.path.join(REPO, measured.MODEL_SOURCE))
   assert ab == measured.MODEL_AB and 1 in [a[0] for a in ab]
-  assert {r[0] for r in recs} == {"xuv", "mlp_swiglu"}
+  assert {r[0] for r in recs} == {"xuv", "mlp_swiglu", "xuv_group"}
   assert min(r[1] for r in recs) == 1 and max(r[1] for r in recs) >= 4096
 
 
@@ -134,3 +134,17 @@ def test_lowering_policy_follows_every_measured_record():
 
 def test_every_triton_kernel_has_the_speed_check():
   assert all(k.faster is not None for k in lowering.KERNELS)
+
+
+def test_grouped_kernel_verdicts(monkeypatch):
+  """q/k/v in one launch measured 1.55-3.6x XLA's merged dots: served at the benchmarked
+  groups, and not declined by a whole-model loss measured before grouping (model_ab=False,
+  as custom_calls/triton/lowering.py asks); a group far smaller than any benchmarked one
+  goes to XLA."""
+  assert measured.verdict("xuv_group", 8, 4096, 2240, 6144, model_ab=False) is None
+  assert measured.verdict("xuv_group", 1, 2048, 1152, 3072, model_ab=False) is None
+  monkeypatch.setattr(measured, "MODEL_AB", ((8, 5.2, 4.7),))
+  assert "whole Llama-3-8B decode step" in measured.verdict("xuv_group", 8, 4096, 2240, 6144)
+  assert measured.verdict("xuv_group", 8, 4096, 2240, 6144, model_ab=False) is None
+  tiny = measured.verdict("xuv_group", 8, 512, 48, 192, model_ab=False)
+  assert tiny is not None and "no benchmarked xuv_group shape" in tiny

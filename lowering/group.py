@@ -1,0 +1,124 @@
+"""``lr_xuv_group``: two or three X·U_i·V_i chains that share their input X (e.g. the q, k and
+v projections of one attention layer), as one primitive.
+
+XLA merges dots that share an operand, so in a model its q/k/v X·U is one GEMM; three
+separate kernel calls pay a launch and a phase hand-off each. On a single CUDA device the
+group lowers to one grouped decode kernel (custom_calls/triton/xuv_decode.py,
+``xuv_decode_group``: 1.55-1.9x XLA's merged dots at 2-16 rows on Llama-3-8B and 3.2-1B
+q/k/v, results/gpu_xuv_group_h200.json). Everywhere else, and whenever that kernel declines,
+the group lowers as its members: one ``lr_xuv`` each, so every member keeps its own kernel
+choice and, under tensor parallelism, its own partitioning rule.
+
+Operands: x, then per member u_i, v_i and (if ``bias_mask[i]``) bias_i. Params: ``bias_mask``,
+``inter_dtype``, ``out_dtype`` (shared). Results: one [..., N_i] array per member.
+``lrjax.fuse(f, group=True)`` forms groups from ``lr_xuv`` matches with the same input.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from lrjax.lowering import registry
+from lrjax.lowering.primitives import _xuv_check, lr_xuv_p
+
+log = logging.getLogger("lrjax.lowering")
+
+lr_xuv_group_p = Primitive("lr_xuv_group")
+lr_xuv_group_p.multiple_results = True
+MAX_MEMBERS = 3
+
+
+def members_of(ops, bias_mask):
+  """[(u, v, bias | None)] of each member from the bound operands (after x)."""
+  out, i = [], 1
+  for has_bias in bias_mask:
+    out.append((ops[i], ops[i + 1], ops[i + 2] if has_bias else None))
+    i += 3 if has_bias else 2
+  return out
+
+
+def lr_xuv_group(x, members, *, out_dtype=None, inter_dtype=None):
+  """[(x·u_i)·v_i (+ bias_i)] for 2 or 3 members [(u_i, v_i) or (u_i, v_i, bias_i)] sharing x;
+  dtypes as in :func:`lrjax.lowering.lr_xuv`, shared by the members."""
+  if not 2 <= len(members) <= MAX_MEMBERS:
+    raise ValueError(f"{len(members)} members: a group has 2 to {MAX_MEMBERS}")
+  ops, mask = [x], []
+  for i, m in enumerate(members):
+    if not isinstance(m, (tuple, list)) or len(m) not in (2, 3):
+      raise ValueError(f"member {i}: expected (u, v) or (u, v, bias)")
+    _xuv_check(x, m[0], m[1], m[2] if len(m) == 3 else None)
+    ops += list(m)
+    mask.append(len(m) == 3)
+  out_dtype = jnp.dtype(out_dtype or jnp.result_type(*ops))
+  return lr_xuv_group_p.bind(*ops, bias_mask=tuple(mask), out_dtype=out_dtype,
+                             inter_dtype=jnp.dtype(inter_dtype or out_dtype))
+
+
+def _as_members(*ops, bias_mask, inter_dtype, out_dtype):
+  """The group as its members: one lr_xuv each (the lowering everywhere but the kernel)."""
+  return [lr_xuv_p.bind(ops[0], u, v, *(() if b is None else (b,)), has_bias=b is not None,
+                        inter_dtype=inter_dtype, out_dtype=out_dtype)
+          for u, v, b in members_of(ops, bias_mask)]
+
+
+@lr_xuv_group_p.def_abstract_eval
+def _abstract(*ops, bias_mask, inter_dtype, out_dtype):
+  x = ops[0]
+  outs = []
+  for u, v, b in members_of(ops, bias_mask):
+    _xuv_check(x, u, v, b)
+    outs.append(jax.core.ShapedArray(x.shape[:-1] + (v.shape[1],), out_dtype))
+  return outs
+
+
+def _impl(*ops, **params):
+  return jax.jit(functools.partial(lr_xuv_group_p.bind, **params))(*ops)
+
+
+def _jvp(primals, tangents, **params):
+  tangents = [ad.instantiate_zeros(t) for t in tangents]
+  out = lr_xuv_group_p.bind(*primals, **params)
+  _, t_out = jax.jvp(functools.partial(_as_members, **params), tuple(primals), tuple(tangents))
+  return out, t_out
+
+
+def _batch(args, dims, **params):
+  if all(d is None for d in dims[1:]):  # only x batched: one more leading dim
+    x = jnp.moveaxis(args[0], dims[0], 0)
+    outs = lr_xuv_group_p.bind(x, *args[1:], **params)
+  else:
+    outs = jax.vmap(functools.partial(_as_members, **params), in_axes=dims)(*args)
+  return outs, [0] * len(outs)
+
+
+def single_device(ctx) -> bool:
+  """Whether this lowering is for one device, unpartitioned (a grouped kernel's custom call
+  has no partitioning rule; its members do)."""
+  from jax._src import sharding_impls
+  ac = ctx.module_context.axis_context
+  return isinstance(ac, sharding_impls.ShardingContext) and ac.num_devices == 1
+
+
+def _lowering(ctx, *args, **params):
+  platforms = tuple(ctx.module_context.platforms)
+  if len(platforms) == 1 and single_device(ctx):
+    sel = registry.select(lr_xuv_group_p.name, platforms[0], ctx.avals_in, params)
+    for name, reason in sel.declined:
+      log.debug("lr_xuv_group on %s: %s declined: %s", platforms[0], name, reason)
+    if sel.kernel is not None:
+      log.debug("lr_xuv_group on %s: lowering with %s", platforms[0], sel.kernel.name)
+      return mlir.lower_fun(functools.partial(sel.kernel.load(), **params),
+                            multiple_results=True)(ctx, *args)
+  return mlir.lower_fun(functools.partial(_as_members, **params),
+                        multiple_results=True)(ctx, *args)
+
+
+lr_xuv_group_p.def_impl(_impl)
+ad.primitive_jvps[lr_xuv_group_p] = _jvp
+batching.primitive_batchers[lr_xuv_group_p] = _batch
+mlir.register_lowering(lr_xuv_group_p, _lowering)
