@@ -59,6 +59,7 @@ class ExplainReport:
   matches: list[dict]
   near_misses: list[dict]
   unmatched_rules: list[str]
+  groups: list[dict] = dataclasses.field(default_factory=list)  # lr_xuv_group bindings
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -72,6 +73,12 @@ class ExplainReport:
       lines.append(f"        kernels: {ks}")
       if "plan" in m["kernels"].get("neuron", {}):
         lines.append(f"        neuron plan: {m['kernels']['neuron']['plan']}")
+    for g in self.groups:
+      lines.append(f"  GROUP lr_xuv_group ({len(g['members'])} of the lr_xuv above, one input) "
+                   f"{' | '.join(g['shapes'])}")
+      lines.append(f"        at {g['members'][0]}  [{g['path']}]")
+      ks = ", ".join(f"{p}: {_kernel_note(v)}" for p, v in g["kernels"].items())
+      lines.append(f"        kernels: {ks} (else as its members)")
     for n in self.near_misses:
       lines.append(f"  MISS  {n['pattern']:<20} {n['reason']}")
       lines.append(f"        at {n['location']}  [{n['path']}]")
@@ -80,18 +87,28 @@ class ExplainReport:
     return "\n".join(lines)
 
 
-def explain(fn: Callable, *args, rules: Sequence[Any] | None = None, **kwargs) -> ExplainReport:
-  """Traces ``fn(*args, **kwargs)`` and reports every match, near-miss and idle rule."""
+def explain(fn: Callable, *args, rules: Sequence[Any] | None = None, group: bool = True,
+            **kwargs) -> ExplainReport:
+  """Traces ``fn(*args, **kwargs)`` and reports every match, group (as ``lrjax.fuse`` with
+  this ``group`` binds them), near-miss and idle rule."""
   rules = tuple(rules if rules is not None else rules_lib.DEFAULT_RULES)
   from lrjax.lowering.fuse import _module_call
   target = _module_call(fn)
   a = ((fn,) + args) if target is not fn else args
-  _, _, _, _, analysis = analyze(target, a, kwargs, rules)
+  _, _, _, _, analysis = analyze(target, a, kwargs, rules, group)
   matches = [dict(pattern=m.pattern, location=m.location, path=m.path, shapes=m.shapes,
                   params={k: str(v) for k, v in m.params.items()},
                   kernels=kernels_for(m.primitive.name, m.avals_in, m.params))
              for m in analysis.matches]
+  groups = []
+  for g in analysis.groups:
+    avals = (g[0].avals_in[0],) + tuple(a for m in g for a in m.avals_in[1:])
+    params = dict(bias_mask=tuple(m.params["has_bias"] for m in g),
+                  inter_dtype=g[0].params["inter_dtype"], out_dtype=g[0].params["out_dtype"])
+    groups.append(dict(members=[m.location for m in g], path=g[0].path,
+                       shapes=[m.shapes for m in g],
+                       kernels=kernels_for("lr_xuv_group", avals, params)))
   near = [dataclasses.asdict(n) for n in analysis.near_misses]
   used = {m.pattern for m in analysis.matches}
   unmatched = [rules_lib.rule_label(r) for r in rules if rules_lib.rule_label(r) not in used]
-  return ExplainReport(matches, near, unmatched)
+  return ExplainReport(matches, near, unmatched, groups)

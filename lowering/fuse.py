@@ -47,6 +47,7 @@ class Analysis:
   matches: list
   near_misses: list
   rules: tuple
+  groups: list = dataclasses.field(default_factory=list)  # tuples of lr_xuv matches
 
 
 def _eqn_label(e) -> str:
@@ -103,6 +104,7 @@ def build_plan(jaxpr, consts, weight_invars: Sequence[bool], rules, analysis: An
       if not p.empty:
         subs.setdefault(i, []).append((s, p))
   groups = xuv_groups(jaxpr, matches, absorbed) if group else []
+  analysis.groups += groups
   return Plan(roots, absorbed, subs, {g[0].root: g for g in groups},
               frozenset(m.root for g in groups for m in g[1:]))
 

@@ -119,3 +119,12 @@ def test_fused_model_groups_qkv():
   assert names.count("lr_xuv_group") == per_trace and names.count("lr_xuv") == per_trace  # o
   assert_close(jax.jit(lrjax.fuse(fwd, group=True))(state, tok), jax.jit(fwd)(state, tok),
                jnp.float32)
+
+
+def test_explain_reports_groups():
+  p, x = qkv_params(), randn((2, 64))
+  rep = lrjax.explain(qkv, x, p)
+  assert len(rep.groups) == 1 and len(rep.groups[0]["members"]) == 3
+  assert set(rep.groups[0]["kernels"]) == {"cpu", "cuda", "neuron"}
+  assert "GROUP lr_xuv_group (3 of the lr_xuv above" in str(rep)
+  assert lrjax.explain(qkv, x, p, group=False).groups == []
