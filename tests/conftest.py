@@ -78,6 +78,22 @@ def kv_attention_f64(q, zk, zv, vk, vv, pos, inv_freq, bk=None, bv=None, window=
   return out.reshape(b, hq * d)
 
 
+@pytest.fixture(scope="module")
+def load_benchmark():
+  """Loads a script of benchmarks/ as a module (the scripts are not a package)."""
+  import importlib.util
+  import os
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+  def load(name: str):
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(root, "benchmarks", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+  return load
+
+
 @pytest.fixture(autouse=True)
 def _cpu_device_unless_gpu_test(request):
   """Tests not marked ``gpu`` are the CPU suite: on a GPU host they run on its CPU device, so

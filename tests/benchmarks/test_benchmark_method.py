@@ -1,5 +1,4 @@
 """CPU tests of the GPU benchmark's timing method (benchmarks/gpu_lowrank.py)."""
-import importlib.util
 import os
 
 import pytest
@@ -8,12 +7,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.fixture(scope="module")
-def bench():
-  spec = importlib.util.spec_from_file_location(
-      "gpu_lowrank", os.path.join(REPO, "benchmarks", "gpu_lowrank.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+def bench(load_benchmark):
+  return load_benchmark("gpu_lowrank")
 
 
 def scripted(results):
@@ -97,12 +92,9 @@ def test_host_timing_is_used_off_a_gpu(bench, monkeypatch):
   assert math.isfinite(t_us)
 
 
-def test_timeline_busy_time_is_the_union_of_kernel_intervals(monkeypatch):
+def test_timeline_busy_time_is_the_union_of_kernel_intervals(monkeypatch, load_benchmark):
   monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
-  spec = importlib.util.spec_from_file_location(
-      "gpu_timeline", os.path.join(REPO, "benchmarks", "gpu_timeline.py"))
-  timeline = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(timeline)
+  timeline = load_benchmark("gpu_timeline")
   assert timeline.gl.busy_ns([(0, 10, "a"), (5, 15, "b"), (20, 30, "c")]) == 25
   assert timeline.gl.busy_ns([(0, 10, "a"), (2, 3, "b")]) == 10  # one inside another
 

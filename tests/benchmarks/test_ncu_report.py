@@ -1,10 +1,6 @@
 """CPU test of benchmarks/ncu_mlp_decode.py's reading of ncu text reports."""
-import importlib.util
-import os
-
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REPORT = """==PROF== Profiling "_mlp_decode_kernel": 0%....50%....100% - 19 passes
   _mlp_decode_kernel (400, 1, 1)x(128, 1, 1), Context 1, Stream 14, Device 0, CC 9.0
     Section: Command line profiler metrics
@@ -20,12 +16,8 @@ REPORT = """==PROF== Profiling "_mlp_decode_kernel": 0%....50%....100% - 19 pass
 
 
 @pytest.fixture(scope="module")
-def ncu():
-  spec = importlib.util.spec_from_file_location(
-      "ncu_mlp_decode", os.path.join(REPO, "benchmarks", "ncu_mlp_decode.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+def ncu(load_benchmark):
+  return load_benchmark("ncu_mlp_decode")
 
 
 def test_rows_with_and_without_units(ncu):
