@@ -22,6 +22,7 @@ import jax
 
 from lrjax.lowering import _jaxpr as jx
 from lrjax.lowering import rules as rules_lib
+from lrjax.lowering.group import MAX_MEMBERS, lr_xuv_group_p
 from lrjax.lowering.primitives import lr_xuv_p
 
 log = logging.getLogger("lrjax.lowering")
@@ -59,7 +60,6 @@ def xuv_groups(jaxpr, matches, absorbed) -> list:
   """lr_xuv matches that read the same input var with the same dtypes, in groups of 2-3
   (in eqn order), each placed at its first member's root: every operand of every member
   must exist by then (an input, a literal, or the output of an earlier kept eqn)."""
-  from lrjax.lowering.group import MAX_MEMBERS
   produced = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
   by_input: dict = {}
   for m in sorted(matches, key=lambda m: m.root):
@@ -111,7 +111,6 @@ def build_plan(jaxpr, consts, weight_invars: Sequence[bool], rules, analysis: An
 
 def emit_group(jaxpr, members, read, env) -> None:
   """Binds one lr_xuv_group for ``members`` and sets each member's root output."""
-  from lrjax.lowering.group import lr_xuv_group_p
   ops, mask = [read(members[0].x)], []
   for m in members:
     ops += m.operands(read)[1:]
