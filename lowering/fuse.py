@@ -77,7 +77,7 @@ def xuv_groups(jaxpr, matches, absorbed) -> list:
           ready.append(m)
       if len(ready) >= 2:
         groups.append(tuple(ready))
-      members = [m for m in members[1:] if m not in ready]
+      members = [m for m in members[1:] if all(m is not r for r in ready)]
   return groups
 
 

@@ -222,7 +222,9 @@ def render(path: str, module_text: str, model_path: str | None = None) -> str:
 
 
 def _weight_elems(op: str, k: int, r: int, n: int) -> int:
-  return 3 * r * (k + n) if op == "mlp_swiglu" else r * (k + n)  # xuv_group: a bound
+  # xuv_group rows hold summed ranks and widths, so r·(K+N) bounds the group's factor size;
+  # queries and records use the same measure, which is all the nearest-shape search needs
+  return 3 * r * (k + n) if op == "mlp_swiglu" else r * (k + n)
 
 
 def nearest(op: str, m: int, k: int, r: int, n: int):

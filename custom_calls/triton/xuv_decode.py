@@ -504,3 +504,8 @@ def xuv_decode_reference(x, u, v, bias=None, *, out_dtype=None):
   """f32-accumulating (x·u)·v (+ bias); X·U rounded to v's dtype as the kernel does."""
   from lrjax.lowering.primitives import lr_xuv_reference
   return lr_xuv_reference(x, u, v, bias, inter_dtype=v.dtype, out_dtype=out_dtype or x.dtype)
+
+
+def xuv_decode_group_reference(x, members, *, out_dtype=None):
+  """xuv_decode_group's result: each member's ``xuv_decode_reference``."""
+  return [xuv_decode_reference(x, *m, out_dtype=out_dtype) for m in members]
