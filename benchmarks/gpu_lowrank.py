@@ -355,13 +355,19 @@ def _xuv_variant(kernel, m, k, r, n):
   if kernel.startswith("decode_stages:"):  # 1: stage 1 alone, 2: stage 2 alone (timing only)
     st = int(kernel.split(":")[1])
     return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, _stages=st, persistent=False)
+  # persistent*: the persistent schedule with phase 2 in the kernel
   if kernel == "persistent":
-    return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, persistent=True)
-  if kernel.startswith("persistent:"):  # persistent:field=value,... (PersistentDecodePlan)
+    return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, persistent=True, pv="kernel")
+  if kernel == "pv_xla":  # the persistent kernel's phase 1, then XLA's GEMM applies V
+    return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, persistent=True, pv="xla")
+  if kernel.startswith(("persistent:", "pv_xla:")):  # ...:field=value,... (a planner.
+    # PersistentDecodePlan with these fields replaced); pv_xla: phase 1 alone, then XLA's GEMM
     fields = {f: int(v) for f, v in (t.split("=") for t in kernel.split(":")[1].split(","))}
-    planned = planner.plan_decode_persistent(m, k, r, n, programs=fields.pop("programs", None))
-    p = dataclasses.replace(planned, **fields)
-    return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, persistent=p)
+    pv = "xla" if kernel.startswith("pv_xla") else "kernel"
+    plan_fn = planner.plan_decode_phase1 if pv == "xla" else planner.plan_decode_persistent
+    p = dataclasses.replace(plan_fn(m, k, r, n, programs=fields.pop("programs", None)),
+                            **fields)
+    return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, persistent=p, pv=pv)
   if kernel == "prefill":
     return lambda x, u, v: xuv_prefill.xuv_prefill(x, u, v)
   if kernel.startswith("prefill:"):  # prefill:BM,BN,BK,G,ring,warps,stages,programs,dynamic
@@ -707,6 +713,16 @@ def decode_chunk_variants(m, k, r, n):
           f"persistent:r_chunks=2,{wide}", f"persistent:r_chunks=4,{wide}")
 
 
+def decode_pv_variants(m, k, r, n):
+  """Specs next to the default: the persistent kernel applying V itself, and its phase 1
+  alone followed by XLA's GEMM (pv_xla) with the fused kernel's phase-1 tiles instead of
+  ``planner.plan_decode_phase1``'s. (results/gpu_xuv_decode_pv_h200.json run 1 also timed,
+  before plan_decode_phase1 existed, pv_xla on the fused kernel's tiles with 128- and 64-
+  column tiles and the fewest splits, on 264 CTAs, and at 4 warps.)"""
+  q = planner.plan_decode_persistent(m, k, r, n)
+  return ("persistent", f"pv_xla:block_r={q.block_r},cols_r={q.cols_r},k_per={q.k_per}")
+
+
 def xuv_prefill_variants(m, k, r, n):
   """Specs of the prefill X·U·V kernel's default block sizes with tiles claimed from a
   counter, also with a 4th pipeline stage."""
@@ -761,7 +777,7 @@ def suite(name, bw, peak, args, recs):
     return recs
   if name in ("decode", "all"):
     for (k, r, n) in XUV_DECODE_SHAPES:
-      for m in (m for m in DECODE_M if m <= args.max_m):
+      for m in (m for m in DECODE_M if args.min_m <= m <= args.max_m):
         base = xuv_record(m, k, r, n, bw, peak)
         recs.append(base)
         if args.variants:  # the other decode schedule (and the prefill kernel from M=16)
@@ -771,7 +787,7 @@ def suite(name, bw, peak, args, recs):
             recs.append(xuv_record(m, k, r, n, bw, peak, variant, baselines=base))
   if name in ("decode_attn", "all"):
     for (k, r, n) in XUV_ATTN_SHAPES:
-      for m in (m for m in DECODE_M if m <= min(16, args.max_m)):
+      for m in (m for m in DECODE_M if args.min_m <= m <= args.max_m):
         recs.append(xuv_record(m, k, r, n, bw, peak))
   if name in ("prefill", "all"):
     for m in PREFILL_M:
@@ -816,6 +832,8 @@ def suite(name, bw, peak, args, recs):
     xuv_decode_sweep((2, 8, 16), lambda *_: ("persistent:programs=33", "persistent:programs=66"),
                      "persistent", ((4096, 152, 4096), (2048, 256, 512), (4096, 512, 1024),
                                     (4096, 1024, 14336)))
+  if name == "decode_pv":  # phase 2 in the persistent kernel or as XLA's GEMM on its P
+    xuv_decode_sweep(args.chunk_m, decode_pv_variants)
   if name == "decode_group":  # q/k/v in one launch against one call each and XLA
     for k, members in GROUP_SHAPES:
       for m in (1, 2, 4, 8, 16):
@@ -984,7 +1002,7 @@ def main():
                            "mlp_prefetch", "mlp_prefill_variants", "prefill_variants",
                            "mlp_prefill_phases", "gemm_ceiling", "decode_prefetch",
                            "decode_wide_m", "decode_chunks", "decode_p16", "decode_grid",
-                           "decode_group",
+                           "decode_group", "decode_pv",
                            "mlp_decode_probes", "kv_attention"])
   ap.add_argument("--variants", action="store_true", help="also time non-default kernels")
   ap.add_argument("--extra", nargs="*", default=[], help="op/M,K,r,N/variant")
@@ -999,9 +1017,9 @@ def main():
   ap.add_argument("--max-m", type=int, default=1 << 30,
                   help="only the decode and MLP shapes with at most this many tokens")
   ap.add_argument("--min-m", type=int, default=0,
-                  help="only the MLP shapes with at least this many tokens")
+                  help="only the decode X·U·V and MLP shapes with at least this many tokens")
   ap.add_argument("--chunk-m", type=int, nargs="*", default=[16, 32, 64],
-                  help="token counts of the decode_chunks and decode_p16 suites")
+                  help="token counts of the decode_chunks, decode_p16 and decode_pv suites")
   ap.add_argument("--verbose", action="store_true", help="print compile and timing seconds")
   ap.add_argument("--reps", type=int, default=15, help="alternated repetitions per timing")
   ap.add_argument("--timing", choices=["device", "host"], default="device",

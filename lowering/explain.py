@@ -78,7 +78,8 @@ class ExplainReport:
                    f"{' | '.join(g['shapes'])}")
       lines.append(f"        at {g['members'][0]}  [{g['path']}]")
       ks = ", ".join(f"{p}: {_kernel_note(v)}" for p, v in g["kernels"].items())
-      lines.append(f"        kernels: {ks} (else as its members)")
+      lines.append(f"        kernels: {ks} (as its members under SPMD and on platforms "
+                   "without a grouped kernel; a declined grouped kernel leaves XLA's reference)")
     for n in self.near_misses:
       lines.append(f"  MISS  {n['pattern']:<20} {n['reason']}")
       lines.append(f"        at {n['location']}  [{n['path']}]")

@@ -5,9 +5,12 @@ XLA merges dots that share an operand, so in a model its q/k/v X·U is one GEMM;
 separate kernel calls pay a launch and a phase hand-off each. On a single CUDA device the
 group lowers to one grouped decode kernel (custom_calls/triton/xuv_decode.py,
 ``xuv_decode_group``: 1.55-1.9x XLA's merged dots at 2-16 rows on Llama-3-8B and 3.2-1B
-q/k/v, results/gpu_xuv_group_h200.json). Everywhere else, and whenever that kernel declines,
-the group lowers as its members: one ``lr_xuv`` each, so every member keeps its own kernel
-choice and, under tensor parallelism, its own partitioning rule.
+q/k/v, results/gpu_xuv_group_h200.json). Where that kernel declines (e.g. above 16 rows), the
+group lowers as XLA's reference, whose dot merger batches the members' X·U: one kernel per
+member measured slower than that in the whole Llama-3-8B decode step at batch 32 and 64
+(results/model_1gpu_h200.json); ``prefer_kernels()`` lowers the members instead. Under SPMD
+and on platforms without a grouped kernel, the group lowers as its members: one ``lr_xuv``
+each, so every member keeps its own kernel choice and its own partitioning rule.
 
 Operands: x, then per member u_i, v_i and (if ``bias_mask[i]``) bias_i. Params: ``bias_mask``,
 ``inter_dtype``, ``out_dtype`` (shared). Results: one [..., N_i] array per member.
@@ -23,8 +26,8 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from lrjax.lowering import registry
-from lrjax.lowering.primitives import _xuv_check, lr_xuv_p
+from lrjax.lowering import _jaxpr, registry
+from lrjax.lowering.primitives import _xuv_check, lr_xuv_p, lr_xuv_reference
 
 log = logging.getLogger("lrjax.lowering")
 
@@ -60,9 +63,15 @@ def lr_xuv_group(x, members, *, out_dtype=None, inter_dtype=None):
 
 
 def _as_members(*ops, bias_mask, inter_dtype, out_dtype):
-  """The group as its members: one lr_xuv each (the lowering everywhere but the kernel)."""
+  """The group as its members: one lr_xuv each (under SPMD and without a grouped kernel)."""
   return [lr_xuv_p.bind(ops[0], u, v, *(() if b is None else (b,)), has_bias=b is not None,
                         inter_dtype=inter_dtype, out_dtype=out_dtype)
+          for u, v, b in members_of(ops, bias_mask)]
+
+
+def _reference(*ops, bias_mask, inter_dtype, out_dtype):
+  """The group as XLA's reference: every member's X·U·V in jnp (XLA merges the X·U dots)."""
+  return [lr_xuv_reference(ops[0], u, v, b, inter_dtype=inter_dtype, out_dtype=out_dtype)
           for u, v, b in members_of(ops, bias_mask)]
 
 
@@ -114,10 +123,15 @@ def _lowering(ctx, *args, **params):
       log.debug("lr_xuv_group on %s: lowering with %s", platforms[0], sel.kernel.name)
       return mlir.lower_fun(functools.partial(sel.kernel.load(), **params),
                             multiple_results=True)(ctx, *args)
+    if sel.declined and not registry.kernels_preferred():  # a grouped kernel declined
+      return mlir.lower_fun(functools.partial(_reference, **params),
+                            multiple_results=True)(ctx, *args)
   return mlir.lower_fun(functools.partial(_as_members, **params),
                         multiple_results=True)(ctx, *args)
 
 
+# its members' kernels lower through custom_partitioning, which needs the device assignment
+_jaxpr.require_devices_during_lowering(lr_xuv_group_p)
 lr_xuv_group_p.def_impl(_impl)
 ad.primitive_jvps[lr_xuv_group_p] = _jvp
 batching.primitive_batchers[lr_xuv_group_p] = _batch

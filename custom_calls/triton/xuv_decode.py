@@ -19,6 +19,17 @@ All CTAs are resident at once (grid = SMs), so a waiting CTA never blocks a prod
 to V's dtype for phase 2 (as the SwiGLU kernel's default does); here it measured -3...+5 %
 against the f32 reads, so it is off by default (gpu_notes.md, session 9).
 
+**From PV_XLA_MIN_M = 64 rows** the persistent kernel stops after phase 1 (``pv="xla"``):
+the last split-K tile of each column block rounds P once to V's dtype, and XLA's GEMM applies
+V, as in XLA's own lowering. There ·V is a [64-128, r] x [r, N] GEMM near the H200's ridge
+point, where one CTA per SM streaming V with 128-row tiles measured 0.69-0.75x cuBLAS, while
+the skinny X·U is where XLA is weak (a split-K GEMM and a separate reduction). Phase 1 then
+takes ``planner.plan_decode_phase1``'s tiles: the fewest split-K partials (f32 atomics into P,
+M x r x 4 bytes each) that still give every CTA a tile. Measured (results/
+gpu_xuv_decode_pv_h200.json, then the sweep's run 12): M=128 0.96-1.03x XLA where the fused
+kernel was 0.69-0.74x; M=64 0.94-1.01x (fused 0.81-1.00x). At M=16 and 32 the split, timed
+only on the fused kernel's phase-1 tiles, was 2-10 % slower than the fused kernel.
+
 **Tiled** (``_xuv_decode_kernel``): one CTA per tile. Stage-1 CTAs (split_k x
 ceil(r/block_r), block_r = 256: 512-byte row segments) come first in the grid, r-block-
 major; stage-2 CTAs (chunk-major) start as soon as their chunk of P is complete, so V
@@ -102,6 +113,10 @@ MAX_M = 128  # beyond this the prefill kernel serves
 # the persistent schedule is the default up to here: measured faster than the tiled one at
 # M <= 64 (gpu_notes.md, session 3) and than the prefill kernel at M=128 (session 6)
 PERSISTENT_MAX_M = 128
+# From this many rows the persistent kernel stops at P and XLA's GEMM applies V (pv="xla"):
+# against the fused kernel it took 23-30 % less time at M=128 and from 1 % more to 19 % less
+# at M=64 (results/gpu_xuv_decode_pv_h200.json, run 2); at M=16, 32 see the docstring
+PV_XLA_MIN_M = 64
 
 
 @triton.jit
@@ -218,6 +233,7 @@ def _xuv_decode_persistent_kernel(
     PROGRAMS: tl.constexpr,  # the grid; all CTAs resident at once
     PREFETCH: tl.constexpr,  # V rows of its first phase-2 tile a CTA prefetches into L2
     P16: tl.constexpr,  # phase 2 reads P rounded once to V's dtype (half the L2 bytes)
+    PV: tl.constexpr = True,  # False: phase 1 only, ending with P rounded into p16 (P16)
 ):
   pid = tl.program_id(0)
   p_ptr = scratch_ptr
@@ -239,15 +255,16 @@ def _xuv_decode_persistent_kernel(
     _xu_tile(t // SPLIT_K, (t % SPLIT_K) * K_PER, x_ptr, u_ptr, p_ptr, flag_ptr, offs_m,
              m_mask, K, R, K_PER, RB_PER_CHUNK, BLOCK_K, BLOCK_R, COLS_R, EVEN_K, True, P16,
              p16_ptr, rb_cnt_ptr, SPLIT_K)
-  # phase 2: tiles q = pid, pid + PROGRAMS, ...; chunk-major; each waits for its chunk of P
-  if PREFETCH > 0:  # the first rows of this CTA's first V tile load while it waits
-    if pid < R_CHUNKS * n_nb:
-      prefetch_l2(v_ptr, (pid // n_nb) * (RB_PER_CHUNK * COLS_R), (pid % n_nb) * COLS_N, R, N,
-                  N, PREFETCH, BLOCK_N)
-  for q in range(pid, R_CHUNKS * n_nb, PROGRAMS):
-    _pv_tile(q, n_nb, n_rb, p16_ptr if P16 else p_ptr, v_ptr, b_ptr, acc_ptr, flag_ptr,
-             sem_ptr, o_ptr, M, R, N, HAS_BIAS, SPLIT_K, R_CHUNKS, RB_PER_CHUNK, BLOCK_M,
-             BLOCK_N, BLOCK_KV, EVEN_R, COLS_R, COLS_N, P16)
+  if PV:
+    # phase 2: tiles q = pid, pid + PROGRAMS, ...; chunk-major; each waits for its chunk of P
+    if PREFETCH > 0:  # the first rows of this CTA's first V tile load while it waits
+      if pid < R_CHUNKS * n_nb:
+        prefetch_l2(v_ptr, (pid // n_nb) * (RB_PER_CHUNK * COLS_R), (pid % n_nb) * COLS_N, R,
+                    N, N, PREFETCH, BLOCK_N)
+    for q in range(pid, R_CHUNKS * n_nb, PROGRAMS):
+      _pv_tile(q, n_nb, n_rb, p16_ptr if P16 else p_ptr, v_ptr, b_ptr, acc_ptr, flag_ptr,
+               sem_ptr, o_ptr, M, R, N, HAS_BIAS, SPLIT_K, R_CHUNKS, RB_PER_CHUNK, BLOCK_M,
+               BLOCK_N, BLOCK_KV, EVEN_R, COLS_R, COLS_N, P16)
 
 
 @triton.jit
@@ -357,8 +374,11 @@ def launch_plan(m: int, k: int, r: int, n: int, has_bias: bool, bs: BlockSizes,
 
 
 def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
-                           p: planner.PersistentDecodePlan) -> dict:
-  """Grid size and constexprs of one persistent call (shared by the wrapper and the tests)."""
+                           p: planner.PersistentDecodePlan, pv: bool = True) -> dict:
+  """Grid size and constexprs of one persistent call (shared by the wrapper and the tests).
+  ``pv=False``: phase 1 only, into P rounded once (one r-chunk, ``p.p16`` forced on)."""
+  if not pv:
+    p = dataclasses.replace(p, p16=True, r_chunks=1)
   split = planner.cdiv(k, p.k_per)
   n_rb = planner.cdiv(r, p.cols_r)
   rb_per_chunk = planner.cdiv(n_rb, p.r_chunks)
@@ -371,7 +391,7 @@ def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
               BLOCK_K=p.block_k, BLOCK_R=p.block_r, BLOCK_N=p.block_n,
               BLOCK_KV=p.block_kv, EVEN_K=k % p.k_per == 0,
               EVEN_R=r % r_per == 0 and r_per % p.block_kv == 0, COLS_R=p.cols_r,
-              COLS_N=p.cols_n, PROGRAMS=p.programs, PREFETCH=p.prefetch, P16=p.p16)
+              COLS_N=p.cols_n, PROGRAMS=p.programs, PREFETCH=p.prefetch, P16=p.p16, PV=pv)
   n_nb = planner.cdiv(n, p.cols_n)
   return dict(grid=p.programs, chunks=chunks, n_nb=n_nb, meta=meta,
               scratch=m * r + (m * n if chunks > 1 else 0) + chunks + n_nb
@@ -380,7 +400,8 @@ def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
 
 def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | None = None,
                out=None, xla_zeroing: bool | None = None, _stages: int = 3,
-               persistent: "bool | planner.PersistentDecodePlan | None" = None):
+               persistent: "bool | planner.PersistentDecodePlan | None" = None,
+               pv: str | None = None):
   """y = (x·u)·v (+ bias) for few tokens. x [..., K], u [K, r], v [r, N], bias [N].
 
   ``out`` [M, N]: optional buffer the kernel writes into (aliased; the tests poison it).
@@ -391,9 +412,15 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
   ``persistent``: the persistent schedule (True, or a ``planner.PersistentDecodePlan``) or
   the tiled one (False; ``block_sizes`` applies to it); default: persistent for
   M <= PERSISTENT_MAX_M.
+  ``pv``: who applies V on the persistent schedule: "kernel" (phase 2 in the same launch)
+  or "xla" (the kernel ends with P = X·U rounded once, then XLA's GEMM multiplies it by V,
+  as XLA's own lowering does); default: "xla" from PV_XLA_MIN_M rows unless ``out`` is
+  given.
   ``_stages``: benchmarking only (1: stage 1 alone, 2: stage 2 alone; the output is wrong).
   """
   x2, lead, (m, k, r, n), out_dtype = unpack_xuv_args(x, u, v, out_dtype)
+  if pv not in (None, "kernel", "xla"):
+    raise ValueError(f"{pv=} must be 'kernel', 'xla' or None (by rows)")
   if xla_zeroing is None:
     xla_zeroing = out is None and launch.xla_zeroing()
   if xla_zeroing and out is not None:
@@ -409,16 +436,25 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
                        "(persistent=False); pass a planner.PersistentDecodePlan instead")
     if m > MAX_M:
       raise ValueError(f"{m} rows: the persistent decode kernel serves M <= {MAX_M}")
+    pv = pv or ("xla" if m >= PV_XLA_MIN_M and out is None else "kernel")
+    plan_fn = planner.plan_decode_phase1 if pv == "xla" else planner.plan_decode_persistent
     p = persistent if isinstance(persistent, planner.PersistentDecodePlan) else \
-        planner.plan_decode_persistent(m, k, r, n, programs=num_sms())
-    if not 0 < p.programs <= num_sms():
+        plan_fn(m, k, r, n, programs=num_sms())
+    if pv == "xla" and out is not None:
+      raise ValueError("out= is the kernel's output buffer; with pv='xla' XLA writes y")
+    if pv == "kernel" and not 0 < p.programs <= num_sms():
       raise ValueError(f"{p.programs=} must be in [1, {num_sms()}] (the SMs; 0: unknown): "
                        "every CTA must be resident, or a waiting CTA could block its producer")
+    if p.programs < 1:
+      raise ValueError(f"{p.programs=} must be positive")
     if p.block_m < m:
       raise ValueError(f"{p.block_m=} must cover the {m} rows")
-    plan = persistent_launch_plan(m, k, r, n, bias is not None, p)
+    plan = persistent_launch_plan(m, k, r, n, bias is not None, p, pv == "kernel")
     kernel, warps, stages = _xuv_decode_persistent_kernel, p.warps, p.stages
   else:
+    if pv == "xla":
+      raise ValueError("pv='xla' applies to the persistent schedule")
+    pv = "kernel"
     bs = block_sizes or BlockSizes.get_default(m, k, r, n)
     if bs.block_m < m:
       raise ValueError(f"{bs.block_m=} must cover the {m} rows; use xuv_prefill for large M")
@@ -435,11 +471,14 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
   outs = launch.triton_call(
       x2, u, v, b, fifth, m, kernel=kernel,
       out_shape=(jax.ShapeDtypeStruct((scratch,), jnp.float32),
-                 jax.ShapeDtypeStruct((m, n), out_dtype),
+                 jax.ShapeDtypeStruct((m, n) if pv == "kernel" else (1,), out_dtype),
                  jax.ShapeDtypeStruct((plan["p16"],), v.dtype)),  # P16's P; never zeroed
       grid=(plan["grid"],), zeroed_outputs=zeroed, input_output_aliases=aliases,
       num_warps=warps, num_stages=stages, name="lrjax_xuv_decode",
       **plan["meta"])
+  if pv == "xla":
+    from lrjax.lowering.primitives import rank_space_out
+    return rank_space_out(outs[2].reshape(m, r), v, bias, out_dtype).reshape(*lead, n)
   return outs[1].reshape(*lead, n)
 
 

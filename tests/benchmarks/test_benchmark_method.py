@@ -129,17 +129,19 @@ def test_decode_variant_suites_time_each_variant_beside_its_base(bench, monkeypa
 
 
 def test_attention_suite_extends_the_policy_to_its_shapes(bench, monkeypatch):
-  """decode_attn times the attention projections at M <= 16, each within the policy's
-  EXTRAPOLATE of the shapes it adds (so the policy judges them from these records)."""
+  """decode_attn times the attention projections at every decode M (--min-m / --max-m
+  narrow it), each within the policy's EXTRAPOLATE of the shapes it adds (so the policy
+  judges them from these records)."""
   import argparse
 
   from lrjax.custom_calls.triton import measured
   calls = []
   monkeypatch.setattr(bench, "xuv_record", lambda m, k, r, n, *a, **kw: calls.append(
       (m, k, r, n)) or dict(M=m))
-  args = argparse.Namespace(extra=[], max_m=1 << 30)
+  args = argparse.Namespace(extra=[], min_m=2, max_m=64)
   bench.suite("decode_attn", 1.0, 1.0, args, [])
-  ms = [m for m in bench.DECODE_M if m <= 16]
+  ms = [m for m in bench.DECODE_M if 2 <= m <= 64]
+  assert 1 not in ms and 128 not in ms and 32 in ms
   assert calls == [(m, *s) for s in bench.XUV_ATTN_SHAPES for m in ms]
   fake = tuple(("xuv", m, k, r, n, 10.0, 11.0) for (m, k, r, n) in calls)
   monkeypatch.setattr(measured, "RECORDS", fake)

@@ -128,3 +128,60 @@ def test_explain_reports_groups():
   assert set(rep.groups[0]["kernels"]) == {"cpu", "cuda", "neuron"}
   assert "GROUP lr_xuv_group (3 of the lr_xuv above" in str(rep)
   assert lrjax.explain(qkv, x, p, group=False).groups == []
+
+
+@pytest.fixture
+def counting_cpu_kernels():
+  """A CPU lr_xuv kernel that counts the calls it lowers (its impl is the reference) and a
+  CPU grouped kernel that declines every group, as a CUDA group above 16 rows does."""
+  from lrjax.lowering import registry
+  from lrjax.lowering.primitives import _xuv_ref_ops
+  lowered = []
+
+  def load():
+    lowered.append(1)
+    return _xuv_ref_ops
+  ks = [registry.register(registry.KernelLowering("lr_xuv", "cpu", "test.xuv_counted",
+                                                  lambda a, p: None, load)),
+        registry.register(registry.KernelLowering(
+            "lr_xuv_group", "cpu", "test.group_declines", lambda a, p: "too many rows",
+            lambda: None))]
+  yield lowered
+  for k in ks:
+    registry.unregister(k.primitive, k.platform, k.name)
+
+
+def test_declined_grouped_kernel_leaves_the_group_to_xla(counting_cpu_kernels):
+  """Where a platform's grouped kernel declines, the group lowers as XLA's reference (its dot
+  merger batches the members' X·U), not one member kernel each; prefer_kernels() lowers
+  the members with their kernels."""
+  from lrjax.lowering import registry
+  x = randn((2, 64))
+  members = [lr_params(64, 8, 40), lr_params(64, 3, 24)]
+  f = lambda x: lr_xuv_group(x, members)  # noqa: E731
+  want = [lr_xuv_reference(x, u, v) for u, v in members]
+  outs = jax.jit(f)(x)
+  assert counting_cpu_kernels == []
+  for o, w in zip(outs, want):
+    assert_close(o, w, jnp.float32)
+  with registry.prefer_kernels():
+    outs = jax.jit(lambda x: lr_xuv_group(x, members))(x)
+  assert len(counting_cpu_kernels) == 2
+  for o, w in zip(outs, want):
+    assert_close(o, w, jnp.float32)
+
+
+def test_group_without_a_grouped_kernel_lowers_its_members():
+  """No grouped kernel on the platform: each member keeps its own lr_xuv kernel choice."""
+  from lrjax.lowering import registry
+  from lrjax.lowering.primitives import _xuv_ref_ops
+  lowered = []
+  k = registry.register(registry.KernelLowering(
+      "lr_xuv", "cpu", "test.xuv_counted", lambda a, p: None,
+      lambda: lowered.append(1) or _xuv_ref_ops))
+  try:
+    members = [lr_params(64, 8, 40), lr_params(64, 3, 24), lr_params(64, 5, 16)]
+    jax.jit(lambda x: lr_xuv_group(x, members))(randn((2, 64)))
+  finally:
+    registry.unregister(k.primitive, k.platform, k.name)
+  assert len(lowered) == 3

@@ -5,6 +5,7 @@ writes into it through input_output_aliases, so an unwritten element stays NaN a
 fails), and compares with a float64 host reference that applies the kernels' rounding
 of the rank-space intermediate to the factor dtype.
 """
+import contextlib
 import dataclasses
 import importlib.util
 
@@ -70,7 +71,9 @@ XUV_SHAPES = [  # (M, K, r, N): M=1, ragged everything, a multi-super-block pref
 @pytest.mark.parametrize("shape", XUV_SHAPES)
 @pytest.mark.parametrize("kind", ["decode", "decode_small_blocks", "persistent",
                                   "persistent_small_grid", "persistent_xla_zeroing",
-                                  "persistent_p16", "persistent_small_grid_p16", "prefill"])
+                                  "persistent_p16", "persistent_small_grid_p16",
+                                  "persistent_pv_xla", "persistent_small_grid_pv_xla",
+                                  "persistent_two_waves_pv_xla", "prefill"])
 def test_xuv_kernels(kind, shape, dtype, bias):
   from lrjax.custom_calls.triton import xuv_decode, xuv_prefill
   m, k, r, n = shape
@@ -87,9 +90,15 @@ def test_xuv_kernels(kind, shape, dtype, bias):
     if kind.startswith("persistent_small_grid"):  # several ragged, part-width tiles per CTA
       p = dataclasses.replace(p, block_r=64, cols_r=32, k_per=128, block_n=64, cols_n=48,
                               block_kv=32, r_chunks=3, programs=5, prefetch=16)
+    if kind == "persistent_two_waves_pv_xla":  # phase 1 alone may outnumber the SMs
+      from lrjax.custom_calls.triton._common import num_sms
+      p = dataclasses.replace(p, block_r=64, cols_r=32, k_per=64, programs=2 * num_sms())
     if kind.endswith("_p16"):  # phase 2 reads P rounded once by each block's last tile
       p = dataclasses.replace(p, p16=True)
-    fn = lambda x, u, v, b, o: xuv_decode.xuv_decode(x, u, v, b, out=o, persistent=p)
+    fn = lambda x, u, v, b, o: xuv_decode.xuv_decode(x, u, v, b, out=o, persistent=p,
+                                                     pv="kernel")
+    if kind.endswith("_pv_xla"):  # phase 1 alone, then XLA's GEMM (it writes all of y)
+      fn = lambda x, u, v, b, o: xuv_decode.xuv_decode(x, u, v, b, persistent=p, pv="xla")
     if kind == "persistent_xla_zeroing":  # the default: scratch zeroed by XLA, no out=
       fn = lambda x, u, v, b, o: xuv_decode.xuv_decode(x, u, v, b, persistent=p)
   else:
@@ -392,6 +401,24 @@ def test_fuse_group_emits_one_triton_call_for_qkv():
       fused = jax.jit(lrjax.fuse(qkv, group=group)).lower(x, ws).compile()
     assert _count_triton_calls(fused.as_text()) == calls, f"{group=}"
     for got, ref in zip(fused(x, ws), want):
+      assert_close(got, ref, dtype)
+
+
+def test_group_above_the_grouped_kernels_rows_is_left_to_xla():
+  """Above 16 rows the grouped kernel declines and the group lowers as XLA's reference (no
+  Triton call: XLA merges the X·U dots); prefer_kernels() lowers one call per member."""
+  import lrjax
+  from lrjax.lowering import lr_xuv_group
+  dtype = jnp.bfloat16
+  ws = [lr_factors(512, r, n, dtype) for r, n in ((96, 512), (48, 128), (48, 128))]
+  x = randn((40, 512), dtype)
+  want = [xuv_ref(x, u, v, None, dtype) for u, v in ws]
+  for prefer, calls in ((False, 0), (True, 3)):
+    ctx = lrjax.lowering.prefer_kernels() if prefer else contextlib.nullcontext()
+    with ctx:
+      f = jax.jit(lambda x, ws: lr_xuv_group(x, ws)).lower(x, ws).compile()
+    assert _count_triton_calls(f.as_text()) == calls, f"{prefer=}"
+    for got, ref in zip(f(x, ws), want):
       assert_close(got, ref, dtype)
 
 
