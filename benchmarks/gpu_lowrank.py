@@ -626,21 +626,24 @@ DECODE_M = (1, 2, 4, 8, 16, 32, 64, 128)
 # users compress to
 XUV_DECODE_SHAPES = ((8192, 4096, 16384), (4096, 2560, 14336), (8192, 2048, 16384),
                      (4096, 1024, 14336))
-# Attention projections at 40 % removed (lrjax.sharding.analysis.compressed_ranks): Llama-3-8B
-# q/o and k/v, Llama-3.2-1B q/o and k/v, and a TP-8 shard of the 8B q_proj. Smaller than every
-# shape above, so without these records the policy leaves them to XLA (measured.EXTRAPOLATE).
-XUV_ATTN_SHAPES = ((4096, 1216, 4096), (4096, 512, 1024), (2048, 640, 2048), (2048, 256, 512),
-                   (4096, 152, 4096))
-# q/k/v projections of Llama-3-8B and Llama-3.2-1B at 40 % removed: (K, [(r_i, N_i)])
-GROUP_SHAPES = ((4096, ((1216, 4096), (512, 1024), (512, 1024))),
+# Attention projections at 40 % removed (lrjax.sharding.analysis.compressed_ranks): Llama-3-70B
+# q/o and k/v, then Llama-3-8B's, Llama-3.2-1B's and a TP-8 shard of the 8B q_proj. Smaller
+# than every shape above (the 70B k/v), or near one but in a model whose XLA GEMMs behave
+# differently, so the policy judges them from their own records.
+XUV_ATTN_SHAPES_70B = ((8192, 2456, 8192), (8192, 544, 1024))
+XUV_ATTN_SHAPES = XUV_ATTN_SHAPES_70B + (
+    (4096, 1216, 4096), (4096, 512, 1024), (2048, 640, 2048), (2048, 256, 512), (4096, 152, 4096))
+# q/k/v projections of Llama-3-70B, Llama-3-8B and Llama-3.2-1B at 40 % removed: (K, [(r_i, N_i)])
+GROUP_SHAPES = ((8192, ((2456, 8192), (544, 1024), (544, 1024))),
+                (4096, ((1216, 4096), (512, 1024), (512, 1024))),
                 (2048, ((640, 2048), (256, 512), (256, 512))))
 PREFILL_M = (1024, 2048, 4096, 8192, 16384, 32768)
 MLP_SHAPES = {"llama3.2-1b": (2048, 8192, 1280), "llama3-8b": (4096, 14336, 2560),
-              "llama3-8b-r1024": (4096, 14336, 1024)}
+              "llama3-8b-r1024": (4096, 14336, 1024), "llama3-70b": (8192, 28672, 3824)}
 # in priority order (the JSON is rewritten after every record)
 MLP_TOKENS = (("llama3-8b", (1, 16, 4096, 4, 64)), ("llama3.2-1b", (1, 16, 4096)),
               ("llama3-8b-r1024", (1, 16, 4096)), ("llama3-8b", (2, 8, 32, 128, 1024)),
-              ("llama3.2-1b", (4, 64, 1024)))
+              ("llama3.2-1b", (4, 64, 1024)), ("llama3-70b", (1, 4, 16)))
 
 
 # session 3 also ran "decode_memset" and "decode:16,64,128,8,{32,128},256,128,64,4,4,4,{4,3}"
@@ -714,13 +717,16 @@ def decode_chunk_variants(m, k, r, n):
 
 
 def decode_pv_variants(m, k, r, n):
-  """Specs next to the default: the persistent kernel applying V itself, and its phase 1
-  alone followed by XLA's GEMM (pv_xla) with the fused kernel's phase-1 tiles instead of
-  ``planner.plan_decode_phase1``'s. (results/gpu_xuv_decode_pv_h200.json run 1 also timed,
+  """Specs next to the default: the persistent kernel applying V itself, its phase 1 alone
+  followed by XLA's GEMM (pv_xla; below PV_XLA_MIN_M, where the default is the fused kernel),
+  and that with the fused kernel's phase-1 tiles instead of ``planner.plan_decode_phase1``'s. (results/gpu_xuv_decode_pv_h200.json run 1 also timed,
   before plan_decode_phase1 existed, pv_xla on the fused kernel's tiles with 128- and 64-
   column tiles and the fewest splits, on 264 CTAs, and at 4 warps.)"""
+  from lrjax.custom_calls.triton import xuv_decode
   q = planner.plan_decode_persistent(m, k, r, n)
-  return ("persistent", f"pv_xla:block_r={q.block_r},cols_r={q.cols_r},k_per={q.k_per}")
+  own = ("pv_xla",) if m < xuv_decode.PV_XLA_MIN_M else ()  # else the default already
+  return ("persistent",) + own + (
+      f"pv_xla:block_r={q.block_r},cols_r={q.cols_r},k_per={q.k_per}",)
 
 
 def xuv_prefill_variants(m, k, r, n):
@@ -785,6 +791,13 @@ def suite(name, bw, peak, args, recs):
           other = "decode_xz" if m <= xuv_decode.PERSISTENT_MAX_M else "persistent"
           for variant in (other,) + (("prefill",) if m >= 16 else ()):
             recs.append(xuv_record(m, k, r, n, bw, peak, variant, baselines=base))
+  if name == "llama70b":  # Llama-3-70B's decode shapes: attention projections, then the MLP
+    for (k, r, n) in XUV_ATTN_SHAPES_70B:
+      for m in (m for m in DECODE_M if args.min_m <= m <= args.max_m):
+        recs.append(xuv_record(m, k, r, n, bw, peak))
+    for m in dict(MLP_TOKENS)["llama3-70b"]:
+      if args.min_m <= m <= args.max_m:
+        recs.append(dict(mlp_record(m, *MLP_SHAPES["llama3-70b"], bw, peak), model="llama3-70b"))
   if name in ("decode_attn", "all"):
     for (k, r, n) in XUV_ATTN_SHAPES:
       for m in (m for m in DECODE_M if args.min_m <= m <= args.max_m):
@@ -1002,7 +1015,7 @@ def main():
                            "mlp_prefetch", "mlp_prefill_variants", "prefill_variants",
                            "mlp_prefill_phases", "gemm_ceiling", "decode_prefetch",
                            "decode_wide_m", "decode_chunks", "decode_p16", "decode_grid",
-                           "decode_group", "decode_pv",
+                           "decode_group", "decode_pv", "llama70b",
                            "mlp_decode_probes", "kv_attention"])
   ap.add_argument("--variants", action="store_true", help="also time non-default kernels")
   ap.add_argument("--extra", nargs="*", default=[], help="op/M,K,r,N/variant")

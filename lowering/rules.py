@@ -236,6 +236,8 @@ class XUVRule:
       src, extra, reshape = other, set(), oshape != (m.N,)
     else:
       return  # a residual or other activation, not a bias
+    if not g.is_weight(src):  # e.g. a [1, 1, N] residual at one token: broadcastable, not a bias
+      return
     m.bias, m.bias_reshape = src, reshape
     m.eqns |= {k} | extra
     m.root, m.out = k, e.outvars[0]

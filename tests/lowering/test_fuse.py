@@ -237,6 +237,23 @@ def test_refuses_integer_and_residual_bias():
   assert "lr_xuv" not in prims(lrjax.fuse(g), jnp.ones((2, 64), jnp.int32))
 
 
+def test_one_token_residual_is_not_taken_for_a_bias():
+  """At one token the residual stream [1, 1, N] has a bias's broadcast shape; it is computed
+  from activations, so the add stays outside lr_xuv (the chain's own rounding is kept)."""
+  u, v = lr_params()
+  w = randn((64, 96))
+  x = randn((1, 1, 64))
+  f = lambda x: jnp.tanh(x @ w) + x @ u @ v  # noqa: E731
+  jaxpr = jax.make_jaxpr(lrjax.fuse(f))(x)
+  (e,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "lr_xuv"]
+  assert e.params["has_bias"] is False
+  assert_close(lrjax.fuse(f)(x), f(x), jnp.float32)
+  b = randn((1, 96))  # a weight of the same shape is still a bias
+  g = lambda x: x @ u @ v + b  # noqa: E731
+  (e,) = [e for e in jax.make_jaxpr(lrjax.fuse(g))(x).jaxpr.eqns if e.primitive.name == "lr_xuv"]
+  assert e.params["has_bias"] is True
+
+
 def test_refuses_unrecognised_activation_but_keeps_xuv():
   p = mlp_params()
   f = lambda x: (jnp.sin(x @ p[0] @ p[1]) * (x @ p[2] @ p[3])) @ p[4] @ p[5]
