@@ -719,9 +719,9 @@ def decode_chunk_variants(m, k, r, n):
 def decode_pv_variants(m, k, r, n):
   """Specs next to the default: the persistent kernel applying V itself, its phase 1 alone
   followed by XLA's GEMM (pv_xla; below PV_XLA_MIN_M, where the default is the fused kernel),
-  and that with the fused kernel's phase-1 tiles instead of ``planner.plan_decode_phase1``'s. (results/gpu_xuv_decode_pv_h200.json run 1 also timed,
-  before plan_decode_phase1 existed, pv_xla on the fused kernel's tiles with 128- and 64-
-  column tiles and the fewest splits, on 264 CTAs, and at 4 warps.)"""
+  and that with the fused kernel's phase-1 tiles instead of ``planner.plan_decode_phase1``'s.
+  (Run 1 of results/gpu_xuv_decode_pv_h200.json, before plan_decode_phase1 existed, also
+  timed pv_xla with 128- and 64-column tiles and the fewest splits, on 264 CTAs, at 4 warps.)"""
   from lrjax.custom_calls.triton import xuv_decode
   q = planner.plan_decode_persistent(m, k, r, n)
   own = ("pv_xla",) if m < xuv_decode.PV_XLA_MIN_M else ()  # else the default already

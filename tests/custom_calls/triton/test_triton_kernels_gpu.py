@@ -73,7 +73,8 @@ XUV_SHAPES = [  # (M, K, r, N): M=1, ragged everything, a multi-super-block pref
                                   "persistent_small_grid", "persistent_xla_zeroing",
                                   "persistent_p16", "persistent_small_grid_p16",
                                   "persistent_pv_xla", "persistent_small_grid_pv_xla",
-                                  "persistent_two_waves_pv_xla", "prefill"])
+                                  "persistent_two_waves_pv_xla", "persistent_planned",
+                                  "prefill"])
 def test_xuv_kernels(kind, shape, dtype, bias):
   from lrjax.custom_calls.triton import xuv_decode, xuv_prefill
   m, k, r, n = shape
@@ -99,6 +100,9 @@ def test_xuv_kernels(kind, shape, dtype, bias):
                                                      pv="kernel")
     if kind.endswith("_pv_xla"):  # phase 1 alone, then XLA's GEMM (it writes all of y)
       fn = lambda x, u, v, b, o: xuv_decode.xuv_decode(x, u, v, b, persistent=p, pv="xla")
+    if kind == "persistent_planned":  # the wrapper's own plan (pv="xla" on
+      # planner.plan_decode_phase1's tiles from PV_XLA_MIN_M rows)
+      fn = lambda x, u, v, b, o: xuv_decode.xuv_decode(x, u, v, b)
     if kind == "persistent_xla_zeroing":  # the default: scratch zeroed by XLA, no out=
       fn = lambda x, u, v, b, o: xuv_decode.xuv_decode(x, u, v, b, persistent=p)
   else:
