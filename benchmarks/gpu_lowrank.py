@@ -319,6 +319,9 @@ def group_record(m, k, members, bw, peak, kernel="group", baselines=None):
   pairs = lambda w: list(zip(w[0::2], w[1::2]))  # noqa: E731
   if kernel == "group":
     ours = lambda x, *w: tuple(xuv_decode.xuv_decode_group(x, pairs(w)))
+  elif kernel.startswith("group_rows:"):  # V_i's column tiles at least this many bytes a row
+    plan = planner.plan_decode_group(m, k, members, min_row_bytes=int(kernel.split(":")[1]))
+    ours = lambda x, *w: tuple(xuv_decode.xuv_decode_group(x, pairs(w), plan=plan))
   elif kernel == "separate":
     ours = lambda x, *w: tuple(xuv_decode.xuv_decode(x, u, v) for u, v in pairs(w))
   else:
@@ -358,6 +361,9 @@ def _xuv_variant(kernel, m, k, r, n):
   # persistent*: the persistent schedule with phase 2 in the kernel
   if kernel == "persistent":
     return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, persistent=True, pv="kernel")
+  if kernel.startswith("persistent_rows:"):  # V's column tiles at least this many bytes a row
+    p = planner.plan_decode_persistent(m, k, r, n, min_row_bytes=int(kernel.split(":")[1]))
+    return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, persistent=p, pv="kernel")
   if kernel == "pv_xla":  # the persistent kernel's phase 1, then XLA's GEMM applies V
     return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, persistent=True, pv="xla")
   if kernel.startswith(("persistent:", "pv_xla:")):  # ...:field=value,... (a planner.
@@ -422,6 +428,13 @@ def mlp_record(m, d, f, r, bw, peak, kernel="auto", reps=None, baselines=None):
       name, extra = "decode", dict(_s_atomics=False)
     if name == "persistent":  # the persistent decode schedule
       name, extra = "decode", dict(persistent=True)
+    if name == "persistent_rows":  # phases B and C: tile rows at least this many bytes
+      plan = planner.plan_mlp_decode_persistent(m, d, f, r, r, d, min_row_bytes=int(spec))
+      name, extra, spec = "decode", dict(persistent=plan), ""
+    if name == "persistent_kw":  # persistent_kw:field=value,...: the plan, some fields replaced
+      fields = {k: int(v) for k, v in (t.split("=") for t in spec.split(","))}
+      plan = planner.plan_mlp_decode_persistent(m, d, f, r, r, d)
+      name, extra, spec = "decode", dict(persistent=dataclasses.replace(plan, **fields)), ""
     if name == "persistent_phases":  # it with only some phases streaming (timing only)
       name, extra, spec = "decode", dict(persistent=True, _phases=int(spec)), ""
     if name in ("persistent_pfb", "persistent_pfc"):  # it prefetching this many rows of
@@ -853,6 +866,27 @@ def suite(name, bw, peak, args, recs):
         base = group_record(m, k, members, bw, peak)
         recs.append(base)
         recs.append(group_record(m, k, members, bw, peak, "separate", baselines=base))
+  if name == "line_rows":  # planner.LINE_ROW_TOL's tiles against one-line rows, pinned
+    for (k, r, n) in ((8192, 2456, 8192), (4096, 1216, 4096)):
+      one_line = planner.plan_decode_persistent(1, k, r, n, line_row_tol=-1.0)
+      pin = (f"persistent:cols_n={one_line.cols_n},block_n={one_line.block_n},"
+             f"r_chunks={one_line.r_chunks}")
+      xuv_decode_sweep((1, 4, 16), lambda *_: (pin,), shapes=((k, r, n),))
+    for label in ("llama3-8b", "llama3.2-1b", "llama3-8b-r1024", "llama3-70b"):
+      d, f, r = MLP_SHAPES[label]
+      q = planner.plan_mlp_decode_persistent(1, d, f, r, r, d, line_row_tol=-1.0)
+      pin = f"persistent_kw:cols_n={q.cols_n},block_n={q.block_n},c_chunks={q.c_chunks}"
+      mlp_sweep([(label, 1), (label, 16)], lambda _: ("persistent", pin))
+  if name == "decode_rows":  # column tiles of at least 256-byte rows against the byte model's
+    rows = ("persistent", "persistent_rows:256")
+    xuv_decode_sweep((1, 4, 16), lambda *_: rows, shapes=XUV_DECODE_SHAPES + XUV_ATTN_SHAPES)
+    for k, members in GROUP_SHAPES:
+      for m in (1, 16):
+        base = group_record(m, k, members, bw, peak)
+        recs.append(base)
+        recs.append(group_record(m, k, members, bw, peak, "group_rows:256", baselines=base))
+    mlp_sweep([(label, m) for label in ("llama3-8b", "llama3.2-1b", "llama3-8b-r1024",
+                                        "llama3-70b") for m in (1, 16)], lambda _: rows)
   if name == "decode_prefetch":  # the persistent decode kernel's V prefetch depth
     xuv_decode_sweep((1, 4, 16), lambda *_: DECODE_PREFETCH_VARIANTS)
   if name == "mlp_decode_variants":  # MLP_DECODE_VARIANTS next to the default, one run
@@ -1011,8 +1045,9 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--suite", default="all",
                   choices=["decode", "decode_attn", "prefill", "mlp", "all", "none", "overhead",
-                           "decode_persistent", "mlp_decode_variants", "mlp_phases",
-                           "mlp_prefetch", "mlp_prefill_variants", "prefill_variants",
+                           "decode_rows", "line_rows", "decode_persistent",
+                           "mlp_decode_variants", "mlp_phases", "mlp_prefetch",
+                           "mlp_prefill_variants", "prefill_variants",
                            "mlp_prefill_phases", "gemm_ceiling", "decode_prefetch",
                            "decode_wide_m", "decode_chunks", "decode_p16", "decode_grid",
                            "decode_group", "decode_pv", "llama70b",

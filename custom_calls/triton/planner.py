@@ -220,12 +220,26 @@ def _split_k_tiles(k: int, r: int, factors: int, g: int, bw: float, fill_us: flo
   return best[0], best[3], best[4], best[5]
 
 
+# Column tiles whose rows are one 128-byte line stream slower than the byte model says: at
+# 8192->2456->8192, two r-chunks of 128-column V tiles took 3-11 % less time than one r-chunk
+# of 64 columns, the same bytes a tile (results/gpu_xuv_decode_rows_h200.json). Wider tiles
+# are taken where their estimate is at most this much above the narrow ones'.
+LINE_ROW_TOL = 0.05
+
+
 def _column_tiles(n: int, n_rb: int, rows_rb: int, g: int, bw: float, fill_us: float,
-                  max_chunks: int = 16):
+                  max_chunks: int = 16, min_row_bytes: int = 0,
+                  line_row_tol: float = LINE_ROW_TOL, widths=(64, 128, 256)):
   """(us, block_n, cols_n, chunks) for a phase that streams [n_rb * rows_rb, n] in tiles of
-  a chunk of whole row blocks x cols_n columns (2-byte elements)."""
+  a chunk of whole row blocks x cols_n columns (2-byte elements), each tile row at least
+  ``min_row_bytes`` long where ``n`` allows. Where the fastest tiles by bytes have rows of one
+  128-byte line (64 columns), wider tiles within ``line_row_tol`` of their estimate are taken
+  instead (see LINE_ROW_TOL; negative: never)."""
+  min_cols = min(min_row_bytes // 2, cdiv(n, 16) * 16)
   cands = []
-  for w, c in _widths((64, 128, 256)):
+  for w, c in _widths(widths):
+    if c < min_cols:
+      continue
     for chunks in range(1, min(n_rb, max_chunks) + 1):
       per = cdiv(n_rb, chunks)
       if cdiv(n_rb, per) != chunks or (chunks > 1 and (per * rows_rb) % 64):
@@ -234,6 +248,9 @@ def _column_tiles(n: int, n_rb: int, rows_rb: int, g: int, bw: float, fill_us: f
       cands.append((_phase_us(n_tiles, per * rows_rb * c * 2, g, bw, fill_us), n_tiles,
                     chunks, -c, w, c))
   best = min(cands)  # ties: fewer chunks (no output atomics at one), then wider
+  if best[5] <= 64:  # rows of one 128-byte line
+    wide = [t for t in cands if t[5] > 64 and t[0] <= best[0] * (1 + line_row_tol)]
+    best = min(wide, default=best)
   return best[0], best[4], best[5], best[2]
 
 
@@ -248,7 +265,9 @@ P_SPLIT_BYTES = 576 * 1024
 def plan_decode_persistent(m: int, k: int, r: int, n: int, hw: Hardware = H200,
                            programs: int | None = None, bw: float = 4.0e12,
                            fill_us: float = 1.5,
-                           p_split_bytes: float = P_SPLIT_BYTES) -> PersistentDecodePlan:
+                           p_split_bytes: float = P_SPLIT_BYTES,
+                           min_row_bytes: int = 0,
+                           line_row_tol: float = LINE_ROW_TOL) -> PersistentDecodePlan:
   """Tiles for the persistent decode kernel: ``programs`` CTAs stream U (phase 1), then V.
 
   Each CTA's share of a phase is ceil(tiles / programs) tiles, so the phase lasts as long
@@ -261,7 +280,9 @@ def plan_decode_persistent(m: int, k: int, r: int, n: int, hw: Hardware = H200,
   g = programs or hw.num_sms
   block_m = max(16, next_pow2(m))
   t1, block_r, cols_r, k_per = _split_k_tiles(k, r, 1, g, bw, fill_us)
-  t2, block_n, cols_n, chunks = _column_tiles(n, cdiv(r, cols_r), cols_r, g, bw, fill_us)
+  t2, block_n, cols_n, chunks = _column_tiles(n, cdiv(r, cols_r), cols_r, g, bw, fill_us,
+                                              min_row_bytes=min_row_bytes,
+                                              line_row_tol=line_row_tol)
   n_rb = cdiv(r, cols_r)
   if (chunks == 1 and m * r * 4 >= p_split_bytes and n_rb >= 2 and 2 * cols_n <= 256
       and (cdiv(n_rb, 2) * cols_r) % 64 == 0):  # chunks of whole 64-row (block_kv) steps
@@ -318,7 +339,9 @@ def _shares(sizes, g: int) -> list:
 
 def plan_decode_group(m: int, k: int, members, hw: Hardware = H200,
                       programs: int | None = None, bw: float = 4.0e12,
-                      fill_us: float = 1.5) -> GroupDecodePlan:
+                      fill_us: float = 1.5,
+                      min_row_bytes: int = 0,
+                      line_row_tol: float = LINE_ROW_TOL) -> GroupDecodePlan:
   """Tiles for the grouped decode kernel: ``members`` is [(r_i, n_i)]. Each phase gives each
   member a share of the ``programs`` CTAs in proportion to its bytes in that phase (U_i in
   phase 1, V_i in phase 2) and cuts its tiles as ``plan_decode_persistent`` does for that
@@ -330,7 +353,8 @@ def plan_decode_group(m: int, k: int, members, hw: Hardware = H200,
   block_r, cols_r, k_per, block_n, cols_n = [], [], [], [], []
   for (r, n), a, b in zip(members, g1, g2):
     t1, br, cr, kp = _split_k_tiles(k, r, 1, a, bw * a / g, fill_us)
-    t2, bn, cn, _ = _column_tiles(n, cdiv(r, cr), cr, b, bw * b / g, fill_us, max_chunks=1)
+    t2, bn, cn, _ = _column_tiles(n, cdiv(r, cr), cr, b, bw * b / g, fill_us, max_chunks=1,
+                                  min_row_bytes=min_row_bytes, line_row_tol=line_row_tol)
     block_r.append(br), cols_r.append(cr), k_per.append(kp)
     block_n.append(bn), cols_n.append(cn)
     est1, est2 = max(est1, t1), max(est2, t2)
@@ -363,15 +387,23 @@ class PersistentMlpPlan:
 def plan_mlp_decode_persistent(m: int, d: int, f: int, r: int, rd: int, d_out: int,
                                gated: bool = True, hw: Hardware = H200,
                                programs: int | None = None, bw: float = 4.0e12,
-                               fill_us: float = 1.5) -> PersistentMlpPlan:
+                               fill_us: float = 1.5,
+                               min_row_bytes: int = 0,
+                               line_row_tol: float = LINE_ROW_TOL) -> PersistentMlpPlan:
   """Tiles for the persistent MLP decode kernel: phase A streams Ug and Uu (split-K), phase
   B one D_ff slice of Vg, Vu and Ud per tile, phase C Vd; each phase cut as in
   ``plan_decode_persistent``."""
   g = programs or hw.num_sms
   n_up = 2 if gated else 1
   ta, block_r, cols_r, k_per = _split_k_tiles(d, r, n_up, g, bw, fill_us)
-  tb, block_f, cols_f, _ = _column_tiles(f, 1, n_up * r + rd, g, bw, fill_us, max_chunks=1)
-  tc, block_n, cols_n, chunks = _column_tiles(d_out, cdiv(rd, 64), 64, g, bw, fill_us)
+  # phase B at most 128 wide: 256-wide tiles asked for 280 KB of shared memory in Llama-3-70B's
+  # MLP (the H200 has 227 KB a CTA)
+  tb, block_f, cols_f, _ = _column_tiles(f, 1, n_up * r + rd, g, bw, fill_us, max_chunks=1,
+                                         min_row_bytes=min_row_bytes,
+                                         line_row_tol=line_row_tol, widths=(64, 128))
+  tc, block_n, cols_n, chunks = _column_tiles(d_out, cdiv(rd, 64), 64, g, bw, fill_us,
+                                              min_row_bytes=min_row_bytes,
+                                              line_row_tol=line_row_tol)
   block_m = max(16, next_pow2(m))
   warps = 4 if block_m <= 32 else 8  # two [block_m, block_f] f32 accumulators per CTA
   return PersistentMlpPlan(block_m, block_r, cols_r, k_per, block_f, cols_f, block_n, cols_n,

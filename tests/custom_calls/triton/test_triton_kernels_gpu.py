@@ -74,7 +74,7 @@ XUV_SHAPES = [  # (M, K, r, N): M=1, ragged everything, a multi-super-block pref
                                   "persistent_p16", "persistent_small_grid_p16",
                                   "persistent_pv_xla", "persistent_small_grid_pv_xla",
                                   "persistent_two_waves_pv_xla", "persistent_planned",
-                                  "prefill"])
+                                  "persistent_wide_rows", "prefill"])
 def test_xuv_kernels(kind, shape, dtype, bias):
   from lrjax.custom_calls.triton import xuv_decode, xuv_prefill
   m, k, r, n = shape
@@ -88,6 +88,8 @@ def test_xuv_kernels(kind, shape, dtype, bias):
   elif kind.startswith("persistent"):
     from lrjax.custom_calls.triton import planner
     p = planner.plan_decode_persistent(m, k, r, n)
+    if kind == "persistent_wide_rows":  # V's tiles >= 256 columns where N allows
+      p = planner.plan_decode_persistent(m, k, r, n, min_row_bytes=512)
     if kind.startswith("persistent_small_grid"):  # several ragged, part-width tiles per CTA
       p = dataclasses.replace(p, block_r=64, cols_r=32, k_per=128, block_n=64, cols_n=48,
                               block_kv=32, r_chunks=3, programs=5, prefetch=16)
@@ -123,8 +125,8 @@ GROUP_CASES = [  # (M, K, [(r_i, N_i)], members with a bias): Llama-3-8B q/k/v a
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("case", GROUP_CASES)
-@pytest.mark.parametrize("small_grid", [False, True])
-def test_xuv_decode_group(case, dtype, small_grid):
+@pytest.mark.parametrize("grid", ["planned", "small", "wide_rows"])
+def test_xuv_decode_group(case, dtype, grid):
   """Several X·U_i·V_i sharing X in one launch; each output poisoned, against the reference."""
   from lrjax.custom_calls.triton import planner, xuv_decode
   m, k, mem, biased = case
@@ -133,7 +135,8 @@ def test_xuv_decode_group(case, dtype, small_grid):
   for i, (r, n) in enumerate(mem):
     u, v = lr_factors(k, r, n, dtype)
     members.append((u, v, randn((n,), dtype)) if i in biased else (u, v))
-  plan = planner.plan_decode_group(m, k, mem, programs=7 if small_grid else None)
+  wide = dict(min_row_bytes=512) if grid == "wide_rows" else {}  # V_i's tiles >= 256 columns
+  plan = planner.plan_decode_group(m, k, mem, programs=7 if grid == "small" else None, **wide)
   outs = jax.jit(lambda x, ms, o: xuv_decode.xuv_decode_group(x, ms, out=o, plan=plan))(
       x, members, [poisoned((m, n), dtype) for _, n in mem])
   assert len(outs) == len(mem)
@@ -200,7 +203,7 @@ MLP_SHAPES = [  # (M, D, F, r, r_d)
 @pytest.mark.parametrize("shape", MLP_SHAPES)
 @pytest.mark.parametrize("kind", ["decode", "decode_xla_zeroing", "decode_p16", "persistent",
                                   "persistent_small_grid", "persistent_small_grid_p16",
-                                  "prefill"])
+                                  "persistent_wide_rows", "prefill"])
 def test_mlp_kernels(kind, shape, dtype, gated, act, bias):
   from lrjax.custom_calls.triton import mlp_decode, mlp_prefill
   m, d, f, r, rd = shape
@@ -215,7 +218,10 @@ def test_mlp_kernels(kind, shape, dtype, gated, act, bias):
     out = jax.jit(lambda x, g, u, dn: kern(x, u, dn, g, act=act))(x, gate, up, down)
   elif kind.startswith("persistent"):
     from lrjax.custom_calls.triton import planner
-    p = planner.plan_mlp_decode_persistent(m, d, f, r, rd, d, gate is not None)
+    # >= 128 columns (512 bytes, before phase B was capped at 128 columns, overflowed shared
+    # memory at M=64 and at r=2304)
+    wide = dict(min_row_bytes=256) if kind == "persistent_wide_rows" else {}
+    p = planner.plan_mlp_decode_persistent(m, d, f, r, rd, d, gate is not None, **wide)
     if kind.startswith("persistent_small_grid"):  # several ragged, part-width tiles per CTA
       p = dataclasses.replace(p, block_r=64, cols_r=32, k_per=128, block_f=64, cols_f=48,
                               block_n=64, cols_n=48, c_chunks=3, programs=5, prefetch=16)
@@ -230,6 +236,21 @@ def test_mlp_kernels(kind, shape, dtype, gated, act, bias):
     out = jax.jit(lambda x, g, u, dn, o: kern(x, u, dn, g, act=act, out=o, block_sizes=bs))(
         x, gate, up, down, poisoned((m, d), dtype))
   assert_close(out, mlp_ref(x, gate, up, down, act, dtype), dtype)
+
+
+@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("shape", [(4096, 14336, 2560), (8192, 28672, 3824)])
+def test_mlp_persistent_plans_of_llama_shapes(shape, m):
+  """The planner's own persistent plan for Llama-3-8B's and -70B's SwiGLU at 40 % removed
+  launches (it once asked for more shared memory than a CTA has at 70B) and is right."""
+  from lrjax.custom_calls.triton import mlp_decode
+  d, f, r = shape
+  dtype = jnp.bfloat16
+  gate, up, down = mlp_params(d, f, r, r, d, dtype, True, False)
+  x = randn((m, d), dtype)
+  out = jax.jit(lambda x, g, u, dn: mlp_decode.mlp_decode(x, u, dn, g, persistent=True))(
+      x, gate, up, down)
+  assert_close(out, mlp_ref(x, gate, up, down, "silu", dtype), dtype)
 
 
 # block_n_cd 128: wider phase-C/D tiles than A/B's; wide_b: phase B in those tiles, two

@@ -58,9 +58,10 @@ def test_persistent_decode_plan_gives_each_sm_about_one_tile(m, k, r, n):
                                            (32, 8192, 4096, 16384, False),
                                            (1, 8192, 4096, 16384, False)])
 def test_persistent_decode_plan_halves_p_per_tile_when_it_is_large(m, k, r, n, split):
-  """From P_SPLIT_BYTES of f32 P a phase-2 tile, two r-chunks of tiles twice as wide."""
-  p = planner.plan_decode_persistent(m, k, r, n)
-  one = planner.plan_decode_persistent(m, k, r, n, p_split_bytes=float("inf"))
+  """From P_SPLIT_BYTES of f32 P a phase-2 tile, two r-chunks of tiles twice as wide (the
+  one-line-row rule off: it too may take two r-chunks)."""
+  p = planner.plan_decode_persistent(m, k, r, n, line_row_tol=-1)
+  one = planner.plan_decode_persistent(m, k, r, n, p_split_bytes=float("inf"), line_row_tol=-1)
   assert one.r_chunks == 1
   assert (m * r * 4 >= planner.P_SPLIT_BYTES) == split
   if split:
@@ -265,3 +266,31 @@ def test_phase1_plan_adds_fewer_partials_than_the_fused_plan(k, r, n):
   p = planner.plan_decode_phase1(128, k, r, n, programs=132)
   fused = planner.plan_decode_persistent(128, k, r, n, programs=132)
   assert planner.cdiv(k, p.k_per) < planner.cdiv(k, fused.k_per)
+
+
+@pytest.mark.parametrize("m,k,r,n", [(1, 8192, 2456, 8192), (16, 4096, 1216, 4096)])
+def test_rows_of_one_line_give_way_to_wider_tiles_of_about_the_same_estimate(m, k, r, n):
+  """Llama-3-70B q/o and Llama-3-8B q: the byte model's best V tiles are 64 columns (one
+  128-byte line a row); within LINE_ROW_TOL of it the planner takes 128-column tiles."""
+  narrow = planner.plan_decode_persistent(m, k, r, n, line_row_tol=-1)
+  p = planner.plan_decode_persistent(m, k, r, n)
+  assert narrow.cols_n == 64 and p.cols_n == 128
+  assert p.est_us <= narrow.est_us * (1 + planner.LINE_ROW_TOL)
+  assert p.r_chunks * planner.cdiv(n, p.cols_n) <= planner.H200.num_sms
+
+
+@pytest.mark.parametrize("m,k,r,n", [(1, 8192, 544, 1024), (1, 2048, 256, 512)])
+def test_rows_of_one_line_stay_where_wider_tiles_would_leave_sms_idle(m, k, r, n):
+  """Small V (k/v projections): 128-column tiles would give fewer tiles than SMs, an
+  estimate far above the narrow tiles', so the 48-column tiles stay."""
+  p = planner.plan_decode_persistent(m, k, r, n)
+  assert p == planner.plan_decode_persistent(m, k, r, n, line_row_tol=-1) and p.cols_n <= 64
+
+
+def test_mlp_phase_b_tiles_are_at_most_128_wide():
+  """256-wide phase-B tiles overflowed the H200's shared memory (Llama-3-70B's MLP); the
+  8B MLP's phase C takes 128-column tiles (its byte model's 64 are one line a row)."""
+  big = planner.plan_mlp_decode_persistent(1, 8192, 28672, 3824, 3824, 8192)
+  assert big.block_f <= 128 and big.cols_f <= big.block_f
+  small = planner.plan_mlp_decode_persistent(1, 4096, 14336, 2560, 2560, 4096)
+  assert small.block_f <= 128 and small.cols_n == 128
