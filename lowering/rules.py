@@ -22,10 +22,13 @@ import numpy as np
 from lrjax.lowering import _jaxpr as jx
 from lrjax.lowering.primitives import ACTIVATIONS, FLOAT_DTYPES, lr_mlp_p, lr_xuv_p
 
-# Ops through which a weight stays a weight (operand 0 is the weight).
+# Ops through which a weight stays a weight (operand 0 is the weight). A gather is one only
+# where it takes matrices (a layer's factors from a stack) or its indices are constants: rows
+# of an embedding picked by token ids are activations (at one token they have a bias's
+# [1, 1, N] shape), though every top-level input counts as a weight.
 VIEW_OPS = frozenset({
     "convert_element_type", "reshape", "transpose", "squeeze", "expand_dims", "slice",
-    "dynamic_slice", "gather", "copy", "copy_p", "sharding_constraint", "device_put",
+    "dynamic_slice", "copy", "copy_p", "sharding_constraint", "device_put",
     "reduce_precision", "mesh_cast", "pvary", "optimization_barrier", "broadcast_in_dim",
 })
 # Ops that build a weight from several weights (e.g. jnp.stack of per-layer params).
@@ -59,6 +62,9 @@ class Graph:
     for e in self.eqns:
       name = e.primitive.name
       if ((name in VIEW_OPS and e.invars and self.is_weight(e.invars[0]))
+          or (name == "gather" and self.is_weight(e.invars[0])
+              and (len(e.params["dimension_numbers"].offset_dims) >= 2
+                   or jx.is_literal(e.invars[1]) or e.invars[1] in self.const_values))
           or (name in COMBINE_OPS and all(self.is_weight(a) for a in e.invars))):
         self.weights.update(e.outvars)
 

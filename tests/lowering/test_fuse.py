@@ -254,6 +254,26 @@ def test_one_token_residual_is_not_taken_for_a_bias():
   assert e.params["has_bias"] is True
 
 
+def test_embedding_rows_at_one_token_are_not_taken_for_a_bias():
+  """Layer 0's residual is the embedding row of the token: gathered from a weight by token
+  ids (top-level inputs count as weights), yet an activation, not a bias. Factors taken out of
+  a stack by a traced index (matrices) stay weights, so that chain still fuses."""
+  u, v = lr_params()
+  emb = randn((10, 96))
+  toks = jnp.array([[3]], jnp.int32)
+  x = randn((1, 1, 64))
+  f = lambda x, toks: emb[toks] + x @ u @ v  # a gather of one row  # noqa: E731
+  (e,) = [e for e in jax.make_jaxpr(lrjax.fuse(f))(x, toks).jaxpr.eqns
+          if e.primitive.name == "lr_xuv"]
+  assert e.params["has_bias"] is False
+  assert_close(lrjax.fuse(f)(x, toks), f(x, toks), jnp.float32)
+  us, vs = jnp.stack([u, 2 * u]), jnp.stack([v, v / 2])
+  g = lambda x, i: x @ us[jnp.array([i])][0] @ vs[jnp.array([i])][0]  # gathers  # noqa: E731
+  i = jnp.int32(1)
+  assert "lr_xuv" in prims(lrjax.fuse(g), x, i)
+  assert_close(lrjax.fuse(g)(x, i), g(x, i), jnp.float32)
+
+
 def test_refuses_unrecognised_activation_but_keeps_xuv():
   p = mlp_params()
   f = lambda x: (jnp.sin(x @ p[0] @ p[1]) * (x @ p[2] @ p[3])) @ p[4] @ p[5]
