@@ -247,6 +247,9 @@ def _column_tiles(n: int, n_rb: int, rows_rb: int, g: int, bw: float, fill_us: f
       n_tiles = chunks * cdiv(n, c)
       cands.append((_phase_us(n_tiles, per * rows_rb * c * 2, g, bw, fill_us), n_tiles,
                     chunks, -c, w, c))
+  if not cands:
+    raise ValueError(f"{min_row_bytes=}: no tile of at most {max(widths)} columns has rows "
+                     "that long")
   best = min(cands)  # ties: fewer chunks (no output atomics at one), then wider
   if best[5] <= 64:  # rows of one 128-byte line
     wide = [t for t in cands if t[5] > 64 and t[0] <= best[0] * (1 + line_row_tol)]

@@ -294,3 +294,8 @@ def test_mlp_phase_b_tiles_are_at_most_128_wide():
   assert big.block_f <= 128 and big.cols_f <= big.block_f
   small = planner.plan_mlp_decode_persistent(1, 4096, 14336, 2560, 2560, 4096)
   assert small.block_f <= 128 and small.cols_n == 128
+
+
+def test_rows_longer_than_the_widest_tile_are_refused():
+  with pytest.raises(ValueError, match="min_row_bytes=1024"):
+    planner.plan_decode_persistent(1, 4096, 1024, 14336, min_row_bytes=1024)
