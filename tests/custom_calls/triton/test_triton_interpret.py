@@ -1,6 +1,5 @@
 """Kernel logic on the CPU, in Triton's interpreter (``TRITON_INTERPRET=1``): runs wherever
-triton is installed, GPU or not (``make test`` installs it where pip can), and skips
-elsewhere saying why. Without jax-triton the
+triton is installed, GPU or not, and skips elsewhere (CI) saying why. Without jax-triton the
 kernel module imports against a stub of it (nothing here launches through jax-triton).
 
 The interpreter runs programs one after another, so only kernels without inter-CTA waits can
