@@ -1,11 +1,14 @@
 """Kernel logic on the CPU, in Triton's interpreter (``TRITON_INTERPRET=1``): runs wherever
-triton is installed, GPU or not, and skips elsewhere (CI) saying why. Without jax-triton the
-kernel module imports against a stub of it (nothing here launches through jax-triton).
+triton is installed, GPU or not (``make test`` installs it where pip can), and skips
+elsewhere saying why. Without jax-triton the kernel module imports against a stub of it
+(nothing here launches through jax-triton).
 
-The interpreter runs programs one after another, so only kernels without inter-CTA waits can
-run in it: here the decode X·U·V kernel's phase 1 alone (``PV=False``, what ``pv="xla"``
-launches) on ``planner.plan_decode_phase1``'s tiles. It stands in for torch tensors with
-numpy arrays, and uses float16: the interpreter multiplies bfloat16 as its uint16 storage."""
+The interpreter runs a grid's programs one after another, so a kernel runs in it only where
+every wait is on programs that ran before: the decode X·U·V kernel's phase 1 alone
+(``PV=False``, what ``pv="xla"`` launches) on ``planner.plan_decode_phase1``'s tiles; the
+tiled decode kernel, whose stage-1 programs come first; the persistent one on a grid of one
+program. It stands in for torch tensors with numpy arrays, and uses float16: the interpreter
+multiplies bfloat16 as its uint16 storage."""
 import importlib.util
 import subprocess
 import sys
@@ -17,7 +20,7 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None,
     reason="needs triton (pip install 'lrjax[cuda]'); its interpreter runs on the CPU")
 
-_SCRIPT = textwrap.dedent('''
+_PRELUDE = textwrap.dedent('''
   import importlib.util
   import sys
   import types
@@ -50,6 +53,8 @@ _SCRIPT = textwrap.dedent('''
     def cpu(self): return self
     def copy_(self, other): pass
 
+  DTYPES = {}
+
   class Dtype:
     def __init__(self, name): self.name = name
     def __str__(self): return "torch." + self.name
@@ -58,7 +63,10 @@ _SCRIPT = textwrap.dedent('''
     def __init__(self, arr): self.set_(Storage(arr))
     def set_(self, storage, *_):
       self.arr, self.shape = storage.arr, storage.arr.shape
-      self.dtype = Dtype(self.arr.dtype.name)
+      # one object per dtype, as torch has: with a fresh Dtype per array, a pointer was now
+      # and then typed as an earlier, freed Dtype's (f16 stores at f32 strides, past the
+      # buffer: about 1 run in 20), as if triton's type lookup were keyed by object identity
+      self.dtype = DTYPES.setdefault(self.arr.dtype.name, Dtype(self.arr.dtype.name))
       return self
     def data_ptr(self): return self.arr.ctypes.data
     def untyped_storage(self): return Storage(self.arr)
@@ -70,6 +78,9 @@ _SCRIPT = textwrap.dedent('''
 
   from lrjax.custom_calls.triton import planner, xuv_decode
   rng = np.random.default_rng(0)
+''')
+
+_PHASE1 = textwrap.dedent('''
   for (m, k, r, n, programs) in SHAPES:
     p = planner.plan_decode_phase1(m, k, r, n, programs=programs)
     plan = xuv_decode.persistent_launch_plan(m, k, r, n, False, p, pv=False)
@@ -90,6 +101,53 @@ _SCRIPT = textwrap.dedent('''
   print("ok")
 ''')
 
+# The whole decode X·U·V: the tiled kernel (its stage-1 programs come first, so each stage-2
+# program finds its chunk of P complete) and the persistent one on a grid of one program (it
+# runs every phase-1 tile, then every phase-2 tile), with a bias, r-chunks (the f32 output
+# accumulator and its semaphores) and P rounded once (P16). Scratch zeroed as XLA zeroes it;
+# the output and the rounded P poisoned.
+_WHOLE = textwrap.dedent('''
+  import dataclasses
+
+  def run(kernel, plan, m, k, r, n, bias):
+    x = rng.standard_normal((m, k)).astype(np.float16)
+    u = (rng.standard_normal((k, r)) * k ** -0.5).astype(np.float16)
+    v = (rng.standard_normal((r, n)) * r ** -0.5).astype(np.float16)
+    b = rng.standard_normal(n).astype(np.float16) if bias else v
+    scratch = np.zeros(plan["scratch"], np.float32)
+    out = np.full((m, n), np.nan, np.float16)
+    p16 = np.full(plan["p16"], np.nan, np.float16)
+    kernel[(plan["grid"],)](T(x), T(u), T(v), T(b), T(x), m, T(scratch), T(out), T(p16),
+                            **plan["meta"])
+    p = (x.astype(np.float64) @ u.astype(np.float64)).astype(np.float16).astype(np.float64)
+    ref = p @ v.astype(np.float64) + (b.astype(np.float64) if bias else 0.0)
+    assert not np.isnan(out).any(), (m, k, r, n, "unwritten outputs")
+    err = np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max()
+    assert err < 5e-3, (m, k, r, n, err)
+    return err
+
+  for (m, k, r, n, bias, fields) in PERSISTENT:
+    p = planner.plan_decode_persistent(m, k, r, n, programs=1)  # no L2 prefetch: inline asm
+    p = dataclasses.replace(p, prefetch=0, **fields)
+    plan = xuv_decode.persistent_launch_plan(m, k, r, n, bias, p)
+    err = run(xuv_decode._xuv_decode_persistent_kernel, plan, m, k, r, n, bias)
+    print("persistent", m, k, r, n, plan["chunks"], p.p16, f"{err:.1e}")
+  for (m, k, r, n, bias, fields) in TILED:
+    bs = dataclasses.replace(xuv_decode.BlockSizes.get_default(m, k, r, n), **fields)
+    plan = xuv_decode.launch_plan(m, k, r, n, bias, bs)
+    err = run(xuv_decode._xuv_decode_kernel, plan, m, k, r, n, bias)
+    print("tiled", m, k, r, n, plan["grid"], plan["chunks"], f"{err:.1e}")
+  print("ok")
+''')
+
+
+def _interpret(script: str) -> None:
+  import os
+  env = dict(os.environ, TRITON_INTERPRET="1")
+  res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                       text=True, timeout=1200)
+  assert res.returncode == 0 and res.stdout.rstrip().endswith("ok"), res.stdout + res.stderr
+
 
 @pytest.mark.parametrize("shapes", [
     # (M, K, r, N, CTAs): 64-column tiles over several K ranges; ragged K and r; 128-column
@@ -99,8 +157,17 @@ _SCRIPT = textwrap.dedent('''
 ])
 def test_decode_phase1_alone_on_its_planned_tiles(shapes):
   """P = X·U from the phase-1-only decode kernel equals the f64 product rounded once."""
-  import os
-  env = dict(os.environ, TRITON_INTERPRET="1")
-  res = subprocess.run([sys.executable, "-c", f"SHAPES = {shapes!r}\n" + _SCRIPT], env=env,
-                       capture_output=True, text=True, timeout=1200)
-  assert res.returncode == 0 and res.stdout.rstrip().endswith("ok"), res.stdout + res.stderr
+  _interpret(f"SHAPES = {shapes!r}\n" + _PRELUDE + _PHASE1)
+
+
+def test_whole_decode_kernels_on_ragged_shapes():
+  """Y = round(X·U)·V (+ bias) from the persistent and the tiled decode kernels."""
+  persistent = [  # (M, K, r, N, bias, plan fields replaced)
+      (1, 200, 72, 130, True, {}), (7, 1000, 96, 520, True, {"p16": True}),
+      (16, 512, 256, 1024, False, {"block_r": 64, "cols_r": 64, "r_chunks": 2}),
+      (3, 640, 1100, 300, True, {"cols_n": 48, "block_n": 64, "r_chunks": 3, "p16": True}),
+  ]
+  tiled = [(1, 200, 72, 130, True, {}), (5, 300, 200, 260, False, {}),
+           (7, 1000, 96, 520, True, {"block_r": 32, "split_k": 3, "block_n": 32,
+                                     "block_kv": 32, "r_chunks": 3})]
+  _interpret(f"PERSISTENT = {persistent!r}\nTILED = {tiled!r}\n" + _PRELUDE + _WHOLE)
