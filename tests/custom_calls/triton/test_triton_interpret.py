@@ -7,7 +7,8 @@ The interpreter runs a grid's programs one after another, so a kernel runs in it
 every wait is on programs that ran before: the decode X·U·V kernel's phase 1 alone
 (``PV=False``, what ``pv="xla"`` launches) on ``planner.plan_decode_phase1``'s tiles; the
 tiled decode kernel, whose stage-1 programs come first; the persistent one on a grid of one
-program. It stands in for torch tensors with numpy arrays, and uses float16: the interpreter
+program; the fused SwiGLU decode kernels the same two ways. (Not the grouped q/k/v kernel:
+its launch constants are built inside ``xuv_decode_group``.) It stands in for torch tensors with numpy arrays, and uses float16: the interpreter
 multiplies bfloat16 as its uint16 storage."""
 import importlib.util
 import subprocess
@@ -140,6 +141,53 @@ _WHOLE = textwrap.dedent('''
   print("ok")
 ''')
 
+# The fused SwiGLU decode kernels: the tiled one (stage A's programs, then B's, then C's) and
+# the persistent one on a grid of one program, gated with silu, with and without biases.
+_MLP = textwrap.dedent('''
+  import dataclasses
+  from lrjax.custom_calls.triton import mlp_decode
+
+  f64 = lambda a: a.astype(np.float64)  # noqa: E731
+  r16 = lambda a: a.astype(np.float16).astype(np.float64)  # the kernels' roundings  # noqa
+
+  def run(kernel, plan, m, d, f, r, bias):
+    fac = lambda a, b: (rng.standard_normal((a, b)) * a ** -0.5).astype(np.float16)  # noqa
+    x = rng.standard_normal((m, d)).astype(np.float16)
+    ug, vg, uu, vu, ud, vd = fac(d, r), fac(r, f), fac(d, r), fac(r, f), fac(f, r), fac(r, d)
+    bg, bu, bd = (rng.standard_normal(n).astype(np.float16) for n in (f, f, d))
+    if not bias:
+      bg, bu, bd = vg, vu, vd  # never read
+    scratch = np.zeros(plan["scratch"], np.float32)
+    out = np.full((m, d), np.nan, np.float16)
+    p16 = np.full(plan["p16"], np.nan, np.float16)
+    kernel[(plan["grid"],)](T(x), T(ug), T(vg), T(bg), T(uu), T(vu), T(bu), T(ud), T(vd),
+                            T(bd), T(x), m, T(scratch), T(out), T(p16), **plan["meta"])
+    b = (lambda t: f64(t)) if bias else (lambda t: 0.0)
+    g = r16(f64(x) @ f64(ug)) @ f64(vg) + b(bg)
+    u = r16(f64(x) @ f64(uu)) @ f64(vu) + b(bu)
+    h = r16(g / (1 + np.exp(-g)) * u)
+    ref = r16(h @ f64(ud)) @ f64(vd) + b(bd)
+    assert not np.isnan(out).any(), (m, d, f, r, "unwritten outputs")
+    err = np.abs(f64(out) - ref).max() / np.abs(ref).max()
+    assert err < 1e-2, (m, d, f, r, err)
+    return err
+
+  for (m, d, f, r, bias, fields) in PERSISTENT:
+    p = mlp_decode.planner.plan_mlp_decode_persistent(m, d, f, r, r, d, True, programs=1)
+    p = dataclasses.replace(p, prefetch=0, prefetch_c=0, **fields)  # prefetch: inline asm
+    plan = mlp_decode.persistent_launch_plan(m, d, r, f, r, d, gated=True, act="silu",
+                                             bias_mask=(bias,) * 3, p=p)
+    err = run(mlp_decode._mlp_decode_persistent_kernel, plan, m, d, f, r, bias)
+    print("persistent", m, d, f, r, p.c_chunks, p.p16, f"{err:.1e}")
+  for (m, d, f, r, bias, fields) in TILED:
+    bs = dataclasses.replace(mlp_decode.BlockSizes.get_default(m, d, f, r, d), **fields)
+    plan = mlp_decode.launch_plan(m, d, r, f, r, d, gated=True, act="silu",
+                                  bias_mask=(bias,) * 3, bs=bs)
+    err = run(mlp_decode._mlp_decode_kernel, plan, m, d, f, r, bias)
+    print("tiled", m, d, f, r, plan["grid"], bs.p16, f"{err:.1e}")
+  print("ok")
+''')
+
 
 def _interpret(script: str) -> None:
   import os
@@ -171,3 +219,14 @@ def test_whole_decode_kernels_on_ragged_shapes():
            (7, 1000, 96, 520, True, {"block_r": 32, "split_k": 3, "block_n": 32,
                                      "block_kv": 32, "r_chunks": 3})]
   _interpret(f"PERSISTENT = {persistent!r}\nTILED = {tiled!r}\n" + _PRELUDE + _WHOLE)
+
+
+def test_fused_swiglu_decode_kernels_on_ragged_shapes():
+  """Y = (silu(X·Ug·Vg) * X·Uu·Vu)·Ud·Vd (+ biases) from the tiled and persistent kernels."""
+  persistent = [  # (M, D, F, r, biases, plan fields replaced)
+      (1, 200, 520, 72, True, {}), (5, 256, 1000, 96, False, {"p16": True}),
+      (3, 320, 700, 136, True, {"c_chunks": 3, "cols_n": 48, "block_n": 64}),
+  ]
+  tiled = [(1, 200, 520, 72, True, {}), (5, 256, 1000, 96, False, {"p16": True}),
+           (7, 320, 700, 136, True, {"c_chunks": 2})]
+  _interpret(f"PERSISTENT = {persistent!r}\nTILED = {tiled!r}\n" + _PRELUDE + _MLP)
