@@ -485,6 +485,26 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
 GROUP_MAX_M = 16  # the grouped kernel serves decode rows only
 
 
+def group_launch_plan(m: int, k: int, members, p: "planner.GroupDecodePlan") -> dict:
+  """Scratch size and constexprs of one grouped call (shared by the wrapper and the tests).
+  ``members``: [(r_i, n_i, has_bias_i)] of 2 or 3; with two, the kernel's third member
+  repeats the second's shapes with no tiles."""
+  g = len(members)
+  full = list(members) + [members[-1]] * (3 - g)
+  meta = dict(K=k, BLOCK_M=p.block_m, BLOCK_K=64, BLOCK_KV=64, PROGRAMS=p.programs,
+              PREFETCH=p.prefetch)
+  for i, (r, n, has_bias) in enumerate(full):
+    j = min(i, g - 1)
+    kp, cr, cn = p.k_per[j], p.cols_r[j], p.cols_n[j]
+    split, r_per = planner.cdiv(k, kp), planner.cdiv(r, cr) * cr
+    meta.update({f"R{i}": r, f"N{i}": n, f"HB{i}": has_bias, f"KP{i}": kp,
+                 f"BR{i}": p.block_r[j], f"CR{i}": cr, f"BN{i}": p.block_n[j], f"CN{i}": cn,
+                 f"S{i}": split, f"A{i}": planner.cdiv(r, cr) * split if i < g else 0,
+                 f"Q{i}": planner.cdiv(n, cn) if i < g else 0,
+                 f"E{i}": r % r_per == 0 and r_per % 64 == 0})
+  return dict(meta=meta, scratch=m * sum(r for r, *_ in full) + 3)
+
+
 def xuv_decode_group(x, members, *, out_dtype=None, out=None,
                      plan: "planner.GroupDecodePlan | None" = None):
   """[(x·u_i)·v_i (+ bias_i)] for 2 or 3 members sharing x (e.g. q/k/v projections), in one
@@ -510,19 +530,9 @@ def xuv_decode_group(x, members, *, out_dtype=None, out=None,
     raise ValueError(f"{p.programs=} must be in [1, {num_sms()}] (the SMs; 0: unknown): "
                      "every CTA must be resident, or a waiting CTA could block its producer")
   full = unpacked + [unpacked[-1]] * (3 - g)  # a third member's operands when there are two
-  ops, meta = [], dict(K=k, BLOCK_M=p.block_m, BLOCK_K=64, BLOCK_KV=64, PROGRAMS=p.programs,
-                       PREFETCH=p.prefetch)
-  for i, (u, v, b, r, n) in enumerate(full):
-    ops += [u, v, b if b is not None else v]
-    j = min(i, g - 1)
-    kp, cr, cn = p.k_per[j], p.cols_r[j], p.cols_n[j]
-    split, r_per = planner.cdiv(k, kp), planner.cdiv(r, cr) * cr
-    meta.update({f"R{i}": r, f"N{i}": n, f"HB{i}": b is not None, f"KP{i}": kp,
-                 f"BR{i}": p.block_r[j], f"CR{i}": cr, f"BN{i}": p.block_n[j], f"CN{i}": cn,
-                 f"S{i}": split, f"A{i}": planner.cdiv(r, cr) * split if i < g else 0,
-                 f"Q{i}": planner.cdiv(n, cn) if i < g else 0,
-                 f"E{i}": r % r_per == 0 and r_per % 64 == 0})
-  scratch = m * sum(r for *_, r, _ in full) + 3
+  ops = [a for u, v, b, *_ in full for a in (u, v, b if b is not None else v)]
+  lp = group_launch_plan(m, k, [(r, n, b is not None) for *_, b, r, n in unpacked], p)
+  meta, scratch = lp["meta"], lp["scratch"]
   aliases, outs_in = {10: 0}, [x2] * 3
   if out is not None:
     if len(out) != g:

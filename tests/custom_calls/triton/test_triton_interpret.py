@@ -7,8 +7,8 @@ The interpreter runs a grid's programs one after another, so a kernel runs in it
 every wait is on programs that ran before: the decode X·U·V kernel's phase 1 alone
 (``PV=False``, what ``pv="xla"`` launches) on ``planner.plan_decode_phase1``'s tiles; the
 tiled decode kernel, whose stage-1 programs come first; the persistent one on a grid of one
-program; the fused SwiGLU decode kernels the same two ways. (Not the grouped q/k/v kernel:
-its launch constants are built inside ``xuv_decode_group``.) It stands in for torch tensors with numpy arrays, and uses float16: the interpreter
+program, and so the grouped q/k/v kernel; the fused SwiGLU decode kernels the same two ways.
+It stands in for torch tensors with numpy arrays, and uses float16: the interpreter
 multiplies bfloat16 as its uint16 storage."""
 import importlib.util
 import subprocess
@@ -138,6 +138,30 @@ _WHOLE = textwrap.dedent('''
     plan = xuv_decode.launch_plan(m, k, r, n, bias, bs)
     err = run(xuv_decode._xuv_decode_kernel, plan, m, k, r, n, bias)
     print("tiled", m, k, r, n, plan["grid"], plan["chunks"], f"{err:.1e}")
+  for (m, k, members) in GROUPS:  # [(r_i, n_i, bias_i)]: the grouped kernel on one program
+    p = dataclasses.replace(planner.plan_decode_group(m, k, [(r, n) for r, n, _ in members],
+                                                      programs=1), prefetch=0)
+    plan = xuv_decode.group_launch_plan(m, k, members, p)
+    x = rng.standard_normal((m, k)).astype(np.float16)
+    ops, outs, refs = [], [], []
+    for r, n, bias in members:
+      u = (rng.standard_normal((k, r)) * k ** -0.5).astype(np.float16)
+      v = (rng.standard_normal((r, n)) * r ** -0.5).astype(np.float16)
+      b = rng.standard_normal(n).astype(np.float16) if bias else v
+      ops += [u, v, b]
+      outs.append(np.full((m, n), np.nan, np.float16))
+      pr = (x.astype(np.float64) @ u.astype(np.float64)).astype(np.float16).astype(np.float64)
+      refs.append(pr @ v.astype(np.float64) + (b.astype(np.float64) if bias else 0.0))
+    ops += ops[-3:] * (3 - len(members))  # two members: the third repeats the second
+    outs3 = outs + [np.full_like(outs[-1], np.nan)] * (3 - len(members))
+    scratch = np.zeros(plan["scratch"], np.float32)
+    xuv_decode._xuv_group_kernel[(1,)](T(x), *map(T, ops), T(scratch), T(x), T(x), T(x), m,
+                                       T(scratch), *map(T, outs3), **plan["meta"])
+    for i, (out, ref) in enumerate(zip(outs, refs)):
+      assert not np.isnan(out).any(), (m, k, members, i, "unwritten outputs")
+      err = np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max()
+      assert err < 5e-3, (m, k, members, i, err)
+    print("group", m, k, members, f"{err:.1e}")
   print("ok")
 ''')
 
@@ -209,7 +233,7 @@ def test_decode_phase1_alone_on_its_planned_tiles(shapes):
 
 
 def test_whole_decode_kernels_on_ragged_shapes():
-  """Y = round(X·U)·V (+ bias) from the persistent and the tiled decode kernels."""
+  """Y = round(X·U)·V (+ bias) from the persistent, the tiled and the grouped decode kernels."""
   persistent = [  # (M, K, r, N, bias, plan fields replaced)
       (1, 200, 72, 130, True, {}), (7, 1000, 96, 520, True, {"p16": True}),
       (16, 512, 256, 1024, False, {"block_r": 64, "cols_r": 64, "r_chunks": 2}),
@@ -218,7 +242,10 @@ def test_whole_decode_kernels_on_ragged_shapes():
   tiled = [(1, 200, 72, 130, True, {}), (5, 300, 200, 260, False, {}),
            (7, 1000, 96, 520, True, {"block_r": 32, "split_k": 3, "block_n": 32,
                                      "block_kv": 32, "r_chunks": 3})]
-  _interpret(f"PERSISTENT = {persistent!r}\nTILED = {tiled!r}\n" + _PRELUDE + _WHOLE)
+  groups = [(8, 1000, [(136, 520, True), (72, 130, False), (72, 130, True)]),
+            (1, 200, [(96, 300, False), (40, 64, True)])]
+  _interpret(f"PERSISTENT = {persistent!r}\nTILED = {tiled!r}\nGROUPS = {groups!r}\n"
+             + _PRELUDE + _WHOLE)
 
 
 def test_fused_swiglu_decode_kernels_on_ragged_shapes():
