@@ -7,7 +7,8 @@ The interpreter runs a grid's programs one after another, so a kernel runs in it
 every wait is on programs that ran before: the decode X·U·V kernel's phase 1 alone
 (``PV=False``, what ``pv="xla"`` launches) on ``planner.plan_decode_phase1``'s tiles; the
 tiled decode kernel, whose stage-1 programs come first; the persistent one on a grid of one
-program, and so the grouped q/k/v kernel; the fused SwiGLU decode kernels the same two ways.
+program, and so the grouped q/k/v kernel; the fused SwiGLU decode kernels the same two ways;
+the two prefill kernels on one program, which claims their tiles in schedule order.
 It stands in for torch tensors with numpy arrays, and uses float16: the interpreter
 multiplies bfloat16 as its uint16 storage."""
 import importlib.util
@@ -165,8 +166,9 @@ _WHOLE = textwrap.dedent('''
   print("ok")
 ''')
 
-# The fused SwiGLU decode kernels: the tiled one (stage A's programs, then B's, then C's) and
-# the persistent one on a grid of one program, gated with silu, with and without biases.
+# The fused SwiGLU kernels, gated with silu, with and without biases: the tiled decode kernel
+# (stage A's programs, then B's, then C's), the persistent one on a grid of one program, and
+# the prefill kernel on one program (schedule order, as _PREFILL).
 _MLP = textwrap.dedent('''
   import dataclasses
   from lrjax.custom_calls.triton import mlp_decode
@@ -209,6 +211,61 @@ _MLP = textwrap.dedent('''
                                   bias_mask=(bias,) * 3, bs=bs)
     err = run(mlp_decode._mlp_decode_kernel, plan, m, d, f, r, bias)
     print("tiled", m, d, f, r, plan["grid"], bs.p16, f"{err:.1e}")
+  from lrjax.custom_calls.triton import mlp_prefill
+  for (m, d, f, r, bias, fields) in PREFILL:  # one program, schedule order (see _PREFILL)
+    bs = dataclasses.replace(mlp_prefill.BlockSizes.get_default(m, d, f, r, r, True),
+                             programs=1, **fields)
+    plan = mlp_prefill.launch_plan(m, d, r, f, r, d, gated=True, act="silu",
+                                   bias_mask=(bias,) * 3, bs=bs)
+    rr, dt = plan["ring_rows"], np.float16
+    rings = [np.full((rr, 2 * r), np.nan, dt), np.full((rr, f), np.nan, dt),
+             np.full((rr, r), np.nan, dt), np.zeros(plan["sacc_shape"], np.float32),
+             np.zeros(plan["n_flags"], np.int32)]
+
+    class Prefill:  # run()'s launch, with the prefill kernel's operands
+      fn = mlp_prefill._mlp_prefill_kernel
+
+      def __getitem__(self, grid):
+        def launch(x, ug, vg, bg, uu, vu, bu, ud, vd, bd, o_in, m, scratch, out, p16, **kw):
+          self.fn[grid](x, ug, vg, bg, uu, vu, bu, ud, vd, bd, T(np.asarray(plan["sched"])),
+                        o_in, *map(T, rings), out, **kw)
+        return launch
+    plan["grid"], plan["scratch"], plan["p16"] = plan["programs"], 1, 1
+    err = run(Prefill(), plan, m, d, f, r, bias)
+    print("prefill", m, d, f, r, plan["n_mb"], rr, f"{err:.1e}")
+  print("ok")
+''')
+
+# The prefill X·U·V kernel on a grid of one program: it claims every tile of the schedule in
+# order (step s: A(super-block s), then D(s - 1)), so each wait is on its own earlier work as
+# long as the ring has two slots or more (A(s) waits for D(s - RING)); a two-slot ring of one
+# row block each makes every third row block reuse a slot.
+_PREFILL = textwrap.dedent('''
+  import dataclasses
+  from lrjax.custom_calls.triton import xuv_prefill
+
+  for (m, k, r, n, bias, fields) in PREFILL:
+    bs = dataclasses.replace(xuv_prefill.BlockSizes.get_default(m, k, r, n), programs=1,
+                             **fields)
+    plan = xuv_prefill.launch_plan(m, k, r, n, bias, bs)
+    x = rng.standard_normal((m, k)).astype(np.float16)
+    u = (rng.standard_normal((k, r)) * k ** -0.5).astype(np.float16)
+    v = (rng.standard_normal((r, n)) * r ** -0.5).astype(np.float16)
+    b = rng.standard_normal(n).astype(np.float16) if bias else v
+    ring = np.full((plan["ring_rows"], r), np.nan, np.float16)
+    counters = np.zeros(plan["n_mb"] + 1, np.int32)
+    flags = np.zeros(plan["n_mb"], np.int32)
+    out = np.full((m, n), np.nan, np.float16)
+    sched = np.asarray(plan["sched"])
+    xuv_prefill._xuv_prefill_kernel[(plan["programs"],)](
+        T(x), T(u), T(v), T(b), T(sched), T(x), T(ring), T(counters), T(flags), T(out),
+        **plan["meta"])
+    p = (x.astype(np.float64) @ u.astype(np.float64)).astype(np.float16).astype(np.float64)
+    ref = p @ v.astype(np.float64) + (b.astype(np.float64) if bias else 0.0)
+    assert not np.isnan(out).any(), (m, k, r, n, "unwritten outputs")
+    err = np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max()
+    assert err < 5e-3, (m, k, r, n, err)
+    print("prefill", m, k, r, n, plan["n_mb"], plan["ring_rows"], f"{err:.1e}")
   print("ok")
 ''')
 
@@ -248,12 +305,27 @@ def test_whole_decode_kernels_on_ragged_shapes():
              + _PRELUDE + _WHOLE)
 
 
-def test_fused_swiglu_decode_kernels_on_ragged_shapes():
-  """Y = (silu(X·Ug·Vg) * X·Uu·Vu)·Ud·Vd (+ biases) from the tiled and persistent kernels."""
+def test_fused_swiglu_kernels_on_ragged_shapes():
+  """Y = (silu(X·Ug·Vg) * X·Uu·Vu)·Ud·Vd (+ biases) from the tiled and persistent decode
+  kernels and the prefill kernel."""
   persistent = [  # (M, D, F, r, biases, plan fields replaced)
       (1, 200, 520, 72, True, {}), (5, 256, 1000, 96, False, {"p16": True}),
       (3, 320, 700, 136, True, {"c_chunks": 3, "cols_n": 48, "block_n": 64}),
   ]
   tiled = [(1, 200, 520, 72, True, {}), (5, 256, 1000, 96, False, {"p16": True}),
            (7, 320, 700, 136, True, {"c_chunks": 2})]
-  _interpret(f"PERSISTENT = {persistent!r}\nTILED = {tiled!r}\n" + _PRELUDE + _MLP)
+  prefill = [(200, 256, 520, 72, True, {}),
+             (300, 320, 700, 136, False, {"block_m": 64, "group_m": 1, "split_c": 2})]
+  _interpret(f"PERSISTENT = {persistent!r}\nTILED = {tiled!r}\nPREFILL = {prefill!r}\n"
+             + _PRELUDE + _MLP)
+
+
+def test_prefill_xuv_kernel_with_its_ring_reused():
+  """Y = round(X·U)·V (+ bias) from the prefill kernel: several row blocks, ragged K, r and
+  N, and a two-slot ring the row blocks take turns in."""
+  prefill = [  # (M, K, r, N, bias, block sizes replaced)
+      (200, 320, 136, 200, True, {}),
+      (333, 200, 72, 130, False, {"block_m": 64, "block_n": 64, "block_k": 32,
+                                  "group_m": 1, "ring": 2}),
+  ]
+  _interpret(f"PREFILL = {prefill!r}\n" + _PRELUDE + _PREFILL)
