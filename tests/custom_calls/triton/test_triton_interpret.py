@@ -78,27 +78,43 @@ _PRELUDE = textwrap.dedent('''
     def new_empty(self, *_, **__): return T(np.empty(0, self.arr.dtype))
     def copy_(self, other): pass
 
+  import dataclasses
+
   from lrjax.custom_calls.triton import planner, xuv_decode
   rng = np.random.default_rng(0)
+  f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
+  r16 = lambda a: f64(a).astype(np.float16).astype(np.float64)  # the kernels' one rounding
+
+  def rand(*shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float16)
+
+  def factors(k, r, n, bias):  # u [K, r], v [r, N], the bias (v where none: never read)
+    u, v = rand(k, r, scale=k ** -0.5), rand(r, n, scale=r ** -0.5)
+    return u, v, (rand(n) if bias else v)
+
+  def xuv_ref(x, u, v, b, bias):  # round(x·u)·v (+ b) in float64
+    return r16(f64(x) @ f64(u)) @ f64(v) + (f64(b) if bias else 0.0)
+
+  def check(out, ref, tol, what):  # every element written, and close to the reference
+    assert not np.isnan(out).any(), (what, "unwritten elements")
+    err = np.abs(f64(out) - ref).max() / np.abs(ref).max()
+    assert err < tol, (what, err)
+    return err
 ''')
 
 _PHASE1 = textwrap.dedent('''
   for (m, k, r, n, programs) in SHAPES:
     p = planner.plan_decode_phase1(m, k, r, n, programs=programs)
     plan = xuv_decode.persistent_launch_plan(m, k, r, n, False, p, pv=False)
-    x = rng.standard_normal((m, k)).astype(np.float16)
-    u = (rng.standard_normal((k, r)) * k ** -0.5).astype(np.float16)
+    x, u = rand(m, k), rand(k, r, scale=k ** -0.5)
     v = np.zeros((r, n), np.float16)  # never read: no phase 2
     scratch = np.zeros(plan["scratch"], np.float32)
     p16 = np.full(plan["p16"], np.nan, np.float16)  # poisoned: every element must be written
     xuv_decode._xuv_decode_persistent_kernel[(plan["grid"],)](
         T(x), T(u), T(v), T(v), T(x), m, T(scratch), T(np.zeros(1, np.float16)), T(p16),
         **plan["meta"])
-    got = p16.reshape(m, r).astype(np.float64)
-    ref = x.astype(np.float64) @ u.astype(np.float64)
-    assert not np.isnan(got).any(), (m, k, r, "unwritten elements of P")
-    err = np.abs(got - ref).max() / np.abs(ref).max()
-    assert err < 2e-3, (m, k, r, err)  # f16 split-K sums, rounded once
+    # f16 split-K sums, rounded once
+    err = check(p16.reshape(m, r), f64(x) @ f64(u), 2e-3, (m, k, r, "P"))
     print(m, k, r, plan["grid"], p.cols_r, p.k_per, plan["meta"]["SPLIT_K"], f"{err:.1e}")
   print("ok")
 ''')
@@ -109,24 +125,15 @@ _PHASE1 = textwrap.dedent('''
 # accumulator and its semaphores) and P rounded once (P16). Scratch zeroed as XLA zeroes it;
 # the output and the rounded P poisoned.
 _WHOLE = textwrap.dedent('''
-  import dataclasses
-
   def run(kernel, plan, m, k, r, n, bias):
-    x = rng.standard_normal((m, k)).astype(np.float16)
-    u = (rng.standard_normal((k, r)) * k ** -0.5).astype(np.float16)
-    v = (rng.standard_normal((r, n)) * r ** -0.5).astype(np.float16)
-    b = rng.standard_normal(n).astype(np.float16) if bias else v
+    x = rand(m, k)
+    u, v, b = factors(k, r, n, bias)
     scratch = np.zeros(plan["scratch"], np.float32)
     out = np.full((m, n), np.nan, np.float16)
     p16 = np.full(plan["p16"], np.nan, np.float16)
     kernel[(plan["grid"],)](T(x), T(u), T(v), T(b), T(x), m, T(scratch), T(out), T(p16),
                             **plan["meta"])
-    p = (x.astype(np.float64) @ u.astype(np.float64)).astype(np.float16).astype(np.float64)
-    ref = p @ v.astype(np.float64) + (b.astype(np.float64) if bias else 0.0)
-    assert not np.isnan(out).any(), (m, k, r, n, "unwritten outputs")
-    err = np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max()
-    assert err < 5e-3, (m, k, r, n, err)
-    return err
+    return check(out, xuv_ref(x, u, v, b, bias), 5e-3, (m, k, r, n))
 
   for (m, k, r, n, bias, fields) in PERSISTENT:
     p = planner.plan_decode_persistent(m, k, r, n, programs=1)  # no L2 prefetch: inline asm
@@ -143,25 +150,20 @@ _WHOLE = textwrap.dedent('''
     p = dataclasses.replace(planner.plan_decode_group(m, k, [(r, n) for r, n, _ in members],
                                                       programs=1), prefetch=0)
     plan = xuv_decode.group_launch_plan(m, k, members, p)
-    x = rng.standard_normal((m, k)).astype(np.float16)
+    x = rand(m, k)
     ops, outs, refs = [], [], []
     for r, n, bias in members:
-      u = (rng.standard_normal((k, r)) * k ** -0.5).astype(np.float16)
-      v = (rng.standard_normal((r, n)) * r ** -0.5).astype(np.float16)
-      b = rng.standard_normal(n).astype(np.float16) if bias else v
+      u, v, b = factors(k, r, n, bias)
       ops += [u, v, b]
       outs.append(np.full((m, n), np.nan, np.float16))
-      pr = (x.astype(np.float64) @ u.astype(np.float64)).astype(np.float16).astype(np.float64)
-      refs.append(pr @ v.astype(np.float64) + (b.astype(np.float64) if bias else 0.0))
+      refs.append(xuv_ref(x, u, v, b, bias))
     ops += ops[-3:] * (3 - len(members))  # two members: the third repeats the second
     outs3 = outs + [np.full_like(outs[-1], np.nan)] * (3 - len(members))
     scratch = np.zeros(plan["scratch"], np.float32)
     xuv_decode._xuv_group_kernel[(1,)](T(x), *map(T, ops), T(scratch), T(x), T(x), T(x), m,
                                        T(scratch), *map(T, outs3), **plan["meta"])
     for i, (out, ref) in enumerate(zip(outs, refs)):
-      assert not np.isnan(out).any(), (m, k, members, i, "unwritten outputs")
-      err = np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max()
-      assert err < 5e-3, (m, k, members, i, err)
+      err = check(out, ref, 5e-3, (m, k, members, i))
     print("group", m, k, members, f"{err:.1e}")
   print("ok")
 ''')
@@ -170,36 +172,27 @@ _WHOLE = textwrap.dedent('''
 # (stage A's programs, then B's, then C's), the persistent one on a grid of one program, and
 # the prefill kernel on one program (schedule order, as _PREFILL).
 _MLP = textwrap.dedent('''
-  import dataclasses
-  from lrjax.custom_calls.triton import mlp_decode
+  from lrjax.custom_calls.triton import mlp_decode, mlp_prefill
 
-  f64 = lambda a: a.astype(np.float64)  # noqa: E731
-  r16 = lambda a: a.astype(np.float16).astype(np.float64)  # the kernels' roundings  # noqa
+  def operands(m, d, f, r, bias):  # x and (ug, vg, bg), (uu, vu, bu), (ud, vd, bd)
+    x = rand(m, d)
+    return x, factors(d, r, f, bias), factors(d, r, f, bias), factors(f, r, d, bias)
 
-  def run(kernel, plan, m, d, f, r, bias):
-    fac = lambda a, b: (rng.standard_normal((a, b)) * a ** -0.5).astype(np.float16)  # noqa
-    x = rng.standard_normal((m, d)).astype(np.float16)
-    ug, vg, uu, vu, ud, vd = fac(d, r), fac(r, f), fac(d, r), fac(r, f), fac(f, r), fac(r, d)
-    bg, bu, bd = (rng.standard_normal(n).astype(np.float16) for n in (f, f, d))
-    if not bias:
-      bg, bu, bd = vg, vu, vd  # never read
+  def mlp_ref(x, gate, up, down, bias):  # the kernels' roundings: X·U, h and h·Ud
+    g, u = xuv_ref(x, *gate, bias), xuv_ref(x, *up, bias)
+    return xuv_ref(r16(g / (1 + np.exp(-g)) * u), *down, bias)
+
+  def run(kernel, plan, m, d, f, r, bias):  # a decode kernel: scratch, output, rounded P
+    x, gate, up, down = operands(m, d, f, r, bias)
     scratch = np.zeros(plan["scratch"], np.float32)
     out = np.full((m, d), np.nan, np.float16)
     p16 = np.full(plan["p16"], np.nan, np.float16)
-    kernel[(plan["grid"],)](T(x), T(ug), T(vg), T(bg), T(uu), T(vu), T(bu), T(ud), T(vd),
-                            T(bd), T(x), m, T(scratch), T(out), T(p16), **plan["meta"])
-    b = (lambda t: f64(t)) if bias else (lambda t: 0.0)
-    g = r16(f64(x) @ f64(ug)) @ f64(vg) + b(bg)
-    u = r16(f64(x) @ f64(uu)) @ f64(vu) + b(bu)
-    h = r16(g / (1 + np.exp(-g)) * u)
-    ref = r16(h @ f64(ud)) @ f64(vd) + b(bd)
-    assert not np.isnan(out).any(), (m, d, f, r, "unwritten outputs")
-    err = np.abs(f64(out) - ref).max() / np.abs(ref).max()
-    assert err < 1e-2, (m, d, f, r, err)
-    return err
+    kernel[(plan["grid"],)](T(x), *map(T, gate + up + down), T(x), m, T(scratch), T(out),
+                            T(p16), **plan["meta"])
+    return check(out, mlp_ref(x, gate, up, down, bias), 1e-2, (m, d, f, r))
 
   for (m, d, f, r, bias, fields) in PERSISTENT:
-    p = mlp_decode.planner.plan_mlp_decode_persistent(m, d, f, r, r, d, True, programs=1)
+    p = planner.plan_mlp_decode_persistent(m, d, f, r, r, d, True, programs=1)
     p = dataclasses.replace(p, prefetch=0, prefetch_c=0, **fields)  # prefetch: inline asm
     plan = mlp_decode.persistent_launch_plan(m, d, r, f, r, d, gated=True, act="silu",
                                              bias_mask=(bias,) * 3, p=p)
@@ -211,47 +204,38 @@ _MLP = textwrap.dedent('''
                                   bias_mask=(bias,) * 3, bs=bs)
     err = run(mlp_decode._mlp_decode_kernel, plan, m, d, f, r, bias)
     print("tiled", m, d, f, r, plan["grid"], bs.p16, f"{err:.1e}")
-  from lrjax.custom_calls.triton import mlp_prefill
   for (m, d, f, r, bias, fields) in PREFILL:  # one program, schedule order (see _PREFILL)
     bs = dataclasses.replace(mlp_prefill.BlockSizes.get_default(m, d, f, r, r, True),
                              programs=1, **fields)
     plan = mlp_prefill.launch_plan(m, d, r, f, r, d, gated=True, act="silu",
                                    bias_mask=(bias,) * 3, bs=bs)
-    rr, dt = plan["ring_rows"], np.float16
-    rings = [np.full((rr, 2 * r), np.nan, dt), np.full((rr, f), np.nan, dt),
-             np.full((rr, r), np.nan, dt), np.zeros(plan["sacc_shape"], np.float32),
+    x, gate, up, down = operands(m, d, f, r, bias)
+    rr, out = plan["ring_rows"], np.full((m, d), np.nan, np.float16)
+    rings = [np.full((rr, 2 * r), np.nan, np.float16), np.full((rr, f), np.nan, np.float16),
+             np.full((rr, r), np.nan, np.float16), np.zeros(plan["sacc_shape"], np.float32),
              np.zeros(plan["n_flags"], np.int32)]
-
-    class Prefill:  # run()'s launch, with the prefill kernel's operands
-      fn = mlp_prefill._mlp_prefill_kernel
-
-      def __getitem__(self, grid):
-        def launch(x, ug, vg, bg, uu, vu, bu, ud, vd, bd, o_in, m, scratch, out, p16, **kw):
-          self.fn[grid](x, ug, vg, bg, uu, vu, bu, ud, vd, bd, T(np.asarray(plan["sched"])),
-                        o_in, *map(T, rings), out, **kw)
-        return launch
-    plan["grid"], plan["scratch"], plan["p16"] = plan["programs"], 1, 1
-    err = run(Prefill(), plan, m, d, f, r, bias)
+    mlp_prefill._mlp_prefill_kernel[(plan["programs"],)](
+        T(x), *map(T, gate + up + down), T(np.asarray(plan["sched"])), T(x), *map(T, rings),
+        T(out), **plan["meta"])
+    err = check(out, mlp_ref(x, gate, up, down, bias), 1e-2, (m, d, f, r, "prefill"))
     print("prefill", m, d, f, r, plan["n_mb"], rr, f"{err:.1e}")
   print("ok")
 ''')
+
 
 # The prefill X·U·V kernel on a grid of one program: it claims every tile of the schedule in
 # order (step s: A(super-block s), then D(s - 1)), so each wait is on its own earlier work as
 # long as the ring has two slots or more (A(s) waits for D(s - RING)); a two-slot ring of one
 # row block each makes every third row block reuse a slot.
 _PREFILL = textwrap.dedent('''
-  import dataclasses
   from lrjax.custom_calls.triton import xuv_prefill
 
   for (m, k, r, n, bias, fields) in PREFILL:
     bs = dataclasses.replace(xuv_prefill.BlockSizes.get_default(m, k, r, n), programs=1,
                              **fields)
     plan = xuv_prefill.launch_plan(m, k, r, n, bias, bs)
-    x = rng.standard_normal((m, k)).astype(np.float16)
-    u = (rng.standard_normal((k, r)) * k ** -0.5).astype(np.float16)
-    v = (rng.standard_normal((r, n)) * r ** -0.5).astype(np.float16)
-    b = rng.standard_normal(n).astype(np.float16) if bias else v
+    x = rand(m, k)
+    u, v, b = factors(k, r, n, bias)
     ring = np.full((plan["ring_rows"], r), np.nan, np.float16)
     counters = np.zeros(plan["n_mb"] + 1, np.int32)
     flags = np.zeros(plan["n_mb"], np.int32)
@@ -260,11 +244,7 @@ _PREFILL = textwrap.dedent('''
     xuv_prefill._xuv_prefill_kernel[(plan["programs"],)](
         T(x), T(u), T(v), T(b), T(sched), T(x), T(ring), T(counters), T(flags), T(out),
         **plan["meta"])
-    p = (x.astype(np.float64) @ u.astype(np.float64)).astype(np.float16).astype(np.float64)
-    ref = p @ v.astype(np.float64) + (b.astype(np.float64) if bias else 0.0)
-    assert not np.isnan(out).any(), (m, k, r, n, "unwritten outputs")
-    err = np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max()
-    assert err < 5e-3, (m, k, r, n, err)
+    err = check(out, xuv_ref(x, u, v, b, bias), 5e-3, (m, k, r, n))
     print("prefill", m, k, r, n, plan["n_mb"], plan["ring_rows"], f"{err:.1e}")
   print("ok")
 ''')
