@@ -680,6 +680,23 @@ KV_ATTENTION_SHAPES = ((1, 4096, 512), (8, 4096, 512), (8, 16384, 512), (8, 1638
 # results/gpu_kv_attention_flat_h200.json)
 KV_ATTENTION_VARIANTS = ("kv:128,64,8,2", "kv:128,64,8,3", "kv:128,128,8,2", "kv:64,64,4,3",
                          "kv:64,128,8,2")
+# the tiled MLP decode kernel with h parked for stage H (D_ff-split h·Ud: a few partials of S
+# instead of one per stage-B slice), with 128-column stage-B slices, and the latter alone
+MLP_PARK_H_VARIANTS = ("decode_kw:park_h=1", "decode_kw:park_h=1,block_f=128",
+                       "decode_kw:block_f=128")
+# then single changes to the parked-h blocks (stage A's K step, split and pipeline depth,
+# stage H's width, stage C's chunks, warps), timed next to them
+PARK = "decode_kw:park_h=1,block_f=128"
+MLP_PARK_TUNE_VARIANTS = tuple(PARK + "," + c for c in (
+    "block_k=64", "split_k=4", "num_stages=4", "block_h=256", "c_chunks=2", "num_warps=8"))
+# 4 pipeline stages (they fit once stage B no longer loads Ud) with h parked, at T <= 16 on
+# the default blocks and at T > 16 on the parked-h ones (64-row K steps; T=128: 64-column
+# stage-B slices, as 4 stages of 128 columns need 256 KB), then with 256-column stage-H tiles
+MLP_PARK_STAGES_VARIANTS = {
+    "low": ("decode_kw:park_h=1,num_stages=4", "decode_kw:park_h=1,num_stages=4,block_h=256"),
+    "mid": (PARK + ",num_stages=4,block_k=64", PARK + ",num_stages=4,block_k=64,block_h=256"),
+    "high": ("decode_kw:park_h=1,block_f=64,num_stages=4,block_k=64",
+             "decode_kw:park_h=1,block_f=64,num_stages=4,block_k=64,block_h=256")}
 # deeper L2 prefetch of the phase-B slices (Vg, Vu rows) while phase A streams
 MLP_PREFETCH_VARIANTS = ("persistent_pfb:256", "persistent_pfb:512", "persistent_pfb:1024")
 # gpu_xuv_decode_persistent_h200.json also has "persistent:programs=264,stages=3" (two CTAs
@@ -889,6 +906,26 @@ def suite(name, bw, peak, args, recs):
                                         "llama3-70b") for m in (1, 16)], lambda _: rows)
   if name == "decode_prefetch":  # the persistent decode kernel's V prefetch depth
     xuv_decode_sweep((1, 4, 16), lambda *_: DECODE_PREFETCH_VARIANTS)
+  if name == "mlp_park_h":  # MLP_PARK_H_VARIANTS next to the tiled kernel's default blocks
+    mlp_sweep([("llama3-8b", 16)] + [(label, m) for label in ("llama3-8b", "llama3-8b-r1024",
+                                                               "llama3.2-1b", "llama3-70b")
+                                     for m in (32, 64, 128)],
+              lambda _: MLP_PARK_H_VARIANTS, "decode")
+  if name == "mlp_park_tune":  # MLP_PARK_TUNE_VARIANTS next to the parked-h blocks
+    mlp_sweep([("llama3-8b", 32), ("llama3-8b", 64), ("llama3-70b", 64), ("llama3.2-1b", 64),
+               ("llama3-8b-r1024", 64)], lambda _: MLP_PARK_TUNE_VARIANTS, PARK)
+    # 4 stages of stage B's [128, 64] P and [64, 128] V tiles need 256 KB of shared memory
+    mlp_sweep([("llama3-8b", 128)],
+              lambda _: [v for v in MLP_PARK_TUNE_VARIANTS if "num_stages" not in v], PARK)
+  if name == "mlp_park_stages":  # MLP_PARK_STAGES_VARIANTS next to the blocks they change
+    v = MLP_PARK_STAGES_VARIANTS
+    mlp_sweep([("llama3-8b", 1), ("llama3-8b", 4), ("llama3-8b", 16), ("llama3.2-1b", 1),
+               ("llama3.2-1b", 16), ("llama3-8b-r1024", 1), ("llama3-8b-r1024", 16),
+               ("llama3-70b", 16)], lambda _: v["low"], "decode")
+    mlp_sweep([("llama3-8b", 32), ("llama3-8b", 64), ("llama3.2-1b", 32), ("llama3.2-1b", 64),
+               ("llama3-8b-r1024", 32), ("llama3-70b", 32), ("llama3-70b", 64)],
+              lambda _: v["mid"], PARK)
+    mlp_sweep([(label, 128) for label in MLP_SHAPES], lambda _: v["high"], PARK)
   if name == "mlp_decode_variants":  # MLP_DECODE_VARIANTS next to the default, one run
     mlp_sweep(decode_points, lambda _: MLP_DECODE_VARIANTS)
   if name == "mlp_decode_probes":  # MLP_DECODE_PROBES next to the tiled kernel, one run
@@ -1051,7 +1088,9 @@ def main():
                            "mlp_prefill_phases", "gemm_ceiling", "decode_prefetch",
                            "decode_wide_m", "decode_chunks", "decode_p16", "decode_grid",
                            "decode_group", "decode_pv", "llama70b",
-                           "mlp_decode_probes", "kv_attention"])
+                           "mlp_decode_probes", "mlp_park_h", "mlp_park_tune",
+                           "mlp_park_stages",
+                           "kv_attention"])
   ap.add_argument("--variants", action="store_true", help="also time non-default kernels")
   ap.add_argument("--extra", nargs="*", default=[], help="op/M,K,r,N/variant")
   ap.add_argument("--out", default="benchmarks/results/gpu_lowrank_h200.json")

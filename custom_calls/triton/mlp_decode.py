@@ -1,4 +1,5 @@
-"""Fused low-rank (Swi)GLU MLP for few tokens, in one launch of three dependent stages.
+"""Fused low-rank (Swi)GLU MLP for few tokens, in one launch of three (from 17 tokens four)
+dependent stages.
 
   stage A  Pg = X·Ug, Pu = X·Uu          one pass over X (both factors per K tile),
                                          inter-CTA split-K, f32 atomics into [M, r]
@@ -19,6 +20,22 @@ counters live in one scratch buffer, zeroed by an XLA op aliased into the call (
 ``out=``, by jax-triton's memset inside the custom call). Non-gated MLPs
 (act(X·U1·V1 + b1)·U2·V2 + b2) run the same kernel with GATED=False.
 
+That holds up to 16 tokens. From 17 (``BlockSizes.park_h``, the default there) stage B's S
+partials, one [M, r_d] f32 add per slice (147 MB of L2 atomics at T=64 on Llama-3-8B
+r=2560), cost more than streaming the weights, so stage B parks h and a fourth stage
+projects it:
+
+  stage B  h [M, B_F] stored once in the factors' dtype, into an [M, D_ff] buffer (1.8 MB
+           at T=64, D_ff=14336: written, then read back from L2)
+  stage H  S += h[:, split] · Ud[split, cols]   D_ff in about SMs / ceil(r_d / B_H) splits,
+                                                each waiting only for its own stage-B slices;
+                                                f32 atomics, one partial of S per split
+  stage C  as above, once every stage-H tile has landed in S
+
+Against the unparked kernel it measured 1.2-2.1x faster at T=32..128 (1.06x / 1.18x XLA at
+T=32 / 64 on Llama-3-8B r=2560) and 2-9 % slower at T <= 16, where those atomics hide
+behind the streaming (benchmarks/gpu_notes.md, session 12).
+
 Every byte of the six factors is read once, so the floor is their size over HBM bandwidth.
 
 With ``p16`` (the tiled default) the last stage-A tile of each rank column block
@@ -35,6 +52,7 @@ shapes (benchmarks/gpu_notes.md, session 3), so it is not the default.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +83,9 @@ class BlockSizes:
   num_warps: int = 4
   num_stages: int = 3
   p16: bool = False  # stage B reads Pg, Pu rounded once to the factors' dtype
+  park_h: bool = False  # stage B parks h in a global buffer; stage H projects it (below)
+  block_h: int = 128  # stage-H columns of the down rank per CTA
+  h_splits: int = 0  # stage-H split of D_ff (0: about one stage-H tile per SM)
 
   @classmethod
   def get_default(cls, m: int, d: int, f: int, r: int, d_out: int) -> "BlockSizes":
@@ -82,10 +103,18 @@ class BlockSizes:
       # fewer, longer stage-B slices while >= 3/4 of the SMs still get one: 4-18 % faster
       # at D_ff=14336 (gpu_mlp_decode_variants_h200.json); 3 stages fit the wider tiles
       block_f, stages = 128, 3
+    block_k, park = t.block_k, bm > 16
+    if park:
+      # from 17 tokens stage B's partials of S (one [T, r_d] f32 add per slice) cost more
+      # than parking h: 1.2-2.1x faster at T=32..128, with 64-row K steps and 4 stages where
+      # they fit (4 x ([128, 64] P + [64, 128] V tiles) would need 256 KB at T=128);
+      # results/gpu_mlp_decode_park_{h,tune,stages}_h200.json. At T <= 16 it was 2-9 % slower
+      # (Llama-3-70B at T=16: 7 % faster)
+      block_f, block_k, stages = 128, 64, 4 if bm <= 64 else 3
     # p16: stage B reads Pg, Pu in bf16, 1-3 % faster on Llama-3-8B r=2560 and 3.2-1B
     # (results/gpu_decode_p16_h200.json)
-    return dataclasses.replace(t, block_m=bm, split_k=split, num_warps=warps, block_f=block_f,
-                               num_stages=stages, p16=True)
+    return dataclasses.replace(t, block_m=bm, block_k=block_k, split_k=split, num_warps=warps,
+                               block_f=block_f, num_stages=stages, p16=True, park_h=park)
 
 
 # Tuned on the H200 (benchmarks/gpu_lowrank.py); shape class -> blocks.
@@ -167,10 +196,12 @@ def _down_slice(fb,  # slice of the intermediate dim
                 RB_PER_CHUNK: tl.constexpr, R_PER: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_F: tl.constexpr, COLS_F: tl.constexpr, BLOCK_RD: tl.constexpr,
                 BLOCK_KR: tl.constexpr, EVEN_R: tl.constexpr, STREAM: tl.constexpr,
-                P16: tl.constexpr, S_ATOMICS: tl.constexpr):
+                P16: tl.constexpr, S_ATOMICS: tl.constexpr, PARK_H: tl.constexpr, h_ptr,
+                h_cnt_ptr, SLICES_PER_SPLIT: tl.constexpr):
   """One COLS_F-wide slice h of the intermediate, consuming Pg/Pu chunk by chunk as they
   complete, projected straight into S (the down factor's rank space); then the counter.
   P16: pg_ptr/pu_ptr are the rounded copies (one signal per column block, not per tile).
+  PARK_H: h is stored to h_ptr [M, F] instead, and its stage-H split's counter signalled.
   STREAM=False only waits and signals (phase timing)."""
   offs_f = fb * COLS_F + tl.arange(0, BLOCK_F)
   f_mask = offs_f < F
@@ -193,9 +224,36 @@ def _down_slice(fb,  # slice of the intermediate dim
                        c * R_PER + R_PER, R, R, F, BLOCK_KR, EVEN_R, True)
   if STREAM:
     h = swiglu_epilogue(acc_g, acc_u, bg_ptr, bu_ptr, offs_f, f_mask, GATED, ACT, HAS_BG,
-                        HAS_BU)
-    _project_rank(h.to(ud_ptr.dtype.element_ty), ud_ptr, s_ptr, offs_m, m_mask, offs_f,
-                  f_mask, RD, BLOCK_RD, S_ATOMICS)
+                        HAS_BU).to(ud_ptr.dtype.element_ty)
+    if PARK_H:
+      tl.store(h_ptr + offs_m[:, None] * F + offs_f[None, :], h,
+               mask=m_mask[:, None] & f_mask[None, :])
+    else:
+      _project_rank(h, ud_ptr, s_ptr, offs_m, m_mask, offs_f, f_mask, RD, BLOCK_RD, S_ATOMICS)
+  if PARK_H:
+    signal(h_cnt_ptr + fb // SLICES_PER_SPLIT)
+  else:
+    signal(cnt_ptr + A_CHUNKS)
+
+
+@triton.jit
+def _park_h_tile(q,  # stage-H tile: split of D_ff (major), column block of the down rank
+                 h_ptr, ud_ptr, s_ptr, cnt_ptr, h_cnt_ptr, offs_m, m_mask, n_b,
+                 F: tl.constexpr, RD: tl.constexpr, A_CHUNKS: tl.constexpr,
+                 F_PER: tl.constexpr, SLICES_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_H: tl.constexpr, BLOCK_KR: tl.constexpr, EVEN_F: tl.constexpr):
+  """S += h[:, split] · Ud[split, cols] once the stage-B slices of its split have parked h
+  (f32 atomics into S, one partial per split), then the counter stage C waits on."""
+  n_cb = (RD + BLOCK_H - 1) // BLOCK_H
+  j = q // n_cb
+  offs_c = (q % n_cb) * BLOCK_H + tl.arange(0, BLOCK_H)
+  c_mask = offs_c < RD
+  wait_at_least(h_cnt_ptr + j, tl.minimum(n_b - j * SLICES_PER_SPLIT, SLICES_PER_SPLIT))
+  acc = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
+  acc = mm_acc(acc, h_ptr, ud_ptr, offs_m, offs_c, m_mask, c_mask, j * F_PER, j * F_PER + F_PER,
+               F, F, RD, BLOCK_KR, EVEN_F, True)
+  tl.atomic_add(s_ptr + offs_m[:, None] * RD + offs_c[None, :], acc,
+                mask=m_mask[:, None] & c_mask[None, :], sem="relaxed")
   signal(cnt_ptr + A_CHUNKS)
 
 
@@ -226,6 +284,8 @@ def _mlp_decode_kernel(
     EVEN_D: tl.constexpr, EVEN_R: tl.constexpr, EVEN_RD: tl.constexpr,
     P16: tl.constexpr,
     S_ATOMICS: tl.constexpr,  # True; timing only: False stores S instead (wrong output)
+    PARK_H: tl.constexpr,  # stage B parks h; stage H (H_SPLITS x ceil(RD/BLOCK_H) CTAs) projects it
+    H_SPLITS: tl.constexpr, F_PER: tl.constexpr, BLOCK_H: tl.constexpr, EVEN_F: tl.constexpr,
 ):
   pid = tl.program_id(0)
   pg_ptr = scratch_ptr
@@ -240,6 +300,14 @@ def _mlp_decode_kernel(
   rb_cnt_ptr = sem_ptr + (DO + BLOCK_N - 1) // BLOCK_N
   pg16_ptr = p16_ptr
   pu16_ptr = p16_ptr + M * R
+  h_ptr = p16_ptr  # PARK_H: h [M, F] in the factors' dtype, after Pg, Pu's copies with P16
+  h_cnt_ptr = rb_cnt_ptr  # PARK_H: one counter per stage-H split, after P16's counters
+  if P16:
+    h_ptr = p16_ptr + 2 * M * R
+    h_cnt_ptr = rb_cnt_ptr + n_r
+  n_h = 0
+  if PARK_H:
+    n_h = H_SPLITS * ((RD + BLOCK_H - 1) // BLOCK_H)
   offs_m = tl.arange(0, BLOCK_M)
   m_mask = offs_m < M
   if pid < n_a:
@@ -253,12 +321,19 @@ def _mlp_decode_kernel(
                 bg_ptr, vu_ptr, bu_ptr, ud_ptr, s_ptr, cnt_ptr, offs_m, m_mask, n_r, R, F, RD,
                 GATED, ACT, HAS_BG, HAS_BU, SPLIT_K, A_CHUNKS, RB_PER_CHUNK,
                 RB_PER_CHUNK * BLOCK_R, BLOCK_M, BLOCK_F, BLOCK_F, BLOCK_RD, BLOCK_KR, EVEN_R,
-                True, P16, S_ATOMICS)
+                True, P16, S_ATOMICS, PARK_H, h_ptr, h_cnt_ptr, F_PER // BLOCK_F)
+  elif pid < n_a + n_b + n_h:
+    # ---- stage H (PARK_H): S += h · Ud, split over D_ff, each split once its slices parked h
+    _park_h_tile(pid - n_a - n_b, h_ptr, ud_ptr, s_ptr, cnt_ptr, h_cnt_ptr, offs_m, m_mask, n_b,
+                 F, RD, A_CHUNKS, F_PER, F_PER // BLOCK_F, BLOCK_M, BLOCK_H, BLOCK_KR, EVEN_F)
   else:
-    # ---- stage C: Y = S·Vd + bd, split over r_d chunks
+    # ---- stage C: Y = S·Vd + bd, split over r_d chunks, once S is complete
     n_nb = (DO + BLOCK_N - 1) // BLOCK_N
-    q = pid - n_a - n_b
-    wait_at_least(cnt_ptr + A_CHUNKS, n_b)
+    q = pid - n_a - n_b - n_h
+    if PARK_H:
+      wait_at_least(cnt_ptr + A_CHUNKS, n_h)
+    else:
+      wait_at_least(cnt_ptr + A_CHUNKS, n_b)
     splitr_out_tile(q % n_nb, q // n_nb, s_ptr, vd_ptr, bd_ptr, acc_ptr, sem_ptr, o_ptr,
                     M, RD, DO, RD_PER, C_CHUNKS, HAS_BD, BLOCK_M, BLOCK_N, BLOCK_KR, EVEN_RD,
                     BLOCK_N)
@@ -323,7 +398,7 @@ def _mlp_decode_persistent_kernel(
                 vu_ptr, bu_ptr, ud_ptr, s_ptr, cnt_ptr, offs_m, m_mask, n_r, R, F, RD, GATED,
                 ACT, HAS_BG, HAS_BU, SPLIT_K, A_CHUNKS, RB_PER_CHUNK, RB_PER_CHUNK * COLS_R,
                 BLOCK_M, BLOCK_F, COLS_F, BLOCK_RD, BLOCK_KR, EVEN_R, (PHASES & 2) != 0, P16,
-                True)
+                True, False, s_ptr, cnt_ptr, 1)
   # ---- phase C: Y = S·Vd + bd once every phase-B tile has landed in S
   if (PHASES & 4) != 0:
     if PREFETCH_C > 0:
@@ -349,6 +424,14 @@ def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes)
   n_nb = planner.cdiv(d_out, bs.block_n)
   rd_per = planner.cdiv(planner.cdiv(rd, bs.c_chunks), bs.block_kr) * bs.block_kr
   c_chunks = planner.cdiv(rd, rd_per)
+  h_splits, f_per, n_h = 1, bs.block_f, 0
+  if bs.park_h:
+    n_cb = planner.cdiv(rd, bs.block_h)
+    want = bs.h_splits or max(1, planner.H200.num_sms // n_cb)
+    step = math.lcm(bs.block_f, bs.block_kr)  # whole stage-B slices, whole K steps
+    f_per = planner.cdiv(planner.cdiv(f, want), step) * step
+    h_splits = planner.cdiv(f, f_per)
+    n_h = h_splits * n_cb
   has = dict(zip(("bg", "bu", "bd") if gated else ("bu", "bd"), bias_mask))
   meta = dict(D=d, R=r, F=f, RD=rd, DO=d_out, GATED=gated, ACT=ACT_CODES[act],
               HAS_BG=has.get("bg", False), HAS_BU=has["bu"], HAS_BD=has["bd"],
@@ -359,10 +442,14 @@ def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes)
               BLOCK_N=bs.block_n, BLOCK_KR=bs.block_kr, EVEN_D=d % k_per == 0,
               EVEN_R=r % (rb_per_chunk * bs.block_r) == 0
               and (rb_per_chunk * bs.block_r) % bs.block_kr == 0,
-              EVEN_RD=rd % rd_per == 0, P16=bs.p16, S_ATOMICS=True)
-  scratch = m * (2 * r + rd + d_out) + a_chunks + 1 + n_nb + (n_rb if bs.p16 else 0)
-  return dict(grid=n_a + n_b + n_nb * c_chunks, n_nb=n_nb, scratch=scratch, meta=meta,
-              p16=2 * m * r if bs.p16 else 1)
+              EVEN_RD=rd % rd_per == 0, P16=bs.p16, S_ATOMICS=True, PARK_H=bs.park_h,
+              H_SPLITS=h_splits, F_PER=f_per, BLOCK_H=bs.block_h,
+              EVEN_F=f % f_per == 0)
+  scratch = (m * (2 * r + rd + d_out) + a_chunks + 1 + n_nb + (n_rb if bs.p16 else 0)
+             + (h_splits if bs.park_h else 0))
+  p16 = (2 * m * r if bs.p16 else 0) + (m * f if bs.park_h else 0)
+  return dict(grid=n_a + n_b + n_h + n_nb * c_chunks, n_nb=n_nb, scratch=scratch, meta=meta,
+              p16=max(p16, 1))
 
 
 def persistent_launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask,

@@ -203,7 +203,7 @@ _MLP = textwrap.dedent('''
     plan = mlp_decode.launch_plan(m, d, r, f, r, d, gated=True, act="silu",
                                   bias_mask=(bias,) * 3, bs=bs)
     err = run(mlp_decode._mlp_decode_kernel, plan, m, d, f, r, bias)
-    print("tiled", m, d, f, r, plan["grid"], bs.p16, f"{err:.1e}")
+    print("tiled", m, d, f, r, plan["grid"], bs.p16, bs.park_h, f"{err:.1e}")
   for (m, d, f, r, bias, fields) in PREFILL:  # one program, schedule order (see _PREFILL)
     bs = dataclasses.replace(mlp_prefill.BlockSizes.get_default(m, d, f, r, r, True),
                              programs=1, **fields)
@@ -293,7 +293,10 @@ def test_fused_swiglu_kernels_on_ragged_shapes():
       (3, 320, 700, 136, True, {"c_chunks": 3, "cols_n": 48, "block_n": 64}),
   ]
   tiled = [(1, 200, 520, 72, True, {}), (5, 256, 1000, 96, False, {"p16": True}),
-           (7, 320, 700, 136, True, {"c_chunks": 2})]
+           (7, 320, 700, 136, True, {"c_chunks": 2}),
+           # h parked for stage H: ragged D_ff and r_d blocks, several D_ff splits
+           (33, 320, 700, 136, True, {"park_h": True, "block_h": 64, "h_splits": 3}),
+           (5, 256, 1000, 96, False, {"park_h": True, "p16": False, "c_chunks": 2})]
   prefill = [(200, 256, 520, 72, True, {}),
              (300, 320, 700, 136, False, {"block_m": 64, "group_m": 1, "split_c": 2})]
   _interpret(f"PERSISTENT = {persistent!r}\nTILED = {tiled!r}\nPREFILL = {prefill!r}\n"

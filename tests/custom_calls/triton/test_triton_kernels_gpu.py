@@ -201,9 +201,10 @@ MLP_SHAPES = [  # (M, D, F, r, r_d)
     (jnp.bfloat16, True, "silu", False), (jnp.float16, True, "gelu_tanh", True),
     (jnp.bfloat16, False, "relu", True)])
 @pytest.mark.parametrize("shape", MLP_SHAPES)
-@pytest.mark.parametrize("kind", ["decode", "decode_xla_zeroing", "decode_p16", "persistent",
-                                  "persistent_small_grid", "persistent_small_grid_p16",
-                                  "persistent_wide_rows", "prefill"])
+@pytest.mark.parametrize("kind", ["decode", "decode_xla_zeroing", "decode_p16",
+                                  "decode_park_h", "persistent", "persistent_small_grid",
+                                  "persistent_small_grid_p16", "persistent_wide_rows",
+                                  "prefill"])
 def test_mlp_kernels(kind, shape, dtype, gated, act, bias):
   from lrjax.custom_calls.triton import mlp_decode, mlp_prefill
   m, d, f, r, rd = shape
@@ -232,6 +233,9 @@ def test_mlp_kernels(kind, shape, dtype, gated, act, bias):
     bs = None
     if kind == "decode_p16":  # stage B reads Pg, Pu rounded once by each block's last tile
       bs = dataclasses.replace(mlp_decode.BlockSizes.get_default(m, d, f, r, d), p16=True)
+    if kind == "decode_park_h":  # h parked, projected by stage H in 3 splits of 64 columns
+      bs = dataclasses.replace(mlp_decode.BlockSizes.get_default(m, d, f, r, d), park_h=True,
+                               block_h=64, h_splits=3)
     out = jax.jit(lambda x, g, u, dn, o: kern(x, u, dn, g, act=act, out=o, block_sizes=bs))(
         x, gate, up, down, poisoned((m, d), dtype))
   assert_close(out, mlp_ref(x, gate, up, down, act, dtype), dtype)
@@ -248,6 +252,22 @@ def test_mlp_persistent_plans_of_llama_shapes(shape, m):
   gate, up, down = mlp_params(d, f, r, r, d, dtype, True, False)
   x = randn((m, d), dtype)
   out = jax.jit(lambda x, g, u, dn: mlp_decode.mlp_decode(x, u, dn, g, persistent=True))(
+      x, gate, up, down)
+  assert_close(out, mlp_ref(x, gate, up, down, "silu", dtype), dtype)
+
+
+@pytest.mark.parametrize("m", [1, 32, 128])
+@pytest.mark.parametrize("park_h", [False, True])
+def test_mlp_decode_tiles_of_llama_shapes(m, park_h):
+  """The tiled decode kernel's default blocks at Llama-3-8B's SwiGLU (40 % removed), h parked
+  or not, launch at 1-128 tokens (shared memory, registers) and are right."""
+  from lrjax.custom_calls.triton import mlp_decode
+  d, f, r = 4096, 14336, 2560
+  dtype = jnp.bfloat16
+  gate, up, down = mlp_params(d, f, r, r, d, dtype, True, False)
+  x = randn((m, d), dtype)
+  bs = dataclasses.replace(mlp_decode.BlockSizes.get_default(m, d, f, r, d), park_h=park_h)
+  out = jax.jit(lambda x, g, u, dn: mlp_decode.mlp_decode(x, u, dn, g, block_sizes=bs))(
       x, gate, up, down)
   assert_close(out, mlp_ref(x, gate, up, down, "silu", dtype), dtype)
 
