@@ -697,6 +697,10 @@ MLP_PARK_STAGES_VARIANTS = {
     "mid": (PARK + ",num_stages=4,block_k=64", PARK + ",num_stages=4,block_k=64,block_h=256"),
     "high": ("decode_kw:park_h=1,block_f=64,num_stages=4,block_k=64",
              "decode_kw:park_h=1,block_f=64,num_stages=4,block_k=64,block_h=256")}
+# at T <= 16 (h not parked): narrower U_d tiles in stage B's projection, so 4 pipeline
+# stages fit beside the 128-column slices
+MLP_LOW_STAGES_VARIANTS = ("decode_kw:block_rd=128,num_stages=4",
+                           "decode_kw:block_rd=64,num_stages=4")
 # deeper L2 prefetch of the phase-B slices (Vg, Vu rows) while phase A streams
 MLP_PREFETCH_VARIANTS = ("persistent_pfb:256", "persistent_pfb:512", "persistent_pfb:1024")
 # gpu_xuv_decode_persistent_h200.json also has "persistent:programs=264,stages=3" (two CTAs
@@ -926,6 +930,10 @@ def suite(name, bw, peak, args, recs):
                ("llama3-8b-r1024", 32), ("llama3-70b", 32), ("llama3-70b", 64)],
               lambda _: v["mid"], PARK)
     mlp_sweep([(label, 128) for label in MLP_SHAPES], lambda _: v["high"], PARK)
+  if name == "mlp_low_stages":  # MLP_LOW_STAGES_VARIANTS next to the default blocks
+    mlp_sweep([("llama3-8b", 1), ("llama3-8b", 4), ("llama3-8b", 16), ("llama3-8b-r1024", 1),
+               ("llama3-8b-r1024", 16), ("llama3-70b", 1), ("llama3-70b", 16)],
+              lambda _: MLP_LOW_STAGES_VARIANTS, "decode")
   if name == "mlp_decode_variants":  # MLP_DECODE_VARIANTS next to the default, one run
     mlp_sweep(decode_points, lambda _: MLP_DECODE_VARIANTS)
   if name == "mlp_decode_probes":  # MLP_DECODE_PROBES next to the tiled kernel, one run
@@ -1089,7 +1097,7 @@ def main():
                            "decode_wide_m", "decode_chunks", "decode_p16", "decode_grid",
                            "decode_group", "decode_pv", "llama70b",
                            "mlp_decode_probes", "mlp_park_h", "mlp_park_tune",
-                           "mlp_park_stages",
+                           "mlp_park_stages", "mlp_low_stages",
                            "kv_attention"])
   ap.add_argument("--variants", action="store_true", help="also time non-default kernels")
   ap.add_argument("--extra", nargs="*", default=[], help="op/M,K,r,N/variant")
