@@ -268,10 +268,12 @@ def _mlp_decode_kernel(
     M,  # rows (runtime: one compile serves every M <= BLOCK_M)
     scratch_ptr,  # f32, zeroed before the launch: Pg [M, R], Pu [M, R], S [M, RD],
                   # output accumulator [M, DO], then (i32) A_CHUNKS stage-A counters,
-                  # the stage-B counter, ceil(DO/BLOCK_N) stage-C semaphores, and with P16
-                  # one stage-A counter per column block of Pg/Pu
+                  # the counter stage C waits on (stage-B slices or, PARK_H, stage-H
+                  # tiles), ceil(DO/BLOCK_N) stage-C semaphores, with P16 one stage-A
+                  # counter per column block of Pg/Pu, with PARK_H one per stage-H split
     o_ptr,  # [M, DO] output
-    p16_ptr,  # [2, M, R] in the factors' dtype: Pg, Pu rounded once (P16); else unused
+    p16_ptr,  # in the factors' dtype: Pg, Pu [2, M, R] rounded once (P16), then h [M, F]
+              # (PARK_H); else unused
     D: tl.constexpr, R: tl.constexpr, F: tl.constexpr,
     RD: tl.constexpr, DO: tl.constexpr,
     GATED: tl.constexpr, ACT: tl.constexpr,
@@ -566,6 +568,9 @@ def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
     plan = launch_plan(m, d, r, f, rd, d_out, gated=gated, act=act, bias_mask=bias_mask,
                        bs=bs)
     if not _s_atomics:
+      if bs.park_h:
+        raise ValueError("_s_atomics= times stage B's own projection into S; with "
+                         "park_h=True stage H projects h (pass park_h=False blocks)")
       plan["meta"]["S_ATOMICS"] = False
     kernel, warps, stages = _mlp_decode_kernel, bs.num_warps, bs.num_stages
   check_out(out, (m, d_out), out_dtype)

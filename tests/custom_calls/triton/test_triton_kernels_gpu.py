@@ -493,6 +493,8 @@ def test_mlp_decode_timing_masks_are_checked():
     mlp_decode.mlp_decode(x, up, down, gate, persistent=True, _phases=0)
   with pytest.raises(ValueError, match="tiled schedule only"):
     mlp_decode.mlp_decode(x, up, down, gate, persistent=True, _s_atomics=False)
+  with pytest.raises(ValueError, match="stage H projects h"):  # parked by default at 33 rows
+    mlp_decode.mlp_decode(randn((33, 256), jnp.bfloat16), up, down, gate, _s_atomics=False)
 
 
 KV_SHAPES = [  # (B, Hq, Hkv, D, T, r_k, r_v, window, bias)
