@@ -706,6 +706,9 @@ MLP_PREFETCH_VARIANTS = ("persistent_pfb:256", "persistent_pfb:512", "persistent
 # gpu_xuv_decode_persistent_h200.json also has "persistent:programs=264,stages=3" (two CTAs
 # per SM), measured before xuv_decode refused grids larger than the SM count
 PERSISTENT_VARIANTS = ("persistent", "persistent:prefetch=0", "persistent:warps=8")
+# more bytes in flight per SM in phase 2: 128-row reduction steps over r, deeper pipelines
+DECODE_DEPTH_VARIANTS = ("persistent:block_kv=128", "persistent:stages=6",
+                         "persistent:block_kv=128,stages=3")
 # deeper L2 prefetch of each CTA's first V tile than the default 128 rows
 DECODE_PREFETCH_VARIANTS = ("persistent:prefetch=256", "persistent:prefetch=512",
                             "persistent:prefetch=1024")
@@ -908,6 +911,8 @@ def suite(name, bw, peak, args, recs):
         recs.append(group_record(m, k, members, bw, peak, "group_rows:256", baselines=base))
     mlp_sweep([(label, m) for label in ("llama3-8b", "llama3.2-1b", "llama3-8b-r1024",
                                         "llama3-70b") for m in (1, 16)], lambda _: rows)
+  if name == "decode_depth":  # DECODE_DEPTH_VARIANTS next to the persistent kernel's plan
+    xuv_decode_sweep((1, 8, 16), lambda *_: DECODE_DEPTH_VARIANTS)
   if name == "decode_prefetch":  # the persistent decode kernel's V prefetch depth
     xuv_decode_sweep((1, 4, 16), lambda *_: DECODE_PREFETCH_VARIANTS)
   if name == "mlp_park_h":  # MLP_PARK_H_VARIANTS next to the tiled kernel's default blocks
@@ -1098,6 +1103,7 @@ def main():
                            "decode_group", "decode_pv", "llama70b",
                            "mlp_decode_probes", "mlp_park_h", "mlp_park_tune",
                            "mlp_park_stages", "mlp_low_stages",
+                           "decode_depth",
                            "kv_attention"])
   ap.add_argument("--variants", action="store_true", help="also time non-default kernels")
   ap.add_argument("--extra", nargs="*", default=[], help="op/M,K,r,N/variant")
