@@ -656,7 +656,7 @@ MLP_SHAPES = {"llama3.2-1b": (2048, 8192, 1280), "llama3-8b": (4096, 14336, 2560
 # in priority order (the JSON is rewritten after every record)
 MLP_TOKENS = (("llama3-8b", (1, 16, 4096, 4, 64)), ("llama3.2-1b", (1, 16, 4096)),
               ("llama3-8b-r1024", (1, 16, 4096)), ("llama3-8b", (2, 8, 32, 128, 1024)),
-              ("llama3.2-1b", (4, 64, 1024)), ("llama3-70b", (1, 4, 16)))
+              ("llama3.2-1b", (4, 64, 1024)), ("llama3-70b", (1, 4, 16, 32, 64, 128)))
 
 
 # session 3 also ran "decode_memset" and "decode:16,64,128,8,{32,128},256,128,64,4,4,4,{4,3}"
