@@ -890,6 +890,12 @@ def suite(name, bw, peak, args, recs):
         base = group_record(m, k, members, bw, peak)
         recs.append(base)
         recs.append(group_record(m, k, members, bw, peak, "separate", baselines=base))
+  if name == "decode_group_wide":  # the grouped kernel at 32 and 64 rows, as decode_group
+    for k, members in GROUP_SHAPES:
+      for m in (32, 64):
+        base = group_record(m, k, members, bw, peak)
+        recs.append(base)
+        recs.append(group_record(m, k, members, bw, peak, "separate", baselines=base))
   if name == "line_rows":  # planner.LINE_ROW_TOL's tiles against one-line rows, pinned
     for (k, r, n) in ((8192, 2456, 8192), (4096, 1216, 4096)):
       one_line = planner.plan_decode_persistent(1, k, r, n, line_row_tol=-1.0)
@@ -1103,7 +1109,7 @@ def main():
                            "decode_group", "decode_pv", "llama70b",
                            "mlp_decode_probes", "mlp_park_h", "mlp_park_tune",
                            "mlp_park_stages", "mlp_low_stages",
-                           "decode_depth",
+                           "decode_depth", "decode_group_wide",
                            "kv_attention"])
   ap.add_argument("--variants", action="store_true", help="also time non-default kernels")
   ap.add_argument("--extra", nargs="*", default=[], help="op/M,K,r,N/variant")

@@ -5,7 +5,8 @@ XLA merges dots that share an operand, so in a model its q/k/v X·U is one GEMM;
 separate kernel calls pay a launch and a phase hand-off each. On a single CUDA device the
 group lowers to one grouped decode kernel (custom_calls/triton/xuv_decode.py,
 ``xuv_decode_group``: 1.55-1.9x XLA's merged dots at 2-16 rows on Llama-3-8B and 3.2-1B
-q/k/v, results/gpu_xuv_group_h200.json). Where that kernel declines (e.g. above 16 rows), the
+q/k/v, 1.3-1.7x at 32-64, results/gpu_xuv_group_h200.json). Where that kernel declines (above
+64 rows, or where the policy measured it slower), the
 group lowers as XLA's reference, whose dot merger batches the members' X·U: one kernel per
 member measured slower than that in the whole Llama-3-8B decode step at batch 32 and 64
 (results/model_1gpu_h200.json); ``prefer_kernels()`` lowers the members instead. Under SPMD

@@ -115,7 +115,7 @@ def _xuv_impl(mod: str, fn: str):
 
 # ---------------------------------------------------------------- lr_xuv_group
 
-GROUP_MAX_M = 16  # xuv_decode.GROUP_MAX_M: the grouped kernel serves decode rows
+GROUP_MAX_M = 64  # xuv_decode.GROUP_MAX_M: the grouped kernel serves decode rows
 
 
 def _group(avals, params):

@@ -348,20 +348,25 @@ def plan_decode_group(m: int, k: int, members, hw: Hardware = H200,
   """Tiles for the grouped decode kernel: ``members`` is [(r_i, n_i)]. Each phase gives each
   member a share of the ``programs`` CTAs in proportion to its bytes in that phase (U_i in
   phase 1, V_i in phase 2) and cuts its tiles as ``plan_decode_persistent`` does for that
-  many CTAs, with one r-chunk (phase 2 waits for the member's whole X·U_i)."""
+  many CTAs, with one r-chunk (phase 2 waits for the member's whole X·U_i). ``min_row_bytes``
+  applies to phase 2 as far as its capped width allows."""
   g = programs or hw.num_sms
   g1 = _shares([k * r for r, _ in members], g)
   g2 = _shares([r * n for r, n in members], g)
+  block_m = max(16, next_pow2(m))
+  # from 32 rows, 256-column V tiles ask for more shared memory than a CTA has (245760 B at
+  # Llama-3-70B's q/k/v, 32 rows: tests/custom_calls/triton/test_triton_smem.py)
+  widths = (64, 128, 256) if block_m <= 16 else (64, 128)
   est1 = est2 = 0.0
   block_r, cols_r, k_per, block_n, cols_n = [], [], [], [], []
   for (r, n), a, b in zip(members, g1, g2):
     t1, br, cr, kp = _split_k_tiles(k, r, 1, a, bw * a / g, fill_us)
     t2, bn, cn, _ = _column_tiles(n, cdiv(r, cr), cr, b, bw * b / g, fill_us, max_chunks=1,
-                                  min_row_bytes=min_row_bytes, line_row_tol=line_row_tol)
+                                  min_row_bytes=min(min_row_bytes, 2 * widths[-1]),
+                                  line_row_tol=line_row_tol, widths=widths)
     block_r.append(br), cols_r.append(cr), k_per.append(kp)
     block_n.append(bn), cols_n.append(cn)
     est1, est2 = max(est1, t1), max(est2, t2)
-  block_m = max(16, next_pow2(m))
   return GroupDecodePlan(block_m, tuple(block_r), tuple(cols_r), tuple(k_per), tuple(block_n),
                          tuple(cols_n), g, 4 if block_m <= 32 else 8, 4 if block_m <= 32 else 3,
                          128, est1 + est2)
@@ -395,19 +400,22 @@ def plan_mlp_decode_persistent(m: int, d: int, f: int, r: int, rd: int, d_out: i
                                line_row_tol: float = LINE_ROW_TOL) -> PersistentMlpPlan:
   """Tiles for the persistent MLP decode kernel: phase A streams Ug and Uu (split-K), phase
   B one D_ff slice of Vg, Vu and Ud per tile, phase C Vd; each phase cut as in
-  ``plan_decode_persistent``."""
+  ``plan_decode_persistent`` (``min_row_bytes`` applies to phase B as far as its capped
+  width allows)."""
   g = programs or hw.num_sms
   n_up = 2 if gated else 1
+  block_m = max(16, next_pow2(m))
   ta, block_r, cols_r, k_per = _split_k_tiles(d, r, n_up, g, bw, fill_us)
-  # phase B at most 128 wide: 256-wide tiles asked for 280 KB of shared memory in Llama-3-70B's
-  # MLP (the H200 has 227 KB a CTA)
+  # phase B at most 128 wide, and 64 from 64 rows: 256-wide tiles asked for 280 KB of shared
+  # memory in Llama-3-70B's MLP, 128-wide ones 272 KB at 64 rows (the H200 has 227 KB a CTA;
+  # tests/custom_calls/triton/test_triton_smem.py)
+  widths_b = (64, 128) if block_m <= 32 else (64,)
   tb, block_f, cols_f, _ = _column_tiles(f, 1, n_up * r + rd, g, bw, fill_us, max_chunks=1,
-                                         min_row_bytes=min_row_bytes,
-                                         line_row_tol=line_row_tol, widths=(64, 128))
+                                         min_row_bytes=min(min_row_bytes, 2 * widths_b[-1]),
+                                         line_row_tol=line_row_tol, widths=widths_b)
   tc, block_n, cols_n, chunks = _column_tiles(d_out, cdiv(rd, 64), 64, g, bw, fill_us,
                                               min_row_bytes=min_row_bytes,
                                               line_row_tol=line_row_tol)
-  block_m = max(16, next_pow2(m))
   warps = 4 if block_m <= 32 else 8  # two [block_m, block_f] f32 accumulators per CTA
   return PersistentMlpPlan(block_m, block_r, cols_r, k_per, block_f, cols_f, block_n, cols_n,
                            chunks, g, warps, 3, 64, 64, ta + tb + tc)

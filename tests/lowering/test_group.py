@@ -133,7 +133,7 @@ def test_explain_reports_groups():
 @pytest.fixture
 def counting_cpu_kernels():
   """A CPU lr_xuv kernel that counts the calls it lowers (its impl is the reference) and a
-  CPU grouped kernel that declines every group, as a CUDA group above 16 rows does."""
+  CPU grouped kernel that declines every group, as a CUDA group above 64 rows does."""
   from lrjax.lowering import registry
   from lrjax.lowering.primitives import _xuv_ref_ops
   lowered = []

@@ -12,35 +12,18 @@ the two prefill kernels on one program, which claims their tiles in schedule ord
 It stands in for torch tensors with numpy arrays, and uses float16: the interpreter
 multiplies bfloat16 as its uint16 storage."""
 import importlib.util
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from triton_offline import STUB, run_script
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None,
     reason="needs triton (pip install 'lrjax[cuda]'); its interpreter runs on the CPU")
 
-_PRELUDE = textwrap.dedent('''
-  import importlib.util
-  import sys
-  import types
-
+_PRELUDE = STUB + textwrap.dedent('''
   import numpy as np
   from triton.runtime import interpreter
-
-  if importlib.util.find_spec("jax_triton") is None:  # the kernel module's import, stubbed
-    from jax.extend.core import Primitive
-
-    def _absent(*_, **__):
-      raise NotImplementedError("jax-triton stub")
-    stub = types.ModuleType("jax_triton")
-    stub.triton_call = _absent
-    stub.triton_lib = types.SimpleNamespace(
-        triton_kernel_call_p=Primitive("stub_triton_kernel_call"),
-        triton_kernel_call_lowering=_absent, get_cuda_backend=_absent)
-    sys.modules["jax_triton"] = stub
 
   _patch = interpreter._patch_lang_tensor
 
@@ -251,11 +234,7 @@ _PREFILL = textwrap.dedent('''
 
 
 def _interpret(script: str) -> None:
-  import os
-  env = dict(os.environ, TRITON_INTERPRET="1")
-  res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                       text=True, timeout=1200)
-  assert res.returncode == 0 and res.stdout.rstrip().endswith("ok"), res.stdout + res.stderr
+  run_script(script, interpret=True)
 
 
 @pytest.mark.parametrize("shapes", [

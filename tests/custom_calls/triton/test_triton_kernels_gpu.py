@@ -120,6 +120,8 @@ GROUP_CASES = [  # (M, K, [(r_i, N_i)], members with a bias): Llama-3-8B q/k/v a
     (8, 4096, [(1216, 4096), (512, 1024), (512, 1024)], (1,)),  # ragged pairs, tiny ranks
     (1, 1000, [(96, 520), (72, 130)], (0, 1)), (5, 64, [(16, 32), (7, 20), (1, 48)], ()),
     (16, 512, [(136, 200), (64, 64), (256, 100)], (2,)),
+    (32, 4096, [(1216, 4096), (512, 1024), (512, 1024)], (0,)),  # 32 and 64 rows (8 warps)
+    (64, 512, [(136, 200), (64, 64), (256, 100)], (1,)),
 ]
 
 
@@ -150,8 +152,8 @@ def test_xuv_decode_group_checks_its_input():
   u, v = lr_factors(64, 16, 32, jnp.bfloat16)
   with pytest.raises(ValueError, match="2 or 3"):
     xuv_decode.xuv_decode_group(x, [(u, v)])
-  with pytest.raises(ValueError, match="M <= 16"):
-    xuv_decode.xuv_decode_group(randn((17, 64), jnp.bfloat16), [(u, v), (u, v)])
+  with pytest.raises(ValueError, match="M <= 64"):
+    xuv_decode.xuv_decode_group(randn((65, 64), jnp.bfloat16), [(u, v), (u, v)])
   with pytest.raises(ValueError, match="bias"):
     xuv_decode.xuv_decode_group(x, [(u, v, randn((31,), jnp.bfloat16)), (u, v)])
 
@@ -449,13 +451,13 @@ def test_fuse_group_emits_one_triton_call_for_qkv():
 
 
 def test_group_above_the_grouped_kernels_rows_is_left_to_xla():
-  """Above 16 rows the grouped kernel declines and the group lowers as XLA's reference (no
+  """Above 64 rows the grouped kernel declines and the group lowers as XLA's reference (no
   Triton call: XLA merges the X·U dots); prefer_kernels() lowers one call per member."""
   import lrjax
   from lrjax.lowering import lr_xuv_group
   dtype = jnp.bfloat16
   ws = [lr_factors(512, r, n, dtype) for r, n in ((96, 512), (48, 128), (48, 128))]
-  x = randn((40, 512), dtype)
+  x = randn((80, 512), dtype)
   want = [xuv_ref(x, u, v, None, dtype) for u, v in ws]
   for prefer, calls in ((False, 0), (True, 3)):
     ctx = lrjax.lowering.prefer_kernels() if prefer else contextlib.nullcontext()
