@@ -299,3 +299,18 @@ def test_mlp_phase_b_tiles_are_at_most_128_wide():
 def test_rows_longer_than_the_widest_tile_are_refused():
   with pytest.raises(ValueError, match="min_row_bytes=1024"):
     planner.plan_decode_persistent(1, 4096, 1024, 14336, min_row_bytes=1024)
+
+
+def test_wide_tiles_give_way_to_shared_memory_from_32_or_64_rows():
+  """The grouped kernel's V tiles are at most 128 columns from 32 rows and the persistent
+  SwiGLU kernel's phase-B slices 64 from 64 rows (wider ones asked a CTA for more shared
+  memory than the H200 has: test_triton_smem.py); min_row_bytes yields to those caps."""
+  qkv = [(2456, 8192), (544, 1024), (544, 1024)]
+  assert max(planner.plan_decode_group(16, 8192, qkv).block_n) == 256
+  for m in (32, 64):
+    for rows in (0, 512):
+      assert max(planner.plan_decode_group(m, 8192, qkv, min_row_bytes=rows).block_n) == 128
+  assert planner.plan_mlp_decode_persistent(32, 4096, 14336, 2560, 2560, 4096).block_f == 128
+  for rows in (0, 256):
+    p = planner.plan_mlp_decode_persistent(64, 4096, 14336, 2560, 2560, 4096, min_row_bytes=rows)
+    assert p.block_f == 64
