@@ -17,8 +17,9 @@ demo: venv
 	$(VPY) examples/demo.py
 
 test: venv
-	@# triton alone (no GPU needed) runs the kernel-logic tests in Triton's CPU interpreter
-	$(PIP) install -q "triton>=3.6,<3.7" || echo "triton not installable here: its interpreter tests will skip"
+	@# triton alone (no GPU needed) runs the kernel-logic tests in Triton's CPU interpreter and
+	@# compiles the kernels for the H200 to check their shared memory
+	$(PIP) install -q "triton>=3.6,<3.7" || echo "triton not installable here: its interpreter and compile tests will skip"
 	$(VPY) -m pytest -q -rs -n 2 tests
 
 test-gpu:
