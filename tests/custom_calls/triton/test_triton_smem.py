@@ -77,9 +77,9 @@ def test_planned_decode_tiles_fit_a_cta_of_the_h200():
       (8192, [(2456, 8192), (544, 1024), (544, 1024)]),
       (4096, [(1216, 4096), (512, 1024), (512, 1024)]),
       (2048, [(640, 2048), (256, 512), (256, 512)]))]
-  xuv = [(m, k, r, n) for m in (1, 16, 64, 128) for k, r, n in (
+  xuv = [(m, k, r, n) for m in (1, 16, 32, 64, 128) for k, r, n in (
       (8192, 4096, 16384), (4096, 1024, 14336), (8192, 2456, 8192))]
-  mlp = [(m, d, f, r) for m in (1, 16, 64, 128) for d, f, r in (
+  mlp = [(m, d, f, r) for m in (1, 16, 32, 64, 128) for d, f, r in (
       (4096, 14336, 2560), (8192, 28672, 3824), (2048, 8192, 1280))]
   out = run_script(f"LIMIT = {H200_SMEM_OPTIN}\nGROUPS = {groups!r}\nXUV = {xuv!r}\n"
                    f"MLP = {mlp!r}\n" + _COMPILE, interpret=False)
