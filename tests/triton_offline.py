@@ -1,28 +1,19 @@
 """For the CPU tests that use lrjax's Triton kernels without a GPU (in Triton's interpreter,
 or compiled for the H200 to read what they ask of it): each runs as a script in a fresh
-Python, with jax-triton stubbed where it is not installed (nothing there launches through
-it; the kernel modules only import it)."""
+Python, whose ``STUB`` prelude makes the kernel modules importable without jax-triton
+(benchmarks/kernel_resources.py's stub; nothing there launches through it)."""
 import os
 import subprocess
 import sys
 import textwrap
 
-STUB = textwrap.dedent('''
-  import importlib.util
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "benchmarks")
+STUB = textwrap.dedent(f'''
   import sys
-  import types
-
-  if importlib.util.find_spec("jax_triton") is None:  # the kernel module's import, stubbed
-    from jax.extend.core import Primitive
-
-    def _absent(*_, **__):
-      raise NotImplementedError("jax-triton stub")
-    stub = types.ModuleType("jax_triton")
-    stub.triton_call = _absent
-    stub.triton_lib = types.SimpleNamespace(
-        triton_kernel_call_p=Primitive("stub_triton_kernel_call"),
-        triton_kernel_call_lowering=_absent, get_cuda_backend=_absent)
-    sys.modules["jax_triton"] = stub
+  sys.path.insert(0, {BENCHMARKS!r})
+  import kernel_resources
+  kernel_resources.install_jax_triton_stub()
 ''')
 
 

@@ -1,0 +1,167 @@
+"""What the Triton kernels' default tiles ask of one H200 CTA, found without a GPU.
+
+Each kernel is compiled for sm_90 by Triton, with the 16-byte pointer alignment that
+jax-triton declares (without it Triton does not pipeline the loads and reports a quarter to
+a third of the shared memory). Triton's metadata gives the shared memory; ``ptxas -v`` (the
+ptxas bundled with Triton) gives registers, spills and its C7515 warning that wgmma
+instructions run serialized. On the GPU, jaxlib assembles the same PTX with its own ptxas,
+so registers and spills there may differ; the shared memory is Triton's own number.
+
+  python benchmarks/kernel_resources.py [--out benchmarks/results/kernel_resources_sm90.json]
+
+Runs where triton is installed; without jax-triton the kernel modules import against a stub
+(nothing here launches). tests/custom_calls/triton/test_triton_smem.py checks the shared
+memory of these configurations against the H200's limit.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import types
+
+H200_SMEM_OPTIN = 232448  # bytes a CTA may ask for (cudaDevAttrMaxSharedMemoryPerBlockOptin)
+
+
+def install_jax_triton_stub() -> None:
+  """The kernel modules import jax-triton; where it is absent, a stub stands in (calling it
+  raises). Nothing that only compiles or interprets the kernels launches through it."""
+  if "jax_triton" in sys.modules or importlib.util.find_spec("jax_triton") is not None:
+    return
+  from jax.extend.core import Primitive
+
+  def absent(*_, **__):
+    raise NotImplementedError("jax-triton stub")
+  stub = types.ModuleType("jax_triton")
+  stub.triton_call = absent
+  stub.triton_lib = types.SimpleNamespace(
+      triton_kernel_call_p=Primitive("stub_triton_kernel_call"),
+      triton_kernel_call_lowering=absent, get_cuda_backend=absent)
+  sys.modules["jax_triton"] = stub
+
+
+def _pointer(name: str) -> str:
+  """The element type of a kernel's pointer argument, by the kernels' naming."""
+  if name.startswith(("scratch", "s_in", "sacc")):
+    return "*fp32"
+  return "*i32" if name.startswith(("sched", "flag")) else "*bf16"
+
+
+def compile_sm90(kernel, meta: dict, warps: int, stages: int, ptxas: bool = True) -> dict:
+  """Compiles ``kernel`` with these constexprs for sm_90: its shared memory, and with
+  ``ptxas`` its registers, spill bytes and whether wgmma runs serialized."""
+  import triton
+  from triton.backends.compiler import GPUTarget
+  from triton.compiler import ASTSource
+  sig, consts, attrs = {}, {}, {}
+  for i, p in enumerate(kernel.params):
+    if p.is_constexpr:
+      consts[p.name] = meta.get(p.name, p.default)
+      sig[p.name] = "constexpr"
+    elif p.name == "M":
+      sig[p.name] = "i32"
+    else:
+      sig[p.name] = _pointer(p.name)
+      attrs[(i,)] = [["tt.divisibility", 16]]
+  src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
+  c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                     options=dict(num_warps=warps, num_stages=stages))
+  out = dict(shared=c.metadata.shared, warps=warps, stages=stages)
+  if ptxas:
+    exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+      path = os.path.join(tmp, "k.ptx")
+      with open(path, "w") as fh:
+        fh.write(c.asm["ptx"])
+      res = subprocess.run([exe, "-arch=sm_90a", "-v", path, "-o", os.devnull],
+                           capture_output=True, text=True, check=True)
+    log = res.stdout + res.stderr
+    regs = [int(line.split("Used ")[1].split(" registers")[0])
+            for line in log.splitlines() if "Used " in line and " registers" in line]
+    spills = [int(line.split("bytes spill stores")[0].split(",")[-1])
+              for line in log.splitlines() if "bytes spill stores" in line]
+    out.update(registers=max(regs), spill_store_bytes=max(spills),
+               wgmma_serialized="C7515" in log)
+  return out
+
+
+# Llama-3 8B / 70B and 3.2-1B shapes at 40 % removed (as benchmarks/gpu_lowrank.py's sweep)
+GROUP_SHAPES = ((8192, ((2456, 8192), (544, 1024), (544, 1024))),
+                (4096, ((1216, 4096), (512, 1024), (512, 1024))),
+                (2048, ((640, 2048), (256, 512), (256, 512))))
+XUV_SHAPES = ((8192, 4096, 16384), (4096, 1024, 14336), (8192, 2456, 8192))
+MLP_SHAPES = ((4096, 14336, 2560), (8192, 28672, 3824), (2048, 8192, 1280))
+PREFILL_XUV_SHAPES = ((8192, 4096, 16384), (7168, 4096, 18432))
+PREFILL_MLP_SHAPES = ((4096, 14336, 2560), (2048, 8192, 1280), (4096, 14336, 1024))
+
+
+def planned():
+  """(name, kernel, meta, warps, stages) of every kernel's default tiles at the shapes above:
+  decode at 1-128 rows (the grouped kernel to its 64), prefill at 1024 and 4096 tokens."""
+  install_jax_triton_stub()
+  from lrjax.custom_calls.triton import mlp_decode, mlp_prefill, planner, xuv_decode, xuv_prefill
+  kw = dict(gated=True, act="silu", bias_mask=(False,) * 3)
+  for m in (1, 16, 32, 64):
+    for k, members in GROUP_SHAPES:
+      p = planner.plan_decode_group(m, k, members)
+      meta = xuv_decode.group_launch_plan(m, k, [(r, n, False) for r, n in members], p)["meta"]
+      yield f"group M={m} K={k}", xuv_decode._xuv_group_kernel, meta, p.warps, p.stages
+  for m in (1, 16, 32, 64, 128):
+    for k, r, n in XUV_SHAPES:
+      pv = m < xuv_decode.PV_XLA_MIN_M
+      p = (planner.plan_decode_persistent if pv else planner.plan_decode_phase1)(m, k, r, n)
+      meta = xuv_decode.persistent_launch_plan(m, k, r, n, False, p, pv=pv)["meta"]
+      yield (f"xuv decode M={m} {k}->{r}->{n}", xuv_decode._xuv_decode_persistent_kernel, meta,
+             p.warps, p.stages)
+    for d, f, r in MLP_SHAPES:
+      bs = mlp_decode.BlockSizes.get_default(m, d, f, r, d)
+      meta = mlp_decode.launch_plan(m, d, r, f, r, d, bs=bs, **kw)["meta"]
+      yield (f"mlp decode T={m} D={d} F={f} r={r}", mlp_decode._mlp_decode_kernel, meta,
+             bs.num_warps, bs.num_stages)
+      if m <= mlp_decode.PERSISTENT_MAX_M:
+        p = planner.plan_mlp_decode_persistent(m, d, f, r, r, d)
+        meta = mlp_decode.persistent_launch_plan(m, d, r, f, r, d, p=p, **kw)["meta"]
+        yield (f"mlp decode persistent T={m} D={d} F={f} r={r}",
+               mlp_decode._mlp_decode_persistent_kernel, meta, p.warps, p.stages)
+  for m in (1024, 4096):
+    for k, r, n in PREFILL_XUV_SHAPES:
+      bs = xuv_prefill.BlockSizes.get_default(m, k, r, n)
+      meta = xuv_prefill.launch_plan(m, k, r, n, False, bs)["meta"]
+      yield (f"xuv prefill M={m} {k}->{r}->{n}", xuv_prefill._xuv_prefill_kernel, meta,
+             bs.num_warps, bs.num_stages)
+    for d, f, r in PREFILL_MLP_SHAPES:
+      bs = mlp_prefill.BlockSizes.get_default(m, d, f, r, r, True)
+      meta = mlp_prefill.launch_plan(m, d, r, f, r, d, bs=bs, **kw)["meta"]
+      yield (f"mlp prefill T={m} D={d} F={f} r={r}", mlp_prefill._mlp_prefill_kernel, meta,
+             bs.num_warps, bs.num_stages)
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--out", help="write the records as JSON here")
+  args = ap.parse_args()
+  import triton
+  recs = []
+  for name, kernel, meta, warps, stages in planned():
+    rec = dict(name=name, **compile_sm90(kernel, meta, warps, stages))
+    recs.append(rec)
+    serialized = "  wgmma serialized" if rec["wgmma_serialized"] else ""
+    print(f"{name:<48} smem {rec['shared']:>6} B  regs {rec['registers']:>3}  spills "
+          f"{rec['spill_store_bytes']:>4} B{serialized}", flush=True)
+  if args.out:
+    meta = dict(target="sm_90 (H200), compiled on the CPU", triton=triton.__version__,
+                smem_limit=H200_SMEM_OPTIN,
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                method=__doc__.split("\n\n")[1].replace("\n", " "))
+    with open(args.out + ".tmp", "w") as fh:
+      json.dump(dict(meta=meta, records=recs), fh, indent=1)
+    os.replace(args.out + ".tmp", args.out)
+
+
+if __name__ == "__main__":
+  main()
