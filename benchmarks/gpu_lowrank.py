@@ -1050,12 +1050,16 @@ def _plot_kv_attention(recs, path_json, plt) -> str:
   return save_beside(fig, path_json)
 
 
-def plot(path_json: str) -> str:
-  """Plots a results JSON beside it (PNG): roofline fractions and speedups vs XLA."""
-  from plotting import pyplot, save_beside
-  plt = pyplot()
+def plot(path_json: str) -> str | None:
+  """Plots a results JSON beside it (PNG): roofline fractions and speedups vs XLA, of its
+  default-kernel ("auto") records; None (no file) where it has none (a variant suite timed
+  against another base)."""
   recs = json.load(open(path_json))["records"]
   auto = [r for r in recs if r["variant"] == "auto" and r.get("canonical", True)]
+  if not auto:
+    return None
+  from plotting import pyplot, save_beside
+  plt = pyplot()
   if auto and all(r["op"] == "kv_attention" for r in auto):
     return _plot_kv_attention(auto, path_json, plt)
   fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
@@ -1141,7 +1145,7 @@ def main():
     with open(args.plot + ".tmp", "w") as fh:
       json.dump(data, fh, indent=1)
     os.replace(args.plot + ".tmp", args.plot)
-    print(plot(args.plot))
+    print(plot(args.plot) or "no default-kernel records to plot")
     return
   if args.emit_policy:
     from lrjax.custom_calls.triton import measured
@@ -1207,7 +1211,9 @@ def main():
 
   recs = Records()
   suite(args.suite, bw, peak, args, recs)
-  print(f"wrote {len(recs)} records to {args.out}; plot {plot(args.out)}")
+  png = plot(args.out)
+  print(f"wrote {len(recs)} records to {args.out}; " + (f"plot {png}" if png else
+                                                        "no default-kernel records to plot"))
 
 
 if __name__ == "__main__":
