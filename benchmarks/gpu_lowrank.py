@@ -682,6 +682,7 @@ KV_ATTENTION_VARIANTS = ("kv:128,64,8,2", "kv:128,64,8,3", "kv:128,128,8,2", "kv
                          "kv:64,128,8,2")
 # the tiled MLP decode kernel with h parked for stage H (D_ff-split h·Ud: a few partials of S
 # instead of one per stage-B slice), with 128-column stage-B slices, and the latter alone
+# (session 12, next to the default of the time, which did not park h)
 MLP_PARK_H_VARIANTS = ("decode_kw:park_h=1", "decode_kw:park_h=1,block_f=128",
                        "decode_kw:block_f=128")
 # then single changes to the parked-h blocks (stage A's K step, split and pipeline depth,
