@@ -885,15 +885,10 @@ def suite(name, bw, peak, args, recs):
                                     (4096, 1024, 14336)))
   if name == "decode_pv":  # phase 2 in the persistent kernel or as XLA's GEMM on its P
     xuv_decode_sweep(args.chunk_m, decode_pv_variants)
-  if name == "decode_group":  # q/k/v in one launch against one call each and XLA
+  if name in ("decode_group", "decode_group_wide"):  # q/k/v in one launch against one call
+    # each and XLA; _wide: at 32 and 64 rows
     for k, members in GROUP_SHAPES:
-      for m in (1, 2, 4, 8, 16):
-        base = group_record(m, k, members, bw, peak)
-        recs.append(base)
-        recs.append(group_record(m, k, members, bw, peak, "separate", baselines=base))
-  if name == "decode_group_wide":  # the grouped kernel at 32 and 64 rows, as decode_group
-    for k, members in GROUP_SHAPES:
-      for m in (32, 64):
+      for m in ((32, 64) if name == "decode_group_wide" else (1, 2, 4, 8, 16)):
         base = group_record(m, k, members, bw, peak)
         recs.append(base)
         recs.append(group_record(m, k, members, bw, peak, "separate", baselines=base))
