@@ -652,11 +652,22 @@ GROUP_SHAPES = ((8192, ((2456, 8192), (544, 1024), (544, 1024))),
                 (2048, ((640, 2048), (256, 512), (256, 512))))
 PREFILL_M = (1024, 2048, 4096, 8192, 16384, 32768)
 MLP_SHAPES = {"llama3.2-1b": (2048, 8192, 1280), "llama3-8b": (4096, 14336, 2560),
-              "llama3-8b-r1024": (4096, 14336, 1024), "llama3-70b": (8192, 28672, 3824)}
+              "llama3-8b-r1024": (4096, 14336, 1024), "llama3-70b": (8192, 28672, 3824),
+              "qwen2.5-7b": (3584, 18944, 2048),
+              # the rank the model benchmark (tp_gpu.py: multiples of 64) gives the 70B MLP;
+              # in its step at batch 16 XLA's MLP ran 7 % faster than at 3824
+              "llama3-70b-r3840": (8192, 28672, 3840)}
+# D_ff in more 128-column slices than the H200's 132 SMs (148, 216), like Llama-3-70B's
+# (224) and unlike the 8B's (112): does stage B gain from 4 pipeline stages where slices > SMs?
+# Then shapes whose slices past the first 132 are few (8, 28) or many (60): is it the tail?
+MLP_SLICE_SHAPES = {"qwen2.5-32b": (5120, 27648, 3072),
+                    "phi3-medium": (5120, 17920, 2432), "yi-34b": (7168, 20480, 3200),
+                    "gemma-7b": (3072, 24576, 1664)}
 # in priority order (the JSON is rewritten after every record)
 MLP_TOKENS = (("llama3-8b", (1, 16, 4096, 4, 64)), ("llama3.2-1b", (1, 16, 4096)),
               ("llama3-8b-r1024", (1, 16, 4096)), ("llama3-8b", (2, 8, 32, 128, 1024)),
-              ("llama3.2-1b", (4, 64, 1024)), ("llama3-70b", (1, 4, 16, 32, 64, 128)))
+              ("llama3.2-1b", (4, 64, 1024)), ("llama3-70b", (1, 4, 16, 32, 64, 128)),
+              ("qwen2.5-7b", (1, 4, 16)), ("llama3-70b-r3840", (1, 4, 16, 32, 64, 128)))
 
 
 # session 3 also ran "decode_memset" and "decode:16,64,128,8,{32,128},256,128,64,4,4,4,{4,3}"
@@ -848,7 +859,7 @@ def suite(name, bw, peak, args, recs):
   if name in ("mlp", "all"):
     for label, tokens in MLP_TOKENS:
       d, f, r = MLP_SHAPES[label]
-      for m in tokens:
+      for m in tokens if args.mlp_models is None or label in args.mlp_models else ():
         if args.min_m <= m <= args.max_m:
           recs.append(dict(mlp_record(m, d, f, r, bw, peak), model=label))
   def xuv_decode_sweep(ms, variants, base_kernel="auto", shapes=XUV_DECODE_SHAPES):
@@ -862,7 +873,7 @@ def suite(name, bw, peak, args, recs):
   def mlp_sweep(points, variants, base_kernel="auto"):
     """Each (model label, tokens): a base record, then ``variants(r)`` beside it."""
     for label, m in points:
-      d, f, r = MLP_SHAPES[label]
+      d, f, r = {**MLP_SHAPES, **MLP_SLICE_SHAPES}[label]
       base = dict(mlp_record(m, d, f, r, bw, peak, base_kernel), model=label)
       recs.append(base)
       for variant in variants(r):
@@ -936,11 +947,21 @@ def suite(name, bw, peak, args, recs):
     mlp_sweep([("llama3-8b", 32), ("llama3-8b", 64), ("llama3.2-1b", 32), ("llama3.2-1b", 64),
                ("llama3-8b-r1024", 32), ("llama3-70b", 32), ("llama3-70b", 64)],
               lambda _: v["mid"], PARK)
-    mlp_sweep([(label, 128) for label in MLP_SHAPES], lambda _: v["high"], PARK)
+    mlp_sweep([(label, 128) for label in ("llama3.2-1b", "llama3-8b", "llama3-8b-r1024",
+                                          "llama3-70b")], lambda _: v["high"], PARK)
   if name == "mlp_low_stages":  # MLP_LOW_STAGES_VARIANTS next to the default blocks
     mlp_sweep([("llama3-8b", 1), ("llama3-8b", 4), ("llama3-8b", 16), ("llama3-8b-r1024", 1),
                ("llama3-8b-r1024", 16), ("llama3-70b", 1), ("llama3-70b", 16)],
               lambda _: MLP_LOW_STAGES_VARIANTS, "decode")
+  if name == "mlp_slices":  # the T <= 16 variants that gained only at 70B, on more shapes
+    mlp_sweep([(label, m) for label in ("qwen2.5-7b", "qwen2.5-32b", "llama3-8b")
+               for m in (1, 16)],
+              lambda _: MLP_LOW_STAGES_VARIANTS[:1] + MLP_PARK_STAGES_VARIANTS["low"][:1],
+              "decode")
+  if name == "mlp_tail":  # the same on the shapes with a short or long second round
+    mlp_sweep([(label, m) for label in ("phi3-medium", "yi-34b", "gemma-7b") for m in (1, 16)],
+              lambda _: MLP_LOW_STAGES_VARIANTS[:1] + MLP_PARK_STAGES_VARIANTS["low"][:1],
+              "decode")
   if name == "mlp_decode_variants":  # MLP_DECODE_VARIANTS next to the default, one run
     mlp_sweep(decode_points, lambda _: MLP_DECODE_VARIANTS)
   if name == "mlp_decode_probes":  # MLP_DECODE_PROBES next to the tiled kernel, one run
@@ -1108,7 +1129,7 @@ def main():
                            "decode_wide_m", "decode_chunks", "decode_p16", "decode_grid",
                            "decode_group", "decode_pv", "llama70b",
                            "mlp_decode_probes", "mlp_park_h", "mlp_park_tune",
-                           "mlp_park_stages", "mlp_low_stages",
+                           "mlp_park_stages", "mlp_low_stages", "mlp_slices", "mlp_tail",
                            "decode_depth", "decode_group_wide",
                            "kv_attention"])
   ap.add_argument("--variants", action="store_true", help="also time non-default kernels")
@@ -1125,6 +1146,8 @@ def main():
                   help="only the decode and MLP shapes with at most this many tokens")
   ap.add_argument("--min-m", type=int, default=0,
                   help="only the decode X·U·V and MLP shapes with at least this many tokens")
+  ap.add_argument("--mlp-models", nargs="*", choices=sorted(MLP_SHAPES),
+                  help="only these models' shapes in the mlp suite")
   ap.add_argument("--chunk-m", type=int, nargs="*", default=[16, 32, 64],
                   help="token counts of the decode_chunks, decode_p16 and decode_pv suites")
   ap.add_argument("--verbose", action="store_true", help="print compile and timing seconds")

@@ -1,9 +1,9 @@
 """Measured speed of the Triton lowerings against XLA's, per benchmarked shape (H200).
 
 The registry asks ``faster`` before it lowers a primitive with a Triton kernel: the
-verdict of the benchmarked shape nearest to the call's (distance: |log2| of the token
-ratio plus |log2| of the weight-bytes ratio, same op), smoothed over that shape's
-neighbouring token counts. Calls whose factors are more than EXTRAPOLATE times smaller or
+verdict of the benchmarked shape nearest to the call's (the call's own shape where it was
+benchmarked; else distance: |log2| of the token ratio plus that of each of K, r and N, same
+op), smoothed over that shape's neighbouring token counts. Calls whose factors are more than EXTRAPOLATE times smaller or
 larger than every benchmarked shape's go to XLA (e.g. TP shards of small factors). Where the
 kernel measured slower than XLA's unfused chain there (median ratio below PARITY), the call is
 declined and XLA lowers the reference; ``lrjax.lowering.prefer_kernels()`` overrides that.
@@ -12,8 +12,9 @@ same verdicts.
 
 A benchmarked shape is a call alone. In a whole decode step the kernels can lose where their
 calls win alone (XLA merges the dots that share an input, and each kernel call zeroes its own
-scratch): MODEL_AB holds the decode step of Llama-3-8B on one H200 with and without the kernels,
-and at M >= 2 a call is left to XLA when the step at the nearest batch (of 2 or more rows) was
+scratch): MODEL_AB holds the decode steps of Llama-3-8B and Llama-3-70B (8 of its layers) on one
+H200 with and without the kernels, and at M >= 2 a call is left to XLA when the step of the
+model whose hidden size is nearest the call's K, at the nearest batch (of 2 or more rows), was
 slower with them.
 
 RECORDS (the sweep's and the grouped q/k/v kernel's, GROUP_SOURCE) and MODEL_AB are generated
@@ -30,7 +31,8 @@ import re
 import statistics
 
 SOURCE = "benchmarks/results/gpu_lowrank_h200.json"
-MODEL_SOURCE = "benchmarks/results/model_1gpu_h200.json"
+MODEL_SOURCES = ("benchmarks/results/model_1gpu_h200.json",
+                 "benchmarks/results/model_70b_1gpu_h200.json")
 # the grouped X·U·V kernel (op "xuv_group": K, then r and N summed over the members)
 GROUP_SOURCE = "benchmarks/results/gpu_xuv_group_h200.json"
 # At or above this fraction of XLA's speed the kernel keeps serving: XLA's own time for one
@@ -41,7 +43,10 @@ PARITY = 0.97
 # pooled (median speed ratio): at least three token counts for the end points of a sweep.
 WINDOW = 4
 # ...but a nearest record this far behind XLA declines on its own (beyond the noise: the
-# pooled median once kept a 0.61x record at the end of a sweep).
+# pooled median once kept a 0.61x record at the end of a sweep). A call at the very shape and
+# token count of a record follows that record at PARITY: the pooled median (0.98) kept the
+# SwiGLU kernel on Llama-3-70B's MLP at T=16, a 0.96x record, and the 70B step at batch 16
+# was 3.7 % slower with it (benchmarks/results/model_70b_1gpu_h200.json).
 CLEAR_LOSS = 0.9
 # A call whose factors are more than this many times smaller or larger than every benchmarked
 # shape's is not judged from them: XLA lowers it. On 8 H200s the kernels on TP shards 4-15x
@@ -49,31 +54,40 @@ CLEAR_LOSS = 0.9
 # (benchmarks/gpu_notes.md, session 7).
 EXTRAPOLATE = 4.0
 
-# (op, M, K, r, N, ours_us, xla_us); mlp rows: K = D, N = D_ff. MODEL_AB: (batch, decode
-# step ms with the kernels, ms without) of the whole model (benchmarks/tp_gpu.py --fuse).
+# (op, M, K, r, N, ours_us, xla_us); mlp rows: K = D, N = D_ff. MODEL_AB: (model, hidden
+# size, batch, decode step ms with the kernels, ms without) (benchmarks/tp_gpu.py --fuse).
 # BEGIN GENERATED
 MEASURED_ON = 'NVIDIA H200, 2026-11-22'
 RECORDS: tuple[tuple[str, int, int, int, int, float, float], ...] = (
     ('mlp_swiglu', 1, 2048, 1280, 8192, 34.1, 57.2),
+    ('mlp_swiglu', 1, 3584, 2048, 18944, 81.5, 134.4),
     ('mlp_swiglu', 1, 4096, 1024, 14336, 40.1, 70.2),
     ('mlp_swiglu', 1, 4096, 2560, 14336, 79.7, 83.5),
-    ('mlp_swiglu', 1, 8192, 3824, 28672, 220.0, 208.7),
+    ('mlp_swiglu', 1, 8192, 3824, 28672, 205.7, 218.3),
+    ('mlp_swiglu', 1, 8192, 3840, 28672, 202.6, 206.4),
     ('mlp_swiglu', 2, 4096, 2560, 14336, 82.0, 81.6),
     ('mlp_swiglu', 4, 2048, 1280, 8192, 36.0, 38.3),
+    ('mlp_swiglu', 4, 3584, 2048, 18944, 84.7, 79.3),
     ('mlp_swiglu', 4, 4096, 2560, 14336, 83.5, 81.7),
-    ('mlp_swiglu', 4, 8192, 3824, 28672, 225.3, 211.2),
+    ('mlp_swiglu', 4, 8192, 3824, 28672, 209.5, 210.3),
+    ('mlp_swiglu', 4, 8192, 3840, 28672, 208.1, 206.2),
     ('mlp_swiglu', 8, 4096, 2560, 14336, 85.7, 83.3),
     ('mlp_swiglu', 16, 2048, 1280, 8192, 38.6, 40.4),
+    ('mlp_swiglu', 16, 3584, 2048, 18944, 92.2, 83.8),
     ('mlp_swiglu', 16, 4096, 1024, 14336, 44.4, 45.1),
     ('mlp_swiglu', 16, 4096, 2560, 14336, 89.1, 85.2),
-    ('mlp_swiglu', 16, 8192, 3824, 28672, 240.8, 217.4),
+    ('mlp_swiglu', 16, 8192, 3824, 28672, 224.9, 216.6),
+    ('mlp_swiglu', 16, 8192, 3840, 28672, 222.2, 213.6),
     ('mlp_swiglu', 32, 4096, 2560, 14336, 85.0, 90.3),
     ('mlp_swiglu', 32, 8192, 3824, 28672, 226.7, 235.2),
+    ('mlp_swiglu', 32, 8192, 3840, 28672, 222.6, 220.4),
     ('mlp_swiglu', 64, 2048, 1280, 8192, 45.7, 45.1),
     ('mlp_swiglu', 64, 4096, 2560, 14336, 92.2, 108.9),
     ('mlp_swiglu', 64, 8192, 3824, 28672, 239.7, 230.9),
+    ('mlp_swiglu', 64, 8192, 3840, 28672, 232.7, 230.8),
     ('mlp_swiglu', 128, 4096, 2560, 14336, 127.3, 118.2),
     ('mlp_swiglu', 128, 8192, 3824, 28672, 310.4, 255.1),
+    ('mlp_swiglu', 128, 8192, 3840, 28672, 295.3, 257.0),
     ('mlp_swiglu', 1024, 2048, 1280, 8192, 245.5, 153.5),
     ('mlp_swiglu', 1024, 4096, 2560, 14336, 544.5, 427.0),
     ('mlp_swiglu', 4096, 2048, 1280, 8192, 630.9, 487.1),
@@ -197,13 +211,18 @@ RECORDS: tuple[tuple[str, int, int, int, int, float, float], ...] = (
     ('xuv_group', 64, 4096, 2240, 6144, 24.5, 32.1),
     ('xuv_group', 64, 8192, 3544, 10240, 57.3, 51.7),
 )
-MODEL_AB: tuple[tuple[int, float, float], ...] = (
-    (1, 4.607, 8.278),
-    (8, 4.716, 4.724),
-    (16, 5.322, 5.433),
-    (32, 6.648, 6.94),
-    (64, 9.307, 9.553),
-    (128, 15.096, 14.5),
+MODEL_AB: tuple[tuple[str, int, int, float, float], ...] = (
+    ('8b', 4096, 1, 4.607, 8.278),
+    ('8b', 4096, 8, 4.716, 4.724),
+    ('8b', 4096, 16, 5.322, 5.433),
+    ('8b', 4096, 32, 6.648, 6.94),
+    ('8b', 4096, 64, 9.192, 9.58),
+    ('8b', 4096, 128, 15.096, 14.5),
+    ('70b', 8192, 1, 2.894, 2.94),
+    ('70b', 8192, 16, 3.254, 3.209),
+    ('70b', 8192, 32, 3.735, 3.666),
+    ('70b', 8192, 64, 4.615, 4.433),
+    ('70b', 8192, 128, 6.161, 6.127),
 )
 # END GENERATED
 
@@ -243,30 +262,35 @@ def policy_records(path: str) -> tuple[str, tuple]:
 
 
 def model_ab_from_results(path: str) -> tuple:
-  """MODEL_AB from a tp_gpu.py results file: (batch, step ms with the kernels, without) of
-  each batch of the one-GPU low-rank model measured both ways (with the kernels: lrjax.fuse's
-  default, grouping q/k/v; ``--no-group`` runs are not the default and are left out)."""
+  """MODEL_AB rows from a tp_gpu.py results file: (model, hidden size, batch, step ms with the
+  kernels, without) of each batch of the one-GPU low-rank model measured both ways (with the
+  kernels: lrjax.fuse's default, grouping q/k/v; ``--no-group`` runs are not the default and
+  are left out); of repeated runs, the last."""
   with open(path) as fh:
-    recs = [r for r in json.load(fh)["records"]
-            if "step_ms" in r and r["strategy"] == "lowrank_tp" and r["tp"] == 1
-            and r.get("group") is not False]
+    data = json.load(fh)
+  recs = [r for r in data["records"]
+          if "step_ms" in r and r["strategy"] == "lowrank_tp" and r["tp"] == 1
+          and r.get("group") is not False]
   # fused runs with lrjax.fuse's default grouping replace those from before it existed
   recs.sort(key=lambda r: r.get("group", False))
-  steps = {(r["batch"], bool(r.get("fuse"))): r["step_ms"] for r in recs}
-  return tuple((b, round(steps[b, True], 3), round(steps[b, False], 3))
-               for b in sorted({b for b, _ in steps}) if (b, True) in steps and (b, False) in steps)
+  steps = {(r["model"], r["batch"], bool(r.get("fuse"))): r["step_ms"] for r in recs}
+  return tuple((name, data["models"][name]["hidden_size"], b, round(steps[name, b, True], 3),
+                round(steps[name, b, False], 3))
+               for name, b in sorted({k[:2] for k in steps})
+               if (name, b, True) in steps and (name, b, False) in steps)
 
 
-def render(path: str, module_text: str, model_path: str | None = None) -> str:
+def render(path: str, module_text: str, model_paths: tuple[str, ...] | None = None) -> str:
   """``module_text`` with its generated block replaced by the records of ``path`` (and of
-  ``model_path``, default: MODEL_SOURCE's file name beside ``path``)."""
+  ``model_paths``, default: MODEL_SOURCES' file names beside ``path``)."""
   on, recs = policy_records(path)
-  model_path = model_path or os.path.join(os.path.dirname(path), os.path.basename(MODEL_SOURCE))
-  ab = model_ab_from_results(model_path)
+  model_paths = model_paths or tuple(os.path.join(os.path.dirname(path), os.path.basename(m))
+                                     for m in MODEL_SOURCES)
+  ab = sum((model_ab_from_results(m) for m in model_paths), ())
   body = "\n".join(f"    {r!r}," for r in recs)
   block = (f"# BEGIN GENERATED\nMEASURED_ON = {on!r}\n"
            f"RECORDS: tuple[tuple[str, int, int, int, int, float, float], ...] = (\n"
-           f"{body}\n)\nMODEL_AB: tuple[tuple[int, float, float], ...] = (\n"
+           f"{body}\n)\nMODEL_AB: tuple[tuple[str, int, int, float, float], ...] = (\n"
            + "".join(f"    {a!r},\n" for a in ab) + ")\n# END GENERATED")
   return re.sub(r"^# BEGIN GENERATED$.*?^# END GENERATED$", lambda _: block, module_text,
                 flags=re.S | re.M)
@@ -279,33 +303,42 @@ def _weight_elems(op: str, k: int, r: int, n: int) -> int:
 
 
 def nearest(op: str, m: int, k: int, r: int, n: int):
-  """The benchmarked record of ``op`` nearest to this shape, or None. Shapes of equal factor
-  size (e.g. 4096->512->1024 and 2048->640->2048) are told apart by their K, r and N."""
+  """The benchmarked record of ``op`` nearest to this shape, or None. A shape benchmarked
+  itself is judged from its own records (at one row only from M = 1, above it only from
+  M >= 2), not from another shape's at a closer token count (Qwen2.5-7B's SwiGLU at T=8 is
+  not Llama-3-8B's, though their factors are of one size); otherwise the nearest in M and
+  each of K, r and N (|log2| ratios summed; ties: factor size)."""
   w = _weight_elems(op, k, r, n)
+  recs = [q for q in RECORDS if q[0] == op]
+  own = [q for q in recs if q[2:5] == (k, r, n) and (q[1] == 1) == (m == 1)]
   best, best_d = None, (math.inf,)
-  for rec in RECORDS:
-    if rec[0] != op:
-      continue
-    d = (abs(math.log2(m / rec[1])) + abs(math.log2(w / _weight_elems(op, *rec[2:5]))),
-         sum(abs(math.log2(a / b)) for a, b in zip((k, r, n), rec[2:5])))
+  for rec in own or recs:
+    d = (abs(math.log2(m / rec[1]))
+         + sum(abs(math.log2(a / b)) for a, b in zip((k, r, n), rec[2:5])),
+         abs(math.log2(w / _weight_elems(op, *rec[2:5]))))
     if d < best_d:
       best, best_d = rec, d
   return best
 
 
-def _model_verdict(m: int) -> str | None:
-  """The reason to leave an M-row call to XLA if the whole decode step at the nearest batch
-  of 2 or more rows (within WINDOW x of M; ties: the larger) was slower with the kernels."""
-  near = [a for a in MODEL_AB if a[0] >= 2 and m >= 2 and a[0] / WINDOW <= m <= WINDOW * a[0]]
+def _model_verdict(m: int, k: int) -> str | None:
+  """The reason to leave an M-row call with input width ``k`` to XLA if the whole decode step
+  of the model whose hidden size is nearest ``k``, at its nearest batch of 2 or more rows
+  (within WINDOW x of M; ties: the larger), was slower with the kernels."""
+  if not MODEL_AB:
+    return None
+  hidden = min({a[1] for a in MODEL_AB}, key=lambda h: (abs(math.log2(k / h)), h))
+  near = [a for a in MODEL_AB if a[1] == hidden and a[2] >= 2 and m >= 2
+          and a[2] / WINDOW <= m <= WINDOW * a[2]]
   if not near:
     return None
-  b, ours, xla = min(near, key=lambda a: (abs(math.log2(m / a[0])), -a[0]))
+  name, _, b, ours, xla = min(near, key=lambda a: (abs(math.log2(m / a[2])), -a[2]))
   if xla / ours >= PARITY:
     return None
-  return (f"in the whole Llama-3-8B decode step at batch {b} the kernels were slower "
-          f"({ours:.2f} ms a step, {xla:.2f} ms with XLA's lowering; {MEASURED_ON}, "
-          f"{MODEL_SOURCE}); lrjax.lowering.prefer_kernels() or LRJAX_PREFER_KERNELS=1 uses "
-          "the kernel anyway")
+  return (f"in the whole decode step of the {name} model (hidden size {hidden}) at batch {b} "
+          f"the kernels were slower ({ours:.2f} ms a step, {xla:.2f} ms with XLA's lowering; "
+          f"{MEASURED_ON}, {', '.join(MODEL_SOURCES)}); lrjax.lowering.prefer_kernels() or "
+          "LRJAX_PREFER_KERNELS=1 uses the kernel anyway")
 
 
 def verdict(op: str, m: int, k: int, r: int, n: int, model_ab: bool = True) -> str | None:
@@ -318,7 +351,8 @@ def verdict(op: str, m: int, k: int, r: int, n: int, model_ab: bool = True) -> s
 
   "Around": the median speed ratio of that shape's records with M within a factor WINDOW
   of the nearest record's, so one noisy timing does not flip the choice between
-  neighbouring token counts; the nearest record alone declines below CLEAR_LOSS. M = 1
+  neighbouring token counts; the nearest record alone declines below CLEAR_LOSS, and below
+  PARITY where it is the call's own shape and token count. M = 1
   is pooled only with M = 1: XLA lowers a one-row product differently (a multiply and a
   reduce fusion, not a GEMM: benchmarks/results/gpu_timeline_h200.json), so its speed
   there says nothing about M = 2."""
@@ -332,7 +366,7 @@ def verdict(op: str, m: int, k: int, r: int, n: int, model_ab: bool = True) -> s
     return (f"no benchmarked {op} shape within {EXTRAPOLATE:g}x of this call's factor size "
             f"({here}: {2 ** gap:.1f}x from the nearest; {MEASURED_ON}, {SOURCE}); "
             f"lrjax.lowering.prefer_kernels() or LRJAX_PREFER_KERNELS=1 uses the kernel anyway")
-  if model_ab and (why := _model_verdict(m)) is not None:
+  if model_ab and (why := _model_verdict(m, k)) is not None:
     return why
   _, rm, rk, rr, rn, ours, xla = rec
   window = [q for q in RECORDS if q[0] == op and q[2:5] == (rk, rr, rn)
@@ -342,6 +376,10 @@ def verdict(op: str, m: int, k: int, r: int, n: int, model_ab: bool = True) -> s
   if xla / ours < CLEAR_LOSS:
     return (f"XLA measured clearly faster at the nearest benchmarked shape ({op} {dims}, "
             f"M={rm}: {xla / ours:.2f}x XLA's speed; {MEASURED_ON}, {SOURCE}); "
+            f"lrjax.lowering.prefer_kernels() or LRJAX_PREFER_KERNELS=1 uses the kernel anyway")
+  if (rm, rk, rr, rn) == (m, k, r, n) and xla / ours < PARITY:
+    return (f"XLA measured faster at this very shape ({op} {dims}, M={rm}: {xla / ours:.2f}x "
+            f"XLA's speed; {MEASURED_ON}, {SOURCE}); "
             f"lrjax.lowering.prefer_kernels() or LRJAX_PREFER_KERNELS=1 uses the kernel anyway")
   if ratio >= PARITY:
     return None

@@ -99,10 +99,17 @@ class BlockSizes:
     split = max(1, min(max_split, planner.cdiv(2 * planner.H200.num_sms, n_rb)))
     warps = t.num_warps if bm <= 32 else 8  # [bm, block_f] x2 f32 accumulators per CTA
     block_f, stages = t.block_f, t.num_stages
-    if bm <= 16 and planner.cdiv(f, 128) >= 3 * planner.H200.num_sms // 4:
+    block_rd, sms = t.block_rd, planner.H200.num_sms
+    if bm <= 16 and planner.cdiv(f, 128) >= 3 * sms // 4:
       # fewer, longer stage-B slices while >= 3/4 of the SMs still get one: 4-18 % faster
       # at D_ff=14336 (gpu_mlp_decode_variants_h200.json); 3 stages fit the wider tiles
       block_f, stages = 128, 3
+      if sms < planner.cdiv(f, 128) <= 2 * sms:
+        # more slices than SMs: 128-column U_d chunks and 4 stages take 108 KB, so two
+        # CTAs share an SM and every slice is resident at once. 5-15 % faster on five of
+        # six such shapes (D_ff 17920-28672), 1-3 % either way on the sixth; 1-12 % slower
+        # at D_ff=14336's 112 slices (results/gpu_mlp_decode_slices_h200.json)
+        block_rd, stages = 128, 4
     block_k, park = t.block_k, bm > 16
     if park:
       # from 17 tokens stage B's partials of S (one [T, r_d] f32 add per slice) cost more
@@ -114,7 +121,8 @@ class BlockSizes:
     # p16: stage B reads Pg, Pu in bf16, 1-3 % faster on Llama-3-8B r=2560 and 3.2-1B
     # (results/gpu_decode_p16_h200.json)
     return dataclasses.replace(t, block_m=bm, block_k=block_k, split_k=split, num_warps=warps,
-                               block_f=block_f, num_stages=stages, p16=True, park_h=park)
+                               block_f=block_f, block_rd=block_rd, num_stages=stages, p16=True,
+                               park_h=park)
 
 
 # Tuned on the H200 (benchmarks/gpu_lowrank.py); shape class -> blocks.

@@ -243,11 +243,12 @@ def test_mlp_kernels(kind, shape, dtype, gated, act, bias):
   assert_close(out, mlp_ref(x, gate, up, down, act, dtype), dtype)
 
 
-@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("m", [1, 16, 64])
 @pytest.mark.parametrize("shape", [(4096, 14336, 2560), (8192, 28672, 3824)])
 def test_mlp_persistent_plans_of_llama_shapes(shape, m):
   """The planner's own persistent plan for Llama-3-8B's and -70B's SwiGLU at 40 % removed
-  launches (it once asked for more shared memory than a CTA has at 70B) and is right."""
+  launches (it once asked for more shared memory than a CTA has: at 70B, and with 128-column
+  phase-B slices at 64 rows) and is right."""
   from lrjax.custom_calls.triton import mlp_decode
   d, f, r = shape
   dtype = jnp.bfloat16
@@ -258,13 +259,15 @@ def test_mlp_persistent_plans_of_llama_shapes(shape, m):
   assert_close(out, mlp_ref(x, gate, up, down, "silu", dtype), dtype)
 
 
-@pytest.mark.parametrize("m", [1, 32, 128])
-@pytest.mark.parametrize("park_h", [False, True])
-def test_mlp_decode_tiles_of_llama_shapes(m, park_h):
+@pytest.mark.parametrize("shape,m,park_h", [
+    *[((4096, 14336, 2560), m, park) for m in (1, 32, 128) for park in (False, True)],
+    ((3584, 18944, 2048), 1, False), ((3584, 18944, 2048), 16, False)])
+def test_mlp_decode_tiles_of_llama_shapes(shape, m, park_h):
   """The tiled decode kernel's default blocks at Llama-3-8B's SwiGLU (40 % removed), h parked
-  or not, launch at 1-128 tokens (shared memory, registers) and are right."""
+  or not, launch at 1-128 tokens (shared memory, registers) and are right; and at
+  Qwen2.5-7B's, whose 148 stage-B slices (more than the SMs) take narrower U_d chunks."""
   from lrjax.custom_calls.triton import mlp_decode
-  d, f, r = 4096, 14336, 2560
+  d, f, r = shape
   dtype = jnp.bfloat16
   gate, up, down = mlp_params(d, f, r, r, d, dtype, True, False)
   x = randn((m, d), dtype)
@@ -388,9 +391,11 @@ def test_many_decode_calls_in_one_jit_each_start_from_zeroed_scratch():
 
 
 def test_measured_policy_leaves_slower_shapes_to_xla(monkeypatch):
-  """Where the benchmark measured the kernel slower than XLA, XLA lowers the call."""
+  """Where the benchmark measured the kernel slower than XLA, XLA lowers the call (the call
+  alone: no whole-model A/B, which at 300 rows would follow the 8B step at batch 128)."""
   import lrjax
   from lrjax.custom_calls.triton import measured
+  monkeypatch.setattr(measured, "MODEL_AB", ())
   x = randn((300, 512), jnp.bfloat16)
   u, v = lr_factors(512, 128, 768, jnp.bfloat16)
   fn = lambda x, u, v: lrjax.lr_xuv(x, u, v)

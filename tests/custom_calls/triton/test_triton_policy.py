@@ -15,8 +15,11 @@ def test_records_are_the_committed_benchmark_results():
   """RECORDS must be regenerated (gpu_lowrank.py --emit-policy) whenever the JSON changes."""
   on, recs = measured.policy_records(os.path.join(REPO, measured.SOURCE))
   assert (on, recs) == (measured.MEASURED_ON, measured.RECORDS)
-  ab = measured.model_ab_from_results(os.path.join(REPO, measured.MODEL_SOURCE))
-  assert ab == measured.MODEL_AB and 1 in [a[0] for a in ab]
+  ab = sum((measured.model_ab_from_results(os.path.join(REPO, m))
+            for m in measured.MODEL_SOURCES), ())
+  assert ab == measured.MODEL_AB
+  assert {(a[0], a[1]) for a in ab} == {("8b", 4096), ("70b", 8192)}
+  assert all(1 in [a[2] for a in ab if a[0] == name] for name in ("8b", "70b"))
   assert {r[0] for r in recs} == {"xuv", "mlp_swiglu", "xuv_group"}
   assert min(r[1] for r in recs) == 1 and max(r[1] for r in recs) >= 4096
 
@@ -43,7 +46,9 @@ def test_nearest_record_and_verdict(monkeypatch):
       ("xuv", 4, 8192, 2048, 16384, 10.0, 8.5),  # 0.85x: clearly slower, though the median
       ("mlp_swiglu", 1, 4096, 1024, 14336, 50.0, 40.0)))  # of M=1, 2, 4 is 1.1x
   assert measured.verdict("xuv", 1, 4096, 1024, 4096) is None
-  assert measured.verdict("xuv", 2, 4096, 1024, 4096) is None  # median of M=2, 4: 1.0x
+  assert measured.verdict("xuv", 3, 4096, 1024, 4096) is None  # median of M=2, 4: 1.0x
+  why = measured.verdict("xuv", 2, 4096, 1024, 4096)  # at M=2 itself its own 0.90x decides
+  assert why is not None and "this very shape" in why and "0.90x" in why
   assert measured.verdict("xuv", 2, 8192, 2048, 16384) is None
   why = measured.verdict("xuv", 4, 8192, 2048, 16384)
   assert why is not None and "clearly" in why and "0.85x" in why and "M=4" in why
@@ -55,6 +60,24 @@ def test_nearest_record_and_verdict(monkeypatch):
   assert "D_ff=14336" in measured.verdict("mlp_swiglu", 1, 4096, 1024, 14336)
   monkeypatch.setattr(measured, "RECORDS", ())
   assert measured.verdict("xuv", 600, 4096, 1024, 4096) is None  # nothing measured
+
+
+def test_a_benchmarked_shape_is_judged_from_its_own_records(monkeypatch):
+  """Two SwiGLU shapes of one factor size (Qwen2.5-7B's and Llama-3-8B's): at a token count
+  only the other one measured, a shape's own nearest records decide, M = 1 kept apart."""
+  monkeypatch.setattr(measured, "MODEL_AB", ())
+  monkeypatch.setattr(measured, "RECORDS", (
+      ("mlp_swiglu", 1, 3584, 2048, 18944, 81.5, 134.4),  # 1.65x
+      ("mlp_swiglu", 4, 3584, 2048, 18944, 84.7, 79.3),  # 0.94x
+      ("mlp_swiglu", 16, 3584, 2048, 18944, 92.2, 83.8),  # 0.91x
+      ("mlp_swiglu", 8, 4096, 2560, 14336, 85.7, 93.3)))  # 1.09x
+  assert measured.nearest("mlp_swiglu", 8, 3584, 2048, 18944)[1:3] == (4, 3584)
+  why = measured.verdict("mlp_swiglu", 8, 3584, 2048, 18944)
+  assert why is not None and "D=3584" in why and "M=4, 16" in why
+  assert measured.nearest("mlp_swiglu", 2, 3584, 2048, 18944)[1] == 4  # not its M=1
+  assert measured.verdict("mlp_swiglu", 1, 3584, 2048, 18944) is None
+  assert measured.verdict("mlp_swiglu", 8, 4096, 2560, 14336) is None
+  assert measured.nearest("mlp_swiglu", 8, 3500, 2048, 18944)[2] == 4096  # not benchmarked
 
 
 def test_calls_far_from_every_benchmarked_size_go_to_xla(monkeypatch):
@@ -81,17 +104,20 @@ def test_one_row_is_judged_apart_from_wider_calls(monkeypatch):
       ("xuv", 4, 4096, 1024, 14336, 15.0, 14.1),  # 0.94x
       ("xuv", 8, 4096, 1024, 14336, 10.0, 9.6)))
   assert measured.verdict("xuv", 1, 4096, 1024, 14336) is None
-  why = measured.verdict("xuv", 2, 4096, 1024, 14336)
-  assert why is not None and "M=2, 4, 8" in why  # M=1 is not in M=2's window
+  why = measured.verdict("xuv", 3, 4096, 1024, 14336)
+  assert why is not None and "M=2, 4, 8" in why  # M=1 is not in M=4's window
 
 
 def test_a_batch_whose_whole_step_was_slower_with_the_kernels_goes_to_xla(monkeypatch):
   """MODEL_AB: a call at M >= 2 follows the whole-model A/B at the nearest batch >= 2 (within
-  WINDOW x), whatever its shape's own record says; M = 1 and far-off M keep the records."""
+  WINDOW x), whatever its shape's own record says; M = 1 and far-off M keep the records.
+  The A/B is that of the model whose hidden size is nearest the call's K."""
   monkeypatch.setattr(measured, "RECORDS", (
       ("xuv", 1, 4096, 1024, 14336, 10.0, 20.0), ("xuv", 8, 4096, 1024, 14336, 10.0, 12.0),
       ("xuv", 64, 4096, 1024, 14336, 10.0, 12.0), ("xuv", 1024, 4096, 1024, 14336, 10.0, 12.0)))
-  monkeypatch.setattr(measured, "MODEL_AB", ((1, 5.0, 9.0), (8, 5.2, 4.8), (32, 5.0, 5.5)))
+  monkeypatch.setattr(measured, "MODEL_AB", (
+      ("8b", 4096, 1, 5.0, 9.0), ("8b", 4096, 8, 5.2, 4.8), ("8b", 4096, 32, 5.0, 5.5),
+      ("70b", 8192, 8, 5.0, 5.5), ("70b", 8192, 64, 5.0, 4.0)))
   assert measured.verdict("xuv", 1, 4096, 1024, 14336) is None
   for m in (2, 4, 8, 16):  # nearest: batch 8 (16 is a tie between 8 and 32: the larger)
     why = measured.verdict("xuv", m, 4096, 1024, 14336)
@@ -100,7 +126,13 @@ def test_a_batch_whose_whole_step_was_slower_with_the_kernels_goes_to_xla(monkey
   assert "batch 8" in why and "5.20 ms" in why and "4.80 ms" in why and "prefer_kernels" in why
   assert measured.verdict("xuv", 64, 4096, 1024, 14336) is None  # batch 32: faster
   assert measured.verdict("xuv", 1024, 4096, 1024, 14336) is None  # beyond WINDOW x of 32
-  monkeypatch.setattr(measured, "MODEL_AB", ((1, 5.0, 9.0),))
+  # the 70B's A/B decides for calls nearer its hidden size (8192): faster at batch 8, slower
+  # at 64; the 8B's batch-8 loss does not reach them
+  assert measured.verdict("xuv", 8, 6144, 1024, 14336) is None
+  why = measured.verdict("xuv", 64, 6144, 1024, 14336)
+  assert "70b model (hidden size 8192) at batch 64" in why
+  assert "batch 8" in measured.verdict("xuv", 8, 5792, 1024, 14336)  # nearer 4096
+  monkeypatch.setattr(measured, "MODEL_AB", (("8b", 4096, 1, 5.0, 9.0),))
   assert measured.verdict("xuv", 8, 4096, 1024, 14336) is None  # no A/B at 2 or more rows
 
 
@@ -117,7 +149,8 @@ def _window_ratio(rec):
 
 
 def test_lowering_policy_follows_every_measured_record():
-  """Each benchmarked shape gets the verdict of its own (smoothed) measurement."""
+  """Each benchmarked shape and token count is served only where its own record and its
+  neighbours' median reach PARITY."""
   for rec in measured.RECORDS:
     op, m, k, r, n = rec[:5]
     if op == "xuv":
@@ -129,8 +162,8 @@ def test_lowering_policy_follows_every_measured_record():
       avals = [a(m, k), a(k, r), a(r, n), a(k, r), a(r, n), a(n, r), a(r, k)]
       params = dict(gated=True, bias_mask=(False, False, False))
       why = lowering.mlp_faster(avals, params)
-    serves = (_window_ratio(rec) >= measured.PARITY and rec[6] / rec[5] >= measured.CLEAR_LOSS
-              and (op == "xuv_group" or measured._model_verdict(m) is None))
+    serves = (_window_ratio(rec) >= measured.PARITY and rec[6] / rec[5] >= measured.PARITY
+              and (op == "xuv_group" or measured._model_verdict(m, k) is None))
     assert (why is None) == serves, (rec, why)
 
 
@@ -145,8 +178,8 @@ def test_grouped_kernel_verdicts(monkeypatch):
   goes to XLA."""
   assert measured.verdict("xuv_group", 8, 4096, 2240, 6144, model_ab=False) is None
   assert measured.verdict("xuv_group", 1, 2048, 1152, 3072, model_ab=False) is None
-  monkeypatch.setattr(measured, "MODEL_AB", ((8, 5.2, 4.7),))
-  assert "whole Llama-3-8B decode step" in measured.verdict("xuv_group", 8, 4096, 2240, 6144)
+  monkeypatch.setattr(measured, "MODEL_AB", (("8b", 4096, 8, 5.2, 4.7),))
+  assert "decode step of the 8b model" in measured.verdict("xuv_group", 8, 4096, 2240, 6144)
   assert measured.verdict("xuv_group", 8, 4096, 2240, 6144, model_ab=False) is None
   tiny = measured.verdict("xuv_group", 8, 512, 48, 192, model_ab=False)
   assert tiny is not None and "no benchmarked xuv_group shape" in tiny
