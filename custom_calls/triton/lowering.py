@@ -138,7 +138,7 @@ def xuv_group_faster(avals, params) -> str | None:
   x, members = _group(avals, params)
   return measured.verdict("xuv_group", _rows(x), x.shape[-1],
                           sum(u.shape[1] for u, _, _ in members),
-                          sum(v.shape[1] for _, v, _ in members), model_ab=False)
+                          sum(v.shape[1] for _, v, _ in members))
 
 
 def _group_impl():
