@@ -77,7 +77,8 @@ def versions():
   return out
 
 
-MODELS = {"8b": ModelConfig.llama3_8b, "70b": ModelConfig.llama3_70b}
+MODELS = {"8b": ModelConfig.llama3_8b, "70b": ModelConfig.llama3_70b,
+          "qwen2.5-7b": ModelConfig.qwen2_5_7b}
 
 
 def config(args, name):

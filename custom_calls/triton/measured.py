@@ -12,8 +12,8 @@ same verdicts.
 
 A benchmarked shape is a call alone. In a whole decode step the kernels can lose where their
 calls win alone (XLA merges the dots that share an input, and each kernel call zeroes its own
-scratch): MODEL_AB holds the decode steps of Llama-3-8B and Llama-3-70B (8 of its layers) on one
-H200 with and without the kernels, and at M >= 2 a call is left to XLA when the step of the
+scratch): MODEL_AB holds the decode steps of Llama-3-8B, Llama-3-70B (8 of its layers) and
+Qwen2.5-7B on one H200 with and without the kernels, and at M >= 2 a call is left to XLA when the step of the
 model whose hidden size is nearest the call's K, at the nearest batch (of 2 or more rows), was
 slower with them (below MODEL_PARITY).
 
@@ -32,7 +32,8 @@ import statistics
 
 SOURCE = "benchmarks/results/gpu_lowrank_h200.json"
 MODEL_SOURCES = ("benchmarks/results/model_1gpu_h200.json",
-                 "benchmarks/results/model_70b_1gpu_h200.json")
+                 "benchmarks/results/model_70b_1gpu_h200.json",
+                 "benchmarks/results/model_qwen7b_1gpu_h200.json")
 # the grouped X·U·V kernel (op "xuv_group": K, then r and N summed over the members)
 GROUP_SOURCE = "benchmarks/results/gpu_xuv_group_h200.json"
 # At or above this fraction of XLA's speed the kernel keeps serving: XLA's own time for one
@@ -229,6 +230,8 @@ MODEL_AB: tuple[tuple[str, int, int, float, float], ...] = (
     ('70b', 8192, 32, 3.735, 3.666),
     ('70b', 8192, 64, 4.615, 4.433),
     ('70b', 8192, 128, 6.161, 6.127),
+    ('qwen2.5-7b', 3584, 1, 3.91, 6.622),
+    ('qwen2.5-7b', 3584, 16, 4.689, 4.818),
 )
 # END GENERATED
 

@@ -230,6 +230,12 @@ class ModelConfig:
                qkv_bias=True)
 
   @classmethod
+  def qwen2_5_7b(cls) -> "ModelConfig":
+    return cls(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+               num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6,
+               rope_theta=1000000.0, max_position_embeddings=32768, qkv_bias=True)
+
+  @classmethod
   def qwen3_0_6b(cls) -> "ModelConfig":
     return cls(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
                num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,

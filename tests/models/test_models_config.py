@@ -8,7 +8,7 @@ import pytest
 from lrjax.models import ModelConfig, rope_inv_freq
 
 PRESETS = ["tiny", "llama2_7b", "llama3_8b", "llama3_70b", "llama3_2_1b", "mistral_7b", "qwen2_0_5b",
-           "qwen3_0_6b"]
+           "qwen2_5_7b", "qwen3_0_6b"]
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -25,6 +25,8 @@ def test_published_sizes():
   assert c.proj_shapes()["down_proj"] == (8192, 2048)
   b = ModelConfig.llama3_70b()
   assert (b.q_dim, b.kv_dim, b.proj_shapes()["gate_proj"]) == (8192, 1024, (8192, 28672))
+  w = ModelConfig.qwen2_5_7b()
+  assert (w.q_dim, w.kv_dim, w.proj_shapes()["up_proj"]) == (3584, 512, (3584, 18944))
   q = ModelConfig.qwen3_0_6b()
   assert q.q_dim == 2048 != q.hidden_size        # head_dim decoupled from hidden/heads
 

@@ -18,8 +18,8 @@ def test_records_are_the_committed_benchmark_results():
   ab = sum((measured.model_ab_from_results(os.path.join(REPO, m))
             for m in measured.MODEL_SOURCES), ())
   assert ab == measured.MODEL_AB
-  assert {(a[0], a[1]) for a in ab} == {("8b", 4096), ("70b", 8192)}
-  assert all(1 in [a[2] for a in ab if a[0] == name] for name in ("8b", "70b"))
+  assert {(a[0], a[1]) for a in ab} == {("8b", 4096), ("70b", 8192), ("qwen2.5-7b", 3584)}
+  assert all(1 in [a[2] for a in ab if a[0] == name] for name in ("8b", "70b", "qwen2.5-7b"))
   assert {r[0] for r in recs} == {"xuv", "mlp_swiglu", "xuv_group"}
   assert min(r[1] for r in recs) == 1 and max(r[1] for r in recs) >= 4096
 
