@@ -962,6 +962,12 @@ def suite(name, bw, peak, args, recs):
     mlp_sweep([(label, m) for label in ("phi3-medium", "yi-34b", "gemma-7b") for m in (1, 16)],
               lambda _: MLP_LOW_STAGES_VARIANTS[:1] + MLP_PARK_STAGES_VARIANTS["low"][:1],
               "decode")
+  if name == "mlp_fine_slices":  # the shapes with fewer slices than SMs, cut finer so that
+    # 64-column slices outnumber the SMs, with 2 CTAs a SM (104448 B) or not (116736 B)
+    mlp_sweep([(label, m) for label in ("llama3-8b", "llama3-8b-r1024", "llama3.2-1b")
+               for m in (1, 16)],
+              lambda _: ("decode_kw:block_f=64,block_rd=128,num_stages=4",
+                         "decode_kw:block_f=64,num_stages=4"), "decode")
   if name == "mlp_decode_variants":  # MLP_DECODE_VARIANTS next to the default, one run
     mlp_sweep(decode_points, lambda _: MLP_DECODE_VARIANTS)
   if name == "mlp_decode_probes":  # MLP_DECODE_PROBES next to the tiled kernel, one run
@@ -1130,6 +1136,7 @@ def main():
                            "decode_group", "decode_pv", "llama70b",
                            "mlp_decode_probes", "mlp_park_h", "mlp_park_tune",
                            "mlp_park_stages", "mlp_low_stages", "mlp_slices", "mlp_tail",
+                           "mlp_fine_slices",
                            "decode_depth", "decode_group_wide",
                            "kv_attention"])
   ap.add_argument("--variants", action="store_true", help="also time non-default kernels")
