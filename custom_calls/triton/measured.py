@@ -1,9 +1,9 @@
 """Measured speed of the Triton lowerings against XLA's, per benchmarked shape (H200).
 
 The registry asks ``faster`` before it lowers a primitive with a Triton kernel: the
-verdict of the benchmarked shape nearest to the call's (the call's own shape where it was
-benchmarked; else distance: |log2| of the token ratio plus that of each of K, r and N, same
-op), smoothed over that shape's neighbouring token counts. Calls whose factors are more than
+verdict of the benchmarked shape nearest to the call's (|log2| ratios of K, r and N, same
+op), at its token count nearest the call's, smoothed over that shape's neighbouring token
+counts. Calls whose factors are more than
 EXTRAPOLATE times smaller or larger than every benchmarked shape's go to XLA (e.g. TP shards of small factors). Where the
 kernel measured slower than XLA's unfused chain there (median ratio below PARITY), the call is
 declined and XLA lowers the reference; ``lrjax.lowering.prefer_kernels()`` overrides that.
@@ -231,7 +231,10 @@ MODEL_AB: tuple[tuple[str, int, int, float, float], ...] = (
     ('70b', 8192, 64, 4.615, 4.433),
     ('70b', 8192, 128, 6.161, 6.127),
     ('qwen2.5-7b', 3584, 1, 3.91, 6.622),
+    ('qwen2.5-7b', 3584, 4, 4.003, 4.165),
+    ('qwen2.5-7b', 3584, 8, 4.114, 4.214),
     ('qwen2.5-7b', 3584, 16, 4.689, 4.818),
+    ('qwen2.5-7b', 3584, 64, 6.848, 6.733),
 )
 # END GENERATED
 
@@ -312,22 +315,21 @@ def _weight_elems(op: str, k: int, r: int, n: int) -> int:
 
 
 def nearest(op: str, m: int, k: int, r: int, n: int):
-  """The benchmarked record of ``op`` nearest to this shape, or None. A shape benchmarked
-  itself is judged from its own records (at one row only from M = 1, above it only from
-  M >= 2), not from another shape's at a closer token count (Qwen2.5-7B's SwiGLU at T=8 is
-  not Llama-3-8B's, though their factors are of one size); otherwise the nearest in M and
-  each of K, r and N (|log2| ratios summed; ties: factor size)."""
+  """The benchmarked record of ``op`` nearest to this call, or None: first the benchmarked
+  shape nearest to the call's (|log2| ratios of K, r and N summed; ties: factor size), among
+  those measured on the call's side of M = 1, then that shape's record nearest in M. A
+  nearby shape's records guide better than another shape's at the call's very token count:
+  Llama-3-8B's SwiGLU at T=8 (1.03x alone) said nothing of Qwen2.5-7B's (0.94x at T=4, 0.91x
+  at T=16), and served there it made the Qwen step at batch 8 3 % slower."""
   w = _weight_elems(op, k, r, n)
   recs = [q for q in RECORDS if q[0] == op]
-  own = [q for q in recs if q[2:5] == (k, r, n) and (q[1] == 1) == (m == 1)]
-  best, best_d = None, (math.inf,)
-  for rec in own or recs:
-    d = (abs(math.log2(m / rec[1]))
-         + sum(abs(math.log2(a / b)) for a, b in zip((k, r, n), rec[2:5])),
-         abs(math.log2(w / _weight_elems(op, *rec[2:5]))))
-    if d < best_d:
-      best, best_d = rec, d
-  return best
+  side = [q for q in recs if (q[1] == 1) == (m == 1)] or recs
+  if not side:
+    return None
+  shape = min({q[2:5] for q in side},
+              key=lambda s: (sum(abs(math.log2(a / b)) for a, b in zip((k, r, n), s)),
+                             abs(math.log2(w / _weight_elems(op, *s))), s))
+  return min((q for q in side if q[2:5] == shape), key=lambda q: (abs(math.log2(m / q[1])), q[1]))
 
 
 def _model_verdict(m: int, k: int) -> str | None:

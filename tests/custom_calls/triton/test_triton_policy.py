@@ -62,9 +62,10 @@ def test_nearest_record_and_verdict(monkeypatch):
   assert measured.verdict("xuv", 600, 4096, 1024, 4096) is None  # nothing measured
 
 
-def test_a_benchmarked_shape_is_judged_from_its_own_records(monkeypatch):
+def test_the_nearest_shape_decides_before_the_nearest_token_count(monkeypatch):
   """Two SwiGLU shapes of one factor size (Qwen2.5-7B's and Llama-3-8B's): at a token count
-  only the other one measured, a shape's own nearest records decide, M = 1 kept apart."""
+  only the other one measured, the records of the shape nearest the call's decide (its own,
+  or the Qwen model's rank 1792 near the 2048 benchmarked), M = 1 kept apart."""
   monkeypatch.setattr(measured, "MODEL_AB", ())
   monkeypatch.setattr(measured, "RECORDS", (
       ("mlp_swiglu", 1, 3584, 2048, 18944, 81.5, 134.4),  # 1.65x
@@ -77,7 +78,9 @@ def test_a_benchmarked_shape_is_judged_from_its_own_records(monkeypatch):
   assert measured.nearest("mlp_swiglu", 2, 3584, 2048, 18944)[1] == 4  # not its M=1
   assert measured.verdict("mlp_swiglu", 1, 3584, 2048, 18944) is None
   assert measured.verdict("mlp_swiglu", 8, 4096, 2560, 14336) is None
-  assert measured.nearest("mlp_swiglu", 8, 3500, 2048, 18944)[2] == 4096  # not benchmarked
+  assert measured.nearest("mlp_swiglu", 8, 3584, 1792, 18944)[1:3] == (4, 3584)
+  assert "M=4, 16" in measured.verdict("mlp_swiglu", 8, 3584, 1792, 18944)
+  assert measured.nearest("mlp_swiglu", 8, 4096, 1920, 14336)[1:3] == (8, 4096)
 
 
 def test_calls_far_from_every_benchmarked_size_go_to_xla(monkeypatch):
