@@ -273,6 +273,9 @@ def test_fused_swiglu_kernels_on_ragged_shapes():
   ]
   tiled = [(1, 200, 520, 72, True, {}), (5, 256, 1000, 96, False, {"p16": True}),
            (7, 320, 700, 136, True, {"c_chunks": 2}),
+           # U_d in 128-column chunks (the default where D_ff's slices outnumber the SMs):
+           # two flushes of S per slice, the second ragged
+           (3, 320, 700, 136, True, {"block_f": 128, "block_rd": 128, "num_stages": 4}),
            # h parked for stage H: ragged D_ff and r_d blocks, several D_ff splits
            (33, 320, 700, 136, True, {"park_h": True, "block_h": 64, "h_splits": 3}),
            (5, 256, 1000, 96, False, {"park_h": True, "p16": False, "c_chunks": 2})]
