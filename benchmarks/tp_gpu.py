@@ -11,7 +11,8 @@ strategy:
            steps amortise the dispatch), median of ``--reps``; per-step latency, tokens/s,
            per-device bytes read and the fraction of the HBM roofline (bytes / 4.3 TB/s).
            With ``--fuse``, also the Triton calls in the compiled step (each call judged by its
-           own benchmarked shape: these records are measured.MODEL_AB; ``--no-group`` keeps
+           own benchmarked shape: these records are measured.MODEL_AB; ``--whole-policy``
+           times the policy as shipped, that whole-model rule included; ``--no-group`` keeps
            q/k/v as three calls instead of one lr_xuv_group); with ``--profile``,
            the GPU's busy time per step and the kernels that fill it (one traced call).
   serving  ``--requests`` concurrent requests through lrjax.serving.Engine (continuous batching,
@@ -155,7 +156,7 @@ def time_decode(model, plan, args, dtype):
             else type(model).decode)
   fn = greedy_loop(gdef, decode, args.steps, shardings)
   kernels = {}
-  with calls_judged_alone():
+  with contextlib.nullcontext() if args.whole_policy else calls_judged_alone():
     times, compile_s, cache, toks = time_loop(fn, state, cache, toks, half, args.reps)
     if args.fuse:  # what the fused step really runs: Triton custom calls in the compiled HLO
       text = fn.lower(state, half(cache), toks).compile().as_text()
@@ -226,7 +227,8 @@ def run_model(name, cfg, args, dtype, out, save):
       sharding.shard(model, mesh, strategy)
       plan = model.tp_plan
       tag = {"model": name, "strategy": strategy, "ratio": ratio, "tp": tp, "fuse": args.fuse,
-             **({"group": not args.no_group} if args.fuse else {})}
+             **({"group": not args.no_group} if args.fuse else {}),
+             **({"whole_policy": True} if args.whole_policy else {})}
       for batch in args.batch:
         a = argparse.Namespace(**{**vars(args), "batch": batch})
         rec = {**tag, "batch": batch, "ctx": args.ctx, "layers": cfg.num_layers,
@@ -303,6 +305,9 @@ def main():
   ap.add_argument("--no-serving", action="store_true")
   ap.add_argument("--fuse", action="store_true",
                   help="run the steps through lrjax.fuse (Triton kernels on GPU, per the policy)")
+  ap.add_argument("--whole-policy", action="store_true",
+                  help="with --fuse: the policy as shipped, its whole-model rule included "
+                  "(these records are not measured.MODEL_AB's source)")
   ap.add_argument("--no-group", action="store_true",
                   help="with --fuse: lrjax.fuse(..., group=False) (q/k/v as three lr_xuv)")
   ap.add_argument("--profile", action="store_true",
@@ -341,7 +346,8 @@ def main():
     def append(self, rec):
       rec = {**rec, "run": run["index"]}
       kind = lambda r: tuple(r.get(k) for k in (  # noqa: E731
-          "model", "strategy", "ratio", "tp", "fuse", "group", "batch")) + ("serving" in r,)
+          "model", "strategy", "ratio", "tp", "fuse", "group", "whole_policy", "batch")
+      ) + ("serving" in r,)
       self[:] = [r for r in self if kind(r) != kind(rec)]
       super().append(rec)
 
