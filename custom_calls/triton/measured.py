@@ -3,19 +3,18 @@
 The registry asks ``faster`` before it lowers a primitive with a Triton kernel: the
 verdict of the benchmarked shape nearest to the call's (|log2| ratios of K, r and N, same
 op), at its token count nearest the call's, smoothed over that shape's neighbouring token
-counts. Calls whose factors are more than
-EXTRAPOLATE times smaller or larger than every benchmarked shape's go to XLA (e.g. TP shards of small factors). Where the
-kernel measured slower than XLA's unfused chain there (median ratio below PARITY), the call is
-declined and XLA lowers the reference; ``lrjax.lowering.prefer_kernels()`` overrides that.
-Non-gated MLPs use the SwiGLU measurements. Measured on one H200; other NVIDIA GPUs get the
-same verdicts.
+counts. Calls whose factors are more than EXTRAPOLATE times smaller or larger than every
+benchmarked shape's go to XLA (e.g. TP shards of small factors). Where the kernel measured
+slower than XLA's unfused chain there (median ratio below PARITY), the call is declined and
+XLA lowers the reference; ``lrjax.lowering.prefer_kernels()`` overrides that. Non-gated MLPs
+use the SwiGLU measurements. Measured on one H200; other NVIDIA GPUs get the same verdicts.
 
 A benchmarked shape is a call alone. In a whole decode step the kernels can lose where their
 calls win alone (XLA merges the dots that share an input, and each kernel call zeroes its own
 scratch): MODEL_AB holds the decode steps of Llama-3-8B, Llama-3-70B (8 of its layers) and
-Qwen2.5-7B on one H200 with and without the kernels, and at M >= 2 a call is left to XLA when the step of the
-model whose hidden size is nearest the call's K, at the nearest batch (of 2 or more rows), was
-slower with them (below MODEL_PARITY).
+Qwen2.5-7B on one H200 with and without the kernels, and at M >= 2 a call is left to XLA
+when the step of the model whose hidden size is nearest the call's K, at the nearest batch
+(of 2 or more rows), was slower with them (below MODEL_PARITY).
 
 RECORDS (the sweep's and the grouped q/k/v kernel's, GROUP_SOURCE) and MODEL_AB are generated
 from the committed benchmark results, never edited by hand:
@@ -336,7 +335,8 @@ def nearest(op: str, m: int, k: int, r: int, n: int):
 def _model_verdict(m: int, k: int) -> str | None:
   """The reason to leave an M-row call with input width ``k`` to XLA if the whole decode step
   of the model whose hidden size is nearest ``k``, at its nearest batch of 2 or more rows
-  (within WINDOW x of M; ties: the larger), was slower with the kernels."""
+  (within WINDOW x of M; ties: the larger), was slower with the kernels (below
+  MODEL_PARITY)."""
   if not MODEL_AB:
     return None
   hidden = min({a[1] for a in MODEL_AB}, key=lambda h: (abs(math.log2(k / h)), h))
