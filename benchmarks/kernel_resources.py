@@ -4,14 +4,16 @@ Each kernel is compiled for sm_90 by Triton, with the 16-byte pointer alignment 
 jax-triton declares (without it Triton does not pipeline the loads and reports a quarter to
 a third of the shared memory). Triton's metadata gives the shared memory; ``ptxas -v`` (the
 ptxas bundled with Triton) gives registers, spills and its C7515 warning that wgmma
-instructions run serialized. On the GPU, jaxlib assembles the same PTX with its own ptxas,
+instructions run serialized; from shared memory, registers and warps, the CTAs that fit on
+one SM at once. On the GPU, jaxlib assembles the same PTX with its own ptxas,
 so registers and spills there may differ; the shared memory is Triton's own number.
 
   python benchmarks/kernel_resources.py [--out benchmarks/results/kernel_resources_sm90.json]
 
 Runs where triton is installed; without jax-triton the kernel modules import against a stub
 (nothing here launches). tests/custom_calls/triton/test_triton_smem.py checks the shared
-memory of these configurations against the H200's limit.
+memory of these configurations against the H200's limit, and that the SwiGLU decode kernel
+runs two CTAs a SM where its slices outnumber the SMs.
 """
 from __future__ import annotations
 
@@ -26,6 +28,18 @@ import tempfile
 import types
 
 H200_SMEM_OPTIN = 232448  # bytes a CTA may ask for (cudaDevAttrMaxSharedMemoryPerBlockOptin)
+H200_SMEM_PER_SM = 233472  # bytes an SM holds for all its CTAs, 1024 of them reserved per CTA
+H200_REGS_PER_SM, H200_THREADS_PER_SM, H200_CTAS_PER_SM = 65536, 2048, 32
+
+
+def ctas_per_sm(shared: int, registers: int, warps: int) -> int:
+  """CTAs of one kernel resident on an H200 SM at once: the least of what its shared memory
+  (plus 1 KB reserved per CTA), its registers (per warp, in 256-register units), its threads
+  and the CTA limit allow."""
+  regs_per_warp = -(-registers * 32 // 256) * 256
+  return min(H200_SMEM_PER_SM // (shared + 1024),
+             H200_REGS_PER_SM // regs_per_warp // warps,
+             H200_THREADS_PER_SM // (32 * warps), H200_CTAS_PER_SM)
 
 
 def install_jax_triton_stub() -> None:
@@ -54,7 +68,8 @@ def _pointer(name: str) -> str:
 
 def compile_sm90(kernel, meta: dict, warps: int, stages: int, ptxas: bool = True) -> dict:
   """Compiles ``kernel`` with these constexprs for sm_90: its shared memory, and with
-  ``ptxas`` its registers, spill bytes and whether wgmma runs serialized."""
+  ``ptxas`` its registers, spill bytes, whether wgmma runs serialized and how many CTAs fit
+  on one SM."""
   import triton
   from triton.backends.compiler import GPUTarget
   from triton.compiler import ASTSource
@@ -86,7 +101,8 @@ def compile_sm90(kernel, meta: dict, warps: int, stages: int, ptxas: bool = True
     spills = [int(line.split("bytes spill stores")[0].split(",")[-1])
               for line in log.splitlines() if "bytes spill stores" in line]
     out.update(registers=max(regs), spill_store_bytes=max(spills),
-               wgmma_serialized="C7515" in log)
+               wgmma_serialized="C7515" in log,
+               ctas_per_sm=ctas_per_sm(out["shared"], max(regs), warps))
   return out
 
 
@@ -154,7 +170,8 @@ def main():
     recs.append(rec)
     serialized = "  wgmma serialized" if rec["wgmma_serialized"] else ""
     print(f"{name:<48} smem {rec['shared']:>6} B  regs {rec['registers']:>3}  spills "
-          f"{rec['spill_store_bytes']:>4} B{serialized}", flush=True)
+          f"{rec['spill_store_bytes']:>4} B  {rec['ctas_per_sm']} CTA/SM{serialized}",
+          flush=True)
   if args.out:
     meta = dict(target="sm_90 (H200), compiled on the CPU", triton=triton.__version__,
                 smem_limit=H200_SMEM_OPTIN,
