@@ -713,6 +713,8 @@ MLP_PARK_STAGES_VARIANTS = {
 # stages fit beside the 128-column slices
 MLP_LOW_STAGES_VARIANTS = ("decode_kw:block_rd=128,num_stages=4",
                            "decode_kw:block_rd=64,num_stages=4")
+# the two 4-stage variants of session 12 that gained only at 70B, on the MLP_SLICE_SHAPES
+MLP_SLICE_VARIANTS = MLP_LOW_STAGES_VARIANTS[:1] + MLP_PARK_STAGES_VARIANTS["low"][:1]
 # deeper L2 prefetch of the phase-B slices (Vg, Vu rows) while phase A streams
 MLP_PREFETCH_VARIANTS = ("persistent_pfb:256", "persistent_pfb:512", "persistent_pfb:1024")
 # gpu_xuv_decode_persistent_h200.json also has "persistent:programs=264,stages=3" (two CTAs
@@ -953,14 +955,10 @@ def suite(name, bw, peak, args, recs):
     mlp_sweep([("llama3-8b", 1), ("llama3-8b", 4), ("llama3-8b", 16), ("llama3-8b-r1024", 1),
                ("llama3-8b-r1024", 16), ("llama3-70b", 1), ("llama3-70b", 16)],
               lambda _: MLP_LOW_STAGES_VARIANTS, "decode")
-  if name == "mlp_slices":  # the T <= 16 variants that gained only at 70B, on more shapes
-    mlp_sweep([(label, m) for label in ("qwen2.5-7b", "qwen2.5-32b", "llama3-8b")
-               for m in (1, 16)],
-              lambda _: MLP_LOW_STAGES_VARIANTS[:1] + MLP_PARK_STAGES_VARIANTS["low"][:1],
-              "decode")
-  if name == "mlp_tail":  # the same on the shapes with a short or long second round
-    mlp_sweep([(label, m) for label in ("phi3-medium", "yi-34b", "gemma-7b") for m in (1, 16)],
-              lambda _: MLP_LOW_STAGES_VARIANTS[:1] + MLP_PARK_STAGES_VARIANTS["low"][:1],
+  if name in ("mlp_slices", "mlp_tail"):  # MLP_SLICE_VARIANTS: the first prediction's shapes
+    labels = {"mlp_slices": ("qwen2.5-7b", "qwen2.5-32b", "llama3-8b"),  # then the second's
+              "mlp_tail": ("phi3-medium", "yi-34b", "gemma-7b")}[name]
+    mlp_sweep([(label, m) for label in labels for m in (1, 16)], lambda _: MLP_SLICE_VARIANTS,
               "decode")
   if name == "mlp_fine_slices":  # the shapes with fewer slices than SMs, cut finer so that
     # 64-column slices outnumber the SMs, with 2 CTAs a SM (104448 B) or not (116736 B)
