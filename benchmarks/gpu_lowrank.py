@@ -187,6 +187,35 @@ def busy_ns(events):
   return total
 
 
+def idle_gaps_ns(events, key=lambda name: name):
+  """{(previous kernel, next kernel): (idle ns, count)}: the GPU's idle time before each of
+  ``events`` [(start_ns, end_ns, name)] (its start less the latest end before it, where
+  positive), summed by the ``key``s of the kernel that ended last and the one that starts."""
+  out, end, last = {}, None, None
+  for s, e, name in sorted(events):
+    if end is not None and s > end:
+      pair = (key(last), key(name))
+      t, n = out.get(pair, (0, 0))
+      out[pair] = (t + s - end, n + 1)
+    if end is None or e > end:
+      end, last = e, name
+  return out
+
+
+def overlaps_ns(events, key=lambda name: name):
+  """{(kernel, kernel): ns}: how long each pair of ``events`` [(start_ns, end_ns, name)] ran
+  at the same time (concurrent streams or graph branches), summed by their ``key``s (a
+  sorted pair; two launches of one kernel make a pair of one name)."""
+  out, active = {}, []
+  for s, e, name in sorted(events):
+    active = [(e2, n2) for e2, n2 in active if e2 > s]
+    for e2, n2 in active:
+      pair = tuple(sorted((key(name), key(n2))))
+      out[pair] = out.get(pair, 0) + min(e, e2) - s
+    active.append((e, name))
+  return out
+
+
 def span_ns(execution):
   """Device span of one execution's time-sorted events: first start to last end."""
   return max(ev[1] for ev in execution) - execution[0][0]
@@ -321,6 +350,11 @@ def group_record(m, k, members, bw, peak, kernel="group", baselines=None):
     ours = lambda x, *w: tuple(xuv_decode.xuv_decode_group(x, pairs(w)))
   elif kernel.startswith("group_rows:"):  # V_i's column tiles at least this many bytes a row
     plan = planner.plan_decode_group(m, k, members, min_row_bytes=int(kernel.split(":")[1]))
+    ours = lambda x, *w: tuple(xuv_decode.xuv_decode_group(x, pairs(w), plan=plan))
+  elif kernel.startswith("group_kw:"):  # group_kw:field=a|b|c,...: the plan, fields replaced
+    fields = {f: tuple(int(t) for t in v.split("|"))
+              for f, v in (kv.split("=") for kv in kernel.split(":", 1)[1].split(","))}
+    plan = dataclasses.replace(planner.plan_decode_group(m, k, members), **fields)
     ours = lambda x, *w: tuple(xuv_decode.xuv_decode_group(x, pairs(w), plan=plan))
   elif kernel == "separate":
     ours = lambda x, *w: tuple(xuv_decode.xuv_decode(x, u, v) for u, v in pairs(w))
@@ -649,7 +683,10 @@ XUV_ATTN_SHAPES = XUV_ATTN_SHAPES_70B + (
 # q/k/v projections of Llama-3-70B, Llama-3-8B and Llama-3.2-1B at 40 % removed: (K, [(r_i, N_i)])
 GROUP_SHAPES = ((8192, ((2456, 8192), (544, 1024), (544, 1024))),
                 (4096, ((1216, 4096), (512, 1024), (512, 1024))),
-                (2048, ((640, 2048), (256, 512), (256, 512))))
+                (2048, ((640, 2048), (256, 512), (256, 512))),
+                # the ranks the models get (multiples of 64): Llama-3-70B's and Qwen2.5-7B's
+                (8192, ((2432, 8192), (576, 1024), (576, 1024))),
+                (3584, ((1088, 3584), (256, 512), (256, 512))))
 PREFILL_M = (1024, 2048, 4096, 8192, 16384, 32768)
 MLP_SHAPES = {"llama3.2-1b": (2048, 8192, 1280), "llama3-8b": (4096, 14336, 2560),
               "llama3-8b-r1024": (4096, 14336, 1024), "llama3-70b": (8192, 28672, 3824),
@@ -992,8 +1029,13 @@ def suite(name, bw, peak, args, recs):
     mlp_sweep((("llama3-8b", 4096), ("llama3.2-1b", 4096), ("llama3-8b-r1024", 4096),
                ("llama3-8b", 1024)), mlp_prefill_variants)
   for spec in args.extra:
-    # op/M,K,r,N/variant (mlp: M,D,F,r)
+    # op/M,K,r,N/variant (mlp: M,D,F,r; xuv_group: M,K,r0:N0,r1:N1[,r2:N2])
     op, dims, variant = spec.split("/")
+    if op == "xuv_group":
+      m, k, *members = dims.split(",")
+      members = [tuple(int(t) for t in mem.split(":")) for mem in members]
+      recs.append(group_record(int(m), int(k), members, bw, peak, variant))
+      continue
     dims = [int(t) for t in dims.split(",")]
     fn = xuv_record if op == "xuv" else mlp_record
     recs.append(fn(*dims, bw, peak, variant))

@@ -119,26 +119,38 @@ def calls_judged_alone():
     measured.MODEL_AB = saved
 
 
-def kernel_profile(fn, fn_args, steps, top=12):
+def kernel_profile(fn, fn_args, steps, top=40, events_out=None):
   """One traced call ``fn(*fn_args)`` of the decode loop. Returns its outputs and, per step,
-  the GPU's busy time (the union of kernel intervals) and the ``top`` kernel names by time
-  (trailing layer and fusion numbers stripped, so a name sums over the layers)."""
+  the GPU's busy time (the union of kernel intervals), its span, the ``top`` kernel names by
+  time, the ``top`` (previous kernel, next kernel) pairs by the idle time between them, and
+  the ``top`` pairs of kernels by the time they ran at once (names with trailing layer and
+  fusion numbers stripped, so a name sums over the layers)."""
   import tempfile
-  from gpu_lowrank import busy_ns, device_kernel_events, span_ns
+  from gpu_lowrank import busy_ns, device_kernel_events, idle_gaps_ns, overlaps_ns, span_ns
   with tempfile.TemporaryDirectory() as d:
     with jax.profiler.trace(d):
       outs = jax.block_until_ready(fn(*fn_args))
     events = sorted(device_kernel_events(d))
+  if events_out:  # the raw trace and the program, for reading kernels back to HLO ops
+    with open(events_out, "w") as f:
+      json.dump({"events": events, "hlo": fn.lower(*fn_args).compile().as_text()}, f)
+  key = lambda name: re.sub(r"([._]\d+)+$", "", name)[:64]  # noqa: E731
   by_name = {}
   for s, e, name in events:
-    key = re.sub(r"([._]\d+)+$", "", name)[:64]
-    t, n = by_name.get(key, (0, 0))
-    by_name[key] = (t + e - s, n + 1)
+    t, n = by_name.get(key(name), (0, 0))
+    by_name[key(name)] = (t + e - s, n + 1)
   kernels = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+  gaps = sorted(idle_gaps_ns(events, key).items(), key=lambda kv: -kv[1][0])[:top]
+  overlaps = sorted(overlaps_ns(events, key).items(), key=lambda kv: -kv[1])[:top]
+  busy, span = busy_ns(events) / steps / 1e6, span_ns(events) / steps / 1e6
   return outs, {
-      "gpu_busy_ms": busy_ns(events) / steps / 1e6, "gpu_span_ms": span_ns(events) / steps / 1e6,
+      "gpu_busy_ms": busy, "gpu_span_ms": span, "gpu_idle_ms": span - busy,
       "kernels": [{"name": k, "us_per_step": t / steps / 1e3, "launches_per_step": n / steps}
-                  for k, (t, n) in kernels]}
+                  for k, (t, n) in kernels],
+      "idle_gaps": [{"after": a, "before": b, "us_per_step": t / steps / 1e3,
+                     "gaps_per_step": n / steps} for (a, b), (t, n) in gaps],
+      "overlaps": [{"kernels": list(pair), "us_per_step": t / steps / 1e3}
+                   for pair, t in overlaps]}
 
 
 def time_decode(model, plan, args, dtype):
@@ -164,8 +176,9 @@ def time_decode(model, plan, args, dtype):
                  "fused_ops_in_jaxpr": fused_ops(gdef, state, cache, toks, not args.no_group)}
   step = median_step(times, args.steps)
   if args.profile:
-    (cache, toks), kernels["profile"] = kernel_profile(fn, (state, half(cache), toks),
-                                                       args.steps)
+    (cache, toks), kernels["profile"] = kernel_profile(
+        fn, (state, half(cache), toks), args.steps,
+        events_out=args.events_out and args.events_out.format(**vars(args)))
   w_bytes = device_bytes(state)
   kv_bytes = device_bytes(cache)
   return {"step_ms": step * 1e3, "tokens_per_s": args.batch / step,
@@ -312,6 +325,9 @@ def main():
                   help="with --fuse: lrjax.fuse(..., group=False) (q/k/v as three lr_xuv)")
   ap.add_argument("--profile", action="store_true",
                   help="also trace one call: GPU busy time and top kernels per step")
+  ap.add_argument("--events-out", metavar="PATH",
+                  help="with --profile: write the traced call's kernel events and compiled HLO "
+                  "as JSON to PATH (formatted with the arguments, e.g. {batch}, {fuse})")
   ap.add_argument("--dtype", default="bfloat16")
   ap.add_argument("--smoke", action="store_true", help="tiny dims (CPU check of the script)")
   ap.add_argument("--append", action="store_true",

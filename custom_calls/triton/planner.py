@@ -25,7 +25,10 @@ wgmma-friendly tile that does is the most intense per byte of L2 traffic.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
+import itertools
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,13 +211,39 @@ def _phase_us(n_tiles: int, tile_bytes: float, g: int, bw: float, fill_us: float
   return cdiv(n_tiles, g) * (tile_bytes / (bw / g) * 1e6 + fill_us)
 
 
-def _split_k_tiles(k: int, r: int, factors: int, g: int, bw: float, fill_us: float):
-  """(us, block_r, cols_r, k_per) for a split-K phase over ``factors`` [K, r] matrices."""
+# A phase-1 CTA keeps ``stages`` K steps of 64 rows x its columns of U in flight, so it streams
+# at most that many bytes per DRAM round trip: tiles of few columns are latency-bound below
+# their share of the bandwidth. Fitted to plans measured side by side on the H200 (session 14):
+# - the grouped kernel at Llama-3-70B's q/k/v (ranks 2432/576/576): k/v tiles of 64 columns
+#   (32 KB in flight) made the call 39.4 us at M=4 where 128-column ones took 31.7; at
+#   Qwen2.5-7B's (1088/256/256), q tiles of 96 columns x 512 rows were 3-6 % slower than
+#   192 x 256 (results/gpu_xuv_group_h200.json);
+# - the persistent X·U·V kernel at 8192->2432->8192: 160-column tiles 6-10 % faster than
+#   80-column ones at M = 1, 4, 16 (results/gpu_xuv_decode_round_trip_h200.json).
+# With this round trip, tiles under ~120 columns stream below a 1/132 share of 4 TB/s.
+ROUND_TRIP_US = 2.0
+# ... but where each CTA's share of U is only a few round trips' worth, the wider tiles the
+# cap asks for leave CTAs idle, and that measured worse: 4-20 % slower on 2048->256->512,
+# 4096->152->4096 and 2048->640->2048 (8-20 KB of U a CTA). The persistent kernel counts the
+# round trip from this many bytes of U a CTA (8192->2432->8192: 302 KB).
+ROUND_TRIP_MIN_BYTES = 64 * 1024
+
+
+def _split_k_tiles(k: int, r: int, factors: int, g: int, bw: float, fill_us: float,
+                   stages: int = 4, round_trip_us: float = 0.0):
+  """(us, block_r, cols_r, k_per) for a split-K phase over ``factors`` [K, r] matrices.
+  With ``round_trip_us`` > 0 a CTA streams at most its in-flight bytes (``stages`` 64-row
+  steps of its columns) per round trip (ROUND_TRIP_US)."""
   # ties go to fewer tiles, then to wider ones (longer contiguous rows); ranks <= 32 (e.g. a
   # TP shard of a small factor) take 16- or 32-column tiles; K <= 64 one 64-row step
   widths = (64, 128, 256) if r > 32 else (16, 32)
   steps = [st for st in (2, 4, 8, 16, 32, 64) if st * 64 < k + 64] or [1]
-  best = min((_phase_us(cdiv(r, c) * cdiv(k, st * 64), st * 64 * c * 2 * factors, g, bw,
+
+  def share(c):  # the bandwidth a phase of such tiles streams at
+    if round_trip_us <= 0:
+      return bw
+    return min(bw, g * stages * 64 * c * 2 * factors / (round_trip_us * 1e-6))
+  best = min((_phase_us(cdiv(r, c) * cdiv(k, st * 64), st * 64 * c * 2 * factors, g, share(c),
                         fill_us), cdiv(r, c) * cdiv(k, st * 64), -c, w, c, st * 64)
              for w, c in _widths(widths) if c <= max(16, r) + 15 for st in steps)
   return best[0], best[3], best[4], best[5]
@@ -270,7 +299,8 @@ def plan_decode_persistent(m: int, k: int, r: int, n: int, hw: Hardware = H200,
                            fill_us: float = 1.5,
                            p_split_bytes: float = P_SPLIT_BYTES,
                            min_row_bytes: int = 0,
-                           line_row_tol: float = LINE_ROW_TOL) -> PersistentDecodePlan:
+                           line_row_tol: float = LINE_ROW_TOL,
+                           round_trip_us: float = ROUND_TRIP_US) -> PersistentDecodePlan:
   """Tiles for the persistent decode kernel: ``programs`` CTAs stream U (phase 1), then V.
 
   Each CTA's share of a phase is ceil(tiles / programs) tiles, so the phase lasts as long
@@ -278,11 +308,15 @@ def plan_decode_persistent(m: int, k: int, r: int, n: int, hw: Hardware = H200,
   multiples of 16, i.e. whole 32-byte sectors), so the tile count can match the grid. The
   plan minimises the estimate (HBM bytes only). Where a phase-2 tile would read at least
   ``p_split_bytes`` of P from L2 (``P_SPLIT_BYTES``), phase 2 takes two r-chunks of tiles
-  twice as wide instead of one (the same tile count).
+  twice as wide instead of one (the same tile count). Phase 1 counts each CTA's DRAM round
+  trip (ROUND_TRIP_US) where its share of U is at least ROUND_TRIP_MIN_BYTES.
   """
   g = programs or hw.num_sms
   block_m = max(16, next_pow2(m))
-  t1, block_r, cols_r, k_per = _split_k_tiles(k, r, 1, g, bw, fill_us)
+  if k * r * 2 < ROUND_TRIP_MIN_BYTES * g:
+    round_trip_us = 0.0
+  t1, block_r, cols_r, k_per = _split_k_tiles(k, r, 1, g, bw, fill_us,
+                                              4 if block_m <= 32 else 3, round_trip_us)
   t2, block_n, cols_n, chunks = _column_tiles(n, cdiv(r, cols_r), cols_r, g, bw, fill_us,
                                               min_row_bytes=min_row_bytes,
                                               line_row_tol=line_row_tol)
@@ -340,36 +374,88 @@ def _shares(sizes, g: int) -> list:
   return [max(1, round(g * s / tot)) for s in sizes]
 
 
+
+
+@functools.lru_cache(maxsize=256)
+def _group_phase1(k: int, rs: tuple, g: int, bw: float, fill_us: float, stages: int,
+                  round_trip_us: float = ROUND_TRIP_US, widths: tuple = (64, 128, 256)):
+  """(us, ((block_r, cols_r, k_per) a member)) for the grouped kernel's phase 1, whose CTAs
+  take every member's split-K tiles round-robin (tile t of the concatenated list to CTA
+  t mod g). A CTA's time is the sum over its tiles of bytes / min(bw / g, in-flight bytes /
+  round trip) + ``fill_us`` (a ragged last tile counts its own columns and rows); the phase
+  lasts as long as the busiest CTA. Members of one rank take the same tiles. Plans of one
+  round (at most g tiles) come first where there are any: the measured defaults all are, and
+  the model is not trusted to rank several short rounds against one long one. Ties go to
+  fewer tiles, then to wider ones."""
+  steps = [st for st in (2, 4, 8, 16, 32, 64) if st * 64 < k + 64] or [1]
+  share = bw / g
+
+  def tile_us(c, kp):
+    rate = min(share, stages * 64 * c * 2 / (round_trip_us * 1e-6))
+    return kp * c * 2 / rate * 1e6 + fill_us
+
+  def tiles_us(r, c, kp):  # in the kernel's order: column block-major, then K splits
+    return [tile_us(min(c, r - j), min(kp, k - i))
+            for j in range(0, r, c) for i in range(0, k, kp)]
+
+  ranks = sorted(set(rs))
+  options = {r: [((w, c, st * 64), tiles_us(r, c, st * 64))
+                 for w, c in _widths(widths if r > 32 else (16, 32))
+                 if c <= max(16, r) + 15 for st in steps] for r in ranks}
+  count = collections.Counter(rs)
+  best = None
+  for combo in itertools.product(*(options[r] for r in ranks)):
+    chosen = dict(zip(ranks, combo))
+    n = sum(count[r] * len(chosen[r][1]) for r in ranks)
+    if n <= g:  # one round: the longest tile
+      us = max(max(chosen[r][1]) for r in ranks)
+    else:
+      if best is not None and not best[0][0]:
+        continue  # a one-round plan exists
+      per_cta, t = [0.0] * g, 0
+      for r in rs:
+        for dt in chosen[r][1]:
+          per_cta[t % g] += dt
+          t += 1
+      us = max(per_cta)
+    key = (n > g, round(us, 6), n, -min(opt[0][1] for opt in combo))
+    if best is None or key < best[0]:
+      best = (key, tuple(chosen[r][0] for r in rs))
+  return best[0][1], best[1]
+
+
 def plan_decode_group(m: int, k: int, members, hw: Hardware = H200,
                       programs: int | None = None, bw: float = 4.0e12,
                       fill_us: float = 1.5,
                       min_row_bytes: int = 0,
-                      line_row_tol: float = LINE_ROW_TOL) -> GroupDecodePlan:
+                      line_row_tol: float = LINE_ROW_TOL,
+                      round_trip_us: float = ROUND_TRIP_US) -> GroupDecodePlan:
   """Tiles for the grouped decode kernel: ``members`` is [(r_i, n_i)]. Each phase gives each
   member a share of the ``programs`` CTAs in proportion to its bytes in that phase (U_i in
   phase 1, V_i in phase 2) and cuts its tiles as ``plan_decode_persistent`` does for that
   many CTAs, with one r-chunk (phase 2 waits for the member's whole X·U_i). ``min_row_bytes``
   applies to phase 2 as far as its capped width allows."""
   g = programs or hw.num_sms
-  g1 = _shares([k * r for r, _ in members], g)
   g2 = _shares([r * n for r, n in members], g)
   block_m = max(16, next_pow2(m))
+  stages = 4 if block_m <= 32 else 3
   # from 32 rows, 256-column V tiles ask for more shared memory than a CTA has (245760 B at
-  # Llama-3-70B's q/k/v, 32 rows: tests/custom_calls/triton/test_triton_smem.py)
+  # Llama-3-70B's q/k/v, 32 rows: tests/custom_calls/triton/test_triton_smem.py); so do
+  # 256-column U tiles for every member at 64 rows
   widths = (64, 128, 256) if block_m <= 16 else (64, 128)
-  est1 = est2 = 0.0
-  block_r, cols_r, k_per, block_n, cols_n = [], [], [], [], []
-  for (r, n), a, b in zip(members, g1, g2):
-    t1, br, cr, kp = _split_k_tiles(k, r, 1, a, bw * a / g, fill_us)
+  est1, phase1 = _group_phase1(k, tuple(r for r, _ in members), g, bw, fill_us, stages,
+                               round_trip_us, (64, 128, 256) if block_m <= 32 else (64, 128))
+  est2 = 0.0
+  block_n, cols_n = [], []
+  for (r, n), (_, cr, _), b in zip(members, phase1, g2):
     t2, bn, cn, _ = _column_tiles(n, cdiv(r, cr), cr, b, bw * b / g, fill_us, max_chunks=1,
                                   min_row_bytes=min(min_row_bytes, 2 * widths[-1]),
                                   line_row_tol=line_row_tol, widths=widths)
-    block_r.append(br), cols_r.append(cr), k_per.append(kp)
     block_n.append(bn), cols_n.append(cn)
-    est1, est2 = max(est1, t1), max(est2, t2)
-  return GroupDecodePlan(block_m, tuple(block_r), tuple(cols_r), tuple(k_per), tuple(block_n),
-                         tuple(cols_n), g, 4 if block_m <= 32 else 8, 4 if block_m <= 32 else 3,
-                         128, est1 + est2)
+    est2 = max(est2, t2)
+  block_r, cols_r, k_per = (tuple(t) for t in zip(*phase1))
+  return GroupDecodePlan(block_m, block_r, cols_r, k_per, tuple(block_n), tuple(cols_n), g,
+                         4 if block_m <= 32 else 8, stages, 128, est1 + est2)
 
 
 @dataclasses.dataclass(frozen=True)

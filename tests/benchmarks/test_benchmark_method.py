@@ -99,6 +99,19 @@ def test_timeline_busy_time_is_the_union_of_kernel_intervals(monkeypatch, load_b
   assert timeline.gl.busy_ns([(0, 10, "a"), (2, 3, "b")]) == 10  # one inside another
 
 
+def test_idle_gaps_are_summed_by_the_kernels_around_them(bench):
+  ev = [(20, 30, "c.2"), (0, 10, "a.1"), (2, 4, "b"), (12, 15, "c.1"), (40, 41, "a.2")]
+  gaps = bench.idle_gaps_ns(ev, key=lambda n: n.split(".")[0])
+  # a ends last before the first gap (b ran inside it); c ends before the other two
+  assert gaps == {("a", "c"): (2, 1), ("c", "c"): (5, 1), ("c", "a"): (10, 1)}
+
+
+def test_overlaps_are_summed_by_the_pairs_of_kernels_that_ran_at_once(bench):
+  ev = [(0, 10, "a.1"), (2, 4, "b"), (3, 12, "a.2"), (20, 30, "c")]
+  ov = bench.overlaps_ns(ev, key=lambda n: n.split(".")[0])
+  assert ov == {("a", "b"): 2 + 1, ("a", "a"): 7}  # a.1 with b, then a.2 with b and a.1
+
+
 def test_device_diffs_pair_each_short_execution_with_the_next_long_one(bench, monkeypatch):
   """span(3L) - span(L) per alternated pair, from the executions of one trace."""
   groups = [[(0, 10, "a")], [(100, 130, "a")], [(200, 212, "a")], [(300, 340, "a")]]

@@ -64,6 +64,7 @@ XUV_SHAPES = [  # (M, K, r, N): M=1, ragged everything, a multi-super-block pref
     (64, 1000, 2560, 8200),  # P per phase-2 tile >= planner.P_SPLIT_BYTES: two r-chunks
     (1, 512, 16, 1024), (5, 300, 7, 200),  # ranks <= 32 (TP-8 shards): narrow tiles
     (4, 64, 16, 32), (2, 40, 1, 48),  # K <= 64: one 64-row step; rank one
+    (4, 8192, 2432, 8192),  # >= 64 KB of U a CTA: round-trip-wide phase-1 tiles, ragged
 ]
 
 
@@ -122,6 +123,8 @@ GROUP_CASES = [  # (M, K, [(r_i, N_i)], members with a bias): Llama-3-8B q/k/v a
     (16, 512, [(136, 200), (64, 64), (256, 100)], (2,)),
     (32, 4096, [(1216, 4096), (512, 1024), (512, 1024)], (0,)),  # 32 and 64 rows (8 warps)
     (64, 512, [(136, 200), (64, 64), (256, 100)], (1,)),
+    (4, 8192, [(2432, 8192), (576, 1024), (576, 1024)], ()),  # Llama-3-70B, Qwen2.5-7B
+    (16, 3584, [(1088, 3584), (256, 512), (256, 512)], (0,)),  # (ragged 224-column U tiles)
 ]
 
 
