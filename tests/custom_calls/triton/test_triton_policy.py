@@ -39,12 +39,13 @@ def test_nearest_record_and_verdict(monkeypatch):
       ("xuv", 1, 4096, 1024, 4096, 10.0, 12.0),  # faster than XLA
       ("xuv", 2, 4096, 1024, 4096, 10.0, 9.0),  # one slow point between fast ones
       ("xuv", 4, 4096, 1024, 4096, 10.0, 11.0),
-      ("xuv", 16, 4096, 1024, 4096, 10.0, 0.98 * 10.0),  # at parity (noise): serves
+      ("xuv", 16, 4096, 1024, 4096, 10.0, 10.0),  # at parity: serves
       ("xuv", 1024, 4096, 1024, 4096, 100.0, 80.0),  # slower: 0.80x
       ("xuv", 1, 8192, 2048, 16384, 10.0, 11.0),
       ("xuv", 2, 8192, 2048, 16384, 10.0, 11.0),
       ("xuv", 4, 8192, 2048, 16384, 10.0, 8.5),  # 0.85x: clearly slower, though the median
-      ("mlp_swiglu", 1, 4096, 1024, 14336, 50.0, 40.0)))  # of M=1, 2, 4 is 1.1x
+      ("xuv", 8, 8192, 2048, 16384, 10.0, 11.0),  # of M=2, 4, 8 is 1.1x
+      ("mlp_swiglu", 1, 4096, 1024, 14336, 50.0, 40.0)))
   assert measured.verdict("xuv", 1, 4096, 1024, 4096) is None
   assert measured.verdict("xuv", 3, 4096, 1024, 4096) is None  # median of M=2, 4: 1.0x
   why = measured.verdict("xuv", 2, 4096, 1024, 4096)  # at M=2 itself its own 0.90x decides
@@ -60,6 +61,11 @@ def test_nearest_record_and_verdict(monkeypatch):
   assert "D_ff=14336" in measured.verdict("mlp_swiglu", 1, 4096, 1024, 14336)
   monkeypatch.setattr(measured, "RECORDS", ())
   assert measured.verdict("xuv", 600, 4096, 1024, 4096) is None  # nothing measured
+  # a kernel 2 % behind XLA gains nothing: PARITY is XLA's own speed (session 14: such a
+  # SwiGLU call cost the Llama-3-70B step 2.6 % at batch 8)
+  monkeypatch.setattr(measured, "RECORDS", (("mlp_swiglu", 8, 8192, 3840, 28672, 215.0, 211.0),))
+  why = measured.verdict("mlp_swiglu", 8, 8192, 3840, 28672)
+  assert why is not None and "0.98x" in why
 
 
 def test_the_nearest_shape_decides_before_the_nearest_token_count(monkeypatch):
