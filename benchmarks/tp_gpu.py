@@ -14,7 +14,9 @@ strategy:
            own benchmarked shape: these records are measured.MODEL_AB; ``--whole-policy``
            times the policy as shipped, that whole-model rule included; ``--no-group`` keeps
            q/k/v as three calls instead of one lr_xuv_group); with ``--profile``,
-           the GPU's busy time per step and the kernels that fill it (one traced call).
+           the GPU's busy time per step, the kernels that fill it, the idle gaps between kernel
+           pairs and the kernels that ran at once (one traced call; ``--events-out`` keeps
+           its raw events and the compiled HLO).
   serving  ``--requests`` concurrent requests through lrjax.serving.Engine (continuous batching,
            prompts of ``--prompt-len``): TTFT (submit → first token) and ITL (token gaps),
            median and p90, after a warm-up pass that compiles every shape.
@@ -324,7 +326,8 @@ def main():
   ap.add_argument("--no-group", action="store_true",
                   help="with --fuse: lrjax.fuse(..., group=False) (q/k/v as three lr_xuv)")
   ap.add_argument("--profile", action="store_true",
-                  help="also trace one call: GPU busy time and top kernels per step")
+                  help="also trace one call: GPU busy time, top kernels, idle gaps by kernel "
+                  "pair and overlapping kernels per step")
   ap.add_argument("--events-out", metavar="PATH",
                   help="with --profile: write the traced call's kernel events and compiled HLO "
                   "as JSON to PATH (formatted with the arguments, e.g. {batch}, {fuse})")
