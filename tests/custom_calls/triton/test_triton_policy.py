@@ -47,7 +47,7 @@ def test_nearest_record_and_verdict(monkeypatch):
       ("xuv", 8, 8192, 2048, 16384, 10.0, 11.0),  # of M=2, 4, 8 is 1.1x
       ("mlp_swiglu", 1, 4096, 1024, 14336, 50.0, 40.0)))
   assert measured.verdict("xuv", 1, 4096, 1024, 4096) is None
-  assert measured.verdict("xuv", 3, 4096, 1024, 4096) is None  # median of M=2, 4: 1.0x
+  assert measured.verdict("xuv", 3, 4096, 1024, 4096) is None  # median of M=2, 4, 16: 1.0x
   why = measured.verdict("xuv", 2, 4096, 1024, 4096)  # at M=2 itself its own 0.90x decides
   assert why is not None and "this very shape" in why and "0.90x" in why
   assert measured.verdict("xuv", 2, 8192, 2048, 16384) is None
