@@ -229,6 +229,16 @@ ROUND_TRIP_US = 2.0
 ROUND_TRIP_MIN_BYTES = 64 * 1024
 
 
+def _cta_rate(cols: int, stages: int, share: float, round_trip_us: float,
+              factors: int = 1) -> float:
+  """Bytes/s one phase-1 CTA streams: its ``share`` of the bandwidth, or, if less, its
+  in-flight bytes (``stages`` 64-row steps of ``cols`` 2-byte columns of each of ``factors``
+  matrices) per round trip (``round_trip_us`` <= 0: no cap)."""
+  if round_trip_us <= 0:
+    return share
+  return min(share, stages * 64 * cols * 2 * factors / (round_trip_us * 1e-6))
+
+
 def _split_k_tiles(k: int, r: int, factors: int, g: int, bw: float, fill_us: float,
                    stages: int = 4, round_trip_us: float = 0.0):
   """(us, block_r, cols_r, k_per) for a split-K phase over ``factors`` [K, r] matrices.
@@ -239,12 +249,10 @@ def _split_k_tiles(k: int, r: int, factors: int, g: int, bw: float, fill_us: flo
   widths = (64, 128, 256) if r > 32 else (16, 32)
   steps = [st for st in (2, 4, 8, 16, 32, 64) if st * 64 < k + 64] or [1]
 
-  def share(c):  # the bandwidth a phase of such tiles streams at
-    if round_trip_us <= 0:
-      return bw
-    return min(bw, g * stages * 64 * c * 2 * factors / (round_trip_us * 1e-6))
-  best = min((_phase_us(cdiv(r, c) * cdiv(k, st * 64), st * 64 * c * 2 * factors, g, share(c),
-                        fill_us), cdiv(r, c) * cdiv(k, st * 64), -c, w, c, st * 64)
+  def phase_bw(c):  # the bandwidth a phase of such tiles streams at, all g CTAs together
+    return g * _cta_rate(c, stages, bw / g, round_trip_us, factors)
+  best = min((_phase_us(cdiv(r, c) * cdiv(k, st * 64), st * 64 * c * 2 * factors, g,
+                        phase_bw(c), fill_us), cdiv(r, c) * cdiv(k, st * 64), -c, w, c, st * 64)
              for w, c in _widths(widths) if c <= max(16, r) + 15 for st in steps)
   return best[0], best[3], best[4], best[5]
 
@@ -389,8 +397,7 @@ def _group_phase1(k: int, rs: tuple, g: int, bw: float, fill_us: float, stages: 
   share = bw / g
 
   def tile_us(c, kp):
-    rate = min(share, stages * 64 * c * 2 / (round_trip_us * 1e-6))
-    return kp * c * 2 / rate * 1e6 + fill_us
+    return kp * c * 2 / _cta_rate(c, stages, share, round_trip_us) * 1e6 + fill_us
 
   def tiles_us(r, c, kp):  # in the kernel's order: column block-major, then K splits
     return [tile_us(min(c, r - j), min(kp, k - i))
