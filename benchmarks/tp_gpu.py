@@ -13,7 +13,8 @@ strategy:
            With ``--fuse``, also the Triton calls in the compiled step (each call judged by its
            own benchmarked shape: these records are measured.MODEL_AB; ``--whole-policy``
            times the policy as shipped, that whole-model rule included; ``--no-group`` keeps
-           q/k/v as three calls instead of one lr_xuv_group); with ``--profile``,
+           q/k/v as three calls instead of one lr_xuv_group; ``--kernels`` serves only some
+           ops' kernels, for each kernel's share of a step); with ``--profile``,
            the GPU's busy time per step, the kernels that fill it, the idle gaps between kernel
            pairs and the kernels that ran at once (one traced call; ``--events-out`` keeps
            its raw events and the compiled HLO).
@@ -121,6 +122,27 @@ def calls_judged_alone():
     measured.MODEL_AB = saved
 
 
+@contextlib.contextmanager
+def only_kernels(ops):
+  """With ``ops`` (lr ops by their policy names: "xuv", "xuv_group", "mlp_swiglu"), the
+  kernel policy declines every other op, so a step's A/B isolates some kernels' share."""
+  if not ops:
+    yield
+    return
+  from lrjax.custom_calls.triton import measured
+  saved = measured.verdict
+
+  def verdict(op, *args):
+    if op not in ops:
+      return f"left to XLA by tp_gpu.py --kernels {' '.join(sorted(ops))}"
+    return saved(op, *args)
+  measured.verdict = verdict
+  try:
+    yield
+  finally:
+    measured.verdict = saved
+
+
 def kernel_profile(fn, fn_args, steps, top=40, events_out=None):
   """One traced call ``fn(*fn_args)`` of the decode loop. Returns its outputs and, per step,
   the GPU's busy time (the union of kernel intervals), its span, the ``top`` kernel names by
@@ -170,7 +192,8 @@ def time_decode(model, plan, args, dtype):
             else type(model).decode)
   fn = greedy_loop(gdef, decode, args.steps, shardings)
   kernels = {}
-  with contextlib.nullcontext() if args.whole_policy else calls_judged_alone():
+  with (contextlib.nullcontext() if args.whole_policy else calls_judged_alone()), \
+       only_kernels(args.kernels):
     times, compile_s, cache, toks = time_loop(fn, state, cache, toks, half, args.reps)
     if args.fuse:  # what the fused step really runs: Triton custom calls in the compiled HLO
       text = fn.lower(state, half(cache), toks).compile().as_text()
@@ -243,7 +266,8 @@ def run_model(name, cfg, args, dtype, out, save):
       plan = model.tp_plan
       tag = {"model": name, "strategy": strategy, "ratio": ratio, "tp": tp, "fuse": args.fuse,
              **({"group": not args.no_group} if args.fuse else {}),
-             **({"whole_policy": True} if args.whole_policy else {})}
+             **({"whole_policy": True} if args.whole_policy else {}),
+             **({"kernels": sorted(args.kernels)} if args.kernels else {})}
       for batch in args.batch:
         a = argparse.Namespace(**{**vars(args), "batch": batch})
         rec = {**tag, "batch": batch, "ctx": args.ctx, "layers": cfg.num_layers,
@@ -325,6 +349,9 @@ def main():
                   "(these records are not measured.MODEL_AB's source)")
   ap.add_argument("--no-group", action="store_true",
                   help="with --fuse: lrjax.fuse(..., group=False) (q/k/v as three lr_xuv)")
+  ap.add_argument("--kernels", nargs="+", choices=["xuv", "xuv_group", "mlp_swiglu"],
+                  help="with --fuse: serve only these ops' kernels (the others on XLA), to see "
+                  "each kernel's share of a step; such records are not measured.MODEL_AB's")
   ap.add_argument("--profile", action="store_true",
                   help="also trace one call: GPU busy time, top kernels, idle gaps by kernel "
                   "pair and overlapping kernels per step")
@@ -343,6 +370,9 @@ def main():
     return
   if args.no_group and not args.fuse:
     raise SystemExit("--no-group applies to the chains lrjax.fuse finds: it needs --fuse")
+  if args.kernels and not args.fuse:
+    raise SystemExit("--kernels picks among the kernels lrjax.fuse's ops lower to: it needs "
+                     "--fuse")
   if args.profile and jax.devices()[0].platform != "gpu":
     raise SystemExit(f"--profile reads GPU kernel traces; this machine's devices are "
                      f"{jax.devices()}")
@@ -366,7 +396,7 @@ def main():
       rec = {**rec, "run": run["index"]}
       kind = lambda r: tuple(r.get(k) for k in (  # noqa: E731
           "model", "strategy", "ratio", "tp", "fuse", "group", "whole_policy", "batch")
-      ) + ("serving" in r,)
+      ) + (tuple(r.get("kernels") or ()), "serving" in r)
       self[:] = [r for r in self if kind(r) != kind(rec)]
       super().append(rec)
 

@@ -299,13 +299,14 @@ def model_ab_from_results(path: str) -> tuple:
   """MODEL_AB rows from a tp_gpu.py results file: (model, hidden size, batch, step ms with the
   kernels, without) of each batch of the one-GPU low-rank model measured both ways (with the
   kernels: lrjax.fuse's default, grouping q/k/v; ``--no-group`` runs are not the default and
-  are left out, and so are ``--whole-policy`` runs, timed with this rule on); of repeated
-  runs, the last."""
+  are left out, and so are ``--whole-policy`` runs, timed with this rule on, and ``--kernels``
+  runs, with only some kernels served); of repeated runs, the last."""
   with open(path) as fh:
     data = json.load(fh)
   recs = [r for r in data["records"]
           if "step_ms" in r and r["strategy"] == "lowrank_tp" and r["tp"] == 1
-          and r.get("group") is not False and not r.get("whole_policy")]
+          and r.get("group") is not False and not r.get("whole_policy")
+          and not r.get("kernels")]
   # fused runs with lrjax.fuse's default grouping replace those from before it existed
   recs.sort(key=lambda r: r.get("group", False))
   steps = {(r["model"], r["batch"], bool(r.get("fuse"))): r["step_ms"] for r in recs}

@@ -63,3 +63,31 @@ def test_grouped_fuse_runs_on_one_and_several_devices(tmp_path):
                       "--no-group", "--out", str(tmp_path / "x.json")],
                      capture_output=True, text=True, env=env, timeout=300)
   assert r.returncode != 0 and "needs --fuse" in r.stderr
+
+
+def test_kernels_runs_are_kept_apart_and_need_fuse(tmp_path):
+  """--kernels serves only some ops' kernels: its records are their own kind (--append keeps
+  the plain fused one) and carry the ops; without --fuse it is refused."""
+  out = str(tmp_path / "k.json")
+  _run(out, "--model", "8b", "--tp", "1", "--strategies", "lowrank_tp", "--fuse")
+  d = _run(out, "--append", "--model", "8b", "--tp", "1", "--strategies", "lowrank_tp",
+           "--fuse", "--kernels", "xuv_group", "xuv")
+  assert sorted(r.get("kernels") is None for r in d["records"]) == [False, True]
+  assert [r["kernels"] for r in d["records"] if r.get("kernels")] == [["xuv", "xuv_group"]]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  r = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "tp_gpu.py"), "--smoke",
+                      "--kernels", "xuv", "--out", str(tmp_path / "n.json")],
+                     capture_output=True, text=True, env=env, timeout=300)
+  assert r.returncode != 0 and "--kernels" in r.stderr and "--fuse" in r.stderr
+
+
+def test_only_kernels_declines_the_other_ops(load_benchmark, monkeypatch):
+  monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))  # its sibling modules
+  tp = load_benchmark("tp_gpu")
+  from lrjax.custom_calls.triton import measured
+  monkeypatch.setattr(measured, "verdict", lambda op, *a: None)  # every kernel served
+  with tp.only_kernels(["xuv_group"]):
+    assert measured.verdict("xuv_group", 4, 8192, 3584, 10240) is None
+    why = measured.verdict("mlp_swiglu", 4, 8192, 3840, 28672)
+    assert why is not None and "--kernels xuv_group" in why
+  assert measured.verdict("mlp_swiglu", 4, 8192, 3840, 28672) is None  # restored

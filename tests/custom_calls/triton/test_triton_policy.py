@@ -1,4 +1,5 @@
 """CPU tests of the Triton room's measured speed policy (custom_calls/triton/measured.py)."""
+import json
 import os
 import statistics
 
@@ -195,3 +196,14 @@ def test_grouped_kernel_verdicts(monkeypatch):
   monkeypatch.setattr(measured, "MODEL_AB", ())
   tiny = measured.verdict("xuv_group", 8, 512, 48, 192)
   assert tiny is not None and "no benchmarked xuv_group shape" in tiny
+
+
+def test_model_ab_leaves_out_runs_with_only_some_kernels(tmp_path):
+  """tp_gpu.py --kernels records (some ops kept on XLA) are not a whole-model A/B."""
+  rec = dict(strategy="lowrank_tp", tp=1, model="70b", batch=4, group=True)
+  data = {"models": {"70b": {"hidden_size": 8192}}, "records": [
+      dict(rec, fuse=False, step_ms=3.0), dict(rec, fuse=True, step_ms=2.9),
+      dict(rec, fuse=True, step_ms=3.3, kernels=["mlp_swiglu"])]}
+  path = tmp_path / "ab.json"
+  path.write_text(json.dumps(data))
+  assert measured.model_ab_from_results(str(path)) == (("70b", 8192, 4, 2.9, 3.0),)
