@@ -370,9 +370,12 @@ def main():
     return
   if args.no_group and not args.fuse:
     raise SystemExit("--no-group applies to the chains lrjax.fuse finds: it needs --fuse")
-  if args.kernels and not args.fuse:
-    raise SystemExit("--kernels picks among the kernels lrjax.fuse's ops lower to: it needs "
-                     "--fuse")
+  for flag, given in (("--kernels", args.kernels), ("--whole-policy", args.whole_policy)):
+    if given and not args.fuse:
+      raise SystemExit(f"{flag} chooses among the kernels lrjax.fuse's ops lower to: it needs "
+                       "--fuse")
+  if args.events_out and not args.profile:
+    raise SystemExit("--events-out writes the trace --profile takes: it needs --profile")
   if args.profile and jax.devices()[0].platform != "gpu":
     raise SystemExit(f"--profile reads GPU kernel traces; this machine's devices are "
                      f"{jax.devices()}")

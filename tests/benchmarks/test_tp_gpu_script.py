@@ -75,10 +75,12 @@ def test_kernels_runs_are_kept_apart_and_need_fuse(tmp_path):
   assert sorted(r.get("kernels") is None for r in d["records"]) == [False, True]
   assert [r["kernels"] for r in d["records"] if r.get("kernels")] == [["xuv", "xuv_group"]]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  r = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "tp_gpu.py"), "--smoke",
-                      "--kernels", "xuv", "--out", str(tmp_path / "n.json")],
-                     capture_output=True, text=True, env=env, timeout=300)
-  assert r.returncode != 0 and "--kernels" in r.stderr and "--fuse" in r.stderr
+  for bad, needs in ((["--kernels", "xuv"], "--fuse"), (["--whole-policy"], "--fuse"),
+                     (["--events-out", "x.json"], "--profile")):
+    r = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "tp_gpu.py"),
+                        "--smoke", *bad, "--out", str(tmp_path / "n.json")],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode != 0 and bad[0] in r.stderr and needs in r.stderr, (bad, r.stderr)
 
 
 def test_only_kernels_declines_the_other_ops(load_benchmark, monkeypatch):
