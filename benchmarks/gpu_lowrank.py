@@ -454,12 +454,18 @@ def mlp_record(m, d, f, r, bw, peak, kernel="auto", reps=None, baselines=None):
     extra = {}
     if name == "decode_memset":  # scratch zeroed by jax-triton's memset inside the call
       name, extra = "decode", dict(xla_zeroing=False)
-    if name == "decode_kw":  # decode_kw:field=value,...: the default blocks, some replaced
+    if name in ("decode_kw", "decode_kw0"):  # decode_kw:field=value,...: the default blocks,
+      # some replaced; decode_kw0: the same over the unparked T <= 16 blocks (before session 15)
       fields = {k: int(v) for k, v in (t.split("=") for t in spec.split(","))}
-      bs0 = mlp_decode.BlockSizes.get_default(m, d, f, r, d)
+      bs0 = mlp_decode.BlockSizes.get_default(m, d, f, r, d, park_small=name == "decode_kw")
       name, spec, extra = "decode", "", dict(block_sizes=dataclasses.replace(bs0, **fields))
-    if name == "decode_s_store":  # stage B stores S instead of adding it (timing only)
-      name, extra = "decode", dict(_s_atomics=False)
+    if name == "decode_unparked":  # the T <= 16 blocks before h was parked there (session 15)
+      bs0 = mlp_decode.BlockSizes.get_default(m, d, f, r, d, park_small=False)
+      name, extra = "decode", dict(block_sizes=bs0)
+    if name in ("decode_s_store", "decode_s_none"):  # stage B (unparked blocks) stores S
+      # instead of adding it, or issues those stores masked off (timing only: wrong output)
+      bs0 = mlp_decode.BlockSizes.get_default(m, d, f, r, d, park_small=False)
+      name, extra = "decode", dict(_s_flush=name.rpartition("_")[2], block_sizes=bs0)
     if name == "persistent":  # the persistent decode schedule
       name, extra = "decode", dict(persistent=True)
     if name == "persistent_rows":  # phases B and C: tile rows at least this many bytes
@@ -752,6 +758,20 @@ MLP_LOW_STAGES_VARIANTS = ("decode_kw:block_rd=128,num_stages=4",
                            "decode_kw:block_rd=64,num_stages=4")
 # the two 4-stage variants of session 12 that gained only at 70B, on the MLP_SLICE_SHAPES
 MLP_SLICE_VARIANTS = MLP_LOW_STAGES_VARIANTS[:1] + MLP_PARK_STAGES_VARIANTS["low"][:1]
+# stage-B slices that own fewer D_ff columns than their 128-column block (the rest masked,
+# so no extra bytes), so that more slices share the SMs: 14336 in 128 slices of 112 columns
+# or 120 of 120, against 112 of 128 (16 of 132 SMs idle in stage B)
+MLP_BALANCE_VARIANTS = ("decode_kw0:cols_f=112", "decode_kw0:cols_f=120")
+# h parked at T <= 16 with 5-6 pipeline stages (147-184 KB of shared memory: one CTA an SM, so
+# the stage-B slices spread over all SMs; 3-4 stages let 2-3 share one), then 256-column
+# stage-H tiles
+MLP_PARK_DEEP_VARIANTS = ("decode_kw0:park_h=1,num_stages=5", "decode_kw0:park_h=1,num_stages=6",
+                          "decode_kw0:park_h=1,num_stages=5,block_h=256")
+# h parked and projected by the stage-B CTAs themselves, a split's slices sharing its r_d
+# blocks (one partial of S per split of 10-20 slices instead of one per slice: at T=16 those
+# partials' 18 MB of L2 writes were most of the T-cost, results/gpu_mlp_decode_s_flush_h200.json)
+MLP_H_INLINE_VARIANTS = tuple("decode_kw0:park_h=1,h_inline=1," + v for v in (
+    "block_h=256", "block_h=128", "block_h=256,num_stages=4"))
 # deeper L2 prefetch of the phase-B slices (Vg, Vu rows) while phase A streams
 MLP_PREFETCH_VARIANTS = ("persistent_pfb:256", "persistent_pfb:512", "persistent_pfb:1024")
 # gpu_xuv_decode_persistent_h200.json also has "persistent:programs=264,stages=3" (two CTAs
@@ -1003,6 +1023,23 @@ def suite(name, bw, peak, args, recs):
                for m in (1, 16)],
               lambda _: ("decode_kw:block_f=64,block_rd=128,num_stages=4",
                          "decode_kw:block_f=64,num_stages=4"), "decode")
+  if name == "mlp_park_deep":  # MLP_PARK_DEEP_VARIANTS next to the default at T <= 16
+    mlp_sweep([(label, m) for label, ms in (
+        ("llama3-8b", (1, 2, 4, 8, 16)), ("qwen2.5-7b", (1, 4, 16)), ("llama3-70b-r3840", (1, 16)),
+        ("llama3-8b-r1024", (1, 16)), ("llama3.2-1b", (1, 16))) for m in ms],
+              lambda _: MLP_PARK_DEEP_VARIANTS, "decode_unparked")
+  if name == "mlp_h_inline":  # MLP_H_INLINE_VARIANTS next to the default at T <= 16
+    mlp_sweep([(label, m) for label, ms in (
+        ("llama3-8b", (1, 4, 8, 16)), ("qwen2.5-7b", (1, 4, 16)), ("llama3-70b-r3840", (1, 16)),
+        ("llama3-8b-r1024", (1, 16)), ("llama3.2-1b", (1, 16))) for m in ms],
+              lambda _: MLP_H_INLINE_VARIANTS, "decode_unparked")
+  if name == "mlp_s_flush":  # where the T-cost goes: stage B's partials of S stored, or none
+    mlp_sweep([(label, m) for label, ms in (("llama3-8b", (1, 4, 16)), ("qwen2.5-7b", (1, 16)))
+               for m in ms], lambda _: ("decode_s_store", "decode_s_none"), "decode_unparked")
+  if name == "mlp_balance":  # MLP_BALANCE_VARIANTS: D_ff=14336's 112 slices on 132 SMs
+    mlp_sweep([(label, m) for label, ms in (("llama3-8b", (1, 4, 8, 16)),
+                                            ("llama3-8b-r1024", (1, 16))) for m in ms],
+              lambda _: MLP_BALANCE_VARIANTS, "decode_unparked")
   if name == "mlp_decode_variants":  # MLP_DECODE_VARIANTS next to the default, one run
     mlp_sweep(decode_points, lambda _: MLP_DECODE_VARIANTS)
   if name == "mlp_decode_probes":  # MLP_DECODE_PROBES next to the tiled kernel, one run
@@ -1176,7 +1213,8 @@ def main():
                            "decode_group", "decode_pv", "llama70b",
                            "mlp_decode_probes", "mlp_park_h", "mlp_park_tune",
                            "mlp_park_stages", "mlp_low_stages", "mlp_slices", "mlp_tail",
-                           "mlp_fine_slices",
+                           "mlp_fine_slices", "mlp_balance", "mlp_s_flush",
+                           "mlp_h_inline", "mlp_park_deep",
                            "decode_depth", "decode_group_wide",
                            "kv_attention"])
   ap.add_argument("--variants", action="store_true", help="also time non-default kernels")

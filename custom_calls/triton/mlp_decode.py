@@ -1,5 +1,5 @@
-"""Fused low-rank (Swi)GLU MLP for few tokens, in one launch of three (from 17 tokens four)
-dependent stages.
+"""Fused low-rank (Swi)GLU MLP for few tokens, in one launch of three or four dependent
+stages (four where h is parked, below: the default from 2 tokens).
 
   stage A  Pg = X·Ug, Pu = X·Uu          one pass over X (both factors per K tile),
                                          inter-CTA split-K, f32 atomics into [M, r]
@@ -20,10 +20,9 @@ counters live in one scratch buffer, zeroed by an XLA op aliased into the call (
 ``out=``, by jax-triton's memset inside the custom call). Non-gated MLPs
 (act(X·U1·V1 + b1)·U2·V2 + b2) run the same kernel with GATED=False.
 
-That holds up to 16 tokens. From 17 (``BlockSizes.park_h``, the default there) stage B's S
-partials, one [M, r_d] f32 add per slice (147 MB of L2 atomics at T=64 on Llama-3-8B
-r=2560), cost more than streaming the weights, so stage B parks h and a fourth stage
-projects it:
+With ``BlockSizes.park_h`` stage B's S partials, one [M, r_d] f32 add per slice (147 MB of
+L2 atomics at T=64 on Llama-3-8B r=2560, 18 MB at T=16), give way to parked h and a fourth
+stage that projects it:
 
   stage B  h [M, B_F] stored once in the factors' dtype, into an [M, D_ff] buffer (1.8 MB
            at T=64, D_ff=14336: written, then read back from L2)
@@ -33,8 +32,10 @@ projects it:
   stage C  as above, once every stage-H tile has landed in S
 
 Against the unparked kernel it measured 1.2-2.1x faster at T=32..128 (1.06x / 1.18x XLA at
-T=32 / 64 on Llama-3-8B r=2560) and 2-9 % slower at T <= 16, where those atomics hide
-behind the streaming (benchmarks/gpu_notes.md, session 12).
+T=32 / 64 on Llama-3-8B r=2560; session 12), and at T=2..16, once 5 pipeline stages keep one
+CTA on each SM, 2-12 % faster (session 15: at 3-4 stages two or three CTAs shared an SM and
+it had measured 2-9 % slower). At one token it is the default only where it measured faster
+(``BlockSizes.get_default``; benchmarks/gpu_notes.md).
 
 Every byte of the six factors is read once, so the floor is their size over HBM bandwidth.
 
@@ -66,6 +67,9 @@ from lrjax.custom_calls.triton._common import (check_out, last_arrival, mm_acc, 
                                                wait_at_least)
 
 ACT_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "relu": 3}
+# how stage B flushes its partial of S: atomics; timing only (wrong output), plain stores or
+# none (stores masked off by a data test that never holds: same instructions, no bytes)
+S_FLUSH_CODES = {"atomic": 0, "store": 1, "none": 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,9 +90,16 @@ class BlockSizes:
   park_h: bool = False  # stage B parks h in a global buffer; stage H projects it (below)
   block_h: int = 128  # stage-H columns of the down rank per CTA
   h_splits: int = 0  # stage-H split of D_ff (0: about one stage-H tile per SM)
+  # A/B options, measured slower and so not defaults (benchmarks/gpu_notes.md, session 15):
+  cols_f: int = 0  # D_ff columns a stage-B slice owns (<= block_f, the rest masked; 0: block_f)
+  h_inline: bool = False  # park_h: stage-B CTAs run their split's stage-H tiles themselves,
+                          # splits of ceil(r_d / block_h) slices (one tile each) by default
 
   @classmethod
-  def get_default(cls, m: int, d: int, f: int, r: int, d_out: int) -> "BlockSizes":
+  def get_default(cls, m: int, d: int, f: int, r: int, d_out: int, *,
+                  park_small: bool = True) -> "BlockSizes":
+    """The measured defaults; ``park_small=False``: at T <= 16 the unparked blocks that were
+    the default before session 15 (kept for A/Bs and the S-flush probes)."""
     bm = max(16, planner.next_pow2(m))
     t = TUNED.get(("m<=16" if m <= 16 else "m<=64", "r>=2048" if r >= 2048 else "r<2048"))
     if t is None:
@@ -111,12 +122,21 @@ class BlockSizes:
         # at D_ff=14336's 112 slices (results/gpu_mlp_decode_slices_h200.json)
         block_rd, stages = 128, 4
     block_k, park = t.block_k, bm > 16
-    if park:
+    if park_small and bm <= 16 and (m > 1 or (block_f == 128 and planner.cdiv(f, 128) <= sms)):
+      # h parked at T <= 16 too, with 5 pipeline stages: 147 KB of shared memory (139 KB at
+      # 64-column slices), so one CTA an SM and the stage-B slices spread over every SM
+      # (3-4 stages, 74-110 KB, let 2-3 share one, which was why parking had measured 2-9 %
+      # slower here). Against the unparked blocks, 2-16 tokens: 7-12 % faster on Llama-3-8B
+      # r=2560 (75.2-78.1 us, 84-88 % of the roofline), 8-9 % on -70B at T=16, 2-7 % on
+      # Qwen2.5-7B, 5-7 % on 3.2-1B and 8B r=1024 at T=16; one token: 5 % on 8B r=2560,
+      # 1 % on r=1024, 2-3 % slower on Qwen2.5-7B and 3.2-1B (kept unparked there), even
+      # on -70B (results/gpu_mlp_decode_park_deep_h200.json; 6 stages within 1 % of 5)
+      park, stages = True, 5
+    elif park:
       # from 17 tokens stage B's partials of S (one [T, r_d] f32 add per slice) cost more
       # than parking h: 1.2-2.1x faster at T=32..128, with 64-row K steps and 4 stages where
       # they fit (4 x ([128, 64] P + [64, 128] V tiles) would need 256 KB at T=128);
-      # results/gpu_mlp_decode_park_{h,tune,stages}_h200.json. At T <= 16 it was 2-9 % slower
-      # (Llama-3-70B at T=16: 7 % faster)
+      # results/gpu_mlp_decode_park_{h,tune,stages}_h200.json
       block_f, block_k, stages = 128, 64, 4 if bm <= 64 else 3
     # p16: stage B reads Pg, Pu in bf16, 1-3 % faster on Llama-3-8B r=2560 and 3.2-1B
     # (results/gpu_decode_p16_h200.json)
@@ -178,21 +198,25 @@ def _up_tile(rb, k0,  # column block of the rank, first row of D
 @triton.jit
 def _project_rank(h,  # [BLOCK_M, BLOCK_F] slice of the intermediate, the only copy of it
                   ud_ptr, s_ptr, offs_m, m_mask, offs_f, f_mask, RD: tl.constexpr,
-                  BLOCK_RD: tl.constexpr, S_ATOMICS: tl.constexpr):
+                  BLOCK_RD: tl.constexpr, S_FLUSH: tl.constexpr):
   """S += h · Ud[f, :]: f32 atomics into the down factor's rank space, BLOCK_RD at a time
-  (S_ATOMICS=False: plain stores, a wrong S; timing the atomics only)."""
+  (S_FLUSH 0. Timing only, a wrong S: 1 plain stores; 2 stores masked off by a test on
+  the data that never holds, so the dot and the instructions stay but no byte moves)."""
   for c0 in range(0, RD, BLOCK_RD):
     offs_c = c0 + tl.arange(0, BLOCK_RD)
     c_mask = offs_c < RD
     udt = tl.load(ud_ptr + offs_f[:, None] * RD + offs_c[None, :],
                   mask=f_mask[:, None] & c_mask[None, :], other=0.0)
     part = tl.dot(h, udt)
-    if S_ATOMICS:
+    if S_FLUSH == 0:
       tl.atomic_add(s_ptr + offs_m[:, None] * RD + offs_c[None, :], part,
                     mask=m_mask[:, None] & c_mask[None, :], sem="relaxed")
-    else:
+    elif S_FLUSH == 1:
       tl.store(s_ptr + offs_m[:, None] * RD + offs_c[None, :], part,
                mask=m_mask[:, None] & c_mask[None, :])
+    else:
+      tl.store(s_ptr + offs_m[:, None] * RD + offs_c[None, :], part,
+               mask=m_mask[:, None] & c_mask[None, :] & (part > 3.0e38))
 
 
 @triton.jit
@@ -204,7 +228,7 @@ def _down_slice(fb,  # slice of the intermediate dim
                 RB_PER_CHUNK: tl.constexpr, R_PER: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_F: tl.constexpr, COLS_F: tl.constexpr, BLOCK_RD: tl.constexpr,
                 BLOCK_KR: tl.constexpr, EVEN_R: tl.constexpr, STREAM: tl.constexpr,
-                P16: tl.constexpr, S_ATOMICS: tl.constexpr, PARK_H: tl.constexpr, h_ptr,
+                P16: tl.constexpr, S_FLUSH: tl.constexpr, PARK_H: tl.constexpr, h_ptr,
                 h_cnt_ptr, SLICES_PER_SPLIT: tl.constexpr):
   """One COLS_F-wide slice h of the intermediate, consuming Pg/Pu chunk by chunk as they
   complete, projected straight into S (the down factor's rank space); then the counter.
@@ -237,7 +261,7 @@ def _down_slice(fb,  # slice of the intermediate dim
       tl.store(h_ptr + offs_m[:, None] * F + offs_f[None, :], h,
                mask=m_mask[:, None] & f_mask[None, :])
     else:
-      _project_rank(h, ud_ptr, s_ptr, offs_m, m_mask, offs_f, f_mask, RD, BLOCK_RD, S_ATOMICS)
+      _project_rank(h, ud_ptr, s_ptr, offs_m, m_mask, offs_f, f_mask, RD, BLOCK_RD, S_FLUSH)
   if PARK_H:
     signal(h_cnt_ptr + fb // SLICES_PER_SPLIT)
   else:
@@ -293,9 +317,12 @@ def _mlp_decode_kernel(
     BLOCK_KR: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_R: tl.constexpr, EVEN_RD: tl.constexpr,
     P16: tl.constexpr,
-    S_ATOMICS: tl.constexpr,  # True; timing only: False stores S instead (wrong output)
+    S_FLUSH: tl.constexpr,  # 0 (atomics); timing only: 1 stores, 2 masked-off stores
     PARK_H: tl.constexpr,  # stage B parks h; stage H (H_SPLITS x ceil(RD/BLOCK_H) CTAs) projects it
     H_SPLITS: tl.constexpr, F_PER: tl.constexpr, BLOCK_H: tl.constexpr, EVEN_F: tl.constexpr,
+    COLS_F: tl.constexpr,  # D_ff columns per stage-B slice (<= BLOCK_F; the rest masked)
+    H_INLINE: tl.constexpr,  # PARK_H: each stage-B CTA then runs stage-H tiles of its own
+                             # split (no stage-H CTAs of their own)
 ):
   pid = tl.program_id(0)
   pg_ptr = scratch_ptr
@@ -306,7 +333,7 @@ def _mlp_decode_kernel(
   sem_ptr = cnt_ptr + A_CHUNKS + 1
   n_r = (R + BLOCK_R - 1) // BLOCK_R
   n_a = n_r * SPLIT_K
-  n_b = (F + BLOCK_F - 1) // BLOCK_F
+  n_b = (F + COLS_F - 1) // COLS_F
   rb_cnt_ptr = sem_ptr + (DO + BLOCK_N - 1) // BLOCK_N
   pg16_ptr = p16_ptr
   pu16_ptr = p16_ptr + M * R
@@ -315,9 +342,11 @@ def _mlp_decode_kernel(
   if P16:
     h_ptr = p16_ptr + 2 * M * R
     h_cnt_ptr = rb_cnt_ptr + n_r
-  n_h = 0
+  n_cb = (RD + BLOCK_H - 1) // BLOCK_H
+  n_h = 0  # stage-H tiles (stage C waits for them all)
   if PARK_H:
-    n_h = H_SPLITS * ((RD + BLOCK_H - 1) // BLOCK_H)
+    n_h = H_SPLITS * n_cb
+  n_h_ctas = 0 if H_INLINE else n_h
   offs_m = tl.arange(0, BLOCK_M)
   m_mask = offs_m < M
   if pid < n_a:
@@ -330,16 +359,29 @@ def _mlp_decode_kernel(
     _down_slice(pid - n_a, pg16_ptr if P16 else pg_ptr, pu16_ptr if P16 else pu_ptr, vg_ptr,
                 bg_ptr, vu_ptr, bu_ptr, ud_ptr, s_ptr, cnt_ptr, offs_m, m_mask, n_r, R, F, RD,
                 GATED, ACT, HAS_BG, HAS_BU, SPLIT_K, A_CHUNKS, RB_PER_CHUNK,
-                RB_PER_CHUNK * BLOCK_R, BLOCK_M, BLOCK_F, BLOCK_F, BLOCK_RD, BLOCK_KR, EVEN_R,
-                True, P16, S_ATOMICS, PARK_H, h_ptr, h_cnt_ptr, F_PER // BLOCK_F)
-  elif pid < n_a + n_b + n_h:
+                RB_PER_CHUNK * BLOCK_R, BLOCK_M, BLOCK_F, COLS_F, BLOCK_RD, BLOCK_KR, EVEN_R,
+                True, P16, S_FLUSH, PARK_H, h_ptr, h_cnt_ptr, F_PER // COLS_F)
+    if H_INLINE:
+      # the split's slices share its n_cb tiles (the last split may have fewer slices):
+      # S gets one partial per split instead of one per slice. Deadlock-free as long as
+      # F_PER // COLS_F CTAs fit on the GPU at once: with in-order dispatch only the split
+      # being dispatched can have members waiting for undispatched ones
+      fb = pid - n_a
+      j = fb // (F_PER // COLS_F)
+      first = j * (F_PER // COLS_F)
+      members = tl.minimum(n_b - first, F_PER // COLS_F)
+      for t in range(fb - first, n_cb, members):
+        _park_h_tile(j * n_cb + t, h_ptr, ud_ptr, s_ptr, cnt_ptr, h_cnt_ptr, offs_m, m_mask,
+                     n_b, F, RD, A_CHUNKS, F_PER, F_PER // COLS_F, BLOCK_M, BLOCK_H, BLOCK_KR,
+                     EVEN_F)
+  elif pid < n_a + n_b + n_h_ctas:
     # ---- stage H (PARK_H): S += h · Ud, split over D_ff, each split once its slices parked h
     _park_h_tile(pid - n_a - n_b, h_ptr, ud_ptr, s_ptr, cnt_ptr, h_cnt_ptr, offs_m, m_mask, n_b,
-                 F, RD, A_CHUNKS, F_PER, F_PER // BLOCK_F, BLOCK_M, BLOCK_H, BLOCK_KR, EVEN_F)
+                 F, RD, A_CHUNKS, F_PER, F_PER // COLS_F, BLOCK_M, BLOCK_H, BLOCK_KR, EVEN_F)
   else:
     # ---- stage C: Y = S·Vd + bd, split over r_d chunks, once S is complete
     n_nb = (DO + BLOCK_N - 1) // BLOCK_N
-    q = pid - n_a - n_b - n_h
+    q = pid - n_a - n_b - n_h_ctas
     if PARK_H:
       wait_at_least(cnt_ptr + A_CHUNKS, n_h)
     else:
@@ -408,7 +450,7 @@ def _mlp_decode_persistent_kernel(
                 vu_ptr, bu_ptr, ud_ptr, s_ptr, cnt_ptr, offs_m, m_mask, n_r, R, F, RD, GATED,
                 ACT, HAS_BG, HAS_BU, SPLIT_K, A_CHUNKS, RB_PER_CHUNK, RB_PER_CHUNK * COLS_R,
                 BLOCK_M, BLOCK_F, COLS_F, BLOCK_RD, BLOCK_KR, EVEN_R, (PHASES & 2) != 0, P16,
-                True, False, s_ptr, cnt_ptr, 1)
+                0, False, s_ptr, cnt_ptr, 1)  # S_FLUSH 0: atomics; h not parked
   # ---- phase C: Y = S·Vd + bd once every phase-B tile has landed in S
   if (PHASES & 4) != 0:
     if PREFETCH_C > 0:
@@ -424,24 +466,34 @@ def _mlp_decode_persistent_kernel(
 
 
 def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes) -> dict:
+  cols_f = bs.cols_f or bs.block_f
+  if not 0 < cols_f <= bs.block_f:
+    raise ValueError(f"{bs.cols_f=} must be in [1, {bs.block_f=}] (0: block_f)")
   k_per = planner.cdiv(planner.cdiv(d, bs.split_k), bs.block_k) * bs.block_k
   split = planner.cdiv(d, k_per)
   n_rb = planner.cdiv(r, bs.block_r)
   rb_per_chunk = planner.cdiv(n_rb, bs.a_chunks)
   a_chunks = planner.cdiv(n_rb, rb_per_chunk)
   n_a = n_rb * split
-  n_b = planner.cdiv(f, bs.block_f)
+  n_b = planner.cdiv(f, cols_f)
   n_nb = planner.cdiv(d_out, bs.block_n)
   rd_per = planner.cdiv(planner.cdiv(rd, bs.c_chunks), bs.block_kr) * bs.block_kr
   c_chunks = planner.cdiv(rd, rd_per)
-  h_splits, f_per, n_h = 1, bs.block_f, 0
+  h_splits, f_per, n_h = 1, cols_f, 0
+  if bs.h_inline and not bs.park_h:
+    raise ValueError("h_inline=True runs stage H inside stage B: it needs park_h=True")
   if bs.park_h:
     n_cb = planner.cdiv(rd, bs.block_h)
     want = bs.h_splits or max(1, planner.H200.num_sms // n_cb)
-    step = math.lcm(bs.block_f, bs.block_kr)  # whole stage-B slices, whole K steps
+    step = math.lcm(cols_f, bs.block_kr)  # whole stage-B slices, whole K steps
     f_per = planner.cdiv(planner.cdiv(f, want), step) * step
+    if bs.h_inline and not bs.h_splits:  # a split's slices share its n_cb tiles, one each
+      f_per = planner.cdiv(n_cb * cols_f, step) * step
     h_splits = planner.cdiv(f, f_per)
     n_h = h_splits * n_cb
+    if bs.h_inline and f_per // cols_f > planner.H200.num_sms:
+      raise ValueError(f"h_inline with {f_per // cols_f} slices a split: the CTAs of a split "
+                       f"wait for each other, so at most {planner.H200.num_sms} may share one")
   has = dict(zip(("bg", "bu", "bd") if gated else ("bu", "bd"), bias_mask))
   meta = dict(D=d, R=r, F=f, RD=rd, DO=d_out, GATED=gated, ACT=ACT_CODES[act],
               HAS_BG=has.get("bg", False), HAS_BU=has["bu"], HAS_BD=has["bd"],
@@ -452,13 +504,14 @@ def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes)
               BLOCK_N=bs.block_n, BLOCK_KR=bs.block_kr, EVEN_D=d % k_per == 0,
               EVEN_R=r % (rb_per_chunk * bs.block_r) == 0
               and (rb_per_chunk * bs.block_r) % bs.block_kr == 0,
-              EVEN_RD=rd % rd_per == 0, P16=bs.p16, S_ATOMICS=True, PARK_H=bs.park_h,
+              EVEN_RD=rd % rd_per == 0, P16=bs.p16, S_FLUSH=0, PARK_H=bs.park_h,
               H_SPLITS=h_splits, F_PER=f_per, BLOCK_H=bs.block_h,
-              EVEN_F=f % f_per == 0)
+              EVEN_F=f % f_per == 0, COLS_F=cols_f, H_INLINE=bs.h_inline)
   scratch = (m * (2 * r + rd + d_out) + a_chunks + 1 + n_nb + (n_rb if bs.p16 else 0)
              + (h_splits if bs.park_h else 0))
   p16 = (2 * m * r if bs.p16 else 0) + (m * f if bs.park_h else 0)
-  return dict(grid=n_a + n_b + n_h + n_nb * c_chunks, n_nb=n_nb, scratch=scratch, meta=meta,
+  grid = n_a + n_b + (0 if bs.h_inline else n_h) + n_nb * c_chunks
+  return dict(grid=grid, n_nb=n_nb, scratch=scratch, meta=meta,
               p16=max(p16, 1))
 
 
@@ -531,7 +584,7 @@ def unpack_mlp_args(x, up, down, gate, act):
 def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
                block_sizes: BlockSizes | None = None, out=None, xla_zeroing: bool | None = None,
                persistent: "bool | planner.PersistentMlpPlan" = False, _phases: int = 7,
-               _s_atomics: bool = True):
+               _s_flush: str = "atomic"):
   """Low-rank MLP for few tokens; ``up``/``down``/``gate`` are (u, v) or (u, v, bias).
 
   ``out`` [M, D_out]: optional buffer the kernel writes into (aliased; tests poison it).
@@ -541,8 +594,9 @@ def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
   (``planner.plan_mlp_decode_persistent`` unless a plan is given).
   ``_phases``: benchmarking the persistent schedule only (bits 1, 2, 4 stream phases A, B,
   C; the output is wrong unless all three run).
-  ``_s_atomics=False``: benchmarking the tiled schedule only: stage B stores its partial of S
-  instead of adding it (the output is wrong), to time the atomics.
+  ``_s_flush``: benchmarking the tiled schedule only: "store" stores stage B's partial of S
+  instead of adding it, "none" masks those stores off by a data test that never holds (the
+  dot and the instructions stay, no byte moves); the output is then wrong.
   """
   gated = gate is not None
   x2, lead, (d, r, f, rd, d_out), bias_mask, ops = unpack_mlp_args(x, up, down, gate, act)
@@ -562,8 +616,8 @@ def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
                        "every CTA must be resident, or a waiting CTA could block its producer")
     if _phases not in range(1, 8):
       raise ValueError(f"{_phases=} must be in 1..7")
-    if not _s_atomics:
-      raise ValueError("_s_atomics= applies to the tiled schedule only")
+    if _s_flush != "atomic":
+      raise ValueError("_s_flush= applies to the tiled schedule only")
     plan = persistent_launch_plan(m, d, r, f, rd, d_out, gated=gated, act=act,
                                   bias_mask=bias_mask, p=p, phases=_phases)
     kernel, warps, stages = _mlp_decode_persistent_kernel, p.warps, p.stages
@@ -575,11 +629,13 @@ def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
       raise ValueError(f"{bs.block_m=} must cover the {m} rows; use mlp_prefill for large M")
     plan = launch_plan(m, d, r, f, rd, d_out, gated=gated, act=act, bias_mask=bias_mask,
                        bs=bs)
-    if not _s_atomics:
+    if _s_flush not in S_FLUSH_CODES:
+      raise ValueError(f"{_s_flush=} must be one of {sorted(S_FLUSH_CODES)}")
+    if _s_flush != "atomic":
       if bs.park_h:
-        raise ValueError("_s_atomics= times stage B's own projection into S; with "
+        raise ValueError("_s_flush= times stage B's own projection into S; with "
                          "park_h=True stage H projects h (pass park_h=False blocks)")
-      plan["meta"]["S_ATOMICS"] = False
+      plan["meta"]["S_FLUSH"] = S_FLUSH_CODES[_s_flush]
     kernel, warps, stages = _mlp_decode_kernel, bs.num_warps, bs.num_stages
   check_out(out, (m, d_out), out_dtype)
   if xla_zeroing is None:

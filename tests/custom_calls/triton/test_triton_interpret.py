@@ -278,7 +278,18 @@ def test_fused_swiglu_kernels_on_ragged_shapes():
            (3, 320, 700, 136, True, {"block_f": 128, "block_rd": 128, "num_stages": 4}),
            # h parked for stage H: ragged D_ff and r_d blocks, several D_ff splits
            (33, 320, 700, 136, True, {"park_h": True, "block_h": 64, "h_splits": 3}),
-           (5, 256, 1000, 96, False, {"park_h": True, "p16": False, "c_chunks": 2})]
+           (5, 256, 1000, 96, False, {"park_h": True, "p16": False, "c_chunks": 2}),
+           # slices narrower than the block (cols_f < block_f, the rest masked): a ragged
+           # last slice; then with h parked, D_ff splits of whole slices
+           (4, 256, 1000, 96, True, {"block_f": 128, "cols_f": 112}),
+           (20, 320, 700, 136, False, {"park_h": True, "cols_f": 48, "h_splits": 3}),
+           # stage H run by the stage-B CTAs (h_inline), on splits of one slice each (the
+           # interpreter runs programs one after another, so a CTA may wait only for
+           # itself): each loops over its split's r_d blocks, the last one ragged
+           (5, 256, 1000, 96, True, {"park_h": True, "h_inline": True, "block_h": 32,
+                                     "h_splits": 16}),
+           (20, 320, 700, 136, False, {"park_h": True, "h_inline": True, "block_h": 64,
+                                       "h_splits": 11})]
   prefill = [(200, 256, 520, 72, True, {}),
              (300, 320, 700, 136, False, {"block_m": 64, "group_m": 1, "split_c": 2})]
   _interpret(f"PERSISTENT = {persistent!r}\nTILED = {tiled!r}\nPREFILL = {prefill!r}\n"

@@ -207,7 +207,9 @@ MLP_SHAPES = [  # (M, D, F, r, r_d)
     (jnp.bfloat16, False, "relu", True)])
 @pytest.mark.parametrize("shape", MLP_SHAPES)
 @pytest.mark.parametrize("kind", ["decode", "decode_xla_zeroing", "decode_p16",
-                                  "decode_park_h", "persistent", "persistent_small_grid",
+                                  "decode_park_h", "decode_cols_f", "decode_h_inline",
+                                  "persistent",
+                                  "persistent_small_grid",
                                   "persistent_small_grid_p16", "persistent_wide_rows",
                                   "prefill"])
 def test_mlp_kernels(kind, shape, dtype, gated, act, bias):
@@ -241,6 +243,12 @@ def test_mlp_kernels(kind, shape, dtype, gated, act, bias):
     if kind == "decode_park_h":  # h parked, projected by stage H in 3 splits of 64 columns
       bs = dataclasses.replace(mlp_decode.BlockSizes.get_default(m, d, f, r, d), park_h=True,
                                block_h=64, h_splits=3)
+    if kind == "decode_h_inline":  # h parked; stage-B CTAs project their split's h
+      bs = dataclasses.replace(mlp_decode.BlockSizes.get_default(m, d, f, r, d), park_h=True,
+                               h_inline=True, block_h=64)
+    if kind == "decode_cols_f":  # stage-B slices own 16 columns fewer than their block
+      bs = mlp_decode.BlockSizes.get_default(m, d, f, r, d)
+      bs = dataclasses.replace(bs, cols_f=bs.block_f - 16)
     out = jax.jit(lambda x, g, u, dn, o: kern(x, u, dn, g, act=act, out=o, block_sizes=bs))(
         x, gate, up, down, poisoned((m, d), dtype))
   assert_close(out, mlp_ref(x, gate, up, down, act, dtype), dtype)
@@ -264,17 +272,26 @@ def test_mlp_persistent_plans_of_llama_shapes(shape, m):
 
 @pytest.mark.parametrize("shape,m,park_h", [
     *[((4096, 14336, 2560), m, park) for m in (1, 32, 128) for park in (False, True)],
-    ((3584, 18944, 2048), 1, False), ((3584, 18944, 2048), 16, False)])
+    ((3584, 18944, 2048), 1, False), ((3584, 18944, 2048), 16, False),
+    *[(shape, m, "inline") for shape in ((4096, 14336, 2560), (3584, 18944, 2048),
+                                         (8192, 28672, 3840)) for m in (1, 16)]])
 def test_mlp_decode_tiles_of_llama_shapes(shape, m, park_h):
   """The tiled decode kernel's default blocks at Llama-3-8B's SwiGLU (40 % removed), h parked
   or not, launch at 1-128 tokens (shared memory, registers) and are right; and at
-  Qwen2.5-7B's, whose 148 stage-B slices (more than the SMs) take narrower U_d chunks."""
+  Qwen2.5-7B's, whose 148 stage-B slices (more than the SMs) take narrower U_d chunks.
+  "inline": h parked and projected by the stage-B CTAs, 256 r_d columns a tile (splits of
+  10-19 slices that wait for each other)."""
   from lrjax.custom_calls.triton import mlp_decode
   d, f, r = shape
   dtype = jnp.bfloat16
   gate, up, down = mlp_params(d, f, r, r, d, dtype, True, False)
   x = randn((m, d), dtype)
-  bs = dataclasses.replace(mlp_decode.BlockSizes.get_default(m, d, f, r, d), park_h=park_h)
+  inline = dict(h_inline=True, block_h=256) if park_h == "inline" else {}
+  # unparked at T <= 16: the blocks that were the default there before h was parked (5
+  # stages with h not parked would ask for 282 KB of shared memory)
+  bs = dataclasses.replace(
+      mlp_decode.BlockSizes.get_default(m, d, f, r, d, park_small=bool(park_h)),
+      park_h=bool(park_h), **inline)
   out = jax.jit(lambda x, g, u, dn: mlp_decode.mlp_decode(x, u, dn, g, block_sizes=bs))(
       x, gate, up, down)
   assert_close(out, mlp_ref(x, gate, up, down, "silu", dtype), dtype)
@@ -502,9 +519,11 @@ def test_mlp_decode_timing_masks_are_checked():
   with pytest.raises(ValueError, match="must be in 1..7"):
     mlp_decode.mlp_decode(x, up, down, gate, persistent=True, _phases=0)
   with pytest.raises(ValueError, match="tiled schedule only"):
-    mlp_decode.mlp_decode(x, up, down, gate, persistent=True, _s_atomics=False)
+    mlp_decode.mlp_decode(x, up, down, gate, persistent=True, _s_flush="store")
+  with pytest.raises(ValueError, match="must be one of"):
+    mlp_decode.mlp_decode(x, up, down, gate, _s_flush="skip")
   with pytest.raises(ValueError, match="stage H projects h"):  # parked by default at 33 rows
-    mlp_decode.mlp_decode(randn((33, 256), jnp.bfloat16), up, down, gate, _s_atomics=False)
+    mlp_decode.mlp_decode(randn((33, 256), jnp.bfloat16), up, down, gate, _s_flush="store")
 
 
 KV_SHAPES = [  # (B, Hq, Hkv, D, T, r_k, r_v, window, bias)

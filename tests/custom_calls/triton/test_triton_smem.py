@@ -49,11 +49,60 @@ _RESIDENT = STUB + textwrap.dedent('''
 ''')
 
 
-def test_swiglu_decode_runs_two_ctas_a_sm_where_its_slices_outnumber_the_sms():
-  """The T <= 16 default's gain where D_ff has 133-264 slices of 128 columns (Qwen2.5-7B's
-  148, Llama-3-70B's 224) rests on two CTAs sharing an SM (108 KB of shared memory each), so
-  every slice is resident at once; with 112 slices (Llama-3-8B) the default stays at one."""
-  cases = {"mlp decode T=1 D=3584 F=18944 r=2048": 2, "mlp decode T=16 D=3584 F=18944 r=2048": 2,
-           "mlp decode T=1 D=8192 F=28672 r=3824": 2, "mlp decode T=1 D=4096 F=14336 r=2560": 1}
+def test_swiglu_decode_ctas_a_sm_are_the_measured_ones():
+  """The unparked one-token default's gain where D_ff has 133-264 slices of 128 columns
+  (Qwen2.5-7B's 148, Llama-3-70B's 224) rests on two CTAs sharing an SM (108 KB of shared
+  memory each), so every slice is resident at once. The parked default at T <= 16 (5 stages)
+  rests on the opposite, one CTA an SM, so the stage-B slices spread over all SMs: at 3-4
+  stages two or three shared one and it was 2-9 % slower than unparked."""
+  cases = {"mlp decode T=1 D=3584 F=18944 r=2048": 2, "mlp decode T=1 D=8192 F=28672 r=3824": 2,
+           "mlp decode T=16 D=3584 F=18944 r=2048": 1, "mlp decode T=1 D=4096 F=14336 r=2560": 1,
+           "mlp decode T=16 D=4096 F=14336 r=2560": 1}
   out = run_script(f"CASES = {cases!r}\n" + _RESIDENT, interpret=False)
   assert int(out.split()[-2]) == len(cases), out  # every case found in planned() and checked
+
+
+_PARK_RULE = STUB + textwrap.dedent('''
+  import dataclasses
+  from lrjax.custom_calls.triton import mlp_decode
+  get = mlp_decode.BlockSizes.get_default
+  shapes = {"8b": (4096, 14336, 2560), "qwen": (3584, 18944, 2048), "70b": (8192, 28672, 3840),
+            "1b": (2048, 8192, 1280)}
+  parked = {(name, m): get(m, d, f, r, d).park_h for name, (d, f, r) in shapes.items()
+            for m in (1, 2, 16, 17)}
+  # one token: parked only where D_ff's 128-wide slices are no more than the SMs (the 8B)
+  assert parked == {(n, m): m > 1 or n == "8b" for n in shapes for m in (1, 2, 16, 17)}, parked
+  for name, (d, f, r) in shapes.items():
+    for m in (2, 16):
+      assert get(m, d, f, r, d).num_stages == 5, (name, m)  # one CTA an SM
+      old = get(m, d, f, r, d, park_small=False)
+      assert not old.park_h and old.num_stages in (3, 4), (name, m, old)
+  bs = get(4, 4096, 14336, 2560, 4096)
+  kw = dict(gated=True, act="silu", bias_mask=(False,) * 3)
+  for bad, match in ((dict(cols_f=129), "cols_f"), (dict(park_h=False, h_inline=True), "park_h"),
+                     (dict(h_inline=True, h_splits=1, cols_f=64), "at most")):
+    try:
+      mlp_decode.launch_plan(4, 4096, 2560, 14336, 2560, 4096, bs=dataclasses.replace(bs, **bad),
+                             **kw)
+    except ValueError as e:
+      assert match in str(e), (bad, e)
+    else:
+      raise AssertionError(f"{bad} was accepted")
+  # h_inline: splits of ceil(r_d / block_h) slices, no stage-H CTAs of their own
+  inl = mlp_decode.launch_plan(4, 4096, 2560, 14336, 2560, 4096,
+                               bs=dataclasses.replace(bs, h_inline=True, block_h=256), **kw)
+  sep = mlp_decode.launch_plan(4, 4096, 2560, 14336, 2560, 4096, bs=bs, **kw)
+  assert inl["meta"]["F_PER"] == 10 * 128 and inl["meta"]["H_SPLITS"] == 12, inl["meta"]
+  n_h = sep["meta"]["H_SPLITS"] * 2560 // bs.block_h
+  assert sep["grid"] - inl["grid"] == n_h, (sep["grid"], inl["grid"], n_h)
+  print("ok")
+''')
+
+
+def test_swiglu_decode_parks_h_where_it_measured_faster():
+  """The T <= 16 rule of session 15: h parked with 5 stages from 2 tokens, and at one token
+  only where D_ff has no more 128-wide slices than the SMs; ``park_small=False`` gives the
+  unparked blocks back. And the plan refuses slices wider than their block, ``h_inline``
+  without parked h, and ``h_inline`` splits of more CTAs than the GPU holds at once (they wait
+  for each other)."""
+  run_script(_PARK_RULE, interpret=False)
