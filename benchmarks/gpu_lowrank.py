@@ -1028,6 +1028,13 @@ def suite(name, bw, peak, args, recs):
         ("llama3-8b", (1, 2, 4, 8, 16)), ("qwen2.5-7b", (1, 4, 16)), ("llama3-70b-r3840", (1, 16)),
         ("llama3-8b-r1024", (1, 16)), ("llama3.2-1b", (1, 16))) for m in ms],
               lambda _: MLP_PARK_DEEP_VARIANTS, "decode_unparked")
+  if name == "mlp_park_waves":  # the parked T <= 16 default where D_ff's slices outnumber the
+    # SMs (one CTA an SM: a second wave of slices), next to the unparked blocks (two CTAs an
+    # SM there) and to 4 stages (parked, two CTAs an SM); not yet run
+    mlp_sweep([(label, m) for label, ms in (
+        ("qwen2.5-7b", (4, 16)), ("llama3-70b-r3840", (4, 16)), ("phi3-medium", (16,)),
+        ("yi-34b", (16,)), ("gemma-7b", (16,)), ("qwen2.5-32b", (16,))) for m in ms],
+              lambda _: ("decode_unparked", "decode_kw:num_stages=4"), "decode")
   if name == "mlp_h_inline":  # MLP_H_INLINE_VARIANTS next to the default at T <= 16
     mlp_sweep([(label, m) for label, ms in (
         ("llama3-8b", (1, 4, 8, 16)), ("qwen2.5-7b", (1, 4, 16)), ("llama3-70b-r3840", (1, 16)),
@@ -1214,7 +1221,7 @@ def main():
                            "mlp_decode_probes", "mlp_park_h", "mlp_park_tune",
                            "mlp_park_stages", "mlp_low_stages", "mlp_slices", "mlp_tail",
                            "mlp_fine_slices", "mlp_balance", "mlp_s_flush",
-                           "mlp_h_inline", "mlp_park_deep",
+                           "mlp_h_inline", "mlp_park_deep", "mlp_park_waves",
                            "decode_depth", "decode_group_wide",
                            "kv_attention"])
   ap.add_argument("--variants", action="store_true", help="also time non-default kernels")
