@@ -10,8 +10,8 @@ stages (four where h is parked, below: the default from 2 tokens).
   stage C  Y = S·Vd + bd        split over r_d chunks, f32 atomics; the last chunk to arrive
                                 for a column block writes the output (as in xuv_decode)
 
-The [M, D_ff] intermediate exists only as one [M, B_F] register tile per CTA; it never
-touches HBM. Only the rank-space vectors Pg, Pu, S (a few KB to a few hundred KB) go
+Unparked (below), the [M, D_ff] intermediate exists only as one [M, B_F] register tile per
+CTA; it never touches HBM. Only the rank-space vectors Pg, Pu, S (a few KB to a few hundred KB) go
 through L2. Stages are ordered inside the grid by counters: stage-A CTAs ``signal`` the
 counter of their r-chunk and stage-B CTAs wait on each chunk before using it; stage-B
 CTAs ``signal`` one counter that stage-C CTAs wait on. This has the same forward-progress
