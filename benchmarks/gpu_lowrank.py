@@ -459,13 +459,15 @@ def mlp_record(m, d, f, r, bw, peak, kernel="auto", reps=None, baselines=None):
       fields = {k: int(v) for k, v in (t.split("=") for t in spec.split(","))}
       bs0 = mlp_decode.BlockSizes.get_default(m, d, f, r, d, park_small=name == "decode_kw")
       name, spec, extra = "decode", "", dict(block_sizes=dataclasses.replace(bs0, **fields))
-    if name == "decode_unparked":  # the T <= 16 blocks before h was parked there (session 15)
-      bs0 = mlp_decode.BlockSizes.get_default(m, d, f, r, d, park_small=False)
-      name, extra = "decode", dict(block_sizes=bs0)
-    if name in ("decode_s_store", "decode_s_none"):  # stage B (unparked blocks) stores S
-      # instead of adding it, or issues those stores masked off (timing only: wrong output)
-      bs0 = mlp_decode.BlockSizes.get_default(m, d, f, r, d, park_small=False)
-      name, extra = "decode", dict(_s_flush=name.rpartition("_")[2], block_sizes=bs0)
+    if name in ("decode_unparked", "decode_s_store", "decode_s_none"):
+      # the T <= 16 blocks before h was parked there (session 15); _s_*: with stage B storing
+      # its partial of S instead of adding it, or issuing those stores masked off (timing
+      # only: wrong output)
+      extra = dict(block_sizes=mlp_decode.BlockSizes.get_default(m, d, f, r, d,
+                                                                 park_small=False))
+      if name != "decode_unparked":
+        extra["_s_flush"] = name.rpartition("_")[2]
+      name = "decode"
     if name == "persistent":  # the persistent decode schedule
       name, extra = "decode", dict(persistent=True)
     if name == "persistent_rows":  # phases B and C: tile rows at least this many bytes
@@ -929,6 +931,9 @@ def suite(name, bw, peak, args, recs):
         recs.append(base)
         for variant in variants(m, k, r, n):
           recs.append(xuv_record(m, k, r, n, bw, peak, variant, baselines=base))
+  def each(*specs):  # (model label, token counts), ... -> [(label, tokens), ...]
+    return [(label, m) for label, ms in specs for m in ms]
+
   def mlp_sweep(points, variants, base_kernel="auto"):
     """Each (model label, tokens): a base record, then ``variants(r)`` beside it."""
     for label, m in points:
@@ -1024,28 +1029,26 @@ def suite(name, bw, peak, args, recs):
               lambda _: ("decode_kw:block_f=64,block_rd=128,num_stages=4",
                          "decode_kw:block_f=64,num_stages=4"), "decode")
   if name == "mlp_park_deep":  # MLP_PARK_DEEP_VARIANTS next to the default at T <= 16
-    mlp_sweep([(label, m) for label, ms in (
-        ("llama3-8b", (1, 2, 4, 8, 16)), ("qwen2.5-7b", (1, 4, 16)), ("llama3-70b-r3840", (1, 16)),
-        ("llama3-8b-r1024", (1, 16)), ("llama3.2-1b", (1, 16))) for m in ms],
+    mlp_sweep(each(("llama3-8b", (1, 2, 4, 8, 16)), ("qwen2.5-7b", (1, 4, 16)),
+                   ("llama3-70b-r3840", (1, 16)), ("llama3-8b-r1024", (1, 16)),
+                   ("llama3.2-1b", (1, 16))),
               lambda _: MLP_PARK_DEEP_VARIANTS, "decode_unparked")
   if name == "mlp_park_waves":  # the parked T <= 16 default where D_ff's slices outnumber the
     # SMs (one CTA an SM: a second wave of slices), next to the unparked blocks (two CTAs an
     # SM there) and to 4 stages (parked, two CTAs an SM); not yet run
-    mlp_sweep([(label, m) for label, ms in (
-        ("qwen2.5-7b", (4, 16)), ("llama3-70b-r3840", (4, 16)), ("phi3-medium", (16,)),
-        ("yi-34b", (16,)), ("gemma-7b", (16,)), ("qwen2.5-32b", (16,))) for m in ms],
+    mlp_sweep(each(("qwen2.5-7b", (4, 16)), ("llama3-70b-r3840", (4, 16)), ("phi3-medium", (16,)),
+                   ("yi-34b", (16,)), ("gemma-7b", (16,)), ("qwen2.5-32b", (16,))),
               lambda _: ("decode_unparked", "decode_kw:num_stages=4"), "decode")
   if name == "mlp_h_inline":  # MLP_H_INLINE_VARIANTS next to the default at T <= 16
-    mlp_sweep([(label, m) for label, ms in (
-        ("llama3-8b", (1, 4, 8, 16)), ("qwen2.5-7b", (1, 4, 16)), ("llama3-70b-r3840", (1, 16)),
-        ("llama3-8b-r1024", (1, 16)), ("llama3.2-1b", (1, 16))) for m in ms],
+    mlp_sweep(each(("llama3-8b", (1, 4, 8, 16)), ("qwen2.5-7b", (1, 4, 16)),
+                   ("llama3-70b-r3840", (1, 16)), ("llama3-8b-r1024", (1, 16)),
+                   ("llama3.2-1b", (1, 16))),
               lambda _: MLP_H_INLINE_VARIANTS, "decode_unparked")
   if name == "mlp_s_flush":  # where the T-cost goes: stage B's partials of S stored, or none
-    mlp_sweep([(label, m) for label, ms in (("llama3-8b", (1, 4, 16)), ("qwen2.5-7b", (1, 16)))
-               for m in ms], lambda _: ("decode_s_store", "decode_s_none"), "decode_unparked")
+    mlp_sweep(each(("llama3-8b", (1, 4, 16)), ("qwen2.5-7b", (1, 16))),
+              lambda _: ("decode_s_store", "decode_s_none"), "decode_unparked")
   if name == "mlp_balance":  # MLP_BALANCE_VARIANTS: D_ff=14336's 112 slices on 132 SMs
-    mlp_sweep([(label, m) for label, ms in (("llama3-8b", (1, 4, 8, 16)),
-                                            ("llama3-8b-r1024", (1, 16))) for m in ms],
+    mlp_sweep(each(("llama3-8b", (1, 4, 8, 16)), ("llama3-8b-r1024", (1, 16))),
               lambda _: MLP_BALANCE_VARIANTS, "decode_unparked")
   if name == "mlp_decode_variants":  # MLP_DECODE_VARIANTS next to the default, one run
     mlp_sweep(decode_points, lambda _: MLP_DECODE_VARIANTS)
