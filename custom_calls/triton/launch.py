@@ -14,11 +14,17 @@ lowering rule recognises: it lets jax-triton compile and lower the call as usual
 replaces the legacy op with the typed-FFI one. Every other jax-triton call keeps jax-triton's
 own lowering. ``LRJAX_TRITON_LEGACY_CALL=1`` (read when a call is lowered) keeps the legacy
 op, for A/B timing; so does a jaxlib without the FFI target (<= 0.10.2).
+
+jax-triton does not check a compiled kernel's shared memory against the GPU's, so block sizes
+that ask for too much used to fail only at launch ("Shared memory requested ... exceeds
+device resources"). While it compiles one of our calls, its compile step is wrapped so that
+``planner.check_cta_smem`` raises a ValueError at lowering, naming the kernel and its needs.
 """
 from __future__ import annotations
 
 import functools
 import os
+import threading
 
 import jax
 import jax_triton as jt
@@ -26,6 +32,8 @@ import jaxlib.version
 from jax._src.lib.mlir import ir
 from jax.interpreters import mlir
 from jax_triton import triton_lib
+
+from lrjax.custom_calls.triton import planner
 
 LEGACY_TARGET = "triton_kernel_call"
 FFI_TARGET = "triton_kernel_call_ffi"
@@ -61,11 +69,33 @@ _jax_triton_rule = functools.partial(triton_lib.triton_kernel_call_lowering,
                                      triton_lib.get_cuda_backend)
 
 
+_ours = threading.local()  # .active while jax-triton compiles one of our calls
+_jax_triton_compile = getattr(triton_lib, "compile_ttir_inplace", None)  # jax-triton 0.3.x
+
+
+def _compile_checked(ttir, backend, options, compute_capability, platform):
+  result = _jax_triton_compile(ttir, backend, options, compute_capability, platform)
+  if getattr(_ours, "active", False) and platform == "cuda":
+    planner.check_cta_smem(result.name, result.shared_mem_bytes, compute_capability,
+                           options.num_warps, options.num_stages)
+  return result
+
+
+if _jax_triton_compile is not None:
+  # jax-triton caches only kernels that compiled, so a refused one is checked again
+  triton_lib.compile_ttir_inplace = _compile_checked
+
+
 def _lowering(ctx, *array_args, custom_call_target_name, **params):
   if custom_call_target_name != _REQUEST:  # someone else's jax-triton call
     return _jax_triton_rule(ctx, *array_args, custom_call_target_name=custom_call_target_name,
                             **params)
-  legacy = _jax_triton_rule(ctx, *array_args, custom_call_target_name=LEGACY_TARGET, **params)
+  _ours.active = True
+  try:
+    legacy = _jax_triton_rule(ctx, *array_args, custom_call_target_name=LEGACY_TARGET,
+                              **params)
+  finally:
+    _ours.active = False
   if not use_ffi():
     return legacy
   op = legacy[0].owner

@@ -49,6 +49,26 @@ class Hardware:
 
 H200 = Hardware()
 
+# The shared memory one CTA may ask for (CUDA's opt-in maximum per block), in bytes, by compute
+# capability (CUDA C++ Programming Guide, technical specifications per compute capability)
+SMEM_PER_CTA_BY_CAPABILITY = {70: 96 * 1024, 75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024,
+                              87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024,
+                              120: 99 * 1024}
+
+
+def check_cta_smem(kernel: str, shared: int, capability: int, num_warps: int,
+                   num_stages: int) -> None:
+  """Raises a ValueError if a compiled kernel asks for more shared memory per CTA than a GPU
+  of this compute capability (e.g. 90) allows; CUDA would only refuse the launch. Unknown
+  capabilities are not checked."""
+  limit = SMEM_PER_CTA_BY_CAPABILITY.get(capability)
+  if limit is not None and shared > limit:
+    raise ValueError(
+        f"Triton kernel {kernel} (num_warps={num_warps}, num_stages={num_stages}) needs "
+        f"{shared} bytes of shared memory per CTA, more than the {limit} that a GPU of compute "
+        f"capability {capability // 10}.{capability % 10} allows; pass smaller block sizes or "
+        "fewer num_stages (block_sizes=None takes the defaults, which fit)")
+
 
 def cdiv(a: int, b: int) -> int:
   return -(-a // b)

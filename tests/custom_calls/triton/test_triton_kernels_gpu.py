@@ -297,6 +297,27 @@ def test_mlp_decode_tiles_of_llama_shapes(shape, m, park_h):
   assert_close(out, mlp_ref(x, gate, up, down, "silu", dtype), dtype)
 
 
+def test_block_sizes_beyond_shared_memory_are_refused_at_lowering():
+  """Blocks whose compiled kernel asks for more shared memory than the GPU allows raise a
+  ValueError when the call is lowered, naming the kernel and both sizes (CUDA itself would
+  only refuse the launch). h not parked with 5 stages at 16 tokens asks for 282 KB."""
+  from lrjax.custom_calls.triton import mlp_decode
+  d, f, r, m = 4096, 14336, 2560, 16
+  dtype = jnp.bfloat16
+  gate, up, down = mlp_params(d, f, r, r, d, dtype, True, False)
+  x = randn((m, d), dtype)
+  fits = mlp_decode.BlockSizes.get_default(m, d, f, r, d)
+  assert fits.park_h and fits.num_stages == 5
+  for bs, ok in ((dataclasses.replace(fits, park_h=False), False), (fits, True)):
+    fn = jax.jit(lambda x, g, u, dn, bs=bs: mlp_decode.mlp_decode(x, u, dn, g, block_sizes=bs))
+    if ok:
+      assert_close(fn(x, gate, up, down), mlp_ref(x, gate, up, down, "silu", dtype), dtype)
+    else:
+      with pytest.raises(ValueError, match=r"_mlp_decode_kernel \(num_warps=4, num_stages=5\)"
+                         r" needs \d+ bytes of shared memory per CTA, more than the 232448"):
+        fn.lower(x, gate, up, down)
+
+
 # block_n_cd 128: wider phase-C/D tiles than A/B's; wide_b: phase B in those tiles, two
 # passes; dynamic: tiles claimed from a counter; split_c: phase C's reduction in chunks
 # (the per-tile accumulators and chunk counters are reused by later row blocks)

@@ -115,6 +115,18 @@ def test_persistent_mlp_plan_gives_each_sm_about_one_tile_per_phase(m, d, f, r):
   assert floor_us < p.est_us < floor_us + 3 * 2 * 1.5
 
 
+def test_cta_smem_check_names_the_kernel_and_the_limit():
+  h200 = planner.H200.smem_per_cta
+  assert planner.SMEM_PER_CTA_BY_CAPABILITY[90] == h200 == 232448
+  planner.check_cta_smem("_k", h200, 90, 4, 3)  # at the limit: fits
+  with pytest.raises(ValueError, match=r"_mlp_decode_kernel \(num_warps=4, num_stages=5\) "
+                     r"needs 282624 bytes .* the 232448 that a GPU of compute capability 9\.0"):
+    planner.check_cta_smem("_mlp_decode_kernel", 282624, 90, 4, 5)
+  with pytest.raises(ValueError, match="101376 that a GPU of compute capability 8.9"):
+    planner.check_cta_smem("_k", 147456, 89, 4, 5)  # fits an H200, not an L40S
+  planner.check_cta_smem("_k", 10 ** 9, 61, 4, 3)  # an unknown capability is not judged
+
+
 def test_roofline_counts():
   assert planner.hbm_bytes_xuv(1, 8192, 4096, 16384) == 2 * (8192 + 8192 * 4096 + 4096 * 16384 + 16384)
   assert planner.flops_xuv(2, 3, 4, 5) == 2 * 2 * 4 * 8
