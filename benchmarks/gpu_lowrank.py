@@ -767,6 +767,10 @@ MLP_SLICE_VARIANTS = MLP_LOW_STAGES_VARIANTS[:1] + MLP_PARK_STAGES_VARIANTS["low
 # so no extra bytes), so that more slices share the SMs: 14336 in 128 slices of 112 columns
 # or 120 of 120, against 112 of 128 (16 of 132 SMs idle in stage B)
 MLP_BALANCE_VARIANTS = ("decode_kw0:cols_f=112", "decode_kw0:cols_f=120")
+# session 16's probes of the parked T <= 16 default on shapes with more slices than SMs
+MLP_WIDE_PROBE_VARIANTS = ("decode_kw:num_warps=8", "decode_kw:block_h=256",
+                           "decode_kw:h_splits=3", "decode_kw:h_splits=12",
+                           "decode_kw:a_chunks=8", "decode_kw:split_k=4")
 # h parked at T <= 16 with 5-6 pipeline stages (147-184 KB of shared memory: one CTA an SM, so
 # the stage-B slices spread over all SMs; 3-4 stages let 2-3 share one), then 256-column
 # stage-H tiles
@@ -1044,6 +1048,31 @@ def suite(name, bw, peak, args, recs):
     mlp_sweep(each(("qwen2.5-7b", (4, 16)), ("llama3-70b-r3840", (4, 16)), ("phi3-medium", (16,)),
                    ("yi-34b", (16,)), ("gemma-7b", (16,)), ("qwen2.5-32b", (16,))),
               lambda _: ("decode_unparked", "decode_kw:num_stages=4"), "decode")
+  if name == "mlp_wide_probe":  # where D_ff's slices outnumber the SMs and the default trails
+    # XLA at T=16: warps, stage-H tiles and splits, stage-A chunks and split; and at one token
+    # (h not parked there) h parked with 5 stages
+    mlp_sweep(each(("phi3-medium", (16,)), ("gemma-7b", (16,)), ("yi-34b", (16,)),
+                   ("qwen2.5-7b", (16,))), lambda _: MLP_WIDE_PROBE_VARIANTS, "decode")
+    mlp_sweep(each(("phi3-medium", (1,)), ("yi-34b", (1,)), ("qwen2.5-32b", (1,)),
+                   ("gemma-7b", (1,))), lambda _: ("decode_kw:park_h=1,num_stages=5",), "decode")
+  if name == "mlp_h_splits":  # stage H in 2-4x the default splits (about one tile per SM)
+    def more_splits(r):
+      one = max(1, planner.H200.num_sms // planner.cdiv(r, 128))  # the default, block_h=128
+      return tuple(f"decode_kw:h_splits={k * one}" for k in (2, 3, 4))
+    mlp_sweep(each(("llama3-8b", (1, 4, 16, 64)), *((label, (4, 16)) for label in (
+        "qwen2.5-7b", "llama3-70b-r3840", "phi3-medium", "yi-34b", "gemma-7b", "qwen2.5-32b",
+        "llama3-8b-r1024", "llama3.2-1b"))), more_splits, "decode")
+  if name == "mlp_h_splits_more":  # where the slices outnumber the SMs: 4-8x the splits, and
+    # at one token h parked (5 stages) with 4x
+    def many_splits(r):
+      one = max(1, planner.H200.num_sms // planner.cdiv(r, 128))
+      return tuple(f"decode_kw:h_splits={k * one}" for k in (4, 6, 8))
+    wide = ("qwen2.5-7b", "phi3-medium", "yi-34b", "gemma-7b", "qwen2.5-32b")
+    mlp_sweep(each(*((label, (4, 16)) for label in wide + ("llama3-70b-r3840",)),
+                   ("llama3-70b-r3840", (32, 64))), many_splits, "decode")
+    mlp_sweep(each(*((label, (1,)) for label in wide + ("llama3-70b-r3840",))),
+              lambda r: (f"decode_kw:park_h=1,num_stages=5,h_splits="
+                         f"{4 * max(1, planner.H200.num_sms // planner.cdiv(r, 128))}",), "decode")
   if name == "mlp_h_inline":  # MLP_H_INLINE_VARIANTS next to the default at T <= 16
     mlp_sweep(each(("llama3-8b", (1, 4, 8, 16)), ("qwen2.5-7b", (1, 4, 16)),
                    ("llama3-70b-r3840", (1, 16)), ("llama3-8b-r1024", (1, 16)),
@@ -1229,7 +1258,8 @@ def main():
                            "mlp_decode_probes", "mlp_park_h", "mlp_park_tune",
                            "mlp_park_stages", "mlp_low_stages", "mlp_slices", "mlp_tail",
                            "mlp_fine_slices", "mlp_balance", "mlp_s_flush",
-                           "mlp_h_inline", "mlp_park_deep", "mlp_park_waves",
+                           "mlp_h_inline", "mlp_park_deep", "mlp_park_waves", "mlp_wide_probe",
+                           "mlp_h_splits", "mlp_h_splits_more",
                            "decode_depth", "decode_group_wide",
                            "kv_attention"])
   ap.add_argument("--variants", action="store_true", help="also time non-default kernels")

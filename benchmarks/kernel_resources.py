@@ -13,7 +13,7 @@ so registers and spills there may differ; the shared memory is Triton's own numb
 Runs where triton is installed; without jax-triton the kernel modules import against a stub
 (nothing here launches). tests/custom_calls/triton/test_triton_smem.py checks the shared
 memory of these configurations against the H200's limit, and that the SwiGLU decode kernel
-runs two CTAs a SM where its slices outnumber the SMs.
+runs one CTA an SM at T <= 16.
 """
 from __future__ import annotations
 

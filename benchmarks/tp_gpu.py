@@ -12,9 +12,10 @@ strategy:
            per-device bytes read and the fraction of the HBM roofline (bytes / 4.3 TB/s).
            With ``--fuse``, also the Triton calls in the compiled step (each call judged by its
            own benchmarked shape: these records are measured.MODEL_AB; ``--whole-policy``
-           times the policy as shipped, that whole-model rule included; ``--no-group`` keeps
+           times the policy as shipped, its whole-model rules included; ``--no-group`` keeps
            q/k/v as three calls instead of one lr_xuv_group; ``--kernels`` serves only some
-           ops' kernels, for each kernel's share of a step); with ``--profile``,
+           ops' kernels, for each kernel's share of a step: one op left out, then ``--fuse``
+           in the next run, gives measured.MODEL_OP_AB); with ``--profile``,
            the GPU's busy time per step, the kernels that fill it, the idle gaps between kernel
            pairs and the kernels that ran at once (one traced call; ``--events-out`` keeps
            its raw events and the compiled HLO).
@@ -112,14 +113,16 @@ def fused_ops(gdef, state, cache, toks, group=True):
 
 @contextlib.contextmanager
 def calls_judged_alone():
-  """The kernel policy without its whole-model rule (measured.MODEL_AB), which this script's
-  ``--fuse`` records are the source of: each call is judged by its own benchmarked shape."""
+  """The kernel policy without its whole-model rules (measured.MODEL_AB, MODEL_OP_AB), which
+  this script's ``--fuse`` records are the source of: each call is judged by its own
+  benchmarked shape."""
   from lrjax.custom_calls.triton import measured
-  saved, measured.MODEL_AB = measured.MODEL_AB, ()
+  saved = measured.MODEL_AB, measured.MODEL_OP_AB
+  measured.MODEL_AB, measured.MODEL_OP_AB = (), ()
   try:
     yield
   finally:
-    measured.MODEL_AB = saved
+    measured.MODEL_AB, measured.MODEL_OP_AB = saved
 
 
 @contextlib.contextmanager
@@ -345,13 +348,14 @@ def main():
   ap.add_argument("--fuse", action="store_true",
                   help="run the steps through lrjax.fuse (Triton kernels on GPU, per the policy)")
   ap.add_argument("--whole-policy", action="store_true",
-                  help="with --fuse: the policy as shipped, its whole-model rule included "
+                  help="with --fuse: the policy as shipped, its whole-model rules included "
                   "(these records are not measured.MODEL_AB's source)")
   ap.add_argument("--no-group", action="store_true",
                   help="with --fuse: lrjax.fuse(..., group=False) (q/k/v as three lr_xuv)")
   ap.add_argument("--kernels", nargs="+", choices=["xuv", "xuv_group", "mlp_swiglu"],
                   help="with --fuse: serve only these ops' kernels (the others on XLA), to see "
-                  "each kernel's share of a step; such records are not measured.MODEL_AB's")
+                  "each kernel's share of a step; such records are not measured.MODEL_AB's; "
+                  "all ops but one, then --fuse as the next run: measured.MODEL_OP_AB's")
   ap.add_argument("--profile", action="store_true",
                   help="also trace one call: GPU busy time, top kernels, idle gaps by kernel "
                   "pair and overlapping kernels per step")

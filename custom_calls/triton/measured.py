@@ -14,10 +14,14 @@ calls win alone (XLA merges the dots that share an input, and each kernel call z
 scratch): MODEL_AB holds the decode steps of Llama-3-8B, Llama-3-70B (8 of its layers) and
 Qwen2.5-7B on one H200 with and without the kernels, and at M >= 2 a call is left to XLA
 when the step of the model whose hidden size is nearest the call's K, at the nearest batch
-(of 2 or more rows), was slower with them (below MODEL_PARITY).
+(of 2 or more rows), was slower with them (below MODEL_PARITY). MODEL_OP_AB holds the same
+steps with every kernel but one op's, timed in the same device call as the step with all:
+an op's calls are left to XLA where that step was faster without its kernel (Qwen2.5-7B's
+SwiGLU kernel, 3-4 % faster than XLA's MLP alone at 4-16 tokens, made its step 2.4-2.8 %
+slower there).
 
-RECORDS (the sweep's and the grouped q/k/v kernel's, GROUP_SOURCE) and MODEL_AB are generated
-from the committed benchmark results, never edited by hand:
+RECORDS (the sweep's and the grouped q/k/v kernel's, GROUP_SOURCE), MODEL_AB and MODEL_OP_AB
+are generated from the committed benchmark results, never edited by hand:
 ``python benchmarks/gpu_lowrank.py --emit-policy benchmarks/results/gpu_lowrank_h200.json``
 (tests/custom_calls/triton/test_triton_policy.py checks that they agree).
 """
@@ -64,47 +68,49 @@ EXTRAPOLATE = 4.0
 
 # (op, M, K, r, N, ours_us, xla_us); mlp rows: K = D, N = D_ff. MODEL_AB: (model, hidden
 # size, batch, decode step ms with the kernels, ms without) (benchmarks/tp_gpu.py --fuse).
+# MODEL_OP_AB: (model, hidden size, batch, op, step ms with every kernel, ms with every kernel
+# but op's) (tp_gpu.py --fuse --kernels <the others>, then --fuse).
 # BEGIN GENERATED
 MEASURED_ON = 'NVIDIA H200, 2026-11-23'
 RECORDS: tuple[tuple[str, int, int, int, int, float, float], ...] = (
     ('mlp_swiglu', 1, 2048, 1280, 8192, 34.0, 57.5),
-    ('mlp_swiglu', 1, 3072, 1664, 24576, 81.9, 121.1),
-    ('mlp_swiglu', 1, 3584, 2048, 18944, 81.6, 137.1),
+    ('mlp_swiglu', 1, 3072, 1664, 24576, 79.8, 124.9),
+    ('mlp_swiglu', 1, 3584, 2048, 18944, 77.1, 134.4),
     ('mlp_swiglu', 1, 4096, 1024, 14336, 39.9, 69.9),
     ('mlp_swiglu', 1, 4096, 2560, 14336, 75.5, 83.9),
-    ('mlp_swiglu', 1, 5120, 2432, 17920, 108.7, 97.3),
-    ('mlp_swiglu', 1, 5120, 3072, 27648, 163.5, 152.5),
-    ('mlp_swiglu', 1, 7168, 3200, 20480, 139.4, 138.5),
-    ('mlp_swiglu', 1, 8192, 3824, 28672, 210.0, 208.2),
-    ('mlp_swiglu', 1, 8192, 3840, 28672, 202.7, 206.3),
+    ('mlp_swiglu', 1, 5120, 2432, 17920, 91.7, 98.0),
+    ('mlp_swiglu', 1, 5120, 3072, 27648, 147.2, 153.7),
+    ('mlp_swiglu', 1, 7168, 3200, 20480, 132.5, 138.5),
+    ('mlp_swiglu', 1, 8192, 3824, 28672, 203.2, 208.8),
+    ('mlp_swiglu', 1, 8192, 3840, 28672, 199.7, 206.3),
     ('mlp_swiglu', 2, 4096, 2560, 14336, 76.2, 81.5),
     ('mlp_swiglu', 4, 2048, 1280, 8192, 35.5, 37.5),
-    ('mlp_swiglu', 4, 3072, 1664, 24576, 86.2, 80.9),
-    ('mlp_swiglu', 4, 3584, 2048, 18944, 83.7, 79.7),
+    ('mlp_swiglu', 4, 3072, 1664, 24576, 81.1, 80.9),
+    ('mlp_swiglu', 4, 3584, 2048, 18944, 77.5, 80.2),
     ('mlp_swiglu', 4, 4096, 2560, 14336, 76.8, 82.4),
-    ('mlp_swiglu', 4, 5120, 2432, 17920, 100.5, 94.8),
-    ('mlp_swiglu', 4, 5120, 3072, 27648, 150.9, 153.6),
-    ('mlp_swiglu', 4, 7168, 3200, 20480, 143.7, 137.4),
-    ('mlp_swiglu', 4, 8192, 3824, 28672, 209.5, 211.0),
-    ('mlp_swiglu', 4, 8192, 3840, 28672, 201.0, 206.3),
+    ('mlp_swiglu', 4, 5120, 2432, 17920, 92.5, 94.7),
+    ('mlp_swiglu', 4, 5120, 3072, 27648, 148.9, 153.1),
+    ('mlp_swiglu', 4, 7168, 3200, 20480, 131.8, 137.3),
+    ('mlp_swiglu', 4, 8192, 3824, 28672, 207.2, 211.6),
+    ('mlp_swiglu', 4, 8192, 3840, 28672, 199.5, 206.7),
     ('mlp_swiglu', 8, 4096, 2560, 14336, 77.7, 82.3),
     ('mlp_swiglu', 16, 2048, 1280, 8192, 36.7, 41.4),
-    ('mlp_swiglu', 16, 3072, 1664, 24576, 88.0, 85.3),
-    ('mlp_swiglu', 16, 3584, 2048, 18944, 86.1, 84.7),
+    ('mlp_swiglu', 16, 3072, 1664, 24576, 83.2, 83.6),
+    ('mlp_swiglu', 16, 3584, 2048, 18944, 79.6, 83.3),
     ('mlp_swiglu', 16, 4096, 1024, 14336, 41.9, 45.0),
     ('mlp_swiglu', 16, 4096, 2560, 14336, 78.9, 85.8),
-    ('mlp_swiglu', 16, 5120, 2432, 17920, 103.4, 99.5),
-    ('mlp_swiglu', 16, 5120, 3072, 27648, 154.4, 156.9),
-    ('mlp_swiglu', 16, 7168, 3200, 20480, 146.4, 143.7),
-    ('mlp_swiglu', 16, 8192, 3824, 28672, 214.1, 218.0),
-    ('mlp_swiglu', 16, 8192, 3840, 28672, 205.4, 211.8),
+    ('mlp_swiglu', 16, 5120, 2432, 17920, 95.0, 98.9),
+    ('mlp_swiglu', 16, 5120, 3072, 27648, 152.4, 157.0),
+    ('mlp_swiglu', 16, 7168, 3200, 20480, 134.2, 142.1),
+    ('mlp_swiglu', 16, 8192, 3824, 28672, 212.1, 216.9),
+    ('mlp_swiglu', 16, 8192, 3840, 28672, 203.6, 212.1),
     ('mlp_swiglu', 32, 4096, 2560, 14336, 85.0, 90.3),
-    ('mlp_swiglu', 32, 8192, 3824, 28672, 226.7, 235.2),
-    ('mlp_swiglu', 32, 8192, 3840, 28672, 222.6, 220.4),
+    ('mlp_swiglu', 32, 8192, 3824, 28672, 225.1, 226.9),
+    ('mlp_swiglu', 32, 8192, 3840, 28672, 219.4, 220.2),
     ('mlp_swiglu', 64, 2048, 1280, 8192, 45.7, 45.1),
     ('mlp_swiglu', 64, 4096, 2560, 14336, 92.2, 108.9),
-    ('mlp_swiglu', 64, 8192, 3824, 28672, 239.7, 230.9),
-    ('mlp_swiglu', 64, 8192, 3840, 28672, 232.7, 230.8),
+    ('mlp_swiglu', 64, 8192, 3824, 28672, 239.0, 235.2),
+    ('mlp_swiglu', 64, 8192, 3840, 28672, 231.3, 231.6),
     ('mlp_swiglu', 128, 4096, 2560, 14336, 127.3, 118.2),
     ('mlp_swiglu', 128, 8192, 3824, 28672, 310.4, 255.1),
     ('mlp_swiglu', 128, 8192, 3840, 28672, 295.3, 257.0),
@@ -254,24 +260,36 @@ RECORDS: tuple[tuple[str, int, int, int, int, float, float], ...] = (
 )
 MODEL_AB: tuple[tuple[str, int, int, float, float], ...] = (
     ('8b', 4096, 1, 4.607, 8.278),
-    ('8b', 4096, 4, 4.38, 4.626),
+    ('8b', 4096, 4, 4.387, 4.645),
     ('8b', 4096, 8, 4.63, 4.686),
-    ('8b', 4096, 16, 5.23, 5.417),
+    ('8b', 4096, 16, 5.191, 5.419),
     ('8b', 4096, 32, 6.649, 6.861),
-    ('8b', 4096, 64, 9.264, 9.56),
+    ('8b', 4096, 64, 9.272, 9.61),
     ('8b', 4096, 128, 15.096, 14.5),
     ('70b', 8192, 1, 2.846, 2.953),
-    ('70b', 8192, 4, 2.881, 2.93),
+    ('70b', 8192, 4, 2.862, 2.938),
     ('70b', 8192, 8, 3.034, 3.045),
-    ('70b', 8192, 16, 3.172, 3.224),
+    ('70b', 8192, 16, 3.181, 3.203),
     ('70b', 8192, 32, 3.647, 3.691),
-    ('70b', 8192, 64, 4.503, 4.463),
+    ('70b', 8192, 64, 4.538, 4.452),
     ('70b', 8192, 128, 6.101, 6.081),
     ('qwen2.5-7b', 3584, 1, 3.91, 6.622),
-    ('qwen2.5-7b', 3584, 4, 4.007, 4.206),
-    ('qwen2.5-7b', 3584, 8, 4.098, 4.37),
-    ('qwen2.5-7b', 3584, 16, 4.69, 4.845),
-    ('qwen2.5-7b', 3584, 64, 6.831, 6.791),
+    ('qwen2.5-7b', 3584, 4, 4.068, 4.154),
+    ('qwen2.5-7b', 3584, 8, 4.199, 4.185),
+    ('qwen2.5-7b', 3584, 16, 4.782, 4.811),
+    ('qwen2.5-7b', 3584, 64, 6.698, 6.777),
+)
+MODEL_OP_AB: tuple[tuple[str, int, int, str, float, float], ...] = (
+    ('8b', 4096, 4, 'mlp_swiglu', 4.387, 4.363),
+    ('8b', 4096, 16, 'mlp_swiglu', 5.191, 5.231),
+    ('8b', 4096, 64, 'mlp_swiglu', 9.272, 9.433),
+    ('70b', 8192, 4, 'mlp_swiglu', 2.862, 2.901),
+    ('70b', 8192, 16, 'mlp_swiglu', 3.181, 3.184),
+    ('70b', 8192, 64, 'mlp_swiglu', 4.538, 4.51),
+    ('qwen2.5-7b', 3584, 4, 'mlp_swiglu', 4.068, 3.958),
+    ('qwen2.5-7b', 3584, 8, 'mlp_swiglu', 4.199, 4.096),
+    ('qwen2.5-7b', 3584, 16, 'mlp_swiglu', 4.782, 4.668),
+    ('qwen2.5-7b', 3584, 64, 'mlp_swiglu', 6.698, 6.828),
 )
 # END GENERATED
 
@@ -331,6 +349,31 @@ def model_ab_from_results(path: str) -> tuple:
                if (name, b, True) in steps and (name, b, False) in steps)
 
 
+OPS = ("xuv", "xuv_group", "mlp_swiglu")  # the policy's ops, as tp_gpu.py --kernels names them
+
+
+def model_op_ab_from_results(path: str) -> tuple:
+  """MODEL_OP_AB rows from a tp_gpu.py results file: (model, hidden size, batch, op, step ms
+  with every kernel, ms with every kernel but op's) of each ``--kernels`` run that serves all
+  ops but one and is followed, as the next run, by the step with every kernel at that batch
+  (one device call, so steps that move by up to 2 % between calls are not compared); of
+  repeated pairs, the last."""
+  with open(path) as fh:
+    data = json.load(fh)
+  recs = [r for r in data["records"]
+          if "step_ms" in r and r["strategy"] == "lowrank_tp" and r["tp"] == 1 and r.get("fuse")
+          and r.get("group") is not False and not r.get("whole_policy")]
+  full = {(r["model"], r["batch"], r["run"]): r["step_ms"] for r in recs if not r.get("kernels")}
+  rows = {}
+  for r in recs:
+    missing = set(OPS) - set(r.get("kernels") or OPS)
+    after = full.get((r["model"], r["batch"], r["run"] + 1))
+    if len(missing) == 1 and after is not None:
+      rows[r["model"], r["batch"], missing.pop()] = (round(after, 3), round(r["step_ms"], 3))
+  return tuple((name, data["models"][name]["hidden_size"], b, op) + rows[name, b, op]
+               for name, b, op in sorted(rows))
+
+
 def render(path: str, module_text: str, model_paths: tuple[str, ...] | None = None) -> str:
   """``module_text`` with its generated block replaced by the records of ``path`` (and of
   ``model_paths``, default: MODEL_SOURCES' file names beside ``path``)."""
@@ -338,11 +381,14 @@ def render(path: str, module_text: str, model_paths: tuple[str, ...] | None = No
   model_paths = model_paths or tuple(os.path.join(os.path.dirname(path), os.path.basename(m))
                                      for m in MODEL_SOURCES)
   ab = sum((model_ab_from_results(m) for m in model_paths), ())
+  op_ab = sum((model_op_ab_from_results(m) for m in model_paths), ())
   body = "\n".join(f"    {r!r}," for r in recs)
   block = (f"# BEGIN GENERATED\nMEASURED_ON = {on!r}\n"
            f"RECORDS: tuple[tuple[str, int, int, int, int, float, float], ...] = (\n"
            f"{body}\n)\nMODEL_AB: tuple[tuple[str, int, int, float, float], ...] = (\n"
-           + "".join(f"    {a!r},\n" for a in ab) + ")\n# END GENERATED")
+           + "".join(f"    {a!r},\n" for a in ab) + ")\n"
+           "MODEL_OP_AB: tuple[tuple[str, int, int, str, float, float], ...] = (\n"
+           + "".join(f"    {a!r},\n" for a in op_ab) + ")\n# END GENERATED")
   return re.sub(r"^# BEGIN GENERATED$.*?^# END GENERATED$", lambda _: block, module_text,
                 flags=re.S | re.M)
 
@@ -371,25 +417,39 @@ def nearest(op: str, m: int, k: int, r: int, n: int):
   return min((q for q in side if q[2:5] == shape), key=lambda q: (abs(math.log2(m / q[1])), q[1]))
 
 
-def _model_verdict(m: int, k: int) -> str | None:
+def _nearest_step(rows: tuple, m: int, k: int):
+  """Of (model, hidden size, batch, ...) rows: the one of the model whose hidden size is
+  nearest ``k``, at its nearest batch of 2 or more rows (within WINDOW x of M; ties: the
+  larger), or None."""
+  if not rows or m < 2:
+    return None
+  hidden = min({a[1] for a in rows}, key=lambda h: (abs(math.log2(k / h)), h))
+  near = [a for a in rows if a[1] == hidden and a[2] >= 2 and a[2] / WINDOW <= m <= WINDOW * a[2]]
+  return min(near, key=lambda a: (abs(math.log2(m / a[2])), -a[2])) if near else None
+
+
+def _model_verdict(m: int, k: int, op: str | None = None) -> str | None:
   """The reason to leave an M-row call with input width ``k`` to XLA if the whole decode step
   of the model whose hidden size is nearest ``k``, at its nearest batch of 2 or more rows
   (within WINDOW x of M; ties: the larger), was slower with the kernels (below
-  MODEL_PARITY)."""
-  if not MODEL_AB:
-    return None
-  hidden = min({a[1] for a in MODEL_AB}, key=lambda h: (abs(math.log2(k / h)), h))
-  near = [a for a in MODEL_AB if a[1] == hidden and a[2] >= 2 and m >= 2
-          and a[2] / WINDOW <= m <= WINDOW * a[2]]
-  if not near:
-    return None
-  name, _, b, ours, xla = min(near, key=lambda a: (abs(math.log2(m / a[2])), -a[2]))
-  if xla / ours >= MODEL_PARITY:
-    return None
-  return (f"in the whole decode step of the {name} model (hidden size {hidden}) at batch {b} "
-          f"the kernels were slower ({ours:.2f} ms a step, {xla:.2f} ms with XLA's lowering; "
-          f"{MEASURED_ON}, {', '.join(MODEL_SOURCES)}); lrjax.lowering.prefer_kernels() or "
-          "LRJAX_PREFER_KERNELS=1 uses the kernel anyway")
+  MODEL_PARITY); or, for ``op``, if that step was faster with every kernel but op's
+  (MODEL_OP_AB)."""
+  sources = f"{MEASURED_ON}, {', '.join(MODEL_SOURCES)}"
+  override = "lrjax.lowering.prefer_kernels() or LRJAX_PREFER_KERNELS=1 uses the kernel anyway"
+  if (row := _nearest_step(MODEL_AB, m, k)) is not None:
+    name, hidden, b, ours, xla = row
+    if xla / ours < MODEL_PARITY:
+      return (f"in the whole decode step of the {name} model (hidden size {hidden}) at batch "
+              f"{b} the kernels were slower ({ours:.2f} ms a step, {xla:.2f} ms with XLA's "
+              f"lowering; {sources}); {override}")
+  op_rows = tuple(a for a in MODEL_OP_AB if a[3] == op)
+  if (row := _nearest_step(op_rows, m, k)) is not None:
+    name, hidden, b, _, every, others = row
+    if others / every < MODEL_PARITY:
+      return (f"in the whole decode step of the {name} model (hidden size {hidden}) at batch "
+              f"{b} the {op} kernel made the step slower ({every:.2f} ms a step with every "
+              f"kernel, {others:.2f} ms with all but {op}'s; {sources}); {override}")
+  return None
 
 
 def verdict(op: str, m: int, k: int, r: int, n: int) -> str | None:
@@ -399,7 +459,7 @@ def verdict(op: str, m: int, k: int, r: int, n: int) -> str | None:
   benchmarked shape of its op goes to XLA, and so does one at M >= 2 near a batch whose
   whole decode step was slower with the kernels (MODEL_AB, measured with q/k/v grouped, so
   the grouped kernel follows it too: the 70B step at batch 16 was 1.4 % slower with only the
-  group served).
+  group served) or faster with every kernel but this op's (MODEL_OP_AB).
 
   "Around": the median speed ratio of that shape's records with M within a factor WINDOW
   of the nearest record's, so one noisy timing does not flip the choice between
@@ -418,7 +478,7 @@ def verdict(op: str, m: int, k: int, r: int, n: int) -> str | None:
     return (f"no benchmarked {op} shape within {EXTRAPOLATE:g}x of this call's factor size "
             f"({here}: {2 ** gap:.1f}x from the nearest; {MEASURED_ON}, {SOURCE}); "
             f"lrjax.lowering.prefer_kernels() or LRJAX_PREFER_KERNELS=1 uses the kernel anyway")
-  if (why := _model_verdict(m, k)) is not None:
+  if (why := _model_verdict(m, k, op)) is not None:
     return why
   _, rm, rk, rr, rn, ours, xla = rec
   window = [q for q in RECORDS if q[0] == op and q[2:5] == (rk, rr, rn)

@@ -122,15 +122,17 @@ class BlockSizes:
         # at D_ff=14336's 112 slices (results/gpu_mlp_decode_slices_h200.json)
         block_rd, stages = 128, 4
     block_k, park = t.block_k, bm > 16
-    if park_small and bm <= 16 and (m > 1 or (block_f == 128 and planner.cdiv(f, 128) <= sms)):
+    many = planner.cdiv(f, 128) > sms  # more 128-wide stage-B slices than SMs
+    if park_small and bm <= 16 and (m > 1 or block_f == 128):
       # h parked at T <= 16 too, with 5 pipeline stages: 147 KB of shared memory (139 KB at
       # 64-column slices), so one CTA an SM and the stage-B slices spread over every SM
       # (3-4 stages, 74-110 KB, let 2-3 share one, which was why parking had measured 2-9 %
       # slower here). Against the unparked blocks, 2-16 tokens: 7-12 % faster on Llama-3-8B
       # r=2560 (75.2-78.1 us, 84-88 % of the roofline), 8-9 % on -70B at T=16, 2-7 % on
       # Qwen2.5-7B, 5-7 % on 3.2-1B and 8B r=1024 at T=16; one token: 5 % on 8B r=2560,
-      # 1 % on r=1024, 2-3 % slower on Qwen2.5-7B and 3.2-1B (kept unparked there), even
-      # on -70B (results/gpu_mlp_decode_park_deep_h200.json; 6 stages within 1 % of 5)
+      # 1 % on r=1024 (results/gpu_mlp_decode_park_deep_h200.json; 6 stages within 1 % of
+      # 5). At one token the 1B's wider slices stay unparked (2-3 % slower parked); where
+      # the slices outnumber the SMs parking gains there too with the splits below
       park, stages = True, 5
     elif park:
       # from 17 tokens stage B's partials of S (one [T, r_d] f32 add per slice) cost more
@@ -138,11 +140,20 @@ class BlockSizes:
       # they fit (4 x ([128, 64] P + [64, 128] V tiles) would need 256 KB at T=128);
       # results/gpu_mlp_decode_park_{h,tune,stages}_h200.json
       block_f, block_k, stages = 128, 64, 4 if bm <= 64 else 3
+    h_splits = 0  # about one stage-H tile per SM
+    if park and many and m <= 64:
+      # about four: shorter stage-H tiles, each ready as soon as its fewer slices are.
+      # Against one, at 1-16 tokens (1: parked against unparked): Qwen2.5-7B 6-8 %, Phi-3-
+      # medium 8-14 %, Yi-34B 6-9 %, Gemma-7B 3-6 %, Qwen2.5-32B 1-10 % faster, Llama-3-70B
+      # 1-2 % (also at 32 and 64 tokens); 6x within 2 % of 4x, 8x slower. Where the slices
+      # fit the SMs (8B, 1B) more splits measured 0-5 % slower
+      # (results/gpu_mlp_decode_h_splits{,_more}_h200.json)
+      h_splits = 4 * max(1, sms // planner.cdiv(r, t.block_h))
     # p16: stage B reads Pg, Pu in bf16, 1-3 % faster on Llama-3-8B r=2560 and 3.2-1B
     # (results/gpu_decode_p16_h200.json)
     return dataclasses.replace(t, block_m=bm, block_k=block_k, split_k=split, num_warps=warps,
                                block_f=block_f, block_rd=block_rd, num_stages=stages, p16=True,
-                               park_h=park)
+                               park_h=park, h_splits=h_splits)
 
 
 # Tuned on the H200 (benchmarks/gpu_lowrank.py); shape class -> blocks.

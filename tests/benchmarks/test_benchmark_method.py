@@ -158,5 +158,6 @@ def test_attention_suite_extends_the_policy_to_its_shapes(bench, monkeypatch):
   assert calls == [(m, *s) for s in bench.XUV_ATTN_SHAPES for m in ms]
   fake = tuple(("xuv", m, k, r, n, 10.0, 11.0) for (m, k, r, n) in calls)
   monkeypatch.setattr(measured, "RECORDS", fake)
-  monkeypatch.setattr(measured, "MODEL_AB", ())  # the calls alone, not the whole-model A/B
+  monkeypatch.setattr(measured, "MODEL_AB", ())  # the calls alone, not the whole-model A/Bs
+  monkeypatch.setattr(measured, "MODEL_OP_AB", ())
   assert all(measured.verdict("xuv", m, k, r, n) is None for (m, k, r, n) in calls)

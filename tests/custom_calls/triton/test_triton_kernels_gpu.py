@@ -437,6 +437,7 @@ def test_measured_policy_leaves_slower_shapes_to_xla(monkeypatch):
   import lrjax
   from lrjax.custom_calls.triton import measured
   monkeypatch.setattr(measured, "MODEL_AB", ())
+  monkeypatch.setattr(measured, "MODEL_OP_AB", ())
   x = randn((300, 512), jnp.bfloat16)
   u, v = lr_factors(512, 128, 768, jnp.bfloat16)
   fn = lambda x, u, v: lrjax.lr_xuv(x, u, v)

@@ -19,6 +19,9 @@ def test_records_are_the_committed_benchmark_results():
   ab = sum((measured.model_ab_from_results(os.path.join(REPO, m))
             for m in measured.MODEL_SOURCES), ())
   assert ab == measured.MODEL_AB
+  op_ab = sum((measured.model_op_ab_from_results(os.path.join(REPO, m))
+               for m in measured.MODEL_SOURCES), ())
+  assert op_ab == measured.MODEL_OP_AB and {a[3] for a in op_ab} == {"mlp_swiglu"}
   assert {(a[0], a[1]) for a in ab} == {("8b", 4096), ("70b", 8192), ("qwen2.5-7b", 3584)}
   assert all(1 in [a[2] for a in ab if a[0] == name] for name in ("8b", "70b", "qwen2.5-7b"))
   assert {r[0] for r in recs} == {"xuv", "mlp_swiglu", "xuv_group"}
@@ -36,6 +39,7 @@ def test_render_rewrites_only_the_generated_block():
 
 def test_nearest_record_and_verdict(monkeypatch):
   monkeypatch.setattr(measured, "MODEL_AB", ())
+  monkeypatch.setattr(measured, "MODEL_OP_AB", ())
   monkeypatch.setattr(measured, "RECORDS", (
       ("xuv", 1, 4096, 1024, 4096, 10.0, 12.0),  # faster than XLA
       ("xuv", 2, 4096, 1024, 4096, 10.0, 9.0),  # one slow point between fast ones
@@ -74,6 +78,7 @@ def test_the_nearest_shape_decides_before_the_nearest_token_count(monkeypatch):
   only the other one measured, the records of the shape nearest the call's decide (its own,
   or the Qwen model's rank 1792 near the 2048 benchmarked), M = 1 kept apart."""
   monkeypatch.setattr(measured, "MODEL_AB", ())
+  monkeypatch.setattr(measured, "MODEL_OP_AB", ())
   monkeypatch.setattr(measured, "RECORDS", (
       ("mlp_swiglu", 1, 3584, 2048, 18944, 81.5, 134.4),  # 1.65x
       ("mlp_swiglu", 4, 3584, 2048, 18944, 84.7, 79.3),  # 0.94x
@@ -108,6 +113,7 @@ def test_calls_far_from_every_benchmarked_size_go_to_xla(monkeypatch):
 def test_one_row_is_judged_apart_from_wider_calls(monkeypatch):
   """XLA lowers M=1 with a multiply and a reduce, not a GEMM: no pooling across it."""
   monkeypatch.setattr(measured, "MODEL_AB", ())
+  monkeypatch.setattr(measured, "MODEL_OP_AB", ())
   monkeypatch.setattr(measured, "RECORDS", (
       ("xuv", 1, 4096, 1024, 14336, 14.7, 26.1),  # 1.78x
       ("xuv", 2, 4096, 1024, 14336, 15.0, 14.0),  # 0.93x
@@ -149,6 +155,45 @@ def test_a_batch_whose_whole_step_was_slower_with_the_kernels_goes_to_xla(monkey
   assert measured.verdict("xuv", 8, 4096, 1024, 14336) is None  # no A/B at 2 or more rows
 
 
+def test_an_op_whose_kernel_slowed_the_step_goes_to_xla(monkeypatch):
+  """MODEL_OP_AB: at M >= 2 an op's calls follow the step with every kernel against the step
+  with every kernel but that op's, at the nearest batch of the model nearest in hidden size;
+  other ops and M = 1 are not affected."""
+  monkeypatch.setattr(measured, "MODEL_AB", ())
+  monkeypatch.setattr(measured, "RECORDS", (
+      ("mlp_swiglu", 1, 3584, 2048, 18944, 77.0, 134.0),
+      ("mlp_swiglu", 4, 3584, 2048, 18944, 77.5, 80.2),
+      ("xuv", 4, 3584, 1024, 3584, 10.0, 12.0)))
+  monkeypatch.setattr(measured, "MODEL_OP_AB", (
+      ("qwen", 3584, 4, "mlp_swiglu", 4.07, 3.96), ("qwen", 3584, 64, "mlp_swiglu", 6.70, 6.83),
+      ("8b", 4096, 4, "mlp_swiglu", 4.39, 4.36)))
+  why = measured.verdict("mlp_swiglu", 4, 3584, 2048, 18944)
+  assert "qwen model (hidden size 3584) at batch 4" in why and "4.07 ms" in why, why
+  assert "3.96 ms with all but mlp_swiglu's" in why and "prefer_kernels" in why
+  assert measured.verdict("mlp_swiglu", 1, 3584, 2048, 18944) is None  # one row: its record
+  assert measured.verdict("mlp_swiglu", 64, 3584, 2048, 18944) is None  # faster with it there
+  assert measured.verdict("xuv", 4, 3584, 1024, 3584) is None  # another op's A/B
+  # nearer the 8B's hidden size: its step was 0.7 % slower with the kernel, within
+  # MODEL_PARITY, so the kernel stays
+  assert measured.verdict("mlp_swiglu", 4, 4096, 2048, 18944) is None
+
+
+def test_op_ab_pairs_only_adjacent_runs(tmp_path):
+  """A ``--kernels`` step is compared only with the all-kernels step of the next run (one
+  device call); lone runs and runs serving two ops fewer are left out."""
+  base = dict(strategy="lowrank_tp", tp=1, fuse=True, group=True)
+  recs = [dict(base, model="m", batch=4, run=1, step_ms=4.0, kernels=["xuv", "xuv_group"]),
+          dict(base, model="m", batch=4, run=2, step_ms=4.1),
+          dict(base, model="m", batch=8, run=3, step_ms=5.0, kernels=["xuv", "xuv_group"]),
+          dict(base, model="m", batch=8, run=5, step_ms=5.2),
+          dict(base, model="m", batch=4, run=6, step_ms=3.0, kernels=["xuv"]),
+          dict(base, model="m", batch=4, run=7, step_ms=3.1),
+          dict(base, model="m", batch=4, run=8, step_ms=3.9, fuse=False)]
+  path = tmp_path / "steps.json"
+  path.write_text(json.dumps(dict(records=recs, models={"m": {"hidden_size": 1024}})))
+  assert measured.model_op_ab_from_results(str(path)) == (("m", 1024, 4, "mlp_swiglu", 4.1, 4.0),)
+
+
 def _xuv_avals(m, k, r, n, dtype=jnp.bfloat16):
   return [jax.ShapeDtypeStruct(s, dtype) for s in ((m, k), (k, r), (r, n))]
 
@@ -176,7 +221,7 @@ def test_lowering_policy_follows_every_measured_record():
       params = dict(gated=True, bias_mask=(False, False, False))
       why = lowering.mlp_faster(avals, params)
     serves = (_window_ratio(rec) >= measured.PARITY and rec[6] / rec[5] >= measured.PARITY
-              and measured._model_verdict(m, k) is None)
+              and measured._model_verdict(m, k, op) is None)
     assert (why is None) == serves, (rec, why)
 
 
@@ -194,6 +239,7 @@ def test_grouped_kernel_verdicts(monkeypatch):
   assert "decode step of the 8b model" in measured.verdict("xuv_group", 8, 4096, 2240, 6144)
   assert measured.verdict("xuv_group", 1, 4096, 2240, 6144) is None  # one row: its record
   monkeypatch.setattr(measured, "MODEL_AB", ())
+  monkeypatch.setattr(measured, "MODEL_OP_AB", ())
   tiny = measured.verdict("xuv_group", 8, 512, 48, 192)
   assert tiny is not None and "no benchmarked xuv_group shape" in tiny
 

@@ -50,12 +50,13 @@ _RESIDENT = STUB + textwrap.dedent('''
 
 
 def test_swiglu_decode_ctas_a_sm_are_the_measured_ones():
-  """The unparked one-token default's gain where D_ff has 133-264 slices of 128 columns
-  (Qwen2.5-7B's 148, Llama-3-70B's 224) rests on two CTAs sharing an SM (108 KB of shared
-  memory each), so every slice is resident at once. The parked default at T <= 16 (5 stages)
-  rests on the opposite, one CTA an SM, so the stage-B slices spread over all SMs: at 3-4
-  stages two or three shared one and it was 2-9 % slower than unparked."""
-  cases = {"mlp decode T=1 D=3584 F=18944 r=2048": 2, "mlp decode T=1 D=8192 F=28672 r=3824": 2,
+  """The parked default at T <= 16 (5 stages) rests on one CTA an SM, so the stage-B slices
+  spread over all SMs: at 3-4 stages two or three shared one and it was 2-9 % slower than
+  unparked. Since session 16 that holds at one token too where D_ff has more 128-column
+  slices than the SMs (Qwen2.5-7B's 148, Llama-3-70B's 224). On six such shapes two CTAs an
+  SM (4 stages) were 4-21 % slower than one on five, 1 % faster on Qwen2.5-7B
+  (gpu_mlp_decode_park_waves_h200.json)."""
+  cases = {"mlp decode T=1 D=3584 F=18944 r=2048": 1, "mlp decode T=1 D=8192 F=28672 r=3824": 1,
            "mlp decode T=16 D=3584 F=18944 r=2048": 1, "mlp decode T=1 D=4096 F=14336 r=2560": 1,
            "mlp decode T=16 D=4096 F=14336 r=2560": 1}
   out = run_script(f"CASES = {cases!r}\n" + _RESIDENT, interpret=False)
@@ -70,8 +71,18 @@ _PARK_RULE = STUB + textwrap.dedent('''
             "1b": (2048, 8192, 1280)}
   parked = {(name, m): get(m, d, f, r, d).park_h for name, (d, f, r) in shapes.items()
             for m in (1, 2, 16, 17)}
-  # one token: parked only where D_ff's 128-wide slices are no more than the SMs (the 8B)
-  assert parked == {(n, m): m > 1 or n == "8b" for n in shapes for m in (1, 2, 16, 17)}, parked
+  # one token: parked where stage B takes 128-wide slices (all but the 1B's 64 wider ones)
+  assert parked == {(n, m): m > 1 or n != "1b" for n in shapes for m in (1, 2, 16, 17)}, parked
+  # stage H in about four tiles an SM where D_ff's slices outnumber the SMs (Qwen's 148 and
+  # the 70B's 224 of 132), up to 64 tokens; elsewhere the plan's one tile an SM
+  splits = {(name, m): get(m, d, f, r, d).h_splits for name, (d, f, r) in shapes.items()
+            for m in (1, 16, 64, 128)}
+  assert splits == {(n, m): {"qwen": 32, "70b": 16}.get(n, 0) if m <= 64 else 0
+                    for n in shapes for m in (1, 16, 64, 128)}, splits
+  d, f, r = shapes["qwen"]
+  meta = mlp_decode.launch_plan(16, d, r, f, r, d, bs=get(16, d, f, r, d), gated=True,
+                                act="silu", bias_mask=(False,) * 3)["meta"]
+  assert meta["F_PER"] == 640 and meta["H_SPLITS"] == 30, meta  # 5 slices a split
   for name, (d, f, r) in shapes.items():
     for m in (2, 16):
       assert get(m, d, f, r, d).num_stages == 5, (name, m)  # one CTA an SM
@@ -100,9 +111,9 @@ _PARK_RULE = STUB + textwrap.dedent('''
 
 
 def test_swiglu_decode_parks_h_where_it_measured_faster():
-  """The T <= 16 rule of session 15: h parked with 5 stages from 2 tokens, and at one token
-  only where D_ff has no more 128-wide slices than the SMs; ``park_small=False`` gives the
-  unparked blocks back. And the plan refuses slices wider than their block, ``h_inline``
-  without parked h, and ``h_inline`` splits of more CTAs than the GPU holds at once (they wait
-  for each other)."""
+  """The T <= 16 rule of sessions 15-16: h parked with 5 stages from 2 tokens, and at one
+  token where stage B takes 128-wide slices; stage H in four times the splits where those
+  slices outnumber the SMs; ``park_small=False`` gives the unparked blocks back. And the plan
+  refuses slices wider than their block, ``h_inline`` without parked h, and ``h_inline``
+  splits of more CTAs than the GPU holds at once (they wait for each other)."""
   run_script(_PARK_RULE, interpret=False)
