@@ -26,16 +26,18 @@ stage that projects it:
 
   stage B  h [M, B_F] stored once in the factors' dtype, into an [M, D_ff] buffer (1.8 MB
            at T=64, D_ff=14336: written, then read back from L2)
-  stage H  S += h[:, split] · Ud[split, cols]   D_ff in about SMs / ceil(r_d / B_H) splits,
-                                                each waiting only for its own stage-B slices;
-                                                f32 atomics, one partial of S per split
+  stage H  S += h[:, split] · Ud[split, cols]   D_ff in about SMs / ceil(r_d / B_H) splits
+                                                (four times that where D_ff's slices outnumber
+                                                the SMs), each waiting only for its own
+                                                stage-B slices; f32 atomics, one partial of S
+                                                per split
   stage C  as above, once every stage-H tile has landed in S
 
 Against the unparked kernel it measured 1.2-2.1x faster at T=32..128 (1.06x / 1.18x XLA at
 T=32 / 64 on Llama-3-8B r=2560; session 12), and at T=2..16, once 5 pipeline stages keep one
 CTA on each SM, 2-12 % faster (session 15: at 3-4 stages two or three CTAs shared an SM and
-it had measured 2-9 % slower). At one token it is the default only where it measured faster
-(``BlockSizes.get_default``; benchmarks/gpu_notes.md).
+it had measured 2-9 % slower). At one token it is the default where stage B takes 128-wide
+slices (``BlockSizes.get_default``; benchmarks/gpu_notes.md, sessions 15-16).
 
 Every byte of the six factors is read once, so the floor is their size over HBM bandwidth.
 
