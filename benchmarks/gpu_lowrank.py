@@ -1048,31 +1048,30 @@ def suite(name, bw, peak, args, recs):
     mlp_sweep(each(("qwen2.5-7b", (4, 16)), ("llama3-70b-r3840", (4, 16)), ("phi3-medium", (16,)),
                    ("yi-34b", (16,)), ("gemma-7b", (16,)), ("qwen2.5-32b", (16,))),
               lambda _: ("decode_unparked", "decode_kw:num_stages=4"), "decode")
-  if name == "mlp_wide_probe":  # where D_ff's slices outnumber the SMs and the default trails
+  if name == "mlp_wide_probe":  # where D_ff's slices outnumber the SMs and the default trailed
     # XLA at T=16: warps, stage-H tiles and splits, stage-A chunks and split; and at one token
-    # (h not parked there) h parked with 5 stages
+    # (h not parked there then) h parked with 5 stages. Its base was the default before
+    # session 16's stage-H splits
     mlp_sweep(each(("phi3-medium", (16,)), ("gemma-7b", (16,)), ("yi-34b", (16,)),
                    ("qwen2.5-7b", (16,))), lambda _: MLP_WIDE_PROBE_VARIANTS, "decode")
     mlp_sweep(each(("phi3-medium", (1,)), ("yi-34b", (1,)), ("qwen2.5-32b", (1,)),
                    ("gemma-7b", (1,))), lambda _: ("decode_kw:park_h=1,num_stages=5",), "decode")
-  if name == "mlp_h_splits":  # stage H in 2-4x the default splits (about one tile per SM)
-    def more_splits(r):
-      one = max(1, planner.H200.num_sms // planner.cdiv(r, 128))  # the default, block_h=128
-      return tuple(f"decode_kw:h_splits={k * one}" for k in (2, 3, 4))
+  # session 16's stage-H split suites, in k x the splits of about one tile an SM (block_h=128),
+  # the default they were measured against (since then 4x where the slices outnumber the SMs)
+  def splits(r, *ks, prefix="decode_kw:"):
+    one = max(1, planner.H200.num_sms // planner.cdiv(r, 128))
+    return tuple(f"{prefix}h_splits={k * one}" for k in ks)
+  if name == "mlp_h_splits":  # stage H in 2-4x those splits
     mlp_sweep(each(("llama3-8b", (1, 4, 16, 64)), *((label, (4, 16)) for label in (
         "qwen2.5-7b", "llama3-70b-r3840", "phi3-medium", "yi-34b", "gemma-7b", "qwen2.5-32b",
-        "llama3-8b-r1024", "llama3.2-1b"))), more_splits, "decode")
+        "llama3-8b-r1024", "llama3.2-1b"))), lambda r: splits(r, 2, 3, 4), "decode")
   if name == "mlp_h_splits_more":  # where the slices outnumber the SMs: 4-8x the splits, and
     # at one token h parked (5 stages) with 4x
-    def many_splits(r):
-      one = max(1, planner.H200.num_sms // planner.cdiv(r, 128))
-      return tuple(f"decode_kw:h_splits={k * one}" for k in (4, 6, 8))
     wide = ("qwen2.5-7b", "phi3-medium", "yi-34b", "gemma-7b", "qwen2.5-32b")
     mlp_sweep(each(*((label, (4, 16)) for label in wide + ("llama3-70b-r3840",)),
-                   ("llama3-70b-r3840", (32, 64))), many_splits, "decode")
+                   ("llama3-70b-r3840", (32, 64))), lambda r: splits(r, 4, 6, 8), "decode")
     mlp_sweep(each(*((label, (1,)) for label in wide + ("llama3-70b-r3840",))),
-              lambda r: (f"decode_kw:park_h=1,num_stages=5,h_splits="
-                         f"{4 * max(1, planner.H200.num_sms // planner.cdiv(r, 128))}",), "decode")
+              lambda r: splits(r, 4, prefix="decode_kw:park_h=1,num_stages=5,"), "decode")
   if name == "mlp_h_inline":  # MLP_H_INLINE_VARIANTS next to the default at T <= 16
     mlp_sweep(each(("llama3-8b", (1, 4, 8, 16)), ("qwen2.5-7b", (1, 4, 16)),
                    ("llama3-70b-r3840", (1, 16)), ("llama3-8b-r1024", (1, 16)),
