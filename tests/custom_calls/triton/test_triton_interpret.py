@@ -289,7 +289,11 @@ def test_fused_swiglu_kernels_on_ragged_shapes():
            (5, 256, 1000, 96, True, {"park_h": True, "h_inline": True, "block_h": 32,
                                      "h_splits": 16}),
            (20, 320, 700, 136, False, {"park_h": True, "h_inline": True, "block_h": 64,
-                                       "h_splits": 11})]
+                                       "h_splits": 11}),
+           # the default blocks where D_ff's 128-wide slices (133, the last ragged) outnumber
+           # the H200's SMs: h parked at one token too, stage H in four times the splits
+           # (here one slice each, 133 of them)
+           (1, 64, 17000, 64, False, {}), (2, 64, 17000, 64, True, {})]
   prefill = [(200, 256, 520, 72, True, {}),
              (300, 320, 700, 136, False, {"block_m": 64, "group_m": 1, "split_c": 2})]
   _interpret(f"PERSISTENT = {persistent!r}\nTILED = {tiled!r}\nPREFILL = {prefill!r}\n"
