@@ -329,6 +329,7 @@ def plot(path_json: str) -> str:
 
 
 def main():
+  from lrjax.custom_calls.triton import measured  # pure Python: the policy's op names
   ap = argparse.ArgumentParser()
   ap.add_argument("--plot", metavar="JSON", help="only draw the plot of a results file")
   ap.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["8b"])
@@ -352,7 +353,7 @@ def main():
                   "(these records are not measured.MODEL_AB's source)")
   ap.add_argument("--no-group", action="store_true",
                   help="with --fuse: lrjax.fuse(..., group=False) (q/k/v as three lr_xuv)")
-  ap.add_argument("--kernels", nargs="+", choices=["xuv", "xuv_group", "mlp_swiglu"],
+  ap.add_argument("--kernels", nargs="+", choices=measured.OPS,
                   help="with --fuse: serve only these ops' kernels (the others on XLA), to see "
                   "each kernel's share of a step; such records are not measured.MODEL_AB's; "
                   "all ops but one, then --fuse as the next run: measured.MODEL_OP_AB's")

@@ -91,7 +91,8 @@ class BlockSizes:
   p16: bool = False  # stage B reads Pg, Pu rounded once to the factors' dtype
   park_h: bool = False  # stage B parks h in a global buffer; stage H projects it (below)
   block_h: int = 128  # stage-H columns of the down rank per CTA
-  h_splits: int = 0  # stage-H split of D_ff (0: about one stage-H tile per SM)
+  h_splits: int = 0  # stage-H split of D_ff (0: about h_per_sm stage-H tiles per SM)
+  h_per_sm: int = 1  # with h_splits=0: stage-H splits of about this many tiles an SM
   # A/B options, measured slower and so not defaults (benchmarks/gpu_notes.md, session 15):
   cols_f: int = 0  # D_ff columns a stage-B slice owns (<= block_f, the rest masked; 0: block_f)
   h_inline: bool = False  # park_h: stage-B CTAs run their split's stage-H tiles themselves,
@@ -124,7 +125,6 @@ class BlockSizes:
         # at D_ff=14336's 112 slices (results/gpu_mlp_decode_slices_h200.json)
         block_rd, stages = 128, 4
     block_k, park = t.block_k, bm > 16
-    many = planner.cdiv(f, 128) > sms  # more 128-wide stage-B slices than SMs
     if park_small and bm <= 16 and (m > 1 or block_f == 128):
       # h parked at T <= 16 too, with 5 pipeline stages: 147 KB of shared memory (139 KB at
       # 64-column slices), so one CTA an SM and the stage-B slices spread over every SM
@@ -142,20 +142,21 @@ class BlockSizes:
       # they fit (4 x ([128, 64] P + [64, 128] V tiles) would need 256 KB at T=128);
       # results/gpu_mlp_decode_park_{h,tune,stages}_h200.json
       block_f, block_k, stages = 128, 64, 4 if bm <= 64 else 3
-    h_splits = 0  # about one stage-H tile per SM
-    if park and many and m <= 64:
-      # about four: shorter stage-H tiles, each ready as soon as its fewer slices are.
+    h_per_sm = 1
+    if park and planner.cdiv(f, 128) > sms and m <= 64:
+      # where D_ff has more 128-wide slices than SMs, about four stage-H tiles an SM: shorter
+      # tiles, each ready as soon as its fewer slices are.
       # Against one, at 1-16 tokens (1: parked against unparked): Qwen2.5-7B 6-8 %, Phi-3-
       # medium 8-14 %, Yi-34B 6-9 %, Gemma-7B 3-6 %, Qwen2.5-32B 1-10 % faster, Llama-3-70B
       # 1-2 % (also at 32 and 64 tokens); 6x within 2 % of 4x, 8x slower. Where the slices
       # fit the SMs (8B, 1B) more splits measured 0-5 % slower
       # (results/gpu_mlp_decode_h_splits{,_more}_h200.json)
-      h_splits = 4 * max(1, sms // planner.cdiv(r, t.block_h))
+      h_per_sm = 4
     # p16: stage B reads Pg, Pu in bf16, 1-3 % faster on Llama-3-8B r=2560 and 3.2-1B
     # (results/gpu_decode_p16_h200.json)
     return dataclasses.replace(t, block_m=bm, block_k=block_k, split_k=split, num_warps=warps,
                                block_f=block_f, block_rd=block_rd, num_stages=stages, p16=True,
-                               park_h=park, h_splits=h_splits)
+                               park_h=park, h_per_sm=h_per_sm)
 
 
 # Tuned on the H200 (benchmarks/gpu_lowrank.py); shape class -> blocks.
@@ -497,7 +498,7 @@ def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes)
     raise ValueError("h_inline=True runs stage H inside stage B: it needs park_h=True")
   if bs.park_h:
     n_cb = planner.cdiv(rd, bs.block_h)
-    want = bs.h_splits or max(1, planner.H200.num_sms // n_cb)
+    want = bs.h_splits or bs.h_per_sm * max(1, planner.H200.num_sms // n_cb)
     step = math.lcm(cols_f, bs.block_kr)  # whole stage-B slices, whole K steps
     f_per = planner.cdiv(planner.cdiv(f, want), step) * step
     if bs.h_inline and not bs.h_splits:  # a split's slices share its n_cb tiles, one each

@@ -75,21 +75,30 @@ _PARK_RULE = STUB + textwrap.dedent('''
   assert parked == {(n, m): m > 1 or n != "1b" for n in shapes for m in (1, 2, 16, 17)}, parked
   # stage H in about four tiles an SM where D_ff's slices outnumber the SMs (Qwen's 148 and
   # the 70B's 224 of 132), up to 64 tokens; elsewhere the plan's one tile an SM
-  splits = {(name, m): get(m, d, f, r, d).h_splits for name, (d, f, r) in shapes.items()
-            for m in (1, 16, 64, 128)}
-  assert splits == {(n, m): {"qwen": 32, "70b": 16}.get(n, 0) if m <= 64 else 0
-                    for n in shapes for m in (1, 16, 64, 128)}, splits
+  kw = dict(gated=True, act="silu", bias_mask=(False,) * 3)
+  splits = {(name, m): mlp_decode.launch_plan(m, d, r, f, r, d, bs=get(m, d, f, r, d),
+                                              **kw)["meta"]["H_SPLITS"]
+            for name, (d, f, r) in shapes.items() for m in (1, 16, 64, 128)}
+  # up to 64 tokens 4 x 8 and 4 x 4 splits asked of Qwen's 148 and the 70B's 224 slices (30
+  # and 16 result); at one tile an SM 6 of the 8B's 112 and 13 of the 1B's 64 (unparked at
+  # one token: 1)
+  assert splits == {("qwen", 1): 30, ("qwen", 16): 30, ("qwen", 64): 30, ("qwen", 128): 8,
+                    ("70b", 1): 16, ("70b", 16): 16, ("70b", 64): 16, ("70b", 128): 4,
+                    ("8b", 1): 6, ("8b", 16): 6, ("8b", 64): 6, ("8b", 128): 6,
+                    ("1b", 1): 1, ("1b", 16): 13, ("1b", 64): 13, ("1b", 128): 13}, splits
   d, f, r = shapes["qwen"]
-  meta = mlp_decode.launch_plan(16, d, r, f, r, d, bs=get(16, d, f, r, d), gated=True,
-                                act="silu", bias_mask=(False,) * 3)["meta"]
-  assert meta["F_PER"] == 640 and meta["H_SPLITS"] == 30, meta  # 5 slices a split
+  meta = mlp_decode.launch_plan(16, d, r, f, r, d, bs=get(16, d, f, r, d), **kw)["meta"]
+  assert meta["F_PER"] == 640, meta  # 5 slices a split
+  # the splits follow the down rank the plan is given: r_d 1024 has half the stage-H column
+  # blocks of 2048, so twice the splits asked (4 x 16; 50 result)
+  meta = mlp_decode.launch_plan(16, d, r, f, 1024, d, bs=get(16, d, f, r, d), **kw)["meta"]
+  assert meta["H_SPLITS"] == 50, meta
   for name, (d, f, r) in shapes.items():
     for m in (2, 16):
       assert get(m, d, f, r, d).num_stages == 5, (name, m)  # one CTA an SM
       old = get(m, d, f, r, d, park_small=False)
       assert not old.park_h and old.num_stages in (3, 4), (name, m, old)
   bs = get(4, 4096, 14336, 2560, 4096)
-  kw = dict(gated=True, act="silu", bias_mask=(False,) * 3)
   for bad, match in ((dict(cols_f=129), "cols_f"), (dict(park_h=False, h_inline=True), "park_h"),
                      (dict(h_inline=True, h_splits=1, cols_f=64), "at most")):
     try:
