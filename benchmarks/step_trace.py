@@ -11,6 +11,9 @@ kernel, so a kernel's time inside the model can be set beside its time alone.
 
   python benchmarks/step_trace.py ev_4_False.json.gz ev_4_True.json.gz --layers 8 \\
       --out benchmarks/results/model_70b_blocks_h200.json
+
+``--steps N`` (the traced steps) adds each kernel's time and launches a step, so that what a
+change adds or removes (say, the scratch zeroing's copies) can be counted.
 """
 from __future__ import annotations
 
@@ -38,11 +41,35 @@ def load(path: str) -> list:
   return sorted(tuple(e) for e in data["events"])
 
 
+FILL = ("loop_broadcast_fusion", "memcpy", "memset")  # zero fills, such as a scratch's
+
+
 def block_starts(events: list) -> list:
   """Start times of the norm kernels that open a block: a ``fusion`` kernel whose next
-  kernel is a projection."""
-  return [s for (s, _, name), nxt in zip(events, events[1:])
+  kernel, zero fills aside, is a projection."""
+  work = [e for e in events if not e[2].startswith(FILL)]
+  return [s for (s, _, name), nxt in zip(work, work[1:])
           if base_name(name) == "fusion" and nxt[2].startswith(PROJECTION)]
+
+
+def kernel_totals(events: list, steps: int) -> dict:
+  """Each kernel's time and launches a step (names without their fusion and layer numbers),
+  longest first, and the step's busy time and span (µs), over ``steps`` traced steps."""
+  by = {}
+  for s, e, name in events:
+    t, n = by.get(base_name(name), (0, 0))
+    by[base_name(name)] = (t + e - s, n + 1)
+  busy, end = 0, None
+  for s, e, _ in events:
+    if end is None or s > end:
+      busy, end = busy + e - s, e
+    elif e > end:
+      busy, end = busy + e - end, e
+  span = max(e for _, e, _ in events) - events[0][0]
+  return {"busy_us_per_step": busy / 1e3 / steps, "span_us_per_step": span / 1e3 / steps,
+          "kernels": {k: {"us_per_step": round(t / 1e3 / steps, 2),
+                          "launches_per_step": n / steps}
+                      for k, (t, n) in sorted(by.items(), key=lambda kv: -kv[1][0])}}
 
 
 def summarize(events: list, layers: int) -> dict:
@@ -94,10 +121,15 @@ def main():
   ap.add_argument("--layers", type=int, required=True, help="decoder layers in the step")
   ap.add_argument("--out", help="write the summaries as JSON here")
   ap.add_argument("--note", default="", help="what the traces are, for --out")
+  ap.add_argument("--steps", type=int,
+                  help="traced steps: also report each kernel's time and launches a step")
   args = ap.parse_args()
   out = {}
   for path in args.traces:
-    rec = summarize(load(path), args.layers)
+    events = load(path)
+    rec = summarize(events, args.layers)
+    if args.steps:
+      rec["totals"] = kernel_totals(events, args.steps)
     out[path.rsplit("/", 1)[-1]] = rec
     print(f"{path}: attention block {rec['attention_block_us']:.1f} us, MLP block "
           f"{rec['mlp_block_us']:.1f} us, layer {rec['layer_us']:.1f} us, rest of step "

@@ -51,11 +51,21 @@ from lrjax import sharding
 from lrjax.models import LlamaForCausalLM, ModelConfig
 from lrjax.models.llama import KVCache
 from lrjax.serving import Engine, Request, SamplingParams, itl
+from lrjax.custom_calls.triton import planner  # pure Python: no triton import
 from lrjax.sharding.analysis import compressed_ranks
 
 from decode_timing import greedy_loop, median_step, time_loop
 
 HBM_BPS = 4.3e12
+
+
+def is_op_ab_partner(rec, records) -> bool:
+  """Whether ``rec`` is the step with every kernel that a ``--kernels`` run of the same model
+  and batch was paired with: the next run (measured.model_op_ab_from_results)."""
+  return bool(rec.get("fuse")) and not rec.get("kernels") and any(
+      r.get("kernels") and r.get("run") == rec.get("run", -2) - 1
+      and (r.get("model"), r.get("batch")) == (rec.get("model"), rec.get("batch"))
+      for r in records)
 
 
 def machine():
@@ -270,7 +280,9 @@ def run_model(name, cfg, args, dtype, out, save):
       tag = {"model": name, "strategy": strategy, "ratio": ratio, "tp": tp, "fuse": args.fuse,
              **({"group": not args.no_group} if args.fuse else {}),
              **({"whole_policy": True} if args.whole_policy else {}),
-             **({"kernels": sorted(args.kernels)} if args.kernels else {})}
+             **({"kernels": sorted(args.kernels)} if args.kernels else {}),
+             # each call's scratch zeroed by XLA (LRJAX_TRITON_SCRATCH_CHAIN=0): not the default
+             **({"scratch_chain": False} if args.fuse and not planner.chain_scratch() else {})}
       for batch in args.batch:
         a = argparse.Namespace(**{**vars(args), "batch": batch})
         rec = {**tag, "batch": batch, "ctx": args.ctx, "layers": cfg.num_layers,
@@ -387,7 +399,8 @@ def main():
   dtype = jnp.dtype(args.dtype)
   start = time.perf_counter()
   run = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-         "machine": machine(), "versions": versions(), "argv": sys.argv[1:]}
+         "machine": machine(), "versions": versions(), "argv": sys.argv[1:],
+         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("LRJAX_")}}
   out = {"benchmark": "tp_gpu",
          "roofline": f"device-0 bytes (weights + KV cache) / {HBM_BPS / 1e12} TB/s per step",
          "runs": [], "models": {}, "ranks": {}, "records": []}
@@ -399,13 +412,15 @@ def main():
   run["index"] = len(out["runs"])
   out["runs"].append(run)
 
-  class Records(list):  # a re-measured record replaces the earlier one of the same kind
+  class Records(list):  # a re-measured record replaces the earlier one of the same kind,
+    # except the step that follows a --kernels run (measured.MODEL_OP_AB's pair)
     def append(self, rec):
       rec = {**rec, "run": run["index"]}
       kind = lambda r: tuple(r.get(k) for k in (  # noqa: E731
-          "model", "strategy", "ratio", "tp", "fuse", "group", "whole_policy", "batch")
+          "model", "strategy", "ratio", "tp", "fuse", "group", "whole_policy", "scratch_chain",
+          "batch")
       ) + (tuple(r.get("kernels") or ()), "serving" in r)
-      self[:] = [r for r in self if kind(r) != kind(rec)]
+      self[:] = [r for r in self if kind(r) != kind(rec) or is_op_ab_partner(r, self)]
       super().append(rec)
 
   out["records"] = Records(out["records"])

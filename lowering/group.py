@@ -27,7 +27,8 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from lrjax.lowering import _jaxpr, registry
+from lrjax.lowering import _jaxpr, partitioning, registry
+from lrjax.lowering import primitives
 from lrjax.lowering.primitives import _xuv_check, lr_xuv_p, lr_xuv_reference
 
 log = logging.getLogger("lrjax.lowering")
@@ -106,17 +107,9 @@ def _batch(args, dims, **params):
   return outs, [0] * len(outs)
 
 
-def single_device(ctx) -> bool:
-  """Whether this lowering is for one device, unpartitioned (a grouped kernel's custom call
-  has no partitioning rule; its members do)."""
-  from jax._src import sharding_impls
-  ac = ctx.module_context.axis_context
-  return isinstance(ac, sharding_impls.ShardingContext) and ac.num_devices == 1
-
-
 def _lowering(ctx, *args, **params):
   platforms = tuple(ctx.module_context.platforms)
-  if len(platforms) == 1 and single_device(ctx):
+  if len(platforms) == 1 and partitioning.single_device(ctx):
     sel = registry.select(lr_xuv_group_p.name, platforms[0], ctx.avals_in, params)
     for name, reason in sel.declined:
       log.debug("lr_xuv_group on %s: %s declined: %s", platforms[0], name, reason)
@@ -136,4 +129,4 @@ _jaxpr.require_devices_during_lowering(lr_xuv_group_p)
 lr_xuv_group_p.def_impl(_impl)
 ad.primitive_jvps[lr_xuv_group_p] = _jvp
 batching.primitive_batchers[lr_xuv_group_p] = _batch
-mlir.register_lowering(lr_xuv_group_p, _lowering)
+primitives.register_lowering(lr_xuv_group_p, _lowering)

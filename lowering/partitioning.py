@@ -268,8 +268,18 @@ def disabled():
     _state.off = prev
 
 
-def wrap(prim_name: str, kernel_fn, params: dict):
-  """``impl(*ops)`` that runs ``kernel_fn(*ops, **params)`` on local shards under SPMD."""
-  if prim_name not in ("lr_xuv", "lr_mlp") or getattr(_state, "off", False):
+def single_device(ctx) -> bool:
+  """Whether this lowering is for one device, unpartitioned."""
+  from jax._src import sharding_impls
+  ac = ctx.module_context.axis_context
+  return isinstance(ac, sharding_impls.ShardingContext) and ac.num_devices == 1
+
+
+def wrap(ctx, prim_name: str, kernel_fn, params: dict):
+  """``impl(*ops)`` that runs ``kernel_fn(*ops, **params)`` on local shards under SPMD; on
+  one device the kernel itself, lowered inline (so its block's Triton decode calls share a
+  chained scratch, custom_calls/triton/launch.py)."""
+  if (prim_name not in ("lr_xuv", "lr_mlp") or getattr(_state, "off", False)
+      or single_device(ctx)):
     return functools.partial(kernel_fn, **params)
   return _wrapped(prim_name, kernel_fn, tuple(sorted(params.items())))

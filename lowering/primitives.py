@@ -281,7 +281,7 @@ def _lowering(prim):
         # A kernel is a custom call XLA cannot split: lrjax.sharding runs it on local shards
         # (lowering/partitioning.py; inlined unchanged on a single device).
         from lrjax.lowering import partitioning
-        impl = partitioning.wrap(prim.name, sel.kernel.load(), params)
+        impl = partitioning.wrap(ctx, prim.name, sel.kernel.load(), params)
         return mlir.lower_fun(impl, multiple_results=False)(ctx, *args)
     else:
       log.debug("%s: multi-platform lowering %s uses the reference", prim.name, platforms)
@@ -289,11 +289,18 @@ def _lowering(prim):
   return rule
 
 
+def register_lowering(prim, rule) -> None:
+  """``mlir.register_lowering`` for an lrjax primitive: lowered inline at each use, not once
+  per distinct operand shapes as a cached function, so the Triton decode calls of one block
+  see each other and share a chained scratch (custom_calls/triton/launch.py)."""
+  mlir.register_lowering(prim, rule, cacheable=False)
+
+
 for _p in (lr_xuv_p, lr_mlp_p):
   _p.def_impl(_impl(_p))
   ad.primitive_jvps[_p] = _jvp(_p)
   batching.primitive_batchers[_p] = _batch(_p)
-  mlir.register_lowering(_p, _lowering(_p))
+  register_lowering(_p, _lowering(_p))
 
 # Kernels run on local shards under SPMD (registers the primitives as needing devices at lowering).
 from lrjax.lowering import partitioning as _partitioning  # noqa: E402,F401
@@ -310,5 +317,5 @@ def register_reference(prim, ref) -> None:
   prim.def_impl(_impl(prim))
   ad.primitive_jvps[prim] = _jvp(prim)
   batching.primitive_batchers[prim] = _batch(prim)
-  mlir.register_lowering(prim, _lowering(prim))
+  register_lowering(prim, _lowering(prim))
 

@@ -149,6 +149,18 @@ def last_arrival(cnt_ptr, n):
 
 
 @triton.jit
+def clear_scratch(ptr, n, pid, programs, BLOCK: tl.constexpr = 512):
+  """Zeroes this program's share of f32 ``ptr[0:n]``: the half of a chained scratch buffer
+  that the call before this one used (launch.py). Nothing in this launch reads it."""
+  per = tl.cdiv(n, programs)
+  start = pid * per
+  end = tl.minimum(start + per, n)
+  for i in range(start, end, BLOCK):
+    offs = i + tl.arange(0, BLOCK)
+    tl.store(ptr + offs, tl.zeros([BLOCK], tl.float32), mask=offs < end)
+
+
+@triton.jit
 def round_once(src_ptr, dst_ptr, off, mask):
   """dst[off] = src[off]: an f32 split-K sum read from L2, rounded once to dst's dtype (the
   dtype the next stage's dot consumes), so the next stage's tiles read half the bytes."""

@@ -15,6 +15,17 @@ replaces the legacy op with the typed-FFI one. Every other jax-triton call keeps
 own lowering. ``LRJAX_TRITON_LEGACY_CALL=1`` (read when a call is lowered) keeps the legacy
 op, for A/B timing; so does a jaxlib without the FFI target (<= 0.10.2).
 
+**The scratch chain.** The decode kernels count and accumulate in an f32 scratch buffer that
+must be zero at launch. Zeroed per call by an XLA op, that is one ~1 µs copy kernel a call:
+81 a step on Qwen2.5-7B at batch 8, 2 % of it (gpu_notes.md, session 17). Instead, calls in
+one MLIR block share one buffer of two halves: each works in one half and zeroes the half the
+call before it used (``clear_scratch``, a few stores a CTA), so the buffer goes from call to
+call through XLA's in-place aliasing and is zeroed by XLA once, where a chain starts. A
+kernel takes part if it has the ``work_off, clear_off, clear_n`` arguments (passed as
+``UNCHAINED``; this lowering sets them) and its zeroed scratch is the input aliased to
+output 0. ``LRJAX_TRITON_SCRATCH_CHAIN=0`` (``planner.chain_scratch``, read when a call is
+lowered) zeroes per call.
+
 jax-triton does not check a compiled kernel's shared memory against the GPU's, so block sizes
 that ask for too much used to fail only at launch ("Shared memory requested ... exceeds
 device resources"). While it compiles one of our calls, its compile step is wrapped so that
@@ -22,6 +33,7 @@ device resources"). While it compiles one of our calls, its compile step is wrap
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import threading
@@ -29,7 +41,9 @@ import threading
 import jax
 import jax_triton as jt
 import jaxlib.version
+import numpy as np
 from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import hlo
 from jax.interpreters import mlir
 from jax_triton import triton_lib
 
@@ -58,6 +72,74 @@ def triton_call(*args, **kwargs):
   if "custom_call_target_name" in kwargs:
     raise TypeError("lrjax chooses the custom-call target of its kernels")
   return jt.triton_call(*args, custom_call_target_name=_REQUEST, **kwargs)
+
+
+SCRATCH_ARGS = ("work_off", "clear_off", "clear_n")
+UNCHAINED = (0, 0, 0)  # those arguments as a call passes them: its scratch starts at 0
+_CHAIN_KEY = ("lrjax.custom_calls.triton.launch", "scratch chains")
+
+
+@dataclasses.dataclass
+class _Link:
+  block: object  # the MLIR block the chain runs in
+  buf: object  # its buffer as the last call left it: f32[2 * half]
+  half: int
+  parity: int  # the half the last call worked in
+  dirty: int  # floats of that half it used
+
+
+def _chain(ctx, array_args, params):
+  """(ctx, args, scalar args, finish) to launch this call on its block's chained scratch, or
+  None where it cannot take part (see the module docstring); finish(results) records the
+  call's scratch output as the chain's and gives the results the call's own avals."""
+  fn = params["fn"]
+  names = getattr(fn, "arg_names", ())
+  by_name = {names[k]: k for k, _, _ in params["scalar_args"] if k < len(names)}
+  if not planner.chain_scratch() or any(a not in by_name for a in SCRATCH_ARGS):
+    return None
+  src = [i for i, o in params["input_output_aliases"] if o == 0]
+  if len(src) != 1:  # no aliased scratch: jax-triton's memset zeroes it
+    return None
+  i = src[0]
+  aval = ctx.avals_in[i]
+  if aval.dtype != np.float32 or aval.ndim != 1 or ctx.avals_out[0] != aval:
+    return None
+  # the module's chains live as long as its lowering, in a dict jax keeps for that long
+  links = getattr(ctx.module_context, "cached_primitive_lowerings", None)
+  if links is None:
+    return None
+  try:
+    block = ir.InsertionPoint.current.block
+  except ValueError:  # no insertion point
+    return None
+  links = links.setdefault(_CHAIN_KEY, [])
+  link = next((lk for lk in links if lk.block == block), None)
+  need = aval.shape[0]
+  fresh, half, parity, clear_n = planner.next_link(
+      None if link is None else (link.half, link.parity, link.dirty), need)
+  big = aval.update(shape=(2 * half,))
+  buf = link.buf if not fresh else hlo.broadcast_in_dim(
+      ir.RankedTensorType.get((2 * half,), ir.F32Type.get()),
+      mlir.ir_constant(np.float32(0)), mlir.dense_int_array([]))
+  args = list(array_args)
+  args[i] = buf
+  avals_in, avals_out = list(ctx.avals_in), list(ctx.avals_out)
+  avals_in[i] = avals_out[0] = big
+  values = {by_name["work_off"]: parity * half, by_name["clear_off"]: (1 - parity) * half,
+            by_name["clear_n"]: clear_n}
+  scalars = tuple((k, t, values.get(k, v)) for k, t, v in params["scalar_args"])
+
+  def finish(results):
+    nonlocal link
+    if link is None:
+      link = _Link(block, None, half, parity, need)
+      links.append(link)
+    link.buf, link.half, link.parity, link.dirty = results[0], half, parity, need
+    own = hlo.slice(results[0], mlir.dense_int_array([0]), mlir.dense_int_array([need]),
+                    mlir.dense_int_array([1]))
+    return [own, *results[1:]]
+
+  return ctx.replace(avals_in=avals_in, avals_out=avals_out), args, scalars, finish
 
 
 def count_calls(hlo_text: str) -> int:
@@ -90,6 +172,11 @@ def _lowering(ctx, *array_args, custom_call_target_name, **params):
   if custom_call_target_name != _REQUEST:  # someone else's jax-triton call
     return _jax_triton_rule(ctx, *array_args, custom_call_target_name=custom_call_target_name,
                             **params)
+  chained = _chain(ctx, array_args, params)
+  finish = lambda results: results  # noqa: E731
+  if chained is not None:
+    ctx, array_args, scalars, finish = chained
+    params = dict(params, scalar_args=scalars)
   _ours.active = True
   try:
     legacy = _jax_triton_rule(ctx, *array_args, custom_call_target_name=LEGACY_TARGET,
@@ -97,7 +184,7 @@ def _lowering(ctx, *array_args, custom_call_target_name, **params):
   finally:
     _ours.active = False
   if not use_ffi():
-    return legacy
+    return finish(legacy)
   op = legacy[0].owner
   op = getattr(op, "operation", op)
   opaque = ir.StringAttr(op.attributes["backend_config"]).value_bytes
@@ -105,7 +192,10 @@ def _lowering(ctx, *array_args, custom_call_target_name, **params):
                               operand_output_aliases=dict(params["input_output_aliases"]))
   results = rule(ctx, *array_args, opaque=opaque)
   op.erase()  # nothing uses the legacy op's results
-  return results
+  return finish(results)
 
 
-mlir.register_lowering(triton_lib.triton_kernel_call_p, _lowering, platform="cuda")
+# inline at each use, as lrjax's primitives are: a cached lowering would run once for calls
+# of equal operands, and each call in its own function could not join its block's chain
+mlir.register_lowering(triton_lib.triton_kernel_call_p, _lowering, platform="cuda",
+                       cacheable=False)

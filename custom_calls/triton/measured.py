@@ -274,9 +274,9 @@ MODEL_AB: tuple[tuple[str, int, int, float, float], ...] = (
     ('70b', 8192, 64, 4.538, 4.452),
     ('70b', 8192, 128, 6.101, 6.081),
     ('qwen2.5-7b', 3584, 1, 3.91, 6.622),
-    ('qwen2.5-7b', 3584, 4, 4.068, 4.154),
-    ('qwen2.5-7b', 3584, 8, 4.199, 4.185),
-    ('qwen2.5-7b', 3584, 16, 4.782, 4.811),
+    ('qwen2.5-7b', 3584, 4, 4.169, 4.156),
+    ('qwen2.5-7b', 3584, 8, 4.304, 4.208),
+    ('qwen2.5-7b', 3584, 16, 4.921, 4.757),
     ('qwen2.5-7b', 3584, 64, 6.698, 6.777),
 )
 MODEL_OP_AB: tuple[tuple[str, int, int, str, float, float], ...] = (
@@ -287,8 +287,11 @@ MODEL_OP_AB: tuple[tuple[str, int, int, str, float, float], ...] = (
     ('70b', 8192, 16, 'mlp_swiglu', 3.181, 3.184),
     ('70b', 8192, 64, 'mlp_swiglu', 4.538, 4.51),
     ('qwen2.5-7b', 3584, 4, 'mlp_swiglu', 4.068, 3.958),
+    ('qwen2.5-7b', 3584, 4, 'xuv_group', 4.108, 4.202),
     ('qwen2.5-7b', 3584, 8, 'mlp_swiglu', 4.199, 4.096),
+    ('qwen2.5-7b', 3584, 8, 'xuv_group', 4.178, 4.32),
     ('qwen2.5-7b', 3584, 16, 'mlp_swiglu', 4.782, 4.668),
+    ('qwen2.5-7b', 3584, 16, 'xuv_group', 4.785, 4.911),
     ('qwen2.5-7b', 3584, 64, 'mlp_swiglu', 6.698, 6.828),
 )
 # END GENERATED
@@ -332,14 +335,15 @@ def model_ab_from_results(path: str) -> tuple:
   """MODEL_AB rows from a tp_gpu.py results file: (model, hidden size, batch, step ms with the
   kernels, without) of each batch of the one-GPU low-rank model measured both ways (with the
   kernels: lrjax.fuse's default, grouping q/k/v; ``--no-group`` runs are not the default and
-  are left out, and so are ``--whole-policy`` runs, timed with this rule on, and ``--kernels``
-  runs, with only some kernels served); of repeated runs, the last."""
+  are left out, and so are ``--whole-policy`` runs, timed with this rule on, ``--kernels``
+  runs, with only some kernels served, and runs with the scratch chain off); of repeated
+  runs, the last."""
   with open(path) as fh:
     data = json.load(fh)
   recs = [r for r in data["records"]
           if "step_ms" in r and r["strategy"] == "lowrank_tp" and r["tp"] == 1
           and r.get("group") is not False and not r.get("whole_policy")
-          and not r.get("kernels")]
+          and not r.get("kernels") and r.get("scratch_chain") is not False]
   # fused runs with lrjax.fuse's default grouping replace those from before it existed
   recs.sort(key=lambda r: r.get("group", False))
   steps = {(r["model"], r["batch"], bool(r.get("fuse"))): r["step_ms"] for r in recs}
@@ -362,7 +366,8 @@ def model_op_ab_from_results(path: str) -> tuple:
     data = json.load(fh)
   recs = [r for r in data["records"]
           if "step_ms" in r and r["strategy"] == "lowrank_tp" and r["tp"] == 1 and r.get("fuse")
-          and r.get("group") is not False and not r.get("whole_policy")]
+          and r.get("group") is not False and not r.get("whole_policy")
+          and r.get("scratch_chain") is not False]
   full = {(r["model"], r["batch"], r["run"]): r["step_ms"] for r in recs if not r.get("kernels")}
   rows = {}
   for r in recs:

@@ -63,7 +63,7 @@ import triton
 import triton.language as tl
 
 from lrjax.custom_calls.triton import launch, planner
-from lrjax.custom_calls.triton._common import (check_out, last_arrival, mm_acc, mm_acc2,
+from lrjax.custom_calls.triton._common import (check_out, clear_scratch, last_arrival, mm_acc, mm_acc2,
                                                num_sms, prefetch_l2, round_once,
                                                signal, splitr_out_tile, swiglu_epilogue,
                                                wait_at_least)
@@ -312,6 +312,8 @@ def _mlp_decode_kernel(
     o_in_ptr,  # [M, DO] caller's output buffer aliased to o_ptr, or the zeroed scratch
                # aliased to scratch_ptr (xla_zeroing), else x; never read
     M,  # rows (runtime: one compile serves every M <= BLOCK_M)
+    work_off, clear_off, clear_n,  # the scratch chain (launch.py): this call's half of
+                                   # scratch_ptr, and the half it zeroes [clear_n floats]
     scratch_ptr,  # f32, zeroed before the launch: Pg [M, R], Pu [M, R], S [M, RD],
                   # output accumulator [M, DO], then (i32) A_CHUNKS stage-A counters,
                   # the counter stage C waits on (stage-B slices or, PARK_H, stage-H
@@ -339,6 +341,8 @@ def _mlp_decode_kernel(
                              # split (no stage-H CTAs of their own)
 ):
   pid = tl.program_id(0)
+  clear_scratch(scratch_ptr + clear_off, clear_n, pid, tl.num_programs(0))
+  scratch_ptr += work_off
   pg_ptr = scratch_ptr
   pu_ptr = scratch_ptr + M * R
   s_ptr = scratch_ptr + 2 * M * R
@@ -410,6 +414,7 @@ def _mlp_decode_persistent_kernel(
     x_ptr, ug_ptr, vg_ptr, bg_ptr, uu_ptr, vu_ptr, bu_ptr, ud_ptr, vd_ptr, bd_ptr,  # as above
     o_in_ptr,  # aliased buffer (as above); never read
     M,
+    work_off, clear_off, clear_n,  # as above
     scratch_ptr,  # as above, less the [M, DO] accumulator when C_CHUNKS == 1
     o_ptr,
     p16_ptr,  # as above
@@ -429,6 +434,8 @@ def _mlp_decode_persistent_kernel(
     P16: tl.constexpr,
 ):
   pid = tl.program_id(0)
+  clear_scratch(scratch_ptr + clear_off, clear_n, pid, PROGRAMS)
+  scratch_ptr += work_off
   pg_ptr = scratch_ptr
   pu_ptr = scratch_ptr + M * R
   s_ptr = scratch_ptr + 2 * M * R
@@ -662,7 +669,7 @@ def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
     eleventh = x2 if out is None else out
     aliases, zeroed = ({10: 1} if out is not None else None), (0,)
   outs = launch.triton_call(
-      *ops, eleventh, m, kernel=kernel,
+      *ops, eleventh, m, *launch.UNCHAINED, kernel=kernel,
       out_shape=(jax.ShapeDtypeStruct((plan["scratch"],), jnp.float32),
                  jax.ShapeDtypeStruct((m, d_out), out_dtype),
                  jax.ShapeDtypeStruct((plan["p16"],), ops[5].dtype)),  # P16's Pg, Pu; not zeroed

@@ -29,6 +29,7 @@ import collections
 import dataclasses
 import functools
 import itertools
+import os
 
 
 @dataclasses.dataclass(frozen=True)
@@ -554,3 +555,32 @@ def plan_kv_splits(b: int, hkv: int, t: int, block_n: int, warps: int,
     if best is None or cost < best[0]:
       best = (cost, splits)
   return best[1]
+
+
+def chain_scratch() -> bool:
+  """Whether the decode calls of one block share a chained scratch buffer (launch.py; the
+  default) or each has its own zeroed by an XLA op (``LRJAX_TRITON_SCRATCH_CHAIN=0``, read
+  when a call is lowered; for A/B timing)."""
+  return os.environ.get("LRJAX_TRITON_SCRATCH_CHAIN", "") in ("", "1")
+
+
+SCRATCH_MIN_HALF = 1 << 17  # floats in each half of a scratch chain's buffer at least
+                            # (512 KiB): one chain then serves every decode call of the
+                            # benchmarked models' steps at M <= 16 (launch.py)
+
+
+def next_link(last: "tuple[int, int, int] | None", need: int) -> tuple[bool, int, int, int]:
+  """Where a decode call needing ``need`` scratch floats runs in its block's scratch chain
+  (launch.py). ``last`` is what the chain's last call left: (the buffer's half size, the
+  half it worked in, floats of that half it used), or None where no chain runs yet.
+  Returns (a fresh zeroed buffer?, its half size, the half this call works in, floats of
+  the other half it zeroes). Offsets and counts are 0 or multiples of 16, never 1 (which
+  jax-triton would compile in as a constant)."""
+  if need < 1:
+    raise ValueError(f"a scratch of {need} floats: expected at least 1")
+  if last is None or need > last[0]:
+    return True, cdiv(max(need, SCRATCH_MIN_HALF), 1024) * 1024, 0, 0
+  half, parity, dirty = last
+  if parity not in (0, 1) or not 0 <= dirty <= half:
+    raise ValueError(f"{last=}: expected (half, 0 or 1, 0 <= used floats <= half)")
+  return False, half, 1 - parity, min(half, cdiv(dirty, 16) * 16)

@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from lrjax.custom_calls.triton import launch, planner
-from lrjax.custom_calls.triton._common import (check_out, last_arrival, mm_acc, num_sms,
+from lrjax.custom_calls.triton._common import (check_out, clear_scratch, last_arrival, mm_acc, num_sms,
                                                prefetch_l2, round_once, signal,
                                                splitr_out_tile, unpack_xuv_args,
                                                wait_at_least)
@@ -177,6 +177,8 @@ def _xuv_decode_kernel(
     o_in_ptr,  # [M, N] caller's output buffer aliased to o_ptr, or the zeroed scratch aliased
                # to scratch_ptr (xla_zeroing), else x; never read
     M,  # rows (runtime: one compile serves every M <= BLOCK_M)
+    work_off, clear_off, clear_n,  # the scratch chain (launch.py): this call's half of
+                                   # scratch_ptr, and the half it zeroes [clear_n floats]
     scratch_ptr,  # [M*R + M*N + R_CHUNKS + n_nb] f32, zeroed by one memset: the split-K
                   # accumulator P [M, R], the output accumulator [M, N], then (as i32) the
                   # per-r-chunk counters and per-column-block semaphores
@@ -192,6 +194,8 @@ def _xuv_decode_kernel(
     STAGES: tl.constexpr = 3,  # timing only: bit 1 streams U (stage 1), bit 2 streams V
 ):
   pid = tl.program_id(0)
+  clear_scratch(scratch_ptr + clear_off, clear_n, pid, tl.num_programs(0))
+  scratch_ptr += work_off
   p_ptr = scratch_ptr
   acc_ptr = scratch_ptr + M * R
   flag_ptr = (scratch_ptr + M * R + M * N).to(tl.pointer_type(tl.int32))
@@ -217,6 +221,7 @@ def _xuv_decode_persistent_kernel(
     x_ptr, u_ptr, v_ptr, b_ptr,  # as in _xuv_decode_kernel
     o_in_ptr,  # aliased buffer (see _xuv_decode_kernel); never read
     M,
+    work_off, clear_off, clear_n,  # as in _xuv_decode_kernel
     scratch_ptr,  # _xuv_decode_kernel's layout, less the [M, N] accumulator at one r-chunk;
                   # with P16, then (i32) one split-K counter per column block of P
     o_ptr,
@@ -236,6 +241,8 @@ def _xuv_decode_persistent_kernel(
     PV: tl.constexpr = True,  # False: phase 1 only, ending with P rounded into p16 (P16)
 ):
   pid = tl.program_id(0)
+  clear_scratch(scratch_ptr + clear_off, clear_n, pid, PROGRAMS)
+  scratch_ptr += work_off
   p_ptr = scratch_ptr
   acc_ptr = scratch_ptr + M * R  # the output accumulator: only with several r-chunks
   if R_CHUNKS > 1:
@@ -296,6 +303,7 @@ def _xuv_group_kernel(
     s_in_ptr,  # the zeroed scratch, aliased to scratch_ptr; never read
     o0_in_ptr, o1_in_ptr, o2_in_ptr,  # callers' output buffers aliased to o*_ptr, or x; never read
     M,
+    work_off, clear_off, clear_n,  # as in _xuv_decode_kernel
     scratch_ptr,  # f32: P_0 [M, R0], P_1 [M, R1], P_2 [M, R2], then (i32) one flag a member
     o0_ptr, o1_ptr, o2_ptr,  # [M, N_i] outputs (o2 unused with two members)
     K: tl.constexpr, R0: tl.constexpr, N0: tl.constexpr, R1: tl.constexpr, N1: tl.constexpr,
@@ -317,6 +325,8 @@ def _xuv_group_kernel(
   (split-K tiles of all members, one after another), phase 2 every V_i (each tile waits
   only for its own member's X·U_i). The persistent kernel's dataflow, per member."""
   pid = tl.program_id(0)
+  clear_scratch(scratch_ptr + clear_off, clear_n, pid, PROGRAMS)
+  scratch_ptr += work_off
   p0_ptr = scratch_ptr
   p1_ptr = p0_ptr + M * R0
   p2_ptr = p1_ptr + M * R1
@@ -469,7 +479,7 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
     fifth = x2 if out is None else out
     aliases, zeroed = ({4: 1} if out is not None else None), (0,)
   outs = launch.triton_call(
-      x2, u, v, b, fifth, m, kernel=kernel,
+      x2, u, v, b, fifth, m, *launch.UNCHAINED, kernel=kernel,
       out_shape=(jax.ShapeDtypeStruct((scratch,), jnp.float32),
                  jax.ShapeDtypeStruct((m, n) if pv == "kernel" else (1,), out_dtype),
                  jax.ShapeDtypeStruct((plan["p16"],), v.dtype)),  # P16's P; never zeroed
@@ -541,7 +551,8 @@ def xuv_decode_group(x, members, *, out_dtype=None, out=None,
       check_out(o, (m, n), odt)
       outs_in[i], aliases[11 + i] = o, 1 + i
   outs = launch.triton_call(
-      x2, *ops, jnp.zeros((scratch,), jnp.float32), *outs_in, m, kernel=_xuv_group_kernel,
+      x2, *ops, jnp.zeros((scratch,), jnp.float32), *outs_in, m, *launch.UNCHAINED,
+      kernel=_xuv_group_kernel,
       out_shape=(jax.ShapeDtypeStruct((scratch,), jnp.float32),
                  *[jax.ShapeDtypeStruct((m, n), odt) for *_, n in full]),
       grid=(p.programs,), input_output_aliases=aliases, num_warps=p.warps,

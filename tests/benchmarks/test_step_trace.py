@@ -68,3 +68,24 @@ def test_the_committed_70b_summary_is_what_the_committed_traces_give(trace):
     for key, value in rec.items():
       assert got[key] == (pytest.approx(value) if not isinstance(value, dict)
                           else {k: pytest.approx(v) for k, v in value.items()}), (name, key)
+
+
+def test_kernel_totals_a_step(trace):
+  ev, t = fake_step(0, 10, 30)
+  ev2, t2 = fake_step(t, 10, 30)
+  tot = trace.kernel_totals(sorted(ev + ev2), steps=2)
+  assert tot["kernels"]["_mlp_decode_kernel"] == {"us_per_step": 58.0, "launches_per_step": 2.0}
+  # longest first: the MLP's 2 x 29 us a step, then q/k/v's 2 x 4 us and the LM head's 39
+  assert list(tot["kernels"])[:2] == ["_mlp_decode_kernel", "gemm_fusion_dot"]
+  assert tot["kernels"]["gemm_fusion_dot"] == {"us_per_step": 47.0, "launches_per_step": 3.0}
+  assert tot["span_us_per_step"] == pytest.approx(t2 / 1e3 / 2)
+  assert tot["busy_us_per_step"] == pytest.approx(t2 / 1e3 / 2)  # no idle gaps here
+
+
+def test_a_zero_fill_between_a_norm_and_its_projection_still_opens_a_block(trace):
+  ev, _ = fake_step(0, 10, 30)
+  ev = sorted(ev)
+  s, e, _ = ev[0]  # the first norm; a scratch's zeroing before the q/k/v GEMM
+  ev = [(s, e - 300, "fusion_7"), (e - 300, e, "loop_broadcast_fusion")] + ev[1:]
+  rec = trace.summarize(sorted(ev), layers=2)
+  assert rec["steps"] == 1 and rec["attention_block_us"] == 10

@@ -93,3 +93,24 @@ def test_only_kernels_declines_the_other_ops(load_benchmark, monkeypatch):
     why = measured.verdict("mlp_swiglu", 4, 8192, 3840, 28672)
     assert why is not None and "--kernels xuv_group" in why
   assert measured.verdict("mlp_swiglu", 4, 8192, 3840, 28672) is None  # restored
+
+
+def test_a_kernels_runs_partner_is_kept_and_chain_off_runs_are_their_own_kind(tmp_path):
+  """A re-measured step replaces the earlier one of its kind, except the all-kernels step that
+  followed a --kernels run (measured.MODEL_OP_AB's pair); LRJAX_TRITON_SCRATCH_CHAIN=0 runs
+  are recorded as scratch_chain False, a kind of their own, with the env in their run."""
+  out = str(tmp_path / "k.json")
+  one = ("--model", "8b", "--tp", "1", "--strategies", "lowrank_tp", "--fuse")
+  _run(out, *one, "--kernels", "xuv", "xuv_group")
+  _run(out, "--append", *one)
+  d = _run(out, "--append", *one)
+  runs = sorted(r["run"] for r in d["records"] if not r.get("kernels"))
+  assert runs == [1, 2]  # run 1, the partner of run 0, stays beside the newer run 2
+  os.environ["LRJAX_TRITON_SCRATCH_CHAIN"] = "0"
+  try:
+    d = _run(out, "--append", *one)
+  finally:
+    del os.environ["LRJAX_TRITON_SCRATCH_CHAIN"]
+  off = [r for r in d["records"] if r.get("scratch_chain") is False]
+  assert len(off) == 1 and off[0]["run"] == 3 and len(d["records"]) == 4
+  assert d["runs"][3]["env"] == {"LRJAX_TRITON_SCRATCH_CHAIN": "0"} and d["runs"][2]["env"] == {}

@@ -8,7 +8,9 @@ every wait is on programs that ran before: the decode X·U·V kernel's phase 1 a
 (``PV=False``, what ``pv="xla"`` launches) on ``planner.plan_decode_phase1``'s tiles; the
 tiled decode kernel, whose stage-1 programs come first; the persistent one on a grid of one
 program, and so the grouped q/k/v kernel; the fused SwiGLU decode kernels the same two ways;
-the two prefill kernels on one program, which claims their tiles in schedule order.
+the two prefill kernels on one program, which claims their tiles in schedule order. The
+whole decode kernels run as the second call of a scratch chain (launch.py): their scratch
+in one half of a buffer, the other half left dirty, which they must zero.
 It stands in for torch tensors with numpy arrays, and uses float16: the interpreter
 multiplies bfloat16 as its uint16 storage."""
 import importlib.util
@@ -78,6 +80,17 @@ _PRELUDE = STUB + textwrap.dedent('''
   def xuv_ref(x, u, v, b, bias):  # round(x·u)·v (+ b) in float64
     return r16(f64(x) @ f64(u)) @ f64(v) + (f64(b) if bias else 0.0)
 
+  def chained(n):  # a scratch chain's buffer (launch.py) as a call finds it: this call's
+    # half of n floats zeroed, after the half the call before it used, left dirty
+    half = -(-n // 16) * 16
+    buf = np.zeros(2 * half, np.float32)
+    buf[:half] = 7.0
+    return buf, (half, 0, half)  # work_off, clear_off, clear_n
+
+  def check_cleared(buf, args):  # the call zeroed the half the one before it used
+    work_off, clear_off, clear_n = args
+    assert not buf[clear_off:clear_off + clear_n].any(), "the chain's other half is dirty"
+
   def check(out, ref, tol, what):  # every element written, and close to the reference
     assert not np.isnan(out).any(), (what, "unwritten elements")
     err = np.abs(f64(out) - ref).max() / np.abs(ref).max()
@@ -94,7 +107,8 @@ _PHASE1 = textwrap.dedent('''
     scratch = np.zeros(plan["scratch"], np.float32)
     p16 = np.full(plan["p16"], np.nan, np.float16)  # poisoned: every element must be written
     xuv_decode._xuv_decode_persistent_kernel[(plan["grid"],)](
-        T(x), T(u), T(v), T(v), T(x), m, T(scratch), T(np.zeros(1, np.float16)), T(p16),
+        T(x), T(u), T(v), T(v), T(x), m, 0, 0, 0, T(scratch), T(np.zeros(1, np.float16)),
+        T(p16),
         **plan["meta"])
     # f16 split-K sums, rounded once
     err = check(p16.reshape(m, r), f64(x) @ f64(u), 2e-3, (m, k, r, "P"))
@@ -111,11 +125,12 @@ _WHOLE = textwrap.dedent('''
   def run(kernel, plan, m, k, r, n, bias):
     x = rand(m, k)
     u, v, b = factors(k, r, n, bias)
-    scratch = np.zeros(plan["scratch"], np.float32)
+    scratch, chain = chained(plan["scratch"])
     out = np.full((m, n), np.nan, np.float16)
     p16 = np.full(plan["p16"], np.nan, np.float16)
-    kernel[(plan["grid"],)](T(x), T(u), T(v), T(b), T(x), m, T(scratch), T(out), T(p16),
-                            **plan["meta"])
+    kernel[(plan["grid"],)](T(x), T(u), T(v), T(b), T(x), m, *chain, T(scratch), T(out),
+                            T(p16), **plan["meta"])
+    check_cleared(scratch, chain)
     return check(out, xuv_ref(x, u, v, b, bias), 5e-3, (m, k, r, n))
 
   for (m, k, r, n, bias, fields) in PERSISTENT:
@@ -142,9 +157,10 @@ _WHOLE = textwrap.dedent('''
       refs.append(xuv_ref(x, u, v, b, bias))
     ops += ops[-3:] * (3 - len(members))  # two members: the third repeats the second
     outs3 = outs + [np.full_like(outs[-1], np.nan)] * (3 - len(members))
-    scratch = np.zeros(plan["scratch"], np.float32)
+    scratch, chain = chained(plan["scratch"])
     xuv_decode._xuv_group_kernel[(1,)](T(x), *map(T, ops), T(scratch), T(x), T(x), T(x), m,
-                                       T(scratch), *map(T, outs3), **plan["meta"])
+                                       *chain, T(scratch), *map(T, outs3), **plan["meta"])
+    check_cleared(scratch, chain)
     for i, (out, ref) in enumerate(zip(outs, refs)):
       err = check(out, ref, 5e-3, (m, k, members, i))
     print("group", m, k, members, f"{err:.1e}")
@@ -167,11 +183,12 @@ _MLP = textwrap.dedent('''
 
   def run(kernel, plan, m, d, f, r, bias):  # a decode kernel: scratch, output, rounded P
     x, gate, up, down = operands(m, d, f, r, bias)
-    scratch = np.zeros(plan["scratch"], np.float32)
+    scratch, chain = chained(plan["scratch"])
     out = np.full((m, d), np.nan, np.float16)
     p16 = np.full(plan["p16"], np.nan, np.float16)
-    kernel[(plan["grid"],)](T(x), *map(T, gate + up + down), T(x), m, T(scratch), T(out),
-                            T(p16), **plan["meta"])
+    kernel[(plan["grid"],)](T(x), *map(T, gate + up + down), T(x), m, *chain, T(scratch),
+                            T(out), T(p16), **plan["meta"])
+    check_cleared(scratch, chain)
     return check(out, mlp_ref(x, gate, up, down, bias), 1e-2, (m, d, f, r))
 
   for (m, d, f, r, bias, fields) in PERSISTENT:

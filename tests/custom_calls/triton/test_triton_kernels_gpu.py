@@ -410,9 +410,9 @@ def test_other_jax_triton_calls_keep_their_own_lowering():
 
 
 def test_many_decode_calls_in_one_jit_each_start_from_zeroed_scratch():
-  """The decode kernels' scratch (counters, split-K sums) is zeroed by an XLA op aliased
-  into each call. In one jit XLA emits one fusion for all those zeros (the benchmark's
-  profiles show it); every call must still see its own zeroed buffer."""
+  """The decode kernels' scratch (counters, split-K sums) must be zero at each launch; in
+  one jit the twelve independent calls share one chained buffer (launch.py), each zeroing
+  the half the call before it used."""
   import lrjax
   dtype = jnp.bfloat16
   x = randn((3, 512), dtype)
@@ -431,6 +431,76 @@ def test_many_decode_calls_in_one_jit_each_start_from_zeroed_scratch():
       assert_close(y, xuv_ref(x, u, v, None, dtype), dtype)
     for y, (gate, up, down) in zip(outs[6:], mlps):
       assert_close(y, mlp_ref(x, gate, up, down, "silu", dtype), dtype)
+
+
+def _scratch_sizes(compiled_text):
+  """The f32 scratch output (result 0) of each Triton call in a compiled module, in floats."""
+  import re
+  return [int(n) for n in re.findall(
+      r"= \(f32\[(\d+)\]\{0\}[^\n]*custom_call_target=\"triton_kernel_call", compiled_text)]
+
+
+@pytest.mark.parametrize("min_half", [None, 4096])
+def test_decode_calls_share_a_chained_scratch(monkeypatch, min_half):
+  """The decode calls of one block run on one chained scratch buffer (launch.py): each
+  zeroes the half the call before it used. Data-dependent and independent calls of every
+  decode kernel, at 1, 3 and 16 rows, and a loop body (its own chain); with a small half
+  (min_half) the calls whose scratch does not fit start new chains. Every output matches
+  the reference on two runs, and LRJAX_TRITON_SCRATCH_CHAIN=0 gives each call its own."""
+  import lrjax
+  from lrjax.lowering import lr_xuv_group
+  if min_half:
+    monkeypatch.setattr(planner, "SCRATCH_MIN_HALF", min_half)
+  dtype = jnp.bfloat16
+  xuvs = [lr_factors(512, r, n, dtype) for r, n in ((128, 512), (200, 1000), (72, 512))]
+  group = [lr_factors(512, r, n, dtype) for r, n in ((96, 512), (48, 130), (48, 130))]
+  mlp = mlp_params(512, 1408, 128, 96, 512, dtype, True, True)
+
+  def step(x, xuvs, group, mlp):
+    a = lrjax.lr_xuv(x, *xuvs[0])
+    q, k, v = lr_xuv_group(a, group)
+    b = lrjax.lr_mlp(q, mlp[1], mlp[2], mlp[0])
+    c = lrjax.lr_xuv(b, *xuvs[1])  # N=1000: ragged column blocks
+    d = lrjax.lr_xuv(x, *xuvs[2])  # independent of the others
+    return a, q, k, v, b, c, d
+
+  def refs(x):
+    a = xuv_ref(x, *xuvs[0], None, dtype)
+    q, k, v = (xuv_ref(rnd(a, dtype), u, w, None, dtype) for u, w in group)
+    b = mlp_ref(rnd(q, dtype), mlp[0], mlp[1], mlp[2], "silu", dtype)
+    c = xuv_ref(rnd(b, dtype), *xuvs[1], None, dtype)
+    return a, q, k, v, b, c, xuv_ref(x, *xuvs[2], None, dtype)
+
+  def looped(x, xuvs, group, mlp):  # the step's calls in a loop body: a chain of its own
+    return jax.lax.fori_loop(0, 3, lambda i, y: step(y, xuvs, group, mlp)[1], x)
+
+  for m in (1, 3, 16):
+    x = randn((m, 512), dtype)
+    with lrjax.lowering.prefer_kernels():
+      f = jax.jit(step).lower(x, xuvs, group, mlp).compile()
+      g = jax.jit(looped).lower(x, xuvs, group, mlp).compile()
+    sizes = _scratch_sizes(f.as_text())
+    assert len(sizes) == _count_triton_calls(f.as_text()) == 5, sizes
+    if min_half is None:  # one chain: one buffer of two default halves
+      assert set(sizes) == {2 * planner.SCRATCH_MIN_HALF}, sizes
+    else:
+      assert all(s % 2048 == 0 and s >= 2 * min_half for s in sizes), sizes
+    for _ in range(2):  # the second run on the first one's buffers
+      for got, want in zip(f(x, xuvs, group, mlp), refs(x)):
+        assert_close(got, want, dtype, factor=2.0)
+    y = x
+    for _ in range(3):  # the loop, by the step just checked
+      y = f(y, xuvs, group, mlp)[1]
+    assert_close(g(x, xuvs, group, mlp), f64(y), dtype, factor=2.0)
+  monkeypatch.setenv("LRJAX_TRITON_SCRATCH_CHAIN", "0")
+  assert planner.chain_scratch() is False
+  x = randn((3, 512), dtype)
+  with lrjax.lowering.prefer_kernels():  # a new function: jit would reuse step's lowering
+    f = jax.jit(lambda *a: step(*a)).lower(x, xuvs, group, mlp).compile()
+  sizes = _scratch_sizes(f.as_text())
+  assert len(sizes) == 5 and 2 * planner.SCRATCH_MIN_HALF not in sizes, sizes
+  for got, want in zip(f(x, xuvs, group, mlp), refs(x)):
+    assert_close(got, want, dtype, factor=2.0)
 
 
 def test_measured_policy_leaves_slower_shapes_to_xla(monkeypatch):

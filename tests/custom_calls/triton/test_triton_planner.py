@@ -365,3 +365,26 @@ def test_persistent_phase1_counts_the_round_trip_from_64_kb_of_u_a_cta():
   small = planner.plan_decode_persistent(4, 2048, 256, 512)
   assert small == planner.plan_decode_persistent(4, 2048, 256, 512, round_trip_us=0)
   assert small.cols_r == 48
+
+
+def test_scratch_chain_alternates_halves_and_zeroes_what_the_last_call_used():
+  """A chain of decode calls (launch.py): the first starts a zeroed buffer of two halves;
+  each next call works in the other half and zeroes the floats its predecessor used; a
+  call whose scratch does not fit a half starts a new chain. Offsets and counts are never
+  1 (jax-triton compiles a 1 in as a constant)."""
+  half = planner.SCRATCH_MIN_HALF
+  assert planner.next_link(None, 5) == (True, half, 0, 0)
+  last, work = None, []
+  for need in (5, 700, 17, half, 1):
+    fresh, h, parity, clear_n = planner.next_link(last, need)
+    assert (fresh, h) == (last is None, half)
+    assert clear_n == (0 if last is None else min(half, -(-last[2] // 16) * 16))
+    assert clear_n != 1 and clear_n % 16 == 0 and h % 1024 == 0
+    work.append(parity)
+    last = (h, parity, need)
+  assert work == [0, 1, 0, 1, 0]
+  big = planner.next_link((half, 1, 10), half + 1)  # too big for the chain: a new one
+  assert big == (True, -(-(half + 1) // 1024) * 1024, 0, 0)
+  for bad in (((half, 2, 0), 8), ((half, 0, half + 1), 8), (None, 0)):
+    with pytest.raises(ValueError, match="expected"):
+      planner.next_link(*bad)
