@@ -48,10 +48,10 @@ from flax import nnx
 
 import lrjax
 from lrjax import sharding
+from lrjax.custom_calls.triton import planner  # pure Python: no triton import
 from lrjax.models import LlamaForCausalLM, ModelConfig
 from lrjax.models.llama import KVCache
 from lrjax.serving import Engine, Request, SamplingParams, itl
-from lrjax.custom_calls.triton import planner  # pure Python: no triton import
 from lrjax.sharding.analysis import compressed_ranks
 
 from decode_timing import greedy_loop, median_step, time_loop

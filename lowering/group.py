@@ -27,8 +27,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from lrjax.lowering import _jaxpr, partitioning, registry
-from lrjax.lowering import primitives
+from lrjax.lowering import _jaxpr, partitioning, primitives, registry
 from lrjax.lowering.primitives import _xuv_check, lr_xuv_p, lr_xuv_reference
 
 log = logging.getLogger("lrjax.lowering")

@@ -63,8 +63,8 @@ import triton
 import triton.language as tl
 
 from lrjax.custom_calls.triton import launch, planner
-from lrjax.custom_calls.triton._common import (check_out, clear_scratch, last_arrival, mm_acc, mm_acc2,
-                                               num_sms, prefetch_l2, round_once,
+from lrjax.custom_calls.triton._common import (check_out, clear_scratch, last_arrival, mm_acc,
+                                               mm_acc2, num_sms, prefetch_l2, round_once,
                                                signal, splitr_out_tile, swiglu_epilogue,
                                                wait_at_least)
 
@@ -434,7 +434,7 @@ def _mlp_decode_persistent_kernel(
     P16: tl.constexpr,
 ):
   pid = tl.program_id(0)
-  clear_scratch(scratch_ptr + clear_off, clear_n, pid, PROGRAMS)
+  clear_scratch(scratch_ptr + clear_off, clear_n, pid, tl.num_programs(0))
   scratch_ptr += work_off
   pg_ptr = scratch_ptr
   pu_ptr = scratch_ptr + M * R

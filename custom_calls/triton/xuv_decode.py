@@ -53,8 +53,8 @@ import triton
 import triton.language as tl
 
 from lrjax.custom_calls.triton import launch, planner
-from lrjax.custom_calls.triton._common import (check_out, clear_scratch, last_arrival, mm_acc, num_sms,
-                                               prefetch_l2, round_once, signal,
+from lrjax.custom_calls.triton._common import (check_out, clear_scratch, last_arrival, mm_acc,
+                                               num_sms, prefetch_l2, round_once, signal,
                                                splitr_out_tile, unpack_xuv_args,
                                                wait_at_least)
 
@@ -241,7 +241,7 @@ def _xuv_decode_persistent_kernel(
     PV: tl.constexpr = True,  # False: phase 1 only, ending with P rounded into p16 (P16)
 ):
   pid = tl.program_id(0)
-  clear_scratch(scratch_ptr + clear_off, clear_n, pid, PROGRAMS)
+  clear_scratch(scratch_ptr + clear_off, clear_n, pid, tl.num_programs(0))
   scratch_ptr += work_off
   p_ptr = scratch_ptr
   acc_ptr = scratch_ptr + M * R  # the output accumulator: only with several r-chunks
@@ -325,7 +325,7 @@ def _xuv_group_kernel(
   (split-K tiles of all members, one after another), phase 2 every V_i (each tile waits
   only for its own member's X·U_i). The persistent kernel's dataflow, per member."""
   pid = tl.program_id(0)
-  clear_scratch(scratch_ptr + clear_off, clear_n, pid, PROGRAMS)
+  clear_scratch(scratch_ptr + clear_off, clear_n, pid, tl.num_programs(0))
   scratch_ptr += work_off
   p0_ptr = scratch_ptr
   p1_ptr = p0_ptr + M * R0

@@ -179,6 +179,23 @@ def test_an_op_whose_kernel_slowed_the_step_goes_to_xla(monkeypatch):
   assert measured.verdict("mlp_swiglu", 4, 4096, 2048, 18944) is None
 
 
+def test_an_op_that_sped_the_step_is_served_where_every_kernel_together_lost(monkeypatch):
+  """Where the step with every kernel lost to XLA's (MODEL_AB) but an op has its own A/B at
+  that model and batch, the op's decides: the grouped kernel, whose step was slower without
+  it, is served; an op without an A/B of its own follows MODEL_AB; the op's A/B at another
+  model leaves MODEL_AB to decide."""
+  monkeypatch.setattr(measured, "RECORDS", (
+      ("xuv_group", 8, 3584, 1024, 4608, 12.0, 20.0), ("xuv", 8, 3584, 1024, 3584, 10.0, 12.0)))
+  monkeypatch.setattr(measured, "MODEL_AB", (("qwen", 3584, 8, 4.30, 4.21),
+                                             ("8b", 4096, 8, 4.80, 4.60)))
+  monkeypatch.setattr(measured, "MODEL_OP_AB", (("qwen", 3584, 8, "xuv_group", 4.18, 4.32),))
+  assert measured.verdict("xuv_group", 8, 3584, 1024, 4608) is None
+  why = measured.verdict("xuv", 8, 3584, 1024, 3584)
+  assert why is not None and "the kernels were slower (4.30 ms" in why, why
+  why = measured.verdict("xuv_group", 8, 4096, 1024, 4608)  # the 8B's step: no own A/B there
+  assert why is not None and "8b model" in why, why
+
+
 def test_op_ab_pairs_only_adjacent_runs(tmp_path):
   """A ``--kernels`` step is compared only with the all-kernels step of the next run (one
   device call); lone runs and runs serving two ops fewer are left out."""
