@@ -52,6 +52,17 @@ def block_starts(events: list) -> list:
           if base_name(name) == "fusion" and nxt[2].startswith(PROJECTION)]
 
 
+def busy_ns(events: list) -> int:
+  """The GPU's busy time: the union of the (time-sorted) kernel intervals."""
+  busy, end = 0, None
+  for s, e, _ in events:
+    if end is None or s > end:
+      busy, end = busy + e - s, e
+    elif e > end:
+      busy, end = busy + e - end, e
+  return busy
+
+
 def kernel_totals(events: list, steps: int) -> dict:
   """Each kernel's time and launches a step (names without their fusion and layer numbers),
   longest first, and the step's busy time and span (µs), over ``steps`` traced steps."""
@@ -59,12 +70,7 @@ def kernel_totals(events: list, steps: int) -> dict:
   for s, e, name in events:
     t, n = by.get(base_name(name), (0, 0))
     by[base_name(name)] = (t + e - s, n + 1)
-  busy, end = 0, None
-  for s, e, _ in events:
-    if end is None or s > end:
-      busy, end = busy + e - s, e
-    elif e > end:
-      busy, end = busy + e - end, e
+  busy = busy_ns(events)
   span = max(e for _, e, _ in events) - events[0][0]
   return {"busy_us_per_step": busy / 1e3 / steps, "span_us_per_step": span / 1e3 / steps,
           "kernels": {k: {"us_per_step": round(t / 1e3 / steps, 2),
@@ -92,12 +98,7 @@ def summarize(events: list, layers: int) -> dict:
     if st + 1 < steps:  # the final norm and LM head, to the next step's first block
       head.append((starts[(st + 1) * per_step] - s[-1]) / 1e3)
   span = (max(e for _, e, _ in events) - events[0][0]) / 1e3 / steps
-  busy, end = 0, None
-  for s, e, _ in events:
-    if end is None or s > end:
-      busy, end = busy + e - s, e
-    elif e > end:
-      busy, end = busy + e - end, e
+  busy = busy_ns(events)
   kernels = {}
   for s, e, name in events:
     if name.startswith("_"):  # lrjax's Triton kernels
