@@ -16,8 +16,9 @@ through L2. Stages are ordered inside the grid by counters: stage-A CTAs ``signa
 counter of their r-chunk and stage-B CTAs wait on each chunk before using it; stage-B
 CTAs ``signal`` one counter that stage-C CTAs wait on. This has the same forward-progress
 argument as xuv_decode: lower block indices are dispatched first. All accumulators and
-counters live in one scratch buffer, zeroed by an XLA op aliased into the call (or, with
-``out=``, by jax-triton's memset inside the custom call). Non-gated MLPs
+counters live in one scratch buffer, zeroed by an XLA op aliased into the call, or by the
+call before it on a scratch chain (launch.py), or, with ``out=``, by jax-triton's memset
+inside the custom call. Non-gated MLPs
 (act(X·U1·V1 + b1)·U2·V2 + b2) run the same kernel with GATED=False.
 
 With ``BlockSizes.park_h`` stage B's S partials, one [M, r_d] f32 add per slice (147 MB of

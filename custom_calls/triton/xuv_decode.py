@@ -39,9 +39,9 @@ assumption of decoupled look-back scans.
 
 Why one launch: at M <= 16 the op is 10-50 µs of HBM streaming. Two launches leave the
 HBM idle during the dependent-launch gap and the stage-1 tail. The accumulators, counters
-and semaphores live in one scratch buffer, zeroed by an XLA op aliased into the call (or,
-with ``out=``, by jax-triton's pre-launch memset); the XLA-side zeroing measured 3-10 µs
-less per call.
+and semaphores live in one scratch buffer, zeroed by an XLA op aliased into the call, or by
+the call before it on a scratch chain (launch.py), or, with ``out=``, by jax-triton's
+pre-launch memset; the XLA-side zeroing measured 3-10 µs less per call than the memset.
 """
 from __future__ import annotations
 
