@@ -48,7 +48,7 @@ from flax import nnx
 
 import lrjax
 from lrjax import sharding
-from lrjax.custom_calls.triton import planner  # pure Python: no triton import
+from lrjax.custom_calls.triton import measured, planner  # pure Python: no triton import
 from lrjax.models import LlamaForCausalLM, ModelConfig
 from lrjax.models.llama import KVCache
 from lrjax.serving import Engine, Request, SamplingParams, itl
@@ -57,15 +57,6 @@ from lrjax.sharding.analysis import compressed_ranks
 from decode_timing import greedy_loop, median_step, time_loop
 
 HBM_BPS = 4.3e12
-
-
-def is_op_ab_partner(rec, records) -> bool:
-  """Whether ``rec`` is the step with every kernel that a ``--kernels`` run of the same model
-  and batch was paired with: the next run (measured.model_op_ab_from_results)."""
-  return bool(rec.get("fuse")) and not rec.get("kernels") and any(
-      r.get("kernels") and r.get("run") == rec.get("run", -2) - 1
-      and (r.get("model"), r.get("batch")) == (rec.get("model"), rec.get("batch"))
-      for r in records)
 
 
 def machine():
@@ -126,7 +117,6 @@ def calls_judged_alone():
   """The kernel policy without its whole-model rules (measured.MODEL_AB, MODEL_OP_AB), which
   this script's ``--fuse`` records are the source of: each call is judged by its own
   benchmarked shape."""
-  from lrjax.custom_calls.triton import measured
   saved = measured.MODEL_AB, measured.MODEL_OP_AB
   measured.MODEL_AB, measured.MODEL_OP_AB = (), ()
   try:
@@ -142,7 +132,6 @@ def only_kernels(ops):
   if not ops:
     yield
     return
-  from lrjax.custom_calls.triton import measured
   saved = measured.verdict
 
   def verdict(op, *args):
@@ -420,7 +409,8 @@ def main():
           "model", "strategy", "ratio", "tp", "fuse", "group", "whole_policy", "scratch_chain",
           "batch")
       ) + (tuple(r.get("kernels") or ()), "serving" in r)
-      self[:] = [r for r in self if kind(r) != kind(rec) or is_op_ab_partner(r, self)]
+      self[:] = [r for r in self if kind(r) != kind(rec)
+                 or any(measured.op_ab_pair(k, r) for k in self)]
       super().append(rec)
 
   out["records"] = Records(out["records"])

@@ -357,6 +357,16 @@ def model_ab_from_results(path: str) -> tuple:
 OPS = ("xuv", "xuv_group", "mlp_swiglu")  # the policy's ops, as tp_gpu.py --kernels names them
 
 
+def op_ab_pair(kernels_rec: dict, step_rec: dict) -> bool:
+  """Whether a tp_gpu.py step with every kernel, ``step_rec``, is the pair of a ``--kernels``
+  step, ``kernels_rec``: the next run (one device call), same model and batch. tp_gpu.py's
+  record dedupe keeps such pairs."""
+  return (bool(kernels_rec.get("kernels")) and bool(step_rec.get("fuse"))
+          and not step_rec.get("kernels") and step_rec.get("run") == kernels_rec.get("run", -2) + 1
+          and (step_rec.get("model"), step_rec.get("batch"))
+          == (kernels_rec.get("model"), kernels_rec.get("batch")))
+
+
 def model_op_ab_from_results(path: str) -> tuple:
   """MODEL_OP_AB rows from a tp_gpu.py results file: (model, hidden size, batch, op, step ms
   with every kernel, ms with every kernel but op's) of each ``--kernels`` run that serves all
@@ -369,11 +379,10 @@ def model_op_ab_from_results(path: str) -> tuple:
           if "step_ms" in r and r["strategy"] == "lowrank_tp" and r["tp"] == 1 and r.get("fuse")
           and r.get("group") is not False and not r.get("whole_policy")
           and r.get("scratch_chain") is not False]
-  full = {(r["model"], r["batch"], r["run"]): r["step_ms"] for r in recs if not r.get("kernels")}
   rows = {}
   for r in recs:
     missing = set(OPS) - set(r.get("kernels") or OPS)
-    after = full.get((r["model"], r["batch"], r["run"] + 1))
+    after = next((a["step_ms"] for a in recs if op_ab_pair(r, a)), None)
     if len(missing) == 1 and after is not None:
       rows[r["model"], r["batch"], missing.pop()] = (round(after, 3), round(r["step_ms"], 3))
   return tuple((name, data["models"][name]["hidden_size"], b, op) + rows[name, b, op]
