@@ -78,7 +78,7 @@ def compile_sm90(kernel, meta: dict, warps: int, stages: int, ptxas: bool = True
     if p.is_constexpr:
       consts[p.name] = meta.get(p.name, p.default)
       sig[p.name] = "constexpr"
-    elif p.name in ("M", "work_off", "clear_off", "clear_n"):  # the runtime scalars
+    elif p.name in ("M", "clear_off", "clear_n"):  # the runtime scalars
       sig[p.name] = "i32"
     else:
       sig[p.name] = _pointer(p.name)

@@ -149,6 +149,17 @@ def last_arrival(cnt_ptr, n):
 
 
 @triton.jit
+def join_chain(scratch_ptr, WORK_OFF: tl.constexpr, clear_off, clear_n):
+  """This call's half of a chained scratch buffer (launch.py), after zeroing this program's
+  share of the half the call before it used. The offset of this call's half is a constexpr:
+  at a runtime offset the scratch's addresses no longer fold into the kernel argument, and
+  ptxas gave the kernels at 64 rows up to twice the registers (gpu_notes.md, session 18)."""
+  clear_scratch(scratch_ptr + tl.multiple_of(clear_off, 16), clear_n, tl.program_id(0),
+                tl.num_programs(0))
+  return scratch_ptr + WORK_OFF
+
+
+@triton.jit
 def clear_scratch(ptr, n, pid, programs, BLOCK: tl.constexpr = 512):
   """Zeroes this program's share of f32 ``ptr[0:n]``: the half of a chained scratch buffer
   that the call before this one used (launch.py). Nothing in this launch reads it."""

@@ -19,12 +19,14 @@ op, for A/B timing; so does a jaxlib without the FFI target (<= 0.10.2).
 must be zero at launch. Zeroed per call by an XLA op, that is one ~1 µs copy kernel a call:
 81 a step on Qwen2.5-7B at batch 8, 2 % of it (gpu_notes.md, session 17). Instead, calls in
 one MLIR block share one buffer of two halves: each works in one half and zeroes the half the
-call before it used (``clear_scratch``, a few stores a CTA), so the buffer goes from call to
-call through XLA's in-place aliasing and is zeroed by XLA once, where a chain starts. A
-kernel takes part if it has the ``work_off, clear_off, clear_n`` arguments (passed as
-``UNCHAINED``; this lowering sets them) and its zeroed scratch is the input aliased to
-output 0. ``LRJAX_TRITON_SCRATCH_CHAIN=0`` (``planner.chain_scratch``, read when a call is
-lowered) zeroes per call.
+call before it used (``_common.join_chain``, a few stores a CTA), so the buffer goes from call
+to call through XLA's in-place aliasing and is zeroed by XLA once, where a chain starts. A
+kernel takes part if it has the ``clear_off, clear_n`` arguments (passed as ``UNCHAINED``)
+and the ``WORK_OFF`` constexpr (0 unless this lowering sets it; as a runtime argument it cost
+the kernels registers and the 8B step at batch 64 6 %), and its zeroed scratch is the input
+aliased to output 0. A chained kernel compiles once for each half.
+``LRJAX_TRITON_SCRATCH_CHAIN=0`` (``planner.chain_scratch``, read when a call is lowered)
+zeroes per call.
 
 jax-triton does not check a compiled kernel's shared memory against the GPU's, so block sizes
 that ask for too much used to fail only at launch ("Shared memory requested ... exceeds
@@ -67,15 +69,18 @@ def xla_zeroing() -> bool:
   return os.environ.get("LRJAX_TRITON_SCRATCH_MEMSET", "") in ("", "0")
 
 
-def triton_call(*args, **kwargs):
+def triton_call(*args, kernel, **kwargs):
   """``jax_triton.triton_call``, launched through the typed-FFI target where available."""
   if "custom_call_target_name" in kwargs:
     raise TypeError("lrjax chooses the custom-call target of its kernels")
-  return jt.triton_call(*args, custom_call_target_name=_REQUEST, **kwargs)
+  if WORK_OFF in getattr(kernel, "arg_names", ()):
+    kwargs.setdefault(WORK_OFF, 0)  # unchained; the lowering may move it (_chain)
+  return jt.triton_call(*args, kernel=kernel, custom_call_target_name=_REQUEST, **kwargs)
 
 
-SCRATCH_ARGS = ("work_off", "clear_off", "clear_n")
-UNCHAINED = (0, 0, 0)  # those arguments as a call passes them: its scratch starts at 0
+SCRATCH_ARGS = ("clear_off", "clear_n")
+UNCHAINED = (0, 0)  # those arguments as a call passes them: it zeroes nothing
+WORK_OFF = "WORK_OFF"  # the constexpr offset of the call's half (0: the scratch's start)
 _CHAIN_KEY = ("lrjax.custom_calls.triton.launch", "scratch chains")
 
 
@@ -89,13 +94,14 @@ class _Link:
 
 
 def _chain(ctx, array_args, params):
-  """(ctx, args, scalar args, finish) to launch this call on its block's chained scratch, or
-  None where it cannot take part (see the module docstring); finish(results) records the
-  call's scratch output as the chain's and gives the results the call's own avals."""
+  """(ctx, args, params, finish) to launch this call on its block's chained scratch, or None
+  where it cannot take part (see the module docstring); finish(results) records the call's
+  scratch output as the chain's and gives the results the call's own avals."""
   fn = params["fn"]
   names = getattr(fn, "arg_names", ())
   by_name = {names[k]: k for k, _, _ in params["scalar_args"] if k < len(names)}
-  if not planner.chain_scratch() or any(a not in by_name for a in SCRATCH_ARGS):
+  if (not planner.chain_scratch() or any(a not in by_name for a in SCRATCH_ARGS)
+      or WORK_OFF not in params):
     return None
   src = [i for i, o in params["input_output_aliases"] if o == 0]
   if len(src) != 1:  # no aliased scratch: jax-triton's memset zeroes it
@@ -125,9 +131,9 @@ def _chain(ctx, array_args, params):
   args[i] = buf
   avals_in, avals_out = list(ctx.avals_in), list(ctx.avals_out)
   avals_in[i] = avals_out[0] = big
-  values = {by_name["work_off"]: parity * half, by_name["clear_off"]: (1 - parity) * half,
-            by_name["clear_n"]: clear_n}
+  values = {by_name["clear_off"]: (1 - parity) * half, by_name["clear_n"]: clear_n}
   scalars = tuple((k, t, values.get(k, v)) for k, t, v in params["scalar_args"])
+  params = dict(params, scalar_args=scalars, **{WORK_OFF: parity * half})
 
   def finish(results):
     nonlocal link
@@ -139,7 +145,7 @@ def _chain(ctx, array_args, params):
                     mlir.dense_int_array([1]))
     return [own, *results[1:]]
 
-  return ctx.replace(avals_in=avals_in, avals_out=avals_out), args, scalars, finish
+  return ctx.replace(avals_in=avals_in, avals_out=avals_out), args, params, finish
 
 
 def count_calls(hlo_text: str) -> int:
@@ -175,8 +181,7 @@ def _lowering(ctx, *array_args, custom_call_target_name, **params):
   chained = _chain(ctx, array_args, params)
   finish = lambda results: results  # noqa: E731
   if chained is not None:
-    ctx, array_args, scalars, finish = chained
-    params = dict(params, scalar_args=scalars)
+    ctx, array_args, params, finish = chained
   _ours.active = True
   try:
     legacy = _jax_triton_rule(ctx, *array_args, custom_call_target_name=LEGACY_TARGET,

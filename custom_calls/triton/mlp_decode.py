@@ -64,7 +64,7 @@ import triton
 import triton.language as tl
 
 from lrjax.custom_calls.triton import launch, planner
-from lrjax.custom_calls.triton._common import (check_out, clear_scratch, last_arrival, mm_acc,
+from lrjax.custom_calls.triton._common import (check_out, join_chain, last_arrival, mm_acc,
                                                mm_acc2, num_sms, prefetch_l2, round_once,
                                                signal, splitr_out_tile, swiglu_epilogue,
                                                wait_at_least)
@@ -313,8 +313,8 @@ def _mlp_decode_kernel(
     o_in_ptr,  # [M, DO] caller's output buffer aliased to o_ptr, or the zeroed scratch
                # aliased to scratch_ptr (xla_zeroing), else x; never read
     M,  # rows (runtime: one compile serves every M <= BLOCK_M)
-    work_off, clear_off, clear_n,  # the scratch chain (launch.py): this call's half of
-                                   # scratch_ptr, and the half it zeroes [clear_n floats]
+    clear_off, clear_n,  # the scratch chain (launch.py): the half of scratch_ptr this call
+                         # zeroes [clear_n floats]; WORK_OFF: the half it works in
     scratch_ptr,  # f32, zeroed before the launch: Pg [M, R], Pu [M, R], S [M, RD],
                   # output accumulator [M, DO], then (i32) A_CHUNKS stage-A counters,
                   # the counter stage C waits on (stage-B slices or, PARK_H, stage-H
@@ -340,10 +340,10 @@ def _mlp_decode_kernel(
     COLS_F: tl.constexpr,  # D_ff columns per stage-B slice (<= BLOCK_F; the rest masked)
     H_INLINE: tl.constexpr,  # PARK_H: each stage-B CTA then runs stage-H tiles of its own
                              # split (no stage-H CTAs of their own)
+    WORK_OFF: tl.constexpr = 0,  # the scratch chain's offset of this call's half (launch.py)
 ):
   pid = tl.program_id(0)
-  clear_scratch(scratch_ptr + clear_off, clear_n, pid, tl.num_programs(0))
-  scratch_ptr += work_off
+  scratch_ptr = join_chain(scratch_ptr, WORK_OFF, clear_off, clear_n)
   pg_ptr = scratch_ptr
   pu_ptr = scratch_ptr + M * R
   s_ptr = scratch_ptr + 2 * M * R
@@ -415,7 +415,7 @@ def _mlp_decode_persistent_kernel(
     x_ptr, ug_ptr, vg_ptr, bg_ptr, uu_ptr, vu_ptr, bu_ptr, ud_ptr, vd_ptr, bd_ptr,  # as above
     o_in_ptr,  # aliased buffer (as above); never read
     M,
-    work_off, clear_off, clear_n,  # as above
+    clear_off, clear_n,  # as above
     scratch_ptr,  # as above, less the [M, DO] accumulator when C_CHUNKS == 1
     o_ptr,
     p16_ptr,  # as above
@@ -433,10 +433,10 @@ def _mlp_decode_persistent_kernel(
     PROGRAMS: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_C: tl.constexpr,
     PHASES: tl.constexpr,  # 7; timing only: bits 1, 2, 4 stream phases A, B, C
     P16: tl.constexpr,
+    WORK_OFF: tl.constexpr = 0,  # as above
 ):
   pid = tl.program_id(0)
-  clear_scratch(scratch_ptr + clear_off, clear_n, pid, tl.num_programs(0))
-  scratch_ptr += work_off
+  scratch_ptr = join_chain(scratch_ptr, WORK_OFF, clear_off, clear_n)
   pg_ptr = scratch_ptr
   pu_ptr = scratch_ptr + M * R
   s_ptr = scratch_ptr + 2 * M * R

@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from lrjax.custom_calls.triton import launch, planner
-from lrjax.custom_calls.triton._common import (check_out, clear_scratch, last_arrival, mm_acc,
+from lrjax.custom_calls.triton._common import (check_out, join_chain, last_arrival, mm_acc,
                                                num_sms, prefetch_l2, round_once, signal,
                                                splitr_out_tile, unpack_xuv_args,
                                                wait_at_least)
@@ -177,8 +177,8 @@ def _xuv_decode_kernel(
     o_in_ptr,  # [M, N] caller's output buffer aliased to o_ptr, or the zeroed scratch aliased
                # to scratch_ptr (xla_zeroing), else x; never read
     M,  # rows (runtime: one compile serves every M <= BLOCK_M)
-    work_off, clear_off, clear_n,  # the scratch chain (launch.py): this call's half of
-                                   # scratch_ptr, and the half it zeroes [clear_n floats]
+    clear_off, clear_n,  # the scratch chain (launch.py): the half of scratch_ptr this call
+                         # zeroes [clear_n floats]; WORK_OFF: the half it works in
     scratch_ptr,  # [M*R + M*N + R_CHUNKS + n_nb] f32, zeroed by one memset: the split-K
                   # accumulator P [M, R], the output accumulator [M, N], then (as i32) the
                   # per-r-chunk counters and per-column-block semaphores
@@ -192,10 +192,10 @@ def _xuv_decode_kernel(
     BLOCK_N: tl.constexpr, BLOCK_KV: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_R: tl.constexpr,
     STAGES: tl.constexpr = 3,  # timing only: bit 1 streams U (stage 1), bit 2 streams V
+    WORK_OFF: tl.constexpr = 0,  # the scratch chain's offset of this call's half (launch.py)
 ):
   pid = tl.program_id(0)
-  clear_scratch(scratch_ptr + clear_off, clear_n, pid, tl.num_programs(0))
-  scratch_ptr += work_off
+  scratch_ptr = join_chain(scratch_ptr, WORK_OFF, clear_off, clear_n)
   p_ptr = scratch_ptr
   acc_ptr = scratch_ptr + M * R
   flag_ptr = (scratch_ptr + M * R + M * N).to(tl.pointer_type(tl.int32))
@@ -221,7 +221,7 @@ def _xuv_decode_persistent_kernel(
     x_ptr, u_ptr, v_ptr, b_ptr,  # as in _xuv_decode_kernel
     o_in_ptr,  # aliased buffer (see _xuv_decode_kernel); never read
     M,
-    work_off, clear_off, clear_n,  # as in _xuv_decode_kernel
+    clear_off, clear_n,  # as in _xuv_decode_kernel
     scratch_ptr,  # _xuv_decode_kernel's layout, less the [M, N] accumulator at one r-chunk;
                   # with P16, then (i32) one split-K counter per column block of P
     o_ptr,
@@ -239,10 +239,10 @@ def _xuv_decode_persistent_kernel(
     PREFETCH: tl.constexpr,  # V rows of its first phase-2 tile a CTA prefetches into L2
     P16: tl.constexpr,  # phase 2 reads P rounded once to V's dtype (half the L2 bytes)
     PV: tl.constexpr = True,  # False: phase 1 only, ending with P rounded into p16 (P16)
+    WORK_OFF: tl.constexpr = 0,  # as in _xuv_decode_kernel
 ):
   pid = tl.program_id(0)
-  clear_scratch(scratch_ptr + clear_off, clear_n, pid, tl.num_programs(0))
-  scratch_ptr += work_off
+  scratch_ptr = join_chain(scratch_ptr, WORK_OFF, clear_off, clear_n)
   p_ptr = scratch_ptr
   acc_ptr = scratch_ptr + M * R  # the output accumulator: only with several r-chunks
   if R_CHUNKS > 1:
@@ -303,7 +303,7 @@ def _xuv_group_kernel(
     s_in_ptr,  # the zeroed scratch, aliased to scratch_ptr; never read
     o0_in_ptr, o1_in_ptr, o2_in_ptr,  # callers' output buffers aliased to o*_ptr, or x; never read
     M,
-    work_off, clear_off, clear_n,  # as in _xuv_decode_kernel
+    clear_off, clear_n,  # as in _xuv_decode_kernel
     scratch_ptr,  # f32: P_0 [M, R0], P_1 [M, R1], P_2 [M, R2], then (i32) one flag a member
     o0_ptr, o1_ptr, o2_ptr,  # [M, N_i] outputs (o2 unused with two members)
     K: tl.constexpr, R0: tl.constexpr, N0: tl.constexpr, R1: tl.constexpr, N1: tl.constexpr,
@@ -320,13 +320,13 @@ def _xuv_group_kernel(
     E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr,  # EVEN_R of each member
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KV: tl.constexpr,
     PROGRAMS: tl.constexpr, PREFETCH: tl.constexpr,
+    WORK_OFF: tl.constexpr = 0,  # as in _xuv_decode_kernel
 ):
   """Several X·U_i·V_i sharing X, one persistent launch: phase 1 streams every U_i
   (split-K tiles of all members, one after another), phase 2 every V_i (each tile waits
   only for its own member's X·U_i). The persistent kernel's dataflow, per member."""
   pid = tl.program_id(0)
-  clear_scratch(scratch_ptr + clear_off, clear_n, pid, tl.num_programs(0))
-  scratch_ptr += work_off
+  scratch_ptr = join_chain(scratch_ptr, WORK_OFF, clear_off, clear_n)
   p0_ptr = scratch_ptr
   p1_ptr = p0_ptr + M * R0
   p2_ptr = p1_ptr + M * R1

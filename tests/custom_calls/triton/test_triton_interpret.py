@@ -85,10 +85,10 @@ _PRELUDE = STUB + textwrap.dedent('''
     half = -(-n // 16) * 16
     buf = np.zeros(2 * half, np.float32)
     buf[:half] = 7.0
-    return buf, (half, 0, half)  # work_off, clear_off, clear_n
+    return buf, (0, half), {"WORK_OFF": half}  # clear_off, clear_n; the constexpr
 
   def check_cleared(buf, args):  # the call zeroed the half the one before it used
-    work_off, clear_off, clear_n = args
+    clear_off, clear_n = args
     assert not buf[clear_off:clear_off + clear_n].any(), "the chain's other half is dirty"
 
   def check(out, ref, tol, what):  # every element written, and close to the reference
@@ -107,7 +107,7 @@ _PHASE1 = textwrap.dedent('''
     scratch = np.zeros(plan["scratch"], np.float32)
     p16 = np.full(plan["p16"], np.nan, np.float16)  # poisoned: every element must be written
     xuv_decode._xuv_decode_persistent_kernel[(plan["grid"],)](
-        T(x), T(u), T(v), T(v), T(x), m, 0, 0, 0, T(scratch), T(np.zeros(1, np.float16)),
+        T(x), T(u), T(v), T(v), T(x), m, 0, 0, T(scratch), T(np.zeros(1, np.float16)),
         T(p16),
         **plan["meta"])
     # f16 split-K sums, rounded once
@@ -125,11 +125,11 @@ _WHOLE = textwrap.dedent('''
   def run(kernel, plan, m, k, r, n, bias):
     x = rand(m, k)
     u, v, b = factors(k, r, n, bias)
-    scratch, chain = chained(plan["scratch"])
+    scratch, chain, work = chained(plan["scratch"])
     out = np.full((m, n), np.nan, np.float16)
     p16 = np.full(plan["p16"], np.nan, np.float16)
     kernel[(plan["grid"],)](T(x), T(u), T(v), T(b), T(x), m, *chain, T(scratch), T(out),
-                            T(p16), **plan["meta"])
+                            T(p16), **plan["meta"], **work)
     check_cleared(scratch, chain)
     return check(out, xuv_ref(x, u, v, b, bias), 5e-3, (m, k, r, n))
 
@@ -157,9 +157,9 @@ _WHOLE = textwrap.dedent('''
       refs.append(xuv_ref(x, u, v, b, bias))
     ops += ops[-3:] * (3 - len(members))  # two members: the third repeats the second
     outs3 = outs + [np.full_like(outs[-1], np.nan)] * (3 - len(members))
-    scratch, chain = chained(plan["scratch"])
+    scratch, chain, work = chained(plan["scratch"])
     xuv_decode._xuv_group_kernel[(1,)](T(x), *map(T, ops), T(scratch), T(x), T(x), T(x), m,
-                                       *chain, T(scratch), *map(T, outs3), **plan["meta"])
+                                       *chain, T(scratch), *map(T, outs3), **plan["meta"], **work)
     check_cleared(scratch, chain)
     for i, (out, ref) in enumerate(zip(outs, refs)):
       err = check(out, ref, 5e-3, (m, k, members, i))
@@ -183,11 +183,11 @@ _MLP = textwrap.dedent('''
 
   def run(kernel, plan, m, d, f, r, bias):  # a decode kernel: scratch, output, rounded P
     x, gate, up, down = operands(m, d, f, r, bias)
-    scratch, chain = chained(plan["scratch"])
+    scratch, chain, work = chained(plan["scratch"])
     out = np.full((m, d), np.nan, np.float16)
     p16 = np.full(plan["p16"], np.nan, np.float16)
     kernel[(plan["grid"],)](T(x), *map(T, gate + up + down), T(x), m, *chain, T(scratch),
-                            T(out), T(p16), **plan["meta"])
+                            T(out), T(p16), **plan["meta"], **work)
     check_cleared(scratch, chain)
     return check(out, mlp_ref(x, gate, up, down, bias), 1e-2, (m, d, f, r))
 

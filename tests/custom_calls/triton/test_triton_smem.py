@@ -63,6 +63,33 @@ def test_swiglu_decode_ctas_a_sm_are_the_measured_ones():
   assert int(out.split()[-2]) == len(cases), out  # every case found in planned() and checked
 
 
+
+_CHAINED = STUB + textwrap.dedent('''
+  half = 1 << 17  # planner.SCRATCH_MIN_HALF: the second call of a chain works here
+  n = 0
+  for name, kernel, meta, warps, stages in kernel_resources.planned():
+    if name in CASES:
+      assert [q.is_constexpr for q in kernel.params if q.name == "WORK_OFF"] == [True], name
+      alone = kernel_resources.compile_sm90(kernel, meta, warps, stages)
+      chained = kernel_resources.compile_sm90(kernel, {**meta, "WORK_OFF": half}, warps, stages)
+      regs = chained.pop("registers") - alone.pop("registers")
+      assert chained == alone and regs <= 8, (name, alone, chained, regs)  # ptxas's own jitter
+      n += 1
+  print(n, "ok")
+''')
+
+
+def test_a_chained_call_compiles_to_the_unchained_resources():
+  """The offset of a decode call's half of a scratch chain (launch.py) is a constexpr, and a
+  call working in the second half gets the same shared memory, spills and CTAs an SM as one
+  working at the scratch's start, and registers within 8 (ptxas's jitter). The offset was a
+  runtime argument in session 17, and ptxas gave these kernels at 64 rows up to twice the
+  registers (the grouped q/k/v 98-122 -> 216-230; the 8B step at batch 64 6 % slower)."""
+  cases = ("group M=64 K=8192", "mlp decode T=64 D=4096 F=14336 r=2560",
+           "xuv decode M=64 4096->1024->14336", "mlp decode persistent T=16 D=4096 F=14336 r=2560")
+  out = run_script(f"CASES = {cases!r}\n" + _CHAINED, interpret=False)
+  assert int(out.split()[-2]) >= len(cases), out  # every case found in planned() and checked
+
 _PARK_RULE = STUB + textwrap.dedent('''
   import dataclasses
   from lrjax.custom_calls.triton import mlp_decode
