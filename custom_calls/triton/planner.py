@@ -574,8 +574,9 @@ def next_link(last: "tuple[int, int, int] | None", need: int) -> tuple[bool, int
   (launch.py). ``last`` is what the chain's last call left: (the buffer's half size, the
   half it worked in, floats of that half it used), or None where no chain runs yet.
   Returns (a fresh zeroed buffer?, its half size, the half this call works in, floats of
-  the other half it zeroes). Offsets and counts are 0 or multiples of 16 (the kernels tell
-  Triton so: _common.join_chain), never 1 (which jax-triton would compile in as a constant)."""
+  the other half it zeroes). Offsets and counts are 0 or multiples of 16 (_common.join_chain
+  tells Triton so of the zeroed half's offset), never 1 (which jax-triton would compile in as
+  a constant)."""
   if need < 1:
     raise ValueError(f"a scratch of {need} floats: expected at least 1")
   if last is None or need > last[0]:

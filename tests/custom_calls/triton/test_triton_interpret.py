@@ -159,7 +159,8 @@ _WHOLE = textwrap.dedent('''
     outs3 = outs + [np.full_like(outs[-1], np.nan)] * (3 - len(members))
     scratch, chain, work = chained(plan["scratch"])
     xuv_decode._xuv_group_kernel[(1,)](T(x), *map(T, ops), T(scratch), T(x), T(x), T(x), m,
-                                       *chain, T(scratch), *map(T, outs3), **plan["meta"], **work)
+                                       *chain, T(scratch), *map(T, outs3), **plan["meta"],
+                                       **work)
     check_cleared(scratch, chain)
     for i, (out, ref) in enumerate(zip(outs, refs)):
       err = check(out, ref, 5e-3, (m, k, members, i))
