@@ -23,6 +23,8 @@ import json
 import re
 import statistics
 
+from gpu_lowrank import busy_ns  # the union of the kernel intervals
+
 PROJECTION = ("gemm_fusion_dot", "_xuv", "_mlp")
 
 
@@ -50,17 +52,6 @@ def block_starts(events: list) -> list:
   work = [e for e in events if not e[2].startswith(FILL)]
   return [s for (s, _, name), nxt in zip(work, work[1:])
           if base_name(name) == "fusion" and nxt[2].startswith(PROJECTION)]
-
-
-def busy_ns(events: list) -> int:
-  """The GPU's busy time: the union of the (time-sorted) kernel intervals."""
-  busy, end = 0, None
-  for s, e, _ in events:
-    if end is None or s > end:
-      busy, end = busy + e - s, e
-    elif e > end:
-      busy, end = busy + e - end, e
-  return busy
 
 
 def kernel_totals(events: list, steps: int) -> dict:

@@ -330,7 +330,6 @@ def plot(path_json: str) -> str:
 
 
 def main():
-  from lrjax.custom_calls.triton import measured  # pure Python: the policy's op names
   ap = argparse.ArgumentParser()
   ap.add_argument("--plot", metavar="JSON", help="only draw the plot of a results file")
   ap.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["8b"])

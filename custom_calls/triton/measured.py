@@ -10,15 +10,14 @@ XLA lowers the reference; ``lrjax.lowering.prefer_kernels()`` overrides that. No
 use the SwiGLU measurements. Measured on one H200; other NVIDIA GPUs get the same verdicts.
 
 A benchmarked shape is a call alone. In a whole decode step the kernels can lose where their
-calls win alone (XLA merges the dots that share an input, and each kernel call zeroes its own
-scratch): MODEL_AB holds the decode steps of Llama-3-8B, Llama-3-70B (8 of its layers) and
+calls win alone (XLA merges the dots that share an input): MODEL_AB holds the decode steps of Llama-3-8B, Llama-3-70B (8 of its layers) and
 Qwen2.5-7B on one H200 with and without the kernels, and at M >= 2 a call is left to XLA
 when the step of the model whose hidden size is nearest the call's K, at the nearest batch
 (of 2 or more rows), was slower with them (below MODEL_PARITY). MODEL_OP_AB holds the same
 steps with every kernel but one op's, timed in the same device call as the step with all:
 an op's calls are left to XLA where that step was faster without its kernel (Qwen2.5-7B's
-SwiGLU kernel, 3-4 % faster than XLA's MLP alone at 4-16 tokens, made its step 2.4-2.8 %
-slower there), and served, whatever MODEL_AB says of that step, where it was slower without
+SwiGLU kernel, 3-4 % faster than XLA's MLP alone at 4-16 tokens, made its step 1.4-1.7 %
+slower at batch 8-16 in session 18), and served, whatever MODEL_AB says of that step, where it was slower without
 it.
 
 RECORDS (the sweep's and the grouped q/k/v kernel's, GROUP_SOURCE), MODEL_AB and MODEL_OP_AB

@@ -10,7 +10,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.fixture(scope="module")
 def trace(load_benchmark):
-  return load_benchmark("step_trace")
+  with pytest.MonkeyPatch.context() as mp:
+    mp.syspath_prepend(os.path.join(REPO, "benchmarks"))  # its sibling gpu_lowrank
+    return load_benchmark("step_trace")
 
 
 def fake_step(t0, attn_us, mlp_us, layers=2):
