@@ -257,6 +257,30 @@ def prefetch_l2(ptr,  # [n_rows, LD] row-major 2-byte matrix
 
 
 @triton.jit
+def prefetch_rows(ptr,  # [n_rows, LD] row-major 2-byte matrix
+                  row0, col0, ROWS: tl.constexpr, n_rows: tl.constexpr, LD: tl.constexpr,
+                  WIDTH: tl.constexpr):
+  """prefetch_l2 of ROWS (any count) x WIDTH elements from (row0, col0), 64 rows at a time."""
+  for r0 in tl.static_range(0, ROWS, 64):
+    if WIDTH >= 64:
+      prefetch_l2(ptr, row0 + r0, col0, tl.minimum(row0 + ROWS, n_rows), LD, LD, 64, WIDTH)
+    else:
+      prefetch_l2(ptr, row0 + r0, col0, tl.minimum(row0 + ROWS, n_rows), LD, LD, 64, 64)
+
+
+@triton.jit
+def pdl_wait(TRIGGER: tl.constexpr):
+  """A kernel launched as a programmatic dependent (PDL) may start before the kernel ahead
+  of it on the stream has finished. ``gdc_wait`` blocks until that kernel has completed and
+  its writes are visible, so nothing before it may read activations or touch scratch;
+  ``gdc_launch_dependents`` (TRIGGER) then lets the next PDL launch start its own CTAs as SMs
+  free up (its wait still covers all of this kernel). Both are no-ops in a plain launch."""
+  tl.extra.cuda.gdc_wait()
+  if TRIGGER:
+    tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def swiglu_epilogue(acc_g, acc_u, bg_ptr, bu_ptr, offs_f, f_mask, GATED: tl.constexpr,
                     ACT: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr):
   """h = act(Pg·Vg + bg) ⊙ (Pu·Vu + bu) of one tile of the intermediate (act(Pu·Vu + bu)

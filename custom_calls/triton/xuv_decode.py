@@ -54,7 +54,8 @@ import triton.language as tl
 
 from lrjax.custom_calls.triton import launch, planner
 from lrjax.custom_calls.triton._common import (check_out, join_chain, last_arrival, mm_acc,
-                                               num_sms, prefetch_l2, round_once, signal,
+                                               num_sms, pdl_wait, prefetch_l2,
+                                               prefetch_rows, round_once, signal,
                                                splitr_out_tile, unpack_xuv_args,
                                                wait_at_least)
 
@@ -240,8 +241,19 @@ def _xuv_decode_persistent_kernel(
     P16: tl.constexpr,  # phase 2 reads P rounded once to V's dtype (half the L2 bytes)
     PV: tl.constexpr = True,  # False: phase 1 only, ending with P rounded into p16 (P16)
     WORK_OFF: tl.constexpr = 0,  # as in _xuv_decode_kernel
+    PDL: tl.constexpr = 0,  # launched as a programmatic dependent: wait at entry (pdl_wait)
+    PDL_PF: tl.constexpr = 0,  # before the wait, ask L2 for the first PDL_PF rows of its
+                               # first U tile (-1: the whole tile)
+    PDL_TRIG: tl.constexpr = 1,  # let the next PDL launch start: 1 after the wait, 2 at
+                                 # phase 2, 0 never (it starts as this kernel's CTAs exit)
 ):
   pid = tl.program_id(0)
+  if PDL_PF != 0:  # U is a weight: no earlier kernel writes it, so it may load before the wait
+    if pid < ((R + COLS_R - 1) // COLS_R) * SPLIT_K:
+      prefetch_rows(u_ptr, (pid % SPLIT_K) * K_PER, (pid // SPLIT_K) * COLS_R,
+                    K_PER if PDL_PF < 0 else PDL_PF, K, R, BLOCK_R)
+  if PDL:
+    pdl_wait(PDL_TRIG == 1)
   scratch_ptr = join_chain(scratch_ptr, WORK_OFF, clear_off, clear_n)
   p_ptr = scratch_ptr
   acc_ptr = scratch_ptr + M * R  # the output accumulator: only with several r-chunks
@@ -263,6 +275,9 @@ def _xuv_decode_persistent_kernel(
              m_mask, K, R, K_PER, RB_PER_CHUNK, BLOCK_K, BLOCK_R, COLS_R, EVEN_K, True, P16,
              p16_ptr, rb_cnt_ptr, SPLIT_K)
   if PV:
+    if PDL:
+      if PDL_TRIG == 2:
+        tl.extra.cuda.gdc_launch_dependents()
     # phase 2: tiles q = pid, pid + PROGRAMS, ...; chunk-major; each waits for its chunk of P
     if PREFETCH > 0:  # the first rows of this CTA's first V tile load while it waits
       if pid < R_CHUNKS * n_nb:
