@@ -248,8 +248,9 @@ def ours_and_default(fn, x, layers, reps):
   the default policy lowers (timed separately only when it is not the same program)."""
   with lrjax.lowering.prefer_kernels():
     t_ours, spread = per_call_us(fn, x, layers, reps)
+  from lrjax.custom_calls.triton import launch
   text = jax.jit(lambda x, w: fn(x, *w)).lower(x, layers[0]).compile().as_text()
-  if "triton_kernel_call" in text:
+  if launch.count_calls(text):
     return t_ours, spread, "triton", t_ours
   return t_ours, spread, "xla", per_call_us(fn, x, layers, reps)[0]
 
@@ -1337,7 +1338,9 @@ def main():
       meta["note"] = old["meta"]["note"]
   from lrjax.custom_calls.triton import launch
   run = dict(index=len(runs), suite=args.suite, extra=args.extra, timing=TIMING,
-             triton_launch=launch.FFI_TARGET if launch.use_ffi() else launch.LEGACY_TARGET,
+             triton_launch=(f"{launch.LAUNCH_TARGET} ({launch.launch_mode()})"
+                            if launch.launch_mode() != "jaxlib" else
+                            launch.FFI_TARGET if launch.use_ffi() else launch.LEGACY_TARGET),
              retry=dict(max_spread=MAX_SPREAD, tries=TRIES), **{
       k: meta[k] for k in ("date", "measured_hbm_bw", "measured_read_bw", "measured_bf16_flops",
                            "xla_flags")})

@@ -3,20 +3,21 @@
 jaxlib launches Triton kernels with a plain cuLaunchKernel, so under JAX a kernel starts only
 after the kernel ahead of it has finished and flushed. With PDL (the launch attribute
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION) its CTAs may start earlier and wait in
-``griddepcontrol.wait`` (``_common.pdl_wait``); before the wait they may only touch weights,
+``griddepcontrol.wait`` (``_common.join_chain``); before the wait they may only touch weights,
 e.g. ask L2 for their first U tile. Before building a launcher of our own for XLA, this probe
 measures the effect outside JAX: Triton's own launcher (which sets the attribute when a kernel
 is compiled with ``launch_pdl=True``), torch buffers, the chain captured in a CUDA graph as XLA
 captures its command buffers.
 
 Per-call time = median over reps of (t(3L calls) - t(L calls)) / 2L, L layers of distinct
-weights (> 200 MB in all, beyond L2), CUDA-event timed graph replays. Variants (VARIANTS):
-  plain              the kernel as lrjax launches it (PDL=0), plain launch
-  pdl                gdc_wait, then gdc_launch_dependents, at entry; PDL launch
-  pdl_notrig         gdc_wait at entry only: the next launch starts as this one's CTAs exit
-  pdl_trig2          the trigger at the start of phase 2 (V)
-  ..._pf64 / pftile  first asking L2 for the first 64 rows / all of its first U tile
-  cublas             torch's (x @ U) @ V (two cuBLAS GEMMs), the baseline outside XLA
+weights (> 200 MB in all, beyond L2), CUDA-event timed graph replays. Variants:
+  plain      the kernel as lrjax launches it (PDL=0), plain launch
+  pdl        gdc_wait at entry (PDL=1, _common.join_chain), PDL launch
+  cublas     torch's (x @ U) @ V (two cuBLAS GEMMs), the baseline outside XLA
+The committed results also hold variants measured on the kernel of git 820896d (see their
+meta): an early gdc_launch_dependents, right after the wait ("pdl_trig1") or at the start of
+phase 2 ("pdl_trig2"), and an L2 prefetch of each CTA's first U tile before the wait ("_pf64":
+its first 64 rows, "_pftile": all of it).
 Each runs back to back (pre=False) and with an elementwise torch kernel (x * 1.0001, standing
 for a norm) before each call (pre=True), as in a model, where the kernel ahead of ours is
 XLA's and never triggers early. Outputs are checked against an f32 reference.
@@ -34,10 +35,7 @@ import statistics
 SHAPES = ((2048, 256, 512), (4096, 152, 4096), (4096, 1216, 4096), (8192, 2456, 8192),
           (4096, 2560, 14336))
 SHAPES_HELP = "K,r,N ..."
-VARIANTS = {  # name: (PDL, PDL_PF, PDL_TRIG), launched with the PDL attribute unless "plain"
-    "plain": (0, 0, 0), "pdl": (1, 0, 1), "pdl_pf64": (1, 64, 1), "pdl_pftile": (1, -1, 1),
-    "pdl_notrig": (1, 0, 0), "pdl_pf64_notrig": (1, 64, 0), "pdl_trig2": (1, 0, 2),
-    "pdl_pf64_trig2": (1, 64, 2)}
+VARIANTS = {"plain": 0, "pdl": 1}  # name: PDL (launched with the PDL attribute when set)
 
 
 def main():
@@ -114,8 +112,8 @@ def main():
             torch.matmul(torch.matmul(src, us[i % layers]), vs[i % layers], out=outs[i % layers])
 
         issues = {"cublas": cublas}
-        for name, (pdl, pf, trig) in ((v, VARIANTS[v]) for v in args.variants):
-          def issue(count, pdl=pdl, pf=pf, trig=trig):
+        for name, pdl in ((v, VARIANTS[v]) for v in args.variants):
+          def issue(count, pdl=pdl):
             for i in range(count):
               if pre:
                 torch.mul(x, 1.0001, out=xb)
@@ -123,8 +121,8 @@ def main():
               kern[(plan["grid"],)](
                   src, us[i % layers], vs[i % layers], vs[i % layers], x, m,
                   (1 - par) * half, plan["scratch"], scratch, outs[i % layers], p16,
-                  **plan["meta"], WORK_OFF=par * half, PDL=pdl, PDL_PF=pf, PDL_TRIG=trig,
-                  num_warps=p.warps, num_stages=p.stages, launch_pdl=pdl > 0)
+                  **plan["meta"], WORK_OFF=par * half, PDL=pdl, num_warps=p.warps,
+                  num_stages=p.stages, launch_pdl=pdl > 0)
           issues[name] = issue
         for name, issue in issues.items():
           for o in outs[:2]:

@@ -198,8 +198,9 @@ def time_decode(model, plan, args, dtype):
        only_kernels(args.kernels):
     times, compile_s, cache, toks = time_loop(fn, state, cache, toks, half, args.reps)
     if args.fuse:  # what the fused step really runs: Triton custom calls in the compiled HLO
+      from lrjax.custom_calls.triton import launch
       text = fn.lower(state, half(cache), toks).compile().as_text()
-      kernels = {"triton_calls": text.count('custom_call_target="triton_kernel_call'),  # +_ffi
+      kernels = {"triton_calls": launch.count_calls(text),
                  "fused_ops_in_jaxpr": fused_ops(gdef, state, cache, toks, not args.no_group)}
   step = median_step(times, args.steps)
   if args.profile:
@@ -271,7 +272,10 @@ def run_model(name, cfg, args, dtype, out, save):
              **({"whole_policy": True} if args.whole_policy else {}),
              **({"kernels": sorted(args.kernels)} if args.kernels else {}),
              # each call's scratch zeroed by XLA (LRJAX_TRITON_SCRATCH_CHAIN=0): not the default
-             **({"scratch_chain": False} if args.fuse and not planner.chain_scratch() else {})}
+             **({"scratch_chain": False} if args.fuse and not planner.chain_scratch() else {}),
+             # the Triton launcher (LRJAX_TRITON_LAUNCH) when it is not the default
+             **({"triton_launch": planner.launch_mode()}
+                if args.fuse and planner.launch_mode() != planner.DEFAULT_LAUNCH else {})}
       for batch in args.batch:
         a = argparse.Namespace(**{**vars(args), "batch": batch})
         rec = {**tag, "batch": batch, "ctx": args.ctx, "layers": cfg.num_layers,
@@ -406,7 +410,7 @@ def main():
       rec = {**rec, "run": run["index"]}
       kind = lambda r: tuple(r.get(k) for k in (  # noqa: E731
           "model", "strategy", "ratio", "tp", "fuse", "group", "whole_policy", "scratch_chain",
-          "batch")
+          "triton_launch", "batch")
       ) + (tuple(r.get("kernels") or ()), "serving" in r)
       self[:] = [r for r in self if kind(r) != kind(rec)
                  or any(measured.op_ab_pair(k, r) for k in self)]

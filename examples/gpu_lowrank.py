@@ -8,7 +8,9 @@ low-rank MLP into ``lr_mlp``; on CUDA those lower to the Triton kernels of
 ``lrjax.custom_calls.triton`` where the committed H200 benchmark measured them at least as
 fast as XLA (elsewhere XLA's GEMMs run; ``lrjax.explain`` prints which and why, and
 ``lrjax.lowering.prefer_kernels()`` around the first call forces the kernels). Without
-``fuse`` XLA runs the unfused chains.
+``fuse`` XLA runs the unfused chains. ``LRJAX_TRITON_LAUNCH=pdl`` launches the decode kernels
+through lrjax's own handler as programmatic dependents (README, "Programmatic dependent
+launch"; measured neutral under XLA, so not the default).
 """
 import statistics
 import time

@@ -149,11 +149,20 @@ def last_arrival(cnt_ptr, n):
 
 
 @triton.jit
-def join_chain(scratch_ptr, WORK_OFF: tl.constexpr, clear_off, clear_n):
+def join_chain(scratch_ptr, WORK_OFF: tl.constexpr, clear_off, clear_n, PDL: tl.constexpr):
   """This call's half of a chained scratch buffer (launch.py), after zeroing this program's
   share of the half the call before it used. The offset of this call's half is a constexpr:
   at a runtime offset the scratch's addresses no longer fold into the kernel argument, and
-  ptxas gave the kernels at 64 rows up to twice the registers (gpu_notes.md, session 18)."""
+  ptxas gave the kernels at 64 rows up to twice the registers (gpu_notes.md, session 18).
+
+  PDL: the kernel was launched as a programmatic dependent (launch.py), so its CTAs may
+  start before the kernel ahead of it on the stream has finished. ``gdc_wait`` holds them
+  until that kernel has completed and its writes are visible; everything after it (the
+  zeroing here, every load of activations or scratch) is then ordered as in a plain launch.
+  The kernel never calls ``gdc_launch_dependents``: the next PDL launch starts as this one's
+  CTAs exit, which measured better than an early trigger (results/gpu_pdl_probe_h200.json)."""
+  if PDL:
+    tl.extra.cuda.gdc_wait()
   clear_scratch(scratch_ptr + tl.multiple_of(clear_off, 16), clear_n, tl.program_id(0),
                 tl.num_programs(0))
   return scratch_ptr + WORK_OFF
@@ -254,30 +263,6 @@ def prefetch_l2(ptr,  # [n_rows, LD] row-major 2-byte matrix
       "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; "
       "mov.u32 $0, 0; }", "=r,l,r", [ptr + rows[:, None] * LD + cols[None, :],
                                      mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def prefetch_rows(ptr,  # [n_rows, LD] row-major 2-byte matrix
-                  row0, col0, ROWS: tl.constexpr, n_rows: tl.constexpr, LD: tl.constexpr,
-                  WIDTH: tl.constexpr):
-  """prefetch_l2 of ROWS (any count) x WIDTH elements from (row0, col0), 64 rows at a time."""
-  for r0 in tl.static_range(0, ROWS, 64):
-    if WIDTH >= 64:
-      prefetch_l2(ptr, row0 + r0, col0, tl.minimum(row0 + ROWS, n_rows), LD, LD, 64, WIDTH)
-    else:
-      prefetch_l2(ptr, row0 + r0, col0, tl.minimum(row0 + ROWS, n_rows), LD, LD, 64, 64)
-
-
-@triton.jit
-def pdl_wait(TRIGGER: tl.constexpr):
-  """A kernel launched as a programmatic dependent (PDL) may start before the kernel ahead
-  of it on the stream has finished. ``gdc_wait`` blocks until that kernel has completed and
-  its writes are visible, so nothing before it may read activations or touch scratch;
-  ``gdc_launch_dependents`` (TRIGGER) then lets the next PDL launch start its own CTAs as SMs
-  free up (its wait still covers all of this kernel). Both are no-ops in a plain launch."""
-  tl.extra.cuda.gdc_wait()
-  if TRIGGER:
-    tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit

@@ -28,6 +28,18 @@ aliased to output 0. A chained kernel compiles once for each half.
 ``LRJAX_TRITON_SCRATCH_CHAIN=0`` (``planner.chain_scratch``, read when a call is lowered)
 zeroes per call.
 
+**Programmatic dependent launch.** jaxlib's handler launches with a plain cuLaunchKernel, so a
+kernel's CTAs start only after the kernel ahead of it has finished and flushed. lrjax's own
+handler, ``lrjax_triton_launch`` (pdl_launch.cc, a small C++ library built with the package),
+launches the same compiled kernel with cuLaunchKernelEx and, for kernels that take a ``PDL``
+constexpr (the chained decode kernels, which then begin with ``gdc_wait``: _common.join_chain),
+the programmatic-stream-serialization attribute: their CTAs start while the kernel ahead
+drains. ``LRJAX_TRITON_LAUNCH`` (read when a call is lowered) picks the launcher: ``jaxlib``,
+``lrjax`` (ours, plain launches; for A/B) or ``pdl`` (ours, PDL where the kernel allows it).
+The kernel's PTX, entry, shared memory and warps travel as attributes of the custom call, with
+a content hash the handler caches the loaded function under, so compiled executables do not
+depend on the process that built them.
+
 jax-triton does not check a compiled kernel's shared memory against the GPU's, so block sizes
 that ask for too much used to fail only at launch ("Shared memory requested ... exceeds
 device resources"). While it compiles one of our calls, its compile step is wrapped so that
@@ -35,9 +47,14 @@ device resources"). While it compiles one of our calls, its compile step is wrap
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
+import hashlib
+import importlib.metadata
 import os
+import re
+import struct
 import threading
 
 import jax
@@ -53,7 +70,41 @@ from lrjax.custom_calls.triton import planner
 
 LEGACY_TARGET = "triton_kernel_call"
 FFI_TARGET = "triton_kernel_call_ffi"
+LAUNCH_TARGET = "lrjax_triton_launch"  # pdl_launch.cc
 _REQUEST = "lrjax_triton_kernel_call"  # the name our calls pass; never reaches XLA
+PDL = "PDL"  # the constexpr of kernels that may be launched as programmatic dependents
+LAUNCHER_LIB = "_pdl_launch.so"
+launch_mode = planner.launch_mode
+
+
+def _launcher_paths() -> list[str]:
+  """Where pdl_launch.cc's library may be: $LRJAX_TRITON_LAUNCHER, beside this file (a build
+  in the source tree), or among the installed package's files (wheel or editable install)."""
+  paths = [os.environ.get("LRJAX_TRITON_LAUNCHER", ""),
+           os.path.join(os.path.dirname(os.path.abspath(__file__)), LAUNCHER_LIB)]
+  try:
+    paths += [str(f.locate()) for f in importlib.metadata.files("lrjax") or ()
+              if f.name == LAUNCHER_LIB]
+  except importlib.metadata.PackageNotFoundError:
+    pass
+  return [p for p in paths if p]
+
+
+@functools.cache
+def launcher():
+  """pdl_launch.cc's library (ctypes), its FFI target registered for CUDA; raises a
+  RuntimeError naming the places looked in when it is not built."""
+  for path in _launcher_paths():
+    if os.path.exists(path):
+      lib = ctypes.CDLL(path)
+      lib.lrjax_triton_launch_driver_error.restype = ctypes.c_char_p
+      jax.ffi.register_ffi_target(LAUNCH_TARGET, jax.ffi.pycapsule(lib.LrjaxTritonLaunch),
+                                  platform="CUDA")
+      return lib
+  raise RuntimeError(
+      f"LRJAX_TRITON_LAUNCH={launch_mode()} needs lrjax's Triton launcher ({LAUNCHER_LIB}), "
+      f"found in none of {_launcher_paths()}: it is built with the package when Triton's "
+      "CUDA headers are installed at build time (custom_calls/triton/CMakeLists.txt)")
 
 
 def use_ffi() -> bool:
@@ -70,11 +121,14 @@ def xla_zeroing() -> bool:
 
 
 def triton_call(*args, kernel, **kwargs):
-  """``jax_triton.triton_call``, launched through the typed-FFI target where available."""
+  """``jax_triton.triton_call``, launched by jaxlib's typed-FFI target where available, or by
+lrjax's own (``launch_mode``)."""
   if "custom_call_target_name" in kwargs:
     raise TypeError("lrjax chooses the custom-call target of its kernels")
   if WORK_OFF in getattr(kernel, "arg_names", ()):
     kwargs.setdefault(WORK_OFF, 0)  # unchained; the lowering may move it (_chain)
+  if PDL in getattr(kernel, "arg_names", ()):
+    kwargs.setdefault(PDL, 0)  # a plain launch; the lowering may set it (_lowering)
   return jt.triton_call(*args, kernel=kernel, custom_call_target_name=_REQUEST, **kwargs)
 
 
@@ -149,8 +203,9 @@ def _chain(ctx, array_args, params):
 
 
 def count_calls(hlo_text: str) -> int:
-  """Triton custom calls (either target) in a compiled module's HLO text."""
-  return sum(hlo_text.count(f'custom_call_target="{t}"') for t in (LEGACY_TARGET, FFI_TARGET))
+  """Triton custom calls (any of the three targets) in a compiled module's HLO text."""
+  return sum(hlo_text.count(f'custom_call_target="{t}"')
+             for t in (LEGACY_TARGET, FFI_TARGET, LAUNCH_TARGET))
 
 
 _jax_triton_rule = functools.partial(triton_lib.triton_kernel_call_lowering,
@@ -159,6 +214,11 @@ _jax_triton_rule = functools.partial(triton_lib.triton_kernel_call_lowering,
 
 _ours = threading.local()  # .active while jax-triton compiles one of our calls
 _jax_triton_compile = getattr(triton_lib, "compile_ttir_inplace", None)  # jax-triton 0.3.x
+_jax_triton_kernel = getattr(triton_lib, "get_or_create_triton_kernel", None)
+# id(jaxlib TritonKernel) -> (that kernel, kept so the id stays its own; jax-triton's compile
+# result: PTX, entry name, shared memory). jax-triton caches kernels, so a call that hits its
+# cache finds its PTX here.
+_images: dict[int, tuple] = {}
 
 
 def _compile_checked(ttir, backend, options, compute_capability, platform):
@@ -166,12 +226,89 @@ def _compile_checked(ttir, backend, options, compute_capability, platform):
   if getattr(_ours, "active", False) and platform == "cuda":
     planner.check_cta_smem(result.name, result.shared_mem_bytes, compute_capability,
                            options.num_warps, options.num_stages)
+  _ours.compiled = result
   return result
+
+
+def _kernel_recorded(*args, **kwargs):
+  _ours.compiled = None
+  kernel, attrs = _jax_triton_kernel(*args, **kwargs)
+  if _ours.compiled is not None:
+    _images[id(kernel)] = (kernel, _ours.compiled)
+  _ours.kernel = kernel
+  return kernel, attrs
 
 
 if _jax_triton_compile is not None:
   # jax-triton caches only kernels that compiled, so a refused one is checked again
   triton_lib.compile_ttir_inplace = _compile_checked
+if _jax_triton_kernel is not None:
+  triton_lib.get_or_create_triton_kernel = _kernel_recorded
+
+_SCALAR_KINDS = {"i32": 1, "u32": 1, "i64": 2, "u64": 2, "fp32": 4}  # pdl_launch.cc's kinds
+_BUFFER, _NULL = 0, 3
+
+
+def kernel_params(avals_in, avals_out, scalar_args, zeroed_outputs) -> list[int]:
+  """The launch's parameters as pdl_launch.cc's (kind, a, b) triples, in the kernel's order:
+  jax-triton's arguments (the operands, each scalar at its index, then the results), less
+  scalars equal to 1 (Triton specializes them away), then Triton's two scratch pointers."""
+  scalars = {i: (dtype, v) for i, dtype, v in scalar_args}
+  n_in = len(avals_in) + len(scalars)
+  zero = {n_in + i: int(np.prod(avals_out[i].shape)) * np.dtype(avals_out[i].dtype).itemsize
+          for i in zeroed_outputs}
+  triples, buf = [], 0
+  for i in range(n_in + len(avals_out)):
+    if i in scalars:
+      dtype, v = scalars[i]
+      if v == 1:
+        continue
+      if dtype not in _SCALAR_KINDS:
+        raise ValueError(f"scalar argument {i} of type {dtype}: lrjax's launcher passes "
+                         f"{sorted(_SCALAR_KINDS)}")
+      val = struct.unpack("<I", struct.pack("<f", v))[0] if dtype == "fp32" else int(v)
+      triples += [_SCALAR_KINDS[dtype], val, 0]
+    else:
+      triples += [_BUFFER, buf, zero.get(i, 0)]
+      buf += 1
+  return triples + [_NULL, 0, 0] * 2
+
+
+def ptx_param_count(ptx: str, name: str) -> int:
+  """Parameters of the PTX entry ``name``."""
+  m = re.search(r"\.entry\s+" + re.escape(name) + r"\s*\(([^)]*)\)", ptx)
+  if m is None:
+    raise ValueError(f"no .entry {name} in the PTX")
+  return m.group(1).count(".param")
+
+
+def _own_launch(ctx, array_args, params, pdl: bool):
+  """Our launcher's custom call for the kernel jax-triton just compiled for this call."""
+  kernel = getattr(_ours, "kernel", None)
+  entry = _images.get(id(kernel))
+  if entry is None or entry[0] is not kernel:
+    raise RuntimeError("lrjax's launcher found no PTX for this kernel: it was compiled "
+                       "before lrjax.custom_calls.triton.launch was imported")
+  compiled = entry[1]
+  if params["num_ctas"] != 1 or callable(params["zeroed_outputs"]):
+    raise ValueError(f"{compiled.name}: lrjax's launcher takes num_ctas=1 and a fixed "
+                     "zeroed_outputs")
+  triples = kernel_params(ctx.avals_in, ctx.avals_out, params["scalar_args"],
+                          params["zeroed_outputs"])
+  want = ptx_param_count(compiled.binary, compiled.name)
+  if want != len(triples) // 3:
+    raise ValueError(f"{compiled.name}: the PTX entry takes {want} parameters, lrjax's "
+                     f"launcher would pass {len(triples) // 3}")
+  grid = triton_lib.normalize_grid(params["grid"], {})
+  digest = hashlib.sha256(compiled.name.encode() + b"\0" + compiled.binary.encode()).digest()
+  key_hi, key_lo = struct.unpack("<qq", digest[:16])
+  launcher()
+  rule = jax.ffi.ffi_lowering(LAUNCH_TARGET, api_version=4,
+                              operand_output_aliases=dict(params["input_output_aliases"]))
+  return rule(ctx, *array_args, name=compiled.name, image=compiled.binary,
+              key_hi=np.int64(key_hi), key_lo=np.int64(key_lo),
+              shared=np.int64(compiled.shared_mem_bytes), num_warps=np.int64(params["num_warps"]),
+              grid=np.array(grid, np.int64), params=np.array(triples, np.int64), pdl=pdl)
 
 
 def _lowering(ctx, *array_args, custom_call_target_name, **params):
@@ -182,20 +319,28 @@ def _lowering(ctx, *array_args, custom_call_target_name, **params):
   finish = lambda results: results  # noqa: E731
   if chained is not None:
     ctx, array_args, params, finish = chained
+  mode = launch_mode()
+  # a launch after a memset (zeroed_outputs) stays plain: the wait covers kernels ahead of it
+  pdl = mode == "pdl" and PDL in params and not params["zeroed_outputs"]
+  if pdl:
+    params = dict(params, **{PDL: 1})
   _ours.active = True
   try:
     legacy = _jax_triton_rule(ctx, *array_args, custom_call_target_name=LEGACY_TARGET,
                               **params)
   finally:
     _ours.active = False
-  if not use_ffi():
+  if mode == "jaxlib" and not use_ffi():
     return finish(legacy)
   op = legacy[0].owner
   op = getattr(op, "operation", op)
-  opaque = ir.StringAttr(op.attributes["backend_config"]).value_bytes
-  rule = jax.ffi.ffi_lowering(FFI_TARGET, api_version=4,
-                              operand_output_aliases=dict(params["input_output_aliases"]))
-  results = rule(ctx, *array_args, opaque=opaque)
+  if mode == "lrjax" or pdl:
+    results = _own_launch(ctx, array_args, params, pdl)
+  else:
+    opaque = ir.StringAttr(op.attributes["backend_config"]).value_bytes
+    rule = jax.ffi.ffi_lowering(FFI_TARGET, api_version=4,
+                                operand_output_aliases=dict(params["input_output_aliases"]))
+    results = rule(ctx, *array_args, opaque=opaque)
   op.erase()  # nothing uses the legacy op's results
   return finish(results)
 

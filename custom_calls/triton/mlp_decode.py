@@ -341,9 +341,10 @@ def _mlp_decode_kernel(
     H_INLINE: tl.constexpr,  # PARK_H: each stage-B CTA then runs stage-H tiles of its own
                              # split (no stage-H CTAs of their own)
     WORK_OFF: tl.constexpr = 0,  # the scratch chain's offset of this call's half (launch.py)
+    PDL: tl.constexpr = 0,  # launched as a programmatic dependent (launch.py, join_chain)
 ):
   pid = tl.program_id(0)
-  scratch_ptr = join_chain(scratch_ptr, WORK_OFF, clear_off, clear_n)
+  scratch_ptr = join_chain(scratch_ptr, WORK_OFF, clear_off, clear_n, PDL)
   pg_ptr = scratch_ptr
   pu_ptr = scratch_ptr + M * R
   s_ptr = scratch_ptr + 2 * M * R
@@ -434,9 +435,10 @@ def _mlp_decode_persistent_kernel(
     PHASES: tl.constexpr,  # 7; timing only: bits 1, 2, 4 stream phases A, B, C
     P16: tl.constexpr,
     WORK_OFF: tl.constexpr = 0,  # as above
+    PDL: tl.constexpr = 0,  # as above
 ):
   pid = tl.program_id(0)
-  scratch_ptr = join_chain(scratch_ptr, WORK_OFF, clear_off, clear_n)
+  scratch_ptr = join_chain(scratch_ptr, WORK_OFF, clear_off, clear_n, PDL)
   pg_ptr = scratch_ptr
   pu_ptr = scratch_ptr + M * R
   s_ptr = scratch_ptr + 2 * M * R

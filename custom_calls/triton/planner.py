@@ -564,6 +564,19 @@ def chain_scratch() -> bool:
   return os.environ.get("LRJAX_TRITON_SCRATCH_CHAIN", "") in ("", "1")
 
 
+LAUNCH_MODES = ("jaxlib", "lrjax", "pdl")
+DEFAULT_LAUNCH = "jaxlib"
+
+
+def launch_mode() -> str:
+  """Which handler launches lrjax's Triton kernels (launch.py): ``LRJAX_TRITON_LAUNCH``, read
+  when a call is lowered; DEFAULT_LAUNCH unless set."""
+  mode = os.environ.get("LRJAX_TRITON_LAUNCH", "") or DEFAULT_LAUNCH
+  if mode not in LAUNCH_MODES:
+    raise ValueError(f"LRJAX_TRITON_LAUNCH={mode!r}: expected one of {LAUNCH_MODES}")
+  return mode
+
+
 SCRATCH_MIN_HALF = 1 << 17  # floats in each half of a scratch chain's buffer at least
                             # (512 KiB): one chain then serves every decode call of the
                             # benchmarked models' steps at M <= 16 (launch.py)

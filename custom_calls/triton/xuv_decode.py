@@ -54,8 +54,7 @@ import triton.language as tl
 
 from lrjax.custom_calls.triton import launch, planner
 from lrjax.custom_calls.triton._common import (check_out, join_chain, last_arrival, mm_acc,
-                                               num_sms, pdl_wait, prefetch_l2,
-                                               prefetch_rows, round_once, signal,
+                                               num_sms, prefetch_l2, round_once, signal,
                                                splitr_out_tile, unpack_xuv_args,
                                                wait_at_least)
 
@@ -194,9 +193,10 @@ def _xuv_decode_kernel(
     EVEN_K: tl.constexpr, EVEN_R: tl.constexpr,
     STAGES: tl.constexpr = 3,  # timing only: bit 1 streams U (stage 1), bit 2 streams V
     WORK_OFF: tl.constexpr = 0,  # the scratch chain's offset of this call's half (launch.py)
+    PDL: tl.constexpr = 0,  # launched as a programmatic dependent (launch.py, join_chain)
 ):
   pid = tl.program_id(0)
-  scratch_ptr = join_chain(scratch_ptr, WORK_OFF, clear_off, clear_n)
+  scratch_ptr = join_chain(scratch_ptr, WORK_OFF, clear_off, clear_n, PDL)
   p_ptr = scratch_ptr
   acc_ptr = scratch_ptr + M * R
   flag_ptr = (scratch_ptr + M * R + M * N).to(tl.pointer_type(tl.int32))
@@ -241,20 +241,10 @@ def _xuv_decode_persistent_kernel(
     P16: tl.constexpr,  # phase 2 reads P rounded once to V's dtype (half the L2 bytes)
     PV: tl.constexpr = True,  # False: phase 1 only, ending with P rounded into p16 (P16)
     WORK_OFF: tl.constexpr = 0,  # as in _xuv_decode_kernel
-    PDL: tl.constexpr = 0,  # launched as a programmatic dependent: wait at entry (pdl_wait)
-    PDL_PF: tl.constexpr = 0,  # before the wait, ask L2 for the first PDL_PF rows of its
-                               # first U tile (-1: the whole tile)
-    PDL_TRIG: tl.constexpr = 1,  # let the next PDL launch start: 1 after the wait, 2 at
-                                 # phase 2, 0 never (it starts as this kernel's CTAs exit)
+    PDL: tl.constexpr = 0,  # as in _xuv_decode_kernel
 ):
   pid = tl.program_id(0)
-  if PDL_PF != 0:  # U is a weight: no earlier kernel writes it, so it may load before the wait
-    if pid < ((R + COLS_R - 1) // COLS_R) * SPLIT_K:
-      prefetch_rows(u_ptr, (pid % SPLIT_K) * K_PER, (pid // SPLIT_K) * COLS_R,
-                    K_PER if PDL_PF < 0 else PDL_PF, K, R, BLOCK_R)
-  if PDL:
-    pdl_wait(PDL_TRIG == 1)
-  scratch_ptr = join_chain(scratch_ptr, WORK_OFF, clear_off, clear_n)
+  scratch_ptr = join_chain(scratch_ptr, WORK_OFF, clear_off, clear_n, PDL)
   p_ptr = scratch_ptr
   acc_ptr = scratch_ptr + M * R  # the output accumulator: only with several r-chunks
   if R_CHUNKS > 1:
@@ -275,9 +265,6 @@ def _xuv_decode_persistent_kernel(
              m_mask, K, R, K_PER, RB_PER_CHUNK, BLOCK_K, BLOCK_R, COLS_R, EVEN_K, True, P16,
              p16_ptr, rb_cnt_ptr, SPLIT_K)
   if PV:
-    if PDL:
-      if PDL_TRIG == 2:
-        tl.extra.cuda.gdc_launch_dependents()
     # phase 2: tiles q = pid, pid + PROGRAMS, ...; chunk-major; each waits for its chunk of P
     if PREFETCH > 0:  # the first rows of this CTA's first V tile load while it waits
       if pid < R_CHUNKS * n_nb:
@@ -336,12 +323,13 @@ def _xuv_group_kernel(
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KV: tl.constexpr,
     PROGRAMS: tl.constexpr, PREFETCH: tl.constexpr,
     WORK_OFF: tl.constexpr = 0,  # as in _xuv_decode_kernel
+    PDL: tl.constexpr = 0,  # as in _xuv_decode_kernel
 ):
   """Several X·U_i·V_i sharing X, one persistent launch: phase 1 streams every U_i
   (split-K tiles of all members, one after another), phase 2 every V_i (each tile waits
   only for its own member's X·U_i). The persistent kernel's dataflow, per member."""
   pid = tl.program_id(0)
-  scratch_ptr = join_chain(scratch_ptr, WORK_OFF, clear_off, clear_n)
+  scratch_ptr = join_chain(scratch_ptr, WORK_OFF, clear_off, clear_n, PDL)
   p0_ptr = scratch_ptr
   p1_ptr = p0_ptr + M * R0
   p2_ptr = p1_ptr + M * R1

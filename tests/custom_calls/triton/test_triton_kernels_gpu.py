@@ -375,6 +375,7 @@ def test_kernels_launch_through_the_typed_ffi_call(monkeypatch):
   x = randn((5, 512), dtype)
   u, v = lr_factors(512, 128, 768, dtype)
   texts, outs = {}, {}
+  monkeypatch.setenv("LRJAX_TRITON_LAUNCH", "jaxlib")
   for legacy in ("0", "1"):
     monkeypatch.setenv("LRJAX_TRITON_LEGACY_CALL", legacy)
     with lrjax.lowering.prefer_kernels():
@@ -437,7 +438,65 @@ def _scratch_sizes(compiled_text):
   """The f32 scratch output (result 0) of each Triton call in a compiled module, in floats."""
   import re
   return [int(n) for n in re.findall(
-      r"= \(f32\[(\d+)\]\{0\}[^\n]*custom_call_target=\"triton_kernel_call", compiled_text)]
+      r"= \(f32\[(\d+)\]\{0\}[^\n]*custom_call_target=\"(?:triton_kernel_call|lrjax_triton_launch)",
+      compiled_text)]
+
+
+@pytest.mark.parametrize("mode", ["jaxlib", "lrjax", "pdl"])
+def test_launchers_agree(monkeypatch, mode):
+  """LRJAX_TRITON_LAUNCH: jaxlib's handler, lrjax's (pdl_launch.cc) with plain launches, or
+  lrjax's with the chained decode kernels as programmatic dependents (they then wait on the
+  grid dependency first). A chain of data-dependent decode calls of every chained kernel, an
+  independent one, a prefill call (no PDL constexpr) and a call whose scratch jax-triton
+  zeroes before the launch (the handler's memset; a plain launch, so under "pdl" the last two
+  stay with jaxlib's handler): each output matches the reference on two runs, and the HLO
+  names the handler each mode promises."""
+  import re
+
+  import lrjax
+  from lrjax.custom_calls.triton import launch, xuv_decode
+  from lrjax.lowering import lr_xuv_group
+  monkeypatch.setenv("LRJAX_TRITON_LAUNCH", mode)
+  dtype = jnp.bfloat16
+  xuvs = [lr_factors(512, r, n, dtype) for r, n in ((128, 512), (200, 1000), (72, 512))]
+  group = [lr_factors(512, r, n, dtype) for r, n in ((96, 512), (48, 130), (48, 130))]
+  mlp = mlp_params(512, 1408, 128, 96, 512, dtype, True, True)
+  big = lr_factors(512, 96, 264, dtype)
+
+  def step(x, xp, xuvs, group, mlp, big, o):
+    a = lrjax.lr_xuv(x, *xuvs[0])
+    q, k, v = lr_xuv_group(a, group)
+    b = lrjax.lr_mlp(q, mlp[1], mlp[2], mlp[0])
+    c = lrjax.lr_xuv(b, *xuvs[1])  # N=1000: ragged column blocks
+    d = lrjax.lr_xuv(x, *xuvs[2])  # independent of the others
+    e = lrjax.lr_xuv(xp, *big)  # 300 rows: the prefill kernel
+    f = xuv_decode.xuv_decode(d, big[0], big[1][:, :200], out=o, persistent=False,
+                              xla_zeroing=False)  # tiled; jax-triton zeroes its scratch
+    return a, q, k, v, b, c, d, e, f
+
+  def refs(x, xp):
+    a = xuv_ref(x, *xuvs[0], None, dtype)
+    q, k, v = (xuv_ref(rnd(a, dtype), u, w, None, dtype) for u, w in group)
+    b = mlp_ref(rnd(q, dtype), mlp[0], mlp[1], mlp[2], "silu", dtype)
+    c = xuv_ref(rnd(b, dtype), *xuvs[1], None, dtype)
+    d = xuv_ref(x, *xuvs[2], None, dtype)
+    return (a, q, k, v, b, c, d,
+            xuv_ref(xp, *big, None, dtype), xuv_ref(rnd(d, dtype), big[0], big[1][:, :200],
+                                                    None, dtype))
+
+  x, xp = randn((3, 512), dtype), randn((300, 512), dtype)
+  with lrjax.lowering.prefer_kernels():
+    f = jax.jit(step).lower(x, xp, xuvs, group, mlp, big, poisoned((3, 200), dtype)).compile()
+  text = f.as_text()
+  ours = text.count(f'custom_call_target="{launch.LAUNCH_TARGET}"')
+  jaxlibs = text.count(f'custom_call_target="{launch.FFI_TARGET}"')
+  pdl = len(re.findall(r"pdl\s*=\s*true", text))
+  assert (ours, jaxlibs, pdl) == {"jaxlib": (0, 7, 0), "lrjax": (7, 0, 0),
+                                  "pdl": (5, 2, 5)}[mode], (ours, jaxlibs, pdl)
+  for _ in range(2):  # the second run on the first one's buffers
+    outs = f(x, xp, xuvs, group, mlp, big, poisoned((3, 200), dtype))
+    for got, want in zip(outs, refs(x, xp)):
+      assert_close(got, want, dtype, factor=2.0)
 
 
 @pytest.mark.parametrize("min_half", [None, 4096])

@@ -1,0 +1,126 @@
+"""lrjax's Triton launcher (custom_calls/triton/pdl_launch.cc, launch.py) without a GPU: the
+parameter list handed to the kernel against the PTX entry Triton compiles, the library's
+driver check, and the errors for a bad mode or a missing library. Each runs as a script in a
+fresh Python (launch.py imports jax-triton; the stub stands in where it is absent)."""
+import importlib.util
+import textwrap
+
+import pytest
+from triton_offline import STUB, run_script
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None,
+    reason="needs triton (pip install 'lrjax[cuda]'): launch.py compiles through it")
+
+
+def test_kernel_params_follow_jax_tritons_argument_order():
+  """Operands, each scalar at its index (one equal to 1 dropped: Triton specializes it),
+  then the results (a zeroed one with its bytes), then Triton's two scratch pointers."""
+  out = run_script(STUB + textwrap.dedent('''
+    import struct
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.core import ShapedArray
+    from lrjax.custom_calls.triton import launch
+    ins = [ShapedArray((4,), np.float32), ShapedArray((2, 3), jnp.bfloat16)]
+    outs = [ShapedArray((8,), np.float32), ShapedArray((2,), jnp.bfloat16)]
+    got = launch.kernel_params(ins, outs, [(2, "i32", 7), (3, "i32", 1), (4, "fp32", 0.5)], (0,))
+    half = struct.unpack("<I", struct.pack("<f", 0.5))[0]
+    assert got == [0, 0, 0,  0, 1, 0,  1, 7, 0,  4, half, 0,  0, 2, 32,  0, 3, 0,
+                   3, 0, 0,  3, 0, 0], got
+    try:
+      launch.kernel_params(ins, outs, [(2, "fp64", 0.5)], ())
+    except ValueError as e:
+      assert "fp64" in str(e) and "i32" in str(e), e
+    else:
+      raise AssertionError("fp64 scalar accepted")
+    print("ok")
+  '''), interpret=False)
+  assert out.rstrip().endswith("ok")
+
+
+def test_the_launch_passes_as_many_parameters_as_the_ptx_entry_takes():
+  """Each kernel that takes PDL, compiled for the H200 with it set, as jax-triton compiles it
+  (M and the chain's two scalars runtime i32, every other argument a pointer): its PTX waits
+  on the grid dependency, and the PTX entry's parameter count is what kernel_params hands
+  cuLaunchKernelEx."""
+  out = run_script(STUB + textwrap.dedent('''
+    import numpy as np
+    import triton
+    from jax.core import ShapedArray
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from lrjax.custom_calls.triton import launch
+    n, seen = 0, set()
+    for name, kernel, meta, warps, stages in kernel_resources.planned():
+      if "PDL" not in [p.name for p in kernel.params] or kernel in seen:
+        continue  # one planned configuration of each kernel that takes PDL
+      seen.add(kernel)
+      sig, consts, attrs, ins, scalars = {}, {"PDL": 1}, {}, [], []
+      for i, p in enumerate(kernel.params):
+        if p.is_constexpr:
+          consts[p.name] = meta.get(p.name, p.default) if p.name != "PDL" else 1
+          sig[p.name] = "constexpr"
+        elif p.name in ("M", "clear_off", "clear_n"):
+          sig[p.name] = "i32"
+          scalars.append((i, "i32", 5))
+        else:
+          sig[p.name] = "*fp32"
+          attrs[(i,)] = [["tt.divisibility", 16]]
+          ins.append(ShapedArray((4,), np.float32))
+      c = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
+                         target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=warps, num_stages=stages))
+      assert "griddepcontrol.wait" in c.asm["ptx"], name
+      triples = launch.kernel_params(ins, [], scalars, ())
+      assert launch.ptx_param_count(c.asm["ptx"], c.metadata.name) == len(triples) // 3, name
+      n += 1
+    assert n >= 4, n  # the tiled and persistent X·U·V and SwiGLU kernels, the group
+    print(n, "ok")
+  '''), interpret=False)
+  assert int(out.split()[-2]) >= 4, out
+
+
+def test_bad_mode_and_missing_library_are_named():
+  out = run_script(STUB + textwrap.dedent('''
+    import os
+    from lrjax.custom_calls.triton import launch
+    os.environ["LRJAX_TRITON_LAUNCH"] = "fast"
+    try:
+      launch.launch_mode()
+    except ValueError as e:
+      assert "fast" in str(e) and "pdl" in str(e), e
+    else:
+      raise AssertionError("bad mode accepted")
+    os.environ["LRJAX_TRITON_LAUNCH"] = "pdl"
+    launch._launcher_paths = lambda: ["/nonexistent/_pdl_launch.so"]
+    try:
+      launch.launcher()
+    except RuntimeError as e:
+      assert "/nonexistent/_pdl_launch.so" in str(e) and "LRJAX_TRITON_LAUNCH=pdl" in str(e), e
+    else:
+      raise AssertionError("missing library accepted")
+    print("ok")
+  '''), interpret=False)
+  assert out.rstrip().endswith("ok")
+
+
+def test_the_built_library_loads_and_checks_the_driver():
+  """The library from the package build (or a source-tree build) loads without a GPU and
+  registers its handler; it opens the CUDA driver only when asked, and says why it cannot."""
+  out = run_script(STUB + textwrap.dedent('''
+    import ctypes.util, os
+    from lrjax.custom_calls.triton import launch
+    if not any(os.path.exists(p) for p in launch._launcher_paths()):
+      print("absent ok")
+    else:
+      err = launch.launcher().lrjax_triton_launch_driver_error().decode()
+      if ctypes.util.find_library("cuda") is None:
+        assert "libcuda.so.1" in err, err
+      else:
+        assert err == "", err
+      print("loaded ok")
+  '''), interpret=False)
+  if out.split()[-2] == "absent":
+    pytest.skip("the Triton launcher was not built (no Triton at build time)")
+  assert out.split()[-2] == "loaded", out
