@@ -33,6 +33,8 @@ import os
 import re
 import statistics
 
+from lrjax.custom_calls.triton.planner import DEFAULT_LAUNCH
+
 SOURCE = "benchmarks/results/gpu_lowrank_h200.json"
 MODEL_SOURCES = ("benchmarks/results/model_1gpu_h200.json",
                  "benchmarks/results/model_70b_1gpu_h200.json",
@@ -260,11 +262,11 @@ RECORDS: tuple[tuple[str, int, int, int, int, float, float], ...] = (
 )
 MODEL_AB: tuple[tuple[str, int, int, float, float], ...] = (
     ('8b', 4096, 1, 4.607, 8.278),
-    ('8b', 4096, 4, 4.307, 4.619),
+    ('8b', 4096, 4, 4.324, 4.619),
     ('8b', 4096, 8, 4.63, 4.686),
-    ('8b', 4096, 16, 5.138, 5.372),
+    ('8b', 4096, 16, 5.172, 5.372),
     ('8b', 4096, 32, 6.649, 6.861),
-    ('8b', 4096, 64, 9.227, 9.459),
+    ('8b', 4096, 64, 9.134, 9.459),
     ('8b', 4096, 128, 15.096, 14.5),
     ('70b', 8192, 1, 2.846, 2.953),
     ('70b', 8192, 4, 2.864, 2.919),
@@ -339,14 +341,16 @@ def model_ab_from_results(path: str) -> tuple:
   kernels, without) of each batch of the one-GPU low-rank model measured both ways (with the
   kernels: lrjax.fuse's default, grouping q/k/v; ``--no-group`` runs are not the default and
   are left out, and so are ``--whole-policy`` runs, timed with this rule on, ``--kernels``
-  runs, with only some kernels served, and runs with the scratch chain off); of repeated
-  runs, the last."""
+  runs, with only some kernels served, runs with the scratch chain off and runs under a
+  Triton launcher other than the default (planner.DEFAULT_LAUNCH); of repeated runs, the
+  last."""
   with open(path) as fh:
     data = json.load(fh)
   recs = [r for r in data["records"]
           if "step_ms" in r and r["strategy"] == "lowrank_tp" and r["tp"] == 1
           and r.get("group") is not False and not r.get("whole_policy")
-          and not r.get("kernels") and r.get("scratch_chain") is not False]
+          and not r.get("kernels") and r.get("scratch_chain") is not False
+          and r.get("triton_launch", DEFAULT_LAUNCH) == DEFAULT_LAUNCH]
   # fused runs with lrjax.fuse's default grouping replace those from before it existed
   recs.sort(key=lambda r: r.get("group", False))
   steps = {(r["model"], r["batch"], bool(r.get("fuse"))): r["step_ms"] for r in recs}
@@ -380,7 +384,8 @@ def model_op_ab_from_results(path: str) -> tuple:
   recs = [r for r in data["records"]
           if "step_ms" in r and r["strategy"] == "lowrank_tp" and r["tp"] == 1 and r.get("fuse")
           and r.get("group") is not False and not r.get("whole_policy")
-          and r.get("scratch_chain") is not False]
+          and r.get("scratch_chain") is not False
+          and r.get("triton_launch", DEFAULT_LAUNCH) == DEFAULT_LAUNCH]
   rows = {}
   for r in recs:
     missing = set(OPS) - set(r.get("kernels") or OPS)
