@@ -248,9 +248,8 @@ def ours_and_default(fn, x, layers, reps):
   the default policy lowers (timed separately only when it is not the same program)."""
   with lrjax.lowering.prefer_kernels():
     t_ours, spread = per_call_us(fn, x, layers, reps)
-  from lrjax.custom_calls.triton import launch
   text = jax.jit(lambda x, w: fn(x, *w)).lower(x, layers[0]).compile().as_text()
-  if launch.count_calls(text):
+  if planner.count_calls(text):
     return t_ours, spread, "triton", t_ours
   return t_ours, spread, "xla", per_call_us(fn, x, layers, reps)[0]
 

@@ -198,9 +198,8 @@ def time_decode(model, plan, args, dtype):
        only_kernels(args.kernels):
     times, compile_s, cache, toks = time_loop(fn, state, cache, toks, half, args.reps)
     if args.fuse:  # what the fused step really runs: Triton custom calls in the compiled HLO
-      from lrjax.custom_calls.triton import launch
       text = fn.lower(state, half(cache), toks).compile().as_text()
-      kernels = {"triton_calls": launch.count_calls(text),
+      kernels = {"triton_calls": planner.count_calls(text),
                  "fused_ops_in_jaxpr": fused_ops(gdef, state, cache, toks, not args.no_group)}
   step = median_step(times, args.steps)
   if args.profile:

@@ -67,10 +67,8 @@ from jax.interpreters import mlir
 from jax_triton import triton_lib
 
 from lrjax.custom_calls.triton import planner
+from lrjax.custom_calls.triton.planner import FFI_TARGET, LAUNCH_TARGET, LEGACY_TARGET, count_calls
 
-LEGACY_TARGET = "triton_kernel_call"
-FFI_TARGET = "triton_kernel_call_ffi"
-LAUNCH_TARGET = "lrjax_triton_launch"  # pdl_launch.cc
 _REQUEST = "lrjax_triton_kernel_call"  # the name our calls pass; never reaches XLA
 PDL = "PDL"  # the constexpr of kernels that may be launched as programmatic dependents
 LAUNCHER_LIB = "_pdl_launch.so"
@@ -200,12 +198,6 @@ def _chain(ctx, array_args, params):
     return [own, *results[1:]]
 
   return ctx.replace(avals_in=avals_in, avals_out=avals_out), args, params, finish
-
-
-def count_calls(hlo_text: str) -> int:
-  """Triton custom calls (any of the three targets) in a compiled module's HLO text."""
-  return sum(hlo_text.count(f'custom_call_target="{t}"')
-             for t in (LEGACY_TARGET, FFI_TARGET, LAUNCH_TARGET))
 
 
 _jax_triton_rule = functools.partial(triton_lib.triton_kernel_call_lowering,

@@ -564,6 +564,18 @@ def chain_scratch() -> bool:
   return os.environ.get("LRJAX_TRITON_SCRATCH_CHAIN", "") in ("", "1")
 
 
+# the custom-call targets lrjax's Triton calls lower to (launch.py)
+LEGACY_TARGET = "triton_kernel_call"  # jax-triton's own (jaxlib's legacy handler)
+FFI_TARGET = "triton_kernel_call_ffi"  # jaxlib's typed-FFI handler (the default)
+LAUNCH_TARGET = "lrjax_triton_launch"  # lrjax's handler (pdl_launch.cc)
+
+
+def count_calls(hlo_text: str) -> int:
+  """Triton custom calls (any of the three targets) in a compiled module's HLO text."""
+  return sum(hlo_text.count(f'custom_call_target="{t}"')
+             for t in (LEGACY_TARGET, FFI_TARGET, LAUNCH_TARGET))
+
+
 LAUNCH_MODES = ("jaxlib", "lrjax", "pdl")
 DEFAULT_LAUNCH = "jaxlib"
 

@@ -12,11 +12,21 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None,
     reason="needs triton (pip install 'lrjax[cuda]'): launch.py compiles through it")
 
+_RAISES = STUB + textwrap.dedent('''
+  def raises(exc, fn, *words):  # fn() raises exc, its message naming every word
+    try:
+      fn()
+    except exc as e:
+      assert all(w in str(e) for w in words), e
+    else:
+      raise AssertionError(f"{fn} did not raise {exc.__name__}")
+''')
+
 
 def test_kernel_params_follow_jax_tritons_argument_order():
   """Operands, each scalar at its index (one equal to 1 dropped: Triton specializes it),
   then the results (a zeroed one with its bytes), then Triton's two scratch pointers."""
-  out = run_script(STUB + textwrap.dedent('''
+  out = run_script(_RAISES + textwrap.dedent('''
     import struct
     import jax.numpy as jnp
     import numpy as np
@@ -28,12 +38,8 @@ def test_kernel_params_follow_jax_tritons_argument_order():
     half = struct.unpack("<I", struct.pack("<f", 0.5))[0]
     assert got == [0, 0, 0,  0, 1, 0,  1, 7, 0,  4, half, 0,  0, 2, 32,  0, 3, 0,
                    3, 0, 0,  3, 0, 0], got
-    try:
-      launch.kernel_params(ins, outs, [(2, "fp64", 0.5)], ())
-    except ValueError as e:
-      assert "fp64" in str(e) and "i32" in str(e), e
-    else:
-      raise AssertionError("fp64 scalar accepted")
+    raises(ValueError, lambda: launch.kernel_params(ins, outs, [(2, "fp64", 0.5)], ()),
+           "fp64", "i32")
     print("ok")
   '''), interpret=False)
   assert out.rstrip().endswith("ok")
@@ -82,24 +88,15 @@ def test_the_launch_passes_as_many_parameters_as_the_ptx_entry_takes():
 
 
 def test_bad_mode_and_missing_library_are_named():
-  out = run_script(STUB + textwrap.dedent('''
+  out = run_script(_RAISES + textwrap.dedent('''
     import os
     from lrjax.custom_calls.triton import launch
     os.environ["LRJAX_TRITON_LAUNCH"] = "fast"
-    try:
-      launch.launch_mode()
-    except ValueError as e:
-      assert "fast" in str(e) and "pdl" in str(e), e
-    else:
-      raise AssertionError("bad mode accepted")
+    raises(ValueError, launch.launch_mode, "fast", "pdl")
     os.environ["LRJAX_TRITON_LAUNCH"] = "pdl"
     launch._launcher_paths = lambda: ["/nonexistent/_pdl_launch.so"]
-    try:
-      launch.launcher()
-    except RuntimeError as e:
-      assert "/nonexistent/_pdl_launch.so" in str(e) and "LRJAX_TRITON_LAUNCH=pdl" in str(e), e
-    else:
-      raise AssertionError("missing library accepted")
+    raises(RuntimeError, launch.launcher, "/nonexistent/_pdl_launch.so",
+           "LRJAX_TRITON_LAUNCH=pdl")
     print("ok")
   '''), interpret=False)
   assert out.rstrip().endswith("ok")
