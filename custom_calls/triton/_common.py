@@ -149,23 +149,31 @@ def last_arrival(cnt_ptr, n):
 
 
 @triton.jit
-def join_chain(scratch_ptr, WORK_OFF: tl.constexpr, clear_off, clear_n, PDL: tl.constexpr):
-  """This call's half of a chained scratch buffer (launch.py), after zeroing this program's
-  share of the half the call before it used. The offset of this call's half is a constexpr:
-  at a runtime offset the scratch's addresses no longer fold into the kernel argument, and
-  ptxas gave the kernels at 64 rows up to twice the registers (gpu_notes.md, session 18).
+def join_chain(scratch_ptr, WORK_OFF: tl.constexpr, PDL: tl.constexpr):
+  """A chained kernel's first step: this call's half of the scratch chain's buffer (launch.py).
+  The offset of the half is a constexpr: at a runtime offset the scratch's addresses no longer
+  fold into the kernel argument, and ptxas gave the kernels at 64 rows up to twice the
+  registers (gpu_notes.md, session 18).
 
   PDL: the kernel was launched as a programmatic dependent (launch.py), so its CTAs may
   start before the kernel ahead of it on the stream has finished. ``gdc_wait`` holds them
-  until that kernel has completed and its writes are visible; everything after it (the
-  zeroing here, every load of activations or scratch) is then ordered as in a plain launch.
-  The kernel never calls ``gdc_launch_dependents``: the next PDL launch starts as this one's
-  CTAs exit, which measured better than an early trigger (results/gpu_pdl_probe_h200.json)."""
+  until that kernel has completed and its writes are visible; every load of activations or
+  scratch after it is ordered as in a plain launch. The kernel never calls
+  ``gdc_launch_dependents``: the next PDL launch starts as this one's CTAs exit, which
+  measured better than an early trigger (results/gpu_pdl_probe_h200.json)."""
   if PDL:
     tl.extra.cuda.gdc_wait()
+  return scratch_ptr + WORK_OFF
+
+
+@triton.jit
+def leave_chain(scratch_ptr, clear_off, clear_n):
+  """A chained kernel's last step: zeroes this program's share of the half the call before it
+  used (``clear_n`` floats at ``clear_off``), for the call after it; nothing in this launch
+  reads that half. At the end its stores overlap the other programs' tails; at entry they
+  came before the first loads and cost up to 0.4 µs a call (gpu_notes.md, session 19)."""
   clear_scratch(scratch_ptr + tl.multiple_of(clear_off, 16), clear_n, tl.program_id(0),
                 tl.num_programs(0))
-  return scratch_ptr + WORK_OFF
 
 
 @triton.jit

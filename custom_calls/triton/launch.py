@@ -19,8 +19,9 @@ op, for A/B timing; so does a jaxlib without the FFI target (<= 0.10.2).
 must be zero at launch. Zeroed per call by an XLA op, that is one ~1 µs copy kernel a call:
 81 a step on Qwen2.5-7B at batch 8, 2 % of it (gpu_notes.md, session 17). Instead, calls in
 one MLIR block share one buffer of two halves: each works in one half and zeroes the half the
-call before it used (``_common.join_chain``, a few stores a CTA), so the buffer goes from call
-to call through XLA's in-place aliasing and is zeroed by XLA once, where a chain starts. A
+call before it used (``_common.leave_chain``, a few stores a CTA at its end), so the buffer
+goes from call to call through XLA's in-place aliasing and is zeroed by XLA once, where a
+chain starts. A
 kernel takes part if it has the ``clear_off, clear_n`` arguments (passed as ``UNCHAINED``)
 and the ``WORK_OFF`` constexpr (0 unless this lowering sets it; as a runtime argument it cost
 the kernels registers and the 8B step at batch 64 6 %), and its zeroed scratch is the input

@@ -64,8 +64,9 @@ import triton
 import triton.language as tl
 
 from lrjax.custom_calls.triton import launch, planner
-from lrjax.custom_calls.triton._common import (check_out, join_chain, last_arrival, mm_acc,
-                                               mm_acc2, num_sms, prefetch_l2, round_once,
+from lrjax.custom_calls.triton._common import (check_out, join_chain, last_arrival,
+                                               leave_chain, mm_acc, mm_acc2, num_sms,
+                                               prefetch_l2, round_once,
                                                signal, splitr_out_tile, swiglu_epilogue,
                                                wait_at_least)
 
@@ -344,7 +345,8 @@ def _mlp_decode_kernel(
     PDL: tl.constexpr = 0,  # launched as a programmatic dependent (launch.py, join_chain)
 ):
   pid = tl.program_id(0)
-  scratch_ptr = join_chain(scratch_ptr, WORK_OFF, clear_off, clear_n, PDL)
+  chain_ptr = scratch_ptr
+  scratch_ptr = join_chain(scratch_ptr, WORK_OFF, PDL)
   pg_ptr = scratch_ptr
   pu_ptr = scratch_ptr + M * R
   s_ptr = scratch_ptr + 2 * M * R
@@ -409,6 +411,7 @@ def _mlp_decode_kernel(
     splitr_out_tile(q % n_nb, q // n_nb, s_ptr, vd_ptr, bd_ptr, acc_ptr, sem_ptr, o_ptr,
                     M, RD, DO, RD_PER, C_CHUNKS, HAS_BD, BLOCK_M, BLOCK_N, BLOCK_KR, EVEN_RD,
                     BLOCK_N)
+  leave_chain(chain_ptr, clear_off, clear_n)
 
 
 @triton.jit
@@ -438,7 +441,8 @@ def _mlp_decode_persistent_kernel(
     PDL: tl.constexpr = 0,  # as above
 ):
   pid = tl.program_id(0)
-  scratch_ptr = join_chain(scratch_ptr, WORK_OFF, clear_off, clear_n, PDL)
+  chain_ptr = scratch_ptr
+  scratch_ptr = join_chain(scratch_ptr, WORK_OFF, PDL)
   pg_ptr = scratch_ptr
   pu_ptr = scratch_ptr + M * R
   s_ptr = scratch_ptr + 2 * M * R
@@ -487,6 +491,7 @@ def _mlp_decode_persistent_kernel(
       splitr_out_tile(q % n_nb, q // n_nb, s_ptr, vd_ptr, bd_ptr, acc_ptr, sem_ptr, o_ptr,
                       M, RD, DO, RD_PER, C_CHUNKS, HAS_BD, BLOCK_M, BLOCK_N, BLOCK_KR, EVEN_RD,
                       COLS_N)
+  leave_chain(chain_ptr, clear_off, clear_n)
 
 
 def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes) -> dict:

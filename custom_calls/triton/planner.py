@@ -599,7 +599,7 @@ def next_link(last: "tuple[int, int, int] | None", need: int) -> tuple[bool, int
   (launch.py). ``last`` is what the chain's last call left: (the buffer's half size, the
   half it worked in, floats of that half it used), or None where no chain runs yet.
   Returns (a fresh zeroed buffer?, its half size, the half this call works in, floats of
-  the other half it zeroes). Offsets and counts are 0 or multiples of 16 (_common.join_chain
+  the other half it zeroes). Offsets and counts are 0 or multiples of 16 (_common.leave_chain
   tells Triton so of the zeroed half's offset), never 1 (which jax-triton would compile in as
   a constant)."""
   if need < 1:

@@ -53,8 +53,9 @@ import triton
 import triton.language as tl
 
 from lrjax.custom_calls.triton import launch, planner
-from lrjax.custom_calls.triton._common import (check_out, join_chain, last_arrival, mm_acc,
-                                               num_sms, prefetch_l2, round_once, signal,
+from lrjax.custom_calls.triton._common import (check_out, join_chain, last_arrival,
+                                               leave_chain, mm_acc, num_sms, prefetch_l2,
+                                               round_once, signal,
                                                splitr_out_tile, unpack_xuv_args,
                                                wait_at_least)
 
@@ -196,7 +197,8 @@ def _xuv_decode_kernel(
     PDL: tl.constexpr = 0,  # launched as a programmatic dependent (launch.py, join_chain)
 ):
   pid = tl.program_id(0)
-  scratch_ptr = join_chain(scratch_ptr, WORK_OFF, clear_off, clear_n, PDL)
+  chain_ptr = scratch_ptr
+  scratch_ptr = join_chain(scratch_ptr, WORK_OFF, PDL)
   p_ptr = scratch_ptr
   acc_ptr = scratch_ptr + M * R
   flag_ptr = (scratch_ptr + M * R + M * N).to(tl.pointer_type(tl.int32))
@@ -215,6 +217,7 @@ def _xuv_decode_kernel(
     _pv_tile(pid - n1, (N + BLOCK_N - 1) // BLOCK_N, n_rb, p_ptr, v_ptr, b_ptr, acc_ptr,
              flag_ptr, sem_ptr, o_ptr, M, R, N, HAS_BIAS, SPLIT_K, R_CHUNKS, RB_PER_CHUNK,
              BLOCK_M, BLOCK_N, BLOCK_KV, EVEN_R, BLOCK_R, BLOCK_N, False)
+  leave_chain(chain_ptr, clear_off, clear_n)
 
 
 @triton.jit
@@ -244,7 +247,8 @@ def _xuv_decode_persistent_kernel(
     PDL: tl.constexpr = 0,  # as in _xuv_decode_kernel
 ):
   pid = tl.program_id(0)
-  scratch_ptr = join_chain(scratch_ptr, WORK_OFF, clear_off, clear_n, PDL)
+  chain_ptr = scratch_ptr
+  scratch_ptr = join_chain(scratch_ptr, WORK_OFF, PDL)
   p_ptr = scratch_ptr
   acc_ptr = scratch_ptr + M * R  # the output accumulator: only with several r-chunks
   if R_CHUNKS > 1:
@@ -274,6 +278,7 @@ def _xuv_decode_persistent_kernel(
       _pv_tile(q, n_nb, n_rb, p16_ptr if P16 else p_ptr, v_ptr, b_ptr, acc_ptr, flag_ptr,
                sem_ptr, o_ptr, M, R, N, HAS_BIAS, SPLIT_K, R_CHUNKS, RB_PER_CHUNK, BLOCK_M,
                BLOCK_N, BLOCK_KV, EVEN_R, COLS_R, COLS_N, P16)
+  leave_chain(chain_ptr, clear_off, clear_n)
 
 
 @triton.jit
@@ -329,7 +334,8 @@ def _xuv_group_kernel(
   (split-K tiles of all members, one after another), phase 2 every V_i (each tile waits
   only for its own member's X·U_i). The persistent kernel's dataflow, per member."""
   pid = tl.program_id(0)
-  scratch_ptr = join_chain(scratch_ptr, WORK_OFF, clear_off, clear_n, PDL)
+  chain_ptr = scratch_ptr
+  scratch_ptr = join_chain(scratch_ptr, WORK_OFF, PDL)
   p0_ptr = scratch_ptr
   p1_ptr = p0_ptr + M * R0
   p2_ptr = p1_ptr + M * R1
@@ -363,6 +369,7 @@ def _xuv_group_kernel(
     else:
       _group_phase2(q - Q0 - Q1, p2_ptr, v2_ptr, b2_ptr, flag_ptr + 2, o2_ptr, M, R2, N2, HB2,
                     S2, BLOCK_M, BN2, BLOCK_KV, CR2, CN2, E2)
+  leave_chain(chain_ptr, clear_off, clear_n)
 
 
 def launch_plan(m: int, k: int, r: int, n: int, has_bias: bool, bs: BlockSizes,

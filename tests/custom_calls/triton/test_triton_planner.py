@@ -371,7 +371,7 @@ def test_scratch_chain_alternates_halves_and_zeroes_what_the_last_call_used():
   """A chain of decode calls (launch.py): the first starts a zeroed buffer of two halves;
   each next call works in the other half and zeroes the floats its predecessor used; a
   call whose scratch does not fit a half starts a new chain. Offsets and counts are
-  multiples of 16 (_common.join_chain tells Triton so of the zeroed half's offset), never 1
+  multiples of 16 (_common.leave_chain tells Triton so of the zeroed half's offset), never 1
   (jax-triton compiles a 1 in as a constant)."""
   half = planner.SCRATCH_MIN_HALF
   assert planner.next_link(None, 5) == (True, half, 0, 0)
