@@ -23,6 +23,9 @@ for a norm) before each call (pre=True), as in a model, where the kernel ahead o
 XLA's and never triggers early. Outputs are checked against an f32 reference.
 
   python benchmarks/pdl_probe.py --out benchmarks/results/gpu_pdl_probe_h200.json
+
+Needs a GPU, jax-triton and torch (for Triton's launcher and the CUDA graph; the H200 machine
+has it). torch is this probe's alone, not a dependency of lrjax.
 """
 from __future__ import annotations
 
@@ -34,7 +37,6 @@ import statistics
 
 SHAPES = ((2048, 256, 512), (4096, 152, 4096), (4096, 1216, 4096), (8192, 2456, 8192),
           (4096, 2560, 14336))
-SHAPES_HELP = "K,r,N ..."
 VARIANTS = {"plain": 0, "pdl": 1}  # name: PDL (launched with the PDL attribute when set)
 
 
@@ -43,7 +45,7 @@ def main():
   ap.add_argument("--out", default="benchmarks/results/gpu_pdl_probe_h200.json")
   ap.add_argument("--m", type=int, nargs="+", default=[1, 16])
   ap.add_argument("--reps", type=int, default=25)
-  ap.add_argument("--shapes", nargs="+", help=SHAPES_HELP)
+  ap.add_argument("--shapes", nargs="+", help="K,r,N ... (default: SHAPES)")
   ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=sorted(VARIANTS))
   args = ap.parse_args()
 

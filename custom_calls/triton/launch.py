@@ -209,8 +209,8 @@ _ours = threading.local()  # .active while jax-triton compiles one of our calls
 _jax_triton_compile = getattr(triton_lib, "compile_ttir_inplace", None)  # jax-triton 0.3.x
 _jax_triton_kernel = getattr(triton_lib, "get_or_create_triton_kernel", None)
 # id(jaxlib TritonKernel) -> (that kernel, kept so the id stays its own; jax-triton's compile
-# result: PTX, entry name, shared memory). jax-triton caches kernels, so a call that hits its
-# cache finds its PTX here.
+# result: PTX, entry name, shared memory), for lrjax's own calls. jax-triton caches kernels,
+# so a call that hits its cache finds its PTX here.
 _images: dict[int, tuple] = {}
 
 
@@ -226,7 +226,7 @@ def _compile_checked(ttir, backend, options, compute_capability, platform):
 def _kernel_recorded(*args, **kwargs):
   _ours.compiled = None
   kernel, attrs = _jax_triton_kernel(*args, **kwargs)
-  if _ours.compiled is not None:
+  if _ours.compiled is not None and getattr(_ours, "active", False):  # ours only
     _images[id(kernel)] = (kernel, _ours.compiled)
   _ours.kernel = kernel
   return kernel, attrs
