@@ -6,7 +6,7 @@
 // attribute CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION the kernel's CTAs may start
 // as soon as the one ahead of it has let them (or its CTAs have exited); the kernel must then
 // begin with griddepcontrol.wait before it reads anything that kernel wrote
-// (custom_calls/triton/_common.py, pdl_wait). launch.py decides which kernels qualify.
+// (custom_calls/triton/_common.py, join_chain). launch.py decides which kernels qualify.
 //
 // The kernel travels in the custom call itself: its PTX, entry name, shared memory and warps
 // are attributes, with a content hash (key_hi, key_lo) under which the loaded function is
