@@ -103,7 +103,9 @@ def launcher():
   raise RuntimeError(
       f"LRJAX_TRITON_LAUNCH={launch_mode()} needs lrjax's Triton launcher ({LAUNCHER_LIB}), "
       f"found in none of {_launcher_paths()}: it is built with the package when Triton's "
-      "CUDA headers are installed at build time (custom_calls/triton/CMakeLists.txt)")
+      "CUDA headers are importable at build time, so install triton first and then lrjax "
+      "with `pip install --no-build-isolation '.[cuda]'` (or build it by hand: README, "
+      "'Building and testing'; or point LRJAX_TRITON_LAUNCHER at it)")
 
 
 def use_ffi() -> bool:
