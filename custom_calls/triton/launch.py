@@ -21,11 +21,10 @@ must be zero at launch. Zeroed per call by an XLA op, that is one ~1 µs copy ke
 one MLIR block share one buffer of two halves: each works in one half and zeroes the half the
 call before it used (``_common.leave_chain``, a few stores a CTA at its end), so the buffer
 goes from call to call through XLA's in-place aliasing and is zeroed by XLA once, where a
-chain starts. A
-kernel takes part if it has the ``clear_off, clear_n`` arguments (passed as ``UNCHAINED``)
-and the ``WORK_OFF`` constexpr (0 unless this lowering sets it; as a runtime argument it cost
-the kernels registers and the 8B step at batch 64 6 %), and its zeroed scratch is the input
-aliased to output 0. A chained kernel compiles once for each half.
+chain starts. A kernel takes part if it has the ``clear_off, clear_n`` arguments (passed as
+``UNCHAINED``) and the ``WORK_OFF`` constexpr (0 unless this lowering sets it; as a runtime
+argument it cost the kernels registers and the 8B step at batch 64 6 %), and its zeroed
+scratch is the input aliased to output 0. A chained kernel compiles once for each half.
 ``LRJAX_TRITON_SCRATCH_CHAIN=0`` (``planner.chain_scratch``, read when a call is lowered)
 zeroes per call.
 
@@ -319,7 +318,7 @@ def _lowering(ctx, *array_args, custom_call_target_name, **params):
   pdl = mode == "pdl" and PDL in params and not params["zeroed_outputs"]
   if pdl:
     params = dict(params, **{PDL: 1})
-  _ours.active = True
+  _ours.active, _ours.kernel = True, None  # _kernel_recorded sets the kernel of this call
   try:
     legacy = _jax_triton_rule(ctx, *array_args, custom_call_target_name=LEGACY_TARGET,
                               **params)
