@@ -40,6 +40,12 @@ The kernel's PTX, entry, shared memory and warps travel as attributes of the cus
 a content hash the handler caches the loaded function under, so compiled executables do not
 depend on the process that built them.
 
+**Kernels jaxlib's handler cannot launch.** A kernel that builds TMA descriptors on the device
+(``tl.make_tensor_descriptor``) needs Triton's global scratch (bytes a CTA), and one whose loop
+Triton warp-specialized launches more warps than ``num_warps``. jax-triton drops that part of
+Triton's compile metadata; ``_compile_checked`` keeps it (``Image``), and such kernels go to
+lrjax's handler under every mode, with the scratch as one more result of the custom call.
+
 jax-triton does not check a compiled kernel's shared memory against the GPU's, so block sizes
 that ask for too much used to fail only at launch ("Shared memory requested ... exceeds
 device resources"). While it compiles one of our calls, its compile step is wrapped so that
@@ -210,17 +216,48 @@ _ours = threading.local()  # .active while jax-triton compiles one of our calls
 _jax_triton_compile = getattr(triton_lib, "compile_ttir_inplace", None)  # jax-triton 0.3.x
 _jax_triton_kernel = getattr(triton_lib, "get_or_create_triton_kernel", None)
 # id(jaxlib TritonKernel) -> (that kernel, kept so the id stays its own; jax-triton's compile
-# result: PTX, entry name, shared memory), for lrjax's own calls. jax-triton caches kernels,
-# so a call that hits its cache finds its PTX here.
+# result: PTX, entry name, shared memory; its Image), for lrjax's own calls. jax-triton caches
+# kernels, so a call that hits its cache finds its PTX here.
 _images: dict[int, tuple] = {}
 
 
+@dataclasses.dataclass(frozen=True)
+class Image:
+  """What our launcher needs of a compiled kernel beyond jax-triton's compile result."""
+  num_warps: int  # warps launched: more than asked for where Triton warp-specialized a loop
+  scratch: int  # bytes of Triton's global scratch per CTA (TMA descriptors built on device)
+  scratch_align: int
+
+  def needs_own_launcher(self, num_warps: int) -> bool:
+    """jaxlib's handler launches ``num_warps`` warps and passes no global scratch."""
+    return self.scratch > 0 or self.num_warps != num_warps
+
+
+class _MetadataTap:
+  """The Triton backend as jax-triton's compile sees it, keeping the metadata dict Triton's
+  stages fill (jax-triton drops it; it holds the global scratch and the warps launched)."""
+
+  def __init__(self, backend):
+    self._backend, self.metadata = backend, {}
+
+  def __getattr__(self, name):
+    return getattr(self._backend, name)
+
+  def make_ttir(self, mod, metadata, *args):
+    self.metadata = metadata  # the one dict every later stage fills
+    return self._backend.make_ttir(mod, metadata, *args)
+
+
 def _compile_checked(ttir, backend, options, compute_capability, platform):
-  result = _jax_triton_compile(ttir, backend, options, compute_capability, platform)
+  tap = _MetadataTap(backend)
+  result = _jax_triton_compile(ttir, tap, options, compute_capability, platform)
   if getattr(_ours, "active", False) and platform == "cuda":
     planner.check_cta_smem(result.name, result.shared_mem_bytes, compute_capability,
                            options.num_warps, options.num_stages)
-  _ours.compiled = result
+  md = tap.metadata
+  _ours.compiled = result, Image(int(md.get("num_warps", options.num_warps)),
+                                 int(md.get("global_scratch_size", 0) or 0),
+                                 int(md.get("global_scratch_align", 1) or 1))
   return result
 
 
@@ -228,7 +265,7 @@ def _kernel_recorded(*args, **kwargs):
   _ours.compiled = None
   kernel, attrs = _jax_triton_kernel(*args, **kwargs)
   if _ours.compiled is not None and getattr(_ours, "active", False):  # ours only
-    _images[id(kernel)] = (kernel, _ours.compiled)
+    _images[id(kernel)] = (kernel, *_ours.compiled)
   _ours.kernel = kernel
   return kernel, attrs
 
@@ -240,13 +277,16 @@ if _jax_triton_kernel is not None:
   triton_lib.get_or_create_triton_kernel = _kernel_recorded
 
 _SCALAR_KINDS = {"i32": 1, "u32": 1, "i64": 2, "u64": 2, "fp32": 4}  # pdl_launch.cc's kinds
-_BUFFER, _NULL = 0, 3
+_BUFFER, _NULL, _SCRATCH = 0, 3, 5
 
 
-def kernel_params(avals_in, avals_out, scalar_args, zeroed_outputs) -> list[int]:
+def kernel_params(avals_in, avals_out, scalar_args, zeroed_outputs,
+                  scratch_align: int = 0) -> list[int]:
   """The launch's parameters as pdl_launch.cc's (kind, a, b) triples, in the kernel's order:
   jax-triton's arguments (the operands, each scalar at its index, then the results), less
-  scalars equal to 1 (Triton specializes them away), then Triton's two scratch pointers."""
+  scalars equal to 1 (Triton specializes them away), then Triton's two scratch pointers: the
+  global one null, or with ``scratch_align`` the buffer after the results (rounded up to that
+  alignment by the launcher), and the profile one null."""
   scalars = {i: (dtype, v) for i, dtype, v in scalar_args}
   n_in = len(avals_in) + len(scalars)
   zero = {n_in + i: int(np.prod(avals_out[i].shape)) * np.dtype(avals_out[i].dtype).itemsize
@@ -265,7 +305,8 @@ def kernel_params(avals_in, avals_out, scalar_args, zeroed_outputs) -> list[int]
     else:
       triples += [_BUFFER, buf, zero.get(i, 0)]
       buf += 1
-  return triples + [_NULL, 0, 0] * 2
+  scratch = [_SCRATCH, buf, scratch_align] if scratch_align else [_NULL, 0, 0]
+  return triples + scratch + [_NULL, 0, 0]
 
 
 def ptx_param_count(ptx: str, name: str) -> int:
@@ -283,26 +324,32 @@ def _own_launch(ctx, array_args, params, pdl: bool):
   if entry is None or entry[0] is not kernel:
     raise RuntimeError("lrjax's launcher found no PTX for this kernel: it was compiled "
                        "before lrjax.custom_calls.triton.launch was imported")
-  compiled = entry[1]
+  compiled, image = entry[1], entry[2]
   if params["num_ctas"] != 1 or callable(params["zeroed_outputs"]):
     raise ValueError(f"{compiled.name}: lrjax's launcher takes num_ctas=1 and a fixed "
                      "zeroed_outputs")
+  grid = triton_lib.normalize_grid(params["grid"], {})
+  avals_out = list(ctx.avals_out)
+  if image.scratch:  # one more result: the global scratch, image.scratch bytes a CTA
+    ctas = int(np.prod(grid))
+    avals_out.append(jax.core.ShapedArray((ctas * image.scratch + image.scratch_align,),
+                                          np.uint8))
   triples = kernel_params(ctx.avals_in, ctx.avals_out, params["scalar_args"],
-                          params["zeroed_outputs"])
+                          params["zeroed_outputs"], image.scratch_align if image.scratch else 0)
   want = ptx_param_count(compiled.binary, compiled.name)
   if want != len(triples) // 3:
     raise ValueError(f"{compiled.name}: the PTX entry takes {want} parameters, lrjax's "
                      f"launcher would pass {len(triples) // 3}")
-  grid = triton_lib.normalize_grid(params["grid"], {})
   digest = hashlib.sha256(compiled.name.encode() + b"\0" + compiled.binary.encode()).digest()
   key_hi, key_lo = struct.unpack("<qq", digest[:16])
   launcher()
   rule = jax.ffi.ffi_lowering(LAUNCH_TARGET, api_version=4,
                               operand_output_aliases=dict(params["input_output_aliases"]))
-  return rule(ctx, *array_args, name=compiled.name, image=compiled.binary,
-              key_hi=np.int64(key_hi), key_lo=np.int64(key_lo),
-              shared=np.int64(compiled.shared_mem_bytes), num_warps=np.int64(params["num_warps"]),
-              grid=np.array(grid, np.int64), params=np.array(triples, np.int64), pdl=pdl)
+  results = rule(ctx.replace(avals_out=avals_out), *array_args, name=compiled.name,
+                 image=compiled.binary, key_hi=np.int64(key_hi), key_lo=np.int64(key_lo),
+                 shared=np.int64(compiled.shared_mem_bytes), num_warps=np.int64(image.num_warps),
+                 grid=np.array(grid, np.int64), params=np.array(triples, np.int64), pdl=pdl)
+  return results[:len(ctx.avals_out)]
 
 
 def _lowering(ctx, *array_args, custom_call_target_name, **params):
@@ -324,11 +371,20 @@ def _lowering(ctx, *array_args, custom_call_target_name, **params):
                               **params)
   finally:
     _ours.active = False
-  if mode == "jaxlib" and not use_ffi():
+  entry = _images.get(id(_ours.kernel))
+  own = entry is not None and entry[2].needs_own_launcher(params["num_warps"])
+  if own and mode == "jaxlib":
+    try:
+      launcher()
+    except RuntimeError as e:
+      raise RuntimeError(
+          f"{entry[1].name} builds TMA descriptors on the device or was warp-specialized by "
+          "Triton, which only lrjax's own launcher can launch. " + str(e)) from None
+  if mode == "jaxlib" and not use_ffi() and not own:
     return finish(legacy)
   op = legacy[0].owner
   op = getattr(op, "operation", op)
-  if mode == "lrjax" or pdl:
+  if mode == "lrjax" or pdl or own:
     results = _own_launch(ctx, array_args, params, pdl)
   else:
     opaque = ir.StringAttr(op.attributes["backend_config"]).value_bytes

@@ -16,7 +16,10 @@
 // Parameters are (kind, a, b) triples in the kernel's parameter order:
 //   kBuffer: a = index into [operands..., results...], b = bytes to zero before the launch;
 //   kI32 / kI64: a = value; kF32: a = the float's bits; kNull: a null pointer (Triton's
-//   global and profile scratch, which lrjax kernels do not use).
+//   profile scratch, and its global scratch where the kernel needs none);
+//   kScratch: a = buffer index, b = an alignment: the buffer's address rounded up to it
+//   (Triton's global scratch, where a kernel builds TMA descriptors on the device; launch.py
+//   sizes the buffer with b bytes to spare).
 // The CUDA driver is opened with dlopen at the first launch, so the library loads (and its
 // error paths can be tested) on a machine without a GPU.
 
@@ -39,7 +42,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-enum ParamKind : int64_t { kBuffer = 0, kI32 = 1, kI64 = 2, kNull = 3, kF32 = 4 };
+enum ParamKind : int64_t { kBuffer = 0, kI32 = 1, kI64 = 2, kNull = 3, kF32 = 4,
+                            kScratch = 5 };
 
 // Each entry point at the ABI version whose prototype is used here (cudaTypedefs.h's
 // PFN_<name>_v<version>): cuGetProcAddress would otherwise hand out the newest version the
@@ -213,6 +217,17 @@ ffi::Error Launch(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets r
         break;
       case kNull:
         break;
+      case kScratch: {
+        auto ptr = BufferAt(args, rets, a);
+        if (!ptr.has_value()) return ptr.error();
+        if (b < 1 || (b & (b - 1)) != 0) {
+          return ffi::Error::InvalidArgument("lrjax_triton_launch: scratch alignment " +
+                                             std::to_string(b) + " is not a power of two");
+        }
+        uint64_t at = reinterpret_cast<uint64_t>(*ptr);
+        values[p] = (at + static_cast<uint64_t>(b) - 1) & ~(static_cast<uint64_t>(b) - 1);
+        break;
+      }
       default:
         return ffi::Error::InvalidArgument("lrjax_triton_launch: parameter " +
                                            std::to_string(p) + " has unknown kind " +

@@ -499,6 +499,40 @@ def test_launchers_agree(monkeypatch, mode):
       assert_close(got, want, dtype, factor=2.0)
 
 
+@pytest.mark.parametrize("mode", ["jaxlib", "lrjax"])
+@pytest.mark.parametrize("cfg", [dict(), dict(programs=7), dict(warps=4, ws=True),
+                                 dict(warps=4, ws=True, programs=5, bn=128, stages=4)],
+                         ids=["tiles", "persistent", "ws", "ws-persistent"])
+@pytest.mark.parametrize("mkn", [(1, 136, 264), (333, 520, 1000)], ids=["M1", "ragged"])
+def test_tma_and_warp_specialized_kernels_launch_through_lrjax(monkeypatch, mode, cfg, mkn):
+  """A kernel that builds TMA descriptors on the device (Triton's global scratch, 128 bytes a
+  descriptor a CTA) and one Triton warp-specialized (12 warps launched for num_warps=4): both
+  go to lrjax's launcher under every mode, which passes the scratch and the warps; jaxlib's
+  could do neither (benchmarks/gemm_probe.gemm_tma). The poisoned output matches the f64
+  product on fresh inputs, M=1 and sizes no block divides, twice on one executable."""
+  import os
+  import sys
+  from lrjax.custom_calls.triton import launch
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "benchmarks"))
+  try:
+    import gemm_probe
+  finally:
+    sys.path.pop(0)
+  monkeypatch.setenv("LRJAX_TRITON_LAUNCH", mode)
+  m, k, n = mkn
+  dtype = jnp.bfloat16
+  a, b = randn((m, k), dtype), randn((k, n), dtype, k ** -0.5)
+  f = jax.jit(lambda a, b, o: gemm_probe.gemm_tma(a, b, out=o, **cfg)).lower(
+      a, b, poisoned((m, n), dtype)).compile()
+  text = f.as_text()
+  assert text.count(f'custom_call_target="{launch.LAUNCH_TARGET}"') == 1
+  image = launch._images[id(launch._ours.kernel)][2]  # the kernel this lowering compiled
+  assert image.scratch >= 3 * 128 and image.num_warps == (12 if cfg.get("ws") else 8), image
+  for _ in range(2):
+    got = f(a, b, poisoned((m, n), dtype))
+    assert_close(got, f64(a) @ f64(b), dtype)
+
+
 @pytest.mark.parametrize("min_half", [None, 4096])
 def test_decode_calls_share_a_chained_scratch(monkeypatch, min_half):
   """The decode calls of one block run on one chained scratch buffer (launch.py): each

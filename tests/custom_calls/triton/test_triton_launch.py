@@ -40,6 +40,9 @@ def test_kernel_params_follow_jax_tritons_argument_order():
                    3, 0, 0,  3, 0, 0], got
     raises(ValueError, lambda: launch.kernel_params(ins, outs, [(2, "fp64", 0.5)], ()),
            "fp64", "i32")
+    # Triton's global scratch: the buffer after the results, its address rounded up to 128
+    got = launch.kernel_params(ins, outs, [], (), scratch_align=128)
+    assert got[-6:] == [5, 4, 128,  3, 0, 0], got
     print("ok")
   '''), interpret=False)
   assert out.rstrip().endswith("ok")
@@ -121,3 +124,61 @@ def test_the_built_library_loads_and_checks_the_driver():
   if out.split()[-2] == "absent":
     pytest.skip("the Triton launcher was not built (no Triton at build time)")
   assert out.split()[-2] == "loaded", out
+
+
+def test_the_compile_keeps_the_scratch_and_warps_triton_reports():
+  """jax-triton drops the metadata Triton's stages fill; launch.py's tap keeps what lrjax's
+  launcher needs of it. A kernel that builds TMA descriptors on the device asks for 128 bytes
+  of global scratch a descriptor, and warp-specializing its K loop launches 12 warps for 4:
+  both need lrjax's launcher, and the PTX entry takes as many parameters as it passes. The
+  compile step is jax-triton 0.3.1's stages in order (here without jax-triton)."""
+  out = run_script(STUB + textwrap.dedent('''
+    import types
+    import numpy as np
+    import triton
+    from jax.core import ShapedArray
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    import gemm_probe
+    from lrjax.custom_calls.triton import launch
+
+    def jax_triton_compile(ttir, backend, options, cc, platform):
+      metadata = {}
+      mod = backend.make_ttir(ttir, metadata, options, cc)
+      mod = backend.make_ttgir(mod, metadata, options, cc)
+      ptx = backend.make_ptx(backend.make_llir(mod, metadata, options, cc), metadata, options,
+                             cc)
+      return types.SimpleNamespace(name=metadata["name"], binary=ptx,
+                                   shared_mem_bytes=metadata["shared"])
+    launch._jax_triton_compile = jax_triton_compile
+
+    target = GPUTarget("cuda", 90, 32)
+    kernel = gemm_probe._gemm_tma_kernel
+    for ws, warps in ((False, 8), (True, 4)):
+      meta = dict(M=64, N=256, K=128, BM=64, BN=128, BK=64, GROUP=8, PROGRAMS=4, WS=ws)
+      sig = {p.name: "constexpr" if p.is_constexpr else "*bf16" for p in kernel.params}
+      attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)
+               if not p.is_constexpr}
+      src = ASTSource(fn=kernel, signature=sig, constexprs=meta, attrs=attrs)
+      backend = make_backend(target)
+      options = backend.parse_options(dict(num_warps=warps, num_stages=3))
+      context = ir.context()
+      ir.load_dialects(context)
+      backend.load_dialects(context)
+      ttir = src.make_ir(target, options, backend.get_codegen_implementation(options),
+                         backend.get_module_map(), context)
+      launch._ours.active = False
+      compiled = launch._compile_checked(ttir, backend, options, 90, "cuda")
+      result, image = launch._ours.compiled
+      assert result is compiled
+      assert image.scratch >= 3 * 128 and image.scratch_align == 128, image
+      assert image.num_warps == (12 if ws else 8), image
+      assert image.needs_own_launcher(warps)
+      ins = [ShapedArray((8,), np.float32)] * 3  # a, b, the aliased output; c is the result
+      triples = launch.kernel_params(ins, [ShapedArray((8,), np.float32)], [], (), 128)
+      assert launch.ptx_param_count(compiled.binary, compiled.name) == len(triples) // 3
+    assert not launch.Image(4, 0, 1).needs_own_launcher(4)
+    print("ok")
+  '''), interpret=False)
+  assert out.rstrip().endswith("ok")
