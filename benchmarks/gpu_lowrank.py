@@ -398,6 +398,10 @@ def _xuv_variant(kernel, m, k, r, n):
   if kernel.startswith("persistent_rows:"):  # V's column tiles at least this many bytes a row
     p = planner.plan_decode_persistent(m, k, r, n, min_row_bytes=int(kernel.split(":")[1]))
     return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, persistent=p, pv="kernel")
+  if kernel.startswith("persistent_probe:"):  # its PROBE bits (timing only; wrong output)
+    bits = int(kernel.split(":")[1])
+    return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, persistent=True, pv="kernel",
+                                                 _probe=bits)
   if kernel == "pv_xla":  # the persistent kernel's phase 1, then XLA's GEMM applies V
     return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, persistent=True, pv="xla")
   if kernel.startswith(("persistent:", "pv_xla:")):  # ...:field=value,... (a planner.
@@ -649,23 +653,34 @@ GEMM_SHAPES = ((4096, 4096, 5120, "MLP A, 8B r=2560"), (4096, 2560, 14336, "MLP 
                (1024, 8192, 4096, "X·U·V phase A, M=1024"),
                (1024, 4096, 16384, "X·U·V phase D, M=1024"))
 GEMM_CONFIGS = (dict(stages=3), dict(stages=4), dict(bn=128, stages=4))
+# session 20: the pointer loop's best beside TMA-descriptor GEMMs (gemm_probe.gemm_tma), one
+# tile per CTA or persistent, the K loop plain or warp-specialized (4 warps a warpgroup)
+_TMA = dict(kind="tma")
+GEMM_TMA_CONFIGS = (dict(stages=3),
+                    dict(_TMA, stages=3), dict(_TMA, stages=4, bn=128),
+                    dict(_TMA, stages=3, programs=132),
+                    dict(_TMA, stages=3, warps=4, ws=True),
+                    dict(_TMA, stages=4, warps=4, ws=True, bn=128),
+                    dict(_TMA, stages=3, warps=4, ws=True, programs=132),
+                    dict(_TMA, stages=4, warps=4, ws=True, bn=128, programs=132))
+GEMM_TMA_SHAPES = GEMM_SHAPES[1:3] + GEMM_SHAPES[5:]
 
 
-def gemm_records():
-  """A plain Triton GEMM with the kernels' tile loop against XLA's dot on the same shape:
-  the tile throughput the prefill kernels work under (benchmarks/gemm_probe.py)."""
+def gemm_records(shapes=GEMM_SHAPES, configs=GEMM_CONFIGS):
+  """Plain Triton GEMMs (the kernels' tile loop, or TMA descriptors) against XLA's dot on the
+  same shape: the tile throughput the prefill kernels work under (benchmarks/gemm_probe.py)."""
   import gemm_probe
   out = []
-  for (m, k, n, what) in GEMM_SHAPES:
+  for (m, k, n, what) in shapes:
     ks = jax.random.split(jax.random.key(m + k + n), 2)
     x = rand(ks[0], (m, k))
     nl = n_layers(2 * k * n, m)
     ws = [(rand(jax.random.fold_in(ks[1], i), (k, n), k ** -0.5),) for i in range(nl)]
     t_xla, _ = per_call_us(lambda x, w: x @ w, x, ws)
     flops = 2 * m * k * n
-    for cfg in GEMM_CONFIGS:
+    for cfg in configs:
       gemm_probe.check(x, ws[0][0], **cfg)
-      t, spread = per_call_us(lambda x, w: gemm_probe.gemm(x, w, **cfg), x, ws)
+      t, spread = per_call_us(lambda x, w: gemm_probe.gemm_variant(x, w, **cfg), x, ws)
       rec = dict(op="gemm", variant=",".join(f"{a}={b}" for a, b in cfg.items()), what=what,
                  M=m, K=k, r=0, N=n, dtype="bfloat16", ours_us=t, xla_us=t_xla,
                  tflops=flops / t / 1e6, xla_tflops=flops / t_xla / 1e6,
@@ -894,8 +909,9 @@ def suite(name, bw, peak, args, recs):
         for spec in kv_attention_variants(b, t, r):
           recs.append(kv_attention_record(b, t, r, kernel=spec, baselines=base))
     return recs
-  if name == "gemm_ceiling":
-    for rec in gemm_records():
+  if name in ("gemm_ceiling", "gemm_tma"):
+    for rec in (gemm_records() if name == "gemm_ceiling"
+                else gemm_records(GEMM_TMA_SHAPES, GEMM_TMA_CONFIGS)):
       recs.append(rec)
     return recs
   if name in ("decode", "all"):
@@ -961,6 +977,10 @@ def suite(name, bw, peak, args, recs):
   if name == "decode_p16":  # phase 2 reads P rounded once to bf16 instead of the f32 sums
     xuv_decode_sweep(args.chunk_m, lambda *_: ("persistent:p16=1",))
     mlp_sweep(decode_points, lambda _: ("decode_p16", "persistent", "persistent_p16"))
+  if name == "decode_m_cost":  # what grows from M=1 to 16: phase 1's atomics, phase 2's rows
+    xuv_decode_sweep(args.chunk_m, lambda m, *_: () if m == 1 else tuple(
+        f"persistent_probe:{b}" for b in (1, 2, 3)), "persistent",
+        ((4096, 2560, 14336), (4096, 1024, 14336), (8192, 4096, 16384)))
   if name == "decode_grid":  # the persistent decode kernel on a quarter / half of the SMs
     xuv_decode_sweep((2, 8, 16), lambda *_: ("persistent:programs=33", "persistent:programs=66"),
                      "persistent", ((4096, 152, 4096), (2048, 256, 512), (4096, 512, 1024),
@@ -1251,8 +1271,8 @@ def main():
                            "decode_rows", "line_rows", "decode_persistent",
                            "mlp_decode_variants", "mlp_phases", "mlp_prefetch",
                            "mlp_prefill_variants", "prefill_variants",
-                           "mlp_prefill_phases", "gemm_ceiling", "decode_prefetch",
-                           "decode_wide_m", "decode_chunks", "decode_p16", "decode_grid",
+                           "mlp_prefill_phases", "gemm_ceiling", "gemm_tma", "decode_prefetch",
+                           "decode_wide_m", "decode_chunks", "decode_p16", "decode_m_cost", "decode_grid",
                            "decode_group", "decode_pv", "llama70b",
                            "mlp_decode_probes", "mlp_park_h", "mlp_park_tune",
                            "mlp_park_stages", "mlp_low_stages", "mlp_slices", "mlp_tail",
@@ -1278,7 +1298,8 @@ def main():
   ap.add_argument("--mlp-models", nargs="*", choices=sorted(MLP_SHAPES),
                   help="only these models' shapes in the mlp suite")
   ap.add_argument("--chunk-m", type=int, nargs="*", default=[16, 32, 64],
-                  help="token counts of the decode_chunks, decode_p16 and decode_pv suites")
+                  help="token counts of the decode_chunks, decode_p16, decode_m_cost and "
+                  "decode_pv suites")
   ap.add_argument("--verbose", action="store_true", help="print compile and timing seconds")
   ap.add_argument("--reps", type=int, default=15, help="alternated repetitions per timing")
   ap.add_argument("--timing", choices=["device", "host"], default="device",

@@ -126,11 +126,12 @@ def _xu_tile(rb, k_start,  # column block of U, first row of K
              K_PER: tl.constexpr, RB_PER_CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
              BLOCK_R: tl.constexpr, COLS_R: tl.constexpr, EVEN_K: tl.constexpr,
              STREAM: tl.constexpr, P16: tl.constexpr, p16_ptr, rb_cnt_ptr,
-             SPLIT_K: tl.constexpr):
+             SPLIT_K: tl.constexpr, P_STORE: tl.constexpr = False):
   """One split-K tile of P = X·U: f32 atomics into P, then its r-chunk's counter (release).
   P16: the last of the column block's SPLIT_K tiles (``last_arrival`` on its counter)
   rounds the block once into p16 (V's dtype) and alone signals the chunk.
-  STREAM=False skips the streaming (timing the other stage only)."""
+  STREAM=False skips the streaming, P_STORE stores the partial instead of adding it (timing
+  only: the output is then wrong)."""
   offs_r = rb * COLS_R + tl.arange(0, BLOCK_R)
   r_mask = offs_r < R
   if COLS_R < BLOCK_R:
@@ -139,8 +140,12 @@ def _xu_tile(rb, k_start,  # column block of U, first row of K
     acc = tl.zeros([offs_m.shape[0], BLOCK_R], tl.float32)
     acc = mm_acc(acc, x_ptr, u_ptr, offs_m, offs_r, m_mask, r_mask, k_start, k_start + K_PER,
                  K, K, R, BLOCK_K, EVEN_K, False)
-    tl.atomic_add(p_ptr + offs_m[:, None] * R + offs_r[None, :], acc,
-                  mask=m_mask[:, None] & r_mask[None, :], sem="relaxed")
+    if P_STORE:
+      tl.store(p_ptr + offs_m[:, None] * R + offs_r[None, :], acc,
+               mask=m_mask[:, None] & r_mask[None, :])
+    else:
+      tl.atomic_add(p_ptr + offs_m[:, None] * R + offs_r[None, :], acc,
+                    mask=m_mask[:, None] & r_mask[None, :], sem="relaxed")
   if P16:
     if last_arrival(rb_cnt_ptr + rb, SPLIT_K):
       round_once(p_ptr, p16_ptr, offs_m[:, None] * R + offs_r[None, :],
@@ -245,6 +250,9 @@ def _xuv_decode_persistent_kernel(
     PV: tl.constexpr = True,  # False: phase 1 only, ending with P rounded into p16 (P16)
     WORK_OFF: tl.constexpr = 0,  # as in _xuv_decode_kernel
     PDL: tl.constexpr = 0,  # as in _xuv_decode_kernel
+    PROBE: tl.constexpr = 0,  # timing only (wrong output): bit 1 stores the split-K partials
+                              # instead of adding them, bit 2 runs phase 2 on P's first row
+                              # (its reads of P and its output stores)
 ):
   pid = tl.program_id(0)
   chain_ptr = scratch_ptr
@@ -267,7 +275,7 @@ def _xuv_decode_persistent_kernel(
   for t in range(pid, n1, PROGRAMS):
     _xu_tile(t // SPLIT_K, (t % SPLIT_K) * K_PER, x_ptr, u_ptr, p_ptr, flag_ptr, offs_m,
              m_mask, K, R, K_PER, RB_PER_CHUNK, BLOCK_K, BLOCK_R, COLS_R, EVEN_K, True, P16,
-             p16_ptr, rb_cnt_ptr, SPLIT_K)
+             p16_ptr, rb_cnt_ptr, SPLIT_K, (PROBE & 1) != 0)
   if PV:
     # phase 2: tiles q = pid, pid + PROGRAMS, ...; chunk-major; each waits for its chunk of P
     if PREFETCH > 0:  # the first rows of this CTA's first V tile load while it waits
@@ -276,7 +284,8 @@ def _xuv_decode_persistent_kernel(
                     N, N, PREFETCH, BLOCK_N)
     for q in range(pid, R_CHUNKS * n_nb, PROGRAMS):
       _pv_tile(q, n_nb, n_rb, p16_ptr if P16 else p_ptr, v_ptr, b_ptr, acc_ptr, flag_ptr,
-               sem_ptr, o_ptr, M, R, N, HAS_BIAS, SPLIT_K, R_CHUNKS, RB_PER_CHUNK, BLOCK_M,
+               sem_ptr, o_ptr, 1 if PROBE & 2 else M, R, N, HAS_BIAS, SPLIT_K, R_CHUNKS,
+               RB_PER_CHUNK, BLOCK_M,
                BLOCK_N, BLOCK_KV, EVEN_R, COLS_R, COLS_N, P16)
   leave_chain(chain_ptr, clear_off, clear_n)
 
@@ -411,7 +420,8 @@ def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
               BLOCK_K=p.block_k, BLOCK_R=p.block_r, BLOCK_N=p.block_n,
               BLOCK_KV=p.block_kv, EVEN_K=k % p.k_per == 0,
               EVEN_R=r % r_per == 0 and r_per % p.block_kv == 0, COLS_R=p.cols_r,
-              COLS_N=p.cols_n, PROGRAMS=p.programs, PREFETCH=p.prefetch, P16=p.p16, PV=pv)
+              COLS_N=p.cols_n, PROGRAMS=p.programs, PREFETCH=p.prefetch, P16=p.p16, PV=pv,
+              PROBE=0)
   n_nb = planner.cdiv(n, p.cols_n)
   return dict(grid=p.programs, chunks=chunks, n_nb=n_nb, meta=meta,
               scratch=m * r + (m * n if chunks > 1 else 0) + chunks + n_nb
@@ -421,7 +431,7 @@ def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
 def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | None = None,
                out=None, xla_zeroing: bool | None = None, _stages: int = 3,
                persistent: "bool | planner.PersistentDecodePlan | None" = None,
-               pv: str | None = None):
+               pv: str | None = None, _probe: int = 0):
   """y = (x·u)·v (+ bias) for few tokens. x [..., K], u [K, r], v [r, N], bias [N].
 
   ``out`` [M, N]: optional buffer the kernel writes into (aliased; the tests poison it).
@@ -437,6 +447,7 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
   as XLA's own lowering does); default: "xla" from PV_XLA_MIN_M rows unless ``out`` is
   given.
   ``_stages``: benchmarking only (1: stage 1 alone, 2: stage 2 alone; the output is wrong).
+  ``_probe``: benchmarking only, the persistent kernel's PROBE bits (the output is wrong).
   """
   x2, lead, (m, k, r, n), out_dtype = unpack_xuv_args(x, u, v, out_dtype)
   if pv not in (None, "kernel", "xla"):
@@ -470,10 +481,11 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
     if p.block_m < m:
       raise ValueError(f"{p.block_m=} must cover the {m} rows")
     plan = persistent_launch_plan(m, k, r, n, bias is not None, p, pv == "kernel")
+    plan["meta"]["PROBE"] = int(_probe)
     kernel, warps, stages = _xuv_decode_persistent_kernel, p.warps, p.stages
   else:
-    if pv == "xla":
-      raise ValueError("pv='xla' applies to the persistent schedule")
+    if pv == "xla" or _probe:
+      raise ValueError("pv='xla' and _probe= apply to the persistent schedule")
     pv = "kernel"
     bs = block_sizes or BlockSizes.get_default(m, k, r, n)
     if bs.block_m < m:
