@@ -255,6 +255,10 @@ def _compile_checked(ttir, backend, options, compute_capability, platform):
     planner.check_cta_smem(result.name, result.shared_mem_bytes, compute_capability,
                            options.num_warps, options.num_stages)
   md = tap.metadata
+  if platform == "cuda" and "shared" not in md:  # every CUDA compile fills it
+    raise RuntimeError("lrjax could not read Triton's compile metadata through jax-triton's "
+                       "compile step (it no longer calls the backend's make_ttir with it); "
+                       "this jax-triton release is not supported by launch.py")
   _ours.compiled = result, Image(int(md.get("num_warps", options.num_warps)),
                                  int(md.get("global_scratch_size", 0) or 0),
                                  int(md.get("global_scratch_align", 1) or 1))
@@ -317,14 +321,21 @@ def ptx_param_count(ptx: str, name: str) -> int:
   return m.group(1).count(".param")
 
 
-def _own_launch(ctx, array_args, params, pdl: bool):
-  """Our launcher's custom call for the kernel jax-triton just compiled for this call."""
+def _recorded():
+  """(kernel, compile result, Image) of the kernel jax-triton just compiled or found in its
+  cache for this call, or None where it was compiled before this module was imported."""
   kernel = getattr(_ours, "kernel", None)
   entry = _images.get(id(kernel))
-  if entry is None or entry[0] is not kernel:
+  return entry if entry is not None and entry[0] is kernel else None
+
+
+def _own_launch(ctx, array_args, params, pdl: bool, entry):
+  """Our launcher's custom call for the kernel jax-triton just compiled for this call
+  (``entry``: ``_recorded()``)."""
+  if entry is None:
     raise RuntimeError("lrjax's launcher found no PTX for this kernel: it was compiled "
                        "before lrjax.custom_calls.triton.launch was imported")
-  compiled, image = entry[1], entry[2]
+  _, compiled, image = entry
   if params["num_ctas"] != 1 or callable(params["zeroed_outputs"]):
     raise ValueError(f"{compiled.name}: lrjax's launcher takes num_ctas=1 and a fixed "
                      "zeroed_outputs")
@@ -371,7 +382,7 @@ def _lowering(ctx, *array_args, custom_call_target_name, **params):
                               **params)
   finally:
     _ours.active = False
-  entry = _images.get(id(_ours.kernel))
+  entry = _recorded()
   own = entry is not None and entry[2].needs_own_launcher(params["num_warps"])
   if own and mode == "jaxlib":
     try:
@@ -385,7 +396,7 @@ def _lowering(ctx, *array_args, custom_call_target_name, **params):
   op = legacy[0].owner
   op = getattr(op, "operation", op)
   if mode == "lrjax" or pdl or own:
-    results = _own_launch(ctx, array_args, params, pdl)
+    results = _own_launch(ctx, array_args, params, pdl, entry)
   else:
     opaque = ir.StringAttr(op.attributes["backend_config"]).value_bytes
     rule = jax.ffi.ffi_lowering(FFI_TARGET, api_version=4,

@@ -403,9 +403,11 @@ def launch_plan(m: int, k: int, r: int, n: int, has_bias: bool, bs: BlockSizes,
 
 
 def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
-                           p: planner.PersistentDecodePlan, pv: bool = True) -> dict:
+                           p: planner.PersistentDecodePlan, pv: bool = True,
+                           probe: int = 0) -> dict:
   """Grid size and constexprs of one persistent call (shared by the wrapper and the tests).
-  ``pv=False``: phase 1 only, into P rounded once (one r-chunk, ``p.p16`` forced on)."""
+  ``pv=False``: phase 1 only, into P rounded once (one r-chunk, ``p.p16`` forced on).
+  ``probe``: the kernel's timing-only PROBE bits (0: the real kernel)."""
   if not pv:
     p = dataclasses.replace(p, p16=True, r_chunks=1)
   split = planner.cdiv(k, p.k_per)
@@ -421,7 +423,7 @@ def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
               BLOCK_KV=p.block_kv, EVEN_K=k % p.k_per == 0,
               EVEN_R=r % r_per == 0 and r_per % p.block_kv == 0, COLS_R=p.cols_r,
               COLS_N=p.cols_n, PROGRAMS=p.programs, PREFETCH=p.prefetch, P16=p.p16, PV=pv,
-              PROBE=0)
+              PROBE=int(probe))
   n_nb = planner.cdiv(n, p.cols_n)
   return dict(grid=p.programs, chunks=chunks, n_nb=n_nb, meta=meta,
               scratch=m * r + (m * n if chunks > 1 else 0) + chunks + n_nb
@@ -480,8 +482,7 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
       raise ValueError(f"{p.programs=} must be positive")
     if p.block_m < m:
       raise ValueError(f"{p.block_m=} must cover the {m} rows")
-    plan = persistent_launch_plan(m, k, r, n, bias is not None, p, pv == "kernel")
-    plan["meta"]["PROBE"] = int(_probe)
+    plan = persistent_launch_plan(m, k, r, n, bias is not None, p, pv == "kernel", _probe)
     kernel, warps, stages = _xuv_decode_persistent_kernel, p.warps, p.stages
   else:
     if pv == "xla" or _probe:

@@ -511,13 +511,10 @@ def test_tma_and_warp_specialized_kernels_launch_through_lrjax(monkeypatch, mode
   could do neither (benchmarks/gemm_probe.gemm_tma). The poisoned output matches the f64
   product on fresh inputs, M=1 and sizes no block divides, twice on one executable."""
   import os
-  import sys
   from lrjax.custom_calls.triton import launch
-  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "benchmarks"))
-  try:
-    import gemm_probe
-  finally:
-    sys.path.pop(0)
+  monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "..", "..", "..",
+                                           "benchmarks"))
+  import gemm_probe
   monkeypatch.setenv("LRJAX_TRITON_LAUNCH", mode)
   m, k, n = mkn
   dtype = jnp.bfloat16
@@ -526,7 +523,7 @@ def test_tma_and_warp_specialized_kernels_launch_through_lrjax(monkeypatch, mode
       a, b, poisoned((m, n), dtype)).compile()
   text = f.as_text()
   assert text.count(f'custom_call_target="{launch.LAUNCH_TARGET}"') == 1
-  image = launch._images[id(launch._ours.kernel)][2]  # the kernel this lowering compiled
+  image = launch._recorded()[2]  # the kernel this lowering compiled
   assert image.scratch >= 3 * 128 and image.num_warps == (12 if cfg.get("ws") else 8), image
   for _ in range(2):
     got = f(a, b, poisoned((m, n), dtype))
