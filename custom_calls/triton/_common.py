@@ -131,10 +131,13 @@ def signal(flag_ptr):
 
 @triton.jit
 def wait_at_least(flag_ptr, target):
-  """Spins until *flag_ptr >= target, then acquires (gpu scope) for the whole CTA."""
-  while tl.load(flag_ptr, volatile=True) < target:
+  """Spins until *flag_ptr >= target, each read a gpu-scope acquire, then a CTA barrier.
+  The poll is ``atomic_add(flag, 0, acquire)`` with its value used: Triton lowers that to
+  one ``ld.global.gpu.acquire`` a poll (by one thread, shared with the CTA). A relaxed poll
+  followed by an unused acquiring ``atomic_add(flag, 0)`` lost the acquire: Triton 3.6 drops
+  the unused no-op atomic (tests/custom_calls/triton/test_triton_sync.py)."""
+  while tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu") < target:
     pass
-  tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
   tl.debug_barrier()
 
 

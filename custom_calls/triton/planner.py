@@ -260,11 +260,35 @@ def _cta_rate(cols: int, stages: int, share: float, round_trip_us: float,
   return min(share, stages * 64 * cols * 2 * factors / (round_trip_us * 1e-6))
 
 
+# Each split-K tile adds its f32 partial [M, cols] into P with atomics as it ends, so a
+# phase of S splits writes S x M x r x 4 bytes to L2 at its tail: at M=1-4 a few hundred KB,
+# at M=16 up to 2 MiB. Beyond about PARTIAL_FREE_BYTES that costs about a microsecond a MiB
+# (PARTIAL_BW). Fitted to the persistent X·U·V kernel, each pair timed in one device call
+# (results/gpu_xuv_decode_partials_h200.json): halving the partials with half as many,
+# half-width (128-column) splits took 1.1 / 1.0 / 0.3 us off at M=16 (2 -> 1 MiB;
+# 4096->1024->14336, 8192->4096->16384, 8192->2048->16384) and 0.9 / 0.5 us at M=8
+# (1 -> 0.5 MiB; the first two). Below 0.5 MiB nothing measurable was gained, and tiles
+# narrower than 128 columns cost on their own: 64-column tiles at 0.5 MiB were 0.05 us
+# faster than 128 at 1 MiB (M=16), 80-column ones 0.5 us slower than 160 at M=8 on
+# 4096->2560->14336 (0.33 against 0.66 MiB).
+PARTIAL_FREE_BYTES = 1 << 19
+PARTIAL_BW = 1.0e12
+# ... counted by plan_decode_persistent up to this many rows, the fused kernel's default rows
+# (from xuv_decode.PV_XLA_MIN_M = 64 the default is phase 1 alone, plan_decode_phase1's tiles)
+PARTIALS_MAX_M = 32
+
+
+def _partials_us(splits: int, m: int, r: int, factors: int = 1) -> float:
+  """The split-K partials' cost beyond PARTIAL_FREE_BYTES (m = 0: not counted)."""
+  return max(0, splits * m * r * 4 * factors - PARTIAL_FREE_BYTES) / PARTIAL_BW * 1e6
+
+
 def _split_k_tiles(k: int, r: int, factors: int, g: int, bw: float, fill_us: float,
-                   stages: int = 4, round_trip_us: float = 0.0):
+                   stages: int = 4, round_trip_us: float = 0.0, m: int = 0):
   """(us, block_r, cols_r, k_per) for a split-K phase over ``factors`` [K, r] matrices.
   With ``round_trip_us`` > 0 a CTA streams at most its in-flight bytes (``stages`` 64-row
-  steps of its columns) per round trip (ROUND_TRIP_US)."""
+  steps of its columns) per round trip (ROUND_TRIP_US). With ``m`` rows, the f32 partials
+  count (``_partials_us``)."""
   # ties go to fewer tiles, then to wider ones (longer contiguous rows); ranks <= 32 (e.g. a
   # TP shard of a small factor) take 16- or 32-column tiles; K <= 64 one 64-row step
   widths = (64, 128, 256) if r > 32 else (16, 32)
@@ -273,7 +297,8 @@ def _split_k_tiles(k: int, r: int, factors: int, g: int, bw: float, fill_us: flo
   def phase_bw(c):  # the bandwidth a phase of such tiles streams at, all g CTAs together
     return g * _cta_rate(c, stages, bw / g, round_trip_us, factors)
   best = min((_phase_us(cdiv(r, c) * cdiv(k, st * 64), st * 64 * c * 2 * factors, g,
-                        phase_bw(c), fill_us), cdiv(r, c) * cdiv(k, st * 64), -c, w, c, st * 64)
+                        phase_bw(c), fill_us) + _partials_us(cdiv(k, st * 64), m, r, factors),
+               cdiv(r, c) * cdiv(k, st * 64), -c, w, c, st * 64)
              for w, c in _widths(widths) if c <= max(16, r) + 15 for st in steps)
   return best[0], best[3], best[4], best[5]
 
@@ -338,14 +363,16 @@ def plan_decode_persistent(m: int, k: int, r: int, n: int, hw: Hardware = H200,
   plan minimises the estimate (HBM bytes only). Where a phase-2 tile would read at least
   ``p_split_bytes`` of P from L2 (``P_SPLIT_BYTES``), phase 2 takes two r-chunks of tiles
   twice as wide instead of one (the same tile count). Phase 1 counts each CTA's DRAM round
-  trip (ROUND_TRIP_US) where its share of U is at least ROUND_TRIP_MIN_BYTES.
+  trip (ROUND_TRIP_US) where its share of U is at least ROUND_TRIP_MIN_BYTES, and up to
+  PARTIALS_MAX_M rows its f32 split-K partials beyond PARTIAL_FREE_BYTES (PARTIAL_BW).
   """
   g = programs or hw.num_sms
   block_m = max(16, next_pow2(m))
   if k * r * 2 < ROUND_TRIP_MIN_BYTES * g:
     round_trip_us = 0.0
   t1, block_r, cols_r, k_per = _split_k_tiles(k, r, 1, g, bw, fill_us,
-                                              4 if block_m <= 32 else 3, round_trip_us)
+                                              4 if block_m <= 32 else 3, round_trip_us,
+                                              m if block_m <= PARTIALS_MAX_M else 0)
   t2, block_n, cols_n, chunks = _column_tiles(n, cdiv(r, cols_r), cols_r, g, bw, fill_us,
                                               min_row_bytes=min_row_bytes,
                                               line_row_tol=line_row_tol)

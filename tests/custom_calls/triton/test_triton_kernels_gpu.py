@@ -65,6 +65,8 @@ XUV_SHAPES = [  # (M, K, r, N): M=1, ragged everything, a multi-super-block pref
     (1, 512, 16, 1024), (5, 300, 7, 200),  # ranks <= 32 (TP-8 shards): narrow tiles
     (4, 64, 16, 32), (2, 40, 1, 48),  # K <= 64: one 64-row step; rank one
     (4, 8192, 2432, 8192),  # >= 64 KB of U a CTA: round-trip-wide phase-1 tiles, ragged
+    # split-K partials over planner.PARTIAL_FREE_BYTES: fewer, 128-column phase-1 tiles
+    (8, 4096, 1024, 1000), (16, 8192, 2048, 520),
 ]
 
 

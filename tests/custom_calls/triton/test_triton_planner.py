@@ -389,3 +389,34 @@ def test_scratch_chain_alternates_halves_and_zeroes_what_the_last_call_used():
   for bad in (((half, 2, 0), 8), ((half, 0, half + 1), 8), (None, 0)):
     with pytest.raises(ValueError, match="expected"):
       planner.next_link(*bad)
+
+
+@pytest.mark.parametrize("m,k,r,n", [(8, 4096, 1024, 14336), (8, 8192, 4096, 16384),
+                                     (16, 8192, 2048, 16384), (16, 4096, 1024, 14336)])
+def test_fused_plan_bounds_the_split_k_partials_from_8_rows(m, k, r, n):
+  """At M=8 and 16 the f32 split-K partials cost about 1 us a MiB beyond 0.5 MiB
+  (PARTIAL_BW; 0.3-1.1 us a call measured): the plan takes fewer splits of at most 128
+  columns there than at one row, about one tile an SM, and halves the partials at least."""
+  p = planner.plan_decode_persistent(m, k, r, n, programs=132)
+  p1 = planner.plan_decode_persistent(1, k, r, n, programs=132)
+  splits, splits1 = planner.cdiv(k, p.k_per), planner.cdiv(k, p1.k_per)
+  assert 2 * splits <= splits1 and p.cols_r <= 128 < p1.cols_r
+  assert 100 <= planner.cdiv(r, p.cols_r) * splits <= 132
+  assert splits * m * r * 4 <= 2 * planner.PARTIAL_FREE_BYTES
+  assert planner._partials_us(splits, m, r) < planner._partials_us(splits1, m, r)
+  # the cost: nothing up to PARTIAL_FREE_BYTES, then linear
+  assert planner._partials_us(1, 1, planner.PARTIAL_FREE_BYTES // 4) == 0
+  assert planner._partials_us(2, 1, planner.PARTIAL_FREE_BYTES // 4) == pytest.approx(
+      planner.PARTIAL_FREE_BYTES / planner.PARTIAL_BW * 1e6)
+
+
+def test_fused_plan_leaves_one_row_and_64_rows_alone(monkeypatch):
+  """The partials are not counted at M=1 (small) nor from 64 rows (PARTIALS_MAX_M; the
+  default there is plan_decode_phase1's): the plans are those of a zero cost, unlike M=16's."""
+  shapes = [(4096, 1024, 14336), (8192, 4096, 16384)]
+  plans = {(m, s): planner.plan_decode_persistent(m, *s, programs=132)
+           for m in (1, 16, 64, 128) for s in shapes}
+  monkeypatch.setattr(planner, "PARTIAL_FREE_BYTES", 1 << 40)
+  for (m, s), p in plans.items():
+    free = planner.plan_decode_persistent(m, *s, programs=132)
+    assert (free == p) == (m != 16), (m, s, p, free)

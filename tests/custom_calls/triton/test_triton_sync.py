@@ -1,0 +1,57 @@
+"""The inter-CTA flags of the one-launch kernels, read in their PTX (compiled for the H200 on
+the CPU): a stage that waits for another's results must read the flag with acquire
+semantics, and the stage that publishes them must release. Session 21 found that the
+kernels' wait had lost its acquire: a relaxed (volatile) poll followed by an unused
+``atomic_add(flag, 0, sem="acquire")``, which Triton 3.6 drops when it lowers to LLVM.
+Runs wherever triton is installed, GPU or not."""
+import importlib.util
+import textwrap
+
+import pytest
+from triton_offline import STUB, run_script
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None,
+    reason="needs triton (pip install 'lrjax[cuda]') to compile the kernels for the H200")
+
+
+def test_every_wait_reads_its_flag_with_acquire_and_every_signal_releases():
+  """One planned configuration of each kernel (kernel_resources.planned: the persistent and
+  phase-1-only X·U·V decode kernel, the grouped one, the tiled and persistent SwiGLU decode
+  kernels, the two prefill kernels): every kernel that releases a flag also polls one with
+  ``ld.global.gpu.acquire`` and never with a relaxed or volatile load."""
+  out = run_script(STUB + textwrap.dedent('''
+    import re
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    seen, waits = set(), 0
+    for name, kernel, meta, warps, stages in kernel_resources.planned():
+      key = (kernel, meta.get("PV", True))
+      if key in seen:
+        continue
+      seen.add(key)
+      sig, consts, attrs = {}, {}, {}
+      for i, p in enumerate(kernel.params):
+        if p.is_constexpr:
+          consts[p.name] = meta.get(p.name, p.default)
+          sig[p.name] = "constexpr"
+        elif p.name in ("M", "clear_off", "clear_n"):
+          sig[p.name] = "i32"
+        else:
+          sig[p.name] = kernel_resources._pointer(p.name)
+          attrs[(i,)] = [["tt.divisibility", 16]]
+      ptx = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
+                           target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=warps, num_stages=stages)).asm["ptx"]
+      assert "ld.volatile" not in ptx, name  # a poll without ordering
+      releases = len(re.findall(r"atom\\.global\\.gpu\\.(release|acq_rel)\\.", ptx))
+      acquires = len(re.findall(r"ld\\.global\\.gpu\\.acquire\\.b32", ptx))
+      assert releases >= 1, name  # each of these kernels publishes some stage's results
+      if meta.get("PV", True):  # phase 1 alone (pv="xla") waits for nothing
+        assert acquires >= 1, (name, releases)
+        waits += 1
+    assert waits >= 6, waits
+    print(waits, "ok")
+  '''), interpret=False)
+  assert int(out.split()[-2]) >= 6, out
