@@ -66,10 +66,9 @@ def _pointer(name: str) -> str:
   return "*i32" if name.startswith(("sched", "flag")) else "*bf16"
 
 
-def compile_sm90(kernel, meta: dict, warps: int, stages: int, ptxas: bool = True) -> dict:
-  """Compiles ``kernel`` with these constexprs for sm_90: its shared memory, and with
-  ``ptxas`` its registers, spill bytes, whether wgmma runs serialized and how many CTAs fit
-  on one SM."""
+def compile_for_sm90(kernel, meta: dict, warps: int, stages: int):
+  """Triton's compiled kernel for sm_90 (its ``asm`` and ``metadata``), with these constexprs
+  and the argument types jax-triton gives it."""
   import triton
   from triton.backends.compiler import GPUTarget
   from triton.compiler import ASTSource
@@ -84,8 +83,16 @@ def compile_sm90(kernel, meta: dict, warps: int, stages: int, ptxas: bool = True
       sig[p.name] = _pointer(p.name)
       attrs[(i,)] = [["tt.divisibility", 16]]
   src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
-  c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                     options=dict(num_warps=warps, num_stages=stages))
+  return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                        options=dict(num_warps=warps, num_stages=stages))
+
+
+def compile_sm90(kernel, meta: dict, warps: int, stages: int, ptxas: bool = True) -> dict:
+  """Compiles ``kernel`` with these constexprs for sm_90: its shared memory, and with
+  ``ptxas`` its registers, spill bytes, whether wgmma runs serialized and how many CTAs fit
+  on one SM."""
+  import triton
+  c = compile_for_sm90(kernel, meta, warps, stages)
   out = dict(shared=c.metadata.shared, warps=warps, stages=stages)
   if ptxas:
     exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")

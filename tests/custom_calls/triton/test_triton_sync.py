@@ -22,28 +22,13 @@ def test_every_wait_reads_its_flag_with_acquire_and_every_signal_releases():
   ``ld.global.gpu.acquire`` and never with a relaxed or volatile load."""
   out = run_script(STUB + textwrap.dedent('''
     import re
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     seen, waits = set(), 0
     for name, kernel, meta, warps, stages in kernel_resources.planned():
       key = (kernel, meta.get("PV", True))
       if key in seen:
         continue
       seen.add(key)
-      sig, consts, attrs = {}, {}, {}
-      for i, p in enumerate(kernel.params):
-        if p.is_constexpr:
-          consts[p.name] = meta.get(p.name, p.default)
-          sig[p.name] = "constexpr"
-        elif p.name in ("M", "clear_off", "clear_n"):
-          sig[p.name] = "i32"
-        else:
-          sig[p.name] = kernel_resources._pointer(p.name)
-          attrs[(i,)] = [["tt.divisibility", 16]]
-      ptx = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
-                           target=GPUTarget("cuda", 90, 32),
-                           options=dict(num_warps=warps, num_stages=stages)).asm["ptx"]
+      ptx = kernel_resources.compile_for_sm90(kernel, meta, warps, stages).asm["ptx"]
       assert "ld.volatile" not in ptx, name  # a poll without ordering
       releases = len(re.findall(r"atom\\.global\\.gpu\\.(release|acq_rel)\\.", ptx))
       acquires = len(re.findall(r"ld\\.global\\.gpu\\.acquire\\.b32", ptx))
