@@ -55,31 +55,22 @@ def test_the_launch_passes_as_many_parameters_as_the_ptx_entry_takes():
   cuLaunchKernelEx."""
   out = run_script(STUB + textwrap.dedent('''
     import numpy as np
-    import triton
     from jax.core import ShapedArray
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     from lrjax.custom_calls.triton import launch
     n, seen = 0, set()
     for name, kernel, meta, warps, stages in kernel_resources.planned():
       if "PDL" not in [p.name for p in kernel.params] or kernel in seen:
         continue  # one planned configuration of each kernel that takes PDL
       seen.add(kernel)
-      sig, consts, attrs, ins, scalars = {}, {"PDL": 1}, {}, [], []
+      ins, scalars = [], []  # the arguments jax-triton passes: runtime i32s, else buffers
       for i, p in enumerate(kernel.params):
         if p.is_constexpr:
-          consts[p.name] = meta.get(p.name, p.default) if p.name != "PDL" else 1
-          sig[p.name] = "constexpr"
-        elif p.name in ("M", "clear_off", "clear_n"):
-          sig[p.name] = "i32"
+          continue
+        if p.name in ("M", "clear_off", "clear_n"):
           scalars.append((i, "i32", 5))
         else:
-          sig[p.name] = "*fp32"
-          attrs[(i,)] = [["tt.divisibility", 16]]
           ins.append(ShapedArray((4,), np.float32))
-      c = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
-                         target=GPUTarget("cuda", 90, 32),
-                         options=dict(num_warps=warps, num_stages=stages))
+      c = kernel_resources.compile_for_sm90(kernel, dict(meta, PDL=1), warps, stages)
       assert "griddepcontrol.wait" in c.asm["ptx"], name
       triples = launch.kernel_params(ins, [], scalars, ())
       assert launch.ptx_param_count(c.asm["ptx"], c.metadata.name) == len(triples) // 3, name
