@@ -219,6 +219,7 @@ class PersistentDecodePlan:
   prefetch: int  # V rows of its first phase-2 tile each CTA prefetches into L2 (0: none)
   est_us: float  # the model's time at ``bw``
   p16: bool = False  # phase 2 reads P rounded once to V's dtype, not the f32 sums
+  v_resident: bool = False  # one tile a CTA, phase-2 CTAs hold their V tile before the wait
 
 
 def _widths(pow2s):
@@ -354,7 +355,8 @@ def plan_decode_persistent(m: int, k: int, r: int, n: int, hw: Hardware = H200,
                            p_split_bytes: float = P_SPLIT_BYTES,
                            min_row_bytes: int = 0,
                            line_row_tol: float = LINE_ROW_TOL,
-                           round_trip_us: float = ROUND_TRIP_US) -> PersistentDecodePlan:
+                           round_trip_us: float = ROUND_TRIP_US,
+                           v_resident: bool = True) -> PersistentDecodePlan:
   """Tiles for the persistent decode kernel: ``programs`` CTAs stream U (phase 1), then V.
 
   Each CTA's share of a phase is ceil(tiles / programs) tiles, so the phase lasts as long
@@ -365,6 +367,8 @@ def plan_decode_persistent(m: int, k: int, r: int, n: int, hw: Hardware = H200,
   twice as wide instead of one (the same tile count). Phase 1 counts each CTA's DRAM round
   trip (ROUND_TRIP_US) where its share of U is at least ROUND_TRIP_MIN_BYTES, and up to
   PARTIALS_MAX_M rows its f32 split-K partials beyond PARTIAL_FREE_BYTES (PARTIAL_BW).
+  Small ranks (``v_resident``, see ``_v_resident_plan``) take the V-resident schedule where
+  it applies and ``min_row_bytes`` allows its 64-column V tiles.
   """
   g = programs or hw.num_sms
   block_m = max(16, next_pow2(m))
@@ -383,8 +387,46 @@ def plan_decode_persistent(m: int, k: int, r: int, n: int, hw: Hardware = H200,
   stages = 4 if block_m <= 32 else 3
   # 4 warps hold a [128, 256] f32 phase-1 tile only by spilling (2.6 KB/thread, ptxas sm_90a)
   warps = 8 if block_m >= 128 else 4
+  if v_resident and min_row_bytes <= 2 * V_RES_BLOCK_N:
+    res = _v_resident_plan(m, k, r, n, g, bw, fill_us, round_trip_us)
+    if res is not None:
+      return res
   return PersistentDecodePlan(block_m, 64, block_r, cols_r, k_per, block_n, cols_n, 64,
                               chunks, g, warps, stages, 128, t1 + t2)
+
+
+# The decode kernel's V-resident schedule (PersistentDecodePlan.v_resident): every tile on its
+# own CTA, the phase-2 CTAs loading their whole [r, cols_n] V tile into registers before they
+# wait for P. Where V is small, the wait, not V's bytes, is the call's time: at 2048->256->512
+# the call went from 4.5-4.7 to 3.8-4.0 us at M = 1...16, and 5.8 to 4.8 at M=32
+# (results/gpu_xuv_decode_v_resident_h200.json). Taken up to these many rows (P's [M, r] f32
+# tile is in registers too) and padded ranks, with V tiles of V_RES_BLOCK_N columns
+# (64 registers a thread at 4 warps: 64-column tiles, measured ahead of 128-column ones at 8
+# warps), and only where phase 2 needs at most half the SMs.
+V_RES_MAX_M = 32
+V_RES_MAX_R = 256
+V_RES_BLOCK_N = 64
+
+
+def _v_resident_plan(m: int, k: int, r: int, n: int, g: int, bw: float, fill_us: float,
+                     round_trip_us: float) -> "PersistentDecodePlan | None":
+  """The V-resident plan, or None where it does not apply: phase 2 takes V_RES_BLOCK_N-column
+  tiles, phase 1 the split-K tiles ``_split_k_tiles`` picks for the CTAs left over."""
+  block_m = max(16, next_pow2(m))
+  r_p2 = max(16, next_pow2(r))
+  if block_m > V_RES_MAX_M or r_p2 > V_RES_MAX_R:
+    return None
+  block_n = min(V_RES_BLOCK_N, max(32, next_pow2(n)))
+  cols_n = min(block_n, cdiv(n, 16) * 16)
+  n2 = cdiv(n, cols_n)
+  if 2 * n2 > g:
+    return None
+  t1, block_r, cols_r, k_per = _split_k_tiles(k, r, 1, g - n2, bw, fill_us, 4, round_trip_us,
+                                              m)
+  if cdiv(r, cols_r) * cdiv(k, k_per) + n2 > g:
+    return None
+  return PersistentDecodePlan(block_m, 64, block_r, cols_r, k_per, block_n, cols_n, 64, 1, g,
+                              4, 4, 0, t1 + fill_us, v_resident=True)
 
 
 def plan_decode_phase1(m: int, k: int, r: int, n: int, hw: Hardware = H200,
@@ -400,7 +442,7 @@ def plan_decode_phase1(m: int, k: int, r: int, n: int, hw: Hardware = H200,
   n_rb = cdiv(r, cols)
   split = max(1, min(g // n_rb, cdiv(k, 64)))
   k_per = cdiv(cdiv(k, split), 64) * 64
-  base = plan_decode_persistent(m, k, r, n, hw, programs=g)
+  base = plan_decode_persistent(m, k, r, n, hw, programs=g, v_resident=False)
   est = _phase_us(n_rb * cdiv(k, k_per), k_per * cols * 2, g, 4.0e12, 1.5)
   return dataclasses.replace(base, block_r=cols, cols_r=cols, k_per=k_per, r_chunks=1,
                              p16=True, est_us=est)

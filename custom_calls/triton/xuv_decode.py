@@ -19,6 +19,13 @@ All CTAs are resident at once (grid = SMs), so a waiting CTA never blocks a prod
 to V's dtype for phase 2 (as the SwiGLU kernel's default does); here it measured -3...+5 %
 against the f32 reads, so it is off by default (gpu_notes.md, session 9).
 
+**V-resident** (``PersistentDecodePlan.v_resident``, ``planner._v_resident_plan``): for
+ranks up to 256 and M <= 32 every tile gets its own CTA, phase-1 tiles first. A phase-2 CTA
+loads its whole [r, COLS_N] V tile into registers at entry, then waits for P, so after the
+wait only P's L2 read, one dot and the store remain (``_pv_resident_tile``). Where V is small
+that wait is the call's time: 2048->256->512 went from 4.5-4.7 to 3.8-4.1 µs at M = 1...16
+(results/gpu_xuv_decode_v_resident_h200.json).
+
 **From PV_XLA_MIN_M = 64 rows** the persistent kernel stops after phase 1 (``pv="xla"``):
 the last split-K tile of each column block rounds P once to V's dtype, and XLA's GEMM applies
 V, as in XLA's own lowering. There ·V is a [64-128, r] x [r, N] GEMM near the H200's ridge
@@ -175,6 +182,29 @@ def _pv_tile(q, n_nb, n_rb, p_ptr, v_ptr, b_ptr, acc_ptr, flag_ptr, sem_ptr, o_p
 
 
 @triton.jit
+def _pv_resident_tile(q, p_ptr, v_ptr, b_ptr, flag_ptr, o_ptr, M, target, R: tl.constexpr,
+                      N: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                      R_P2: tl.constexpr, BLOCK_N: tl.constexpr, COLS_N: tl.constexpr):
+  """Tile q of Y = P·V for a small r: the CTA loads its whole [r, COLS_N] V tile into
+  registers first, then waits for P, so only P's L2 read is left after the wait."""
+  offs_r = tl.arange(0, R_P2)
+  offs_n = q * COLS_N + tl.arange(0, BLOCK_N)
+  n_mask = (offs_n < N) & (tl.arange(0, BLOCK_N) < COLS_N)
+  v = tl.load(v_ptr + offs_r[:, None] * N + offs_n[None, :],
+              mask=(offs_r < R)[:, None] & n_mask[None, :], other=0.0)
+  wait_at_least(flag_ptr, target)
+  offs_m = tl.arange(0, BLOCK_M)
+  m_mask = offs_m < M
+  p = tl.load(p_ptr + offs_m[:, None] * R + offs_r[None, :],
+              mask=m_mask[:, None] & (offs_r < R)[None, :], other=0.0, cache_modifier=".cg")
+  acc = tl.dot(p.to(v.dtype), v)
+  if HAS_BIAS:
+    acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+  tl.store(o_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(o_ptr.dtype.element_ty),
+           mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
 def _xuv_decode_kernel(
     x_ptr,  # [M, K] activations
     u_ptr,  # [K, R] first factor
@@ -253,6 +283,9 @@ def _xuv_decode_persistent_kernel(
     PROBE: tl.constexpr = 0,  # timing only (wrong output): bit 1 stores the split-K partials
                               # instead of adding them, bit 2 runs phase 2 on P's first row
                               # (its reads of P and its output stores)
+    V_RES: tl.constexpr = 0,  # phase-2 tiles on their own CTAs (pid >= the phase-1 tiles),
+                              # V in registers before the wait (_pv_resident_tile); one r-chunk
+    R_P2: tl.constexpr = 16,  # next_pow2(R), V_RES's register rows
 ):
   pid = tl.program_id(0)
   chain_ptr = scratch_ptr
@@ -270,6 +303,16 @@ def _xuv_decode_persistent_kernel(
   n1 = n_rb * SPLIT_K
   offs_m = tl.arange(0, BLOCK_M)
   m_mask = offs_m < M
+  if V_RES:  # one tile a CTA: phase-1 tiles first, then the phase-2 tiles
+    if pid < n1:
+      _xu_tile(pid // SPLIT_K, (pid % SPLIT_K) * K_PER, x_ptr, u_ptr, p_ptr, flag_ptr, offs_m,
+               m_mask, K, R, K_PER, RB_PER_CHUNK, BLOCK_K, BLOCK_R, COLS_R, EVEN_K, True,
+               False, p_ptr, rb_cnt_ptr, SPLIT_K, False)
+    elif pid < n1 + n_nb:
+      _pv_resident_tile(pid - n1, p_ptr, v_ptr, b_ptr, flag_ptr, o_ptr, M, n1, R, N,
+                        HAS_BIAS, BLOCK_M, R_P2, BLOCK_N, COLS_N)
+    leave_chain(chain_ptr, clear_off, clear_n)
+    return
   # phase 1: tiles t = pid, pid + PROGRAMS, ...; r-block-major, so the first r-chunks of P
   # complete first. No waits here, so every phase-1 tile finishes.
   for t in range(pid, n1, PROGRAMS):
@@ -409,7 +452,7 @@ def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
   ``pv=False``: phase 1 only, into P rounded once (one r-chunk, ``p.p16`` forced on).
   ``probe``: the kernel's timing-only PROBE bits (0: the real kernel)."""
   if not pv:
-    p = dataclasses.replace(p, p16=True, r_chunks=1)
+    p = dataclasses.replace(p, p16=True, r_chunks=1, v_resident=False)
   split = planner.cdiv(k, p.k_per)
   n_rb = planner.cdiv(r, p.cols_r)
   rb_per_chunk = planner.cdiv(n_rb, p.r_chunks)
@@ -417,13 +460,18 @@ def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
   r_per = rb_per_chunk * p.cols_r
   if chunks > 1 and r_per % p.block_kv:
     raise ValueError(f"{p}: r-chunks of {r_per} rows are not a multiple of block_kv")
+  if p.v_resident:
+    n_tiles = n_rb * split + planner.cdiv(n, p.cols_n)
+    if not pv or chunks > 1 or p.p16 or n_tiles > p.programs:
+      raise ValueError(f"{p}: v_resident needs phase 2 in the kernel, one r-chunk, no p16 and "
+                       f"a CTA for each of its {n_tiles} tiles")
   meta = dict(K=k, R=r, N=n, HAS_BIAS=has_bias, K_PER=p.k_per, SPLIT_K=split,
               R_CHUNKS=chunks, RB_PER_CHUNK=rb_per_chunk, BLOCK_M=p.block_m,
               BLOCK_K=p.block_k, BLOCK_R=p.block_r, BLOCK_N=p.block_n,
               BLOCK_KV=p.block_kv, EVEN_K=k % p.k_per == 0,
               EVEN_R=r % r_per == 0 and r_per % p.block_kv == 0, COLS_R=p.cols_r,
               COLS_N=p.cols_n, PROGRAMS=p.programs, PREFETCH=p.prefetch, P16=p.p16, PV=pv,
-              PROBE=int(probe))
+              PROBE=int(probe), V_RES=int(p.v_resident), R_P2=max(16, planner.next_pow2(r)))
   n_nb = planner.cdiv(n, p.cols_n)
   return dict(grid=p.programs, chunks=chunks, n_nb=n_nb, meta=meta,
               scratch=m * r + (m * n if chunks > 1 else 0) + chunks + n_nb

@@ -136,6 +136,11 @@ _WHOLE = textwrap.dedent('''
   for (m, k, r, n, bias, fields) in PERSISTENT:
     p = planner.plan_decode_persistent(m, k, r, n, programs=1)  # no L2 prefetch: inline asm
     p = dataclasses.replace(p, prefetch=0, **fields)
+    if p.v_resident:  # the planned V-resident tiles, one program each (phase 1's first)
+      p = planner.plan_decode_persistent(m, k, r, n)
+      assert p.v_resident, p
+      p = dataclasses.replace(p, programs=planner.cdiv(r, p.cols_r) * planner.cdiv(k, p.k_per)
+                              + planner.cdiv(n, p.cols_n))
     plan = xuv_decode.persistent_launch_plan(m, k, r, n, bias, p)
     err = run(xuv_decode._xuv_decode_persistent_kernel, plan, m, k, r, n, bias)
     print("persistent", m, k, r, n, plan["chunks"], p.p16, f"{err:.1e}")
@@ -272,6 +277,8 @@ def test_whole_decode_kernels_on_ragged_shapes():
       (1, 200, 72, 130, True, {}), (7, 1000, 96, 520, True, {"p16": True}),
       (16, 512, 256, 1024, False, {"block_r": 64, "cols_r": 64, "r_chunks": 2}),
       (3, 640, 1100, 300, True, {"cols_n": 48, "block_n": 64, "r_chunks": 3, "p16": True}),
+      # V-resident phase 2 (V in registers before the wait): ragged K, r and N
+      (3, 1000, 200, 300, True, {"v_resident": True}), (1, 512, 40, 96, False, {"v_resident": True}),
   ]
   tiled = [(1, 200, 72, 130, True, {}), (5, 300, 200, 260, False, {}),
            (7, 1000, 96, 520, True, {"block_r": 32, "split_k": 3, "block_n": 32,

@@ -78,6 +78,7 @@ XUV_SHAPES = [  # (M, K, r, N): M=1, ragged everything, a multi-super-block pref
                                   "persistent_p16", "persistent_small_grid_p16",
                                   "persistent_pv_xla", "persistent_small_grid_pv_xla",
                                   "persistent_two_waves_pv_xla", "persistent_planned",
+                                  "persistent_no_v_resident",
                                   "persistent_wide_rows", "prefill"])
 def test_xuv_kernels(kind, shape, dtype, bias):
   from lrjax.custom_calls.triton import xuv_decode, xuv_prefill
@@ -93,14 +94,17 @@ def test_xuv_kernels(kind, shape, dtype, bias):
     p = planner.plan_decode_persistent(m, k, r, n)
     if kind == "persistent_wide_rows":  # V's tiles >= 256 columns where N allows
       p = planner.plan_decode_persistent(m, k, r, n, min_row_bytes=512)
+    if kind == "persistent_no_v_resident":  # small ranks on the looping phase 2 instead
+      p = planner.plan_decode_persistent(m, k, r, n, v_resident=False)
     if kind.startswith("persistent_small_grid"):  # several ragged, part-width tiles per CTA
       p = dataclasses.replace(p, block_r=64, cols_r=32, k_per=128, block_n=64, cols_n=48,
-                              block_kv=32, r_chunks=3, programs=5, prefetch=16)
+                              block_kv=32, r_chunks=3, programs=5, prefetch=16,
+                              v_resident=False)
     if kind == "persistent_two_waves_pv_xla":  # phase 1 alone may outnumber the SMs
       from lrjax.custom_calls.triton._common import num_sms
       p = dataclasses.replace(p, block_r=64, cols_r=32, k_per=64, programs=2 * num_sms())
     if kind.endswith("_p16"):  # phase 2 reads P rounded once by each block's last tile
-      p = dataclasses.replace(p, p16=True)
+      p = dataclasses.replace(p, p16=True, v_resident=False)
     fn = lambda x, u, v, b, o: xuv_decode.xuv_decode(x, u, v, b, out=o, persistent=p,
                                                      pv="kernel")
     if kind.endswith("_pv_xla"):  # phase 1 alone, then XLA's GEMM (it writes all of y)

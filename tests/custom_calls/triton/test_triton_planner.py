@@ -84,9 +84,13 @@ def test_persistent_decode_plan_is_well_formed(m, k, r, n, programs):
   assert p.block_m >= m and p.programs == (programs or planner.H200.num_sms)
   for width, cols in ((p.block_r, p.cols_r), (p.block_n, p.cols_n)):
     assert width & (width - 1) == 0 and cols % 16 == 0 and width // 2 < cols <= width
-  assert p.block_n >= 64  # the L2 prefetch addresses one line per 64 columns
+  assert p.block_n >= 64 or p.prefetch == 0  # the L2 prefetch: one line per 64 columns
   assert p.k_per % p.block_k == 0
   n_rb = planner.cdiv(r, p.cols_r)
+  if p.v_resident:  # a CTA for every tile, V's register tile within bounds, one r-chunk
+    assert n_rb * planner.cdiv(k, p.k_per) + planner.cdiv(n, p.cols_n) <= p.programs
+    assert planner.next_pow2(r) <= planner.V_RES_MAX_R and p.block_n <= planner.V_RES_BLOCK_N
+    assert p.r_chunks == 1 and not p.p16 and p.block_m <= planner.V_RES_MAX_M
   per = planner.cdiv(n_rb, p.r_chunks)
   assert planner.cdiv(n_rb, per) == p.r_chunks
   assert p.r_chunks == 1 or (per * p.cols_r) % p.block_kv == 0  # chunks of whole steps
