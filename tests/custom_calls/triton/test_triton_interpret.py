@@ -7,7 +7,8 @@ The interpreter runs a grid's programs one after another, so a kernel runs in it
 every wait is on programs that ran before: the decode X·U·V kernel's phase 1 alone
 (``PV=False``, what ``pv="xla"`` launches) on ``planner.plan_decode_phase1``'s tiles; the
 tiled decode kernel, whose stage-1 programs come first; the persistent one on a grid of one
-program, and V-resident on one program a tile (phase 1's first), and so the grouped q/k/v kernel; the fused SwiGLU decode kernels the same two ways;
+program (and V-resident on one program a tile, phase 1's first); the grouped q/k/v kernel on
+one program; the fused SwiGLU decode kernels the same two ways;
 the two prefill kernels on one program, which claims their tiles in schedule order. The
 whole decode kernels run as the second call of a scratch chain (launch.py): their scratch
 in one half of a buffer, the other half left dirty, which they must zero.
