@@ -398,7 +398,7 @@ def plan_decode_persistent(m: int, k: int, r: int, n: int, hw: Hardware = H200,
 # The decode kernel's V-resident schedule (PersistentDecodePlan.v_resident): every tile on its
 # own CTA, the phase-2 CTAs loading their whole [r, cols_n] V tile into registers before they
 # wait for P. Where V is small, the wait, not V's bytes, is the call's time: at 2048->256->512
-# the call went from 4.5-4.7 to 3.8-4.0 us at M = 1...16, and 5.8 to 4.8 at M=32
+# the call went from 4.5-4.7 to 3.8-4.1 us at M = 1...16, and 5.8 to 4.8-5.1 at M=32
 # (results/gpu_xuv_decode_v_resident_h200.json). Taken up to these many rows (P's [M, r] f32
 # tile is in registers too) and padded ranks, with V tiles of V_RES_BLOCK_N columns
 # (64 registers a thread at 4 warps: 64-column tiles, measured ahead of 128-column ones at 8
