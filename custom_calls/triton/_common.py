@@ -249,16 +249,22 @@ def splitr_out_tile(nb, rc,  # output column block, reduction chunk
   off = offs_m[:, None] * N + offs_n[None, :]
   mask = m_mask[:, None] & n_mask[None, :]
   if N_CHUNKS == 1:
-    if HAS_BIAS:
-      acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(o_ptr + off, acc.to(o_ptr.dtype.element_ty), mask=mask)
+    store_out(acc, b_ptr, o_ptr, off, mask, offs_n, n_mask, HAS_BIAS)
   else:
     tl.atomic_add(acc_ptr + off, acc, mask=mask, sem="relaxed")
     if last_arrival(sem_ptr + nb, N_CHUNKS):
-      tot = tl.load(acc_ptr + off, mask=mask, other=0.0, cache_modifier=".cg")
-      if HAS_BIAS:
-        tot += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-      tl.store(o_ptr + off, tot.to(o_ptr.dtype.element_ty), mask=mask)
+      store_out(tl.load(acc_ptr + off, mask=mask, other=0.0, cache_modifier=".cg"), b_ptr,
+                o_ptr, off, mask, offs_n, n_mask, HAS_BIAS)
+
+
+@triton.jit
+def store_out(acc,  # [BM, BN] f32 output tile
+              b_ptr, o_ptr, off, mask,  # bias [N]; output and the tile's offsets and mask in it
+              offs_n, n_mask, HAS_BIAS: tl.constexpr):
+  """o[off] = acc (+ bias[offs_n]) in o's dtype: a Y = A·V tile's epilogue."""
+  if HAS_BIAS:
+    acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+  tl.store(o_ptr + off, acc.to(o_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -374,6 +374,10 @@ def plan_decode_persistent(m: int, k: int, r: int, n: int, hw: Hardware = H200,
   block_m = max(16, next_pow2(m))
   if k * r * 2 < ROUND_TRIP_MIN_BYTES * g:
     round_trip_us = 0.0
+  if v_resident and min_row_bytes <= 2 * V_RES_BLOCK_N:
+    res = _v_resident_plan(m, k, r, n, g, bw, fill_us, round_trip_us)
+    if res is not None:
+      return res
   t1, block_r, cols_r, k_per = _split_k_tiles(k, r, 1, g, bw, fill_us,
                                               4 if block_m <= 32 else 3, round_trip_us,
                                               m if block_m <= PARTIALS_MAX_M else 0)
@@ -387,10 +391,6 @@ def plan_decode_persistent(m: int, k: int, r: int, n: int, hw: Hardware = H200,
   stages = 4 if block_m <= 32 else 3
   # 4 warps hold a [128, 256] f32 phase-1 tile only by spilling (2.6 KB/thread, ptxas sm_90a)
   warps = 8 if block_m >= 128 else 4
-  if v_resident and min_row_bytes <= 2 * V_RES_BLOCK_N:
-    res = _v_resident_plan(m, k, r, n, g, bw, fill_us, round_trip_us)
-    if res is not None:
-      return res
   return PersistentDecodePlan(block_m, 64, block_r, cols_r, k_per, block_n, cols_n, 64,
                               chunks, g, warps, stages, 128, t1 + t2)
 

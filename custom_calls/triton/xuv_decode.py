@@ -63,7 +63,7 @@ from lrjax.custom_calls.triton import launch, planner
 from lrjax.custom_calls.triton._common import (check_out, join_chain, last_arrival,
                                                leave_chain, mm_acc, num_sms, prefetch_l2,
                                                round_once, signal,
-                                               splitr_out_tile, unpack_xuv_args,
+                                               splitr_out_tile, store_out, unpack_xuv_args,
                                                wait_at_least)
 
 
@@ -197,11 +197,8 @@ def _pv_resident_tile(q, p_ptr, v_ptr, b_ptr, flag_ptr, o_ptr, M, target, R: tl.
   m_mask = offs_m < M
   p = tl.load(p_ptr + offs_m[:, None] * R + offs_r[None, :],
               mask=m_mask[:, None] & (offs_r < R)[None, :], other=0.0, cache_modifier=".cg")
-  acc = tl.dot(p.to(v.dtype), v)
-  if HAS_BIAS:
-    acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-  tl.store(o_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(o_ptr.dtype.element_ty),
-           mask=m_mask[:, None] & n_mask[None, :])
+  store_out(tl.dot(p.to(v.dtype), v), b_ptr, o_ptr, offs_m[:, None] * N + offs_n[None, :],
+            m_mask[:, None] & n_mask[None, :], offs_n, n_mask, HAS_BIAS)
 
 
 @triton.jit
@@ -303,23 +300,18 @@ def _xuv_decode_persistent_kernel(
   n1 = n_rb * SPLIT_K
   offs_m = tl.arange(0, BLOCK_M)
   m_mask = offs_m < M
-  if V_RES:  # one tile a CTA: phase-1 tiles first, then the phase-2 tiles
-    if pid < n1:
-      _xu_tile(pid // SPLIT_K, (pid % SPLIT_K) * K_PER, x_ptr, u_ptr, p_ptr, flag_ptr, offs_m,
-               m_mask, K, R, K_PER, RB_PER_CHUNK, BLOCK_K, BLOCK_R, COLS_R, EVEN_K, True,
-               False, p_ptr, rb_cnt_ptr, SPLIT_K, False)
-    elif pid < n1 + n_nb:
-      _pv_resident_tile(pid - n1, p_ptr, v_ptr, b_ptr, flag_ptr, o_ptr, M, n1, R, N,
-                        HAS_BIAS, BLOCK_M, R_P2, BLOCK_N, COLS_N)
-    leave_chain(chain_ptr, clear_off, clear_n)
-    return
   # phase 1: tiles t = pid, pid + PROGRAMS, ...; r-block-major, so the first r-chunks of P
-  # complete first. No waits here, so every phase-1 tile finishes.
+  # complete first. No waits here, so every phase-1 tile finishes. (V_RES: n1 < PROGRAMS, so
+  # a CTA runs one tile or none.)
   for t in range(pid, n1, PROGRAMS):
     _xu_tile(t // SPLIT_K, (t % SPLIT_K) * K_PER, x_ptr, u_ptr, p_ptr, flag_ptr, offs_m,
              m_mask, K, R, K_PER, RB_PER_CHUNK, BLOCK_K, BLOCK_R, COLS_R, EVEN_K, True, P16,
              p16_ptr, rb_cnt_ptr, SPLIT_K, (PROBE & 1) != 0)
-  if PV:
+  if V_RES:  # phase-2 tile q on CTA n1 + q, which ran no phase-1 tile
+    if (pid >= n1) & (pid < n1 + n_nb):
+      _pv_resident_tile(pid - n1, p_ptr, v_ptr, b_ptr, flag_ptr, o_ptr, M, n1, R, N,
+                        HAS_BIAS, BLOCK_M, R_P2, BLOCK_N, COLS_N)
+  elif PV:
     # phase 2: tiles q = pid, pid + PROGRAMS, ...; chunk-major; each waits for its chunk of P
     if PREFETCH > 0:  # the first rows of this CTA's first V tile load while it waits
       if pid < R_CHUNKS * n_nb:
