@@ -142,6 +142,21 @@ def wait_at_least(flag_ptr, target):
 
 
 @triton.jit
+def stamp(trace_ptr, slot, ON: tl.constexpr):
+  """Timing only (ON): this CTA's %globaltimer (ns) into int64 ``trace_ptr[pid * 8 + slot]``,
+  at slot 0 also its SM (%smid) into slot 7 (benchmarks/decode_trace.py reads them)."""
+  if ON:
+    t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                  is_pure=False, pack=1)
+    tl.store(trace_ptr.to(tl.pointer_type(tl.int64)) + tl.program_id(0) * 8 + slot, t)
+    if slot == 0:  # and the SM it runs on, in slot 7
+      sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+      tl.store(trace_ptr.to(tl.pointer_type(tl.int64)) + tl.program_id(0) * 8 + 7,
+               sm.to(tl.int64))
+
+
+@triton.jit
 def last_arrival(cnt_ptr, n):
   """True in the last of ``n`` CTAs to arrive at a zeroed counter (the split-K paper's
   semaphore): each releases its prior global writes, and the last acquires all of them."""

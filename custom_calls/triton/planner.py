@@ -220,6 +220,7 @@ class PersistentDecodePlan:
   est_us: float  # the model's time at ``bw``
   p16: bool = False  # phase 2 reads P rounded once to V's dtype, not the f32 sums
   v_resident: bool = False  # one tile a CTA, phase-2 CTAs hold their V tile before the wait
+  stream_k: bool = False  # both phases split evenly by steps (cols_r/cols_n wide blocks)
 
 
 def _widths(pow2s):
@@ -356,7 +357,8 @@ def plan_decode_persistent(m: int, k: int, r: int, n: int, hw: Hardware = H200,
                            min_row_bytes: int = 0,
                            line_row_tol: float = LINE_ROW_TOL,
                            round_trip_us: float = ROUND_TRIP_US,
-                           v_resident: bool = True) -> PersistentDecodePlan:
+                           v_resident: bool = True,
+                           stream_k: bool = True) -> PersistentDecodePlan:
   """Tiles for the persistent decode kernel: ``programs`` CTAs stream U (phase 1), then V.
 
   Each CTA's share of a phase is ceil(tiles / programs) tiles, so the phase lasts as long
@@ -368,7 +370,8 @@ def plan_decode_persistent(m: int, k: int, r: int, n: int, hw: Hardware = H200,
   trip (ROUND_TRIP_US) where its share of U is at least ROUND_TRIP_MIN_BYTES, and up to
   PARTIALS_MAX_M rows its f32 split-K partials beyond PARTIAL_FREE_BYTES (PARTIAL_BW).
   Small ranks (``v_resident``, see ``_v_resident_plan``) take the V-resident schedule where
-  it applies and ``min_row_bytes`` allows its 64-column V tiles.
+  it applies and ``min_row_bytes`` allows its 64-column V tiles. Where measured faster
+  (``stream_k``, see STREAM_K_MAX_M), phase 1 runs as stream-K over 128-column blocks.
   """
   g = programs or hw.num_sms
   block_m = max(16, next_pow2(m))
@@ -391,8 +394,28 @@ def plan_decode_persistent(m: int, k: int, r: int, n: int, hw: Hardware = H200,
   stages = 4 if block_m <= 32 else 3
   # 4 warps hold a [128, 256] f32 phase-1 tile only by spilling (2.6 KB/thread, ptxas sm_90a)
   warps = 8 if block_m >= 128 else 4
-  return PersistentDecodePlan(block_m, 64, block_r, cols_r, k_per, block_n, cols_n, 64,
+  plan = PersistentDecodePlan(block_m, 64, block_r, cols_r, k_per, block_n, cols_n, 64,
                               chunks, g, warps, stages, 128, t1 + t2)
+  if (stream_k and chunks == 1 and 2 <= m <= STREAM_K_MAX_M and k <= STREAM_K_MAX_K
+      and r >= STREAM_K_MIN_R and r % STREAM_K_COLS == 0
+      and cdiv(r, STREAM_K_COLS) * cdiv(k, 64) >= g):
+    plan = dataclasses.replace(plan, block_r=STREAM_K_COLS, cols_r=STREAM_K_COLS,
+                               stream_k=True)
+  return plan
+
+
+# Phase 1 as stream-K (PersistentDecodePlan.stream_k, xuv_decode._xu_stream): U's 128-column
+# (256-byte) blocks x 64-row K steps split evenly over every CTA, where the tiles above leave
+# some SMs idle and straddle 128-byte lines (160-column tiles: the CTAs whose rows start
+# mid-line ended 0.3 us later; results/gpu_xuv_decode_trace_h200.json). Phase 1 of
+# 4096->2560->14336 then ended 0.5 us earlier and the call took 0.3-0.6 us less at M = 2-32
+# (4096->1024->14336: 0.3-0.5 us less at M = 2, 4, 16, even at 8). Slower, not taken: M=1
+# (+0.4 us), K = 8192 (+0.4-1.2 us at 8192->2048/4096->16384) and ranks that are not whole
+# 128-column blocks (8192->2432->8192: +2.5 us); results/gpu_xuv_decode_stream_k_h200.json.
+STREAM_K_MAX_M = 32
+STREAM_K_MAX_K = 4096
+STREAM_K_MIN_R = 1024
+STREAM_K_COLS = 128
 
 
 # The decode kernel's V-resident schedule (PersistentDecodePlan.v_resident): every tile on its
@@ -442,7 +465,8 @@ def plan_decode_phase1(m: int, k: int, r: int, n: int, hw: Hardware = H200,
   n_rb = cdiv(r, cols)
   split = max(1, min(g // n_rb, cdiv(k, 64)))
   k_per = cdiv(cdiv(k, split), 64) * 64
-  base = plan_decode_persistent(m, k, r, n, hw, programs=g, v_resident=False)
+  base = plan_decode_persistent(m, k, r, n, hw, programs=g, v_resident=False,
+                                stream_k=False)
   est = _phase_us(n_rb * cdiv(k, k_per), k_per * cols * 2, g, 4.0e12, 1.5)
   return dataclasses.replace(base, block_r=cols, cols_r=cols, k_per=k_per, r_chunks=1,
                              p16=True, est_us=est)

@@ -26,6 +26,12 @@ wait only P's L2 read, one dot and the store remain (``_pv_resident_tile``). Whe
 that wait is the call's time: 2048->256->512 went from 4.5-4.7 to 3.8-4.1 µs at M = 1...16
 (results/gpu_xuv_decode_v_resident_h200.json).
 
+**Stream-K phase 1** (``PersistentDecodePlan.stream_k``, ``_xu_stream``; planner.STREAM_K_*):
+U's 128-column blocks x 64-row K steps split evenly over every CTA in one pipelined loop,
+each run of a column block adding its partial into P; every CTA signals once and phase 2
+waits for all of them. Where K is short, 128-column blocks (whole 128-byte lines) on all SMs
+end phase 1 0.5 µs earlier than the tiled plan (results/gpu_xuv_decode_stream_k_h200.json).
+
 **From PV_XLA_MIN_M = 64 rows** the persistent kernel stops after phase 1 (``pv="xla"``):
 the last split-K tile of each column block rounds P once to V's dtype, and XLA's GEMM applies
 V, as in XLA's own lowering. There ·V is a [64-128, r] x [r, N] GEMM near the H200's ridge
@@ -62,9 +68,8 @@ import triton.language as tl
 from lrjax.custom_calls.triton import launch, planner
 from lrjax.custom_calls.triton._common import (check_out, join_chain, last_arrival,
                                                leave_chain, mm_acc, num_sms, prefetch_l2,
-                                               round_once, signal,
-                                               splitr_out_tile, store_out, unpack_xuv_args,
-                                               wait_at_least)
+                                               round_once, signal, splitr_out_tile, stamp,
+                                               store_out, unpack_xuv_args, wait_at_least)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,15 +172,21 @@ def _pv_tile(q, n_nb, n_rb, p_ptr, v_ptr, b_ptr, acc_ptr, flag_ptr, sem_ptr, o_p
              R: tl.constexpr, N: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
              R_CHUNKS: tl.constexpr, RB_PER_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_KV: tl.constexpr, EVEN_R: tl.constexpr,
-             COLS_R: tl.constexpr, COLS_N: tl.constexpr, P16: tl.constexpr):
+             COLS_R: tl.constexpr, COLS_N: tl.constexpr, P16: tl.constexpr,
+             trace_ptr, TRACE: tl.constexpr, SIGNALS: tl.constexpr = 0):
   """Tile q of Y = P·V (chunk-major): waits until its r-chunk of P is complete (P16: p_ptr
-  is the rounded copy, one signal per column block, not one per split-K tile)."""
+  is the rounded copy, one signal per column block, not one per split-K tile; SIGNALS > 0:
+  one chunk, complete after that many signals). TRACE: ``stamp`` slot 2 when the wait ends
+  (timing only)."""
   rc = q // n_nb
   n_rb_c = tl.minimum(n_rb - rc * RB_PER_CHUNK, RB_PER_CHUNK)
-  if P16:
+  if SIGNALS > 0:
+    wait_at_least(flag_ptr, SIGNALS)
+  elif P16:
     wait_at_least(flag_ptr + rc, n_rb_c)
   else:
     wait_at_least(flag_ptr + rc, n_rb_c * SPLIT_K)
+  stamp(trace_ptr, 2, TRACE)
   splitr_out_tile(q % n_nb, rc, p_ptr, v_ptr, b_ptr, acc_ptr, sem_ptr, o_ptr, M, R, N,
                   RB_PER_CHUNK * COLS_R, R_CHUNKS, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_KV,
                   EVEN_R, COLS_N)
@@ -184,21 +195,57 @@ def _pv_tile(q, n_nb, n_rb, p_ptr, v_ptr, b_ptr, acc_ptr, flag_ptr, sem_ptr, o_p
 @triton.jit
 def _pv_resident_tile(q, p_ptr, v_ptr, b_ptr, flag_ptr, o_ptr, M, target, R: tl.constexpr,
                       N: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                      R_P2: tl.constexpr, BLOCK_N: tl.constexpr, COLS_N: tl.constexpr):
+                      R_P2: tl.constexpr, BLOCK_N: tl.constexpr, COLS_N: tl.constexpr,
+                      trace_ptr, TRACE: tl.constexpr):
   """Tile q of Y = P·V for a small r: the CTA loads its whole [r, COLS_N] V tile into
-  registers first, then waits for P, so only P's L2 read is left after the wait."""
+  registers first, then waits for P, so only P's L2 read is left after the wait (TRACE:
+  ``stamp`` slot 2 when the wait ends)."""
   offs_r = tl.arange(0, R_P2)
   offs_n = q * COLS_N + tl.arange(0, BLOCK_N)
   n_mask = (offs_n < N) & (tl.arange(0, BLOCK_N) < COLS_N)
   v = tl.load(v_ptr + offs_r[:, None] * N + offs_n[None, :],
               mask=(offs_r < R)[:, None] & n_mask[None, :], other=0.0)
   wait_at_least(flag_ptr, target)
+  stamp(trace_ptr, 2, TRACE)
   offs_m = tl.arange(0, BLOCK_M)
   m_mask = offs_m < M
   p = tl.load(p_ptr + offs_m[:, None] * R + offs_r[None, :],
               mask=m_mask[:, None] & (offs_r < R)[None, :], other=0.0, cache_modifier=".cg")
   store_out(tl.dot(p.to(v.dtype), v), b_ptr, o_ptr, offs_m[:, None] * N + offs_n[None, :],
             m_mask[:, None] & n_mask[None, :], offs_n, n_mask, HAS_BIAS)
+
+
+@triton.jit
+def _xu_stream(pid, x_ptr, u_ptr, p_ptr, offs_m, m_mask, K: tl.constexpr, R: tl.constexpr,
+               BLOCK_K: tl.constexpr, COLS_R: tl.constexpr, EVEN_K: tl.constexpr,
+               PROGRAMS: tl.constexpr):
+  """Phase 1 of the stream-K schedule: the n_rb x KS steps of P = X·U (step s: K rows
+  [k0, k0 + BLOCK_K) of U's column block s // KS, k0 = (s % KS) * BLOCK_K) split evenly
+  over the CTAs in one pipelined loop. Each run of one column block ends with an f32 atomic
+  add of its partial into P."""
+  KS: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+  total = ((R + COLS_R - 1) // COLS_R) * KS
+  lo = pid * total // PROGRAMS
+  hi = (pid + 1) * total // PROGRAMS
+  offs_k = tl.arange(0, BLOCK_K)
+  acc = tl.zeros([offs_m.shape[0], COLS_R], tl.float32)
+  for s in range(lo, hi):
+    offs_r = (s // KS) * COLS_R + tl.arange(0, COLS_R)
+    kk = (s % KS) * BLOCK_K + offs_k
+    r_mask = offs_r < R
+    if EVEN_K:
+      a_m = m_mask[:, None]
+      b_m = r_mask[None, :]
+    else:
+      a_m = m_mask[:, None] & (kk[None, :] < K)
+      b_m = (kk[:, None] < K) & r_mask[None, :]
+    a = tl.load(x_ptr + offs_m[:, None] * K + kk[None, :], mask=a_m, other=0.0)
+    b = tl.load(u_ptr + kk[:, None] * R + offs_r[None, :], mask=b_m, other=0.0)
+    acc = tl.dot(a.to(b.dtype), b, acc)
+    if ((s + 1) % KS == 0) | (s == hi - 1):
+      tl.atomic_add(p_ptr + offs_m[:, None] * R + offs_r[None, :], acc,
+                    mask=m_mask[:, None] & r_mask[None, :], sem="relaxed")
+      acc = tl.zeros([offs_m.shape[0], COLS_R], tl.float32)
 
 
 @triton.jit
@@ -248,7 +295,7 @@ def _xuv_decode_kernel(
     # stage 2: chunk-major; starts when its chunk of P is complete
     _pv_tile(pid - n1, (N + BLOCK_N - 1) // BLOCK_N, n_rb, p_ptr, v_ptr, b_ptr, acc_ptr,
              flag_ptr, sem_ptr, o_ptr, M, R, N, HAS_BIAS, SPLIT_K, R_CHUNKS, RB_PER_CHUNK,
-             BLOCK_M, BLOCK_N, BLOCK_KV, EVEN_R, BLOCK_R, BLOCK_N, False)
+             BLOCK_M, BLOCK_N, BLOCK_KV, EVEN_R, BLOCK_R, BLOCK_N, False, o_ptr, False)
   leave_chain(chain_ptr, clear_off, clear_n)
 
 
@@ -279,14 +326,20 @@ def _xuv_decode_persistent_kernel(
     PDL: tl.constexpr = 0,  # as in _xuv_decode_kernel
     PROBE: tl.constexpr = 0,  # timing only (wrong output): bit 1 stores the split-K partials
                               # instead of adding them, bit 2 runs phase 2 on P's first row
-                              # (its reads of P and its output stores)
+                              # (its reads of P and its output stores); bit 4 (output right)
+                              # stamps each CTA's entry, phase-1 end, wait end, phase-2 end
+                              # and exit into o_in_ptr as int64 [PROGRAMS, 8] (_common.stamp)
     V_RES: tl.constexpr = 0,  # phase-2 tiles on their own CTAs (pid >= the phase-1 tiles),
                               # V in registers before the wait (_pv_resident_tile); one r-chunk
     R_P2: tl.constexpr = 16,  # next_pow2(R), V_RES's register rows
+    STREAM_K: tl.constexpr = 0,  # phase 1 split evenly over the CTAs by K steps (_xu_stream);
+                                 # one r-chunk, whose flag counts the CTAs
 ):
   pid = tl.program_id(0)
   chain_ptr = scratch_ptr
   scratch_ptr = join_chain(scratch_ptr, WORK_OFF, PDL)
+  TRACE: tl.constexpr = (PROBE & 4) != 0
+  stamp(o_in_ptr, 0, TRACE)
   p_ptr = scratch_ptr
   acc_ptr = scratch_ptr + M * R  # the output accumulator: only with several r-chunks
   if R_CHUNKS > 1:
@@ -300,19 +353,26 @@ def _xuv_decode_persistent_kernel(
   n1 = n_rb * SPLIT_K
   offs_m = tl.arange(0, BLOCK_M)
   m_mask = offs_m < M
-  # phase 1: tiles t = pid, pid + PROGRAMS, ...; r-block-major, so the first r-chunks of P
-  # complete first. No waits here, so every phase-1 tile finishes. (V_RES: n1 < PROGRAMS, so
-  # a CTA runs one tile or none.)
-  for t in range(pid, n1, PROGRAMS):
-    _xu_tile(t // SPLIT_K, (t % SPLIT_K) * K_PER, x_ptr, u_ptr, p_ptr, flag_ptr, offs_m,
-             m_mask, K, R, K_PER, RB_PER_CHUNK, BLOCK_K, BLOCK_R, COLS_R, EVEN_K, True, P16,
-             p16_ptr, rb_cnt_ptr, SPLIT_K, (PROBE & 1) != 0)
+  if STREAM_K:  # phase 1 split evenly by K steps; every CTA runs some, then signals once
+    _xu_stream(pid, x_ptr, u_ptr, p_ptr, offs_m, m_mask, K, R, BLOCK_K, COLS_R, EVEN_K,
+               PROGRAMS)
+    signal(flag_ptr)
+  else:
+    # phase 1: tiles t = pid, pid + PROGRAMS, ...; r-block-major, so the first r-chunks of P
+    # complete first. No waits here, so every phase-1 tile finishes. (V_RES: n1 < PROGRAMS,
+    # so a CTA runs one tile or none.)
+    for t in range(pid, n1, PROGRAMS):
+      _xu_tile(t // SPLIT_K, (t % SPLIT_K) * K_PER, x_ptr, u_ptr, p_ptr, flag_ptr, offs_m,
+               m_mask, K, R, K_PER, RB_PER_CHUNK, BLOCK_K, BLOCK_R, COLS_R, EVEN_K, True, P16,
+               p16_ptr, rb_cnt_ptr, SPLIT_K, (PROBE & 1) != 0)
+  stamp(o_in_ptr, 1, TRACE)
   if V_RES:  # phase-2 tile q on CTA n1 + q, which ran no phase-1 tile
     if (pid >= n1) & (pid < n1 + n_nb):
       _pv_resident_tile(pid - n1, p_ptr, v_ptr, b_ptr, flag_ptr, o_ptr, M, n1, R, N,
-                        HAS_BIAS, BLOCK_M, R_P2, BLOCK_N, COLS_N)
+                        HAS_BIAS, BLOCK_M, R_P2, BLOCK_N, COLS_N, o_in_ptr, TRACE)
   elif PV:
     # phase 2: tiles q = pid, pid + PROGRAMS, ...; chunk-major; each waits for its chunk of P
+    # (STREAM_K: one chunk, complete when all PROGRAMS CTAs have signalled)
     if PREFETCH > 0:  # the first rows of this CTA's first V tile load while it waits
       if pid < R_CHUNKS * n_nb:
         prefetch_l2(v_ptr, (pid // n_nb) * (RB_PER_CHUNK * COLS_R), (pid % n_nb) * COLS_N, R,
@@ -320,9 +380,11 @@ def _xuv_decode_persistent_kernel(
     for q in range(pid, R_CHUNKS * n_nb, PROGRAMS):
       _pv_tile(q, n_nb, n_rb, p16_ptr if P16 else p_ptr, v_ptr, b_ptr, acc_ptr, flag_ptr,
                sem_ptr, o_ptr, 1 if PROBE & 2 else M, R, N, HAS_BIAS, SPLIT_K, R_CHUNKS,
-               RB_PER_CHUNK, BLOCK_M,
-               BLOCK_N, BLOCK_KV, EVEN_R, COLS_R, COLS_N, P16)
+               RB_PER_CHUNK, BLOCK_M, BLOCK_N, BLOCK_KV, EVEN_R, COLS_R, COLS_N, P16, o_in_ptr,
+               TRACE, PROGRAMS if STREAM_K else 0)
+  stamp(o_in_ptr, 3, TRACE)
   leave_chain(chain_ptr, clear_off, clear_n)
+  stamp(o_in_ptr, 4, TRACE)
 
 
 @triton.jit
@@ -344,7 +406,7 @@ def _group_phase2(q, p_ptr, v_ptr, b_ptr, flag_ptr, o_ptr, M, R: tl.constexpr,
   _pv_tile(q, (N + COLS_N - 1) // COLS_N, (R + COLS_R - 1) // COLS_R, p_ptr, v_ptr, b_ptr,
            p_ptr, flag_ptr, flag_ptr, o_ptr, M, R, N, HAS_BIAS, SPLIT, 1,
            (R + COLS_R - 1) // COLS_R, BLOCK_M, BLOCK_N, BLOCK_KV, EVEN_R, COLS_R, COLS_N,
-           False)
+           False, o_ptr, False)
 
 
 @triton.jit
@@ -444,7 +506,7 @@ def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
   ``pv=False``: phase 1 only, into P rounded once (one r-chunk, ``p.p16`` forced on).
   ``probe``: the kernel's timing-only PROBE bits (0: the real kernel)."""
   if not pv:
-    p = dataclasses.replace(p, p16=True, r_chunks=1, v_resident=False)
+    p = dataclasses.replace(p, p16=True, r_chunks=1, v_resident=False, stream_k=False)
   split = planner.cdiv(k, p.k_per)
   n_rb = planner.cdiv(r, p.cols_r)
   rb_per_chunk = planner.cdiv(n_rb, p.r_chunks)
@@ -457,13 +519,21 @@ def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
     if not pv or chunks > 1 or p.p16 or n_tiles > p.programs:
       raise ValueError(f"{p}: v_resident needs phase 2 in the kernel, one r-chunk, no p16 and "
                        f"a CTA for each of its {n_tiles} tiles")
+  if p.stream_k:
+    steps = n_rb * planner.cdiv(k, p.block_k)
+    if not pv or chunks > 1 or p.p16 or p.v_resident or p.cols_r != p.block_r or \
+        steps < p.programs:
+      raise ValueError(f"{p}: stream_k needs phase 2 in the kernel, one r-chunk, no p16 or "
+                       f"v_resident, cols_r = block_r and a phase-1 step for every CTA "
+                       f"({steps} steps)")
   meta = dict(K=k, R=r, N=n, HAS_BIAS=has_bias, K_PER=p.k_per, SPLIT_K=split,
               R_CHUNKS=chunks, RB_PER_CHUNK=rb_per_chunk, BLOCK_M=p.block_m,
               BLOCK_K=p.block_k, BLOCK_R=p.block_r, BLOCK_N=p.block_n,
-              BLOCK_KV=p.block_kv, EVEN_K=k % p.k_per == 0,
+              BLOCK_KV=p.block_kv, EVEN_K=k % (p.block_k if p.stream_k else p.k_per) == 0,
               EVEN_R=r % r_per == 0 and r_per % p.block_kv == 0, COLS_R=p.cols_r,
               COLS_N=p.cols_n, PROGRAMS=p.programs, PREFETCH=p.prefetch, P16=p.p16, PV=pv,
-              PROBE=int(probe), V_RES=int(p.v_resident), R_P2=max(16, planner.next_pow2(r)))
+              PROBE=int(probe), V_RES=int(p.v_resident), R_P2=max(16, planner.next_pow2(r)),
+              STREAM_K=int(p.stream_k))
   n_nb = planner.cdiv(n, p.cols_n)
   return dict(grid=p.programs, chunks=chunks, n_nb=n_nb, meta=meta,
               scratch=m * r + (m * n if chunks > 1 else 0) + chunks + n_nb

@@ -272,6 +272,9 @@ def test_decode_phase1_alone_on_its_planned_tiles(shapes):
   _interpret(f"SHAPES = {shapes!r}\n" + _PRELUDE + _PHASE1)
 
 
+STREAM_K = dict(stream_k=True, r_chunks=1, p16=False, v_resident=False)
+
+
 def test_whole_decode_kernels_on_ragged_shapes():
   """Y = round(X·U)·V (+ bias) from the persistent, the tiled and the grouped decode kernels."""
   persistent = [  # (M, K, r, N, bias, plan fields replaced)
@@ -280,6 +283,9 @@ def test_whole_decode_kernels_on_ragged_shapes():
       (3, 640, 1100, 300, True, {"cols_n": 48, "block_n": 64, "r_chunks": 3, "p16": True}),
       # V-resident phase 2 (V in registers before the wait): ragged K, r and N
       (3, 1000, 200, 300, True, {"v_resident": True}), (1, 512, 40, 96, False, {"v_resident": True}),
+      # stream-K phase 1 (one program runs every step: each run of a column block flushes)
+      (3, 1000, 200, 300, True, dict(STREAM_K, block_r=64, cols_r=64, block_n=64, cols_n=48)),
+      (16, 512, 256, 1024, False, dict(STREAM_K, block_r=128, cols_r=128)),
   ]
   tiled = [(1, 200, 72, 130, True, {}), (5, 300, 200, 260, False, {}),
            (7, 1000, 96, 520, True, {"block_r": 32, "split_k": 3, "block_n": 32,

@@ -78,7 +78,7 @@ XUV_SHAPES = [  # (M, K, r, N): M=1, ragged everything, a multi-super-block pref
                                   "persistent_p16", "persistent_small_grid_p16",
                                   "persistent_pv_xla", "persistent_small_grid_pv_xla",
                                   "persistent_two_waves_pv_xla", "persistent_planned",
-                                  "persistent_no_v_resident",
+                                  "persistent_no_v_resident", "persistent_stream_k",
                                   "persistent_wide_rows", "prefill"])
 def test_xuv_kernels(kind, shape, dtype, bias):
   from lrjax.custom_calls.triton import xuv_decode, xuv_prefill
@@ -99,12 +99,16 @@ def test_xuv_kernels(kind, shape, dtype, bias):
     if kind.startswith("persistent_small_grid"):  # several ragged, part-width tiles per CTA
       p = dataclasses.replace(p, block_r=64, cols_r=32, k_per=128, block_n=64, cols_n=48,
                               block_kv=32, r_chunks=3, programs=5, prefetch=16,
-                              v_resident=False)
+                              v_resident=False, stream_k=False)
     if kind == "persistent_two_waves_pv_xla":  # phase 1 alone may outnumber the SMs
       from lrjax.custom_calls.triton._common import num_sms
       p = dataclasses.replace(p, block_r=64, cols_r=32, k_per=64, programs=2 * num_sms())
+    if kind == "persistent_stream_k":  # phase 1 split evenly by K steps over the CTAs
+      steps = planner.cdiv(r, 128) * planner.cdiv(k, p.block_k)
+      p = dataclasses.replace(p, stream_k=True, block_r=128, cols_r=128, r_chunks=1,
+                              p16=False, v_resident=False, programs=min(p.programs, steps))
     if kind.endswith("_p16"):  # phase 2 reads P rounded once by each block's last tile
-      p = dataclasses.replace(p, p16=True, v_resident=False)
+      p = dataclasses.replace(p, p16=True, v_resident=False, stream_k=False)
     fn = lambda x, u, v, b, o: xuv_decode.xuv_decode(x, u, v, b, out=o, persistent=p,
                                                      pv="kernel")
     if kind.endswith("_pv_xla"):  # phase 1 alone, then XLA's GEMM (it writes all of y)

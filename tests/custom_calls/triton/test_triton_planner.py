@@ -41,7 +41,7 @@ def test_decode_plan_fills_the_machine():
 @pytest.mark.parametrize("m,k,r,n", [(1, 8192, 4096, 16384), (4, 4096, 2560, 14336),
                                      (16, 8192, 2048, 16384), (1, 4096, 1024, 14336)])
 def test_persistent_decode_plan_gives_each_sm_about_one_tile(m, k, r, n):
-  p = planner.plan_decode_persistent(m, k, r, n)
+  p = planner.plan_decode_persistent(m, k, r, n, stream_k=False)
   g = planner.H200.num_sms
   tiles1 = planner.cdiv(r, p.cols_r) * planner.cdiv(k, p.k_per)
   tiles2 = p.r_chunks * planner.cdiv(n, p.cols_n)
@@ -401,7 +401,7 @@ def test_fused_plan_bounds_the_split_k_partials_from_8_rows(m, k, r, n):
   """At M=8 and 16 the f32 split-K partials cost about 1 us a MiB beyond 0.5 MiB
   (PARTIAL_BW; 0.3-1.1 us a call measured): the plan takes fewer splits of at most 128
   columns there than at one row, about one tile an SM, and halves the partials at least."""
-  p = planner.plan_decode_persistent(m, k, r, n, programs=132)
+  p = planner.plan_decode_persistent(m, k, r, n, programs=132, stream_k=False)
   p1 = planner.plan_decode_persistent(1, k, r, n, programs=132)
   splits, splits1 = planner.cdiv(k, p.k_per), planner.cdiv(k, p1.k_per)
   assert 2 * splits <= splits1 and p.cols_r <= 128 < p1.cols_r
@@ -439,3 +439,23 @@ def test_v_resident_plan_takes_small_ranks_up_to_32_rows():
                          (8, 4096, 2560, 14336, {}), (8, 2048, 256, 512, {"v_resident": False}),
                          (8, 2048, 256, 512, {"min_row_bytes": 512})):
     assert not planner.plan_decode_persistent(m, k, r, n, **kw).v_resident, (m, k, r, n, kw)
+
+
+@pytest.mark.parametrize("m,k,r,n,stream_k", [
+    (2, 4096, 2560, 14336, True), (32, 4096, 1024, 14336, True),
+    (1, 4096, 2560, 14336, False),  # one row: measured slower
+    (4, 8192, 2048, 16384, False),  # K = 8192: measured slower
+    (4, 8192, 2432, 8192, False),  # a rank of part-blocks
+    (4, 4096, 1216, 4096, False), (4, 2048, 640, 2048, False),  # part-blocks, small ranks
+    (64, 4096, 2560, 14336, False)])  # P per tile large: two r-chunks
+def test_stream_k_phase1_where_it_measured_faster(m, k, r, n, stream_k):
+  """The stream-K phase 1 takes K <= 4096, 2-32 rows and ranks of whole 128-column blocks
+  from 1024; its steps then cover every CTA, and phase 2 keeps the tiled plan's tiles."""
+  p = planner.plan_decode_persistent(m, k, r, n)
+  assert p.stream_k == stream_k, p
+  if stream_k:
+    tiled = planner.plan_decode_persistent(m, k, r, n, stream_k=False)
+    assert (p.block_r, p.cols_r, p.r_chunks) == (128, 128, 1)
+    assert planner.cdiv(r, 128) * planner.cdiv(k, p.block_k) >= p.programs
+    assert (p.block_n, p.cols_n, p.prefetch) == (tiled.block_n, tiled.cols_n, tiled.prefetch)
+  assert not planner.plan_decode_phase1(m, k, r, n).stream_k

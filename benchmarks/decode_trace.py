@@ -1,0 +1,178 @@
+"""Where a persistent decode X·U·V call's time goes, CTA by CTA, read from the GPU's clock.
+
+The kernel's timing-only PROBE bit 4 makes each CTA write %globaltimer (ns) at five points:
+entry, the end of its phase-1 tiles, the end of its wait for P, the end of phase 2, and its
+exit (after zeroing the scratch chain's other half). This script launches a chain of L calls
+(distinct weights, > 200 MB in all, so every call streams from HBM) captured in one CUDA
+graph, as XLA runs a model's calls, each call writing its own stamps, and reports per call
+(median over the chain's middle calls, in µs from the call's first CTA entry):
+
+  period     first entry of this call to the first entry of the next (the per-call time)
+  enter      when the last CTA entered (the launch ramp)
+  p1_med / p1_end   phase-1 end, median and last CTA (CTAs with phase-1 tiles)
+  wait_first / wait_med / wait_last   when the waits for P ended
+  p2_med / p2_end   phase-2 end, median and last CTA
+  exit       the last CTA's exit; gap = the next call's first entry minus it
+and, for one call from the chain's middle, every CTA's stamps and SM (``ctas``).
+
+Each variant also runs untraced in the same graph method ((t(3L) - t(L)) / 2L, as
+benchmarks/pdl_probe.py) and the stamped outputs are checked against an f32 reference.
+
+  python benchmarks/decode_trace.py --out benchmarks/results/gpu_xuv_decode_trace_h200.json \
+      --case 2,4096,2560,14336 --case 2,4096,2560,14336:prefetch=0
+
+Needs a GPU and torch (Triton's own launcher and the CUDA graph; the H200 machine has it).
+torch is this script's alone, not a dependency of lrjax.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+
+SLOTS = ("entry", "p1", "wait", "p2", "exit")
+
+
+def parse_case(spec: str):
+  """'M,K,r,N[:field=v,...]' -> ((M, K, r, N), {plan field: int value})."""
+  shape, _, kw = spec.partition(":")
+  dims = tuple(int(d) for d in shape.split(","))
+  if len(dims) != 4:
+    raise SystemExit(f"--case {spec!r}: expected M,K,r,N[:field=value,...]")
+  over = {}
+  for item in filter(None, kw.split(",")):
+    key, _, val = item.partition("=")
+    over[key] = int(val)
+  return dims, over
+
+
+def summarize(tr, grid: int, n1: int):
+  """Per-call phase times (µs from the call's first entry), medians over the middle calls.
+  ``tr`` [calls, grid, 8] int64 ns; CTAs < n1 ran phase-1 tiles (all of them when n1 >=
+  grid)."""
+  import numpy as np
+  raw = tr[:, :grid, :len(SLOTS)]
+  t = np.where(raw == 0, np.nan, raw.astype(np.float64) / 1e3)  # 0: a CTA with no such point
+  t0 = np.nanmin(t[:, :, 0], axis=1)
+  rows = []
+  for i in range(1, t.shape[0] - 1):  # skip the first and last calls of the chain
+    c = t[i] - t0[i]
+    p1 = c[:min(n1, grid), 1]
+    rows.append(dict(
+        period=t0[i + 1] - t0[i], enter=np.nanmax(c[:, 0]), p1_med=np.nanmedian(p1),
+        p1_end=np.nanmax(p1), wait_first=np.nanmin(c[:, 2]), wait_med=np.nanmedian(c[:, 2]),
+        wait_last=np.nanmax(c[:, 2]), p2_med=np.nanmedian(c[:, 3]), p2_end=np.nanmax(c[:, 3]),
+        exit=np.nanmax(c[:, 4]), gap=t0[i + 1] - t0[i] - np.nanmax(c[:, 4])))
+  return {k: round(float(statistics.median(r[k] for r in rows)), 3) for k in rows[0]}
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--out", required=True)
+  ap.add_argument("--case", action="append", required=True,
+                  help="M,K,r,N[:plan_field=value,...] (repeatable)")
+  ap.add_argument("--reps", type=int, default=25)
+  args = ap.parse_args()
+
+  import tempfile
+
+  import numpy as np
+  import torch
+  import triton
+  from lrjax.custom_calls.triton import planner, xuv_decode
+  if not triton.knobs.cache.dir:  # jax-triton empties it; Triton's launcher compiles into it
+    triton.knobs.cache.dir = tempfile.mkdtemp(prefix="triton-cache-")
+  dev = torch.device("cuda")
+  sms = torch.cuda.get_device_properties(dev).multi_processor_count
+  kern = xuv_decode._xuv_decode_persistent_kernel
+  recs = []
+
+  def per_call_us(issue, layers):
+    graphs = []
+    for count in (layers, 3 * layers):
+      issue(count)  # compile and warm outside the capture
+      torch.cuda.synchronize()
+      g = torch.cuda.CUDAGraph()
+      with torch.cuda.graph(g):
+        issue(count)
+      graphs.append(g)
+    for g in graphs:
+      g.replay()
+    diffs = []
+    for _ in range(args.reps):
+      ts = []
+      for g in graphs:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3)
+      diffs.append((ts[1] - ts[0]) / (2 * layers))
+    return statistics.median(diffs)
+
+  for spec in args.case:
+    (m, k, r, n), over = parse_case(spec)
+    layers = min(128, max(8, -(-200_000_000 // (2 * r * (k + n)))))
+    layers += layers % 2  # the scratch chain alternates halves
+    us = [torch.randn(k, r, device=dev, dtype=torch.bfloat16) / k ** 0.5 for _ in range(layers)]
+    vs = [torch.randn(r, n, device=dev, dtype=torch.bfloat16) / r ** 0.5 for _ in range(layers)]
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    outs = [torch.empty(m, n, device=dev, dtype=torch.bfloat16) for _ in range(layers)]
+    p = dataclasses.replace(planner.plan_decode_persistent(m, k, r, n, programs=sms), **over)
+    res = {}
+    for probe in (0, 4):
+      plan = xuv_decode.persistent_launch_plan(m, k, r, n, False, p, True, probe)
+      grid, half = plan["grid"], -(-plan["scratch"] // 16) * 16
+      scratch = torch.zeros(2 * half, device=dev, dtype=torch.float32)
+      p16 = torch.empty(plan["p16"], device=dev, dtype=torch.bfloat16)
+      trace = torch.zeros(3 * layers, grid, 8, device=dev, dtype=torch.int64)
+
+      def issue(count, plan=plan, scratch=scratch, p16=p16, trace=trace, half=half):
+        for i in range(count):
+          par = i % 2
+          kern[(plan["grid"],)](
+              x, us[i % layers], vs[i % layers], vs[i % layers], trace[i] if probe else x, m,
+              (1 - par) * half, plan["scratch"], scratch, outs[i % layers], p16,
+              **plan["meta"], WORK_OFF=par * half, num_warps=p.warps, num_stages=p.stages)
+
+      for o in outs[:2]:
+        o.fill_(float("nan"))
+      res[probe] = per_call_us(issue, layers)
+      torch.cuda.synchronize()
+      err = max(float((outs[l].float() - ((x.float() @ us[l].float()).to(torch.bfloat16)
+                                          .float() @ vs[l].float())).abs().max()
+                      / (x.float() @ us[l].float() @ vs[l].float()).abs().max())
+                for l in (0, 1))
+      if not err < 2e-2:
+        raise SystemExit(f"{spec} PROBE={probe}: relative error {err} (expected < 2e-2)")
+    n1 = planner.cdiv(r, p.cols_r) * planner.cdiv(k, p.k_per)
+    tr = trace.cpu().numpy()  # the last replay's (3L calls) stamps
+    phases = summarize(tr, grid, n1)
+    mid = tr[layers]  # one call from the chain's middle, CTA by CTA (µs from its first entry)
+    t0 = mid[:grid, 0].min()
+    ctas = dict(sm=mid[:grid, 7].tolist(),
+                **{s_: [round((v - t0) / 1e3, 3) if v else None for v in mid[:grid, j]]
+                   for j, s_ in enumerate(SLOTS)})
+    rec = dict(case=spec, M=m, K=k, r=r, N=n, plan=dataclasses.asdict(p), layers=layers,
+               per_call_us=round(res[0], 3), traced_per_call_us=round(res[4], 3),
+               phase1_ctas=min(n1, grid), **phases, ctas=ctas)
+    recs.append(rec)
+    print(json.dumps({k_: v for k_, v in rec.items() if k_ not in ("plan", "ctas")}),
+          flush=True)
+  meta = dict(machine=torch.cuda.get_device_name(dev), torch=torch.__version__,
+              triton=triton.__version__,
+              date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              method=" ".join(__doc__.split("\n\n")[1:3]).replace("\n", " "))
+  os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+  with open(args.out + ".tmp", "w") as fh:
+    json.dump(dict(meta=meta, records=recs), fh, indent=1)
+  os.replace(args.out + ".tmp", args.out)
+  print(f"wrote {len(recs)} records to {args.out}")
+
+
+if __name__ == "__main__":
+  main()
