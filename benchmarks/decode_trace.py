@@ -16,7 +16,7 @@ graph, as XLA runs a model's calls, each call writing its own stamps, and report
 and, for one call from the chain's middle, every CTA's stamps and SM (``ctas``).
 
 Each variant also runs untraced in the same graph method ((t(3L) - t(L)) / 2L, as
-benchmarks/pdl_probe.py) and the stamped outputs are checked against an f32 reference.
+pdl_probe.graph_per_call_us) and the stamped outputs are checked against an f32 reference.
 
   python benchmarks/decode_trace.py --out benchmarks/results/gpu_xuv_decode_trace_h200.json \
       --case 2,4096,2560,14336 --case 2,4096,2560,14336:prefetch=0
@@ -79,7 +79,7 @@ def main():
 
   import tempfile
 
-  import numpy as np
+  import pdl_probe
   import torch
   import triton
   from lrjax.custom_calls.triton import planner, xuv_decode
@@ -91,28 +91,7 @@ def main():
   recs = []
 
   def per_call_us(issue, layers):
-    graphs = []
-    for count in (layers, 3 * layers):
-      issue(count)  # compile and warm outside the capture
-      torch.cuda.synchronize()
-      g = torch.cuda.CUDAGraph()
-      with torch.cuda.graph(g):
-        issue(count)
-      graphs.append(g)
-    for g in graphs:
-      g.replay()
-    diffs = []
-    for _ in range(args.reps):
-      ts = []
-      for g in graphs:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-      diffs.append((ts[1] - ts[0]) / (2 * layers))
-    return statistics.median(diffs)
+    return pdl_probe.graph_per_call_us(issue, layers, args.reps)[0]
 
   for spec in args.case:
     (m, k, r, n), over = parse_case(spec)

@@ -40,6 +40,37 @@ SHAPES = ((2048, 256, 512), (4096, 152, 4096), (4096, 1216, 4096), (8192, 2456, 
 VARIANTS = {"plain": 0, "pdl": 1}  # name: PDL (launched with the PDL attribute when set)
 
 
+def graph_per_call_us(issue, layers: int, reps: int):
+  """(median, IQR / median) over ``reps`` of (t(3L calls) - t(L calls)) / 2L µs: ``issue(count)``
+  launches ``count`` calls; each count is captured once in a CUDA graph and replayed, timed with
+  CUDA events (also used by benchmarks/decode_trace.py)."""
+  import torch
+  graphs = []
+  for count in (layers, 3 * layers):
+    issue(count)  # compile and warm outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+      issue(count)
+    graphs.append(g)
+  for g in graphs:
+    g.replay()
+  diffs = []
+  for _ in range(reps):
+    ts = []
+    for g in graphs:
+      a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+      a.record()
+      g.replay()
+      b.record()
+      b.synchronize()
+      ts.append(a.elapsed_time(b) * 1e3)  # µs
+    diffs.append((ts[1] - ts[0]) / (2 * layers))
+  q = statistics.quantiles(diffs, n=4)
+  med = statistics.median(diffs)
+  return med, (q[2] - q[0]) / med
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default="benchmarks/results/gpu_pdl_probe_h200.json")
@@ -62,30 +93,7 @@ def main():
   recs = []
 
   def timed(issue, layers):
-    graphs = []
-    for count in (layers, 3 * layers):
-      issue(count)  # compile and warm outside the capture
-      torch.cuda.synchronize()
-      g = torch.cuda.CUDAGraph()
-      with torch.cuda.graph(g):
-        issue(count)
-      graphs.append(g)
-    for g in graphs:
-      g.replay()
-    diffs = []
-    for _ in range(args.reps):
-      ts = []
-      for g in graphs:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)  # µs
-      diffs.append((ts[1] - ts[0]) / (2 * layers))
-    q = statistics.quantiles(diffs, n=4)
-    med = statistics.median(diffs)
-    return med, (q[2] - q[0]) / med
+    return graph_per_call_us(issue, layers, args.reps)
 
   shapes = [tuple(map(int, s.split(","))) for s in args.shapes] if args.shapes else SHAPES
   for (k, r, n) in shapes:
