@@ -562,6 +562,10 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
   ``_probe``: benchmarking only, the persistent kernel's PROBE bits (the output is wrong).
   """
   x2, lead, (m, k, r, n), out_dtype = unpack_xuv_args(x, u, v, out_dtype)
+  if _probe & 4:
+    raise ValueError("_probe bit 4 (per-CTA clock stamps) writes into the kernel's o_in_ptr "
+                     "operand; only benchmarks/decode_trace.py, which passes a trace buffer "
+                     "there, may set it")
   if pv not in (None, "kernel", "xla"):
     raise ValueError(f"{pv=} must be 'kernel', 'xla' or None (by rows)")
   if xla_zeroing is None:
