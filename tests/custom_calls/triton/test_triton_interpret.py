@@ -171,6 +171,17 @@ _WHOLE = textwrap.dedent('''
     for i, (out, ref) in enumerate(zip(outs, refs)):
       err = check(out, ref, 5e-3, (m, k, members, i))
     print("group", m, k, members, f"{err:.1e}")
+  # a stream-K plan it cannot run is refused by name (here: rounded P, fewer steps than CTAs)
+  sk = dataclasses.replace(planner.plan_decode_persistent(2, 4096, 2560, 14336), stream_k=True,
+                           block_r=128, cols_r=128, r_chunks=1)
+  for bad in (dict(p16=True), dict(programs=10 ** 6)):
+    try:
+      xuv_decode.persistent_launch_plan(2, 4096, 2560, 14336, False,
+                                        dataclasses.replace(sk, **bad))
+    except ValueError as e:
+      assert "stream_k needs" in str(e), e
+    else:
+      raise AssertionError(f"{bad}: not refused")
   print("ok")
 ''')
 
