@@ -1264,6 +1264,15 @@ def plot(path_json: str) -> str | None:
   return save_beside(fig, path_json)
 
 
+def _launch_label(launch) -> str:
+  """The custom-call target (and LRJAX_TRITON_LAUNCH mode) this run's Triton calls lower to;
+  calls with a memset before the launch stay with jaxlib's under "xla" (launch.py)."""
+  mode = launch.launch_mode()
+  if mode == "jaxlib":
+    return launch.FFI_TARGET if launch.use_ffi() else launch.LEGACY_TARGET
+  return f"{planner.XLA_TARGET if mode == 'xla' else launch.LAUNCH_TARGET} ({mode})"
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--suite", default="all",
@@ -1359,9 +1368,7 @@ def main():
       meta["note"] = old["meta"]["note"]
   from lrjax.custom_calls.triton import launch
   run = dict(index=len(runs), suite=args.suite, extra=args.extra, timing=TIMING,
-             triton_launch=(f"{launch.LAUNCH_TARGET} ({launch.launch_mode()})"
-                            if launch.launch_mode() != "jaxlib" else
-                            launch.FFI_TARGET if launch.use_ffi() else launch.LEGACY_TARGET),
+             triton_launch=_launch_label(launch),
              retry=dict(max_spread=MAX_SPREAD, tries=TRIES), **{
       k: meta[k] for k in ("date", "measured_hbm_bw", "measured_read_bw", "measured_bf16_flops",
                            "xla_flags")})

@@ -272,9 +272,8 @@ def run_model(name, cfg, args, dtype, out, save):
              **({"kernels": sorted(args.kernels)} if args.kernels else {}),
              # each call's scratch zeroed by XLA (LRJAX_TRITON_SCRATCH_CHAIN=0): not the default
              **({"scratch_chain": False} if args.fuse and not planner.chain_scratch() else {}),
-             # the Triton launcher (LRJAX_TRITON_LAUNCH) when it is not the default
-             **({"triton_launch": planner.launch_mode()}
-                if args.fuse and planner.launch_mode() != planner.DEFAULT_LAUNCH else {})}
+             # the Triton launcher (LRJAX_TRITON_LAUNCH or the default)
+             **({"triton_launch": planner.launch_mode()} if args.fuse else {})}
       for batch in args.batch:
         a = argparse.Namespace(**{**vars(args), "batch": batch})
         rec = {**tag, "batch": batch, "ctx": args.ctx, "layers": cfg.num_layers,

@@ -1,4 +1,4 @@
-"""How the Triton kernels are launched: jaxlib's typed-FFI Triton call.
+"""How the Triton kernels are launched: XLA's PTX call, or jaxlib's typed-FFI Triton call.
 
 jax-triton 0.3.1 compiles a kernel and lowers ``jax_triton.triton_call`` to jaxlib's legacy
 ``triton_kernel_call`` custom call (API version 2). XLA does not record legacy custom calls
@@ -35,10 +35,25 @@ launches the same compiled kernel with cuLaunchKernelEx and, for kernels that ta
 constexpr (the chained decode kernels, which then begin with ``gdc_wait``: _common.join_chain),
 the programmatic-stream-serialization attribute: their CTAs start while the kernel ahead
 drains. ``LRJAX_TRITON_LAUNCH`` (read when a call is lowered) picks the launcher: ``jaxlib``,
-``lrjax`` (ours, plain launches; for A/B) or ``pdl`` (ours, PDL where the kernel allows it).
+``lrjax`` (ours, plain launches; for A/B), ``pdl`` (ours, PDL where the kernel allows it) or
+``xla`` (below).
 The kernel's PTX, entry, shared memory and warps travel as attributes of the custom call, with
 a content hash the handler caches the loaded function under, so compiled executables do not
 depend on the process that built them.
+
+**XLA's own PTX call (the default from jaxlib 0.11.2).** With jaxlib's handler or ours, XLA
+records a Triton call into its command buffer by tracing it into a nested command buffer of
+its own. ``LRJAX_TRITON_LAUNCH=xla`` instead compiles the kernel with Triton here, every
+scalar argument (the rows M, the chain's offsets) a constant so the entry takes the buffers
+alone, and hands the PTX to XLA's ``__gpu$xla.gpu.ptx`` custom call: XLA launches it as one of
+its own kernels. The kernel code is what the other launchers run (Triton 3.6's PTX, compiled
+for each row count), and the chained kernels wait on the grid dependency at entry in case XLA
+launches them as programmatic dependents. The Llama-3-8B decode step on one H200 took 2 %
+less (gpu_notes.md, session 24); single kernels timed back to back, within the runs' spread.
+Calls with a memset before the launch (``zeroed_outputs``: the prefill kernels' counters, a
+caller's ``out=``) and kernels that need Triton's global scratch stay with jaxlib's handler.
+(XLA's Triton call, ``__gpu$xla.gpu.triton``, which compiles the TTIR with XLA's own Triton,
+was tried first: its Triton needed 313 KB of shared memory for one of the model's kernels.)
 
 **Kernels jaxlib's handler cannot launch.** A kernel that builds TMA descriptors on the device
 (``tl.make_tensor_descriptor``) needs Triton's global scratch (bytes a CTA), and one whose loop
@@ -363,6 +378,121 @@ def _own_launch(ctx, array_args, params, pdl: bool, entry):
   return results[:len(ctx.avals_out)]
 
 
+_CALL_KEYS = ("fn", "scalar_args", "name", "out_shapes", "grid", "num_warps", "num_stages",
+              "num_ctas", "compute_capability", "enable_fp_fusion", "input_output_aliases",
+              "zeroed_outputs", "debug", "serialized_metadata")
+_xla_kernels: dict = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaKernel:
+  """A kernel compiled for XLA's own PTX call: every scalar argument a constant, so its entry
+  takes the buffers alone, operands first and results after, as XLA passes them."""
+  name: str  # the PTX entry, unique to this specialization
+  ptx: str
+  shared: int  # dynamic shared memory, bytes
+  threads: int  # a CTA's threads as launched
+
+
+def xla_kernel(fn, arg_types: list[str], scalar_args, metaparams: dict, num_warps: int,
+               num_stages: int, compute_capability: int,
+               enable_fp_fusion: bool = True) -> "XlaKernel | None":
+  """``fn`` compiled by Triton with every scalar argument compiled in as a constant, for XLA's
+  PTX call; None where XLA cannot launch it (it needs Triton's global scratch: TMA
+  descriptors built on the device). ``arg_types``: Triton's type of each argument in order
+  (jax-triton's: the operands, each scalar at its index, then the results)."""
+  from triton._C import libtriton
+  from triton.backends.compiler import GPUTarget
+  from triton.backends.nvidia.compiler import CUDABackend
+  from triton.compiler import ASTSource, code_generator
+  consts = dict(metaparams)
+  consts.update({fn.arg_names[i]: v for i, _, v in scalar_args})
+  key = (fn, tuple(arg_types), tuple(sorted(consts.items())), num_warps, num_stages,
+         compute_capability, enable_fp_fusion)
+  if key in _xla_kernels:
+    return _xla_kernels[key]
+  scalars = {i for i, _, _ in scalar_args}
+  signature, attrs = {}, {}
+  for i, t in enumerate(arg_types):
+    signature[fn.arg_names[i]] = t
+    if i not in scalars:
+      attrs[(i,)] = [["tt.divisibility", 16]]  # XLA's buffers start 16-byte aligned or more
+  for name in consts:
+    signature[name] = "constexpr"
+  # Triton's stages one by one, as jax-triton runs them (triton.compile would need a cache dir)
+  backend = CUDABackend(GPUTarget("cuda", compute_capability, 32))
+  options = backend.parse_options(dict(num_warps=num_warps, num_stages=num_stages, num_ctas=1,
+                                       enable_fp_fusion=enable_fp_fusion))
+  context = libtriton.ir.context()
+  libtriton.ir.load_dialects(context)
+  backend.load_dialects(context)
+  mod = code_generator.ast_to_ttir(
+      fn, ASTSource(fn, signature=signature, constexprs=consts, attrs=attrs), context=context,
+      options=options, codegen_fns=backend.get_codegen_implementation(options),
+      module_map=backend.get_module_map())
+  md: dict = {}
+  for stage in (backend.make_ttir, backend.make_ttgir, backend.make_llir, backend.make_ptx):
+    mod = stage(mod, md, options, compute_capability)
+  ptx, entry = mod, md["name"]
+  planner.check_cta_smem(entry, md["shared"], compute_capability, num_warps, num_stages)
+  buffers = len(arg_types) - len(scalars)
+  kernel = None
+  if not md.get("global_scratch_size"):
+    # Triton's entry ends with two scratch pointers (global, profile), unused here: drop them
+    m = re.search(r"\.entry\s+" + re.escape(entry) + r"\s*\(([^)]*)\)", ptx)
+    params = m.group(1).split(",") if m else []
+    extra = [p.split()[-1] for p in params[buffers:]]
+    if len(params) == buffers + 2 and all(ptx.count(p) == 1 for p in extra):
+      ptx = ptx[:m.start(1)] + ",".join(params[:buffers]) + "\n" + ptx[m.end(1):]
+      # one entry name per specialization: a module may hold several (a chain's two halves)
+      name = f"{entry}_{hashlib.sha256(ptx.encode()).hexdigest()[:12]}"
+      kernel = XlaKernel(name, ptx.replace(entry, name), int(md["shared"]),
+                         32 * int(md.get("num_warps", num_warps)))
+  _xla_kernels[key] = kernel
+  return kernel
+
+
+def _xla_call(ctx, array_args, params):
+  """XLA's own PTX call (``__gpu$xla.gpu.ptx``) for this kernel, compiled by Triton with its
+  scalars as constants: XLA launches it as one of its own kernels (a kernel of its thunk
+  sequence and command buffer, not a traced custom call). None where it cannot carry the
+  call: a memset before the launch (jax-triton's ``zeroed_outputs``), more than one CTA a
+  cluster, or a kernel that needs Triton's global scratch."""
+  if params["zeroed_outputs"] or params["num_ctas"] != 1:
+    return None
+  fn = params["fn"]
+  metaparams = {k: v for k, v in params.items() if k not in _CALL_KEYS}
+  types = [triton_lib.get_triton_type(a) for a in ctx.avals_in]
+  for i, dtype, _ in params["scalar_args"]:
+    types.insert(i, dtype)
+  types += [triton_lib.get_triton_type(a) for a in ctx.avals_out]
+  cc = params["compute_capability"]
+  if cc is None:
+    cc = triton_lib.triton_kernel_call_lib.get_compute_capability(0)
+  kernel = xla_kernel(fn, types, params["scalar_args"], metaparams, params["num_warps"],
+                      params["num_stages"], cc, params["enable_fp_fusion"])
+  if kernel is None:
+    return None
+  gx, gy, gz = triton_lib.normalize_grid(params["grid"], metaparams)
+  i32 = lambda v: ir.IntegerAttr.get(ir.IntegerType.get_signless(32), int(v))  # noqa: E731
+  layouts = lambda avals: [list(reversed(range(a.ndim))) for a in avals]  # noqa: E731
+  from jax._src.interpreters import mlir as jax_mlir  # custom_call is not public
+  return jax_mlir.custom_call(
+      planner.XLA_TARGET,
+      result_types=[ir.RankedTensorType.get(a.shape, mlir.dtype_to_ir_type(a.dtype))
+                    for a in ctx.avals_out],
+      operands=list(array_args),
+      backend_config=dict(name=ir.StringAttr.get(kernel.name),
+                          kernel_type=ir.StringAttr.get("ptx"),
+                          kernel_data=ir.StringAttr.get(kernel.ptx),
+                          grid_x=i32(gx), grid_y=i32(gy), grid_z=i32(gz),
+                          block_x=i32(kernel.threads), block_y=i32(1), block_z=i32(1),
+                          shared_mem_bytes=i32(kernel.shared)),
+      api_version=4, operand_layouts=layouts(ctx.avals_in),
+      result_layouts=layouts(ctx.avals_out),
+      operand_output_aliases=dict(params["input_output_aliases"])).results
+
+
 def _lowering(ctx, *array_args, custom_call_target_name, **params):
   if custom_call_target_name != _REQUEST:  # someone else's jax-triton call
     return _jax_triton_rule(ctx, *array_args, custom_call_target_name=custom_call_target_name,
@@ -372,6 +502,11 @@ def _lowering(ctx, *array_args, custom_call_target_name, **params):
   if chained is not None:
     ctx, array_args, params, finish = chained
   mode = launch_mode()
+  if mode == "xla":
+    # XLA may launch its kernels as programmatic dependents: wait at entry
+    results = _xla_call(ctx, array_args, dict(params, **{PDL: 1}) if PDL in params else params)
+    if results is not None:
+      return finish(results)
   # a launch after a memset (zeroed_outputs) stays plain: the wait covers kernels ahead of it
   pdl = mode == "pdl" and PDL in params and not params["zeroed_outputs"]
   if pdl:

@@ -33,7 +33,7 @@ import os
 import re
 import statistics
 
-from lrjax.custom_calls.triton.planner import DEFAULT_LAUNCH
+from lrjax.custom_calls.triton.planner import MODEL_AB_LAUNCHES
 
 SOURCE = "benchmarks/results/gpu_lowrank_h200.json"
 MODEL_SOURCES = ("benchmarks/results/model_1gpu_h200.json",
@@ -342,15 +342,16 @@ def model_ab_from_results(path: str) -> tuple:
   kernels: lrjax.fuse's default, grouping q/k/v; ``--no-group`` runs are not the default and
   are left out, and so are ``--whole-policy`` runs, timed with this rule on, ``--kernels``
   runs, with only some kernels served, runs with the scratch chain off and runs under a
-  Triton launcher other than the default (planner.DEFAULT_LAUNCH); of repeated runs, the
-  last."""
+  Triton launcher that is an A/B of the launch, not of the kernels (not in
+  planner.MODEL_AB_LAUNCHES; a record without ``triton_launch`` ran under jaxlib's, the
+  default before session 24); of repeated runs, the last."""
   with open(path) as fh:
     data = json.load(fh)
   recs = [r for r in data["records"]
           if "step_ms" in r and r["strategy"] == "lowrank_tp" and r["tp"] == 1
           and r.get("group") is not False and not r.get("whole_policy")
           and not r.get("kernels") and r.get("scratch_chain") is not False
-          and r.get("triton_launch", DEFAULT_LAUNCH) == DEFAULT_LAUNCH]
+          and r.get("triton_launch", "jaxlib") in MODEL_AB_LAUNCHES]
   # fused runs with lrjax.fuse's default grouping replace those from before it existed
   recs.sort(key=lambda r: r.get("group", False))
   steps = {(r["model"], r["batch"], bool(r.get("fuse"))): r["step_ms"] for r in recs}
@@ -385,7 +386,7 @@ def model_op_ab_from_results(path: str) -> tuple:
           if "step_ms" in r and r["strategy"] == "lowrank_tp" and r["tp"] == 1 and r.get("fuse")
           and r.get("group") is not False and not r.get("whole_policy")
           and r.get("scratch_chain") is not False
-          and r.get("triton_launch", DEFAULT_LAUNCH) == DEFAULT_LAUNCH]
+          and r.get("triton_launch", "jaxlib") in MODEL_AB_LAUNCHES]
   rows = {}
   for r in recs:
     missing = set(OPS) - set(r.get("kernels") or OPS)

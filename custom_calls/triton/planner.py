@@ -661,21 +661,34 @@ def chain_scratch() -> bool:
 LEGACY_TARGET = "triton_kernel_call"  # jax-triton's own (jaxlib's legacy handler)
 FFI_TARGET = "triton_kernel_call_ffi"  # jaxlib's typed-FFI handler (the default)
 LAUNCH_TARGET = "lrjax_triton_launch"  # lrjax's handler (pdl_launch.cc)
+XLA_TARGET = "__gpu$xla.gpu.ptx"  # XLA launches the kernel's PTX itself (launch mode xla)
 
 
 def count_calls(hlo_text: str) -> int:
-  """Triton custom calls (any of the three targets) in a compiled module's HLO text."""
+  """Triton custom calls (any of the four targets) in a compiled module's HLO text."""
   return sum(hlo_text.count(f'custom_call_target="{t}"')
-             for t in (LEGACY_TARGET, FFI_TARGET, LAUNCH_TARGET))
+             for t in (LEGACY_TARGET, FFI_TARGET, LAUNCH_TARGET, XLA_TARGET))
 
 
-LAUNCH_MODES = ("jaxlib", "lrjax", "pdl")
-DEFAULT_LAUNCH = "jaxlib"
+LAUNCH_MODES = ("jaxlib", "lrjax", "pdl", "xla")
+XLA_LAUNCH_MIN_JAXLIB = (0, 11, 2)  # the jaxlib XLA's PTX call was verified on (H200)
+
+
+def _default_launch() -> str:
+  import jaxlib.version
+  return "xla" if jaxlib.version.__version_info__ >= XLA_LAUNCH_MIN_JAXLIB else "jaxlib"
+
+
+DEFAULT_LAUNCH = _default_launch()
+MODEL_AB_LAUNCHES = ("jaxlib", "xla")  # the launchers whose model steps are the kernels' A/B
+# (measured.py): the default, and jaxlib's, the default until session 24 and 2 % slower in
+# the Llama-3-8B step (results/model_launch_ab_h200.json), so its rows understate the kernels
 
 
 def launch_mode() -> str:
   """Which handler launches lrjax's Triton kernels (launch.py): ``LRJAX_TRITON_LAUNCH``, read
-  when a call is lowered; DEFAULT_LAUNCH unless set."""
+  when a call is lowered; DEFAULT_LAUNCH unless set (``xla`` from jaxlib 0.11.2, else
+  ``jaxlib``)."""
   mode = os.environ.get("LRJAX_TRITON_LAUNCH", "") or DEFAULT_LAUNCH
   if mode not in LAUNCH_MODES:
     raise ValueError(f"LRJAX_TRITON_LAUNCH={mode!r}: expected one of {LAUNCH_MODES}")

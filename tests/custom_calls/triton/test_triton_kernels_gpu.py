@@ -447,20 +447,24 @@ def test_many_decode_calls_in_one_jit_each_start_from_zeroed_scratch():
 def _scratch_sizes(compiled_text):
   """The f32 scratch output (result 0) of each Triton call in a compiled module, in floats."""
   import re
+  targets = "|".join(re.escape(t) for t in (planner.LEGACY_TARGET, planner.FFI_TARGET,
+                                            planner.LAUNCH_TARGET, planner.XLA_TARGET))
   return [int(n) for n in re.findall(
-      r"= \(f32\[(\d+)\]\{0\}[^\n]*custom_call_target=\"(?:triton_kernel_call|lrjax_triton_launch)",
+      r"= \(f32\[(\d+)\]\{0\}[^\n]*custom_call_target=\"(?:" + targets + r")\"",
       compiled_text)]
 
 
-@pytest.mark.parametrize("mode", ["jaxlib", "lrjax", "pdl"])
+@pytest.mark.parametrize("mode", ["jaxlib", "lrjax", "pdl", "xla"])
 def test_launchers_agree(monkeypatch, mode):
-  """LRJAX_TRITON_LAUNCH: jaxlib's handler, lrjax's (pdl_launch.cc) with plain launches, or
+  """LRJAX_TRITON_LAUNCH: jaxlib's handler, lrjax's (pdl_launch.cc) with plain launches,
   lrjax's with the chained decode kernels as programmatic dependents (they then wait on the
-  grid dependency first). A chain of data-dependent decode calls of every chained kernel, an
-  independent one, a prefill call (no PDL constexpr) and a call whose scratch jax-triton
-  zeroes before the launch (the handler's memset; a plain launch, so under "pdl" the last two
-  stay with jaxlib's handler): each output matches the reference on two runs, and the HLO
-  names the handler each mode promises."""
+  grid dependency first), or XLA's own Triton call (XLA compiles each kernel's TTIR, every
+  scalar a constant). A chain of data-dependent decode calls of every chained kernel (two
+  calls of one kernel in the chain's two halves), an independent one, a prefill call (no PDL
+  constexpr) and a call whose scratch jax-triton zeroes before the launch (the handler's
+  memset; a plain launch, so under "pdl" the last two stay with jaxlib's handler, and under
+  "xla" both calls that take a memset, the prefill kernel's counters among them): each output
+  matches the reference on two runs, and the HLO names the handler each mode promises."""
   import re
 
   import lrjax
@@ -501,8 +505,10 @@ def test_launchers_agree(monkeypatch, mode):
   ours = text.count(f'custom_call_target="{launch.LAUNCH_TARGET}"')
   jaxlibs = text.count(f'custom_call_target="{launch.FFI_TARGET}"')
   pdl = len(re.findall(r"pdl\s*=\s*true", text))
-  assert (ours, jaxlibs, pdl) == {"jaxlib": (0, 7, 0), "lrjax": (7, 0, 0),
-                                  "pdl": (5, 2, 5)}[mode], (ours, jaxlibs, pdl)
+  xla = text.count(f'custom_call_target="{planner.XLA_TARGET}"')
+  assert (ours, jaxlibs, pdl, xla) == {"jaxlib": (0, 7, 0, 0), "lrjax": (7, 0, 0, 0),
+                                       "pdl": (5, 2, 5, 0), "xla": (0, 2, 0, 5)}[mode], \
+      (ours, jaxlibs, pdl, xla)
   for _ in range(2):  # the second run on the first one's buffers
     outs = f(x, xp, xuvs, group, mlp, big, poisoned((3, 200), dtype))
     for got, want in zip(outs, refs(x, xp)):

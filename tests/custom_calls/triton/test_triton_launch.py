@@ -81,6 +81,50 @@ def test_the_launch_passes_as_many_parameters_as_the_ptx_entry_takes():
   assert int(out.split()[-2]) >= 4, out
 
 
+def test_kernels_for_xlas_ptx_call_take_their_buffers_alone():
+  """LRJAX_TRITON_LAUNCH=xla: each chained kernel compiled with its scalars as constants (M
+  and the chain's two) has a PTX entry that takes the buffers alone, operands then results,
+  as XLA's PTX call passes them (Triton's two unused scratch pointers dropped); it waits on
+  the grid dependency; its entry name is unique to the specialization (two halves of one
+  chain are two kernels in one module) and stable for the same one. A kernel that builds TMA
+  descriptors on the device needs Triton's global scratch, which XLA cannot pass: None."""
+  out = run_script(STUB + textwrap.dedent('''
+    import re
+    import gemm_probe
+    from lrjax.custom_calls.triton import launch
+    n, seen = 0, set()
+    for name, kernel, meta, warps, stages in kernel_resources.planned():
+      if "PDL" not in [p.name for p in kernel.params] or kernel in seen:
+        continue
+      seen.add(kernel)
+      types, scalars = [], []  # jax-triton's argument types: runtime i32s, else buffers
+      for i, p in enumerate(kernel.params):
+        if p.is_constexpr:
+          continue
+        if p.name in ("M", "clear_off", "clear_n"):
+          types.append("i32")
+          scalars.append((len(types) - 1, "i32", {"M": 3}.get(p.name, 32)))
+        else:
+          types.append(kernel_resources._pointer(p.name))
+      compile = lambda off: launch.xla_kernel(kernel, types, scalars,
+                                              dict(meta, PDL=1, WORK_OFF=off), warps, stages, 90)
+      a, b, again = compile(0), compile(4096), compile(0)
+      buffers = len(types) - len(scalars)
+      for k in (a, b):
+        assert launch.ptx_param_count(k.ptx, k.name) == buffers, name
+        assert "griddepcontrol.wait" in k.ptx and k.threads == 32 * warps, name
+        assert re.search(r"\\.visible \\.entry " + k.name + r"\\(", k.ptx), name
+      assert a.name != b.name and again is a, name
+      n += 1
+    assert n >= 4, n  # the tiled and persistent X·U·V and SwiGLU kernels, the group
+    meta = dict(M=64, N=256, K=128, BM=64, BN=128, BK=64, GROUP=8, PROGRAMS=4, WS=False)
+    assert launch.xla_kernel(gemm_probe._gemm_tma_kernel, ["*bf16"] * 4, [], meta, 8, 3,
+                             90) is None
+    print(n, "ok")
+  '''), interpret=False)
+  assert int(out.split()[-2]) >= 4, out
+
+
 def test_bad_mode_and_missing_library_are_named():
   out = run_script(_RAISES + textwrap.dedent('''
     import os

@@ -290,19 +290,18 @@ def test_model_ab_leaves_out_steps_with_the_scratch_chain_off(tmp_path):
   assert measured.model_op_ab_from_results(str(path)) == (("m", 1024, 4, "mlp_swiglu", 3.9, 3.0),)
 
 
-def test_model_ab_reads_only_steps_under_the_default_launcher(tmp_path, monkeypatch):
-  """A step timed under another Triton launcher (tp_gpu.py records triton_launch when
-  LRJAX_TRITON_LAUNCH is not planner.DEFAULT_LAUNCH) is an A/B of the launcher, not of the
-  kernels: MODEL_AB reads the default launcher's steps only, whichever that is."""
+def test_model_ab_reads_only_steps_under_the_default_launchers(tmp_path):
+  """A step timed under lrjax's own launcher (``lrjax``, ``pdl``) is an A/B of the launch, not
+  of the kernels: MODEL_AB reads steps under planner.MODEL_AB_LAUNCHES alone, XLA's PTX call
+  (the default) and jaxlib's (the default before; a record without ``triton_launch``)."""
+  assert planner.DEFAULT_LAUNCH in planner.MODEL_AB_LAUNCHES
   base = dict(strategy="lowrank_tp", tp=1, group=True, model="m", batch=4)
-  other = next(m for m in planner.LAUNCH_MODES if m != planner.DEFAULT_LAUNCH)
   recs = [dict(base, run=1, step_ms=4.0, fuse=False),
           dict(base, run=2, step_ms=3.9, fuse=True),
-          dict(base, run=3, step_ms=3.5, fuse=True, triton_launch=other)]
+          dict(base, run=3, step_ms=3.5, fuse=True, triton_launch="pdl")]
   path = tmp_path / "steps.json"
   path.write_text(json.dumps(dict(records=recs, models={"m": {"hidden_size": 1024}})))
   assert measured.model_ab_from_results(str(path)) == (("m", 1024, 4, 3.9, 4.0),)
-  monkeypatch.setattr(measured, "DEFAULT_LAUNCH", other)
-  recs[1]["triton_launch"] = planner.DEFAULT_LAUNCH
+  recs[2]["triton_launch"] = "xla"  # the last of the repeated runs
   path.write_text(json.dumps(dict(records=recs, models={"m": {"hidden_size": 1024}})))
   assert measured.model_ab_from_results(str(path)) == (("m", 1024, 4, 3.5, 4.0),)
