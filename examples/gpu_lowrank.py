@@ -8,9 +8,10 @@ low-rank MLP into ``lr_mlp``; on CUDA those lower to the Triton kernels of
 ``lrjax.custom_calls.triton`` where the committed H200 benchmark measured them at least as
 fast as XLA (elsewhere XLA's GEMMs run; ``lrjax.explain`` prints which and why, and
 ``lrjax.lowering.prefer_kernels()`` around the first call forces the kernels). Without
-``fuse`` XLA runs the unfused chains. ``LRJAX_TRITON_LAUNCH=pdl`` launches the decode kernels
-through lrjax's own handler as programmatic dependents (README, "Programmatic dependent
-launch"; measured neutral under XLA, so not the default).
+``fuse`` XLA runs the unfused chains. The kernels launch through XLA's own PTX call (jaxlib
+0.11.2 and later; README, "XLA launches the kernels itself"); ``LRJAX_TRITON_LAUNCH=jaxlib``
+launches them through jaxlib's Triton handler, ``pdl`` through lrjax's own as programmatic
+dependents (measured neutral under XLA).
 """
 import statistics
 import time
