@@ -190,7 +190,7 @@ def leave_chain(scratch_ptr, clear_off, clear_n):
   used (``clear_n`` floats at ``clear_off``), for the call after it; nothing in this launch
   reads that half. At the end its stores overlap the other programs' tails; at entry they
   came before the first loads and cost up to 0.4 µs a call (gpu_notes.md, session 19)."""
-  # a tensor either way: XLA's own Triton call (launch mode xla) passes the two as constants
+  # a tensor either way: for XLA's PTX call (launch.xla_kernel) the two are compiled in
   off = tl.multiple_of(tl.full((), clear_off, tl.int32), 16)
   clear_scratch(scratch_ptr + off, clear_n, tl.program_id(0),
                 tl.num_programs(0))

@@ -48,8 +48,9 @@ scalar argument (the rows M, the chain's offsets) a constant so the entry takes 
 alone, and hands the PTX to XLA's ``__gpu$xla.gpu.ptx`` custom call: XLA launches it as one of
 its own kernels. The kernel code is what the other launchers run (Triton 3.6's PTX, compiled
 for each row count), and the chained kernels wait on the grid dependency at entry in case XLA
-launches them as programmatic dependents. The Llama-3-8B decode step on one H200 took 2 %
-less (gpu_notes.md, session 24); single kernels timed back to back, within the runs' spread.
+launches them as programmatic dependents. The Llama-3-8B decode step on one H200 took
+1.3-1.5 % less at batch 4 and 16 (gpu_notes.md, session 24); single kernels back to back, the
+same.
 Calls with a memset before the launch (``zeroed_outputs``: the prefill kernels' counters, a
 caller's ``out=``) and kernels that need Triton's global scratch stay with jaxlib's handler.
 (XLA's Triton call, ``__gpu$xla.gpu.triton``, which compiles the TTIR with XLA's own Triton,
@@ -454,8 +455,8 @@ def xla_kernel(fn, arg_types: list[str], scalar_args, metaparams: dict, num_warp
 
 def _xla_call(ctx, array_args, params):
   """XLA's own PTX call (``__gpu$xla.gpu.ptx``) for this kernel, compiled by Triton with its
-  scalars as constants: XLA launches it as one of its own kernels (a kernel of its thunk
-  sequence and command buffer, not a traced custom call). None where it cannot carry the
+  scalars as constants: XLA launches it as one of its own kernels, not through an FFI
+  handler traced into its command buffer. None where it cannot carry the
   call: a memset before the launch (jax-triton's ``zeroed_outputs``), more than one CTA a
   cluster, or a kernel that needs Triton's global scratch."""
   if params["zeroed_outputs"] or params["num_ctas"] != 1:

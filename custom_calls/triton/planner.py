@@ -659,7 +659,7 @@ def chain_scratch() -> bool:
 
 # the custom-call targets lrjax's Triton calls lower to (launch.py)
 LEGACY_TARGET = "triton_kernel_call"  # jax-triton's own (jaxlib's legacy handler)
-FFI_TARGET = "triton_kernel_call_ffi"  # jaxlib's typed-FFI handler (the default)
+FFI_TARGET = "triton_kernel_call_ffi"  # jaxlib's typed-FFI handler (launch mode jaxlib)
 LAUNCH_TARGET = "lrjax_triton_launch"  # lrjax's handler (pdl_launch.cc)
 XLA_TARGET = "__gpu$xla.gpu.ptx"  # XLA launches the kernel's PTX itself (launch mode xla)
 
@@ -681,8 +681,8 @@ def _default_launch() -> str:
 
 DEFAULT_LAUNCH = _default_launch()
 MODEL_AB_LAUNCHES = ("jaxlib", "xla")  # the launchers whose model steps are the kernels' A/B
-# (measured.py): the default, and jaxlib's, the default until session 24 and 2 % slower in
-# the Llama-3-8B step (results/model_launch_ab_h200.json), so its rows understate the kernels
+# (measured.py): the default, and jaxlib's, the default until session 24 and 1-1.5 % slower
+# in the Llama-3-8B step (results/model_launch_ab_h200.json): its rows understate the kernels
 
 
 def launch_mode() -> str:
