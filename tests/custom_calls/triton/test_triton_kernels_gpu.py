@@ -458,8 +458,8 @@ def _scratch_sizes(compiled_text):
 def test_launchers_agree(monkeypatch, mode):
   """LRJAX_TRITON_LAUNCH: jaxlib's handler, lrjax's (pdl_launch.cc) with plain launches,
   lrjax's with the chained decode kernels as programmatic dependents (they then wait on the
-  grid dependency first), or XLA's own Triton call (XLA compiles each kernel's TTIR, every
-  scalar a constant). A chain of data-dependent decode calls of every chained kernel (two
+  grid dependency first), or XLA's own PTX call (each kernel compiled with every scalar a
+  constant, launched by XLA). A chain of data-dependent decode calls of every chained kernel (two
   calls of one kernel in the chain's two halves), an independent one, a prefill call (no PDL
   constexpr) and a call whose scratch jax-triton zeroes before the launch (the handler's
   memset; a plain launch, so under "pdl" the last two stay with jaxlib's handler, and under
