@@ -5,8 +5,11 @@ jax-triton declares (without it Triton does not pipeline the loads and reports a
 a third of the shared memory). Triton's metadata gives the shared memory; ``ptxas -v`` (the
 ptxas bundled with Triton) gives registers, spills and its C7515 warning that wgmma
 instructions run serialized; from shared memory, registers and warps, the CTAs that fit on
-one SM at once. On the GPU, jaxlib assembles the same PTX with its own ptxas,
-so registers and spills there may differ; the shared memory is Triton's own number.
+one SM at once. The chained decode kernels are compiled as lrjax's default launch builds them
+for XLA's PTX call (M and the chain's offsets constants, launch.xla_kernel), each record with
+jaxlib's build (those runtime) beside it; the prefill kernels as jax-triton builds them. On
+the GPU the PTX is assembled by the driver's or XLA's ptxas, so registers and spills there
+may differ; the shared memory is Triton's own number.
 
   python benchmarks/kernel_resources.py [--out benchmarks/results/kernel_resources_sm90.json]
 
@@ -22,6 +25,7 @@ import datetime
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -87,30 +91,53 @@ def compile_for_sm90(kernel, meta: dict, warps: int, stages: int):
                         options=dict(num_warps=warps, num_stages=stages))
 
 
-def compile_sm90(kernel, meta: dict, warps: int, stages: int, ptxas: bool = True) -> dict:
-  """Compiles ``kernel`` with these constexprs for sm_90: its shared memory, and with
-  ``ptxas`` its registers, spill bytes, whether wgmma runs serialized and how many CTAs fit
-  on one SM."""
+def ptxas_info(ptx: str, shared: int, warps: int) -> dict:
+  """``ptxas -v`` (Triton's) on ``ptx`` for sm_90a: registers, spill bytes, whether wgmma runs
+  serialized, and how many CTAs of ``shared`` bytes and ``warps`` warps fit on one SM."""
   import triton
+  exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+  with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "k.ptx")
+    with open(path, "w") as fh:
+      fh.write(ptx)
+    res = subprocess.run([exe, "-arch=sm_90a", "-v", path, "-o", os.devnull],
+                         capture_output=True, text=True, check=True)
+  log = res.stdout + res.stderr
+  regs = [int(line.split("Used ")[1].split(" registers")[0])
+          for line in log.splitlines() if "Used " in line and " registers" in line]
+  spills = [int(line.split("bytes spill stores")[0].split(",")[-1])
+            for line in log.splitlines() if "bytes spill stores" in line]
+  return dict(registers=max(regs), spill_store_bytes=max(spills),
+              wgmma_serialized="C7515" in log, ctas_per_sm=ctas_per_sm(shared, max(regs), warps))
+
+
+def compile_sm90(kernel, meta: dict, warps: int, stages: int, ptxas: bool = True) -> dict:
+  """Compiles ``kernel`` with these constexprs for sm_90 as jax-triton does (M and the
+  chain's offsets runtime): its shared memory, and with ``ptxas`` its registers, spill bytes,
+  whether wgmma runs serialized and how many CTAs fit on one SM."""
   c = compile_for_sm90(kernel, meta, warps, stages)
   out = dict(shared=c.metadata.shared, warps=warps, stages=stages)
   if ptxas:
-    exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.TemporaryDirectory() as tmp:
-      path = os.path.join(tmp, "k.ptx")
-      with open(path, "w") as fh:
-        fh.write(c.asm["ptx"])
-      res = subprocess.run([exe, "-arch=sm_90a", "-v", path, "-o", os.devnull],
-                           capture_output=True, text=True, check=True)
-    log = res.stdout + res.stderr
-    regs = [int(line.split("Used ")[1].split(" registers")[0])
-            for line in log.splitlines() if "Used " in line and " registers" in line]
-    spills = [int(line.split("bytes spill stores")[0].split(",")[-1])
-              for line in log.splitlines() if "bytes spill stores" in line]
-    out.update(registers=max(regs), spill_store_bytes=max(spills),
-               wgmma_serialized="C7515" in log,
-               ctas_per_sm=ctas_per_sm(out["shared"], max(regs), warps))
+    out.update(ptxas_info(c.asm["ptx"], out["shared"], warps))
   return out
+
+
+def compile_xla_sm90(kernel, meta: dict, warps: int, stages: int, rows: int) -> dict:
+  """``compile_sm90`` for the kernel as lrjax's default launch builds it for XLA's PTX call
+  (launch.xla_kernel): M = ``rows`` and the chain's offsets compiled in, PDL set."""
+  from lrjax.custom_calls.triton import launch
+  types, scalars = [], []
+  for p in kernel.params:
+    if p.is_constexpr:
+      continue
+    if p.name in ("M", "clear_off", "clear_n"):  # a chained call clearing 4096 floats
+      types.append("i32")
+      scalars.append((len(types) - 1, "i32", {"M": rows, "clear_off": 0}.get(p.name, 4096)))
+    else:
+      types.append(_pointer(p.name))
+  k = launch.xla_kernel(kernel, types, scalars, {"WORK_OFF": 0, **meta, "PDL": 1}, warps,
+                        stages, 90)
+  return dict(shared=k.shared, warps=warps, stages=stages, **ptxas_info(k.ptx, k.shared, warps))
 
 
 # Llama-3 8B / 70B and 3.2-1B shapes at 40 % removed (as benchmarks/gpu_lowrank.py's sweep;
@@ -176,12 +203,20 @@ def main():
   import triton
   recs = []
   for name, kernel, meta, warps, stages in planned():
-    rec = dict(name=name, **compile_sm90(kernel, meta, warps, stages))
+    jaxlib = compile_sm90(kernel, meta, warps, stages)
+    if "PDL" in [p.name for p in kernel.params]:  # a chained decode kernel: XLA's PTX call
+      rows = int(re.search(r"\b[MT]=(\d+)", name).group(1))
+      rec = dict(name=name, launch="xla", **compile_xla_sm90(kernel, meta, warps, stages, rows),
+                 jaxlib={k: jaxlib[k] for k in ("shared", "registers", "spill_store_bytes",
+                                                  "ctas_per_sm")})
+    else:  # a call with a memset before it (the prefill kernels): jaxlib's handler
+      rec = dict(name=name, launch="jaxlib", **jaxlib)
     recs.append(rec)
     serialized = "  wgmma serialized" if rec["wgmma_serialized"] else ""
     print(f"{name:<48} smem {rec['shared']:>6} B  regs {rec['registers']:>3}  spills "
-          f"{rec['spill_store_bytes']:>4} B  {rec['ctas_per_sm']} CTA/SM{serialized}",
-          flush=True)
+          f"{rec['spill_store_bytes']:>4} B  {rec['ctas_per_sm']} CTA/SM{serialized}"
+          + (f"  (jaxlib: regs {jaxlib['registers']}, smem {jaxlib['shared']})"
+             if rec["launch"] == "xla" else ""), flush=True)
   if args.out:
     meta = dict(target="sm_90 (H200), compiled on the CPU", triton=triton.__version__,
                 smem_limit=H200_SMEM_OPTIN,
