@@ -40,6 +40,19 @@ def check_out(out, shape, dtype):
 
 
 @triton.jit
+def k_masks(m_mask, n_mask, kk, K: tl.constexpr, EVEN_K: tl.constexpr):
+  """The load masks of one K step of A [BM, BK] @ B [BK, BN]: rows, columns, and K rows kk
+  beyond K unless EVEN_K (K a multiple of the step)."""
+  if EVEN_K:
+    a_m = m_mask[:, None]
+    b_m = n_mask[None, :]
+  else:
+    a_m = m_mask[:, None] & (kk[None, :] < K)
+    b_m = (kk[:, None] < K) & n_mask[None, :]
+  return a_m, b_m
+
+
+@triton.jit
 def mm_acc(acc,  # [BM, BN] f32 accumulator
            a_ptr,  # A [*, LDA] row-major, rows offs_m
            b_ptr,  # B [*, LDB] row-major, columns offs_n
@@ -56,12 +69,7 @@ def mm_acc(acc,  # [BM, BN] f32 accumulator
     kk = k0 + offs_k
     a_ptrs = a_ptr + offs_m[:, None] * LDA + kk[None, :]
     b_ptrs = b_ptr + kk[:, None] * LDB + offs_n[None, :]
-    if EVEN_K:
-      a_m = m_mask[:, None]
-      b_m = n_mask[None, :]
-    else:
-      a_m = m_mask[:, None] & (kk[None, :] < K)
-      b_m = (kk[:, None] < K) & n_mask[None, :]
+    a_m, b_m = k_masks(m_mask, n_mask, kk, K, EVEN_K)
     if A_CG:
       a = tl.load(a_ptrs, mask=a_m, other=0.0, cache_modifier=".cg")
     else:
@@ -84,12 +92,7 @@ def mm_acc2(acc1, acc2,  # [BM, BN] f32 accumulators
     kk = k0 + offs_k
     a_off = offs_m[:, None] * LDA + kk[None, :]
     b_off = kk[:, None] * LDB + offs_n[None, :]
-    if EVEN_K:
-      a_m = m_mask[:, None]
-      b_m = n_mask[None, :]
-    else:
-      a_m = m_mask[:, None] & (kk[None, :] < K)
-      b_m = (kk[:, None] < K) & n_mask[None, :]
+    a_m, b_m = k_masks(m_mask, n_mask, kk, K, EVEN_K)
     if A_CG:
       a1 = tl.load(a1_ptr + a_off, mask=a_m, other=0.0, cache_modifier=".cg")
     else:

@@ -66,7 +66,7 @@ import triton
 import triton.language as tl
 
 from lrjax.custom_calls.triton import launch, planner
-from lrjax.custom_calls.triton._common import (check_out, join_chain, last_arrival,
+from lrjax.custom_calls.triton._common import (check_out, join_chain, k_masks, last_arrival,
                                                leave_chain, mm_acc, num_sms, prefetch_l2,
                                                round_once, signal, splitr_out_tile, stamp,
                                                store_out, unpack_xuv_args, wait_at_least)
@@ -233,12 +233,7 @@ def _xu_stream(pid, x_ptr, u_ptr, p_ptr, offs_m, m_mask, K: tl.constexpr, R: tl.
     offs_r = (s // KS) * COLS_R + tl.arange(0, COLS_R)
     kk = (s % KS) * BLOCK_K + offs_k
     r_mask = offs_r < R
-    if EVEN_K:
-      a_m = m_mask[:, None]
-      b_m = r_mask[None, :]
-    else:
-      a_m = m_mask[:, None] & (kk[None, :] < K)
-      b_m = (kk[:, None] < K) & r_mask[None, :]
+    a_m, b_m = k_masks(m_mask, r_mask, kk, K, EVEN_K)
     a = tl.load(x_ptr + offs_m[:, None] * K + kk[None, :], mask=a_m, other=0.0)
     b = tl.load(u_ptr + kk[:, None] * R + offs_r[None, :], mask=b_m, other=0.0)
     acc = tl.dot(a.to(b.dtype), b, acc)
