@@ -29,8 +29,9 @@ PROJECTION = ("gemm_fusion_dot", "_xuv", "_mlp")
 
 
 def base_name(name: str) -> str:
-  """A kernel's name without its trailing fusion and layer numbers."""
-  return re.sub(r"([._]\d+)+$", "", name)
+  """A kernel's name without its trailing fusion and layer numbers, or the hash that names
+  each specialization of a Triton kernel under XLA's PTX call (launch.xla_kernel)."""
+  return re.sub(r"(_[0-9a-f]{12})?([._]\d+)*$", "", name)
 
 
 def load(path: str) -> list:

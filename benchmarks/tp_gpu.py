@@ -36,7 +36,6 @@ import datetime
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
 import time
@@ -160,7 +159,8 @@ def kernel_profile(fn, fn_args, steps, top=40, events_out=None):
   if events_out:  # the raw trace and the program, for reading kernels back to HLO ops
     with open(events_out, "w") as f:
       json.dump({"events": events, "hlo": fn.lower(*fn_args).compile().as_text()}, f)
-  key = lambda name: re.sub(r"([._]\d+)+$", "", name)[:64]  # noqa: E731
+  from step_trace import base_name
+  key = lambda name: base_name(name)[:64]  # noqa: E731
   by_name = {}
   for s, e, name in events:
     t, n = by_name.get(key(name), (0, 0))

@@ -91,3 +91,14 @@ def test_a_zero_fill_between_a_norm_and_its_projection_still_opens_a_block(trace
   ev = [(s, e - 300, "fusion_7"), (e - 300, e, "loop_broadcast_fusion")] + ev[1:]
   rec = trace.summarize(sorted(ev), layers=2)
   assert rec["steps"] == 1 and rec["attention_block_us"] == 10
+
+
+def test_kernel_names_lose_layer_numbers_and_specialization_hashes(trace):
+  """A kernel's trailing fusion and layer numbers, and the hash launch.xla_kernel gives each
+  specialization of a Triton kernel (the scratch chain's two halves are two), are dropped."""
+  assert trace.base_name("gemm_fusion_dot.1.2") == "gemm_fusion_dot"
+  assert trace.base_name("loop_broadcast_fusion_3") == "loop_broadcast_fusion"
+  for h in ("3fa9b2c1d0e4", "0123456789ab"):
+    assert trace.base_name(f"_xuv_decode_persistent_kernel_{h}") == "_xuv_decode_persistent_kernel"
+  assert trace.base_name("_mlp_decode_kernel") == "_mlp_decode_kernel"
+  assert trace.base_name("input_reduce_fusion") == "input_reduce_fusion"
