@@ -459,3 +459,22 @@ def test_stream_k_phase1_where_it_measured_faster(m, k, r, n, stream_k):
     assert planner.cdiv(r, 128) * planner.cdiv(k, p.block_k) >= p.programs
     assert (p.block_n, p.cols_n, p.prefetch) == (tiled.block_n, tiled.cols_n, tiled.prefetch)
   assert not planner.plan_decode_phase1(m, k, r, n).stream_k
+
+
+def test_default_launch_is_xlas_ptx_call_from_the_verified_jaxlib(monkeypatch):
+  """XLA's PTX call is an internal XLA mechanism, verified on jaxlib 0.11.2: from that release
+  the kernels launch through it, before it through jaxlib's handler; LRJAX_TRITON_LAUNCH
+  overrides either, and a mode that does not exist is named."""
+  import jaxlib.version
+  for version, want in (((0, 10, 2), "jaxlib"), ((0, 11, 1), "jaxlib"), ((0, 11, 2), "xla"),
+                        ((0, 11, 5), "xla")):
+    monkeypatch.setattr(jaxlib.version, "__version_info__", version)
+    assert planner._default_launch() == want, version
+  monkeypatch.setattr(planner, "DEFAULT_LAUNCH", "xla")
+  monkeypatch.delenv("LRJAX_TRITON_LAUNCH", raising=False)
+  assert planner.launch_mode() == "xla"
+  monkeypatch.setenv("LRJAX_TRITON_LAUNCH", "jaxlib")
+  assert planner.launch_mode() == "jaxlib"
+  monkeypatch.setenv("LRJAX_TRITON_LAUNCH", "ptx")
+  with pytest.raises(ValueError, match="'ptx'.*xla"):
+    planner.launch_mode()
