@@ -77,16 +77,9 @@ def main():
   ap.add_argument("--reps", type=int, default=25)
   args = ap.parse_args()
 
-  import tempfile
-
   import pdl_probe
-  import torch
-  import triton
   from lrjax.custom_calls.triton import planner, xuv_decode
-  if not triton.knobs.cache.dir:  # jax-triton empties it; Triton's launcher compiles into it
-    triton.knobs.cache.dir = tempfile.mkdtemp(prefix="triton-cache-")
-  dev = torch.device("cuda")
-  sms = torch.cuda.get_device_properties(dev).multi_processor_count
+  torch, triton, dev, sms = pdl_probe.cuda_setup()
   kern = xuv_decode._xuv_decode_persistent_kernel
   recs = []
 
@@ -95,10 +88,7 @@ def main():
 
   for spec in args.case:
     (m, k, r, n), over = parse_case(spec)
-    layers = min(128, max(8, -(-200_000_000 // (2 * r * (k + n)))))
-    layers += layers % 2  # the scratch chain alternates halves
-    us = [torch.randn(k, r, device=dev, dtype=torch.bfloat16) / k ** 0.5 for _ in range(layers)]
-    vs = [torch.randn(r, n, device=dev, dtype=torch.bfloat16) / r ** 0.5 for _ in range(layers)]
+    layers, us, vs = pdl_probe.factor_layers(torch, dev, k, r, n, 8)
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     outs = [torch.empty(m, n, device=dev, dtype=torch.bfloat16) for _ in range(layers)]
     p = dataclasses.replace(planner.plan_decode_persistent(m, k, r, n, programs=sms), **over)

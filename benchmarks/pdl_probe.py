@@ -40,6 +40,31 @@ SHAPES = ((2048, 256, 512), (4096, 152, 4096), (4096, 1216, 4096), (8192, 2456, 
 VARIANTS = {"plain": 0, "pdl": 1}  # name: PDL (launched with the PDL attribute when set)
 
 
+def cuda_setup():
+  """(torch, triton, the CUDA device, its SMs) for a probe that launches through Triton's own
+  launcher (also used by benchmarks/decode_trace.py). jax-triton empties Triton's cache dir,
+  into which that launcher compiles: a temporary one stands in."""
+  import tempfile
+
+  import torch
+  import triton
+  if not triton.knobs.cache.dir:
+    triton.knobs.cache.dir = tempfile.mkdtemp(prefix="triton-cache-")
+  dev = torch.device("cuda")
+  return torch, triton, dev, torch.cuda.get_device_properties(dev).multi_processor_count
+
+
+def factor_layers(torch, dev, k: int, r: int, n: int, min_layers: int):
+  """(L, [U], [V]): L distinct random bf16 layers K -> r -> N, over 200 MB in all (beyond
+  L2), at least ``min_layers`` and at most 128, an even count (the scratch chain alternates
+  halves)."""
+  layers = min(128, max(min_layers, -(-200_000_000 // (2 * r * (k + n)))))
+  layers += layers % 2
+  us = [torch.randn(k, r, device=dev, dtype=torch.bfloat16) / k ** 0.5 for _ in range(layers)]
+  vs = [torch.randn(r, n, device=dev, dtype=torch.bfloat16) / r ** 0.5 for _ in range(layers)]
+  return layers, us, vs
+
+
 def graph_per_call_us(issue, layers: int, reps: int):
   """(median, IQR / median) over ``reps`` of (t(3L calls) - t(L calls)) / 2L µs: ``issue(count)``
   launches ``count`` calls; each count is captured once in a CUDA graph and replayed, timed with
@@ -80,15 +105,8 @@ def main():
   ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=sorted(VARIANTS))
   args = ap.parse_args()
 
-  import tempfile
-
-  import torch
-  import triton
   from lrjax.custom_calls.triton import planner, xuv_decode
-  if not triton.knobs.cache.dir:  # jax-triton empties it; Triton's launcher compiles into it
-    triton.knobs.cache.dir = tempfile.mkdtemp(prefix="triton-cache-")
-  dev = torch.device("cuda")
-  sms = torch.cuda.get_device_properties(dev).multi_processor_count
+  torch, triton, dev, sms = cuda_setup()
   kern = xuv_decode._xuv_decode_persistent_kernel
   recs = []
 
@@ -97,10 +115,7 @@ def main():
 
   shapes = [tuple(map(int, s.split(","))) for s in args.shapes] if args.shapes else SHAPES
   for (k, r, n) in shapes:
-    layers = min(128, max(4, -(-200_000_000 // (2 * r * (k + n)))))
-    layers += layers % 2  # the scratch chain alternates halves
-    us = [torch.randn(k, r, device=dev, dtype=torch.bfloat16) / k ** 0.5 for _ in range(layers)]
-    vs = [torch.randn(r, n, device=dev, dtype=torch.bfloat16) / r ** 0.5 for _ in range(layers)]
+    layers, us, vs = factor_layers(torch, dev, k, r, n, 4)
     for m in args.m:
       x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
       xb = torch.empty_like(x)
