@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
-import os
 import statistics
 
 SLOTS = ("entry", "p1", "wait", "p2", "exit")
@@ -132,15 +130,8 @@ def main():
     recs.append(rec)
     print(json.dumps({k_: v for k_, v in rec.items() if k_ not in ("plan", "ctas")}),
           flush=True)
-  meta = dict(machine=torch.cuda.get_device_name(dev), torch=torch.__version__,
-              triton=triton.__version__,
-              date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              method=" ".join(__doc__.split("\n\n")[1:3]).replace("\n", " "))
-  os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-  with open(args.out + ".tmp", "w") as fh:
-    json.dump(dict(meta=meta, records=recs), fh, indent=1)
-  os.replace(args.out + ".tmp", args.out)
-  print(f"wrote {len(recs)} records to {args.out}")
+  pdl_probe.write_results(args.out, torch, triton, dev,
+                          " ".join(__doc__.split("\n\n")[1:3]).replace("\n", " "), recs)
 
 
 if __name__ == "__main__":

@@ -65,6 +65,20 @@ def factor_layers(torch, dev, k: int, r: int, n: int, min_layers: int):
   return layers, us, vs
 
 
+def write_results(path: str, torch, triton, dev, method: str, recs: list) -> None:
+  """The records and what they were measured on (machine, versions, date, method) as JSON at
+  ``path``, written whole or not at all (also used by benchmarks/decode_trace.py)."""
+  meta = dict(machine=torch.cuda.get_device_name(dev), torch=torch.__version__,
+              triton=triton.__version__,
+              date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              method=method)
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  with open(path + ".tmp", "w") as fh:
+    json.dump(dict(meta=meta, records=recs), fh, indent=1)
+  os.replace(path + ".tmp", path)
+  print(f"wrote {len(recs)} records to {path}")
+
+
 def graph_per_call_us(issue, layers: int, reps: int):
   """(median, IQR / median) over ``reps`` of (t(3L calls) - t(L calls)) / 2L µs: ``issue(count)``
   launches ``count`` calls; each count is captured once in a CUDA graph and replayed, timed with
@@ -164,15 +178,8 @@ def main():
                 f"(spread {spread:.2f}, err {err:.1e})", flush=True)
           if not err < 2e-2:
             raise SystemExit(f"{name}: relative error {err} (expected < 2e-2)")
-  meta = dict(machine=torch.cuda.get_device_name(dev), torch=torch.__version__,
-              triton=triton.__version__,
-              date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              method=__doc__.split("\n\n")[2].replace("\n", " "))
-  os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-  with open(args.out + ".tmp", "w") as fh:
-    json.dump(dict(meta=meta, records=recs), fh, indent=1)
-  os.replace(args.out + ".tmp", args.out)
-  print(f"wrote {len(recs)} records to {args.out}")
+  write_results(args.out, torch, triton, dev, __doc__.split("\n\n")[2].replace("\n", " "),
+                recs)
 
 
 if __name__ == "__main__":
