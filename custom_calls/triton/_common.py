@@ -188,15 +188,22 @@ def join_chain(scratch_ptr, WORK_OFF: tl.constexpr, PDL: tl.constexpr):
 
 
 @triton.jit
-def leave_chain(scratch_ptr, clear_off, clear_n):
+def leave_chain(scratch_ptr, clear_off, clear_n, FIRST: tl.constexpr = 0,
+                COUNT: tl.constexpr = 0):
   """A chained kernel's last step: zeroes this program's share of the half the call before it
   used (``clear_n`` floats at ``clear_off``), for the call after it; nothing in this launch
   reads that half. At the end its stores overlap the other programs' tails; at entry they
-  came before the first loads and cost up to 0.4 µs a call (gpu_notes.md, session 19)."""
+  came before the first loads and cost up to 0.4 µs a call (gpu_notes.md, session 19).
+  COUNT > 0: programs [FIRST, FIRST + COUNT) share the zeroing and the others skip it, where
+  those programs are done early and the others end the call (gpu_notes.md, session 25)."""
   # a tensor either way: for XLA's PTX call (launch.xla_kernel) the two are compiled in
   off = tl.multiple_of(tl.full((), clear_off, tl.int32), 16)
-  clear_scratch(scratch_ptr + off, clear_n, tl.program_id(0),
-                tl.num_programs(0))
+  if COUNT > 0:
+    pid = tl.program_id(0)
+    if (pid >= FIRST) & (pid < FIRST + COUNT):
+      clear_scratch(scratch_ptr + off, clear_n, pid - FIRST, COUNT)
+  else:
+    clear_scratch(scratch_ptr + off, clear_n, tl.program_id(0), tl.num_programs(0))
 
 
 @triton.jit

@@ -310,16 +310,24 @@ def _split_k_tiles(k: int, r: int, factors: int, g: int, bw: float, fill_us: flo
 # of 64 columns, the same bytes a tile (results/gpu_xuv_decode_rows_h200.json). Wider tiles
 # are taken where their estimate is at most this much above the narrow ones'.
 LINE_ROW_TOL = 0.05
+# Tiles whose rows are whole 128-byte lines stream faster than tiles whose rows start
+# mid-line (three lines for a 224-byte row): at 4096->2560->14336, 112 tiles of 128 columns
+# (14 % more bytes a CTA, 20 SMs idle in phase 2) took 0.14-0.40 us less than 128 tiles of
+# 112 columns at M = 2, 4, 8, timed on the same weights (gpu_notes.md, session 25).
+LINE_ALIGN_TOL = 0.15
 
 
 def _column_tiles(n: int, n_rb: int, rows_rb: int, g: int, bw: float, fill_us: float,
                   max_chunks: int = 16, min_row_bytes: int = 0,
-                  line_row_tol: float = LINE_ROW_TOL, widths=(64, 128, 256)):
+                  line_row_tol: float = LINE_ROW_TOL, line_align_tol: float = -1.0,
+                  widths=(64, 128, 256)):
   """(us, block_n, cols_n, chunks) for a phase that streams [n_rb * rows_rb, n] in tiles of
   a chunk of whole row blocks x cols_n columns (2-byte elements), each tile row at least
   ``min_row_bytes`` long where ``n`` allows. Where the fastest tiles by bytes have rows of one
   128-byte line (64 columns), wider tiles within ``line_row_tol`` of their estimate are taken
-  instead (see LINE_ROW_TOL; negative: never)."""
+  instead (see LINE_ROW_TOL; negative: never); where their rows span several lines but not
+  whole ones, one r-chunk of whole-line tiles within ``line_align_tol`` (the X·U·V decode
+  kernel's LINE_ALIGN_TOL; negative, the default: never)."""
   min_cols = min(min_row_bytes // 2, cdiv(n, 16) * 16)
   cands = []
   for w, c in _widths(widths):
@@ -339,6 +347,10 @@ def _column_tiles(n: int, n_rb: int, rows_rb: int, g: int, bw: float, fill_us: f
   if best[5] <= 64:  # rows of one 128-byte line
     wide = [t for t in cands if t[5] > 64 and t[0] <= best[0] * (1 + line_row_tol)]
     best = min(wide, default=best)
+  elif best[5] % 64 and best[2] == 1:  # rows over several lines, some starting mid-line
+    whole = [t for t in cands if t[5] % 64 == 0 and t[5] > 64 and t[2] == 1
+             and t[0] <= best[0] * (1 + line_align_tol)]
+    best = min(whole, default=best)
   return best[0], best[4], best[5], best[2]
 
 
@@ -356,6 +368,7 @@ def plan_decode_persistent(m: int, k: int, r: int, n: int, hw: Hardware = H200,
                            p_split_bytes: float = P_SPLIT_BYTES,
                            min_row_bytes: int = 0,
                            line_row_tol: float = LINE_ROW_TOL,
+                           line_align_tol: float = LINE_ALIGN_TOL,
                            round_trip_us: float = ROUND_TRIP_US,
                            v_resident: bool = True,
                            stream_k: bool = True) -> PersistentDecodePlan:
@@ -386,7 +399,8 @@ def plan_decode_persistent(m: int, k: int, r: int, n: int, hw: Hardware = H200,
                                               m if block_m <= PARTIALS_MAX_M else 0)
   t2, block_n, cols_n, chunks = _column_tiles(n, cdiv(r, cols_r), cols_r, g, bw, fill_us,
                                               min_row_bytes=min_row_bytes,
-                                              line_row_tol=line_row_tol)
+                                              line_row_tol=line_row_tol,
+                                              line_align_tol=line_align_tol)
   n_rb = cdiv(r, cols_r)
   if (chunks == 1 and m * r * 4 >= p_split_bytes and n_rb >= 2 and 2 * cols_n <= 256
       and (cdiv(n_rb, 2) * cols_r) % 64 == 0):  # chunks of whole 64-row (block_kv) steps

@@ -15,6 +15,10 @@ so its pipeline restarts from L2 when P completes. With one r-chunk the output i
 directly; with several, the last chunk to arrive for a column block (an acq_rel
 semaphore, the split-K paper's single-launch reduction) adds the bias and writes it.
 All CTAs are resident at once (grid = SMs), so a waiting CTA never blocks a producer.
+Phase-2 tiles whose rows would start mid-line give way to whole-line tiles within
+``planner.LINE_ALIGN_TOL`` (N = 14336: 112 tiles of 128 columns, not 128 of 112), and where
+that leaves CTAs without a phase-2 tile, they zero the scratch chain's other half
+(``CLEAR_MIN_IDLE``) so the CTAs that end the call skip it.
 ``PersistentDecodePlan.p16`` makes the last phase-1 tile of each column block round it once
 to V's dtype for phase 2 (as the SwiGLU kernel's default does); here it measured -3...+5 %
 against the f32 reads, so it is off by default (gpu_notes.md, session 9).
@@ -24,7 +28,9 @@ ranks up to 256 and M <= 32 every tile gets its own CTA, phase-1 tiles first. A 
 loads its whole [r, COLS_N] V tile into registers at entry, then waits for P, so after the
 wait only P's L2 read, one dot and the store remain (``_pv_resident_tile``). Where V is small
 that wait is the call's time: 2048->256->512 went from 4.5-4.7 to 3.8-4.1 µs at M = 1...16
-(results/gpu_xuv_decode_v_resident_h200.json).
+(results/gpu_xuv_decode_v_resident_h200.json). The phase-1 CTAs, done long before, zero the
+scratch chain's other half: 0.08-0.21 µs less a call at 4096->152->4096 (gpu_notes.md,
+session 25).
 
 **Stream-K phase 1** (``PersistentDecodePlan.stream_k``, ``_xu_stream``; planner.STREAM_K_*):
 U's 128-column blocks x 64-row K steps split evenly over every CTA in one pipelined loop,
@@ -329,6 +335,8 @@ def _xuv_decode_persistent_kernel(
     R_P2: tl.constexpr = 16,  # next_pow2(R), V_RES's register rows
     STREAM_K: tl.constexpr = 0,  # phase 1 split evenly over the CTAs by K steps (_xu_stream);
                                  # one r-chunk, whose flag counts the CTAs
+    CLEAR_FIRST: tl.constexpr = 0, CLEAR_COUNT: tl.constexpr = 0,  # the CTAs that zero the
+                             # scratch chain's other half (leave_chain; 0: all of them)
 ):
   pid = tl.program_id(0)
   chain_ptr = scratch_ptr
@@ -378,7 +386,7 @@ def _xuv_decode_persistent_kernel(
                RB_PER_CHUNK, BLOCK_M, BLOCK_N, BLOCK_KV, EVEN_R, COLS_R, COLS_N, P16, o_in_ptr,
                TRACE, PROGRAMS if STREAM_K else 0)
   stamp(o_in_ptr, 3, TRACE)
-  leave_chain(chain_ptr, clear_off, clear_n)
+  leave_chain(chain_ptr, clear_off, clear_n, CLEAR_FIRST, CLEAR_COUNT)
   stamp(o_in_ptr, 4, TRACE)
 
 
@@ -494,6 +502,12 @@ def launch_plan(m: int, k: int, r: int, n: int, has_bias: bool, bs: BlockSizes,
               scratch=m * r + m * n + chunks + n_nb, p16=1)
 
 
+# The CTAs left without a phase-2 tile zero the scratch chain's other half (instead of every
+# CTA at its end) where there are at least this many: the half is the chain's previous call's,
+# up to the largest scratch in the chain, so a few CTAs could take longer than phase 2
+CLEAR_MIN_IDLE = 8
+
+
 def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
                            p: planner.PersistentDecodePlan, pv: bool = True,
                            probe: int = 0) -> dict:
@@ -530,9 +544,18 @@ def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
               PROBE=int(probe), V_RES=int(p.v_resident), R_P2=max(16, planner.next_pow2(r)),
               STREAM_K=int(p.stream_k))
   n_nb = planner.cdiv(n, p.cols_n)
-  return dict(grid=p.programs, chunks=chunks, n_nb=n_nb, meta=meta,
-              scratch=m * r + (m * n if chunks > 1 else 0) + chunks + n_nb
-              + (n_rb if p.p16 else 0), p16=m * r if p.p16 else 1)
+  scratch = m * r + (m * n if chunks > 1 else 0) + chunks + n_nb + (n_rb if p.p16 else 0)
+  # who zeroes the chain's other half at its end: V_RES's phase-1 CTAs (done long before
+  # phase 2), else the CTAs with no phase-2 tile where there are enough, else every CTA
+  busy = chunks * n_nb if pv else p.programs
+  if p.v_resident:
+    meta.update(CLEAR_FIRST=0, CLEAR_COUNT=n_rb * split)
+  elif p.programs - busy >= CLEAR_MIN_IDLE:
+    meta.update(CLEAR_FIRST=busy, CLEAR_COUNT=p.programs - busy)
+  else:
+    meta.update(CLEAR_FIRST=0, CLEAR_COUNT=0)
+  return dict(grid=p.programs, chunks=chunks, n_nb=n_nb, meta=meta, scratch=scratch,
+              p16=m * r if p.p16 else 1)
 
 
 def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | None = None,

@@ -460,7 +460,8 @@ def test_launchers_agree(monkeypatch, mode):
   lrjax's with the chained decode kernels as programmatic dependents (they then wait on the
   grid dependency first), or XLA's own PTX call (each kernel compiled with every scalar a
   constant, launched by XLA). A chain of data-dependent decode calls of every chained kernel (two
-  calls of one kernel in the chain's two halves), an independent one, a prefill call (no PDL
+  calls of one kernel in the chain's two halves; the X·U·V kernel's scratch zeroed by its
+  phase-1 CTAs (V-resident) and by its CTAs with no phase-2 tile), an independent one, a prefill call (no PDL
   constexpr) and a call whose scratch jax-triton zeroes before the launch (the handler's
   memset; a plain launch, so under "pdl" the last two stay with jaxlib's handler, and under
   "xla" both calls that take a memset, the prefill kernel's counters among them): each output
@@ -476,17 +477,20 @@ def test_launchers_agree(monkeypatch, mode):
   group = [lr_factors(512, r, n, dtype) for r, n in ((96, 512), (48, 130), (48, 130))]
   mlp = mlp_params(512, 1408, 128, 96, 512, dtype, True, True)
   big = lr_factors(512, 96, 264, dtype)
+  wide = lr_factors(1000, 320, 264, dtype)
 
-  def step(x, xp, xuvs, group, mlp, big, o):
+  def step(x, xp, xuvs, group, mlp, big, wide, o):
     a = lrjax.lr_xuv(x, *xuvs[0])
     q, k, v = lr_xuv_group(a, group)
     b = lrjax.lr_mlp(q, mlp[1], mlp[2], mlp[0])
     c = lrjax.lr_xuv(b, *xuvs[1])  # N=1000: ragged column blocks
+    # 12 phase-2 tiles: the CTAs with none zero the scratch half the next call works in
+    g = lrjax.lr_xuv(c, *wide)
     d = lrjax.lr_xuv(x, *xuvs[2])  # independent of the others
     e = lrjax.lr_xuv(xp, *big)  # 300 rows: the prefill kernel
     f = xuv_decode.xuv_decode(d, big[0], big[1][:, :200], out=o, persistent=False,
                               xla_zeroing=False)  # tiled; jax-triton zeroes its scratch
-    return a, q, k, v, b, c, d, e, f
+    return a, q, k, v, b, c, g, d, e, f
 
   def refs(x, xp):
     a = xuv_ref(x, *xuvs[0], None, dtype)
@@ -494,23 +498,24 @@ def test_launchers_agree(monkeypatch, mode):
     b = mlp_ref(rnd(q, dtype), mlp[0], mlp[1], mlp[2], "silu", dtype)
     c = xuv_ref(rnd(b, dtype), *xuvs[1], None, dtype)
     d = xuv_ref(x, *xuvs[2], None, dtype)
-    return (a, q, k, v, b, c, d,
+    return (a, q, k, v, b, c, xuv_ref(rnd(c, dtype), *wide, None, dtype), d,
             xuv_ref(xp, *big, None, dtype), xuv_ref(rnd(d, dtype), big[0], big[1][:, :200],
                                                     None, dtype))
 
   x, xp = randn((3, 512), dtype), randn((300, 512), dtype)
   with lrjax.lowering.prefer_kernels():
-    f = jax.jit(step).lower(x, xp, xuvs, group, mlp, big, poisoned((3, 200), dtype)).compile()
+    f = jax.jit(step).lower(x, xp, xuvs, group, mlp, big, wide,
+                            poisoned((3, 200), dtype)).compile()
   text = f.as_text()
   ours = text.count(f'custom_call_target="{launch.LAUNCH_TARGET}"')
   jaxlibs = text.count(f'custom_call_target="{launch.FFI_TARGET}"')
   pdl = len(re.findall(r"pdl\s*=\s*true", text))
   xla = text.count(f'custom_call_target="{planner.XLA_TARGET}"')
-  assert (ours, jaxlibs, pdl, xla) == {"jaxlib": (0, 7, 0, 0), "lrjax": (7, 0, 0, 0),
-                                       "pdl": (5, 2, 5, 0), "xla": (0, 2, 0, 5)}[mode], \
+  assert (ours, jaxlibs, pdl, xla) == {"jaxlib": (0, 8, 0, 0), "lrjax": (8, 0, 0, 0),
+                                       "pdl": (6, 2, 6, 0), "xla": (0, 2, 0, 6)}[mode], \
       (ours, jaxlibs, pdl, xla)
   for _ in range(2):  # the second run on the first one's buffers
-    outs = f(x, xp, xuvs, group, mlp, big, poisoned((3, 200), dtype))
+    outs = f(x, xp, xuvs, group, mlp, big, wide, poisoned((3, 200), dtype))
     for got, want in zip(outs, refs(x, xp)):
       assert_close(got, want, dtype, factor=2.0)
 

@@ -1,0 +1,128 @@
+"""Decode X·U·V variants timed side by side on the SAME weights (run on a GPU).
+
+``gpu_lowrank.py`` draws fresh weights for every record, and where the weights land in memory
+moves a decode call's time by up to ±3 % between records of one shape (XLA's too), more than
+many of the changes worth testing. Here each case draws its layers once and times every variant
+on them, round-robin, ``--rounds`` times, each time with ``gpu_lowrank.per_call_us`` (L distinct
+layers chained in one jit, (t(3L) − t(L)) / 2L from the profiler's device spans); the spread
+between rounds is then ±0.05 µs (gpu_notes.md, session 25).
+
+A case is ``M,K,r,N|variant,,variant,,...``; a variant is ``xla`` ((x@u)@v), ``auto`` (the
+planner's plan), one of ``gpu_lowrank._xuv_variant``'s (``persistent:field=value,...``), or
+``env:NAME=VALUE&NAME=VALUE+variant``: that variant traced with those environment variables
+set (switches read when a call is traced, e.g. ``LRJAX_TRITON_LAUNCH``).
+
+  python benchmarks/decode_ab.py --out results.json \\
+      "2,4096,2560,14336|xla,,auto,,persistent:prefetch=256"
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+
+import gpu_lowrank as g  # noqa: E402
+
+
+def parse_variant(spec: str) -> tuple[dict, str]:
+  """(environment, variant) of ``env:A=1&B=2+variant`` (``auto`` when the variant is left out),
+  or ({}, spec)."""
+  if not spec.startswith("env:"):
+    return {}, spec
+  assigns, _, variant = spec[4:].partition("+")
+  env = {}
+  for a in assigns.split("&"):
+    name, eq, value = a.partition("=")
+    if not name or not eq:
+      raise ValueError(f"{spec!r}: expected env:NAME=VALUE[&NAME=VALUE...][+variant]")
+    env[name] = value
+  return env, variant or "auto"
+
+
+def parse_case(case: str) -> tuple[tuple[int, int, int, int], list[str]]:
+  """((M, K, r, N), [variant, ...]) of ``M,K,r,N|variant,,variant``."""
+  dims, bar, specs = case.partition("|")
+  try:
+    m, k, r, n = (int(t) for t in dims.split(","))
+  except ValueError:
+    raise ValueError(f"{case!r}: expected M,K,r,N|variant,,variant...") from None
+  variants = [s for s in specs.split(",,") if s]
+  if not bar or not variants:
+    raise ValueError(f"{case!r}: expected M,K,r,N|variant,,variant...")
+  return (m, k, r, n), variants
+
+
+def _fn(variant: str, m: int, k: int, r: int, n: int):
+  from lrjax.custom_calls.triton import xuv_decode
+  if variant == "xla":
+    return lambda x, u, v: (x @ u) @ v
+  if variant == "auto":
+    return lambda x, u, v: xuv_decode.xuv_decode(x, u, v)
+  return g._xuv_variant(variant, m, k, r, n)
+
+
+def time_case(dims, variants, rounds: int) -> dict:
+  """{variant: [µs per call, one a round]} on one set of layers."""
+  m, k, r, n = dims
+  ks = jax.random.split(jax.random.key(m * 7 + k + r + n), 3)
+  x = g.rand(ks[0], (m, k))
+  layers = [(g.rand(jax.random.fold_in(ks[1], i), (k, r), k ** -0.5),
+             g.rand(jax.random.fold_in(ks[2], i), (r, n), r ** -0.5))
+            for i in range(g.n_layers(2 * (k * r + r * n), m))]
+  times = {s: [] for s in variants}
+  for _ in range(rounds):
+    for spec in variants:
+      env, variant = parse_variant(spec)
+      saved = {e: os.environ.get(e) for e in env}
+      os.environ.update(env)
+      try:
+        times[spec].append(g.per_call_us(_fn(variant, m, k, r, n), x, layers)[0])
+      finally:
+        for e, v in saved.items():
+          if v is None:
+            os.environ.pop(e, None)
+          else:
+            os.environ[e] = v
+  return times
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("cases", nargs="+", help="M,K,r,N|variant,,variant,,...")
+  ap.add_argument("--rounds", type=int, default=3)
+  ap.add_argument("--out", required=True, help="JSON file (rewritten after every case)")
+  args = ap.parse_args(argv)
+  cases = [parse_case(c) for c in args.cases]  # bad input fails before any timing
+  if args.rounds < 1:
+    raise SystemExit(f"--rounds {args.rounds}: expected at least 1")
+  import triton
+  meta = dict(machine=jax.devices()[0].device_kind, jax=jax.__version__,
+              triton=triton.__version__, date=datetime.datetime.now(datetime.timezone.utc)
+              .isoformat(timespec="seconds"), rounds=args.rounds, method=__doc__)
+  records = []
+  for dims, variants in cases:
+    times = time_case(dims, variants, args.rounds)
+    base = statistics.median(times["xla"]) if "xla" in times else None
+    for spec, ts in times.items():
+      med = statistics.median(ts)
+      records.append(dict(M=dims[0], K=dims[1], r=dims[2], N=dims[3], variant=spec,
+                          us=med, rounds_us=ts,
+                          speedup_vs_xla=None if base is None else base / med))
+      print(f"{','.join(map(str, dims)):18s} {spec:50s} {med:7.3f} us  "
+            f"[{' '.join(f'{t:.2f}' for t in ts)}]"
+            + ("" if base is None else f"  x{base / med:.3f} vs xla"), flush=True)
+    tmp = args.out + ".tmp"
+    with open(tmp, "w") as fh:
+      json.dump(dict(meta=meta, records=records), fh, indent=1)
+    os.replace(tmp, args.out)  # never a half-written file
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,48 @@
+"""CPU tests of benchmarks/decode_ab.py: its case syntax and that every variant of a case is
+timed on the same layers, with its environment set only while it is timed."""
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def ab(load_benchmark):
+  return load_benchmark("decode_ab")
+
+
+def test_cases_and_variants_parse(ab):
+  assert ab.parse_case("2,4096,152,4096|xla,,auto,,persistent:programs=64,k_per=128") == (
+      (2, 4096, 152, 4096), ["xla", "auto", "persistent:programs=64,k_per=128"])
+  assert ab.parse_variant("auto") == ({}, "auto")
+  assert ab.parse_variant("env:A=1&B=x+persistent:stages=3") == (
+      {"A": "1", "B": "x"}, "persistent:stages=3")
+  assert ab.parse_variant("env:LRJAX_TRITON_LAUNCH=jaxlib") == (
+      {"LRJAX_TRITON_LAUNCH": "jaxlib"}, "auto")
+
+
+@pytest.mark.parametrize("case", ["2,4096,152|xla", "2,4096,152,4096", "2,4096,152,4096|",
+                                  "a,b,c,d|xla"])
+def test_a_bad_case_names_the_syntax(ab, case):
+  with pytest.raises(ValueError, match="M,K,r,N"):
+    ab.parse_case(case)
+
+
+def test_a_bad_environment_names_the_syntax(ab):
+  with pytest.raises(ValueError, match="NAME=VALUE"):
+    ab.parse_variant("env:A+auto")
+
+
+def test_every_variant_is_timed_on_the_same_layers_with_its_environment(ab, monkeypatch):
+  seen = []
+
+  def fake_time(fn, x, layers):
+    seen.append((id(x), tuple(id(u) for u, _ in layers), os.environ.get("LRJAX_AB_PROBE")))
+    return 1.0 + len(seen), 0.0
+  monkeypatch.setattr(ab.g, "per_call_us", fake_time)
+  monkeypatch.setattr(ab, "_fn", lambda variant, *dims: variant)
+  monkeypatch.delenv("LRJAX_AB_PROBE", raising=False)
+  times = ab.time_case((2, 64, 16, 32), ["xla", "env:LRJAX_AB_PROBE=1+auto"], rounds=2)
+  assert times == {"xla": [2.0, 4.0], "env:LRJAX_AB_PROBE=1+auto": [3.0, 5.0]}
+  assert len({s[:2] for s in seen}) == 1  # one set of layers for all four timings
+  assert [s[2] for s in seen] == [None, "1", None, "1"]
+  assert "LRJAX_AB_PROBE" not in os.environ  # restored after its variant
