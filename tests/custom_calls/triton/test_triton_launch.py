@@ -217,3 +217,28 @@ def test_the_compile_keeps_the_scratch_and_warps_triton_reports():
     print("ok")
   '''), interpret=False)
   assert out.rstrip().endswith("ok")
+
+
+def test_the_ctas_done_early_zero_the_scratch_chain():
+  """Who zeroes the chain's other half (the X·U·V decode kernel's CLEAR_FIRST/CLEAR_COUNT): a
+  V-resident call's phase-1 CTAs; else the CTAs with no phase-2 tile where there are at least
+  CLEAR_MIN_IDLE of them; else every CTA (a phase-1-only call too)."""
+  run_script(STUB + textwrap.dedent('''
+    from lrjax.custom_calls.triton import planner, xuv_decode as xd
+
+    def clearers(m, k, r, n, pv=True):
+      plan = (planner.plan_decode_persistent if pv else planner.plan_decode_phase1)(
+          m, k, r, n, programs=132)
+      meta = xd.persistent_launch_plan(m, k, r, n, False, plan, pv=pv)["meta"]
+      return plan, (meta["CLEAR_FIRST"], meta["CLEAR_COUNT"])
+
+    p, who = clearers(4, 4096, 152, 4096)  # V-resident: 64 phase-1 tiles, 64 phase-2 ones
+    assert p.v_resident and who == (0, 64), (p, who)
+    p, who = clearers(2, 4096, 2560, 14336)  # 112 whole-line phase-2 tiles on 132 CTAs
+    assert (p.cols_n, p.r_chunks) == (128, 1) and who == (112, 20), (p, who)
+    assert xd.CLEAR_MIN_IDLE > 4
+    p, who = clearers(2, 8192, 4096, 16384)  # 128 phase-2 tiles: 4 CTAs idle, too few
+    assert who == (0, 0), (p, who)
+    assert clearers(64, 8192, 4096, 16384, pv=False)[1] == (0, 0)  # phase 1 alone
+    print("ok")
+  '''), interpret=False)
