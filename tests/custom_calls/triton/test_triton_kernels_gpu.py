@@ -461,11 +461,12 @@ def test_launchers_agree(monkeypatch, mode):
   grid dependency first), or XLA's own PTX call (each kernel compiled with every scalar a
   constant, launched by XLA). A chain of data-dependent decode calls of every chained kernel (two
   calls of one kernel in the chain's two halves; the X·U·V kernel's scratch zeroed by its
-  phase-1 CTAs (V-resident) and by its CTAs with no phase-2 tile), an independent one, a prefill call (no PDL
-  constexpr) and a call whose scratch jax-triton zeroes before the launch (the handler's
-  memset; a plain launch, so under "pdl" the last two stay with jaxlib's handler, and under
-  "xla" both calls that take a memset, the prefill kernel's counters among them): each output
-  matches the reference on two runs, and the HLO names the handler each mode promises."""
+  phase-1 CTAs (V-resident) and by its CTAs with no phase-2 tile), an independent one, a
+  prefill call (no PDL constexpr) and a call whose scratch jax-triton zeroes before the
+  launch (the handler's memset; a plain launch, so under "pdl" the last two stay with
+  jaxlib's handler, and under "xla" both calls that take a memset, the prefill kernel's
+  counters among them): each output matches the reference on two runs, and the HLO names the
+  handler each mode promises."""
   import re
 
   import lrjax
