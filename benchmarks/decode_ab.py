@@ -60,10 +60,10 @@ def parse_case(case: str) -> tuple[tuple[int, int, int, int], list[str]]:
 
 
 def _fn(variant: str, m: int, k: int, r: int, n: int):
-  from lrjax.custom_calls.triton import xuv_decode
   if variant == "xla":
     return lambda x, u, v: (x @ u) @ v
   if variant == "auto":
+    from lrjax.custom_calls.triton import xuv_decode  # the CUDA lowering: triton, jax-triton
     return lambda x, u, v: xuv_decode.xuv_decode(x, u, v)
   return g._xuv_variant(variant, m, k, r, n)
 
@@ -99,12 +99,22 @@ def main(argv=None):
   ap.add_argument("--rounds", type=int, default=3)
   ap.add_argument("--out", required=True, help="JSON file (rewritten after every case)")
   args = ap.parse_args(argv)
-  cases = [parse_case(c) for c in args.cases]  # bad input fails before any timing
+  try:  # bad input fails before any timing
+    cases = [parse_case(c) for c in args.cases]
+    for _, variants in cases:
+      for v in variants:
+        parse_variant(v)
+  except ValueError as e:
+    ap.error(str(e))
   if args.rounds < 1:
-    raise SystemExit(f"--rounds {args.rounds}: expected at least 1")
-  import triton
+    ap.error(f"--rounds {args.rounds}: expected at least 1")
+  try:
+    import triton
+    triton_version = triton.__version__
+  except ImportError:
+    triton_version = None
   meta = dict(machine=jax.devices()[0].device_kind, jax=jax.__version__,
-              triton=triton.__version__, date=datetime.datetime.now(datetime.timezone.utc)
+              triton=triton_version, date=datetime.datetime.now(datetime.timezone.utc)
               .isoformat(timespec="seconds"), rounds=args.rounds, method=__doc__)
   records = []
   for dims, variants in cases:

@@ -46,3 +46,26 @@ def test_every_variant_is_timed_on_the_same_layers_with_its_environment(ab, monk
   assert len({s[:2] for s in seen}) == 1  # one set of layers for all four timings
   assert [s[2] for s in seen] == [None, "1", None, "1"]
   assert "LRJAX_AB_PROBE" not in os.environ  # restored after its variant
+
+
+def test_the_script_writes_its_records_for_xla_alone(ab, monkeypatch, tmp_path):
+  """End to end on the CPU (host timing; the kernel variants need a GPU): one case, XLA's
+  lowering only, a JSON with the rounds and the ratio to XLA."""
+  import json
+  monkeypatch.setattr(ab.g, "REPS", 3)
+  out = tmp_path / "ab.json"
+  ab.main(["--rounds", "2", "--out", str(out), "2,64,16,32|xla"])
+  got = json.loads(out.read_text())
+  (rec,) = got["records"]
+  assert (rec["M"], rec["K"], rec["r"], rec["N"], rec["variant"]) == (2, 64, 16, 32, "xla")
+  assert len(rec["rounds_us"]) == 2 and rec["us"] > 0 and rec["speedup_vs_xla"] == 1.0
+  assert got["meta"]["rounds"] == 2
+
+
+def test_bad_input_stops_before_any_timing(ab, capsys):
+  with pytest.raises(SystemExit):
+    ab.main(["--out", "unused.json", "2,64,16|xla"])
+  assert "M,K,r,N" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    ab.main(["--out", "unused.json", "2,64,16,32|env:BAD+auto"])
+  assert "NAME=VALUE" in capsys.readouterr().err
