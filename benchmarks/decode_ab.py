@@ -71,11 +71,7 @@ def _fn(variant: str, m: int, k: int, r: int, n: int):
 def time_case(dims, variants, rounds: int) -> dict:
   """{variant: [µs per call, one a round]} on one set of layers."""
   m, k, r, n = dims
-  ks = jax.random.split(jax.random.key(m * 7 + k + r + n), 3)
-  x = g.rand(ks[0], (m, k))
-  layers = [(g.rand(jax.random.fold_in(ks[1], i), (k, r), k ** -0.5),
-             g.rand(jax.random.fold_in(ks[2], i), (r, n), r ** -0.5))
-            for i in range(g.n_layers(2 * (k * r + r * n), m))]
+  x, layers, _ = g.xuv_inputs(m, k, r, n)  # the layers gpu_lowrank.py's record of it draws
   times = {s: [] for s in variants}
   for _ in range(rounds):
     for spec in variants:

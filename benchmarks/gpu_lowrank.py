@@ -289,17 +289,22 @@ def measure_ceilings():
 
 # ------------------------------------------------------------------ XUV
 
+def xuv_inputs(m, k, r, n):
+  """(x [M, K], [(u [K, r], v [r, N])] for n_layers distinct layers, a key for more) of one
+  X·U·V shape, drawn from a key of the shape alone (decode_ab.py times its variants on these)."""
+  ks = jax.random.split(jax.random.key(m * 7 + k + r + n), 4)
+  nl = n_layers(2 * (k * r + r * n), m)
+  lr_layers = [(rand(jax.random.fold_in(ks[1], i), (k, r), k ** -0.5),
+                rand(jax.random.fold_in(ks[2], i), (r, n), r ** -0.5)) for i in range(nl)]
+  return rand(ks[0], (m, k)), lr_layers, ks[3]
+
+
 def xuv_record(m, k, r, n, bw, peak, kernel="auto", reps=None, baselines=None):
   """One shape: our kernel (``kernel``: "auto" = lrjax's own choice, else a variant of
   _xuv_variant), XLA's (x@u)@v and XLA's dense x@w. ``baselines``: a record of the same
   shape whose XLA times are reused (a variant sweep times them once per shape)."""
-  key = jax.random.key(m * 7 + k + r + n)
-  ks = jax.random.split(key, 4)
-  per_layer = 2 * (k * r + r * n)
-  nl = n_layers(per_layer, m)
-  x = rand(ks[0], (m, k))
-  lr_layers = [(rand(jax.random.fold_in(ks[1], i), (k, r), k ** -0.5),
-                rand(jax.random.fold_in(ks[2], i), (r, n), r ** -0.5)) for i in range(nl)]
+  x, lr_layers, dense_key = xuv_inputs(m, k, r, n)
+  nl = len(lr_layers)
   if kernel == "auto":
     ours = lambda x, u, v: lrjax.lr_xuv(x, u, v)
     t_ours, spread, low, t_def = ours_and_default(ours, x, lr_layers, reps)
@@ -311,7 +316,7 @@ def xuv_record(m, k, r, n, bw, peak, kernel="auto", reps=None, baselines=None):
     t_xla, t_dense = baselines["xla_lowrank_us"], baselines["xla_dense_us"]
   else:
     t_xla, _ = per_call_us(lambda x, u, v: (x @ u) @ v, x, lr_layers, reps)
-    dense = [(rand(jax.random.fold_in(ks[3], i), (k, n), k ** -0.5),) for i in range(nl)]
+    dense = [(rand(jax.random.fold_in(dense_key, i), (k, n), k ** -0.5),) for i in range(nl)]
     t_dense, _ = per_call_us(lambda x, w: x @ w, x, dense, reps)
     del dense
   del lr_layers
