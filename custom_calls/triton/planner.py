@@ -286,11 +286,15 @@ def _partials_us(splits: int, m: int, r: int, factors: int = 1) -> float:
 
 
 def _split_k_tiles(k: int, r: int, factors: int, g: int, bw: float, fill_us: float,
-                   stages: int = 4, round_trip_us: float = 0.0, m: int = 0):
+                   stages: int = 4, round_trip_us: float = 0.0, m: int = 0,
+                   line_align_tol: float = -1.0):
   """(us, block_r, cols_r, k_per) for a split-K phase over ``factors`` [K, r] matrices.
   With ``round_trip_us`` > 0 a CTA streams at most its in-flight bytes (``stages`` 64-row
   steps of its columns) per round trip (ROUND_TRIP_US). With ``m`` rows, the f32 partials
-  count (``_partials_us``)."""
+  count (``_partials_us``). Where the best tiles' rows are not whole 128-byte lines, tiles of
+  256 columns with as many K splits as fill one round of the grid are taken within
+  ``line_align_tol`` of its estimate (the decode plan's PHASE1_LINE_TOL; negative, the
+  default: never)."""
   # ties go to fewer tiles, then to wider ones (longer contiguous rows); ranks <= 32 (e.g. a
   # TP shard of a small factor) take 16- or 32-column tiles; K <= 64 one 64-row step
   widths = (64, 128, 256) if r > 32 else (16, 32)
@@ -298,10 +302,17 @@ def _split_k_tiles(k: int, r: int, factors: int, g: int, bw: float, fill_us: flo
 
   def phase_bw(c):  # the bandwidth a phase of such tiles streams at, all g CTAs together
     return g * _cta_rate(c, stages, bw / g, round_trip_us, factors)
-  best = min((_phase_us(cdiv(r, c) * cdiv(k, st * 64), st * 64 * c * 2 * factors, g,
-                        phase_bw(c), fill_us) + _partials_us(cdiv(k, st * 64), m, r, factors),
-               cdiv(r, c) * cdiv(k, st * 64), -c, w, c, st * 64)
-             for w, c in _widths(widths) if c <= max(16, r) + 15 for st in steps)
+  def cand(w, c, k_per):
+    splits = cdiv(k, k_per)
+    return (_phase_us(cdiv(r, c) * splits, k_per * c * 2 * factors, g, phase_bw(c), fill_us)
+            + _partials_us(splits, m, r, factors), cdiv(r, c) * splits, -c, w, c, k_per)
+  best = min(cand(w, c, st * 64) for w, c in _widths(widths) if c <= max(16, r) + 15
+             for st in steps)
+  if line_align_tol >= 0 and best[4] % 64 and 256 <= r + 15 and cdiv(r, 256) <= g:
+    splits = g // cdiv(r, 256)  # the most that fit one round of the grid
+    wide = cand(256, 256, cdiv(cdiv(k, splits), 64) * 64)
+    if wide[0] <= best[0] * (1 + line_align_tol):
+      best = wide
   return best[0], best[3], best[4], best[5]
 
 
@@ -362,6 +373,25 @@ def _column_tiles(n: int, n_rb: int, rows_rb: int, g: int, bw: float, fill_us: f
 P_SPLIT_BYTES = 576 * 1024
 
 
+# V rows of its first tile each phase-2 CTA asks L2 for before it waits for P. Timed on the
+# same weights (results/gpu_xuv_decode_prefetch_rows_h200.json, session 26): with tiles of
+# 128 columns, 64 rows took 0.05-0.32 us less than 128 at 14 of 15 points of
+# 4096->2560/1024->14336, 8192->2048/4096->16384 and 4096->1216->4096 (M = 1...32; +0.01 at the
+# 15th), -0.17...+0.13 us at 8192->2432/2456->8192; 256 rows about as 64, 0 and 32 slower than
+# 128, 512 0.8-1.5 us slower. Narrower tiles (48 columns at N = 1024) keep 128 (64 was
+# -0.05...+0.14 us there).
+PREFETCH_ROWS = 128
+PREFETCH_ROWS_WIDE = 64  # phase-2 tiles of 128 columns or more
+
+# Phase-1 tiles of 256 columns (512-byte rows, whole lines), as many K splits as fill the grid,
+# are taken where their estimate is at most this much above the best tiles' (0: on a tie).
+# At 8192->2432->8192 and 8192->2456->8192, 130 tiles of 256 columns x 640 rows took 0.25-0.52
+# us less than 128 tiles of 160 x 1024 (the same bytes a tile) at M = 1, 2, 4, except
+# 8192->2456->8192 at M=1 (+0.22 / +0.37 us in two calls); at 4096->2560->14336 M=1, 256 x 320
+# against 160 x 512, 0.32 us less (session 26, results/gpu_xuv_decode_prefetch_rows_h200.json).
+PHASE1_LINE_TOL = 0.0
+
+
 def plan_decode_persistent(m: int, k: int, r: int, n: int, hw: Hardware = H200,
                            programs: int | None = None, bw: float = 4.0e12,
                            fill_us: float = 1.5,
@@ -369,6 +399,7 @@ def plan_decode_persistent(m: int, k: int, r: int, n: int, hw: Hardware = H200,
                            min_row_bytes: int = 0,
                            line_row_tol: float = LINE_ROW_TOL,
                            line_align_tol: float = LINE_ALIGN_TOL,
+                           phase1_line_tol: float = PHASE1_LINE_TOL,
                            round_trip_us: float = ROUND_TRIP_US,
                            v_resident: bool = True,
                            stream_k: bool = True) -> PersistentDecodePlan:
@@ -396,7 +427,8 @@ def plan_decode_persistent(m: int, k: int, r: int, n: int, hw: Hardware = H200,
       return res
   t1, block_r, cols_r, k_per = _split_k_tiles(k, r, 1, g, bw, fill_us,
                                               4 if block_m <= 32 else 3, round_trip_us,
-                                              m if block_m <= PARTIALS_MAX_M else 0)
+                                              m if block_m <= PARTIALS_MAX_M else 0,
+                                              phase1_line_tol)
   t2, block_n, cols_n, chunks = _column_tiles(n, cdiv(r, cols_r), cols_r, g, bw, fill_us,
                                               min_row_bytes=min_row_bytes,
                                               line_row_tol=line_row_tol,
@@ -408,8 +440,9 @@ def plan_decode_persistent(m: int, k: int, r: int, n: int, hw: Hardware = H200,
   stages = 4 if block_m <= 32 else 3
   # 4 warps hold a [128, 256] f32 phase-1 tile only by spilling (2.6 KB/thread, ptxas sm_90a)
   warps = 8 if block_m >= 128 else 4
+  prefetch = PREFETCH_ROWS_WIDE if cols_n >= 128 else PREFETCH_ROWS
   plan = PersistentDecodePlan(block_m, 64, block_r, cols_r, k_per, block_n, cols_n, 64,
-                              chunks, g, warps, stages, 128, t1 + t2)
+                              chunks, g, warps, stages, prefetch, t1 + t2)
   if (stream_k and chunks == 1 and 2 <= m <= STREAM_K_MAX_M and k <= STREAM_K_MAX_K
       and r >= STREAM_K_MIN_R and r % STREAM_K_COLS == 0
       and cdiv(r, STREAM_K_COLS) * cdiv(k, 64) >= g):

@@ -521,6 +521,8 @@ def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
   rb_per_chunk = planner.cdiv(n_rb, p.r_chunks)
   chunks = planner.cdiv(n_rb, rb_per_chunk)
   r_per = rb_per_chunk * p.cols_r
+  if p.prefetch < 0 or p.prefetch & (p.prefetch - 1):
+    raise ValueError(f"{p}: prefetch={p.prefetch} V rows must be 0 or a power of two")
   if chunks > 1 and r_per % p.block_kv:
     raise ValueError(f"{p}: r-chunks of {r_per} rows are not a multiple of block_kv")
   if p.v_resident:

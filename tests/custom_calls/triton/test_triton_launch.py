@@ -242,3 +242,25 @@ def test_the_ctas_done_early_zero_the_scratch_chain():
     assert clearers(64, 8192, 4096, 16384, pv=False)[1] == (0, 0)  # phase 1 alone
     print("ok")
   '''), interpret=False)
+
+
+def test_a_prefetch_that_is_not_a_power_of_two_is_refused_by_name():
+  """The kernel's L2 prefetch covers tl.arange(0, PREFETCH) rows; Triton would fail deep in
+  its compiler ("arange's range must be a power of 2") without saying which plan field."""
+  run_script(STUB + textwrap.dedent('''
+    import dataclasses
+    from lrjax.custom_calls.triton import planner, xuv_decode as xd
+
+    p = planner.plan_decode_persistent(2, 4096, 2560, 14336, programs=132)
+    for rows in (0, 32, 64, 256):
+      xd.persistent_launch_plan(2, 4096, 2560, 14336, False, dataclasses.replace(p, prefetch=rows))
+    for rows in (96, -64):
+      try:
+        xd.persistent_launch_plan(2, 4096, 2560, 14336, False,
+                                  dataclasses.replace(p, prefetch=rows))
+      except ValueError as e:
+        assert f"prefetch={rows} V rows must be 0 or a power of two" in str(e), e
+      else:
+        raise AssertionError(f"prefetch={rows}: not refused")
+    print("ok")
+  '''), interpret=False)

@@ -64,6 +64,36 @@ def test_phase2_tiles_are_whole_lines_within_the_tolerance(m):
   assert planner.plan_decode_persistent(m, 4096, 2560, 14336, line_align_tol=0.1).cols_n == 112
 
 
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_phase1_takes_256_column_tiles_on_a_tie(m):
+  """At 8192->2456->8192 the byte model ties 128 phase-1 tiles of 160 columns x 1024 rows with
+  130 of 256 x 640 (the same bytes a tile, one round of the grid each); the 256-column tiles,
+  whole 128-byte lines, are taken (PHASE1_LINE_TOL)."""
+  p = planner.plan_decode_persistent(m, 8192, 2456, 8192, programs=132)
+  assert (p.cols_r, p.block_r, p.k_per) == (256, 256, 640), p
+  assert planner.cdiv(2456, 256) * planner.cdiv(8192, 640) == 130
+  q = planner.plan_decode_persistent(m, 8192, 2456, 8192, programs=132, phase1_line_tol=-1)
+  assert (q.cols_r, q.k_per) == (160, 1024), q
+  assert q.est_us == pytest.approx(p.est_us)
+  # at M=16 the 13 splits' f32 partials cost more than 8 splits': no tie, the 160-column tiles
+  assert planner.plan_decode_persistent(16, 8192, 2456, 8192, programs=132).cols_r == 160
+
+
+@pytest.mark.parametrize("m,k,r,n,rows", [(2, 4096, 2560, 14336, 64), (1, 8192, 4096, 16384, 64),
+                                          (4, 8192, 2432, 8192, 64), (16, 4096, 1216, 4096, 64),
+                                          (4, 4096, 512, 1024, 128), (4, 8192, 544, 1024, 128),
+                                          (4, 4096, 152, 4096, 0)])
+def test_phase2_prefetch_rows_follow_the_tile_width(m, k, r, n, rows):
+  """Tiles of 128 columns or more prefetch PREFETCH_ROWS_WIDE V rows into L2 before the wait
+  (measured faster than PREFETCH_ROWS there), narrower ones PREFETCH_ROWS; a V-resident plan
+  holds its whole V tile and prefetches none."""
+  p = planner.plan_decode_persistent(m, k, r, n)
+  assert p.prefetch == rows, p
+  if rows:
+    assert rows == (planner.PREFETCH_ROWS_WIDE if p.cols_n >= 128 else planner.PREFETCH_ROWS)
+  assert planner.PREFETCH_ROWS_WIDE != planner.PREFETCH_ROWS
+
+
 @pytest.mark.parametrize("m,k,r,n,split", [(64, 8192, 4096, 16384, True),
                                            (64, 4096, 2560, 14336, True),
                                            (64, 1000, 2560, 8200, True),  # a GPU test shape
@@ -375,9 +405,11 @@ def test_group_phase1_is_one_round_of_tiles_over_the_ctas(k, qkv):
 def test_persistent_phase1_counts_the_round_trip_from_64_kb_of_u_a_cta():
   """8192->2432->8192 (302 KB of U a CTA): 160-column phase-1 tiles, not the byte model's 80
   (6-10 % faster on the H200). 2048->256->512 (8 KB a CTA) keeps its narrow tiles: the wide
-  ones were 4-20 % slower on such shapes."""
-  wide = planner.plan_decode_persistent(4, 8192, 2432, 8192)
-  assert planner.plan_decode_persistent(4, 8192, 2432, 8192, round_trip_us=0).cols_r == 80
+  ones were 4-20 % slower on such shapes. (The 160-column tiles then tie with 256-column
+  ones, which PHASE1_LINE_TOL takes: test_phase1_takes_256_column_tiles_on_a_tie.)"""
+  wide = planner.plan_decode_persistent(4, 8192, 2432, 8192, phase1_line_tol=-1)
+  assert planner.plan_decode_persistent(4, 8192, 2432, 8192, round_trip_us=0,
+                                        phase1_line_tol=-1).cols_r == 80
   assert wide.cols_r == 160 and wide.k_per == 1024
   small = planner.plan_decode_persistent(4, 2048, 256, 512)
   assert small == planner.plan_decode_persistent(4, 2048, 256, 512, round_trip_us=0)
