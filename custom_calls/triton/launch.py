@@ -35,8 +35,8 @@ launches the same compiled kernel with cuLaunchKernelEx and, for kernels that ta
 constexpr (the chained decode kernels, which then begin with ``gdc_wait``: _common.join_chain),
 the programmatic-stream-serialization attribute: their CTAs start while the kernel ahead
 drains. ``LRJAX_TRITON_LAUNCH`` (read when a call is lowered) picks the launcher: ``jaxlib``,
-``lrjax`` (ours, plain launches; for A/B), ``pdl`` (ours, PDL where the kernel allows it) or
-``xla`` (below).
+``lrjax`` (ours, plain launches; for A/B), ``pdl`` (ours, PDL where the kernel allows it),
+``xla`` or ``xla_triton`` (below).
 The kernel's PTX, entry, shared memory and warps travel as attributes of the custom call, with
 a content hash the handler caches the loaded function under, so compiled executables do not
 depend on the process that built them.
@@ -53,8 +53,12 @@ launches them as programmatic dependents. The Llama-3-8B decode step on one H200
 same.
 Calls with a memset before the launch (``zeroed_outputs``: the prefill kernels' counters, a
 caller's ``out=``) and kernels that need Triton's global scratch stay with jaxlib's handler.
-(XLA's Triton call, ``__gpu$xla.gpu.triton``, which compiles the TTIR with XLA's own Triton,
-was tried first: its Triton needed 313 KB of shared memory for one of the model's kernels.)
+``LRJAX_TRITON_LAUNCH=xla_triton`` (opt-in, for A/B timing; not yet run on a GPU in this form)
+hands the X·U·V decode kernels (``XLA_TRITON_KERNELS``) to XLA's Triton call,
+``__gpu$xla.gpu.triton``, as Triton's frontend TTIR with the scalars as constants: XLA
+compiles it with its own Triton and launches it; the other kernels take the PTX call. Tried
+for every kernel in session 24, that call was 0.12-0.45 us faster on four decode X·U·V shapes,
+but XLA's Triton compiled the SwiGLU decode kernel to 313 KB of shared memory.
 
 **Kernels jaxlib's handler cannot launch.** A kernel that builds TMA descriptors on the device
 (``tl.make_tensor_descriptor``) needs Triton's global scratch (bytes a CTA), and one whose loop
@@ -395,23 +399,15 @@ class XlaKernel:
   threads: int  # a CTA's threads as launched
 
 
-def xla_kernel(fn, arg_types: list[str], scalar_args, metaparams: dict, num_warps: int,
-               num_stages: int, compute_capability: int,
-               enable_fp_fusion: bool = True) -> "XlaKernel | None":
-  """``fn`` compiled by Triton with every scalar argument compiled in as a constant, for XLA's
-  PTX call; None where XLA cannot launch it (it needs Triton's global scratch: TMA
-  descriptors built on the device). ``arg_types``: Triton's type of each argument in order
-  (jax-triton's: the operands, each scalar at its index, then the results)."""
+def _frontend(fn, arg_types: list[str], scalar_args, metaparams: dict, num_warps: int,
+              num_stages: int, compute_capability: int, enable_fp_fusion: bool):
+  """(TTIR module, backend, options) of ``fn`` from Triton's frontend, every scalar argument
+  compiled in as a constant and every buffer 16-byte aligned."""
   from triton._C import libtriton
   from triton.backends.compiler import GPUTarget
   from triton.backends.nvidia.compiler import CUDABackend
   from triton.compiler import ASTSource, code_generator
-  consts = dict(metaparams)
-  consts.update({fn.arg_names[i]: v for i, _, v in scalar_args})
-  key = (fn, tuple(arg_types), tuple(sorted(consts.items())), num_warps, num_stages,
-         compute_capability, enable_fp_fusion)
-  if key in _xla_kernels:
-    return _xla_kernels[key]
+  consts = _constants(fn, scalar_args, metaparams)
   scalars = {i for i, _, _ in scalar_args}
   signature, attrs = {}, {}
   for i, t in enumerate(arg_types):
@@ -431,12 +427,41 @@ def xla_kernel(fn, arg_types: list[str], scalar_args, metaparams: dict, num_warp
       fn, ASTSource(fn, signature=signature, constexprs=consts, attrs=attrs), context=context,
       options=options, codegen_fns=backend.get_codegen_implementation(options),
       module_map=backend.get_module_map())
+  return mod, backend, options
+
+
+def _constants(fn, scalar_args, metaparams: dict) -> dict:
+  """The kernel's constexprs and its scalar arguments, by name: all compiled in."""
+  consts = dict(metaparams)
+  consts.update({fn.arg_names[i]: v for i, _, v in scalar_args})
+  return consts
+
+
+def _cache_key(fn, arg_types, scalar_args, metaparams, *rest):
+  """One compiled kernel's key in ``_xla_kernels``."""
+  return (fn, tuple(arg_types), tuple(sorted(_constants(fn, scalar_args, metaparams).items())),
+          *rest)
+
+
+def xla_kernel(fn, arg_types: list[str], scalar_args, metaparams: dict, num_warps: int,
+               num_stages: int, compute_capability: int,
+               enable_fp_fusion: bool = True) -> "XlaKernel | None":
+  """``fn`` compiled by Triton with every scalar argument compiled in as a constant, for XLA's
+  PTX call; None where XLA cannot launch it (it needs Triton's global scratch: TMA
+  descriptors built on the device). ``arg_types``: Triton's type of each argument in order
+  (jax-triton's: the operands, each scalar at its index, then the results)."""
+  key = _cache_key(fn, arg_types, scalar_args, metaparams, num_warps, num_stages,
+                   compute_capability, enable_fp_fusion)
+  if key in _xla_kernels:
+    return _xla_kernels[key]
+  mod, backend, options = _frontend(fn, arg_types, scalar_args, metaparams, num_warps,
+                                    num_stages, compute_capability, enable_fp_fusion)
   md: dict = {}
   for stage in (backend.make_ttir, backend.make_ttgir, backend.make_llir, backend.make_ptx):
     mod = stage(mod, md, options, compute_capability)
   ptx, entry = mod, md["name"]
   planner.check_cta_smem(entry, md["shared"], compute_capability, num_warps, num_stages)
-  buffers = len(arg_types) - len(scalars)
+  buffers = len(arg_types) - len(scalar_args)
   kernel = None
   if not md.get("global_scratch_size"):
     # Triton's entry ends with two scratch pointers (global, profile), unused here: drop them
@@ -453,12 +478,56 @@ def xla_kernel(fn, arg_types: list[str], scalar_args, metaparams: dict, num_warp
   return kernel
 
 
-def _xla_call(ctx, array_args, params):
+# The kernels launch mode xla_triton hands to XLA's Triton call: the X·U·V decode kernels.
+# Session 24 timed that call 0.12-0.45 us a call faster than jaxlib's handler on four decode
+# X·U·V shapes, 2.5 us slower on one (a two-r-chunk plan), and XLA's Triton compiled the SwiGLU
+# decode kernel to 313 KB of shared memory, more than an H200 CTA may have; every other kernel
+# takes XLA's PTX call in that mode.
+XLA_TRITON_KERNELS = ("_xuv_decode_kernel", "_xuv_decode_persistent_kernel", "_xuv_group_kernel")
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaTritonKernel:
+  name: str  # the TTIR function XLA's Triton call compiles (XLA renames it)
+  ttir: str  # Triton's frontend TTIR (text, no debug locations)
+
+
+def xla_triton_kernel(fn, arg_types: list[str], scalar_args, metaparams: dict, num_warps: int,
+                      num_stages: int, compute_capability: int,
+                      enable_fp_fusion: bool = True) -> XlaTritonKernel:
+  """``fn`` as Triton's frontend TTIR, every scalar argument a constant (its function takes the
+  buffers alone, as XLA's Triton call passes them), for XLA to compile with its own Triton.
+  Arguments as ``xla_kernel``'s."""
+  key = _cache_key(fn, arg_types, scalar_args, metaparams, num_warps, num_stages,
+                   compute_capability, enable_fp_fusion, "ttir")
+  if key not in _xla_kernels:
+    mod, _, _ = _frontend(fn, arg_types, scalar_args, metaparams, num_warps, num_stages,
+                          compute_capability, enable_fp_fusion)
+    _xla_kernels[key] = XlaTritonKernel(mod.get_entry_func_name(), mod.str_nodebug())
+  return _xla_kernels[key]
+
+
+def _xla_custom_call(ctx, array_args, params, target: str, backend_config: dict):
+  """The custom call of one of XLA's own kernel targets: operands then results as buffers."""
+  layouts = lambda avals: [list(reversed(range(a.ndim))) for a in avals]  # noqa: E731
+  from jax._src.interpreters import mlir as jax_mlir  # custom_call is not public
+  return jax_mlir.custom_call(
+      target,
+      result_types=[ir.RankedTensorType.get(a.shape, mlir.dtype_to_ir_type(a.dtype))
+                    for a in ctx.avals_out],
+      operands=list(array_args), backend_config=backend_config, api_version=4,
+      operand_layouts=layouts(ctx.avals_in), result_layouts=layouts(ctx.avals_out),
+      operand_output_aliases=dict(params["input_output_aliases"])).results
+
+
+def _xla_call(ctx, array_args, params, triton_ir: bool = False):
   """XLA's own PTX call (``__gpu$xla.gpu.ptx``) for this kernel, compiled by Triton with its
   scalars as constants: XLA launches it as one of its own kernels, not through an FFI
-  handler traced into its command buffer. None where it cannot carry the
-  call: a memset before the launch (jax-triton's ``zeroed_outputs``), more than one CTA a
-  cluster, or a kernel that needs Triton's global scratch."""
+  handler traced into its command buffer. ``triton_ir``: XLA's Triton call
+  (``__gpu$xla.gpu.triton``) instead, the kernel's frontend TTIR, which XLA compiles with its
+  own Triton (launch mode xla_triton). None where neither can carry the call: a memset before
+  the launch (jax-triton's ``zeroed_outputs``), more than one CTA a cluster, or (the PTX
+  call) a kernel that needs Triton's global scratch."""
   if params["zeroed_outputs"] or params["num_ctas"] != 1:
     return None
   fn = params["fn"]
@@ -470,28 +539,24 @@ def _xla_call(ctx, array_args, params):
   cc = params["compute_capability"]
   if cc is None:
     cc = triton_lib.triton_kernel_call_lib.get_compute_capability(0)
-  kernel = xla_kernel(fn, types, params["scalar_args"], metaparams, params["num_warps"],
-                      params["num_stages"], cc, params["enable_fp_fusion"])
-  if kernel is None:
-    return None
+  args = (fn, types, params["scalar_args"], metaparams, params["num_warps"],
+          params["num_stages"], cc, params["enable_fp_fusion"])
   gx, gy, gz = triton_lib.normalize_grid(params["grid"], metaparams)
   i32 = lambda v: ir.IntegerAttr.get(ir.IntegerType.get_signless(32), int(v))  # noqa: E731
-  layouts = lambda avals: [list(reversed(range(a.ndim))) for a in avals]  # noqa: E731
-  from jax._src.interpreters import mlir as jax_mlir  # custom_call is not public
-  return jax_mlir.custom_call(
-      planner.XLA_TARGET,
-      result_types=[ir.RankedTensorType.get(a.shape, mlir.dtype_to_ir_type(a.dtype))
-                    for a in ctx.avals_out],
-      operands=list(array_args),
-      backend_config=dict(name=ir.StringAttr.get(kernel.name),
-                          kernel_type=ir.StringAttr.get("ptx"),
-                          kernel_data=ir.StringAttr.get(kernel.ptx),
-                          grid_x=i32(gx), grid_y=i32(gy), grid_z=i32(gz),
-                          block_x=i32(kernel.threads), block_y=i32(1), block_z=i32(1),
-                          shared_mem_bytes=i32(kernel.shared)),
-      api_version=4, operand_layouts=layouts(ctx.avals_in),
-      result_layouts=layouts(ctx.avals_out),
-      operand_output_aliases=dict(params["input_output_aliases"])).results
+  grid = dict(grid_x=i32(gx), grid_y=i32(gy), grid_z=i32(gz))
+  if triton_ir:
+    k = xla_triton_kernel(*args)
+    return _xla_custom_call(ctx, array_args, params, planner.XLA_TRITON_TARGET, dict(
+        name=ir.StringAttr.get(k.name), ir=ir.StringAttr.get(k.ttir),
+        num_stages=i32(params["num_stages"]), num_warps=i32(params["num_warps"]),
+        debug=ir.BoolAttr.get(False), **grid))
+  kernel = xla_kernel(*args)
+  if kernel is None:
+    return None
+  return _xla_custom_call(ctx, array_args, params, planner.XLA_TARGET, dict(
+      name=ir.StringAttr.get(kernel.name), kernel_type=ir.StringAttr.get("ptx"),
+      kernel_data=ir.StringAttr.get(kernel.ptx), block_x=i32(kernel.threads),
+      block_y=i32(1), block_z=i32(1), shared_mem_bytes=i32(kernel.shared), **grid))
 
 
 def _lowering(ctx, *array_args, custom_call_target_name, **params):
@@ -503,9 +568,10 @@ def _lowering(ctx, *array_args, custom_call_target_name, **params):
   if chained is not None:
     ctx, array_args, params, finish = chained
   mode = launch_mode()
-  if mode == "xla":
+  if mode in ("xla", "xla_triton"):
     # XLA may launch its kernels as programmatic dependents: wait at entry
-    results = _xla_call(ctx, array_args, dict(params, **{PDL: 1}) if PDL in params else params)
+    results = _xla_call(ctx, array_args, dict(params, **{PDL: 1}) if PDL in params else params,
+                        mode == "xla_triton" and params["fn"].__name__ in XLA_TRITON_KERNELS)
     if results is not None:
       return finish(results)
   # a launch after a memset (zeroed_outputs) stays plain: the wait covers kernels ahead of it

@@ -709,15 +709,17 @@ LEGACY_TARGET = "triton_kernel_call"  # jax-triton's own (jaxlib's legacy handle
 FFI_TARGET = "triton_kernel_call_ffi"  # jaxlib's typed-FFI handler (launch mode jaxlib)
 LAUNCH_TARGET = "lrjax_triton_launch"  # lrjax's handler (pdl_launch.cc)
 XLA_TARGET = "__gpu$xla.gpu.ptx"  # XLA launches the kernel's PTX itself (launch mode xla)
+XLA_TRITON_TARGET = "__gpu$xla.gpu.triton"  # XLA compiles the kernel's TTIR with its own
+                                            # Triton and launches it (launch mode xla_triton)
 
 
 def count_calls(hlo_text: str) -> int:
-  """Triton custom calls (any of the four targets) in a compiled module's HLO text."""
+  """Triton custom calls (any of the five targets) in a compiled module's HLO text."""
   return sum(hlo_text.count(f'custom_call_target="{t}"')
-             for t in (LEGACY_TARGET, FFI_TARGET, LAUNCH_TARGET, XLA_TARGET))
+             for t in (LEGACY_TARGET, FFI_TARGET, LAUNCH_TARGET, XLA_TARGET, XLA_TRITON_TARGET))
 
 
-LAUNCH_MODES = ("jaxlib", "lrjax", "pdl", "xla")
+LAUNCH_MODES = ("jaxlib", "lrjax", "pdl", "xla", "xla_triton")
 XLA_LAUNCH_MIN_JAXLIB = (0, 11, 2)  # the jaxlib XLA's PTX call was verified on (H200)
 
 
@@ -735,7 +737,7 @@ MODEL_AB_LAUNCHES = ("jaxlib", "xla")  # the launchers whose model steps are the
 def launch_mode() -> str:
   """Which handler launches lrjax's Triton kernels (launch.py): ``LRJAX_TRITON_LAUNCH``, read
   when a call is lowered; DEFAULT_LAUNCH unless set (``xla`` from jaxlib 0.11.2, else
-  ``jaxlib``)."""
+  ``jaxlib``; ``xla_triton`` is opt-in, for A/B timing)."""
   mode = os.environ.get("LRJAX_TRITON_LAUNCH", "") or DEFAULT_LAUNCH
   if mode not in LAUNCH_MODES:
     raise ValueError(f"LRJAX_TRITON_LAUNCH={mode!r}: expected one of {LAUNCH_MODES}")

@@ -125,12 +125,67 @@ def test_kernels_for_xlas_ptx_call_take_their_buffers_alone():
   assert int(out.split()[-2]) >= 4, out
 
 
+def test_kernels_for_xlas_triton_call_take_their_buffers_alone():
+  """LRJAX_TRITON_LAUNCH=xla_triton: each X·U·V decode kernel (XLA_TRITON_KERNELS) as Triton's
+  frontend TTIR with its scalars as constants: its public function takes the buffers alone,
+  each 16-byte aligned, as XLA's Triton call passes them; it waits on the grid dependency; it
+  carries no debug locations (no source paths) and parses back with Triton's own parser. The
+  other kernels keep XLA's PTX call in that mode."""
+  out = run_script(STUB + textwrap.dedent('''
+    import re, tempfile
+    from triton._C import libtriton
+    from lrjax.custom_calls.triton import launch, planner, xuv_decode
+    assert launch.XLA_TRITON_KERNELS and all(
+        hasattr(xuv_decode, k) for k in launch.XLA_TRITON_KERNELS)
+    assert "xla_triton" in planner.LAUNCH_MODES
+    assert planner.count_calls('custom_call_target="__gpu$xla.gpu.triton"') == 1
+    n, seen = 0, set()
+    for name, kernel, meta, warps, stages in kernel_resources.planned():
+      if "PDL" not in [p.name for p in kernel.params] or kernel in seen:
+        continue
+      seen.add(kernel)
+      if kernel.__name__ not in launch.XLA_TRITON_KERNELS:
+        assert "xuv" not in kernel.__name__, kernel.__name__  # the SwiGLU kernels stay out
+        continue
+      types, scalars = [], []
+      for i, p in enumerate(kernel.params):
+        if p.is_constexpr:
+          continue
+        if p.name in ("M", "clear_off", "clear_n"):
+          types.append("i32")
+          scalars.append((len(types) - 1, "i32", {"M": 3}.get(p.name, 32)))
+        else:
+          types.append(kernel_resources._pointer(p.name))
+      compile = lambda: launch.xla_triton_kernel(kernel, types, scalars,
+                                                 dict(meta, PDL=1, WORK_OFF=0), warps, stages,
+                                                 90)
+      k = compile()
+      assert compile() is k, name
+      head = re.search(r"tt\\.func public @" + re.escape(k.name)
+                       + r"\\((.*?)\\)\\s*(attributes|\\{)", k.ttir, re.S)
+      buffers = len(types) - len(scalars)
+      assert head and head.group(1).count("!tt.ptr") == buffers, name
+      assert head.group(1).count("tt.divisibility = 16") == buffers, name
+      assert "griddepcontrol.wait" in k.ttir and "loc(" not in k.ttir, name
+      context = libtriton.ir.context()
+      libtriton.ir.load_dialects(context)
+      with tempfile.NamedTemporaryFile("w", suffix=".ttir") as fh:
+        fh.write(k.ttir)
+        fh.flush()
+        assert libtriton.ir.parse_mlir_module(fh.name, context).get_entry_func_name() == k.name
+      n += 1
+    assert n >= 2, n  # the persistent X·U·V kernel and the group
+    print(n, "ok")
+  '''), interpret=False)
+  assert int(out.split()[-2]) >= 2, out
+
+
 def test_bad_mode_and_missing_library_are_named():
   out = run_script(_RAISES + textwrap.dedent('''
     import os
     from lrjax.custom_calls.triton import launch
     os.environ["LRJAX_TRITON_LAUNCH"] = "fast"
-    raises(ValueError, launch.launch_mode, "fast", "pdl")
+    raises(ValueError, launch.launch_mode, "fast", "pdl", "xla_triton")
     os.environ["LRJAX_TRITON_LAUNCH"] = "pdl"
     launch._launcher_paths = lambda: ["/nonexistent/_pdl_launch.so"]
     raises(RuntimeError, launch.launcher, "/nonexistent/_pdl_launch.so",
