@@ -23,6 +23,23 @@ _RAISES = STUB + textwrap.dedent('''
 ''')
 
 
+# The argument types jax-triton hands a chained kernel as XLA's calls compile it: M (3) and the
+# chain's two offsets (32) runtime i32s, to be compiled in as constants; every other a buffer
+_XLA_ARGS = STUB + textwrap.dedent('''
+  def xla_args(kernel):
+    types, scalars = [], []
+    for p in kernel.params:
+      if p.is_constexpr:
+        continue
+      if p.name in ("M", "clear_off", "clear_n"):
+        types.append("i32")
+        scalars.append((len(types) - 1, "i32", {"M": 3}.get(p.name, 32)))
+      else:
+        types.append(kernel_resources._pointer(p.name))
+    return types, scalars
+''')
+
+
 def test_kernel_params_follow_jax_tritons_argument_order():
   """Operands, each scalar at its index (one equal to 1 dropped: Triton specializes it),
   then the results (a zeroed one with its bytes), then Triton's two scratch pointers."""
@@ -88,7 +105,7 @@ def test_kernels_for_xlas_ptx_call_take_their_buffers_alone():
   the grid dependency; its entry name is unique to the specialization (two halves of one
   chain are two kernels in one module) and stable for the same one. A kernel that builds TMA
   descriptors on the device needs Triton's global scratch, which XLA cannot pass: None."""
-  out = run_script(STUB + textwrap.dedent('''
+  out = run_script(_XLA_ARGS + textwrap.dedent('''
     import re
     import gemm_probe
     from lrjax.custom_calls.triton import launch
@@ -97,15 +114,7 @@ def test_kernels_for_xlas_ptx_call_take_their_buffers_alone():
       if "PDL" not in [p.name for p in kernel.params] or kernel in seen:
         continue
       seen.add(kernel)
-      types, scalars = [], []  # jax-triton's argument types: runtime i32s, else buffers
-      for i, p in enumerate(kernel.params):
-        if p.is_constexpr:
-          continue
-        if p.name in ("M", "clear_off", "clear_n"):
-          types.append("i32")
-          scalars.append((len(types) - 1, "i32", {"M": 3}.get(p.name, 32)))
-        else:
-          types.append(kernel_resources._pointer(p.name))
+      types, scalars = xla_args(kernel)
       compile = lambda off: launch.xla_kernel(kernel, types, scalars,
                                               dict(meta, PDL=1, WORK_OFF=off), warps, stages, 90)
       a, b, again = compile(0), compile(4096), compile(0)
@@ -131,7 +140,7 @@ def test_kernels_for_xlas_triton_call_take_their_buffers_alone():
   each 16-byte aligned, as XLA's Triton call passes them; it waits on the grid dependency; it
   carries no debug locations (no source paths) and parses back with Triton's own parser. The
   other kernels keep XLA's PTX call in that mode."""
-  out = run_script(STUB + textwrap.dedent('''
+  out = run_script(_XLA_ARGS + textwrap.dedent('''
     import re, tempfile
     from triton._C import libtriton
     from lrjax.custom_calls.triton import launch, planner, xuv_decode
@@ -147,15 +156,7 @@ def test_kernels_for_xlas_triton_call_take_their_buffers_alone():
       if kernel.__name__ not in launch.XLA_TRITON_KERNELS:
         assert "xuv" not in kernel.__name__, kernel.__name__  # the SwiGLU kernels stay out
         continue
-      types, scalars = [], []
-      for i, p in enumerate(kernel.params):
-        if p.is_constexpr:
-          continue
-        if p.name in ("M", "clear_off", "clear_n"):
-          types.append("i32")
-          scalars.append((len(types) - 1, "i32", {"M": 3}.get(p.name, 32)))
-        else:
-          types.append(kernel_resources._pointer(p.name))
+      types, scalars = xla_args(kernel)
       compile = lambda: launch.xla_triton_kernel(kernel, types, scalars,
                                                  dict(meta, PDL=1, WORK_OFF=0), warps, stages,
                                                  90)
