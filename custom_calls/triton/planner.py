@@ -416,6 +416,10 @@ def plan_decode_persistent(m: int, k: int, r: int, n: int, hw: Hardware = H200,
   Small ranks (``v_resident``, see ``_v_resident_plan``) take the V-resident schedule where
   it applies and ``min_row_bytes`` allows its 64-column V tiles. Where measured faster
   (``stream_k``, see STREAM_K_MAX_M), phase 1 runs as stream-K over 128-column blocks.
+  Phase-1 tiles whose rows are not whole 128-byte lines give way to 256-column ones that
+  fill one round of the grid within ``phase1_line_tol`` of their estimate (PHASE1_LINE_TOL),
+  and a phase-2 CTA prefetches PREFETCH_ROWS_WIDE V rows where its tiles are at least 128
+  columns wide, PREFETCH_ROWS where narrower.
   """
   g = programs or hw.num_sms
   block_m = max(16, next_pow2(m))
