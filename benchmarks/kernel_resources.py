@@ -122,19 +122,28 @@ def compile_sm90(kernel, meta: dict, warps: int, stages: int, ptxas: bool = True
   return out
 
 
-def compile_xla_sm90(kernel, meta: dict, warps: int, stages: int, rows: int) -> dict:
-  """``compile_sm90`` for the kernel as lrjax's default launch builds it for XLA's PTX call
-  (launch.xla_kernel): M = ``rows`` and the chain's offsets compiled in, PDL set."""
-  from lrjax.custom_calls.triton import launch
+def xla_args(kernel, rows: int, clear_n: int = 4096):
+  """(Triton's argument types, scalar arguments) jax-triton hands a chained decode kernel, as
+  lrjax's XLA calls compile them in (launch.xla_kernel, launch.xla_triton_kernel): M = ``rows``
+  and the chain's offsets (a call clearing ``clear_n`` floats at 0); every other argument a
+  buffer."""
   types, scalars = [], []
   for p in kernel.params:
     if p.is_constexpr:
       continue
-    if p.name in ("M", "clear_off", "clear_n"):  # a chained call clearing 4096 floats
+    if p.name in ("M", "clear_off", "clear_n"):
       types.append("i32")
-      scalars.append((len(types) - 1, "i32", {"M": rows, "clear_off": 0}.get(p.name, 4096)))
+      scalars.append((len(types) - 1, "i32", {"M": rows, "clear_off": 0}.get(p.name, clear_n)))
     else:
       types.append(_pointer(p.name))
+  return types, scalars
+
+
+def compile_xla_sm90(kernel, meta: dict, warps: int, stages: int, rows: int) -> dict:
+  """``compile_sm90`` for the kernel as lrjax's default launch builds it for XLA's PTX call
+  (launch.xla_kernel): M = ``rows`` and the chain's offsets compiled in, PDL set."""
+  from lrjax.custom_calls.triton import launch
+  types, scalars = xla_args(kernel, rows)
   k = launch.xla_kernel(kernel, types, scalars, {"WORK_OFF": 0, **meta, "PDL": 1}, warps,
                         stages, 90)
   return dict(shared=k.shared, warps=warps, stages=stages, **ptxas_info(k.ptx, k.shared, warps))

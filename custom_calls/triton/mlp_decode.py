@@ -548,6 +548,7 @@ def persistent_launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask,
                            p: planner.PersistentMlpPlan, phases: int = 7) -> dict:
   """Grid size, scratch size and constexprs of one persistent call (``phases`` < 7 leaves
   phases out, to time the others: wrong output)."""
+  planner.check_prefetch_rows(p, "prefetch", "prefetch_c")
   split = planner.cdiv(d, p.k_per)
   n_rb = planner.cdiv(r, p.cols_r)
   rb_per_chunk = planner.cdiv(n_rb, 4)  # phase B consumes Pg/Pu in up to 4 chunks...

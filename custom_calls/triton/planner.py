@@ -57,6 +57,16 @@ SMEM_PER_CTA_BY_CAPABILITY = {70: 96 * 1024, 75: 64 * 1024, 80: 163 * 1024, 86: 
                               120: 99 * 1024}
 
 
+def check_prefetch_rows(plan, *fields: str) -> None:
+  """Raises a ValueError naming the field where one of ``plan``'s L2 prefetch depths
+  (``_common.prefetch_l2``'s rows, a ``tl.arange``) is not 0 or a power of two; Triton would
+  only fail deep in its compiler ("arange's range must be a power of 2")."""
+  for name in fields:
+    rows = getattr(plan, name)
+    if rows < 0 or rows & (rows - 1):
+      raise ValueError(f"{plan}: {name}={rows} V rows must be 0 or a power of two")
+
+
 def check_cta_smem(kernel: str, shared: int, capability: int, num_warps: int,
                    num_stages: int) -> None:
   """Raises a ValueError if a compiled kernel asks for more shared memory per CTA than a GPU

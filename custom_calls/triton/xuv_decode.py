@@ -521,8 +521,7 @@ def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
   rb_per_chunk = planner.cdiv(n_rb, p.r_chunks)
   chunks = planner.cdiv(n_rb, rb_per_chunk)
   r_per = rb_per_chunk * p.cols_r
-  if p.prefetch < 0 or p.prefetch & (p.prefetch - 1):
-    raise ValueError(f"{p}: prefetch={p.prefetch} V rows must be 0 or a power of two")
+  planner.check_prefetch_rows(p, "prefetch")
   if chunks > 1 and r_per % p.block_kv:
     raise ValueError(f"{p}: r-chunks of {r_per} rows are not a multiple of block_kv")
   if p.v_resident:
@@ -657,6 +656,7 @@ def group_launch_plan(m: int, k: int, members, p: "planner.GroupDecodePlan") -> 
   ``members``: [(r_i, n_i, has_bias_i)] of 2 or 3; with two, the kernel's third member
   repeats the second's shapes with no tiles."""
   g = len(members)
+  planner.check_prefetch_rows(p, "prefetch")
   full = list(members) + [members[-1]] * (3 - g)
   meta = dict(K=k, BLOCK_M=p.block_m, BLOCK_K=64, BLOCK_KV=64, PROGRAMS=p.programs,
               PREFETCH=p.prefetch)

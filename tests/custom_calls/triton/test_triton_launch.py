@@ -23,23 +23,6 @@ _RAISES = STUB + textwrap.dedent('''
 ''')
 
 
-# The argument types jax-triton hands a chained kernel as XLA's calls compile it: M (3) and the
-# chain's two offsets (32) runtime i32s, to be compiled in as constants; every other a buffer
-_XLA_ARGS = STUB + textwrap.dedent('''
-  def xla_args(kernel):
-    types, scalars = [], []
-    for p in kernel.params:
-      if p.is_constexpr:
-        continue
-      if p.name in ("M", "clear_off", "clear_n"):
-        types.append("i32")
-        scalars.append((len(types) - 1, "i32", {"M": 3}.get(p.name, 32)))
-      else:
-        types.append(kernel_resources._pointer(p.name))
-    return types, scalars
-''')
-
-
 def test_kernel_params_follow_jax_tritons_argument_order():
   """Operands, each scalar at its index (one equal to 1 dropped: Triton specializes it),
   then the results (a zeroed one with its bytes), then Triton's two scratch pointers."""
@@ -105,7 +88,7 @@ def test_kernels_for_xlas_ptx_call_take_their_buffers_alone():
   the grid dependency; its entry name is unique to the specialization (two halves of one
   chain are two kernels in one module) and stable for the same one. A kernel that builds TMA
   descriptors on the device needs Triton's global scratch, which XLA cannot pass: None."""
-  out = run_script(_XLA_ARGS + textwrap.dedent('''
+  out = run_script(STUB + textwrap.dedent('''
     import re
     import gemm_probe
     from lrjax.custom_calls.triton import launch
@@ -114,7 +97,7 @@ def test_kernels_for_xlas_ptx_call_take_their_buffers_alone():
       if "PDL" not in [p.name for p in kernel.params] or kernel in seen:
         continue
       seen.add(kernel)
-      types, scalars = xla_args(kernel)
+      types, scalars = kernel_resources.xla_args(kernel, 3)
       compile = lambda off: launch.xla_kernel(kernel, types, scalars,
                                               dict(meta, PDL=1, WORK_OFF=off), warps, stages, 90)
       a, b, again = compile(0), compile(4096), compile(0)
@@ -140,7 +123,7 @@ def test_kernels_for_xlas_triton_call_take_their_buffers_alone():
   each 16-byte aligned, as XLA's Triton call passes them; it waits on the grid dependency; it
   carries no debug locations (no source paths) and parses back with Triton's own parser. The
   other kernels keep XLA's PTX call in that mode."""
-  out = run_script(_XLA_ARGS + textwrap.dedent('''
+  out = run_script(STUB + textwrap.dedent('''
     import re, tempfile
     from triton._C import libtriton
     from lrjax.custom_calls.triton import launch, planner, xuv_decode
@@ -156,7 +139,7 @@ def test_kernels_for_xlas_triton_call_take_their_buffers_alone():
       if kernel.__name__ not in launch.XLA_TRITON_KERNELS:
         assert "xuv" not in kernel.__name__, kernel.__name__  # the SwiGLU kernels stay out
         continue
-      types, scalars = xla_args(kernel)
+      types, scalars = kernel_resources.xla_args(kernel, 3)
       compile = lambda: launch.xla_triton_kernel(kernel, types, scalars,
                                                  dict(meta, PDL=1, WORK_OFF=0), warps, stages,
                                                  90)
@@ -301,8 +284,9 @@ def test_the_ctas_done_early_zero_the_scratch_chain():
 
 
 def test_a_prefetch_that_is_not_a_power_of_two_is_refused_by_name():
-  """The kernel's L2 prefetch covers tl.arange(0, PREFETCH) rows; Triton would fail deep in
-  its compiler ("arange's range must be a power of 2") without saying which plan field."""
+  """The kernels' L2 prefetch covers tl.arange(0, PREFETCH) rows; Triton would fail deep in
+  its compiler ("arange's range must be a power of 2") without saying which plan field. The
+  X·U·V, grouped and SwiGLU decode plans are each checked (planner.check_prefetch_rows)."""
   run_script(STUB + textwrap.dedent('''
     import dataclasses
     from lrjax.custom_calls.triton import planner, xuv_decode as xd
@@ -318,5 +302,21 @@ def test_a_prefetch_that_is_not_a_power_of_two_is_refused_by_name():
         assert f"prefetch={rows} V rows must be 0 or a power of two" in str(e), e
       else:
         raise AssertionError(f"prefetch={rows}: not refused")
+    from lrjax.custom_calls.triton import mlp_decode
+    g = planner.plan_decode_group(2, 4096, [(1216, 4096), (512, 1024)], programs=132)
+    q = planner.plan_mlp_decode_persistent(2, 4096, 14336, 2560, 2560, 4096, programs=132)
+    for call, field in (
+        (lambda: xd.group_launch_plan(2, 4096, [(1216, 4096, False), (512, 1024, False)],
+                                      dataclasses.replace(g, prefetch=48)), "prefetch=48"),
+        (lambda: mlp_decode.persistent_launch_plan(
+            2, 4096, 2560, 14336, 2560, 4096, gated=True, act="silu",
+            bias_mask=(False, False, False), p=dataclasses.replace(q, prefetch_c=24)),
+         "prefetch_c=24")):
+      try:
+        call()
+      except ValueError as e:
+        assert f"{field} V rows must be 0 or a power of two" in str(e), e
+      else:
+        raise AssertionError(f"{field}: not refused")
     print("ok")
   '''), interpret=False)
