@@ -53,12 +53,13 @@ launches them as programmatic dependents. The Llama-3-8B decode step on one H200
 same.
 Calls with a memset before the launch (``zeroed_outputs``: the prefill kernels' counters, a
 caller's ``out=``) and kernels that need Triton's global scratch stay with jaxlib's handler.
-``LRJAX_TRITON_LAUNCH=xla_triton`` (opt-in, for A/B timing; not yet run on a GPU in this form)
-hands the X·U·V decode kernels (``XLA_TRITON_KERNELS``) to XLA's Triton call,
-``__gpu$xla.gpu.triton``, as Triton's frontend TTIR with the scalars as constants: XLA
-compiles it with its own Triton and launches it; the other kernels take the PTX call. Tried
-for every kernel in session 24, that call was 0.12-0.45 us faster on four decode X·U·V shapes,
-but XLA's Triton compiled the SwiGLU decode kernel to 313 KB of shared memory.
+``LRJAX_TRITON_LAUNCH=xla_triton`` (opt-in) hands the persistent X·U·V decode kernel
+(``XLA_TRITON_KERNELS``), on the plans ``planner.xla_triton_serves`` names, to XLA's Triton
+call, ``__gpu$xla.gpu.triton``, as Triton's frontend TTIR with the scalars as constants: XLA
+compiles it with its own Triton and launches it; the other calls take the PTX call. On the
+same weights it was 0.09-0.27 us a call faster at most decode points and 2.3 us slower on one
+plan of masked phase-1 tiles (session 27); XLA's Triton compiled the grouped and SwiGLU
+decode kernels to more shared memory than an H200 CTA has.
 
 **Kernels jaxlib's handler cannot launch.** A kernel that builds TMA descriptors on the device
 (``tl.make_tensor_descriptor``) needs Triton's global scratch (bytes a CTA), and one whose loop
@@ -478,12 +479,11 @@ def xla_kernel(fn, arg_types: list[str], scalar_args, metaparams: dict, num_warp
   return kernel
 
 
-# The kernels launch mode xla_triton hands to XLA's Triton call: the X·U·V decode kernels.
-# Session 24 timed that call 0.12-0.45 us a call faster than jaxlib's handler on four decode
-# X·U·V shapes, 2.5 us slower on one (a two-r-chunk plan), and XLA's Triton compiled the SwiGLU
-# decode kernel to 313 KB of shared memory, more than an H200 CTA may have; every other kernel
-# takes XLA's PTX call in that mode.
-XLA_TRITON_KERNELS = ("_xuv_decode_kernel", "_xuv_decode_persistent_kernel", "_xuv_group_kernel")
+# The kernel launch mode xla_triton hands to XLA's Triton call, where planner.xla_triton_serves
+# agrees: the persistent X·U·V decode kernel. XLA's Triton compiled the grouped decode kernel to
+# 306-324 KB of shared memory (session 27) and the SwiGLU decode kernel to 313 KB (session 24),
+# more than an H200 CTA may have; those and every other kernel take XLA's PTX call.
+XLA_TRITON_KERNELS = ("_xuv_decode_persistent_kernel",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -571,7 +571,8 @@ def _lowering(ctx, *array_args, custom_call_target_name, **params):
   if mode in ("xla", "xla_triton"):
     # XLA may launch its kernels as programmatic dependents: wait at entry
     results = _xla_call(ctx, array_args, dict(params, **{PDL: 1}) if PDL in params else params,
-                        mode == "xla_triton" and params["fn"].__name__ in XLA_TRITON_KERNELS)
+                        mode == "xla_triton" and params["fn"].__name__ in XLA_TRITON_KERNELS
+                        and planner.xla_triton_serves(params))
     if results is not None:
       return finish(results)
   # a launch after a memset (zeroed_outputs) stays plain: the wait covers kernels ahead of it

@@ -733,6 +733,16 @@ def count_calls(hlo_text: str) -> int:
              for t in (LEGACY_TARGET, FFI_TARGET, LAUNCH_TARGET, XLA_TARGET, XLA_TRITON_TARGET))
 
 
+def xla_triton_serves(meta: dict) -> bool:
+  """Whether launch mode xla_triton hands a persistent X·U·V decode call (its constexprs
+  ``meta``) to XLA's Triton call rather than its PTX call: phase 2 in the kernel, with
+  phase-1 tiles of a whole BLOCK_R columns or V resident. Same weights on an H200 (session 27,
+  results/gpu_xuv_decode_xla_triton_h200.json): such plans 0.09-0.27 us faster a call at six
+  of eight points, 0.01 faster and 0.06 slower at the other two; phase-1 tiles of 160 of 256
+  columns 2.28 us slower (8192->2456->8192, M=8) and 0.14 us slower (8192->2432->8192)."""
+  return bool(meta.get("PV")) and (meta["COLS_R"] == meta["BLOCK_R"] or bool(meta.get("V_RES")))
+
+
 LAUNCH_MODES = ("jaxlib", "lrjax", "pdl", "xla", "xla_triton")
 XLA_LAUNCH_MIN_JAXLIB = (0, 11, 2)  # the jaxlib XLA's PTX call was verified on (H200)
 
@@ -751,7 +761,7 @@ MODEL_AB_LAUNCHES = ("jaxlib", "xla")  # the launchers whose model steps are the
 def launch_mode() -> str:
   """Which handler launches lrjax's Triton kernels (launch.py): ``LRJAX_TRITON_LAUNCH``, read
   when a call is lowered; DEFAULT_LAUNCH unless set (``xla`` from jaxlib 0.11.2, else
-  ``jaxlib``; ``xla_triton`` is opt-in, for A/B timing)."""
+  ``jaxlib``; ``xla_triton`` is opt-in until it is timed in model steps)."""
   mode = os.environ.get("LRJAX_TRITON_LAUNCH", "") or DEFAULT_LAUNCH
   if mode not in LAUNCH_MODES:
     raise ValueError(f"LRJAX_TRITON_LAUNCH={mode!r}: expected one of {LAUNCH_MODES}")
