@@ -14,6 +14,13 @@ set (switches read when a call is traced, e.g. ``LRJAX_TRITON_LAUNCH``).
 
   python benchmarks/decode_ab.py --out results.json \\
       "2,4096,2560,14336|xla,,auto,,persistent:prefetch=256"
+
+``--points results.json`` adds every decode X·U·V point of a ``gpu_lowrank.py`` results file
+(M <= ``--max-m``), each timed with ``--variants``; ``--shard i/n`` times the i-th of n equal
+slices of all cases, so a long list splits over device calls:
+
+  python benchmarks/decode_ab.py --out a1.json --points benchmarks/results/gpu_lowrank_h200.json \\
+      --variants "xla,,auto,,env:LRJAX_TRITON_LAUNCH=xla_triton" --shard 1/2
 """
 from __future__ import annotations
 
@@ -59,6 +66,32 @@ def parse_case(case: str) -> tuple[tuple[int, int, int, int], list[str]]:
   return (m, k, r, n), variants
 
 
+def sweep_points(path: str, max_m: int) -> list[tuple[int, int, int, int]]:
+  """The (M, K, r, N) of every X·U·V record of a gpu_lowrank.py results file with M <= max_m,
+  sorted by shape, then M."""
+  with open(path) as fh:
+    records = json.load(fh)["records"]
+  pts = {(r["M"], r["K"], r["r"], r["N"]) for r in records
+         if r.get("op") == "xuv" and r["M"] <= max_m}
+  return sorted(pts, key=lambda p: (p[1:], p[0]))
+
+
+def parse_shard(spec: str) -> tuple[int, int]:
+  """(i, n) of ``i/n``, 1 <= i <= n."""
+  try:
+    i, n = (int(t) for t in spec.split("/"))
+  except ValueError:
+    raise ValueError(f"--shard {spec!r}: expected i/n, e.g. 1/2") from None
+  if not 1 <= i <= n:
+    raise ValueError(f"--shard {spec!r}: expected i/n with 1 <= i <= n")
+  return i, n
+
+
+def shard(cases: list, i: int, n: int) -> list:
+  """The i-th (from 1) of n contiguous, near-equal slices of ``cases``."""
+  return cases[(i - 1) * len(cases) // n:i * len(cases) // n]
+
+
 def _fn(variant: str, m: int, k: int, r: int, n: int):
   if variant == "xla":
     return lambda x, u, v: (x @ u) @ v
@@ -89,14 +122,35 @@ def time_case(dims, variants, rounds: int) -> dict:
   return times
 
 
+def _default_launch() -> str:
+  """The launch mode 'auto' ran under (LRJAX_TRITON_LAUNCH, else the default)."""
+  from lrjax.custom_calls.triton import planner
+  return planner.launch_mode()
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("cases", nargs="+", help="M,K,r,N|variant,,variant,,...")
+  ap.add_argument("cases", nargs="*", help="M,K,r,N|variant,,variant,,...")
   ap.add_argument("--rounds", type=int, default=3)
   ap.add_argument("--out", required=True, help="JSON file (rewritten after every case)")
+  ap.add_argument("--points", metavar="JSON",
+                  help="also each decode X·U·V point of this gpu_lowrank.py results file")
+  ap.add_argument("--max-m", type=int, default=32, help="--points' largest M (default 32)")
+  ap.add_argument("--variants", default="xla,,auto", help="--points' variants")
+  ap.add_argument("--shard", default="1/1", help="i/n: the i-th of n slices of the cases")
   args = ap.parse_args(argv)
   try:  # bad input fails before any timing
     cases = [parse_case(c) for c in args.cases]
+    if args.points:
+      try:
+        pts = sweep_points(args.points, args.max_m)
+      except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"--points {args.points}: expected a gpu_lowrank.py results JSON "
+                         f"({e})") from None
+      cases += [parse_case(",".join(map(str, p)) + "|" + args.variants) for p in pts]
+    if not cases:
+      raise ValueError("no cases: give M,K,r,N|variant,,... or --points")
+    cases = shard(cases, *parse_shard(args.shard))
     for _, variants in cases:
       for v in variants:
         parse_variant(v)
@@ -111,7 +165,8 @@ def main(argv=None):
     triton_version = None
   meta = dict(machine=jax.devices()[0].device_kind, jax=jax.__version__,
               triton=triton_version, date=datetime.datetime.now(datetime.timezone.utc)
-              .isoformat(timespec="seconds"), rounds=args.rounds, method=__doc__)
+              .isoformat(timespec="seconds"), rounds=args.rounds, shard=args.shard,
+              default_launch=_default_launch(), method=__doc__)
   records = []
   for dims, variants in cases:
     times = time_case(dims, variants, args.rounds)

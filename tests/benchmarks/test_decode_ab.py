@@ -69,3 +69,44 @@ def test_bad_input_stops_before_any_timing(ab, capsys):
   with pytest.raises(SystemExit):
     ab.main(["--out", "unused.json", "2,64,16,32|env:BAD+auto"])
   assert "NAME=VALUE" in capsys.readouterr().err
+
+
+def test_points_come_from_a_sweep_and_split_into_shards(ab, tmp_path, capsys):
+  """--points: each decode X·U·V point (M <= --max-m) of a results file, once, with
+  --variants; --shard i/n: contiguous slices that together hold every case once."""
+  import json
+  recs = [dict(op="xuv", M=m, K=k, r=r, N=n) for m, k, r, n in
+          ((4, 64, 16, 32), (1, 64, 16, 32), (4, 64, 16, 32), (64, 64, 16, 32),
+           (2, 32, 8, 16), (1024, 64, 16, 32))] + [dict(op="mlp_swiglu", M=1, K=1, r=1, N=1)]
+  path = tmp_path / "sweep.json"
+  path.write_text(json.dumps(dict(records=recs)))
+  assert ab.sweep_points(str(path), 32) == [(2, 32, 8, 16), (1, 64, 16, 32), (4, 64, 16, 32)]
+  assert ab.sweep_points(str(path), 64)[-1] == (64, 64, 16, 32)
+  cases = list(range(7))
+  slices = [ab.shard(cases, i, 3) for i in (1, 2, 3)]
+  assert sum(slices, []) == cases and max(map(len, slices)) - min(map(len, slices)) <= 1
+  assert ab.parse_shard("2/3") == (2, 3)
+  for bad in ("0/2", "3/2", "x"):
+    with pytest.raises(ValueError, match="i/n"):
+      ab.parse_shard(bad)
+  for argv, msg in ((["--points", str(tmp_path / "none.json")], "results JSON"),
+                    ([], "no cases"), (["--points", str(path), "--shard", "3/2"], "i/n")):
+    with pytest.raises(SystemExit):
+      ab.main(["--out", "unused.json"] + argv)
+    assert msg in capsys.readouterr().err
+
+
+def test_the_points_of_a_sweep_are_timed_with_the_given_variants(ab, monkeypatch, tmp_path):
+  import json
+  path = tmp_path / "sweep.json"
+  path.write_text(json.dumps(dict(records=[dict(op="xuv", M=m, K=64, r=16, N=32)
+                                           for m in (1, 2, 4)])))
+  timed = []
+  monkeypatch.setattr(ab, "time_case", lambda dims, variants, rounds: timed.append(
+      (dims, variants)) or {v: [1.0] for v in variants})
+  out = tmp_path / "ab.json"
+  ab.main(["--out", str(out), "--points", str(path), "--variants", "xla,,auto",
+           "--shard", "2/2"])
+  assert timed == [((2, 64, 16, 32), ["xla", "auto"]), ((4, 64, 16, 32), ["xla", "auto"])]
+  got = json.loads(out.read_text())
+  assert got["meta"]["shard"] == "2/2" and len(got["records"]) == 4
