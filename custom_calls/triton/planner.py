@@ -736,7 +736,7 @@ def count_calls(hlo_text: str) -> int:
 def xla_triton_serves(meta: dict) -> bool:
   """Whether launch mode xla_triton hands a persistent X·U·V decode call (its constexprs
   ``meta``) to XLA's Triton call rather than its PTX call: phase 2 in the kernel, with
-  phase-1 tiles of a whole BLOCK_R columns or V resident. Same weights on an H200 (session 27,
+  phase-1 tiles of all BLOCK_R columns or V resident. Same weights on an H200 (session 27,
   results/gpu_xuv_decode_xla_triton_h200.json): such plans 0.09-0.27 us faster a call at six
   of eight points, 0.01 faster and 0.06 slower at the other two; phase-1 tiles of 160 of 256
   columns 2.28 us slower (8192->2456->8192, M=8) and 0.14 us slower (8192->2432->8192)."""

@@ -463,14 +463,13 @@ def test_launchers_agree(monkeypatch, mode):
   constant, launched by XLA), or XLA's Triton call for the persistent X·U·V decode calls
   planner.xla_triton_serves names (here the three V-resident ones; XLA's Triton compiles
   their TTIR; the rest keep the PTX call). A chain of data-dependent decode calls of every
-  chained kernel (two
-  calls of one kernel in the chain's two halves; the X·U·V kernel's scratch zeroed by its
-  phase-1 CTAs (V-resident) and by its CTAs with no phase-2 tile), an independent one, a
-  prefill call (no PDL constexpr) and a call whose scratch jax-triton zeroes before the
-  launch (the handler's memset; a plain launch, so under "pdl" the last two stay with
-  jaxlib's handler, and under "xla" both calls that take a memset, the prefill kernel's
-  counters among them): each output matches the reference on two runs, and the HLO names the
-  handler each mode promises."""
+  chained kernel (two calls of one kernel in the chain's two halves; the X·U·V kernel's
+  scratch zeroed by its phase-1 CTAs (V-resident) and by its CTAs with no phase-2 tile), an
+  independent one, a prefill call (no PDL constexpr) and a call whose scratch jax-triton
+  zeroes before the launch (the handler's memset; a plain launch, so under "pdl" the last two
+  stay with jaxlib's handler, and under "xla" both calls that take a memset, the prefill
+  kernel's counters among them): each output matches the reference on two runs, and the HLO
+  names the handler each mode promises."""
   import re
 
   import lrjax
