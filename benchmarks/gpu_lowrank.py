@@ -1272,12 +1272,14 @@ def plot(path_json: str) -> str | None:
 def _launch_label(launch) -> str:
   """The custom-call target (and LRJAX_TRITON_LAUNCH mode) this run's Triton calls lower to;
   calls with a memset before the launch stay with jaxlib's under "xla" and "xla_triton", and
-  under "xla_triton" only the X·U·V decode kernels take XLA's Triton call (launch.py)."""
+  under "xla_triton" only the persistent X·U·V decode kernel takes XLA's Triton call, on the
+  plans planner.xla_triton_serves names (launch.py)."""
   mode = launch.launch_mode()
   if mode == "jaxlib":
     return launch.FFI_TARGET if launch.use_ffi() else launch.LEGACY_TARGET
   if mode == "xla_triton":
-    return f"{planner.XLA_TRITON_TARGET} for the X·U·V decode kernels, else " \
+    return f"{planner.XLA_TRITON_TARGET} for the persistent X·U·V decode kernel's " \
+           "planner.xla_triton_serves plans, else " \
            f"{planner.XLA_TARGET} ({mode})"
   return f"{planner.XLA_TARGET if mode == 'xla' else launch.LAUNCH_TARGET} ({mode})"
 

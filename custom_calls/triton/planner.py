@@ -740,7 +740,7 @@ def xla_triton_serves(meta: dict) -> bool:
   results/gpu_xuv_decode_xla_triton_h200.json): such plans 0.09-0.27 us faster a call at six
   of eight points, 0.01 faster and 0.06 slower at the other two; phase-1 tiles of 160 of 256
   columns 2.28 us slower (8192->2456->8192, M=8) and 0.14 us slower (8192->2432->8192)."""
-  return bool(meta.get("PV")) and (meta["COLS_R"] == meta["BLOCK_R"] or bool(meta.get("V_RES")))
+  return bool(meta["PV"]) and (meta["COLS_R"] == meta["BLOCK_R"] or bool(meta["V_RES"]))
 
 
 LAUNCH_MODES = ("jaxlib", "lrjax", "pdl", "xla", "xla_triton")
