@@ -8,10 +8,11 @@ low-rank MLP into ``lr_mlp``; on CUDA those lower to the Triton kernels of
 ``lrjax.custom_calls.triton`` where the committed H200 benchmark measured them at least as
 fast as XLA (elsewhere XLA's GEMMs run; ``lrjax.explain`` prints which and why, and
 ``lrjax.lowering.prefer_kernels()`` around the first call forces the kernels). Without
-``fuse`` XLA runs the unfused chains. The kernels launch through XLA's own PTX call (jaxlib
-0.11.2 and later; README, "XLA launches the kernels itself"); ``LRJAX_TRITON_LAUNCH=jaxlib``
-launches them through jaxlib's Triton handler, ``pdl`` through lrjax's own as programmatic
-dependents (measured neutral under XLA).
+``fuse`` XLA runs the unfused chains. XLA launches the kernels itself: on jaxlib 0.11.x (from
+0.11.2) the decode X·U·V kernel through its Triton call and the others through its PTX call,
+on later jaxlibs all through the PTX call (README, "XLA launches the kernels itself");
+``LRJAX_TRITON_LAUNCH=xla`` sends them all to the PTX call, ``jaxlib`` to jaxlib's Triton
+handler, ``pdl`` to lrjax's own as programmatic dependents (measured neutral under XLA).
 """
 import statistics
 import time

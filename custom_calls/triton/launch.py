@@ -41,7 +41,7 @@ The kernel's PTX, entry, shared memory and warps travel as attributes of the cus
 a content hash the handler caches the loaded function under, so compiled executables do not
 depend on the process that built them.
 
-**XLA's own PTX call (the default from jaxlib 0.11.2).** With jaxlib's handler or ours, XLA
+**XLA's own PTX call (from jaxlib 0.11.2; see xla_triton below).** With jaxlib's handler or ours, XLA
 records a Triton call into its command buffer by tracing it into a nested command buffer of
 its own. ``LRJAX_TRITON_LAUNCH=xla`` instead compiles the kernel with Triton here, every
 scalar argument (the rows M, the chain's offsets) a constant so the entry takes the buffers
@@ -53,13 +53,16 @@ launches them as programmatic dependents. The Llama-3-8B decode step on one H200
 same.
 Calls with a memset before the launch (``zeroed_outputs``: the prefill kernels' counters, a
 caller's ``out=``) and kernels that need Triton's global scratch stay with jaxlib's handler.
-``LRJAX_TRITON_LAUNCH=xla_triton`` (opt-in) hands the persistent X·U·V decode kernel
+``LRJAX_TRITON_LAUNCH=xla_triton`` (the default on jaxlib 0.11.x from 0.11.2:
+``planner.XLA_TRITON_JAXLIB``) hands the persistent X·U·V decode kernel
 (``XLA_TRITON_KERNELS``), on the plans ``planner.xla_triton_serves`` names, to XLA's Triton
 call, ``__gpu$xla.gpu.triton``, as Triton's frontend TTIR with the scalars as constants: XLA
 compiles it with its own Triton and launches it; the other calls take the PTX call. On the
-same weights it was 0.09-0.27 us a call faster at most decode points and 2.3 us slower on one
-plan of masked phase-1 tiles (session 27); XLA's Triton compiled the grouped and SwiGLU
-decode kernels to more shared memory than an H200 CTA has.
+same weights (75 decode points, session 28) its 48 served plans took 0.12 us a call less on
+average than through the PTX call (0.89 us less at most, 0.16 us more at most); one plan of
+masked phase-1 tiles, now left to the PTX call, was 2.3 us slower (session 27). XLA's Triton
+compiled the grouped and SwiGLU decode kernels to more shared memory than an H200 CTA has,
+so they stay on the PTX call.
 
 **Kernels jaxlib's handler cannot launch.** A kernel that builds TMA descriptors on the device
 (``tl.make_tensor_descriptor``) needs Triton's global scratch (bytes a CTA), and one whose loop

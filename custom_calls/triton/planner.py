@@ -745,23 +745,32 @@ def xla_triton_serves(meta: dict) -> bool:
 
 LAUNCH_MODES = ("jaxlib", "lrjax", "pdl", "xla", "xla_triton")
 XLA_LAUNCH_MIN_JAXLIB = (0, 11, 2)  # the jaxlib XLA's PTX call was verified on (H200)
+# [first, end): the jaxlibs whose XLA has the Triton call xla_triton needs, verified on 0.11.2
+# (H200, session 28); a TODO in XLA's source marks that target for removal, so later jaxlibs
+# fall back to the PTX call until verified
+XLA_TRITON_JAXLIB = ((0, 11, 2), (0, 12))
 
 
 def _default_launch() -> str:
   import jaxlib.version
-  return "xla" if jaxlib.version.__version_info__ >= XLA_LAUNCH_MIN_JAXLIB else "jaxlib"
+  version = jaxlib.version.__version_info__
+  if XLA_TRITON_JAXLIB[0] <= version < XLA_TRITON_JAXLIB[1]:
+    return "xla_triton"
+  return "xla" if version >= XLA_LAUNCH_MIN_JAXLIB else "jaxlib"
 
 
 DEFAULT_LAUNCH = _default_launch()
-MODEL_AB_LAUNCHES = ("jaxlib", "xla")  # the launchers whose model steps are the kernels' A/B
-# (measured.py): the default, and jaxlib's, the default until session 24 and 1-1.5 % slower
-# in the Llama-3-8B step (results/model_launch_ab_h200.json): its rows understate the kernels
+MODEL_AB_LAUNCHES = ("jaxlib", "xla", "xla_triton")  # the launchers whose model steps are the
+# kernels' A/B (measured.py): the default (xla_triton on jaxlib 0.11.x), XLA's PTX call, its
+# default before (the same step within 0.6 %, results/model_launch_ab_h200.json), and
+# jaxlib's, the default until session 24 and 1-1.5 % slower in the Llama-3-8B step: its rows
+# understate the kernels
 
 
 def launch_mode() -> str:
   """Which handler launches lrjax's Triton kernels (launch.py): ``LRJAX_TRITON_LAUNCH``, read
-  when a call is lowered; DEFAULT_LAUNCH unless set (``xla`` from jaxlib 0.11.2, else
-  ``jaxlib``; ``xla_triton`` is opt-in until it is timed in model steps)."""
+  when a call is lowered; DEFAULT_LAUNCH unless set (``xla_triton`` on jaxlib 0.11.x from
+  0.11.2, ``xla`` on later jaxlibs, else ``jaxlib``)."""
   mode = os.environ.get("LRJAX_TRITON_LAUNCH", "") or DEFAULT_LAUNCH
   if mode not in LAUNCH_MODES:
     raise ValueError(f"LRJAX_TRITON_LAUNCH={mode!r}: expected one of {LAUNCH_MODES}")

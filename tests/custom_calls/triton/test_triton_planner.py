@@ -506,13 +506,16 @@ def test_stream_k_phase1_where_it_measured_faster(m, k, r, n, stream_k):
   assert not planner.plan_decode_phase1(m, k, r, n).stream_k
 
 
-def test_default_launch_is_xlas_ptx_call_from_the_verified_jaxlib(monkeypatch):
-  """XLA's PTX call is an internal XLA mechanism, verified on jaxlib 0.11.2: from that release
-  the kernels launch through it, before it through jaxlib's handler; LRJAX_TRITON_LAUNCH
-  overrides either, and a mode that does not exist is named."""
+def test_default_launch_follows_the_verified_jaxlibs(monkeypatch):
+  """XLA's PTX and Triton calls are internal XLA mechanisms, verified on jaxlib 0.11.2: on
+  0.11.x from 0.11.2 the kernels launch through XLA's Triton call (xla_triton: the persistent
+  X·U·V decode kernel's served plans, the rest through the PTX call), on later jaxlibs through
+  the PTX call alone (XLA marks its Triton call for removal), before 0.11.2 through jaxlib's
+  handler; LRJAX_TRITON_LAUNCH overrides any of them, and a mode that does not exist is named."""
   import jaxlib.version
-  for version, want in (((0, 10, 2), "jaxlib"), ((0, 11, 1), "jaxlib"), ((0, 11, 2), "xla"),
-                        ((0, 11, 5), "xla")):
+  for version, want in (((0, 10, 2), "jaxlib"), ((0, 11, 1), "jaxlib"),
+                        ((0, 11, 2), "xla_triton"), ((0, 11, 5), "xla_triton"),
+                        ((0, 12, 0), "xla"), ((1, 0, 0), "xla")):
     monkeypatch.setattr(jaxlib.version, "__version_info__", version)
     assert planner._default_launch() == want, version
   monkeypatch.setattr(planner, "DEFAULT_LAUNCH", "xla")

@@ -292,8 +292,9 @@ def test_model_ab_leaves_out_steps_with_the_scratch_chain_off(tmp_path):
 
 def test_model_ab_reads_only_steps_under_the_default_launchers(tmp_path):
   """A step timed under lrjax's own launcher (``lrjax``, ``pdl``) is an A/B of the launch, not
-  of the kernels: MODEL_AB reads steps under planner.MODEL_AB_LAUNCHES alone, XLA's PTX call
-  (the default) and jaxlib's (the default before; a record without ``triton_launch``)."""
+  of the kernels: MODEL_AB reads steps under planner.MODEL_AB_LAUNCHES alone, XLA's Triton call
+  (the default), its PTX call and jaxlib's (defaults before; a record without
+  ``triton_launch`` ran under jaxlib's)."""
   assert planner.DEFAULT_LAUNCH in planner.MODEL_AB_LAUNCHES
   base = dict(strategy="lowrank_tp", tp=1, group=True, model="m", batch=4)
   recs = [dict(base, run=1, step_ms=4.0, fuse=False),
