@@ -41,16 +41,16 @@ The kernel's PTX, entry, shared memory and warps travel as attributes of the cus
 a content hash the handler caches the loaded function under, so compiled executables do not
 depend on the process that built them.
 
-**XLA's own PTX call (from jaxlib 0.11.2; see xla_triton below).** With jaxlib's handler or ours, XLA
-records a Triton call into its command buffer by tracing it into a nested command buffer of
-its own. ``LRJAX_TRITON_LAUNCH=xla`` instead compiles the kernel with Triton here, every
-scalar argument (the rows M, the chain's offsets) a constant so the entry takes the buffers
-alone, and hands the PTX to XLA's ``__gpu$xla.gpu.ptx`` custom call: XLA launches it as one of
-its own kernels. The kernel code is what the other launchers run (Triton 3.6's PTX, compiled
-for each row count), and the chained kernels wait on the grid dependency at entry in case XLA
-launches them as programmatic dependents. The Llama-3-8B decode step on one H200 took
-1.3-1.5 % less at batch 4 and 16 (gpu_notes.md, session 24); single kernels back to back, the
-same.
+**XLA's own PTX call (from jaxlib 0.11.2; on 0.11.x with xla_triton, below).** With jaxlib's
+handler or ours, XLA records a Triton call into its command buffer by tracing it into a
+nested command buffer of its own. ``LRJAX_TRITON_LAUNCH=xla`` instead compiles the kernel
+with Triton here, every scalar argument (the rows M, the chain's offsets) a constant so the
+entry takes the buffers alone, and hands the PTX to XLA's ``__gpu$xla.gpu.ptx`` custom call:
+XLA launches it as one of its own kernels. The kernel code is what the other launchers run
+(Triton 3.6's PTX, compiled for each row count), and the chained kernels wait on the grid
+dependency at entry in case XLA launches them as programmatic dependents. The Llama-3-8B
+decode step on one H200 took 1.3-1.5 % less at batch 4 and 16 than with jaxlib's handler
+(gpu_notes.md, session 24); single kernels back to back, the same.
 Calls with a memset before the launch (``zeroed_outputs``: the prefill kernels' counters, a
 caller's ``out=``) and kernels that need Triton's global scratch stay with jaxlib's handler.
 ``LRJAX_TRITON_LAUNCH=xla_triton`` (the default on jaxlib 0.11.x from 0.11.2:
