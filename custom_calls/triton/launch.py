@@ -54,10 +54,10 @@ decode step on one H200 took 1.3-1.5 % less at batch 4 and 16 than with jaxlib's
 Calls with a memset before the launch (``zeroed_outputs``: the prefill kernels' counters, a
 caller's ``out=``) and kernels that need Triton's global scratch stay with jaxlib's handler.
 ``LRJAX_TRITON_LAUNCH=xla_triton`` (the default on jaxlib 0.11.x from 0.11.2:
-``planner.XLA_TRITON_JAXLIB``) hands the persistent X·U·V decode kernel
-(``XLA_TRITON_KERNELS``), on the plans ``planner.xla_triton_serves`` names, to XLA's Triton
-call, ``__gpu$xla.gpu.triton``, as Triton's frontend TTIR with the scalars as constants: XLA
-compiles it with its own Triton and launches it; the other calls take the PTX call. On the
+``planner.XLA_TRITON_JAXLIB``) hands the persistent X·U·V decode kernel, on the plans
+``planner.xla_triton_serves`` names, to XLA's Triton call, ``__gpu$xla.gpu.triton``, as
+Triton's frontend TTIR with the scalars as constants: XLA compiles it with its own Triton and
+launches it; the other calls take the PTX call. On the
 same weights (75 decode points, session 28) its 48 served plans took 0.12 us a call less on
 average than through the PTX call (0.89 us less at most, 0.16 us more at most); one plan of
 masked phase-1 tiles, now left to the PTX call, was 2.3 us slower (session 27). XLA's Triton
@@ -482,13 +482,6 @@ def xla_kernel(fn, arg_types: list[str], scalar_args, metaparams: dict, num_warp
   return kernel
 
 
-# The kernel launch mode xla_triton hands to XLA's Triton call, where planner.xla_triton_serves
-# agrees: the persistent X·U·V decode kernel. XLA's Triton compiled the grouped decode kernel to
-# 306-324 KB of shared memory (session 27) and the SwiGLU decode kernel to 313 KB (session 24),
-# more than an H200 CTA may have; those and every other kernel take XLA's PTX call.
-XLA_TRITON_KERNELS = ("_xuv_decode_persistent_kernel",)
-
-
 @dataclasses.dataclass(frozen=True)
 class XlaTritonKernel:
   name: str  # the TTIR function XLA's Triton call compiles (XLA renames it)
@@ -574,8 +567,8 @@ def _lowering(ctx, *array_args, custom_call_target_name, **params):
   if mode in ("xla", "xla_triton"):
     # XLA may launch its kernels as programmatic dependents: wait at entry
     results = _xla_call(ctx, array_args, dict(params, **{PDL: 1}) if PDL in params else params,
-                        mode == "xla_triton" and params["fn"].__name__ in XLA_TRITON_KERNELS
-                        and planner.xla_triton_serves(params))
+                        mode == "xla_triton"
+                        and planner.xla_triton_serves(params["fn"].__name__, params))
     if results is not None:
       return finish(results)
   # a launch after a memset (zeroed_outputs) stays plain: the wait covers kernels ahead of it

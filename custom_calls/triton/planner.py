@@ -733,14 +733,23 @@ def count_calls(hlo_text: str) -> int:
              for t in (LEGACY_TARGET, FFI_TARGET, LAUNCH_TARGET, XLA_TARGET, XLA_TRITON_TARGET))
 
 
-def xla_triton_serves(meta: dict) -> bool:
-  """Whether launch mode xla_triton hands a persistent X·U·V decode call (its constexprs
-  ``meta``) to XLA's Triton call rather than its PTX call: phase 2 in the kernel, with
-  phase-1 tiles of all BLOCK_R columns or V resident. Same weights on an H200 (session 27,
-  results/gpu_xuv_decode_xla_triton_h200.json): such plans 0.09-0.27 us faster a call at six
-  of eight points, 0.01 faster and 0.06 slower at the other two; phase-1 tiles of 160 of 256
-  columns 2.28 us slower (8192->2456->8192, M=8) and 0.14 us slower (8192->2432->8192)."""
-  return bool(meta["PV"]) and (meta["COLS_R"] == meta["BLOCK_R"] or bool(meta["V_RES"]))
+# The kernels launch mode xla_triton may hand to XLA's Triton call: the persistent X·U·V decode
+# kernel. XLA's Triton compiled the grouped decode kernel to 306-324 KB of shared memory
+# (session 27) and the SwiGLU decode kernel to 313 KB (session 24), more than an H200 CTA may
+# have; those and every other kernel take XLA's PTX call.
+XLA_TRITON_KERNELS = ("_xuv_decode_persistent_kernel",)
+
+
+def xla_triton_serves(kernel: str, meta: dict) -> bool:
+  """Whether launch mode xla_triton hands a call of ``kernel`` (the Triton function's name)
+  with constexprs ``meta`` to XLA's Triton call rather than its PTX call: the persistent X·U·V
+  decode kernel with phase 2 in the kernel and phase-1 tiles of all BLOCK_R columns or V
+  resident. Same weights on an H200: such plans 0.12 us faster a call on average over the 48
+  decode points up to 32 rows (session 28, results/gpu_xuv_decode_points_ab_h200.json);
+  phase-1 tiles of 160 of 256 columns 2.28 us slower (8192->2456->8192, M=8) and 0.14 us
+  slower (8192->2432->8192) (session 27, results/gpu_xuv_decode_xla_triton_h200.json)."""
+  return (kernel in XLA_TRITON_KERNELS and bool(meta["PV"])
+          and (meta["COLS_R"] == meta["BLOCK_R"] or bool(meta["V_RES"])))
 
 
 LAUNCH_MODES = ("jaxlib", "lrjax", "pdl", "xla", "xla_triton")

@@ -118,22 +118,23 @@ def test_kernels_for_xlas_ptx_call_take_their_buffers_alone():
 
 
 def test_kernels_for_xlas_triton_call_take_their_buffers_alone():
-  """LRJAX_TRITON_LAUNCH=xla_triton: the persistent X·U·V decode kernel (XLA_TRITON_KERNELS)
-  as Triton's frontend TTIR with its scalars as constants, on each planned shape: its public
-  function takes the buffers alone, each 16-byte aligned, as XLA's Triton call passes them;
-  it waits on the grid dependency; it carries no debug locations (no source paths) and parses
-  back with Triton's own parser."""
+  """LRJAX_TRITON_LAUNCH=xla_triton: the persistent X·U·V decode kernel
+  (planner.XLA_TRITON_KERNELS; no other kernel, whatever its constexprs) as Triton's frontend
+  TTIR with its scalars as constants, on each planned shape: its public function takes the
+  buffers alone, each 16-byte aligned, as XLA's Triton call passes them; it waits on the grid
+  dependency; it carries no debug locations (no source paths) and parses back with Triton's
+  own parser."""
   out = run_script(STUB + textwrap.dedent('''
     import re, tempfile
     from triton._C import libtriton
     from lrjax.custom_calls.triton import launch, planner, xuv_decode
-    assert launch.XLA_TRITON_KERNELS and all(
-        hasattr(xuv_decode, k) for k in launch.XLA_TRITON_KERNELS)
+    assert planner.XLA_TRITON_KERNELS and all(
+        hasattr(xuv_decode, k) for k in planner.XLA_TRITON_KERNELS)
     assert "xla_triton" in planner.LAUNCH_MODES
     assert planner.count_calls('custom_call_target="__gpu$xla.gpu.triton"') == 1
     def serves(m, k, r, n, pv=True):
       p = (planner.plan_decode_persistent if pv else planner.plan_decode_phase1)(m, k, r, n)
-      return planner.xla_triton_serves(
+      return planner.xla_triton_serves("_xuv_decode_persistent_kernel",
           xuv_decode.persistent_launch_plan(m, k, r, n, False, p, pv=pv)["meta"])
     # timed on the same weights (session 27): whole or V-resident phase-1 tiles gained,
     # tiles of 160 of 256 columns lost; phase 1 alone (XLA applies V) was not timed
@@ -141,12 +142,14 @@ def test_kernels_for_xlas_triton_call_take_their_buffers_alone():
     assert serves(1, 8192, 4096, 16384) and serves(2, 8192, 2456, 8192)
     assert not serves(8, 8192, 2456, 8192) and not serves(8, 8192, 2432, 8192)
     assert not serves(64, 4096, 2560, 14336, pv=False)
+    p = planner.plan_decode_persistent(2, 4096, 2560, 14336)
+    meta = xuv_decode.persistent_launch_plan(2, 4096, 2560, 14336, False, p)["meta"]
+    assert not planner.xla_triton_serves("_xuv_group_kernel", meta)
     n, kinds = 0, set()
     for name, kernel, meta, warps, stages in kernel_resources.planned():
       # one plan of each kind the call serves: V-resident, stream-K, r-chunks
       kind = (meta.get("V_RES"), meta.get("STREAM_K"), meta.get("R_CHUNKS", 1) > 1)
-      if (kernel.__name__ not in launch.XLA_TRITON_KERNELS or kind in kinds
-          or not planner.xla_triton_serves(meta)):
+      if kind in kinds or not planner.xla_triton_serves(kernel.__name__, meta):
         continue
       kinds.add(kind)
       types, scalars = kernel_resources.xla_args(kernel, 3)
