@@ -21,6 +21,11 @@ slices of all cases, so a long list splits over device calls:
 
   python benchmarks/decode_ab.py --out a1.json --points benchmarks/results/gpu_lowrank_h200.json \\
       --variants "xla,,auto,,env:LRJAX_TRITON_LAUNCH=xla_triton" --shard 1/2
+
+``--merge a1.json a2.json --out ab.json`` joins the shards of one run (same machine, versions
+and rounds; each shard once) into one file. Every record says whether launch mode xla_triton
+hands its point's default plan to XLA's Triton call (``xla_triton_serves``, from the planner,
+for the machine's SM count; needs triton, not a GPU).
 """
 from __future__ import annotations
 
@@ -101,6 +106,89 @@ def _fn(variant: str, m: int, k: int, r: int, n: int):
   return g._xuv_variant(variant, m, k, r, n)
 
 
+def _kernel_modules():
+  """lrjax's planner and X·U·V decode module; where jax-triton is absent (a CPU machine),
+  kernel_resources' stub stands in for it: only their Python planning runs."""
+  import kernel_resources
+  kernel_resources.install_jax_triton_stub()
+  from lrjax.custom_calls.triton import planner, xuv_decode
+  return planner, xuv_decode
+
+
+def xla_triton_serves(m: int, k: int, r: int, n: int, sms: int) -> bool:
+  """Whether launch mode xla_triton hands the default plan of x [m, k] · u [k, r] · v [r, n]
+  (no bias) on ``sms`` SMs to XLA's Triton call (planner.xla_triton_serves), as
+  xuv_decode.xuv_decode plans it: the persistent kernel up to PERSISTENT_MAX_M rows, phase 1
+  alone from PV_XLA_MIN_M."""
+  planner, xuv_decode = _kernel_modules()
+  if m > xuv_decode.PERSISTENT_MAX_M:
+    return False
+  pv = m < xuv_decode.PV_XLA_MIN_M
+  plan = (planner.plan_decode_persistent if pv else planner.plan_decode_phase1)(
+      m, k, r, n, programs=sms)
+  meta = xuv_decode.persistent_launch_plan(m, k, r, n, False, plan, pv)["meta"]
+  return planner.xla_triton_serves(xuv_decode._xuv_decode_persistent_kernel.__name__, meta)
+
+
+MERGE_SAME = ("machine", "jax", "triton", "rounds", "sms")  # meta the shards of one run share
+H200_SMS = 132  # the files written before meta held "sms" were all timed on H200s
+
+
+def merge(paths: list[str], note: str | None = None) -> dict:
+  """One results dict from the shard files of one run (``--shard i/n`` each, every i once),
+  records in shard order, each with ``xla_triton_serves``."""
+  if not paths:
+    raise ValueError("--merge: expected the shard files of one run")
+  shards = []
+  for path in paths:
+    try:
+      with open(path) as fh:
+        data = json.load(fh)
+      meta, records = data["meta"], data["records"]
+      i, n = parse_shard(meta["shard"])
+    except (OSError, ValueError, KeyError) as e:
+      raise ValueError(f"--merge {path}: expected a decode_ab.py results file ({e})") from None
+    if not meta.get("sms"):
+      if meta.get("machine") != "NVIDIA H200":
+        raise ValueError(f"--merge {path}: no SM count in its meta (timed without a GPU?) "
+                         "and not an H200's")
+      meta = dict(meta, sms=H200_SMS)
+    shards.append((i, n, path, meta, records))
+  shards.sort(key=lambda s: s[0])
+  n = shards[0][1]
+  if sorted(s[0] for s in shards) != list(range(1, n + 1)) or any(s[1] != n for s in shards):
+    raise ValueError(f"--merge: expected shards 1/{n} ... {n}/{n} once each, got "
+                     + ", ".join(f"{s[0]}/{s[1]} ({s[2]})" for s in shards))
+  first = shards[0][3]
+  for _, _, path, meta, _ in shards[1:]:
+    for key in MERGE_SAME:
+      if meta.get(key) != first.get(key):
+        raise ValueError(f"--merge {path}: {key} {meta.get(key)!r} differs from "
+                         f"{shards[0][2]}'s {first.get(key)!r}; shards of one run share it")
+  records = []
+  for _, _, _, meta, recs in shards:
+    serves = {}
+    for rec in recs:
+      dims = (rec["M"], rec["K"], rec["r"], rec["N"])
+      if rec.get("xla_triton_serves") is None and dims not in serves:
+        serves[dims] = xla_triton_serves(*dims, meta["sms"])
+      records.append(dict(rec, shard=meta["shard"], xla_triton_serves=serves.get(
+          dims, rec.get("xla_triton_serves"))))
+  meta = {k: v for k, v in first.items() if k not in ("shard", "date")}
+  meta["shards"] = [dict(shard=m["shard"], date=m["date"], file=os.path.basename(p))
+                    for _, _, p, m, _ in shards]
+  if note:
+    meta["note"] = note
+  return dict(meta=meta, records=records)
+
+
+def _write(path: str, data: dict) -> None:
+  tmp = path + ".tmp"
+  with open(tmp, "w") as fh:
+    json.dump(data, fh, indent=1)
+  os.replace(tmp, path)  # never a half-written file
+
+
 def time_case(dims, variants, rounds: int) -> dict:
   """{variant: [µs per call, one a round]} on one set of layers."""
   m, k, r, n = dims
@@ -138,7 +226,20 @@ def main(argv=None):
   ap.add_argument("--max-m", type=int, default=32, help="--points' largest M (default 32)")
   ap.add_argument("--variants", default="xla,,auto", help="--points' variants")
   ap.add_argument("--shard", default="1/1", help="i/n: the i-th of n slices of the cases")
+  ap.add_argument("--merge", nargs="+", metavar="JSON",
+                  help="only join these shard files of one run into --out (no timing)")
+  ap.add_argument("--note", help="with --merge: a note for the joined file's meta")
   args = ap.parse_args(argv)
+  if args.merge:
+    if args.cases or args.points:
+      ap.error("--merge joins files; it takes no cases or --points")
+    try:
+      data = merge(args.merge, args.note)
+    except ValueError as e:
+      ap.error(str(e))
+    _write(args.out, data)
+    print(f"wrote {len(data['records'])} records of {len(args.merge)} shards to {args.out}")
+    return
   try:  # bad input fails before any timing
     cases = [parse_case(c) for c in args.cases]
     if args.points:
@@ -163,26 +264,27 @@ def main(argv=None):
     triton_version = triton.__version__
   except ImportError:
     triton_version = None
-  meta = dict(machine=jax.devices()[0].device_kind, jax=jax.__version__,
-              triton=triton_version, date=datetime.datetime.now(datetime.timezone.utc)
-              .isoformat(timespec="seconds"), rounds=args.rounds, shard=args.shard,
+  dev = jax.devices()[0]
+  sms = int(getattr(dev, "core_count", 0) or 0) if dev.platform == "gpu" else 0
+  meta = dict(machine=dev.device_kind, jax=jax.__version__, triton=triton_version,
+              date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              rounds=args.rounds, shard=args.shard, sms=sms or None,
               default_launch=_default_launch(), method=__doc__)
   records = []
   for dims, variants in cases:
     times = time_case(dims, variants, args.rounds)
     base = statistics.median(times["xla"]) if "xla" in times else None
+    serves = xla_triton_serves(*dims, sms) if sms else None  # the kernels need a GPU
     for spec, ts in times.items():
       med = statistics.median(ts)
       records.append(dict(M=dims[0], K=dims[1], r=dims[2], N=dims[3], variant=spec,
                           us=med, rounds_us=ts,
-                          speedup_vs_xla=None if base is None else base / med))
+                          speedup_vs_xla=None if base is None else base / med,
+                          xla_triton_serves=serves))
       print(f"{','.join(map(str, dims)):18s} {spec:50s} {med:7.3f} us  "
             f"[{' '.join(f'{t:.2f}' for t in ts)}]"
             + ("" if base is None else f"  x{base / med:.3f} vs xla"), flush=True)
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as fh:
-      json.dump(dict(meta=meta, records=records), fh, indent=1)
-    os.replace(tmp, args.out)  # never a half-written file
+    _write(args.out, dict(meta=meta, records=records))
 
 
 if __name__ == "__main__":

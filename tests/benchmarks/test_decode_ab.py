@@ -110,3 +110,53 @@ def test_the_points_of_a_sweep_are_timed_with_the_given_variants(ab, monkeypatch
   assert timed == [((2, 64, 16, 32), ["xla", "auto"]), ((4, 64, 16, 32), ["xla", "auto"])]
   got = json.loads(out.read_text())
   assert got["meta"]["shard"] == "2/2" and len(got["records"]) == 4
+
+
+def _shard_file(path, shard, recs, **meta):
+  import json
+  base = dict(machine="NVIDIA H200", jax="0.11.2", triton="3.6.0", rounds=2, shard=shard,
+              date="2026-11-27T23:00:56+00:00", default_launch="xla")
+  path.write_text(json.dumps(dict(meta=dict(base, **meta), records=recs)))
+  return str(path)
+
+
+def test_merge_joins_the_shards_of_one_run_and_names_xla_tritons_plans(ab, tmp_path):
+  """--merge: the shards of one run in shard order, each record with whether launch mode
+  xla_triton hands its point's plan to XLA's Triton call (the planner's rule, on the H200's
+  132 SMs where a file predates the SM count in meta)."""
+  pytest.importorskip("triton")
+  import json
+  rec = lambda m, k, r, n: dict(M=m, K=k, r=r, N=n, variant="auto", us=1.0)  # noqa: E731
+  b = _shard_file(tmp_path / "b.json", "2/2", [rec(8, 8192, 2456, 8192), rec(64, 4096, 2560,
+                                                                              14336)])
+  a = _shard_file(tmp_path / "a.json", "1/2", [rec(2, 4096, 2560, 14336),
+                                               rec(4, 4096, 152, 4096)])
+  out = tmp_path / "ab.json"
+  ab.main(["--merge", b, a, "--out", str(out), "--note", "two GPUs"])
+  got = json.loads(out.read_text())
+  assert [(r["M"], r["shard"], r["xla_triton_serves"]) for r in got["records"]] == [
+      (2, "1/2", True), (4, "1/2", True), (8, "2/2", False), (64, "2/2", False)]
+  assert got["meta"]["sms"] == 132 and got["meta"]["note"] == "two GPUs"
+  assert [s["file"] for s in got["meta"]["shards"]] == ["a.json", "b.json"]
+  assert "shard" not in got["meta"] and "date" not in got["meta"]
+
+
+def test_merge_refuses_shards_that_are_not_one_run(ab, tmp_path, capsys):
+  rec = [dict(M=2, K=64, r=16, N=32, variant="xla", us=1.0)]
+  a = _shard_file(tmp_path / "a.json", "1/2", rec)
+  for argv, msg in (
+      ([a], "1/2 ... 2/2 once each"),
+      ([a, _shard_file(tmp_path / "b.json", "1/2", rec)], "once each"),
+      ([a, _shard_file(tmp_path / "c.json", "2/2", rec, rounds=3)], "rounds 3 differs"),
+      ([a, _shard_file(tmp_path / "d.json", "2/2", rec, machine="NVIDIA H100", sms=132)],
+       "machine 'NVIDIA H100' differs"),
+      ([_shard_file(tmp_path / "e.json", "1/1", rec, machine="cpu", sms=None)],
+       "no SM count"),
+      ([str(tmp_path / "missing.json")], "decode_ab.py results file")):
+    with pytest.raises(SystemExit):
+      ab.main(["--merge", *argv, "--out", str(tmp_path / "out.json")])
+    assert msg in capsys.readouterr().err
+  assert not (tmp_path / "out.json").exists()
+  with pytest.raises(SystemExit):
+    ab.main(["--merge", a, "--points", a, "--out", str(tmp_path / "out.json")])
+  assert "no cases or --points" in capsys.readouterr().err
