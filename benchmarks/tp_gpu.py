@@ -368,7 +368,8 @@ def main():
   ap.add_argument("--dtype", default="bfloat16")
   ap.add_argument("--smoke", action="store_true", help="tiny dims (CPU check of the script)")
   ap.add_argument("--append", action="store_true",
-                  help="keep --out's other records (a re-measured one replaces its record)")
+                  help="keep --out's other records (a re-measured one replaces its record; "
+                  "each run's 'steps' keeps every step time it measured)")
   ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                 "tp_h200.json"))
   args = ap.parse_args()
@@ -402,10 +403,16 @@ def main():
   run["index"] = len(out["runs"])
   out["runs"].append(run)
 
+  run["steps"] = []  # every step this run timed, kept when a later run replaces its record
+
   class Records(list):  # a re-measured record replaces the earlier one of the same kind,
     # except the step that follows a --kernels run (measured.MODEL_OP_AB's pair)
     def append(self, rec):
       rec = {**rec, "run": run["index"]}
+      if "step_ms" in rec:
+        run["steps"].append({k: rec.get(k) for k in (
+            "model", "strategy", "ratio", "tp", "fuse", "group", "triton_launch", "kernels",
+            "batch", "step_ms") if rec.get(k) is not None})
       kind = lambda r: tuple(r.get(k) for k in (  # noqa: E731
           "model", "strategy", "ratio", "tp", "fuse", "group", "whole_policy", "scratch_chain",
           "triton_launch", "batch")

@@ -40,6 +40,11 @@ def test_models_ratios_and_append(tmp_path):
   mine = [r for r in recs if r["model"] == "8b" and r["strategy"] == "lowrank_tp"
           and r["ratio"] == 0.4]
   assert len(mine) == 1 and mine[0]["run"] == 1
+  # the replaced record's step time stays in its run's steps
+  (first,) = [st for st in again["runs"][0]["steps"] if st["model"] == "8b"
+              and st["strategy"] == "lowrank_tp" and st["ratio"] == 0.4]
+  assert first["step_ms"] > 0 and len(again["runs"][0]["steps"]) == 8
+  assert [st["strategy"] for st in again["runs"][1]["steps"]] == ["dense", "lowrank_tp"]
   assert [r["ratio"] for r in recs if r["strategy"] == "dense"] == [None]
 
 
