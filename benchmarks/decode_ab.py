@@ -123,10 +123,9 @@ def xla_triton_serves(m: int, k: int, r: int, n: int, sms: int) -> bool:
   planner, xuv_decode = _kernel_modules()
   if m > xuv_decode.PERSISTENT_MAX_M:
     return False
-  pv = m < xuv_decode.PV_XLA_MIN_M
-  plan = (planner.plan_decode_persistent if pv else planner.plan_decode_phase1)(
-      m, k, r, n, programs=sms)
-  meta = xuv_decode.persistent_launch_plan(m, k, r, n, False, plan, pv)["meta"]
+  pv = xuv_decode.default_pv(m)
+  plan = xuv_decode.plan_persistent(m, k, r, n, pv, sms)
+  meta = xuv_decode.persistent_launch_plan(m, k, r, n, False, plan, pv == "kernel")["meta"]
   return planner.xla_triton_serves(xuv_decode._xuv_decode_persistent_kernel.__name__, meta)
 
 
@@ -167,13 +166,15 @@ def merge(paths: list[str], note: str | None = None) -> dict:
                          f"{shards[0][2]}'s {first.get(key)!r}; shards of one run share it")
   records = []
   for _, _, _, meta, recs in shards:
-    serves = {}
+    serves = {}  # by point, for records timed before decode_ab.py wrote the flag
     for rec in recs:
-      dims = (rec["M"], rec["K"], rec["r"], rec["N"])
-      if rec.get("xla_triton_serves") is None and dims not in serves:
-        serves[dims] = xla_triton_serves(*dims, meta["sms"])
-      records.append(dict(rec, shard=meta["shard"], xla_triton_serves=serves.get(
-          dims, rec.get("xla_triton_serves"))))
+      flag = rec.get("xla_triton_serves")
+      if flag is None:
+        dims = (rec["M"], rec["K"], rec["r"], rec["N"])
+        if dims not in serves:
+          serves[dims] = xla_triton_serves(*dims, meta["sms"])
+        flag = serves[dims]
+      records.append(dict(rec, shard=meta["shard"], xla_triton_serves=flag))
   meta = {k: v for k, v in first.items() if k not in ("shard", "date")}
   meta["shards"] = [dict(shard=m["shard"], date=m["date"], file=os.path.basename(p))
                     for _, _, p, m, _ in shards]

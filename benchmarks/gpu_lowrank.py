@@ -413,9 +413,8 @@ def _xuv_variant(kernel, m, k, r, n):
     # PersistentDecodePlan with these fields replaced); pv_xla: phase 1 alone, then XLA's GEMM
     fields = {f: int(v) for f, v in (t.split("=") for t in kernel.split(":")[1].split(","))}
     pv = "xla" if kernel.startswith("pv_xla") else "kernel"
-    plan_fn = planner.plan_decode_phase1 if pv == "xla" else planner.plan_decode_persistent
-    p = dataclasses.replace(plan_fn(m, k, r, n, programs=fields.pop("programs", None)),
-                            **fields)
+    p = dataclasses.replace(
+        xuv_decode.plan_persistent(m, k, r, n, pv, fields.pop("programs", None)), **fields)
     return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, persistent=p, pv=pv)
   if kernel == "prefill":
     return lambda x, u, v: xuv_prefill.xuv_prefill(x, u, v)

@@ -177,9 +177,9 @@ def planned():
       yield f"group M={m} K={k}", xuv_decode._xuv_group_kernel, meta, p.warps, p.stages
   for m in (1, 16, 32, 64, 128):
     for k, r, n in XUV_SHAPES:
-      pv = m < xuv_decode.PV_XLA_MIN_M
-      p = (planner.plan_decode_persistent if pv else planner.plan_decode_phase1)(m, k, r, n)
-      meta = xuv_decode.persistent_launch_plan(m, k, r, n, False, p, pv=pv)["meta"]
+      pv = xuv_decode.default_pv(m)
+      p = xuv_decode.plan_persistent(m, k, r, n, pv, None)
+      meta = xuv_decode.persistent_launch_plan(m, k, r, n, False, p, pv=pv == "kernel")["meta"]
       yield (f"xuv decode M={m} {k}->{r}->{n}", xuv_decode._xuv_decode_persistent_kernel, meta,
              p.warps, p.stages)
     for d, f, r in MLP_SHAPES:

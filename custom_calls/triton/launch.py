@@ -57,12 +57,11 @@ caller's ``out=``) and kernels that need Triton's global scratch stay with jaxli
 ``planner.XLA_TRITON_JAXLIB``) hands the persistent X·U·V decode kernel, on the plans
 ``planner.xla_triton_serves`` names, to XLA's Triton call, ``__gpu$xla.gpu.triton``, as
 Triton's frontend TTIR with the scalars as constants: XLA compiles it with its own Triton and
-launches it; the other calls take the PTX call. On the
-same weights (75 decode points, session 28) its 48 served plans took 0.12 us a call less on
-average than through the PTX call (0.89 us less at most, 0.16 us more at most); one plan of
-masked phase-1 tiles, now left to the PTX call, was 2.3 us slower (session 27). XLA's Triton
-compiled the grouped and SwiGLU decode kernels to more shared memory than an H200 CTA has,
-so they stay on the PTX call.
+launches it; the other calls take the PTX call. On the same weights (75 decode points,
+session 28) its 48 served plans took 0.12 us a call less on average than through the PTX call
+(0.89 us less at most, 0.16 us more at most); one plan of masked phase-1 tiles, now left to
+the PTX call, was 2.3 us slower (session 27). XLA's Triton compiled the grouped and SwiGLU
+decode kernels to more shared memory than an H200 CTA has, so they stay on the PTX call.
 
 **Kernels jaxlib's handler cannot launch.** A kernel that builds TMA descriptors on the device
 (``tl.make_tensor_descriptor``) needs Triton's global scratch (bytes a CTA), and one whose loop

@@ -559,6 +559,20 @@ def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
               p16=m * r if p.p16 else 1)
 
 
+def default_pv(m: int, out_given: bool = False) -> str:
+  """Who applies V on the persistent schedule unless the caller says: XLA's GEMM ("xla") from
+  PV_XLA_MIN_M rows, unless the caller passes the kernel's output buffer; else the kernel."""
+  return "xla" if m >= PV_XLA_MIN_M and not out_given else "kernel"
+
+
+def plan_persistent(m: int, k: int, r: int, n: int, pv: str,
+                    programs: int | None) -> planner.PersistentDecodePlan:
+  """The planner's tiles for the persistent schedule on ``programs`` CTAs (None: the H200's
+  SMs): phase 1 alone where XLA applies V (``pv="xla"``), both phases otherwise."""
+  plan_fn = planner.plan_decode_phase1 if pv == "xla" else planner.plan_decode_persistent
+  return plan_fn(m, k, r, n, programs=programs)
+
+
 def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | None = None,
                out=None, xla_zeroing: bool | None = None, _stages: int = 3,
                persistent: "bool | planner.PersistentDecodePlan | None" = None,
@@ -602,10 +616,9 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
                        "(persistent=False); pass a planner.PersistentDecodePlan instead")
     if m > MAX_M:
       raise ValueError(f"{m} rows: the persistent decode kernel serves M <= {MAX_M}")
-    pv = pv or ("xla" if m >= PV_XLA_MIN_M and out is None else "kernel")
-    plan_fn = planner.plan_decode_phase1 if pv == "xla" else planner.plan_decode_persistent
+    pv = pv or default_pv(m, out is not None)
     p = persistent if isinstance(persistent, planner.PersistentDecodePlan) else \
-        plan_fn(m, k, r, n, programs=num_sms())
+        plan_persistent(m, k, r, n, pv, num_sms())
     if pv == "xla" and out is not None:
       raise ValueError("out= is the kernel's output buffer; with pv='xla' XLA writes y")
     if pv == "kernel" and not 0 < p.programs <= num_sms():

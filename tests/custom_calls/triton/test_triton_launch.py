@@ -333,3 +333,38 @@ def test_a_prefetch_that_is_not_a_power_of_two_is_refused_by_name():
         raise AssertionError(f"{field}: not refused")
     print("ok")
   '''), interpret=False)
+
+
+def test_the_decode_wrapper_launches_the_planners_persistent_plan():
+  """xuv_decode.xuv_decode on 132 SMs (the launch recorded, not run): below PV_XLA_MIN_M rows
+  the persistent kernel with phase 2, from it phase 1 alone (XLA applies V) unless out= is
+  given; each call's grid and constexprs are persistent_launch_plan's of plan_persistent's
+  plan for that many SMs."""
+  out = run_script(STUB + textwrap.dedent('''
+    import jax, jax.numpy as jnp
+    from lrjax.custom_calls.triton import launch, xuv_decode
+    calls = []
+    def record(*args, kernel, out_shape, grid, **kw):
+      calls.append((kernel.__name__, grid, kw))
+      return tuple(jnp.zeros(s.shape, s.dtype) for s in out_shape)
+    launch.triton_call = record
+    xuv_decode.num_sms = lambda: 132
+    k, r, n = 512, 200, 1000
+    u = jnp.zeros((k, r), jnp.bfloat16)
+    v = jnp.zeros((r, n), jnp.bfloat16)
+    for m, given in ((2, False), (64, False), (64, True)):
+      x = jnp.zeros((m, k), jnp.bfloat16)
+      o = jnp.zeros((m, n), jnp.bfloat16) if given else None
+      y = xuv_decode.xuv_decode(x, u, v, out=o)
+      assert y.shape == (m, n), y.shape
+      pv = xuv_decode.default_pv(m, given)
+      assert pv == ("xla" if m >= xuv_decode.PV_XLA_MIN_M and not given else "kernel")
+      p = xuv_decode.plan_persistent(m, k, r, n, pv, 132)
+      want = xuv_decode.persistent_launch_plan(m, k, r, n, False, p, pv == "kernel")
+      name, grid, kw = calls.pop()
+      assert name == "_xuv_decode_persistent_kernel" and grid == (want["grid"],), (name, grid)
+      assert all(kw[key] == val for key, val in want["meta"].items()), (m, given)
+      assert kw["PV"] == (pv == "kernel") and p.programs == 132
+    print("ok")
+  '''), interpret=False)
+  assert out.strip().endswith("ok")
