@@ -91,9 +91,10 @@ def compile_for_sm90(kernel, meta: dict, warps: int, stages: int):
                         options=dict(num_warps=warps, num_stages=stages))
 
 
-def ptxas_info(ptx: str, shared: int, warps: int) -> dict:
+def ptxas_info(ptx: str, shared: int, warps: int, entry: str | None = None) -> dict:
   """``ptxas -v`` (Triton's) on ``ptx`` for sm_90a: registers, spill bytes, whether wgmma runs
-  serialized, and how many CTAs of ``shared`` bytes and ``warps`` warps fit on one SM."""
+  serialized, and how many CTAs of ``shared`` bytes and ``warps`` warps fit on one SM; of
+  ``entry`` alone where given (a module of several kernels), else the largest over all."""
   import triton
   exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
   with tempfile.TemporaryDirectory() as tmp:
@@ -103,6 +104,11 @@ def ptxas_info(ptx: str, shared: int, warps: int) -> dict:
     res = subprocess.run([exe, "-arch=sm_90a", "-v", path, "-o", os.devnull],
                          capture_output=True, text=True, check=True)
   log = res.stdout + res.stderr
+  if entry is not None:  # its section: from "Compiling entry function 'entry'" to the next
+    sections = log.split("Compiling entry function '")
+    log = next((t for t in sections[1:] if t.startswith(entry + "'")), "")
+    if not log:
+      raise ValueError(f"ptxas compiled no entry {entry!r}")
   regs = [int(line.split("Used ")[1].split(" registers")[0])
           for line in log.splitlines() if "Used " in line and " registers" in line]
   spills = [int(line.split("bytes spill stores")[0].split(",")[-1])
