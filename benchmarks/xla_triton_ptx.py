@@ -25,9 +25,7 @@ import sys
 import tempfile
 
 USER_XLA_FLAGS = os.environ.get("XLA_FLAGS", "")  # recorded with each run (e.g. PDL off)
-DUMP = tempfile.mkdtemp(prefix="xla_dump_")
-os.environ["XLA_FLAGS"] = (USER_XLA_FLAGS + f" --xla_dump_to={DUMP} --xla_gpu_dump_llvmir=true"
-                           + " --xla_dump_emitter_re=.*").strip()
+DUMP = ""  # main's dump folder
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
@@ -81,6 +79,8 @@ def _ptxas(b: dict) -> dict:
   again with its ``.version`` lowered to the one ptxas names, and ``assembled_as`` says so."""
   try:
     return kernel_resources.ptxas_info(b["ptx"], b["shared"], b["warps"], b["entry"])
+  except ValueError as e:  # no such entry in the module
+    return dict(error=str(e))
   except subprocess.CalledProcessError as e:
     known = re.search(r"current version is '([\d.]+)'", e.stderr or "")
     if not known:
@@ -88,8 +88,8 @@ def _ptxas(b: dict) -> dict:
     ptx = re.sub(r"\.version\s+\S+", f".version {known.group(1)}", b["ptx"], count=1)
     try:
       info = kernel_resources.ptxas_info(ptx, b["shared"], b["warps"], b["entry"])
-    except subprocess.CalledProcessError as e2:
-      return dict(error=(e2.stderr or str(e2))[-2000:])
+    except (subprocess.CalledProcessError, ValueError) as e2:
+      return dict(error=(getattr(e2, "stderr", None) or str(e2))[-2000:])
     return dict(info, assembled_as=f"PTX ISA {known.group(1)} (Triton's ptxas)")
 
 
@@ -109,6 +109,10 @@ def main(argv=None):
   ap.add_argument("--ptx-dir", help="also write each build's kernel PTX here")
   ap.add_argument("--time", action="store_true", help="time both builds on the same weights")
   args = ap.parse_args(argv)
+  global DUMP
+  DUMP = tempfile.mkdtemp(prefix="xla_dump_")  # read when the backend starts (below)
+  os.environ["XLA_FLAGS"] = (USER_XLA_FLAGS + f" --xla_dump_to={DUMP}"
+                             + " --xla_gpu_dump_llvmir=true --xla_dump_emitter_re=.*").strip()
   dims, _, fields = args.case.partition(":")
   m, k, r, n = (int(t) for t in dims.split(","))
   plan = xuv_decode.plan_persistent(m, k, r, n, "kernel", None)
