@@ -462,7 +462,25 @@ def plan_decode_persistent(m: int, k: int, r: int, n: int, hw: Hardware = H200,
       and cdiv(r, STREAM_K_COLS) * cdiv(k, 64) >= g):
     plan = dataclasses.replace(plan, block_r=STREAM_K_COLS, cols_r=STREAM_K_COLS,
                                stream_k=True)
+  if (not plan.stream_k and chunks == 1 and m <= DEEP_KV_MAX_M and r >= DEEP_KV_MIN_R
+      and r % DEEP_KV_ROWS == 0 and block_n == 128):
+    plan = dataclasses.replace(plan, block_kv=DEEP_KV_ROWS, stages=DEEP_KV_STAGES)
   return plan
+
+
+# Phase 2 in DEEP_KV_ROWS-row reduction steps, DEEP_KV_STAGES stages (the field both phases
+# share; Triton keeps stages - 1 loads in flight: 64 KB of V a CTA at 128 columns against 48
+# KB, and 64 KB of U in phase 1 against 96; 80 KB of shared memory against 102), where
+# measured faster: 8192->4096->16384 at M = 1 / 2 / 4 took 0.55-0.61 us less a call (1.1 %;
+# 1.012x XLA at M=2, the one decode point that had trailed it), on the same weights (session
+# 29, results/gpu_xuv_decode_deep_kv_h200.json). Slower, not taken: M = 8 / 16 there
+# (+2.6-2.7 us), and with 128-column phase-1 tiles of 2048 rows as well (+2.2 us);
+# 4096->2560->14336 and 4096->1024->14336 at M=1 (+0.2-0.5 us, session 12,
+# results/gpu_xuv_decode_depth_h200.json).
+DEEP_KV_MAX_M = 4
+DEEP_KV_MIN_R = 4096
+DEEP_KV_ROWS = 128
+DEEP_KV_STAGES = 3
 
 
 # Phase 1 as stream-K (PersistentDecodePlan.stream_k, xuv_decode._xu_stream): U's 128-column

@@ -79,7 +79,7 @@ XUV_SHAPES = [  # (M, K, r, N): M=1, ragged everything, a multi-super-block pref
                                   "persistent_pv_xla", "persistent_small_grid_pv_xla",
                                   "persistent_two_waves_pv_xla", "persistent_planned",
                                   "persistent_no_v_resident", "persistent_stream_k",
-                                  "persistent_wide_rows", "prefill"])
+                                  "persistent_wide_rows", "persistent_deep_kv", "prefill"])
 def test_xuv_kernels(kind, shape, dtype, bias):
   from lrjax.custom_calls.triton import xuv_decode, xuv_prefill
   m, k, r, n = shape
@@ -107,6 +107,9 @@ def test_xuv_kernels(kind, shape, dtype, bias):
       steps = planner.cdiv(r, 128) * planner.cdiv(k, p.block_k)
       p = dataclasses.replace(p, stream_k=True, block_r=128, cols_r=128, r_chunks=1,
                               p16=False, v_resident=False, programs=min(p.programs, steps))
+    if kind == "persistent_deep_kv":  # planner.DEEP_KV_*: 128-row phase-2 steps, 3 stages
+      p = dataclasses.replace(p, block_kv=planner.DEEP_KV_ROWS, stages=planner.DEEP_KV_STAGES,
+                              r_chunks=1, p16=False, v_resident=False)
     if kind.endswith("_p16"):  # phase 2 reads P rounded once by each block's last tile
       p = dataclasses.replace(p, p16=True, v_resident=False, stream_k=False)
     fn = lambda x, u, v, b, o: xuv_decode.xuv_decode(x, u, v, b, out=o, persistent=p,

@@ -506,6 +506,22 @@ def test_stream_k_phase1_where_it_measured_faster(m, k, r, n, stream_k):
   assert not planner.plan_decode_phase1(m, k, r, n).stream_k
 
 
+@pytest.mark.parametrize("m,k,r,n,deep", [
+    (1, 8192, 4096, 16384, True), (2, 8192, 4096, 16384, True), (4, 8192, 4096, 16384, True),
+    (8, 8192, 4096, 16384, False),  # from 8 rows: measured slower
+    (2, 8192, 2048, 16384, False), (1, 4096, 2560, 14336, False),  # smaller ranks
+    (2, 7168, 4096, 18432, False),  # 144-column (256-wide) V tiles: not measured
+    (2, 1000, 4096, 1000, False)])  # r-chunks (P per tile large)
+def test_deep_phase2_steps_where_they_measured_faster(m, k, r, n, deep):
+  """128-row phase-2 steps, 3 stages deep, at r >= 4096 and M <= 4 on one r-chunk of
+  128-column V tiles; every other field as the plan without them."""
+  p = planner.plan_decode_persistent(m, k, r, n)
+  assert (p.block_kv, p.stages) == ((128, 3) if deep else (64, 4)), p
+  if deep:
+    assert p.r_chunks == 1 and p.block_n == 128 and not p.stream_k and not p.v_resident, p
+    assert r % p.block_kv == 0
+
+
 def test_default_launch_follows_the_verified_jaxlibs(monkeypatch):
   """XLA's PTX and Triton calls are internal XLA mechanisms, verified on jaxlib 0.11.2: on
   0.11.x from 0.11.2 the kernels launch through XLA's Triton call (xla_triton: the persistent
