@@ -763,9 +763,12 @@ def xla_triton_serves(kernel: str, meta: dict) -> bool:
   with constexprs ``meta`` to XLA's Triton call rather than its PTX call: the persistent X·U·V
   decode kernel with phase 2 in the kernel and phase-1 tiles of all BLOCK_R columns or V
   resident. Same weights on an H200: such plans 0.12 us faster a call on average over the 48
-  decode points up to 32 rows (session 28, results/gpu_xuv_decode_points_ab_h200.json);
-  phase-1 tiles of 160 of 256 columns 2.28 us slower (8192->2456->8192, M=8) and 0.14 us
-  slower (8192->2432->8192) (session 27, results/gpu_xuv_decode_xla_triton_h200.json)."""
+  decode points up to 32 rows (session 28, results/gpu_xuv_decode_points_ab_h200.json),
+  mostly from the programmatic dependent launch XLA gives its Triton calls and not its PTX
+  call (0.31 us faster at 4096->2560->14336 M=2, 0.07 with --xla_gpu_enable_pdl=false);
+  phase-1 tiles of 160 of 256 columns 2.3 us slower (8192->2456->8192, M=8, with PDL off too)
+  and 0.14 us slower (8192->2432->8192) (sessions 27 and 29,
+  results/gpu_xuv_decode_xla_triton_h200.json, results/gpu_xla_triton_build_h200.json)."""
   return (kernel in XLA_TRITON_KERNELS and bool(meta["PV"])
           and (meta["COLS_R"] == meta["BLOCK_R"] or bool(meta["V_RES"])))
 
