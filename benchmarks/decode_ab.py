@@ -183,13 +183,6 @@ def merge(paths: list[str], note: str | None = None) -> dict:
   return dict(meta=meta, records=records)
 
 
-def _write(path: str, data: dict) -> None:
-  tmp = path + ".tmp"
-  with open(tmp, "w") as fh:
-    json.dump(data, fh, indent=1)
-  os.replace(tmp, path)  # never a half-written file
-
-
 def time_case(dims, variants, rounds: int) -> dict:
   """{variant: [µs per call, one a round]} on one set of layers."""
   m, k, r, n = dims
@@ -238,7 +231,7 @@ def main(argv=None):
       data = merge(args.merge, args.note)
     except ValueError as e:
       ap.error(str(e))
-    _write(args.out, data)
+    g.write_json(args.out, data)
     print(f"wrote {len(data['records'])} records of {len(args.merge)} shards to {args.out}")
     return
   try:  # bad input fails before any timing
@@ -285,7 +278,7 @@ def main(argv=None):
       print(f"{','.join(map(str, dims)):18s} {spec:50s} {med:7.3f} us  "
             f"[{' '.join(f'{t:.2f}' for t in ts)}]"
             + ("" if base is None else f"  x{base / med:.3f} vs xla"), flush=True)
-    _write(args.out, dict(meta=meta, records=records))
+    g.write_json(args.out, dict(meta=meta, records=records))
 
 
 if __name__ == "__main__":

@@ -73,6 +73,14 @@ def chained(fn, passes):
   return f
 
 
+def write_json(path: str, data: dict) -> None:
+  """``data`` to ``path`` through a temporary file: never a half-written results file."""
+  tmp = path + ".tmp"
+  with open(tmp, "w") as fh:
+    json.dump(data, fh, indent=1)
+  os.replace(tmp, path)
+
+
 def per_call_us(fn, x, layers, reps=None):
   """Time of one fn(x, *layer) call: (t(3L chained calls) - t(L calls)) / 2L, the two jits
   alternated, median over ``reps`` pairs; returns (µs, spread = IQR/median).
@@ -1391,12 +1399,9 @@ def main():
       prior = [p for p in prior if key(p) != key(rec)]  # a re-measured shape replaces its record
       super().append(dict(rec, run=run["index"]))
       _print(rec)
-      tmp = args.out + ".tmp"
-      with open(tmp, "w") as fh:
-        allrecs = prior + list(self)
-        json.dump(dict(meta=meta, records=allrecs, targets=evaluate_targets(allrecs)), fh,
-                  indent=1)
-      os.replace(tmp, args.out)
+      allrecs = prior + list(self)
+      write_json(args.out, dict(meta=meta, records=allrecs,
+                                targets=evaluate_targets(allrecs)))
 
   recs = Records()
   suite(args.suite, bw, peak, args, recs)

@@ -93,14 +93,6 @@ def _ptxas(b: dict) -> dict:
     return dict(info, assembled_as=f"PTX ISA {known.group(1)} (Triton's ptxas)")
 
 
-def build(m, k, r, n, plan, mode):
-  """The jitted call under launch mode ``mode`` (XLA's Triton call forced for this plan)."""
-  os.environ["LRJAX_TRITON_LAUNCH"] = mode
-  fn = lambda x, u, v: xuv_decode.xuv_decode(x, u, v, persistent=plan, pv="kernel")  # noqa
-  x, layers, _ = g.xuv_inputs(m, k, r, n)
-  return fn, x, layers
-
-
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--case", default="8,8192,2456,8192",
@@ -122,14 +114,18 @@ def main(argv=None):
                                         (t.split("=") for t in fields.split(","))})
   name = xuv_decode._xuv_decode_persistent_kernel.__name__
   planner.xla_triton_serves = lambda kernel, meta: kernel == name  # force it for this plan
-  fn, x, layers = build(m, k, r, n, plan, "xla")
+  fn = lambda x, u, v: xuv_decode.xuv_decode(x, u, v, persistent=plan, pv="kernel")  # noqa
+  x, layers, _ = g.xuv_inputs(m, k, r, n)
   u, v = layers[0]
+  ours_key = "triton_" + triton.__version__
+  modes = {ours_key: "xla", "xla_bundled_triton": "xla_triton"}  # each build's launch mode
+  os.environ["LRJAX_TRITON_LAUNCH"] = modes[ours_key]
   jax.jit(fn).lower(x, u, v).compile()
   ours = [kk for kk in launch._xla_kernels.values() if isinstance(kk, launch.XlaKernel)]
   if len(ours) != 1:
     raise SystemExit(f"expected one kernel built for XLA's PTX call, found {len(ours)}")
   before = _dumped()
-  os.environ["LRJAX_TRITON_LAUNCH"] = "xla_triton"
+  os.environ["LRJAX_TRITON_LAUNCH"] = modes["xla_bundled_triton"]
   jax.jit(lambda x, u, v: fn(x, u, v) + 0).lower(x, u, v).compile()  # a new module to dump
   found = {}
   for path in sorted(_dumped() - before):
@@ -149,8 +145,8 @@ def main(argv=None):
   # ctas_per_sm from our build's shared memory for both (XLA's is set inside its compile)
   common = dict(shared=ours[0].shared, warps=plan.warps)
   builds = {
-      "triton_" + triton.__version__: dict(entry=ours[0].name, ptx=ours[0].ptx,
-                                           body=entries(ours[0].ptx)[ours[0].name], **common),
+      ours_key: dict(entry=ours[0].name, ptx=ours[0].ptx,
+                     body=entries(ours[0].ptx)[ours[0].name], **common),
       "xla_bundled_triton": dict(entry=xla_entry, ptx=xla_module, body=xla_body, **common),
   }
   out = dict(meta=dict(machine=jax.devices()[0].device_kind, jax=jax.__version__,
@@ -165,8 +161,7 @@ def main(argv=None):
       with open(os.path.join(args.ptx_dir, key + ".ptx"), "w") as fh:
         fh.write(b["body"])
   if args.time:
-    for key, mode in (("triton_" + triton.__version__, "xla"), ("xla_bundled_triton",
-                                                                "xla_triton")):
+    for key, mode in modes.items():
       os.environ["LRJAX_TRITON_LAUNCH"] = mode
       call = lambda x, u, v: fn(x, u, v)  # noqa: E731 (a fresh function: traced again)
       out["builds"][key]["us"] = g.per_call_us(call, x, layers)[0]
@@ -174,10 +169,7 @@ def main(argv=None):
   if os.path.exists(args.out):
     with open(args.out) as fh:
       runs = json.load(fh)["runs"]
-  tmp = args.out + ".tmp"
-  with open(tmp, "w") as fh:
-    json.dump(dict(runs=runs + [out]), fh, indent=1)
-  os.replace(tmp, args.out)  # never a half-written file
+  g.write_json(args.out, dict(runs=runs + [out]))
   for key, b in out["builds"].items():
     print(key, b["entry"], b["ptx_version"], b["lines"], "lines", b["ptxas"], b.get("us"))
     print("   ", b["classes"])
