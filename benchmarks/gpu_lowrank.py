@@ -25,6 +25,7 @@ import dataclasses
 import datetime
 import glob
 import json
+import math
 import os
 import platform
 import statistics
@@ -101,7 +102,9 @@ def per_call_us(fn, x, layers, reps=None):
     diffs = (_device_diffs if device else _host_diffs)(f1, f3, x, layers, reps)
     med = statistics.median(diffs)
     q1, q3 = np.percentile(diffs, [25, 75])
-    return 1e6 * med / (2 * len(layers)), float((q3 - q1) / abs(med))
+    if med <= 0:  # 2L more calls took no longer: noise (host clock, loaded CPU), not a time
+      return 1e6 * med / (2 * len(layers)), math.inf
+    return 1e6 * med / (2 * len(layers)), float((q3 - q1) / med)
 
   t_us, spread, tries = steadiest(attempt)
   if VERBOSE:

@@ -47,6 +47,22 @@ def test_per_call_us_goes_through_the_retry(bench, monkeypatch):
   assert math.isfinite(t_us) and spread >= 0  # spread is a magnitude, even for a noisy median
 
 
+def test_a_difference_at_or_below_zero_is_noise_and_is_retried(bench, monkeypatch):
+  """Host clocks on a loaded CPU can time 3L calls no longer than L: such an attempt is
+  never kept over one with a positive median."""
+  import math
+  import jax.numpy as jnp
+  script = iter([[-2e-6, 1e-6, -3e-6], [4e-6, 5e-6, 6e-6]])
+  monkeypatch.setattr(bench, "TIMING", "host")
+  monkeypatch.setattr(bench, "_host_diffs", lambda *a: next(script))
+  x = jnp.ones((8,), jnp.float32)
+  t_us, spread = bench.per_call_us(lambda x, w: x + w, x, [(jnp.ones(8),)], reps=3)
+  assert t_us == pytest.approx(2.5) and spread == pytest.approx(0.2)
+  script = iter([[-2e-6, -1e-6, 3e-6]] * bench.TRIES)
+  t_us, spread = bench.per_call_us(lambda x, w: x + w, x, [(jnp.ones(8),)], reps=3)
+  assert t_us < 0 and spread == math.inf  # never positive: returned, flagged as all noise
+
+
 def test_executions_split_at_the_pauses_between_them(bench):
   ev = [(0, 10, "a"), (12, 30, "b"), (25, 28, "c"),  # one execution, overlapping kernels
         (2_000, 2_040, "d"),  # a host stall inside it (shorter than the pause)

@@ -52,13 +52,18 @@ def test_the_script_writes_its_records_for_xla_alone(ab, monkeypatch, tmp_path):
   """End to end on the CPU (host timing; the kernel variants need a GPU): one case, XLA's
   lowering only, a JSON with the rounds and the ratio to XLA."""
   import json
+  import math
+  import statistics
   monkeypatch.setattr(ab.g, "REPS", 3)
   out = tmp_path / "ab.json"
   ab.main(["--rounds", "2", "--out", str(out), "2,64,16,32|xla"])
   got = json.loads(out.read_text())
   (rec,) = got["records"]
   assert (rec["M"], rec["K"], rec["r"], rec["N"], rec["variant"]) == (2, 64, 16, 32, "xla")
-  assert len(rec["rounds_us"]) == 2 and rec["us"] > 0 and rec["speedup_vs_xla"] == 1.0
+  # host-clock times of a tiny case can be noise around zero (CI's loaded 2 cores): the
+  # record's shape and arithmetic are what is checked here, not their sign
+  assert len(rec["rounds_us"]) == 2 and all(map(math.isfinite, rec["rounds_us"]))
+  assert rec["us"] == statistics.median(rec["rounds_us"]) and rec["speedup_vs_xla"] == 1.0
   assert got["meta"]["rounds"] == 2
 
 
