@@ -295,6 +295,16 @@ def _partials_us(splits: int, m: int, r: int, factors: int = 1) -> float:
   return max(0, splits * m * r * 4 * factors - PARTIAL_FREE_BYTES) / PARTIAL_BW * 1e6
 
 
+def _split_k_us(k: int, r: int, cols: int, k_per: int, factors: int, g: int, bw: float,
+                fill_us: float, stages: int, round_trip_us: float, m: int) -> float:
+  """The model's time of a split-K phase of ``cols``-column x ``k_per``-row tiles
+  (``_split_k_tiles``' terms)."""
+  splits = cdiv(k, k_per)
+  phase_bw = g * _cta_rate(cols, stages, bw / g, round_trip_us, factors)
+  return (_phase_us(cdiv(r, cols) * splits, k_per * cols * 2 * factors, g, phase_bw, fill_us)
+          + _partials_us(splits, m, r, factors))
+
+
 def _split_k_tiles(k: int, r: int, factors: int, g: int, bw: float, fill_us: float,
                    stages: int = 4, round_trip_us: float = 0.0, m: int = 0,
                    line_align_tol: float = -1.0):
@@ -310,12 +320,9 @@ def _split_k_tiles(k: int, r: int, factors: int, g: int, bw: float, fill_us: flo
   widths = (64, 128, 256) if r > 32 else (16, 32)
   steps = [st for st in (2, 4, 8, 16, 32, 64) if st * 64 < k + 64] or [1]
 
-  def phase_bw(c):  # the bandwidth a phase of such tiles streams at, all g CTAs together
-    return g * _cta_rate(c, stages, bw / g, round_trip_us, factors)
   def cand(w, c, k_per):
-    splits = cdiv(k, k_per)
-    return (_phase_us(cdiv(r, c) * splits, k_per * c * 2 * factors, g, phase_bw(c), fill_us)
-            + _partials_us(splits, m, r, factors), cdiv(r, c) * splits, -c, w, c, k_per)
+    return (_split_k_us(k, r, c, k_per, factors, g, bw, fill_us, stages, round_trip_us, m),
+            cdiv(r, c) * cdiv(k, k_per), -c, w, c, k_per)
   best = min(cand(w, c, st * 64) for w, c in _widths(widths) if c <= max(16, r) + 15
              for st in steps)
   if line_align_tol >= 0 and best[4] % 64 and 256 <= r + 15 and cdiv(r, 256) <= g:
@@ -439,10 +446,10 @@ def plan_decode_persistent(m: int, k: int, r: int, n: int, hw: Hardware = H200,
     res = _v_resident_plan(m, k, r, n, g, bw, fill_us, round_trip_us)
     if res is not None:
       return res
+  m_partials = m if block_m <= PARTIALS_MAX_M else 0
   t1, block_r, cols_r, k_per = _split_k_tiles(k, r, 1, g, bw, fill_us,
                                               4 if block_m <= 32 else 3, round_trip_us,
-                                              m if block_m <= PARTIALS_MAX_M else 0,
-                                              phase1_line_tol)
+                                              m_partials, phase1_line_tol)
   t2, block_n, cols_n, chunks = _column_tiles(n, cdiv(r, cols_r), cols_r, g, bw, fill_us,
                                               min_row_bytes=min_row_bytes,
                                               line_row_tol=line_row_tol,
@@ -464,7 +471,10 @@ def plan_decode_persistent(m: int, k: int, r: int, n: int, hw: Hardware = H200,
                                stream_k=True)
   if (not plan.stream_k and chunks == 1 and m <= DEEP_KV_MAX_M and r >= DEEP_KV_MIN_R
       and r % DEEP_KV_ROWS == 0 and block_n == 128):
-    plan = dataclasses.replace(plan, block_kv=DEEP_KV_ROWS, stages=DEEP_KV_STAGES)
+    t1 = _split_k_us(k, r, cols_r, k_per, 1, g, bw, fill_us, DEEP_KV_STAGES, round_trip_us,
+                     m_partials)  # phase 1 at the stages the plan now has
+    plan = dataclasses.replace(plan, block_kv=DEEP_KV_ROWS, stages=DEEP_KV_STAGES,
+                               est_us=t1 + t2)
   return plan
 
 

@@ -1,4 +1,6 @@
 """CPU tests of the Triton room: the H200 tile planner and the ``supports`` decisions."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -520,6 +522,21 @@ def test_deep_phase2_steps_where_they_measured_faster(m, k, r, n, deep):
   if deep:
     assert p.r_chunks == 1 and p.block_n == 128 and not p.stream_k and not p.v_resident, p
     assert r % p.block_kv == 0
+
+
+def test_deep_phase2_plans_estimate_phase1_at_their_own_stages(monkeypatch):
+  """The DEEP_KV plan's estimate counts phase 1 at its 3 stages: where a CTA's in-flight
+  bytes bound its rate (a long DRAM round trip), fewer stages are estimated slower."""
+  dims, rt = (2, 8192, 4096, 16384), 10.0
+  deep = planner.plan_decode_persistent(*dims, round_trip_us=rt)
+  monkeypatch.setattr(planner, "DEEP_KV_MIN_R", 1 << 30)
+  four = planner.plan_decode_persistent(*dims, round_trip_us=rt)
+  assert (deep.stages, four.stages) == (3, 4)
+  assert dataclasses.replace(deep, block_kv=64, stages=4, est_us=four.est_us) == four
+  assert deep.est_us > 1.1 * four.est_us, (deep.est_us, four.est_us)
+  monkeypatch.undo()
+  assert planner.plan_decode_persistent(*dims).est_us == pytest.approx(
+      planner.plan_decode_persistent(*dims, round_trip_us=0.0).est_us)  # share-bound: equal
 
 
 def test_default_launch_follows_the_verified_jaxlibs(monkeypatch):
