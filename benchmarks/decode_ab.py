@@ -10,7 +10,16 @@ between rounds is then ±0.05 µs (gpu_notes.md, session 25).
 A case is ``M,K,r,N|variant,,variant,,...``; a variant is ``xla`` ((x@u)@v), ``auto`` (the
 planner's plan), one of ``gpu_lowrank._xuv_variant``'s (``persistent:field=value,...``), or
 ``env:NAME=VALUE&NAME=VALUE+variant``: that variant traced with those environment variables
-set (switches read when a call is traced, e.g. ``LRJAX_TRITON_LAUNCH``).
+set (switches read when a call is traced, e.g. ``LRJAX_TRITON_LAUNCH``), or
+``triton_call+variant``: that variant under launch mode xla_triton with every call of the
+persistent X·U·V decode kernel handed to XLA's Triton call, whatever its plan
+(``planner.xla_triton_serves`` set aside; e.g. ``triton_call+pv_xla``, phase 1 alone, which the
+rule keeps on the PTX call). ``env:...+triton_call+variant`` combines both.
+
+Before a case is timed, each variant's output on its first layer is compared with an f32
+reference ((x·u)·v at full precision): each record holds its ``rel_err`` and whether it is
+within ``REL_TOL`` (bf16's tolerance in tests/conftest.py), and a variant beyond it is printed
+as WRONG (the timing-only ``persistent_probe:`` variants are, by design).
 
   python benchmarks/decode_ab.py --out results.json \\
       "2,4096,2560,14336|xla,,auto,,persistent:prefetch=256"
@@ -30,6 +39,7 @@ for the machine's SM count; needs triton, not a GPU).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -39,6 +49,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 import gpu_lowrank as g  # noqa: E402
 
@@ -56,6 +68,38 @@ def parse_variant(spec: str) -> tuple[dict, str]:
       raise ValueError(f"{spec!r}: expected env:NAME=VALUE[&NAME=VALUE...][+variant]")
     env[name] = value
   return env, variant or "auto"
+
+
+TRITON_CALL = "triton_call+"  # variant prefix: XLA's Triton call for every persistent plan
+REL_TOL = 1e-2  # ||out - ref|| / ||ref|| a bf16 variant may have (tests/conftest.py's table)
+
+
+@contextlib.contextmanager
+def variant_setup(spec: str):
+  """The variant of ``spec``, its switches in force until the block ends: its environment set,
+  and for ``triton_call+`` launch mode xla_triton with planner.xla_triton_serves answering yes
+  for the persistent X·U·V decode kernel. Both restored after."""
+  env, variant = parse_variant(spec)
+  forced = variant.startswith(TRITON_CALL)
+  if forced:
+    variant = variant[len(TRITON_CALL):] or "auto"
+    env = dict(env, LRJAX_TRITON_LAUNCH="xla_triton")
+    planner, xuv_decode = _kernel_modules()
+    rule = planner.xla_triton_serves
+    name = xuv_decode._xuv_decode_persistent_kernel.__name__
+    planner.xla_triton_serves = lambda kernel, meta: kernel == name or rule(kernel, meta)
+  saved = {e: os.environ.get(e) for e in env}
+  os.environ.update(env)
+  try:
+    yield variant
+  finally:
+    for e, v in saved.items():
+      if v is None:
+        os.environ.pop(e, None)
+      else:
+        os.environ[e] = v
+    if forced:
+      planner.xla_triton_serves = rule
 
 
 def parse_case(case: str) -> tuple[tuple[int, int, int, int], list[str]]:
@@ -190,18 +234,28 @@ def time_case(dims, variants, rounds: int) -> dict:
   times = {s: [] for s in variants}
   for _ in range(rounds):
     for spec in variants:
-      env, variant = parse_variant(spec)
-      saved = {e: os.environ.get(e) for e in env}
-      os.environ.update(env)
-      try:
+      with variant_setup(spec) as variant:
         times[spec].append(g.per_call_us(_fn(variant, m, k, r, n), x, layers)[0])
-      finally:
-        for e, v in saved.items():
-          if v is None:
-            os.environ.pop(e, None)
-          else:
-            os.environ[e] = v
   return times
+
+
+def check_case(dims, variants) -> dict:
+  """{variant: ||out - ref|| / ||ref||} on the first of the layers time_case times, ref the
+  f32 (x·u)·v at full precision."""
+  m, k, r, n = dims
+  x, layers, _ = g.xuv_inputs(m, k, r, n)
+  u, v = layers[0]
+  f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+  hi = jax.lax.Precision.HIGHEST
+  ref = np.asarray(jnp.matmul(jnp.matmul(f32(x), f32(u), precision=hi), f32(v), precision=hi),
+                   np.float64)
+  errs = {}
+  for spec in variants:
+    with variant_setup(spec) as variant:
+      out = np.asarray(jax.jit(_fn(variant, m, k, r, n))(x, u, v).astype(jnp.float32),
+                       np.float64)
+    errs[spec] = float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+  return errs
 
 
 def _default_launch() -> str:
@@ -263,21 +317,24 @@ def main(argv=None):
   meta = dict(machine=dev.device_kind, jax=jax.__version__, triton=triton_version,
               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               rounds=args.rounds, shard=args.shard, sms=sms or None,
-              default_launch=_default_launch(), method=__doc__)
+              default_launch=_default_launch(), rel_tol=REL_TOL, method=__doc__)
   records = []
   for dims, variants in cases:
+    errs = check_case(dims, variants)
     times = time_case(dims, variants, args.rounds)
     base = statistics.median(times["xla"]) if "xla" in times else None
     serves = xla_triton_serves(*dims, sms) if sms else None  # the kernels need a GPU
     for spec, ts in times.items():
       med = statistics.median(ts)
+      ok = errs[spec] <= REL_TOL
       records.append(dict(M=dims[0], K=dims[1], r=dims[2], N=dims[3], variant=spec,
                           us=med, rounds_us=ts,
                           speedup_vs_xla=None if base is None else base / med,
-                          xla_triton_serves=serves))
+                          xla_triton_serves=serves, rel_err=errs[spec], correct=ok))
       print(f"{','.join(map(str, dims)):18s} {spec:50s} {med:7.3f} us  "
             f"[{' '.join(f'{t:.2f}' for t in ts)}]"
-            + ("" if base is None else f"  x{base / med:.3f} vs xla"), flush=True)
+            + ("" if base is None else f"  x{base / med:.3f} vs xla")
+            + ("" if ok else f"  WRONG (rel err {errs[spec]:.3g} > {REL_TOL})"), flush=True)
     g.write_json(args.out, dict(meta=meta, records=records))
 
 

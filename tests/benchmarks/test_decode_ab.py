@@ -65,6 +65,47 @@ def test_the_script_writes_its_records_for_xla_alone(ab, monkeypatch, tmp_path):
   assert len(rec["rounds_us"]) == 2 and all(map(math.isfinite, rec["rounds_us"]))
   assert rec["us"] == statistics.median(rec["rounds_us"]) and rec["speedup_vs_xla"] == 1.0
   assert got["meta"]["rounds"] == 2
+  assert rec["correct"] and 0 < rec["rel_err"] <= got["meta"]["rel_tol"]  # bf16 rounding
+
+
+def test_a_variant_with_a_wrong_output_is_marked(ab, monkeypatch, tmp_path, capsys):
+  """Each variant's output is checked against the f32 reference before it is timed: a wrong
+  one is recorded with its error and printed as WRONG, the right one beside it is not."""
+  import json
+  real = ab._fn
+  monkeypatch.setattr(ab, "_fn", lambda variant, *dims: (
+      (lambda x, u, v: 1.05 * ((x @ u) @ v)) if variant == "off" else real(variant, *dims)))
+  monkeypatch.setattr(ab.g, "REPS", 2)
+  out = tmp_path / "ab.json"
+  ab.main(["--rounds", "1", "--out", str(out), "1,48,8,24|xla,,off"])
+  xla, off = json.loads(out.read_text())["records"]
+  assert xla["correct"] and not off["correct"]
+  assert off["rel_err"] == pytest.approx(0.05, abs=0.01)
+  lines = capsys.readouterr().out.splitlines()
+  assert "WRONG" not in lines[0] and "WRONG (rel err" in lines[1]
+
+
+def test_triton_call_forces_xla_tritons_call_for_the_persistent_kernel(ab, monkeypatch):
+  """triton_call+variant: launch mode xla_triton and the persistent X·U·V kernel handed to
+  XLA's Triton call on any plan (here phase 1 alone, PV=0, which the rule keeps on the PTX
+  call); the rule and the environment come back after."""
+  pytest.importorskip("triton")
+  planner, xuv_decode = ab._kernel_modules()
+  name = xuv_decode._xuv_decode_persistent_kernel.__name__
+  meta = dict(PV=0, COLS_R=160, BLOCK_R=256, V_RES=0)
+  monkeypatch.setenv("LRJAX_TRITON_LAUNCH", "xla")
+  rule = planner.xla_triton_serves
+  assert not rule(name, meta)
+  with ab.variant_setup("env:LRJAX_AB_PROBE=1+triton_call+pv_xla") as variant:
+    assert variant == "pv_xla"
+    assert os.environ["LRJAX_TRITON_LAUNCH"] == "xla_triton"
+    assert os.environ["LRJAX_AB_PROBE"] == "1"
+    assert planner.xla_triton_serves(name, meta)
+    assert not planner.xla_triton_serves("_mlp_decode_kernel", meta)
+  assert planner.xla_triton_serves is rule and os.environ["LRJAX_TRITON_LAUNCH"] == "xla"
+  assert "LRJAX_AB_PROBE" not in os.environ
+  with ab.variant_setup("triton_call+") as variant:
+    assert variant == "auto"
 
 
 def test_bad_input_stops_before_any_timing(ab, capsys):
@@ -109,6 +150,7 @@ def test_the_points_of_a_sweep_are_timed_with_the_given_variants(ab, monkeypatch
   timed = []
   monkeypatch.setattr(ab, "time_case", lambda dims, variants, rounds: timed.append(
       (dims, variants)) or {v: [1.0] for v in variants})
+  monkeypatch.setattr(ab, "check_case", lambda dims, variants: {v: 0.0 for v in variants})
   out = tmp_path / "ab.json"
   ab.main(["--out", str(out), "--points", str(path), "--variants", "xla,,auto",
            "--shard", "2/2"])
