@@ -38,6 +38,7 @@ import numpy as np
 
 import lrjax
 from lrjax.custom_calls.triton import planner
+from results_io import write_json
 
 DT = jnp.bfloat16
 # The roofline the targets are stated against (the H200's measured copy rate and bf16
@@ -72,14 +73,6 @@ def chained(fn, passes):
         cur = jax.lax.optimization_barrier((x, y))[0]
     return outs
   return f
-
-
-def write_json(path: str, data: dict) -> None:
-  """``data`` to ``path`` through a temporary file: never a half-written results file."""
-  tmp = path + ".tmp"
-  with open(tmp, "w") as fh:
-    json.dump(data, fh, indent=1)
-  os.replace(tmp, path)
 
 
 def per_call_us(fn, x, layers, reps=None):
@@ -1342,9 +1335,7 @@ def main():
     with open(args.plot) as fh:
       data = json.load(fh)
     data["targets"] = evaluate_targets(data["records"])
-    with open(args.plot + ".tmp", "w") as fh:
-      json.dump(data, fh, indent=1)
-    os.replace(args.plot + ".tmp", args.plot)
+    write_json(args.plot, data)
     print(plot(args.plot) or "no default-kernel records to plot")
     return
   if args.emit_policy:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
-import json
 import os
 import statistics
 
@@ -97,9 +96,7 @@ def main():
             f"{rec['gpu_span_us']:6.1f}  " + ", ".join(
                 f"{q['name'][:24]} x{q['per_call']:.2f} {q['median_us']:.1f}"
                 for q in rec["kernels"][:3]), flush=True)
-      with open(args.out + ".tmp", "w") as fh:
-        json.dump(dict(meta=meta, records=recs), fh, indent=1)
-      os.replace(args.out + ".tmp", args.out)
+      gl.write_json(args.out, dict(meta=meta, records=recs))
 
 
 if __name__ == "__main__":

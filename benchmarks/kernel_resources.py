@@ -23,13 +23,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
-import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
 import types
+
+from results_io import write_json
 
 H200_SMEM_OPTIN = 232448  # bytes a CTA may ask for (cudaDevAttrMaxSharedMemoryPerBlockOptin)
 H200_SMEM_PER_SM = 233472  # bytes an SM holds for all its CTAs, 1024 of them reserved per CTA
@@ -237,9 +238,7 @@ def main():
                 smem_limit=H200_SMEM_OPTIN,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 method=__doc__.split("\n\n")[1].replace("\n", " "))
-    with open(args.out + ".tmp", "w") as fh:
-      json.dump(dict(meta=meta, records=recs), fh, indent=1)
-    os.replace(args.out + ".tmp", args.out)
+    write_json(args.out, dict(meta=meta, records=recs))
 
 
 if __name__ == "__main__":

@@ -14,12 +14,13 @@ gpu_lowrank.py; compare counters between token counts, not durations with other 
 """
 import argparse
 import datetime
-import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+
+from results_io import write_json
 
 D, F, R = 4096, 14336, 2560
 METRICS = ("dram__bytes_read.sum", "gpu__time_duration.sum", "lts__t_sectors_op_red.sum",
@@ -103,10 +104,7 @@ def main():
               metrics=METRICS, sections=SECTIONS, note=args.note,
               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
   data = dict(meta=meta, records=[dict(T=t, **parse(txt)) for t, txt in sorted(reports.items())])
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out + ".tmp", "w") as fh:
-    json.dump(data, fh, indent=1)
-  os.replace(args.out + ".tmp", args.out)
+  write_json(args.out, data)
   print(f"wrote {args.out}")
 
 

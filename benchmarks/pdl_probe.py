@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
 import statistics
+
+from results_io import write_json
 
 SHAPES = ((2048, 256, 512), (4096, 152, 4096), (4096, 1216, 4096), (8192, 2456, 8192),
           (4096, 2560, 14336))
@@ -72,10 +72,7 @@ def write_results(path: str, torch, triton, dev, method: str, recs: list) -> Non
               triton=triton.__version__,
               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               method=method)
-  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-  with open(path + ".tmp", "w") as fh:
-    json.dump(dict(meta=meta, records=recs), fh, indent=1)
-  os.replace(path + ".tmp", path)
+  write_json(path, dict(meta=meta, records=recs))
   print(f"wrote {len(recs)} records to {path}")
 
 

@@ -27,6 +27,7 @@ from flax import nnx
 from lrjax.models import LlamaForCausalLM, ModelConfig
 from lrjax.serving import Engine, Request, SamplingParams, itl
 from lrjax.sharding.analysis import compressed_ranks
+from results_io import write_json
 
 
 def config(name, layers):
@@ -116,9 +117,7 @@ def main():
   plat = "h200" if dev.platform == "gpu" else dev.platform
   path = args.out or os.path.join(os.path.dirname(__file__), "results",
                                   f"serving_attend_{plat}.json")
-  with open(path + ".tmp", "w") as fh:
-    json.dump(out, fh, indent=1)
-  os.replace(path + ".tmp", path)
+  write_json(path, out)
   print("wrote", path)
 
 

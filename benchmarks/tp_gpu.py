@@ -54,6 +54,7 @@ from lrjax.serving import Engine, Request, SamplingParams, itl
 from lrjax.sharding.analysis import compressed_ranks
 
 from decode_timing import greedy_loop, median_step, time_loop
+from results_io import write_json
 
 HBM_BPS = 4.3e12
 
@@ -425,11 +426,7 @@ def main():
 
   def save():
     run["elapsed_s"] = time.perf_counter() - start
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as fh:
-      json.dump(out, fh, indent=1)
-    os.replace(tmp, args.out)
+    write_json(args.out, out)
 
   for name in args.model:
     cfg = config(args, name)

@@ -80,10 +80,14 @@ def kv_attention_f64(q, zk, zv, vk, vv, pos, inv_freq, bk=None, bv=None, window=
 
 @pytest.fixture(scope="module")
 def load_benchmark():
-  """Loads a script of benchmarks/ as a module (the scripts are not a package)."""
+  """Loads a script of benchmarks/ as a module (the scripts are not a package), with
+  benchmarks/ on sys.path as when it runs as a script (it imports its siblings)."""
   import importlib.util
   import os
+  import sys
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  if os.path.join(root, "benchmarks") not in sys.path:
+    sys.path.insert(0, os.path.join(root, "benchmarks"))
 
   def load(name: str):
     spec = importlib.util.spec_from_file_location(

@@ -1,0 +1,25 @@
+"""CPU tests of benchmarks/results_io.py: a results file is written whole or not at all."""
+import json
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def rio(load_benchmark):
+  return load_benchmark("results_io")
+
+
+def test_writes_the_file_and_its_folder(rio, tmp_path):
+  path = tmp_path / "new" / "r.json"
+  rio.write_json(str(path), dict(meta=dict(a=1), records=[1.5]))
+  assert json.loads(path.read_text()) == dict(meta=dict(a=1), records=[1.5])
+  assert [p.name for p in path.parent.iterdir()] == ["r.json"]  # no temporary left
+
+
+def test_a_failed_write_keeps_the_previous_file_and_no_temporary(rio, tmp_path):
+  path = tmp_path / "r.json"
+  rio.write_json(str(path), dict(records=[1]))
+  with pytest.raises(TypeError):
+    rio.write_json(str(path), dict(records=[object()]))  # not JSON: fails mid-write
+  assert json.loads(path.read_text()) == dict(records=[1])
+  assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
