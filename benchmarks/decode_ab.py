@@ -19,7 +19,9 @@ rule keeps on the PTX call). ``env:...+triton_call+variant`` combines both.
 Before a case is timed, each variant's output on its first layer is compared with an f32
 reference ((x·u)·v at full precision): each record holds its ``rel_err`` and whether it is
 within ``REL_TOL`` (bf16's tolerance in tests/conftest.py), and a variant beyond it is printed
-as WRONG (the timing-only ``persistent_probe:`` variants are, by design).
+as WRONG (the timing-only ``persistent_probe:`` variants are, by design). A variant that fails
+to run (a plan that asks for more shared memory than a CTA has, say) is recorded with its
+``error`` and not timed; the other variants and cases go on.
 
   python benchmarks/decode_ab.py --out results.json \\
       "2,4096,2560,14336|xla,,auto,,persistent:prefetch=256"
@@ -240,8 +242,9 @@ def time_case(dims, variants, rounds: int) -> dict:
 
 
 def check_case(dims, variants) -> dict:
-  """{variant: ||out - ref|| / ||ref||} on the first of the layers time_case times, ref the
-  f32 (x·u)·v at full precision."""
+  """{variant: ||out - ref|| / ||ref||, or the error that stopped it (a str: a plan that does
+  not lower, e.g. more shared memory than a CTA has)} on the first of the layers time_case
+  times, ref the f32 (x·u)·v at full precision."""
   m, k, r, n = dims
   x, layers, _ = g.xuv_inputs(m, k, r, n)
   u, v = layers[0]
@@ -251,9 +254,13 @@ def check_case(dims, variants) -> dict:
                    np.float64)
   errs = {}
   for spec in variants:
-    with variant_setup(spec) as variant:
-      out = np.asarray(jax.jit(_fn(variant, m, k, r, n))(x, u, v).astype(jnp.float32),
-                       np.float64)
+    try:
+      with variant_setup(spec) as variant:
+        out = np.asarray(jax.jit(_fn(variant, m, k, r, n))(x, u, v).astype(jnp.float32),
+                         np.float64)
+    except Exception as e:  # noqa: BLE001 (recorded with the case; the others still run)
+      errs[spec] = f"{type(e).__name__}: {e}".split("\n")[0][:500]
+      continue
     errs[spec] = float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
   return errs
 
@@ -321,9 +328,16 @@ def main(argv=None):
   records = []
   for dims, variants in cases:
     errs = check_case(dims, variants)
-    times = time_case(dims, variants, args.rounds)
-    base = statistics.median(times["xla"]) if "xla" in times else None
     serves = xla_triton_serves(*dims, sms) if sms else None  # the kernels need a GPU
+    for spec in variants:
+      if isinstance(errs[spec], str):
+        records.append(dict(M=dims[0], K=dims[1], r=dims[2], N=dims[3], variant=spec,
+                            us=None, xla_triton_serves=serves, error=errs[spec]))
+        print(f"{','.join(map(str, dims)):18s} {spec:50s} FAILED, not timed: {errs[spec]}",
+              flush=True)
+    times = time_case(dims, [s for s in variants if not isinstance(errs[s], str)],
+                      args.rounds)
+    base = statistics.median(times["xla"]) if "xla" in times else None
     for spec, ts in times.items():
       med = statistics.median(ts)
       ok = errs[spec] <= REL_TOL

@@ -85,6 +85,26 @@ def test_a_variant_with_a_wrong_output_is_marked(ab, monkeypatch, tmp_path, caps
   assert "WRONG" not in lines[0] and "WRONG (rel err" in lines[1]
 
 
+def test_a_variant_that_fails_is_recorded_and_the_rest_go_on(ab, monkeypatch, tmp_path):
+  import json
+  real = ab._fn
+
+  def fn(variant, *dims):
+    if variant == "broken":
+      def f(x, u, v):
+        raise ValueError("asks for 300000 bytes of shared memory\nsecond line")
+      return f
+    return real(variant, *dims)
+  monkeypatch.setattr(ab, "_fn", fn)
+  monkeypatch.setattr(ab.g, "REPS", 2)
+  out = tmp_path / "ab.json"
+  ab.main(["--rounds", "1", "--out", str(out), "1,48,8,24|broken,,xla", "2,48,8,24|xla"])
+  broken, xla1, xla2 = json.loads(out.read_text())["records"]
+  assert broken["variant"] == "broken" and broken["us"] is None
+  assert broken["error"] == "ValueError: asks for 300000 bytes of shared memory"
+  assert xla1["correct"] and xla2["correct"] and xla2["M"] == 2
+
+
 def test_triton_call_forces_xla_tritons_call_for_the_persistent_kernel(ab, monkeypatch):
   """triton_call+variant: launch mode xla_triton and the persistent X·U·V kernel handed to
   XLA's Triton call on any plan (here phase 1 alone, PV=0, which the rule keeps on the PTX
