@@ -1,17 +1,31 @@
 """The benchmark scripts' results files: written whole or not at all."""
 import json
+import math
 import os
+
+
+def _strict(obj):
+  """``obj`` with every non-finite float as None (JSON has no Infinity or NaN)."""
+  if isinstance(obj, float):
+    return obj if math.isfinite(obj) else None
+  if isinstance(obj, dict):
+    return {k: _strict(v) for k, v in obj.items()}
+  if isinstance(obj, (list, tuple)):
+    return [_strict(v) for v in obj]
+  return obj
 
 
 def write_json(path: str, data) -> None:
   """``data`` to ``path`` (its folder made where missing) through a temporary file beside it,
   renamed over ``path`` once complete: a crash or a full disk never leaves a half-written
-  results file, and the previous one stays until the new one is whole."""
+  results file, and the previous one stays until the new one is whole. A non-finite number
+  (the spread of a host timing that was all noise, say) is written as null, so the file is
+  strict JSON that any reader parses."""
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   tmp = path + ".tmp"
   try:
     with open(tmp, "w") as fh:
-      json.dump(data, fh, indent=1)
+      json.dump(_strict(data), fh, indent=1, allow_nan=False)
     os.replace(tmp, path)
   finally:
     if os.path.exists(tmp):
