@@ -229,10 +229,11 @@ def merge(paths: list[str], note: str | None = None) -> dict:
   return dict(meta=meta, records=records)
 
 
-def time_case(dims, variants, rounds: int) -> dict:
-  """{variant: [µs per call, one a round]} on one set of layers."""
+def time_case(dims, variants, rounds: int, inputs=None) -> dict:
+  """{variant: [µs per call, one a round]} on one set of layers: ``inputs`` (x, layers, key),
+  else the ones gpu_lowrank.py's record of the shape draws (g.xuv_inputs)."""
   m, k, r, n = dims
-  x, layers, _ = g.xuv_inputs(m, k, r, n)  # the layers gpu_lowrank.py's record of it draws
+  x, layers, _ = inputs or g.xuv_inputs(m, k, r, n)
   times = {s: [] for s in variants}
   for _ in range(rounds):
     for spec in variants:
@@ -241,12 +242,12 @@ def time_case(dims, variants, rounds: int) -> dict:
   return times
 
 
-def check_case(dims, variants) -> dict:
+def check_case(dims, variants, inputs=None) -> dict:
   """{variant: ||out - ref|| / ||ref||, or the error that stopped it (a str: a plan that does
   not lower, e.g. more shared memory than a CTA has)} on the first of the layers time_case
-  times, ref the f32 (x·u)·v at full precision."""
+  times (``inputs`` as there), ref the f32 (x·u)·v at full precision."""
   m, k, r, n = dims
-  x, layers, _ = g.xuv_inputs(m, k, r, n)
+  x, layers, _ = inputs or g.xuv_inputs(m, k, r, n)
   u, v = layers[0]
   f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
   hi = jax.lax.Precision.HIGHEST
@@ -327,7 +328,8 @@ def main(argv=None):
               default_launch=_default_launch(), rel_tol=REL_TOL, method=__doc__)
   records = []
   for dims, variants in cases:
-    errs = check_case(dims, variants)
+    inputs = g.xuv_inputs(*dims)  # drawn once: checked, then timed
+    errs = check_case(dims, variants, inputs)
     serves = xla_triton_serves(*dims, sms) if sms else None  # the kernels need a GPU
     for spec in variants:
       if isinstance(errs[spec], str):
@@ -336,7 +338,7 @@ def main(argv=None):
         print(f"{','.join(map(str, dims)):18s} {spec:50s} FAILED, not timed: {errs[spec]}",
               flush=True)
     times = time_case(dims, [s for s in variants if not isinstance(errs[s], str)],
-                      args.rounds)
+                      args.rounds, inputs)
     base = statistics.median(times["xla"]) if "xla" in times else None
     for spec, ts in times.items():
       med = statistics.median(ts)

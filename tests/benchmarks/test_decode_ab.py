@@ -168,9 +168,9 @@ def test_the_points_of_a_sweep_are_timed_with_the_given_variants(ab, monkeypatch
   path.write_text(json.dumps(dict(records=[dict(op="xuv", M=m, K=64, r=16, N=32)
                                            for m in (1, 2, 4)])))
   timed = []
-  monkeypatch.setattr(ab, "time_case", lambda dims, variants, rounds: timed.append(
+  monkeypatch.setattr(ab, "time_case", lambda dims, variants, rounds, inputs: timed.append(
       (dims, variants)) or {v: [1.0] for v in variants})
-  monkeypatch.setattr(ab, "check_case", lambda dims, variants: {v: 0.0 for v in variants})
+  monkeypatch.setattr(ab, "check_case", lambda dims, variants, inputs: {v: 0.0 for v in variants})
   out = tmp_path / "ab.json"
   ab.main(["--out", str(out), "--points", str(path), "--variants", "xla,,auto",
            "--shard", "2/2"])
