@@ -13,8 +13,9 @@ planner's plan), one of ``gpu_lowrank._xuv_variant``'s (``persistent:field=value
 set (switches read when a call is traced, e.g. ``LRJAX_TRITON_LAUNCH``), or
 ``triton_call+variant``: that variant under launch mode xla_triton with every call of the
 persistent X·U·V decode kernel handed to XLA's Triton call, whatever its plan
-(``planner.xla_triton_serves`` set aside; e.g. ``triton_call+pv_xla``, phase 1 alone, which the
-rule keeps on the PTX call). ``env:...+triton_call+variant`` combines both.
+(``planner.xla_triton_serves`` set aside; e.g. ``triton_call+persistent:cols_r=160``, phase-1
+tiles narrower than their block, which the rule keeps on the PTX call).
+``env:...+triton_call+variant`` combines both.
 
 Before a case is timed, each variant's output on its first layer is compared with an f32
 reference ((x·u)·v at full precision): each record holds its ``rel_err`` and whether it is
@@ -165,11 +166,11 @@ def xla_triton_serves(m: int, k: int, r: int, n: int, sms: int) -> bool:
   """Whether launch mode xla_triton hands the default plan of x [m, k] · u [k, r] · v [r, n]
   (no bias) on ``sms`` SMs to XLA's Triton call (planner.xla_triton_serves), as
   xuv_decode.xuv_decode plans it: the persistent kernel up to PERSISTENT_MAX_M rows, phase 1
-  alone from PV_XLA_MIN_M."""
+  alone where xuv_decode.default_pv says "xla"."""
   planner, xuv_decode = _kernel_modules()
   if m > xuv_decode.PERSISTENT_MAX_M:
     return False
-  pv = xuv_decode.default_pv(m)
+  pv = xuv_decode.default_pv(m, n)
   plan = xuv_decode.plan_persistent(m, k, r, n, pv, sms)
   meta = xuv_decode.persistent_launch_plan(m, k, r, n, False, plan, pv == "kernel")["meta"]
   return planner.xla_triton_serves(xuv_decode._xuv_decode_persistent_kernel.__name__, meta)

@@ -59,7 +59,8 @@ caller's ``out=``) and kernels that need Triton's global scratch stay with jaxli
 Triton's frontend TTIR with the scalars as constants: XLA compiles it with its own Triton and
 launches it; the other calls take the PTX call. On the same weights (75 decode points,
 session 28) its 48 served plans took 0.12 us a call less on average than through the PTX call
-(0.89 us less at most, 0.16 us more at most); one plan of masked phase-1 tiles, now left to
+(0.89 us less at most, 0.16 us more at most), and at 64-128 rows the phase-1-only plans
+0.23 us less (22 points, session 31); one plan of masked phase-1 tiles, now left to
 the PTX call, was 2.3 us slower (session 27). XLA's Triton compiled the grouped and SwiGLU
 decode kernels to more shared memory than an H200 CTA has, so they stay on the PTX call.
 

@@ -771,15 +771,18 @@ XLA_TRITON_KERNELS = ("_xuv_decode_persistent_kernel",)
 def xla_triton_serves(kernel: str, meta: dict) -> bool:
   """Whether launch mode xla_triton hands a call of ``kernel`` (the Triton function's name)
   with constexprs ``meta`` to XLA's Triton call rather than its PTX call: the persistent X·U·V
-  decode kernel with phase 2 in the kernel and phase-1 tiles of all BLOCK_R columns or V
-  resident. Same weights on an H200: such plans 0.12 us faster a call on average over the 48
+  decode kernel with phase-1 tiles of all BLOCK_R columns or V resident. Same weights on an
+  H200: such plans with phase 2 in the kernel 0.12 us faster a call on average over the 48
   decode points up to 32 rows (session 28, results/gpu_xuv_decode_points_ab_h200.json),
   mostly from the programmatic dependent launch XLA gives its Triton calls and not its PTX
   call (0.31 us faster at 4096->2560->14336 M=2, 0.07 with --xla_gpu_enable_pdl=false);
-  phase-1 tiles of 160 of 256 columns 2.3 us slower (8192->2456->8192, M=8, with PDL off too)
-  and 0.14 us slower (8192->2432->8192) (sessions 27 and 29,
-  results/gpu_xuv_decode_xla_triton_h200.json, results/gpu_xla_triton_build_h200.json)."""
-  return (kernel in XLA_TRITON_KERNELS and bool(meta["PV"])
+  phase 1 alone (PV=0, XLA's GEMM applies V; plan_decode_phase1's whole tiles) 0.23 us faster
+  on average over the 22 points at 64 and 128 rows (0.23-0.61 faster at 15, 0.07-0.36 slower
+  at 7; session 31, results/gpu_xuv_decode_wide_m_ab_h200.json); phase-1 tiles of 160 of 256
+  columns 2.3 us slower (8192->2456->8192, M=8, with PDL off too) and 0.14 us slower
+  (8192->2432->8192) (sessions 27 and 29, results/gpu_xuv_decode_xla_triton_h200.json,
+  results/gpu_xla_triton_build_h200.json)."""
+  return (kernel in XLA_TRITON_KERNELS
           and (meta["COLS_R"] == meta["BLOCK_R"] or bool(meta["V_RES"])))
 
 

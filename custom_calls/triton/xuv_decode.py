@@ -47,7 +47,10 @@ takes ``planner.plan_decode_phase1``'s tiles: the fewest split-K partials (f32 a
 M x r x 4 bytes each) that still give every CTA a tile. Measured (results/
 gpu_xuv_decode_pv_h200.json, then the sweep's run 12): M=128 0.96-1.03x XLA where the fused
 kernel was 0.69-0.74x; M=64 0.94-1.01x (fused 0.81-1.00x). At M=16 and 32 the split, timed
-only on the fused kernel's phase-1 tiles, was 2-10 % slower than the fused kernel.
+only on the fused kernel's phase-1 tiles, was 2-10 % slower than the fused kernel. At exactly
+64 rows (one 64-row block) the fused kernel stays where N <= PV_KERNEL_MAX_N: there its V
+phase is small and it measured ahead of the split (session 31, 1.045x and 1.025x XLA at
+4096->152->4096 and 4096->1216->4096).
 
 **Tiled** (``_xuv_decode_kernel``): one CTA per tile. Stage-1 CTAs (split_k x
 ceil(r/block_r), block_r = 256: 512-byte row segments) come first in the grid, r-block-
@@ -136,6 +139,12 @@ PERSISTENT_MAX_M = 128
 # against the fused kernel it took 23-30 % less time at M=128 and from 1 % more to 19 % less
 # at M=64 (results/gpu_xuv_decode_pv_h200.json, run 2); at M=16, 32 see the docstring
 PV_XLA_MIN_M = 64
+# ...but at 64 rows (a whole 64-row block, which 33-64 rows share) the fused kernel keeps V
+# where N is at most this: same weights, it took 0.0-2.1 us less than phase 1 + XLA's GEMM
+# on the six decode shapes with N <= 4096 and 0.8-5.7 us more on the five wider ones
+# (session 31, results/gpu_xuv_decode_wide_m_ab_h200.json); at 128 rows it lost on four of
+# those six
+PV_KERNEL_MAX_N = 4096
 
 
 @triton.jit
@@ -559,10 +568,15 @@ def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
               p16=m * r if p.p16 else 1)
 
 
-def default_pv(m: int, out_given: bool = False) -> str:
+def default_pv(m: int, n: int, out_given: bool = False) -> str:
   """Who applies V on the persistent schedule unless the caller says: XLA's GEMM ("xla") from
-  PV_XLA_MIN_M rows, unless the caller passes the kernel's output buffer; else the kernel."""
-  return "xla" if m >= PV_XLA_MIN_M and not out_given else "kernel"
+  PV_XLA_MIN_M rows, except at that many rows with N <= PV_KERNEL_MAX_N, and unless the caller
+  passes the kernel's output buffer; else the kernel."""
+  if out_given or m < PV_XLA_MIN_M:
+    return "kernel"
+  if planner.next_pow2(m) == PV_XLA_MIN_M and n <= PV_KERNEL_MAX_N:
+    return "kernel"
+  return "xla"
 
 
 def plan_persistent(m: int, k: int, r: int, n: int, pv: str,
@@ -589,8 +603,7 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
   M <= PERSISTENT_MAX_M.
   ``pv``: who applies V on the persistent schedule: "kernel" (phase 2 in the same launch)
   or "xla" (the kernel ends with P = X·U rounded once, then XLA's GEMM multiplies it by V,
-  as XLA's own lowering does); default: "xla" from PV_XLA_MIN_M rows unless ``out`` is
-  given.
+  as XLA's own lowering does); default: ``default_pv``.
   ``_stages``: benchmarking only (1: stage 1 alone, 2: stage 2 alone; the output is wrong).
   ``_probe``: benchmarking only, the persistent kernel's PROBE bits (the output is wrong).
   """
@@ -616,7 +629,7 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
                        "(persistent=False); pass a planner.PersistentDecodePlan instead")
     if m > MAX_M:
       raise ValueError(f"{m} rows: the persistent decode kernel serves M <= {MAX_M}")
-    pv = pv or default_pv(m, out is not None)
+    pv = pv or default_pv(m, n, out is not None)
     p = persistent if isinstance(persistent, planner.PersistentDecodePlan) else \
         plan_persistent(m, k, r, n, pv, num_sms())
     if pv == "xla" and out is not None:

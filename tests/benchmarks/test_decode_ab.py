@@ -107,8 +107,8 @@ def test_a_variant_that_fails_is_recorded_and_the_rest_go_on(ab, monkeypatch, tm
 
 def test_triton_call_forces_xla_tritons_call_for_the_persistent_kernel(ab, monkeypatch):
   """triton_call+variant: launch mode xla_triton and the persistent X·U·V kernel handed to
-  XLA's Triton call on any plan (here phase 1 alone, PV=0, which the rule keeps on the PTX
-  call); the rule and the environment come back after."""
+  XLA's Triton call on any plan (here phase-1 tiles of 160 of 256 columns, which the rule
+  keeps on the PTX call); the rule and the environment come back after."""
   pytest.importorskip("triton")
   planner, xuv_decode = ab._kernel_modules()
   name = xuv_decode._xuv_decode_persistent_kernel.__name__
@@ -202,7 +202,7 @@ def test_merge_joins_the_shards_of_one_run_and_names_xla_tritons_plans(ab, tmp_p
   ab.main(["--merge", b, a, "--out", str(out), "--note", "two GPUs"])
   got = json.loads(out.read_text())
   assert [(r["M"], r["shard"], r["xla_triton_serves"]) for r in got["records"]] == [
-      (2, "1/2", True), (4, "1/2", True), (8, "2/2", False), (64, "2/2", False)]
+      (2, "1/2", True), (4, "1/2", True), (8, "2/2", False), (64, "2/2", True)]
   assert got["meta"]["sms"] == 132 and got["meta"]["note"] == "two GPUs"
   assert [s["file"] for s in got["meta"]["shards"]] == ["a.json", "b.json"]
   assert "shard" not in got["meta"] and "date" not in got["meta"]

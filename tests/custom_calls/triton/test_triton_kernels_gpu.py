@@ -529,6 +529,28 @@ def test_launchers_agree(monkeypatch, mode):
       assert_close(got, want, dtype, factor=2.0)
 
 
+@pytest.mark.parametrize("shape", [(64, 1000, 2560, 8200), (100, 320, 256, 384),
+                                   (128, 4096, 1024, 1000), (64, 384, 136, 200)])
+def test_wide_decode_plans_through_xlas_triton_call(monkeypatch, shape):
+  """LRJAX_TRITON_LAUNCH=xla_triton at 64-128 rows: the wrapper's own plan (phase 1 alone,
+  then XLA's GEMM, where xuv_decode.default_pv says so) goes to XLA's Triton call exactly where
+  planner.xla_triton_serves names it, and the output (with a bias) matches the reference."""
+  from lrjax.custom_calls.triton import xuv_decode
+  monkeypatch.setenv("LRJAX_TRITON_LAUNCH", "xla_triton")
+  m, k, r, n = shape
+  dtype = jnp.bfloat16
+  x, b = randn((m, k), dtype), randn((n,), dtype)
+  u, v = lr_factors(k, r, n, dtype)
+  pv = xuv_decode.default_pv(m, n)
+  p = xuv_decode.plan_persistent(m, k, r, n, pv, xuv_decode.num_sms())
+  meta = xuv_decode.persistent_launch_plan(m, k, r, n, True, p, pv == "kernel")["meta"]
+  serves = planner.xla_triton_serves(xuv_decode._xuv_decode_persistent_kernel.__name__, meta)
+  f = jax.jit(lambda x, u, v, b: xuv_decode.xuv_decode(x, u, v, b)).lower(x, u, v, b).compile()
+  assert f.as_text().count(f'custom_call_target="{planner.XLA_TRITON_TARGET}"') == serves, pv
+  for _ in range(2):
+    assert_close(f(x, u, v, b), xuv_ref(x, u, v, b, dtype), dtype)
+
+
 @pytest.mark.parametrize("mode", ["jaxlib", "lrjax"])
 @pytest.mark.parametrize("cfg", [dict(), dict(programs=7), dict(warps=4, ws=True),
                                  dict(warps=4, ws=True, programs=5, bn=128, stages=4)],

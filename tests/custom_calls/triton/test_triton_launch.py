@@ -136,12 +136,12 @@ def test_kernels_for_xlas_triton_call_take_their_buffers_alone():
       p = (planner.plan_decode_persistent if pv else planner.plan_decode_phase1)(m, k, r, n)
       return planner.xla_triton_serves("_xuv_decode_persistent_kernel",
           xuv_decode.persistent_launch_plan(m, k, r, n, False, p, pv=pv)["meta"])
-    # timed on the same weights (session 27): whole or V-resident phase-1 tiles gained,
-    # tiles of 160 of 256 columns lost; phase 1 alone (XLA applies V) was not timed
+    # timed on the same weights (sessions 27, 31): whole or V-resident phase-1 tiles gained,
+    # phase 1 alone (XLA applies V) too on average, tiles of 160 of 256 columns lost
     assert serves(2, 4096, 2560, 14336) and serves(4, 4096, 152, 4096)
     assert serves(1, 8192, 4096, 16384) and serves(2, 8192, 2456, 8192)
     assert not serves(8, 8192, 2456, 8192) and not serves(8, 8192, 2432, 8192)
-    assert not serves(64, 4096, 2560, 14336, pv=False)
+    assert serves(64, 4096, 2560, 14336, pv=False) and serves(128, 8192, 2456, 8192, pv=False)
     p = planner.plan_decode_persistent(2, 4096, 2560, 14336)
     meta = xuv_decode.persistent_launch_plan(2, 4096, 2560, 14336, False, p)["meta"]
     assert not planner.xla_triton_serves("_xuv_group_kernel", meta)
@@ -337,9 +337,9 @@ def test_a_prefetch_that_is_not_a_power_of_two_is_refused_by_name():
 
 def test_the_decode_wrapper_launches_the_planners_persistent_plan():
   """xuv_decode.xuv_decode on 132 SMs (the launch recorded, not run): below PV_XLA_MIN_M rows
-  the persistent kernel with phase 2, from it phase 1 alone (XLA applies V) unless out= is
-  given; each call's grid and constexprs are persistent_launch_plan's of plan_persistent's
-  plan for that many SMs."""
+  the persistent kernel with phase 2, from it phase 1 alone (XLA applies V), except at 64
+  rows with N <= PV_KERNEL_MAX_N and where out= is given; each call's grid and constexprs are
+  persistent_launch_plan's of plan_persistent's plan for that many SMs."""
   out = run_script(STUB + textwrap.dedent('''
     import jax, jax.numpy as jnp
     from lrjax.custom_calls.triton import launch, xuv_decode
@@ -349,16 +349,19 @@ def test_the_decode_wrapper_launches_the_planners_persistent_plan():
       return tuple(jnp.zeros(s.shape, s.dtype) for s in out_shape)
     launch.triton_call = record
     xuv_decode.num_sms = lambda: 132
-    k, r, n = 512, 200, 1000
-    u = jnp.zeros((k, r), jnp.bfloat16)
-    v = jnp.zeros((r, n), jnp.bfloat16)
-    for m, given in ((2, False), (64, False), (64, True)):
+    k, r = 512, 200
+    assert (xuv_decode.PV_XLA_MIN_M, xuv_decode.PV_KERNEL_MAX_N) == (64, 4096)
+    for m, n, given, pv in ((2, 8200, False, "kernel"), (63, 8200, False, "kernel"),
+                            (64, 4096, False, "kernel"), (64, 4097, False, "xla"),
+                            (65, 1000, False, "xla"), (128, 1000, False, "xla"),
+                            (64, 8200, True, "kernel"), (128, 1000, True, "kernel")):
+      u = jnp.zeros((k, r), jnp.bfloat16)
+      v = jnp.zeros((r, n), jnp.bfloat16)
       x = jnp.zeros((m, k), jnp.bfloat16)
       o = jnp.zeros((m, n), jnp.bfloat16) if given else None
       y = xuv_decode.xuv_decode(x, u, v, out=o)
       assert y.shape == (m, n), y.shape
-      pv = xuv_decode.default_pv(m, given)
-      assert pv == ("xla" if m >= xuv_decode.PV_XLA_MIN_M and not given else "kernel")
+      assert xuv_decode.default_pv(m, n, given) == pv, (m, n, given)
       p = xuv_decode.plan_persistent(m, k, r, n, pv, 132)
       want = xuv_decode.persistent_launch_plan(m, k, r, n, False, p, pv == "kernel")
       name, grid, kw = calls.pop()
