@@ -310,9 +310,13 @@ def test_phase1_plan_takes_fewest_splits_with_a_tile_per_cta(m, k, r, n):
   """xuv_decode(pv="xla")'s phase-1 tiles: 128 columns (64 at r <= 1024), K ranges of whole
   64-row steps covering K, at most one tile per CTA (unless the columns alone outnumber the
   CTAs), and K ranges as long as that allows: one 64-row step shorter, the tiles would
-  outnumber the CTAs."""
+  outnumber the CTAs; 4 pipeline stages on the 128-column tiles (measured faster), the fused
+  plan's 3 on 64."""
   p = planner.plan_decode_phase1(m, k, r, n, programs=132)
   assert p.cols_r == p.block_r == (64 if r <= 1024 else 128)
+  assert p.stages == (3 if r <= 1024 else 4) == (
+      planner.plan_decode_persistent(m, k, r, n).stages if r <= 1024
+      else planner.PHASE1_WIDE_STAGES)
   assert p.k_per % 64 == 0 and p.k_per > 0 and p.p16 and p.r_chunks == 1
   n_rb = planner.cdiv(r, p.cols_r)
   assert n_rb * planner.cdiv(k, p.k_per) <= max(132, n_rb)
