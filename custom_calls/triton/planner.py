@@ -544,7 +544,8 @@ def _v_resident_plan(m: int, k: int, r: int, n: int, g: int, bw: float, fill_us:
 # Pipeline stages of the phase-1-only plan's 128-column tiles (r > 1024): 4 instead of the
 # fused plan's 3 from 64 rows took 0.5-2.4 us off a call at M = 64/128 on 8192->2456->8192,
 # 4096->2560->14336 and 8192->4096->16384 (same weights, session 31,
-# results/gpu_xuv_decode_phase1_stages_h200.json); 64-column tiles keep 3 (not timed)
+# results/gpu_xuv_decode_phase1_stages_h200.json); 64-column tiles keep 3 (4 measured
+# 0.2-0.7 us faster at K >= 4096, 0.1-0.2 slower at K = 2048: not yet adopted, gpu_notes.md)
 PHASE1_WIDE_STAGES = 4
 
 
