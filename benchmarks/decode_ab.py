@@ -170,10 +170,9 @@ def xla_triton_serves(m: int, k: int, r: int, n: int, sms: int) -> bool:
   planner, xuv_decode = _kernel_modules()
   if m > xuv_decode.PERSISTENT_MAX_M:
     return False
-  pv = xuv_decode.default_pv(m, n)
-  plan = xuv_decode.plan_persistent(m, k, r, n, pv, sms)
-  meta = xuv_decode.persistent_launch_plan(m, k, r, n, False, plan, pv == "kernel")["meta"]
-  return planner.xla_triton_serves(xuv_decode._xuv_decode_persistent_kernel.__name__, meta)
+  launch = xuv_decode.default_persistent_launch(m, k, r, n, False, sms)[2]
+  return planner.xla_triton_serves(xuv_decode._xuv_decode_persistent_kernel.__name__,
+                                   launch["meta"])
 
 
 MERGE_SAME = ("machine", "jax", "triton", "rounds", "sms")  # meta the shards of one run share

@@ -184,11 +184,9 @@ def planned():
       yield f"group M={m} K={k}", xuv_decode._xuv_group_kernel, meta, p.warps, p.stages
   for m in (1, 16, 32, 64, 128):
     for k, r, n in XUV_SHAPES:
-      pv = xuv_decode.default_pv(m, n)
-      p = xuv_decode.plan_persistent(m, k, r, n, pv, None)
-      meta = xuv_decode.persistent_launch_plan(m, k, r, n, False, p, pv=pv == "kernel")["meta"]
-      yield (f"xuv decode M={m} {k}->{r}->{n}", xuv_decode._xuv_decode_persistent_kernel, meta,
-             p.warps, p.stages)
+      _, p, launch = xuv_decode.default_persistent_launch(m, k, r, n, False, None)
+      yield (f"xuv decode M={m} {k}->{r}->{n}", xuv_decode._xuv_decode_persistent_kernel,
+             launch["meta"], p.warps, p.stages)
     for d, f, r in MLP_SHAPES:
       bs = mlp_decode.BlockSizes.get_default(m, d, f, r, d)
       meta = mlp_decode.launch_plan(m, d, r, f, r, d, bs=bs, **kw)["meta"]

@@ -572,9 +572,7 @@ def default_pv(m: int, n: int, out_given: bool = False) -> str:
   """Who applies V on the persistent schedule unless the caller says: XLA's GEMM ("xla") from
   PV_XLA_MIN_M rows, except at that many rows with N <= PV_KERNEL_MAX_N, and unless the caller
   passes the kernel's output buffer; else the kernel."""
-  if out_given or m < PV_XLA_MIN_M:
-    return "kernel"
-  if planner.next_pow2(m) == PV_XLA_MIN_M and n <= PV_KERNEL_MAX_N:
+  if out_given or m < PV_XLA_MIN_M or (m == PV_XLA_MIN_M and n <= PV_KERNEL_MAX_N):
     return "kernel"
   return "xla"
 
@@ -585,6 +583,17 @@ def plan_persistent(m: int, k: int, r: int, n: int, pv: str,
   SMs): phase 1 alone where XLA applies V (``pv="xla"``), both phases otherwise."""
   plan_fn = planner.plan_decode_phase1 if pv == "xla" else planner.plan_decode_persistent
   return plan_fn(m, k, r, n, programs=programs)
+
+
+def default_persistent_launch(m: int, k: int, r: int, n: int, has_bias: bool,
+                              programs: int | None) -> tuple[str, "planner.PersistentDecodePlan",
+                                                             dict]:
+  """(pv, plan, launch) of the wrapper's default persistent call without ``out``:
+  ``default_pv``'s choice, ``plan_persistent``'s tiles on ``programs`` CTAs and their
+  ``persistent_launch_plan`` (for the benchmarks and tests that ask what a call runs)."""
+  pv = default_pv(m, n)
+  p = plan_persistent(m, k, r, n, pv, programs)
+  return pv, p, persistent_launch_plan(m, k, r, n, has_bias, p, pv == "kernel")
 
 
 def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | None = None,

@@ -541,10 +541,9 @@ def test_wide_decode_plans_through_xlas_triton_call(monkeypatch, shape):
   dtype = jnp.bfloat16
   x, b = randn((m, k), dtype), randn((n,), dtype)
   u, v = lr_factors(k, r, n, dtype)
-  pv = xuv_decode.default_pv(m, n)
-  p = xuv_decode.plan_persistent(m, k, r, n, pv, xuv_decode.num_sms())
-  meta = xuv_decode.persistent_launch_plan(m, k, r, n, True, p, pv == "kernel")["meta"]
-  serves = planner.xla_triton_serves(xuv_decode._xuv_decode_persistent_kernel.__name__, meta)
+  pv, _, launch = xuv_decode.default_persistent_launch(m, k, r, n, True, xuv_decode.num_sms())
+  serves = planner.xla_triton_serves(xuv_decode._xuv_decode_persistent_kernel.__name__,
+                                     launch["meta"])
   f = jax.jit(lambda x, u, v, b: xuv_decode.xuv_decode(x, u, v, b)).lower(x, u, v, b).compile()
   assert f.as_text().count(f'custom_call_target="{planner.XLA_TRITON_TARGET}"') == serves, pv
   for _ in range(2):

@@ -368,6 +368,8 @@ def test_the_decode_wrapper_launches_the_planners_persistent_plan():
       assert name == "_xuv_decode_persistent_kernel" and grid == (want["grid"],), (name, grid)
       assert all(kw[key] == val for key, val in want["meta"].items()), (m, given)
       assert kw["PV"] == (pv == "kernel") and p.programs == 132
+      if not given:  # the benchmarks' and tests' account of the same call
+        assert xuv_decode.default_persistent_launch(m, k, r, n, False, 132) == (pv, p, want)
     print("ok")
   '''), interpret=False)
   assert out.strip().endswith("ok")
