@@ -66,8 +66,8 @@ import triton.language as tl
 from lrjax.custom_calls.triton import launch, planner
 from lrjax.custom_calls.triton._common import (check_out, join_chain, last_arrival,
                                                leave_chain, mm_acc, mm_acc2, num_sms,
-                                               prefetch_l2, round_once,
-                                               signal, splitr_out_tile, swiglu_epilogue,
+                                               prefetch_l2, round_once, signal,
+                                               splitr_out_tile, stamp, swiglu_epilogue,
                                                wait_at_least)
 
 ACT_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "relu": 3}
@@ -99,6 +99,11 @@ class BlockSizes:
   cols_f: int = 0  # D_ff columns a stage-B slice owns (<= block_f, the rest masked; 0: block_f)
   h_inline: bool = False  # park_h: stage-B CTAs run their split's stage-H tiles themselves,
                           # splits of ceil(r_d / block_h) slices (one tile each) by default
+  # L2 prefetch before a CTA's first wait (rows, 0 or a power of two): stage B's first rows of
+  # its Vg, Vu slices, stage H's of its U_d tile, stage C's of its V_d tile
+  prefetch: int = 0
+  prefetch_h: int = 0
+  prefetch_c: int = 0
 
   @classmethod
   def get_default(cls, m: int, d: int, f: int, r: int, d_out: int, *,
@@ -113,6 +118,24 @@ class BlockSizes:
     max_split = max(1, d // (8 * t.block_k))  # >= 8 pipelined K steps per CTA
     n_rb = planner.cdiv(r, t.block_r)
     split = max(1, min(max_split, planner.cdiv(2 * planner.H200.num_sms, n_rb)))
+    if bm <= 16 and n_rb * split < planner.H200.num_sms:
+      # stage A in one wave that leaves SMs idle (one CTA an SM at T <= 16): split D finer,
+      # to >= 2 K steps a CTA, so that it fills them. Same weights, T = 1-16: 1.0-1.7 us
+      # less on Llama-3.2-1B (40 -> 110 CTAs), 0.2-2.3 on Llama-3-8B r=1024 (64 -> 128),
+      # 2.1-2.2 on Qwen2.5-7B (112 -> 128). Where stage A already takes two waves (8B
+      # r=2560, 70B), fewer, longer splits in one wave were 3-5 us slower: stage B starts on
+      # the first wave's rank chunks (results/gpu_mlp_decode_trace_splits_h200.json)
+      split = max(split, min(planner.H200.num_sms // n_rb, d // (2 * t.block_k)))
+    a_chunks = t.a_chunks
+    k_per = planner.cdiv(planner.cdiv(d, split), t.block_k) * t.block_k  # as launch_plan
+    if bm <= 16 and n_rb * planner.cdiv(d, k_per) <= planner.H200.num_sms:
+      # stage A in one wave completes every chunk of Pg/Pu at about the same time, so stage B
+      # gains nothing from consuming them chunk by chunk and pays a pipeline refill per
+      # chunk: one chunk, same weights, 0.0-5.1 us less at T = 1-16 (1B T=4/16 -3.2/-3.6,
+      # 8B r=1024 -1.4/-0.7, Qwen2.5-7B -0.35/0.0, Gemma-7B -5.1/-4.9; two chunks -2.5 at
+      # the 1B T=1). Where stage A takes two waves the first wave's chunks let stage B start
+      # early (Phi-3-medium: one chunk +3.4) (results/gpu_mlp_decode_trace_splits_h200.json)
+      a_chunks = 1
     warps = t.num_warps if bm <= 32 else 8  # [bm, block_f] x2 f32 accumulators per CTA
     block_f, stages = t.block_f, t.num_stages
     block_rd, sms = t.block_rd, planner.H200.num_sms
@@ -156,8 +179,8 @@ class BlockSizes:
       h_per_sm = 4
     # p16: stage B reads Pg, Pu in bf16, 1-3 % faster on Llama-3-8B r=2560 and 3.2-1B
     # (results/gpu_decode_p16_h200.json)
-    return dataclasses.replace(t, block_m=bm, block_k=block_k, split_k=split, num_warps=warps,
-                               block_f=block_f, block_rd=block_rd, num_stages=stages, p16=True,
+    return dataclasses.replace(t, block_m=bm, block_k=block_k, split_k=split, a_chunks=a_chunks,
+                               num_warps=warps, block_f=block_f, block_rd=block_rd, num_stages=stages, p16=True,
                                park_h=park, h_per_sm=h_per_sm)
 
 
@@ -245,12 +268,13 @@ def _down_slice(fb,  # slice of the intermediate dim
                 BLOCK_F: tl.constexpr, COLS_F: tl.constexpr, BLOCK_RD: tl.constexpr,
                 BLOCK_KR: tl.constexpr, EVEN_R: tl.constexpr, STREAM: tl.constexpr,
                 P16: tl.constexpr, S_FLUSH: tl.constexpr, PARK_H: tl.constexpr, h_ptr,
-                h_cnt_ptr, SLICES_PER_SPLIT: tl.constexpr):
+                h_cnt_ptr, SLICES_PER_SPLIT: tl.constexpr, trace_ptr, TRACE: tl.constexpr):
   """One COLS_F-wide slice h of the intermediate, consuming Pg/Pu chunk by chunk as they
   complete, projected straight into S (the down factor's rank space); then the counter.
   P16: pg_ptr/pu_ptr are the rounded copies (one signal per column block, not per tile).
   PARK_H: h is stored to h_ptr [M, F] instead, and its stage-H split's counter signalled.
-  STREAM=False only waits and signals (phase timing)."""
+  STREAM=False only waits and signals (phase timing). TRACE: ``stamp`` slots 1 and 2 when
+  the first and the last chunk's waits end."""
   offs_f = fb * COLS_F + tl.arange(0, BLOCK_F)
   f_mask = offs_f < F
   if COLS_F < BLOCK_F:
@@ -262,6 +286,10 @@ def _down_slice(fb,  # slice of the intermediate dim
       wait_at_least(cnt_ptr + c, tl.minimum(n_r - c * RB_PER_CHUNK, RB_PER_CHUNK))
     else:
       wait_at_least(cnt_ptr + c, tl.minimum(n_r - c * RB_PER_CHUNK, RB_PER_CHUNK) * SPLIT_K)
+    if c == 0:
+      stamp(trace_ptr, 1, TRACE)
+    if c == A_CHUNKS - 1:
+      stamp(trace_ptr, 2, TRACE)
     if STREAM:
       if GATED:
         acc_g, acc_u = mm_acc2(acc_g, acc_u, pg_ptr, pu_ptr, vg_ptr, vu_ptr, offs_m, offs_f,
@@ -289,14 +317,22 @@ def _park_h_tile(q,  # stage-H tile: split of D_ff (major), column block of the 
                  h_ptr, ud_ptr, s_ptr, cnt_ptr, h_cnt_ptr, offs_m, m_mask, n_b,
                  F: tl.constexpr, RD: tl.constexpr, A_CHUNKS: tl.constexpr,
                  F_PER: tl.constexpr, SLICES_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_H: tl.constexpr, BLOCK_KR: tl.constexpr, EVEN_F: tl.constexpr):
+                 BLOCK_H: tl.constexpr, BLOCK_KR: tl.constexpr, EVEN_F: tl.constexpr,
+                 PREFETCH: tl.constexpr, trace_ptr, TRACE: tl.constexpr):
   """S += h[:, split] · Ud[split, cols] once the stage-B slices of its split have parked h
-  (f32 atomics into S, one partial per split), then the counter stage C waits on."""
+  (f32 atomics into S, one partial per split), then the counter stage C waits on. PREFETCH:
+  the tile's first U_d rows into L2 before the wait; TRACE: ``stamp`` slots 1, 2 when the
+  wait ends."""
   n_cb = (RD + BLOCK_H - 1) // BLOCK_H
   j = q // n_cb
   offs_c = (q % n_cb) * BLOCK_H + tl.arange(0, BLOCK_H)
   c_mask = offs_c < RD
+  if PREFETCH > 0:
+    prefetch_l2(ud_ptr, j * F_PER, (q % n_cb) * BLOCK_H, tl.minimum(F, j * F_PER + F_PER), RD,
+                RD, PREFETCH, BLOCK_H)
   wait_at_least(h_cnt_ptr + j, tl.minimum(n_b - j * SLICES_PER_SPLIT, SLICES_PER_SPLIT))
+  stamp(trace_ptr, 1, TRACE)
+  stamp(trace_ptr, 2, TRACE)
   acc = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
   acc = mm_acc(acc, h_ptr, ud_ptr, offs_m, offs_c, m_mask, c_mask, j * F_PER, j * F_PER + F_PER,
                F, F, RD, BLOCK_KR, EVEN_F, True)
@@ -341,12 +377,18 @@ def _mlp_decode_kernel(
     COLS_F: tl.constexpr,  # D_ff columns per stage-B slice (<= BLOCK_F; the rest masked)
     H_INLINE: tl.constexpr,  # PARK_H: each stage-B CTA then runs stage-H tiles of its own
                              # split (no stage-H CTAs of their own)
+    PREFETCH: tl.constexpr = 0, PREFETCH_H: tl.constexpr = 0,  # BlockSizes.prefetch{,_h,_c}
+    PREFETCH_C: tl.constexpr = 0,
     WORK_OFF: tl.constexpr = 0,  # the scratch chain's offset of this call's half (launch.py)
     PDL: tl.constexpr = 0,  # launched as a programmatic dependent (launch.py, join_chain)
+    TRACE: tl.constexpr = 0,  # timing only (output right): each CTA stamps its entry, first
+                              # and last wait ends, work end and exit into o_in_ptr as int64
+                              # [grid, 8] (_common.stamp; benchmarks/mlp_trace.py)
 ):
   pid = tl.program_id(0)
   chain_ptr = scratch_ptr
   scratch_ptr = join_chain(scratch_ptr, WORK_OFF, PDL)
+  stamp(o_in_ptr, 0, TRACE)
   pg_ptr = scratch_ptr
   pu_ptr = scratch_ptr + M * R
   s_ptr = scratch_ptr + 2 * M * R
@@ -378,11 +420,15 @@ def _mlp_decode_kernel(
              BLOCK_R, BLOCK_R, EVEN_D, True, P16, pg16_ptr, pu16_ptr, rb_cnt_ptr, SPLIT_K)
   elif pid < n_a + n_b:
     # ---- stage B: one slice of the intermediate dim, projected straight into rank space
+    if PREFETCH > 0:  # the first rows of its Vu (Vg) slice load while it waits
+      prefetch_l2(vu_ptr, 0, (pid - n_a) * COLS_F, R, F, F, PREFETCH, BLOCK_F)
+      if GATED:
+        prefetch_l2(vg_ptr, 0, (pid - n_a) * COLS_F, R, F, F, PREFETCH, BLOCK_F)
     _down_slice(pid - n_a, pg16_ptr if P16 else pg_ptr, pu16_ptr if P16 else pu_ptr, vg_ptr,
                 bg_ptr, vu_ptr, bu_ptr, ud_ptr, s_ptr, cnt_ptr, offs_m, m_mask, n_r, R, F, RD,
                 GATED, ACT, HAS_BG, HAS_BU, SPLIT_K, A_CHUNKS, RB_PER_CHUNK,
                 RB_PER_CHUNK * BLOCK_R, BLOCK_M, BLOCK_F, COLS_F, BLOCK_RD, BLOCK_KR, EVEN_R,
-                True, P16, S_FLUSH, PARK_H, h_ptr, h_cnt_ptr, F_PER // COLS_F)
+                True, P16, S_FLUSH, PARK_H, h_ptr, h_cnt_ptr, F_PER // COLS_F, o_in_ptr, TRACE)
     if H_INLINE:
       # the split's slices share its n_cb tiles (the last split may have fewer slices):
       # S gets one partial per split instead of one per slice. Deadlock-free as long as
@@ -395,23 +441,32 @@ def _mlp_decode_kernel(
       for t in range(fb - first, n_cb, members):
         _park_h_tile(j * n_cb + t, h_ptr, ud_ptr, s_ptr, cnt_ptr, h_cnt_ptr, offs_m, m_mask,
                      n_b, F, RD, A_CHUNKS, F_PER, F_PER // COLS_F, BLOCK_M, BLOCK_H, BLOCK_KR,
-                     EVEN_F)
+                     EVEN_F, 0, o_in_ptr, False)
   elif pid < n_a + n_b + n_h_ctas:
     # ---- stage H (PARK_H): S += h · Ud, split over D_ff, each split once its slices parked h
     _park_h_tile(pid - n_a - n_b, h_ptr, ud_ptr, s_ptr, cnt_ptr, h_cnt_ptr, offs_m, m_mask, n_b,
-                 F, RD, A_CHUNKS, F_PER, F_PER // COLS_F, BLOCK_M, BLOCK_H, BLOCK_KR, EVEN_F)
+                 F, RD, A_CHUNKS, F_PER, F_PER // COLS_F, BLOCK_M, BLOCK_H, BLOCK_KR, EVEN_F,
+                 PREFETCH_H, o_in_ptr, TRACE)
   else:
     # ---- stage C: Y = S·Vd + bd, split over r_d chunks, once S is complete
     n_nb = (DO + BLOCK_N - 1) // BLOCK_N
     q = pid - n_a - n_b - n_h_ctas
+    if PREFETCH_C > 0:  # the first rows of its V_d tile load while it waits
+      row0 = (q // n_nb) * RD_PER
+      prefetch_l2(vd_ptr, row0, (q % n_nb) * BLOCK_N, tl.minimum(RD, row0 + RD_PER), DO, DO,
+                  PREFETCH_C, BLOCK_N)
     if PARK_H:
       wait_at_least(cnt_ptr + A_CHUNKS, n_h)
     else:
       wait_at_least(cnt_ptr + A_CHUNKS, n_b)
+    stamp(o_in_ptr, 1, TRACE)
+    stamp(o_in_ptr, 2, TRACE)
     splitr_out_tile(q % n_nb, q // n_nb, s_ptr, vd_ptr, bd_ptr, acc_ptr, sem_ptr, o_ptr,
                     M, RD, DO, RD_PER, C_CHUNKS, HAS_BD, BLOCK_M, BLOCK_N, BLOCK_KR, EVEN_RD,
                     BLOCK_N)
+  stamp(o_in_ptr, 3, TRACE)
   leave_chain(chain_ptr, clear_off, clear_n)
+  stamp(o_in_ptr, 4, TRACE)
 
 
 @triton.jit
@@ -478,7 +533,7 @@ def _mlp_decode_persistent_kernel(
                 vu_ptr, bu_ptr, ud_ptr, s_ptr, cnt_ptr, offs_m, m_mask, n_r, R, F, RD, GATED,
                 ACT, HAS_BG, HAS_BU, SPLIT_K, A_CHUNKS, RB_PER_CHUNK, RB_PER_CHUNK * COLS_R,
                 BLOCK_M, BLOCK_F, COLS_F, BLOCK_RD, BLOCK_KR, EVEN_R, (PHASES & 2) != 0, P16,
-                0, False, s_ptr, cnt_ptr, 1)  # S_FLUSH 0: atomics; h not parked
+                0, False, s_ptr, cnt_ptr, 1, o_in_ptr, False)  # S_FLUSH 0; h not parked
   # ---- phase C: Y = S·Vd + bd once every phase-B tile has landed in S
   if (PHASES & 4) != 0:
     if PREFETCH_C > 0:
@@ -495,6 +550,12 @@ def _mlp_decode_persistent_kernel(
 
 
 def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes) -> dict:
+  planner.check_prefetch_rows(bs, "prefetch", "prefetch_h", "prefetch_c")
+  for rows, width, name in ((bs.prefetch, bs.block_f, "block_f"),
+                            (bs.prefetch_h, bs.block_h, "block_h"),
+                            (bs.prefetch_c, bs.block_n, "block_n")):
+    if rows and width < 64:  # prefetch_l2 asks for one address per 64 columns
+      raise ValueError(f"{bs}: an L2 prefetch needs tiles of >= 64 columns ({name}={width})")
   cols_f = bs.cols_f or bs.block_f
   if not 0 < cols_f <= bs.block_f:
     raise ValueError(f"{bs.cols_f=} must be in [1, {bs.block_f=}] (0: block_f)")
@@ -535,7 +596,8 @@ def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes)
               and (rb_per_chunk * bs.block_r) % bs.block_kr == 0,
               EVEN_RD=rd % rd_per == 0, P16=bs.p16, S_FLUSH=0, PARK_H=bs.park_h,
               H_SPLITS=h_splits, F_PER=f_per, BLOCK_H=bs.block_h,
-              EVEN_F=f % f_per == 0, COLS_F=cols_f, H_INLINE=bs.h_inline)
+              EVEN_F=f % f_per == 0, COLS_F=cols_f, H_INLINE=bs.h_inline,
+              PREFETCH=bs.prefetch, PREFETCH_H=bs.prefetch_h, PREFETCH_C=bs.prefetch_c)
   scratch = (m * (2 * r + rd + d_out) + a_chunks + 1 + n_nb + (n_rb if bs.p16 else 0)
              + (h_splits if bs.park_h else 0))
   p16 = (2 * m * r if bs.p16 else 0) + (m * f if bs.park_h else 0)

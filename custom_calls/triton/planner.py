@@ -541,12 +541,15 @@ def _v_resident_plan(m: int, k: int, r: int, n: int, g: int, bw: float, fill_us:
                               4, 4, 0, t1 + fill_us, v_resident=True)
 
 
-# Pipeline stages of the phase-1-only plan's 128-column tiles (r > 1024): 4 instead of the
-# fused plan's 3 from 64 rows took 0.5-2.4 us off a call at M = 64/128 on 8192->2456->8192,
-# 4096->2560->14336 and 8192->4096->16384 (same weights, session 31,
-# results/gpu_xuv_decode_phase1_stages_h200.json); 64-column tiles keep 3 (4 measured
-# 0.2-0.7 us faster at K >= 4096, 0.1-0.2 slower at K = 2048: not yet adopted, gpu_notes.md)
+# Pipeline stages of the phase-1-only plan's tiles: 4 instead of the fused plan's 3 from 64
+# rows took 0.5-2.4 us off a call at M = 64/128 with 128-column tiles (r > 1024) on
+# 8192->2456->8192, 4096->2560->14336 and 8192->4096->16384
+# (results/gpu_xuv_decode_phase1_stages_h200.json), and 0.0-0.7 us with 64-column tiles where
+# K >= PHASE1_DEEP_MIN_K (4096->1024->14336 at M = 64/128, 8192->544->1024, 4096->512->1024
+# and 4096->152->4096 at M=128); at K = 2048 they were 0.1-0.2 us slower, so 3 stay there
+# (results/gpu_xuv_decode_stages_more_h200.json; same weights, session 31)
 PHASE1_WIDE_STAGES = 4
+PHASE1_DEEP_MIN_K = 4096
 
 
 def plan_decode_phase1(m: int, k: int, r: int, n: int, hw: Hardware = H200,
@@ -555,7 +558,8 @@ def plan_decode_phase1(m: int, k: int, r: int, n: int, hw: Hardware = H200,
   K into P, then XLA's GEMM applies V). From M=64 rows the f32 partials of split-K (M x r x
   4 bytes per split, added with atomics) rival U's own bytes, so this takes the fewest
   splits that still give every CTA a tile: 128-column tiles (64 at r <= 1024) over K ranges
-  as long as that allows, with PHASE1_WIDE_STAGES pipeline stages on 128-column tiles.
+  as long as that allows, with PHASE1_WIDE_STAGES pipeline stages on 128-column tiles or
+  where K >= PHASE1_DEEP_MIN_K.
   Against ``plan_decode_persistent``'s tiles it took 5-24 % less time at M=128 and 0-15 % at
   M=64 (results/gpu_xuv_decode_pv_h200.json, run 1)."""
   g = programs or hw.num_sms
@@ -566,7 +570,7 @@ def plan_decode_phase1(m: int, k: int, r: int, n: int, hw: Hardware = H200,
   base = plan_decode_persistent(m, k, r, n, hw, programs=g, v_resident=False,
                                 stream_k=False)
   est = _phase_us(n_rb * cdiv(k, k_per), k_per * cols * 2, g, 4.0e12, 1.5)
-  stages = PHASE1_WIDE_STAGES if cols == 128 else base.stages
+  stages = PHASE1_WIDE_STAGES if cols == 128 or k >= PHASE1_DEEP_MIN_K else base.stages
   return dataclasses.replace(base, block_r=cols, cols_r=cols, k_per=k_per, r_chunks=1,
                              p16=True, stages=stages, est_us=est)
 

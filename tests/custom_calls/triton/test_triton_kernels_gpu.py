@@ -221,7 +221,7 @@ MLP_SHAPES = [  # (M, D, F, r, r_d)
 @pytest.mark.parametrize("shape", MLP_SHAPES)
 @pytest.mark.parametrize("kind", ["decode", "decode_xla_zeroing", "decode_p16",
                                   "decode_park_h", "decode_cols_f", "decode_h_inline",
-                                  "persistent",
+                                  "decode_prefetch", "persistent",
                                   "persistent_small_grid",
                                   "persistent_small_grid_p16", "persistent_wide_rows",
                                   "prefill"])
@@ -259,6 +259,10 @@ def test_mlp_kernels(kind, shape, dtype, gated, act, bias):
     if kind == "decode_h_inline":  # h parked; stage-B CTAs project their split's h
       bs = dataclasses.replace(mlp_decode.BlockSizes.get_default(m, d, f, r, d), park_h=True,
                                h_inline=True, block_h=64)
+    if kind == "decode_prefetch":  # h parked; L2 prefetch before every stage's first wait
+      bs = dataclasses.replace(mlp_decode.BlockSizes.get_default(m, d, f, r, d), park_h=True,
+                               block_h=64, h_splits=3, prefetch=64, prefetch_h=32,
+                               prefetch_c=16)
     if kind == "decode_cols_f":  # stage-B slices own 16 columns fewer than their block
       bs = mlp_decode.BlockSizes.get_default(m, d, f, r, d)
       bs = dataclasses.replace(bs, cols_f=bs.block_f - 16)

@@ -304,19 +304,19 @@ def test_cpu_lowering_never_selects_triton():
 
 @pytest.mark.parametrize("k,r,n", [(8192, 4096, 16384), (4096, 2560, 14336),
                                    (8192, 2048, 16384), (4096, 1024, 14336), (4096, 152, 4096),
-                                   (200, 72, 130), (40, 1, 48)])
+                                   (2048, 640, 2048), (200, 72, 130), (40, 1, 48)])
 @pytest.mark.parametrize("m", [64, 128])
 def test_phase1_plan_takes_fewest_splits_with_a_tile_per_cta(m, k, r, n):
   """xuv_decode(pv="xla")'s phase-1 tiles: 128 columns (64 at r <= 1024), K ranges of whole
   64-row steps covering K, at most one tile per CTA (unless the columns alone outnumber the
   CTAs), and K ranges as long as that allows: one 64-row step shorter, the tiles would
-  outnumber the CTAs; 4 pipeline stages on the 128-column tiles (measured faster), the fused
-  plan's 3 on 64."""
+  outnumber the CTAs; 4 pipeline stages on the 128-column tiles and where K >= 4096 (measured
+  faster), else the fused plan's 3."""
   p = planner.plan_decode_phase1(m, k, r, n, programs=132)
   assert p.cols_r == p.block_r == (64 if r <= 1024 else 128)
-  assert p.stages == (3 if r <= 1024 else 4) == (
-      planner.plan_decode_persistent(m, k, r, n).stages if r <= 1024
-      else planner.PHASE1_WIDE_STAGES)
+  deep = r > 1024 or k >= 4096
+  assert p.stages == (4 if deep else 3) == (
+      planner.PHASE1_WIDE_STAGES if deep else planner.plan_decode_persistent(m, k, r, n).stages)
   assert p.k_per % 64 == 0 and p.k_per > 0 and p.p16 and p.r_chunks == 1
   n_rb = planner.cdiv(r, p.cols_r)
   assert n_rb * planner.cdiv(k, p.k_per) <= max(132, n_rb)

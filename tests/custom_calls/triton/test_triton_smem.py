@@ -127,7 +127,9 @@ _PARK_RULE = STUB + textwrap.dedent('''
       assert not old.park_h and old.num_stages in (3, 4), (name, m, old)
   bs = get(4, 4096, 14336, 2560, 4096)
   for bad, match in ((dict(cols_f=129), "cols_f"), (dict(park_h=False, h_inline=True), "park_h"),
-                     (dict(h_inline=True, h_splits=1, cols_f=64), "at most")):
+                     (dict(h_inline=True, h_splits=1, cols_f=64), "at most"),
+                     (dict(prefetch=96), "power of two"),
+                     (dict(prefetch_c=64, block_n=32), "block_n=32")):
     try:
       mlp_decode.launch_plan(4, 4096, 2560, 14336, 2560, 4096, bs=dataclasses.replace(bs, **bad),
                              **kw)
@@ -144,6 +146,42 @@ _PARK_RULE = STUB + textwrap.dedent('''
   assert sep["grid"] - inl["grid"] == n_h, (sep["grid"], inl["grid"], n_h)
   print("ok")
 ''')
+
+
+_STAGE_A_RULE = STUB + textwrap.dedent('''
+  from lrjax.custom_calls.triton import mlp_decode, planner
+  get, sms = mlp_decode.BlockSizes.get_default, planner.H200.num_sms
+  kw = dict(gated=True, act="silu", bias_mask=(False,) * 3)
+  shapes = {"1b": (2048, 8192, 1280), "8b-r1024": (4096, 14336, 1024),
+            "qwen": (3584, 18944, 2048), "8b": (4096, 14336, 2560), "70b": (8192, 28672, 3840)}
+  ctas, chunks = {}, {}
+  for name, (d, f, r) in shapes.items():
+    for m in (1, 16, 32):
+      meta = mlp_decode.launch_plan(m, d, r, f, r, d, bs=get(m, d, f, r, d), **kw)["meta"]
+      ctas[name, m] = planner.cdiv(r, meta["BLOCK_R"]) * meta["SPLIT_K"]
+      chunks[name, m] = meta["A_CHUNKS"]
+      assert meta["K_PER"] >= 2 * meta["BLOCK_K"], (name, m, meta)  # >= 2 K steps a CTA
+  # T <= 16: one wave that fills the SMs where the K-step rule left them idle (the 1B's 40,
+  # 8B r=1024's 64, Qwen's 112); two waves (8B r=2560's 160, the 70B's 270) stay
+  assert ctas == {("1b", 1): 110, ("1b", 16): 110, ("1b", 32): 80,
+                  ("8b-r1024", 1): 128, ("8b-r1024", 16): 128, ("8b-r1024", 32): 128,
+                  ("qwen", 1): 128, ("qwen", 16): 128, ("qwen", 32): 112,
+                  ("8b", 1): 160, ("8b", 16): 160, ("8b", 32): 160,
+                  ("70b", 1): 270, ("70b", 16): 270, ("70b", 32): 270}, ctas
+  assert all(v <= sms for (n, m), v in ctas.items() if m <= 16 and n in ("1b", "qwen"))
+  # stage B takes Pg/Pu in one chunk after one wave of stage A (T <= 16), else in four
+  assert chunks == {k: 1 if k[1] <= 16 and ctas[k] <= sms else 4 for k in ctas}, chunks
+  assert sorted(set(chunks.values())) == [1, 4], chunks
+  print("ok")
+''')
+
+
+def test_swiglu_decode_stage_a_fills_the_sms_in_one_wave():
+  """The T <= 16 rule of session 32: where stage A's splits (>= 8 K steps a CTA) leave SMs
+  idle in their one wave, D is split finer (>= 2 K steps a CTA) to fill them, and stage B
+  then takes Pg/Pu in one chunk (all complete at once); where stage A already takes two
+  waves, its splits and four chunks stay."""
+  run_script(_STAGE_A_RULE, interpret=False)
 
 
 def test_swiglu_decode_parks_h_where_it_measured_faster():
