@@ -47,14 +47,36 @@ def parse_case(spec: str):
   return dims, over
 
 
+def stamps_us(tr, grid: int, slots: int):
+  """(t, t0): the stamps ``tr`` [calls, grid, 8] int64 ns in µs (NaN where a CTA has no such
+  point: a 0 stamp), [calls, grid, slots], and each call's first entry (also used by
+  benchmarks/mlp_trace.py)."""
+  import numpy as np
+  raw = tr[:, :grid, :slots]
+  t = np.where(raw == 0, np.nan, raw.astype(np.float64) / 1e3)
+  return t, np.nanmin(t[:, :, 0], axis=1)
+
+
+def median_rows(rows: list) -> dict:
+  """Each field's median over the per-call rows, in µs to 3 decimals."""
+  return {k: round(float(statistics.median(r[k] for r in rows)), 3) for k in rows[0]}
+
+
+def cta_stamps(tr, call: int, grid: int, slots) -> dict:
+  """One call's stamps CTA by CTA (µs from its first entry; None: no such point) and SMs."""
+  one = tr[call]
+  t0 = one[:grid, 0].min()
+  return dict(sm=one[:grid, 7].tolist(),
+              **{s_: [round((v - t0) / 1e3, 3) if v else None for v in one[:grid, j]]
+                 for j, s_ in enumerate(slots)})
+
+
 def summarize(tr, grid: int, n1: int):
   """Per-call phase times (µs from the call's first entry), medians over the middle calls.
   ``tr`` [calls, grid, 8] int64 ns; CTAs < n1 ran phase-1 tiles (all of them when n1 >=
   grid)."""
   import numpy as np
-  raw = tr[:, :grid, :len(SLOTS)]
-  t = np.where(raw == 0, np.nan, raw.astype(np.float64) / 1e3)  # 0: a CTA with no such point
-  t0 = np.nanmin(t[:, :, 0], axis=1)
+  t, t0 = stamps_us(tr, grid, len(SLOTS))
   rows = []
   for i in range(1, t.shape[0] - 1):  # skip the first and last calls of the chain
     c = t[i] - t0[i]
@@ -64,7 +86,7 @@ def summarize(tr, grid: int, n1: int):
         p1_end=np.nanmax(p1), wait_first=np.nanmin(c[:, 2]), wait_med=np.nanmedian(c[:, 2]),
         wait_last=np.nanmax(c[:, 2]), p2_med=np.nanmedian(c[:, 3]), p2_end=np.nanmax(c[:, 3]),
         exit=np.nanmax(c[:, 4]), gap=t0[i + 1] - t0[i] - np.nanmax(c[:, 4])))
-  return {k: round(float(statistics.median(r[k] for r in rows)), 3) for k in rows[0]}
+  return median_rows(rows)
 
 
 def main():
@@ -119,11 +141,7 @@ def main():
     n1 = planner.cdiv(r, p.cols_r) * planner.cdiv(k, p.k_per)
     tr = trace.cpu().numpy()  # the last replay's (3L calls) stamps
     phases = summarize(tr, grid, n1)
-    mid = tr[layers]  # one call from the chain's middle, CTA by CTA (µs from its first entry)
-    t0 = mid[:grid, 0].min()
-    ctas = dict(sm=mid[:grid, 7].tolist(),
-                **{s_: [round((v - t0) / 1e3, 3) if v else None for v in mid[:grid, j]]
-                   for j, s_ in enumerate(SLOTS)})
+    ctas = cta_stamps(tr, layers, grid, SLOTS)  # one call from the chain's middle
     rec = dict(case=spec, M=m, K=k, r=r, N=n, plan=dataclasses.asdict(p), layers=layers,
                per_call_us=round(res[0], 3), traced_per_call_us=round(res[4], 3),
                phase1_ctas=min(n1, grid), **phases, ctas=ctas)

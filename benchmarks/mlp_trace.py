@@ -38,10 +38,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
+
+import decode_trace
 
 SLOTS = ("entry", "wait1", "wait", "work", "exit")
-STAGES = ("A", "B", "H", "C")
 HBM_BW = 4.3e12
 
 
@@ -78,10 +78,7 @@ def summarize(tr, bounds: dict):
   """Per-call stage times (µs from the call's first entry), medians over the middle calls.
   ``tr`` [calls, grid, 8] int64 ns."""
   import numpy as np
-  grid = max(hi for _, hi in bounds.values())
-  raw = tr[:, :grid, :len(SLOTS)]
-  t = np.where(raw == 0, np.nan, raw.astype(np.float64) / 1e3)  # 0: no such point
-  t0 = np.nanmin(t[:, :, 0], axis=1)
+  t, t0 = decode_trace.stamps_us(tr, max(hi for _, hi in bounds.values()), len(SLOTS))
   rows = []
   for i in range(1, t.shape[0] - 1):  # skip the first and last calls of the chain
     c = t[i] - t0[i]
@@ -100,7 +97,7 @@ def summarize(tr, bounds: dict):
       row[f"{s_}_work_med"] = np.nanmedian(st[:, 3])
       row[f"{s_}_work_last"] = np.nanmax(st[:, 3])
     rows.append(row)
-  return {k: round(float(statistics.median(r[k] for r in rows)), 3) for k in rows[0]}
+  return decode_trace.median_rows(rows)
 
 
 def main():
@@ -164,11 +161,7 @@ def main():
     bounds = stage_bounds(plan["meta"], grid)
     tr = trace.cpu().numpy()  # the last replay's (3L calls) stamps
     stages = summarize(tr, bounds)
-    mid = tr[layers]  # one call from the chain's middle, CTA by CTA (µs from its first entry)
-    t0 = mid[:grid, 0].min()
-    ctas = dict(sm=mid[:grid, 7].tolist(),
-                **{s_: [round((v - t0) / 1e3, 3) if v else None for v in mid[:grid, j]]
-                   for j, s_ in enumerate(SLOTS)})
+    ctas = decode_trace.cta_stamps(tr, layers, grid, SLOTS)  # a call from the middle
     rec = dict(case=spec, T=m, D=d, r=r, F=f, blocks=dataclasses.asdict(bs), layers=layers,
                floor_us=round(per_layer / HBM_BW * 1e6, 3), per_call_us=round(res[0], 3),
                traced_per_call_us=round(res[1], 3),

@@ -4,7 +4,8 @@ stages (four where h is parked, below: the default from 2 tokens).
   stage A  Pg = X·Ug, Pu = X·Uu          one pass over X (both factors per K tile),
                                          inter-CTA split-K, f32 atomics into [M, r]
   stage B  per B_F slice of the intermediate dim (one CTA each), consuming Pg, Pu
-           r-chunk by r-chunk as stage A completes them (so Vg, Vu stream while Ug, Uu do):
+           r-chunk by r-chunk as stage A completes them (so Vg, Vu stream while Ug, Uu do;
+           one chunk where stage A runs in one wave at T <= 16, BlockSizes.get_default):
            h = act(Pg·Vg[:, f] + bg) ⊙ (Pu·Vu[:, f] + bu)      [M, B_F], registers only
            S += h · Ud[f, :]                                   f32 atomics into [M, r_d]
   stage C  Y = S·Vd + bd        split over r_d chunks, f32 atomics; the last chunk to arrive
@@ -122,9 +123,10 @@ class BlockSizes:
       # stage A in one wave that leaves SMs idle (one CTA an SM at T <= 16): split D finer,
       # to >= 2 K steps a CTA, so that it fills them. Same weights, T = 1-16: 1.0-1.7 us
       # less on Llama-3.2-1B (40 -> 110 CTAs), 0.2-2.3 on Llama-3-8B r=1024 (64 -> 128),
-      # 2.1-2.2 on Qwen2.5-7B (112 -> 128). Where stage A already takes two waves (8B
-      # r=2560, 70B), fewer, longer splits in one wave were 3-5 us slower: stage B starts on
-      # the first wave's rank chunks (results/gpu_mlp_decode_trace_splits_h200.json)
+      # 2.1-2.2 on Qwen2.5-7B (112 -> 128), 0.0-2.0 on Gemma-7B (78 -> 130), each with four
+      # chunks (below). Where stage A already takes two waves (8B r=2560, 70B), fewer,
+      # longer splits in one wave were 3-5 us slower: stage B starts on the first wave's
+      # rank chunks (results/gpu_mlp_decode_trace_splits_h200.json)
       split = max(split, min(planner.H200.num_sms // n_rb, d // (2 * t.block_k)))
     a_chunks = t.a_chunks
     k_per = planner.cdiv(planner.cdiv(d, split), t.block_k) * t.block_k  # as launch_plan
@@ -180,8 +182,8 @@ class BlockSizes:
     # p16: stage B reads Pg, Pu in bf16, 1-3 % faster on Llama-3-8B r=2560 and 3.2-1B
     # (results/gpu_decode_p16_h200.json)
     return dataclasses.replace(t, block_m=bm, block_k=block_k, split_k=split, a_chunks=a_chunks,
-                               num_warps=warps, block_f=block_f, block_rd=block_rd, num_stages=stages, p16=True,
-                               park_h=park, h_per_sm=h_per_sm)
+                               num_warps=warps, block_f=block_f, block_rd=block_rd,
+                               num_stages=stages, p16=True, park_h=park, h_per_sm=h_per_sm)
 
 
 # Tuned on the H200 (benchmarks/gpu_lowrank.py); shape class -> blocks.

@@ -52,6 +52,10 @@ _SCRIPT = STUB + textwrap.dedent('''
               B_work_last=7, C_enter_first=0.1, C_enter_last=0.1, C_wait1_med=7.2,
               C_wait1_last=7.2, C_wait_med=7.2, C_wait_last=7.2, C_work_med=8, C_work_last=8)
   assert got == want, got
+  import decode_trace
+  ctas = decode_trace.cta_stamps(tr, 1, 5, mlp_trace.SLOTS)  # µs from the call's first entry
+  assert ctas["work"] == [2, 2.5, 6, 7, 8] and ctas["wait1"][:2] == [None, None], ctas
+  assert ctas["entry"] == [0, 0, 0, 0, 0.1] and ctas["sm"] == [0] * 5, ctas
   print("ok")
 ''')
 
