@@ -336,7 +336,11 @@ def test_fused_swiglu_kernels_on_ragged_shapes():
            # the default blocks where D_ff's 128-wide slices (133, the last ragged) outnumber
            # the H200's SMs: h parked at one token too, stage H in four times the splits
            # (here one slice each, 133 of them)
-           (1, 64, 17000, 64, False, {}), (2, 64, 17000, 64, True, {})]
+           (1, 64, 17000, 64, False, {}), (2, 64, 17000, 64, True, {}),
+           # Pg/Pu consumed in three chunks (T <= 16 defaults to one where stage A's CTAs fit
+           # the SMs): 64-column rank blocks, two a chunk, the last chunk ragged (264 = 4 x 64
+           # + 8)
+           (3, 320, 700, 264, True, {"a_chunks": 4, "block_r": 64})]
   prefill = [(200, 256, 520, 72, True, {}),
              (300, 320, 700, 136, False, {"block_m": 64, "group_m": 1, "split_c": 2})]
   _interpret(f"PERSISTENT = {persistent!r}\nTILED = {tiled!r}\nPREFILL = {prefill!r}\n"
