@@ -16,7 +16,7 @@ chain's middle calls, µs from the call's first CTA entry):
   <S>_work_med / <S>_work_last         when its work ended
   exit / gap          the last CTA's exit; the next call's first entry minus it
 and, for one call from the chain's middle, every CTA's stamps and SM (``ctas``), and
-``floor_us``: the call's six factors over 4.3 TB/s.
+``floor_us``: the call's bytes (planner.hbm_bytes_mlp) over the H200's 4.3 TB/s.
 
 Each case also runs untraced in the same graph method ((t(3L) - t(L)) / 2L, as
 pdl_probe.graph_per_call_us); the cases of one shape share their layers, so they are an A/B
@@ -42,7 +42,6 @@ import json
 import decode_trace
 
 SLOTS = ("entry", "wait1", "wait", "work", "exit")
-HBM_BW = 4.3e12
 
 
 def parse_case(spec: str):
@@ -110,13 +109,13 @@ def main():
   cases = [parse_case(spec) for spec in args.case]  # all checked before any GPU work
 
   import pdl_probe
-  from lrjax.custom_calls.triton import mlp_decode
+  from lrjax.custom_calls.triton import mlp_decode, planner
   torch, triton, dev, sms = pdl_probe.cuda_setup()
   kern = mlp_decode._mlp_decode_kernel
   bf16 = torch.bfloat16
   recs, weights, xs = [], {}, {}
   for spec, ((m, d, r, f), over) in zip(args.case, cases):
-    per_layer = 2 * (2 * d * r + 2 * r * f + f * r + r * d)  # bytes of the six factors
+    per_layer = planner.hbm_bytes_mlp(m, d, f, r)  # the six factors, x and the output
     layers = min(128, max(8, -(-200_000_000 // per_layer)))
     layers += layers % 2
     mk = lambda a, b: torch.randn(a, b, device=dev, dtype=bf16) / a ** 0.5
@@ -163,7 +162,8 @@ def main():
     stages = summarize(tr, bounds)
     ctas = decode_trace.cta_stamps(tr, layers, grid, SLOTS)  # a call from the middle
     rec = dict(case=spec, T=m, D=d, r=r, F=f, blocks=dataclasses.asdict(bs), layers=layers,
-               floor_us=round(per_layer / HBM_BW * 1e6, 3), per_call_us=round(res[0], 3),
+               floor_us=round(per_layer / planner.H200.hbm_bw * 1e6, 3),
+               per_call_us=round(res[0], 3),
                traced_per_call_us=round(res[1], 3),
                ctas_per_stage={s_: hi - lo for s_, (lo, hi) in bounds.items()}, **stages,
                ctas=ctas)

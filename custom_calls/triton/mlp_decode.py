@@ -129,8 +129,7 @@ class BlockSizes:
       # rank chunks (results/gpu_mlp_decode_trace_splits_h200.json)
       split = max(split, min(planner.H200.num_sms // n_rb, d // (2 * t.block_k)))
     a_chunks = t.a_chunks
-    k_per = planner.cdiv(planner.cdiv(d, split), t.block_k) * t.block_k  # as launch_plan
-    if bm <= 16 and n_rb * planner.cdiv(d, k_per) <= planner.H200.num_sms:
+    if bm <= 16 and n_rb * stage_a_splits(d, split, t.block_k)[1] <= planner.H200.num_sms:
       # stage A in one wave completes every chunk of Pg/Pu at about the same time, so stage B
       # gains nothing from consuming them chunk by chunk and pays a pipeline refill per
       # chunk: one chunk, same weights, 0.0-5.1 us less at T = 1-16 (1B T=4/16 -3.2/-3.6,
@@ -551,6 +550,13 @@ def _mlp_decode_persistent_kernel(
   leave_chain(chain_ptr, clear_off, clear_n)
 
 
+def stage_a_splits(d: int, split_k: int, block_k: int) -> tuple[int, int]:
+  """(K_PER, splits) of stage A asked for ``split_k`` splits of D: whole block_k steps each,
+  so the splits that result may be fewer (the last one ragged)."""
+  k_per = planner.cdiv(planner.cdiv(d, split_k), block_k) * block_k
+  return k_per, planner.cdiv(d, k_per)
+
+
 def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes) -> dict:
   planner.check_prefetch_rows(bs, "prefetch", "prefetch_h", "prefetch_c")
   for rows, width, name in ((bs.prefetch, bs.block_f, "block_f"),
@@ -561,8 +567,7 @@ def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes)
   cols_f = bs.cols_f or bs.block_f
   if not 0 < cols_f <= bs.block_f:
     raise ValueError(f"{bs.cols_f=} must be in [1, {bs.block_f=}] (0: block_f)")
-  k_per = planner.cdiv(planner.cdiv(d, bs.split_k), bs.block_k) * bs.block_k
-  split = planner.cdiv(d, k_per)
+  k_per, split = stage_a_splits(d, bs.split_k, bs.block_k)
   n_rb = planner.cdiv(r, bs.block_r)
   rb_per_chunk = planner.cdiv(n_rb, bs.a_chunks)
   a_chunks = planner.cdiv(n_rb, rb_per_chunk)
