@@ -84,7 +84,7 @@ def versions():
 
 
 MODELS = {"8b": ModelConfig.llama3_8b, "70b": ModelConfig.llama3_70b,
-          "qwen2.5-7b": ModelConfig.qwen2_5_7b}
+          "qwen2.5-7b": ModelConfig.qwen2_5_7b, "1b": ModelConfig.llama3_2_1b}
 
 
 def config(args, name):

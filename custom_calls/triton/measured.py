@@ -10,15 +10,16 @@ XLA lowers the reference; ``lrjax.lowering.prefer_kernels()`` overrides that. No
 use the SwiGLU measurements. Measured on one H200; other NVIDIA GPUs get the same verdicts.
 
 A benchmarked shape is a call alone. In a whole decode step the kernels can lose where their
-calls win alone (XLA merges the dots that share an input): MODEL_AB holds the decode steps of Llama-3-8B, Llama-3-70B (8 of its layers) and
-Qwen2.5-7B on one H200 with and without the kernels, and at M >= 2 a call is left to XLA
+calls win alone (XLA merges the dots that share an input): MODEL_AB holds the decode steps of
+Llama-3-8B, Llama-3-70B (8 of its layers), Qwen2.5-7B and Llama-3.2-1B on one H200 with and
+without the kernels, and at M >= 2 a call is left to XLA
 when the step of the model whose hidden size is nearest the call's K, at the nearest batch
 (of 2 or more rows), was slower with them (below MODEL_PARITY). MODEL_OP_AB holds the same
 steps with every kernel but one op's, timed in the same device call as the step with all:
 an op's calls are left to XLA where that step was faster without its kernel (Qwen2.5-7B's
-SwiGLU kernel, 3-4 % faster than XLA's MLP alone at 4-16 tokens, made its step 1.4-1.7 %
-slower at batch 8-16 in session 18), and served, whatever MODEL_AB says of that step, where it was slower without
-it.
+SwiGLU kernel, 4-6 % faster than XLA's MLP alone at 4-16 tokens, made its step 1.4 / 1.0 %
+slower at batch 4 / 16 in session 33, 1.3 % faster at 8), and served, whatever MODEL_AB says
+of that step, where it was slower without it.
 
 RECORDS (the sweep's and the grouped q/k/v kernel's, GROUP_SOURCE), MODEL_AB and MODEL_OP_AB
 are generated from the committed benchmark results, never edited by hand:
@@ -38,7 +39,8 @@ from lrjax.custom_calls.triton.planner import MODEL_AB_LAUNCHES
 SOURCE = "benchmarks/results/gpu_lowrank_h200.json"
 MODEL_SOURCES = ("benchmarks/results/model_1gpu_h200.json",
                  "benchmarks/results/model_70b_1gpu_h200.json",
-                 "benchmarks/results/model_qwen7b_1gpu_h200.json")
+                 "benchmarks/results/model_qwen7b_1gpu_h200.json",
+                 "benchmarks/results/model_1b_1gpu_h200.json")
 # the grouped X·U·V kernel (op "xuv_group": K, then r and N summed over the members)
 GROUP_SOURCE = "benchmarks/results/gpu_xuv_group_h200.json"
 # At or above this fraction of XLA's speed the kernel serves. It was 0.97 (XLA's own time for
@@ -79,33 +81,33 @@ RECORDS: tuple[tuple[str, int, int, int, int, float, float], ...] = (
     ('mlp_swiglu', 1, 3072, 1664, 24576, 75.2, 121.0),
     ('mlp_swiglu', 1, 3584, 2048, 18944, 75.2, 141.0),
     ('mlp_swiglu', 1, 4096, 1024, 14336, 37.7, 69.8),
-    ('mlp_swiglu', 1, 4096, 2560, 14336, 75.5, 83.9),
-    ('mlp_swiglu', 1, 5120, 2432, 17920, 91.7, 98.0),
-    ('mlp_swiglu', 1, 5120, 3072, 27648, 147.2, 153.7),
-    ('mlp_swiglu', 1, 7168, 3200, 20480, 132.5, 138.5),
-    ('mlp_swiglu', 1, 8192, 3824, 28672, 203.2, 208.8),
-    ('mlp_swiglu', 1, 8192, 3840, 28672, 199.7, 206.3),
-    ('mlp_swiglu', 2, 4096, 2560, 14336, 76.2, 81.5),
+    ('mlp_swiglu', 1, 4096, 2560, 14336, 74.0, 82.1),
+    ('mlp_swiglu', 1, 5120, 2432, 17920, 88.9, 95.5),
+    ('mlp_swiglu', 1, 5120, 3072, 27648, 146.9, 153.0),
+    ('mlp_swiglu', 1, 7168, 3200, 20480, 131.2, 136.6),
+    ('mlp_swiglu', 1, 8192, 3824, 28672, 200.5, 205.9),
+    ('mlp_swiglu', 1, 8192, 3840, 28672, 198.2, 202.7),
+    ('mlp_swiglu', 2, 4096, 2560, 14336, 74.6, 80.1),
     ('mlp_swiglu', 4, 2048, 1280, 8192, 31.3, 38.2),
     ('mlp_swiglu', 4, 3072, 1664, 24576, 76.2, 80.7),
     ('mlp_swiglu', 4, 3584, 2048, 18944, 76.3, 80.4),
-    ('mlp_swiglu', 4, 4096, 2560, 14336, 76.8, 82.4),
-    ('mlp_swiglu', 4, 5120, 2432, 17920, 92.5, 94.7),
-    ('mlp_swiglu', 4, 5120, 3072, 27648, 148.9, 153.1),
-    ('mlp_swiglu', 4, 7168, 3200, 20480, 131.8, 137.3),
-    ('mlp_swiglu', 4, 8192, 3824, 28672, 207.2, 211.6),
-    ('mlp_swiglu', 4, 8192, 3840, 28672, 199.5, 206.7),
-    ('mlp_swiglu', 8, 4096, 2560, 14336, 77.7, 82.3),
+    ('mlp_swiglu', 4, 4096, 2560, 14336, 75.2, 80.9),
+    ('mlp_swiglu', 4, 5120, 2432, 17920, 90.0, 94.0),
+    ('mlp_swiglu', 4, 5120, 3072, 27648, 148.2, 151.5),
+    ('mlp_swiglu', 4, 7168, 3200, 20480, 132.9, 135.9),
+    ('mlp_swiglu', 4, 8192, 3824, 28672, 202.8, 208.7),
+    ('mlp_swiglu', 4, 8192, 3840, 28672, 200.3, 203.3),
+    ('mlp_swiglu', 8, 4096, 2560, 14336, 76.2, 82.9),
     ('mlp_swiglu', 16, 2048, 1280, 8192, 32.6, 40.3),
     ('mlp_swiglu', 16, 3072, 1664, 24576, 78.8, 83.7),
     ('mlp_swiglu', 16, 3584, 2048, 18944, 78.9, 83.5),
     ('mlp_swiglu', 16, 4096, 1024, 14336, 40.4, 45.1),
-    ('mlp_swiglu', 16, 4096, 2560, 14336, 78.9, 85.8),
-    ('mlp_swiglu', 16, 5120, 2432, 17920, 95.0, 98.9),
-    ('mlp_swiglu', 16, 5120, 3072, 27648, 152.4, 157.0),
-    ('mlp_swiglu', 16, 7168, 3200, 20480, 134.2, 142.1),
-    ('mlp_swiglu', 16, 8192, 3824, 28672, 212.1, 216.9),
-    ('mlp_swiglu', 16, 8192, 3840, 28672, 203.6, 212.1),
+    ('mlp_swiglu', 16, 4096, 2560, 14336, 77.5, 85.2),
+    ('mlp_swiglu', 16, 5120, 2432, 17920, 93.1, 98.5),
+    ('mlp_swiglu', 16, 5120, 3072, 27648, 152.2, 154.8),
+    ('mlp_swiglu', 16, 7168, 3200, 20480, 134.6, 142.0),
+    ('mlp_swiglu', 16, 8192, 3824, 28672, 208.4, 215.0),
+    ('mlp_swiglu', 16, 8192, 3840, 28672, 203.0, 209.1),
     ('mlp_swiglu', 32, 4096, 2560, 14336, 85.0, 90.3),
     ('mlp_swiglu', 32, 8192, 3824, 28672, 225.1, 226.9),
     ('mlp_swiglu', 32, 8192, 3840, 28672, 219.4, 220.2),
@@ -263,10 +265,10 @@ RECORDS: tuple[tuple[str, int, int, int, int, float, float], ...] = (
     ('xuv_group', 64, 8192, 3584, 10240, 48.4, 57.9),
 )
 MODEL_AB: tuple[tuple[str, int, int, float, float], ...] = (
-    ('8b', 4096, 1, 4.607, 8.278),
-    ('8b', 4096, 4, 4.324, 4.619),
-    ('8b', 4096, 8, 4.63, 4.686),
-    ('8b', 4096, 16, 5.172, 5.372),
+    ('8b', 4096, 1, 4.322, 8.225),
+    ('8b', 4096, 4, 4.271, 4.704),
+    ('8b', 4096, 8, 4.411, 4.702),
+    ('8b', 4096, 16, 5.087, 5.417),
     ('8b', 4096, 32, 6.649, 6.861),
     ('8b', 4096, 64, 9.139, 9.468),
     ('8b', 4096, 128, 15.096, 14.5),
@@ -277,29 +279,36 @@ MODEL_AB: tuple[tuple[str, int, int, float, float], ...] = (
     ('70b', 8192, 32, 3.647, 3.691),
     ('70b', 8192, 64, 4.508, 4.463),
     ('70b', 8192, 128, 6.101, 6.081),
-    ('qwen2.5-7b', 3584, 1, 3.91, 6.622),
-    ('qwen2.5-7b', 3584, 4, 3.993, 4.174),
-    ('qwen2.5-7b', 3584, 8, 4.09, 4.274),
-    ('qwen2.5-7b', 3584, 16, 4.713, 4.828),
+    ('qwen2.5-7b', 3584, 1, 3.65, 6.667),
+    ('qwen2.5-7b', 3584, 4, 3.888, 4.191),
+    ('qwen2.5-7b', 3584, 8, 3.984, 4.208),
+    ('qwen2.5-7b', 3584, 16, 4.618, 4.905),
     ('qwen2.5-7b', 3584, 64, 6.698, 6.777),
+    ('1b', 2048, 1, 1.404, 2.216),
+    ('1b', 2048, 4, 1.482, 1.685),
+    ('1b', 2048, 8, 1.405, 1.596),
+    ('1b', 2048, 16, 1.537, 1.677),
 )
 MODEL_OP_AB: tuple[tuple[str, int, int, str, float, float], ...] = (
-    ('8b', 4096, 4, 'mlp_swiglu', 4.387, 4.363),
-    ('8b', 4096, 16, 'mlp_swiglu', 5.191, 5.231),
+    ('8b', 4096, 4, 'mlp_swiglu', 4.271, 4.295),
+    ('8b', 4096, 16, 'mlp_swiglu', 5.087, 5.215),
     ('8b', 4096, 64, 'mlp_swiglu', 9.272, 9.433),
     ('70b', 8192, 4, 'mlp_swiglu', 2.862, 2.901),
     ('70b', 8192, 16, 'mlp_swiglu', 3.181, 3.184),
     ('70b', 8192, 64, 'mlp_swiglu', 4.538, 4.51),
-    ('qwen2.5-7b', 3584, 4, 'mlp_swiglu', 3.993, 3.956),
+    ('qwen2.5-7b', 3584, 4, 'mlp_swiglu', 3.888, 3.834),
     ('qwen2.5-7b', 3584, 4, 'xuv', 4.046, 4.102),
     ('qwen2.5-7b', 3584, 4, 'xuv_group', 4.108, 4.202),
-    ('qwen2.5-7b', 3584, 8, 'mlp_swiglu', 4.09, 4.031),
+    ('qwen2.5-7b', 3584, 8, 'mlp_swiglu', 3.984, 4.036),
     ('qwen2.5-7b', 3584, 8, 'xuv', 4.093, 4.145),
     ('qwen2.5-7b', 3584, 8, 'xuv_group', 4.178, 4.32),
-    ('qwen2.5-7b', 3584, 16, 'mlp_swiglu', 4.713, 4.635),
+    ('qwen2.5-7b', 3584, 16, 'mlp_swiglu', 4.618, 4.571),
     ('qwen2.5-7b', 3584, 16, 'xuv', 4.711, 4.704),
     ('qwen2.5-7b', 3584, 16, 'xuv_group', 4.785, 4.911),
     ('qwen2.5-7b', 3584, 64, 'mlp_swiglu', 6.698, 6.828),
+    ('1b', 2048, 4, 'mlp_swiglu', 1.482, 1.631),
+    ('1b', 2048, 8, 'mlp_swiglu', 1.405, 1.664),
+    ('1b', 2048, 16, 'mlp_swiglu', 1.537, 1.677),
 )
 # END GENERATED
 

@@ -129,14 +129,18 @@ class BlockSizes:
       # rank chunks (results/gpu_mlp_decode_trace_splits_h200.json)
       split = max(split, min(planner.H200.num_sms // n_rb, d // (2 * t.block_k)))
     a_chunks = t.a_chunks
-    if bm <= 16 and n_rb * stage_a_splits(d, split, t.block_k)[1] <= planner.H200.num_sms:
+    if bm <= 16:
       # stage A in one wave completes every chunk of Pg/Pu at about the same time, so stage B
       # gains nothing from consuming them chunk by chunk and pays a pipeline refill per
       # chunk: one chunk, same weights, 0.0-5.1 us less at T = 1-16 (1B T=4/16 -3.2/-3.6,
       # 8B r=1024 -1.4/-0.7, Qwen2.5-7B -0.35/0.0, Gemma-7B -5.1/-4.9; two chunks -2.5 at
       # the 1B T=1). Where stage A takes two waves the first wave's chunks let stage B start
-      # early (Phi-3-medium: one chunk +3.4) (results/gpu_mlp_decode_trace_splits_h200.json)
-      a_chunks = 1
+      # early (Phi-3-medium: one chunk +3.4), but two chunks beat four: Phi-3-medium
+      # -3.9/-4.1 at T=1, -2.3 at T=16, 8B r=2560 -0.3..-1.3 at T=1-16, Yi-34B -0.5/-0.6,
+      # Llama-3-70B and Qwen2.5-32B +0.1..+0.6 of 198-208 us (0.3 %); three chunks no faster
+      # than two (results/gpu_mlp_decode_trace_splits_h200.json, session 33)
+      one_wave = n_rb * stage_a_splits(d, split, t.block_k)[1] <= planner.H200.num_sms
+      a_chunks = 1 if one_wave else 2
     warps = t.num_warps if bm <= 32 else 8  # [bm, block_f] x2 f32 accumulators per CTA
     block_f, stages = t.block_f, t.num_stages
     block_rd, sms = t.block_rd, planner.H200.num_sms

@@ -23,8 +23,9 @@ def test_records_are_the_committed_benchmark_results():
                for m in measured.MODEL_SOURCES), ())
   assert op_ab == measured.MODEL_OP_AB and {a[3] for a in op_ab} <= set(measured.OPS)
   assert {"mlp_swiglu", "xuv_group"} <= {a[3] for a in op_ab}
-  assert {(a[0], a[1]) for a in ab} == {("8b", 4096), ("70b", 8192), ("qwen2.5-7b", 3584)}
-  assert all(1 in [a[2] for a in ab if a[0] == name] for name in ("8b", "70b", "qwen2.5-7b"))
+  models = {("8b", 4096), ("70b", 8192), ("qwen2.5-7b", 3584), ("1b", 2048)}
+  assert {(a[0], a[1]) for a in ab} == models
+  assert all(1 in [a[2] for a in ab if a[0] == name] for name, _ in models)
   assert {r[0] for r in recs} == {"xuv", "mlp_swiglu", "xuv_group"}
   assert min(r[1] for r in recs) == 1 and max(r[1] for r in recs) >= 4096
 
