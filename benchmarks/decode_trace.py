@@ -34,17 +34,32 @@ import statistics
 SLOTS = ("entry", "p1", "wait", "p2", "exit")
 
 
-def parse_case(spec: str):
-  """'M,K,r,N[:field=v,...]' -> ((M, K, r, N), {plan field: int value})."""
+def parse_case(spec: str, plan_type=None, dims: str = "M,K,r,N"):
+  """'M,K,r,N[:field=v,...]' -> ((M, K, r, N), {field: value}) (also benchmarks/mlp_trace.py's
+  'T,D,r,F' cases, ``dims`` naming the four sizes). The fields must be ``plan_type``'s (a
+  dataclass; default: planner.PersistentDecodePlan), bools given as 0 / 1; sizes positive."""
+  if plan_type is None:
+    from lrjax.custom_calls.triton import planner
+    plan_type = planner.PersistentDecodePlan
   shape, _, kw = spec.partition(":")
-  dims = tuple(int(d) for d in shape.split(","))
-  if len(dims) != 4:
-    raise SystemExit(f"--case {spec!r}: expected M,K,r,N[:field=value,...]")
+  try:
+    sizes = tuple(int(d) for d in shape.split(","))
+  except ValueError:
+    sizes = ()
+  if len(sizes) != 4 or min(sizes) < 1:
+    raise SystemExit(f"--case {spec!r}: expected {dims}[:field=value,...], positive sizes")
+  types = {f.name: f.type for f in dataclasses.fields(plan_type)}
   over = {}
   for item in filter(None, kw.split(",")):
     key, _, val = item.partition("=")
-    over[key] = int(val)
-  return dims, over
+    if key not in types:
+      raise SystemExit(f"--case {spec!r}: {key!r} is not a {plan_type.__name__} field "
+                       f"(one of {sorted(types)})")
+    try:
+      over[key] = bool(int(val)) if types[key] in (bool, "bool") else int(val)
+    except ValueError:
+      raise SystemExit(f"--case {spec!r}: {key}={val!r} is not an integer") from None
+  return sizes, over
 
 
 def stamps_us(tr, grid: int, slots: int):
@@ -96,6 +111,7 @@ def main():
                   help="M,K,r,N[:plan_field=value,...] (repeatable)")
   ap.add_argument("--reps", type=int, default=25)
   args = ap.parse_args()
+  cases = [parse_case(spec) for spec in args.case]  # all checked before any GPU work
 
   import pdl_probe
   from lrjax.custom_calls.triton import planner, xuv_decode
@@ -106,8 +122,7 @@ def main():
   def per_call_us(issue, layers):
     return pdl_probe.graph_per_call_us(issue, layers, args.reps)[0]
 
-  for spec in args.case:
-    (m, k, r, n), over = parse_case(spec)
+  for spec, ((m, k, r, n), over) in zip(args.case, cases):
     layers, us, vs = pdl_probe.factor_layers(torch, dev, k, r, n, 8)
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     outs = [torch.empty(m, n, device=dev, dtype=torch.bfloat16) for _ in range(layers)]

@@ -47,19 +47,7 @@ SLOTS = ("entry", "wait1", "wait", "work", "exit")
 def parse_case(spec: str):
   """'T,D,r,F[:field=v,...]' -> ((T, D, r, F), {BlockSizes field: value})."""
   from lrjax.custom_calls.triton import mlp_decode
-  shape, _, kw = spec.partition(":")
-  dims = tuple(int(d) for d in shape.split(","))
-  if len(dims) != 4 or min(dims) < 1:
-    raise SystemExit(f"--case {spec!r}: expected T,D,r,F[:field=value,...], positive sizes")
-  types = {f.name: f.type for f in dataclasses.fields(mlp_decode.BlockSizes)}
-  over = {}
-  for item in filter(None, kw.split(",")):
-    key, _, val = item.partition("=")
-    if key not in types:
-      raise SystemExit(f"--case {spec!r}: {key!r} is not a BlockSizes field "
-                       f"(one of {sorted(types)})")
-    over[key] = bool(int(val)) if types[key] in (bool, "bool") else int(val)
-  return dims, over
+  return decode_trace.parse_case(spec, mlp_decode.BlockSizes, "T,D,r,F")
 
 
 def stage_bounds(meta: dict, grid: int) -> dict:

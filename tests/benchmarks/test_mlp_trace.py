@@ -1,4 +1,4 @@
-"""CPU tests of benchmarks/mlp_trace.py: its case syntax, the stages it reads from a launch
+"""CPU tests of benchmarks/mlp_trace.py: its case syntax (shared with decode_trace.py), the stages it reads from a launch
 plan, and its per-stage summary of a synthetic trace (the GPU run itself needs a GPU)."""
 import importlib.util
 import textwrap
@@ -15,15 +15,25 @@ _SCRIPT = STUB + textwrap.dedent('''
   import mlp_trace
   from lrjax.custom_calls.triton import mlp_decode
 
-  dims, over = mlp_trace.parse_case("4,2048,1280,8192:prefetch=128,park_h=0")
-  assert dims == (4, 2048, 1280, 8192) and over == {"prefetch": 128, "park_h": False}, over
-  for bad, says in (("1,2,3", "T,D,r,F"), ("1,2,3,0", "T,D,r,F"), ("1,2,3,4:foo=1", "foo")):
+  def refused(parse, bad, says):  # parse(bad) exits naming what it expected
     try:
-      mlp_trace.parse_case(bad)
+      parse(bad)
     except SystemExit as e:
       assert says in str(e), (bad, e)
     else:
       raise AssertionError(f"{bad} was accepted")
+
+  dims, over = mlp_trace.parse_case("4,2048,1280,8192:prefetch=128,park_h=0")
+  assert dims == (4, 2048, 1280, 8192) and over == {"prefetch": 128, "park_h": False}, over
+  for bad, says in (("1,2,3", "T,D,r,F"), ("1,2,3,0", "T,D,r,F"), ("1,x,3,4", "T,D,r,F"),
+                    ("1,2,3,4:foo=1", "foo"), ("1,2,3,4:prefetch=big", "not an integer")):
+    refused(mlp_trace.parse_case, bad, says)
+  # benchmarks/decode_trace.py's cases, the same syntax over the persistent X·U·V plan
+  import decode_trace
+  dims, over = decode_trace.parse_case("1,4096,1024,14336:k_per=128")
+  assert dims == (1, 4096, 1024, 14336) and over == {"k_per": 128}, over
+  for bad, says in (("1,2,3", "M,K,r,N"), ("1,2,3,4:block_f=64", "PersistentDecodePlan")):
+    refused(decode_trace.parse_case, bad, says)
 
   kw = dict(gated=True, act="silu", bias_mask=(False,) * 3)
   for m, d, r, f in ((1, 2048, 1280, 8192), (4, 4096, 1024, 14336)):
