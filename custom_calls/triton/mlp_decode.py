@@ -43,11 +43,12 @@ slices (``BlockSizes.get_default``; benchmarks/gpu_notes.md, sessions 15-16).
 
 Every byte of the six factors is read once, so the floor is their size over HBM bandwidth.
 
-With ``p16`` (the tiled default) the last stage-A tile of each rank column block
-(``_common.last_arrival``) rounds its f32 sums once to the factors' dtype, and stage B reads
-that copy: half the L2 bytes per slice, 1-3 % faster at Llama-3-8B r=2560 and Llama-3.2-1B
-(benchmarks/gpu_notes.md, session 9). The kernel rounded P to that dtype before its dot
-anyway, so the output is the same.
+With ``p16`` the last stage-A tile of each rank column block (``_common.last_arrival``)
+rounds its f32 sums once to the factors' dtype, and stage B reads that copy: half the L2
+bytes per slice, 1-3 % faster at Llama-3-8B r=2560 and Llama-3.2-1B (benchmarks/gpu_notes.md,
+session 9). The kernel rounded P to that dtype before its dot anyway, so the output is the
+same. It is the tiled default except where stage A runs in one wave at T <= 16: there the
+rounding tail delayed stage B more than reading f32 costs it (session 33).
 
 ``persistent=True`` runs the same three phases on one CTA per SM
 (``_mlp_decode_persistent_kernel``, tiles from ``planner.plan_mlp_decode_persistent``, as
@@ -128,7 +129,7 @@ class BlockSizes:
       # longer splits in one wave were 3-5 us slower: stage B starts on the first wave's
       # rank chunks (results/gpu_mlp_decode_trace_splits_h200.json)
       split = max(split, min(planner.H200.num_sms // n_rb, d // (2 * t.block_k)))
-    a_chunks = t.a_chunks
+    a_chunks, one_wave = t.a_chunks, False
     if bm <= 16:
       # stage A in one wave completes every chunk of Pg/Pu at about the same time, so stage B
       # gains nothing from consuming them chunk by chunk and pays a pipeline refill per
@@ -183,10 +184,16 @@ class BlockSizes:
       # (results/gpu_mlp_decode_h_splits{,_more}_h200.json)
       h_per_sm = 4
     # p16: stage B reads Pg, Pu in bf16, 1-3 % faster on Llama-3-8B r=2560 and 3.2-1B
-    # (results/gpu_decode_p16_h200.json)
+    # (results/gpu_decode_p16_h200.json); at 8B r=2560 T=1 still 2.1 us faster (session 33).
+    # But where stage A runs in one wave at T <= 16 its tail (each column block's last tile
+    # rounding Pg/Pu, then signalling) held stage B back by ~1 us, and reading f32 Pg/Pu
+    # there was faster, same weights, two runs: 1B T=1/4/16 -1.1/-1.6, -0.3/-0.7,
+    # -0.7/-0.9 us, 8B r=1024 T=1 +0.8/-0.2, T=16 -0.6/-0.8, Qwen2.5-7B T=1 -0.3/-0.4,
+    # T=16 -0.3, Gemma-7B T=1 -1.0 (results/gpu_mlp_decode_trace_splits_h200.json)
+    p16 = not one_wave
     return dataclasses.replace(t, block_m=bm, block_k=block_k, split_k=split, a_chunks=a_chunks,
                                num_warps=warps, block_f=block_f, block_rd=block_rd,
-                               num_stages=stages, p16=True, park_h=park, h_per_sm=h_per_sm)
+                               num_stages=stages, p16=p16, park_h=park, h_per_sm=h_per_sm)
 
 
 # Tuned on the H200 (benchmarks/gpu_lowrank.py); shape class -> blocks.

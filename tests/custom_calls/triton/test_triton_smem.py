@@ -154,12 +154,13 @@ _STAGE_A_RULE = STUB + textwrap.dedent('''
   kw = dict(gated=True, act="silu", bias_mask=(False,) * 3)
   shapes = {"1b": (2048, 8192, 1280), "8b-r1024": (4096, 14336, 1024),
             "qwen": (3584, 18944, 2048), "8b": (4096, 14336, 2560), "70b": (8192, 28672, 3840)}
-  ctas, chunks = {}, {}
+  ctas, chunks, p16 = {}, {}, {}
   for name, (d, f, r) in shapes.items():
     for m in (1, 16, 32):
       meta = mlp_decode.launch_plan(m, d, r, f, r, d, bs=get(m, d, f, r, d), **kw)["meta"]
       ctas[name, m] = planner.cdiv(r, meta["BLOCK_R"]) * meta["SPLIT_K"]
       chunks[name, m] = meta["A_CHUNKS"]
+      p16[name, m] = meta["P16"]
       assert meta["K_PER"] >= 2 * meta["BLOCK_K"], (name, m, meta)  # >= 2 K steps a CTA
   # T <= 16: one wave that fills the SMs where the K-step rule left them idle (the 1B's 40,
   # 8B r=1024's 64, Qwen's 112); two waves (8B r=2560's 160, the 70B's 270) stay
@@ -173,6 +174,8 @@ _STAGE_A_RULE = STUB + textwrap.dedent('''
   # waves; from 17 tokens in four
   assert chunks == {k: (1 if ctas[k] <= sms else 2) if k[1] <= 16 else 4 for k in ctas}, chunks
   assert sorted(set(chunks.values())) == [1, 2, 4], chunks
+  # and reads Pg/Pu in f32 after one wave (no rounding tail), the bf16 copy otherwise
+  assert p16 == {k: not (k[1] <= 16 and ctas[k] <= sms) for k in ctas}, p16
   print("ok")
 ''')
 
@@ -181,7 +184,8 @@ def test_swiglu_decode_stage_a_fills_the_sms_in_one_wave():
   """The T <= 16 rule of session 32: where stage A's splits (>= 8 K steps a CTA) leave SMs
   idle in their one wave, D is split finer (>= 2 K steps a CTA) to fill them, and stage B
   then takes Pg/Pu in one chunk (all complete at once); where stage A already takes two
-  waves, its splits stay and stage B takes two chunks (session 33)."""
+  waves, its splits stay and stage B takes two chunks (session 33). After one wave stage B
+  reads Pg/Pu in f32 (p16 off, session 33)."""
   run_script(_STAGE_A_RULE, interpret=False)
 
 
