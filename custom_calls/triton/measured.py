@@ -17,7 +17,7 @@ when the step of the model whose hidden size is nearest the call's K, at the nea
 (of 2 or more rows), was slower with them (below MODEL_PARITY). MODEL_OP_AB holds the same
 steps with every kernel but one op's, timed in the same device call as the step with all:
 an op's calls are left to XLA where that step was faster without its kernel (Qwen2.5-7B's
-SwiGLU kernel, 4-6 % faster than XLA's MLP alone at 4-16 tokens, made its step 1.4 / 1.0 %
+SwiGLU kernel, 5-6 % faster than XLA's MLP alone at 4-16 tokens, made its step 1.4 / 1.0 %
 slower at batch 4 / 16 in session 33, 1.3 % faster at 8), and served, whatever MODEL_AB says
 of that step, where it was slower without it.
 

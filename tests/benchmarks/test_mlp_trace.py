@@ -1,5 +1,6 @@
-"""CPU tests of benchmarks/mlp_trace.py: its case syntax (shared with decode_trace.py), the stages it reads from a launch
-plan, and its per-stage summary of a synthetic trace (the GPU run itself needs a GPU)."""
+"""CPU tests of benchmarks/mlp_trace.py: its case syntax (shared with decode_trace.py), the
+stages it reads from a launch plan, and its per-stage summary of a synthetic trace (the GPU
+run itself needs a GPU)."""
 import importlib.util
 import textwrap
 
