@@ -104,14 +104,33 @@ def summarize(tr, grid: int, n1: int):
   return median_rows(rows)
 
 
-def main():
+def cli(case_help: str, parse=parse_case):
+  """(args, cases) of a trace script (also benchmarks/mlp_trace.py): --out, --case
+  (repeatable, ``case_help``), --reps; every case parsed before any GPU work."""
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", required=True)
-  ap.add_argument("--case", action="append", required=True,
-                  help="M,K,r,N[:plan_field=value,...] (repeatable)")
+  ap.add_argument("--case", action="append", required=True, help=case_help)
   ap.add_argument("--reps", type=int, default=25)
   args = ap.parse_args()
-  cases = [parse_case(spec) for spec in args.case]  # all checked before any GPU work
+  return args, [parse(spec) for spec in args.case]
+
+
+def report(recs: list, rec: dict, hidden: tuple) -> None:
+  """Keeps ``rec`` and prints it as one JSON line without the ``hidden`` (bulky) fields."""
+  recs.append(rec)
+  print(json.dumps({k: v for k, v in rec.items() if k not in hidden}), flush=True)
+
+
+def save(out: str, torch, triton, dev, doc: str, recs: list) -> None:
+  """Writes the records with the machine and the method (``doc``'s second and third
+  paragraphs) to ``out``."""
+  import pdl_probe
+  pdl_probe.write_results(out, torch, triton, dev,
+                          " ".join(doc.split("\n\n")[1:3]).replace("\n", " "), recs)
+
+
+def main():
+  args, cases = cli("M,K,r,N[:plan_field=value,...] (repeatable)")
 
   import pdl_probe
   from lrjax.custom_calls.triton import planner, xuv_decode
@@ -160,11 +179,8 @@ def main():
     rec = dict(case=spec, M=m, K=k, r=r, N=n, plan=dataclasses.asdict(p), layers=layers,
                per_call_us=round(res[0], 3), traced_per_call_us=round(res[4], 3),
                phase1_ctas=min(n1, grid), **phases, ctas=ctas)
-    recs.append(rec)
-    print(json.dumps({k_: v for k_, v in rec.items() if k_ not in ("plan", "ctas")}),
-          flush=True)
-  pdl_probe.write_results(args.out, torch, triton, dev,
-                          " ".join(__doc__.split("\n\n")[1:3]).replace("\n", " "), recs)
+    report(recs, rec, ("plan", "ctas"))
+  save(args.out, torch, triton, dev, __doc__, recs)
 
 
 if __name__ == "__main__":

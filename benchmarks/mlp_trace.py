@@ -35,9 +35,7 @@ torch is this script's alone, not a dependency of lrjax.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 
 import decode_trace
 
@@ -88,13 +86,8 @@ def summarize(tr, bounds: dict):
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--out", required=True)
-  ap.add_argument("--case", action="append", required=True,
-                  help="T,D,r,F[:BlockSizes_field=value,...] (repeatable)")
-  ap.add_argument("--reps", type=int, default=25)
-  args = ap.parse_args()
-  cases = [parse_case(spec) for spec in args.case]  # all checked before any GPU work
+  args, cases = decode_trace.cli("T,D,r,F[:BlockSizes_field=value,...] (repeatable)",
+                                 parse_case)
 
   import pdl_probe
   from lrjax.custom_calls.triton import mlp_decode, planner
@@ -155,11 +148,8 @@ def main():
                traced_per_call_us=round(res[1], 3),
                ctas_per_stage={s_: hi - lo for s_, (lo, hi) in bounds.items()}, **stages,
                ctas=ctas)
-    recs.append(rec)
-    print(json.dumps({k_: v for k_, v in rec.items() if k_ not in ("blocks", "ctas")}),
-          flush=True)
-  pdl_probe.write_results(args.out, torch, triton, dev,
-                          " ".join(__doc__.split("\n\n")[1:3]).replace("\n", " "), recs)
+    decode_trace.report(recs, rec, ("blocks", "ctas"))
+  decode_trace.save(args.out, torch, triton, dev, __doc__, recs)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,13 @@ _SCRIPT = STUB + textwrap.dedent('''
   assert dims == (1, 4096, 1024, 14336) and over == {"k_per": 128}, over
   for bad, says in (("1,2,3", "M,K,r,N"), ("1,2,3,4:block_f=64", "PersistentDecodePlan")):
     refused(decode_trace.parse_case, bad, says)
+  # the scripts' shared record tail: kept whole, printed without the bulky fields
+  import contextlib, io, json
+  recs, buf = [], io.StringIO()
+  with contextlib.redirect_stdout(buf):
+    decode_trace.report(recs, {"case": "c", "per_call_us": 1.5, "ctas": [[0.0]]}, ("ctas",))
+  assert recs == [{"case": "c", "per_call_us": 1.5, "ctas": [[0.0]]}], recs
+  assert json.loads(buf.getvalue()) == {"case": "c", "per_call_us": 1.5}, buf.getvalue()
 
   kw = dict(gated=True, act="silu", bias_mask=(False,) * 3)
   for m, d, r, f in ((1, 2048, 1280, 8192), (4, 4096, 1024, 14336)):
