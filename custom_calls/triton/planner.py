@@ -551,26 +551,57 @@ def _v_resident_plan(m: int, k: int, r: int, n: int, g: int, bw: float, fill_us:
 PHASE1_WIDE_STAGES = 4
 PHASE1_DEEP_MIN_K = 4096
 
+# Where r > 1024, 64-column phase-1 tiles over twice the K range of 128-column ones (as many
+# CTAs) add half the f32 split-K partials but read X from L2 twice as often. On the same
+# weights at M = 64/128 (session 34, results/gpu_xuv_decode_phase1_cols_h200.json) the call
+# moved by about the partials' bytes over PHASE1_ATOMIC_BW plus X's L2 bytes over
+# PHASE1_X_L2_BW (``_phase1_l2_us``; five M=128 pairs fit to 0.2 us): 4096->1216->4096 -1.5 us
+# at M=128 (4.4 MB fewer partials, 9.4 MB more of X) and -0.65 at M=64, 4096->2560->14336
+# -0.4 at M=128 but +0.9 at M=64, 8192->2048/2456/4096 +0.4 / +1.3 / +3.5 at M=128 (33-67 MB
+# more of X). The narrow tiles are taken where that model saves PHASE1_NARROW_MIN_US.
+PHASE1_ATOMIC_BW = 1.9e12
+PHASE1_X_L2_BW = 11.8e12
+PHASE1_NARROW_MIN_US = 0.5
+
+
+def _phase1_tiles(k: int, r: int, cols: int, g: int) -> tuple[int, int]:
+  """(column blocks, K rows a tile) of the phase-1 plan at ``cols`` columns: the fewest
+  splits of whole 64-row steps that still give every CTA a tile."""
+  n_rb = cdiv(r, cols)
+  split = max(1, min(g // n_rb, cdiv(k, 64)))
+  return n_rb, cdiv(cdiv(k, split), 64) * 64
+
+
+def _phase1_l2_us(m: int, k: int, r: int, cols: int, k_per: int) -> float:
+  """The model's L2 time of a phase-1 plan: its split-K partials (f32 atomics) and the
+  re-reads of X, once per column block."""
+  return (cdiv(k, k_per) * m * r * 4 / PHASE1_ATOMIC_BW
+          + cdiv(r, cols) * m * k * 2 / PHASE1_X_L2_BW) * 1e6
+
 
 def plan_decode_phase1(m: int, k: int, r: int, n: int, hw: Hardware = H200,
                        programs: int | None = None) -> PersistentDecodePlan:
   """Tiles for the decode kernel's phase 1 alone (``xuv_decode(pv="xla")``: X·U split over
   K into P, then XLA's GEMM applies V). From M=64 rows the f32 partials of split-K (M x r x
   4 bytes per split, added with atomics) rival U's own bytes, so this takes the fewest
-  splits that still give every CTA a tile: 128-column tiles (64 at r <= 1024) over K ranges
-  as long as that allows, with PHASE1_WIDE_STAGES pipeline stages on 128-column tiles or
-  where K >= PHASE1_DEEP_MIN_K.
+  splits that still give every CTA a tile: 128-column tiles (64 at r <= 1024, or where
+  ``_phase1_l2_us`` has them PHASE1_NARROW_MIN_US faster) over K ranges as long as that
+  allows, with PHASE1_WIDE_STAGES pipeline stages on 128-column tiles or where
+  K >= PHASE1_DEEP_MIN_K.
   Against ``plan_decode_persistent``'s tiles it took 5-24 % less time at M=128 and 0-15 % at
   M=64 (results/gpu_xuv_decode_pv_h200.json, run 1)."""
   g = programs or hw.num_sms
   cols = 64 if r <= 1024 else 128
-  n_rb = cdiv(r, cols)
-  split = max(1, min(g // n_rb, cdiv(k, 64)))
-  k_per = cdiv(cdiv(k, split), 64) * 64
+  n_rb, k_per = _phase1_tiles(k, r, cols, g)
+  if cols == 128:
+    n64, k64 = _phase1_tiles(k, r, 64, g)
+    if (n64 * cdiv(k, k64) <= g and _phase1_l2_us(m, k, r, 64, k64)
+        <= _phase1_l2_us(m, k, r, 128, k_per) - PHASE1_NARROW_MIN_US):
+      cols, n_rb, k_per = 64, n64, k64
   base = plan_decode_persistent(m, k, r, n, hw, programs=g, v_resident=False,
                                 stream_k=False)
   est = _phase_us(n_rb * cdiv(k, k_per), k_per * cols * 2, g, 4.0e12, 1.5)
-  stages = PHASE1_WIDE_STAGES if cols == 128 or k >= PHASE1_DEEP_MIN_K else base.stages
+  stages = PHASE1_WIDE_STAGES if r > 1024 or k >= PHASE1_DEEP_MIN_K else base.stages
   return dataclasses.replace(base, block_r=cols, cols_r=cols, k_per=k_per, r_chunks=1,
                              p16=True, stages=stages, est_us=est)
 

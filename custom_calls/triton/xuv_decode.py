@@ -44,7 +44,8 @@ V, as in XLA's own lowering. There ·V is a [64-128, r] x [r, N] GEMM near the H
 point, where one CTA per SM streaming V with 128-row tiles measured 0.69-0.75x cuBLAS, while
 the skinny X·U is where XLA is weak (a split-K GEMM and a separate reduction). Phase 1 then
 takes ``planner.plan_decode_phase1``'s tiles: the fewest split-K partials (f32 atomics into P,
-M x r x 4 bytes each) that still give every CTA a tile. Measured (results/
+M x r x 4 bytes each) that still give every CTA a tile, in 64-column tiles where its L2 model
+has half the partials outweigh reading X twice as often (session 34). Measured (results/
 gpu_xuv_decode_pv_h200.json, then the sweep's run 12): M=128 0.96-1.03x XLA where the fused
 kernel was 0.69-0.74x; M=64 0.94-1.01x (fused 0.81-1.00x). At M=16 and 32 the split, timed
 only on the fused kernel's phase-1 tiles, was 2-10 % slower than the fused kernel. At exactly

@@ -313,13 +313,39 @@ def test_phase1_plan_takes_fewest_splits_with_a_tile_per_cta(m, k, r, n):
   outnumber the CTAs; 4 pipeline stages on the 128-column tiles and where K >= 4096 (measured
   faster), else the fused plan's 3."""
   p = planner.plan_decode_phase1(m, k, r, n, programs=132)
-  assert p.cols_r == p.block_r == (64 if r <= 1024 else 128)
+  assert p.cols_r == p.block_r == (64 if r <= 1024 else 128)  # none here gains 0.5 us at 64
   deep = r > 1024 or k >= 4096
   assert p.stages == (4 if deep else 3) == (
       planner.PHASE1_WIDE_STAGES if deep else planner.plan_decode_persistent(m, k, r, n).stages)
   assert p.k_per % 64 == 0 and p.k_per > 0 and p.p16 and p.r_chunks == 1
   n_rb = planner.cdiv(r, p.cols_r)
   assert n_rb * planner.cdiv(k, p.k_per) <= max(132, n_rb)
+  assert p.k_per == 64 or n_rb * planner.cdiv(k, p.k_per - 64) > 132
+
+
+# Same-weights A/Bs of the phase-1-alone plan, 64-column tiles against 128 (session 34,
+# benchmarks/results/gpu_xuv_decode_phase1_cols_h200.json): us the 64-column tiles took more
+PHASE1_COLS_AB = [((128, 4096, 1216, 4096), -1.54), ((128, 4096, 1216, 4096), -1.45),
+                  ((64, 4096, 1216, 4096), -0.65), ((128, 4096, 2560, 14336), -0.42),
+                  ((64, 4096, 2560, 14336), 0.94), ((128, 8192, 2048, 16384), 0.44),
+                  ((128, 8192, 2456, 8192), 1.30), ((128, 8192, 2456, 8192), 1.28),
+                  ((64, 8192, 2456, 8192), 2.52), ((128, 8192, 4096, 16384), 3.46)]
+
+
+@pytest.mark.parametrize("dims,slower_us", PHASE1_COLS_AB)
+def test_phase1_plan_takes_64_column_tiles_where_they_measured_faster(dims, slower_us):
+  """Where r > 1024 the phase-1 plan takes 64-column tiles (half the split-K partials, X read
+  from L2 twice as often) where its L2 model saves PHASE1_NARROW_MIN_US: it picks the tiles
+  that measured faster, or lets a gain under that margin go; as many CTAs either way."""
+  m, k, r, n = dims
+  p = planner.plan_decode_phase1(m, k, r, n, programs=132)
+  if slower_us <= -planner.PHASE1_NARROW_MIN_US:
+    assert p.cols_r == p.block_r == 64
+  elif slower_us > 0:
+    assert p.cols_r == p.block_r == 128
+  assert p.stages == planner.PHASE1_WIDE_STAGES  # r > 1024: as the 128-column tiles
+  n_rb = planner.cdiv(r, p.cols_r)
+  assert n_rb * planner.cdiv(k, p.k_per) <= 132
   assert p.k_per == 64 or n_rb * planner.cdiv(k, p.k_per - 64) > 132
 
 
