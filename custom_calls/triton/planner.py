@@ -586,8 +586,8 @@ def plan_decode_phase1(m: int, k: int, r: int, n: int, hw: Hardware = H200,
   4 bytes per split, added with atomics) rival U's own bytes, so this takes the fewest
   splits that still give every CTA a tile: 128-column tiles (64 at r <= 1024, or where
   ``_phase1_l2_us`` has them PHASE1_NARROW_MIN_US faster) over K ranges as long as that
-  allows, with PHASE1_WIDE_STAGES pipeline stages on 128-column tiles or where
-  K >= PHASE1_DEEP_MIN_K.
+  allows, with PHASE1_WIDE_STAGES pipeline stages where r > 1024 (the 128-column tiles'
+  ranks) or K >= PHASE1_DEEP_MIN_K.
   Against ``plan_decode_persistent``'s tiles it took 5-24 % less time at M=128 and 0-15 % at
   M=64 (results/gpu_xuv_decode_pv_h200.json, run 1)."""
   g = programs or hw.num_sms
