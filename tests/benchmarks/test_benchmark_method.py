@@ -177,3 +177,44 @@ def test_attention_suite_extends_the_policy_to_its_shapes(bench, monkeypatch):
   monkeypatch.setattr(measured, "MODEL_AB", ())  # the calls alone, not the whole-model A/Bs
   monkeypatch.setattr(measured, "MODEL_OP_AB", ())
   assert all(measured.verdict("xuv", m, k, r, n) is None for (m, k, r, n) in calls)
+
+
+def decode_rec(op, m, floor_us, ours_us, xla_us, k=4096):
+  return dict(op=op, variant="auto", M=m, K=k, r=1024, N=4096, floor_us=floor_us,
+              ours_us=ours_us, xla_lowrank_us=xla_us, hbm_roofline_frac=floor_us / ours_us,
+              speedup_vs_xla=xla_us / ours_us, tflops=1.0)
+
+
+def test_fixed_cost_fit_recovers_a_line_and_needs_three_floors(bench):
+  recs = [decode_rec("xuv", 1, f, 5.0 + 0.9 * f, 9.0 + f) for f in (2.0, 10.0, 30.0, 60.0)]
+  fixed, slope, rms = bench.fixed_cost_fit(recs)
+  assert abs(fixed - 5.0) < 1e-9 and abs(slope - 0.9) < 1e-9 and rms < 1e-9
+  assert bench.fixed_cost_fit(recs[:2]) is None
+  assert bench.fixed_cost_fit([decode_rec("xuv", 1, 3.0, t, t) for t in (4, 5, 6)]) is None
+
+
+def test_missed_decode_targets_say_by_how_much_and_why(bench):
+  """A decode miss records its target time and shortfall, and why: the run's fit of time
+  against floor leaves too little at small floors (fixed / (1/0.85 - slope)); a point above
+  its fit says by how much; one that streams well but trails XLA says so; a met point has
+  no reason."""
+  recs = [decode_rec("xuv", m, f, 5.0 + f, 8.0 + f) for m, f in ((1, 10.0), (2, 40.0), (4, 80.0))]
+  recs.append(decode_rec("xuv", 8, 40.0, 52.0, 60.0))  # 7 us above the others' line: 77 %
+  recs.append(decode_rec("xuv", 16, 80.0, 86.0, 85.0))  # 93 % but behind XLA
+  fixed, slope, _ = bench.fixed_cost_fit(recs)
+  out = {t["M"]: t for t in bench.evaluate_targets(recs)}
+  small = out[1]
+  assert not small["met"] and small["target_us"] == round(10 / 0.85, 2)
+  assert small["short_by_us"] == round(15.0 - 10 / 0.85, 2)
+  assert small["why"].startswith("fixed cost")
+  assert f"floors under {fixed / (1 / 0.85 - slope):.0f} us" in small["why"]
+  assert f"{fixed:.1f} us + {slope:.2f} x floor over the sweep's 5 decode points" in small["why"]
+  assert out[2]["met"] and "why" not in out[2] and out[2]["short_by_us"] == 0.0
+  assert not out[8]["met"] and out[8]["why"].startswith("this point runs")
+  assert not out[16]["met"] and out[16]["why"].startswith("behind XLA")
+
+
+def test_missed_prefill_targets_give_the_throughput_against_xla(bench):
+  rec = dict(decode_rec("xuv", 1024, 100.0, 110.0, 100.0), tflops=600.0)
+  (t,) = bench.evaluate_targets([rec])
+  assert not t["met"] and t["why"].startswith("compute-bound: 600 TFLOP/s against XLA's 660")
