@@ -1209,7 +1209,8 @@ def evaluate_targets(records) -> list[dict]:
   floor over the same records, or the prefill throughput against XLA's). Recomputed from the
   records, never written by hand."""
   auto = [r for r in records if r["variant"] == "auto"]
-  decode = {op: [r for r in auto if r["op"] == op and r["M"] <= 16] for op in ("xuv", "mlp_swiglu")}
+  decode = {op: [r for r in auto if r["op"] == op and r["M"] <= 16]
+            for op in ("xuv", "mlp_swiglu")}
   fits = {op: (fixed_cost_fit(rs), fixed_cost_fit(rs, "xla_lowrank_us"), len(rs))
           for op, rs in decode.items()}
   out = []
