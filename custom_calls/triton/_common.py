@@ -273,6 +273,16 @@ def splitr_out_tile(nb, rc,  # output column block, reduction chunk
   acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
   acc = mm_acc(acc, a_ptr, v_ptr, offs_m, offs_n, m_mask, n_mask, rc * R_PER, rc * R_PER + R_PER,
                R, R, N, BLOCK_KV, EVEN_R, True)
+  splitr_finish(acc, nb, b_ptr, acc_ptr, sem_ptr, o_ptr, offs_m, m_mask, offs_n, n_mask, N,
+                N_CHUNKS, HAS_BIAS)
+
+
+@triton.jit
+def splitr_finish(acc,  # [BM, BN] f32: this chunk's part of an output tile
+                  nb, b_ptr, acc_ptr, sem_ptr, o_ptr, offs_m, m_mask, offs_n, n_mask,
+                  N: tl.constexpr, N_CHUNKS: tl.constexpr, HAS_BIAS: tl.constexpr):
+  """splitr_out_tile's end: with one chunk the tile is stored; else f32 atomics into acc and
+  the last chunk to arrive for column block nb adds the bias and writes the output."""
   off = offs_m[:, None] * N + offs_n[None, :]
   mask = m_mask[:, None] & n_mask[None, :]
   if N_CHUNKS == 1:

@@ -69,7 +69,8 @@ from lrjax.custom_calls.triton import launch, planner
 from lrjax.custom_calls.triton._common import (check_out, join_chain, last_arrival,
                                                leave_chain, mm_acc, mm_acc2, num_sms,
                                                prefetch_l2, round_once, signal,
-                                               splitr_out_tile, stamp, swiglu_epilogue,
+                                               splitr_finish, splitr_out_tile, stamp,
+                                               swiglu_epilogue,
                                                wait_at_least)
 
 ACT_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "relu": 3}
@@ -106,6 +107,11 @@ class BlockSizes:
   prefetch: int = 0
   prefetch_h: int = 0
   prefetch_c: int = 0
+  # stage C loads its whole V_d chunk (r_d / c_chunks rows, padded to a power of two, by
+  # block_n columns: at most C_RESIDENT_MAX elements) into registers before its wait, and
+  # after it does one dot with its chunk of S. The chunks that fit need 160-256 stage-C
+  # CTAs on the 1B, past one wave: 0.9-2.2 us slower at T = 1-16 (session 34)
+  c_resident: bool = False
 
   @classmethod
   def get_default(cls, m: int, d: int, f: int, r: int, d_out: int, *,
@@ -203,6 +209,8 @@ TUNED: dict[tuple[str, str], BlockSizes] = {
 }
 
 MAX_M = 128  # beyond this the prefill kernel serves
+C_RESIDENT_MAX = 128 * 128  # V_d elements a stage-C CTA may hold with c_resident (64 regs a
+                            # thread at 4 warps)
 PERSISTENT_MAX_M = 64  # the persistent schedule serves up to here (f32 tiles in registers)
 
 
@@ -391,6 +399,8 @@ def _mlp_decode_kernel(
                              # split (no stage-H CTAs of their own)
     PREFETCH: tl.constexpr = 0, PREFETCH_H: tl.constexpr = 0,  # BlockSizes.prefetch{,_h,_c}
     PREFETCH_C: tl.constexpr = 0,
+    C_RESIDENT: tl.constexpr = 0,  # BlockSizes.c_resident; its chunk padded to RD_PER_P2 rows
+    RD_PER_P2: tl.constexpr = 16,
     WORK_OFF: tl.constexpr = 0,  # the scratch chain's offset of this call's half (launch.py)
     PDL: tl.constexpr = 0,  # launched as a programmatic dependent (launch.py, join_chain)
     TRACE: tl.constexpr = 0,  # timing only (output right): each CTA stamps its entry, first
@@ -467,15 +477,28 @@ def _mlp_decode_kernel(
       row0 = (q // n_nb) * RD_PER
       prefetch_l2(vd_ptr, row0, (q % n_nb) * BLOCK_N, tl.minimum(RD, row0 + RD_PER), DO, DO,
                   PREFETCH_C, BLOCK_N)
+    if C_RESIDENT:  # its V_d chunk into registers while it waits
+      offs_n = (q % n_nb) * BLOCK_N + tl.arange(0, BLOCK_N)
+      n_mask = offs_n < DO
+      offs_c = (q // n_nb) * RD_PER + tl.arange(0, RD_PER_P2)
+      c_mask = (offs_c < RD) & (tl.arange(0, RD_PER_P2) < RD_PER)
+      vdt = tl.load(vd_ptr + offs_c[:, None] * DO + offs_n[None, :],
+                    mask=c_mask[:, None] & n_mask[None, :], other=0.0)
     if PARK_H:
       wait_at_least(cnt_ptr + A_CHUNKS, n_h)
     else:
       wait_at_least(cnt_ptr + A_CHUNKS, n_b)
     stamp(o_in_ptr, 1, TRACE)
     stamp(o_in_ptr, 2, TRACE)
-    splitr_out_tile(q % n_nb, q // n_nb, s_ptr, vd_ptr, bd_ptr, acc_ptr, sem_ptr, o_ptr,
-                    M, RD, DO, RD_PER, C_CHUNKS, HAS_BD, BLOCK_M, BLOCK_N, BLOCK_KR, EVEN_RD,
-                    BLOCK_N)
+    if C_RESIDENT:
+      st = tl.load(s_ptr + offs_m[:, None] * RD + offs_c[None, :],
+                   mask=m_mask[:, None] & c_mask[None, :], other=0.0, cache_modifier=".cg")
+      splitr_finish(tl.dot(st.to(vdt.dtype), vdt), q % n_nb, bd_ptr, acc_ptr, sem_ptr, o_ptr,
+                    offs_m, m_mask, offs_n, n_mask, DO, C_CHUNKS, HAS_BD)
+    else:
+      splitr_out_tile(q % n_nb, q // n_nb, s_ptr, vd_ptr, bd_ptr, acc_ptr, sem_ptr, o_ptr,
+                      M, RD, DO, RD_PER, C_CHUNKS, HAS_BD, BLOCK_M, BLOCK_N, BLOCK_KR,
+                      EVEN_RD, BLOCK_N)
   stamp(o_in_ptr, 3, TRACE)
   leave_chain(chain_ptr, clear_off, clear_n)
   stamp(o_in_ptr, 4, TRACE)
@@ -587,6 +610,11 @@ def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes)
   n_nb = planner.cdiv(d_out, bs.block_n)
   rd_per = planner.cdiv(planner.cdiv(rd, bs.c_chunks), bs.block_kr) * bs.block_kr
   c_chunks = planner.cdiv(rd, rd_per)
+  rd_per_p2 = max(16, planner.next_pow2(rd_per))
+  if bs.c_resident and rd_per_p2 * bs.block_n > C_RESIDENT_MAX:
+    raise ValueError(f"{bs}: c_resident holds a V_d chunk of {rd_per_p2} x {bs.block_n} "
+                     f"elements in registers; at most {C_RESIDENT_MAX} (more c_chunks or a "
+                     "narrower block_n)")
   h_splits, f_per, n_h = 1, cols_f, 0
   if bs.h_inline and not bs.park_h:
     raise ValueError("h_inline=True runs stage H inside stage B: it needs park_h=True")
@@ -615,7 +643,8 @@ def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes)
               EVEN_RD=rd % rd_per == 0, P16=bs.p16, S_FLUSH=0, PARK_H=bs.park_h,
               H_SPLITS=h_splits, F_PER=f_per, BLOCK_H=bs.block_h,
               EVEN_F=f % f_per == 0, COLS_F=cols_f, H_INLINE=bs.h_inline,
-              PREFETCH=bs.prefetch, PREFETCH_H=bs.prefetch_h, PREFETCH_C=bs.prefetch_c)
+              PREFETCH=bs.prefetch, PREFETCH_H=bs.prefetch_h, PREFETCH_C=bs.prefetch_c,
+              C_RESIDENT=int(bs.c_resident), RD_PER_P2=rd_per_p2)
   scratch = (m * (2 * r + rd + d_out) + a_chunks + 1 + n_nb + (n_rb if bs.p16 else 0)
              + (h_splits if bs.park_h else 0))
   p16 = (2 * m * r if bs.p16 else 0) + (m * f if bs.park_h else 0)

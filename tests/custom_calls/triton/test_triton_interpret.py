@@ -340,7 +340,13 @@ def test_fused_swiglu_kernels_on_ragged_shapes():
            # Pg/Pu consumed in three chunks (T <= 16 defaults to one where stage A's CTAs fit
            # the SMs): 64-column rank blocks, two a chunk, the last chunk ragged (264 = 4 x 64
            # + 8)
-           (3, 320, 700, 264, True, {"a_chunks": 4, "block_r": 64})]
+           (3, 320, 700, 264, True, {"a_chunks": 4, "block_r": 64}),
+           # stage C with its V_d chunk held in registers before the wait (c_resident): two
+           # chunks, the last ragged (72 = 64 + 8), ragged column blocks; one chunk padded
+           # (96 rows in a 128-row tile); h parked, three chunks of 64-column blocks
+           (1, 200, 520, 72, True, {"c_resident": True}),
+           (5, 256, 1000, 96, False, {"c_resident": True, "c_chunks": 1}),
+           (20, 320, 700, 136, True, {"park_h": True, "c_resident": True, "block_n": 64})]
   prefill = [(200, 256, 520, 72, True, {}),
              (300, 320, 700, 136, False, {"block_m": 64, "group_m": 1, "split_c": 2})]
   _interpret(f"PERSISTENT = {persistent!r}\nTILED = {tiled!r}\nPREFILL = {prefill!r}\n"
@@ -356,3 +362,26 @@ def test_prefill_xuv_kernel_with_its_ring_reused():
                                   "group_m": 1, "ring": 2}),
   ]
   _interpret(f"PREFILL = {prefill!r}\n" + _PRELUDE + _PREFILL)
+
+
+def test_resident_stage_c_refuses_a_chunk_too_large_for_registers():
+  """BlockSizes.c_resident holds a stage-C CTA's whole V_d chunk in registers: a plan whose
+  chunk (padded to a power of two) times block_n exceeds C_RESIDENT_MAX is refused, naming
+  the limit and the way out; ten 128-row chunks of Llama-3.2-1B's r_d = 1280 fit."""
+  run_script(STUB + textwrap.dedent('''
+    import dataclasses
+    from lrjax.custom_calls.triton import mlp_decode
+    kw = dict(gated=True, act="silu", bias_mask=(False, False, False))
+    bs = dataclasses.replace(mlp_decode.BlockSizes.get_default(1, 2048, 8192, 1280, 2048),
+                             c_resident=True)
+    try:
+      mlp_decode.launch_plan(1, 2048, 1280, 8192, 1280, 2048, bs=bs, **kw)
+      raise SystemExit("four 320-row chunks (512 x 128 in registers) were not refused")
+    except ValueError as e:
+      assert "c_resident" in str(e) and "512 x 128" in str(e) and "more c_chunks" in str(e), e
+    plan = mlp_decode.launch_plan(1, 2048, 1280, 8192, 1280, 2048,
+                                  bs=dataclasses.replace(bs, c_chunks=10), **kw)
+    assert plan["meta"]["C_RESIDENT"] == 1 and plan["meta"]["RD_PER_P2"] == 128
+    assert plan["meta"]["C_CHUNKS"] == 10
+    print("ok")
+  '''), interpret=False)
