@@ -110,7 +110,7 @@ class BlockSizes:
   # stage C loads its whole V_d chunk (r_d / c_chunks rows, padded to a power of two, by
   # block_n columns: at most C_RESIDENT_MAX elements) into registers before its wait, and
   # after it does one dot with its chunk of S. The chunks that fit need 160-256 stage-C
-  # CTAs on the 1B, past one wave: 0.9-2.2 us slower at T = 1-16 (session 34)
+  # CTAs on the 1B, past one wave: 0.8-2.2 us slower at T = 1-16 (session 34)
   c_resident: bool = False
 
   @classmethod
