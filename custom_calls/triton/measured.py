@@ -17,9 +17,10 @@ when the step of the model whose hidden size is nearest the call's K, at the nea
 (of 2 or more rows), was slower with them (below MODEL_PARITY). MODEL_OP_AB holds the same
 steps with every kernel but one op's, timed in the same device call as the step with all:
 an op's calls are left to XLA where that step was faster without its kernel (Qwen2.5-7B's
-SwiGLU kernel, 5-6 % faster than XLA's MLP alone at 4-16 tokens, made its step 1.4 / 1.0 %
-slower at batch 4 / 16 in session 33, 1.3 % faster at 8), and served, whatever MODEL_AB says
-of that step, where it was slower without it.
+SwiGLU kernel, about 7 % faster than XLA's MLP alone at 4-16 tokens, made its step 1.4 / 1.0 %
+slower at batch 4 / 16 in session 33; in session 34, with f32 Pg/Pu after a one-wave stage A,
+1.9 / 1.9 / 1.1 % faster at batch 4 / 8 / 16), and served, whatever MODEL_AB says of that
+step, where it was slower without it.
 
 RECORDS (the sweep's and the grouped q/k/v kernel's, GROUP_SOURCE), MODEL_AB and MODEL_OP_AB
 are generated from the committed benchmark results, never edited by hand:
