@@ -559,6 +559,8 @@ PHASE1_DEEP_MIN_K = 4096
 # at M=128 (4.4 MB fewer partials, 9.4 MB more of X) and -0.65 at M=64, 4096->2560->14336
 # -0.4 at M=128 but +0.9 at M=64, 8192->2048/2456/4096 +0.4 / +1.3 / +3.5 at M=128 (33-67 MB
 # more of X). The narrow tiles are taken where that model saves PHASE1_NARROW_MIN_US.
+# (PARTIAL_BW, fitted to the fused plans' partials at M <= 32, does not fit these: with it the
+# X term would need 3.3 TB/s on one pair and 8.9 on another.)
 PHASE1_ATOMIC_BW = 1.9e12
 PHASE1_X_L2_BW = 11.8e12
 PHASE1_NARROW_MIN_US = 0.5
