@@ -550,6 +550,14 @@ def _v_resident_plan(m: int, k: int, r: int, n: int, g: int, bw: float, fill_us:
 # (results/gpu_xuv_decode_stages_more_h200.json; same weights, session 31)
 PHASE1_WIDE_STAGES = 4
 PHASE1_DEEP_MIN_K = 4096
+# ...and more stages where a stage holds under a sixth of PHASE1_INFLIGHT_BYTES (up to
+# PHASE1_MAX_STAGES): at 64 rows a 64-column tile's stage is 16 KB of X and U (24 KB with
+# 128 columns or 128 rows), and 6 stages on the same weights took 0.55 us off 4096->1024->14336
+# at M=64 (4 stages), while on the 24- and 32-KB stages of the other points they moved
+# -0.45...+0.85 us, mostly slower (session 35, results/gpu_xuv_decode_phase1_deep_h200.json):
+# about 96 KB of loads in flight a CTA keep U streaming at one CTA an SM
+PHASE1_INFLIGHT_BYTES = 96 * 1024
+PHASE1_MAX_STAGES = 6
 
 # Where r > 1024, 64-column phase-1 tiles over twice the K range of 128-column ones (as many
 # CTAs) add half the f32 split-K partials but read X from L2 twice as often. On the same
@@ -589,7 +597,8 @@ def plan_decode_phase1(m: int, k: int, r: int, n: int, hw: Hardware = H200,
   splits that still give every CTA a tile: 128-column tiles (64 at r <= 1024, or where
   ``_phase1_l2_us`` has them PHASE1_NARROW_MIN_US faster) over K ranges as long as that
   allows, with PHASE1_WIDE_STAGES pipeline stages where r > 1024 (the 128-column tiles'
-  ranks) or K >= PHASE1_DEEP_MIN_K.
+  ranks) or K >= PHASE1_DEEP_MIN_K, more where that keeps under PHASE1_INFLIGHT_BYTES of
+  X and U in flight (64 rows, 64 columns: 6).
   Against ``plan_decode_persistent``'s tiles it took 5-24 % less time at M=128 and 0-15 % at
   M=64 (results/gpu_xuv_decode_pv_h200.json, run 1)."""
   g = programs or hw.num_sms
@@ -603,7 +612,11 @@ def plan_decode_phase1(m: int, k: int, r: int, n: int, hw: Hardware = H200,
   base = plan_decode_persistent(m, k, r, n, hw, programs=g, v_resident=False,
                                 stream_k=False)
   est = _phase_us(n_rb * cdiv(k, k_per), k_per * cols * 2, g, 4.0e12, 1.5)
-  stages = PHASE1_WIDE_STAGES if r > 1024 or k >= PHASE1_DEEP_MIN_K else base.stages
+  stages = base.stages
+  if r > 1024 or k >= PHASE1_DEEP_MIN_K:
+    stage_bytes = (base.block_m + cols) * base.block_k * 2
+    stages = max(PHASE1_WIDE_STAGES,
+                 min(PHASE1_MAX_STAGES, cdiv(PHASE1_INFLIGHT_BYTES, stage_bytes)))
   return dataclasses.replace(base, block_r=cols, cols_r=cols, k_per=k_per, r_chunks=1,
                              p16=True, stages=stages, est_us=est)
 

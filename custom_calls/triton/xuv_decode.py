@@ -51,7 +51,8 @@ kernel was 0.69-0.74x; M=64 0.94-1.01x (fused 0.81-1.00x). At M=16 and 32 the sp
 only on the fused kernel's phase-1 tiles, was 2-10 % slower than the fused kernel. At exactly
 64 rows (one 64-row block) the fused kernel stays where N <= PV_KERNEL_MAX_N: there its V
 phase is small and it measured ahead of the split (session 31, 1.045x and 1.025x XLA at
-4096->152->4096 and 4096->1216->4096).
+4096->152->4096 and 4096->1216->4096), unless V is a quarter of U or less and K >= 4096
+(session 35: 8192->544->1024, 4096->512->1024).
 
 **Tiled** (``_xuv_decode_kernel``): one CTA per tile. Stage-1 CTAs (split_k x
 ceil(r/block_r), block_r = 256: 512-byte row segments) come first in the grid, r-block-
@@ -146,6 +147,13 @@ PV_XLA_MIN_M = 64
 # (session 31, results/gpu_xuv_decode_wide_m_ab_h200.json); at 128 rows it lost on four of
 # those six
 PV_KERNEL_MAX_N = 4096
+# ...unless V is small beside U (N <= K / PV_XLA_K_OVER_N) and K >= PV_XLA_MIN_K: there phase
+# 1 on its 6-stage plan, then XLA's GEMM, took 1.8 and 1.0 us less than the fused kernel at
+# 64 rows on 8192->544->1024 and 4096->512->1024, while on the four other shapes with
+# N <= 4096 (2048->256->512 among them, K = 2048) it took 0.5-1.7 us more (same weights,
+# session 35, results/gpu_xuv_decode_phase1_deep_h200.json)
+PV_XLA_K_OVER_N = 4
+PV_XLA_MIN_K = 4096
 
 
 @triton.jit
@@ -569,12 +577,15 @@ def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
               p16=m * r if p.p16 else 1)
 
 
-def default_pv(m: int, n: int, out_given: bool = False) -> str:
+def default_pv(m: int, k: int, n: int, out_given: bool = False) -> str:
   """Who applies V on the persistent schedule unless the caller says: XLA's GEMM ("xla") from
-  PV_XLA_MIN_M rows, except at that many rows with N <= PV_KERNEL_MAX_N, and unless the caller
-  passes the kernel's output buffer; else the kernel."""
-  if out_given or m < PV_XLA_MIN_M or (m == PV_XLA_MIN_M and n <= PV_KERNEL_MAX_N):
+  PV_XLA_MIN_M rows, except at that many rows with N <= PV_KERNEL_MAX_N (unless N <= K /
+  PV_XLA_K_OVER_N and K >= PV_XLA_MIN_K), and unless the caller passes the kernel's output
+  buffer; else the kernel."""
+  if out_given or m < PV_XLA_MIN_M:
     return "kernel"
+  if m == PV_XLA_MIN_M and n <= PV_KERNEL_MAX_N:
+    return "xla" if k >= max(PV_XLA_MIN_K, PV_XLA_K_OVER_N * n) else "kernel"
   return "xla"
 
 
@@ -592,7 +603,7 @@ def default_persistent_launch(m: int, k: int, r: int, n: int, has_bias: bool,
   """(pv, plan, launch) of the wrapper's default persistent call without ``out``:
   ``default_pv``'s choice, ``plan_persistent``'s tiles on ``programs`` CTAs and their
   ``persistent_launch_plan`` (for the benchmarks and tests that ask what a call runs)."""
-  pv = default_pv(m, n)
+  pv = default_pv(m, k, n)
   p = plan_persistent(m, k, r, n, pv, programs)
   return pv, p, persistent_launch_plan(m, k, r, n, has_bias, p, pv == "kernel")
 
@@ -639,7 +650,7 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
                        "(persistent=False); pass a planner.PersistentDecodePlan instead")
     if m > MAX_M:
       raise ValueError(f"{m} rows: the persistent decode kernel serves M <= {MAX_M}")
-    pv = pv or default_pv(m, n, out is not None)
+    pv = pv or default_pv(m, k, n, out is not None)
     p = persistent if isinstance(persistent, planner.PersistentDecodePlan) else \
         plan_persistent(m, k, r, n, pv, num_sms())
     if pv == "xla" and out is not None:

@@ -67,12 +67,15 @@ XUV_SHAPES = [  # (M, K, r, N): M=1, ragged everything, a multi-super-block pref
     (4, 8192, 2432, 8192),  # >= 64 KB of U a CTA: round-trip-wide phase-1 tiles, ragged
     # split-K partials over planner.PARTIAL_FREE_BYTES: fewer, 128-column phase-1 tiles
     (8, 4096, 1024, 1000), (16, 8192, 2048, 520),
+    # 64 rows, N <= K/4, K >= 4096: phase 1 alone (xuv_decode.default_pv) on 64-column tiles
+    # of 6 stages (planner.PHASE1_INFLIGHT_BYTES), K ragged
+    (64, 4100, 520, 1000),
 ]
 
 
 @pytest.mark.parametrize("dtype,bias", [(jnp.bfloat16, False), (jnp.float16, True),
                                         (jnp.bfloat16, True)])
-@pytest.mark.parametrize("shape", XUV_SHAPES)
+@pytest.mark.parametrize("shape", XUV_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("kind", ["decode", "decode_small_blocks", "persistent",
                                   "persistent_small_grid", "persistent_xla_zeroing",
                                   "persistent_p16", "persistent_small_grid_p16",

@@ -338,8 +338,9 @@ def test_a_prefetch_that_is_not_a_power_of_two_is_refused_by_name():
 def test_the_decode_wrapper_launches_the_planners_persistent_plan():
   """xuv_decode.xuv_decode on 132 SMs (the launch recorded, not run): below PV_XLA_MIN_M rows
   the persistent kernel with phase 2, from it phase 1 alone (XLA applies V), except at 64
-  rows with N <= PV_KERNEL_MAX_N and where out= is given; each call's grid and constexprs are
-  persistent_launch_plan's of plan_persistent's plan for that many SMs."""
+  rows with N <= PV_KERNEL_MAX_N (unless N <= K/4 and K >= 4096) and where out= is given;
+  each call's grid and constexprs are persistent_launch_plan's of plan_persistent's plan for
+  that many SMs."""
   out = run_script(STUB + textwrap.dedent('''
     import jax, jax.numpy as jnp
     from lrjax.custom_calls.triton import launch, xuv_decode
@@ -349,19 +350,24 @@ def test_the_decode_wrapper_launches_the_planners_persistent_plan():
       return tuple(jnp.zeros(s.shape, s.dtype) for s in out_shape)
     launch.triton_call = record
     xuv_decode.num_sms = lambda: 132
-    k, r = 512, 200
+    r = 200
     assert (xuv_decode.PV_XLA_MIN_M, xuv_decode.PV_KERNEL_MAX_N) == (64, 4096)
-    for m, n, given, pv in ((2, 8200, False, "kernel"), (63, 8200, False, "kernel"),
-                            (64, 4096, False, "kernel"), (64, 4097, False, "xla"),
-                            (65, 1000, False, "xla"), (128, 1000, False, "xla"),
-                            (64, 8200, True, "kernel"), (128, 1000, True, "kernel")):
+    assert (xuv_decode.PV_XLA_K_OVER_N, xuv_decode.PV_XLA_MIN_K) == (4, 4096)
+    for m, k, n, given, pv in ((2, 512, 8200, False, "kernel"), (63, 512, 8200, False, "kernel"),
+                               (64, 512, 4096, False, "kernel"), (64, 512, 4097, False, "xla"),
+                               (65, 512, 1000, False, "xla"), (128, 512, 1000, False, "xla"),
+                               (64, 512, 8200, True, "kernel"), (128, 512, 1000, True, "kernel"),
+                               # 64 rows, N <= 4096: phase 1 alone where N <= K/4, K >= 4096
+                               (64, 4096, 1024, False, "xla"), (64, 4096, 1025, False, "kernel"),
+                               (64, 2048, 512, False, "kernel"), (64, 8192, 1024, True, "kernel"),
+                               (63, 8192, 1024, False, "kernel")):
       u = jnp.zeros((k, r), jnp.bfloat16)
       v = jnp.zeros((r, n), jnp.bfloat16)
       x = jnp.zeros((m, k), jnp.bfloat16)
       o = jnp.zeros((m, n), jnp.bfloat16) if given else None
       y = xuv_decode.xuv_decode(x, u, v, out=o)
       assert y.shape == (m, n), y.shape
-      assert xuv_decode.default_pv(m, n, given) == pv, (m, n, given)
+      assert xuv_decode.default_pv(m, k, n, given) == pv, (m, k, n, given)
       p = xuv_decode.plan_persistent(m, k, r, n, pv, 132)
       want = xuv_decode.persistent_launch_plan(m, k, r, n, False, p, pv == "kernel")
       name, grid, kw = calls.pop()

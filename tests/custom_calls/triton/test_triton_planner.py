@@ -311,12 +311,13 @@ def test_phase1_plan_takes_fewest_splits_with_a_tile_per_cta(m, k, r, n):
   64-row steps covering K, at most one tile per CTA (unless the columns alone outnumber the
   CTAs), and K ranges as long as that allows: one 64-row step shorter, the tiles would
   outnumber the CTAs; 4 pipeline stages on the 128-column tiles and where K >= 4096 (measured
-  faster), else the fused plan's 3."""
+  faster), 6 where a stage is then only 16 KB (64 rows, 64 columns), else the fused plan's 3."""
   p = planner.plan_decode_phase1(m, k, r, n, programs=132)
   assert p.cols_r == p.block_r == (64 if r <= 1024 else 128)  # none here gains 0.5 us at 64
   deep = r > 1024 or k >= 4096
-  assert p.stages == (4 if deep else 3) == (
-      planner.PHASE1_WIDE_STAGES if deep else planner.plan_decode_persistent(m, k, r, n).stages)
+  want = (6 if m == 64 and p.cols_r == 64 else 4) if deep else 3
+  assert p.stages == want
+  assert want != 3 or want == planner.plan_decode_persistent(m, k, r, n).stages
   assert p.k_per % 64 == 0 and p.k_per > 0 and p.p16 and p.r_chunks == 1
   n_rb = planner.cdiv(r, p.cols_r)
   assert n_rb * planner.cdiv(k, p.k_per) <= max(132, n_rb)
@@ -343,10 +344,38 @@ def test_phase1_plan_takes_64_column_tiles_where_they_measured_faster(dims, slow
     assert p.cols_r == p.block_r == 64
   elif slower_us > 0:
     assert p.cols_r == p.block_r == 128
-  assert p.stages == planner.PHASE1_WIDE_STAGES  # r > 1024: as the 128-column tiles
+  # r > 1024: as the 128-column tiles, or 6 on 16-KB stages (64 rows, 64 columns)
+  assert p.stages == (6 if p.block_m == p.cols_r == 64 else planner.PHASE1_WIDE_STAGES)
   n_rb = planner.cdiv(r, p.cols_r)
   assert n_rb * planner.cdiv(k, p.k_per) <= 132
   assert p.k_per == 64 or n_rb * planner.cdiv(k, p.k_per - 64) > 132
+
+
+# Same-weights A/Bs of the phase-1-alone plan, 6 pipeline stages against its own (session 35,
+# benchmarks/results/gpu_xuv_decode_phase1_deep_h200.json): us the 6 stages took more
+PHASE1_STAGES_AB = [((64, 4096, 1024, 14336), -0.55), ((64, 8192, 2048, 16384), -0.09),
+                    ((64, 4096, 2560, 14336), 0.04), ((64, 8192, 4096, 16384), 0.26),
+                    ((64, 8192, 2456, 8192), 0.62), ((128, 2048, 256, 512), 0.07),
+                    ((128, 2048, 640, 2048), 0.16), ((128, 4096, 152, 4096), -0.01),
+                    ((128, 4096, 512, 1024), 0.22), ((128, 4096, 1024, 14336), 0.06),
+                    ((128, 4096, 1216, 4096), -0.45), ((128, 4096, 2560, 14336), 0.41),
+                    ((128, 8192, 544, 1024), 0.01), ((128, 8192, 2048, 16384), 0.29),
+                    ((128, 8192, 2456, 8192), 0.84), ((128, 8192, 4096, 16384), 0.57)]
+
+
+@pytest.mark.parametrize("dims,slower_us", PHASE1_STAGES_AB)
+def test_phase1_plan_takes_6_stages_where_they_measured_faster(dims, slower_us):
+  """The phase-1 plan deepens its pipeline to 6 stages where that keeps about
+  PHASE1_INFLIGHT_BYTES of X and U in flight (16-KB stages: 64 rows, 64 columns): it took 6
+  where they measured 0.5 us faster, kept its own where they measured slower, and lets a
+  smaller gain go."""
+  m, k, r, n = dims
+  p = planner.plan_decode_phase1(m, k, r, n, programs=132)
+  if slower_us <= -0.5:
+    assert p.stages == planner.PHASE1_MAX_STAGES == 6
+  elif slower_us > 0:
+    assert p.stages < 6
+  assert p.stages * (p.block_m + p.cols_r) * p.block_k * 2 <= 160 * 1024  # 1 CTA an SM fits
 
 
 @pytest.mark.parametrize("k,r,n", [(8192, 4096, 16384), (4096, 2560, 14336),
