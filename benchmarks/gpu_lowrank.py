@@ -414,6 +414,10 @@ def _xuv_variant(kernel, m, k, r, n):
     bits = int(kernel.split(":")[1])
     return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, persistent=True, pv="kernel",
                                                  _probe=bits)
+  if kernel.startswith("pv_xla_probe:"):  # phase 1 alone with PROBE bits (bit 1: split-K
+    bits = int(kernel.split(":")[1])       # partials stored, not added; timing only)
+    return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, persistent=True, pv="xla",
+                                                 _probe=bits)
   if kernel == "pv_xla":  # the persistent kernel's phase 1, then XLA's GEMM applies V
     return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, persistent=True, pv="xla")
   if kernel.startswith(("persistent:", "pv_xla:")):  # ...:field=value,... (a planner.
