@@ -2,11 +2,13 @@
 
 At 64-128 rows lrjax's phase-1 kernel (X·U split over K) trails XLA's own X·U GEMM by 3-4 µs
 on the large shapes (results/gpu_timeline_wide_m_h200.json). This script reads what XLA
-chose for ``(x @ u) @ v`` in the benchmark's own chain (gpu_lowrank.chained, one layer):
+chose for ``(x @ u) @ v`` in the benchmark's own chain (gpu_lowrank.chained, one pass over
+its layers):
 
-- from the compiled HLO, every GEMM fusion or custom call: its kind (``__triton_gemm``: XLA's
-  Triton emitter with the autotuner's ``triton_gemm_config``; ``__cublas$...``: cuBLAS),
-  output shape, and the parameter shapes of its fused computation;
+- from the compiled HLO, every GEMM fusion or custom call and every Triton fusion (a split-K
+  GEMM's reduction among them): its kind (``__triton_gemm`` / ``__triton_nested_gemm_fusion``:
+  XLA's Triton emitters with the autotuner's tiles; ``__cublas$...``: cuBLAS), output shape,
+  and the parameter shapes of its fused computation;
 - from a profile of the chain (gpu_timeline.timeline): each kernel's median duration;
 - for the X·U GEMM when XLA's Triton emitter runs it, the phase-1 plan with the same tiles
   (``pv_xla:...``, a gpu_lowrank._xuv_variant), so ``--emit-cases`` can hand decode_ab.py
@@ -53,8 +55,8 @@ def _dims(s: str) -> list:
 
 
 def hlo_gemms(hlo: str) -> list:
-  """Every GEMM of an optimized HLO module's text, nested Triton fusions included:
-  [{name, computation, kind, out, params, backend}]. ``kind`` is the fusion's backend kind
+  """Every GEMM and Triton fusion of an optimized HLO module's text (split-K reductions
+  too): [{name, computation, calls, kind, out, params, backend}]. ``kind`` is the fusion's backend kind
   (``__triton_gemm``, ``__triton_nested_gemm_fusion`` ...) or the custom call's target
   (``__cublas$lt$matmul`` ...); ``params`` the parameter shapes of a fusion's computation;
   ``backend`` the fusion's backend config as XLA wrote it (its tiles: ``triton_gemm_config``

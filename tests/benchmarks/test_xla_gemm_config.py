@@ -1,9 +1,9 @@
 """CPU tests of benchmarks/xla_gemm_config.py's HLO reading (the GPU run is its own check)."""
 import pytest
 
-# The two forms XLA writes a Triton GEMM in: the legacy emitter's triton_gemm_config, and the
-# generic emitter's nested fusions, each with its block_level_fusion_config. Shortened from
-# optimized HLO text; the ·V GEMM is a cuBLAS custom call here.
+# The two forms XLA writes a Triton GEMM's tiles in: the legacy emitter's triton_gemm_config
+# and the generic emitter's block_level_fusion_config. Shortened optimized HLO text; here the
+# ·V GEMM is a cuBLAS custom call.
 LEGACY = r"""HloModule jit_f, entry_computation_layout={(bf16[64,8192]{1,0})->bf16[64,8192]{1,0}}
 
 %gemm_fusion_dot_computation (parameter_0: bf16[64,8192], parameter_1: bf16[8192,2456]) -> bf16[64,2456] {
@@ -21,9 +21,9 @@ ENTRY %main.9 (Arg_0.1: bf16[64,8192], Arg_1.2: bf16[8192,2456], Arg_2.3: bf16[2
 }
 """
 
-# The generic emitter's split-K GEMM as jax 0.11.2 wrote it on an H200 (session 35's
-# results/gpu_xla_gemm_config_h200.json), then the reduction that finishes it; the ENTRY's
-# long parameter list carries /*index=N*/ comments.
+# The generic emitter's split-K GEMM and the reduction that finishes it, rebuilt from what
+# jax 0.11.2 wrote on an H200 (session 35's results/gpu_xla_gemm_config_h200.json keeps the
+# fields, not the text); HLO text marks every fifth operand of a long list /*index=N*/.
 NESTED = r"""HloModule jit_f
 
 %gemm_fusion_dot_computation (parameter_0: bf16[128,8,1024], parameter_1: bf16[8,1024,2048]) -> f32[8,128,2048] {
@@ -72,7 +72,9 @@ def test_generic_emitter_split_k_gemm_is_read_past_its_reduction(cfg):
   assert gemms[0]["computation"] == "main.9"  # the /*index=5*/ header still opens ENTRY
   assert gemms[0]["params"] == [["bf16", [128, 8, 1024]], ["bf16", [8, 1024, 2048]]]
   xu = cfg.xu_gemm(gemms, 128, 2048)
-  assert xu["name"] == "gemm_fusion_dot"  # not the reduction, whose output is [128, 2048] too
+  assert xu["name"] == "gemm_fusion_dot"
+  # not the reduction, whose output is [128, 2048] too, wherever it stands
+  assert cfg.xu_gemm(gemms[::-1], 128, 2048)["name"] == "gemm_fusion_dot"
   tiles = cfg.xla_tiles(xu, 128, 2048)
   assert tiles == dict(block_m=128, block_n=64, block_k=None, split_k=8, num_stages=3,
                        num_warps=4)
