@@ -333,6 +333,15 @@ def _down_slice(fb,  # slice of the intermediate dim
 
 
 @triton.jit
+def _prefetch_slice(vg_ptr, vu_ptr, col0, R, F: tl.constexpr, GATED: tl.constexpr,
+                    ROWS: tl.constexpr, BLOCK_F: tl.constexpr):
+  """The first ROWS rows of one stage-B slice of Vu (and Vg) into L2 (BlockSizes.prefetch)."""
+  prefetch_l2(vu_ptr, 0, col0, R, F, F, ROWS, BLOCK_F)
+  if GATED:
+    prefetch_l2(vg_ptr, 0, col0, R, F, F, ROWS, BLOCK_F)
+
+
+@triton.jit
 def _park_h_tile(q,  # stage-H tile: split of D_ff (major), column block of the down rank
                  h_ptr, ud_ptr, s_ptr, cnt_ptr, h_cnt_ptr, offs_m, m_mask, n_b,
                  F: tl.constexpr, RD: tl.constexpr, A_CHUNKS: tl.constexpr,
@@ -443,9 +452,7 @@ def _mlp_decode_kernel(
   elif pid < n_a + n_b:
     # ---- stage B: one slice of the intermediate dim, projected straight into rank space
     if PREFETCH > 0:  # the first rows of its Vu (Vg) slice load while it waits
-      prefetch_l2(vu_ptr, 0, (pid - n_a) * COLS_F, R, F, F, PREFETCH, BLOCK_F)
-      if GATED:
-        prefetch_l2(vg_ptr, 0, (pid - n_a) * COLS_F, R, F, F, PREFETCH, BLOCK_F)
+      _prefetch_slice(vg_ptr, vu_ptr, (pid - n_a) * COLS_F, R, F, GATED, PREFETCH, BLOCK_F)
     _down_slice(pid - n_a, pg16_ptr if P16 else pg_ptr, pu16_ptr if P16 else pu_ptr, vg_ptr,
                 bg_ptr, vu_ptr, bu_ptr, ud_ptr, s_ptr, cnt_ptr, offs_m, m_mask, n_r, R, F, RD,
                 GATED, ACT, HAS_BG, HAS_BU, SPLIT_K, A_CHUNKS, RB_PER_CHUNK,
@@ -553,9 +560,7 @@ def _mlp_decode_persistent_kernel(
   m_mask = offs_m < M
   if PREFETCH > 0:  # the first rows of this CTA's first Vu (Vg) slice load during phase A
     if pid < n_b:
-      prefetch_l2(vu_ptr, 0, pid * COLS_F, R, F, F, PREFETCH, BLOCK_F)
-      if GATED:
-        prefetch_l2(vg_ptr, 0, pid * COLS_F, R, F, F, PREFETCH, BLOCK_F)
+      _prefetch_slice(vg_ptr, vu_ptr, pid * COLS_F, R, F, GATED, PREFETCH, BLOCK_F)
   # ---- phase A: split-K X·Ug and X·Uu, X loaded once per K tile; never waits
   for t in range(pid, n_a, PROGRAMS):
     _up_tile(t // SPLIT_K, (t % SPLIT_K) * K_PER, x_ptr, ug_ptr, uu_ptr, pg_ptr, pu_ptr,
@@ -644,7 +649,8 @@ def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes)
               H_SPLITS=h_splits, F_PER=f_per, BLOCK_H=bs.block_h,
               EVEN_F=f % f_per == 0, COLS_F=cols_f, H_INLINE=bs.h_inline,
               PREFETCH=bs.prefetch, PREFETCH_H=bs.prefetch_h, PREFETCH_C=bs.prefetch_c,
-              C_RESIDENT=int(bs.c_resident), RD_PER_P2=rd_per_p2)
+              C_RESIDENT=int(bs.c_resident),
+              RD_PER_P2=rd_per_p2 if bs.c_resident else 16)  # read by c_resident alone
   scratch = (m * (2 * r + rd + d_out) + a_chunks + 1 + n_nb + (n_rb if bs.p16 else 0)
              + (h_splits if bs.park_h else 0))
   p16 = (2 * m * r if bs.p16 else 0) + (m * f if bs.park_h else 0)
