@@ -52,7 +52,8 @@ only on the fused kernel's phase-1 tiles, was 2-10 % slower than the fused kerne
 64 rows (one 64-row block) the fused kernel stays where N <= PV_KERNEL_MAX_N: there its V
 phase is small and it measured ahead of the split (session 31, 1.045x and 1.025x XLA at
 4096->152->4096 and 4096->1216->4096), unless V is a quarter of U or less and K >= 4096
-(session 35: 8192->544->1024, 4096->512->1024).
+(session 35: 8192->544->1024, 4096->512->1024), which from 33 rows (the same 64-row block)
+take phase 1 alone.
 
 **Tiled** (``_xuv_decode_kernel``): one CTA per tile. Stage-1 CTAs (split_k x
 ceil(r/block_r), block_r = 256: 512-byte row segments) come first in the grid, r-block-
@@ -151,7 +152,8 @@ PV_KERNEL_MAX_N = 4096
 # 1 on its 6-stage plan, then XLA's GEMM, took 1.8 and 1.0 us less than the fused kernel at
 # 64 rows on 8192->544->1024 and 4096->512->1024, while on the four other shapes with
 # N <= 4096 (2048->256->512 among them, K = 2048) it took 0.5-1.7 us more (same weights,
-# session 35, results/gpu_xuv_decode_phase1_deep_h200.json)
+# session 35, results/gpu_xuv_decode_phase1_deep_h200.json). That holds for 33-63 rows too,
+# which run the same 64-row block and tiles (inferred, not timed there)
 PV_XLA_K_OVER_N = 4
 PV_XLA_MIN_K = 4096
 
@@ -579,14 +581,15 @@ def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
 
 def default_pv(m: int, k: int, n: int, out_given: bool = False) -> str:
   """Who applies V on the persistent schedule unless the caller says: XLA's GEMM ("xla") from
-  PV_XLA_MIN_M rows, except at that many rows with N <= PV_KERNEL_MAX_N (unless N <= K /
-  PV_XLA_K_OVER_N and K >= PV_XLA_MIN_K), and unless the caller passes the kernel's output
-  buffer; else the kernel."""
-  if out_given or m < PV_XLA_MIN_M:
+  PV_XLA_MIN_M rows, except at that many rows with N <= PV_KERNEL_MAX_N; and from the rows
+  that share its 64-row block (33) where N <= K / PV_XLA_K_OVER_N and K >= PV_XLA_MIN_K;
+  unless the caller passes the kernel's output buffer; else the kernel."""
+  if out_given:
     return "kernel"
-  if m == PV_XLA_MIN_M and n <= PV_KERNEL_MAX_N:
-    return "xla" if k >= max(PV_XLA_MIN_K, PV_XLA_K_OVER_N * n) else "kernel"
-  return "xla"
+  if m > PV_XLA_MIN_M or (m == PV_XLA_MIN_M and n > PV_KERNEL_MAX_N):
+    return "xla"
+  small_v = k >= max(PV_XLA_MIN_K, PV_XLA_K_OVER_N * n)
+  return "xla" if m > PV_XLA_MIN_M // 2 and small_v else "kernel"
 
 
 def plan_persistent(m: int, k: int, r: int, n: int, pv: str,

@@ -67,9 +67,9 @@ XUV_SHAPES = [  # (M, K, r, N): M=1, ragged everything, a multi-super-block pref
     (4, 8192, 2432, 8192),  # >= 64 KB of U a CTA: round-trip-wide phase-1 tiles, ragged
     # split-K partials over planner.PARTIAL_FREE_BYTES: fewer, 128-column phase-1 tiles
     (8, 4096, 1024, 1000), (16, 8192, 2048, 520),
-    # 64 rows, N <= K/4, K >= 4096: phase 1 alone (xuv_decode.default_pv) on 64-column tiles
-    # of 6 stages (planner.PHASE1_INFLIGHT_BYTES), K ragged
-    (64, 4100, 520, 1000),
+    # 33-64 rows, N <= K/4, K >= 4096: phase 1 alone (xuv_decode.default_pv) on 64-column
+    # tiles of 6 stages (planner.PHASE1_INFLIGHT_BYTES), K ragged; at 48 rows part of the block
+    (64, 4100, 520, 1000), (48, 4100, 520, 1000),
 ]
 
 

@@ -338,9 +338,9 @@ def test_a_prefetch_that_is_not_a_power_of_two_is_refused_by_name():
 def test_the_decode_wrapper_launches_the_planners_persistent_plan():
   """xuv_decode.xuv_decode on 132 SMs (the launch recorded, not run): below PV_XLA_MIN_M rows
   the persistent kernel with phase 2, from it phase 1 alone (XLA applies V), except at 64
-  rows with N <= PV_KERNEL_MAX_N (unless N <= K/4 and K >= 4096) and where out= is given;
-  each call's grid and constexprs are persistent_launch_plan's of plan_persistent's plan for
-  that many SMs."""
+  rows with N <= PV_KERNEL_MAX_N and where out= is given; from 33 rows where N <= K/4 and
+  K >= 4096; each call's grid and constexprs are persistent_launch_plan's of
+  plan_persistent's plan for that many SMs."""
   out = run_script(STUB + textwrap.dedent('''
     import jax, jax.numpy as jnp
     from lrjax.custom_calls.triton import launch, xuv_decode
@@ -357,10 +357,12 @@ def test_the_decode_wrapper_launches_the_planners_persistent_plan():
                                (64, 512, 4096, False, "kernel"), (64, 512, 4097, False, "xla"),
                                (65, 512, 1000, False, "xla"), (128, 512, 1000, False, "xla"),
                                (64, 512, 8200, True, "kernel"), (128, 512, 1000, True, "kernel"),
-                               # 64 rows, N <= 4096: phase 1 alone where N <= K/4, K >= 4096
+                               # 33-64 rows (one 64-row block), N <= 4096: phase 1 alone
+                               # where N <= K/4 and K >= 4096
                                (64, 4096, 1024, False, "xla"), (64, 4096, 1025, False, "kernel"),
                                (64, 2048, 512, False, "kernel"), (64, 8192, 1024, True, "kernel"),
-                               (63, 8192, 1024, False, "kernel")):
+                               (33, 8192, 1024, False, "xla"), (32, 8192, 1024, False, "kernel"),
+                               (48, 4096, 1025, False, "kernel")):
       u = jnp.zeros((k, r), jnp.bfloat16)
       v = jnp.zeros((r, n), jnp.bfloat16)
       x = jnp.zeros((m, k), jnp.bfloat16)
