@@ -214,6 +214,22 @@ def test_missed_decode_targets_say_by_how_much_and_why(bench):
   assert not out[16]["met"] and out[16]["why"].startswith("behind XLA")
 
 
+def test_decode_points_to_128_rows_are_judged_against_xla(bench):
+  """The issue's "done when": every decode X·U·V point ahead of XLA; from 17 to 128 rows
+  that alone is judged, a trailing point says by how much and which measurements say why."""
+  recs = [decode_rec("xuv", 32, 5.0, 10.0, 10.5), decode_rec("xuv", 64, 5.0, 11.0, 10.0),
+          decode_rec("xuv", 128, 5.0, 12.0, 11.5), decode_rec("xuv", 256, 5.0, 9.0, 10.0)]
+  out = {t["M"]: t for t in bench.evaluate_targets(recs)}
+  assert set(out) == {32, 64, 128}  # 256 rows is neither decode nor the prefill sweep
+  assert out[32]["met"] and out[32]["short_by_us"] == 0.0 and "why" not in out[32]
+  assert not out[64]["met"] and out[64]["short_by_us"] == 1.0
+  assert out[64]["why"] == bench.WIDE_M_WHY and "gpu_xla_gemm_config_h200" in out[64]["why"]
+  assert not out[128]["met"] and out[128]["short_by_us"] == 0.5
+  assert "ahead of XLA" in out[64]["target"] and "M<=128" in out[64]["target"]
+  slow32 = bench.evaluate_targets([decode_rec("xuv", 32, 5.0, 11.0, 10.0)])[0]
+  assert not slow32["met"] and slow32["why"].startswith("the fused kernel")
+
+
 def test_missed_prefill_targets_give_the_throughput_against_xla(bench):
   rec = dict(decode_rec("xuv", 1024, 100.0, 110.0, 100.0), tflops=600.0)
   (t,) = bench.evaluate_targets([rec])
