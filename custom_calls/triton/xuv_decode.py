@@ -152,8 +152,8 @@ PV_KERNEL_MAX_N = 4096
 # 1 on its 6-stage plan, then XLA's GEMM, took 1.8 and 1.0 us less than the fused kernel at
 # 64 rows on 8192->544->1024 and 4096->512->1024, while on the four other shapes with
 # N <= 4096 (2048->256->512 among them, K = 2048) it took 0.5-1.7 us more (same weights,
-# session 35, results/gpu_xuv_decode_phase1_deep_h200.json). That holds for 33-63 rows too,
-# which run the same 64-row block and tiles (inferred, not timed there)
+# session 35, results/gpu_xuv_decode_phase1_deep_h200.json). 33-63 rows, which run the same
+# 64-row block and tiles, take it too (inferred, not timed there)
 PV_XLA_K_OVER_N = 4
 PV_XLA_MIN_K = 4096
 
