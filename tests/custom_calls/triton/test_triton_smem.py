@@ -196,3 +196,40 @@ def test_swiglu_decode_parks_h_where_it_measured_faster():
   refuses slices wider than their block, ``h_inline`` without parked h, and ``h_inline``
   splits of more CTAs than the GPU holds at once (they wait for each other)."""
   run_script(_PARK_RULE, interpret=False)
+
+
+_TMA = STUB + textwrap.dedent('''
+  import dataclasses
+  from lrjax.custom_calls.triton import planner, xuv_decode
+  kernel = xuv_decode._xuv_decode_persistent_kernel
+  for m, k, r, n in ((64, 4096, 1024, 14336), (128, 8192, 2456, 8192)):
+    p = xuv_decode.plan_persistent(m, k, r, n, "xla", 132)
+    for tma in (False, True):
+      q = dataclasses.replace(p, tma=tma)
+      meta = xuv_decode.persistent_launch_plan(m, k, r, n, False, q, pv=False)["meta"]
+      c = kernel_resources.compile_for_sm90(kernel, meta, q.warps, q.stages)
+      bulk = c.asm["ptx"].count("cp.async.bulk.tensor")
+      assert (bulk > 0) == tma, (m, k, r, tma, bulk)  # TMA loads only where asked
+      assert (c.metadata.global_scratch_size > 0) == tma  # its descriptors' scratch
+      assert c.metadata.shared <= kernel_resources.H200_SMEM_OPTIN
+      # lrjax's launcher passes that scratch; XLA's Triton call is not handed the plan
+      assert planner.xla_triton_serves(kernel.__name__, meta) == (not tma and p.cols_r == p.block_r)
+  for bad in ((64, 4096, 1020, 14336, False), (64, 4096, 1024, 14336, True)):
+    m, k, r, n, pv = bad  # r not a multiple of 8; phase 2 in the kernel
+    q = dataclasses.replace(xuv_decode.plan_persistent(m, k, r, n, "xla", 132), tma=True)
+    try:
+      xuv_decode.persistent_launch_plan(m, k, r, n, False, q, pv=pv)
+    except ValueError as e:
+      assert "TMA descriptors" in str(e), e
+    else:
+      raise AssertionError(f"{bad}: a tma plan it cannot serve was accepted")
+  print("ok")
+''')
+
+
+def test_phase1_tma_option_compiles_to_bulk_tensor_loads():
+  """``PersistentDecodePlan.tma`` (an A/B option, not timed yet): phase 1 alone compiled for
+  the H200 reads X and U with bulk tensor copies and asks for descriptor scratch, which only
+  lrjax's launcher passes; a plan whose rows are not whole 16-byte units, or with phase 2 in
+  the kernel, is refused."""
+  run_script(_TMA, interpret=False)
