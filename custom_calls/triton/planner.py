@@ -551,12 +551,12 @@ def _v_resident_plan(m: int, k: int, r: int, n: int, g: int, bw: float, fill_us:
 # (results/gpu_xuv_decode_stages_more_h200.json; same weights, session 31)
 PHASE1_WIDE_STAGES = 4
 PHASE1_DEEP_MIN_K = 4096
-# ...and more stages where a stage holds under a sixth of PHASE1_INFLIGHT_BYTES (up to
-# PHASE1_MAX_STAGES): at 64 rows a 64-column tile's stage is 16 KB of X and U (24 KB with
-# 128 columns or 128 rows), and 6 stages on the same weights took 0.55 us off 4096->1024->14336
-# at M=64 (4 stages), while on the 24- and 32-KB stages of the other points they moved
-# -0.45...+0.85 us, mostly slower (session 35, results/gpu_xuv_decode_phase1_deep_h200.json):
-# about 96 KB of loads in flight a CTA keep U streaming at one CTA an SM
+# ...or as many as keep PHASE1_INFLIGHT_BYTES of X and U in flight (up to PHASE1_MAX_STAGES):
+# at 64 rows a 64-column tile's stage is 16 KB (6 stages), with 128 columns or 128 rows 24 KB
+# (4). On the same weights 6 stages took 0.55 us off 4096->1024->14336 at M=64 (4 stages),
+# while on the 24- and 32-KB stages of the other points they moved -0.45...+0.85 us, mostly
+# slower (session 35, results/gpu_xuv_decode_phase1_deep_h200.json): about 96 KB of loads in
+# flight a CTA keep U streaming at one CTA an SM
 PHASE1_INFLIGHT_BYTES = 96 * 1024
 PHASE1_MAX_STAGES = 6
 
@@ -598,8 +598,8 @@ def plan_decode_phase1(m: int, k: int, r: int, n: int, hw: Hardware = H200,
   splits that still give every CTA a tile: 128-column tiles (64 at r <= 1024, or where
   ``_phase1_l2_us`` has them PHASE1_NARROW_MIN_US faster) over K ranges as long as that
   allows, with PHASE1_WIDE_STAGES pipeline stages where r > 1024 (the 128-column tiles'
-  ranks) or K >= PHASE1_DEEP_MIN_K, more where that keeps under PHASE1_INFLIGHT_BYTES of
-  X and U in flight (64 rows, 64 columns: 6).
+  ranks) or K >= PHASE1_DEEP_MIN_K, more where fewer would keep less than
+  PHASE1_INFLIGHT_BYTES of X and U in flight (64 rows, 64 columns: 6).
   Against ``plan_decode_persistent``'s tiles it took 5-24 % less time at M=128 and 0-15 % at
   M=64 (results/gpu_xuv_decode_pv_h200.json, run 1)."""
   g = programs or hw.num_sms
