@@ -134,7 +134,7 @@ def phase1_variant(m: int, k: int, r: int, t: dict) -> tuple[str, str]:
   from lrjax.custom_calls.triton import planner
   bn, split = t["block_n"], t["split_k"]
   bk = t["block_k"] or 64
-  k_per = planner.cdiv(planner.cdiv(k, split), bk) * bk
+  k_per = planner.part_len(k, split, bk)
   tiles = planner.cdiv(r, bn) * planner.cdiv(k, k_per)
   v = (f"pv_xla:block_r={bn},cols_r={bn},block_k={bk},k_per={k_per},"
        f"stages={t['num_stages']},warps={t['num_warps']},programs={tiles}")

@@ -139,7 +139,7 @@ def launch_plan(b: int, hq: int, hkv: int, t: int, d: int, rk: int, rv: int, win
   g = hq // hkv
   splits = (min(bs.splits, planner.cdiv(t, bs.block_n))
             or planner.plan_kv_splits(b, hkv, t, bs.block_n, bs.num_warps, sms))
-  chunk = planner.cdiv(planner.cdiv(t, splits), bs.block_n) * bs.block_n
+  chunk = planner.part_len(t, splits, bs.block_n)
   splits = planner.cdiv(t, chunk)
   meta = dict(T=t, HQ=hq, HKV=hkv, D=d, RK=rk, RV=rv, G=g, GP=max(16, planner.next_pow2(g)),
               RVP=max(16, planner.next_pow2(rv)), S=splits, CHUNK=chunk,

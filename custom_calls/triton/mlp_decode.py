@@ -592,7 +592,7 @@ def _mlp_decode_persistent_kernel(
 def stage_a_splits(d: int, split_k: int, block_k: int) -> tuple[int, int]:
   """(K_PER, splits) of stage A asked for ``split_k`` splits of D: whole block_k steps each,
   so the splits that result may be fewer (the last one ragged)."""
-  k_per = planner.cdiv(planner.cdiv(d, split_k), block_k) * block_k
+  k_per = planner.part_len(d, split_k, block_k)
   return k_per, planner.cdiv(d, k_per)
 
 
@@ -613,7 +613,7 @@ def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes)
   n_a = n_rb * split
   n_b = planner.cdiv(f, cols_f)
   n_nb = planner.cdiv(d_out, bs.block_n)
-  rd_per = planner.cdiv(planner.cdiv(rd, bs.c_chunks), bs.block_kr) * bs.block_kr
+  rd_per = planner.part_len(rd, bs.c_chunks, bs.block_kr)
   c_chunks = planner.cdiv(rd, rd_per)
   rd_per_p2 = max(16, planner.next_pow2(rd_per))
   if bs.c_resident and rd_per_p2 * bs.block_n > C_RESIDENT_MAX:
@@ -627,7 +627,7 @@ def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes)
     n_cb = planner.cdiv(rd, bs.block_h)
     want = bs.h_splits or bs.h_per_sm * max(1, planner.H200.num_sms // n_cb)
     step = math.lcm(cols_f, bs.block_kr)  # whole stage-B slices, whole K steps
-    f_per = planner.cdiv(planner.cdiv(f, want), step) * step
+    f_per = planner.part_len(f, want, step)
     if bs.h_inline and not bs.h_splits:  # a split's slices share its n_cb tiles, one each
       f_per = planner.cdiv(n_cb * cols_f, step) * step
     h_splits = planner.cdiv(f, f_per)

@@ -288,7 +288,7 @@ def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes,
   n_mb = planner.cdiv(m, bs.block_m)
   ring = min(bs.ring, planner.cdiv(n_mb, bs.group_m))
   n_s = planner.cdiv(rd, bs.block_n_cd or bs.block_n)
-  k_per_c = planner.cdiv(planner.cdiv(f, bs.split_c), bs.block_k) * bs.block_k
+  k_per_c = planner.part_len(f, bs.split_c, bs.block_k)
   has = dict(zip(("bg", "bu", "bd") if gated else ("bu", "bd"), bias_mask))
   programs = min(bs.programs, len(sched))
   meta = dict(M=m, D=d, R=r, F=f, RD=rd, DO=d_out, NMB=n_mb, GATED=gated, ACT=ACT_CODES[act],

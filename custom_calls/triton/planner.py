@@ -85,6 +85,12 @@ def cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
 
+def part_len(n: int, parts: int, step: int) -> int:
+  """The length of each of ``parts`` parts of ``n``, rounded up to whole ``step``s (so the
+  parts that cover n may be fewer, the last one ragged)."""
+  return cdiv(cdiv(n, parts), step) * step
+
+
 def next_pow2(n: int) -> int:
   return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
@@ -328,7 +334,7 @@ def _split_k_tiles(k: int, r: int, factors: int, g: int, bw: float, fill_us: flo
              for st in steps)
   if line_align_tol >= 0 and best[4] % 64 and 256 <= r + 15 and cdiv(r, 256) <= g:
     splits = g // cdiv(r, 256)  # the most that fit one round of the grid
-    wide = cand(256, 256, cdiv(cdiv(k, splits), 64) * 64)
+    wide = cand(256, 256, part_len(k, splits, 64))
     if wide[0] <= best[0] * (1 + line_align_tol):
       best = wide
   return best[0], best[3], best[4], best[5]
@@ -580,7 +586,7 @@ def _phase1_tiles(k: int, r: int, cols: int, g: int) -> tuple[int, int]:
   splits of whole 64-row steps that still give every CTA a tile."""
   n_rb = cdiv(r, cols)
   split = max(1, min(g // n_rb, cdiv(k, 64)))
-  return n_rb, cdiv(cdiv(k, split), 64) * 64
+  return n_rb, part_len(k, split, 64)
 
 
 def _phase1_l2_us(m: int, k: int, r: int, cols: int, k_per: int) -> float:

@@ -527,7 +527,7 @@ def launch_plan(m: int, k: int, r: int, n: int, has_bias: bool, bs: BlockSizes,
   """Grid size and constexprs of one call (shared by the wrapper and the tests).
 
   ``stages`` < 3 leaves a stage's streaming out, to time the other one (wrong output)."""
-  k_per = planner.cdiv(planner.cdiv(k, bs.split_k), bs.block_k) * bs.block_k
+  k_per = planner.part_len(k, bs.split_k, bs.block_k)
   split = planner.cdiv(k, k_per)  # no chunk starts past K
   n_rb = planner.cdiv(r, bs.block_r)
   rb_per_chunk = planner.cdiv(n_rb, bs.r_chunks)

@@ -618,3 +618,13 @@ def test_default_launch_follows_the_verified_jaxlibs(monkeypatch):
   monkeypatch.setenv("LRJAX_TRITON_LAUNCH", "ptx")
   with pytest.raises(ValueError, match="'ptx'.*xla"):
     planner.launch_mode()
+
+
+def test_part_len_covers_n_in_whole_steps():
+  """planner.part_len, the split every kernel's K and rank ranges use: each part whole steps,
+  the parts it implies cover n, one step less would need more parts."""
+  for n, parts, step in ((1000, 3, 64), (8192, 13, 64), (64, 5, 64), (14336, 111, 128)):
+    size = planner.part_len(n, parts, step)
+    assert size % step == 0 and planner.cdiv(n, size) <= parts
+    assert size == step or planner.cdiv(n, size - step) > parts
+  assert planner.part_len(1000, 3, 64) == 384
