@@ -1213,8 +1213,11 @@ WIDE_M_WHY = ("XLA splits X·U over K into 4-32 f32 partials (its Triton emitter
               "and reduces them in a second kernel (results/gpu_xla_gemm_config_h200.json); "
               "in lrjax's phase 1 its tiles (gpu_xuv_decode_xla_tiles_h200.json), partials "
               "stored instead of added (gpu_xuv_decode_partials_store_h200.json) and a 128-row "
-              "K step (gpu_xuv_decode_phase1_block_k_h200.json) did not close the gap where "
-              "timed")
+              "K step (gpu_xuv_decode_phase1_block_k_h200.json), TMA loads "
+              "(gpu_xuv_decode_tma_h200.json) and 8 warps "
+              "(gpu_xuv_decode_phase1_warps8_h200.json) did not close the gap where timed; "
+              "at M=64 on 8192->2456->8192 phase 1 reads its 42 MB at 50 % of the DRAM peak "
+              "(gpu_xuv_decode_ncu_h200.json)")
 
 
 def evaluate_targets(records) -> list[dict]:

@@ -15,11 +15,10 @@ gpu_lowrank.py; compare counters between token counts, not durations with other 
 import argparse
 import datetime
 import os
-import re
-import shutil
 import subprocess
 import sys
 
+import ncu_report
 from results_io import write_json
 
 D, F, R = 4096, 14336, 2560
@@ -32,7 +31,6 @@ METRICS = ("dram__bytes_read.sum", "gpu__time_duration.sum", "lts__t_sectors_op_
            "smsp__pcsamp_warps_issue_stalled_math_pipe_throttle")
 SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "WarpStateStats", "SchedulerStats",
             "Occupancy", "LaunchStats")
-_ROW = re.compile(r"^ {4}(\S.*?\S) {2,}(\S+ +)?([\d,]+(?:\.\d+)?)\s*$")
 
 
 def child(t: int) -> None:
@@ -55,22 +53,12 @@ def child(t: int) -> None:
 
 def parse(text: str) -> dict:
   """{metric or section row name: value} of one ncu text report (the first kernel in it)."""
-  out = {}
-  for line in text.splitlines():
-    m = _ROW.match(line)
-    if m and m.group(1) not in ("Metric Name",):
-      name = m.group(1) + (f" [{m.group(2).strip()}]" if m.group(2) else "")
-      out.setdefault(name, float(m.group(3).replace(",", "")))
-  if not out:
-    raise ValueError("no ncu metric rows found: expected an `ncu --section ...` text report")
-  return out
+  first = ncu_report.parse_kernels(text)[0]
+  return {k: v for k, v in first.items() if k not in ncu_report.HEADER_KEYS}
 
 
 def profile(t: int) -> str:
-  ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
-  if not os.path.exists(ncu):
-    raise SystemExit("ncu (Nsight Compute) not found: run this on a machine with the CUDA toolkit")
-  cmd = [ncu, "--target-processes", "all", "--kernel-name", "regex:_mlp_decode_kernel",
+  cmd = [ncu_report.ncu_path(), "--target-processes", "all", "--kernel-name", "regex:_mlp_decode_kernel",
          "--launch-skip", "2", "--launch-count", "1", "--metrics", ",".join(METRICS)]
   for s in SECTIONS:
     cmd += ["--section", s]

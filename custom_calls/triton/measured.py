@@ -65,6 +65,11 @@ WINDOW = 4
 # SwiGLU kernel on Llama-3-70B's MLP at T=16, a 0.96x record, and the 70B step at batch 16
 # was 3.7 % slower with it (benchmarks/results/model_70b_1gpu_h200.json).
 CLEAR_LOSS = 0.9
+# X·U·V records from this many rows up pool only with each other: 4096->512->1024 at 64 / 128
+# rows (phase 1, then XLA's GEMM: 0.93 / 0.96x XLA) were pooled with 16 / 32 (1.13 / 1.11x),
+# and the median served 65-90-row calls that run the 64 / 128-row path
+# (benchmarks/gpu_notes.md, sessions 35-36).
+WIDE_M = 32
 # A call whose factors are more than this many times smaller or larger than every benchmarked
 # shape's is not judged from them: XLA lowers it. On 8 H200s the kernels on TP shards 4-15x
 # smaller than any benchmarked shape made naive_tp's decode step up to 6 % slower
@@ -278,8 +283,9 @@ MODEL_AB: tuple[tuple[str, int, int, float, float], ...] = (
     ('70b', 8192, 8, 3.034, 3.045),
     ('70b', 8192, 16, 3.139, 3.24),
     ('70b', 8192, 32, 3.647, 3.691),
-    ('70b', 8192, 64, 4.508, 4.463),
-    ('70b', 8192, 128, 6.101, 6.081),
+    ('70b', 8192, 48, 4.109, 4.132),
+    ('70b', 8192, 64, 4.496, 4.458),
+    ('70b', 8192, 128, 6.146, 6.163),
     ('qwen2.5-7b', 3584, 1, 3.65, 6.667),
     ('qwen2.5-7b', 3584, 4, 3.799, 4.191),
     ('qwen2.5-7b', 3584, 8, 3.934, 4.208),
@@ -437,13 +443,14 @@ def _weight_elems(op: str, k: int, r: int, n: int) -> int:
 def nearest(op: str, m: int, k: int, r: int, n: int):
   """The benchmarked record of ``op`` nearest to this call, or None: first the benchmarked
   shape nearest to the call's (|log2| ratios of K, r and N summed; ties: factor size), among
-  those measured on the call's side of M = 1, then that shape's record nearest in M. A
+  those measured on the call's ``path`` (all, if none was), then that shape's record nearest
+  in M on it. A
   nearby shape's records guide better than another shape's at the call's very token count:
   Llama-3-8B's SwiGLU at T=8 (1.03x alone) said nothing of Qwen2.5-7B's (0.94x at T=4, 0.91x
   at T=16), and served there it made the Qwen step at batch 8 3 % slower."""
   w = _weight_elems(op, k, r, n)
   recs = [q for q in RECORDS if q[0] == op]
-  side = [q for q in recs if (q[1] == 1) == (m == 1)] or recs
+  side = [q for q in recs if path(op, q[1]) == path(op, m)] or recs
   if not side:
     return None
   shape = min({q[2:5] for q in side},
@@ -492,6 +499,13 @@ def _model_verdict(m: int, k: int, op: str | None = None) -> str | None:
   return None
 
 
+def path(op: str, m: int) -> int:
+  """Which of an op's code paths serves M rows, for pooling records: 0 at M = 1 (XLA too
+  lowers one row differently), 1 up to WIDE_M rows; for X·U·V, 2 from WIDE_M + 1 rows, where
+  its kernel runs 64- and 128-row blocks and, from 64 rows, leaves ·V to XLA's GEMM."""
+  return 0 if m == 1 else 1 if m <= WIDE_M or op != "xuv" else 2
+
+
 def verdict(op: str, m: int, k: int, r: int, n: int) -> str | None:
   """None if the kernel measured at least PARITY x XLA's speed around the nearest
   benchmarked shape (or nothing was benchmarked), else the reason to leave this call to XLA.
@@ -504,10 +518,10 @@ def verdict(op: str, m: int, k: int, r: int, n: int) -> str | None:
   "Around": the median speed ratio of that shape's records with M within a factor WINDOW
   of the nearest record's, so one noisy timing does not flip the choice between
   neighbouring token counts; the nearest record alone declines below CLEAR_LOSS, and below
-  PARITY where it is the call's own shape and token count. M = 1
-  is pooled only with M = 1: XLA lowers a one-row product differently (a multiply and a
-  reduce fusion, not a GEMM: benchmarks/results/gpu_timeline_h200.json), so its speed
-  there says nothing about M = 2."""
+  PARITY where it is the call's own shape and token count. Only records of one ``path`` are
+  pooled: M = 1 only with M = 1 (XLA lowers a one-row product differently, a multiply and a
+  reduce fusion, not a GEMM: benchmarks/results/gpu_timeline_h200.json, so its speed there
+  says nothing about M = 2), and X·U·V's records above WIDE_M rows only with each other."""
   rec = nearest(op, m, k, r, n)
   if rec is None:
     return None
@@ -522,7 +536,7 @@ def verdict(op: str, m: int, k: int, r: int, n: int) -> str | None:
     return why
   _, rm, rk, rr, rn, ours, xla = rec
   window = [q for q in RECORDS if q[0] == op and q[2:5] == (rk, rr, rn)
-            and rm / WINDOW <= q[1] <= WINDOW * rm and (q[1] == 1) == (rm == 1)]
+            and rm / WINDOW <= q[1] <= WINDOW * rm and path(op, q[1]) == path(op, rm)]
   ratio = statistics.median(q[6] / q[5] for q in window)
   dims = f"D={rk} r={rr} D_ff={rn}" if op == "mlp_swiglu" else f"K={rk} r={rr} N={rn}"
   if xla / ours < CLEAR_LOSS:

@@ -237,7 +237,6 @@ class PersistentDecodePlan:
   p16: bool = False  # phase 2 reads P rounded once to V's dtype, not the f32 sums
   v_resident: bool = False  # one tile a CTA, phase-2 CTAs hold their V tile before the wait
   stream_k: bool = False  # both phases split evenly by steps (cols_r/cols_n wide blocks)
-  tma: bool = False  # phase 1 alone reads X and U through TMA descriptors (an A/B option)
 
 
 def _widths(pow2s):
@@ -849,7 +848,7 @@ def xla_triton_serves(kernel: str, meta: dict) -> bool:
   columns 2.3 us slower (8192->2456->8192, M=8, with PDL off too) and 0.14 us slower
   (8192->2432->8192) (sessions 27 and 29, results/gpu_xuv_decode_xla_triton_h200.json,
   results/gpu_xla_triton_build_h200.json)."""
-  return (kernel in XLA_TRITON_KERNELS and not meta.get("TMA")  # TMA: lrjax's launcher
+  return (kernel in XLA_TRITON_KERNELS
           and (meta["COLS_R"] == meta["BLOCK_R"] or bool(meta["V_RES"])))
 
 

@@ -159,45 +159,25 @@ PV_XLA_MIN_K = 4096
 
 
 @triton.jit
-def _mm_acc_tma(acc, x_ptr, u_ptr, M, col0, k_start, K: tl.constexpr, R: tl.constexpr,
-                K_PER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                BLOCK_R: tl.constexpr):
-  """acc += X[:, k_start:k_start + K_PER] @ U[same rows, col0:col0 + BLOCK_R], X and U read
-  through TMA descriptors built on the device (the bulk tensor copy engine; rows and columns
-  past M, K and R read as zeros)."""
-  x_d = tl.make_tensor_descriptor(x_ptr, [M, K], [K, 1], [BLOCK_M, BLOCK_K])
-  u_d = tl.make_tensor_descriptor(u_ptr, [K, R], [R, 1], [BLOCK_K, BLOCK_R])
-  for k0 in range(k_start, k_start + K_PER, BLOCK_K):
-    acc = tl.dot(x_d.load([0, k0]), u_d.load([k0, col0]), acc)
-  return acc
-
-
-@triton.jit
 def _xu_tile(rb, k_start,  # column block of U, first row of K
              x_ptr, u_ptr, p_ptr, flag_ptr, offs_m, m_mask, K: tl.constexpr, R: tl.constexpr,
              K_PER: tl.constexpr, RB_PER_CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
              BLOCK_R: tl.constexpr, COLS_R: tl.constexpr, EVEN_K: tl.constexpr,
              STREAM: tl.constexpr, P16: tl.constexpr, p16_ptr, rb_cnt_ptr,
-             SPLIT_K: tl.constexpr, P_STORE: tl.constexpr = False, M=0,
-             TMA: tl.constexpr = False):
+             SPLIT_K: tl.constexpr, P_STORE: tl.constexpr = False):
   """One split-K tile of P = X·U: f32 atomics into P, then its r-chunk's counter (release).
   P16: the last of the column block's SPLIT_K tiles (``last_arrival`` on its counter)
   rounds the block once into p16 (V's dtype) and alone signals the chunk.
   STREAM=False skips the streaming, P_STORE stores the partial instead of adding it (timing
-  only: the output is then wrong). TMA: X and U through TMA descriptors (``_mm_acc_tma``; M
-  rows of X)."""
+  only: the output is then wrong)."""
   offs_r = rb * COLS_R + tl.arange(0, BLOCK_R)
   r_mask = offs_r < R
   if COLS_R < BLOCK_R:
     r_mask = r_mask & (tl.arange(0, BLOCK_R) < COLS_R)
   if STREAM:
     acc = tl.zeros([offs_m.shape[0], BLOCK_R], tl.float32)
-    if TMA:
-      acc = _mm_acc_tma(acc, x_ptr, u_ptr, M, rb * COLS_R, k_start, K, R, K_PER,
-                        offs_m.shape[0], BLOCK_K, BLOCK_R)
-    else:
-      acc = mm_acc(acc, x_ptr, u_ptr, offs_m, offs_r, m_mask, r_mask, k_start,
-                   k_start + K_PER, K, K, R, BLOCK_K, EVEN_K, False)
+    acc = mm_acc(acc, x_ptr, u_ptr, offs_m, offs_r, m_mask, r_mask, k_start, k_start + K_PER,
+                 K, K, R, BLOCK_K, EVEN_K, False)
     if P_STORE:
       tl.store(p_ptr + offs_m[:, None] * R + offs_r[None, :], acc,
                mask=m_mask[:, None] & r_mask[None, :])
@@ -377,7 +357,6 @@ def _xuv_decode_persistent_kernel(
                                  # one r-chunk, whose flag counts the CTAs
     CLEAR_FIRST: tl.constexpr = 0, CLEAR_COUNT: tl.constexpr = 0,  # the CTAs that zero the
                              # scratch chain's other half (leave_chain; 0: all of them)
-    TMA: tl.constexpr = 0,  # phase 1 reads X and U through TMA descriptors (plan.tma; A/B)
 ):
   pid = tl.program_id(0)
   chain_ptr = scratch_ptr
@@ -408,7 +387,7 @@ def _xuv_decode_persistent_kernel(
     for t in range(pid, n1, PROGRAMS):
       _xu_tile(t // SPLIT_K, (t % SPLIT_K) * K_PER, x_ptr, u_ptr, p_ptr, flag_ptr, offs_m,
                m_mask, K, R, K_PER, RB_PER_CHUNK, BLOCK_K, BLOCK_R, COLS_R, EVEN_K, True, P16,
-               p16_ptr, rb_cnt_ptr, SPLIT_K, (PROBE & 1) != 0, M, TMA != 0)
+               p16_ptr, rb_cnt_ptr, SPLIT_K, (PROBE & 1) != 0)
   stamp(o_in_ptr, 1, TRACE)
   if V_RES:  # phase-2 tile q on CTA n1 + q, which ran no phase-1 tile
     if (pid >= n1) & (pid < n1 + n_nb):
@@ -570,10 +549,6 @@ def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
     if not pv or chunks > 1 or p.p16 or n_tiles > p.programs:
       raise ValueError(f"{p}: v_resident needs phase 2 in the kernel, one r-chunk, no p16 and "
                        f"a CTA for each of its {n_tiles} tiles")
-  if p.tma and (pv or p.stream_k or k % 8 or r % 8):
-    raise ValueError(f"{p}: tma reads X [M, {k}] and U [{k}, {r}] through TMA descriptors in "
-                     "phase 1 alone (pv='xla', no stream_k), whose rows must be whole 16-byte "
-                     "units (K and r multiples of 8)")
   if p.stream_k:
     steps = n_rb * planner.cdiv(k, p.block_k)
     if not pv or chunks > 1 or p.p16 or p.v_resident or p.cols_r != p.block_r or \
@@ -588,7 +563,7 @@ def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
               EVEN_R=r % r_per == 0 and r_per % p.block_kv == 0, COLS_R=p.cols_r,
               COLS_N=p.cols_n, PROGRAMS=p.programs, PREFETCH=p.prefetch, P16=p.p16, PV=pv,
               PROBE=int(probe), V_RES=int(p.v_resident), R_P2=max(16, planner.next_pow2(r)),
-              STREAM_K=int(p.stream_k), TMA=int(p.tma))
+              STREAM_K=int(p.stream_k))
   n_nb = planner.cdiv(n, p.cols_n)
   scratch = m * r + (m * n if chunks > 1 else 0) + chunks + n_nb + (n_rb if p.p16 else 0)
   # who zeroes the chain's other half at its end: V_RES's phase-1 CTAs (done long before

@@ -29,3 +29,34 @@ def test_rows_with_and_without_units(ncu):
 def test_text_without_metrics_is_refused(ncu):
   with pytest.raises(ValueError, match="no ncu metric rows"):
     ncu.parse("==PROF== Disconnected from process 683\n")
+
+
+# two profiled calls of two kernels each, as ncu_xuv_decode.py's child launches them
+TWO_CALLS = "".join(f"""  {name} ({grid}, 1, 1)x(128, 1, 1), Context 1, Stream 7, Device 0, CC 9.0
+    Section: GPU Speed Of Light Throughput
+    Duration                         us        {us}
+    DRAM Throughput                   %        {dram}
+""" for name, grid, us, dram in (("_xuv_decode_persistent_kernel", 132, "21.40", "55.1"),
+                                 ("gemm_fusion_dot", 256, "16.10", "61.0"),
+                                 ("_xuv_decode_persistent_kernel", 132, "21.30", "55.3"),
+                                 ("gemm_fusion_dot", 256, "16.00", "61.2")))
+
+
+@pytest.fixture(scope="module")
+def ncu_xuv(load_benchmark):
+  return load_benchmark("ncu_xuv_decode")
+
+
+def test_every_kernel_of_a_report_and_the_last_calls(ncu_xuv):
+  import ncu_report
+  got = ncu_report.parse_kernels(TWO_CALLS)
+  assert [k["kernel"] for k in got] == ["_xuv_decode_persistent_kernel", "gemm_fusion_dot"] * 2
+  assert got[1] == {"kernel": "gemm_fusion_dot", "grid": [256, 1, 1], "block": [128, 1, 1],
+                    "Duration [us]": 16.1, "DRAM Throughput [%]": 61.0}
+  last = ncu_xuv.last_call(got, calls=2)
+  assert [(k["kernel"], k["Duration [us]"]) for k in last] == [
+      ("_xuv_decode_persistent_kernel", 21.3), ("gemm_fusion_dot", 16.0)]
+  with pytest.raises(ValueError, match="do not split into 3 equal calls"):
+    ncu_xuv.last_call(got, calls=3)
+  with pytest.raises(ValueError, match="launched different kernels"):
+    ncu_xuv.last_call([got[0], got[1], got[1], got[0]], calls=2)

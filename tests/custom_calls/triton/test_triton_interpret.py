@@ -101,7 +101,7 @@ _PRELUDE = STUB + textwrap.dedent('''
 
 _PHASE1 = textwrap.dedent('''
   for (m, k, r, n, programs) in SHAPES:
-    p = dataclasses.replace(planner.plan_decode_phase1(m, k, r, n, programs=programs), **FIELDS)
+    p = planner.plan_decode_phase1(m, k, r, n, programs=programs)
     plan = xuv_decode.persistent_launch_plan(m, k, r, n, False, p, pv=False)
     x, u = rand(m, k), rand(k, r, scale=k ** -0.5)
     v = np.zeros((r, n), np.float16)  # never read: no phase 2
@@ -280,16 +280,7 @@ def _interpret(script: str) -> None:
 ])
 def test_decode_phase1_alone_on_its_planned_tiles(shapes):
   """P = X·U from the phase-1-only decode kernel equals the f64 product rounded once."""
-  _interpret(f"SHAPES = {shapes!r}\nFIELDS = {{}}\n" + _PRELUDE + _PHASE1)
-
-
-def test_decode_phase1_alone_through_tma_descriptors():
-  """The same with X and U read through TMA descriptors (``PersistentDecodePlan.tma``, an A/B
-  option): rows past M, K's last partial step and columns past r and past a tile's own
-  columns must read as zeros or stay out of P."""
-  shapes = [(64, 384, 136, 200, 132), (77, 200, 72, 130, 7), (100, 1000, 200, 96, 16),
-            (64, 640, 1104, 64, 132)]
-  _interpret(f"SHAPES = {shapes!r}\nFIELDS = {{'tma': True}}\n" + _PRELUDE + _PHASE1)
+  _interpret(f"SHAPES = {shapes!r}\n" + _PRELUDE + _PHASE1)
 
 
 STREAM_K = dict(stream_k=True, r_chunks=1, p16=False, v_resident=False)

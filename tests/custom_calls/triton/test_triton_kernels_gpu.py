@@ -82,8 +82,7 @@ XUV_SHAPES = [  # (M, K, r, N): M=1, ragged everything, a multi-super-block pref
                                   "persistent_pv_xla", "persistent_small_grid_pv_xla",
                                   "persistent_two_waves_pv_xla", "persistent_planned",
                                   "persistent_no_v_resident", "persistent_stream_k",
-                                  "persistent_wide_rows", "persistent_deep_kv",
-                                  "persistent_tma_pv_xla", "prefill"])
+                                  "persistent_wide_rows", "persistent_deep_kv", "prefill"])
 def test_xuv_kernels(kind, shape, dtype, bias):
   from lrjax.custom_calls.triton import xuv_decode, xuv_prefill
   m, k, r, n = shape
@@ -114,10 +113,6 @@ def test_xuv_kernels(kind, shape, dtype, bias):
     if kind == "persistent_deep_kv":  # planner.DEEP_KV_*: 128-row phase-2 steps, 3 stages
       p = dataclasses.replace(p, block_kv=planner.DEEP_KV_ROWS, stages=planner.DEEP_KV_STAGES,
                               r_chunks=1, p16=False, v_resident=False)
-    if kind == "persistent_tma_pv_xla":  # phase 1 alone through TMA descriptors (A/B option)
-      if k % 8 or r % 8:
-        pytest.skip("TMA descriptors need rows of whole 16-byte units (K, r multiples of 8)")
-      p = dataclasses.replace(planner.plan_decode_phase1(m, k, r, n), tma=True)
     if kind.endswith("_p16"):  # phase 2 reads P rounded once by each block's last tile
       p = dataclasses.replace(p, p16=True, v_resident=False, stream_k=False)
     fn = lambda x, u, v, b, o: xuv_decode.xuv_decode(x, u, v, b, out=o, persistent=p,

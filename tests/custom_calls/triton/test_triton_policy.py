@@ -126,6 +126,26 @@ def test_one_row_is_judged_apart_from_wider_calls(monkeypatch):
   assert why is not None and "M=2, 4, 8" in why  # M=1 is not in M=4's window
 
 
+def test_wide_xuv_records_pool_only_with_each_other(monkeypatch):
+  """X·U·V from WIDE_M + 1 rows runs other tiles (64/128-row blocks, ·V by XLA's GEMM from 64
+  rows): its records there are pooled, and a call there judged, only with each other; 4096->
+  512->1024's 1.13 / 1.11x at 16 / 32 rows once kept it served at 65-90 rows, where its own
+  records said 0.93 / 0.96x. Below WIDE_M + 1 rows, nothing changes; other ops pool as before."""
+  monkeypatch.setattr(measured, "MODEL_AB", ())
+  monkeypatch.setattr(measured, "MODEL_OP_AB", ())
+  recs = (("xuv", 16, 4096, 512, 1024, 10.0, 11.3), ("xuv", 32, 4096, 512, 1024, 10.0, 11.1),
+          ("xuv", 64, 4096, 512, 1024, 10.0, 9.3), ("xuv", 128, 4096, 512, 1024, 10.0, 9.6))
+  monkeypatch.setattr(measured, "RECORDS", recs + tuple(("mlp_swiglu",) + q[1:] for q in recs))
+  for m in (8, 16, 24, 32):
+    assert measured.verdict("xuv", m, 4096, 512, 1024) is None, m
+  for m in (33, 40, 48, 80, 100, 128, 200):
+    why = measured.verdict("xuv", m, 4096, 512, 1024)
+    assert why is not None and ("M=64, 128" in why or "this very shape" in why), (m, why)
+  assert measured.verdict("mlp_swiglu", 80, 4096, 512, 1024) is None  # pooled over 16-128
+  assert [measured.path("xuv", m) for m in (1, 2, 32, 33, 128)] == [0, 1, 1, 2, 2]
+  assert [measured.path("mlp_swiglu", m) for m in (1, 2, 33, 128)] == [0, 1, 1, 1]
+
+
 def test_a_batch_whose_whole_step_was_slower_with_the_kernels_goes_to_xla(monkeypatch):
   """MODEL_AB: a call at M >= 2 follows the whole-model A/B at the nearest batch >= 2 (within
   WINDOW x), whatever its shape's own record says; M = 1 and far-off M keep the records.
@@ -222,7 +242,7 @@ def _window_ratio(rec):
   return statistics.median(q[6] / q[5] for q in measured.RECORDS
                            if q[0] == op and q[2:5] == (k, r, n)
                            and m / measured.WINDOW <= q[1] <= measured.WINDOW * m
-                           and (q[1] == 1) == (m == 1))
+                           and measured.path(op, q[1]) == measured.path(op, m))
 
 
 def test_lowering_policy_follows_every_measured_record():
