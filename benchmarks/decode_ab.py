@@ -5,7 +5,11 @@ moves a decode call's time by up to ±3 % between records of one shape (XLA's to
 many of the changes worth testing. Here each case draws its layers once and times every variant
 on them, round-robin, ``--rounds`` times, each time with ``gpu_lowrank.per_call_us`` (L distinct
 layers chained in one jit, (t(3L) − t(L)) / 2L from the profiler's device spans); the spread
-between rounds is then ±0.05 µs (gpu_notes.md, session 25).
+between rounds is then ±0.05 µs (gpu_notes.md, session 25). The 3L calls reuse each layer
+three times, so work on the weights alone (XLA pads V where r is not a multiple of its
+split-K GEMM's step, session 36) runs once a layer and cancels; ``--distinct-weights`` draws
+3L layers and times each call on its own (``gpu_lowrank.per_call_us(distinct=True)``), as
+a model step pays it (meta ``weights``).
 
 A case is ``M,K,r,N|variant,,variant,,...``; a variant is ``xla`` ((x@u)@v), ``auto`` (the
 planner's plan), one of ``gpu_lowrank._xuv_variant``'s (``persistent:field=value,...``), or
@@ -175,7 +179,7 @@ def xla_triton_serves(m: int, k: int, r: int, n: int, sms: int) -> bool:
                                    launch["meta"])
 
 
-MERGE_SAME = ("machine", "jax", "triton", "rounds", "sms")  # meta the shards of one run share
+MERGE_SAME = ("machine", "jax", "triton", "rounds", "sms", "weights")  # one run's shards share
 H200_SMS = 132  # the files written before meta held "sms" were all timed on H200s
 
 
@@ -229,16 +233,19 @@ def merge(paths: list[str], note: str | None = None) -> dict:
   return dict(meta=meta, records=records)
 
 
-def time_case(dims, variants, rounds: int, inputs=None) -> dict:
+def time_case(dims, variants, rounds: int, inputs=None, distinct: bool = False) -> dict:
   """{variant: [µs per call, one a round]} on one set of layers: ``inputs`` (x, layers, key),
-  else the ones gpu_lowrank.py's record of the shape draws (g.xuv_inputs)."""
+  else the ones gpu_lowrank.py's record of the shape draws (g.xuv_inputs); ``distinct``:
+  each timed call on its own layer (g.per_call_us(distinct=True); ``inputs`` then holds 3L
+  layers)."""
   m, k, r, n = dims
-  x, layers, _ = inputs or g.xuv_inputs(m, k, r, n)
+  x, layers, _ = inputs or g.xuv_inputs(m, k, r, n, distinct)
   times = {s: [] for s in variants}
   for _ in range(rounds):
     for spec in variants:
       with variant_setup(spec) as variant:
-        times[spec].append(g.per_call_us(_fn(variant, m, k, r, n), x, layers)[0])
+        times[spec].append(g.per_call_us(_fn(variant, m, k, r, n), x, layers,
+                                         distinct=distinct)[0])
   return times
 
 
@@ -285,6 +292,10 @@ def main(argv=None):
   ap.add_argument("--merge", nargs="+", metavar="JSON",
                   help="only join these shard files of one run into --out (no timing)")
   ap.add_argument("--note", help="with --merge: a note for the joined file's meta")
+  ap.add_argument("--distinct-weights", action="store_true",
+                  help="time each call on its own layer's weights (3L layers drawn), so work "
+                       "on the weights alone (XLA's pad of an unaligned rank) is paid every "
+                       "call as in a model step, not once a layer")
   args = ap.parse_args(argv)
   if args.merge:
     if args.cases or args.points:
@@ -325,10 +336,11 @@ def main(argv=None):
   meta = dict(machine=dev.device_kind, jax=jax.__version__, triton=triton_version,
               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               rounds=args.rounds, shard=args.shard, sms=sms or None,
-              default_launch=_default_launch(), rel_tol=REL_TOL, method=__doc__)
+              default_launch=_default_launch(), rel_tol=REL_TOL, method=__doc__,
+              weights="distinct" if args.distinct_weights else "reused")
   records = []
   for dims, variants in cases:
-    inputs = g.xuv_inputs(*dims)  # drawn once: checked, then timed
+    inputs = g.xuv_inputs(*dims, args.distinct_weights)  # drawn once: checked, then timed
     errs = check_case(dims, variants, inputs)
     serves = xla_triton_serves(*dims, sms) if sms else None  # the kernels need a GPU
     for spec in variants:
@@ -338,7 +350,7 @@ def main(argv=None):
         print(f"{','.join(map(str, dims)):18s} {spec:50s} FAILED, not timed: {errs[spec]}",
               flush=True)
     times = time_case(dims, [s for s in variants if not isinstance(errs[s], str)],
-                      args.rounds, inputs)
+                      args.rounds, inputs, args.distinct_weights)
     base = statistics.median(times["xla"]) if "xla" in times else None
     for spec, ts in times.items():
       med = statistics.median(ts)

@@ -60,17 +60,19 @@ REPS = 15
 TIMING = "device"
 
 
-def chained(fn, passes):
-  """One jit of ``passes`` passes over the layers, each call's input chained to the
-  previous call's output through an optimization_barrier (no data change, no copy). XLA can
-  therefore neither CSE the passes nor merge calls that share an operand (its DotMerger
-  would otherwise batch the decode GEMVs of different passes into one read of the weights).
+def chained(fn, passes, first=None):
+  """One jit of ``passes`` passes over the layers (the ``first`` ones only, if given), each
+  call's input chained to the previous call's output through an optimization_barrier (no
+  data change, no copy). XLA can therefore neither CSE the passes nor merge calls that share
+  an operand (its DotMerger would otherwise batch the decode GEMVs of different passes into
+  one read of the weights). Work on a layer's weights alone (XLA's pad of an unaligned V,
+  say) is still CSE'd: it runs once a layer, not once a call.
   """
   @jax.jit
   def f(x, layers):
     outs, cur = [], x
     for _ in range(passes):
-      for w in layers:
+      for w in layers[:first]:
         y = fn(cur, *w)
         outs.append(y)
         cur = jax.lax.optimization_barrier((x, y))[0]
@@ -78,16 +80,28 @@ def chained(fn, passes):
   return f
 
 
-def per_call_us(fn, x, layers, reps=None):
+def per_call_us(fn, x, layers, reps=None, distinct=False):
   """Time of one fn(x, *layer) call: (t(3L chained calls) - t(L calls)) / 2L, the two jits
   alternated, median over ``reps`` pairs; returns (µs, spread = IQR/median).
 
   t is the device span of one execution (first kernel start to last kernel end, from
   jax.profiler's trace) when TIMING == "device" and ``x`` is on a GPU, else host wall-clock
   around the jit. The difference cancels the execution's fixed costs either way.
+
+  The 3L calls are three passes over the L layers, so work on a layer's weights alone runs
+  once a layer and cancels out too. ``distinct``: ``layers`` holds 3L layers, the 3L calls
+  take one each and the L calls the first L, so such work is paid every call, as in a model
+  step, where each layer's weights are used once.
   """
   reps = reps or REPS
-  f1, f3 = chained(fn, 1), chained(fn, 3)
+  n = len(layers)
+  if distinct:
+    if n % 3 or not n:
+      raise ValueError(f"distinct=True: expected 3L layers (3 per timed call's layer), got {n}")
+    n //= 3
+    f1, f3 = chained(fn, 1, first=n), chained(fn, 1)
+  else:
+    f1, f3 = chained(fn, 1), chained(fn, 3)
   t_start = time.perf_counter()
   for f in (f1, f3, f1, f3):  # compile, then warm up (clocks, allocator)
     _sync(f(x, layers))
@@ -99,8 +113,8 @@ def per_call_us(fn, x, layers, reps=None):
     med = statistics.median(diffs)
     q1, q3 = np.percentile(diffs, [25, 75])
     if med <= 0:  # 2L more calls took no longer: noise (host clock, loaded CPU), not a time
-      return 1e6 * med / (2 * len(layers)), math.inf
-    return 1e6 * med / (2 * len(layers)), float((q3 - q1) / med)
+      return 1e6 * med / (2 * n), math.inf
+    return 1e6 * med / (2 * n), float((q3 - q1) / med)
 
   t_us, spread, tries = steadiest(attempt)
   if VERBOSE:
@@ -296,11 +310,12 @@ def measure_ceilings():
 
 # ------------------------------------------------------------------ XUV
 
-def xuv_inputs(m, k, r, n):
+def xuv_inputs(m, k, r, n, distinct=False):
   """(x [M, K], [(u [K, r], v [r, N])] for n_layers distinct layers, a key for more) of one
-  X·U·V shape, drawn from a key of the shape alone (decode_ab.py times its variants on these)."""
+  X·U·V shape, drawn from a key of the shape alone (decode_ab.py times its variants on these);
+  ``distinct``: three times as many layers, for per_call_us(distinct=True)."""
   ks = jax.random.split(jax.random.key(m * 7 + k + r + n), 4)
-  nl = n_layers(2 * (k * r + r * n), m)
+  nl = n_layers(2 * (k * r + r * n), m) * (3 if distinct else 1)
   lr_layers = [(rand(jax.random.fold_in(ks[1], i), (k, r), k ** -0.5),
                 rand(jax.random.fold_in(ks[2], i), (r, n), r ** -0.5)) for i in range(nl)]
   return rand(ks[0], (m, k)), lr_layers, ks[3]

@@ -234,3 +234,43 @@ def test_missed_prefill_targets_give_the_throughput_against_xla(bench):
   rec = dict(decode_rec("xuv", 1024, 100.0, 110.0, 100.0), tflops=600.0)
   (t,) = bench.evaluate_targets([rec])
   assert not t["met"] and t["why"].startswith("compute-bound: 600 TFLOP/s against XLA's 660")
+
+
+def test_distinct_weights_time_each_call_on_its_own_layer(bench, monkeypatch):
+  """per_call_us(distinct=True): 3L layers, the L-call jit takes the first L and the 3L-call
+  jit each once, and the difference is divided by 2L; reused weights: 3 passes over L."""
+  import jax.numpy as jnp
+  seen = {}
+
+  def diffs(f1, f3, x, layers, reps):
+    seen["calls"] = (len(f1(x, layers)), len(f3(x, layers)))
+    return [8e-6] * reps
+  monkeypatch.setattr(bench, "TIMING", "host")
+  monkeypatch.setattr(bench, "_host_diffs", diffs)
+  x = jnp.ones((8,), jnp.float32)
+  layers = [(jnp.full((8,), float(i)),) for i in range(6)]
+  t_us, _ = bench.per_call_us(lambda x, w: x + w, x, layers, reps=3, distinct=True)
+  assert seen["calls"] == (2, 6) and t_us == pytest.approx(2.0)  # 8 µs over 2·2 calls
+  t_us, _ = bench.per_call_us(lambda x, w: x + w, x, layers, reps=3)
+  assert seen["calls"] == (6, 18) and t_us == pytest.approx(8 / 12)
+  with pytest.raises(ValueError, match="expected 3L layers"):
+    bench.per_call_us(lambda x, w: x + w, x, layers[:5], reps=3, distinct=True)
+
+
+def test_reused_weights_run_weight_only_work_once_a_layer(bench):
+  """Why distinct weights exist: in the 3-pass chain XLA computes a layer's weight-only work
+  (here a sine; on the H200, the pad it adds to V for an unaligned rank) once for the three
+  calls that use it; with distinct layers, once a call."""
+  import jax.numpy as jnp
+  fn = lambda x, u: x @ jnp.sin(u)  # noqa: E731
+  x = jnp.ones((2, 5), jnp.float32)
+  layers = [(jnp.full((5, 4), float(i)),) for i in range(6)]
+
+  def sines(f, ls):  # traced, then in the compiled HLO
+    return (f.lower(x, ls).as_text().count("stablehlo.sine"),
+            f.lower(x, ls).compile().as_text().count(" sine("))
+  assert sines(bench.chained(fn, 3), layers[:2]) == (6, 2)  # 3 passes x 2 layers, CSE'd
+  assert sines(bench.chained(fn, 1), layers) == (6, 6)  # 6 distinct layers: one a call
+  assert sines(bench.chained(fn, 1, first=2), layers) == (2, 2)  # the L-call jit's first L
+  out = bench.chained(fn, 3)(x, layers[:2])
+  assert len(out) == 6 and jnp.allclose(out[5], fn(x, *layers[1]))

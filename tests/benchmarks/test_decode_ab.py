@@ -35,7 +35,8 @@ def test_a_bad_environment_names_the_syntax(ab):
 def test_every_variant_is_timed_on_the_same_layers_with_its_environment(ab, monkeypatch):
   seen = []
 
-  def fake_time(fn, x, layers):
+  def fake_time(fn, x, layers, distinct=False):
+    assert not distinct
     seen.append((id(x), tuple(id(u) for u, _ in layers), os.environ.get("LRJAX_AB_PROBE")))
     return 1.0 + len(seen), 0.0
   monkeypatch.setattr(ab.g, "per_call_us", fake_time)
@@ -168,8 +169,8 @@ def test_the_points_of_a_sweep_are_timed_with_the_given_variants(ab, monkeypatch
   path.write_text(json.dumps(dict(records=[dict(op="xuv", M=m, K=64, r=16, N=32)
                                            for m in (1, 2, 4)])))
   timed = []
-  monkeypatch.setattr(ab, "time_case", lambda dims, variants, rounds, inputs: timed.append(
-      (dims, variants)) or {v: [1.0] for v in variants})
+  monkeypatch.setattr(ab, "time_case", lambda dims, variants, rounds, inputs, distinct:
+                      timed.append((dims, variants)) or {v: [1.0] for v in variants})
   monkeypatch.setattr(ab, "check_case", lambda dims, variants, inputs: {v: 0.0 for v in variants})
   out = tmp_path / "ab.json"
   ab.main(["--out", str(out), "--points", str(path), "--variants", "xla,,auto",
@@ -227,3 +228,22 @@ def test_merge_refuses_shards_that_are_not_one_run(ab, tmp_path, capsys):
   with pytest.raises(SystemExit):
     ab.main(["--merge", a, "--points", a, "--out", str(tmp_path / "out.json")])
   assert "no cases or --points" in capsys.readouterr().err
+
+
+def test_distinct_weights_draw_three_times_the_layers_and_say_so(ab, monkeypatch, tmp_path):
+  """--distinct-weights: each case's inputs hold 3L layers, every timing gets distinct=True,
+  and the file's meta says which weights were timed."""
+  import json
+  calls = []
+
+  def fake_time(fn, x, layers, distinct=False):
+    calls.append((len(layers), distinct))
+    return 1.0, 0.0
+  monkeypatch.setattr(ab.g, "per_call_us", fake_time)
+  out = tmp_path / "ab.json"
+  ab.main(["--rounds", "1", "--out", str(out), "--distinct-weights", "2,64,16,32|xla"])
+  nl = ab.g.n_layers(2 * (64 * 16 + 16 * 32), 2)
+  assert calls == [(3 * nl, True)]
+  assert json.loads(out.read_text())["meta"]["weights"] == "distinct"
+  ab.main(["--rounds", "1", "--out", str(out), "2,64,16,32|xla"])
+  assert calls[-1] == (nl, False) and json.loads(out.read_text())["meta"]["weights"] == "reused"
