@@ -58,8 +58,9 @@ def parse(text: str) -> dict:
 
 
 def profile(t: int) -> str:
-  cmd = [ncu_report.ncu_path(), "--target-processes", "all", "--kernel-name", "regex:_mlp_decode_kernel",
-         "--launch-skip", "2", "--launch-count", "1", "--metrics", ",".join(METRICS)]
+  cmd = [ncu_report.ncu_path(), "--target-processes", "all", "--kernel-name",
+         "regex:_mlp_decode_kernel", "--launch-skip", "2", "--launch-count", "1",
+         "--metrics", ",".join(METRICS)]
   for s in SECTIONS:
     cmd += ["--section", s]
   cmd += [sys.executable, os.path.abspath(__file__), "--child", str(t)]

@@ -42,9 +42,12 @@ PROFILE_TIMEOUT_S = 120  # one variant under ncu (about 16 s on an H200 for six 
 METRICS = ("dram__bytes_read.sum", "lts__t_sectors_op_red.sum",
            "lts__t_sectors_srcunit_tex_op_read.sum")
 # the tensor pipes' busy fraction, under whichever name this ncu knows (wgmma: gmma on sm_90)
-TENSOR_METRICS = ("sm__pipe_tensor_op_gmma_cycles_active", "sm__pipe_tensor_op_hmma_cycles_active")
+TENSOR_METRICS = ("sm__pipe_tensor_op_gmma_cycles_active",
+                  "sm__pipe_tensor_op_hmma_cycles_active")
 SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "ComputeWorkloadAnalysis",
             "WarpStateStats", "SchedulerStats", "Occupancy", "LaunchStats")
+
+
 def last_call(kernels: list[dict], calls: int = CALLS) -> list[dict]:
   """The kernels of the last of ``calls`` identical calls profiled in a row."""
   if len(kernels) % calls:
@@ -73,9 +76,9 @@ def _profiler(on: bool) -> None:
 def child(case: str, variant: str) -> None:
   """Compile ``variant`` at ``case``'s shape, two warm-up calls, CALLS profiled calls."""
   import jax
+  import jax.numpy as jnp
   import numpy as np
   import decode_ab
-  import jax.numpy as jnp
   (m, k, r, n), _ = decode_ab.parse_case(case)
   rng = np.random.default_rng(0)
 
@@ -94,7 +97,8 @@ def child(case: str, variant: str) -> None:
 
 def tensor_metrics() -> tuple[str, ...]:
   """TENSOR_METRICS this ncu lists, as percentages of their peak."""
-  known = subprocess.run([ncu_report.ncu_path(), "--query-metrics"], capture_output=True, text=True).stdout
+  known = subprocess.run([ncu_report.ncu_path(), "--query-metrics"], capture_output=True,
+                         text=True).stdout
   return tuple(f"{m}.avg.pct_of_peak_sustained_active" for m in TENSOR_METRICS
                if re.search(rf"^{m}\b", known, re.M))
 
@@ -141,7 +145,7 @@ def summary(k: dict) -> str:
   return "  ".join(f"{short}={k[key]:g}" for key, short in keys if key in k)
 
 
-def main():
+def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("cases", nargs="*", help="M,K,r,N|variant,,variant (decode_ab.py's syntax)")
   ap.add_argument("--parse", nargs="+", metavar="CASE=FILE",
@@ -150,7 +154,7 @@ def main():
   ap.add_argument("--note", default="")
   ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                 "gpu_xuv_decode_ncu_h200.json"))
-  args = ap.parse_args()
+  args = ap.parse_args(argv)
   if args.child:
     return child(*args.child)
   import decode_ab
@@ -174,8 +178,10 @@ def main():
   else:
     if not args.cases:
       ap.error("expected at least one case M,K,r,N|variant,,variant (or --parse)")
-    import jax
-    meta.update(machine=jax.devices("gpu")[0].device_kind, jax=jax.__version__,
+    import jax  # its version only: this process leaves the GPU to the children
+    gpus = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                          capture_output=True, text=True).stdout.split("\n")
+    meta.update(machine=gpus[0].strip() or "unknown", jax=jax.__version__,
                 metrics=METRICS + tensor_metrics(),
                 ncu=subprocess.run([ncu_report.ncu_path(), "--version"], capture_output=True,
                                    text=True).stdout.strip().splitlines()[-1])

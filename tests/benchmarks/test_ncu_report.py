@@ -60,3 +60,17 @@ def test_every_kernel_of_a_report_and_the_last_calls(ncu_xuv):
     ncu_xuv.last_call(got, calls=3)
   with pytest.raises(ValueError, match="launched different kernels"):
     ncu_xuv.last_call([got[0], got[1], got[1], got[0]], calls=2)
+
+
+def test_saved_reports_become_one_record_a_kernel_of_the_last_call(ncu_xuv, tmp_path):
+  import json
+  report = tmp_path / "auto.txt"
+  report.write_text(TWO_CALLS)
+  out = tmp_path / "ncu.json"
+  ncu_xuv.main(["--parse", f"64,8192,2456,8192|auto={report}", "--out", str(out),
+                "--note", "synthetic"])
+  got = json.loads(out.read_text())
+  assert got["meta"]["note"] == "synthetic" and got["meta"]["calls"] == 2
+  assert [(r["variant"], r["M"], r["r"], r["kernel"], r["Duration [us]"]) for r in got["records"]] \
+      == [("auto", 64, 2456, "_xuv_decode_persistent_kernel", 21.3),
+          ("auto", 64, 2456, "gemm_fusion_dot", 16.0)]
