@@ -6,8 +6,8 @@ many of the changes worth testing. Here each case draws its layers once and time
 on them, round-robin, ``--rounds`` times, each time with ``gpu_lowrank.per_call_us`` (L distinct
 layers chained in one jit, (t(3L) − t(L)) / 2L from the profiler's device spans); the spread
 between rounds is then ±0.05 µs (gpu_notes.md, session 25). The 3L calls reuse each layer
-three times, so work on the weights alone (XLA pads V where r is not a multiple of its
-split-K GEMM's step, session 36) runs once a layer and cancels; ``--distinct-weights`` draws
+three times, so work on the weights alone (at r = 2456 XLA pads V to 2464 rows, a full copy:
+results/gpu_xuv_decode_ncu_h200.json) runs once a layer and cancels; ``--distinct-weights`` draws
 3L layers and times each call on its own (``gpu_lowrank.per_call_us(distinct=True)``), as
 a model step pays it (meta ``weights``).
 
