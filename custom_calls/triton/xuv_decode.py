@@ -164,10 +164,12 @@ def _xu_tile(rb, k_start,  # column block of U, first row of K
              K_PER: tl.constexpr, RB_PER_CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
              BLOCK_R: tl.constexpr, COLS_R: tl.constexpr, EVEN_K: tl.constexpr,
              STREAM: tl.constexpr, P16: tl.constexpr, p16_ptr, rb_cnt_ptr,
-             SPLIT_K: tl.constexpr, P_STORE: tl.constexpr = False):
+             SPLIT_K: tl.constexpr, P_STORE: tl.constexpr = False,
+             R16: tl.constexpr = 0):
   """One split-K tile of P = X·U: f32 atomics into P, then its r-chunk's counter (release).
   P16: the last of the column block's SPLIT_K tiles (``last_arrival`` on its counter)
-  rounds the block once into p16 (V's dtype) and alone signals the chunk.
+  rounds the block once into p16 (V's dtype) and alone signals the chunk; R16 > R: p16's
+  rows are R16 wide, zeros past R (``PersistentDecodePlan.p_align``).
   STREAM=False skips the streaming, P_STORE stores the partial instead of adding it (timing
   only: the output is then wrong)."""
   offs_r = rb * COLS_R + tl.arange(0, BLOCK_R)
@@ -186,8 +188,13 @@ def _xu_tile(rb, k_start,  # column block of U, first row of K
                     mask=m_mask[:, None] & r_mask[None, :], sem="relaxed")
   if P16:
     if last_arrival(rb_cnt_ptr + rb, SPLIT_K):
-      round_once(p_ptr, p16_ptr, offs_m[:, None] * R + offs_r[None, :],
-                 m_mask[:, None] & r_mask[None, :])
+      if R16 > R:
+        round_once(p_ptr, p16_ptr, offs_m[:, None] * R + offs_r[None, :],
+                   m_mask[:, None] & r_mask[None, :], offs_m[:, None] * R16 + offs_r[None, :],
+                   m_mask[:, None] & (offs_r < R16)[None, :])
+      else:
+        round_once(p_ptr, p16_ptr, offs_m[:, None] * R + offs_r[None, :],
+                   m_mask[:, None] & r_mask[None, :])
       signal(flag_ptr + rb // RB_PER_CHUNK)
   else:
     signal(flag_ptr + rb // RB_PER_CHUNK)
@@ -357,6 +364,7 @@ def _xuv_decode_persistent_kernel(
                                  # one r-chunk, whose flag counts the CTAs
     CLEAR_FIRST: tl.constexpr = 0, CLEAR_COUNT: tl.constexpr = 0,  # the CTAs that zero the
                              # scratch chain's other half (leave_chain; 0: all of them)
+    R16: tl.constexpr = 0,  # PV=False: p16's rows R16 > R wide, zeros past R (plan.p_align)
 ):
   pid = tl.program_id(0)
   chain_ptr = scratch_ptr
@@ -387,7 +395,7 @@ def _xuv_decode_persistent_kernel(
     for t in range(pid, n1, PROGRAMS):
       _xu_tile(t // SPLIT_K, (t % SPLIT_K) * K_PER, x_ptr, u_ptr, p_ptr, flag_ptr, offs_m,
                m_mask, K, R, K_PER, RB_PER_CHUNK, BLOCK_K, BLOCK_R, COLS_R, EVEN_K, True, P16,
-               p16_ptr, rb_cnt_ptr, SPLIT_K, (PROBE & 1) != 0)
+               p16_ptr, rb_cnt_ptr, SPLIT_K, (PROBE & 1) != 0, R16)
   stamp(o_in_ptr, 1, TRACE)
   if V_RES:  # phase-2 tile q on CTA n1 + q, which ran no phase-1 tile
     if (pid >= n1) & (pid < n1 + n_nb):
@@ -564,6 +572,14 @@ def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
               COLS_N=p.cols_n, PROGRAMS=p.programs, PREFETCH=p.prefetch, P16=p.p16, PV=pv,
               PROBE=int(probe), V_RES=int(p.v_resident), R_P2=max(16, planner.next_pow2(r)),
               STREAM_K=int(p.stream_k))
+  r16 = planner.cdiv(r, p.p_align) * p.p_align if p.p_align else r
+  if p.p_align and (pv or not p.p16 or p.p_align % 8 or p.cols_r != p.block_r
+                    or r16 > n_rb * p.cols_r):
+    raise ValueError(f"{p}: p_align pads phase 1's rounded P (pv='xla', p16) to a multiple of "
+                     f"{p.p_align} columns (a multiple of 8), written by the last column "
+                     f"tile, so it needs cols_r = block_r and tiles covering {r16} columns")
+  if r16 > r:
+    meta["R16"] = r16
   n_nb = planner.cdiv(n, p.cols_n)
   scratch = m * r + (m * n if chunks > 1 else 0) + chunks + n_nb + (n_rb if p.p16 else 0)
   # who zeroes the chain's other half at its end: V_RES's phase-1 CTAs (done long before
@@ -576,7 +592,7 @@ def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
   else:
     meta.update(CLEAR_FIRST=0, CLEAR_COUNT=0)
   return dict(grid=p.programs, chunks=chunks, n_nb=n_nb, meta=meta, scratch=scratch,
-              p16=m * r if p.p16 else 1)
+              p16=m * r16 if p.p16 else 1, p16_cols=r16)
 
 
 def default_pv(m: int, k: int, n: int, out_given: bool = False) -> str:
@@ -694,7 +710,9 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
       **plan["meta"])
   if pv == "xla":
     from lrjax.lowering.primitives import rank_space_out
-    return rank_space_out(outs[2].reshape(m, r), v, bias, out_dtype).reshape(*lead, n)
+    r16 = plan["p16_cols"]  # P's rows padded with zeros (p_align), V's with zero rows alike
+    v16 = v if r16 == r else jnp.pad(v, ((0, r16 - r), (0, 0)))
+    return rank_space_out(outs[2].reshape(m, r16), v16, bias, out_dtype).reshape(*lead, n)
   return outs[1].reshape(*lead, n)
 
 

@@ -101,7 +101,7 @@ _PRELUDE = STUB + textwrap.dedent('''
 
 _PHASE1 = textwrap.dedent('''
   for (m, k, r, n, programs) in SHAPES:
-    p = planner.plan_decode_phase1(m, k, r, n, programs=programs)
+    p = dataclasses.replace(planner.plan_decode_phase1(m, k, r, n, programs=programs), **FIELDS)
     plan = xuv_decode.persistent_launch_plan(m, k, r, n, False, p, pv=False)
     x, u = rand(m, k), rand(k, r, scale=k ** -0.5)
     v = np.zeros((r, n), np.float16)  # never read: no phase 2
@@ -111,8 +111,11 @@ _PHASE1 = textwrap.dedent('''
         T(x), T(u), T(v), T(v), T(x), m, 0, 0, T(scratch), T(np.zeros(1, np.float16)),
         T(p16),
         **plan["meta"])
-    # f16 split-K sums, rounded once
-    err = check(p16.reshape(m, r), f64(x) @ f64(u), 2e-3, (m, k, r, "P"))
+    # f16 split-K sums, rounded once; rows padded to p16_cols with zeros (p_align)
+    P = p16.reshape(m, plan["p16_cols"])
+    err = check(P[:, :r], f64(x) @ f64(u), 2e-3, (m, k, r, "P"))
+    assert plan["p16_cols"] == (-(-r // p.p_align) * p.p_align if p.p_align else r)
+    assert (P[:, r:] == 0).all(), (m, k, r, "P's padding columns", P[:, r:])
     print(m, k, r, plan["grid"], p.cols_r, p.k_per, plan["meta"]["SPLIT_K"], f"{err:.1e}")
   print("ok")
 ''')
@@ -280,7 +283,30 @@ def _interpret(script: str) -> None:
 ])
 def test_decode_phase1_alone_on_its_planned_tiles(shapes):
   """P = X·U from the phase-1-only decode kernel equals the f64 product rounded once."""
-  _interpret(f"SHAPES = {shapes!r}\n" + _PRELUDE + _PHASE1)
+  _interpret(f"SHAPES = {shapes!r}\nFIELDS = {{}}\n" + _PRELUDE + _PHASE1)
+
+
+def test_decode_phase1_alone_writes_p_padded_with_zeros():
+  """``PersistentDecodePlan.p_align``: P rounded into rows padded to a multiple of 32 (r = 136,
+  72, 1100, 2456-like ragged ranks; 64- and 128-column tiles; a grid smaller than the tiles),
+  the padding written as zeros over a poisoned buffer, so XLA's GEMM can take P and a
+  zero-padded V as they are."""
+  shapes = [(64, 384, 136, 200, 132), (77, 200, 72, 130, 7), (64, 640, 1100, 64, 132),
+            (100, 320, 200, 96, 16)]
+  _interpret(f"SHAPES = {shapes!r}\nFIELDS = {{'p_align': 32}}\n" + _PRELUDE + _PHASE1)
+  _interpret(_PRELUDE + textwrap.dedent('''
+    # refused by name: with phase 2 in the kernel, not whole 16-byte units, past the tiles
+    p = planner.plan_decode_phase1(64, 8192, 2456, 8192, programs=132)
+    for bad, pv in ((32, True), (12, False), (4096, False)):
+      try:
+        xuv_decode.persistent_launch_plan(64, 8192, 2456, 8192, False,
+                                          dataclasses.replace(p, p_align=bad), pv=pv)
+      except ValueError as e:
+        assert "p_align pads" in str(e), e
+      else:
+        raise AssertionError(f"p_align={bad}, pv={pv}: not refused")
+    print("ok")
+  '''))
 
 
 STREAM_K = dict(stream_k=True, r_chunks=1, p16=False, v_resident=False)
