@@ -5,7 +5,6 @@ import statistics
 
 import jax
 import jax.numpy as jnp
-import pytest
 
 from lrjax.custom_calls.triton import lowering, measured, planner
 
