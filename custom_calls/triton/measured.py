@@ -444,10 +444,9 @@ def nearest(op: str, m: int, k: int, r: int, n: int):
   """The benchmarked record of ``op`` nearest to this call, or None: first the benchmarked
   shape nearest to the call's (|log2| ratios of K, r and N summed; ties: factor size), among
   those measured on the call's ``path`` (all, if none was), then that shape's record nearest
-  in M on it. A
-  nearby shape's records guide better than another shape's at the call's very token count:
-  Llama-3-8B's SwiGLU at T=8 (1.03x alone) said nothing of Qwen2.5-7B's (0.94x at T=4, 0.91x
-  at T=16), and served there it made the Qwen step at batch 8 3 % slower."""
+  in M on it. A nearby shape's records guide better than another shape's at the call's very
+  token count: Llama-3-8B's SwiGLU at T=8 (1.03x alone) said nothing of Qwen2.5-7B's (0.94x
+  at T=4, 0.91x at T=16), and served there it made the Qwen step at batch 8 3 % slower."""
   w = _weight_elems(op, k, r, n)
   recs = [q for q in RECORDS if q[0] == op]
   side = [q for q in recs if path(op, q[1]) == path(op, m)] or recs
