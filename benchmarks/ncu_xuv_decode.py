@@ -169,6 +169,15 @@ def main(argv=None):
       print(f"{case:28s} {kern['kernel'][:40]:40s} {summary(kern)}", flush=True)
     write_json(args.out, dict(meta=meta, records=records))
 
+  try:  # bad input fails before any profiling
+    for case in args.cases:
+      decode_ab.parse_case(case)
+    for spec in args.parse or ():
+      case, eq, path = spec.rpartition("=")
+      if not eq or len(decode_ab.parse_case(case)[1]) != 1:
+        raise ValueError(f"--parse {spec!r}: expected M,K,r,N|variant=FILE (one variant)")
+  except ValueError as e:
+    ap.error(str(e))
   if args.parse:
     meta["machine"] = "as the reports' note says (parsed with --parse)"
     for spec in args.parse:

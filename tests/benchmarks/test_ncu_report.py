@@ -74,3 +74,15 @@ def test_saved_reports_become_one_record_a_kernel_of_the_last_call(ncu_xuv, tmp_
   assert [(r["variant"], r["M"], r["r"], r["kernel"], r["Duration [us]"]) for r in got["records"]] \
       == [("auto", 64, 2456, "_xuv_decode_persistent_kernel", 21.3),
           ("auto", 64, 2456, "gemm_fusion_dot", 16.0)]
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--parse", "64,8192,2456,8192|auto"], "expected M,K,r,N|variant=FILE"),
+    (["--parse", "64,8192,2456,8192|xla,,auto=r.txt"], "one variant"),
+    (["64,8192|auto"], "expected M,K,r,N|variant"),
+    ([], "expected at least one case"),
+])
+def test_bad_arguments_are_refused_by_name(ncu_xuv, capsys, argv, msg):
+  with pytest.raises(SystemExit):
+    ncu_xuv.main(argv + ["--out", "unused.json"])
+  assert msg in capsys.readouterr().err
