@@ -153,7 +153,8 @@ PV_KERNEL_MAX_N = 4096
 # 64 rows on 8192->544->1024 and 4096->512->1024, while on the four other shapes with
 # N <= 4096 (2048->256->512 among them, K = 2048) it took 0.5-1.7 us more (same weights,
 # session 35, results/gpu_xuv_decode_phase1_deep_h200.json). 33-63 rows, which run the same
-# 64-row block and tiles, take it too (inferred, not timed there)
+# 64-row block and tiles, take it too (session 36 at 48 / 40 rows: 1.02-1.06x / 1.005x XLA,
+# the fused kernel 0.98-1.00x; results/gpu_xuv_decode_33_63_rows_h200.json)
 PV_XLA_K_OVER_N = 4
 PV_XLA_MIN_K = 4096
 
