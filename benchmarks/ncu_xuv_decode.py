@@ -113,9 +113,9 @@ def _run(cmd: list, env: dict, what: str) -> str:
 
 def profile(case: str, variant: str, metrics: tuple[str, ...], workdir: str) -> str:
   """ncu's text report of ``variant``'s profiled calls. The child first runs once without ncu
-  and dumps XLA's autotuning results, which the profiled run loads: in session 36 the ``xla``
-  variant, autotuning its GEMMs under ncu with these sections, did not finish in 120 s (the
-  ``auto`` variant took 9-15 s)."""
+  and dumps XLA's autotuning results, which the profiled run loads. In session 36, without
+  that, the ``xla`` variant did not finish in 120 s under ncu with these sections (``auto``
+  took 9-16 s; why was not found): autotuning under ncu is the guess this hand-over tests."""
   child_cmd = [sys.executable, os.path.abspath(__file__), "--child", case, variant]
   tuned = os.path.join(workdir, f"autotune_{abs(hash((case, variant)))}.textproto")
   # one cudaMalloc a buffer: under XLA's preallocated pool ncu would save and restore the whole
