@@ -76,15 +76,10 @@ def _profiler(on: bool) -> None:
 def child(case: str, variant: str) -> None:
   """Compile ``variant`` at ``case``'s shape, two warm-up calls, CALLS profiled calls."""
   import jax
-  import jax.numpy as jnp
-  import numpy as np
   import decode_ab
   (m, k, r, n), _ = decode_ab.parse_case(case)
-  rng = np.random.default_rng(0)
-
-  def draw(a, b, scale):
-    return jax.device_put((rng.standard_normal((a, b), np.float32) * scale).astype(jnp.bfloat16))
-  x, u, v = draw(m, k, 1.0), draw(k, r, k ** -0.5), draw(r, n, r ** -0.5)
+  x, layers, _ = decode_ab.g.xuv_inputs(m, k, r, n)  # decode_ab's weights; the first layer
+  u, v = layers[0]
   with decode_ab.variant_setup(variant) as var:
     fn = jax.jit(decode_ab._fn(var, m, k, r, n))
     for _ in range(2):

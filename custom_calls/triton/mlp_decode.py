@@ -629,7 +629,7 @@ def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes)
     step = math.lcm(cols_f, bs.block_kr)  # whole stage-B slices, whole K steps
     f_per = planner.part_len(f, want, step)
     if bs.h_inline and not bs.h_splits:  # a split's slices share its n_cb tiles, one each
-      f_per = planner.cdiv(n_cb * cols_f, step) * step
+      f_per = planner.round_up(n_cb * cols_f, step)
     h_splits = planner.cdiv(f, f_per)
     n_h = h_splits * n_cb
     if bs.h_inline and f_per // cols_f > planner.H200.num_sms:

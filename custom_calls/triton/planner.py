@@ -85,10 +85,15 @@ def cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
 
+def round_up(n: int, step: int) -> int:
+  """``n`` rounded up to a multiple of ``step``."""
+  return cdiv(n, step) * step
+
+
 def part_len(n: int, parts: int, step: int) -> int:
   """The length of each of ``parts`` parts of ``n``, rounded up to whole ``step``s (so the
   parts that cover n may be fewer, the last one ragged)."""
-  return cdiv(cdiv(n, parts), step) * step
+  return round_up(cdiv(n, parts), step)
 
 
 def next_pow2(n: int) -> int:
@@ -364,7 +369,7 @@ def _column_tiles(n: int, n_rb: int, rows_rb: int, g: int, bw: float, fill_us: f
   instead (see LINE_ROW_TOL; negative: never); where their rows span several lines but not
   whole ones, one r-chunk of whole-line tiles within ``line_align_tol`` (the X·U·V decode
   kernel's LINE_ALIGN_TOL; negative, the default: never)."""
-  min_cols = min(min_row_bytes // 2, cdiv(n, 16) * 16)
+  min_cols = min(min_row_bytes // 2, round_up(n, 16))
   cands = []
   for w, c in _widths(widths):
     if c < min_cols:
@@ -537,7 +542,7 @@ def _v_resident_plan(m: int, k: int, r: int, n: int, g: int, bw: float, fill_us:
   if block_m > V_RES_MAX_M or r_p2 > V_RES_MAX_R:
     return None
   block_n = min(V_RES_BLOCK_N, max(32, next_pow2(n)))
-  cols_n = min(block_n, cdiv(n, 16) * 16)
+  cols_n = min(block_n, round_up(n, 16))
   n2 = cdiv(n, cols_n)
   if 2 * n2 > g:
     return None
@@ -908,4 +913,4 @@ def next_link(last: "tuple[int, int, int] | None", need: int) -> tuple[bool, int
   half, parity, dirty = last
   if parity not in (0, 1) or not 0 <= dirty <= half:
     raise ValueError(f"{last=}: expected (half, 0 or 1, 0 <= used floats <= half)")
-  return False, half, 1 - parity, min(half, cdiv(dirty, 16) * 16)
+  return False, half, 1 - parity, min(half, round_up(dirty, 16))

@@ -573,9 +573,8 @@ def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
               COLS_N=p.cols_n, PROGRAMS=p.programs, PREFETCH=p.prefetch, P16=p.p16, PV=pv,
               PROBE=int(probe), V_RES=int(p.v_resident), R_P2=max(16, planner.next_pow2(r)),
               STREAM_K=int(p.stream_k))
-  r16 = planner.cdiv(r, p.p_align) * p.p_align if p.p_align else r
-  if p.p_align and (pv or not p.p16 or p.p_align % 8 or p.cols_r != p.block_r
-                    or r16 > n_rb * p.cols_r):
+  r16 = planner.round_up(r, p.p_align) if p.p_align else r
+  if p.p_align and (pv or p.p_align % 8 or p.cols_r != p.block_r or r16 > n_rb * p.cols_r):
     raise ValueError(f"{p}: p_align pads phase 1's rounded P (pv='xla', p16) to a multiple of "
                      f"{p.p_align} columns (a multiple of 8), written by the last column "
                      f"tile, so it needs cols_r = block_r and tiles covering {r16} columns")
@@ -732,7 +731,7 @@ def group_launch_plan(m: int, k: int, members, p: "planner.GroupDecodePlan") -> 
   for i, (r, n, has_bias) in enumerate(full):
     j = min(i, g - 1)
     kp, cr, cn = p.k_per[j], p.cols_r[j], p.cols_n[j]
-    split, r_per = planner.cdiv(k, kp), planner.cdiv(r, cr) * cr
+    split, r_per = planner.cdiv(k, kp), planner.round_up(r, cr)
     meta.update({f"R{i}": r, f"N{i}": n, f"HB{i}": has_bias, f"KP{i}": kp,
                  f"BR{i}": p.block_r[j], f"CR{i}": cr, f"BN{i}": p.block_n[j], f"CN{i}": cn,
                  f"S{i}": split, f"A{i}": planner.cdiv(r, cr) * split if i < g else 0,

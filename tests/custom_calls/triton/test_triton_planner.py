@@ -628,3 +628,4 @@ def test_part_len_covers_n_in_whole_steps():
     assert size % step == 0 and planner.cdiv(n, size) <= parts
     assert size == step or planner.cdiv(n, size - step) > parts
   assert planner.part_len(1000, 3, 64) == 384
+  assert [planner.round_up(n, 32) for n in (2456, 152, 2432, 1)] == [2464, 160, 2432, 32]
