@@ -122,8 +122,8 @@ def main():
           kern[(grid,)](
               x, w["ug"], w["vg"], w["vg"], w["uu"], w["vu"], w["vu"], w["ud"], w["vd"],
               w["vd"], trace[i] if traced else x, m, (1 - par) * half, plan["scratch"],
-              scratch, outs[i % layers], p16, **plan["meta"], WORK_OFF=par * half,
-              TRACE=traced, num_warps=bs.num_warps, num_stages=bs.num_stages)
+              scratch, outs[i % layers], p16, **{**plan["meta"], "TRACE": traced},
+              WORK_OFF=par * half, num_warps=bs.num_warps, num_stages=bs.num_stages)
 
       for o in outs[:2]:
         o.fill_(float("nan"))

@@ -650,7 +650,8 @@ def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes)
               EVEN_F=f % f_per == 0, COLS_F=cols_f, H_INLINE=bs.h_inline,
               PREFETCH=bs.prefetch, PREFETCH_H=bs.prefetch_h, PREFETCH_C=bs.prefetch_c,
               C_RESIDENT=int(bs.c_resident),
-              RD_PER_P2=rd_per_p2 if bs.c_resident else 16)  # read by c_resident alone
+              RD_PER_P2=rd_per_p2 if bs.c_resident else 16,  # read by c_resident alone
+              TRACE=0)  # jax-triton passes no constexpr default (a missing one is None)
   scratch = (m * (2 * r + rd + d_out) + a_chunks + 1 + n_nb + (n_rb if bs.p16 else 0)
              + (h_splits if bs.park_h else 0))
   p16 = (2 * m * r if bs.p16 else 0) + (m * f if bs.park_h else 0)

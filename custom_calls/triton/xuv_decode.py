@@ -578,8 +578,7 @@ def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
     raise ValueError(f"{p}: p_align pads phase 1's rounded P (pv='xla', p16) to a multiple of "
                      f"{p.p_align} columns (a multiple of 8), written by the last column "
                      f"tile, so it needs cols_r = block_r and tiles covering {r16} columns")
-  if r16 > r:
-    meta["R16"] = r16
+  meta["R16"] = r16  # jax-triton passes no constexpr default: every one is named here
   n_nb = planner.cdiv(n, p.cols_n)
   scratch = m * r + (m * n if chunks > 1 else 0) + chunks + n_nb + (n_rb if p.p16 else 0)
   # who zeroes the chain's other half at its end: V_RES's phase-1 CTAs (done long before

@@ -381,3 +381,46 @@ def test_the_decode_wrapper_launches_the_planners_persistent_plan():
     print("ok")
   '''), interpret=False)
   assert out.strip().endswith("ok")
+
+
+def test_every_launch_names_every_constexpr_of_its_kernel():
+  """jax-triton passes a kernel only the constexprs its launch names, never a signature
+  default (Triton then reads the missing one as None; session 37's GPU run failed to compile
+  the persistent X·U·V kernel that way). Every product wrapper, on shapes reaching each of
+  its kernels and schedules (the launch recorded, not run), names every constexpr."""
+  out = run_script(STUB + textwrap.dedent('''
+    import jax.numpy as jnp, numpy as np
+    from lrjax.custom_calls.triton import (kv_attention, launch, mlp_decode, mlp_prefill,
+                                           xuv_decode, xuv_prefill)
+    seen = set()
+    def record(*args, kernel, out_shape, grid, **kw):
+      missing = [p.name for p in kernel.params if p.is_constexpr and p.name not in kw]
+      assert not missing, (kernel.__name__, missing)
+      seen.add(kernel.__name__)
+      return tuple(jnp.zeros(s.shape, s.dtype) for s in out_shape)
+    launch.jt.triton_call = record  # below launch.triton_call, which adds WORK_OFF and PDL
+    for mod in (xuv_decode, mlp_decode, kv_attention):
+      mod.num_sms = lambda: 132
+    z = lambda *s: jnp.zeros(s, jnp.bfloat16)
+    for m, k, r, n in ((1, 512, 200, 1000), (64, 8192, 2456, 8192), (128, 4096, 152, 4096),
+                       (64, 4096, 1024, 1024), (33, 8192, 1000, 1024)):
+      xuv_decode.xuv_decode(z(m, k), z(k, r), z(r, n), z(n))
+      xuv_decode.xuv_decode(z(m, k), z(k, r), z(r, n), persistent=False)
+    xuv_decode.xuv_decode_group(z(4, 512), [(z(512, 64), z(64, 256)), (z(512, 40), z(40, 128))])
+    xuv_prefill.xuv_prefill(z(300, 512), z(512, 72), z(72, 260), z(260))
+    up, down, gate = (z(256, 64), z(64, 700)), (z(700, 48), z(48, 256)), (z(256, 64), z(64, 700))
+    for m in (1, 16, 33):
+      mlp_decode.mlp_decode(z(m, 256), up, down, gate)
+      mlp_decode.mlp_decode(z(m, 256), up, down, gate, persistent=True)
+    mlp_prefill.mlp_prefill(z(300, 256), up, down, gate)
+    b, hq, hkv, d, t, rk, rv = 2, 8, 2, 64, 300, 136, 72
+    kv_attention.kv_attention(z(b, hq, d), z(b, t, rk), z(b, t, rv), z(rk, hkv * d),
+                              z(rv, hkv * d), np.array([t - 1, 5], np.int32),
+                              np.ones(d // 2, np.float32), window=64)
+    want = {"_xuv_decode_kernel", "_xuv_decode_persistent_kernel", "_xuv_group_kernel",
+            "_xuv_prefill_kernel", "_mlp_decode_kernel", "_mlp_decode_persistent_kernel",
+            "_mlp_prefill_kernel", "_kv_attention_kernel"}
+    assert seen == want, want ^ seen
+    print("ok")
+  '''), interpret=False)
+  assert out.strip().endswith("ok")

@@ -210,7 +210,7 @@ _P_ALIGN = STUB + textwrap.dedent('''
       q = dataclasses.replace(p, p_align=align)
       plan = xuv_decode.persistent_launch_plan(m, k, r, n, False, q, pv=False)
       assert plan["p16_cols"] == (r16 if align else r) and plan["p16"] == m * plan["p16_cols"]
-      assert ("R16" in plan["meta"]) == (align > 0 and r16 > r)  # default: the same kernel
+      assert plan["meta"]["R16"] == plan["p16_cols"]  # named always: jax-triton has no defaults
       c = kernel_resources.compile_for_sm90(kernel, plan["meta"], q.warps, q.stages)
       assert c.metadata.shared <= kernel_resources.H200_SMEM_OPTIN
       got[align] = (c.metadata.shared, c.asm["ptx"])
@@ -224,5 +224,5 @@ _P_ALIGN = STUB + textwrap.dedent('''
 def test_padded_p_option_compiles_for_the_h200_beside_the_default():
   """``PersistentDecodePlan.p_align`` (an A/B option, not timed yet) compiles for sm_90 with
   the shared memory of the default phase-1 plan; where r is already a multiple of 32 it is the
-  default kernel (no R16 constexpr), elsewhere P's rows are stored padded."""
+  default kernel (R16 = R), elsewhere P's rows are stored padded."""
   run_script(_P_ALIGN, interpret=False)
