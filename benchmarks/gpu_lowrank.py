@@ -1232,7 +1232,10 @@ WIDE_M_WHY = ("XLA splits X·U over K into 4-32 f32 partials (its Triton emitter
               "(gpu_xuv_decode_tma_h200.json) and 8 warps "
               "(gpu_xuv_decode_phase1_warps8_h200.json) did not close the gap where timed; "
               "at M=64 on 8192->2456->8192 phase 1 reads its 42 MB at 50 % of the DRAM peak "
-              "(gpu_xuv_decode_ncu_h200.json)")
+              "(gpu_xuv_decode_ncu_h200.json), XLA's own X·U GEMM at 53 % "
+              "(gpu_xuv_decode_ncu_xla_auto_h200.json); with each call on its own layer, "
+              "as in a model step, the ratios hold "
+              "(gpu_xuv_decode_distinct_weights_h200.json)")
 
 
 def evaluate_targets(records) -> list[dict]:

@@ -222,7 +222,7 @@ _P_ALIGN = STUB + textwrap.dedent('''
 
 
 def test_padded_p_option_compiles_for_the_h200_beside_the_default():
-  """``PersistentDecodePlan.p_align`` (an A/B option, not timed yet) compiles for sm_90 with
+  """``PersistentDecodePlan.p_align`` (an A/B option, not adopted) compiles for sm_90 with
   the shared memory of the default phase-1 plan; where r is already a multiple of 32 it is the
   default kernel (R16 = R), elsewhere P's rows are stored padded."""
   run_script(_P_ALIGN, interpret=False)
