@@ -387,16 +387,32 @@ def test_every_launch_names_every_constexpr_of_its_kernel():
   """jax-triton passes a kernel only the constexprs its launch names, never a signature
   default (Triton then reads the missing one as None; session 37's GPU run failed to compile
   the persistent X·U·V kernel that way). Every product wrapper, on shapes reaching each of
-  its kernels and schedules (the launch recorded, not run), names every constexpr."""
+  its kernels and schedules (the launch recorded, not run), names every constexpr, and each
+  launch goes through Triton's frontend as lrjax's default launch compiles it
+  (``launch._frontend``: the recorded operands' types, scalars and constexprs alone)."""
   out = run_script(STUB + textwrap.dedent('''
     import jax.numpy as jnp, numpy as np
     from lrjax.custom_calls.triton import (kv_attention, launch, mlp_decode, mlp_prefill,
                                            xuv_decode, xuv_prefill)
     seen = set()
+    CALL_KEYS = {"name", "custom_call_target_name", "num_warps", "num_stages", "num_ctas",
+                 "compute_capability", "enable_fp_fusion", "input_output_aliases",
+                 "zeroed_outputs", "debug", "serialized_metadata"}  # jt.triton_call's own
+    TYPES = {"bfloat16": "*bf16", "float32": "*fp32", "int32": "*i32", "float16": "*fp16"}
     def record(*args, kernel, out_shape, grid, **kw):
       missing = [p.name for p in kernel.params if p.is_constexpr and p.name not in kw]
       assert not missing, (kernel.__name__, missing)
       seen.add(kernel.__name__)
+      types, scalars = [], []
+      for a in list(args) + list(out_shape):
+        if isinstance(a, int):
+          scalars.append((len(types), "i32", a))
+          types.append("i32")
+        else:
+          types.append(TYPES[str(a.dtype)])
+      meta = {k: v for k, v in kw.items() if k not in CALL_KEYS}
+      launch._frontend(kernel, types, scalars, meta, kw["num_warps"], kw["num_stages"], 90,
+                       True)  # raises as on the GPU where a constexpr is missing or wrong
       return tuple(jnp.zeros(s.shape, s.dtype) for s in out_shape)
     launch.jt.triton_call = record  # below launch.triton_call, which adds WORK_OFF and PDL
     for mod in (xuv_decode, mlp_decode, kv_attention):
