@@ -11,7 +11,8 @@ results/gpu_xuv_decode_ncu_h200.json) runs once a layer and cancels; ``--distinc
 3L layers and times each call on its own (``gpu_lowrank.per_call_us(distinct=True)``), as
 a model step pays it (meta ``weights``).
 
-A case is ``M,K,r,N|variant,,variant,,...``; a variant is ``xla`` ((x@u)@v), ``auto`` (the
+A case is ``M,K,r,N|variant,,variant,,...``; a variant is ``xla`` ((x@u)@v), ``xla_split:A``
+(the same with ·V's contraction split at r rounded down to A: ``_xla_split``), ``auto`` (the
 planner's plan), one of ``gpu_lowrank._xuv_variant``'s (``persistent:field=value,...``), or
 ``env:NAME=VALUE&NAME=VALUE+variant``: that variant traced with those environment variables
 set (switches read when a call is traced, e.g. ``LRJAX_TRITON_LAUNCH``), or
@@ -151,10 +152,28 @@ def shard(cases: list, i: int, n: int) -> list:
 def _fn(variant: str, m: int, k: int, r: int, n: int):
   if variant == "xla":
     return lambda x, u, v: (x @ u) @ v
+  if variant.startswith("xla_split:"):  # XLA's chain, ·V's contraction split where r % A = 0
+    return _xla_split(int(variant.split(":")[1]), r)
   if variant == "auto":
     from lrjax.custom_calls.triton import xuv_decode  # the CUDA lowering: triton, jax-triton
     return lambda x, u, v: xuv_decode.xuv_decode(x, u, v)
   return g._xuv_variant(variant, m, k, r, n)
+
+
+def _xla_split(align: int, r: int):
+  """(x@u)@v with ·V as p[:, :r0] @ v[:r0] + p[:, r0:] @ v[r0:], r0 = r rounded down to
+  ``align``: whether XLA then leaves V's rows where they are instead of padding a copy of V
+  (it does at r = 2456, every call, results/gpu_xuv_decode_unaligned_distinct_h200.json)."""
+  if align <= 0:
+    raise ValueError(f"xla_split:{align}: expected a positive alignment, e.g. xla_split:32")
+  r0 = r - r % align
+  if r0 in (0, r):
+    return lambda x, u, v: (x @ u) @ v
+
+  def fn(x, u, v):
+    p = x @ u
+    return p[:, :r0] @ v[:r0] + p[:, r0:] @ v[r0:]
+  return fn
 
 
 def _kernel_modules():

@@ -247,3 +247,21 @@ def test_distinct_weights_draw_three_times_the_layers_and_say_so(ab, monkeypatch
   assert json.loads(out.read_text())["meta"]["weights"] == "distinct"
   ab.main(["--rounds", "1", "--out", str(out), "2,64,16,32|xla"])
   assert calls[-1] == (nl, False) and json.loads(out.read_text())["meta"]["weights"] == "reused"
+
+
+def test_xla_split_is_the_chain_with_v_split_at_an_aligned_row(ab):
+  """``xla_split:A``: (x@u)@v with ·V's contraction split at r rounded down to A; the same
+  product (f32 on the CPU), the plain chain where r is aligned, a bad A refused by name."""
+  import jax
+  import numpy as np
+  keys = jax.random.split(jax.random.PRNGKey(0), 3)
+  x, u, v = (jax.random.normal(kk, s) for kk, s in zip(keys, ((3, 40), (40, 44), (44, 24))))
+  want = np.asarray((x @ u) @ v)
+  split = ab._fn("xla_split:32", 3, 40, 44, 24)
+  jaxpr = str(jax.make_jaxpr(split)(x, u, v))
+  assert jaxpr.count("dot_general") == 3 and "slice" in jaxpr  # x·u, then two ·V halves
+  np.testing.assert_allclose(np.asarray(split(x, u, v)), want, rtol=1e-5, atol=1e-5)
+  aligned = ab._fn("xla_split:4", 3, 40, 44, 24)  # 44 % 4 = 0: the plain chain
+  assert str(jax.make_jaxpr(aligned)(x, u, v)).count("dot_general") == 2
+  with pytest.raises(ValueError, match="positive alignment"):
+    ab._fn("xla_split:0", 3, 40, 44, 24)
