@@ -75,11 +75,12 @@ def compile_for_sm90(kernel, meta: dict, warps: int, stages: int):
   """Triton's compiled kernel for sm_90 (its ``asm`` and ``metadata``), with these constexprs
   and the argument types jax-triton gives it. Like jax-triton, it passes no constexpr default
   (jax-triton's compile fails on a missing one), so one missing from ``meta`` is an error, save
-  the two that ``launch.call`` always adds (WORK_OFF, PDL: 0)."""
+  the two that ``launch.triton_call`` always adds (WORK_OFF, PDL: 0)."""
   import triton
   from triton.backends.compiler import GPUTarget
   from triton.compiler import ASTSource
-  meta = {**{k: 0 for k in ("WORK_OFF", "PDL") if k in kernel.arg_names}, **meta}  # launch.call's
+  added = {k: 0 for k in ("WORK_OFF", "PDL") if k in kernel.arg_names}  # launch.triton_call's
+  meta = {**added, **meta}
   missing = [p.name for p in kernel.params if p.is_constexpr and p.name not in meta]
   if missing:
     raise ValueError(f"{kernel.fn.__name__}: constexprs {missing} not in the launch's meta; "
