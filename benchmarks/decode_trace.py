@@ -17,6 +17,9 @@ and, for one call from the chain's middle, every CTA's stamps and SM (``ctas``).
 
 Each variant also runs untraced in the same graph method ((t(3L) - t(L)) / 2L, as
 pdl_probe.graph_per_call_us) and the stamped outputs are checked against an f32 reference.
+``--phase1`` traces phase 1 alone (``xuv_decode(pv="xla")``'s kernel on
+``planner.plan_decode_phase1``'s tiles, ending with P rounded into bf16; XLA's ·V is not run):
+no wait or phase 2, so ``p2_*`` and ``wait_*`` are left out and P is what is checked.
 
   python benchmarks/decode_trace.py --out benchmarks/results/gpu_xuv_decode_trace_h200.json \
       --case 2,4096,2560,14336 --case 2,4096,2560,14336:prefetch=0
@@ -86,32 +89,38 @@ def cta_stamps(tr, call: int, grid: int, slots) -> dict:
                  for j, s_ in enumerate(slots)})
 
 
-def summarize(tr, grid: int, n1: int):
+def summarize(tr, grid: int, n1: int, pv: bool = True):
   """Per-call phase times (µs from the call's first entry), medians over the middle calls.
   ``tr`` [calls, grid, 8] int64 ns; CTAs < n1 ran phase-1 tiles (all of them when n1 >=
-  grid)."""
+  grid); ``pv`` False: phase 1 alone (no wait, no phase 2)."""
   import numpy as np
   t, t0 = stamps_us(tr, grid, len(SLOTS))
   rows = []
   for i in range(1, t.shape[0] - 1):  # skip the first and last calls of the chain
     c = t[i] - t0[i]
     p1 = c[:min(n1, grid), 1]
-    rows.append(dict(
-        period=t0[i + 1] - t0[i], enter=np.nanmax(c[:, 0]), p1_med=np.nanmedian(p1),
-        p1_end=np.nanmax(p1), wait_first=np.nanmin(c[:, 2]), wait_med=np.nanmedian(c[:, 2]),
-        wait_last=np.nanmax(c[:, 2]), p2_med=np.nanmedian(c[:, 3]), p2_end=np.nanmax(c[:, 3]),
-        exit=np.nanmax(c[:, 4]), gap=t0[i + 1] - t0[i] - np.nanmax(c[:, 4])))
+    row = dict(period=t0[i + 1] - t0[i], enter=np.nanmax(c[:, 0]), p1_med=np.nanmedian(p1),
+               p1_end=np.nanmax(p1))
+    if pv:
+      row.update(wait_first=np.nanmin(c[:, 2]), wait_med=np.nanmedian(c[:, 2]),
+                 wait_last=np.nanmax(c[:, 2]), p2_med=np.nanmedian(c[:, 3]),
+                 p2_end=np.nanmax(c[:, 3]))
+    rows.append(dict(row, exit=np.nanmax(c[:, 4]), gap=t0[i + 1] - t0[i] - np.nanmax(c[:, 4])))
   return median_rows(rows)
 
 
-def cli(case_help: str, parse=parse_case):
+def cli(case_help: str, parse=parse_case, phase1: bool = False, argv=None):
   """(args, cases) of a trace script (also benchmarks/mlp_trace.py): --out, --case
-  (repeatable, ``case_help``), --reps; every case parsed before any GPU work."""
+  (repeatable, ``case_help``), --reps, and ``phase1``: decode_trace's --phase1; every case
+  parsed before any GPU work."""
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", required=True)
   ap.add_argument("--case", action="append", required=True, help=case_help)
   ap.add_argument("--reps", type=int, default=25)
-  args = ap.parse_args()
+  if phase1:
+    ap.add_argument("--phase1", action="store_true",
+                    help="phase 1 alone (pv='xla': P rounded into bf16; XLA's ·V not run)")
+  args = ap.parse_args(argv)
   return args, [parse(spec) for spec in args.case]
 
 
@@ -129,8 +138,9 @@ def save(out: str, torch, triton, dev, doc: str, recs: list) -> None:
                           " ".join(doc.split("\n\n")[1:3]).replace("\n", " "), recs)
 
 
-def main():
-  args, cases = cli("M,K,r,N[:plan_field=value,...] (repeatable)")
+def main(argv=None):
+  args, cases = cli("M,K,r,N[:plan_field=value,...] (repeatable)", phase1=True, argv=argv)
+  pv = not args.phase1
 
   import pdl_probe
   from lrjax.custom_calls.triton import planner, xuv_decode
@@ -145,10 +155,11 @@ def main():
     layers, us, vs = pdl_probe.factor_layers(torch, dev, k, r, n, 8)
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     outs = [torch.empty(m, n, device=dev, dtype=torch.bfloat16) for _ in range(layers)]
-    p = dataclasses.replace(planner.plan_decode_persistent(m, k, r, n, programs=sms), **over)
+    plan_fn = planner.plan_decode_persistent if pv else planner.plan_decode_phase1
+    p = dataclasses.replace(plan_fn(m, k, r, n, programs=sms), **over)
     res = {}
     for probe in (0, 4):
-      plan = xuv_decode.persistent_launch_plan(m, k, r, n, False, p, True, probe)
+      plan = xuv_decode.persistent_launch_plan(m, k, r, n, False, p, pv, probe)
       grid, half = plan["grid"], -(-plan["scratch"] // 16) * 16
       scratch = torch.zeros(2 * half, device=dev, dtype=torch.float32)
       p16 = torch.empty(plan["p16"], device=dev, dtype=torch.bfloat16)
@@ -162,21 +173,27 @@ def main():
               (1 - par) * half, plan["scratch"], scratch, outs[i % layers], p16,
               **plan["meta"], WORK_OFF=par * half, num_warps=p.warps, num_stages=p.stages)
 
-      for o in outs[:2]:
+      for o in outs[:2] if pv else [p16]:
         o.fill_(float("nan"))
       res[probe] = per_call_us(issue, layers)
       torch.cuda.synchronize()
-      err = max(float((outs[l].float() - ((x.float() @ us[l].float()).to(torch.bfloat16)
-                                          .float() @ vs[l].float())).abs().max()
-                      / (x.float() @ us[l].float() @ vs[l].float()).abs().max())
-                for l in (0, 1))
+      if pv:
+        err = max(float((outs[l].float() - ((x.float() @ us[l].float()).to(torch.bfloat16)
+                                            .float() @ vs[l].float())).abs().max()
+                        / (x.float() @ us[l].float() @ vs[l].float()).abs().max())
+                  for l in (0, 1))
+      else:  # the last call's P (layer (3L - 1) % L), rows p16_cols wide
+        want = x.float() @ us[(3 * layers - 1) % layers].float()
+        got = p16[:m * plan["p16_cols"]].view(m, plan["p16_cols"])[:, :r].float()
+        err = float((got - want).abs().max() / want.abs().max())
       if not err < 2e-2:
         raise SystemExit(f"{spec} PROBE={probe}: relative error {err} (expected < 2e-2)")
     n1 = planner.cdiv(r, p.cols_r) * planner.cdiv(k, p.k_per)
     tr = trace.cpu().numpy()  # the last replay's (3L calls) stamps
-    phases = summarize(tr, grid, n1)
+    phases = summarize(tr, grid, n1, pv)
     ctas = cta_stamps(tr, layers, grid, SLOTS)  # one call from the chain's middle
-    rec = dict(case=spec, M=m, K=k, r=r, N=n, plan=dataclasses.asdict(p), layers=layers,
+    rec = dict(case=spec, M=m, K=k, r=r, N=n, pv="kernel" if pv else "xla",
+               plan=dataclasses.asdict(p), layers=layers,
                per_call_us=round(res[0], 3), traced_per_call_us=round(res[4], 3),
                phase1_ctas=min(n1, grid), **phases, ctas=ctas)
     report(recs, rec, ("plan", "ctas"))
