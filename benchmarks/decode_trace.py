@@ -160,7 +160,7 @@ def main(argv=None):
     res = {}
     for probe in (0, 4):
       plan = xuv_decode.persistent_launch_plan(m, k, r, n, False, p, pv, probe)
-      grid, half = plan["grid"], -(-plan["scratch"] // 16) * 16
+      grid, half = plan["grid"], planner.round_up(plan["scratch"], 16)
       scratch = torch.zeros(2 * half, device=dev, dtype=torch.float32)
       p16 = torch.empty(plan["p16"], device=dev, dtype=torch.bfloat16)
       trace = torch.zeros(3 * layers, grid, 8, device=dev, dtype=torch.int64)

@@ -73,18 +73,14 @@ def _pointer(name: str) -> str:
 
 def compile_for_sm90(kernel, meta: dict, warps: int, stages: int):
   """Triton's compiled kernel for sm_90 (its ``asm`` and ``metadata``), with these constexprs
-  and the argument types jax-triton gives it. Like jax-triton, it passes no constexpr default
-  (jax-triton's compile fails on a missing one), so one missing from ``meta`` is an error, save
-  the two that ``launch.triton_call`` always adds (WORK_OFF, PDL: 0)."""
+  and the argument types jax-triton gives it; the constexprs completed and checked as
+  ``launch.triton_call`` does (``launch.launch_constexprs``: no signature default)."""
   import triton
   from triton.backends.compiler import GPUTarget
   from triton.compiler import ASTSource
-  added = {k: 0 for k in ("WORK_OFF", "PDL") if k in kernel.arg_names}  # launch.triton_call's
-  meta = {**added, **meta}
-  missing = [p.name for p in kernel.params if p.is_constexpr and p.name not in meta]
-  if missing:
-    raise ValueError(f"{kernel.fn.__name__}: constexprs {missing} not in the launch's meta; "
-                     "jax-triton passes only what the launch names, never a default")
+
+  from lrjax.custom_calls.triton import launch
+  meta = launch.launch_constexprs(kernel, meta)
   sig, consts, attrs = {}, {}, {}
   for i, p in enumerate(kernel.params):
     if p.is_constexpr:

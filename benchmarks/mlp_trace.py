@@ -109,7 +109,7 @@ def main():
     bs = dataclasses.replace(mlp_decode.BlockSizes.get_default(m, d, f, r, d), **over)
     plan = mlp_decode.launch_plan(m, d, r, f, r, d, gated=True, act="silu",
                                   bias_mask=(False, False, False), bs=bs)
-    grid, half = plan["grid"], -(-plan["scratch"] // 16) * 16
+    grid, half = plan["grid"], planner.round_up(plan["scratch"], 16)
     res = {}
     for traced in (0, 1):
       scratch = torch.zeros(2 * half, device=dev, dtype=torch.float32)

@@ -133,7 +133,7 @@ def main():
       outs = [torch.empty(m, n, device=dev, dtype=torch.bfloat16) for _ in range(layers)]
       p = planner.plan_decode_persistent(m, k, r, n, programs=sms)
       plan = xuv_decode.persistent_launch_plan(m, k, r, n, False, p, True)
-      half = -(-plan["scratch"] // 16) * 16
+      half = planner.round_up(plan["scratch"], 16)
       scratch = torch.zeros(2 * half, device=dev, dtype=torch.float32)
       p16 = torch.empty(plan["p16"], device=dev, dtype=torch.bfloat16)
       ref = [((x.float() @ us[l].float()).to(torch.bfloat16).float() @ vs[l].float())

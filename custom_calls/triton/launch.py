@@ -155,11 +155,24 @@ def triton_call(*args, kernel, **kwargs):
 lrjax's own (``launch_mode``)."""
   if "custom_call_target_name" in kwargs:
     raise TypeError("lrjax chooses the custom-call target of its kernels")
-  if WORK_OFF in getattr(kernel, "arg_names", ()):
-    kwargs.setdefault(WORK_OFF, 0)  # unchained; the lowering may move it (_chain)
-  if PDL in getattr(kernel, "arg_names", ()):
-    kwargs.setdefault(PDL, 0)  # a plain launch; the lowering may set it (_lowering)
-  return jt.triton_call(*args, kernel=kernel, custom_call_target_name=_REQUEST, **kwargs)
+  return jt.triton_call(*args, kernel=kernel, custom_call_target_name=_REQUEST,
+                        **launch_constexprs(kernel, kwargs))
+
+
+def launch_constexprs(kernel, meta: dict) -> dict:
+  """``meta`` with WORK_OFF and PDL at 0 where the kernel takes them and ``meta`` does not
+  (unchained, a plain launch; the lowering may move them: _chain, _lowering). Every other
+  constexpr of the kernel must be named: jax-triton passes a kernel only what its launch
+  names, never a signature default (Triton reads a missing one as None), so one missing is a
+  ValueError here rather than a compile error on the GPU."""
+  names = getattr(kernel, "arg_names", ())
+  meta = {**{k: 0 for k in (WORK_OFF, PDL) if k in names}, **meta}
+  missing = [p.name for p in getattr(kernel, "params", ())
+             if p.is_constexpr and p.name not in meta]
+  if missing:
+    raise ValueError(f"{getattr(kernel, '__name__', kernel)}: its launch names no value for "
+                     f"the constexprs {missing}; jax-triton passes no signature default")
+  return meta
 
 
 SCRATCH_ARGS = ("clear_off", "clear_n")

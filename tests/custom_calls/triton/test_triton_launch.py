@@ -389,7 +389,8 @@ def test_every_launch_names_every_constexpr_of_its_kernel():
   the persistent X·U·V kernel that way). Every product wrapper, on shapes reaching each of
   its kernels and schedules (the launch recorded, not run), names every constexpr, and each
   launch goes through Triton's frontend as lrjax's default launch compiles it
-  (``launch._frontend``: the recorded operands' types, scalars and constexprs alone)."""
+  (``launch._frontend``: the recorded operands' types, scalars and constexprs alone);
+  ``launch.triton_call`` itself refuses a launch that leaves one out."""
   out = run_script(STUB + textwrap.dedent('''
     import jax.numpy as jnp, numpy as np
     from lrjax.custom_calls.triton import (kv_attention, launch, mlp_decode, mlp_prefill,
@@ -437,6 +438,13 @@ def test_every_launch_names_every_constexpr_of_its_kernel():
             "_xuv_prefill_kernel", "_mlp_decode_kernel", "_mlp_decode_persistent_kernel",
             "_mlp_prefill_kernel", "_kv_attention_kernel"}
     assert seen == want, want ^ seen
+    try:  # launch.triton_call's own check, before jax-triton: the missing ones by name
+      launch.triton_call(kernel=xuv_decode._xuv_decode_persistent_kernel, out_shape=(), grid=1,
+                         K=1)
+    except ValueError as e:
+      assert "'R16'" in str(e) and "'K'" not in str(e) and "WORK_OFF" not in str(e), e
+    else:
+      raise AssertionError("a launch without its constexprs was accepted")
     print("ok")
   '''), interpret=False)
   assert out.strip().endswith("ok")
