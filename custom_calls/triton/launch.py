@@ -193,7 +193,8 @@ class _Link:
 def _chain(ctx, array_args, params):
   """(ctx, args, params, finish) to launch this call on its block's chained scratch, or None
   where it cannot take part (see the module docstring); finish(results) records the call's
-  scratch output as the chain's and gives the results the call's own avals."""
+  scratch output as the chain's and gives the results the call's own avals, its scratch
+  output as the half it worked in (xuv_decode reads its f32 P there)."""
   fn = params["fn"]
   names = getattr(fn, "arg_names", ())
   by_name = {names[k]: k for k, _, _ in params["scalar_args"] if k < len(names)}
@@ -238,8 +239,8 @@ def _chain(ctx, array_args, params):
       link = _Link(block, None, half, parity, need)
       links.append(link)
     link.buf, link.half, link.parity, link.dirty = results[0], half, parity, need
-    own = hlo.slice(results[0], mlir.dense_int_array([0]), mlir.dense_int_array([need]),
-                    mlir.dense_int_array([1]))
+    own = hlo.slice(results[0], mlir.dense_int_array([parity * half]),  # the half it used
+                    mlir.dense_int_array([parity * half + need]), mlir.dense_int_array([1]))
     return [own, *results[1:]]
 
   return ctx.replace(avals_in=avals_in, avals_out=avals_out), args, params, finish

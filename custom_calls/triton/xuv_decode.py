@@ -39,8 +39,10 @@ waits for all of them. Where K is short, 128-column blocks (whole 128-byte lines
 end phase 1 0.5 µs earlier than the tiled plan (results/gpu_xuv_decode_stream_k_h200.json).
 
 **From PV_XLA_MIN_M = 64 rows** the persistent kernel stops after phase 1 (``pv="xla"``):
-the last split-K tile of each column block rounds P once to V's dtype, and XLA's GEMM applies
-V, as in XLA's own lowering. There ·V is a [64-128, r] x [r, N] GEMM near the H200's ridge
+up to ``planner.PHASE1_P16_MAX_M`` rows the last split-K tile of each column block rounds P
+once to V's dtype; above, P's f32 sums stay in the call's half of the scratch, XLA rounds
+them as it slices them out (that tile's wait and L2 read-back cost more, session 38); then
+XLA's GEMM applies V, as in XLA's own lowering. There ·V is a [64-128, r] x [r, N] GEMM near the H200's ridge
 point, where one CTA per SM streaming V with 128-row tiles measured 0.69-0.75x cuBLAS, while
 the skinny X·U is where XLA is weak (a split-K GEMM and a separate reduction). Phase 1 then
 takes ``planner.plan_decode_phase1``'s tiles: the fewest split-K partials (f32 atomics into P,
@@ -350,7 +352,7 @@ def _xuv_decode_persistent_kernel(
     PROGRAMS: tl.constexpr,  # the grid; all CTAs resident at once
     PREFETCH: tl.constexpr,  # V rows of its first phase-2 tile a CTA prefetches into L2
     P16: tl.constexpr,  # phase 2 reads P rounded once to V's dtype (half the L2 bytes)
-    PV: tl.constexpr = True,  # False: phase 1 only, ending with P rounded into p16 (P16)
+    PV: tl.constexpr = True,  # False: phase 1 only, ending with P in p16 (P16) or in P
     WORK_OFF: tl.constexpr = 0,  # as in _xuv_decode_kernel
     PDL: tl.constexpr = 0,  # as in _xuv_decode_kernel
     PROBE: tl.constexpr = 0,  # timing only (wrong output): bit 1 stores the split-K partials
@@ -541,10 +543,11 @@ def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
                            p: planner.PersistentDecodePlan, pv: bool = True,
                            probe: int = 0) -> dict:
   """Grid size and constexprs of one persistent call (shared by the wrapper and the tests).
-  ``pv=False``: phase 1 only, into P rounded once (one r-chunk, ``p.p16`` forced on).
+  ``pv=False``: phase 1 only (one r-chunk), into P rounded once (``p.p16``) or, without
+  p16, into the scratch's f32 P, which XLA rounds as it reads it.
   ``probe``: the kernel's timing-only PROBE bits (0: the real kernel)."""
   if not pv:
-    p = dataclasses.replace(p, p16=True, r_chunks=1, v_resident=False, stream_k=False)
+    p = dataclasses.replace(p, r_chunks=1, v_resident=False, stream_k=False)
   split = planner.cdiv(k, p.k_per)
   n_rb = planner.cdiv(r, p.cols_r)
   rb_per_chunk = planner.cdiv(n_rb, p.r_chunks)
@@ -574,7 +577,8 @@ def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
               PROBE=int(probe), V_RES=int(p.v_resident), R_P2=max(16, planner.next_pow2(r)),
               STREAM_K=int(p.stream_k))
   r16 = planner.round_up(r, p.p_align) if p.p_align else r
-  if p.p_align and (pv or p.p_align % 8 or p.cols_r != p.block_r or r16 > n_rb * p.cols_r):
+  if p.p_align and (pv or not p.p16 or p.p_align % 8 or p.cols_r != p.block_r
+                    or r16 > n_rb * p.cols_r):
     raise ValueError(f"{p}: p_align pads phase 1's rounded P (pv='xla', p16) to a multiple of "
                      f"{p.p_align} columns (a multiple of 8), written by the last column "
                      f"tile, so it needs cols_r = block_r and tiles covering {r16} columns")
@@ -641,8 +645,9 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
   the tiled one (False; ``block_sizes`` applies to it); default: persistent for
   M <= PERSISTENT_MAX_M.
   ``pv``: who applies V on the persistent schedule: "kernel" (phase 2 in the same launch)
-  or "xla" (the kernel ends with P = X·U rounded once, then XLA's GEMM multiplies it by V,
-  as XLA's own lowering does); default: ``default_pv``.
+  or "xla" (the kernel ends with P = X·U, rounded once in the kernel or, without the plan's
+  p16, by XLA from the f32 sums; then XLA's GEMM multiplies it by V, as XLA's own lowering
+  does); default: ``default_pv``.
   ``_stages``: benchmarking only (1: stage 1 alone, 2: stage 2 alone; the output is wrong).
   ``_probe``: benchmarking only, the persistent kernel's PROBE bits (the output is wrong).
   """
@@ -709,6 +714,9 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
       **plan["meta"])
   if pv == "xla":
     from lrjax.lowering.primitives import rank_space_out
+    if not p.p16:  # P's f32 sums, the first m·r floats of the call's scratch
+      p32 = outs[0][:m * r].reshape(m, r).astype(v.dtype)
+      return rank_space_out(p32, v, bias, out_dtype).reshape(*lead, n)
     r16 = plan["p16_cols"]  # P's rows padded with zeros (p_align), V's with zero rows alike
     v16 = v if r16 == r else jnp.pad(v, ((0, r16 - r), (0, 0)))
     return rank_space_out(outs[2].reshape(m, r16), v16, bias, out_dtype).reshape(*lead, n)

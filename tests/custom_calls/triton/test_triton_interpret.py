@@ -111,11 +111,14 @@ _PHASE1 = textwrap.dedent('''
         T(x), T(u), T(v), T(v), T(x), m, 0, 0, T(scratch), T(np.zeros(1, np.float16)),
         T(p16),
         **plan["meta"])
-    # f16 split-K sums, rounded once; rows padded to p16_cols with zeros (p_align)
-    P = p16.reshape(m, plan["p16_cols"])
-    err = check(P[:, :r], f64(x) @ f64(u), 2e-3, (m, k, r, "P"))
-    assert plan["p16_cols"] == (-(-r // p.p_align) * p.p_align if p.p_align else r)
-    assert (P[:, r:] == 0).all(), (m, k, r, "P's padding columns", P[:, r:])
+    if p.p16:  # f16 split-K sums, rounded once; rows padded to p16_cols with zeros (p_align)
+      P = p16.reshape(m, plan["p16_cols"])
+      err = check(P[:, :r], f64(x) @ f64(u), 2e-3, (m, k, r, "P"))
+      assert plan["p16_cols"] == (-(-r // p.p_align) * p.p_align if p.p_align else r)
+      assert (P[:, r:] == 0).all(), (m, k, r, "P's padding columns", P[:, r:])
+    else:  # the f32 sums, the scratch's first m·r floats (xuv_decode hands them to XLA)
+      assert plan["meta"]["P16"] is False and np.isnan(p16).all(), "p16 written without P16"
+      err = check(scratch[:m * r].reshape(m, r), f64(x) @ f64(u), 1e-5, (m, k, r, "P f32"))
     print(m, k, r, plan["grid"], p.cols_r, p.k_per, plan["meta"]["SPLIT_K"], f"{err:.1e}")
   print("ok")
 ''')
@@ -286,6 +289,13 @@ def test_decode_phase1_alone_on_its_planned_tiles(shapes):
   _interpret(f"SHAPES = {shapes!r}\nFIELDS = {{}}\n" + _PRELUDE + _PHASE1)
 
 
+def test_decode_phase1_alone_leaves_f32_p_without_p16():
+  """``p16`` off: phase 1 alone leaves P = X·U as the f32 split-K sums in its scratch (no
+  last-arriver rounding), close to the f64 product at f32's tolerance."""
+  shapes = [(64, 384, 136, 200, 132), (77, 200, 72, 130, 7), (128, 640, 1100, 64, 132)]
+  _interpret(f"SHAPES = {shapes!r}\nFIELDS = {{'p16': False}}\n" + _PRELUDE + _PHASE1)
+
+
 def test_decode_phase1_alone_writes_p_padded_with_zeros():
   """``PersistentDecodePlan.p_align``: P rounded into rows padded to a multiple of 32 (r = 136,
   72, 1100, 2456-like ragged ranks; 64- and 128-column tiles; a grid smaller than the tiles),
@@ -293,18 +303,20 @@ def test_decode_phase1_alone_writes_p_padded_with_zeros():
   zero-padded V as they are."""
   shapes = [(64, 384, 136, 200, 132), (77, 200, 72, 130, 7), (64, 640, 1100, 64, 132),
             (100, 320, 200, 96, 16)]
-  _interpret(f"SHAPES = {shapes!r}\nFIELDS = {{'p_align': 32}}\n" + _PRELUDE + _PHASE1)
+  _interpret(f"SHAPES = {shapes!r}\nFIELDS = {{'p_align': 32, 'p16': True}}\n" + _PRELUDE
+             + _PHASE1)
   _interpret(_PRELUDE + textwrap.dedent('''
     # refused by name: with phase 2 in the kernel, not whole 16-byte units, past the tiles
     p = planner.plan_decode_phase1(64, 8192, 2456, 8192, programs=132)
-    for bad, pv in ((32, True), (12, False), (4096, False)):
+    for bad, pv, p16 in ((32, True, True), (12, False, True), (4096, False, True),
+                         (32, False, False)):
       try:
         xuv_decode.persistent_launch_plan(64, 8192, 2456, 8192, False,
-                                          dataclasses.replace(p, p_align=bad), pv=pv)
+                                          dataclasses.replace(p, p_align=bad, p16=p16), pv=pv)
       except ValueError as e:
         assert "p_align pads" in str(e), e
       else:
-        raise AssertionError(f"p_align={bad}, pv={pv}: not refused")
+        raise AssertionError(f"p_align={bad}, pv={pv}, p16={p16}: not refused")
     print("ok")
   '''))
 

@@ -83,7 +83,8 @@ XUV_SHAPES = [  # (M, K, r, N): M=1, ragged everything, a multi-super-block pref
                                   "persistent_two_waves_pv_xla", "persistent_planned",
                                   "persistent_no_v_resident", "persistent_stream_k",
                                   "persistent_wide_rows", "persistent_deep_kv",
-                                  "persistent_p_align_pv_xla", "prefill"])
+                                  "persistent_p_align_pv_xla", "persistent_f32_p_pv_xla",
+                                  "prefill"])
 def test_xuv_kernels(kind, shape, dtype, bias):
   from lrjax.custom_calls.triton import xuv_decode, xuv_prefill
   m, k, r, n = shape
@@ -115,7 +116,9 @@ def test_xuv_kernels(kind, shape, dtype, bias):
       p = dataclasses.replace(p, block_kv=planner.DEEP_KV_ROWS, stages=planner.DEEP_KV_STAGES,
                               r_chunks=1, p16=False, v_resident=False)
     if kind == "persistent_p_align_pv_xla":  # P's rows padded to 32 with zeros, V alike
-      p = dataclasses.replace(planner.plan_decode_phase1(m, k, r, n), p_align=32)
+      p = dataclasses.replace(planner.plan_decode_phase1(m, k, r, n), p_align=32, p16=True)
+    if kind == "persistent_f32_p_pv_xla":  # XLA's GEMM reads phase 1's f32 P, rounding it
+      p = dataclasses.replace(planner.plan_decode_phase1(m, k, r, n), p16=False)
     if kind.endswith("_p16"):  # phase 2 reads P rounded once by each block's last tile
       p = dataclasses.replace(p, p16=True, v_resident=False, stream_k=False)
     fn = lambda x, u, v, b, o: xuv_decode.xuv_decode(x, u, v, b, out=o, persistent=p,
@@ -652,6 +655,39 @@ def test_decode_calls_share_a_chained_scratch(monkeypatch, min_half):
   assert len(sizes) == 5 and 2 * planner.SCRATCH_MIN_HALF not in sizes, sizes
   for got, want in zip(f(x, xuvs, group, mlp), refs(x)):
     assert_close(got, want, dtype, factor=2.0)
+
+
+@pytest.mark.parametrize("chain", ["1", "0"])
+def test_f32_p_is_read_from_the_calls_own_half_of_the_chain(monkeypatch, chain):
+  """Phase 1 alone without p16 (pv="xla"): XLA's GEMM reads the f32 P out of the half of the
+  chained scratch the call worked in, and the next call zeroes that half only after the read.
+  Three independent calls on one x (both halves, the third back in the first) and one on an
+  earlier output, at 64 and 100 rows; two runs; the same with the chain off."""
+  from lrjax.custom_calls.triton import xuv_decode
+  monkeypatch.setenv("LRJAX_TRITON_SCRATCH_CHAIN", chain)
+  dtype = jnp.bfloat16
+  facs = [lr_factors(512, r, n, dtype) for r, n in ((128, 512), (200, 1000), (72, 512),
+                                                     (136, 512))]
+
+  def call(x, u, v):
+    p = planner.plan_decode_phase1(x.shape[0], *u.shape, v.shape[1])
+    return xuv_decode.xuv_decode(x, u, v, persistent=dataclasses.replace(p, p16=False),
+                                 pv="xla")
+
+  def step(x):
+    ys = [call(x, u, v) for u, v in facs[:3]]
+    return (*ys, call(ys[0], *facs[3]))
+
+  for m in (64, 100):
+    x = randn((m, 512), dtype)
+    f = jax.jit(step).lower(x).compile()
+    assert _count_triton_calls(f.as_text()) == 4
+    for _ in range(2):
+      got = f(x)
+      want = [xuv_ref(x, u, v, None, dtype) for u, v in facs[:3]]
+      want.append(xuv_ref(rnd(want[0], dtype), *facs[3], None, dtype))
+      for g, w in zip(got, want):
+        assert_close(g, w, dtype, factor=2.0)
 
 
 def test_measured_policy_leaves_slower_shapes_to_xla(monkeypatch):

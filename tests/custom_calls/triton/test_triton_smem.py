@@ -204,7 +204,7 @@ _P_ALIGN = STUB + textwrap.dedent('''
   kernel = xuv_decode._xuv_decode_persistent_kernel
   for m, k, r, n, r16 in ((64, 8192, 2456, 8192, 2464), (128, 4096, 152, 4096, 160),
                           (64, 4096, 1024, 14336, 1024)):
-    p = xuv_decode.plan_persistent(m, k, r, n, "xla", 132)
+    p = dataclasses.replace(xuv_decode.plan_persistent(m, k, r, n, "xla", 132), p16=True)
     got = {}
     for align in (0, 32):
       q = dataclasses.replace(p, p_align=align)
