@@ -168,11 +168,12 @@ def _xu_tile(rb, k_start,  # column block of U, first row of K
              BLOCK_R: tl.constexpr, COLS_R: tl.constexpr, EVEN_K: tl.constexpr,
              STREAM: tl.constexpr, P16: tl.constexpr, p16_ptr, rb_cnt_ptr,
              SPLIT_K: tl.constexpr, P_STORE: tl.constexpr = False,
-             R16: tl.constexpr = 0):
+             R16: tl.constexpr = 0, SIGNAL: tl.constexpr = True):
   """One split-K tile of P = X·U: f32 atomics into P, then its r-chunk's counter (release).
   P16: the last of the column block's SPLIT_K tiles (``last_arrival`` on its counter)
   rounds the block once into p16 (V's dtype) and alone signals the chunk; R16 > R: p16's
-  rows are R16 wide, zeros past R (``PersistentDecodePlan.p_align``).
+  rows are R16 wide, zeros past R (``PersistentDecodePlan.p_align``). SIGNAL=False leaves
+  the chunk's counter alone (where no phase-2 tile waits on it).
   STREAM=False skips the streaming, P_STORE stores the partial instead of adding it (timing
   only: the output is then wrong)."""
   offs_r = rb * COLS_R + tl.arange(0, BLOCK_R)
@@ -198,8 +199,9 @@ def _xu_tile(rb, k_start,  # column block of U, first row of K
       else:
         round_once(p_ptr, p16_ptr, offs_m[:, None] * R + offs_r[None, :],
                    m_mask[:, None] & r_mask[None, :])
-      signal(flag_ptr + rb // RB_PER_CHUNK)
-  else:
+      if SIGNAL:
+        signal(flag_ptr + rb // RB_PER_CHUNK)
+  elif SIGNAL:
     signal(flag_ptr + rb // RB_PER_CHUNK)
 
 
@@ -359,7 +361,9 @@ def _xuv_decode_persistent_kernel(
                               # instead of adding them, bit 2 runs phase 2 on P's first row
                               # (its reads of P and its output stores); bit 4 (output right)
                               # stamps each CTA's entry, phase-1 end, wait end, phase-2 end
-                              # and exit into o_in_ptr as int64 [PROGRAMS, 8] (_common.stamp)
+                              # and exit into o_in_ptr as int64 [PROGRAMS, 8] (_common.stamp);
+                              # bit 8 (output right): phase 1 alone (PV=False) skips the
+                              # per-tile release signal that only phase 2 waits on
     V_RES: tl.constexpr = 0,  # phase-2 tiles on their own CTAs (pid >= the phase-1 tiles),
                               # V in registers before the wait (_pv_resident_tile); one r-chunk
     R_P2: tl.constexpr = 16,  # next_pow2(R), V_RES's register rows
@@ -398,7 +402,7 @@ def _xuv_decode_persistent_kernel(
     for t in range(pid, n1, PROGRAMS):
       _xu_tile(t // SPLIT_K, (t % SPLIT_K) * K_PER, x_ptr, u_ptr, p_ptr, flag_ptr, offs_m,
                m_mask, K, R, K_PER, RB_PER_CHUNK, BLOCK_K, BLOCK_R, COLS_R, EVEN_K, True, P16,
-               p16_ptr, rb_cnt_ptr, SPLIT_K, (PROBE & 1) != 0, R16)
+               p16_ptr, rb_cnt_ptr, SPLIT_K, (PROBE & 1) != 0, R16, PV or (PROBE & 8) == 0)
   stamp(o_in_ptr, 1, TRACE)
   if V_RES:  # phase-2 tile q on CTA n1 + q, which ran no phase-1 tile
     if (pid >= n1) & (pid < n1 + n_nb):
