@@ -18,8 +18,9 @@ and, for one call from the chain's middle, every CTA's stamps and SM (``ctas``).
 Each variant also runs untraced in the same graph method ((t(3L) - t(L)) / 2L, as
 pdl_probe.graph_per_call_us) and the stamped outputs are checked against an f32 reference.
 ``--phase1`` traces phase 1 alone (``xuv_decode(pv="xla")``'s kernel on
-``planner.plan_decode_phase1``'s tiles, ending with P rounded into bf16, or with ``:p16=0``
-its f32 sums left in the scratch; XLA's ·V is not run): no wait or phase 2, so ``p2_*`` and
+``planner.plan_decode_phase1``'s tiles, ending with P rounded into bf16 (p16, the plan's up
+to 64 rows) or with its f32 sums left in the scratch (above, or ``:p16=0``); XLA's ·V is not
+run): no wait or phase 2, so ``p2_*`` and
 ``wait_*`` are left out and P is what is checked. ``--probe 8`` runs (traced and untraced)
 with the kernel's PROBE bit 8: phase 1 alone skips its per-tile signals, which nothing awaits.
 
@@ -122,7 +123,8 @@ def cli(case_help: str, parse=parse_case, phase1: bool = False, argv=None):
   ap.add_argument("--reps", type=int, default=25)
   if phase1:
     ap.add_argument("--phase1", action="store_true",
-                    help="phase 1 alone (pv='xla': P rounded into bf16; XLA's ·V not run)")
+                    help="phase 1 alone (pv='xla': P in bf16 or f32 as its plan says; XLA's ·V "
+                    "not run)")
     ap.add_argument("--probe", type=int, default=0,
                     help="the kernel's PROBE bits that keep its output right (8: phase 1 alone "
                     "skips its unawaited signals), in the traced and untraced runs alike")
