@@ -18,11 +18,11 @@ and, for one call from the chain's middle, every CTA's stamps and SM (``ctas``).
 Each variant also runs untraced in the same graph method ((t(3L) - t(L)) / 2L, as
 pdl_probe.graph_per_call_us) and the stamped outputs are checked against an f32 reference.
 ``--phase1`` traces phase 1 alone (``xuv_decode(pv="xla")``'s kernel on
-``planner.plan_decode_phase1``'s tiles, ending with P rounded into bf16 (p16, the plan's up
-to 64 rows) or with its f32 sums left in the scratch (above, or ``:p16=0``); XLA's ·V is not
-run): no wait or phase 2, so ``p2_*`` and
-``wait_*`` are left out and P is what is checked. ``--probe 8`` runs (traced and untraced)
-with the kernel's PROBE bit 8: phase 1 alone skips its per-tile signals, which nothing awaits.
+``planner.plan_decode_phase1``'s tiles, ending with P rounded into bf16 (p16, the plan's up to
+64 rows) or with its f32 sums left in the scratch (above, or ``:p16=0``); XLA's ·V is not
+run): no wait or phase 2, so ``p2_*`` and ``wait_*`` are left out and P is what is checked.
+``--probe 8`` runs (traced and untraced) with the kernel's PROBE bit 8: phase 1 alone skips
+its per-tile signals, which nothing awaits.
 
   python benchmarks/decode_trace.py --out benchmarks/results/gpu_xuv_decode_trace_h200.json \
       --case 2,4096,2560,14336 --case 2,4096,2560,14336:prefetch=0
