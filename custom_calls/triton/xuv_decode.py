@@ -718,12 +718,12 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
       **plan["meta"])
   if pv == "xla":
     from lrjax.lowering.primitives import rank_space_out
-    if not p.p16:  # P's f32 sums, the first m·r floats of the call's scratch
-      p32 = outs[0][:m * r].reshape(m, r).astype(v.dtype)
-      return rank_space_out(p32, v, bias, out_dtype).reshape(*lead, n)
-    r16 = plan["p16_cols"]  # P's rows padded with zeros (p_align), V's with zero rows alike
-    v16 = v if r16 == r else jnp.pad(v, ((0, r16 - r), (0, 0)))
-    return rank_space_out(outs[2].reshape(m, r16), v16, bias, out_dtype).reshape(*lead, n)
+    if p.p16:  # P rounded once; rows padded with zeros (p_align), V's with zero rows alike
+      r16 = plan["p16_cols"]
+      pm, v = outs[2].reshape(m, r16), v if r16 == r else jnp.pad(v, ((0, r16 - r), (0, 0)))
+    else:  # P's f32 sums, the first m·r floats of the call's scratch, rounded here by XLA
+      pm = outs[0][:m * r].reshape(m, r).astype(v.dtype)
+    return rank_space_out(pm, v, bias, out_dtype).reshape(*lead, n)
   return outs[1].reshape(*lead, n)
 
 
