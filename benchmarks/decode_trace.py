@@ -18,11 +18,9 @@ and, for one call from the chain's middle, every CTA's stamps and SM (``ctas``).
 Each variant also runs untraced in the same graph method ((t(3L) - t(L)) / 2L, as
 pdl_probe.graph_per_call_us) and the stamped outputs are checked against an f32 reference.
 ``--phase1`` traces phase 1 alone (``xuv_decode(pv="xla")``'s kernel on
-``planner.plan_decode_phase1``'s tiles, ending with P rounded into bf16 (p16, the plan's up to
-64 rows) or with its f32 sums left in the scratch (above, or ``:p16=0``); XLA's ·V is not
-run): no wait or phase 2, so ``p2_*`` and ``wait_*`` are left out and P is what is checked.
-``--probe 8`` runs (traced and untraced) with the kernel's PROBE bit 8: phase 1 alone skips
-its per-tile signals, which nothing awaits.
+``planner.plan_decode_phase1``'s tiles, ending with P's f32 sums left in the scratch, or with
+``:p16=1`` P rounded into bf16; XLA's ·V is not run): no wait or phase 2, so ``p2_*`` and
+``wait_*`` are left out and P is what is checked.
 
   python benchmarks/decode_trace.py --out benchmarks/results/gpu_xuv_decode_trace_h200.json \
       --case 2,4096,2560,14336 --case 2,4096,2560,14336:prefetch=0
@@ -38,7 +36,6 @@ import json
 import statistics
 
 SLOTS = ("entry", "p1", "wait", "p2", "exit")
-PROBE_RIGHT = 8  # --probe's bits: those of the kernel's PROBE that keep its output right
 
 
 def parse_case(spec: str, plan_type=None, dims: str = "M,K,r,N"):
@@ -125,13 +122,7 @@ def cli(case_help: str, parse=parse_case, phase1: bool = False, argv=None):
     ap.add_argument("--phase1", action="store_true",
                     help="phase 1 alone (pv='xla': P in bf16 or f32 as its plan says; XLA's ·V "
                     "not run)")
-    ap.add_argument("--probe", type=int, default=0,
-                    help="the kernel's PROBE bits that keep its output right (8: phase 1 alone "
-                    "skips its unawaited signals), in the traced and untraced runs alike")
   args = ap.parse_args(argv)
-  if getattr(args, "probe", 0) & ~PROBE_RIGHT:
-    ap.error(f"--probe {args.probe}: only bits {PROBE_RIGHT} keep the output right "
-             "(the trace checks it)")
   return args, [parse(spec) for spec in args.case]
 
 
@@ -169,7 +160,7 @@ def main(argv=None):
     plan_fn = planner.plan_decode_persistent if pv else planner.plan_decode_phase1
     p = dataclasses.replace(plan_fn(m, k, r, n, programs=sms), **over)
     res = {}
-    for probe in (args.probe, args.probe | 4):
+    for probe in (0, 4):
       plan = xuv_decode.persistent_launch_plan(m, k, r, n, False, p, pv, probe)
       grid, half = plan["grid"], planner.round_up(plan["scratch"], 16)
       scratch = torch.zeros(2 * half, device=dev, dtype=torch.float32)
@@ -181,13 +172,13 @@ def main(argv=None):
           par = i % 2
           kern[(plan["grid"],)](
               x, us[i % layers], vs[i % layers], vs[i % layers],
-              trace[i] if probe & 4 else x, m,
+              trace[i] if probe else x, m,
               (1 - par) * half, plan["scratch"], scratch, outs[i % layers], p16,
               **plan["meta"], WORK_OFF=par * half, num_warps=p.warps, num_stages=p.stages)
 
       for o in outs[:2] if pv else [p16]:
         o.fill_(float("nan"))
-      res[probe & 4] = per_call_us(issue, layers)
+      res[probe] = per_call_us(issue, layers)
       torch.cuda.synchronize()
       if pv:
         err = max(float((outs[l].float() - ((x.float() @ us[l].float()).to(torch.bfloat16)
@@ -209,7 +200,7 @@ def main(argv=None):
     phases = summarize(tr, grid, n1, pv)
     ctas = cta_stamps(tr, layers, grid, SLOTS)  # one call from the chain's middle
     rec = dict(case=spec, M=m, K=k, r=r, N=n, pv="kernel" if pv else "xla",
-               plan=dataclasses.asdict(p), probe=args.probe, layers=layers,
+               plan=dataclasses.asdict(p), layers=layers,
                per_call_us=round(res[0], 3), traced_per_call_us=round(res[4], 3),
                phase1_ctas=min(n1, grid), **phases, ctas=ctas)
     report(recs, rec, ("plan", "ctas"))

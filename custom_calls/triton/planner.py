@@ -587,18 +587,6 @@ PHASE1_ATOMIC_BW = 1.9e12
 PHASE1_X_L2_BW = 11.8e12
 PHASE1_NARROW_MIN_US = 0.5
 
-# Up to this many rows phase 1 alone ends with P rounded once to bf16 by the last split-K
-# tile of each column block (p16); above, it leaves P's f32 sums in its scratch and XLA
-# rounds them in a slice fusion before its GEMM. The rounding tile waits for the block's
-# atomics, then reads its f32 sums back from L2: per-CTA traces at M=128 had it end phase 1
-# 1.25-1.5 us after the other tiles (phase 1 alone 6.1 -> 4.7 us a call at 2048->256,
-# 7.2 -> 5.8 at 4096->512; results/gpu_xuv_decode_trace_phase1_h200.json). On the same
-# weights the f32 hand-over, XLA's slice fusion included, took 0.07-2.35 us less at 10 of the 11
-# M=128 sweep shapes (+0.08 at 8192->2048->16384) but at M=64 moved -1.8 (8192->2456->8192)
-# ...+0.8 us (8192->4096->16384; results/gpu_xuv_decode_f32_p_h200.json, session 38)
-PHASE1_P16_MAX_M = 64
-
-
 def _phase1_tiles(k: int, r: int, cols: int, g: int) -> tuple[int, int]:
   """(column blocks, K rows a tile) of the phase-1 plan at ``cols`` columns: the fewest
   splits of whole 64-row steps that still give every CTA a tile."""
@@ -614,6 +602,14 @@ def _phase1_l2_us(m: int, k: int, r: int, cols: int, k_per: int) -> float:
           + cdiv(r, cols) * m * k * 2 / PHASE1_X_L2_BW) * 1e6
 
 
+# Phase 1 alone leaves P's f32 sums in its scratch (no p16) and XLA rounds them in a slice
+# fusion before its GEMM. Rounding in the kernel (the last split-K tile of each column block
+# waits for the block's atomics, then reads its f32 sums back from L2) ended phase 1
+# 1.25-1.5 us after the other tiles at M=128 (results/gpu_xuv_decode_trace_phase1_h200.json).
+# Same weights, with phase 1's signals gone: the f32 hand-over took 0.06-1.8 us less at 6 of
+# the 7 M=64 points where phase 1 runs alone (+0.56 at 8192->4096->16384, still 1.03x XLA;
+# results/gpu_xuv_decode_signals_h200.json, session 39), and at M=128 0.07-2.35 us less at
+# 10 of 11 (+0.08 at 8192->2048->16384; results/gpu_xuv_decode_f32_p_h200.json, session 38).
 def plan_decode_phase1(m: int, k: int, r: int, n: int, hw: Hardware = H200,
                        programs: int | None = None) -> PersistentDecodePlan:
   """Tiles for the decode kernel's phase 1 alone (``xuv_decode(pv="xla")``: X·U split over
@@ -623,8 +619,8 @@ def plan_decode_phase1(m: int, k: int, r: int, n: int, hw: Hardware = H200,
   ``_phase1_l2_us`` has them PHASE1_NARROW_MIN_US faster) over K ranges as long as that
   allows, with PHASE1_WIDE_STAGES pipeline stages where r > 1024 (the 128-column tiles'
   ranks) or K >= PHASE1_DEEP_MIN_K, more where fewer would keep less than
-  PHASE1_INFLIGHT_BYTES of X and U in flight (64 rows, 64 columns: 6). P rounded once in
-  the kernel (p16) up to PHASE1_P16_MAX_M rows, else left as f32 sums for XLA to round.
+  PHASE1_INFLIGHT_BYTES of X and U in flight (64 rows, 64 columns: 6). P left as f32 sums
+  for XLA to round (no p16, above).
   Against ``plan_decode_persistent``'s tiles it took 5-24 % less time at M=128 and 0-15 % at
   M=64 (results/gpu_xuv_decode_pv_h200.json, run 1)."""
   g = programs or hw.num_sms
@@ -644,7 +640,7 @@ def plan_decode_phase1(m: int, k: int, r: int, n: int, hw: Hardware = H200,
     stages = max(PHASE1_WIDE_STAGES,
                  min(PHASE1_MAX_STAGES, cdiv(PHASE1_INFLIGHT_BYTES, stage_bytes)))
   return dataclasses.replace(base, block_r=cols, cols_r=cols, k_per=k_per, r_chunks=1,
-                             p16=m <= PHASE1_P16_MAX_M, stages=stages, est_us=est)
+                             p16=False, stages=stages, est_us=est)
 
 
 @dataclasses.dataclass(frozen=True)

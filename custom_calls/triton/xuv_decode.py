@@ -38,11 +38,11 @@ each run of a column block adding its partial into P; every CTA signals once and
 waits for all of them. Where K is short, 128-column blocks (whole 128-byte lines) on all SMs
 end phase 1 0.5 µs earlier than the tiled plan (results/gpu_xuv_decode_stream_k_h200.json).
 
-**From PV_XLA_MIN_M = 64 rows** the persistent kernel stops after phase 1 (``pv="xla"``): up
-to ``planner.PHASE1_P16_MAX_M`` rows the last split-K tile of each column block rounds P once
-to V's dtype; above, P's f32 sums stay in the call's half of the scratch, XLA rounds them as
-it slices them out (that tile's wait and L2 read-back cost more, session 38); then XLA's GEMM
-applies V, as in XLA's own lowering. There ·V is a [64-128, r] x [r, N] GEMM near the H200's
+**From PV_XLA_MIN_M = 64 rows** the persistent kernel stops after phase 1 (``pv="xla"``): P's
+f32 sums stay in the call's half of the scratch and XLA rounds them as it slices them out
+(rounding in the kernel, ``p16``, made a tile of each column block wait for the block's
+atomics and read them back: sessions 38-39), and phase 1 sends none of the per-tile signals
+that phase 2 would wait on; then XLA's GEMM applies V, as in XLA's own lowering. There ·V is a [64-128, r] x [r, N] GEMM near the H200's
 ridge point, where one CTA per SM streaming V with 128-row tiles measured 0.69-0.75x cuBLAS,
 while the skinny X·U is where XLA is weak (a split-K GEMM and a separate reduction). Phase 1
 then takes ``planner.plan_decode_phase1``'s tiles: the fewest split-K partials (f32 atomics
@@ -172,8 +172,9 @@ def _xu_tile(rb, k_start,  # column block of U, first row of K
   """One split-K tile of P = X·U: f32 atomics into P, then its r-chunk's counter (release).
   P16: the last of the column block's SPLIT_K tiles (``last_arrival`` on its counter)
   rounds the block once into p16 (V's dtype) and alone signals the chunk; R16 > R: p16's
-  rows are R16 wide, zeros past R (``PersistentDecodePlan.p_align``). SIGNAL=False leaves
-  the chunk's counter alone (where no phase-2 tile waits on it).
+  rows are R16 wide, zeros past R (``PersistentDecodePlan.p_align``). SIGNAL=False (phase 1
+  alone: no phase-2 tile waits on the chunk) leaves the counter alone; each release would make
+  the CTA wait for its atomics (0.1-1.1 us a call, results/gpu_xuv_decode_signals_h200.json).
   STREAM=False skips the streaming, P_STORE stores the partial instead of adding it (timing
   only: the output is then wrong)."""
   offs_r = rb * COLS_R + tl.arange(0, BLOCK_R)
@@ -361,9 +362,7 @@ def _xuv_decode_persistent_kernel(
                               # instead of adding them, bit 2 runs phase 2 on P's first row
                               # (its reads of P and its output stores); bit 4 (output right)
                               # stamps each CTA's entry, phase-1 end, wait end, phase-2 end
-                              # and exit into o_in_ptr as int64 [PROGRAMS, 8] (_common.stamp);
-                              # bit 8 (output right): phase 1 alone (PV=False) skips the
-                              # per-tile release signal that only phase 2 waits on
+                              # and exit into o_in_ptr as int64 [PROGRAMS, 8] (_common.stamp)
     V_RES: tl.constexpr = 0,  # phase-2 tiles on their own CTAs (pid >= the phase-1 tiles),
                               # V in registers before the wait (_pv_resident_tile); one r-chunk
     R_P2: tl.constexpr = 16,  # next_pow2(R), V_RES's register rows
@@ -402,7 +401,7 @@ def _xuv_decode_persistent_kernel(
     for t in range(pid, n1, PROGRAMS):
       _xu_tile(t // SPLIT_K, (t % SPLIT_K) * K_PER, x_ptr, u_ptr, p_ptr, flag_ptr, offs_m,
                m_mask, K, R, K_PER, RB_PER_CHUNK, BLOCK_K, BLOCK_R, COLS_R, EVEN_K, True, P16,
-               p16_ptr, rb_cnt_ptr, SPLIT_K, (PROBE & 1) != 0, R16, PV or (PROBE & 8) == 0)
+               p16_ptr, rb_cnt_ptr, SPLIT_K, (PROBE & 1) != 0, R16, PV)
   stamp(o_in_ptr, 1, TRACE)
   if V_RES:  # phase-2 tile q on CTA n1 + q, which ran no phase-1 tile
     if (pid >= n1) & (pid < n1 + n_nb):

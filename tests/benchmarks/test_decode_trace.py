@@ -44,14 +44,3 @@ def test_phase1_is_a_flag_of_decode_trace_alone(dt):
   with pytest.raises(SystemExit):  # mlp_trace's command line has no --phase1
     dt.cli("T,D,r,F", argv=["--out", "o.json", "--case", "1,2,3,4", "--phase1"])
 
-
-def test_probe_takes_only_the_bits_that_keep_the_output_right(dt):
-  """--probe 8 (phase 1 alone skips its unawaited signals) goes to every run; bits that make
-  the output wrong (1, 2) or that the script sets itself (4) are refused by name."""
-  args, _ = dt.cli("M,K,r,N", phase1=True, argv=["--out", "o.json", "--case", "1,2,3,4",
-                                                 "--phase1", "--probe", "8"])
-  assert args.probe == 8
-  assert dt.cli("M,K,r,N", phase1=True, argv=["--out", "o", "--case", "1,2,3,4"])[0].probe == 0
-  for bad in ("1", "4", "12"):
-    with pytest.raises(SystemExit):
-      dt.cli("M,K,r,N", phase1=True, argv=["--out", "o", "--case", "1,2,3,4", "--probe", bad])

@@ -102,7 +102,7 @@ _PRELUDE = STUB + textwrap.dedent('''
 _PHASE1 = textwrap.dedent('''
   for (m, k, r, n, programs) in SHAPES:
     p = dataclasses.replace(planner.plan_decode_phase1(m, k, r, n, programs=programs), **FIELDS)
-    plan = xuv_decode.persistent_launch_plan(m, k, r, n, False, p, pv=False, probe=PROBE)
+    plan = xuv_decode.persistent_launch_plan(m, k, r, n, False, p, pv=False)
     x, u = rand(m, k), rand(k, r, scale=k ** -0.5)
     v = np.zeros((r, n), np.float16)  # never read: no phase 2
     scratch = np.zeros(plan["scratch"], np.float32)
@@ -119,11 +119,9 @@ _PHASE1 = textwrap.dedent('''
     else:  # the f32 sums, the scratch's first m·r floats (xuv_decode hands them to XLA)
       assert plan["meta"]["P16"] is False and np.isnan(p16).all(), "p16 written without P16"
       err = check(scratch[:m * r].reshape(m, r), f64(x) @ f64(u), 1e-5, (m, k, r, "P f32"))
-    # the r-chunk's flag after the scratch's P: a signal from each tile (p16: each column
-    # block's rounding tile), none with PROBE bit 8
-    n_rb, split = -(-r // p.cols_r), plan["meta"]["SPLIT_K"]
-    signals = 0 if PROBE & 8 else n_rb * (1 if p.p16 else split)
-    assert scratch[m * r:m * r + 1].view(np.int32)[0] == signals, (m, k, r, "flag", signals)
+    # the r-chunk's flag after the scratch's P: no phase 2 waits on it, so no tile signals
+    flag = scratch[m * r:m * r + 1].view(np.int32)[0]
+    assert flag == 0, (m, k, r, "phase 1 alone signalled its r-chunk", flag)
     print(m, k, r, plan["grid"], p.cols_r, p.k_per, plan["meta"]["SPLIT_K"], f"{err:.1e}")
   print("ok")
 ''')
@@ -290,24 +288,16 @@ def _interpret(script: str) -> None:
      (64, 640, 1100, 64, 132), (77, 200, 72, 130, 7)],
 ])
 def test_decode_phase1_alone_on_its_planned_tiles(shapes):
-  """P = X·U from the phase-1-only decode kernel equals the f64 product rounded once."""
-  _interpret(f"SHAPES = {shapes!r}\nFIELDS = {{}}\nPROBE = 0\n" + _PRELUDE + _PHASE1)
+  """P = X·U from the phase-1-only decode kernel, its f32 sums left in the scratch, equals the
+  f64 product at f32's tolerance, and no tile signals the r-chunk that no phase 2 waits on."""
+  _interpret(f"SHAPES = {shapes!r}\nFIELDS = {{}}\n" + _PRELUDE + _PHASE1)
 
 
-def test_decode_phase1_alone_leaves_f32_p_without_p16():
-  """``p16`` off: phase 1 alone leaves P = X·U as the f32 split-K sums in its scratch (no
-  last-arriver rounding), close to the f64 product at f32's tolerance."""
+def test_decode_phase1_alone_rounds_p_itself_with_p16():
+  """``p16`` on (the plan's default is off): the last split-K tile of each column block
+  rounds P = X·U once into the p16 buffer, close to the f64 product at f16's tolerance."""
   shapes = [(64, 384, 136, 200, 132), (77, 200, 72, 130, 7), (128, 640, 1100, 64, 132)]
-  _interpret(f"SHAPES = {shapes!r}\nFIELDS = {{'p16': False}}\nPROBE = 0\n" + _PRELUDE
-             + _PHASE1)
-
-
-@pytest.mark.parametrize("p16", [True, False])
-def test_decode_phase1_alone_skips_its_unawaited_signals_under_probe_8(p16):
-  """PROBE bit 8 (a timing A/B that keeps the output right): phase 1 alone leaves its
-  r-chunk's flag, which only phase 2 would wait on, at zero; P is still the product."""
-  shapes = [(64, 384, 136, 200, 132), (77, 200, 72, 130, 7)]
-  _interpret(f"SHAPES = {shapes!r}\nFIELDS = {{'p16': {p16}}}\nPROBE = 8\n" + _PRELUDE
+  _interpret(f"SHAPES = {shapes!r}\nFIELDS = {{'p16': True}}\n" + _PRELUDE
              + _PHASE1)
 
 
@@ -318,7 +308,7 @@ def test_decode_phase1_alone_writes_p_padded_with_zeros():
   zero-padded V as they are."""
   shapes = [(64, 384, 136, 200, 132), (77, 200, 72, 130, 7), (64, 640, 1100, 64, 132),
             (100, 320, 200, 96, 16)]
-  _interpret(f"SHAPES = {shapes!r}\nFIELDS = {{'p_align': 32, 'p16': True}}\nPROBE = 0\n"
+  _interpret(f"SHAPES = {shapes!r}\nFIELDS = {{'p_align': 32, 'p16': True}}\n"
              + _PRELUDE + _PHASE1)
   _interpret(_PRELUDE + textwrap.dedent('''
     # refused by name: with phase 2 in the kernel, not whole 16-byte units, past the tiles

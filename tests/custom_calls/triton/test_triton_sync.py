@@ -18,8 +18,9 @@ pytestmark = pytest.mark.skipif(
 def test_every_wait_reads_its_flag_with_acquire_and_every_signal_releases():
   """One planned configuration of each kernel (kernel_resources.planned: the persistent and
   phase-1-only X·U·V decode kernel, the grouped one, the tiled and persistent SwiGLU decode
-  kernels, the two prefill kernels): every kernel that releases a flag also polls one with
-  ``ld.global.gpu.acquire`` and never with a relaxed or volatile load."""
+  kernels, the two prefill kernels): every kernel with a second stage releases a flag and
+  polls one with ``ld.global.gpu.acquire``, never with a relaxed or volatile load; phase 1
+  alone does neither."""
   out = run_script(STUB + textwrap.dedent('''
     import re
     seen, waits = set(), 0
@@ -32,10 +33,11 @@ def test_every_wait_reads_its_flag_with_acquire_and_every_signal_releases():
       assert "ld.volatile" not in ptx, name  # a poll without ordering
       releases = len(re.findall(r"atom\\.global\\.gpu\\.(release|acq_rel)\\.", ptx))
       acquires = len(re.findall(r"ld\\.global\\.gpu\\.acquire\\.b32", ptx))
-      assert releases >= 1, name  # each of these kernels publishes some stage's results
-      if meta.get("PV", True):  # phase 1 alone (pv="xla") waits for nothing
-        assert acquires >= 1, (name, releases)
+      if meta.get("PV", True):  # each of these kernels publishes some stage's results
+        assert releases >= 1 and acquires >= 1, (name, releases, acquires)
         waits += 1
+      else:  # phase 1 alone (pv="xla", P left as f32 sums): no stage to publish to or wait on
+        assert not meta["P16"] and releases == 0 and acquires == 0, (name, releases, acquires)
     assert waits >= 6, waits
     print(waits, "ok")
   '''), interpret=False)
