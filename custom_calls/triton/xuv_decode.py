@@ -547,7 +547,8 @@ def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
                            probe: int = 0) -> dict:
   """Grid size and constexprs of one persistent call (shared by the wrapper and the tests).
   ``pv=False``: phase 1 only (one r-chunk), into P rounded once (``p.p16``) or, without
-  p16, into the scratch's f32 P, which XLA rounds as it reads it.
+  p16, into the scratch's f32 P, which XLA rounds as it reads it (the scratch is then P
+  alone, m·r floats: so unchained, XLA's GEMM can take the call's output as it is).
   ``probe``: the kernel's timing-only PROBE bits (0: the real kernel)."""
   if not pv:
     p = dataclasses.replace(p, r_chunks=1, v_resident=False, stream_k=False)
@@ -588,6 +589,8 @@ def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
   meta["R16"] = r16  # jax-triton passes no constexpr default: every one is named here
   n_nb = planner.cdiv(n, p.cols_n)
   scratch = m * r + (m * n if chunks > 1 else 0) + chunks + n_nb + (n_rb if p.p16 else 0)
+  if not pv and not p.p16:  # phase 1 alone signals and counts nothing: its scratch is P alone
+    scratch = m * r
   # who zeroes the chain's other half at its end: V_RES's phase-1 CTAs (done long before
   # phase 2), else the CTAs with no phase-2 tile where there are enough, else every CTA
   busy = chunks * n_nb if pv else p.programs
@@ -720,8 +723,9 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
     if p.p16:  # P rounded once; rows padded with zeros (p_align), V's with zero rows alike
       r16 = plan["p16_cols"]
       pm, v = outs[2].reshape(m, r16), v if r16 == r else jnp.pad(v, ((0, r16 - r), (0, 0)))
-    else:  # P's f32 sums, the first m·r floats of the call's scratch, rounded here by XLA
-      pm = outs[0][:m * r].reshape(m, r).astype(v.dtype)
+    else:  # P's f32 sums (the call's whole scratch, unless chained), rounded here by XLA
+      pm = outs[0] if outs[0].shape == (m * r,) else outs[0][:m * r]
+      pm = pm.reshape(m, r).astype(v.dtype)
     return rank_space_out(pm, v, bias, out_dtype).reshape(*lead, n)
   return outs[1].reshape(*lead, n)
 

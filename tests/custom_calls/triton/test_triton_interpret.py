@@ -105,19 +105,22 @@ _PHASE1 = textwrap.dedent('''
     plan = xuv_decode.persistent_launch_plan(m, k, r, n, False, p, pv=False)
     x, u = rand(m, k), rand(k, r, scale=k ** -0.5)
     v = np.zeros((r, n), np.float16)  # never read: no phase 2
-    scratch = np.zeros(plan["scratch"], np.float32)
+    # zeroed as the chain zeroes it, with 64 floats past the plan's scratch that must stay 0
+    scratch = np.zeros(plan["scratch"] + 64, np.float32)
     p16 = np.full(plan["p16"], np.nan, np.float16)  # poisoned: every element must be written
     xuv_decode._xuv_decode_persistent_kernel[(plan["grid"],)](
         T(x), T(u), T(v), T(v), T(x), m, 0, 0, T(scratch), T(np.zeros(1, np.float16)),
         T(p16),
         **plan["meta"])
+    assert (scratch[plan["scratch"]:] == 0).all(), (m, k, r, "written past the scratch")
     if p.p16:  # f16 split-K sums, rounded once; rows padded to p16_cols with zeros (p_align)
       P = p16.reshape(m, plan["p16_cols"])
       err = check(P[:, :r], f64(x) @ f64(u), 2e-3, (m, k, r, "P"))
       assert plan["p16_cols"] == (-(-r // p.p_align) * p.p_align if p.p_align else r)
       assert (P[:, r:] == 0).all(), (m, k, r, "P's padding columns", P[:, r:])
-    else:  # the f32 sums, the scratch's first m·r floats (xuv_decode hands them to XLA)
+    else:  # the f32 sums, the whole scratch: no flag or counter (xuv_decode hands P to XLA)
       assert plan["meta"]["P16"] is False and np.isnan(p16).all(), "p16 written without P16"
+      assert plan["scratch"] == m * r, (m, k, r, plan["scratch"])
       err = check(scratch[:m * r].reshape(m, r), f64(x) @ f64(u), 1e-5, (m, k, r, "P f32"))
     # the r-chunk's flag after the scratch's P: no phase 2 waits on it, so no tile signals
     flag = scratch[m * r:m * r + 1].view(np.int32)[0]
@@ -288,8 +291,8 @@ def _interpret(script: str) -> None:
      (64, 640, 1100, 64, 132), (77, 200, 72, 130, 7)],
 ])
 def test_decode_phase1_alone_on_its_planned_tiles(shapes):
-  """P = X·U from the phase-1-only decode kernel, its f32 sums left in the scratch, equals the
-  f64 product at f32's tolerance, and no tile signals the r-chunk that no phase 2 waits on."""
+  """P = X·U from the phase-1-only decode kernel, its f32 sums the whole scratch, equals the
+  f64 product at f32's tolerance, and nothing is written past P (no flag is signalled)."""
   _interpret(f"SHAPES = {shapes!r}\nFIELDS = {{}}\n" + _PRELUDE + _PHASE1)
 
 
