@@ -38,24 +38,25 @@ each run of a column block adding its partial into P; every CTA signals once and
 waits for all of them. Where K is short, 128-column blocks (whole 128-byte lines) on all SMs
 end phase 1 0.5 µs earlier than the tiled plan (results/gpu_xuv_decode_stream_k_h200.json).
 
-**From PV_XLA_MIN_M = 64 rows** the persistent kernel stops after phase 1 (``pv="xla"``): P's
-f32 sums stay in the call's half of the scratch and XLA rounds them as it slices them out
-(rounding in the kernel, ``p16``, made a tile of each column block wait for the block's
+**From PV_XLA_MIN_M = 64 rows** the persistent kernel stops after phase 1 (``pv="xla"``):
+P's f32 sums stay in the call's half of the scratch and XLA rounds them as it slices them
+out (rounding in the kernel, ``p16``, made a tile of each column block wait for the block's
 atomics and read them back: sessions 38-39), and phase 1 sends none of the per-tile signals
-that phase 2 would wait on; then XLA's GEMM applies V, as in XLA's own lowering. There ·V is a [64-128, r] x [r, N] GEMM near the H200's
-ridge point, where one CTA per SM streaming V with 128-row tiles measured 0.69-0.75x cuBLAS,
-while the skinny X·U is where XLA is weak (a split-K GEMM and a separate reduction). Phase 1
-then takes ``planner.plan_decode_phase1``'s tiles: the fewest split-K partials (f32 atomics
-into P, M x r x 4 bytes each) that still give every CTA a tile, in 64-column tiles where its
-L2 model has half the partials outweigh reading X twice as often (session 34). Measured
-(results/gpu_xuv_decode_pv_h200.json, then the sweep's run 12): M=128 0.96-1.03x XLA where the
-fused kernel was 0.69-0.74x; M=64 0.94-1.01x (fused 0.81-1.00x). At M=16 and 32 the split,
-timed only on the fused kernel's phase-1 tiles, was 2-10 % slower than the fused kernel. At
-exactly 64 rows (one 64-row block) the fused kernel stays where N <= PV_KERNEL_MAX_N: there
-its V phase is small and it measured ahead of the split (session 31, 1.045x and 1.025x XLA at
-4096->152->4096 and 4096->1216->4096), unless V is a quarter of U or less and K >= 4096
-(session 35: 8192->544->1024, 4096->512->1024), which from 33 rows (the same 64-row block)
-take phase 1 alone.
+that phase 2 would wait on; then XLA's GEMM applies V, as in XLA's own lowering. There ·V is
+a [64-128, r] x [r, N] GEMM near the H200's ridge point, where one CTA per SM streaming V
+with 128-row tiles measured 0.69-0.75x cuBLAS, while the skinny X·U is where XLA is weak (a
+split-K GEMM and a separate reduction). Phase 1 then takes ``planner.plan_decode_phase1``'s
+tiles: the fewest split-K partials (f32 atomics into P, M x r x 4 bytes each) that still
+give every CTA a tile, in 64-column tiles where its L2 model has half the partials outweigh
+reading X twice as often (session 34). Measured (results/gpu_xuv_decode_pv_h200.json, then
+the sweep's run 12): M=128 0.96-1.03x XLA where the fused kernel was 0.69-0.74x; M=64
+0.94-1.01x (fused 0.81-1.00x). At M=16 and 32 the split, timed only on the fused kernel's
+phase-1 tiles, was 2-10 % slower than the fused kernel. At exactly 64 rows (one 64-row
+block) the fused kernel stays where N <= PV_KERNEL_MAX_N: there its V phase is small and it
+measured ahead of the split (session 31, 1.045x and 1.025x XLA at 4096->152->4096 and
+4096->1216->4096), unless V is a quarter of U or less and K >= 4096 (session 35:
+8192->544->1024, 4096->512->1024), which from 33 rows (the same 64-row block) take phase 1
+alone.
 
 **Tiled** (``_xuv_decode_kernel``): one CTA per tile. Stage-1 CTAs (split_k x
 ceil(r/block_r), block_r = 256: 512-byte row segments) come first in the grid, r-block-
