@@ -383,6 +383,52 @@ def test_the_decode_wrapper_launches_the_planners_persistent_plan():
   assert out.strip().endswith("ok")
 
 
+def test_phase1_alone_hands_xla_the_p_its_launch_returns():
+  """xuv_decode(pv="xla") with the launch faked (it returns a known P, not run): on f32 P
+  (the default plan) the scratch the call asks for is P alone, m·r floats, and y is that P
+  rounded once to V's dtype times V, plus the bias; with p16 (and p_align's zero-padded rows)
+  y is the returned bf16 P times V padded alike. Ragged M, r and N."""
+  out = run_script(STUB + textwrap.dedent('''
+    import dataclasses
+    import jax, jax.numpy as jnp, numpy as np
+    from lrjax.custom_calls.triton import launch, planner, xuv_decode
+    xuv_decode.num_sms = lambda: 132
+    rng = np.random.default_rng(0)
+    for m, k, r, n, fields in ((128, 512, 200, 1000, {}), (77, 256, 136, 130, {}),
+                               (64, 512, 136, 200, {"p16": True}),
+                               (64, 512, 136, 200, {"p16": True, "p_align": 32})):
+      p = dataclasses.replace(planner.plan_decode_phase1(m, k, r, n, programs=132), **fields)
+      plan = xuv_decode.persistent_launch_plan(m, k, r, n, True, p, pv=False)
+      pf = rng.standard_normal((m, r)).astype(np.float32)
+      shapes = []
+      def fake(*args, kernel, out_shape, grid, **kw):
+        shapes.append([s.shape for s in out_shape])
+        scratch = np.zeros(out_shape[0].shape, np.float32)
+        scratch[:m * r] = pf.reshape(-1)
+        p16 = np.zeros((m, plan["p16_cols"]), np.float32)  # padding columns left at zero
+        p16[:, :r] = pf
+        return (jnp.asarray(scratch), jnp.zeros(out_shape[1].shape, out_shape[1].dtype),
+                jnp.asarray(p16.reshape(-1)[:out_shape[2].shape[0]], out_shape[2].dtype))
+      launch.triton_call = fake
+      x = jnp.zeros((m, k), jnp.bfloat16)
+      u = jnp.zeros((k, r), jnp.bfloat16)
+      v = jnp.asarray(rng.standard_normal((r, n)), jnp.bfloat16)
+      b = jnp.asarray(rng.standard_normal(n), jnp.bfloat16)
+      y = np.asarray(xuv_decode.xuv_decode(x, u, v, b, persistent=p, pv="xla"), np.float64)
+      (scratch_shape, _, p16_shape), = shapes
+      if not p.p16:
+        assert scratch_shape == (m * r,), (m, r, scratch_shape)  # P alone: nothing to slice
+      else:
+        assert p16_shape == (m * plan["p16_cols"],), (m, r, p16_shape)
+      f64 = lambda a: np.asarray(a, np.float64)
+      want = f64(jnp.asarray(pf, jnp.bfloat16)) @ f64(v) + f64(b)
+      err = np.abs(y - want).max() / np.abs(want).max()
+      assert y.shape == (m, n) and err < 2e-2, (m, k, r, n, fields, err)
+    print("ok")
+  '''), interpret=False)
+  assert out.strip().endswith("ok")
+
+
 def test_every_launch_names_every_constexpr_of_its_kernel():
   """jax-triton passes a kernel only the constexprs its launch names, never a signature
   default (Triton then reads the missing one as None; session 37's GPU run failed to compile
