@@ -592,6 +592,7 @@ PHASE1_ATOMIC_BW = 1.9e12
 PHASE1_X_L2_BW = 11.8e12
 PHASE1_NARROW_MIN_US = 0.5
 
+
 def _phase1_tiles(k: int, r: int, cols: int, g: int) -> tuple[int, int]:
   """(column blocks, K rows a tile) of the phase-1 plan at ``cols`` columns: the fewest
   splits of whole 64-row steps that still give every CTA a tile."""

@@ -170,17 +170,17 @@ def _xu_tile(rb, k_start,  # column block of U, first row of K
              BLOCK_R: tl.constexpr, COLS_R: tl.constexpr, EVEN_K: tl.constexpr,
              STREAM: tl.constexpr, P16: tl.constexpr, p16_ptr, rb_cnt_ptr,
              SPLIT_K: tl.constexpr, P_STORE: tl.constexpr = False,
-             R16: tl.constexpr = 0, SIGNAL: tl.constexpr = True, ready_ptr=None,
-             READY: tl.constexpr = 0):
+             R16: tl.constexpr = 0, SIGNAL: tl.constexpr = True, READY: tl.constexpr = 0):
   """One split-K tile of P = X·U: f32 atomics into P, then its r-chunk's counter (release).
   P16: the last of the column block's SPLIT_K tiles (``last_arrival`` on its counter)
   rounds the block once into p16 (V's dtype) and alone signals the chunk; R16 > R: p16's
   rows are R16 wide, zeros past R (``PersistentDecodePlan.p_align``). SIGNAL=False (phase 1
   alone: no phase-2 tile waits on the chunk) leaves the counter alone; each release would make
   the CTA wait for its atomics (0.1-1.1 us a call, results/gpu_xuv_decode_signals_h200.json).
-  READY > 0: before its atomics the tile waits until ``ready_ptr`` counts READY (the CTAs
-  that zeroed P: ``PersistentDecodePlan.p_own``). STREAM=False skips the streaming, P_STORE
-  stores the partial instead of adding it (timing only: the output is then wrong)."""
+  READY > 0 (phase 1 alone, so no signal): before its atomics the tile waits until
+  ``flag_ptr`` counts READY (the CTAs that zeroed P: ``PersistentDecodePlan.p_own``).
+  STREAM=False skips the streaming, P_STORE stores the partial instead of adding it (timing
+  only: the output is then wrong)."""
   offs_r = rb * COLS_R + tl.arange(0, BLOCK_R)
   r_mask = offs_r < R
   if COLS_R < BLOCK_R:
@@ -190,7 +190,7 @@ def _xu_tile(rb, k_start,  # column block of U, first row of K
     acc = mm_acc(acc, x_ptr, u_ptr, offs_m, offs_r, m_mask, r_mask, k_start, k_start + K_PER,
                  K, K, R, BLOCK_K, EVEN_K, False)
     if READY > 0:
-      wait_at_least(ready_ptr, READY)
+      wait_at_least(flag_ptr, READY)
     if P_STORE:
       tl.store(p_ptr + offs_m[:, None] * R + offs_r[None, :], acc,
                mask=m_mask[:, None] & r_mask[None, :])
@@ -414,7 +414,7 @@ def _xuv_decode_persistent_kernel(
     for t in range(pid, n1, PROGRAMS):
       _xu_tile(t // SPLIT_K, (t % SPLIT_K) * K_PER, x_ptr, u_ptr, p_ptr, flag_ptr, offs_m,
                m_mask, K, R, K_PER, RB_PER_CHUNK, BLOCK_K, BLOCK_R, COLS_R, EVEN_K, True, P16,
-               p16_ptr, rb_cnt_ptr, SPLIT_K, (PROBE & 1) != 0, R16, PV, flag_ptr,
+               p16_ptr, rb_cnt_ptr, SPLIT_K, (PROBE & 1) != 0, R16, PV,
                PROGRAMS if P_OWN else 0)
   stamp(o_in_ptr, 1, TRACE)
   if V_RES:  # phase-2 tile q on CTA n1 + q, which ran no phase-1 tile
@@ -724,7 +724,7 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
     plan = launch_plan(m, k, r, n, bias is not None, bs, _stages)
     kernel, warps, stages = _xuv_decode_kernel, bs.num_warps, bs.num_stages
   scratch = plan["scratch"]
-  p_own = persistent and p.p_own
+  own_p = pv == "xla" and p.p_own  # pv is "xla" on the persistent schedule alone
   if xla_zeroing:  # the 5th operand is then the zeroed scratch, aliased to output 0
     fifth, aliases, zeroed = jnp.zeros((scratch,), jnp.float32), {4: 0}, ()
   else:
@@ -734,7 +734,7 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
       x2, u, v, b, fifth, m, *launch.UNCHAINED, kernel=kernel,
       out_shape=(jax.ShapeDtypeStruct((scratch,), jnp.float32),
                  jax.ShapeDtypeStruct((m, n) if pv == "kernel" else (1,), out_dtype),
-                 jax.ShapeDtypeStruct((plan["p16"],), jnp.float32 if p_own else v.dtype)),
+                 jax.ShapeDtypeStruct((plan["p16"],), jnp.float32 if own_p else v.dtype)),
       # P16's P, or p_own's f32 P; never zeroed by XLA
       grid=(plan["grid"],), zeroed_outputs=zeroed, input_output_aliases=aliases,
       num_warps=warps, num_stages=stages, name="lrjax_xuv_decode",
@@ -744,11 +744,9 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
     if p.p16:  # P rounded once; rows padded with zeros (p_align), V's with zero rows alike
       r16 = plan["p16_cols"]
       pm, v = outs[2].reshape(m, r16), v if r16 == r else jnp.pad(v, ((0, r16 - r), (0, 0)))
-    elif p_own:  # P's f32 sums, the call's third output: XLA's GEMM can fuse the rounding
-      pm = outs[2].reshape(m, r).astype(v.dtype)
-    else:  # P's f32 sums (the call's whole scratch, unless chained), rounded here by XLA
-      pm = outs[0] if outs[0].shape == (m * r,) else outs[0][:m * r]
-      pm = pm.reshape(m, r).astype(v.dtype)
+    else:  # P's f32 sums: the call's third output (p_own) or its scratch, P alone (chained:
+      # the half it worked in); rounded here by XLA
+      pm = (outs[2] if own_p else outs[0]).reshape(m, r).astype(v.dtype)
     return rank_space_out(pm, v, bias, out_dtype).reshape(*lead, n)
   return outs[1].reshape(*lead, n)
 
