@@ -43,4 +43,3 @@ def test_phase1_is_a_flag_of_decode_trace_alone(dt):
   assert not args.phase1
   with pytest.raises(SystemExit):  # mlp_trace's command line has no --phase1
     dt.cli("T,D,r,F", argv=["--out", "o.json", "--case", "1,2,3,4", "--phase1"])
-
