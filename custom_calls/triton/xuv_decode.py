@@ -51,12 +51,12 @@ give every CTA a tile, in 64-column tiles where its L2 model has half the partia
 reading X twice as often (session 34). Measured (results/gpu_xuv_decode_pv_h200.json, then
 the sweep's run 12): M=128 0.96-1.03x XLA where the fused kernel was 0.69-0.74x; M=64
 0.94-1.01x (fused 0.81-1.00x). At M=16 and 32 the split, timed only on the fused kernel's
-phase-1 tiles, was 2-10 % slower than the fused kernel. At exactly 64 rows (one 64-row
-block) the fused kernel stays where N <= PV_KERNEL_MAX_N: there its V phase is small and it
-measured ahead of the split (session 31, 1.045x and 1.025x XLA at 4096->152->4096 and
-4096->1216->4096), unless V is a quarter of U or less and K >= 4096 (session 35:
-8192->544->1024, 4096->512->1024), which from 33 rows (the same 64-row block) take phase 1
-alone.
+phase-1 tiles, was 2-10 % slower than the fused kernel. At exactly 64 rows the fused kernel
+kept N <= 4096 until phase 1 alone lost its signals and its in-kernel rounding (session 39):
+then phase 1 + XLA took 0.0-0.5 us less on all four such shapes (session 40,
+results/gpu_xuv_decode_p_handover_h200.json). From 33 rows (the same 64-row block) phase 1
+alone runs where V is a quarter of U or less and K >= 4096 (session 35: 8192->544->1024,
+4096->512->1024).
 
 **Tiled** (``_xuv_decode_kernel``): one CTA per tile. Stage-1 CTAs (split_k x
 ceil(r/block_r), block_r = 256: 512-byte row segments) come first in the grid, r-block-
@@ -143,22 +143,17 @@ MAX_M = 128  # beyond this the prefill kernel serves
 # M <= 64 (gpu_notes.md, session 3) and than the prefill kernel at M=128 (session 6)
 PERSISTENT_MAX_M = 128
 # From this many rows the persistent kernel stops at P and XLA's GEMM applies V (pv="xla"):
-# against the fused kernel it took 23-30 % less time at M=128 and from 1 % more to 19 % less
-# at M=64 (results/gpu_xuv_decode_pv_h200.json, run 2); at M=16, 32 see the docstring
+# against the fused kernel it took 23-30 % less time at M=128 (results/gpu_xuv_decode_pv_h200.json,
+# run 2) and, since phase 1 alone sends no signals and hands XLA f32 P (session 39), 0.0-0.5 us
+# less at M=64 on the four shapes with N <= 4096 where the fused kernel had stayed (session 40,
+# same weights, results/gpu_xuv_decode_p_handover_h200.json); at M=16, 32 see the docstring
 PV_XLA_MIN_M = 64
-# ...but at 64 rows (a whole 64-row block, which 33-64 rows share) the fused kernel keeps V
-# where N is at most this: same weights, it took 0.0-2.1 us less than phase 1 + XLA's GEMM
-# on the six decode shapes with N <= 4096 and 0.8-5.7 us more on the five wider ones
-# (session 31, results/gpu_xuv_decode_wide_m_ab_h200.json); at 128 rows it lost on four of
-# those six
-PV_KERNEL_MAX_N = 4096
-# ...unless V is small beside U (N <= K / PV_XLA_K_OVER_N) and K >= PV_XLA_MIN_K: there phase
-# 1 on its 6-stage plan, then XLA's GEMM, took 1.8 and 1.0 us less than the fused kernel at
-# 64 rows on 8192->544->1024 and 4096->512->1024, while on the four other shapes with
-# N <= 4096 (2048->256->512 among them, K = 2048) it took 0.5-1.7 us more (same weights,
-# session 35, results/gpu_xuv_decode_phase1_deep_h200.json). 33-63 rows, which run the same
-# 64-row block and tiles, take it too (session 36 at 48 / 40 rows: 1.02-1.06x / 1.005x XLA,
-# the fused kernel 0.98-1.00x; results/gpu_xuv_decode_33_63_rows_h200.json)
+# 33-63 rows (the same 64-row block and tiles) take phase 1 alone where V is small beside U
+# (N <= K / PV_XLA_K_OVER_N) and K >= PV_XLA_MIN_K: at 64 rows, before session 39, phase 1 on
+# its 6-stage plan, then XLA's GEMM, took 1.8 and 1.0 us less than the fused kernel on
+# 8192->544->1024 and 4096->512->1024 (session 35, results/gpu_xuv_decode_phase1_deep_h200.json);
+# at 48 / 40 rows 1.02-1.06x / 1.005x XLA, the fused kernel 0.98-1.00x (session 36,
+# results/gpu_xuv_decode_33_63_rows_h200.json)
 PV_XLA_K_OVER_N = 4
 PV_XLA_MIN_K = 4096
 
@@ -625,12 +620,12 @@ def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
 
 def default_pv(m: int, k: int, n: int, out_given: bool = False) -> str:
   """Who applies V on the persistent schedule unless the caller says: XLA's GEMM ("xla") from
-  PV_XLA_MIN_M rows, except at that many rows with N <= PV_KERNEL_MAX_N; and from the rows
-  that share its 64-row block (33) where N <= K / PV_XLA_K_OVER_N and K >= PV_XLA_MIN_K;
-  unless the caller passes the kernel's output buffer; else the kernel."""
+  PV_XLA_MIN_M rows, and from the rows that share its 64-row block (33) where
+  N <= K / PV_XLA_K_OVER_N and K >= PV_XLA_MIN_K; unless the caller passes the kernel's
+  output buffer; else the kernel."""
   if out_given:
     return "kernel"
-  if m > PV_XLA_MIN_M or (m == PV_XLA_MIN_M and n > PV_KERNEL_MAX_N):
+  if m >= PV_XLA_MIN_M:
     return "xla"
   small_v = k >= max(PV_XLA_MIN_K, PV_XLA_K_OVER_N * n)
   return "xla" if m > PV_XLA_MIN_M // 2 and small_v else "kernel"

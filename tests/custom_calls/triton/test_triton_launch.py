@@ -337,9 +337,8 @@ def test_a_prefetch_that_is_not_a_power_of_two_is_refused_by_name():
 
 def test_the_decode_wrapper_launches_the_planners_persistent_plan():
   """xuv_decode.xuv_decode on 132 SMs (the launch recorded, not run): below PV_XLA_MIN_M rows
-  the persistent kernel with phase 2, from it phase 1 alone (XLA applies V), except at 64
-  rows with N <= PV_KERNEL_MAX_N and where out= is given; from 33 rows where N <= K/4 and
-  K >= 4096; each call's grid and constexprs are persistent_launch_plan's of
+  the persistent kernel with phase 2, from it phase 1 alone (XLA applies V), except where
+  out= is given; from 33 rows where N <= K/4 and K >= 4096; each call's grid and constexprs are persistent_launch_plan's of
   plan_persistent's plan for that many SMs."""
   out = run_script(STUB + textwrap.dedent('''
     import jax, jax.numpy as jnp
@@ -351,16 +350,17 @@ def test_the_decode_wrapper_launches_the_planners_persistent_plan():
     launch.triton_call = record
     xuv_decode.num_sms = lambda: 132
     r = 200
-    assert (xuv_decode.PV_XLA_MIN_M, xuv_decode.PV_KERNEL_MAX_N) == (64, 4096)
+    assert xuv_decode.PV_XLA_MIN_M == 64
     assert (xuv_decode.PV_XLA_K_OVER_N, xuv_decode.PV_XLA_MIN_K) == (4, 4096)
     for m, k, n, given, pv in ((2, 512, 8200, False, "kernel"), (63, 512, 8200, False, "kernel"),
-                               (64, 512, 4096, False, "kernel"), (64, 512, 4097, False, "xla"),
+                               (64, 512, 4096, False, "xla"), (64, 512, 4097, False, "xla"),
                                (65, 512, 1000, False, "xla"), (128, 512, 1000, False, "xla"),
                                (64, 512, 8200, True, "kernel"), (128, 512, 1000, True, "kernel"),
-                               # 33-64 rows (one 64-row block), N <= 4096: phase 1 alone
-                               # where N <= K/4 and K >= 4096
-                               (64, 4096, 1024, False, "xla"), (64, 4096, 1025, False, "kernel"),
-                               (64, 2048, 512, False, "kernel"), (64, 8192, 1024, True, "kernel"),
+                               # 33-63 rows (the 64-row block): phase 1 alone where
+                               # N <= K/4 and K >= 4096
+                               (64, 4096, 1025, False, "xla"), (63, 4096, 1024, False, "xla"),
+                               (63, 4096, 1025, False, "kernel"), (48, 2048, 512, False, "kernel"),
+                               (64, 2048, 512, False, "xla"), (64, 8192, 1024, True, "kernel"),
                                (33, 8192, 1024, False, "xla"), (32, 8192, 1024, False, "kernel"),
                                (48, 4096, 1025, False, "kernel")):
       u = jnp.zeros((k, r), jnp.bfloat16)
