@@ -18,9 +18,8 @@ and, for one call from the chain's middle, every CTA's stamps and SM (``ctas``).
 Each variant also runs untraced in the same graph method ((t(3L) - t(L)) / 2L, as
 pdl_probe.graph_per_call_us) and the stamped outputs are checked against an f32 reference.
 ``--phase1`` traces phase 1 alone (``xuv_decode(pv="xla")``'s kernel on
-``planner.plan_decode_phase1``'s tiles, ending with P's f32 sums left in the scratch, with
-``:p16=1`` P rounded into bf16, or with ``:p_own=1`` the f32 sums in an output of their own;
-XLA's ·V is not run): no phase 2, so ``p2_*`` and ``wait_*`` are left out and P is what is
+``planner.plan_decode_phase1``'s tiles, ending with P's f32 sums left in the scratch, or with
+``:p16=1`` P rounded into bf16; XLA's ·V is not run): no phase 2, so ``p2_*`` and ``wait_*`` are left out and P is what is
 checked.
 
   python benchmarks/decode_trace.py --out benchmarks/results/gpu_xuv_decode_trace_h200.json \
@@ -165,8 +164,7 @@ def main(argv=None):
       plan = xuv_decode.persistent_launch_plan(m, k, r, n, False, p, pv, probe)
       grid, half = plan["grid"], planner.round_up(plan["scratch"], 16)
       scratch = torch.zeros(2 * half, device=dev, dtype=torch.float32)
-      p16 = torch.empty(plan["p16"], device=dev,  # p_own: the f32 P, zeroed by the kernel
-                        dtype=torch.float32 if p.p_own else torch.bfloat16)
+      p16 = torch.empty(plan["p16"], device=dev, dtype=torch.bfloat16)
       trace = torch.zeros(3 * layers, grid, 8, device=dev, dtype=torch.int64)
 
       def issue(count, plan=plan, scratch=scratch, p16=p16, trace=trace, half=half):
@@ -187,9 +185,9 @@ def main(argv=None):
                                             .float() @ vs[l].float())).abs().max()
                         / (x.float() @ us[l].float() @ vs[l].float()).abs().max())
                   for l in (0, 1))
-      else:  # the last call's P (layer (3L - 1) % L): rows p16_cols wide (p16, p_own), or
+      else:  # the last call's P (layer (3L - 1) % L): rows p16_cols wide, or without p16
         want = x.float() @ us[(3 * layers - 1) % layers].float()  # f32 in its scratch half
-        if p.p16 or p.p_own:
+        if p.p16:
           got = p16[:m * plan["p16_cols"]].view(m, plan["p16_cols"])[:, :r].float()
         else:
           off = (3 * layers - 1) % 2 * half

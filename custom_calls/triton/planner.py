@@ -245,11 +245,6 @@ class PersistentDecodePlan:
   p_align: int = 0  # pv="xla": P rounded into rows padded to this multiple (zeros), V padded
   #                   alike, so XLA's GEMM need not pad P itself (an A/B option, 0: off; not
   #                   adopted: V's pad is a copy every call, results/gpu_xuv_decode_unaligned_*)
-  p_own: bool = False  # pv="xla", f32 P: P in an output of its own, zeroed by the kernel's CTAs
-  #                      at entry (a count in the scratch orders it before the atomics), so
-  #                      XLA's GEMM can take the call's output whole and fuse its rounding,
-  #                      as it did for a whole f32 array (results/gpu_xla_p_handover_h200.json);
-  #                      an A/B option, off by default, not yet timed
 
 
 def _widths(pow2s):

@@ -81,11 +81,10 @@ import triton
 import triton.language as tl
 
 from lrjax.custom_calls.triton import launch, planner
-from lrjax.custom_calls.triton._common import (check_out, clear_scratch, join_chain, k_masks,
-                                               last_arrival, leave_chain, mm_acc, num_sms,
-                                               prefetch_l2, round_once, signal,
-                                               splitr_out_tile, stamp, store_out,
-                                               unpack_xuv_args, wait_at_least)
+from lrjax.custom_calls.triton._common import (check_out, join_chain, k_masks, last_arrival,
+                                               leave_chain, mm_acc, num_sms, prefetch_l2,
+                                               round_once, signal, splitr_out_tile, stamp,
+                                               store_out, unpack_xuv_args, wait_at_least)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,15 +164,13 @@ def _xu_tile(rb, k_start,  # column block of U, first row of K
              BLOCK_R: tl.constexpr, COLS_R: tl.constexpr, EVEN_K: tl.constexpr,
              STREAM: tl.constexpr, P16: tl.constexpr, p16_ptr, rb_cnt_ptr,
              SPLIT_K: tl.constexpr, P_STORE: tl.constexpr = False,
-             R16: tl.constexpr = 0, SIGNAL: tl.constexpr = True, READY: tl.constexpr = 0):
+             R16: tl.constexpr = 0, SIGNAL: tl.constexpr = True):
   """One split-K tile of P = X·U: f32 atomics into P, then its r-chunk's counter (release).
   P16: the last of the column block's SPLIT_K tiles (``last_arrival`` on its counter)
   rounds the block once into p16 (V's dtype) and alone signals the chunk; R16 > R: p16's
   rows are R16 wide, zeros past R (``PersistentDecodePlan.p_align``). SIGNAL=False (phase 1
   alone: no phase-2 tile waits on the chunk) leaves the counter alone; each release would make
   the CTA wait for its atomics (0.1-1.1 us a call, results/gpu_xuv_decode_signals_h200.json).
-  READY > 0 (phase 1 alone, so no signal): before its atomics the tile waits until
-  ``flag_ptr`` counts READY (the CTAs that zeroed P: ``PersistentDecodePlan.p_own``).
   STREAM=False skips the streaming, P_STORE stores the partial instead of adding it (timing
   only: the output is then wrong)."""
   offs_r = rb * COLS_R + tl.arange(0, BLOCK_R)
@@ -184,8 +181,6 @@ def _xu_tile(rb, k_start,  # column block of U, first row of K
     acc = tl.zeros([offs_m.shape[0], BLOCK_R], tl.float32)
     acc = mm_acc(acc, x_ptr, u_ptr, offs_m, offs_r, m_mask, r_mask, k_start, k_start + K_PER,
                  K, K, R, BLOCK_K, EVEN_K, False)
-    if READY > 0:
-      wait_at_least(flag_ptr, READY)
     if P_STORE:
       tl.store(p_ptr + offs_m[:, None] * R + offs_r[None, :], acc,
                mask=m_mask[:, None] & r_mask[None, :])
@@ -372,8 +367,6 @@ def _xuv_decode_persistent_kernel(
     CLEAR_FIRST: tl.constexpr = 0, CLEAR_COUNT: tl.constexpr = 0,  # the CTAs that zero the
                              # scratch chain's other half (leave_chain; 0: all of them)
     R16: tl.constexpr = 0,  # PV=False: p16's rows R16 > R wide, zeros past R (plan.p_align)
-    P_OWN: tl.constexpr = 0,  # PV=False: P's f32 sums in p16_ptr (its own output), zeroed by
-                              # the CTAs at entry; the scratch holds only their count
 ):
   pid = tl.program_id(0)
   chain_ptr = scratch_ptr
@@ -382,12 +375,7 @@ def _xuv_decode_persistent_kernel(
   stamp(o_in_ptr, 0, TRACE)
   p_ptr = scratch_ptr
   acc_ptr = scratch_ptr + M * R  # the output accumulator: only with several r-chunks
-  if P_OWN:  # every CTA zeroes its share of P, then counts itself (release)
-    p_ptr = p16_ptr
-    flag_ptr = scratch_ptr.to(tl.pointer_type(tl.int32))
-    clear_scratch(p_ptr, M * R, pid, PROGRAMS)
-    signal(flag_ptr)
-  elif R_CHUNKS > 1:
+  if R_CHUNKS > 1:
     flag_ptr = (scratch_ptr + M * R + M * N).to(tl.pointer_type(tl.int32))
   else:
     flag_ptr = (scratch_ptr + M * R).to(tl.pointer_type(tl.int32))
@@ -409,8 +397,7 @@ def _xuv_decode_persistent_kernel(
     for t in range(pid, n1, PROGRAMS):
       _xu_tile(t // SPLIT_K, (t % SPLIT_K) * K_PER, x_ptr, u_ptr, p_ptr, flag_ptr, offs_m,
                m_mask, K, R, K_PER, RB_PER_CHUNK, BLOCK_K, BLOCK_R, COLS_R, EVEN_K, True, P16,
-               p16_ptr, rb_cnt_ptr, SPLIT_K, (PROBE & 1) != 0, R16, PV,
-               PROGRAMS if P_OWN else 0)
+               p16_ptr, rb_cnt_ptr, SPLIT_K, (PROBE & 1) != 0, R16, PV)
   stamp(o_in_ptr, 1, TRACE)
   if V_RES:  # phase-2 tile q on CTA n1 + q, which ran no phase-1 tile
     if (pid >= n1) & (pid < n1 + n_nb):
@@ -588,22 +575,17 @@ def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
               EVEN_R=r % r_per == 0 and r_per % p.block_kv == 0, COLS_R=p.cols_r,
               COLS_N=p.cols_n, PROGRAMS=p.programs, PREFETCH=p.prefetch, P16=p.p16, PV=pv,
               PROBE=int(probe), V_RES=int(p.v_resident), R_P2=max(16, planner.next_pow2(r)),
-              STREAM_K=int(p.stream_k), P_OWN=int(p.p_own))
+              STREAM_K=int(p.stream_k))
   r16 = planner.round_up(r, p.p_align) if p.p_align else r
   if p.p_align and (pv or not p.p16 or p.p_align % 8 or p.cols_r != p.block_r
                     or r16 > n_rb * p.cols_r):
     raise ValueError(f"{p}: p_align pads phase 1's rounded P (pv='xla', p16) to a multiple of "
                      f"{p.p_align} columns (a multiple of 8), written by the last column "
                      f"tile, so it needs cols_r = block_r and tiles covering {r16} columns")
-  if p.p_own and (pv or p.p16):
-    raise ValueError(f"{p}: p_own puts phase 1's f32 P in an output of its own, so it needs "
-                     "pv='xla' (phase 1 alone) and no p16")
   meta["R16"] = r16  # jax-triton passes no constexpr default: every one is named here
   n_nb = planner.cdiv(n, p.cols_n)
   scratch = m * r + (m * n if chunks > 1 else 0) + chunks + n_nb + (n_rb if p.p16 else 0)
-  if p.p_own:  # the count of CTAs that zeroed P (P is the call's third output)
-    scratch = 1
-  elif not pv and not p.p16:  # phase 1 alone signals and counts nothing: its scratch is P alone
+  if not pv and not p.p16:  # phase 1 alone signals and counts nothing: its scratch is P alone
     scratch = m * r
   # who zeroes the chain's other half at its end: V_RES's phase-1 CTAs (done long before
   # phase 2), else the CTAs with no phase-2 tile where there are enough, else every CTA
@@ -615,7 +597,7 @@ def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
   else:
     meta.update(CLEAR_FIRST=0, CLEAR_COUNT=0)
   return dict(grid=p.programs, chunks=chunks, n_nb=n_nb, meta=meta, scratch=scratch,
-              p16=m * r16 if p.p16 or p.p_own else 1, p16_cols=r16)
+              p16=m * r16 if p.p16 else 1, p16_cols=r16)
 
 
 def default_pv(m: int, k: int, n: int, out_given: bool = False) -> str:
@@ -698,7 +680,7 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
         plan_persistent(m, k, r, n, pv, num_sms())
     if pv == "xla" and out is not None:
       raise ValueError("out= is the kernel's output buffer; with pv='xla' XLA writes y")
-    if (pv == "kernel" or p.p_own) and not 0 < p.programs <= num_sms():
+    if pv == "kernel" and not 0 < p.programs <= num_sms():
       raise ValueError(f"{p.programs=} must be in [1, {num_sms()}] (the SMs; 0: unknown): "
                        "every CTA must be resident, or a waiting CTA could block its producer")
     if p.programs < 1:
@@ -719,7 +701,6 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
     plan = launch_plan(m, k, r, n, bias is not None, bs, _stages)
     kernel, warps, stages = _xuv_decode_kernel, bs.num_warps, bs.num_stages
   scratch = plan["scratch"]
-  own_p = pv == "xla" and p.p_own  # pv is "xla" on the persistent schedule alone
   if xla_zeroing:  # the 5th operand is then the zeroed scratch, aliased to output 0
     fifth, aliases, zeroed = jnp.zeros((scratch,), jnp.float32), {4: 0}, ()
   else:
@@ -729,8 +710,7 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
       x2, u, v, b, fifth, m, *launch.UNCHAINED, kernel=kernel,
       out_shape=(jax.ShapeDtypeStruct((scratch,), jnp.float32),
                  jax.ShapeDtypeStruct((m, n) if pv == "kernel" else (1,), out_dtype),
-                 jax.ShapeDtypeStruct((plan["p16"],), jnp.float32 if own_p else v.dtype)),
-      # P16's P, or p_own's f32 P; never zeroed by XLA
+                 jax.ShapeDtypeStruct((plan["p16"],), v.dtype)),  # P16's P; never zeroed
       grid=(plan["grid"],), zeroed_outputs=zeroed, input_output_aliases=aliases,
       num_warps=warps, num_stages=stages, name="lrjax_xuv_decode",
       **plan["meta"])
@@ -739,9 +719,9 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
     if p.p16:  # P rounded once; rows padded with zeros (p_align), V's with zero rows alike
       r16 = plan["p16_cols"]
       pm, v = outs[2].reshape(m, r16), v if r16 == r else jnp.pad(v, ((0, r16 - r), (0, 0)))
-    else:  # P's f32 sums: the call's third output (p_own) or its scratch, P alone (chained:
-      # the half it worked in); rounded here by XLA
-      pm = (outs[2] if own_p else outs[0]).reshape(m, r).astype(v.dtype)
+    else:  # P's f32 sums: the call's scratch, P alone (chained: the half it worked in),
+      # rounded here by XLA in a loop fusion of its own (gpu_xuv_decode_p_handover_h200.json)
+      pm = outs[0].reshape(m, r).astype(v.dtype)
     return rank_space_out(pm, v, bias, out_dtype).reshape(*lead, n)
   return outs[1].reshape(*lead, n)
 

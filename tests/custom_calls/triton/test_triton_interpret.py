@@ -107,8 +107,7 @@ _PHASE1 = textwrap.dedent('''
     v = np.zeros((r, n), np.float16)  # never read: no phase 2
     # zeroed as the chain zeroes it, with 64 floats past the plan's scratch that must stay 0
     scratch = np.zeros(plan["scratch"] + 64, np.float32)
-    # poisoned: every element must be written (p_own: zeroed by the CTAs, then added to)
-    p16 = np.full(plan["p16"], np.nan, np.float32 if p.p_own else np.float16)
+    p16 = np.full(plan["p16"], np.nan, np.float16)  # poisoned: every element must be written
     xuv_decode._xuv_decode_persistent_kernel[(plan["grid"],)](
         T(x), T(u), T(v), T(v), T(x), m, 0, 0, T(scratch), T(np.zeros(1, np.float16)),
         T(p16),
@@ -119,18 +118,13 @@ _PHASE1 = textwrap.dedent('''
       err = check(P[:, :r], f64(x) @ f64(u), 2e-3, (m, k, r, "P"))
       assert plan["p16_cols"] == (-(-r // p.p_align) * p.p_align if p.p_align else r)
       assert (P[:, r:] == 0).all(), (m, k, r, "P's padding columns", P[:, r:])
-      # the r-chunk's flag after the scratch's P: no phase 2 waits on it, so no tile signals
-      flag = scratch[m * r:m * r + 1].view(np.int32)[0]
-      assert flag == 0, (m, k, r, "phase 1 alone signalled its r-chunk", flag)
-    elif p.p_own:  # the f32 sums in their own output; the scratch counts the zeroing CTAs
-      assert plan["scratch"] == 1 and plan["p16"] == m * r, (m, k, r, plan)
-      err = check(p16.reshape(m, r), f64(x) @ f64(u), 1e-5, (m, k, r, "own P f32"))
-      count = scratch[:1].view(np.int32)[0]
-      assert count == plan["grid"], (m, k, r, "CTAs counted", count, plan["grid"])
     else:  # the f32 sums, the whole scratch: no flag or counter (xuv_decode hands P to XLA)
       assert plan["meta"]["P16"] is False and np.isnan(p16).all(), "p16 written without P16"
       assert plan["scratch"] == m * r, (m, k, r, plan["scratch"])
       err = check(scratch[:m * r].reshape(m, r), f64(x) @ f64(u), 1e-5, (m, k, r, "P f32"))
+    # the r-chunk's flag after the scratch's P: no phase 2 waits on it, so no tile signals
+    flag = scratch[m * r:m * r + 1].view(np.int32)[0]
+    assert flag == 0, (m, k, r, "phase 1 alone signalled its r-chunk", flag)
     print(m, k, r, plan["grid"], p.cols_r, p.k_per, plan["meta"]["SPLIT_K"], f"{err:.1e}")
   print("ok")
 ''')
@@ -308,15 +302,6 @@ def test_decode_phase1_alone_rounds_p_itself_with_p16():
   shapes = [(64, 384, 136, 200, 132), (77, 200, 72, 130, 7), (128, 640, 1100, 64, 132)]
   _interpret(f"SHAPES = {shapes!r}\nFIELDS = {{'p16': True}}\n" + _PRELUDE
              + _PHASE1)
-
-
-def test_decode_phase1_alone_zeroes_its_own_p_before_adding_to_it():
-  """``p_own`` (an A/B option): P's f32 sums go to an output of their own, poisoned here,
-  which the CTAs zero at entry and count in the scratch before any tile adds to it. On one
-  program (the interpreter runs programs one after another, and each waits for all of them
-  to have zeroed their share) over every tile, ragged K and r."""
-  shapes = [(64, 384, 136, 200, 1), (77, 200, 72, 130, 1), (128, 640, 1100, 64, 1)]
-  _interpret(f"SHAPES = {shapes!r}\nFIELDS = {{'p_own': True}}\n" + _PRELUDE + _PHASE1)
 
 
 def test_decode_phase1_alone_writes_p_padded_with_zeros():

@@ -84,7 +84,6 @@ XUV_SHAPES = [  # (M, K, r, N): M=1, ragged everything, a multi-super-block pref
                                   "persistent_no_v_resident", "persistent_stream_k",
                                   "persistent_wide_rows", "persistent_deep_kv",
                                   "persistent_p_align_pv_xla", "persistent_p16_pv_xla",
-                                  "persistent_p_own_pv_xla",
                                   "prefill"])
 def test_xuv_kernels(kind, shape, dtype, bias):
   from lrjax.custom_calls.triton import xuv_decode, xuv_prefill
@@ -120,8 +119,6 @@ def test_xuv_kernels(kind, shape, dtype, bias):
       p = dataclasses.replace(planner.plan_decode_phase1(m, k, r, n), p_align=32, p16=True)
     if kind == "persistent_p16_pv_xla":  # phase 1 alone rounds P itself (the default: f32)
       p = dataclasses.replace(planner.plan_decode_phase1(m, k, r, n), p16=True)
-    if kind == "persistent_p_own_pv_xla":  # f32 P in its own output, zeroed by the CTAs
-      p = dataclasses.replace(planner.plan_decode_phase1(m, k, r, n), p_own=True)
     if kind.endswith("_p16"):  # phase 2 reads P rounded once by each block's last tile
       p = dataclasses.replace(p, p16=True, v_resident=False, stream_k=False)
     fn = lambda x, u, v, b, o: xuv_decode.xuv_decode(x, u, v, b, out=o, persistent=p,

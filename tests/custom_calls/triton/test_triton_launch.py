@@ -387,9 +387,7 @@ def test_phase1_alone_hands_xla_the_p_its_launch_returns():
   """xuv_decode(pv="xla") with the launch faked (it returns a known P, not run): on f32 P
   (the default plan) the scratch the call asks for is P alone, m·r floats, and y is that P
   rounded once to V's dtype times V, plus the bias; with p16 (and p_align's zero-padded rows)
-  y is the returned bf16 P times V padded alike; with p_own P is the third output, f32, and
-  the scratch one count. Ragged M, r and N. p_own with p16, with phase 2 in the kernel or
-  on more CTAs than SMs (its CTAs wait for each other) is refused by name."""
+  y is the returned bf16 P times V padded alike. Ragged M, r and N."""
   out = run_script(STUB + textwrap.dedent('''
     import dataclasses
     import jax, jax.numpy as jnp, numpy as np
@@ -398,9 +396,7 @@ def test_phase1_alone_hands_xla_the_p_its_launch_returns():
     rng = np.random.default_rng(0)
     for m, k, r, n, fields in ((128, 512, 200, 1000, {}), (77, 256, 136, 130, {}),
                                (64, 512, 136, 200, {"p16": True}),
-                               (64, 512, 136, 200, {"p16": True, "p_align": 32}),
-                               (128, 512, 200, 1000, {"p_own": True}),
-                               (77, 256, 136, 130, {"p_own": True})):
+                               (64, 512, 136, 200, {"p16": True, "p_align": 32})):
       p = dataclasses.replace(planner.plan_decode_phase1(m, k, r, n, programs=132), **fields)
       plan = xuv_decode.persistent_launch_plan(m, k, r, n, True, p, pv=False)
       pf = rng.standard_normal((m, r)).astype(np.float32)
@@ -408,11 +404,9 @@ def test_phase1_alone_hands_xla_the_p_its_launch_returns():
       def fake(*args, kernel, out_shape, grid, **kw):
         shapes.append([s.shape for s in out_shape])
         scratch = np.zeros(out_shape[0].shape, np.float32)
-        scratch[:min(m * r, scratch.size)] = pf.reshape(-1)[:scratch.size]
+        scratch[:m * r] = pf.reshape(-1)
         p16 = np.zeros((m, plan["p16_cols"]), np.float32)  # padding columns left at zero
         p16[:, :r] = pf
-        if p.p_own:  # P's f32 sums in their own output; the scratch holds only a count
-          assert out_shape[2].dtype == jnp.float32 and out_shape[0].shape == (1,), out_shape
         return (jnp.asarray(scratch), jnp.zeros(out_shape[1].shape, out_shape[1].dtype),
                 jnp.asarray(p16.reshape(-1)[:out_shape[2].shape[0]], out_shape[2].dtype))
       launch.triton_call = fake
@@ -422,25 +416,14 @@ def test_phase1_alone_hands_xla_the_p_its_launch_returns():
       b = jnp.asarray(rng.standard_normal(n), jnp.bfloat16)
       y = np.asarray(xuv_decode.xuv_decode(x, u, v, b, persistent=p, pv="xla"), np.float64)
       (scratch_shape, _, p16_shape), = shapes
-      if p.p16 or p.p_own:
-        assert p16_shape == (m * plan["p16_cols"],), (m, r, p16_shape)
-      else:
+      if not p.p16:
         assert scratch_shape == (m * r,), (m, r, scratch_shape)  # P alone: nothing to slice
+      else:
+        assert p16_shape == (m * plan["p16_cols"],), (m, r, p16_shape)
       f64 = lambda a: np.asarray(a, np.float64)
       want = f64(jnp.asarray(pf, jnp.bfloat16)) @ f64(v) + f64(b)
       err = np.abs(y - want).max() / np.abs(want).max()
       assert y.shape == (m, n) and err < 2e-2, (m, k, r, n, fields, err)
-    own = dataclasses.replace(planner.plan_decode_phase1(128, 512, 200, 1000), p_own=True)
-    z = lambda *s: jnp.zeros(s, jnp.bfloat16)
-    for bad, pv, words in ((dict(p16=True), "xla", "p_own puts"), ({}, "kernel", "p_own puts"),
-                           (dict(programs=133), "xla", "must be resident")):
-      try:
-        xuv_decode.xuv_decode(z(128, 512), z(512, 200), z(200, 1000), pv=pv,
-                              persistent=dataclasses.replace(own, **bad))
-      except ValueError as e:
-        assert words in str(e), e
-      else:
-        raise AssertionError(f"p_own with {bad}, pv={pv}: not refused")
     print("ok")
   '''), interpret=False)
   assert out.strip().endswith("ok")
