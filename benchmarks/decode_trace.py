@@ -19,8 +19,8 @@ Each variant also runs untraced in the same graph method ((t(3L) - t(L)) / 2L, a
 pdl_probe.graph_per_call_us) and the stamped outputs are checked against an f32 reference.
 ``--phase1`` traces phase 1 alone (``xuv_decode(pv="xla")``'s kernel on
 ``planner.plan_decode_phase1``'s tiles, ending with P's f32 sums left in the scratch, or with
-``:p16=1`` P rounded into bf16; XLA's ·V is not run): no phase 2, so ``p2_*`` and ``wait_*`` are left out and P is what is
-checked.
+``:p16=1`` P rounded into bf16; XLA's ·V is not run): no wait or phase 2, so ``p2_*`` and
+``wait_*`` are left out and P is what is checked.
 
   python benchmarks/decode_trace.py --out benchmarks/results/gpu_xuv_decode_trace_h200.json \
       --case 2,4096,2560,14336 --case 2,4096,2560,14336:prefetch=0
@@ -185,10 +185,10 @@ def main(argv=None):
                                             .float() @ vs[l].float())).abs().max()
                         / (x.float() @ us[l].float() @ vs[l].float()).abs().max())
                   for l in (0, 1))
-      else:  # the last call's P (layer (3L - 1) % L): rows p16_cols wide, or without p16
+      else:  # the last call's P (layer (3L - 1) % L): bf16 (p16), or f32 sums
         want = x.float() @ us[(3 * layers - 1) % layers].float()  # f32 in its scratch half
         if p.p16:
-          got = p16[:m * plan["p16_cols"]].view(m, plan["p16_cols"])[:, :r].float()
+          got = p16[:m * r].view(m, r).float()
         else:
           off = (3 * layers - 1) % 2 * half
           got = scratch[off:off + m * r].view(m, r)

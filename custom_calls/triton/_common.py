@@ -219,16 +219,11 @@ def clear_scratch(ptr, n, pid, programs, BLOCK: tl.constexpr = 512):
 
 
 @triton.jit
-def round_once(src_ptr, dst_ptr, off, mask, dst_off=None, dst_mask=None):
+def round_once(src_ptr, dst_ptr, off, mask):
   """dst[off] = src[off]: an f32 split-K sum read from L2, rounded once to dst's dtype (the
-  dtype the next stage's dot consumes), so the next stage's tiles read half the bytes.
-  ``dst_off``/``dst_mask``: dst laid out otherwise (wider rows: what ``mask`` leaves out is
-  stored as zeros where ``dst_mask`` holds)."""
+  dtype the next stage's dot consumes), so the next stage's tiles read half the bytes."""
   t = tl.load(src_ptr + off, mask=mask, other=0.0, cache_modifier=".cg")
-  if dst_off is None:
-    tl.store(dst_ptr + off, t.to(dst_ptr.dtype.element_ty), mask=mask)
-  else:
-    tl.store(dst_ptr + dst_off, t.to(dst_ptr.dtype.element_ty), mask=dst_mask)
+  tl.store(dst_ptr + off, t.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -242,9 +242,6 @@ class PersistentDecodePlan:
   p16: bool = False  # phase 2 reads P rounded once to V's dtype, not the f32 sums
   v_resident: bool = False  # one tile a CTA, phase-2 CTAs hold their V tile before the wait
   stream_k: bool = False  # both phases split evenly by steps (cols_r/cols_n wide blocks)
-  p_align: int = 0  # pv="xla": P rounded into rows padded to this multiple (zeros), V padded
-  #                   alike, so XLA's GEMM need not pad P itself (an A/B option, 0: off; not
-  #                   adopted: V's pad is a copy every call, results/gpu_xuv_decode_unaligned_*)
 
 
 def _widths(pow2s):

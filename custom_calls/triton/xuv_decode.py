@@ -164,13 +164,12 @@ def _xu_tile(rb, k_start,  # column block of U, first row of K
              BLOCK_R: tl.constexpr, COLS_R: tl.constexpr, EVEN_K: tl.constexpr,
              STREAM: tl.constexpr, P16: tl.constexpr, p16_ptr, rb_cnt_ptr,
              SPLIT_K: tl.constexpr, P_STORE: tl.constexpr = False,
-             R16: tl.constexpr = 0, SIGNAL: tl.constexpr = True):
+             SIGNAL: tl.constexpr = True):
   """One split-K tile of P = X·U: f32 atomics into P, then its r-chunk's counter (release).
   P16: the last of the column block's SPLIT_K tiles (``last_arrival`` on its counter)
-  rounds the block once into p16 (V's dtype) and alone signals the chunk; R16 > R: p16's
-  rows are R16 wide, zeros past R (``PersistentDecodePlan.p_align``). SIGNAL=False (phase 1
-  alone: no phase-2 tile waits on the chunk) leaves the counter alone; each release would make
-  the CTA wait for its atomics (0.1-1.1 us a call, results/gpu_xuv_decode_signals_h200.json).
+  rounds the block once into p16 (V's dtype) and alone signals the chunk. SIGNAL=False (phase
+  1 alone: no phase-2 tile waits on the chunk) leaves the counter alone; each release would
+  make the CTA wait for its atomics (0.1-1.1 us a call, gpu_xuv_decode_signals_h200.json).
   STREAM=False skips the streaming, P_STORE stores the partial instead of adding it (timing
   only: the output is then wrong)."""
   offs_r = rb * COLS_R + tl.arange(0, BLOCK_R)
@@ -189,13 +188,8 @@ def _xu_tile(rb, k_start,  # column block of U, first row of K
                     mask=m_mask[:, None] & r_mask[None, :], sem="relaxed")
   if P16:
     if last_arrival(rb_cnt_ptr + rb, SPLIT_K):
-      if R16 > R:
-        round_once(p_ptr, p16_ptr, offs_m[:, None] * R + offs_r[None, :],
-                   m_mask[:, None] & r_mask[None, :], offs_m[:, None] * R16 + offs_r[None, :],
-                   m_mask[:, None] & (offs_r < R16)[None, :])
-      else:
-        round_once(p_ptr, p16_ptr, offs_m[:, None] * R + offs_r[None, :],
-                   m_mask[:, None] & r_mask[None, :])
+      round_once(p_ptr, p16_ptr, offs_m[:, None] * R + offs_r[None, :],
+                 m_mask[:, None] & r_mask[None, :])
       if SIGNAL:
         signal(flag_ptr + rb // RB_PER_CHUNK)
   elif SIGNAL:
@@ -366,7 +360,6 @@ def _xuv_decode_persistent_kernel(
                                  # one r-chunk, whose flag counts the CTAs
     CLEAR_FIRST: tl.constexpr = 0, CLEAR_COUNT: tl.constexpr = 0,  # the CTAs that zero the
                              # scratch chain's other half (leave_chain; 0: all of them)
-    R16: tl.constexpr = 0,  # PV=False: p16's rows R16 > R wide, zeros past R (plan.p_align)
 ):
   pid = tl.program_id(0)
   chain_ptr = scratch_ptr
@@ -397,7 +390,7 @@ def _xuv_decode_persistent_kernel(
     for t in range(pid, n1, PROGRAMS):
       _xu_tile(t // SPLIT_K, (t % SPLIT_K) * K_PER, x_ptr, u_ptr, p_ptr, flag_ptr, offs_m,
                m_mask, K, R, K_PER, RB_PER_CHUNK, BLOCK_K, BLOCK_R, COLS_R, EVEN_K, True, P16,
-               p16_ptr, rb_cnt_ptr, SPLIT_K, (PROBE & 1) != 0, R16, PV)
+               p16_ptr, rb_cnt_ptr, SPLIT_K, (PROBE & 1) != 0, PV)
   stamp(o_in_ptr, 1, TRACE)
   if V_RES:  # phase-2 tile q on CTA n1 + q, which ran no phase-1 tile
     if (pid >= n1) & (pid < n1 + n_nb):
@@ -576,13 +569,6 @@ def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
               COLS_N=p.cols_n, PROGRAMS=p.programs, PREFETCH=p.prefetch, P16=p.p16, PV=pv,
               PROBE=int(probe), V_RES=int(p.v_resident), R_P2=max(16, planner.next_pow2(r)),
               STREAM_K=int(p.stream_k))
-  r16 = planner.round_up(r, p.p_align) if p.p_align else r
-  if p.p_align and (pv or not p.p16 or p.p_align % 8 or p.cols_r != p.block_r
-                    or r16 > n_rb * p.cols_r):
-    raise ValueError(f"{p}: p_align pads phase 1's rounded P (pv='xla', p16) to a multiple of "
-                     f"{p.p_align} columns (a multiple of 8), written by the last column "
-                     f"tile, so it needs cols_r = block_r and tiles covering {r16} columns")
-  meta["R16"] = r16  # jax-triton passes no constexpr default: every one is named here
   n_nb = planner.cdiv(n, p.cols_n)
   scratch = m * r + (m * n if chunks > 1 else 0) + chunks + n_nb + (n_rb if p.p16 else 0)
   if not pv and not p.p16:  # phase 1 alone signals and counts nothing: its scratch is P alone
@@ -597,7 +583,7 @@ def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
   else:
     meta.update(CLEAR_FIRST=0, CLEAR_COUNT=0)
   return dict(grid=p.programs, chunks=chunks, n_nb=n_nb, meta=meta, scratch=scratch,
-              p16=m * r16 if p.p16 else 1, p16_cols=r16)
+              p16=m * r if p.p16 else 1)
 
 
 def default_pv(m: int, k: int, n: int, out_given: bool = False) -> str:
@@ -716,9 +702,8 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
       **plan["meta"])
   if pv == "xla":
     from lrjax.lowering.primitives import rank_space_out
-    if p.p16:  # P rounded once; rows padded with zeros (p_align), V's with zero rows alike
-      r16 = plan["p16_cols"]
-      pm, v = outs[2].reshape(m, r16), v if r16 == r else jnp.pad(v, ((0, r16 - r), (0, 0)))
+    if p.p16:  # P rounded once in the kernel
+      pm = outs[2].reshape(m, r)
     else:  # P's f32 sums: the call's scratch, P alone (chained: the half it worked in),
       # rounded here by XLA in a loop fusion of its own (gpu_xuv_decode_p_handover_h200.json)
       pm = outs[0].reshape(m, r).astype(v.dtype)

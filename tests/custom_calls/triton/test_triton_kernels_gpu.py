@@ -83,7 +83,7 @@ XUV_SHAPES = [  # (M, K, r, N): M=1, ragged everything, a multi-super-block pref
                                   "persistent_two_waves_pv_xla", "persistent_planned",
                                   "persistent_no_v_resident", "persistent_stream_k",
                                   "persistent_wide_rows", "persistent_deep_kv",
-                                  "persistent_p_align_pv_xla", "persistent_p16_pv_xla",
+                                  "persistent_p16_pv_xla",
                                   "prefill"])
 def test_xuv_kernels(kind, shape, dtype, bias):
   from lrjax.custom_calls.triton import xuv_decode, xuv_prefill
@@ -115,8 +115,6 @@ def test_xuv_kernels(kind, shape, dtype, bias):
     if kind == "persistent_deep_kv":  # planner.DEEP_KV_*: 128-row phase-2 steps, 3 stages
       p = dataclasses.replace(p, block_kv=planner.DEEP_KV_ROWS, stages=planner.DEEP_KV_STAGES,
                               r_chunks=1, p16=False, v_resident=False)
-    if kind == "persistent_p_align_pv_xla":  # P's rows padded to 32 with zeros, V alike
-      p = dataclasses.replace(planner.plan_decode_phase1(m, k, r, n), p_align=32, p16=True)
     if kind == "persistent_p16_pv_xla":  # phase 1 alone rounds P itself (the default: f32)
       p = dataclasses.replace(planner.plan_decode_phase1(m, k, r, n), p16=True)
     if kind.endswith("_p16"):  # phase 2 reads P rounded once by each block's last tile

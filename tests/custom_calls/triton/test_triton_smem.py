@@ -196,33 +196,3 @@ def test_swiglu_decode_parks_h_where_it_measured_faster():
   refuses slices wider than their block, ``h_inline`` without parked h, and ``h_inline``
   splits of more CTAs than the GPU holds at once (they wait for each other)."""
   run_script(_PARK_RULE, interpret=False)
-
-
-_P_ALIGN = STUB + textwrap.dedent('''
-  import dataclasses
-  from lrjax.custom_calls.triton import xuv_decode
-  kernel = xuv_decode._xuv_decode_persistent_kernel
-  for m, k, r, n, r16 in ((64, 8192, 2456, 8192, 2464), (128, 4096, 152, 4096, 160),
-                          (64, 4096, 1024, 14336, 1024)):
-    p = dataclasses.replace(xuv_decode.plan_persistent(m, k, r, n, "xla", 132), p16=True)
-    got = {}
-    for align in (0, 32):
-      q = dataclasses.replace(p, p_align=align)
-      plan = xuv_decode.persistent_launch_plan(m, k, r, n, False, q, pv=False)
-      assert plan["p16_cols"] == (r16 if align else r) and plan["p16"] == m * plan["p16_cols"]
-      assert plan["meta"]["R16"] == plan["p16_cols"]  # named always: jax-triton has no defaults
-      c = kernel_resources.compile_for_sm90(kernel, plan["meta"], q.warps, q.stages)
-      assert c.metadata.shared <= kernel_resources.H200_SMEM_OPTIN
-      got[align] = (c.metadata.shared, c.asm["ptx"])
-    # the same shared memory; where r is ragged, the padded rows are stored by their own code
-    assert got[0][0] == got[32][0], (m, k, r, got[0][0], got[32][0])
-    assert (got[0][1] != got[32][1]) == (r16 > r), (m, k, r)
-  print("ok")
-''')
-
-
-def test_padded_p_option_compiles_for_the_h200_beside_the_default():
-  """``PersistentDecodePlan.p_align`` (an A/B option, not adopted) compiles for sm_90 with
-  the shared memory of the default phase-1 plan; where r is already a multiple of 32 it is the
-  default kernel (R16 = R), elsewhere P's rows are stored padded."""
-  run_script(_P_ALIGN, interpret=False)
