@@ -1235,7 +1235,11 @@ WIDE_M_WHY = ("XLA splits X·U over K into 4-32 f32 partials (its Triton emitter
               "(gpu_xuv_decode_ncu_h200.json), XLA's own X·U GEMM at 53 % "
               "(gpu_xuv_decode_ncu_xla_auto_h200.json); with each call on its own layer, "
               "as in a model step, the ratios hold "
-              "(gpu_xuv_decode_distinct_weights_h200.json)")
+              "(gpu_xuv_decode_distinct_weights_h200.json); at the small shapes about 1 us "
+              "is XLA rounding phase 1's f32 P in a loop fusion of its own before its ·V "
+              "GEMM: it fuses that rounding for a jit argument, not for a custom call's "
+              "output, and no form of the hand-over and no f32 read of P by its GEMM gained "
+              "(gpu_xuv_decode_p_handover_h200.json, gpu_xla_p_handover_h200.json)")
 
 
 def evaluate_targets(records) -> list[dict]:
