@@ -600,9 +600,9 @@ def _phase1_l2_us(m: int, k: int, r: int, cols: int, k_per: int) -> float:
           + cdiv(r, cols) * m * k * 2 / PHASE1_X_L2_BW) * 1e6
 
 
-# Phase 1 alone leaves P's f32 sums in its scratch (no p16) and XLA rounds them in a slice
-# fusion before its GEMM. Rounding in the kernel (the last split-K tile of each column block
-# waits for the block's atomics, then reads its f32 sums back from L2) ended phase 1
+# Phase 1 alone leaves P's f32 sums in its scratch (no p16) and XLA rounds them in a loop
+# fusion of its own before its GEMM. Rounding in the kernel (the last split-K tile of each
+# column block waits for the block's atomics, then reads its f32 sums back from L2) ended phase 1
 # 1.25-1.5 us after the other tiles at M=128 (results/gpu_xuv_decode_trace_phase1_h200.json).
 # Same weights, with phase 1's signals gone: the f32 hand-over took 0.06-1.8 us less at 6 of
 # the 7 M=64 points where phase 1 runs alone (+0.56 at 8192->4096->16384, still 1.03x XLA;

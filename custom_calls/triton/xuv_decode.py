@@ -537,7 +537,7 @@ def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
   """Grid size and constexprs of one persistent call (shared by the wrapper and the tests).
   ``pv=False``: phase 1 only (one r-chunk), into P rounded once (``p.p16``) or, without
   p16, into the scratch's f32 P, which XLA rounds as it reads it (the scratch is then P
-  alone, m·r floats: so unchained, XLA's GEMM can take the call's output as it is).
+  alone, m·r floats: nothing past it is signalled or counted).
   ``probe``: the kernel's timing-only PROBE bits (0: the real kernel)."""
   if not pv:
     p = dataclasses.replace(p, r_chunks=1, v_resident=False, stream_k=False)

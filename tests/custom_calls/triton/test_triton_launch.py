@@ -338,8 +338,8 @@ def test_a_prefetch_that_is_not_a_power_of_two_is_refused_by_name():
 def test_the_decode_wrapper_launches_the_planners_persistent_plan():
   """xuv_decode.xuv_decode on 132 SMs (the launch recorded, not run): below PV_XLA_MIN_M rows
   the persistent kernel with phase 2, from it phase 1 alone (XLA applies V), except where
-  out= is given; from 33 rows where N <= K/4 and K >= 4096; each call's grid and constexprs are persistent_launch_plan's of
-  plan_persistent's plan for that many SMs."""
+  out= is given; from 33 rows where N <= K/4 and K >= 4096; each call's grid and constexprs
+  are persistent_launch_plan's of plan_persistent's plan for that many SMs."""
   out = run_script(STUB + textwrap.dedent('''
     import jax, jax.numpy as jnp
     from lrjax.custom_calls.triton import launch, xuv_decode
@@ -398,7 +398,6 @@ def test_phase1_alone_hands_xla_the_p_its_launch_returns():
                                (64, 512, 136, 200, {"p16": True}),
                                (77, 256, 136, 130, {"p16": True})):
       p = dataclasses.replace(planner.plan_decode_phase1(m, k, r, n, programs=132), **fields)
-      plan = xuv_decode.persistent_launch_plan(m, k, r, n, True, p, pv=False)
       pf = rng.standard_normal((m, r)).astype(np.float32)
       shapes = []
       def fake(*args, kernel, out_shape, grid, **kw):
