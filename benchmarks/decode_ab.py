@@ -189,7 +189,8 @@ def xla_triton_serves(m: int, k: int, r: int, n: int, sms: int) -> bool:
   """Whether launch mode xla_triton hands the default plan of x [m, k] · u [k, r] · v [r, n]
   (no bias) on ``sms`` SMs to XLA's Triton call (planner.xla_triton_serves), as
   xuv_decode.xuv_decode plans it: the persistent kernel up to PERSISTENT_MAX_M rows, phase 1
-  alone where xuv_decode.default_pv says "xla"."""
+  alone where xuv_decode.default_pv says "xla" or "launch" (the ·V launch, which XLA's
+  Triton call always takes, is not counted here)."""
   planner, xuv_decode = _kernel_modules()
   if m > xuv_decode.PERSISTENT_MAX_M:
     return False

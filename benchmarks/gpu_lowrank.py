@@ -433,6 +433,14 @@ def _xuv_variant(kernel, m, k, r, n):
     bits = int(kernel.split(":")[1])       # partials stored, not added; timing only)
     return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, persistent=True, pv="xla",
                                                  _probe=bits)
+  if kernel == "pv_launch" or kernel.startswith("pv_launch:"):  # phase 1 alone, then ·V in
+    # a launch of its own (pv_launch:field=value,...: planner.plan_pv_launch's tiles with
+    # these fields replaced)
+    spec = kernel.partition(":")[2]
+    fields = {f: int(v) for f, v in (t.split("=") for t in spec.split(",") if t)}
+    pp = dataclasses.replace(planner.plan_pv_launch(m, r, n), **fields)
+    return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, persistent=True, pv="launch",
+                                                 pv_plan=pp)
   if kernel == "pv_xla":  # the persistent kernel's phase 1, then XLA's GEMM applies V
     return lambda x, u, v: xuv_decode.xuv_decode(x, u, v, persistent=True, pv="xla")
   if kernel.startswith(("persistent:", "pv_xla:")):  # ...:field=value,... (a planner.
@@ -880,13 +888,15 @@ def decode_chunk_variants(m, k, r, n):
 
 def decode_pv_variants(m, k, r, n):
   """Specs next to the default: the persistent kernel applying V itself, its phase 1 alone
-  followed by XLA's GEMM (pv_xla; below PV_XLA_MIN_M, where the default is the fused kernel),
-  and that with the fused kernel's phase-1 tiles instead of ``planner.plan_decode_phase1``'s.
+  followed by XLA's GEMM (pv_xla) or by the ·V launch (pv_launch), each where it is not the
+  default, and pv_xla with the fused kernel's phase-1 tiles instead of
+  ``planner.plan_decode_phase1``'s.
   (Run 1 of results/gpu_xuv_decode_pv_h200.json, before plan_decode_phase1 existed, also
   timed pv_xla with 128- and 64-column tiles and the fewest splits, on 264 CTAs, at 4 warps.)"""
   from lrjax.custom_calls.triton import xuv_decode
   q = planner.plan_decode_persistent(m, k, r, n)
-  own = ("pv_xla",) if m < xuv_decode.PV_XLA_MIN_M else ()  # else the default already
+  default = xuv_decode.default_pv(m, k, r, n)
+  own = tuple(f"pv_{pv}" for pv in ("xla", "launch") if pv != default)
   return ("persistent",) + own + (
       f"pv_xla:block_r={q.block_r},cols_r={q.cols_r},k_per={q.k_per}",)
 

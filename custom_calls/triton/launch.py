@@ -160,13 +160,13 @@ lrjax's own (``launch_mode``)."""
 
 
 def launch_constexprs(kernel, meta: dict) -> dict:
-  """``meta`` with WORK_OFF and PDL at 0 where the kernel takes them and ``meta`` does not
-  (unchained, a plain launch; the lowering may move them: _chain, _lowering). Every other
-  constexpr of the kernel must be named: jax-triton passes a kernel only what its launch
-  names, never a signature default (Triton reads a missing one as None), so one missing is a
-  ValueError here rather than a compile error on the GPU."""
+  """``meta`` with WORK_OFF, PDL and READ_OFF at 0 where the kernel takes them and ``meta``
+  does not (unchained, a plain launch; the lowering may move them: _chain, _lowering,
+  _read_in_place). Every other constexpr of the kernel must be named: jax-triton passes a
+  kernel only what its launch names, never a signature default (Triton reads a missing one as
+  None), so one missing is a ValueError here rather than a compile error on the GPU."""
   names = getattr(kernel, "arg_names", ())
-  meta = {**{k: 0 for k in (WORK_OFF, PDL) if k in names}, **meta}
+  meta = {**{k: 0 for k in (WORK_OFF, PDL, READ_OFF) if k in names}, **meta}
   missing = [p.name for p in getattr(kernel, "params", ())
              if p.is_constexpr and p.name not in meta]
   if missing:
@@ -178,6 +178,7 @@ def launch_constexprs(kernel, meta: dict) -> dict:
 SCRATCH_ARGS = ("clear_off", "clear_n")
 UNCHAINED = (0, 0)  # those arguments as a call passes them: it zeroes nothing
 WORK_OFF = "WORK_OFF"  # the constexpr offset of the call's half (0: the scratch's start)
+READ_OFF = "READ_OFF"  # the constexpr offset at which a kernel reads its first operand
 _CHAIN_KEY = ("lrjax.custom_calls.triton.launch", "scratch chains")
 
 
@@ -244,6 +245,28 @@ def _chain(ctx, array_args, params):
     return [own, *results[1:]]
 
   return ctx.replace(avals_in=avals_in, avals_out=avals_out), args, params, finish
+
+
+def _read_in_place(ctx, array_args, params):
+  """(ctx, args, params) where a kernel that takes READ_OFF reads its first operand, a
+  contiguous slice of a 1-D buffer (a chained call's half, from _chain's finish), in that
+  buffer at the slice's offset: XLA would otherwise copy the slice out in a kernel of its own
+  (``xuv_decode``'s ·V launch reads phase 1's f32 P so)."""
+  if READ_OFF not in params or not array_args:
+    return ctx, array_args, params
+  owner = array_args[0].owner
+  op = getattr(owner, "operation", owner)
+  if getattr(op, "name", None) != "stablehlo.slice" or ctx.avals_in[0].ndim != 1:
+    return ctx, array_args, params
+  src = op.operands[0]
+  src_type = ir.RankedTensorType(src.type)
+  if src_type.rank != 1 or list(ir.DenseI64ArrayAttr(op.attributes["strides"])) != [1]:
+    return ctx, array_args, params
+  start = ir.DenseI64ArrayAttr(op.attributes["start_indices"])[0]
+  avals_in = list(ctx.avals_in)
+  avals_in[0] = avals_in[0].update(shape=(src_type.shape[0],))
+  args = [src, *array_args[1:]]
+  return ctx.replace(avals_in=avals_in), args, dict(params, **{READ_OFF: int(start)})
 
 
 _jax_triton_rule = functools.partial(triton_lib.triton_kernel_call_lowering,
@@ -573,6 +596,7 @@ def _lowering(ctx, *array_args, custom_call_target_name, **params):
   if custom_call_target_name != _REQUEST:  # someone else's jax-triton call
     return _jax_triton_rule(ctx, *array_args, custom_call_target_name=custom_call_target_name,
                             **params)
+  ctx, array_args, params = _read_in_place(ctx, array_args, params)
   chained = _chain(ctx, array_args, params)
   finish = lambda results: results  # noqa: E731
   if chained is not None:

@@ -642,6 +642,37 @@ def plan_decode_phase1(m: int, k: int, r: int, n: int, hw: Hardware = H200,
 
 
 @dataclasses.dataclass(frozen=True)
+class PvLaunchPlan:
+  """Tiles of ``xuv_decode``'s ·V launch (``pv="launch"``): Y = P·V from phase 1's f32 P,
+  one [block_m, block_n] output tile a CTA over all of r in block_kv steps (no split)."""
+  block_m: int  # P rows a tile (>= 16 for the mma)
+  block_n: int  # V columns a tile
+  block_kv: int  # the reduction step over r
+  warps: int
+  stages: int
+  prefetch: int = 0  # V rows a CTA asks L2 for before it waits on phase 1 (0, or a power of 2)
+
+
+# The ·V launch's tiles, fitted to 13 points of 32-128 rows (session 41, same weights,
+# results/gpu_xuv_decode_pv_launch_h200.json): 32-column tiles (64 were slower at every point
+# timed), and the tallest row block of 64/32/16 that still gives PV_LAUNCH_MIN_TILES tiles
+# with an f32 P tile of at most PV_LAUNCH_P_TILE_BYTES (a CTA's serial read); 16 rows where
+# none does. It picks the fastest of the three at 11 of the points and is within 0.9 % at the
+# other two.
+PV_LAUNCH_COLS = 32
+PV_LAUNCH_MIN_TILES = 128
+PV_LAUNCH_P_TILE_BYTES = 96 * 1024
+
+
+def plan_pv_launch(m: int, r: int, n: int) -> PvLaunchPlan:
+  """Output tiles for ``xuv_decode``'s ·V launch (see PV_LAUNCH_* above)."""
+  n_nb = cdiv(n, PV_LAUNCH_COLS)
+  bm = next((b for b in (64, 32) if b * r * 4 <= PV_LAUNCH_P_TILE_BYTES
+             and cdiv(m, b) * n_nb >= PV_LAUNCH_MIN_TILES), 16)
+  return PvLaunchPlan(bm, PV_LAUNCH_COLS, 64, 4, 3)
+
+
+@dataclasses.dataclass(frozen=True)
 class GroupDecodePlan:
   """Tiles of the grouped X·U·V decode kernel: several X·U_i·V_i sharing X in one launch.
   Per member i: its phase-1 tiles (block_r[i], cols_r[i], k_per[i]) and phase-2 tiles
@@ -845,7 +876,7 @@ def count_calls(hlo_text: str) -> int:
 # kernel. XLA's Triton compiled the grouped decode kernel to 306-324 KB of shared memory
 # (session 27) and the SwiGLU decode kernel to 313 KB (session 24), more than an H200 CTA may
 # have; those and every other kernel take XLA's PTX call.
-XLA_TRITON_KERNELS = ("_xuv_decode_persistent_kernel",)
+XLA_TRITON_KERNELS = ("_xuv_decode_persistent_kernel", "_pv_launch_kernel")
 
 
 def xla_triton_serves(kernel: str, meta: dict) -> bool:
@@ -862,6 +893,8 @@ def xla_triton_serves(kernel: str, meta: dict) -> bool:
   columns 2.3 us slower (8192->2456->8192, M=8, with PDL off too) and 0.14 us slower
   (8192->2432->8192) (sessions 27 and 29, results/gpu_xuv_decode_xla_triton_h200.json,
   results/gpu_xla_triton_build_h200.json)."""
+  if kernel == "_pv_launch_kernel":
+    return True
   return (kernel in XLA_TRITON_KERNELS
           and (meta["COLS_R"] == meta["BLOCK_R"] or bool(meta["V_RES"])))
 

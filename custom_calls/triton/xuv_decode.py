@@ -155,6 +155,19 @@ PV_XLA_MIN_M = 64
 # results/gpu_xuv_decode_33_63_rows_h200.json)
 PV_XLA_K_OVER_N = 4
 PV_XLA_MIN_K = 4096
+# From PV_LAUNCH_MIN_M rows, where V has at most PV_LAUNCH_MAX_V elements (4 MB in bf16), ·V
+# runs in a launch of its own (pv="launch", _pv_launch_kernel) instead of XLA's GEMM or phase 2:
+# it reads phase 1's f32 P where phase 1 left it (no rounding fusion, no split-K reduction).
+# Same weights: 1.07-1.18x XLA at the five M=64/128 points where the default trailed XLA
+# (0.85-0.995x), 1.05-1.26x at seven more of 32-128 rows; at V = 10 MB (4096->1216->4096) 0.92-0.96x
+# and at 40 MB 0.56x, where XLA's GEMM stays (session 41, results/gpu_xuv_decode_pv_launch_h200.json;
+# the sweep's run 66: 1.03-1.34x XLA at the 12 points it now serves)
+PV_LAUNCH_MIN_M = 33
+PV_LAUNCH_MAX_V = 2 << 20
+# and from PV_LAUNCH_SMALL_V_MIN_M rows where V is small beside U (N <= K / PV_XLA_K_OVER_N,
+# K >= PV_XLA_MIN_K): at 32 rows 0.42 us less than the fused kernel at 8192->544->1024 and a
+# tie at 4096->512->1024; at 16 rows 0.45 us more (session 41)
+PV_LAUNCH_SMALL_V_MIN_M = 17
 
 
 @triton.jit
@@ -414,6 +427,66 @@ def _xuv_decode_persistent_kernel(
 
 
 @triton.jit
+def _pv_launch_kernel(
+    p_ptr,  # f32 P [M, R] at READ_OFF floats: phase 1's scratch (or the chain buffer it is in)
+    v_ptr,  # [R, N] second factor
+    b_ptr,  # [N] bias (read only if HAS_BIAS)
+    o_in_ptr,  # the caller's output buffer aliased to o_ptr, else V; never read
+    M,
+    o_ptr,  # [M, N] output
+    R: tl.constexpr, N: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KV: tl.constexpr,
+    EVEN_R: tl.constexpr,
+    PREFETCH: tl.constexpr,  # V rows of its tile a CTA asks L2 for before it waits
+    READ_OFF: tl.constexpr = 0,  # where P starts in p_ptr (launch.py moves a slice's offset here)
+    PDL: tl.constexpr = 0,  # launched as a programmatic dependent: wait for phase 1 first
+):
+  """Y = P·V (+ bias) after phase 1 alone (``pv="launch"``): one [BLOCK_M, BLOCK_N] output
+  tile a CTA, P's f32 sums rounded to V's dtype as they are loaded (XLA's own lowering rounds
+  X·U once too), f32 accumulation over all of r."""
+  offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+  offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+  m_mask = offs_m < M
+  n_mask = offs_n < N
+  if PREFETCH > 0:
+    prefetch_l2(v_ptr, 0, tl.program_id(0) * BLOCK_N, R, N, N, PREFETCH,
+                64 if BLOCK_N < 64 else BLOCK_N)
+  if PDL:
+    tl.extra.cuda.gdc_wait()
+  acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+  acc = mm_acc(acc, p_ptr + READ_OFF, v_ptr, offs_m, offs_n, m_mask, n_mask, 0, R, R, R, N,
+               BLOCK_KV, EVEN_R, True)
+  store_out(acc, b_ptr, o_ptr, offs_m[:, None] * N + offs_n[None, :],
+            m_mask[:, None] & n_mask[None, :], offs_n, n_mask, HAS_BIAS)
+
+
+def pv_launch_meta(r: int, n: int, has_bias: bool, p: planner.PvLaunchPlan) -> dict:
+  """Constexprs of one ·V launch (shared by the wrapper and the tests)."""
+  planner.check_prefetch_rows(p, "prefetch")
+  return dict(R=r, N=n, HAS_BIAS=has_bias, BLOCK_M=p.block_m, BLOCK_N=p.block_n,
+              BLOCK_KV=p.block_kv, EVEN_R=r % p.block_kv == 0, PREFETCH=p.prefetch)
+
+
+def pv_launch(p_f32, v, bias, m: int, out_dtype, plan: planner.PvLaunchPlan | None = None,
+              out=None):
+  """y [m, N] = P·V (+ bias) with P the f32 [m·r] sums phase 1 left (``_pv_launch_kernel``);
+  ``out``: a buffer of y's shape and dtype the kernel writes into (aliased)."""
+  r, n = v.shape
+  if p_f32.dtype != jnp.float32 or p_f32.shape != (m * r,):
+    raise ValueError(f"P must be phase 1's f32 [{m * r}] sums, got {p_f32.dtype}{p_f32.shape}")
+  check_out(out, (m, n), out_dtype)
+  p = plan or planner.plan_pv_launch(m, r, n)
+  if p.block_m < 16 or p.block_n < 16:
+    raise ValueError(f"{p}: block_m and block_n must be >= 16 (the mma's smallest tile)")
+  return launch.triton_call(
+      p_f32, v, bias if bias is not None else v, v if out is None else out, m,
+      kernel=_pv_launch_kernel, out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+      grid=(planner.cdiv(n, p.block_n), planner.cdiv(m, p.block_m)), num_warps=p.warps,
+      num_stages=p.stages, input_output_aliases=None if out is None else {3: 0},
+      name="lrjax_xuv_pv", **pv_launch_meta(r, n, bias is not None, p))
+
+
+@triton.jit
 def _group_phase1(t, x_ptr, u_ptr, p_ptr, flag_ptr, offs_m, m_mask, K: tl.constexpr,
                   R: tl.constexpr, K_PER: tl.constexpr, SPLIT: tl.constexpr,
                   BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, COLS_R: tl.constexpr):
@@ -586,24 +659,30 @@ def persistent_launch_plan(m: int, k: int, r: int, n: int, has_bias: bool,
               p16=m * r if p.p16 else 1)
 
 
-def default_pv(m: int, k: int, n: int, out_given: bool = False) -> str:
-  """Who applies V on the persistent schedule unless the caller says: XLA's GEMM ("xla") from
-  PV_XLA_MIN_M rows, and from the rows that share its 64-row block (33) where
-  N <= K / PV_XLA_K_OVER_N and K >= PV_XLA_MIN_K; unless the caller passes the kernel's
-  output buffer; else the kernel."""
-  if out_given:
-    return "kernel"
-  if m >= PV_XLA_MIN_M:
-    return "xla"
+def default_pv(m: int, k: int, r: int, n: int, out_given: bool = False) -> str:
+  """Who applies V on the persistent schedule unless the caller says: a launch of its own
+  ("launch") where r x N <= PV_LAUNCH_MAX_V from PV_LAUNCH_MIN_M rows, and from
+  PV_LAUNCH_SMALL_V_MIN_M where N <= K / PV_XLA_K_OVER_N and K >= PV_XLA_MIN_K; else XLA's GEMM
+  ("xla") from PV_XLA_MIN_M rows, and from the rows that share its 64-row block (33) where
+  N <= K / PV_XLA_K_OVER_N and K >= PV_XLA_MIN_K; else the kernel (phase 2 in the same
+  launch). Where the caller passes an output buffer, XLA cannot write into it: the kernel
+  then applies V in place of XLA."""
   small_v = k >= max(PV_XLA_MIN_K, PV_XLA_K_OVER_N * n)
-  return "xla" if m > PV_XLA_MIN_M // 2 and small_v else "kernel"
+  if r * n <= PV_LAUNCH_MAX_V and (m >= PV_LAUNCH_MIN_M
+                                   or (m >= PV_LAUNCH_SMALL_V_MIN_M and small_v)):
+    return "launch"
+  if (m >= PV_XLA_MIN_M or (m > PV_XLA_MIN_M // 2 and small_v)) and not out_given:
+    return "xla"
+  return "kernel"
 
 
 def plan_persistent(m: int, k: int, r: int, n: int, pv: str,
                     programs: int | None) -> planner.PersistentDecodePlan:
   """The planner's tiles for the persistent schedule on ``programs`` CTAs (None: the H200's
-  SMs): phase 1 alone where XLA applies V (``pv="xla"``), both phases otherwise."""
-  plan_fn = planner.plan_decode_phase1 if pv == "xla" else planner.plan_decode_persistent
+  SMs): phase 1 alone where XLA or a launch of its own applies V (``pv="xla"``, ``"launch"``),
+  both phases otherwise."""
+  alone = pv in ("xla", "launch")
+  plan_fn = planner.plan_decode_phase1 if alone else planner.plan_decode_persistent
   return plan_fn(m, k, r, n, programs=programs)
 
 
@@ -613,7 +692,7 @@ def default_persistent_launch(m: int, k: int, r: int, n: int, has_bias: bool,
   """(pv, plan, launch) of the wrapper's default persistent call without ``out``:
   ``default_pv``'s choice, ``plan_persistent``'s tiles on ``programs`` CTAs and their
   ``persistent_launch_plan`` (for the benchmarks and tests that ask what a call runs)."""
-  pv = default_pv(m, k, n)
+  pv = default_pv(m, k, r, n)
   p = plan_persistent(m, k, r, n, pv, programs)
   return pv, p, persistent_launch_plan(m, k, r, n, has_bias, p, pv == "kernel")
 
@@ -621,7 +700,8 @@ def default_persistent_launch(m: int, k: int, r: int, n: int, has_bias: bool,
 def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | None = None,
                out=None, xla_zeroing: bool | None = None, _stages: int = 3,
                persistent: "bool | planner.PersistentDecodePlan | None" = None,
-               pv: str | None = None, _probe: int = 0):
+               pv: str | None = None, pv_plan: "planner.PvLaunchPlan | None" = None,
+               _probe: int = 0):
   """y = (x·u)·v (+ bias) for few tokens. x [..., K], u [K, r], v [r, N], bias [N].
 
   ``out`` [M, N]: optional buffer the kernel writes into (aliased; the tests poison it).
@@ -632,10 +712,12 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
   ``persistent``: the persistent schedule (True, or a ``planner.PersistentDecodePlan``) or
   the tiled one (False; ``block_sizes`` applies to it); default: persistent for
   M <= PERSISTENT_MAX_M.
-  ``pv``: who applies V on the persistent schedule: "kernel" (phase 2 in the same launch)
-  or "xla" (the kernel ends with P = X·U, rounded once in the kernel or, without the plan's
+  ``pv``: who applies V on the persistent schedule: "kernel" (phase 2 in the same launch),
+  "xla" (the kernel ends with P = X·U, rounded once in the kernel or, without the plan's
   p16, by XLA from the f32 sums; then XLA's GEMM multiplies it by V, as XLA's own lowering
-  does); default: ``default_pv``.
+  does) or "launch" (phase 1 alone, then ``_pv_launch_kernel`` reads the f32 sums where they
+  are and writes y, into ``out`` if given); default: ``default_pv``.
+  ``pv_plan``: the ·V launch's tiles (pv="launch"; default ``planner.plan_pv_launch``).
   ``_stages``: benchmarking only (1: stage 1 alone, 2: stage 2 alone; the output is wrong).
   ``_probe``: benchmarking only, the persistent kernel's PROBE bits (the output is wrong).
   """
@@ -644,24 +726,30 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
     raise ValueError("_probe bit 4 (per-CTA clock stamps) writes into the kernel's o_in_ptr "
                      "operand; only benchmarks/decode_trace.py, which passes a trace buffer "
                      "there, may set it")
-  if pv not in (None, "kernel", "xla"):
-    raise ValueError(f"{pv=} must be 'kernel', 'xla' or None (by rows)")
+  if pv not in (None, "kernel", "xla", "launch"):
+    raise ValueError(f"{pv=} must be 'kernel', 'xla', 'launch' or None (by rows)")
+  if pv_plan is not None and pv != "launch":
+    raise ValueError("pv_plan= applies to pv='launch'")
+  if persistent is None:
+    persistent = (m <= PERSISTENT_MAX_M and block_sizes is None and _stages == 3
+                  and num_sms() > 0)
+  if persistent and m <= MAX_M:
+    pv = pv or default_pv(m, k, r, n, out is not None)
+  pv_out = None
+  if pv == "launch":  # the ·V launch writes y (into out=, if given); phase 1 alone writes P
+    pv_out, out = out, None
   if xla_zeroing is None:
     xla_zeroing = out is None and launch.xla_zeroing()
   if xla_zeroing and out is not None:
     raise ValueError("out= and xla_zeroing=True cannot be combined")
   check_out(out, (m, n), out_dtype)
   b = bias if bias is not None else v  # never read without HAS_BIAS
-  if persistent is None:
-    persistent = (m <= PERSISTENT_MAX_M and block_sizes is None and _stages == 3
-                  and num_sms() > 0)
   if persistent:
     if block_sizes is not None or _stages != 3:
       raise ValueError("block_sizes= and _stages= apply to the tiled schedule "
                        "(persistent=False); pass a planner.PersistentDecodePlan instead")
     if m > MAX_M:
       raise ValueError(f"{m} rows: the persistent decode kernel serves M <= {MAX_M}")
-    pv = pv or default_pv(m, k, n, out is not None)
     p = persistent if isinstance(persistent, planner.PersistentDecodePlan) else \
         plan_persistent(m, k, r, n, pv, num_sms())
     if pv == "xla" and out is not None:
@@ -671,13 +759,15 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
                        "every CTA must be resident, or a waiting CTA could block its producer")
     if p.programs < 1:
       raise ValueError(f"{p.programs=} must be positive")
+    if pv == "launch" and p.p16:
+      raise ValueError("pv='launch' reads phase 1's f32 P; the plan's p16 must be off")
     if p.block_m < m:
       raise ValueError(f"{p.block_m=} must cover the {m} rows")
     plan = persistent_launch_plan(m, k, r, n, bias is not None, p, pv == "kernel", _probe)
     kernel, warps, stages = _xuv_decode_persistent_kernel, p.warps, p.stages
   else:
-    if pv == "xla" or _probe:
-      raise ValueError("pv='xla' and _probe= apply to the persistent schedule")
+    if pv in ("xla", "launch") or _probe:
+      raise ValueError("pv='xla', pv='launch' and _probe= apply to the persistent schedule")
     pv = "kernel"
     bs = block_sizes or BlockSizes.get_default(m, k, r, n)
     if bs.block_m < m:
@@ -700,6 +790,8 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
       grid=(plan["grid"],), zeroed_outputs=zeroed, input_output_aliases=aliases,
       num_warps=warps, num_stages=stages, name="lrjax_xuv_decode",
       **plan["meta"])
+  if pv == "launch":  # ·V in a launch of its own, reading P's f32 sums where phase 1 left them
+    return pv_launch(outs[0], v, bias, m, out_dtype, pv_plan, pv_out).reshape(*lead, n)
   if pv == "xla":
     from lrjax.lowering.primitives import rank_space_out
     if p.p16:  # P rounded once in the kernel

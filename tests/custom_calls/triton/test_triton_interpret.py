@@ -301,6 +301,32 @@ def test_decode_phase1_alone_rounds_p_itself_with_p16():
              + _PHASE1)
 
 
+def test_pv_launch_reads_f32_p_at_its_offset_and_writes_every_element():
+  """``_pv_launch_kernel`` (``pv="launch"``): y = round(P)·V (+ bias) from f32 P that sits at
+  READ_OFF floats into a buffer of dirt (a chained scratch's half), on the planner's tiles and
+  on ragged 16 x 16 ones with r not a multiple of the step; the output poisoned."""
+  _interpret(_PRELUDE + textwrap.dedent('''
+    for m, r, n, bias, fields in ((1, 72, 130, True, {}), (77, 136, 200, False,
+                                  dict(block_m=16, block_n=16, block_kv=32)),
+                                  (128, 100, 96, True, {}), (64, 256, 520, False, {})):
+      pp = dataclasses.replace(planner.plan_pv_launch(m, r, n), **fields)
+      pf = rng.standard_normal((m, r)).astype(np.float32)
+      off = 48
+      buf = np.full(off + m * r + 32, 7.0, np.float32)
+      buf[off:off + m * r] = pf.reshape(-1)
+      _, v, b = factors(8, r, n, bias)
+      out = np.full((m, n), np.nan, np.float16)
+      meta = dict(xuv_decode.pv_launch_meta(r, n, bias, pp), PREFETCH=0)  # prefetch: inline asm
+      grid = (planner.cdiv(n, pp.block_n), planner.cdiv(m, pp.block_m))
+      xuv_decode._pv_launch_kernel[grid](T(buf), T(v), T(b), T(v), m, T(out), **meta,
+                                         READ_OFF=off, PDL=0)
+      want = r16(pf) @ f64(v) + (f64(b) if bias else 0.0)
+      err = check(out, want, 5e-3, (m, r, n, fields))
+      print(m, r, n, pp, f"{err:.1e}")
+    print("ok")
+  '''))
+
+
 STREAM_K = dict(stream_k=True, r_chunks=1, p16=False, v_resident=False)
 
 

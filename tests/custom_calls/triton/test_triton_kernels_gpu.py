@@ -83,8 +83,8 @@ XUV_SHAPES = [  # (M, K, r, N): M=1, ragged everything, a multi-super-block pref
                                   "persistent_two_waves_pv_xla", "persistent_planned",
                                   "persistent_no_v_resident", "persistent_stream_k",
                                   "persistent_wide_rows", "persistent_deep_kv",
-                                  "persistent_p16_pv_xla",
-                                  "prefill"])
+                                  "persistent_p16_pv_xla", "persistent_pv_launch",
+                                  "persistent_pv_launch_small_tiles", "prefill"])
 def test_xuv_kernels(kind, shape, dtype, bias):
   from lrjax.custom_calls.triton import xuv_decode, xuv_prefill
   m, k, r, n = shape
@@ -123,6 +123,13 @@ def test_xuv_kernels(kind, shape, dtype, bias):
                                                      pv="kernel")
     if kind.endswith("_pv_xla"):  # phase 1 alone, then XLA's GEMM (it writes all of y)
       fn = lambda x, u, v, b, o: xuv_decode.xuv_decode(x, u, v, b, persistent=p, pv="xla")
+    if kind.startswith("persistent_pv_launch"):  # phase 1 alone, then the ·V launch
+      pp = planner.plan_pv_launch(m, r, n)
+      if kind.endswith("small_tiles"):  # ragged 16 x 16 tiles, 32-row steps over r
+        pp = dataclasses.replace(pp, block_m=16, block_n=16, block_kv=32, stages=2)
+      p = planner.plan_decode_phase1(m, k, r, n)
+      fn = lambda x, u, v, b, o: xuv_decode.xuv_decode(x, u, v, b, out=o, persistent=p,
+                                                       pv="launch", pv_plan=pp)
     if kind == "persistent_planned":  # the wrapper's own plan (pv="xla" on
       # planner.plan_decode_phase1's tiles from PV_XLA_MIN_M rows)
       fn = lambda x, u, v, b, o: xuv_decode.xuv_decode(x, u, v, b)
@@ -544,8 +551,9 @@ def test_launchers_agree(monkeypatch, mode):
                                    (128, 4096, 1024, 1000), (64, 384, 136, 200)])
 def test_wide_decode_plans_through_xlas_triton_call(monkeypatch, shape):
   """LRJAX_TRITON_LAUNCH=xla_triton at 64-128 rows: the wrapper's own plan (phase 1 alone,
-  then XLA's GEMM, where xuv_decode.default_pv says so) goes to XLA's Triton call exactly where
-  planner.xla_triton_serves names it, and the output (with a bias) matches the reference."""
+  then XLA's GEMM or the ·V launch, where xuv_decode.default_pv says so) goes to XLA's Triton
+  call exactly where planner.xla_triton_serves names it (the ·V launch always), and the
+  output (with a bias) matches the reference."""
   from lrjax.custom_calls.triton import xuv_decode
   monkeypatch.setenv("LRJAX_TRITON_LAUNCH", "xla_triton")
   m, k, r, n = shape
@@ -556,7 +564,8 @@ def test_wide_decode_plans_through_xlas_triton_call(monkeypatch, shape):
   serves = planner.xla_triton_serves(xuv_decode._xuv_decode_persistent_kernel.__name__,
                                      launch["meta"])
   f = jax.jit(lambda x, u, v, b: xuv_decode.xuv_decode(x, u, v, b)).lower(x, u, v, b).compile()
-  assert f.as_text().count(f'custom_call_target="{planner.XLA_TRITON_TARGET}"') == serves, pv
+  want = serves + (pv == "launch")  # the ·V launch: XLA's Triton call too
+  assert f.as_text().count(f'custom_call_target="{planner.XLA_TRITON_TARGET}"') == want, pv
   for _ in range(2):
     assert_close(f(x, u, v, b), xuv_ref(x, u, v, b, dtype), dtype)
 
@@ -688,6 +697,44 @@ def test_f32_p_is_read_from_the_calls_own_half_of_the_chain(monkeypatch, chain):
         assert_close(g, w, dtype, factor=2.0)
 
 
+def _entry_fusions_with_operands(compiled_text):
+  """The fusions (XLA's own kernels) of a compiled module's ENTRY computation that read
+  something: all but the zero-filled scratch buffers (``fusion()``, no operands)."""
+  entry = compiled_text[compiled_text.index("\nENTRY"):]
+  entry = entry[:entry.index("\n}")]
+  return entry.count(" fusion(") - entry.count(" fusion()")
+
+
+@pytest.mark.parametrize("chain", ["1", "0"])
+def test_pv_launch_reads_p_where_phase1_left_it(monkeypatch, chain):
+  """pv="launch": the ·V launch reads phase 1's f32 P in place, in the chained scratch's half
+  (launch._read_in_place) or the call's own scratch: XLA's only kernels are the zero-filled
+  scratch buffers (no slice or copy of P). Two data-dependent calls and an independent one (both halves of the
+  chain), 64 and 100 rows, a bias; two runs; the same with the chain off."""
+  from lrjax.custom_calls.triton import xuv_decode
+  monkeypatch.setenv("LRJAX_TRITON_SCRATCH_CHAIN", chain)
+  dtype = jnp.bfloat16
+  facs = [lr_factors(512, r, n, dtype) for r, n in ((128, 512), (200, 1000), (72, 512))]
+  b = randn((1000,), dtype)
+
+  def step(x):
+    a = xuv_decode.xuv_decode(x, *facs[0], pv="launch")
+    c = xuv_decode.xuv_decode(a, *facs[1], b, pv="launch")
+    return a, c, xuv_decode.xuv_decode(x, *facs[2], pv="launch")
+
+  for m in (64, 100):
+    x = randn((m, 512), dtype)
+    f = jax.jit(step).lower(x).compile()
+    text = f.as_text()
+    assert _count_triton_calls(text) == 6 and _entry_fusions_with_operands(text) == 0, text
+    for _ in range(2):
+      a, c, d = f(x)
+      want_a = xuv_ref(x, *facs[0], None, dtype)
+      assert_close(a, want_a, dtype)
+      assert_close(c, xuv_ref(rnd(want_a, dtype), *facs[1], b, dtype), dtype, factor=2.0)
+      assert_close(d, xuv_ref(x, *facs[2], None, dtype), dtype)
+
+
 def test_measured_policy_leaves_slower_shapes_to_xla(monkeypatch):
   """Where the benchmark measured the kernel slower than XLA, XLA lowers the call (the call
   alone: no whole-model A/B, which at 300 rows would follow the 8B step at batch 128)."""
@@ -756,14 +803,18 @@ def test_fuse_group_emits_one_triton_call_for_qkv():
 
 def test_group_above_the_grouped_kernels_rows_is_left_to_xla():
   """Above 64 rows the grouped kernel declines and the group lowers as XLA's reference (no
-  Triton call: XLA merges the X·U dots); prefer_kernels() lowers one call per member."""
+  Triton call: XLA merges the X·U dots); prefer_kernels() lowers each member as its own
+  X·U·V (here phase 1, then the ·V launch: two calls a member)."""
   import lrjax
   from lrjax.lowering import lr_xuv_group
   dtype = jnp.bfloat16
   ws = [lr_factors(512, r, n, dtype) for r, n in ((96, 512), (48, 128), (48, 128))]
   x = randn((80, 512), dtype)
   want = [xuv_ref(x, u, v, None, dtype) for u, v in ws]
-  for prefer, calls in ((False, 0), (True, 3)):
+  from lrjax.custom_calls.triton import xuv_decode
+  per_member = sum(2 if xuv_decode.default_pv(80, 512, *v.shape) == "launch" else 1
+                   for _, v in ws)  # phase 1, then the ·V launch where V is small
+  for prefer, calls in ((False, 0), (True, per_member)):
     ctx = lrjax.lowering.prefer_kernels() if prefer else contextlib.nullcontext()
     with ctx:
       f = jax.jit(lambda x, ws: lr_xuv_group(x, ws)).lower(x, ws).compile()

@@ -336,46 +336,67 @@ def test_a_prefetch_that_is_not_a_power_of_two_is_refused_by_name():
 
 
 def test_the_decode_wrapper_launches_the_planners_persistent_plan():
-  """xuv_decode.xuv_decode on 132 SMs (the launch recorded, not run): below PV_XLA_MIN_M rows
-  the persistent kernel with phase 2, from it phase 1 alone (XLA applies V), except where
-  out= is given; from 33 rows where N <= K/4 and K >= 4096; each call's grid and constexprs
-  are persistent_launch_plan's of plan_persistent's plan for that many SMs."""
+  """xuv_decode.xuv_decode on 132 SMs (the launch recorded, not run): from PV_LAUNCH_MIN_M
+  rows where V has at most PV_LAUNCH_MAX_V elements, phase 1 alone and then the ·V launch
+  (into out= where given); otherwise below PV_XLA_MIN_M rows the persistent kernel with
+  phase 2, from it phase 1 alone (XLA applies V) except where out= is given, and from 33 rows
+  where N <= K/4 and K >= 4096; each call's grid and constexprs are persistent_launch_plan's
+  of plan_persistent's plan for that many SMs, and the ·V launch's those of
+  plan_pv_launch's tiles."""
   out = run_script(STUB + textwrap.dedent('''
     import jax, jax.numpy as jnp
-    from lrjax.custom_calls.triton import launch, xuv_decode
+    from lrjax.custom_calls.triton import launch, planner, xuv_decode
     calls = []
     def record(*args, kernel, out_shape, grid, **kw):
       calls.append((kernel.__name__, grid, kw))
+      if not isinstance(out_shape, (list, tuple)):
+        return jnp.zeros(out_shape.shape, out_shape.dtype)
       return tuple(jnp.zeros(s.shape, s.dtype) for s in out_shape)
     launch.triton_call = record
     xuv_decode.num_sms = lambda: 132
-    r = 200
+    assert (xuv_decode.PV_LAUNCH_MIN_M, xuv_decode.PV_LAUNCH_MAX_V) == (33, 2 << 20)
+    assert xuv_decode.PV_LAUNCH_SMALL_V_MIN_M == 17
     assert xuv_decode.PV_XLA_MIN_M == 64
     assert (xuv_decode.PV_XLA_K_OVER_N, xuv_decode.PV_XLA_MIN_K) == (4, 4096)
-    for m, k, n, given, pv in ((2, 512, 8200, False, "kernel"), (63, 512, 8200, False, "kernel"),
-                               (64, 512, 4096, False, "xla"), (64, 512, 4097, False, "xla"),
-                               (65, 512, 1000, False, "xla"), (128, 512, 1000, False, "xla"),
-                               (64, 512, 8200, True, "kernel"), (128, 512, 1000, True, "kernel"),
-                               # 33-63 rows (the 64-row block): phase 1 alone where
-                               # N <= K/4 and K >= 4096
-                               (64, 4096, 1025, False, "xla"), (63, 4096, 1024, False, "xla"),
-                               (63, 4096, 1025, False, "kernel"), (48, 2048, 512, False, "kernel"),
-                               (64, 2048, 512, False, "xla"), (64, 8192, 1024, True, "kernel"),
-                               (33, 8192, 1024, False, "xla"), (32, 8192, 1024, False, "kernel"),
-                               (48, 4096, 1025, False, "kernel")):
+    for m, k, r, n, given, pv in (
+        (2, 512, 200, 8200, False, "kernel"), (32, 4096, 200, 1025, False, "kernel"),
+        # 17-32 rows: the ·V launch where N <= K/4 and K >= 4096 as well
+        (32, 8192, 200, 1024, False, "launch"), (17, 4096, 200, 1024, False, "launch"),
+        (16, 8192, 200, 1024, False, "kernel"), (32, 2048, 200, 512, False, "kernel"),
+        # from 33 rows, V of at most 2 << 20 elements: the ·V launch (into out= if given)
+        (33, 8192, 200, 1024, False, "launch"), (63, 512, 200, 8200, False, "launch"),
+        (128, 512, 2000, 1048, False, "launch"), (128, 512, 200, 1000, True, "launch"),
+        # larger V: XLA's GEMM from 64 rows, the fused kernel where out= is given
+        (64, 512, 2000, 4096, False, "xla"), (128, 512, 2000, 1100, False, "xla"),
+        (64, 512, 2000, 8200, True, "kernel"),
+        # 33-63 rows (the 64-row block), larger V: phase 1 alone where N <= K/4, K >= 4096
+        (63, 4096, 4000, 1024, False, "xla"), (63, 4096, 4000, 1025, False, "kernel"),
+        (48, 2048, 5000, 512, False, "kernel"), (33, 8192, 4000, 1024, False, "xla"),
+        (64, 8192, 4000, 1024, True, "kernel")):
       u = jnp.zeros((k, r), jnp.bfloat16)
       v = jnp.zeros((r, n), jnp.bfloat16)
       x = jnp.zeros((m, k), jnp.bfloat16)
       o = jnp.zeros((m, n), jnp.bfloat16) if given else None
       y = xuv_decode.xuv_decode(x, u, v, out=o)
       assert y.shape == (m, n), y.shape
-      assert xuv_decode.default_pv(m, k, n, given) == pv, (m, k, n, given)
+      assert xuv_decode.default_pv(m, k, r, n, given) == pv, (m, k, r, n, given)
+      if pv == "launch":  # the ·V launch, last: into out= where given
+        name, grid, kw = calls.pop()
+        pp = planner.plan_pv_launch(m, r, n)
+        assert name == "_pv_launch_kernel", name
+        assert grid == (planner.cdiv(n, pp.block_n), planner.cdiv(m, pp.block_m)), grid
+        assert kw["input_output_aliases"] == ({3: 0} if given else None), kw
+        assert all(kw[key] == val for key, val in
+                   xuv_decode.pv_launch_meta(r, n, False, pp).items()), (m, r, n)
       p = xuv_decode.plan_persistent(m, k, r, n, pv, 132)
       want = xuv_decode.persistent_launch_plan(m, k, r, n, False, p, pv == "kernel")
       name, grid, kw = calls.pop()
+      assert not calls, calls
       assert name == "_xuv_decode_persistent_kernel" and grid == (want["grid"],), (name, grid)
       assert all(kw[key] == val for key, val in want["meta"].items()), (m, given)
       assert kw["PV"] == (pv == "kernel") and p.programs == 132
+      if pv == "launch":  # out= is the ·V launch's: phase 1 aliases only its zeroed scratch
+        assert kw["input_output_aliases"] == {4: 0}, kw["input_output_aliases"]
       if not given:  # the benchmarks' and tests' account of the same call
         assert xuv_decode.default_persistent_launch(m, k, r, n, False, 132) == (pv, p, want)
     print("ok")
@@ -448,6 +469,8 @@ def test_every_launch_names_every_constexpr_of_its_kernel():
       assert not missing, (kernel.__name__, missing)
       seen.add(kernel.__name__)
       types, scalars = [], []
+      one = not isinstance(out_shape, (list, tuple))  # a single output, returned bare
+      out_shape = [out_shape] if one else out_shape
       for a in list(args) + list(out_shape):
         if isinstance(a, int):
           scalars.append((len(types), "i32", a))
@@ -457,7 +480,8 @@ def test_every_launch_names_every_constexpr_of_its_kernel():
       meta = {k: v for k, v in kw.items() if k not in CALL_KEYS}
       launch._frontend(kernel, types, scalars, meta, kw["num_warps"], kw["num_stages"], 90,
                        True)  # raises as on the GPU where a constexpr is missing or wrong
-      return tuple(jnp.zeros(s.shape, s.dtype) for s in out_shape)
+      outs = tuple(jnp.zeros(s.shape, s.dtype) for s in out_shape)
+      return outs[0] if one else outs
     launch.jt.triton_call = record  # below launch.triton_call, which adds WORK_OFF and PDL
     for mod in (xuv_decode, mlp_decode, kv_attention):
       mod.num_sms = lambda: 132
@@ -466,6 +490,7 @@ def test_every_launch_names_every_constexpr_of_its_kernel():
                        (64, 4096, 1024, 1024), (33, 8192, 1000, 1024)):
       xuv_decode.xuv_decode(z(m, k), z(k, r), z(r, n), z(n))
       xuv_decode.xuv_decode(z(m, k), z(k, r), z(r, n), persistent=False)
+      xuv_decode.xuv_decode(z(m, k), z(k, r), z(r, n), z(n), pv="launch")
     xuv_decode.xuv_decode_group(z(4, 512), [(z(512, 64), z(64, 256)), (z(512, 40), z(40, 128))])
     xuv_prefill.xuv_prefill(z(300, 512), z(512, 72), z(72, 260), z(260))
     up, down, gate = (z(256, 64), z(64, 700)), (z(700, 48), z(48, 256)), (z(256, 64), z(64, 700))
@@ -478,6 +503,7 @@ def test_every_launch_names_every_constexpr_of_its_kernel():
                               z(rv, hkv * d), np.array([t - 1, 5], np.int32),
                               np.ones(d // 2, np.float32), window=64)
     want = {"_xuv_decode_kernel", "_xuv_decode_persistent_kernel", "_xuv_group_kernel",
+            "_pv_launch_kernel",
             "_xuv_prefill_kernel", "_mlp_decode_kernel", "_mlp_decode_persistent_kernel",
             "_mlp_prefill_kernel", "_kv_attention_kernel"}
     assert seen == want, want ^ seen
