@@ -26,7 +26,9 @@ chain starts. A kernel takes part if it has the ``clear_off, clear_n`` arguments
 argument it cost the kernels registers and the 8B step at batch 64 6 %), and its zeroed
 scratch is the input aliased to output 0. A chained kernel compiles once for each half.
 ``LRJAX_TRITON_SCRATCH_CHAIN=0`` (``planner.chain_scratch``, read when a call is lowered)
-zeroes per call.
+zeroes per call. A chained call's scratch output is the slice of the buffer it worked in; a
+kernel that takes a ``READ_OFF`` constexpr (X·U·V decode's ·V launch) reads such a slice in
+the buffer itself at that offset (``_read_in_place``), where XLA would copy it out first.
 
 **Programmatic dependent launch.** jaxlib's handler launches with a plain cuLaunchKernel, so a
 kernel's CTAs start only after the kernel ahead of it has finished and flushed. lrjax's own

@@ -1,4 +1,5 @@
-"""Decode X·U·V (small M): inter-CTA split-K on X·U, then split-r ·V, in one launch.
+"""Decode X·U·V (small M): inter-CTA split-K on X·U, then split-r ·V, in one launch (from 33
+rows, where V is small, ·V in a second launch: below).
 
 Two schedules of the same dataflow; ``xuv_decode`` picks the persistent one for
 M <= PERSISTENT_MAX_M (measured faster there, gpu_notes.md "Session 3" and "Session 6").
@@ -38,25 +39,37 @@ each run of a column block adding its partial into P; every CTA signals once and
 waits for all of them. Where K is short, 128-column blocks (whole 128-byte lines) on all SMs
 end phase 1 0.5 µs earlier than the tiled plan (results/gpu_xuv_decode_stream_k_h200.json).
 
-**From PV_XLA_MIN_M = 64 rows** the persistent kernel stops after phase 1 (``pv="xla"``):
-P's f32 sums stay in the call's half of the scratch and XLA rounds them as it slices them
-out (rounding in the kernel, ``p16``, made a tile of each column block wait for the block's
-atomics and read them back: sessions 38-39), and phase 1 sends none of the per-tile signals
-that phase 2 would wait on; then XLA's GEMM applies V, as in XLA's own lowering. There ·V is
-a [64-128, r] x [r, N] GEMM near the H200's ridge point, where one CTA per SM streaming V
-with 128-row tiles measured 0.69-0.75x cuBLAS, while the skinny X·U is where XLA is weak (a
-split-K GEMM and a separate reduction). Phase 1 then takes ``planner.plan_decode_phase1``'s
-tiles: the fewest split-K partials (f32 atomics into P, M x r x 4 bytes each) that still
-give every CTA a tile, in 64-column tiles where its L2 model has half the partials outweigh
-reading X twice as often (session 34). Measured (results/gpu_xuv_decode_pv_h200.json, then
-the sweep's run 12): M=128 0.96-1.03x XLA where the fused kernel was 0.69-0.74x; M=64
-0.94-1.01x (fused 0.81-1.00x). At M=16 and 32 the split, timed only on the fused kernel's
-phase-1 tiles, was 2-10 % slower than the fused kernel. At exactly 64 rows the fused kernel
-kept N <= 4096 until phase 1 alone lost its signals and its in-kernel rounding (session 39):
-then phase 1 + XLA took 0.0-0.5 us less on all four such shapes (session 40,
-results/gpu_xuv_decode_p_handover_h200.json). From 33 rows (the same 64-row block) phase 1
-alone runs where V is a quarter of U or less and K >= 4096 (session 35: 8192->544->1024,
-4096->512->1024).
+**From PV_XLA_MIN_M = 64 rows, where V is too large for the ·V launch below,** the persistent
+kernel stops after phase 1 (``pv="xla"``): P's f32 sums stay in the call's half of the scratch
+and XLA rounds them as it slices them out (rounding in the kernel, ``p16``, made a tile of each
+column block wait for the block's atomics and read them back: sessions 38-39), and phase 1
+sends none of the per-tile signals that phase 2 would wait on; then XLA's GEMM applies V, as in
+XLA's own lowering. There ·V is a [64-128, r] x [r, N] GEMM near the H200's ridge point, where
+one CTA per SM streaming V with 128-row tiles measured 0.69-0.75x cuBLAS, while the skinny X·U
+is where XLA is weak (a split-K GEMM and a separate reduction). Phase 1 then takes
+``planner.plan_decode_phase1``'s tiles: the fewest split-K partials (f32 atomics into P, M x r
+x 4 bytes each) that still give every CTA a tile, in 64-column tiles where its L2 model has
+half the partials outweigh reading X twice as often (session 34). Measured
+(results/gpu_xuv_decode_pv_h200.json, then the sweep's run 12): M=128 0.96-1.03x XLA where the
+fused kernel was 0.69-0.74x; M=64 0.94-1.01x (fused 0.81-1.00x). At M=16 and 32 the split,
+timed only on the fused kernel's phase-1 tiles, was 2-10 % slower than the fused kernel. At
+exactly 64 rows the fused kernel kept N <= 4096 until phase 1 alone lost its signals and its
+in-kernel rounding (session 39): then phase 1 + XLA took 0.0-0.5 us less on all four such
+shapes (session 40, results/gpu_xuv_decode_p_handover_h200.json). From 33 rows (the same 64-row
+block) phase 1 alone runs where V is a quarter of U or less and K >= 4096 (session 35:
+8192->544->1024, 4096->512->1024).
+
+**The ·V launch** (``pv="launch"``, ``_pv_launch_kernel``; ``default_pv``: from 33 rows where
+V has at most PV_LAUNCH_MAX_V elements, and from 17 where V is small beside U): phase 1 alone
+as above, then a second lrjax launch, one [block_m, 32] output tile a CTA
+(``planner.plan_pv_launch``), reads P's f32 sums where phase 1 left them, rounds them to V's
+dtype as it loads them and applies V over all of r. On a scratch chain P is a slice of the
+chain's buffer; the launch reads it there (``launch._read_in_place``), so XLA runs no kernel
+between the two (XLA's own GEMM needed a rounding fusion before it and, at these shapes, a
+split-K reduction after it). It goes to XLA's Triton call, which may start it as a
+programmatic dependent of phase 1. Where V is small that made the trailing M = 64 / 128 points
+1.07-1.18x XLA (the f32 hand-over to XLA's GEMM: 0.85-0.995x); from V = 10 MB XLA's GEMM is
+faster (results/gpu_xuv_decode_pv_launch_h200.json).
 
 **Tiled** (``_xuv_decode_kernel``): one CTA per tile. Stage-1 CTAs (split_k x
 ceil(r/block_r), block_r = 256: 512-byte row segments) come first in the grid, r-block-
@@ -160,8 +173,9 @@ PV_XLA_MIN_K = 4096
 # it reads phase 1's f32 P where phase 1 left it (no rounding fusion, no split-K reduction).
 # Same weights: 1.07-1.18x XLA at the five M=64/128 points where the default trailed XLA
 # (0.85-0.995x), 1.05-1.26x at seven more of 32-128 rows; at V = 10 MB (4096->1216->4096) 0.92-0.96x
-# and at 40 MB 0.56x, where XLA's GEMM stays (session 41, results/gpu_xuv_decode_pv_launch_h200.json;
-# the sweep's run 66: 1.03-1.34x XLA at the 12 points it now serves)
+# and at 40 MB 0.56x, where XLA's GEMM stays (session 41,
+# results/gpu_xuv_decode_pv_launch_h200.json; the sweep's run 66: 1.03-1.34x XLA at the 12
+# points it now serves)
 PV_LAUNCH_MIN_M = 33
 PV_LAUNCH_MAX_V = 2 << 20
 # and from PV_LAUNCH_SMALL_V_MIN_M rows where V is small beside U (N <= K / PV_XLA_K_OVER_N,

@@ -5,7 +5,8 @@ elsewhere saying why. Without jax-triton the kernel module imports against a stu
 
 The interpreter runs a grid's programs one after another, so a kernel runs in it only where
 every wait is on programs that ran before: the decode X·U·V kernel's phase 1 alone
-(``PV=False``, what ``pv="xla"`` launches) on ``planner.plan_decode_phase1``'s tiles; the
+(``PV=False``, what ``pv="xla"`` and ``pv="launch"`` launch) on ``planner.plan_decode_phase1``'s
+tiles, and the ·V launch after it (no waits); the
 tiled decode kernel, whose stage-1 programs come first; the persistent one on a grid of one
 program (and V-resident on one program a tile, phase 1's first); the grouped q/k/v kernel on
 one program; the fused SwiGLU decode kernels the same two ways;

@@ -709,8 +709,9 @@ def _entry_fusions_with_operands(compiled_text):
 def test_pv_launch_reads_p_where_phase1_left_it(monkeypatch, chain):
   """pv="launch": the ·V launch reads phase 1's f32 P in place, in the chained scratch's half
   (launch._read_in_place) or the call's own scratch: XLA's only kernels are the zero-filled
-  scratch buffers (no slice or copy of P). Two data-dependent calls and an independent one (both halves of the
-  chain), 64 and 100 rows, a bias; two runs; the same with the chain off."""
+  scratch buffers (no slice or copy of P). Two data-dependent calls and an independent one
+  (both halves of the chain), 64 and 100 rows, a bias; two runs; the same with the chain
+  off."""
   from lrjax.custom_calls.triton import xuv_decode
   monkeypatch.setenv("LRJAX_TRITON_SCRATCH_CHAIN", chain)
   dtype = jnp.bfloat16

@@ -447,6 +447,51 @@ def test_phase1_alone_hands_xla_the_p_its_launch_returns():
   assert out.strip().endswith("ok")
 
 
+def test_a_kernel_with_read_off_reads_a_slice_in_its_source_buffer():
+  """launch._read_in_place, on a hand-built module: a kernel that takes READ_OFF and whose
+  first operand is a contiguous slice of a 1-D buffer (a chained call's half) gets the whole
+  buffer, its aval widened, and the slice's offset as READ_OFF; a strided slice, a slice of
+  another operand, an operand that is no slice, or a kernel without READ_OFF is left alone."""
+  out = run_script(STUB + textwrap.dedent('''
+    import jax, numpy as np
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import func, hlo
+    from jax.interpreters import mlir
+    from lrjax.custom_calls.triton import launch
+
+    class Ctx:  # the two things _read_in_place uses of a lowering context
+      def __init__(self, avals_in):
+        self.avals_in = avals_in
+      def replace(self, avals_in):
+        return Ctx(avals_in)
+
+    aval = lambda n: jax.core.ShapedArray((n,), np.float32)
+    ints = mlir.dense_int_array
+    with mlir.make_ir_context(), ir.Location.unknown():
+      module = ir.Module.create()
+      with ir.InsertionPoint(module.body):
+        t = ir.RankedTensorType.get((64,), ir.F32Type.get())
+        f = func.FuncOp("f", ir.FunctionType.get([t, t], []))
+        block = f.add_entry_block()
+        with ir.InsertionPoint(block):
+          buf, other = block.arguments
+          half = hlo.slice(buf, ints([32]), ints([56]), ints([1]))
+          strided = hlo.slice(buf, ints([0]), ints([48]), ints([2]))
+          func.ReturnOp([])
+      params = {launch.READ_OFF: 0, "num_warps": 4}
+      ctx, args, got = launch._read_in_place(Ctx([aval(24), aval(64)]), [half, other], params)
+      assert args[0] == buf and args[1] == other, args
+      assert ctx.avals_in[0].shape == (64,) and ctx.avals_in[1].shape == (64,), ctx.avals_in
+      assert got[launch.READ_OFF] == 32 and got["num_warps"] == 4, got
+      for first, p in ((strided, params), (other, params), (half, {"num_warps": 4})):
+        c = Ctx([aval(24), aval(64)])
+        c2, a2, p2 = launch._read_in_place(c, [first, other], p)
+        assert c2 is c and a2[0] == first and p2 is p, (first, p)
+    print("ok")
+  '''), interpret=False)
+  assert out.strip().endswith("ok")
+
+
 def test_every_launch_names_every_constexpr_of_its_kernel():
   """jax-triton passes a kernel only the constexprs its launch names, never a signature
   default (Triton then reads the missing one as None; session 37's GPU run failed to compile
