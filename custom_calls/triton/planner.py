@@ -650,7 +650,6 @@ class PvLaunchPlan:
   block_kv: int  # the reduction step over r
   warps: int
   stages: int
-  prefetch: int = 0  # V rows a CTA asks L2 for before it waits on phase 1 (0, or a power of 2)
 
 
 # The ·V launch's tiles, fitted to 13 points of 32-128 rows (session 41, same weights,
@@ -892,7 +891,10 @@ def xla_triton_serves(kernel: str, meta: dict) -> bool:
   at 7; session 31, results/gpu_xuv_decode_wide_m_ab_h200.json); phase-1 tiles of 160 of 256
   columns 2.3 us slower (8192->2456->8192, M=8, with PDL off too) and 0.14 us slower
   (8192->2432->8192) (sessions 27 and 29, results/gpu_xuv_decode_xla_triton_h200.json,
-  results/gpu_xla_triton_build_h200.json)."""
+  results/gpu_xla_triton_build_h200.json). The X·U·V decode's ·V launch (``pv="launch"``)
+  always: with phase 1, both through XLA's Triton call were faster than both through its PTX
+  call at all five small-V points timed (session 41,
+  results/gpu_xuv_decode_pv_launch_h200.json)."""
   if kernel == "_pv_launch_kernel":
     return True
   return (kernel in XLA_TRITON_KERNELS

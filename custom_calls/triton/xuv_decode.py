@@ -172,8 +172,8 @@ PV_XLA_MIN_K = 4096
 # runs in a launch of its own (pv="launch", _pv_launch_kernel) instead of XLA's GEMM or phase 2:
 # it reads phase 1's f32 P where phase 1 left it (no rounding fusion, no split-K reduction).
 # Same weights: 1.07-1.18x XLA at the five M=64/128 points where the default trailed XLA
-# (0.85-0.995x), 1.05-1.26x at seven more of 32-128 rows; at V = 10 MB (4096->1216->4096) 0.92-0.96x
-# and at 40 MB 0.56x, where XLA's GEMM stays (session 41,
+# (0.85-0.995x), 1.05-1.26x at seven more of 32-128 rows; at V = 10 MB (4096->1216->4096)
+# 0.92-0.96x and at 40 MB 0.56x, where XLA's GEMM stays (session 41,
 # results/gpu_xuv_decode_pv_launch_h200.json; the sweep's run 66: 1.03-1.34x XLA at the 12
 # points it now serves)
 PV_LAUNCH_MIN_M = 33
@@ -451,7 +451,6 @@ def _pv_launch_kernel(
     R: tl.constexpr, N: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KV: tl.constexpr,
     EVEN_R: tl.constexpr,
-    PREFETCH: tl.constexpr,  # V rows of its tile a CTA asks L2 for before it waits
     READ_OFF: tl.constexpr = 0,  # where P starts in p_ptr (launch.py moves a slice's offset here)
     PDL: tl.constexpr = 0,  # launched as a programmatic dependent: wait for phase 1 first
 ):
@@ -462,9 +461,6 @@ def _pv_launch_kernel(
   offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
   m_mask = offs_m < M
   n_mask = offs_n < N
-  if PREFETCH > 0:
-    prefetch_l2(v_ptr, 0, tl.program_id(0) * BLOCK_N, R, N, N, PREFETCH,
-                64 if BLOCK_N < 64 else BLOCK_N)
   if PDL:
     tl.extra.cuda.gdc_wait()
   acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -476,9 +472,8 @@ def _pv_launch_kernel(
 
 def pv_launch_meta(r: int, n: int, has_bias: bool, p: planner.PvLaunchPlan) -> dict:
   """Constexprs of one ·V launch (shared by the wrapper and the tests)."""
-  planner.check_prefetch_rows(p, "prefetch")
   return dict(R=r, N=n, HAS_BIAS=has_bias, BLOCK_M=p.block_m, BLOCK_N=p.block_n,
-              BLOCK_KV=p.block_kv, EVEN_R=r % p.block_kv == 0, PREFETCH=p.prefetch)
+              BLOCK_KV=p.block_kv, EVEN_R=r % p.block_kv == 0)
 
 
 def pv_launch(p_f32, v, bias, m: int, out_dtype, plan: planner.PvLaunchPlan | None = None,

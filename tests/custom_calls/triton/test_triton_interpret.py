@@ -317,7 +317,7 @@ def test_pv_launch_reads_f32_p_at_its_offset_and_writes_every_element():
       buf[off:off + m * r] = pf.reshape(-1)
       _, v, b = factors(8, r, n, bias)
       out = np.full((m, n), np.nan, np.float16)
-      meta = dict(xuv_decode.pv_launch_meta(r, n, bias, pp), PREFETCH=0)  # prefetch: inline asm
+      meta = xuv_decode.pv_launch_meta(r, n, bias, pp)
       grid = (planner.cdiv(n, pp.block_n), planner.cdiv(m, pp.block_m))
       xuv_decode._pv_launch_kernel[grid](T(buf), T(v), T(b), T(v), m, T(out), **meta,
                                          READ_OFF=off, PDL=0)

@@ -335,6 +335,40 @@ def test_a_prefetch_that_is_not_a_power_of_two_is_refused_by_name():
   '''), interpret=False)
 
 
+def test_the_pv_launch_refuses_bad_input_by_name():
+  """pv="launch" (the launch recorded, not run): a ·V plan without pv="launch", a phase-1
+  plan that rounds P itself (p16), the tiled schedule, a P that is not m·r f32 sums, tiles
+  under the mma's 16 and an out= of the wrong shape are each refused, naming what was
+  expected."""
+  run_script(_RAISES + textwrap.dedent('''
+    import dataclasses
+    import jax.numpy as jnp
+    from lrjax.custom_calls.triton import launch, planner, xuv_decode as xd
+    launch.triton_call = lambda *a, out_shape, **kw: out_shape  # never reached below
+    xd.num_sms = lambda: 132
+    m, k, r, n = 64, 512, 136, 200
+    x, u, v = (jnp.zeros(s, jnp.bfloat16) for s in ((m, k), (k, r), (r, n)))
+    pp = planner.plan_pv_launch(m, r, n)
+    raises(ValueError, lambda: xd.xuv_decode(x, u, v, pv="xla", pv_plan=pp), "pv_plan=",
+           "pv='launch'")
+    p16 = dataclasses.replace(planner.plan_decode_phase1(m, k, r, n, programs=132), p16=True)
+    raises(ValueError, lambda: xd.xuv_decode(x, u, v, persistent=p16, pv="launch"), "p16",
+           "f32 P")
+    raises(ValueError, lambda: xd.xuv_decode(x, u, v, persistent=False, pv="launch"),
+           "persistent schedule")
+    raises(ValueError, lambda: xd.pv_launch(jnp.zeros((m * r,), jnp.bfloat16), v, None, m,
+                                            jnp.bfloat16), f"f32 [{m * r}]", "bfloat16")
+    raises(ValueError, lambda: xd.pv_launch(jnp.zeros((m * r + 1,), jnp.float32), v, None, m,
+                                            jnp.bfloat16), f"f32 [{m * r}]")
+    raises(ValueError, lambda: xd.pv_launch(jnp.zeros((m * r,), jnp.float32), v, None, m,
+                                            jnp.bfloat16, dataclasses.replace(pp, block_n=8)),
+           "block_n", ">= 16")
+    raises(ValueError, lambda: xd.xuv_decode(x, u, v, out=jnp.zeros((m, n + 1), jnp.bfloat16),
+                                             pv="launch"), str((m, n)))
+    print("ok")
+  '''), interpret=False)
+
+
 def test_the_decode_wrapper_launches_the_planners_persistent_plan():
   """xuv_decode.xuv_decode on 132 SMs (the launch recorded, not run): from PV_LAUNCH_MIN_M
   rows where V has at most PV_LAUNCH_MAX_V elements, phase 1 alone and then the ·V launch

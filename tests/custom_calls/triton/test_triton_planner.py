@@ -631,3 +631,22 @@ def test_part_len_covers_n_in_whole_steps():
     assert size == step or planner.cdiv(n, size - step) > parts
   assert planner.part_len(1000, 3, 64) == 384
   assert [planner.round_up(n, 32) for n in (2456, 152, 2432, 1)] == [2464, 160, 2432, 32]
+
+
+@pytest.mark.parametrize("m,r,n,block_m", [
+    # the rows the session-41 A/B found fastest (results/gpu_xuv_decode_pv_launch_h200.json)
+    (128, 256, 512, 16), (64, 256, 512, 16), (128, 152, 4096, 64), (64, 152, 4096, 64),
+    (48, 152, 4096, 64), (128, 640, 2048, 32), (64, 640, 2048, 32), (128, 544, 1024, 32),
+    (128, 512, 1024, 32), (64, 512, 1024, 16), (1, 72, 130, 16)])
+def test_pv_launch_tiles_take_the_tallest_rows_that_keep_a_wave(m, r, n, block_m):
+  """planner.plan_pv_launch: 32-column tiles, the tallest row block of 64/32 whose f32 P tile
+  is at most PV_LAUNCH_P_TILE_BYTES and that leaves PV_LAUNCH_MIN_TILES tiles, else 16."""
+  p = planner.plan_pv_launch(m, r, n)
+  assert (p.block_m, p.block_n) == (block_m, planner.PV_LAUNCH_COLS), p
+  tiles = lambda bm: planner.cdiv(m, bm) * planner.cdiv(n, p.block_n)  # noqa: E731
+  if block_m > 16:
+    assert block_m * r * 4 <= planner.PV_LAUNCH_P_TILE_BYTES
+    assert tiles(block_m) >= planner.PV_LAUNCH_MIN_TILES
+  taller = [bm for bm in (64, 32) if bm > block_m]
+  assert all(bm * r * 4 > planner.PV_LAUNCH_P_TILE_BYTES
+             or tiles(bm) < planner.PV_LAUNCH_MIN_TILES for bm in taller), p
