@@ -172,6 +172,7 @@ XUV_SHAPES = ((8192, 4096, 16384), (4096, 1024, 14336), (8192, 2456, 8192))
 MLP_SHAPES = ((4096, 14336, 2560), (8192, 28672, 3824), (2048, 8192, 1280),
               (3584, 18944, 2048))
 PREFILL_XUV_SHAPES = ((8192, 4096, 16384), (7168, 4096, 18432))
+PV_LAUNCH_SHAPES = ((256, 512), (152, 4096), (640, 2048))  # (r, N) where the launch serves
 PREFILL_MLP_SHAPES = ((4096, 14336, 2560), (2048, 8192, 1280), (4096, 14336, 1024))
 
 
@@ -201,6 +202,11 @@ def planned():
         meta = mlp_decode.persistent_launch_plan(m, d, r, f, r, d, p=p, **kw)["meta"]
         yield (f"mlp decode persistent T={m} D={d} F={f} r={r}",
                mlp_decode._mlp_decode_persistent_kernel, meta, p.warps, p.stages)
+  for m in (32, 64, 128):  # the ·V launch after phase 1 alone (xuv_decode pv="launch")
+    for r, n in PV_LAUNCH_SHAPES:
+      pp = planner.plan_pv_launch(m, r, n)
+      yield (f"xuv pv launch M={m} {r}->{n}", xuv_decode._pv_launch_kernel,
+             xuv_decode.pv_launch_meta(r, n, False, pp), pp.warps, pp.stages)
   for m in (1024, 4096):
     for k, r, n in PREFILL_XUV_SHAPES:
       bs = xuv_prefill.BlockSizes.get_default(m, k, r, n)

@@ -442,7 +442,7 @@ def _xuv_decode_persistent_kernel(
 
 @triton.jit
 def _pv_launch_kernel(
-    p_ptr,  # f32 P [M, R] at READ_OFF floats: phase 1's scratch (or the chain buffer it is in)
+    scratch_ptr,  # f32 P [M, R] at READ_OFF floats: phase 1's scratch (or the chain's buffer)
     v_ptr,  # [R, N] second factor
     b_ptr,  # [N] bias (read only if HAS_BIAS)
     o_in_ptr,  # the caller's output buffer aliased to o_ptr, else V; never read
@@ -451,7 +451,7 @@ def _pv_launch_kernel(
     R: tl.constexpr, N: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KV: tl.constexpr,
     EVEN_R: tl.constexpr,
-    READ_OFF: tl.constexpr = 0,  # where P starts in p_ptr (launch.py moves a slice's offset here)
+    READ_OFF: tl.constexpr = 0,  # where P starts in scratch_ptr (launch._read_in_place sets it)
     PDL: tl.constexpr = 0,  # launched as a programmatic dependent: wait for phase 1 first
 ):
   """Y = P·V (+ bias) after phase 1 alone (``pv="launch"``): one [BLOCK_M, BLOCK_N] output
@@ -464,8 +464,8 @@ def _pv_launch_kernel(
   if PDL:
     tl.extra.cuda.gdc_wait()
   acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-  acc = mm_acc(acc, p_ptr + READ_OFF, v_ptr, offs_m, offs_n, m_mask, n_mask, 0, R, R, R, N,
-               BLOCK_KV, EVEN_R, True)
+  acc = mm_acc(acc, scratch_ptr + READ_OFF, v_ptr, offs_m, offs_n, m_mask, n_mask, 0, R, R, R,
+               N, BLOCK_KV, EVEN_R, True)
   store_out(acc, b_ptr, o_ptr, offs_m[:, None] * N + offs_n[None, :],
             m_mask[:, None] & n_mask[None, :], offs_n, n_mask, HAS_BIAS)
 

@@ -82,11 +82,12 @@ def test_the_launch_passes_as_many_parameters_as_the_ptx_entry_takes():
 
 
 def test_kernels_for_xlas_ptx_call_take_their_buffers_alone():
-  """LRJAX_TRITON_LAUNCH=xla: each chained kernel compiled with its scalars as constants (M
-  and the chain's two) has a PTX entry that takes the buffers alone, operands then results,
-  as XLA's PTX call passes them (Triton's two unused scratch pointers dropped); it waits on
-  the grid dependency; its entry name is unique to the specialization (two halves of one
-  chain are two kernels in one module) and stable for the same one. A kernel that builds TMA
+  """LRJAX_TRITON_LAUNCH=xla: each chained kernel (and the ·V launch, its READ_OFF in place
+  of WORK_OFF) compiled with its scalars as constants (M and the chain's two) has a PTX entry
+  that takes the buffers alone, operands then results, as XLA's PTX call passes them
+  (Triton's two unused scratch pointers dropped); it waits on the grid dependency; its entry
+  name is unique to the specialization (two halves of one chain are two kernels in one
+  module) and stable for the same one. A kernel that builds TMA
   descriptors on the device needs Triton's global scratch, which XLA cannot pass: None."""
   out = run_script(STUB + textwrap.dedent('''
     import re
@@ -98,8 +99,9 @@ def test_kernels_for_xlas_ptx_call_take_their_buffers_alone():
         continue
       seen.add(kernel)
       types, scalars = kernel_resources.xla_args(kernel, 3)
+      at = "WORK_OFF" if "WORK_OFF" in kernel.arg_names else "READ_OFF"  # the ·V launch's
       compile = lambda off: launch.xla_kernel(kernel, types, scalars,
-                                              dict(meta, PDL=1, WORK_OFF=off), warps, stages, 90)
+                                              dict(meta, PDL=1, **{at: off}), warps, stages, 90)
       a, b, again = compile(0), compile(4096), compile(0)
       buffers = len(types) - len(scalars)
       for k in (a, b):
@@ -118,7 +120,7 @@ def test_kernels_for_xlas_ptx_call_take_their_buffers_alone():
 
 
 def test_kernels_for_xlas_triton_call_take_their_buffers_alone():
-  """LRJAX_TRITON_LAUNCH=xla_triton: the persistent X·U·V decode kernel
+  """LRJAX_TRITON_LAUNCH=xla_triton: the persistent X·U·V decode kernel and the ·V launch
   (planner.XLA_TRITON_KERNELS; no other kernel, whatever its constexprs) as Triton's frontend
   TTIR with its scalars as constants, on each planned shape: its public function takes the
   buffers alone, each 16-byte aligned, as XLA's Triton call passes them; it waits on the grid
@@ -153,8 +155,9 @@ def test_kernels_for_xlas_triton_call_take_their_buffers_alone():
         continue
       kinds.add(kind)
       types, scalars = kernel_resources.xla_args(kernel, 3)
+      at = "WORK_OFF" if "WORK_OFF" in kernel.arg_names else "READ_OFF"  # the ·V launch's
       compile = lambda: launch.xla_triton_kernel(kernel, types, scalars,
-                                                 dict(meta, PDL=1, WORK_OFF=0), warps, stages,
+                                                 dict(meta, PDL=1, **{at: 0}), warps, stages,
                                                  90)
       k = compile()
       assert compile() is k, name
