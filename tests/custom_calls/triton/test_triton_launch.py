@@ -373,9 +373,10 @@ def test_the_pv_launch_refuses_bad_input_by_name():
 
 
 def test_the_decode_wrapper_launches_the_planners_persistent_plan():
-  """xuv_decode.xuv_decode on 132 SMs (the launch recorded, not run): from PV_LAUNCH_MIN_M
-  rows where V has at most PV_LAUNCH_MAX_V elements, phase 1 alone and then the ·V launch
-  (into out= where given); otherwise below PV_XLA_MIN_M rows the persistent kernel with
+  """xuv_decode.xuv_decode on 132 SMs (the launch recorded, not run): where V has at most
+  PV_LAUNCH_MAX_V elements, from PV_LAUNCH_MIN_M rows (from 17 where N <= K/4 and K >= 4096),
+  phase 1 alone and then the ·V launch (into out= where given); otherwise below
+  PV_XLA_MIN_M rows the persistent kernel with
   phase 2, from it phase 1 alone (XLA applies V) except where out= is given, and from 33 rows
   where N <= K/4 and K >= 4096; each call's grid and constexprs are persistent_launch_plan's
   of plan_persistent's plan for that many SMs, and the ·V launch's those of
