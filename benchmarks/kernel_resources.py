@@ -150,13 +150,19 @@ def xla_args(kernel, rows: int, clear_n: int = 4096):
   return types, scalars
 
 
+def offset_constexpr(kernel) -> str:
+  """The constexpr a kernel's scratch offset compiles in: WORK_OFF (a chained kernel's half)
+  or READ_OFF (where the ·V launch reads phase 1's P)."""
+  return "WORK_OFF" if "WORK_OFF" in kernel.arg_names else "READ_OFF"
+
+
 def compile_xla_sm90(kernel, meta: dict, warps: int, stages: int, rows: int) -> dict:
   """``compile_sm90`` for the kernel as lrjax's default launch builds it for XLA's PTX call
   (launch.xla_kernel): M = ``rows`` and the chain's offsets compiled in, PDL set."""
   from lrjax.custom_calls.triton import launch
   types, scalars = xla_args(kernel, rows)
-  k = launch.xla_kernel(kernel, types, scalars, {"WORK_OFF": 0, **meta, "PDL": 1}, warps,
-                        stages, 90)
+  k = launch.xla_kernel(kernel, types, scalars,
+                        {offset_constexpr(kernel): 0, **meta, "PDL": 1}, warps, stages, 90)
   return dict(shared=k.shared, warps=warps, stages=stages, **ptxas_info(k.ptx, k.shared, warps))
 
 

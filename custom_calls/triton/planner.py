@@ -895,10 +895,10 @@ def xla_triton_serves(kernel: str, meta: dict) -> bool:
   always: with phase 1, both through XLA's Triton call were faster than both through its PTX
   call at all five small-V points timed (session 41,
   results/gpu_xuv_decode_pv_launch_h200.json)."""
-  if kernel == "_pv_launch_kernel":
-    return True
-  return (kernel in XLA_TRITON_KERNELS
-          and (meta["COLS_R"] == meta["BLOCK_R"] or bool(meta["V_RES"])))
+  if kernel not in XLA_TRITON_KERNELS:
+    return False
+  return (kernel == "_pv_launch_kernel"  # any tiles
+          or meta["COLS_R"] == meta["BLOCK_R"] or bool(meta["V_RES"]))
 
 
 LAUNCH_MODES = ("jaxlib", "lrjax", "pdl", "xla", "xla_triton")

@@ -742,7 +742,7 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
   if persistent is None:
     persistent = (m <= PERSISTENT_MAX_M and block_sizes is None and _stages == 3
                   and num_sms() > 0)
-  if persistent and m <= MAX_M:
+  if persistent:
     pv = pv or default_pv(m, k, r, n, out is not None)
   pv_out = None
   if pv == "launch":  # the ·V launch writes y (into out=, if given); phase 1 alone writes P

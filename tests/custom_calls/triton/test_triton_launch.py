@@ -99,7 +99,7 @@ def test_kernels_for_xlas_ptx_call_take_their_buffers_alone():
         continue
       seen.add(kernel)
       types, scalars = kernel_resources.xla_args(kernel, 3)
-      at = "WORK_OFF" if "WORK_OFF" in kernel.arg_names else "READ_OFF"  # the ·V launch's
+      at = kernel_resources.offset_constexpr(kernel)
       compile = lambda off: launch.xla_kernel(kernel, types, scalars,
                                               dict(meta, PDL=1, **{at: off}), warps, stages, 90)
       a, b, again = compile(0), compile(4096), compile(0)
@@ -155,7 +155,7 @@ def test_kernels_for_xlas_triton_call_take_their_buffers_alone():
         continue
       kinds.add(kind)
       types, scalars = kernel_resources.xla_args(kernel, 3)
-      at = "WORK_OFF" if "WORK_OFF" in kernel.arg_names else "READ_OFF"  # the ·V launch's
+      at = kernel_resources.offset_constexpr(kernel)
       compile = lambda: launch.xla_triton_kernel(kernel, types, scalars,
                                                  dict(meta, PDL=1, **{at: 0}), warps, stages,
                                                  90)
