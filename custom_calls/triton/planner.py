@@ -584,6 +584,18 @@ PHASE1_ATOMIC_BW = 1.9e12
 PHASE1_X_L2_BW = 11.8e12
 PHASE1_NARROW_MIN_US = 0.5
 
+# The grid's tiles end together only where they are of a size: at 8192->2456->8192, 128
+# columns over 20 column blocks (the last 24 wide) make 120 tiles of 1408 x 128 of U for 132
+# CTAs, and the largest tile is 1.18x the even share. 112 of the 128 columns (22 blocks, 132
+# tiles of 1408 x 112) cut the largest tile by 12.5 %: on the same weights -0.73 / -0.97 us at
+# M=128 (two H200s) and -0.75 at M=64 (session 42, results/gpu_xuv_decode_phase1_balance_h200.json).
+# Narrower still lost where the largest tile shrank as much or more: 80 of 128 at
+# 4096->2560->14336 (+0.53 at M=128, +0.93 at M=64), 48 of 64 at 4096->1216->4096 (+0.36 /
+# +0.27), so only the one 16-column step of a 128-column tile is taken, and only where it cuts
+# the largest tile by at least PHASE1_BALANCE_MIN.
+PHASE1_BALANCE_COLS = 112
+PHASE1_BALANCE_MIN = 0.1
+
 
 def _phase1_tiles(k: int, r: int, cols: int, g: int) -> tuple[int, int]:
   """(column blocks, K rows a tile) of the phase-1 plan at ``cols`` columns: the fewest
@@ -614,8 +626,9 @@ def plan_decode_phase1(m: int, k: int, r: int, n: int, hw: Hardware = H200,
   K into P, then XLA's GEMM applies V). From M=64 rows the f32 partials of split-K (M x r x
   4 bytes per split, added with atomics) rival U's own bytes, so this takes the fewest
   splits that still give every CTA a tile: 128-column tiles (64 at r <= 1024, or where
-  ``_phase1_l2_us`` has them PHASE1_NARROW_MIN_US faster) over K ranges as long as that
-  allows, with PHASE1_WIDE_STAGES pipeline stages where r > 1024 (the 128-column tiles'
+  ``_phase1_l2_us`` has them PHASE1_NARROW_MIN_US faster; PHASE1_BALANCE_COLS of a 128-column
+  tile's columns where that cuts the largest tile by PHASE1_BALANCE_MIN) over K ranges as long
+  as that allows, with PHASE1_WIDE_STAGES pipeline stages where r > 1024 (the 128-column tiles'
   ranks) or K >= PHASE1_DEEP_MIN_K, more where fewer would keep less than
   PHASE1_INFLIGHT_BYTES of X and U in flight (64 rows, 64 columns: 6). P left as f32 sums
   for XLA to round (no p16, above).
@@ -629,15 +642,20 @@ def plan_decode_phase1(m: int, k: int, r: int, n: int, hw: Hardware = H200,
     if (n64 * cdiv(k, k64) <= g and _phase1_l2_us(m, k, r, 64, k64)
         <= _phase1_l2_us(m, k, r, 128, k_per) - PHASE1_NARROW_MIN_US):
       cols, n_rb, k_per = 64, n64, k64
+  cols_r = cols
+  if cols == 128:  # PHASE1_BALANCE_COLS of the block's columns where the largest tile shrinks
+    n_b, k_b = _phase1_tiles(k, r, PHASE1_BALANCE_COLS, g)
+    if PHASE1_BALANCE_COLS * k_b <= (1 - PHASE1_BALANCE_MIN) * cols * k_per:
+      cols_r, n_rb, k_per = PHASE1_BALANCE_COLS, n_b, k_b
   base = plan_decode_persistent(m, k, r, n, hw, programs=g, v_resident=False,
                                 stream_k=False)
-  est = _phase_us(n_rb * cdiv(k, k_per), k_per * cols * 2, g, 4.0e12, 1.5)
+  est = _phase_us(n_rb * cdiv(k, k_per), k_per * cols_r * 2, g, 4.0e12, 1.5)
   stages = base.stages
   if r > 1024 or k >= PHASE1_DEEP_MIN_K:
     stage_bytes = (base.block_m + cols) * base.block_k * 2
     stages = max(PHASE1_WIDE_STAGES,
                  min(PHASE1_MAX_STAGES, cdiv(PHASE1_INFLIGHT_BYTES, stage_bytes)))
-  return dataclasses.replace(base, block_r=cols, cols_r=cols, k_per=k_per, r_chunks=1,
+  return dataclasses.replace(base, block_r=cols, cols_r=cols_r, k_per=k_per, r_chunks=1,
                              p16=False, stages=stages, est_us=est)
 
 
@@ -891,7 +909,9 @@ def xla_triton_serves(kernel: str, meta: dict) -> bool:
   at 7; session 31, results/gpu_xuv_decode_wide_m_ab_h200.json); phase-1 tiles of 160 of 256
   columns 2.3 us slower (8192->2456->8192, M=8, with PDL off too) and 0.14 us slower
   (8192->2432->8192) (sessions 27 and 29, results/gpu_xuv_decode_xla_triton_h200.json,
-  results/gpu_xla_triton_build_h200.json). The X·U·V decode's ·V launch (``pv="launch"``)
+  results/gpu_xla_triton_build_h200.json); phase 1 alone on 112 of 128 columns a tie (PTX call
+  38.02 us, Triton call 38.07 at 8192->2456->8192 M=128, session 42,
+  results/gpu_xuv_decode_phase1_balance_h200.json). The X·U·V decode's ·V launch (``pv="launch"``)
   always: with phase 1, both through XLA's Triton call were faster than both through its PTX
   call at all five small-V points timed (session 41,
   results/gpu_xuv_decode_pv_launch_h200.json)."""

@@ -278,20 +278,24 @@ _PREFILL = textwrap.dedent('''
 ''')
 
 
-def _interpret(script: str) -> None:
-  run_script(script, interpret=True)
+def _interpret(script: str) -> str:
+  return run_script(script, interpret=True)
 
 
 @pytest.mark.parametrize("shapes", [
-    # (M, K, r, N, CTAs): 64-column tiles over several K ranges; ragged K and r; 128-column
-    # tiles (r > 1024); a grid smaller than the tiles (each CTA loops)
+    # (M, K, r, N, CTAs): 64-column tiles over several K ranges; ragged K and r; r > 1024 on
+    # 64-column tiles (fewer partials) and on 112 of 128 columns (planner.PHASE1_BALANCE_COLS);
+    # a grid smaller than the tiles (each CTA loops)
     [(64, 384, 136, 200, 132), (100, 320, 256, 384, 132), (128, 1000, 200, 96, 16),
-     (64, 640, 1100, 64, 132), (77, 200, 72, 130, 7)],
+     (64, 640, 1100, 64, 132), (16, 512, 1100, 64, 40), (77, 200, 72, 130, 7)],
 ])
 def test_decode_phase1_alone_on_its_planned_tiles(shapes):
   """P = X·U from the phase-1-only decode kernel, its f32 sums the whole scratch, equals the
   f64 product at f32's tolerance, and nothing is written past P (no flag is signalled)."""
-  _interpret(f"SHAPES = {shapes!r}\nFIELDS = {{}}\n" + _PRELUDE + _PHASE1)
+  out = _interpret(f"SHAPES = {shapes!r}\nFIELDS = {{}}\n" + _PRELUDE + _PHASE1)
+  cols = {tuple(map(int, ln.split()[:3])): int(ln.split()[4])
+          for ln in out.splitlines() if ln != "ok"}
+  assert cols[(16, 512, 1100)] == 112 and cols[(64, 640, 1100)] == 64, cols
 
 
 def test_decode_phase1_alone_rounds_p_itself_with_p16():

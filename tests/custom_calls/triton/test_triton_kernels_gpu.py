@@ -70,6 +70,8 @@ XUV_SHAPES = [  # (M, K, r, N): M=1, ragged everything, a multi-super-block pref
     # 33-64 rows, N <= K/4, K >= 4096: phase 1 alone (xuv_decode.default_pv) on 64-column
     # tiles of 6 stages (planner.PHASE1_INFLIGHT_BYTES), K ragged; at 48 rows part of the block
     (64, 4100, 520, 1000), (48, 4100, 520, 1000),
+    # phase 1 alone on 112 of 128 columns a tile (planner.PHASE1_BALANCE_COLS), K and r ragged
+    (100, 4100, 2456, 1000),
 ]
 
 
@@ -548,12 +550,14 @@ def test_launchers_agree(monkeypatch, mode):
 
 
 @pytest.mark.parametrize("shape", [(64, 1000, 2560, 8200), (100, 320, 256, 384),
-                                   (128, 4096, 1024, 1000), (64, 384, 136, 200)])
+                                   (128, 4096, 1024, 1000), (64, 384, 136, 200),
+                                   (100, 4100, 2456, 1000)])
 def test_wide_decode_plans_through_xlas_triton_call(monkeypatch, shape):
   """LRJAX_TRITON_LAUNCH=xla_triton at 64-128 rows: the wrapper's own plan (phase 1 alone,
   then XLA's GEMM or the ·V launch, where xuv_decode.default_pv says so) goes to XLA's Triton
-  call exactly where planner.xla_triton_serves names it (the ·V launch always), and the
-  output (with a bias) matches the reference."""
+  call exactly where planner.xla_triton_serves names it (the ·V launch always; phase 1 on 112
+  of 128 columns a tile, the last shape, not), and the output (with a bias) matches the
+  reference."""
   from lrjax.custom_calls.triton import xuv_decode
   monkeypatch.setenv("LRJAX_TRITON_LAUNCH", "xla_triton")
   m, k, r, n = shape
@@ -563,6 +567,8 @@ def test_wide_decode_plans_through_xlas_triton_call(monkeypatch, shape):
   pv, _, launch = xuv_decode.default_persistent_launch(m, k, r, n, True, xuv_decode.num_sms())
   serves = planner.xla_triton_serves(xuv_decode._xuv_decode_persistent_kernel.__name__,
                                      launch["meta"])
+  if r == 2456:  # planner.PHASE1_BALANCE_COLS: XLA's PTX call
+    assert launch["meta"]["COLS_R"] == 112 and not serves
   f = jax.jit(lambda x, u, v, b: xuv_decode.xuv_decode(x, u, v, b)).lower(x, u, v, b).compile()
   want = serves + (pv == "launch")  # the ·V launch: XLA's Triton call too
   assert f.as_text().count(f'custom_call_target="{planner.XLA_TRITON_TARGET}"') == want, pv

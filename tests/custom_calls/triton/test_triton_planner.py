@@ -344,8 +344,8 @@ def test_phase1_plan_takes_64_column_tiles_where_they_measured_faster(dims, slow
   p = planner.plan_decode_phase1(m, k, r, n, programs=132)
   if slower_us <= -planner.PHASE1_NARROW_MIN_US:
     assert p.cols_r == p.block_r == 64
-  elif slower_us > 0:
-    assert p.cols_r == p.block_r == 128
+  elif slower_us > 0:  # (112 of them read at 8192->2456->8192: PHASE1_BALANCE_COLS)
+    assert p.block_r == 128 and p.cols_r in (128, planner.PHASE1_BALANCE_COLS)
   # r > 1024: as the 128-column tiles, or 6 on 16-KB stages (64 rows, 64 columns)
   assert p.stages == (6 if p.block_m == p.cols_r == 64 else planner.PHASE1_WIDE_STAGES)
   n_rb = planner.cdiv(r, p.cols_r)
@@ -378,6 +378,50 @@ def test_phase1_plan_takes_6_stages_where_they_measured_faster(dims, slower_us):
   elif slower_us > 0:
     assert p.stages < 6
   assert p.stages * (p.block_m + p.cols_r) * p.block_k * 2 <= 160 * 1024  # 1 CTA an SM fits
+
+
+# Same-weights A/Bs of the phase-1-alone plan, fewer columns a tile than its block (session 42,
+# benchmarks/results/gpu_xuv_decode_phase1_balance_h200.json): (point, columns, us they took more)
+PHASE1_BALANCE_AB = [((128, 8192, 2456, 8192), 112, -0.73), ((128, 8192, 2456, 8192), 112, -0.97),
+                     ((64, 8192, 2456, 8192), 112, -0.75), ((128, 4096, 2560, 14336), 80, 0.53),
+                     ((64, 4096, 2560, 14336), 80, 0.93), ((128, 4096, 1216, 4096), 48, 0.36),
+                     ((64, 4096, 1216, 4096), 48, 0.27)]
+
+
+@pytest.mark.parametrize("dims,cols,slower_us", PHASE1_BALANCE_AB)
+def test_phase1_plan_narrows_its_tiles_only_where_that_measured_faster(dims, cols, slower_us):
+  """Where 112 of a 128-column tile's columns cut the largest tile by PHASE1_BALANCE_MIN (more
+  tiles, as many as the CTAs), the phase-1 plan reads that many: it narrows where narrower
+  tiles measured faster and keeps whole tiles where they measured slower."""
+  m, k, r, n = dims
+  p = planner.plan_decode_phase1(m, k, r, n, programs=132)
+  if slower_us < 0:
+    assert (p.block_r, p.cols_r) == (128, cols)
+  else:
+    assert p.cols_r == p.block_r != cols
+  n_rb = planner.cdiv(r, p.cols_r)
+  assert n_rb * planner.cdiv(k, p.k_per) <= 132
+
+
+@pytest.mark.parametrize("m,k,r,n,g,cols", [
+    # narrowed: the sweep's point; the kernel tests' ragged shapes (GPU and interpreter)
+    (128, 8192, 2456, 8192, 132, 112), (100, 4100, 2456, 1000, 132, 112),
+    (16, 512, 1100, 64, 40, 112),
+    # whole: 112 columns would not shrink the largest tile by PHASE1_BALANCE_MIN
+    (128, 8192, 2048, 16384, 132, 128), (64, 8192, 4096, 16384, 132, 128),
+    (128, 4096, 2560, 14336, 132, 128)])
+def test_phase1_plan_narrows_by_the_largest_tile(m, k, r, n, g, cols):
+  """PHASE1_BALANCE_COLS columns of each 128-column tile exactly where their largest tile (K
+  rows x columns of U) is at most (1 - PHASE1_BALANCE_MIN) of the whole tiles' on as many
+  CTAs: the kernel tests' shapes run the narrowed tiles."""
+  p = planner.plan_decode_phase1(m, k, r, n, programs=g)
+  assert (p.block_r, p.cols_r) == (128, cols)
+  n_w, k_w = planner._phase1_tiles(k, r, 128, g)
+  n_b, k_b = planner._phase1_tiles(k, r, planner.PHASE1_BALANCE_COLS, g)
+  shrinks = planner.PHASE1_BALANCE_COLS * k_b <= (1 - planner.PHASE1_BALANCE_MIN) * 128 * k_w
+  assert shrinks == (cols < 128)
+  assert p.k_per == (k_b if cols < 128 else k_w)
+  assert planner.cdiv(r, p.cols_r) * planner.cdiv(k, p.k_per) <= g
 
 
 @pytest.mark.parametrize("k,r,n", [(8192, 4096, 16384), (4096, 2560, 14336),
