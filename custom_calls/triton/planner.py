@@ -243,6 +243,23 @@ class PersistentDecodePlan:
   v_resident: bool = False  # one tile a CTA, phase-2 CTAs hold their V tile before the wait
   stream_k: bool = False  # both phases split evenly by steps (cols_r/cols_n wide blocks)
 
+  def __post_init__(self):
+    # the kernel computes block_r (block_n) columns of each cols_r (cols_n) wide block and
+    # steps over a tile's K rows block_k at a time: outside these bounds its output is wrong
+    bad = [f"{f}={getattr(self, f)}" for f in ("block_m", "block_k", "block_r", "cols_r",
+                                               "k_per", "block_n", "cols_n", "block_kv",
+                                               "r_chunks", "programs", "warps", "stages")
+           if getattr(self, f) < 1]
+    if bad:
+      raise ValueError(f"PersistentDecodePlan: expected positive sizes, got {', '.join(bad)}")
+    if self.cols_r > self.block_r or self.cols_n > self.block_n:
+      raise ValueError(f"PersistentDecodePlan: expected cols_r <= block_r and cols_n <= "
+                       f"block_n, got cols_r={self.cols_r}, block_r={self.block_r}, "
+                       f"cols_n={self.cols_n}, block_n={self.block_n}")
+    if self.k_per % self.block_k:
+      raise ValueError(f"PersistentDecodePlan: expected k_per a multiple of block_k, got "
+                       f"k_per={self.k_per}, block_k={self.block_k}")
+
 
 def _widths(pow2s):
   """(register width, columns): columns a multiple of 16 in (width/2, width]."""
@@ -589,10 +606,10 @@ PHASE1_NARROW_MIN_US = 0.5
 # CTAs, and the largest tile is 1.18x the even share. 112 of the 128 columns (22 blocks, 132
 # tiles of 1408 x 112) cut the largest tile by 12.5 %: on the same weights -0.73 / -0.97 us at
 # M=128 (two H200s) and -0.75 at M=64 (session 42, results/gpu_xuv_decode_phase1_balance_h200.json).
-# Narrower still lost where the largest tile shrank as much or more: 80 of 128 at
-# 4096->2560->14336 (+0.53 at M=128, +0.93 at M=64), 48 of 64 at 4096->1216->4096 (+0.36 /
-# +0.27), so only the one 16-column step of a 128-column tile is taken, and only where it cuts
-# the largest tile by at least PHASE1_BALANCE_MIN.
+# Narrower tiles lost where tried, though they cut the largest tile too: 80 of 128 at
+# 4096->2560->14336 (9 % smaller; +0.53 us at M=128, +0.93 at M=64), 48 of 64 at
+# 4096->1216->4096 (11 %; +0.36 / +0.27), so only the one 16-column step of a 128-column tile
+# is taken, and only where it cuts the largest tile by at least PHASE1_BALANCE_MIN.
 PHASE1_BALANCE_COLS = 112
 PHASE1_BALANCE_MIN = 0.1
 

@@ -416,8 +416,8 @@ def test_phase1_plan_narrows_by_the_largest_tile(m, k, r, n, g, cols):
   CTAs: the kernel tests' shapes run the narrowed tiles."""
   p = planner.plan_decode_phase1(m, k, r, n, programs=g)
   assert (p.block_r, p.cols_r) == (128, cols)
-  n_w, k_w = planner._phase1_tiles(k, r, 128, g)
-  n_b, k_b = planner._phase1_tiles(k, r, planner.PHASE1_BALANCE_COLS, g)
+  _, k_w = planner._phase1_tiles(k, r, 128, g)
+  _, k_b = planner._phase1_tiles(k, r, planner.PHASE1_BALANCE_COLS, g)
   shrinks = planner.PHASE1_BALANCE_COLS * k_b <= (1 - planner.PHASE1_BALANCE_MIN) * 128 * k_w
   assert shrinks == (cols < 128)
   assert p.k_per == (k_b if cols < 128 else k_w)
@@ -694,3 +694,19 @@ def test_pv_launch_tiles_take_the_tallest_rows_that_keep_a_wave(m, r, n, block_m
   taller = [bm for bm in (64, 32) if bm > block_m]
   assert all(bm * r * 4 > planner.PV_LAUNCH_P_TILE_BYTES
              or tiles(bm) < planner.PV_LAUNCH_MIN_TILES for bm in taller), p
+
+
+@pytest.mark.parametrize("fields,names", [
+    (dict(cols_r=112), "cols_r=112, block_r=64"),  # the kernel would leave 48 columns at 0
+    (dict(cols_n=80, block_n=64), "cols_n=80, block_n=64"),
+    (dict(k_per=96), "k_per=96, block_k=64"),  # its last K step would overlap the next tile
+    (dict(programs=0), "programs=0")])
+def test_persistent_plans_outside_the_kernels_bounds_are_refused(fields, names):
+  """A PersistentDecodePlan the kernel would run to a wrong P (more columns a tile than its
+  registers hold, K ranges that are not whole K steps, no CTAs) is refused where it is built,
+  naming the fields: a hand-edited plan (decode_ab.py's variants) once gave P 0.65 off with
+  cols_r=112 on a 64-column plan."""
+  p = planner.plan_decode_phase1(64, 1408, 2456, 64, programs=132)
+  assert (p.block_r, p.block_k) == (64, 64)
+  with pytest.raises(ValueError, match=names):
+    dataclasses.replace(p, **fields)
