@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import lrjax
 from lrjax.lowering import quantized as Q
 from lrjax.nn import Linear, LowRankLinear, LowRankMLP
 from lrjax.quant import QuantizedLowRankLinear, dequantize_int4, quantize

@@ -104,7 +104,7 @@ def main():
   print("\n== 5. quality (excess nats over the entropy floor, 1024 held-out sequences)")
   rows = [("dense", model, param_counts(model)["actual"]),
           ("whitened SVD (lrjax convert)", cli_model, param_counts(cli_model)["actual"]),
-          (f"whitened + LoRA (reloaded)", reloaded, param_counts(reloaded)["actual"])]
+          ("whitened + LoRA (reloaded)", reloaded, param_counts(reloaded)["actual"])]
   print(f"{'variant':<32}{'excess nats':>12}{'proj. weights':>15}")
   for name, m, n in rows:
     print(f"{name:<32}{evaluate(m, src, eval_tok)['excess_nats']:>12.4f}{n:>15}")

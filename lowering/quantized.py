@@ -39,7 +39,6 @@ A separate ``add(y, b)`` after a bias-free second matmul may also be folded in
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping
 
 import jax

@@ -99,7 +99,8 @@ from jax.interpreters import mlir
 from jax_triton import triton_lib
 
 from lrjax.custom_calls.triton import planner
-from lrjax.custom_calls.triton.planner import FFI_TARGET, LAUNCH_TARGET, LEGACY_TARGET, count_calls
+from lrjax.custom_calls.triton.planner import (  # noqa: F401  (count_calls: re-exported)
+    FFI_TARGET, LAUNCH_TARGET, LEGACY_TARGET, count_calls)
 
 _REQUEST = "lrjax_triton_kernel_call"  # the name our calls pass; never reaches XLA
 PDL = "PDL"  # the constexpr of kernels that may be launched as programmatic dependents

@@ -3,7 +3,6 @@ custom_jvp/custom_vjp, cond/while, grad, vmap; and the cases it must refuse."""
 import flax.linen as linen
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import nnx
 from jax import lax

@@ -10,7 +10,6 @@ import io  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 

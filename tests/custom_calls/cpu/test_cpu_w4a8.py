@@ -1,5 +1,4 @@
 """The C++ W4A8 XLA FFI kernels against their jnp references and exact products."""
-import os
 
 import jax
 import jax.numpy as jnp
