@@ -686,6 +686,12 @@ class PvLaunchPlan:
   warps: int
   stages: int
 
+  def __post_init__(self):
+    if self.block_m < 16 or self.block_n < 16:
+      raise ValueError(f"{self}: block_m and block_n must be >= 16 (the mma's smallest tile)")
+    if min(self.block_kv, self.warps, self.stages) < 1:
+      raise ValueError(f"{self}: expected block_kv, warps and stages >= 1")
+
 
 # The ·V launch's tiles, fitted to 13 points of 32-128 rows (session 41, same weights,
 # results/gpu_xuv_decode_pv_launch_h200.json): 32-column tiles (64 were slower at every point

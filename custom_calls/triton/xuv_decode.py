@@ -484,9 +484,7 @@ def pv_launch(p_f32, v, bias, m: int, out_dtype, plan: planner.PvLaunchPlan | No
   if p_f32.dtype != jnp.float32 or p_f32.shape != (m * r,):
     raise ValueError(f"P must be phase 1's f32 [{m * r}] sums, got {p_f32.dtype}{p_f32.shape}")
   check_out(out, (m, n), out_dtype)
-  p = plan or planner.plan_pv_launch(m, r, n)
-  if p.block_m < 16 or p.block_n < 16:
-    raise ValueError(f"{p}: block_m and block_n must be >= 16 (the mma's smallest tile)")
+  p = plan or planner.plan_pv_launch(m, r, n)  # PvLaunchPlan refuses tiles under the mma's
   return launch.triton_call(
       p_f32, v, bias if bias is not None else v, v if out is None else out, m,
       kernel=_pv_launch_kernel, out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),

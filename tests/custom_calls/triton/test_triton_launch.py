@@ -343,8 +343,8 @@ def test_a_prefetch_that_is_not_a_power_of_two_is_refused_by_name():
 def test_the_pv_launch_refuses_bad_input_by_name():
   """pv="launch" (the launch recorded, not run): a ·V plan without pv="launch", a phase-1
   plan that rounds P itself (p16), the tiled schedule, a P that is not m·r f32 sums, tiles
-  under the mma's 16 and an out= of the wrong shape are each refused, naming what was
-  expected."""
+  under the mma's 16 (refused where the plan is built) and an out= of the wrong shape are each
+  refused, naming what was expected."""
   run_script(_RAISES + textwrap.dedent('''
     import dataclasses
     import jax.numpy as jnp
