@@ -58,6 +58,9 @@ REPS = 15
 # "device": per-call times from the profiler's device timeline (the issue's method); "host":
 # host wall-clock around each jit (sessions 1-5). Off a GPU the host timing is used.
 TIMING = "device"
+# --distinct-weights: each timed call on a layer of its own (per_call_us(distinct=True)), as a
+# model step pays work on a layer's weights alone (XLA's pad or concatenation of factors)
+DISTINCT = False
 
 
 def chained(fn, passes, first=None):
@@ -268,11 +271,11 @@ def ours_and_default(fn, x, layers, reps):
   """(ours_us, spread, default_lowering, default_us): the Triton kernel forced, then what
   the default policy lowers (timed separately only when it is not the same program)."""
   with lrjax.lowering.prefer_kernels():
-    t_ours, spread = per_call_us(fn, x, layers, reps)
+    t_ours, spread = per_call_us(fn, x, layers, reps, DISTINCT)
   text = jax.jit(lambda x, w: fn(x, *w)).lower(x, layers[0]).compile().as_text()
   if planner.count_calls(text):
     return t_ours, spread, "triton", t_ours
-  return t_ours, spread, "xla", per_call_us(fn, x, layers, reps)[0]
+  return t_ours, spread, "xla", per_call_us(fn, x, layers, reps, DISTINCT)[0]
 
 
 def rand(key, shape, scale=1.0):
@@ -325,21 +328,22 @@ def xuv_record(m, k, r, n, bw, peak, kernel="auto", reps=None, baselines=None):
   """One shape: our kernel (``kernel``: "auto" = lrjax's own choice, else a variant of
   _xuv_variant), XLA's (x@u)@v and XLA's dense x@w. ``baselines``: a record of the same
   shape whose XLA times are reused (a variant sweep times them once per shape)."""
-  x, lr_layers, dense_key = xuv_inputs(m, k, r, n)
-  nl = len(lr_layers)
+  x, lr_layers, dense_key = xuv_inputs(m, k, r, n, DISTINCT)
+  nl = len(lr_layers) // (3 if DISTINCT else 1)
   if kernel == "auto":
     ours = lambda x, u, v: lrjax.lr_xuv(x, u, v)
     t_ours, spread, low, t_def = ours_and_default(ours, x, lr_layers, reps)
   else:
     ours = _xuv_variant(kernel, m, k, r, n)
-    t_ours, spread = per_call_us(ours, x, lr_layers, reps)
+    t_ours, spread = per_call_us(ours, x, lr_layers, reps, DISTINCT)
     low, t_def = "triton", t_ours
   if baselines is not None:
     t_xla, t_dense = baselines["xla_lowrank_us"], baselines["xla_dense_us"]
   else:
-    t_xla, _ = per_call_us(lambda x, u, v: (x @ u) @ v, x, lr_layers, reps)
-    dense = [(rand(jax.random.fold_in(dense_key, i), (k, n), k ** -0.5),) for i in range(nl)]
-    t_dense, _ = per_call_us(lambda x, w: x @ w, x, dense, reps)
+    t_xla, _ = per_call_us(lambda x, u, v: (x @ u) @ v, x, lr_layers, reps, DISTINCT)
+    dense = [(rand(jax.random.fold_in(dense_key, i), (k, n), k ** -0.5),)
+             for i in range(len(lr_layers))]
+    t_dense, _ = per_call_us(lambda x, w: x @ w, x, dense, reps, DISTINCT)
     del dense
   del lr_layers
   bytes_ = planner.hbm_bytes_xuv(m, k, r, n)
@@ -350,7 +354,12 @@ def xuv_record(m, k, r, n, bw, peak, kernel="auto", reps=None, baselines=None):
               default_lowering=low, default_us=t_def,
               floor_us=floor, hbm_floor_us=bytes_ / BW_ROOF * 1e6,
               hbm_roofline_frac=bytes_ / BW_ROOF * 1e6 / t_ours, tflops=flops / t_ours / 1e6,
-              speedup_vs_xla=t_xla / t_ours, layers=nl, spread=spread)
+              speedup_vs_xla=t_xla / t_ours, layers=nl, spread=spread, **_weights())
+
+
+def _weights() -> dict:
+  """A record's ``weights`` field where its calls each had a layer of their own."""
+  return dict(weights="distinct") if DISTINCT else {}
 
 
 def group_record(m, k, members, bw, peak, kernel="group", baselines=None):
@@ -480,12 +489,13 @@ def mlp_record(m, d, f, r, bw, peak, kernel="auto", reps=None, baselines=None):
   ks = jax.random.split(key, 8)
   per_layer = 2 * 3 * r * (d + f)
   nl = n_layers(per_layer, m)
+  drawn = nl * (3 if DISTINCT else 1)
   x = rand(ks[0], (m, d))
 
   def fac(i, j, a, b):
     return rand(jax.random.fold_in(ks[j], i), (a, b), a ** -0.5)
   layers = [(fac(i, 1, d, r), fac(i, 2, r, f), fac(i, 3, d, r), fac(i, 4, r, f),
-             fac(i, 5, f, r), fac(i, 6, r, d)) for i in range(nl)]
+             fac(i, 5, f, r), fac(i, 6, r, d)) for i in range(drawn)]
   low = None
   if kernel == "auto":
     ours = lambda x, ug, vg, uu, vu, ud, vd: lrjax.lr_mlp(x, (uu, vu), (ud, vd), (ug, vg))
@@ -496,6 +506,8 @@ def mlp_record(m, d, f, r, bw, peak, kernel="auto", reps=None, baselines=None):
     extra = {}
     if name == "decode_memset":  # scratch zeroed by jax-triton's memset inside the call
       name, extra = "decode", dict(xla_zeroing=False)
+    if name == "fused":  # the fused kernel where the default composes X·U·V calls
+      name, extra = "decode", dict(compose=False)
     if name in ("decode_kw", "decode_kw0"):  # decode_kw:field=value,...: the default blocks,
       # some replaced; decode_kw0: the same over the unparked T <= 16 blocks (before session 15)
       fields = {k: int(v) for k, v in (t.split("=") for t in spec.split(","))}
@@ -534,18 +546,27 @@ def mlp_record(m, d, f, r, bw, peak, kernel="auto", reps=None, baselines=None):
         plan = planner.plan_mlp_decode_persistent(m, d, f, r, r, d)
         extra = dict(persistent=dataclasses.replace(plan, p16=True))
       name, spec = "decode", ""
+    if name.startswith("compose"):  # X·U·V decode calls for gate, up and down, the activation
+      # by XLA; _gu_xla / _down_xla: that part by XLA's dots instead (where the time goes)
+      from lrjax.custom_calls.triton.xuv_decode import xuv_decode as xuv
+      gu = (lambda x, u, v: (x @ u) @ v) if name == "compose_gu_xla" else xuv
+      dn = (lambda x, u, v: (x @ u) @ v) if name == "compose_down_xla" else xuv
+      ours = lambda x, ug, vg, uu, vu, ud, vd: dn(jax.nn.silu(gu(x, ug, vg)) * gu(x, uu, vu),
+                                                  ud, vd)
+      name = None
     if name == "prefill_phases":  # the default prefill kernel, some phases or no waits
       name, extra, spec = "prefill", dict(_phases=int(spec) or 15, _waits=int(spec) != 0), ""
-    mod = {"decode": mlp_decode, "prefill": mlp_prefill}[name]
-    kern = getattr(mod, f"mlp_{name}")
-    extra.setdefault("block_sizes",
-                     mod.BlockSizes(*[int(t) for t in spec.split(",")]) if spec else None)
-    ours = lambda x, ug, vg, uu, vu, ud, vd: kern(x, (uu, vu), (ud, vd), (ug, vg), **extra)
+    if name is not None:
+      mod = {"decode": mlp_decode, "prefill": mlp_prefill}[name]
+      kern = getattr(mod, f"mlp_{name}")
+      extra.setdefault("block_sizes",
+                       mod.BlockSizes(*[int(t) for t in spec.split(",")]) if spec else None)
+      ours = lambda x, ug, vg, uu, vu, ud, vd: kern(x, (uu, vu), (ud, vd), (ug, vg), **extra)
   if low is None:
-    t_ours, spread = per_call_us(ours, x, layers, reps)
+    t_ours, spread = per_call_us(ours, x, layers, reps, DISTINCT)
     low, t_def = "triton", t_ours
   if baselines is None:
-    t_xla, _ = per_call_us(_swiglu_lowrank, x, layers, reps)
+    t_xla, _ = per_call_us(_swiglu_lowrank, x, layers, reps, DISTINCT)
   else:
     t_xla = baselines["xla_lowrank_us"]
   with lrjax.lowering.prefer_kernels():
@@ -553,8 +574,9 @@ def mlp_record(m, d, f, r, bw, peak, kernel="auto", reps=None, baselines=None):
   mem_xla = jax.jit(_swiglu_lowrank).lower(x, *layers[0]).compile().memory_analysis()
   del layers
   if baselines is None:
-    dense = [(fac(i, 1, d, f), fac(i, 2, d, f), fac(i, 3, f, d)) for i in range(min(nl, 6))]
-    t_dense, _ = per_call_us(_swiglu_dense, x, dense, reps)
+    dense = [(fac(i, 1, d, f), fac(i, 2, d, f), fac(i, 3, f, d))
+             for i in range(min(nl, 6) * (3 if DISTINCT else 1))]
+    t_dense, _ = per_call_us(_swiglu_dense, x, dense, reps, DISTINCT)
     del dense
   else:
     t_dense = baselines["xla_dense_us"]
@@ -567,7 +589,7 @@ def mlp_record(m, d, f, r, bw, peak, kernel="auto", reps=None, baselines=None):
               hbm_floor_us=bytes_ / BW_ROOF * 1e6, hbm_roofline_frac=bytes_ / BW_ROOF * 1e6 / t_ours,
               tflops=flops / t_ours / 1e6, speedup_vs_xla=t_xla / t_ours,
               temp_bytes_ours=mem_ours.temp_size_in_bytes,
-              temp_bytes_xla=mem_xla.temp_size_in_bytes, layers=nl, spread=spread)
+              temp_bytes_xla=mem_xla.temp_size_in_bytes, layers=nl, spread=spread, **_weights())
 
 
 # ------------------------------------------------------------------ per-call overhead
@@ -838,6 +860,7 @@ MLP_H_INLINE_VARIANTS = tuple("decode_kw0:park_h=1,h_inline=1," + v for v in (
 MLP_PREFETCH_VARIANTS = ("persistent_pfb:256", "persistent_pfb:512", "persistent_pfb:1024")
 # gpu_xuv_decode_persistent_h200.json also has "persistent:programs=264,stages=3" (two CTAs
 # per SM), measured before xuv_decode refused grids larger than the SM count
+MLP_COMPOSE_VARIANTS = ("compose", "compose_gu_xla", "compose_down_xla")
 PERSISTENT_VARIANTS = ("persistent", "persistent:prefetch=0", "persistent:warps=8")
 # more bytes in flight per SM in phase 2: 128-row reduction steps over r, deeper pipelines
 DECODE_DEPTH_VARIANTS = ("persistent:block_kv=128", "persistent:stages=6",
@@ -1165,6 +1188,9 @@ def suite(name, bw, peak, args, recs):
   if name == "mlp_prefill_phases":  # the prefill MLP kernel by phase (A=1 B=2 C=4 D=8)
     mlp_sweep((("llama3-8b", 4096), ("llama3-8b-r1024", 4096)),
               lambda _: MLP_PREFILL_PHASE_VARIANTS)
+  if name == "mlp_compose":  # 64 and 128 rows: the MLP as three X·U·V decode calls
+    mlp_sweep(each(("llama3-8b", (64, 128)), ("llama3.2-1b", (64, 128)),
+                   ("llama3-70b", (128, 64))), lambda r: MLP_COMPOSE_VARIANTS)
   if name == "mlp_prefill_variants":  # the prefill MLP kernel's schedules, one run
     mlp_sweep((("llama3-8b", 4096), ("llama3.2-1b", 4096), ("llama3-8b-r1024", 4096),
                ("llama3-8b", 1024)), mlp_prefill_variants)
@@ -1412,7 +1438,7 @@ def main():
                   choices=["decode", "decode_attn", "prefill", "mlp", "all", "none", "overhead",
                            "decode_rows", "line_rows", "decode_persistent",
                            "mlp_decode_variants", "mlp_phases", "mlp_prefetch",
-                           "mlp_prefill_variants", "prefill_variants",
+                           "mlp_prefill_variants", "prefill_variants", "mlp_compose",
                            "mlp_prefill_phases", "gemm_ceiling", "gemm_tma",
                            "decode_prefetch", "decode_wide_m", "decode_chunks", "decode_p16",
                            "decode_m_cost", "decode_grid",
@@ -1447,9 +1473,13 @@ def main():
   ap.add_argument("--reps", type=int, default=15, help="alternated repetitions per timing")
   ap.add_argument("--timing", choices=["device", "host"], default="device",
                   help="per-call time from the profiler's device timeline, or host wall-clock")
+  ap.add_argument("--distinct-weights", action="store_true",
+                  help="X·U·V and MLP records: each timed call on a layer of its own (3L "
+                  "layers drawn), as a model step pays work on a layer's weights alone")
   args = ap.parse_args()
-  global VERBOSE, REPS, TIMING
+  global VERBOSE, REPS, TIMING, DISTINCT
   VERBOSE, REPS, TIMING = args.verbose, args.reps, args.timing
+  DISTINCT = args.distinct_weights
   if args.plot:  # also re-judges the targets stored in that file
     with open(args.plot) as fh:
       data = json.load(fh)
@@ -1499,6 +1529,7 @@ def main():
       meta["note"] = old["meta"]["note"]
   from lrjax.custom_calls.triton import launch
   run = dict(index=len(runs), suite=args.suite, extra=args.extra, timing=TIMING,
+             weights="distinct" if DISTINCT else "reused",
              triton_launch=_launch_label(launch),
              retry=dict(max_spread=MAX_SPREAD, tries=TRIES), **{
       k: meta[k] for k in ("date", "measured_hbm_bw", "measured_read_bw", "measured_bf16_flops",

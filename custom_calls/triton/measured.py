@@ -35,6 +35,7 @@ import os
 import re
 import statistics
 
+from lrjax.custom_calls.triton.lowering import MLP_COMPOSE_MIN_M
 from lrjax.custom_calls.triton.planner import MODEL_AB_LAUNCHES
 
 SOURCE = "benchmarks/results/gpu_lowrank_h200.json"
@@ -121,9 +122,9 @@ RECORDS: tuple[tuple[str, int, int, int, int, float, float], ...] = (
     ('mlp_swiglu', 64, 4096, 2560, 14336, 92.2, 108.9),
     ('mlp_swiglu', 64, 8192, 3824, 28672, 239.0, 235.2),
     ('mlp_swiglu', 64, 8192, 3840, 28672, 231.3, 231.6),
-    ('mlp_swiglu', 128, 4096, 2560, 14336, 127.3, 118.2),
-    ('mlp_swiglu', 128, 8192, 3824, 28672, 310.4, 255.1),
-    ('mlp_swiglu', 128, 8192, 3840, 28672, 295.3, 257.0),
+    ('mlp_swiglu', 128, 4096, 2560, 14336, 114.2, 116.7),
+    ('mlp_swiglu', 128, 8192, 3824, 28672, 262.2, 255.0),
+    ('mlp_swiglu', 128, 8192, 3840, 28672, 257.3, 260.2),
     ('mlp_swiglu', 1024, 2048, 1280, 8192, 245.5, 153.5),
     ('mlp_swiglu', 1024, 4096, 2560, 14336, 544.5, 427.0),
     ('mlp_swiglu', 4096, 2048, 1280, 8192, 630.9, 487.1),
@@ -277,7 +278,7 @@ MODEL_AB: tuple[tuple[str, int, int, float, float], ...] = (
     ('8b', 4096, 16, 5.041, 5.417),
     ('8b', 4096, 32, 6.649, 6.861),
     ('8b', 4096, 64, 9.139, 9.468),
-    ('8b', 4096, 128, 15.096, 14.5),
+    ('8b', 4096, 128, 14.763, 14.574),
     ('70b', 8192, 1, 2.846, 2.953),
     ('70b', 8192, 4, 2.864, 2.919),
     ('70b', 8192, 8, 3.034, 3.045),
@@ -285,7 +286,7 @@ MODEL_AB: tuple[tuple[str, int, int, float, float], ...] = (
     ('70b', 8192, 32, 3.647, 3.691),
     ('70b', 8192, 48, 4.109, 4.132),
     ('70b', 8192, 64, 4.496, 4.458),
-    ('70b', 8192, 128, 6.146, 6.163),
+    ('70b', 8192, 128, 6.175, 6.143),
     ('qwen2.5-7b', 3584, 1, 3.65, 6.667),
     ('qwen2.5-7b', 3584, 4, 3.799, 4.191),
     ('qwen2.5-7b', 3584, 8, 3.934, 4.208),
@@ -501,8 +502,15 @@ def _model_verdict(m: int, k: int, op: str | None = None) -> str | None:
 def path(op: str, m: int) -> int:
   """Which of an op's code paths serves M rows, for pooling records: 0 at M = 1 (XLA too
   lowers one row differently), 1 up to WIDE_M rows; for X·U·V, 2 from WIDE_M + 1 rows, where
-  its kernel runs 64- and 128-row blocks and, from 64 rows, leaves ·V to XLA's GEMM."""
-  return 0 if m == 1 else 1 if m <= WIDE_M or op != "xuv" else 2
+  its kernel runs 64- and 128-row blocks and, from 64 rows, leaves ·V to XLA's GEMM; for the
+  MLP, 2 from MLP_COMPOSE_MIN_M rows, where it runs as three X·U·V decode calls."""
+  if m == 1:
+    return 0
+  if op == "xuv":
+    return 1 if m <= WIDE_M else 2
+  if op == "mlp_swiglu":
+    return 1 if m < MLP_COMPOSE_MIN_M else 2
+  return 1
 
 
 def verdict(op: str, m: int, k: int, r: int, n: int) -> str | None:

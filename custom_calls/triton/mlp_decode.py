@@ -50,6 +50,16 @@ session 9). The kernel rounded P to that dtype before its dot anyway, so the out
 same. It is the tiled default except where stage A runs in one wave at T <= 16: there the
 rounding tail delayed stage B more than reading f32 costs it (session 33).
 
+From ``COMPOSE_MIN_M`` rows the wrapper runs no fused kernel: the MLP is three X·U·V decode
+calls (gate, up, down: ``xuv_decode``, whose phase 1 splits X·U over K and hands P to XLA's
+GEMM for ·V at these rows) and one XLA fusion for the activation, so the [M, D_ff] outputs of
+gate and up go through HBM (two bf16 [M, D_ff] writes and reads, 29 MB at Llama-3-70B's 128
+rows). At 128 rows that took 113.6 against the fused kernel's 126.4 µs on Llama-3-8B r=2560
+and 263.2 against 312.2 on Llama-3-70B (XLA's unfused MLP 116.4 / 255.5; session 43,
+benchmarks/results/gpu_mlp_decode_compose_h200.json). At 64 rows the fused kernel was faster
+on the 8B (93.2 against 103.8) and, where each call has weights of its own as in a model step,
+on the 70B (242.2 against 284.1: there XLA's ·V GEMMs pad V every call).
+
 ``persistent=True`` runs the same three phases on one CTA per SM
 (``_mlp_decode_persistent_kernel``, tiles from ``planner.plan_mlp_decode_persistent``, as
 xuv_decode's persistent schedule): measured within ±5 % of this tiled schedule on most
@@ -66,6 +76,7 @@ import triton
 import triton.language as tl
 
 from lrjax.custom_calls.triton import launch, planner
+from lrjax.custom_calls.triton.lowering import MLP_COMPOSE_MIN_M
 from lrjax.custom_calls.triton._common import (check_out, join_chain, last_arrival,
                                                leave_chain, mm_acc, mm_acc2, num_sms,
                                                prefetch_l2, round_once, signal,
@@ -209,6 +220,7 @@ TUNED: dict[tuple[str, str], BlockSizes] = {
 }
 
 MAX_M = 128  # beyond this the prefill kernel serves
+COMPOSE_MIN_M = MLP_COMPOSE_MIN_M  # from here: three X·U·V decode calls (module docstring)
 C_RESIDENT_MAX = 128 * 128  # V_d elements a stage-C CTA may hold with c_resident (64 regs a
                             # thread at 4 warps)
 PERSISTENT_MAX_M = 64  # the persistent schedule serves up to here (f32 tiles in registers)
@@ -727,12 +739,31 @@ def unpack_mlp_args(x, up, down, gate, act):
   return x2, lead, (d, r, f, rd, d_out), bias_mask, ops
 
 
+def _composed(x2, up, down, gate, act, out_dtype, out):
+  """The MLP as three X·U·V decode calls and XLA's activation fusion (``compose=True``):
+  act(X·Ug·Vg + bg) ⊙ (X·Uu·Vu + bu) in f32 from the calls' outputs in the factors' dtype,
+  rounded once to it, then ·Ud·Vd + bd (into ``out``, if given)."""
+  from lrjax.custom_calls.triton.xuv_decode import xuv_decode
+  from lrjax.lowering.primitives import ACTIVATIONS
+
+  def xuv(a, p, odt, o=None):
+    return xuv_decode(a, p[0], p[1], p[2] if len(p) == 3 else None, out_dtype=odt, out=o)
+
+  f32, fn = jnp.float32, ACTIVATIONS[act]
+  yu = xuv(x2, up, up[1].dtype).astype(f32)
+  h = fn(xuv(x2, gate, up[1].dtype).astype(f32)) * yu if gate is not None else fn(yu)
+  return xuv(h.astype(down[0].dtype), down, out_dtype, out)
+
+
 def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
                block_sizes: BlockSizes | None = None, out=None, xla_zeroing: bool | None = None,
-               persistent: "bool | planner.PersistentMlpPlan" = False, _phases: int = 7,
-               _s_flush: str = "atomic"):
+               persistent: "bool | planner.PersistentMlpPlan" = False,
+               compose: bool | None = None, _phases: int = 7, _s_flush: str = "atomic"):
   """Low-rank MLP for few tokens; ``up``/``down``/``gate`` are (u, v) or (u, v, bias).
 
+  ``compose``: three X·U·V decode calls and an XLA fusion instead of the fused kernel
+  (module docstring); default: from COMPOSE_MIN_M rows, unless an argument of the fused
+  kernel (``block_sizes``, ``persistent``, ``xla_zeroing``, ``_phases``, ``_s_flush``) is given.
   ``out`` [M, D_out]: optional buffer the kernel writes into (aliased; tests poison it).
   ``xla_zeroing``: zero the scratch with an XLA op aliased into the call instead of
   jax-triton's memset inside the custom call (default as in xuv_decode).
@@ -748,6 +779,19 @@ def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
   x2, lead, (d, r, f, rd, d_out), bias_mask, ops = unpack_mlp_args(x, up, down, gate, act)
   m = x2.shape[0]
   out_dtype = jnp.dtype(out_dtype or x.dtype)
+  fused_asked = (block_sizes is not None or persistent is not False or _phases != 7
+                 or _s_flush != "atomic" or xla_zeroing is not None)
+  if compose is None:
+    compose = m >= COMPOSE_MIN_M and not fused_asked
+  if compose:
+    if fused_asked:
+      raise ValueError("compose=True runs X·U·V decode calls, not the fused kernel: "
+                       "block_sizes=, persistent=, xla_zeroing=, _phases= and _s_flush= "
+                       "do not apply")
+    if m > MAX_M:
+      raise ValueError(f"{m} rows: the decode MLP serves M <= {MAX_M}")
+    check_out(out, (m, d_out), out_dtype)
+    return _composed(x2, up, down, gate, act, out_dtype, out).reshape(*lead, d_out)
   if persistent:
     if block_sizes is not None:
       raise ValueError("block_sizes= applies to the tiled schedule (persistent=False); "

@@ -240,11 +240,11 @@ MLP_SHAPES = [  # (M, D, F, r, r_d)
                                   "decode_prefetch", "persistent",
                                   "persistent_small_grid",
                                   "persistent_small_grid_p16", "persistent_wide_rows",
-                                  "prefill"])
+                                  "compose", "prefill"])
 def test_mlp_kernels(kind, shape, dtype, gated, act, bias):
   from lrjax.custom_calls.triton import mlp_decode, mlp_prefill
   m, d, f, r, rd = shape
-  if kind.startswith("decode") and m > mlp_decode.MAX_M:
+  if kind.startswith(("decode", "compose")) and m > mlp_decode.MAX_M:
     pytest.skip(f"decode kernel serves M <= {mlp_decode.MAX_M}")
   if kind.startswith("persistent") and m > mlp_decode.PERSISTENT_MAX_M:
     pytest.skip(f"persistent schedule serves M <= {mlp_decode.PERSISTENT_MAX_M}")
@@ -252,7 +252,11 @@ def test_mlp_kernels(kind, shape, dtype, gated, act, bias):
   x = randn((m, d), dtype)
   kern = mlp_prefill.mlp_prefill if kind == "prefill" else mlp_decode.mlp_decode
   if kind == "decode_xla_zeroing":  # the default: scratch zeroed by XLA, no out= buffer
+    # (from COMPOSE_MIN_M rows the default is the composed schedule)
     out = jax.jit(lambda x, g, u, dn: kern(x, u, dn, g, act=act))(x, gate, up, down)
+  elif kind == "compose":  # three X·U·V decode calls (the default from COMPOSE_MIN_M rows)
+    out = jax.jit(lambda x, g, u, dn, o: kern(x, u, dn, g, act=act, out=o, compose=True))(
+        x, gate, up, down, poisoned((m, d), dtype))
   elif kind.startswith("persistent"):
     # >= 128 columns (512 bytes, before phase B was capped at 128 columns, overflowed shared
     # memory at M=64 and at r=2304)
@@ -282,8 +286,9 @@ def test_mlp_kernels(kind, shape, dtype, gated, act, bias):
     if kind == "decode_cols_f":  # stage-B slices own 16 columns fewer than their block
       bs = mlp_decode.BlockSizes.get_default(m, d, f, r, d)
       bs = dataclasses.replace(bs, cols_f=bs.block_f - 16)
-    out = jax.jit(lambda x, g, u, dn, o: kern(x, u, dn, g, act=act, out=o, block_sizes=bs))(
-        x, gate, up, down, poisoned((m, d), dtype))
+    fused = {} if kind == "prefill" else dict(compose=False)
+    out = jax.jit(lambda x, g, u, dn, o: kern(x, u, dn, g, act=act, out=o, block_sizes=bs,
+                                              **fused))(x, gate, up, down, poisoned((m, d), dtype))
   assert_close(out, mlp_ref(x, gate, up, down, act, dtype), dtype)
 
 
@@ -330,6 +335,24 @@ def test_mlp_decode_tiles_of_llama_shapes(shape, m, park_h):
   out = jax.jit(lambda x, g, u, dn: mlp_decode.mlp_decode(x, u, dn, g, block_sizes=bs))(
       x, gate, up, down)
   assert_close(out, mlp_ref(x, gate, up, down, "silu", dtype), dtype)
+
+
+@pytest.mark.parametrize("m", [65, 128])
+@pytest.mark.parametrize("shape", [(4096, 14336, 2560), (8192, 28672, 3824)])
+def test_mlp_decode_composes_xuv_calls_from_65_rows(shape, m):
+  """From COMPOSE_MIN_M rows mlp_decode's default is three X·U·V decode calls (gate, up,
+  down: phase 1 each, XLA's GEMM applies V) and XLA's activation fusion, not the fused
+  kernel: three Triton calls in the compiled module. Right at Llama-3-8B's and -70B's SwiGLU."""
+  from lrjax.custom_calls.triton import mlp_decode
+  assert mlp_decode.COMPOSE_MIN_M == 65
+  d, f, r = shape
+  dtype = jnp.bfloat16
+  gate, up, down = mlp_params(d, f, r, r, d, dtype, True, False)
+  x = randn((m, d), dtype)
+  fn = jax.jit(lambda x, g, u, dn: mlp_decode.mlp_decode(x, u, dn, g)).lower(
+      x, gate, up, down).compile()
+  assert _count_triton_calls(fn.as_text()) == 3
+  assert_close(fn(x, gate, up, down), mlp_ref(x, gate, up, down, "silu", dtype), dtype)
 
 
 def test_block_sizes_beyond_shared_memory_are_refused_at_lowering():
