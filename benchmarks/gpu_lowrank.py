@@ -58,8 +58,9 @@ REPS = 15
 # "device": per-call times from the profiler's device timeline (the method); "host":
 # host wall-clock around each jit (sessions 1-5). Off a GPU the host timing is used.
 TIMING = "device"
-# --distinct-weights: each timed call on a layer of its own (per_call_us(distinct=True)), as a
-# model step pays work on a layer's weights alone (XLA's pad or concatenation of factors)
+# --distinct-weights: each timed call on a layer of its own (per_call_us(distinct=True)), so
+# work XLA does on a layer's weights alone (a pad, a concatenation of factors) is paid every
+# call instead of once for the chain's three passes over a layer
 DISTINCT = False
 
 
@@ -1475,7 +1476,7 @@ def main():
                   help="per-call time from the profiler's device timeline, or host wall-clock")
   ap.add_argument("--distinct-weights", action="store_true",
                   help="X·U·V and MLP records: each timed call on a layer of its own (3L "
-                  "layers drawn), as a model step pays work on a layer's weights alone")
+                  "layers drawn), so work on a layer's weights alone is paid every call")
   args = ap.parse_args()
   global VERBOSE, REPS, TIMING, DISTINCT
   VERBOSE, REPS, TIMING = args.verbose, args.reps, args.timing

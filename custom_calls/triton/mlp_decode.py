@@ -57,8 +57,8 @@ gate and up go through HBM (two bf16 [M, D_ff] writes and reads, 29 MB at Llama-
 rows). At 128 rows that took 113.6 against the fused kernel's 126.4 µs on Llama-3-8B r=2560
 and 263.2 against 312.2 on Llama-3-70B (XLA's unfused MLP 116.4 / 255.5; session 43,
 benchmarks/results/gpu_mlp_decode_compose_h200.json). At 64 rows the fused kernel was faster
-on the 8B (93.2 against 103.8) and, where each call has weights of its own as in a model step,
-on the 70B (242.2 against 284.1: there XLA's ·V GEMMs pad V every call). On Llama-3.2-1B at
+on the 8B (93.2 against 103.8) and, timed with weights of its own for every call, on the
+70B (242.2 against 284.1: there XLA's ·V GEMMs inside the composed calls pad V every call). On Llama-3.2-1B at
 128 rows the fused kernel was 1 % faster (59.4 against 60.2; XLA 55.7, which the policy
 serves there); other widths from 65 rows are not measured.
 
