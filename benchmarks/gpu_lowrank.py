@@ -509,6 +509,8 @@ def mlp_record(m, d, f, r, bw, peak, kernel="auto", reps=None, baselines=None):
       name, extra = "decode", dict(xla_zeroing=False)
     if name == "fused":  # the fused kernel where the default composes X·U·V calls
       name, extra = "decode", dict(compose=False)
+    if name == "compose_separate":  # composed, X·Ug and X·Uu as two calls, not one launch
+      name, extra = "decode", dict(compose=True, _compose_group=False)
     if name in ("decode_kw", "decode_kw0"):  # decode_kw:field=value,...: the default blocks,
       # some replaced; decode_kw0: the same over the unparked T <= 16 blocks (before session 15)
       fields = {k: int(v) for k, v in (t.split("=") for t in spec.split(","))}
@@ -547,7 +549,8 @@ def mlp_record(m, d, f, r, bw, peak, kernel="auto", reps=None, baselines=None):
         plan = planner.plan_mlp_decode_persistent(m, d, f, r, r, d)
         extra = dict(persistent=dataclasses.replace(plan, p16=True))
       name, spec = "decode", ""
-    if name.startswith("compose"):  # X·U·V decode calls for gate, up and down, the activation
+    if name in ("compose", "compose_gu_xla", "compose_down_xla"):  # X·U·V decode calls for
+      # gate, up and down (session 43's first form: one call each), the activation
       # by XLA; _gu_xla / _down_xla: that part by XLA's dots instead (where the time goes)
       from lrjax.custom_calls.triton.xuv_decode import xuv_decode as xuv
       gu = (lambda x, u, v: (x @ u) @ v) if name == "compose_gu_xla" else xuv
@@ -1189,7 +1192,8 @@ def suite(name, bw, peak, args, recs):
   if name == "mlp_prefill_phases":  # the prefill MLP kernel by phase (A=1 B=2 C=4 D=8)
     mlp_sweep((("llama3-8b", 4096), ("llama3-8b-r1024", 4096)),
               lambda _: MLP_PREFILL_PHASE_VARIANTS)
-  if name == "mlp_compose":  # 64 and 128 rows: the MLP as three X·U·V decode calls
+  if name == "mlp_compose":  # 64 and 128 rows: the MLP as three X·U·V decode calls (the
+    # first form of the composed default; "auto" is the default as it now is)
     mlp_sweep(each(("llama3-8b", (64, 128)), ("llama3.2-1b", (64, 128)),
                    ("llama3-70b", (128, 64))), lambda r: MLP_COMPOSE_VARIANTS)
   if name == "mlp_prefill_variants":  # the prefill MLP kernel's schedules, one run

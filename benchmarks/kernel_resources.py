@@ -184,7 +184,8 @@ PREFILL_MLP_SHAPES = ((4096, 14336, 2560), (2048, 8192, 1280), (4096, 14336, 102
 
 def planned():
   """(name, kernel, meta, warps, stages) of every kernel's default tiles at the shapes above:
-  decode at 1-128 rows (the grouped kernel to its 64), prefill at 1024 and 4096 tokens."""
+  decode at 1-128 rows (the grouped kernel to its 64, its phase 1 alone at 64 and 128),
+  prefill at 1024 and 4096 tokens."""
   install_jax_triton_stub()
   from lrjax.custom_calls.triton import mlp_decode, mlp_prefill, planner, xuv_decode, xuv_prefill
   kw = dict(gated=True, act="silu", bias_mask=(False,) * 3)
@@ -208,6 +209,13 @@ def planned():
         meta = mlp_decode.persistent_launch_plan(m, d, r, f, r, d, p=p, **kw)["meta"]
         yield (f"mlp decode persistent T={m} D={d} F={f} r={r}",
                mlp_decode._mlp_decode_persistent_kernel, meta, p.warps, p.stages)
+  for m in (64, 128):  # the grouped kernel's phase 1 alone: the composed MLP's gate and up
+    for d, f, r in MLP_SHAPES:
+      members = [(r, f, False), (r, f, False)]
+      p = planner.plan_decode_group_phase1(m, d, [(r, f), (r, f)])
+      meta = xuv_decode.group_launch_plan(m, d, members, p, phase2=False)["meta"]
+      yield (f"group phase 1 M={m} D={d} r={r}", xuv_decode._xuv_group_kernel, meta, p.warps,
+             p.stages)
   for m in (32, 64, 128):  # the ·V launch after phase 1 alone (xuv_decode pv="launch")
     for r, n in PV_LAUNCH_SHAPES:
       pp = planner.plan_pv_launch(m, r, n)

@@ -30,7 +30,7 @@ _INT32_MAX = 2**31 - 1
 # shapes (results/gpu_xuv_decode_chunks_h200.json).
 XUV_DECODE_MAX_M = 128
 MLP_DECODE_MAX_M = 128
-# From these rows mlp_decode runs three X·U·V decode calls instead of its fused kernel
+# From these rows mlp_decode runs X·U·V decode calls instead of its fused kernel
 # (mlp_decode.COMPOSE_MIN_M; here so that measured.py can name the path without triton).
 MLP_COMPOSE_MIN_M = 65
 

@@ -122,8 +122,8 @@ RECORDS: tuple[tuple[str, int, int, int, int, float, float], ...] = (
     ('mlp_swiglu', 64, 4096, 2560, 14336, 92.2, 108.9),
     ('mlp_swiglu', 64, 8192, 3824, 28672, 239.0, 235.2),
     ('mlp_swiglu', 64, 8192, 3840, 28672, 231.3, 231.6),
-    ('mlp_swiglu', 128, 4096, 2560, 14336, 114.2, 116.7),
-    ('mlp_swiglu', 128, 8192, 3824, 28672, 262.2, 255.0),
+    ('mlp_swiglu', 128, 4096, 2560, 14336, 110.8, 116.4),
+    ('mlp_swiglu', 128, 8192, 3824, 28672, 262.9, 253.7),
     ('mlp_swiglu', 128, 8192, 3840, 28672, 257.3, 260.2),
     ('mlp_swiglu', 1024, 2048, 1280, 8192, 245.5, 153.5),
     ('mlp_swiglu', 1024, 4096, 2560, 14336, 544.5, 427.0),
@@ -503,7 +503,7 @@ def path(op: str, m: int) -> int:
   """Which of an op's code paths serves M rows, for pooling records: 0 at M = 1 (XLA too
   lowers one row differently), 1 up to WIDE_M rows; for X·U·V, 2 from WIDE_M + 1 rows, where
   its kernel runs 64- and 128-row blocks and, from 64 rows, leaves ·V to XLA's GEMM; for the
-  MLP, 2 from MLP_COMPOSE_MIN_M rows, where it runs as three X·U·V decode calls."""
+  MLP, 2 from MLP_COMPOSE_MIN_M rows, where it runs as X·U·V decode calls."""
   if m == 1:
     return 0
   if op == "xuv":

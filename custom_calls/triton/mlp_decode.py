@@ -50,13 +50,16 @@ session 9). The kernel rounded P to that dtype before its dot anyway, so the out
 same. It is the tiled default except where stage A runs in one wave at T <= 16: there the
 rounding tail delayed stage B more than reading f32 costs it (session 33).
 
-From ``COMPOSE_MIN_M`` rows the wrapper runs no fused kernel: the MLP is three X·U·V decode
-calls (gate, up, down: ``xuv_decode``, whose phase 1 splits X·U over K and hands P to XLA's
-GEMM for ·V at these rows) and one XLA fusion for the activation, so the [M, D_ff] outputs of
-gate and up go through HBM (two bf16 [M, D_ff] writes and reads, 29 MB at Llama-3-70B's 128
-rows). At 128 rows that took 113.6 against the fused kernel's 126.4 µs on Llama-3-8B r=2560
-and 263.2 against 312.2 on Llama-3-70B (XLA's unfused MLP 116.4 / 255.5; session 43,
-benchmarks/results/gpu_mlp_decode_compose_h200.json). At 64 rows the fused kernel was faster
+From ``COMPOSE_MIN_M`` rows the wrapper runs no fused kernel: the MLP is X·U·V decode calls,
+each phase 1 split over K with XLA's GEMM applying V at these rows (X·Ug and X·Uu in one
+grouped launch, ``xuv_decode_group(pv="xla")``; then ``xuv_decode`` for down), and one XLA
+fusion for the activation, so the [M, D_ff] outputs of gate and up go through HBM (two bf16
+[M, D_ff] writes and reads, 29 MB at Llama-3-70B's 128 rows). At 128 rows, as three calls,
+that took 113.6 against the fused kernel's 126.4 µs on Llama-3-8B r=2560 and 263.2 against
+312.2 on Llama-3-70B (XLA's unfused MLP 116.4 / 255.5; session 43,
+benchmarks/results/gpu_mlp_decode_compose_h200.json); with gate and up in one launch 110.8
+against two calls' 112.6 on the 8B (XLA 116.4), 262.9 against 262.0 on the 70B (XLA 253.7).
+At 64 rows the fused kernel was faster
 on the 8B (93.2 against 103.8) and, timed with weights of its own for every call, on the
 70B (242.2 against 284.1: there XLA's ·V GEMMs inside the composed calls pad V every call). On Llama-3.2-1B at
 128 rows the fused kernel was 1 % faster (59.4 against 60.2; XLA 55.7, which the policy
@@ -222,7 +225,7 @@ TUNED: dict[tuple[str, str], BlockSizes] = {
 }
 
 MAX_M = 128  # beyond this the prefill kernel serves
-COMPOSE_MIN_M = MLP_COMPOSE_MIN_M  # from here: three X·U·V decode calls (module docstring)
+COMPOSE_MIN_M = MLP_COMPOSE_MIN_M  # from here: X·U·V decode calls (module docstring)
 C_RESIDENT_MAX = 128 * 128  # V_d elements a stage-C CTA may hold with c_resident (64 regs a
                             # thread at 4 warps)
 PERSISTENT_MAX_M = 64  # the persistent schedule serves up to here (f32 tiles in registers)
@@ -741,29 +744,35 @@ def unpack_mlp_args(x, up, down, gate, act):
   return x2, lead, (d, r, f, rd, d_out), bias_mask, ops
 
 
-def _composed(x2, up, down, gate, act, out_dtype, out):
-  """The MLP as three X·U·V decode calls and XLA's activation fusion (``compose=True``):
+def _composed(x2, up, down, gate, act, out_dtype, out, group=True):
+  """The MLP as X·U·V decode calls and XLA's activation fusion (``compose=True``):
   act(X·Ug·Vg + bg) ⊙ (X·Uu·Vu + bu) in f32 from the calls' outputs in the factors' dtype,
-  rounded once to it, then ·Ud·Vd + bd (into ``out``, if given)."""
-  from lrjax.custom_calls.triton.xuv_decode import xuv_decode
+  rounded once to it, then ·Ud·Vd + bd (into ``out``, if given). ``group``: X·Ug and X·Uu in
+  one grouped launch (``xuv_decode_group(pv="xla")``), else one call each."""
+  from lrjax.custom_calls.triton.xuv_decode import xuv_decode, xuv_decode_group
   from lrjax.lowering.primitives import ACTIVATIONS
 
   def xuv(a, p, odt, o=None):
     return xuv_decode(a, p[0], p[1], p[2] if len(p) == 3 else None, out_dtype=odt, out=o)
 
-  f32, fn = jnp.float32, ACTIVATIONS[act]
-  yu = xuv(x2, up, up[1].dtype).astype(f32)
-  h = fn(xuv(x2, gate, up[1].dtype).astype(f32)) * yu if gate is not None else fn(yu)
+  f32, fn, dt = jnp.float32, ACTIVATIONS[act], up[1].dtype
+  if gate is None:
+    h = fn(xuv(x2, up, dt).astype(f32))
+  else:
+    yg, yu = (xuv_decode_group(x2, [gate, up], out_dtype=dt, pv="xla") if group
+              else (xuv(x2, gate, dt), xuv(x2, up, dt)))
+    h = fn(yg.astype(f32)) * yu.astype(f32)
   return xuv(h.astype(down[0].dtype), down, out_dtype, out)
 
 
 def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
                block_sizes: BlockSizes | None = None, out=None, xla_zeroing: bool | None = None,
                persistent: "bool | planner.PersistentMlpPlan" = False,
-               compose: bool | None = None, _phases: int = 7, _s_flush: str = "atomic"):
+               compose: bool | None = None, _phases: int = 7, _s_flush: str = "atomic",
+               _compose_group: bool = True):
   """Low-rank MLP for few tokens; ``up``/``down``/``gate`` are (u, v) or (u, v, bias).
 
-  ``compose``: three X·U·V decode calls and an XLA fusion instead of the fused kernel
+  ``compose``: X·U·V decode calls and an XLA fusion instead of the fused kernel
   (module docstring); default: from COMPOSE_MIN_M rows, unless an argument of the fused
   kernel (``block_sizes``, ``persistent``, ``xla_zeroing``, ``_phases``, ``_s_flush``) is given.
   ``out`` [M, D_out]: optional buffer the kernel writes into (aliased; tests poison it).
@@ -776,6 +785,8 @@ def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
   ``_s_flush``: benchmarking the tiled schedule only: "store" stores stage B's partial of S
   instead of adding it, "none" masks those stores off by a data test that never holds (the
   dot and the instructions stay, no byte moves); the output is then wrong.
+  ``_compose_group``: benchmarking the composed schedule only: False runs X·Ug and X·Uu as
+  two calls instead of one grouped launch.
   """
   gated = gate is not None
   x2, lead, (d, r, f, rd, d_out), bias_mask, ops = unpack_mlp_args(x, up, down, gate, act)
@@ -793,7 +804,8 @@ def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
     if m > MAX_M:
       raise ValueError(f"{m} rows: the decode MLP serves M <= {MAX_M}")
     check_out(out, (m, d_out), out_dtype)
-    return _composed(x2, up, down, gate, act, out_dtype, out).reshape(*lead, d_out)
+    return _composed(x2, up, down, gate, act, out_dtype, out,
+                     _compose_group).reshape(*lead, d_out)
   if persistent:
     if block_sizes is not None:
       raise ValueError("block_sizes= applies to the tiled schedule (persistent=False); "

@@ -820,6 +820,25 @@ def plan_decode_group(m: int, k: int, members, hw: Hardware = H200,
                          4 if block_m <= 32 else 8, stages, 128, est1 + est2)
 
 
+def plan_decode_group_phase1(m: int, k: int, members, hw: Hardware = H200,
+                             programs: int | None = None) -> GroupDecodePlan:
+  """Tiles for the grouped kernel's phase 1 alone (``xuv_decode_group(pv="xla")``: XLA's GEMMs
+  then apply each V_i): ``plan_decode_phase1``'s tiles for the members' ranks side by side
+  (K splits chosen for their summed rank, so the members' tiles together fill the grid once),
+  every member cut the same way; no phase-2 tiles. The kernel's member branches each keep a
+  pipeline of their own in shared memory (compiled for sm_90, two of them: 262144 B at 128
+  rows and 4 stages of 32 KB, where one persistent kernel asks for 131072), so the stages are
+  as many as two such pipelines leave room for, at most the phase-1 plan's."""
+  g = programs or hw.num_sms
+  p = plan_decode_phase1(m, k, sum(r for r, _ in members), max(n for _, n in members), hw,
+                         programs=g)
+  stage_bytes = (p.block_m + p.block_r) * p.block_k * 2
+  stages = max(1, min(p.stages, hw.smem_per_cta // (2 * stage_bytes)))
+  c = len(members)
+  return GroupDecodePlan(p.block_m, (p.block_r,) * c, (p.cols_r,) * c, (p.k_per,) * c,
+                         (16,) * c, (16,) * c, g, p.warps, stages, 0, p.est_us)
+
+
 @dataclasses.dataclass(frozen=True)
 class PersistentMlpPlan:
   block_m: int

@@ -813,15 +813,17 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
 GROUP_MAX_M = 64  # the grouped kernel serves decode rows (the policy picks where it runs)
 
 
-def group_launch_plan(m: int, k: int, members, p: "planner.GroupDecodePlan") -> dict:
+def group_launch_plan(m: int, k: int, members, p: "planner.GroupDecodePlan",
+                      phase2: bool = True) -> dict:
   """Scratch size and constexprs of one grouped call (shared by the wrapper and the tests).
   ``members``: [(r_i, n_i, has_bias_i)] of 2 or 3; with two, the kernel's third member
-  repeats the second's shapes with no tiles."""
+  repeats the second's shapes with no tiles. ``phase2=False``: phase 1 alone (no ·V tiles,
+  no V prefetch; each P_i is left as f32 sums in the scratch, P_0 first)."""
   g = len(members)
   planner.check_prefetch_rows(p, "prefetch")
   full = list(members) + [members[-1]] * (3 - g)
   meta = dict(K=k, BLOCK_M=p.block_m, BLOCK_K=64, BLOCK_KV=64, PROGRAMS=p.programs,
-              PREFETCH=p.prefetch)
+              PREFETCH=p.prefetch if phase2 else 0)
   for i, (r, n, has_bias) in enumerate(full):
     j = min(i, g - 1)
     kp, cr, cn = p.k_per[j], p.cols_r[j], p.cols_n[j]
@@ -829,17 +831,24 @@ def group_launch_plan(m: int, k: int, members, p: "planner.GroupDecodePlan") -> 
     meta.update({f"R{i}": r, f"N{i}": n, f"HB{i}": has_bias, f"KP{i}": kp,
                  f"BR{i}": p.block_r[j], f"CR{i}": cr, f"BN{i}": p.block_n[j], f"CN{i}": cn,
                  f"S{i}": split, f"A{i}": planner.cdiv(r, cr) * split if i < g else 0,
-                 f"Q{i}": planner.cdiv(n, cn) if i < g else 0,
+                 f"Q{i}": planner.cdiv(n, cn) if i < g and phase2 else 0,
                  f"E{i}": r % r_per == 0 and r_per % 64 == 0})
   return dict(meta=meta, scratch=m * sum(r for r, *_ in full) + 3)
 
 
 def xuv_decode_group(x, members, *, out_dtype=None, out=None,
-                     plan: "planner.GroupDecodePlan | None" = None):
+                     plan: "planner.GroupDecodePlan | None" = None, pv: str = "kernel"):
   """[(x·u_i)·v_i (+ bias_i)] for 2 or 3 members sharing x (e.g. q/k/v projections), in one
   launch. x [..., K]; members: [(u_i [K, r_i], v_i [r_i, N_i]) or (u_i, v_i, bias_i [N_i])].
   ``out``: optional [M, N_i] buffers the kernel writes into (aliased; the tests poison them).
-  Returns the list of [..., N_i] outputs."""
+  ``pv``: "kernel" (each V_i applied in the same launch, up to GROUP_MAX_M rows) or "xla"
+  (phase 1 alone, up to MAX_M rows: every P_i in one launch, then XLA rounds each and its GEMM
+  applies V_i, as ``xuv_decode(pv="xla")`` does for one; default plan
+  ``planner.plan_decode_group_phase1``). Returns the list of [..., N_i] outputs."""
+  if pv not in ("kernel", "xla"):
+    raise ValueError(f"{pv=} must be 'kernel' or 'xla'")
+  if pv == "xla" and out is not None:
+    raise ValueError("out= is the kernel's output buffer; with pv='xla' XLA writes y")
   if not 2 <= len(members) <= 3:
     raise ValueError(f"{len(members)} members: the grouped kernel takes 2 or 3")
   unpacked = []
@@ -850,17 +859,21 @@ def xuv_decode_group(x, members, *, out_dtype=None, out=None,
     if len(mem) == 3 and tuple(mem[2].shape) != (n,):
       raise ValueError(f"member {i}: bias {mem[2].shape} must be ({n},)")
     unpacked.append((mem[0], mem[1], mem[2] if len(mem) == 3 else None, r, n))
-  if m > GROUP_MAX_M:
-    raise ValueError(f"{m} rows: the grouped kernel serves M <= {GROUP_MAX_M}")
+  max_m = GROUP_MAX_M if pv == "kernel" else MAX_M
+  if m > max_m:
+    raise ValueError(f"{m} rows: the grouped kernel serves M <= {max_m} with {pv=}")
   g = len(unpacked)
-  p = plan or planner.plan_decode_group(m, k, [(r, n) for *_, r, n in unpacked],
-                                        programs=num_sms())
+  plan_fn = planner.plan_decode_group if pv == "kernel" else planner.plan_decode_group_phase1
+  p = plan or plan_fn(m, k, [(r, n) for *_, r, n in unpacked], programs=num_sms())
+  if p.block_m < m:
+    raise ValueError(f"{p.block_m=} must cover the {m} rows")
   if not 0 < p.programs <= num_sms():
     raise ValueError(f"{p.programs=} must be in [1, {num_sms()}] (the SMs; 0: unknown): "
                      "every CTA must be resident, or a waiting CTA could block its producer")
   full = unpacked + [unpacked[-1]] * (3 - g)  # a third member's operands when there are two
   ops = [a for u, v, b, *_ in full for a in (u, v, b if b is not None else v)]
-  lp = group_launch_plan(m, k, [(r, n, b is not None) for *_, b, r, n in unpacked], p)
+  lp = group_launch_plan(m, k, [(r, n, b is not None) for *_, b, r, n in unpacked], p,
+                         phase2=pv == "kernel")
   meta, scratch = lp["meta"], lp["scratch"]
   aliases, outs_in = {10: 0}, [x2] * 3
   if out is not None:
@@ -873,9 +886,18 @@ def xuv_decode_group(x, members, *, out_dtype=None, out=None,
       x2, *ops, jnp.zeros((scratch,), jnp.float32), *outs_in, m, *launch.UNCHAINED,
       kernel=_xuv_group_kernel,
       out_shape=(jax.ShapeDtypeStruct((scratch,), jnp.float32),
-                 *[jax.ShapeDtypeStruct((m, n), odt) for *_, n in full]),
+                 *[jax.ShapeDtypeStruct((m, n) if pv == "kernel" else (1,), odt)
+                   for *_, n in full]),
       grid=(p.programs,), input_output_aliases=aliases, num_warps=p.warps,
       num_stages=p.stages, name="lrjax_xuv_decode_group", **meta)
+  if pv == "xla":  # P_i's f32 sums side by side in the scratch, each rounded by XLA
+    from lrjax.lowering.primitives import rank_space_out
+    ys, off = [], 0
+    for u, v, b, r, n in unpacked:
+      pm = outs[0][off:off + m * r].reshape(m, r).astype(v.dtype)
+      ys.append(rank_space_out(pm, v, b, odt).reshape(*lead, n))
+      off += m * r
+    return ys
   return [o.reshape(*lead, mem[4]) for o, mem in zip(outs[1:1 + g], unpacked)]
 
 

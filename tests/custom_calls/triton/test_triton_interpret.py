@@ -306,6 +306,41 @@ def test_decode_phase1_alone_rounds_p_itself_with_p16():
              + _PHASE1)
 
 
+def test_grouped_phase1_alone_leaves_every_members_p():
+  """``xuv_decode_group(pv="xla")``: the grouped kernel with no phase-2 tiles leaves each
+  member's P_i = X·U_i as f32 sums side by side in its scratch (P_0 first), equal to the f64
+  product at f32's tolerance, and writes no output; on ``plan_decode_group_phase1``'s tiles
+  over a grid of 3 and 7 programs (several tiles each), K, r and M ragged, 2 and 3 members."""
+  _interpret(_PRELUDE + textwrap.dedent('''
+    for m, k, rs, programs in ((65, 1000, (200, 200), 7), (128, 200, (72, 72, 40), 3),
+                               (1, 640, (136, 72), 7)):
+      members = [(r, 64, False) for r in rs]
+      p = planner.plan_decode_group_phase1(m, k, [(r, n) for r, n, _ in members],
+                                           programs=programs)
+      plan = xuv_decode.group_launch_plan(m, k, members, p, phase2=False)
+      assert plan["meta"]["PREFETCH"] == 0 and not any(plan["meta"][f"Q{i}"] for i in range(3))
+      x = rand(m, k)
+      us = [rand(k, r, scale=k ** -0.5) for r in rs]
+      ops = []
+      for u in us + us[-1:] * (3 - len(rs)):  # two members: the third repeats the second
+        v = np.zeros((u.shape[1], 64), np.float16)  # never read: no phase 2
+        ops += [u, v, v]
+      scratch = np.zeros(plan["scratch"], np.float32)
+      outs = [np.full((1,), np.nan, np.float16) for _ in range(3)]  # never written
+      xuv_decode._xuv_group_kernel[(p.programs,)](T(x), *map(T, ops), T(scratch), T(x), T(x),
+                                                  T(x), m, 0, 0, T(scratch), *map(T, outs),
+                                                  **plan["meta"])
+      off = 0
+      for i, u in enumerate(us):
+        err = check(scratch[off:off + m * u.shape[1]].reshape(m, -1), f64(x) @ f64(u), 1e-5,
+                    (m, k, rs, i))
+        off += m * u.shape[1]
+      assert all(np.isnan(o).all() for o in outs), "an output written without phase 2"
+      print(m, k, rs, p.programs, p.cols_r, p.k_per, f"{err:.1e}")
+    print("ok")
+  '''))
+
+
 def test_pv_launch_reads_f32_p_at_its_offset_and_writes_every_element():
   """``_pv_launch_kernel`` (``pv="launch"``): y = round(P)·V (+ bias) from f32 P that sits at
   READ_OFF floats into a buffer of dirt (a chained scratch's half), on the planner's tiles and

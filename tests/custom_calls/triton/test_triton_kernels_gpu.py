@@ -178,6 +178,29 @@ def test_xuv_decode_group(case, dtype, grid):
     assert_close(out, xuv_ref(x, mb[0], mb[1], mb[2] if len(mb) == 3 else None, dtype), dtype)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("case", GROUP_CASES[:4] + [
+    (65, 4100, [(2560, 1000), (2560, 1000)], (1,)),  # the composed MLP's gate and up, ragged
+    (128, 4096, [(2560, 14336), (2560, 14336)], ()),  # Llama-3-8B's gate and up at 128 rows
+    (100, 1000, [(200, 130), (72, 520), (40, 64)], (0, 2))])
+@pytest.mark.parametrize("grid", ["planned", "small"])
+def test_xuv_decode_group_phase1_alone(case, dtype, grid):
+  """``pv="xla"``: every member's X·U_i in one launch (up to 128 rows), then XLA's GEMMs."""
+  from lrjax.custom_calls.triton import xuv_decode
+  m, k, mem, biased = case
+  x = randn((m, k), dtype)
+  members = []
+  for i, (r, n) in enumerate(mem):
+    u, v = lr_factors(k, r, n, dtype)
+    members.append((u, v, randn((n,), dtype)) if i in biased else (u, v))
+  plan = planner.plan_decode_group_phase1(m, k, mem, programs=7 if grid == "small" else None)
+  outs = jax.jit(lambda x, ms: xuv_decode.xuv_decode_group(x, ms, plan=plan, pv="xla"))(
+      x, members)
+  assert len(outs) == len(mem)
+  for out, mb in zip(outs, members):
+    assert_close(out, xuv_ref(x, mb[0], mb[1], mb[2] if len(mb) == 3 else None, dtype), dtype)
+
+
 def test_xuv_decode_group_checks_its_input():
   from lrjax.custom_calls.triton import xuv_decode
   x = randn((2, 64), jnp.bfloat16)
@@ -254,7 +277,7 @@ def test_mlp_kernels(kind, shape, dtype, gated, act, bias):
   if kind == "decode_xla_zeroing":  # the default: scratch zeroed by XLA, no out= buffer
     # (from COMPOSE_MIN_M rows the default is the composed schedule)
     out = jax.jit(lambda x, g, u, dn: kern(x, u, dn, g, act=act))(x, gate, up, down)
-  elif kind == "compose":  # three X·U·V decode calls (the default from COMPOSE_MIN_M rows)
+  elif kind == "compose":  # X·U·V decode calls (the default from COMPOSE_MIN_M rows)
     out = jax.jit(lambda x, g, u, dn, o: kern(x, u, dn, g, act=act, out=o, compose=True))(
         x, gate, up, down, poisoned((m, d), dtype))
   elif kind.startswith("persistent"):
@@ -340,19 +363,21 @@ def test_mlp_decode_tiles_of_llama_shapes(shape, m, park_h):
 @pytest.mark.parametrize("m", [65, 128])
 @pytest.mark.parametrize("shape", [(4096, 14336, 2560), (8192, 28672, 3824)])
 def test_mlp_decode_composes_xuv_calls_from_65_rows(shape, m):
-  """From COMPOSE_MIN_M rows mlp_decode's default is three X·U·V decode calls (gate, up,
-  down: phase 1 each, XLA's GEMM applies V) and XLA's activation fusion, not the fused
-  kernel: three Triton calls in the compiled module. Right at Llama-3-8B's and -70B's SwiGLU."""
+  """From COMPOSE_MIN_M rows mlp_decode's default is X·U·V decode calls (X·Ug and X·Uu in one
+  grouped launch, then ·Ud: phase 1 alone each, XLA's GEMMs apply the V factors) and XLA's
+  activation fusion, not the fused kernel: two Triton calls in the compiled module (three
+  with gate and up as two calls). Right at Llama-3-8B's and -70B's SwiGLU."""
   from lrjax.custom_calls.triton import mlp_decode
   assert mlp_decode.COMPOSE_MIN_M == 65
   d, f, r = shape
   dtype = jnp.bfloat16
   gate, up, down = mlp_params(d, f, r, r, d, dtype, True, False)
   x = randn((m, d), dtype)
-  fn = jax.jit(lambda x, g, u, dn: mlp_decode.mlp_decode(x, u, dn, g)).lower(
-      x, gate, up, down).compile()
-  assert _count_triton_calls(fn.as_text()) == 3
-  assert_close(fn(x, gate, up, down), mlp_ref(x, gate, up, down, "silu", dtype), dtype)
+  for group, calls in ((True, 2), (False, 3)):
+    fn = jax.jit(lambda x, g, u, dn, group=group: mlp_decode.mlp_decode(
+        x, u, dn, g, _compose_group=group)).lower(x, gate, up, down).compile()
+    assert _count_triton_calls(fn.as_text()) == calls, group
+    assert_close(fn(x, gate, up, down), mlp_ref(x, gate, up, down, "silu", dtype), dtype)
 
 
 def test_block_sizes_beyond_shared_memory_are_refused_at_lowering():

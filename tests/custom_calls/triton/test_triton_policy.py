@@ -130,7 +130,7 @@ def test_wide_xuv_records_pool_only_with_each_other(monkeypatch):
   rows): its records there are pooled, and a call there judged, only with each other; 4096->
   512->1024's 1.13 / 1.11x at 16 / 32 rows once kept it served at 65-90 rows, where its own
   records said 0.93 / 0.96x. Below WIDE_M + 1 rows, nothing changes. The MLP's records from
-  MLP_COMPOSE_MIN_M rows (three X·U·V decode calls, not the fused kernel) pool only with each
+  MLP_COMPOSE_MIN_M rows (X·U·V decode calls, not the fused kernel) pool only with each
   other too: 80 rows follows 128's alone."""
   monkeypatch.setattr(measured, "MODEL_AB", ())
   monkeypatch.setattr(measured, "MODEL_OP_AB", ())
