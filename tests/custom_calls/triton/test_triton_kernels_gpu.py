@@ -157,25 +157,35 @@ GROUP_CASES = [  # (M, K, [(r_i, N_i)], members with a bias): Llama-3-8B q/k/v a
 ]
 
 
+def _group_inputs(case, dtype):
+  """(x, members) of a GROUP_CASES-style case: fresh factors, a bias where the case says."""
+  m, k, mem, biased = case
+  members = []
+  for i, (r, n) in enumerate(mem):
+    u, v = lr_factors(k, r, n, dtype)
+    members.append((u, v, randn((n,), dtype)) if i in biased else (u, v))
+  return randn((m, k), dtype), members
+
+
+def _check_group(outs, x, members, dtype):
+  assert len(outs) == len(members)
+  for out, mb in zip(outs, members):
+    assert_close(out, xuv_ref(x, mb[0], mb[1], mb[2] if len(mb) == 3 else None, dtype), dtype)
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("case", GROUP_CASES)
 @pytest.mark.parametrize("grid", ["planned", "small", "wide_rows"])
 def test_xuv_decode_group(case, dtype, grid):
   """Several X·U_i·V_i sharing X in one launch; each output poisoned, against the reference."""
   from lrjax.custom_calls.triton import xuv_decode
-  m, k, mem, biased = case
-  x = randn((m, k), dtype)
-  members = []
-  for i, (r, n) in enumerate(mem):
-    u, v = lr_factors(k, r, n, dtype)
-    members.append((u, v, randn((n,), dtype)) if i in biased else (u, v))
+  m, k, mem, _ = case
+  x, members = _group_inputs(case, dtype)
   wide = dict(min_row_bytes=512) if grid == "wide_rows" else {}  # V_i's tiles >= 256 columns
   plan = planner.plan_decode_group(m, k, mem, programs=7 if grid == "small" else None, **wide)
   outs = jax.jit(lambda x, ms, o: xuv_decode.xuv_decode_group(x, ms, out=o, plan=plan))(
       x, members, [poisoned((m, n), dtype) for _, n in mem])
-  assert len(outs) == len(mem)
-  for out, mb in zip(outs, members):
-    assert_close(out, xuv_ref(x, mb[0], mb[1], mb[2] if len(mb) == 3 else None, dtype), dtype)
+  _check_group(outs, x, members, dtype)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -187,18 +197,12 @@ def test_xuv_decode_group(case, dtype, grid):
 def test_xuv_decode_group_phase1_alone(case, dtype, grid):
   """``pv="xla"``: every member's X·U_i in one launch (up to 128 rows), then XLA's GEMMs."""
   from lrjax.custom_calls.triton import xuv_decode
-  m, k, mem, biased = case
-  x = randn((m, k), dtype)
-  members = []
-  for i, (r, n) in enumerate(mem):
-    u, v = lr_factors(k, r, n, dtype)
-    members.append((u, v, randn((n,), dtype)) if i in biased else (u, v))
+  m, k, mem, _ = case
+  x, members = _group_inputs(case, dtype)
   plan = planner.plan_decode_group_phase1(m, k, mem, programs=7 if grid == "small" else None)
   outs = jax.jit(lambda x, ms: xuv_decode.xuv_decode_group(x, ms, plan=plan, pv="xla"))(
       x, members)
-  assert len(outs) == len(mem)
-  for out, mb in zip(outs, members):
-    assert_close(out, xuv_ref(x, mb[0], mb[1], mb[2] if len(mb) == 3 else None, dtype), dtype)
+  _check_group(outs, x, members, dtype)
 
 
 def test_xuv_decode_group_checks_its_input():
