@@ -403,24 +403,24 @@ def test_phase1_plan_narrows_its_tiles_only_where_that_measured_faster(dims, col
   assert n_rb * planner.cdiv(k, p.k_per) <= 132
 
 
-@pytest.mark.parametrize("m,k,r,n,g,cols", [
-    # narrowed: the sweep's point; the kernel tests' ragged shapes (GPU and interpreter)
-    (128, 8192, 2456, 8192, 132, 112), (100, 4100, 2456, 1000, 132, 112),
-    (16, 512, 1100, 64, 40, 112),
-    # whole: 112 columns would not shrink the largest tile by PHASE1_BALANCE_MIN
-    (128, 8192, 2048, 16384, 132, 128), (64, 8192, 4096, 16384, 132, 128),
-    (128, 4096, 2560, 14336, 132, 128)])
-def test_phase1_plan_narrows_by_the_largest_tile(m, k, r, n, g, cols):
+@pytest.mark.parametrize("m,k,r,n,g,cols,k_per", [
+    # narrowed: the sweep's point; the kernel tests' ragged shapes (GPU and interpreter). At
+    # 8192->2456->8192 on 132 CTAs: 20 blocks of 128 columns x 6 splits of 1408 rows (largest
+    # 128 x 1408) against 22 blocks of 112 x 6 splits of 1408 (112 x 1408: 0.875 of it)
+    (128, 8192, 2456, 8192, 132, 112, 1408), (100, 4100, 2456, 1000, 132, 112, 704),
+    (16, 512, 1100, 64, 40, 112, 128),  # 9 x 4 splits of 128 against 10 x 4 of 128: 0.875
+    # whole: 112 columns would not shrink the largest tile by 10 %: 8192->2048 16 blocks x 8
+    # splits of 1024 against 19 x 6 of 1408 (1.20x); 8192->4096 32 x 4 of 2048 against 37 x 3
+    # of 2752 (1.18x); 4096->2560 20 x 6 of 704 against 23 x 5 of 832 (1.03x)
+    (128, 8192, 2048, 16384, 132, 128, 1024), (64, 8192, 4096, 16384, 132, 128, 2048),
+    (128, 4096, 2560, 14336, 132, 128, 704)])
+def test_phase1_plan_narrows_by_the_largest_tile(m, k, r, n, g, cols, k_per):
   """PHASE1_BALANCE_COLS columns of each 128-column tile exactly where their largest tile (K
   rows x columns of U) is at most (1 - PHASE1_BALANCE_MIN) of the whole tiles' on as many
-  CTAs: the kernel tests' shapes run the narrowed tiles."""
+  CTAs (the tiles worked out by hand above): the kernel tests' shapes run the narrowed tiles."""
+  assert (planner.PHASE1_BALANCE_COLS, planner.PHASE1_BALANCE_MIN) == (112, 0.1)
   p = planner.plan_decode_phase1(m, k, r, n, programs=g)
-  assert (p.block_r, p.cols_r) == (128, cols)
-  _, k_w = planner._phase1_tiles(k, r, 128, g)
-  _, k_b = planner._phase1_tiles(k, r, planner.PHASE1_BALANCE_COLS, g)
-  shrinks = planner.PHASE1_BALANCE_COLS * k_b <= (1 - planner.PHASE1_BALANCE_MIN) * 128 * k_w
-  assert shrinks == (cols < 128)
-  assert p.k_per == (k_b if cols < 128 else k_w)
+  assert (p.block_r, p.cols_r, p.k_per) == (128, cols, k_per)
   assert planner.cdiv(r, p.cols_r) * planner.cdiv(k, p.k_per) <= g
 
 
