@@ -64,6 +64,11 @@ TIMING = "device"
 DISTINCT = False
 
 
+def _draws() -> int:
+  """Layers drawn per timed layer: 3 with --distinct-weights (per_call_us(distinct=True)), else 1."""
+  return 3 if DISTINCT else 1
+
+
 def chained(fn, passes, first=None):
   """One jit of ``passes`` passes over the layers (the ``first`` ones only, if given), each
   call's input chained to the previous call's output through an optimization_barrier (no
@@ -330,7 +335,7 @@ def xuv_record(m, k, r, n, bw, peak, kernel="auto", reps=None, baselines=None):
   _xuv_variant), XLA's (x@u)@v and XLA's dense x@w. ``baselines``: a record of the same
   shape whose XLA times are reused (a variant sweep times them once per shape)."""
   x, lr_layers, dense_key = xuv_inputs(m, k, r, n, DISTINCT)
-  nl = len(lr_layers) // (3 if DISTINCT else 1)
+  nl = len(lr_layers) // _draws()
   if kernel == "auto":
     ours = lambda x, u, v: lrjax.lr_xuv(x, u, v)
     t_ours, spread, low, t_def = ours_and_default(ours, x, lr_layers, reps)
@@ -490,7 +495,7 @@ def mlp_record(m, d, f, r, bw, peak, kernel="auto", reps=None, baselines=None):
   ks = jax.random.split(key, 8)
   per_layer = 2 * 3 * r * (d + f)
   nl = n_layers(per_layer, m)
-  drawn = nl * (3 if DISTINCT else 1)
+  drawn = nl * _draws()
   x = rand(ks[0], (m, d))
 
   def fac(i, j, a, b):
@@ -579,7 +584,7 @@ def mlp_record(m, d, f, r, bw, peak, kernel="auto", reps=None, baselines=None):
   del layers
   if baselines is None:
     dense = [(fac(i, 1, d, f), fac(i, 2, d, f), fac(i, 3, f, d))
-             for i in range(min(nl, 6) * (3 if DISTINCT else 1))]
+             for i in range(min(nl, 6) * _draws())]
     t_dense, _ = per_call_us(_swiglu_dense, x, dense, reps, DISTINCT)
     del dense
   else:
