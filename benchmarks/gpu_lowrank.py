@@ -65,7 +65,7 @@ DISTINCT = False
 
 
 def _draws() -> int:
-  """Layers drawn per timed layer: 3 with --distinct-weights (per_call_us(distinct=True)), else 1."""
+  """Layers drawn a timed layer: 3 with --distinct-weights (per_call_us(distinct=True)), else 1."""
   return 3 if DISTINCT else 1
 
 
