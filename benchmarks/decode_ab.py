@@ -39,6 +39,13 @@ slices of all cases, so a long list splits over device calls:
   python benchmarks/decode_ab.py --out a1.json --points benchmarks/results/gpu_lowrank_h200.json \\
       --variants "xla,,auto,,env:LRJAX_TRITON_LAUNCH=xla_triton" --shard 1/2
 
+``--kernels`` adds to each record the kernels one call of the variant ran (names, launches a
+call, median µs; from one more profiled execution): which GEMM XLA's autotuner picked, say.
+``--check-after`` checks the outputs after the timing instead of before, so the timed jits
+are the process's first GPU work, as in ``gpu_lowrank.py``'s sweep (XLA autotunes its GEMMs
+when they compile; at 64x8192->2456->8192 it picked cuBLAS for X·U with the check first and
+its Triton GEMM, 3 µs slower, without: results/gpu_xuv_decode_xla_pick_h200.json).
+
 ``--merge a1.json a2.json --out ab.json`` joins the shards of one run (same machine, versions
 and rounds; each shard once) into one file. Every record says whether launch mode xla_triton
 hands its point's default plan to XLA's Triton call (``xla_triton_serves``, from the planner,
@@ -269,6 +276,18 @@ def time_case(dims, variants, rounds: int, inputs=None, distinct: bool = False) 
   return times
 
 
+def kernel_table(fn, x, layers) -> dict:
+  """{kernel name: [launches a call, median µs]} of one execution of fn's chain over the
+  layers (one pass, so a layer's weight-only work counts once a call)."""
+  events = g.profiled_executions([g.chained(fn, 1)], x, layers)[0]
+  durs = {}
+  for s, e, name in events:
+    durs.setdefault(name, []).append((e - s) / 1e3)
+  calls = len(layers)
+  return {name: [round(len(d) / calls, 3), round(statistics.median(d), 3)]
+          for name, d in sorted(durs.items(), key=lambda kv: -sum(kv[1]))}
+
+
 def check_case(dims, variants, inputs=None) -> dict:
   """{variant: ||out - ref|| / ||ref||, or the error that stopped it (a str: a plan that does
   not lower, e.g. more shared memory than a CTA has)} on the first of the layers time_case
@@ -291,6 +310,11 @@ def check_case(dims, variants, inputs=None) -> dict:
       continue
     errs[spec] = float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
   return errs
+
+
+def _err_text(err) -> str:
+  """check_case's verdict on a variant: its relative error, or the error that stopped it."""
+  return err if isinstance(err, str) else f"rel err {err:.3g}"
 
 
 def _default_launch() -> str:
@@ -316,6 +340,10 @@ def main(argv=None):
                   help="time each call on its own layer's weights (3L layers drawn), so work "
                        "on the weights alone (XLA's pad of an unaligned rank) is paid every "
                        "call as in a model step, not once a layer")
+  ap.add_argument("--kernels", action="store_true",
+                  help="record the kernels one call of each variant runs (kernel_table)")
+  ap.add_argument("--check-after", action="store_true",
+                  help="check outputs after timing, not before (the timed jits compile first)")
   args = ap.parse_args(argv)
   if args.merge:
     if args.cases or args.points:
@@ -357,32 +385,42 @@ def main(argv=None):
               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               rounds=args.rounds, shard=args.shard, sms=sms or None,
               default_launch=_default_launch(), rel_tol=REL_TOL, method=__doc__,
-              weights="distinct" if args.distinct_weights else "reused")
+              weights="distinct" if args.distinct_weights else "reused",
+              checked="after timing" if args.check_after else "before timing")
   records = []
   for dims, variants in cases:
     inputs = g.xuv_inputs(*dims, args.distinct_weights)  # drawn once: checked, then timed
-    errs = check_case(dims, variants, inputs)
     serves = xla_triton_serves(*dims, sms) if sms else None  # the kernels need a GPU
-    for spec in variants:
-      if isinstance(errs[spec], str):
-        records.append(dict(M=dims[0], K=dims[1], r=dims[2], N=dims[3], variant=spec,
-                            us=None, xla_triton_serves=serves, error=errs[spec]))
-        print(f"{','.join(map(str, dims)):18s} {spec:50s} FAILED, not timed: {errs[spec]}",
-              flush=True)
-    times = time_case(dims, [s for s in variants if not isinstance(errs[s], str)],
-                      args.rounds, inputs, args.distinct_weights)
+    if args.check_after:  # a variant that fails to run fails its timing too: stop there
+      times = time_case(dims, variants, args.rounds, inputs, args.distinct_weights)
+      errs = check_case(dims, variants, inputs)
+    else:
+      errs = check_case(dims, variants, inputs)
+      for spec in variants:
+        if isinstance(errs[spec], str):
+          records.append(dict(M=dims[0], K=dims[1], r=dims[2], N=dims[3], variant=spec,
+                              us=None, xla_triton_serves=serves, error=errs[spec]))
+          print(f"{','.join(map(str, dims)):18s} {spec:50s} FAILED, not timed: "
+                f"{errs[spec]}", flush=True)
+      times = time_case(dims, [s for s in variants if not isinstance(errs[s], str)],
+                        args.rounds, inputs, args.distinct_weights)
     base = statistics.median(times["xla"]) if "xla" in times else None
     for spec, ts in times.items():
       med = statistics.median(ts)
-      ok = errs[spec] <= REL_TOL
+      ok = not isinstance(errs[spec], str) and errs[spec] <= REL_TOL
       records.append(dict(M=dims[0], K=dims[1], r=dims[2], N=dims[3], variant=spec,
                           us=med, rounds_us=ts,
                           speedup_vs_xla=None if base is None else base / med,
                           xla_triton_serves=serves, rel_err=errs[spec], correct=ok))
+      if args.kernels:
+        with variant_setup(spec) as variant:
+          records[-1]["kernels"] = kernel_table(_fn(variant, *dims), inputs[0],
+                                                inputs[1][:len(inputs[1]) // 3]
+                                                if args.distinct_weights else inputs[1])
       print(f"{','.join(map(str, dims)):18s} {spec:50s} {med:7.3f} us  "
             f"[{' '.join(f'{t:.2f}' for t in ts)}]"
             + ("" if base is None else f"  x{base / med:.3f} vs xla")
-            + ("" if ok else f"  WRONG (rel err {errs[spec]:.3g} > {REL_TOL})"), flush=True)
+            + ("" if ok else f"  WRONG ({_err_text(errs[spec])} > {REL_TOL})"), flush=True)
     g.write_json(args.out, dict(meta=meta, records=records))
 
 

@@ -1268,8 +1268,8 @@ def _decode_why(r, frac, fit, xla_fit, n):
           f"fit ({text})")
 
 
-# Why a decode X·U·V point from 33 rows trails XLA: what session 35 measured of XLA's form
-# there and of its parts in lrjax's phase 1 (same weights)
+# Why a decode X·U·V point from 33 rows trails XLA: what sessions 35-44 measured of XLA's
+# form there and of its parts in lrjax's phase 1 (same weights)
 WIDE_M_WHY = ("XLA splits X·U over K into 4-32 f32 partials (its Triton emitter, or cuBLAS) "
               "and reduces them in a second kernel (results/gpu_xla_gemm_config_h200.json); "
               "in lrjax's phase 1 its tiles (gpu_xuv_decode_xla_tiles_h200.json), partials "
@@ -1285,7 +1285,11 @@ WIDE_M_WHY = ("XLA splits X·U over K into 4-32 f32 partials (its Triton emitter
               "is XLA rounding phase 1's f32 P in a loop fusion of its own before its ·V "
               "GEMM: it fuses that rounding for a jit argument, not for a custom call's "
               "output, and no form of the hand-over and no f32 read of P by its GEMM gained "
-              "(gpu_xuv_decode_p_handover_h200.json, gpu_xla_p_handover_h200.json)")
+              "(gpu_xuv_decode_p_handover_h200.json, gpu_xla_p_handover_h200.json); at "
+              "64x8192->2456->8192 XLA's time depends on the X·U GEMM its autotuner picks "
+              "(fresh processes, same weights: cuBLAS 32.4 us, its Triton GEMM 35.4; lrjax "
+              "33.5-34.4, 0.968x the first and 1.03x the second), and at 128x8192->2048->16384 "
+              "the two tie (0.998x, 1.005x; gpu_xuv_decode_xla_pick_h200.json)")
 
 
 def evaluate_targets(records) -> list[dict]:

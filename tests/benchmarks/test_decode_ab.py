@@ -265,3 +265,41 @@ def test_xla_split_is_the_chain_with_v_split_at_an_aligned_row(ab):
   assert str(jax.make_jaxpr(aligned)(x, u, v)).count("dot_general") == 2
   with pytest.raises(ValueError, match="positive alignment"):
     ab._fn("xla_split:0", 3, 40, 44, 24)
+
+
+def test_kernel_table_counts_launches_a_call_and_takes_medians(ab, monkeypatch):
+  """--kernels: one profiled execution of the one-pass chain over L layers, kernels by total
+  time, launches divided by L."""
+  seen = []
+
+  def fake_profile(fns, x, layers):
+    seen.append(len(fns))
+    # two layers: a GEMM twice a call, a pad once a layer
+    return [[(0, 3000, "gemm"), (3000, 5000, "gemm"), (5000, 17000, "pad"),
+             (17000, 21000, "gemm"), (21000, 22000, "gemm")]]
+  monkeypatch.setattr(ab.g, "profiled_executions", fake_profile)
+  table = ab.kernel_table(lambda x, u, v: x, None, [(1, 2), (3, 4)])
+  assert seen == [1]
+  assert table == {"pad": [0.5, 12.0], "gemm": [2.0, 2.5]}
+  assert list(table) == ["pad", "gemm"]  # by total time
+
+
+def test_check_after_times_first_and_records_the_kernels(ab, monkeypatch, tmp_path):
+  import json
+  order = []
+  monkeypatch.setattr(ab, "time_case", lambda dims, variants, *a: (
+      order.append("time"), {v: [1.0] for v in variants})[1])
+  monkeypatch.setattr(ab, "check_case", lambda dims, variants, inputs=None: (
+      order.append("check"), {v: 1e-3 for v in variants})[1])
+  monkeypatch.setattr(ab, "kernel_table", lambda fn, x, layers: {"k": [1.0, 2.0]})
+  out = tmp_path / "ab.json"
+  ab.main(["--rounds", "1", "--out", str(out), "--check-after", "--kernels",
+           "1,48,8,24|xla"])
+  got = json.loads(out.read_text())
+  assert order == ["time", "check"] and got["meta"]["checked"] == "after timing"
+  (rec,) = got["records"]
+  assert rec["kernels"] == {"k": [1.0, 2.0]} and rec["correct"]
+  order.clear()
+  ab.main(["--rounds", "1", "--out", str(out), "1,48,8,24|xla"])
+  got = json.loads(out.read_text())
+  assert order == ["check", "time"] and "kernels" not in got["records"][0]
