@@ -27,7 +27,8 @@ _INT32_MAX = 2**31 - 1
 # prefill kernels do. MLP: the decode kernel measured faster than the prefill kernel at
 # 32 and 128 tokens (slower at 64), benchmarks/gpu_notes.md. XUV: the persistent decode
 # kernel measured 4-26 % faster than the prefill kernel at M=128 on all four decode
-# shapes (results/gpu_xuv_decode_chunks_h200.json).
+# shapes (results/gpu_xuv_decode_chunks_h200.json). The kernel modules take their limits
+# from here (xuv_decode.MAX_M, mlp_decode.MAX_M), so the registry needs no triton to read them.
 XUV_DECODE_MAX_M = 128
 MLP_DECODE_MAX_M = 128
 # From these rows mlp_decode runs X·U·V decode calls instead of its fused kernel
@@ -118,7 +119,8 @@ def _xuv_impl(mod: str, fn: str):
 
 # ---------------------------------------------------------------- lr_xuv_group
 
-GROUP_MAX_M = 64  # xuv_decode.GROUP_MAX_M: the grouped kernel serves decode rows
+GROUP_MAX_M = 64  # the grouped kernel (with its phase 2) serves decode rows; the policy picks
+                 # where it runs
 
 
 def _group(avals, params):

@@ -81,7 +81,7 @@ import triton
 import triton.language as tl
 
 from lrjax.custom_calls.triton import launch, planner
-from lrjax.custom_calls.triton.lowering import MLP_COMPOSE_MIN_M
+from lrjax.custom_calls.triton.lowering import MLP_COMPOSE_MIN_M, MLP_DECODE_MAX_M
 from lrjax.custom_calls.triton._common import (check_out, join_chain, last_arrival,
                                                leave_chain, mm_acc, mm_acc2, num_sms,
                                                prefetch_l2, round_once, signal,
@@ -224,7 +224,7 @@ TUNED: dict[tuple[str, str], BlockSizes] = {
     ("m<=16", "r<2048"): BlockSizes(16, 64, 128, 8, 64, 256, 128, 64, 4, 4, 4, 4),
 }
 
-MAX_M = 128  # beyond this the prefill kernel serves
+MAX_M = MLP_DECODE_MAX_M  # beyond this the prefill kernel serves
 COMPOSE_MIN_M = MLP_COMPOSE_MIN_M  # from here: X·U·V decode calls (module docstring)
 C_RESIDENT_MAX = 128 * 128  # V_d elements a stage-C CTA may hold with c_resident (64 regs a
                             # thread at 4 warps)

@@ -94,6 +94,7 @@ import triton
 import triton.language as tl
 
 from lrjax.custom_calls.triton import launch, planner
+from lrjax.custom_calls.triton.lowering import GROUP_MAX_M, XUV_DECODE_MAX_M
 from lrjax.custom_calls.triton._common import (check_out, join_chain, k_masks, last_arrival,
                                                leave_chain, mm_acc, num_sms, prefetch_l2,
                                                round_once, signal, splitr_out_tile, stamp,
@@ -150,7 +151,7 @@ TUNED: dict[tuple[str, str], BlockSizes] = {
     ("m<=64", "r<2048"): BlockSizes(64, 64, 128, 16, 256, 64, 4, 4, 3),
 }
 
-MAX_M = 128  # beyond this the prefill kernel serves
+MAX_M = XUV_DECODE_MAX_M  # beyond this the prefill kernel serves
 # the persistent schedule is the default up to here: measured faster than the tiled one at
 # M <= 64 (gpu_notes.md, session 3) and than the prefill kernel at M=128 (session 6)
 PERSISTENT_MAX_M = 128
@@ -808,9 +809,6 @@ def xuv_decode(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | 
       pm = outs[0].reshape(m, r).astype(v.dtype)
     return rank_space_out(pm, v, bias, out_dtype).reshape(*lead, n)
   return outs[1].reshape(*lead, n)
-
-
-GROUP_MAX_M = 64  # the grouped kernel serves decode rows (the policy picks where it runs)
 
 
 def group_launch_plan(m: int, k: int, members, p: "planner.GroupDecodePlan",
