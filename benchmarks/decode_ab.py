@@ -44,7 +44,9 @@ call, median µs; from one more profiled execution): which GEMM XLA's autotuner 
 ``--check-after`` checks the outputs after the timing instead of before, so the timed jits
 are the process's first GPU work, as in ``gpu_lowrank.py``'s sweep (XLA autotunes its GEMMs
 when they compile; at 64x8192->2456->8192 it picked cuBLAS for X·U with the check first and
-its Triton GEMM, 3 µs slower, without: results/gpu_xuv_decode_xla_pick_h200.json).
+its Triton GEMM without, its whole call then 3 µs slower:
+results/gpu_xuv_decode_xla_pick_h200.json). A variant that fails to run then stops the script
+(it fails in its timing, before any check).
 
 ``--merge a1.json a2.json --out ab.json`` joins the shards of one run (same machine, versions
 and rounds; each shard once) into one file. Every record says whether launch mode xla_triton
@@ -343,7 +345,8 @@ def main(argv=None):
   ap.add_argument("--kernels", action="store_true",
                   help="record the kernels one call of each variant runs (kernel_table)")
   ap.add_argument("--check-after", action="store_true",
-                  help="check outputs after timing, not before (the timed jits compile first)")
+                  help="check outputs after timing, not before (the timed jits compile first; "
+                       "a variant that fails to run then stops the script)")
   args = ap.parse_args(argv)
   if args.merge:
     if args.cases or args.points:
