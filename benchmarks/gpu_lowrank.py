@@ -516,6 +516,9 @@ def mlp_record(m, d, f, r, bw, peak, kernel="auto", reps=None, baselines=None):
       name, extra = "decode", dict(compose=False)
     if name == "compose_separate":  # composed, X·Ug and X·Uu as two calls, not one launch
       name, extra = "decode", dict(compose=True, _compose_group=False)
+    if name == "compose_one_branch":  # composed, the grouped launch on a one_branch plan
+      gp = planner.plan_decode_group_phase1(m, d, [(r, f), (r, f)], one_branch=True)
+      name, extra = "decode", dict(compose=True, _compose_group=gp)
     if name in ("decode_kw", "decode_kw0"):  # decode_kw:field=value,...: the default blocks,
       # some replaced; decode_kw0: the same over the unparked T <= 16 blocks (before session 15)
       fields = {k: int(v) for k, v in (t.split("=") for t in spec.split(","))}

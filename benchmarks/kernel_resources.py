@@ -210,12 +210,13 @@ def planned():
         yield (f"mlp decode persistent T={m} D={d} F={f} r={r}",
                mlp_decode._mlp_decode_persistent_kernel, meta, p.warps, p.stages)
   for m in (64, 128):  # the grouped kernel's phase 1 alone: the composed MLP's gate and up
-    for d, f, r in MLP_SHAPES:
+    for d, f, r in MLP_SHAPES:  # (also through its one phase-1 call site: one_branch)
       members = [(r, f, False), (r, f, False)]
-      p = planner.plan_decode_group_phase1(m, d, [(r, f), (r, f)])
-      meta = xuv_decode.group_launch_plan(m, d, members, p, phase2=False)["meta"]
-      yield (f"group phase 1 M={m} D={d} r={r}", xuv_decode._xuv_group_kernel, meta, p.warps,
-             p.stages)
+      for one in (False, True):
+        p = planner.plan_decode_group_phase1(m, d, [(r, f), (r, f)], one_branch=one)
+        meta = xuv_decode.group_launch_plan(m, d, members, p, phase2=False)["meta"]
+        yield (f"group phase 1{' one branch' if one else ''} M={m} D={d} r={r}",
+               xuv_decode._xuv_group_kernel, meta, p.warps, p.stages)
   for m in (32, 64, 128):  # the ·V launch after phase 1 alone (xuv_decode pv="launch")
     for r, n in PV_LAUNCH_SHAPES:
       pp = planner.plan_pv_launch(m, r, n)

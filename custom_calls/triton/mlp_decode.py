@@ -748,7 +748,8 @@ def _composed(x2, up, down, gate, act, out_dtype, out, group=True):
   """The MLP as X·U·V decode calls and XLA's activation fusion (``compose=True``):
   act(X·Ug·Vg + bg) ⊙ (X·Uu·Vu + bu) in f32 from the calls' outputs in the factors' dtype,
   rounded once to it, then ·Ud·Vd + bd (into ``out``, if given). ``group``: X·Ug and X·Uu in
-  one grouped launch (``xuv_decode_group(pv="xla")``), else one call each."""
+  one grouped launch (``xuv_decode_group(pv="xla")``; on these tiles if a GroupDecodePlan),
+  else one call each."""
   from lrjax.custom_calls.triton.xuv_decode import xuv_decode, xuv_decode_group
   from lrjax.lowering.primitives import ACTIVATIONS
 
@@ -759,8 +760,9 @@ def _composed(x2, up, down, gate, act, out_dtype, out, group=True):
   if gate is None:
     h = fn(xuv(x2, up, dt).astype(f32))
   else:
-    yg, yu = (xuv_decode_group(x2, [gate, up], out_dtype=dt, pv="xla") if group
-              else (xuv(x2, gate, dt), xuv(x2, up, dt)))
+    plan = group if isinstance(group, planner.GroupDecodePlan) else None
+    yg, yu = (xuv_decode_group(x2, [gate, up], out_dtype=dt, pv="xla", plan=plan)
+              if group is not False else (xuv(x2, gate, dt), xuv(x2, up, dt)))
     h = fn(yg.astype(f32)) * yu.astype(f32)
   return xuv(h.astype(down[0].dtype), down, out_dtype, out)
 
@@ -769,7 +771,7 @@ def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
                block_sizes: BlockSizes | None = None, out=None, xla_zeroing: bool | None = None,
                persistent: "bool | planner.PersistentMlpPlan" = False,
                compose: bool | None = None, _phases: int = 7, _s_flush: str = "atomic",
-               _compose_group: bool = True):
+               _compose_group: "bool | planner.GroupDecodePlan" = True):
   """Low-rank MLP for few tokens; ``up``/``down``/``gate`` are (u, v) or (u, v, bias).
 
   ``compose``: X·U·V decode calls and an XLA fusion instead of the fused kernel
@@ -786,7 +788,8 @@ def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
   instead of adding it, "none" masks those stores off by a data test that never holds (the
   dot and the instructions stay, no byte moves); the output is then wrong.
   ``_compose_group``: benchmarking the composed schedule only: False runs X·Ug and X·Uu as
-  two calls instead of one grouped launch.
+  two calls instead of one grouped launch, a ``planner.GroupDecodePlan`` that launch on its
+  tiles.
   """
   gated = gate is not None
   x2, lead, (d, r, f, rd, d_out), bias_mask, ops = unpack_mlp_args(x, up, down, gate, act)

@@ -716,7 +716,9 @@ def plan_pv_launch(m: int, r: int, n: int) -> PvLaunchPlan:
 class GroupDecodePlan:
   """Tiles of the grouped X·U·V decode kernel: several X·U_i·V_i sharing X in one launch.
   Per member i: its phase-1 tiles (block_r[i], cols_r[i], k_per[i]) and phase-2 tiles
-  (block_n[i], cols_n[i], one r-chunk)."""
+  (block_n[i], cols_n[i], one r-chunk). ``one_branch``: the members' ranks and phase-1 tiles
+  are alike and the kernel runs them through one phase-1 call site (one pipeline in shared
+  memory instead of one a member)."""
   block_m: int
   block_r: tuple
   cols_r: tuple
@@ -728,6 +730,7 @@ class GroupDecodePlan:
   stages: int
   prefetch: int
   est_us: float
+  one_branch: bool = False
 
 
 def _shares(sizes, g: int) -> list:
@@ -821,22 +824,28 @@ def plan_decode_group(m: int, k: int, members, hw: Hardware = H200,
 
 
 def plan_decode_group_phase1(m: int, k: int, members, hw: Hardware = H200,
-                             programs: int | None = None) -> GroupDecodePlan:
+                             programs: int | None = None,
+                             one_branch: bool = False) -> GroupDecodePlan:
   """Tiles for the grouped kernel's phase 1 alone (``xuv_decode_group(pv="xla")``: XLA's GEMMs
   then apply each V_i): ``plan_decode_phase1``'s tiles for the members' ranks side by side
   (K splits chosen for their summed rank, so the members' tiles together fill the grid once),
   every member cut the same way; no phase-2 tiles. The kernel's member branches each keep a
   pipeline of their own in shared memory (compiled for sm_90, two of them: 262144 B at 128
   rows and 4 stages of 32 KB, where one persistent kernel asks for 131072), so the stages are
-  as many as two such pipelines leave room for, at most the phase-1 plan's."""
+  as many as two such pipelines leave room for, at most the phase-1 plan's. ``one_branch``
+  (members of one rank only; not timed on a GPU yet, so off by default): one call site for
+  all members, so one pipeline's room."""
   g = programs or hw.num_sms
+  if one_branch and len({r for r, _ in members}) > 1:
+    raise ValueError(f"one_branch: expected members of one rank, got {[r for r, _ in members]}")
   p = plan_decode_phase1(m, k, sum(r for r, _ in members), max(n for _, n in members), hw,
                          programs=g)
   stage_bytes = (p.block_m + p.block_r) * p.block_k * 2
-  stages = max(1, min(p.stages, hw.smem_per_cta // (2 * stage_bytes)))
+  pipelines = 1 if one_branch else 2
+  stages = max(1, min(p.stages, hw.smem_per_cta // (pipelines * stage_bytes)))
   c = len(members)
   return GroupDecodePlan(p.block_m, (p.block_r,) * c, (p.cols_r,) * c, (p.k_per,) * c,
-                         (16,) * c, (16,) * c, g, p.warps, stages, 0, p.est_us)
+                         (16,) * c, (16,) * c, g, p.warps, stages, 0, p.est_us, one_branch)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -540,6 +540,9 @@ def _xuv_group_kernel(
     E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr,  # EVEN_R of each member
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KV: tl.constexpr,
     PROGRAMS: tl.constexpr, PREFETCH: tl.constexpr,
+    ONE: tl.constexpr,  # every member's phase-1 tiles and rank alike: one phase-1 call site,
+                        # its U_i chosen at run time (one pipeline in shared memory, not one a
+                        # member)
     WORK_OFF: tl.constexpr = 0,  # as in _xuv_decode_kernel
     PDL: tl.constexpr = 0,  # as in _xuv_decode_kernel
 ):
@@ -555,16 +558,23 @@ def _xuv_group_kernel(
   flag_ptr = (p2_ptr + M * R2).to(tl.pointer_type(tl.int32))
   offs_m = tl.arange(0, BLOCK_M)
   m_mask = offs_m < M
-  for t in range(pid, A0 + A1 + A2, PROGRAMS):  # phase 1: never waits
-    if t < A0:
-      _group_phase1(t, x_ptr, u0_ptr, p0_ptr, flag_ptr, offs_m, m_mask, K, R0, KP0, S0,
-                    BLOCK_K, BR0, CR0)
-    elif t < A0 + A1:
-      _group_phase1(t - A0, x_ptr, u1_ptr, p1_ptr, flag_ptr + 1, offs_m, m_mask, K, R1, KP1,
-                    S1, BLOCK_K, BR1, CR1)
-    else:
-      _group_phase1(t - A0 - A1, x_ptr, u2_ptr, p2_ptr, flag_ptr + 2, offs_m, m_mask, K, R2,
-                    KP2, S2, BLOCK_K, BR2, CR2)
+  if ONE:  # phase 1, never waiting; member j's tiles are t in [j * A0, (j + 1) * A0)
+    for t in range(pid, A0 + A1 + A2, PROGRAMS):
+      j = t // A0
+      u_ptr = tl.where(j == 0, u0_ptr, tl.where(j == 1, u1_ptr, u2_ptr))
+      _group_phase1(t - j * A0, x_ptr, u_ptr, p0_ptr + j * (M * R0), flag_ptr + j, offs_m,
+                    m_mask, K, R0, KP0, S0, BLOCK_K, BR0, CR0)
+  else:
+    for t in range(pid, A0 + A1 + A2, PROGRAMS):  # phase 1: never waits
+      if t < A0:
+        _group_phase1(t, x_ptr, u0_ptr, p0_ptr, flag_ptr, offs_m, m_mask, K, R0, KP0, S0,
+                      BLOCK_K, BR0, CR0)
+      elif t < A0 + A1:
+        _group_phase1(t - A0, x_ptr, u1_ptr, p1_ptr, flag_ptr + 1, offs_m, m_mask, K, R1,
+                      KP1, S1, BLOCK_K, BR1, CR1)
+      else:
+        _group_phase1(t - A0 - A1, x_ptr, u2_ptr, p2_ptr, flag_ptr + 2, offs_m, m_mask, K,
+                      R2, KP2, S2, BLOCK_K, BR2, CR2)
   if PREFETCH > 0:  # the first V rows of this CTA's first phase-2 tile, while it waits
     if pid < Q0:
       prefetch_l2(v0_ptr, 0, pid * CN0, R0, N0, N0, PREFETCH, BN0)
@@ -816,12 +826,18 @@ def group_launch_plan(m: int, k: int, members, p: "planner.GroupDecodePlan",
   """Scratch size and constexprs of one grouped call (shared by the wrapper and the tests).
   ``members``: [(r_i, n_i, has_bias_i)] of 2 or 3; with two, the kernel's third member
   repeats the second's shapes with no tiles. ``phase2=False``: phase 1 alone (no ·V tiles,
-  no V prefetch; each P_i is left as f32 sums in the scratch, P_0 first)."""
+  no V prefetch; each P_i is left as f32 sums in the scratch, P_0 first). ``p.one_branch``
+  (the kernel's ONE) needs every member's rank and phase-1 tiles alike."""
   g = len(members)
   planner.check_prefetch_rows(p, "prefetch")
+  if p.one_branch and len({(r, p.block_r[i], p.cols_r[i], p.k_per[i])
+                           for i, (r, *_) in enumerate(members)}) > 1:
+    raise ValueError(f"one_branch: every member's rank and phase-1 tiles must be alike, got "
+                     f"ranks {[r for r, *_ in members]}, block_r {p.block_r[:g]}, cols_r "
+                     f"{p.cols_r[:g]}, k_per {p.k_per[:g]}")
   full = list(members) + [members[-1]] * (3 - g)
   meta = dict(K=k, BLOCK_M=p.block_m, BLOCK_K=64, BLOCK_KV=64, PROGRAMS=p.programs,
-              PREFETCH=p.prefetch if phase2 else 0)
+              PREFETCH=p.prefetch if phase2 else 0, ONE=int(p.one_branch))
   for i, (r, n, has_bias) in enumerate(full):
     j = min(i, g - 1)
     kp, cr, cn = p.k_per[j], p.cols_r[j], p.cols_n[j]

@@ -310,15 +310,20 @@ def test_grouped_phase1_alone_leaves_every_members_p():
   """``xuv_decode_group(pv="xla")``: the grouped kernel with no phase-2 tiles leaves each
   member's P_i = X·U_i as f32 sums side by side in its scratch (P_0 first), equal to the f64
   product at f32's tolerance, and writes no output; on ``plan_decode_group_phase1``'s tiles
-  over a grid of 3 and 7 programs (several tiles each), K, r and M ragged, 2 and 3 members."""
+  over a grid of 3, 5 and 7 programs (several tiles each), K, r and M ragged, 2 and 3
+  members; members of one rank also through the kernel's one phase-1 call site (ONE)."""
   _interpret(_PRELUDE + textwrap.dedent('''
-    for m, k, rs, programs in ((65, 1000, (200, 200), 7), (128, 200, (72, 72, 40), 3),
-                               (1, 640, (136, 72), 7)):
+    for m, k, rs, programs, one in ((65, 1000, (200, 200), 7, False),
+                                    (65, 1000, (200, 200), 7, True),
+                                    (128, 200, (72, 72, 40), 3, False),
+                                    (33, 300, (72, 72, 72), 5, True),
+                                    (1, 640, (136, 72), 7, False)):
       members = [(r, 64, False) for r in rs]
       p = planner.plan_decode_group_phase1(m, k, [(r, n) for r, n, _ in members],
-                                           programs=programs)
+                                           programs=programs, one_branch=one)
       plan = xuv_decode.group_launch_plan(m, k, members, p, phase2=False)
       assert plan["meta"]["PREFETCH"] == 0 and not any(plan["meta"][f"Q{i}"] for i in range(3))
+      assert plan["meta"]["ONE"] == int(one)
       x = rand(m, k)
       us = [rand(k, r, scale=k ** -0.5) for r in rs]
       ops = []
@@ -336,7 +341,14 @@ def test_grouped_phase1_alone_leaves_every_members_p():
                     (m, k, rs, i))
         off += m * u.shape[1]
       assert all(np.isnan(o).all() for o in outs), "an output written without phase 2"
-      print(m, k, rs, p.programs, p.cols_r, p.k_per, f"{err:.1e}")
+      print(m, k, rs, p.programs, p.cols_r, p.k_per, one, f"{err:.1e}")
+    p = planner.plan_decode_group_phase1(8, 256, [(64, 64), (64, 64)], one_branch=True)
+    try:  # one call site for members of two ranks
+      xuv_decode.group_launch_plan(8, 256, [(64, 64, False), (32, 64, False)], p, phase2=False)
+    except ValueError as e:
+      assert "one_branch" in str(e), e
+    else:
+      raise AssertionError("a one_branch plan was launched on members of two ranks")
     print("ok")
   '''))
 

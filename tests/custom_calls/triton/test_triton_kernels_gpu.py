@@ -194,12 +194,17 @@ def test_xuv_decode_group(case, dtype, grid):
     (128, 4096, [(2560, 14336), (2560, 14336)], ()),  # Llama-3-8B's gate and up at 128 rows
     (100, 1000, [(200, 130), (72, 520), (40, 64)], (0, 2))])
 @pytest.mark.parametrize("grid", ["planned", "small"])
-def test_xuv_decode_group_phase1_alone(case, dtype, grid):
-  """``pv="xla"``: every member's X·U_i in one launch (up to 128 rows), then XLA's GEMMs."""
+@pytest.mark.parametrize("one", [False, True])
+def test_xuv_decode_group_phase1_alone(case, dtype, grid, one):
+  """``pv="xla"``: every member's X·U_i in one launch (up to 128 rows), then XLA's GEMMs;
+  ``one``: members of one rank through the kernel's one phase-1 call site (one_branch)."""
   from lrjax.custom_calls.triton import xuv_decode
   m, k, mem, _ = case
+  if one and len({r for r, _ in mem}) > 1:
+    pytest.skip("one_branch: members of one rank only")
   x, members = _group_inputs(case, dtype)
-  plan = planner.plan_decode_group_phase1(m, k, mem, programs=7 if grid == "small" else None)
+  plan = planner.plan_decode_group_phase1(m, k, mem, programs=7 if grid == "small" else None,
+                                          one_branch=one)
   outs = jax.jit(lambda x, ms: xuv_decode.xuv_decode_group(x, ms, plan=plan, pv="xla"))(
       x, members)
   _check_group(outs, x, members, dtype)
