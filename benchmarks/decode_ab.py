@@ -280,14 +280,9 @@ def time_case(dims, variants, rounds: int, inputs=None, distinct: bool = False) 
 
 def kernel_table(fn, x, layers) -> dict:
   """{kernel name: [launches a call, median µs]} of one execution of fn's chain over the
-  layers (one pass, so a layer's weight-only work counts once a call)."""
-  events = g.profiled_executions([g.chained(fn, 1)], x, layers)[0]
-  durs = {}
-  for s, e, name in events:
-    durs.setdefault(name, []).append((e - s) / 1e3)
-  calls = len(layers)
-  return {name: [round(len(d) / calls, 3), round(statistics.median(d), 3)]
-          for name, d in sorted(durs.items(), key=lambda kv: -sum(kv[1]))}
+  layers (one pass, so a layer's weight-only work counts once a call; g.kernel_table)."""
+  rows = g.kernel_table(g.profiled_executions([g.chained(fn, 1)], x, layers), len(layers))
+  return {k["name"]: [round(k["per_call"], 3), round(k["median_us"], 3)] for k in rows}
 
 
 def check_case(dims, variants, inputs=None) -> dict:

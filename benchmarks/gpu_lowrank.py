@@ -24,6 +24,7 @@ against floor over the run's own decode points (``fixed_cost_fit``).
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import datetime
 import glob
@@ -215,6 +216,19 @@ def busy_ns(events):
     elif e > end:
       total, end = total + e - end, e
   return total
+
+
+def kernel_table(executions, calls: int, name_len: int | None = None) -> list[dict]:
+  """[{name, per_call, median_us}] of the kernels in ``executions`` (profiled_executions'
+  event lists, ``calls`` calls each): launches a call and median duration of each name (cut
+  to ``name_len``), the most time a call first."""
+  durs = collections.defaultdict(list)
+  for execution in executions:
+    for s, e, name in execution:
+      durs[name[:name_len]].append((e - s) / 1e3)
+  rows = [dict(name=n, per_call=len(d) / len(executions) / calls,
+               median_us=statistics.median(d)) for n, d in durs.items()]
+  return sorted(rows, key=lambda k: -k["per_call"] * k["median_us"])
 
 
 def idle_gaps_ns(events, key=lambda name: name):

@@ -14,7 +14,6 @@ from the same chained jit (3 passes over L distinct layers) under ``jax.profiler
 from __future__ import annotations
 
 import argparse
-import collections
 import datetime
 import os
 import statistics
@@ -36,13 +35,7 @@ def timeline(fn, x, layers):
     gl._sync(f(x, layers))
   groups = gl.profiled_executions([f] * EXECUTIONS, x, layers)
   calls = PASSES * len(layers)
-  per_name = collections.defaultdict(list)
-  for g in groups:
-    for s, e, name in g:
-      per_name[name[:60]].append((e - s) / 1e3)
-  kernels = sorted(({"name": n, "per_call": len(d) / EXECUTIONS / calls,
-                     "median_us": statistics.median(d)} for n, d in per_name.items()),
-                   key=lambda k: -k["per_call"] * k["median_us"])
+  kernels = gl.kernel_table(groups, calls, name_len=60)
   return dict(gpu_busy_us=statistics.median(gl.busy_ns(g) for g in groups) / calls / 1e3,
               gpu_span_us=statistics.median(map(gl.span_ns, groups)) / calls / 1e3,
               kernels=kernels[:6])

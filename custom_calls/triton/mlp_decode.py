@@ -761,8 +761,8 @@ def _composed(x2, up, down, gate, act, out_dtype, out, group=True):
     h = fn(xuv(x2, up, dt).astype(f32))
   else:
     plan = group if isinstance(group, planner.GroupDecodePlan) else None
-    yg, yu = (xuv_decode_group(x2, [gate, up], out_dtype=dt, pv="xla", plan=plan)
-              if group is not False else (xuv(x2, gate, dt), xuv(x2, up, dt)))
+    yg, yu = (xuv_decode_group(x2, [gate, up], out_dtype=dt, pv="xla", plan=plan) if group
+              else (xuv(x2, gate, dt), xuv(x2, up, dt)))
     h = fn(yg.astype(f32)) * yu.astype(f32)
   return xuv(h.astype(down[0].dtype), down, out_dtype, out)
 

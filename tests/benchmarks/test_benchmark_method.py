@@ -274,3 +274,13 @@ def test_reused_weights_run_weight_only_work_once_a_layer(bench):
   assert sines(bench.chained(fn, 1, first=2), layers) == (2, 2)  # the L-call jit's first L
   out = bench.chained(fn, 3)(x, layers[:2])
   assert len(out) == 6 and jnp.allclose(out[5], fn(x, *layers[1]))
+
+
+def test_kernel_table_counts_launches_a_call_over_executions(bench):
+  """Two executions of two calls each: launches a call averaged over the executions, names
+  cut to name_len pooled, most time a call first."""
+  ex = [[(0, 4000, "gemm_a"), (4000, 5000, "pad"), (5000, 9000, "gemm_b")],
+        [(0, 2000, "gemm_a"), (2000, 3000, "pad")]]
+  rows = bench.kernel_table(ex, calls=2, name_len=4)
+  assert rows == [dict(name="gemm", per_call=0.75, median_us=4.0),
+                  dict(name="pad", per_call=0.5, median_us=1.0)]
