@@ -825,7 +825,7 @@ def plan_decode_group(m: int, k: int, members, hw: Hardware = H200,
 
 def plan_decode_group_phase1(m: int, k: int, members, hw: Hardware = H200,
                              programs: int | None = None,
-                             one_branch: bool = False) -> GroupDecodePlan:
+                             one_branch: bool | None = None) -> GroupDecodePlan:
   """Tiles for the grouped kernel's phase 1 alone (``xuv_decode_group(pv="xla")``: XLA's GEMMs
   then apply each V_i): ``plan_decode_phase1``'s tiles for the members' ranks side by side
   (K splits chosen for their summed rank, so the members' tiles together fill the grid once),
@@ -833,10 +833,15 @@ def plan_decode_group_phase1(m: int, k: int, members, hw: Hardware = H200,
   pipeline of their own in shared memory (compiled for sm_90, two of them: 262144 B at 128
   rows and 4 stages of 32 KB, where one persistent kernel asks for 131072), so the stages are
   as many as two such pipelines leave room for, at most the phase-1 plan's. ``one_branch``
-  (members of one rank only; not timed on a GPU yet, so off by default): one call site for
-  all members, so one pipeline's room."""
+  (members of one rank only): one call site for all members, so one pipeline's room; None
+  (the default) takes it wherever the members share a rank. On the composed MLP's gate and
+  up it measured 2-3 % faster than two call sites (Llama-3-8B at 64 and 128 rows, 70B at 128:
+  benchmarks/gpu_notes.md, session 45)."""
   g = programs or hw.num_sms
-  if one_branch and len({r for r, _ in members}) > 1:
+  one_rank = len({r for r, _ in members}) == 1
+  if one_branch is None:
+    one_branch = one_rank
+  if one_branch and not one_rank:
     raise ValueError(f"one_branch: expected members of one rank, got {[r for r, _ in members]}")
   p = plan_decode_phase1(m, k, sum(r for r, _ in members), max(n for _, n in members), hw,
                          programs=g)

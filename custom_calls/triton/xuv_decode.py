@@ -169,6 +169,20 @@ PV_XLA_MIN_M = 64
 # results/gpu_xuv_decode_33_63_rows_h200.json)
 PV_XLA_K_OVER_N = 4
 PV_XLA_MIN_K = 4096
+# ... but not up to PV_XLA_PAD_MAX_M rows where r >= PV_XLA_PAD_MIN_R is not a multiple of
+# PV_XLA_R_ALIGN: there XLA's split-K ·V GEMM pads V every call (64 x 8192->2456->8192: to 2464
+# rows, a 40 MB copy, 25 us of a 61 us call), which a model step pays (each layer's V used once)
+# and the sweep's reused weights hid (the pad ran once a layer). Each call on a layer of its
+# own (gpu_lowrank.py --distinct-weights, session 45): phase 1 + XLA's GEMM 61.1 us at M=64,
+# the fused kernel 39.8, XLA's chain 61.6 (session 37: 63.5 / 39.7 / 61.0). Whether XLA pads is
+# its autotuner's choice (results/gpu_xla_pad_survey_h200.json): at 64 rows it padded r = 2456
+# and 2440 at both K = 8192 -> N = 8192 and K = 4096 -> N = 14336 (and 2448, 3824 at K = 8192,
+# which this rule misses); at 128 rows only at K = 8192, and the fused kernel, 0.67x XLA at
+# 128 rows on reused weights, would lose where XLA does not pad; ranks up to 1032 were never
+# padded (at r = 1000 the fused kernel is 0.58-0.69x XLA: session 37)
+PV_XLA_R_ALIGN = 16
+PV_XLA_PAD_MIN_R = 2048
+PV_XLA_PAD_MAX_M = 64
 # From PV_LAUNCH_MIN_M rows, where V has at most PV_LAUNCH_MAX_V elements (4 MB in bf16), ·V
 # runs in a launch of its own (pv="launch", _pv_launch_kernel) instead of XLA's GEMM or phase 2:
 # it reads phase 1's f32 P where phase 1 left it (no rounding fusion, no split-K reduction).
@@ -682,14 +696,17 @@ def default_pv(m: int, k: int, r: int, n: int, out_given: bool = False) -> str:
   ("launch") where r x N <= PV_LAUNCH_MAX_V from PV_LAUNCH_MIN_M rows, and from
   PV_LAUNCH_SMALL_V_MIN_M where N <= K / PV_XLA_K_OVER_N and K >= PV_XLA_MIN_K; else XLA's GEMM
   ("xla") from PV_XLA_MIN_M rows, and from the rows that share its 64-row block (33) where
-  N <= K / PV_XLA_K_OVER_N and K >= PV_XLA_MIN_K; else the kernel (phase 2 in the same
-  launch). Where the caller passes an output buffer, XLA cannot write into it: the kernel
-  then applies V in place of XLA."""
+  N <= K / PV_XLA_K_OVER_N and K >= PV_XLA_MIN_K, except where XLA's GEMM would pad V every
+  call (up to PV_XLA_PAD_MAX_M rows, r >= PV_XLA_PAD_MIN_R not a multiple of
+  PV_XLA_R_ALIGN); else the kernel (phase 2 in the same launch). Where the caller passes an
+  output buffer, XLA cannot write into it: the kernel then applies V in place of XLA."""
   small_v = k >= max(PV_XLA_MIN_K, PV_XLA_K_OVER_N * n)
   if r * n <= PV_LAUNCH_MAX_V and (m >= PV_LAUNCH_MIN_M
                                    or (m >= PV_LAUNCH_SMALL_V_MIN_M and small_v)):
     return "launch"
-  if (m >= PV_XLA_MIN_M or (m > PV_XLA_MIN_M // 2 and small_v)) and not out_given:
+  xla_pads_v = r % PV_XLA_R_ALIGN and r >= PV_XLA_PAD_MIN_R and m <= PV_XLA_PAD_MAX_M
+  if (m >= PV_XLA_MIN_M or (m > PV_XLA_MIN_M // 2 and small_v)) and not out_given \
+      and not xla_pads_v:
     return "xla"
   return "kernel"
 

@@ -230,6 +230,21 @@ def test_decode_points_to_128_rows_are_judged_against_xla(bench):
   assert not slow32["met"] and slow32["why"].startswith("the fused kernel")
 
 
+def test_swiglu_decode_from_17_tokens_is_judged_against_xla(bench):
+  """The "done when" holds for the SwiGLU decode points from 17 to 128 tokens too: a trailing
+  one says by how much, and how near each side runs to the roofline, on which weights."""
+  recs = [decode_rec("mlp_swiglu", 32, 90.0, 100.0, 110.0),
+          dict(decode_rec("mlp_swiglu", 64, 90.0, 100.0, 98.0), weights="distinct"),
+          decode_rec("mlp_swiglu", 128, 90.0, 100.0, 99.0)]
+  out = {t["M"]: t for t in bench.evaluate_targets(recs)}
+  assert all("SwiGLU 17<=T<=128 (done when)" in t["target"] for t in out.values())
+  assert out[32]["met"] and "why" not in out[32] and out[32]["short_by_us"] == 0.0
+  assert not out[64]["met"] and out[64]["short_by_us"] == 2.0
+  assert out[64]["why"].startswith("the fused decode kernel at 90% of the HBM roofline, "
+                                   "XLA's unfused chain at 92% (each call on its own layer)")
+  assert out[128]["why"].startswith("X·U·V decode calls") and "reused" in out[128]["why"]
+
+
 def test_missed_prefill_targets_give_the_throughput_against_xla(bench):
   rec = dict(decode_rec("xuv", 1024, 100.0, 110.0, 100.0), tflops=600.0)
   (t,) = bench.evaluate_targets([rec])

@@ -409,6 +409,11 @@ def test_the_decode_wrapper_launches_the_planners_persistent_plan():
         # larger V: XLA's GEMM from 64 rows, the fused kernel where out= is given
         (64, 512, 2000, 4096, False, "xla"), (128, 512, 2000, 1100, False, "xla"),
         (64, 512, 2000, 8200, True, "kernel"),
+        # ... unless XLA's GEMM would pad V every call: up to 64 rows, r >= 2048 not a
+        # multiple of 16
+        (64, 512, 2056, 4096, False, "kernel"), (40, 8192, 2056, 1024, False, "kernel"),
+        (64, 512, 2064, 4096, False, "xla"), (128, 512, 2056, 1100, False, "xla"),
+        (64, 512, 2040, 1100, False, "xla"),
         # 33-63 rows (the 64-row block), larger V: phase 1 alone where N <= K/4, K >= 4096
         (63, 4096, 4000, 1024, False, "xla"), (63, 4096, 4000, 1025, False, "kernel"),
         (48, 2048, 5000, 512, False, "kernel"), (33, 8192, 4000, 1024, False, "xla"),

@@ -511,18 +511,21 @@ def test_group_phase1_is_one_round_of_tiles_over_the_ctas(k, qkv):
 
 def test_group_phase1_alone_on_one_branch_has_one_pipelines_room():
   """The grouped kernel keeps a pipeline in shared memory for each phase-1 call site: two
-  for the composed MLP's gate and up (3 stages of 32 KB at 128 rows), one with one_branch,
-  which then takes the phase-1 plan's 4, as one X·U·V call does; same tiles otherwise.
-  Members of two ranks cannot share the call site and are refused."""
+  without one_branch (3 stages of 32 KB at 128 rows), one with it, which then takes the
+  phase-1 plan's 4, as one X·U·V call does; same tiles otherwise. The default takes
+  one_branch for members of one rank (the composed MLP's gate and up) and not for members of
+  two, which cannot share the call site and are refused if it is asked for."""
   for d, r in ((4096, 2560), (8192, 3824)):
-    two = planner.plan_decode_group_phase1(128, d, [(r, 14336)] * 2)
+    two = planner.plan_decode_group_phase1(128, d, [(r, 14336)] * 2, one_branch=False)
     one = planner.plan_decode_group_phase1(128, d, [(r, 14336)] * 2, one_branch=True)
     single = planner.plan_decode_phase1(128, d, 2 * r, 14336)
     assert (two.stages, one.stages, single.stages) == (3, 4, 4)
     assert dataclasses.replace(one, stages=3, one_branch=False) == two
+    assert planner.plan_decode_group_phase1(128, d, [(r, 14336)] * 2) == one
+  mixed = [(2560, 14336), (1024, 14336)]
+  assert not planner.plan_decode_group_phase1(64, 4096, mixed).one_branch
   with pytest.raises(ValueError, match="one rank"):
-    planner.plan_decode_group_phase1(64, 4096, [(2560, 14336), (1024, 14336)],
-                                     one_branch=True)
+    planner.plan_decode_group_phase1(64, 4096, mixed, one_branch=True)
 
 
 def test_persistent_phase1_counts_the_round_trip_from_64_kb_of_u_a_cta():
