@@ -57,7 +57,8 @@ exactly 64 rows the fused kernel kept N <= 4096 until phase 1 alone lost its sig
 in-kernel rounding (session 39): then phase 1 + XLA took 0.0-0.5 us less on all four such
 shapes (session 40, results/gpu_xuv_decode_p_handover_h200.json). From 33 rows (the same 64-row
 block) phase 1 alone runs where V is a quarter of U or less and K >= 4096 (session 35:
-8192->544->1024, 4096->512->1024).
+8192->544->1024, 4096->512->1024). Not up to 64 rows where r >= 2048 is not a multiple of 16
+(PV_XLA_PAD_*): there XLA's split-K GEMM pads V every call, and the fused kernel keeps it.
 
 **The ·V launch** (``pv="launch"``, ``_pv_launch_kernel``; ``default_pv``: from 33 rows where
 V has at most PV_LAUNCH_MAX_V elements, and from 17 where V is small beside U): phase 1 alone
