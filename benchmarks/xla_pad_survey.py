@@ -1,13 +1,13 @@
 """Where XLA pads V for the ·V GEMM of its own decode ``(x @ u) @ v`` (compile only, no timing).
 
-XLA's split-K GEMMs need the contracting dimension (here the rank r) cut into equal pieces; where
-r does not divide, XLA copies V into a padded buffer first, every call: 25 µs a call at
-64 x 8192->2456->8192 on an H200, where the whole call takes 61 (gpu_lowrank.py
---distinct-weights). The sweep's reused weights hid the copy, which then ran once a layer. Both
-XLA's chain and lrjax's phase 1 + XLA's GEMM (``xuv_decode``'s ``pv="xla"``) pay it, so
-``xuv_decode.default_pv`` keeps V in the kernel where r is not a multiple of PV_XLA_R_ALIGN.
-This survey records which (M, K, r, N) XLA pads, so that rule can be checked against XLA's
-choices, which follow its GEMM autotuner.
+Where XLA splits the ·V GEMM over the rank r (a batched cuBLAS call on the H200), it pads r to a
+multiple the split divides (2456 -> 2464 = 4 x 616) and copies V into the padded buffer first,
+every call: 25 µs a call at 64 x 8192->2456->8192, where the whole call takes 61
+(gpu_lowrank.py --distinct-weights). The sweep's reused weights hid the copy, which then ran
+once a layer. Both XLA's chain and lrjax's phase 1 + XLA's GEMM (``xuv_decode``'s ``pv="xla"``)
+pay it, so ``xuv_decode.default_pv`` keeps V in the fused kernel where this survey found XLA
+padding (``PV_XLA_PAD_*``: up to 64 rows, r >= 2048 not a multiple of 16). Whether XLA splits
+follows its GEMM autotuner; the survey records which (M, K, r, N) it padded.
 
   python benchmarks/xla_pad_survey.py --out benchmarks/results/gpu_xla_pad_survey_h200.json
 """

@@ -705,7 +705,7 @@ def default_pv(m: int, k: int, r: int, n: int, out_given: bool = False) -> str:
   if r * n <= PV_LAUNCH_MAX_V and (m >= PV_LAUNCH_MIN_M
                                    or (m >= PV_LAUNCH_SMALL_V_MIN_M and small_v)):
     return "launch"
-  xla_pads_v = r % PV_XLA_R_ALIGN and r >= PV_XLA_PAD_MIN_R and m <= PV_XLA_PAD_MAX_M
+  xla_pads_v = r % PV_XLA_R_ALIGN != 0 and r >= PV_XLA_PAD_MIN_R and m <= PV_XLA_PAD_MAX_M
   if (m >= PV_XLA_MIN_M or (m > PV_XLA_MIN_M // 2 and small_v)) and not out_given \
       and not xla_pads_v:
     return "xla"

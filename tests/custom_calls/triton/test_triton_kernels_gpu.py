@@ -73,7 +73,7 @@ XUV_SHAPES = [  # (M, K, r, N): M=1, ragged everything, a multi-super-block pref
     # phase 1 alone on 112 of 128 columns a tile (planner.PHASE1_BALANCE_COLS), K and r ragged
     (100, 4100, 2456, 1000),
     # up to 64 rows with r >= 2048 not a multiple of 16: the fused kernel by default
-    # (xuv_decode.PV_XLA_R_ALIGN: XLA's GEMM would pad V every call)
+    # (xuv_decode.PV_XLA_PAD_*: XLA's GEMM would pad V every call)
     (64, 2000, 2056, 1100),
 ]
 
