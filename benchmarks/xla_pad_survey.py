@@ -47,14 +47,34 @@ def survey(contexts=CONTEXTS, ranks=RANKS) -> list[dict]:
   return out
 
 
+def parse_context(text: str) -> tuple[int, int, int]:
+  """"M,K,N" -> (M, K, N), each a positive integer."""
+  parts = text.split(",")
+  if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+    raise ValueError(f"{text!r}: expected M,K,N (three positive integers)")
+  return tuple(int(p) for p in parts)
+
+
+def _context_arg(text: str) -> tuple[int, int, int]:
+  try:
+    return parse_context(text)
+  except ValueError as e:  # argparse shows an ArgumentTypeError's own message
+    raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--out", required=True, help="results JSON")
+  ap.add_argument("--contexts", nargs="*", type=_context_arg, default=list(CONTEXTS),
+                  metavar="M,K,N", help="row counts and the chain's K and N")
+  ap.add_argument("--ranks", nargs="*", type=int, default=list(RANKS), help="ranks r to compile")
   args = ap.parse_args()
+  if any(r <= 0 for r in args.ranks):
+    ap.error(f"--ranks: expected positive integers, got {args.ranks}")
   import jax
   from results_io import write_json
   dev = jax.devices()[0]
-  records = survey()
+  records = survey(args.contexts, args.ranks)
   meta = dict(machine=getattr(dev, "device_kind", str(dev)), jax=jax.__version__,
               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               method="compile (x @ u) @ v for bf16 ShapeDtypeStructs of each (M, K, r, N) in a "
