@@ -1420,6 +1420,14 @@ def _plot_kv_attention(recs, path_json, plt) -> str:
   return save_beside(fig, path_json)
 
 
+def _ring_distinct(ax, recs, y):
+  """Rings the points of ``recs`` timed with each call on its own layer (``weights``)."""
+  rs = [r for r in recs if r.get("weights") == "distinct"]
+  if rs:
+    ax.scatter([r["M"] for r in rs], [y(r) for r in rs], s=110, facecolors="none",
+               edgecolors="black", linewidths=1.0, zorder=3, label="ringed: distinct weights")
+
+
 def plot(path_json: str) -> str | None:
   """Plots a results JSON beside it (PNG): roofline fractions and speedups vs XLA, of its
   default-kernel ("auto") records; None (no file) where it has none (a variant suite timed
@@ -1441,6 +1449,8 @@ def plot(path_json: str) -> str | None:
     ax.plot([r["M"] for r in rs], [r["hbm_roofline_frac"] for r in rs], "o-", label=f"lrjax {lbl}")
     ax.plot([r["M"] for r in rs], [r["hbm_floor_us"] / r["xla_lowrank_us"] for r in rs], "x--",
             label=f"XLA (x@u)@v {lbl}")
+  _ring_distinct(ax, [r for r in auto if r["op"] == "xuv" and r["M"] <= 128],
+                 lambda r: r["hbm_roofline_frac"])
   ax.axhline(0.85, color="gray", lw=0.8)
   ax.set(xscale="log", xlabel="tokens M", ylabel="fraction of HBM roofline (4.3 TB/s)",
          title="decode X·U·V")
@@ -1464,6 +1474,8 @@ def plot(path_json: str) -> str | None:
     ax.plot([r["M"] for r in rs], [r["speedup_vs_xla"] for r in rs], "o-", label=f"{model} vs XLA unfused")
     ax.plot([r["M"] for r in rs], [r["xla_dense_us"] / r["ours_us"] for r in rs], "x--",
             label=f"{model} vs XLA dense MLP")
+  _ring_distinct(ax, [r for r in auto if r.get("model") and r["op"] == "mlp_swiglu"],
+                 lambda r: r["speedup_vs_xla"])
   ax.axhline(1.0, color="gray", lw=0.8)
   ax.set(xscale="log", xlabel="tokens T", ylabel="speedup (higher is better)",
          title="fused low-rank SwiGLU MLP")
