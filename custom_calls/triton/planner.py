@@ -829,14 +829,14 @@ def plan_decode_group_phase1(m: int, k: int, members, hw: Hardware = H200,
   """Tiles for the grouped kernel's phase 1 alone (``xuv_decode_group(pv="xla")``: XLA's GEMMs
   then apply each V_i): ``plan_decode_phase1``'s tiles for the members' ranks side by side
   (K splits chosen for their summed rank, so the members' tiles together fill the grid once),
-  every member cut the same way; no phase-2 tiles. The kernel's member branches each keep a
-  pipeline of their own in shared memory (compiled for sm_90, two of them: 262144 B at 128
-  rows and 4 stages of 32 KB, where one persistent kernel asks for 131072), so the stages are
-  as many as two such pipelines leave room for, at most the phase-1 plan's. ``one_branch``
-  (members of one rank only): one call site for all members, so one pipeline's room; None
-  (the default) takes it wherever the members share a rank. On the composed MLP's gate and
-  up it measured 2-3 % faster than two call sites (Llama-3-8B at 64 and 128 rows, 70B at 128:
-  benchmarks/gpu_notes.md, session 45)."""
+  every member cut the same way; no phase-2 tiles. The kernel keeps a phase-1 pipeline in
+  shared memory for each call site, and the stages are as many as those pipelines leave room
+  for, at most the phase-1 plan's. ``one_branch`` (members of one rank only; None, the
+  default, takes it wherever the ranks match): all members through one call site, one
+  pipeline (4 stages at 128 rows, as one X·U·V call; 2-3 % faster on the composed MLP's gate
+  and up, Llama-3-8B at 64 and 128 rows and 70B at 128: benchmarks/gpu_notes.md, session 45).
+  Otherwise a branch a member, counted as two pipelines (compiled for sm_90: 262144 B at 128
+  rows and 4 stages of 32 KB, so 3 stages)."""
   g = programs or hw.num_sms
   one_rank = len({r for r, _ in members}) == 1
   if one_branch is None:
