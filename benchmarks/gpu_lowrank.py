@@ -873,6 +873,25 @@ MLP_BALANCE_VARIANTS = ("decode_kw0:cols_f=112", "decode_kw0:cols_f=120")
 MLP_WIDE_PROBE_VARIANTS = ("decode_kw:num_warps=8", "decode_kw:block_h=256",
                            "decode_kw:h_splits=3", "decode_kw:h_splits=12",
                            "decode_kw:a_chunks=8", "decode_kw:split_k=4")
+# Llama-3-70B r=3840 at 32/64 tokens, where the default trailed XLA by 1-2 % (session 45):
+# 256-column stage-H tiles (ahead at r=3824 in session 12, before stage H's 4x splits), fewer
+# splits, stage-B chunks of Pg/Pu that divide the rank evenly (4 chunks of 8 column blocks
+# leave the last one ragged), deeper or wider stage-B pipelines, 256-column slices over
+# 32-row rank steps (half the L2 reads of P a slice), prefetches, the persistent schedule
+MLP_WIDE_70B_VARIANTS = tuple("decode_kw:" + c for c in (
+    "block_h=256", "block_h=256,h_per_sm=2", "block_h=256,h_per_sm=1", "h_per_sm=2",
+    "h_per_sm=6", "a_chunks=2", "a_chunks=3", "a_chunks=5", "a_chunks=2,block_h=256",
+    "num_stages=3", "block_f=256,block_kr=32,num_stages=4", "block_f=64", "cols_f=112", "prefetch=64", "prefetch_h=64", "c_chunks=8", "split_k=16",
+    "p16=0")) + ("persistent",)
+MLP_WIDE_70B_CONFIRM = ("decode_kw:a_chunks=2,block_h=256",
+                        "decode_kw:a_chunks=2,block_h=256,h_per_sm=1")
+MLP_WIDE_70B_CONFIRM_32 = ("decode_kw:a_chunks=2,block_h=256,num_stages=5",
+                           "decode_kw:a_chunks=2,num_stages=5")
+MLP_WIDE_70B_BY_M = {32: tuple("decode_kw:" + c for c in (
+    "num_stages=5", "num_stages=5,a_chunks=2", "num_warps=8", "block_kr=32,num_stages=6")),
+                     64: tuple("decode_kw:" + c for c in (
+    "num_warps=4", "block_kr=32,num_stages=5", "block_kr=32,num_stages=4",
+    "block_f=64,num_stages=3"))}
 # h parked at T <= 16 with 5-6 pipeline stages (147-184 KB of shared memory: one CTA an SM, so
 # the stage-B slices spread over all SMs; 3-4 stages let 2-3 share one), then 256-column
 # stage-H tiles
@@ -1182,6 +1201,16 @@ def suite(name, bw, peak, args, recs):
                    ("llama3-70b-r3840", (32, 64))), lambda r: splits(r, 4, 6, 8), "decode")
     mlp_sweep(each(*((label, (1,)) for label in wide + ("llama3-70b-r3840",))),
               lambda r: splits(r, 4, prefix="decode_kw:park_h=1,num_stages=5,"), "decode")
+  if name == "mlp_70b_wide":  # MLP_WIDE_70B_VARIANTS next to the default (session 46)
+    for m in (32, 64):
+      variants = MLP_WIDE_70B_VARIANTS + MLP_WIDE_70B_BY_M[m]
+      mlp_sweep([("llama3-70b-r3840", m)], lambda _: variants)
+  if name == "mlp_70b_wide_confirm":  # the best of them combined, also on the other shapes
+    # whose D_ff has more 128-column slices than SMs (Llama-3-70B r=3824, Qwen2.5-32B)
+    for label in ("llama3-70b-r3840", "llama3-70b", "qwen2.5-32b"):
+      for m in (32, 64):
+        variants = MLP_WIDE_70B_CONFIRM + (MLP_WIDE_70B_CONFIRM_32 if m == 32 else ())
+        mlp_sweep([(label, m)], lambda _: variants)
   if name == "mlp_h_inline":  # MLP_H_INLINE_VARIANTS next to the default at T <= 16
     mlp_sweep(each(("llama3-8b", (1, 4, 8, 16)), ("qwen2.5-7b", (1, 4, 16)),
                    ("llama3-70b-r3840", (1, 16)), ("llama3-8b-r1024", (1, 16)),
@@ -1513,7 +1542,8 @@ def main():
                            "mlp_park_stages", "mlp_low_stages", "mlp_slices", "mlp_tail",
                            "mlp_fine_slices", "mlp_balance", "mlp_s_flush",
                            "mlp_h_inline", "mlp_park_deep", "mlp_park_waves", "mlp_wide_probe",
-                           "mlp_h_splits", "mlp_h_splits_more",
+                           "mlp_h_splits", "mlp_h_splits_more", "mlp_70b_wide",
+                           "mlp_70b_wide_confirm",
                            "decode_depth", "decode_group_wide",
                            "kv_attention"])
   ap.add_argument("--variants", action="store_true", help="also time non-default kernels")

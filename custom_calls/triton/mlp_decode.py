@@ -205,6 +205,21 @@ class BlockSizes:
       # fit the SMs (8B, 1B) more splits measured 0-5 % slower
       # (results/gpu_mlp_decode_h_splits{,_more}_h200.json)
       h_per_sm = 4
+    block_h = t.block_h
+    if park and 16 < bm <= 64 and planner.cdiv(f, 128) >= 3 * sms // 2:
+      # 17-64 tokens where the slices are >= 1.5x the SMs: Pg/Pu in two chunks, 256-column
+      # stage-H tiles, and 5 stages at 32 rows (164 KB, one CTA an SM as before) or about
+      # one stage-H tile an SM at 64. Same run, distinct weights, T=32 / 64: Llama-3-70B
+      # r=3840 222.6 -> 214.5 / 234.1 -> 227.4 us (XLA 220.9 / 231.2), r=3824 227.9 -> 221.8
+      # / 242.9 -> 235.6, Qwen2.5-32B 167.6 -> 162.8 / 179.6 -> 176.8 (XLA 161.7 / 178.2);
+      # each part alone gained less (results/gpu_mlp_decode_70b_wide{,_confirm}_h200.json,
+      # session 46). Measured at 216 and 224 slices only: not applied to fewer (Qwen2.5-7B's
+      # 148, Gemma-7B's 192)
+      a_chunks, block_h = 2, 256
+      if bm <= 32:
+        stages = 5
+      else:
+        h_per_sm = 1
     # p16: stage B reads Pg, Pu in bf16, 1-3 % faster on Llama-3-8B r=2560 and 3.2-1B
     # (results/gpu_decode_p16_h200.json); at 8B r=2560 T=1 still 2.1 us faster (session 33).
     # But where stage A runs in one wave at T <= 16 its tail (each column block's last tile
@@ -215,7 +230,8 @@ class BlockSizes:
     p16 = not one_wave
     return dataclasses.replace(t, block_m=bm, block_k=block_k, split_k=split, a_chunks=a_chunks,
                                num_warps=warps, block_f=block_f, block_rd=block_rd,
-                               num_stages=stages, p16=p16, park_h=park, h_per_sm=h_per_sm)
+                               num_stages=stages, p16=p16, park_h=park, h_per_sm=h_per_sm,
+                               block_h=block_h)
 
 
 # Tuned on the H200 (benchmarks/gpu_lowrank.py); shape class -> blocks.

@@ -348,12 +348,14 @@ def test_mlp_persistent_plans_of_llama_shapes(shape, m):
     ((3584, 18944, 2048), 1, False), ((3584, 18944, 2048), 16, False),
     ((3584, 18944, 2048), 1, True), ((3584, 18944, 2048), 16, True),
     *[(shape, m, "inline") for shape in ((4096, 14336, 2560), (3584, 18944, 2048),
-                                         (8192, 28672, 3840)) for m in (1, 16)]])
+                                         (8192, 28672, 3840)) for m in (1, 16)],
+    ((8192, 28672, 3840), 32, True), ((8192, 28672, 3840), 64, True)])
 def test_mlp_decode_tiles_of_llama_shapes(shape, m, park_h):
   """The tiled decode kernel's default blocks at Llama-3-8B's SwiGLU (40 % removed), h parked
   or not, launch at 1-128 tokens (shared memory, registers) and are right; and at
   Qwen2.5-7B's, whose 148 stage-B slices (more than the SMs) take narrower U_d chunks
-  unparked, and parked (the default) stage H in about four tiles an SM.
+  unparked, and parked (the default) stage H in about four tiles an SM; at Llama-3-70B's
+  at 32 and 64 tokens, the wide rule's blocks (256-column stage-H tiles, 5 stages at 32).
   "inline": h parked and projected by the stage-B CTAs, 256 r_d columns a tile (splits of
   10-19 slices that wait for each other)."""
   from lrjax.custom_calls.triton import mlp_decode

@@ -110,10 +110,11 @@ _PARK_RULE = STUB + textwrap.dedent('''
                                               **kw)["meta"]["H_SPLITS"]
             for name, (d, f, r) in shapes.items() for m in (1, 16, 64, 128)}
   # up to 64 tokens 4 x 8 and 4 x 4 splits asked of Qwen's 148 and the 70B's 224 slices (30
-  # and 16 result); at one tile an SM 6 of the 8B's 112 and 13 of the 1B's 64 (unparked at
+  # and 16 result), but at 33-64 tokens 8 of the 70B's (one 256-column tile an SM: the wide
+  # rule below); at one tile an SM 6 of the 8B's 112 and 13 of the 1B's 64 (unparked at
   # one token: 1)
   assert splits == {("qwen", 1): 30, ("qwen", 16): 30, ("qwen", 64): 30, ("qwen", 128): 8,
-                    ("70b", 1): 16, ("70b", 16): 16, ("70b", 64): 16, ("70b", 128): 4,
+                    ("70b", 1): 16, ("70b", 16): 16, ("70b", 64): 8, ("70b", 128): 4,
                     ("8b", 1): 6, ("8b", 16): 6, ("8b", 64): 6, ("8b", 128): 6,
                     ("1b", 1): 1, ("1b", 16): 13, ("1b", 64): 13, ("1b", 128): 13}, splits
   d, f, r = shapes["qwen"]
@@ -174,13 +175,43 @@ _STAGE_A_RULE = STUB + textwrap.dedent('''
                   ("70b", 1): 270, ("70b", 16): 270, ("70b", 32): 270}, ctas
   assert all(v <= sms for (n, m), v in ctas.items() if m <= 16 and n in ("1b", "qwen"))
   # T <= 16: stage B takes Pg/Pu in one chunk after one wave of stage A, in two after two
-  # waves; from 17 tokens in four
-  assert chunks == {k: (1 if ctas[k] <= sms else 2) if k[1] <= 16 else 4 for k in ctas}, chunks
+  # waves; from 17 tokens in four, but in two where D_ff's slices are >= 1.5x the SMs (the
+  # 70B's 224; not Qwen's 148)
+  assert chunks == {k: (1 if ctas[k] <= sms else 2) if k[1] <= 16 else 2 if k[0] == "70b"
+                    else 4 for k in ctas}, chunks
   assert sorted(set(chunks.values())) == [1, 2, 4], chunks
   # and reads Pg/Pu in f32 after one wave (no rounding tail), the bf16 copy otherwise
   assert p16 == {k: not (k[1] <= 16 and ctas[k] <= sms) for k in ctas}, p16
   print("ok")
 ''')
+
+
+_WIDE_RULE = STUB + textwrap.dedent('''
+  from lrjax.custom_calls.triton import mlp_decode
+  get = mlp_decode.BlockSizes.get_default
+  shapes = {"70b": (8192, 28672, 3840), "qwen32b": (5120, 27648, 3072),
+            "gemma7b": (3072, 24576, 1664), "qwen7b": (3584, 18944, 2048),
+            "8b": (4096, 14336, 2560)}
+  got = {(n, m): (b.a_chunks, b.block_h, b.num_stages, b.h_per_sm)
+         for n, (d, f, r) in shapes.items() for m in (16, 17, 32, 33, 64, 65)
+         for b in [get(m, d, f, r, d)]}
+  for (n, m), v in got.items():
+    if n in ("70b", "qwen32b") and 17 <= m <= 64:  # >= 1.5x the SMs in 128-column slices
+      assert v == ((2, 256, 5, 4) if m <= 32 else (2, 256, 4, 1)), (n, m, v)
+    else:  # the parked defaults: 256-column stage-H tiles nowhere else
+      assert v[1] == 128, (n, m, v)
+      if m > 16:
+        assert v[0] == 4 and v[2] == (4 if m <= 64 else 3), (n, m, v)
+  print("ok")
+''')
+
+
+def test_swiglu_decode_wide_rule_at_17_to_64_tokens():
+  """Session 46: where D_ff's 128-column slices are >= 1.5x the SMs (Llama-3-70B, Qwen2.5-32B),
+  17-64 tokens take two chunks of Pg/Pu, 256-column stage-H tiles, and 5 stages up to 32 rows
+  or one stage-H tile an SM above; fewer slices (Gemma-7B's 192, Qwen2.5-7B's 148, the 8B's
+  112), T <= 16 and T > 64 keep their blocks."""
+  run_script(_WIDE_RULE, interpret=False)
 
 
 def test_swiglu_decode_stage_a_fills_the_sms_in_one_wave():
