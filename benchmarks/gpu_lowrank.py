@@ -881,8 +881,9 @@ MLP_WIDE_PROBE_VARIANTS = ("decode_kw:num_warps=8", "decode_kw:block_h=256",
 MLP_WIDE_70B_VARIANTS = tuple("decode_kw:" + c for c in (
     "block_h=256", "block_h=256,h_per_sm=2", "block_h=256,h_per_sm=1", "h_per_sm=2",
     "h_per_sm=6", "a_chunks=2", "a_chunks=3", "a_chunks=5", "a_chunks=2,block_h=256",
-    "num_stages=3", "block_f=256,block_kr=32,num_stages=4", "block_f=64", "cols_f=112", "prefetch=64", "prefetch_h=64", "c_chunks=8", "split_k=16",
-    "p16=0")) + ("persistent",)
+    "num_stages=3", "block_f=256,block_kr=32,num_stages=4", "block_f=64", "cols_f=112",
+    "prefetch=64", "prefetch_h=64", "c_chunks=8", "split_k=16", "p16=0")) + ("persistent",)
+# the best of those combined (session 46's second call; at 32 tokens also with 5 stages)
 MLP_WIDE_70B_CONFIRM = ("decode_kw:a_chunks=2,block_h=256",
                         "decode_kw:a_chunks=2,block_h=256,h_per_sm=1")
 MLP_WIDE_70B_CONFIRM_32 = ("decode_kw:a_chunks=2,block_h=256,num_stages=5",
@@ -1206,7 +1207,7 @@ def suite(name, bw, peak, args, recs):
       variants = MLP_WIDE_70B_VARIANTS + MLP_WIDE_70B_BY_M[m]
       mlp_sweep([("llama3-70b-r3840", m)], lambda _: variants)
   if name == "mlp_70b_wide_confirm":  # the best of them combined, also on the other shapes
-    # whose D_ff has more 128-column slices than SMs (Llama-3-70B r=3824, Qwen2.5-32B)
+    # whose D_ff has >= 1.5x as many 128-column slices as SMs (70B r=3824, Qwen2.5-32B)
     for label in ("llama3-70b-r3840", "llama3-70b", "qwen2.5-32b"):
       for m in (32, 64):
         variants = MLP_WIDE_70B_CONFIRM + (MLP_WIDE_70B_CONFIRM_32 if m == 32 else ())
