@@ -1383,6 +1383,14 @@ def evaluate_targets(records) -> list[dict]:
       extra["why"] = _decode_why(r, frac, fit, xla_fit, n)
     add(name, r, met, **extra)
 
+  def add_ahead(name, r, why):
+    """A "done when" point from 17 rows: ahead of XLA, or by how much behind and why(r)."""
+    met = r["speedup_vs_xla"] > 1.0
+    extra = dict(short_by_us=round(max(0.0, r["ours_us"] - r["xla_lowrank_us"]), 2))
+    if not met:
+      extra["why"] = why(r)
+    add(name, r, met, **extra)
+
   def prefill_why(r, what, evidence):
     xla_tflops = r["tflops"] / r["speedup_vs_xla"]
     return (f"compute-bound: {r['tflops']:.0f} TFLOP/s against XLA's {xla_tflops:.0f} (cuBLAS); "
@@ -1393,13 +1401,10 @@ def evaluate_targets(records) -> list[dict]:
       add_decode("decode XUV M<=16: >= 85% of the HBM roofline and ahead of XLA", r, 0.85,
                  r["hbm_roofline_frac"] >= 0.85 and r["speedup_vs_xla"] > 1.0)
     elif r["op"] == "xuv" and r["M"] <= 128:
-      met = r["speedup_vs_xla"] > 1.0
-      behind = dict(short_by_us=round(max(0.0, r["ours_us"] - r["xla_lowrank_us"]), 2))
-      if not met:
-        behind["why"] = (WIDE_M_WHY if r["M"] > 32 else
-                         "the fused kernel (phase 2 in the launch) at 17-32 rows; XLA's form "
-                         "there was not read")
-      add("decode XUV 17<=M<=128 (done when): ahead of XLA", r, met, **behind)
+      add_ahead("decode XUV 17<=M<=128 (done when): ahead of XLA", r,
+                lambda r: WIDE_M_WHY if r["M"] > 32 else
+                "the fused kernel (phase 2 in the launch) at 17-32 rows; XLA's form there was "
+                "not read")
     elif r["op"] == "xuv" and r["M"] >= 1024:
       need = 1.1 if r["M"] == 1024 else 1.0
       met = r["speedup_vs_xla"] >= need and r["tflops"] >= 670
@@ -1411,11 +1416,7 @@ def evaluate_targets(records) -> list[dict]:
       add_decode("fused SwiGLU decode T<=16: >= 80% of the HBM roofline", r, 0.80,
                  r["hbm_roofline_frac"] >= 0.80)
     elif r["op"] == "mlp_swiglu" and r["M"] <= 128:
-      met = r["speedup_vs_xla"] > 1.0
-      behind = dict(short_by_us=round(max(0.0, r["ours_us"] - r["xla_lowrank_us"]), 2))
-      if not met:
-        behind["why"] = _mlp_wide_why(r)
-      add("decode SwiGLU 17<=T<=128 (done when): ahead of XLA", r, met, **behind)
+      add_ahead("decode SwiGLU 17<=T<=128 (done when): ahead of XLA", r, _mlp_wide_why)
     elif r["op"] == "mlp_swiglu" and r["M"] == 4096:
       mem = r["temp_bytes_ours"] / max(1, r["temp_bytes_xla"])
       met = r["speedup_vs_xla"] >= 1.05 and mem <= 0.25

@@ -167,11 +167,12 @@ class BlockSizes:
     warps = t.num_warps if bm <= 32 else 8  # [bm, block_f] x2 f32 accumulators per CTA
     block_f, stages = t.block_f, t.num_stages
     block_rd, sms = t.block_rd, planner.H200.num_sms
-    if bm <= 16 and planner.cdiv(f, 128) >= 3 * sms // 4:
+    slices = planner.cdiv(f, 128)  # of 128 columns: the stage-B / stage-H rules below
+    if bm <= 16 and slices >= 3 * sms // 4:
       # fewer, longer stage-B slices while >= 3/4 of the SMs still get one: 4-18 % faster
       # at D_ff=14336 (gpu_mlp_decode_variants_h200.json); 3 stages fit the wider tiles
       block_f, stages = 128, 3
-      if sms < planner.cdiv(f, 128) <= 2 * sms:
+      if sms < slices <= 2 * sms:
         # more slices than SMs: 128-column U_d chunks and 4 stages take 108 KB, so two
         # CTAs share an SM and every slice is resident at once. 5-15 % faster on five of
         # six such shapes (D_ff 17920-28672), 1-3 % either way on the sixth; 1-12 % slower
@@ -196,7 +197,7 @@ class BlockSizes:
       # results/gpu_mlp_decode_park_{h,tune,stages}_h200.json
       block_f, block_k, stages = 128, 64, 4 if bm <= 64 else 3
     h_per_sm = 1
-    if park and planner.cdiv(f, 128) > sms and m <= 64:
+    if park and slices > sms and m <= 64:
       # where D_ff has more 128-wide slices than SMs, about four stage-H tiles an SM: shorter
       # tiles, each ready as soon as its fewer slices are.
       # Against one, at 1-16 tokens (1: parked against unparked): Qwen2.5-7B 6-8 %, Phi-3-
@@ -206,7 +207,7 @@ class BlockSizes:
       # (results/gpu_mlp_decode_h_splits{,_more}_h200.json)
       h_per_sm = 4
     block_h = t.block_h
-    if park and 16 < bm <= 64 and planner.cdiv(f, 128) >= 3 * sms // 2:
+    if 16 < bm <= 64 and slices >= 3 * sms // 2:  # (h is parked from 17 tokens)
       # 17-64 tokens where the slices are >= 1.5x the SMs: Pg/Pu in two chunks, 256-column
       # stage-H tiles, and 5 stages at 32 rows (164 KB, one CTA an SM as before) or about
       # one stage-H tile an SM at 64. Same run, distinct weights, T=32 / 64: Llama-3-70B
