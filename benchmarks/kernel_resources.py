@@ -193,7 +193,8 @@ def planned():
     for k, members in GROUP_SHAPES:
       p = planner.plan_decode_group(m, k, members)
       meta = xuv_decode.group_launch_plan(m, k, [(r, n, False) for r, n in members], p)["meta"]
-      yield f"group M={m} K={k}", xuv_decode._xuv_group_kernel, meta, p.warps, p.stages
+      ranks = "/".join(str(r) for r, _ in members)  # two shapes share K=8192
+      yield f"group M={m} K={k} r={ranks}", xuv_decode._xuv_group_kernel, meta, p.warps, p.stages
   for m in (1, 16, 32, 64, 128):
     for k, r, n in XUV_SHAPES:
       _, p, launch = xuv_decode.default_persistent_launch(m, k, r, n, False, None)

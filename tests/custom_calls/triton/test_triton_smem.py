@@ -88,7 +88,8 @@ def test_a_chained_call_compiles_to_the_unchained_resources():
   working at the scratch's start, and registers within 8 (ptxas's jitter). The offset was a
   runtime argument in session 17, and ptxas gave these kernels at 64 rows up to twice the
   registers (the grouped q/k/v 98-122 -> 216-230; the 8B step at batch 64 6 % slower)."""
-  cases = ("group M=64 K=8192", "mlp decode T=64 D=4096 F=14336 r=2560",
+  cases = ("group M=64 K=8192 r=2456/544/544", "group M=64 K=8192 r=2432/576/576",
+           "mlp decode T=64 D=4096 F=14336 r=2560",
            "xuv decode M=64 4096->1024->14336", "mlp decode persistent T=16 D=4096 F=14336 r=2560")
   out = run_script(f"CASES = {cases!r}\n" + _CHAINED, interpret=False)
   assert int(out.split()[-2]) >= len(cases), out  # every case found in planned() and checked
