@@ -24,6 +24,8 @@ demo: venv
 
 test: EXTRA_DEPS = "triton>=3.6,<3.7"
 test: venv
+	$(VPY) -m ruff check .
+	$(VPY) -m ruff format --check .
 	$(VPY) -m pytest -q -rs -n 2 tests
 
 # four workers share one GPU (each XLA client takes 22 % of its memory): the whole GPU suite took

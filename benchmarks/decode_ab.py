@@ -53,6 +53,7 @@ and rounds; each shard once) into one file. Every record says whether launch mod
 hands its point's default plan to XLA's Triton call (``xla_triton_serves``, from the planner,
 for the machine's SM count; needs triton, not a GPU).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -99,7 +100,7 @@ def variant_setup(spec: str):
   env, variant = parse_variant(spec)
   forced = variant.startswith(TRITON_CALL)
   if forced:
-    variant = variant[len(TRITON_CALL):] or "auto"
+    variant = variant[len(TRITON_CALL) :] or "auto"
     env = dict(env, LRJAX_TRITON_LAUNCH="xla_triton")
     planner, xuv_decode = _kernel_modules()
     rule = planner.xla_triton_serves
@@ -137,8 +138,9 @@ def sweep_points(path: str, max_m: int) -> list[tuple[int, int, int, int]]:
   sorted by shape, then M."""
   with open(path) as fh:
     records = json.load(fh)["records"]
-  pts = {(r["M"], r["K"], r["r"], r["N"]) for r in records
-         if r.get("op") == "xuv" and r["M"] <= max_m}
+  pts = {
+    (r["M"], r["K"], r["r"], r["N"]) for r in records if r.get("op") == "xuv" and r["M"] <= max_m
+  }
   return sorted(pts, key=lambda p: (p[1:], p[0]))
 
 
@@ -155,7 +157,7 @@ def parse_shard(spec: str) -> tuple[int, int]:
 
 def shard(cases: list, i: int, n: int) -> list:
   """The i-th (from 1) of n contiguous, near-equal slices of ``cases``."""
-  return cases[(i - 1) * len(cases) // n:i * len(cases) // n]
+  return cases[(i - 1) * len(cases) // n : i * len(cases) // n]
 
 
 def _fn(variant: str, m: int, k: int, r: int, n: int):
@@ -165,6 +167,7 @@ def _fn(variant: str, m: int, k: int, r: int, n: int):
     return _xla_split(int(variant.split(":")[1]), r)
   if variant == "auto":
     from lrjax.custom_calls.triton import xuv_decode  # the CUDA lowering: triton, jax-triton
+
     return lambda x, u, v: xuv_decode.xuv_decode(x, u, v)
   return g._xuv_variant(variant, m, k, r, n)
 
@@ -182,6 +185,7 @@ def _xla_split(align: int, r: int):
   def fn(x, u, v):
     p = x @ u
     return p[:, :r0] @ v[:r0] + p[:, r0:] @ v[r0:]
+
   return fn
 
 
@@ -189,8 +193,10 @@ def _kernel_modules():
   """lrjax's planner and X·U·V decode module; where jax-triton is absent (a CPU machine),
   kernel_resources' stub stands in for it: only their Python planning runs."""
   import kernel_resources
+
   kernel_resources.install_jax_triton_stub()
   from lrjax.custom_calls.triton import planner, xuv_decode
+
   return planner, xuv_decode
 
 
@@ -204,8 +210,9 @@ def xla_triton_serves(m: int, k: int, r: int, n: int, sms: int) -> bool:
   if m > xuv_decode.PERSISTENT_MAX_M:
     return False
   launch = xuv_decode.default_persistent_launch(m, k, r, n, False, sms)[2]
-  return planner.xla_triton_serves(xuv_decode._xuv_decode_persistent_kernel.__name__,
-                                   launch["meta"])
+  return planner.xla_triton_serves(
+    xuv_decode._xuv_decode_persistent_kernel.__name__, launch["meta"]
+  )
 
 
 MERGE_SAME = ("machine", "jax", "triton", "rounds", "sms", "weights")  # one run's shards share
@@ -228,21 +235,26 @@ def merge(paths: list[str], note: str | None = None) -> dict:
       raise ValueError(f"--merge {path}: expected a decode_ab.py results file ({e})") from None
     if not meta.get("sms"):
       if meta.get("machine") != "NVIDIA H200":
-        raise ValueError(f"--merge {path}: no SM count in its meta (timed without a GPU?) "
-                         "and not an H200's")
+        raise ValueError(
+          f"--merge {path}: no SM count in its meta (timed without a GPU?) and not an H200's"
+        )
       meta = dict(meta, sms=H200_SMS)
     shards.append((i, n, path, meta, records))
   shards.sort(key=lambda s: s[0])
   n = shards[0][1]
   if sorted(s[0] for s in shards) != list(range(1, n + 1)) or any(s[1] != n for s in shards):
-    raise ValueError(f"--merge: expected shards 1/{n} ... {n}/{n} once each, got "
-                     + ", ".join(f"{s[0]}/{s[1]} ({s[2]})" for s in shards))
+    raise ValueError(
+      f"--merge: expected shards 1/{n} ... {n}/{n} once each, got "
+      + ", ".join(f"{s[0]}/{s[1]} ({s[2]})" for s in shards)
+    )
   first = shards[0][3]
   for _, _, path, meta, _ in shards[1:]:
     for key in MERGE_SAME:
       if meta.get(key) != first.get(key):
-        raise ValueError(f"--merge {path}: {key} {meta.get(key)!r} differs from "
-                         f"{shards[0][2]}'s {first.get(key)!r}; shards of one run share it")
+        raise ValueError(
+          f"--merge {path}: {key} {meta.get(key)!r} differs from "
+          f"{shards[0][2]}'s {first.get(key)!r}; shards of one run share it"
+        )
   records = []
   for _, _, _, meta, recs in shards:
     serves = {}  # by point, for records timed before decode_ab.py wrote the flag
@@ -255,8 +267,9 @@ def merge(paths: list[str], note: str | None = None) -> dict:
         flag = serves[dims]
       records.append(dict(rec, shard=meta["shard"], xla_triton_serves=flag))
   meta = {k: v for k, v in first.items() if k not in ("shard", "date")}
-  meta["shards"] = [dict(shard=m["shard"], date=m["date"], file=os.path.basename(p))
-                    for _, _, p, m, _ in shards]
+  meta["shards"] = [
+    dict(shard=m["shard"], date=m["date"], file=os.path.basename(p)) for _, _, p, m, _ in shards
+  ]
   if note:
     meta["note"] = note
   return dict(meta=meta, records=records)
@@ -273,8 +286,7 @@ def time_case(dims, variants, rounds: int, inputs=None, distinct: bool = False) 
   for _ in range(rounds):
     for spec in variants:
       with variant_setup(spec) as variant:
-        times[spec].append(g.per_call_us(_fn(variant, m, k, r, n), x, layers,
-                                         distinct=distinct)[0])
+        times[spec].append(g.per_call_us(_fn(variant, m, k, r, n), x, layers, distinct=distinct)[0])
   return times
 
 
@@ -294,14 +306,14 @@ def check_case(dims, variants, inputs=None) -> dict:
   u, v = layers[0]
   f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
   hi = jax.lax.Precision.HIGHEST
-  ref = np.asarray(jnp.matmul(jnp.matmul(f32(x), f32(u), precision=hi), f32(v), precision=hi),
-                   np.float64)
+  ref = np.asarray(
+    jnp.matmul(jnp.matmul(f32(x), f32(u), precision=hi), f32(v), precision=hi), np.float64
+  )
   errs = {}
   for spec in variants:
     try:
       with variant_setup(spec) as variant:
-        out = np.asarray(jax.jit(_fn(variant, m, k, r, n))(x, u, v).astype(jnp.float32),
-                         np.float64)
+        out = np.asarray(jax.jit(_fn(variant, m, k, r, n))(x, u, v).astype(jnp.float32), np.float64)
     except Exception as e:  # noqa: BLE001 (recorded with the case; the others still run)
       errs[spec] = f"{type(e).__name__}: {e}".split("\n")[0][:500]
       continue
@@ -317,6 +329,7 @@ def _err_text(err) -> str:
 def _default_launch() -> str:
   """The launch mode 'auto' ran under (LRJAX_TRITON_LAUNCH, else the default)."""
   from lrjax.custom_calls.triton import planner
+
   return planner.launch_mode()
 
 
@@ -325,23 +338,39 @@ def main(argv=None):
   ap.add_argument("cases", nargs="*", help="M,K,r,N|variant,,variant,,...")
   ap.add_argument("--rounds", type=int, default=3)
   ap.add_argument("--out", required=True, help="JSON file (rewritten after every case)")
-  ap.add_argument("--points", metavar="JSON",
-                  help="also each decode X·U·V point of this gpu_lowrank.py results file")
+  ap.add_argument(
+    "--points",
+    metavar="JSON",
+    help="also each decode X·U·V point of this gpu_lowrank.py results file",
+  )
   ap.add_argument("--max-m", type=int, default=32, help="--points' largest M (default 32)")
   ap.add_argument("--variants", default="xla,,auto", help="--points' variants")
   ap.add_argument("--shard", default="1/1", help="i/n: the i-th of n slices of the cases")
-  ap.add_argument("--merge", nargs="+", metavar="JSON",
-                  help="only join these shard files of one run into --out (no timing)")
+  ap.add_argument(
+    "--merge",
+    nargs="+",
+    metavar="JSON",
+    help="only join these shard files of one run into --out (no timing)",
+  )
   ap.add_argument("--note", help="with --merge: a note for the joined file's meta")
-  ap.add_argument("--distinct-weights", action="store_true",
-                  help="time each call on its own layer's weights (3L layers drawn), so work "
-                       "on the weights alone (XLA's pad of an unaligned rank) is paid every "
-                       "call as in a model step, not once a layer")
-  ap.add_argument("--kernels", action="store_true",
-                  help="record the kernels one call of each variant runs (kernel_table)")
-  ap.add_argument("--check-after", action="store_true",
-                  help="check outputs after timing, not before (the timed jits compile first; "
-                       "a variant that fails to run then stops the script)")
+  ap.add_argument(
+    "--distinct-weights",
+    action="store_true",
+    help="time each call on its own layer's weights (3L layers drawn), so work "
+    "on the weights alone (XLA's pad of an unaligned rank) is paid every "
+    "call as in a model step, not once a layer",
+  )
+  ap.add_argument(
+    "--kernels",
+    action="store_true",
+    help="record the kernels one call of each variant runs (kernel_table)",
+  )
+  ap.add_argument(
+    "--check-after",
+    action="store_true",
+    help="check outputs after timing, not before (the timed jits compile first; "
+    "a variant that fails to run then stops the script)",
+  )
   args = ap.parse_args(argv)
   if args.merge:
     if args.cases or args.points:
@@ -359,8 +388,9 @@ def main(argv=None):
       try:
         pts = sweep_points(args.points, args.max_m)
       except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"--points {args.points}: expected a gpu_lowrank.py results JSON "
-                         f"({e})") from None
+        raise ValueError(
+          f"--points {args.points}: expected a gpu_lowrank.py results JSON ({e})"
+        ) from None
       cases += [parse_case(",".join(map(str, p)) + "|" + args.variants) for p in pts]
     if not cases:
       raise ValueError("no cases: give M,K,r,N|variant,,... or --points")
@@ -374,17 +404,26 @@ def main(argv=None):
     ap.error(f"--rounds {args.rounds}: expected at least 1")
   try:
     import triton
+
     triton_version = triton.__version__
   except ImportError:
     triton_version = None
   dev = jax.devices()[0]
   sms = int(getattr(dev, "core_count", 0) or 0) if dev.platform == "gpu" else 0
-  meta = dict(machine=dev.device_kind, jax=jax.__version__, triton=triton_version,
-              date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              rounds=args.rounds, shard=args.shard, sms=sms or None,
-              default_launch=_default_launch(), rel_tol=REL_TOL, method=__doc__,
-              weights="distinct" if args.distinct_weights else "reused",
-              checked="after timing" if args.check_after else "before timing")
+  meta = dict(
+    machine=dev.device_kind,
+    jax=jax.__version__,
+    triton=triton_version,
+    date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    rounds=args.rounds,
+    shard=args.shard,
+    sms=sms or None,
+    default_launch=_default_launch(),
+    rel_tol=REL_TOL,
+    method=__doc__,
+    weights="distinct" if args.distinct_weights else "reused",
+    checked="after timing" if args.check_after else "before timing",
+  )
   records = []
   for dims, variants in cases:
     inputs = g.xuv_inputs(*dims, args.distinct_weights)  # drawn once: checked, then timed
@@ -396,29 +435,61 @@ def main(argv=None):
       errs = check_case(dims, variants, inputs)
       for spec in variants:
         if isinstance(errs[spec], str):
-          records.append(dict(M=dims[0], K=dims[1], r=dims[2], N=dims[3], variant=spec,
-                              us=None, xla_triton_serves=serves, error=errs[spec]))
-          print(f"{','.join(map(str, dims)):18s} {spec:50s} FAILED, not timed: "
-                f"{errs[spec]}", flush=True)
-      times = time_case(dims, [s for s in variants if not isinstance(errs[s], str)],
-                        args.rounds, inputs, args.distinct_weights)
+          records.append(
+            dict(
+              M=dims[0],
+              K=dims[1],
+              r=dims[2],
+              N=dims[3],
+              variant=spec,
+              us=None,
+              xla_triton_serves=serves,
+              error=errs[spec],
+            )
+          )
+          print(
+            f"{','.join(map(str, dims)):18s} {spec:50s} FAILED, not timed: {errs[spec]}", flush=True
+          )
+      times = time_case(
+        dims,
+        [s for s in variants if not isinstance(errs[s], str)],
+        args.rounds,
+        inputs,
+        args.distinct_weights,
+      )
     base = statistics.median(times["xla"]) if "xla" in times else None
     for spec, ts in times.items():
       med = statistics.median(ts)
       ok = not isinstance(errs[spec], str) and errs[spec] <= REL_TOL
-      records.append(dict(M=dims[0], K=dims[1], r=dims[2], N=dims[3], variant=spec,
-                          us=med, rounds_us=ts,
-                          speedup_vs_xla=None if base is None else base / med,
-                          xla_triton_serves=serves, rel_err=errs[spec], correct=ok))
+      records.append(
+        dict(
+          M=dims[0],
+          K=dims[1],
+          r=dims[2],
+          N=dims[3],
+          variant=spec,
+          us=med,
+          rounds_us=ts,
+          speedup_vs_xla=None if base is None else base / med,
+          xla_triton_serves=serves,
+          rel_err=errs[spec],
+          correct=ok,
+        )
+      )
       if args.kernels:
         with variant_setup(spec) as variant:
-          records[-1]["kernels"] = kernel_table(_fn(variant, *dims), inputs[0],
-                                                inputs[1][:len(inputs[1]) // 3]
-                                                if args.distinct_weights else inputs[1])
-      print(f"{','.join(map(str, dims)):18s} {spec:50s} {med:7.3f} us  "
-            f"[{' '.join(f'{t:.2f}' for t in ts)}]"
-            + ("" if base is None else f"  x{base / med:.3f} vs xla")
-            + ("" if ok else f"  WRONG ({_err_text(errs[spec])} > {REL_TOL})"), flush=True)
+          records[-1]["kernels"] = kernel_table(
+            _fn(variant, *dims),
+            inputs[0],
+            inputs[1][: len(inputs[1]) // 3] if args.distinct_weights else inputs[1],
+          )
+      print(
+        f"{','.join(map(str, dims)):18s} {spec:50s} {med:7.3f} us  "
+        f"[{' '.join(f'{t:.2f}' for t in ts)}]"
+        + ("" if base is None else f"  x{base / med:.3f} vs xla")
+        + ("" if ok else f"  WRONG ({_err_text(errs[spec])} > {REL_TOL})"),
+        flush=True,
+      )
     g.write_json(args.out, dict(meta=meta, records=records))
 
 

@@ -4,6 +4,7 @@
 the cache is donated. The first two calls compile (the second for the committed sharding of the
 tokens the first returned) and are not timed.
 """
+
 import time
 
 import jax
@@ -15,6 +16,7 @@ from flax import nnx
 def greedy_loop(gdef, decode, steps, cache_shardings):
   """jit(state, cache, tokens) -> (cache, tokens) running ``decode(model, tokens, cache)``
   ``steps`` times with argmax sampling."""
+
   def run(state, cache, tokens):
     model = nnx.merge(gdef, state)
 
@@ -22,7 +24,9 @@ def greedy_loop(gdef, decode, steps, cache_shardings):
       cache, tok = carry
       logits, cache = decode(model, tok, cache)
       return cache, jnp.argmax(logits, -1).astype(jnp.int32)
+
     return jax.lax.fori_loop(0, steps, body, (cache, tokens))
+
   return jax.jit(run, donate_argnums=(1,), out_shardings=(cache_shardings, None))
 
 

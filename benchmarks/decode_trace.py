@@ -28,6 +28,7 @@ pdl_probe.graph_per_call_us) and the stamped outputs are checked against an f32 
 Needs a GPU and torch (Triton's own launcher and the CUDA graph; the H200 machine has it).
 torch is this script's alone, not a dependency of lrjax.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,6 +45,7 @@ def parse_case(spec: str, plan_type=None, dims: str = "M,K,r,N"):
   dataclass; default: planner.PersistentDecodePlan), bools given as 0 / 1; sizes positive."""
   if plan_type is None:
     from lrjax.custom_calls.triton import planner
+
     plan_type = planner.PersistentDecodePlan
   shape, _, kw = spec.partition(":")
   try:
@@ -57,8 +59,9 @@ def parse_case(spec: str, plan_type=None, dims: str = "M,K,r,N"):
   for item in filter(None, kw.split(",")):
     key, _, val = item.partition("=")
     if key not in types:
-      raise SystemExit(f"--case {spec!r}: {key!r} is not a {plan_type.__name__} field "
-                       f"(one of {sorted(types)})")
+      raise SystemExit(
+        f"--case {spec!r}: {key!r} is not a {plan_type.__name__} field (one of {sorted(types)})"
+      )
     try:
       over[key] = bool(int(val)) if types[key] in (bool, "bool") else int(val)
     except ValueError:
@@ -71,6 +74,7 @@ def stamps_us(tr, grid: int, slots: int):
   point: a 0 stamp), [calls, grid, slots], and each call's first entry (also used by
   benchmarks/mlp_trace.py)."""
   import numpy as np
+
   raw = tr[:, :grid, :slots]
   t = np.where(raw == 0, np.nan, raw.astype(np.float64) / 1e3)
   return t, np.nanmin(t[:, :, 0], axis=1)
@@ -85,9 +89,13 @@ def cta_stamps(tr, call: int, grid: int, slots) -> dict:
   """One call's stamps CTA by CTA (µs from its first entry; None: no such point) and SMs."""
   one = tr[call]
   t0 = one[:grid, 0].min()
-  return dict(sm=one[:grid, 7].tolist(),
-              **{s_: [round((v - t0) / 1e3, 3) if v else None for v in one[:grid, j]]
-                 for j, s_ in enumerate(slots)})
+  return dict(
+    sm=one[:grid, 7].tolist(),
+    **{
+      s_: [round((v - t0) / 1e3, 3) if v else None for v in one[:grid, j]]
+      for j, s_ in enumerate(slots)
+    },
+  )
 
 
 def summarize(tr, grid: int, n1: int, pv: bool = True):
@@ -95,17 +103,26 @@ def summarize(tr, grid: int, n1: int, pv: bool = True):
   ``tr`` [calls, grid, 8] int64 ns; CTAs < n1 ran phase-1 tiles (all of them when n1 >=
   grid); ``pv`` False: phase 1 alone (no wait, no phase 2)."""
   import numpy as np
+
   t, t0 = stamps_us(tr, grid, len(SLOTS))
   rows = []
   for i in range(1, t.shape[0] - 1):  # skip the first and last calls of the chain
     c = t[i] - t0[i]
-    p1 = c[:min(n1, grid), 1]
-    row = dict(period=t0[i + 1] - t0[i], enter=np.nanmax(c[:, 0]), p1_med=np.nanmedian(p1),
-               p1_end=np.nanmax(p1))
+    p1 = c[: min(n1, grid), 1]
+    row = dict(
+      period=t0[i + 1] - t0[i],
+      enter=np.nanmax(c[:, 0]),
+      p1_med=np.nanmedian(p1),
+      p1_end=np.nanmax(p1),
+    )
     if pv:
-      row.update(wait_first=np.nanmin(c[:, 2]), wait_med=np.nanmedian(c[:, 2]),
-                 wait_last=np.nanmax(c[:, 2]), p2_med=np.nanmedian(c[:, 3]),
-                 p2_end=np.nanmax(c[:, 3]))
+      row.update(
+        wait_first=np.nanmin(c[:, 2]),
+        wait_med=np.nanmedian(c[:, 2]),
+        wait_last=np.nanmax(c[:, 2]),
+        p2_med=np.nanmedian(c[:, 3]),
+        p2_end=np.nanmax(c[:, 3]),
+      )
     rows.append(dict(row, exit=np.nanmax(c[:, 4]), gap=t0[i + 1] - t0[i] - np.nanmax(c[:, 4])))
   return median_rows(rows)
 
@@ -119,9 +136,11 @@ def cli(case_help: str, parse=parse_case, phase1: bool = False, argv=None):
   ap.add_argument("--case", action="append", required=True, help=case_help)
   ap.add_argument("--reps", type=int, default=25)
   if phase1:
-    ap.add_argument("--phase1", action="store_true",
-                    help="phase 1 alone (pv='xla': P in bf16 or f32 as its plan says; XLA's ·V "
-                    "not run)")
+    ap.add_argument(
+      "--phase1",
+      action="store_true",
+      help="phase 1 alone (pv='xla': P in bf16 or f32 as its plan says; XLA's ·V not run)",
+    )
   args = ap.parse_args(argv)
   return args, [parse(spec) for spec in args.case]
 
@@ -136,8 +155,10 @@ def save(out: str, torch, triton, dev, doc: str, recs: list) -> None:
   """Writes the records with the machine and the method (``doc``'s second and third
   paragraphs) to ``out``."""
   import pdl_probe
-  pdl_probe.write_results(out, torch, triton, dev,
-                          " ".join(doc.split("\n\n")[1:3]).replace("\n", " "), recs)
+
+  pdl_probe.write_results(
+    out, torch, triton, dev, " ".join(doc.split("\n\n")[1:3]).replace("\n", " "), recs
+  )
 
 
 def main(argv=None):
@@ -146,6 +167,7 @@ def main(argv=None):
 
   import pdl_probe
   from lrjax.custom_calls.triton import planner, xuv_decode
+
   torch, triton, dev, sms = pdl_probe.cuda_setup()
   kern = xuv_decode._xuv_decode_persistent_kernel
   recs = []
@@ -171,27 +193,47 @@ def main(argv=None):
         for i in range(count):
           par = i % 2
           kern[(plan["grid"],)](
-              x, us[i % layers], vs[i % layers], vs[i % layers],
-              trace[i] if probe else x, m,
-              (1 - par) * half, plan["scratch"], scratch, outs[i % layers], p16,
-              **plan["meta"], WORK_OFF=par * half, num_warps=p.warps, num_stages=p.stages)
+            x,
+            us[i % layers],
+            vs[i % layers],
+            vs[i % layers],
+            trace[i] if probe else x,
+            m,
+            (1 - par) * half,
+            plan["scratch"],
+            scratch,
+            outs[i % layers],
+            p16,
+            **plan["meta"],
+            WORK_OFF=par * half,
+            num_warps=p.warps,
+            num_stages=p.stages,
+          )
 
       for o in outs[:2] if pv else [p16]:
         o.fill_(float("nan"))
       res[probe] = per_call_us(issue, layers)
       torch.cuda.synchronize()
       if pv:
-        err = max(float((outs[l].float() - ((x.float() @ us[l].float()).to(torch.bfloat16)
-                                            .float() @ vs[l].float())).abs().max()
-                        / (x.float() @ us[l].float() @ vs[l].float()).abs().max())
-                  for l in (0, 1))
+        err = max(
+          float(
+            (
+              outs[l].float()
+              - ((x.float() @ us[l].float()).to(torch.bfloat16).float() @ vs[l].float())
+            )
+            .abs()
+            .max()
+            / (x.float() @ us[l].float() @ vs[l].float()).abs().max()
+          )
+          for l in (0, 1)
+        )
       else:  # the last call's P (layer (3L - 1) % L): bf16 (p16), or f32 sums
         want = x.float() @ us[(3 * layers - 1) % layers].float()  # f32 in its scratch half
         if p.p16:
-          got = p16[:m * r].view(m, r).float()
+          got = p16[: m * r].view(m, r).float()
         else:
           off = (3 * layers - 1) % 2 * half
-          got = scratch[off:off + m * r].view(m, r)
+          got = scratch[off : off + m * r].view(m, r)
         err = float((got - want).abs().max() / want.abs().max())
       if not err < 2e-2:
         raise SystemExit(f"{spec} PROBE={probe}: relative error {err} (expected < 2e-2)")
@@ -199,10 +241,21 @@ def main(argv=None):
     tr = trace.cpu().numpy()  # the last replay's (3L calls) stamps
     phases = summarize(tr, grid, n1, pv)
     ctas = cta_stamps(tr, layers, grid, SLOTS)  # one call from the chain's middle
-    rec = dict(case=spec, M=m, K=k, r=r, N=n, pv="kernel" if pv else "xla",
-               plan=dataclasses.asdict(p), layers=layers,
-               per_call_us=round(res[0], 3), traced_per_call_us=round(res[4], 3),
-               phase1_ctas=min(n1, grid), **phases, ctas=ctas)
+    rec = dict(
+      case=spec,
+      M=m,
+      K=k,
+      r=r,
+      N=n,
+      pv="kernel" if pv else "xla",
+      plan=dataclasses.asdict(p),
+      layers=layers,
+      per_call_us=round(res[0], 3),
+      traced_per_call_us=round(res[4], 3),
+      phase1_ctas=min(n1, grid),
+      **phases,
+      ctas=ctas,
+    )
     report(recs, rec, ("plan", "ctas"))
   save(args.out, torch, triton, dev, __doc__, recs)
 

@@ -11,6 +11,7 @@ from the same chained jit (3 passes over L distinct layers) under ``jax.profiler
 
   python benchmarks/gpu_timeline.py --out benchmarks/results/gpu_timeline_h200.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,14 @@ import jax
 import gpu_lowrank as gl
 import lrjax
 
-SHAPES = ((1, 8192, 4096, 16384), (8, 8192, 4096, 16384), (1, 4096, 1024, 14336),
-          (8, 4096, 1024, 14336), (8, 4096, 2560, 14336), (128, 8192, 4096, 16384))
+SHAPES = (
+  (1, 8192, 4096, 16384),
+  (8, 8192, 4096, 16384),
+  (1, 4096, 1024, 14336),
+  (8, 4096, 1024, 14336),
+  (8, 4096, 2560, 14336),
+  (128, 8192, 4096, 16384),
+)
 PASSES, EXECUTIONS = 3, 5
 
 
@@ -36,9 +43,11 @@ def timeline(fn, x, layers):
   groups = gl.profiled_executions([f] * EXECUTIONS, x, layers)
   calls = PASSES * len(layers)
   kernels = gl.kernel_table(groups, calls, name_len=60)
-  return dict(gpu_busy_us=statistics.median(gl.busy_ns(g) for g in groups) / calls / 1e3,
-              gpu_span_us=statistics.median(map(gl.span_ns, groups)) / calls / 1e3,
-              kernels=kernels[:6])
+  return dict(
+    gpu_busy_us=statistics.median(gl.busy_ns(g) for g in groups) / calls / 1e3,
+    gpu_span_us=statistics.median(map(gl.span_ns, groups)) / calls / 1e3,
+    kernels=kernels[:6],
+  )
 
 
 # "ours_legacy": the kernel launched through jax-triton's legacy custom call
@@ -49,30 +58,40 @@ CASES = {"xla": lambda x, u, v: (x @ u) @ v, "ours": lrjax.lr_xuv, "ours_legacy"
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default="benchmarks/results/gpu_timeline_h200.json")
-  ap.add_argument("--shapes", nargs="*", default=[",".join(map(str, s)) for s in SHAPES],
-                  help="M,K,r,N")
+  ap.add_argument(
+    "--shapes", nargs="*", default=[",".join(map(str, s)) for s in SHAPES], help="M,K,r,N"
+  )
   args = ap.parse_args()
   if jax.devices()[0].platform != "gpu":
     raise SystemExit(f"needs a GPU; this machine's JAX devices are {jax.devices()}")
   import triton
+
   dev = jax.devices()[0]
-  meta = dict(machine=dev.device_kind, jax=jax.__version__, triton=triton.__version__,
-              jax_triton=__import__("jax_triton").__version__,
-              date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              method=f"the chain of gpu_lowrank.chained ({PASSES} passes over L layers), "
-                     f"{EXECUTIONS} executions under jax.profiler.trace, medians over "
-                     "executions divided by the calls per execution; 'ours' is lrjax.lr_xuv "
-                     "under prefer_kernels, launched through triton_kernel_call_ffi; "
-                     "'ours_legacy' the same through jax-triton's legacy triton_kernel_call")
+  meta = dict(
+    machine=dev.device_kind,
+    jax=jax.__version__,
+    triton=triton.__version__,
+    jax_triton=__import__("jax_triton").__version__,
+    date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    method=f"the chain of gpu_lowrank.chained ({PASSES} passes over L layers), "
+    f"{EXECUTIONS} executions under jax.profiler.trace, medians over "
+    "executions divided by the calls per execution; 'ours' is lrjax.lr_xuv "
+    "under prefer_kernels, launched through triton_kernel_call_ffi; "
+    "'ours_legacy' the same through jax-triton's legacy triton_kernel_call",
+  )
   recs = []
   for spec in args.shapes:
     m, k, r, n = (int(t) for t in spec.split(","))
     key = jax.random.key(m + k + r + n)
     nl = gl.n_layers(2 * (k * r + r * n), m)
     x = gl.rand(key, (m, k))
-    layers = [(gl.rand(jax.random.fold_in(key, 2 * i + 1), (k, r), k ** -0.5),
-               gl.rand(jax.random.fold_in(key, 2 * i + 2), (r, n), r ** -0.5))
-              for i in range(nl)]
+    layers = [
+      (
+        gl.rand(jax.random.fold_in(key, 2 * i + 1), (k, r), k**-0.5),
+        gl.rand(jax.random.fold_in(key, 2 * i + 2), (r, n), r**-0.5),
+      )
+      for i in range(nl)
+    ]
     for name, fn in CASES.items():
       os.environ["LRJAX_TRITON_LEGACY_CALL"] = "1" if name == "ours_legacy" else "0"
       with lrjax.lowering.prefer_kernels():  # acts when each fresh jit is lowered
@@ -81,14 +100,19 @@ def main():
           gl.TIMING = timing
           times[timing + "_us"], times[timing + "_spread"] = gl.per_call_us(fn, x, layers)
         gl.TIMING = "device"
-        rec = dict(op="xuv", case=name, M=m, K=k, r=r, N=n, layers=nl, **times,
-                   **timeline(fn, x, layers))
+        rec = dict(
+          op="xuv", case=name, M=m, K=k, r=r, N=n, layers=nl, **times, **timeline(fn, x, layers)
+        )
       recs.append(rec)
-      print(f"M={m:<3} {k}->{r}->{n} {name:<11} device {rec['device_us']:6.1f} us  host "
-            f"{rec['host_us']:6.1f}  busy {rec['gpu_busy_us']:6.1f}  span "
-            f"{rec['gpu_span_us']:6.1f}  " + ", ".join(
-                f"{q['name'][:24]} x{q['per_call']:.2f} {q['median_us']:.1f}"
-                for q in rec["kernels"][:3]), flush=True)
+      print(
+        f"M={m:<3} {k}->{r}->{n} {name:<11} device {rec['device_us']:6.1f} us  host "
+        f"{rec['host_us']:6.1f}  busy {rec['gpu_busy_us']:6.1f}  span "
+        f"{rec['gpu_span_us']:6.1f}  "
+        + ", ".join(
+          f"{q['name'][:24]} x{q['per_call']:.2f} {q['median_us']:.1f}" for q in rec["kernels"][:3]
+        ),
+        flush=True,
+      )
       gl.write_json(args.out, dict(meta=meta, records=recs))
 
 

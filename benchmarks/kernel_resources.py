@@ -18,6 +18,7 @@ Runs where triton is installed; without jax-triton the kernel modules import aga
 memory of these configurations against the H200's limit, and that the SwiGLU decode kernel
 runs one CTA an SM at T <= 16.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,9 +43,12 @@ def ctas_per_sm(shared: int, registers: int, warps: int) -> int:
   (plus 1 KB reserved per CTA), its registers (per warp, in 256-register units), its threads
   and the CTA limit allow."""
   regs_per_warp = -(-registers * 32 // 256) * 256
-  return min(H200_SMEM_PER_SM // (shared + 1024),
-             H200_REGS_PER_SM // regs_per_warp // warps,
-             H200_THREADS_PER_SM // (32 * warps), H200_CTAS_PER_SM)
+  return min(
+    H200_SMEM_PER_SM // (shared + 1024),
+    H200_REGS_PER_SM // regs_per_warp // warps,
+    H200_THREADS_PER_SM // (32 * warps),
+    H200_CTAS_PER_SM,
+  )
 
 
 def install_jax_triton_stub() -> None:
@@ -56,11 +60,14 @@ def install_jax_triton_stub() -> None:
 
   def absent(*_, **__):
     raise NotImplementedError("jax-triton stub")
+
   stub = types.ModuleType("jax_triton")
   stub.triton_call = absent
   stub.triton_lib = types.SimpleNamespace(
-      triton_kernel_call_p=Primitive("stub_triton_kernel_call"),
-      triton_kernel_call_lowering=absent, get_cuda_backend=absent)
+    triton_kernel_call_p=Primitive("stub_triton_kernel_call"),
+    triton_kernel_call_lowering=absent,
+    get_cuda_backend=absent,
+  )
   sys.modules["jax_triton"] = stub
 
 
@@ -80,6 +87,7 @@ def compile_for_sm90(kernel, meta: dict, warps: int, stages: int):
   from triton.compiler import ASTSource
 
   from lrjax.custom_calls.triton import launch
+
   meta = launch.launch_constexprs(kernel, meta)
   sig, consts, attrs = {}, {}, {}
   for i, p in enumerate(kernel.params):
@@ -92,8 +100,9 @@ def compile_for_sm90(kernel, meta: dict, warps: int, stages: int):
       sig[p.name] = _pointer(p.name)
       attrs[(i,)] = [["tt.divisibility", 16]]
   src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
-  return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                        options=dict(num_warps=warps, num_stages=stages))
+  return triton.compile(
+    src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages)
+  )
 
 
 def ptxas_info(ptx: str, shared: int, warps: int, entry: str | None = None) -> dict:
@@ -101,25 +110,40 @@ def ptxas_info(ptx: str, shared: int, warps: int, entry: str | None = None) -> d
   serialized, and how many CTAs of ``shared`` bytes and ``warps`` warps fit on one SM; of
   ``entry`` alone where given (a module of several kernels), else the largest over all."""
   import triton
+
   exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
   with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "k.ptx")
     with open(path, "w") as fh:
       fh.write(ptx)
-    res = subprocess.run([exe, "-arch=sm_90a", "-v", path, "-o", os.devnull],
-                         capture_output=True, text=True, check=True)
+    res = subprocess.run(
+      [exe, "-arch=sm_90a", "-v", path, "-o", os.devnull],
+      capture_output=True,
+      text=True,
+      check=True,
+    )
   log = res.stdout + res.stderr
   if entry is not None:  # its section: from "Compiling entry function 'entry'" to the next
     sections = log.split("Compiling entry function '")
     log = next((t for t in sections[1:] if t.startswith(entry + "'")), "")
     if not log:
       raise ValueError(f"ptxas compiled no entry {entry!r}")
-  regs = [int(line.split("Used ")[1].split(" registers")[0])
-          for line in log.splitlines() if "Used " in line and " registers" in line]
-  spills = [int(line.split("bytes spill stores")[0].split(",")[-1])
-            for line in log.splitlines() if "bytes spill stores" in line]
-  return dict(registers=max(regs), spill_store_bytes=max(spills),
-              wgmma_serialized="C7515" in log, ctas_per_sm=ctas_per_sm(shared, max(regs), warps))
+  regs = [
+    int(line.split("Used ")[1].split(" registers")[0])
+    for line in log.splitlines()
+    if "Used " in line and " registers" in line
+  ]
+  spills = [
+    int(line.split("bytes spill stores")[0].split(",")[-1])
+    for line in log.splitlines()
+    if "bytes spill stores" in line
+  ]
+  return dict(
+    registers=max(regs),
+    spill_store_bytes=max(spills),
+    wgmma_serialized="C7515" in log,
+    ctas_per_sm=ctas_per_sm(shared, max(regs), warps),
+  )
 
 
 def compile_sm90(kernel, meta: dict, warps: int, stages: int, ptxas: bool = True) -> dict:
@@ -160,23 +184,26 @@ def compile_xla_sm90(kernel, meta: dict, warps: int, stages: int, rows: int) -> 
   """``compile_sm90`` for the kernel as lrjax's default launch builds it for XLA's PTX call
   (launch.xla_kernel): M = ``rows`` and the chain's offsets compiled in, PDL set."""
   from lrjax.custom_calls.triton import launch
+
   types, scalars = xla_args(kernel, rows)
-  k = launch.xla_kernel(kernel, types, scalars,
-                        {offset_constexpr(kernel): 0, **meta, "PDL": 1}, warps, stages, 90)
+  k = launch.xla_kernel(
+    kernel, types, scalars, {offset_constexpr(kernel): 0, **meta, "PDL": 1}, warps, stages, 90
+  )
   return dict(shared=k.shared, warps=warps, stages=stages, **ptxas_info(k.ptx, k.shared, warps))
 
 
 # Llama-3 8B / 70B and 3.2-1B shapes at 40 % removed (as benchmarks/gpu_lowrank.py's sweep;
 # the MLP also at Qwen2.5-7B's, more stage-B slices than SMs)
-GROUP_SHAPES = ((8192, ((2456, 8192), (544, 1024), (544, 1024))),
-                (4096, ((1216, 4096), (512, 1024), (512, 1024))),
-                (2048, ((640, 2048), (256, 512), (256, 512))),
-                # the ranks the models get (multiples of 64): Llama-3-70B's and Qwen2.5-7B's
-                (8192, ((2432, 8192), (576, 1024), (576, 1024))),
-                (3584, ((1088, 3584), (256, 512), (256, 512))))
+GROUP_SHAPES = (
+  (8192, ((2456, 8192), (544, 1024), (544, 1024))),
+  (4096, ((1216, 4096), (512, 1024), (512, 1024))),
+  (2048, ((640, 2048), (256, 512), (256, 512))),
+  # the ranks the models get (multiples of 64): Llama-3-70B's and Qwen2.5-7B's
+  (8192, ((2432, 8192), (576, 1024), (576, 1024))),
+  (3584, ((1088, 3584), (256, 512), (256, 512))),
+)
 XUV_SHAPES = ((8192, 4096, 16384), (4096, 1024, 14336), (8192, 2456, 8192))
-MLP_SHAPES = ((4096, 14336, 2560), (8192, 28672, 3824), (2048, 8192, 1280),
-              (3584, 18944, 2048))
+MLP_SHAPES = ((4096, 14336, 2560), (8192, 28672, 3824), (2048, 8192, 1280), (3584, 18944, 2048))
 PREFILL_XUV_SHAPES = ((8192, 4096, 16384), (7168, 4096, 18432))
 PV_LAUNCH_SHAPES = ((256, 512), (152, 4096), (640, 2048))  # (r, N) where the launch serves
 PREFILL_MLP_SHAPES = ((4096, 14336, 2560), (2048, 8192, 1280), (4096, 14336, 1024))
@@ -188,6 +215,7 @@ def planned():
   prefill at 1024 and 4096 tokens."""
   install_jax_triton_stub()
   from lrjax.custom_calls.triton import mlp_decode, mlp_prefill, planner, xuv_decode, xuv_prefill
+
   kw = dict(gated=True, act="silu", bias_mask=(False,) * 3)
   for m in (1, 16, 32, 64):
     for k, members in GROUP_SHAPES:
@@ -198,42 +226,77 @@ def planned():
   for m in (1, 16, 32, 64, 128):
     for k, r, n in XUV_SHAPES:
       _, p, launch = xuv_decode.default_persistent_launch(m, k, r, n, False, None)
-      yield (f"xuv decode M={m} {k}->{r}->{n}", xuv_decode._xuv_decode_persistent_kernel,
-             launch["meta"], p.warps, p.stages)
+      yield (
+        f"xuv decode M={m} {k}->{r}->{n}",
+        xuv_decode._xuv_decode_persistent_kernel,
+        launch["meta"],
+        p.warps,
+        p.stages,
+      )
     for d, f, r in MLP_SHAPES:
       bs = mlp_decode.BlockSizes.get_default(m, d, f, r, d)
       meta = mlp_decode.launch_plan(m, d, r, f, r, d, bs=bs, **kw)["meta"]
-      yield (f"mlp decode T={m} D={d} F={f} r={r}", mlp_decode._mlp_decode_kernel, meta,
-             bs.num_warps, bs.num_stages)
+      yield (
+        f"mlp decode T={m} D={d} F={f} r={r}",
+        mlp_decode._mlp_decode_kernel,
+        meta,
+        bs.num_warps,
+        bs.num_stages,
+      )
       if m <= mlp_decode.PERSISTENT_MAX_M:
         p = planner.plan_mlp_decode_persistent(m, d, f, r, r, d)
         meta = mlp_decode.persistent_launch_plan(m, d, r, f, r, d, p=p, **kw)["meta"]
-        yield (f"mlp decode persistent T={m} D={d} F={f} r={r}",
-               mlp_decode._mlp_decode_persistent_kernel, meta, p.warps, p.stages)
+        yield (
+          f"mlp decode persistent T={m} D={d} F={f} r={r}",
+          mlp_decode._mlp_decode_persistent_kernel,
+          meta,
+          p.warps,
+          p.stages,
+        )
   for m in (64, 128):  # the grouped kernel's phase 1 alone: the composed MLP's gate and up
     for d, f, r in MLP_SHAPES:  # (also through its one phase-1 call site: one_branch)
       members = [(r, f, False), (r, f, False)]
       for one in (False, True):
         p = planner.plan_decode_group_phase1(m, d, [(r, f), (r, f)], one_branch=one)
         meta = xuv_decode.group_launch_plan(m, d, members, p, phase2=False)["meta"]
-        yield (f"group phase 1{' one branch' if one else ''} M={m} D={d} r={r}",
-               xuv_decode._xuv_group_kernel, meta, p.warps, p.stages)
+        yield (
+          f"group phase 1{' one branch' if one else ''} M={m} D={d} r={r}",
+          xuv_decode._xuv_group_kernel,
+          meta,
+          p.warps,
+          p.stages,
+        )
   for m in (32, 64, 128):  # the ·V launch after phase 1 alone (xuv_decode pv="launch")
     for r, n in PV_LAUNCH_SHAPES:
       pp = planner.plan_pv_launch(m, r, n)
-      yield (f"xuv pv launch M={m} {r}->{n}", xuv_decode._pv_launch_kernel,
-             xuv_decode.pv_launch_meta(r, n, False, pp), pp.warps, pp.stages)
+      yield (
+        f"xuv pv launch M={m} {r}->{n}",
+        xuv_decode._pv_launch_kernel,
+        xuv_decode.pv_launch_meta(r, n, False, pp),
+        pp.warps,
+        pp.stages,
+      )
   for m in (1024, 4096):
     for k, r, n in PREFILL_XUV_SHAPES:
       bs = xuv_prefill.BlockSizes.get_default(m, k, r, n)
       meta = xuv_prefill.launch_plan(m, k, r, n, False, bs)["meta"]
-      yield (f"xuv prefill M={m} {k}->{r}->{n}", xuv_prefill._xuv_prefill_kernel, meta,
-             bs.num_warps, bs.num_stages)
+      yield (
+        f"xuv prefill M={m} {k}->{r}->{n}",
+        xuv_prefill._xuv_prefill_kernel,
+        meta,
+        bs.num_warps,
+        bs.num_stages,
+      )
     for d, f, r in PREFILL_MLP_SHAPES:
       bs = mlp_prefill.BlockSizes.get_default(m, d, f, r, r, True)
       meta = mlp_prefill.launch_plan(m, d, r, f, r, d, bs=bs, **kw)["meta"]
-      yield (f"mlp prefill T={m} D={d} F={f} r={r}", mlp_prefill._mlp_prefill_kernel, meta,
-             bs.num_warps, bs.num_stages)
+      yield (
+        f"mlp prefill T={m} D={d} F={f} r={r}",
+        mlp_prefill._mlp_prefill_kernel,
+        meta,
+        bs.num_warps,
+        bs.num_stages,
+      )
 
 
 def main():
@@ -241,27 +304,40 @@ def main():
   ap.add_argument("--out", help="write the records as JSON here")
   args = ap.parse_args()
   import triton
+
   recs = []
   for name, kernel, meta, warps, stages in planned():
     jaxlib = compile_sm90(kernel, meta, warps, stages)
     if "PDL" in [p.name for p in kernel.params]:  # a chained decode kernel: XLA's PTX call
       rows = int(re.search(r"\b[MT]=(\d+)", name).group(1))
-      rec = dict(name=name, launch="xla", **compile_xla_sm90(kernel, meta, warps, stages, rows),
-                 jaxlib={k: jaxlib[k] for k in ("shared", "registers", "spill_store_bytes",
-                                                  "ctas_per_sm")})
+      rec = dict(
+        name=name,
+        launch="xla",
+        **compile_xla_sm90(kernel, meta, warps, stages, rows),
+        jaxlib={k: jaxlib[k] for k in ("shared", "registers", "spill_store_bytes", "ctas_per_sm")},
+      )
     else:  # a call with a memset before it (the prefill kernels): jaxlib's handler
       rec = dict(name=name, launch="jaxlib", **jaxlib)
     recs.append(rec)
     serialized = "  wgmma serialized" if rec["wgmma_serialized"] else ""
-    print(f"{name:<48} smem {rec['shared']:>6} B  regs {rec['registers']:>3}  spills "
-          f"{rec['spill_store_bytes']:>4} B  {rec['ctas_per_sm']} CTA/SM{serialized}"
-          + (f"  (jaxlib: regs {jaxlib['registers']}, smem {jaxlib['shared']})"
-             if rec["launch"] == "xla" else ""), flush=True)
+    print(
+      f"{name:<48} smem {rec['shared']:>6} B  regs {rec['registers']:>3}  spills "
+      f"{rec['spill_store_bytes']:>4} B  {rec['ctas_per_sm']} CTA/SM{serialized}"
+      + (
+        f"  (jaxlib: regs {jaxlib['registers']}, smem {jaxlib['shared']})"
+        if rec["launch"] == "xla"
+        else ""
+      ),
+      flush=True,
+    )
   if args.out:
-    meta = dict(target="sm_90 (H200), compiled on the CPU", triton=triton.__version__,
-                smem_limit=H200_SMEM_OPTIN,
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                method=__doc__.split("\n\n")[1].replace("\n", " "))
+    meta = dict(
+      target="sm_90 (H200), compiled on the CPU",
+      triton=triton.__version__,
+      smem_limit=H200_SMEM_OPTIN,
+      date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+      method=__doc__.split("\n\n")[1].replace("\n", " "),
+    )
     write_json(args.out, dict(meta=meta, records=recs))
 
 

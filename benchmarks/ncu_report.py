@@ -1,5 +1,6 @@
 """Reading Nsight Compute's text reports (``ncu --section ... --metrics ...``), for the ncu_*
 benchmark scripts."""
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,13 @@ def parse_kernels(text: str) -> list[dict]:
   for line in text.splitlines():
     h = _HEADER.match(line)
     if h:
-      out.append(dict(kernel=h.group(1), grid=[int(t) for t in h.group(2, 3, 4)],
-                      block=[int(t) for t in h.group(5, 6, 7)]))
+      out.append(
+        dict(
+          kernel=h.group(1),
+          grid=[int(t) for t in h.group(2, 3, 4)],
+          block=[int(t) for t in h.group(5, 6, 7)],
+        )
+      )
       continue
     m = _ROW.match(line)
     if m and m.group(1) != "Metric Name":

@@ -20,6 +20,7 @@ kernel's duration here includes its cold L2; compare kernels within one file. Th
 file is rewritten after each variant. ``--parse CASE=FILE`` reads saved reports instead (no
 GPU).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,23 +40,34 @@ from results_io import write_json  # noqa: E402
 
 CALLS = 2  # profiled calls of each variant; the last one's kernels are kept
 PROFILE_TIMEOUT_S = 120  # one variant under ncu (about 16 s on an H200 for six kernels)
-METRICS = ("dram__bytes_read.sum", "lts__t_sectors_op_red.sum",
-           "lts__t_sectors_srcunit_tex_op_read.sum")
+METRICS = (
+  "dram__bytes_read.sum",
+  "lts__t_sectors_op_red.sum",
+  "lts__t_sectors_srcunit_tex_op_read.sum",
+)
 # the tensor pipes' busy fraction, under whichever name this ncu knows (wgmma: gmma on sm_90)
-TENSOR_METRICS = ("sm__pipe_tensor_op_gmma_cycles_active",
-                  "sm__pipe_tensor_op_hmma_cycles_active")
-SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "ComputeWorkloadAnalysis",
-            "WarpStateStats", "SchedulerStats", "Occupancy", "LaunchStats")
+TENSOR_METRICS = ("sm__pipe_tensor_op_gmma_cycles_active", "sm__pipe_tensor_op_hmma_cycles_active")
+SECTIONS = (
+  "SpeedOfLight",
+  "MemoryWorkloadAnalysis",
+  "ComputeWorkloadAnalysis",
+  "WarpStateStats",
+  "SchedulerStats",
+  "Occupancy",
+  "LaunchStats",
+)
 
 
 def last_call(kernels: list[dict], calls: int = CALLS) -> list[dict]:
   """The kernels of the last of ``calls`` identical calls profiled in a row."""
   if len(kernels) % calls:
-    raise ValueError(f"{len(kernels)} profiled kernels do not split into {calls} equal calls "
-                     f"({[k['kernel'] for k in kernels]})")
+    raise ValueError(
+      f"{len(kernels)} profiled kernels do not split into {calls} equal calls "
+      f"({[k['kernel'] for k in kernels]})"
+    )
   per = len(kernels) // calls
   names = [k["kernel"] for k in kernels]
-  if any(names[i * per:(i + 1) * per] != names[:per] for i in range(calls)):
+  if any(names[i * per : (i + 1) * per] != names[:per] for i in range(calls)):
     raise ValueError(f"the {calls} profiled calls launched different kernels: {names}")
   return kernels[-per:]
 
@@ -64,10 +76,12 @@ def _profiler(on: bool) -> None:
   """cuProfilerStart/Stop on the primary context of device 0, the context XLA runs in."""
   cuda = ctypes.CDLL("libcuda.so.1")
   ctx, dev = ctypes.c_void_p(), ctypes.c_int()
-  for call, args in (("cuDeviceGet", (ctypes.byref(dev), 0)),
-                     ("cuDevicePrimaryCtxRetain", (ctypes.byref(ctx), dev)),
-                     ("cuCtxSetCurrent", (ctx,)),
-                     ("cuProfilerStart" if on else "cuProfilerStop", ())):
+  for call, args in (
+    ("cuDeviceGet", (ctypes.byref(dev), 0)),
+    ("cuDevicePrimaryCtxRetain", (ctypes.byref(ctx), dev)),
+    ("cuCtxSetCurrent", (ctx,)),
+    ("cuProfilerStart" if on else "cuProfilerStop", ()),
+  ):
     rc = getattr(cuda, call)(*args)
     if rc:
       raise RuntimeError(f"{call} returned CUDA error {rc}")
@@ -77,6 +91,7 @@ def child(case: str, variant: str) -> None:
   """Compile ``variant`` at ``case``'s shape, two warm-up calls, CALLS profiled calls."""
   import jax
   import decode_ab
+
   (m, k, r, n), _ = decode_ab.parse_case(case)
   x, layers, _ = decode_ab.g.xuv_inputs(m, k, r, n)  # decode_ab's weights; the first layer
   u, v = layers[0]
@@ -92,17 +107,22 @@ def child(case: str, variant: str) -> None:
 
 def tensor_metrics() -> tuple[str, ...]:
   """TENSOR_METRICS this ncu lists, as percentages of their peak."""
-  known = subprocess.run([ncu_report.ncu_path(), "--query-metrics"], capture_output=True,
-                         text=True).stdout
-  return tuple(f"{m}.avg.pct_of_peak_sustained_active" for m in TENSOR_METRICS
-               if re.search(rf"^{m}\b", known, re.M))
+  known = subprocess.run(
+    [ncu_report.ncu_path(), "--query-metrics"], capture_output=True, text=True
+  ).stdout
+  return tuple(
+    f"{m}.avg.pct_of_peak_sustained_active"
+    for m in TENSOR_METRICS
+    if re.search(rf"^{m}\b", known, re.M)
+  )
 
 
 def _run(cmd: list, env: dict, what: str) -> str:
   res = subprocess.run(cmd, capture_output=True, text=True, timeout=PROFILE_TIMEOUT_S, env=env)
   if res.returncode:
-    raise RuntimeError(f"{what} failed ({res.returncode}):\n{res.stdout[-2000:]}\n"
-                       f"{res.stderr[-2000:]}")
+    raise RuntimeError(
+      f"{what} failed ({res.returncode}):\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}"
+    )
   return res.stdout
 
 
@@ -119,10 +139,20 @@ def profile(case: str, variant: str, metrics: tuple[str, ...], workdir: str) -> 
   flags = env.get("XLA_FLAGS", "")
   t0 = time.time()
   print(f"ncu: {case.partition('|')[0]}|{variant} ...", end=" ", file=sys.stderr, flush=True)
-  _run(child_cmd, dict(env, XLA_FLAGS=f"{flags} --xla_gpu_dump_autotune_results_to={tuned}"),
-       "the child without ncu")
-  cmd = [ncu_report.ncu_path(), "--profile-from-start", "off", "--clock-control", "none",
-         "--metrics", ",".join(metrics)]
+  _run(
+    child_cmd,
+    dict(env, XLA_FLAGS=f"{flags} --xla_gpu_dump_autotune_results_to={tuned}"),
+    "the child without ncu",
+  )
+  cmd = [
+    ncu_report.ncu_path(),
+    "--profile-from-start",
+    "off",
+    "--clock-control",
+    "none",
+    "--metrics",
+    ",".join(metrics),
+  ]
   for sec in SECTIONS:
     cmd += ["--section", sec]
   env["XLA_FLAGS"] = f"{flags} --xla_gpu_load_autotune_results_from={tuned}"
@@ -132,29 +162,46 @@ def profile(case: str, variant: str, metrics: tuple[str, ...], workdir: str) -> 
 
 
 def summary(k: dict) -> str:
-  keys = (("Duration [us]", "us"), ("DRAM Throughput [%]", "dram%"),
-          ("Compute (SM) Throughput [%]", "sm%"),
-          *((f"{m}.avg.pct_of_peak_sustained_active [%]", "tensor%") for m in TENSOR_METRICS),
-          ("L2 Cache Throughput [%]", "l2%"),
-          ("Achieved Occupancy [%]", "occ%"), ("Registers Per Thread [register/thread]", "regs"))
+  keys = (
+    ("Duration [us]", "us"),
+    ("DRAM Throughput [%]", "dram%"),
+    ("Compute (SM) Throughput [%]", "sm%"),
+    *((f"{m}.avg.pct_of_peak_sustained_active [%]", "tensor%") for m in TENSOR_METRICS),
+    ("L2 Cache Throughput [%]", "l2%"),
+    ("Achieved Occupancy [%]", "occ%"),
+    ("Registers Per Thread [register/thread]", "regs"),
+  )
   return "  ".join(f"{short}={k[key]:g}" for key, short in keys if key in k)
 
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("cases", nargs="*", help="M,K,r,N|variant,,variant (decode_ab.py's syntax)")
-  ap.add_argument("--parse", nargs="+", metavar="CASE=FILE",
-                  help="saved ncu text reports, CASE being M,K,r,N|variant")
+  ap.add_argument(
+    "--parse",
+    nargs="+",
+    metavar="CASE=FILE",
+    help="saved ncu text reports, CASE being M,K,r,N|variant",
+  )
   ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
   ap.add_argument("--note", default="")
-  ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
-                                                "gpu_xuv_decode_ncu_h200.json"))
+  ap.add_argument(
+    "--out",
+    default=os.path.join(os.path.dirname(__file__), "results", "gpu_xuv_decode_ncu_h200.json"),
+  )
   args = ap.parse_args(argv)
   if args.child:
     return child(*args.child)
   import decode_ab
-  meta = dict(dtype="bfloat16", metrics=METRICS, sections=SECTIONS, calls=CALLS, note=args.note,
-              date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+
+  meta = dict(
+    dtype="bfloat16",
+    metrics=METRICS,
+    sections=SECTIONS,
+    calls=CALLS,
+    note=args.note,
+    date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+  )
   records = []
 
   def add(case: str, text: str) -> None:  # one variant's kernels, the file rewritten whole
@@ -183,12 +230,18 @@ def main(argv=None):
     if not args.cases:
       ap.error("expected at least one case M,K,r,N|variant,,variant (or --parse)")
     import jax  # its version only: this process leaves the GPU to the children
-    gpus = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                          capture_output=True, text=True).stdout.split("\n")
-    meta.update(machine=gpus[0].strip() or "unknown", jax=jax.__version__,
-                metrics=METRICS + tensor_metrics(),
-                ncu=subprocess.run([ncu_report.ncu_path(), "--version"], capture_output=True,
-                                   text=True).stdout.strip().splitlines()[-1])
+
+    gpus = subprocess.run(
+      ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
+    ).stdout.split("\n")
+    meta.update(
+      machine=gpus[0].strip() or "unknown",
+      jax=jax.__version__,
+      metrics=METRICS + tensor_metrics(),
+      ncu=subprocess.run([ncu_report.ncu_path(), "--version"], capture_output=True, text=True)
+      .stdout.strip()
+      .splitlines()[-1],
+    )
     with tempfile.TemporaryDirectory() as workdir:
       for case in args.cases:
         for var in decode_ab.parse_case(case)[1]:

@@ -27,6 +27,7 @@ XLA's and never triggers early. Outputs are checked against an f32 reference.
 Needs a GPU, jax-triton and torch (for Triton's launcher and the CUDA graph; the H200 machine
 has it). torch is this probe's alone, not a dependency of lrjax.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,13 @@ import statistics
 
 from results_io import write_json
 
-SHAPES = ((2048, 256, 512), (4096, 152, 4096), (4096, 1216, 4096), (8192, 2456, 8192),
-          (4096, 2560, 14336))
+SHAPES = (
+  (2048, 256, 512),
+  (4096, 152, 4096),
+  (4096, 1216, 4096),
+  (8192, 2456, 8192),
+  (4096, 2560, 14336),
+)
 VARIANTS = {"plain": 0, "pdl": 1}  # name: PDL (launched with the PDL attribute when set)
 
 
@@ -48,6 +54,7 @@ def cuda_setup():
 
   import torch
   import triton
+
   if not triton.knobs.cache.dir:
     triton.knobs.cache.dir = tempfile.mkdtemp(prefix="triton-cache-")
   dev = torch.device("cuda")
@@ -60,18 +67,21 @@ def factor_layers(torch, dev, k: int, r: int, n: int, min_layers: int):
   halves)."""
   layers = min(128, max(min_layers, -(-200_000_000 // (2 * r * (k + n)))))
   layers += layers % 2
-  us = [torch.randn(k, r, device=dev, dtype=torch.bfloat16) / k ** 0.5 for _ in range(layers)]
-  vs = [torch.randn(r, n, device=dev, dtype=torch.bfloat16) / r ** 0.5 for _ in range(layers)]
+  us = [torch.randn(k, r, device=dev, dtype=torch.bfloat16) / k**0.5 for _ in range(layers)]
+  vs = [torch.randn(r, n, device=dev, dtype=torch.bfloat16) / r**0.5 for _ in range(layers)]
   return layers, us, vs
 
 
 def write_results(path: str, torch, triton, dev, method: str, recs: list) -> None:
   """The records and what they were measured on (machine, versions, date, method) as JSON at
   ``path``, written whole or not at all (also used by benchmarks/decode_trace.py)."""
-  meta = dict(machine=torch.cuda.get_device_name(dev), torch=torch.__version__,
-              triton=triton.__version__,
-              date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              method=method)
+  meta = dict(
+    machine=torch.cuda.get_device_name(dev),
+    torch=torch.__version__,
+    triton=triton.__version__,
+    date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    method=method,
+  )
   write_json(path, dict(meta=meta, records=recs))
   print(f"wrote {len(recs)} records to {path}")
 
@@ -81,6 +91,7 @@ def graph_per_call_us(issue, layers: int, reps: int):
   launches ``count`` calls; each count is captured once in a CUDA graph and replayed, timed with
   CUDA events (also used by benchmarks/decode_trace.py)."""
   import torch
+
   graphs = []
   for count in (layers, 3 * layers):
     issue(count)  # compile and warm outside the capture
@@ -117,6 +128,7 @@ def main():
   args = ap.parse_args()
 
   from lrjax.custom_calls.triton import planner, xuv_decode
+
   torch, triton, dev, sms = cuda_setup()
   kern = xuv_decode._xuv_decode_persistent_kernel
   recs = []
@@ -125,7 +137,7 @@ def main():
     return graph_per_call_us(issue, layers, args.reps)
 
   shapes = [tuple(map(int, s.split(","))) for s in args.shapes] if args.shapes else SHAPES
-  for (k, r, n) in shapes:
+  for k, r, n in shapes:
     layers, us, vs = factor_layers(torch, dev, k, r, n, 4)
     for m in args.m:
       x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
@@ -136,8 +148,9 @@ def main():
       half = planner.round_up(plan["scratch"], 16)
       scratch = torch.zeros(2 * half, device=dev, dtype=torch.float32)
       p16 = torch.empty(plan["p16"], device=dev, dtype=torch.bfloat16)
-      ref = [((x.float() @ us[l].float()).to(torch.bfloat16).float() @ vs[l].float())
-             for l in (0, 1)]
+      ref = [
+        ((x.float() @ us[l].float()).to(torch.bfloat16).float() @ vs[l].float()) for l in (0, 1)
+      ]
       for pre in (False, True):
         src = xb if pre else x
 
@@ -149,16 +162,32 @@ def main():
 
         issues = {"cublas": cublas}
         for name, pdl in ((v, VARIANTS[v]) for v in args.variants):
+
           def issue(count, pdl=pdl):
             for i in range(count):
               if pre:
                 torch.mul(x, 1.0001, out=xb)
               par = i % 2
               kern[(plan["grid"],)](
-                  src, us[i % layers], vs[i % layers], vs[i % layers], x, m,
-                  (1 - par) * half, plan["scratch"], scratch, outs[i % layers], p16,
-                  **plan["meta"], WORK_OFF=par * half, PDL=pdl, num_warps=p.warps,
-                  num_stages=p.stages, launch_pdl=pdl > 0)
+                src,
+                us[i % layers],
+                vs[i % layers],
+                vs[i % layers],
+                x,
+                m,
+                (1 - par) * half,
+                plan["scratch"],
+                scratch,
+                outs[i % layers],
+                p16,
+                **plan["meta"],
+                WORK_OFF=par * half,
+                PDL=pdl,
+                num_warps=p.warps,
+                num_stages=p.stages,
+                launch_pdl=pdl > 0,
+              )
+
           issues[name] = issue
         for name, issue in issues.items():
           for o in outs[:2]:
@@ -166,17 +195,31 @@ def main():
           med, spread = timed(issue, layers)
           torch.cuda.synchronize()
           scale = 1.0001 if pre else 1.0
-          err = max(float((outs[l].float() - ref[l] * scale).abs().max()
-                          / ref[l].abs().max()) for l in (0, 1))
-          rec = dict(K=k, r=r, N=n, M=m, layers=layers, pre=pre, variant=name,
-                     per_call_us=med, spread=spread, max_rel_err=err)
+          err = max(
+            float((outs[l].float() - ref[l] * scale).abs().max() / ref[l].abs().max())
+            for l in (0, 1)
+          )
+          rec = dict(
+            K=k,
+            r=r,
+            N=n,
+            M=m,
+            layers=layers,
+            pre=pre,
+            variant=name,
+            per_call_us=med,
+            spread=spread,
+            max_rel_err=err,
+          )
           recs.append(rec)
-          print(f"{k}->{r}->{n} M={m:3d} pre={int(pre)} {name:11s} {med:7.2f} us "
-                f"(spread {spread:.2f}, err {err:.1e})", flush=True)
+          print(
+            f"{k}->{r}->{n} M={m:3d} pre={int(pre)} {name:11s} {med:7.2f} us "
+            f"(spread {spread:.2f}, err {err:.1e})",
+            flush=True,
+          )
           if not err < 2e-2:
             raise SystemExit(f"{name}: relative error {err} (expected < 2e-2)")
-  write_results(args.out, torch, triton, dev, __doc__.split("\n\n")[2].replace("\n", " "),
-                recs)
+  write_results(args.out, torch, triton, dev, __doc__.split("\n\n")[2].replace("\n", " "), recs)
 
 
 if __name__ == "__main__":

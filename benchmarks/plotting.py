@@ -1,12 +1,15 @@
 """matplotlib for the benchmark scripts' ``--plot`` (not an lrjax dependency)."""
+
 import os
 
 
 def pyplot():
   """matplotlib.pyplot on the Agg backend (no display needed)."""
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+
   return plt
 
 

@@ -10,6 +10,7 @@ The trained model is cached by config under ~/.cache/lrjax/quality (``--cache-di
 
 Usage: python benchmarks/quality.py [--cache-dir DIR] [--out benchmarks/results/quality.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,13 @@ def machine() -> dict:
       cpu = next((l.split(":", 1)[1].strip() for l in fh if l.startswith("model name")), "")
   except OSError:
     pass
-  return {"platform": platform.platform(), "machine": platform.machine(), "cpu": cpu,
-          "cpu_count": os.cpu_count(), "jax_devices": [str(d) for d in jax.devices()]}
+  return {
+    "platform": platform.platform(),
+    "machine": platform.machine(),
+    "cpu": cpu,
+    "cpu_count": os.cpu_count(),
+    "jax_devices": [str(d) for d in jax.devices()],
+  }
 
 
 def versions() -> dict:
@@ -50,28 +56,37 @@ def checks(res: dict) -> dict:
   cell = {(r["variant"], r["ratio"]): r["excess_nats"] for r in res["rows"]}
   ratios = sorted({r["ratio"] for r in res["rows"]})
   return {
-      "whiten_beats_svd_at_every_ratio": all(cell["whiten", q] < cell["svd", q] for q in ratios),
-      "lora_improves_whiten_at_every_ratio": all(cell["whiten+lora", q] < cell["whiten", q]
-                                                 for q in ratios),
-      "lora_recovered_fraction": {str(q): (cell["whiten", q] - cell["whiten+lora", q])
-                                  / (cell["whiten", q] - res["dense"]["excess_nats"])
-                                  for q in ratios},
+    "whiten_beats_svd_at_every_ratio": all(cell["whiten", q] < cell["svd", q] for q in ratios),
+    "lora_improves_whiten_at_every_ratio": all(
+      cell["whiten+lora", q] < cell["whiten", q] for q in ratios
+    ),
+    "lora_recovered_fraction": {
+      str(q): (cell["whiten", q] - cell["whiten+lora", q])
+      / (cell["whiten", q] - res["dense"]["excess_nats"])
+      for q in ratios
+    },
   }
 
 
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--cache-dir", default=None, help="trained-model cache (default "
-                  "~/.cache/lrjax/quality; '' disables)")
+  ap.add_argument(
+    "--cache-dir",
+    default=None,
+    help="trained-model cache (default ~/.cache/lrjax/quality; '' disables)",
+  )
   ap.add_argument("--out", default=os.path.join(HERE, "results", "quality.json"))
   ap.add_argument("--ratios", default="0.1,0.2,0.4")
   args = ap.parse_args()
   t0 = time.perf_counter()
-  res = quality_table(tuple(float(q) for q in args.ratios.split(",")),
-                      variants=VARIANTS + ("whiten+per_head",), cache_dir=args.cache_dir)
+  res = quality_table(
+    tuple(float(q) for q in args.ratios.split(",")),
+    variants=VARIANTS + ("whiten+per_head",),
+    cache_dir=args.cache_dir,
+  )
   res["checks"] = checks(res)
   res["machine"], res["versions"] = machine(), versions()
-  res["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+  res["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
   res["wall_seconds"] = round(time.perf_counter() - t0, 1)
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as fh:

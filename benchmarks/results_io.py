@@ -1,4 +1,5 @@
 """The benchmark scripts' results files: written whole or not at all."""
+
 import json
 import math
 import os

@@ -15,6 +15,7 @@ kernel, so a kernel's time inside the model can be set beside its time alone.
 ``--steps N`` (the traced steps) adds each kernel's time and launches a step, so that what a
 change adds or removes (say, the scratch zeroing's copies) can be counted.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,11 @@ def block_starts(events: list) -> list:
   """Start times of the norm kernels that open a block: a ``fusion`` kernel whose next
   kernel, zero fills aside, is a projection."""
   work = [e for e in events if not e[2].startswith(FILL)]
-  return [s for (s, _, name), nxt in zip(work, work[1:])
-          if base_name(name) == "fusion" and nxt[2].startswith(PROJECTION)]
+  return [
+    s
+    for (s, _, name), nxt in zip(work, work[1:])
+    if base_name(name) == "fusion" and nxt[2].startswith(PROJECTION)
+  ]
 
 
 def kernel_totals(events: list, steps: int) -> dict:
@@ -64,10 +68,14 @@ def kernel_totals(events: list, steps: int) -> dict:
     by[base_name(name)] = (t + e - s, n + 1)
   busy = busy_ns(events)
   span = max(e for _, e, _ in events) - events[0][0]
-  return {"busy_us_per_step": busy / 1e3 / steps, "span_us_per_step": span / 1e3 / steps,
-          "kernels": {k: {"us_per_step": round(t / 1e3 / steps, 2),
-                          "launches_per_step": n / steps}
-                      for k, (t, n) in sorted(by.items(), key=lambda kv: -kv[1][0])}}
+  return {
+    "busy_us_per_step": busy / 1e3 / steps,
+    "span_us_per_step": span / 1e3 / steps,
+    "kernels": {
+      k: {"us_per_step": round(t / 1e3 / steps, 2), "launches_per_step": n / steps}
+      for k, (t, n) in sorted(by.items(), key=lambda kv: -kv[1][0])
+    },
+  }
 
 
 def summarize(events: list, layers: int) -> dict:
@@ -78,12 +86,14 @@ def summarize(events: list, layers: int) -> dict:
   starts = block_starts(events)
   per_step = 2 * layers + 1
   if not starts or len(starts) % per_step:
-    raise ValueError(f"{len(starts)} block starts is not a whole number of steps of "
-                     f"{layers} layers ({per_step} a step): is --layers right?")
+    raise ValueError(
+      f"{len(starts)} block starts is not a whole number of steps of "
+      f"{layers} layers ({per_step} a step): is --layers right?"
+    )
   steps = len(starts) // per_step
   attn, mlp, head = [], [], []
   for st in range(steps):
-    s = starts[st * per_step:(st + 1) * per_step]
+    s = starts[st * per_step : (st + 1) * per_step]
     for i in range(layers):
       attn.append((s[2 * i + 1] - s[2 * i]) / 1e3)
       mlp.append((s[2 * i + 2] - s[2 * i + 1]) / 1e3)
@@ -96,16 +106,22 @@ def summarize(events: list, layers: int) -> dict:
     if name.startswith("_"):  # lrjax's Triton kernels
       kernels.setdefault(base_name(name), []).append((e - s) / 1e3)
   layer = statistics.median(attn) + statistics.median(mlp)
-  return {"steps": steps, "layers": layers,
-          "attention_block_us": statistics.median(attn), "mlp_block_us": statistics.median(mlp),
-          "layer_us": layer, "rest_of_step_us": span - layers * layer,
-          # means: a step's blocks add up to its span, slow outliers included
-          "attention_block_mean_us": statistics.fmean(attn),
-          "mlp_block_mean_us": statistics.fmean(mlp),
-          "head_and_loop_mean_us": statistics.fmean(head) if head else None,
-          "span_us_per_step": span, "busy_us_per_step": busy / 1e3 / steps,
-          "triton_kernels_median_us": {k: statistics.median(v) for k, v in sorted(kernels.items())},
-          "triton_launches_per_step": {k: len(v) / steps for k, v in sorted(kernels.items())}}
+  return {
+    "steps": steps,
+    "layers": layers,
+    "attention_block_us": statistics.median(attn),
+    "mlp_block_us": statistics.median(mlp),
+    "layer_us": layer,
+    "rest_of_step_us": span - layers * layer,
+    # means: a step's blocks add up to its span, slow outliers included
+    "attention_block_mean_us": statistics.fmean(attn),
+    "mlp_block_mean_us": statistics.fmean(mlp),
+    "head_and_loop_mean_us": statistics.fmean(head) if head else None,
+    "span_us_per_step": span,
+    "busy_us_per_step": busy / 1e3 / steps,
+    "triton_kernels_median_us": {k: statistics.median(v) for k, v in sorted(kernels.items())},
+    "triton_launches_per_step": {k: len(v) / steps for k, v in sorted(kernels.items())},
+  }
 
 
 def main():
@@ -114,8 +130,9 @@ def main():
   ap.add_argument("--layers", type=int, required=True, help="decoder layers in the step")
   ap.add_argument("--out", help="write the summaries as JSON here")
   ap.add_argument("--note", default="", help="what the traces are, for --out")
-  ap.add_argument("--steps", type=int,
-                  help="traced steps: also report each kernel's time and launches a step")
+  ap.add_argument(
+    "--steps", type=int, help="traced steps: also report each kernel's time and launches a step"
+  )
   args = ap.parse_args()
   out = {}
   for path in args.traces:
@@ -124,14 +141,17 @@ def main():
     if args.steps:
       rec["totals"] = kernel_totals(events, args.steps)
     out[path.rsplit("/", 1)[-1]] = rec
-    print(f"{path}: attention block {rec['attention_block_us']:.1f} us, MLP block "
-          f"{rec['mlp_block_us']:.1f} us, layer {rec['layer_us']:.1f} us, rest of step "
-          f"{rec['rest_of_step_us']:.1f} us, span {rec['span_us_per_step']:.1f} us a step; "
-          + ", ".join(f"{k} {v:.1f} us" for k, v in rec["triton_kernels_median_us"].items()))
+    print(
+      f"{path}: attention block {rec['attention_block_us']:.1f} us, MLP block "
+      f"{rec['mlp_block_us']:.1f} us, layer {rec['layer_us']:.1f} us, rest of step "
+      f"{rec['rest_of_step_us']:.1f} us, span {rec['span_us_per_step']:.1f} us a step; "
+      + ", ".join(f"{k} {v:.1f} us" for k, v in rec["triton_kernels_median_us"].items())
+    )
   if args.out:
     with open(args.out, "w") as fh:
-      json.dump({"script": "benchmarks/step_trace.py", "note": args.note, "traces": out}, fh,
-                indent=1)
+      json.dump(
+        {"script": "benchmarks/step_trace.py", "note": args.note, "traces": out}, fh, indent=1
+      )
 
 
 if __name__ == "__main__":

@@ -10,10 +10,12 @@ Writes benchmarks/results/tp_collectives.json.
 
   python benchmarks/tp_collectives.py [--tp 2 4 8]
 """
+
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+os.environ["XLA_FLAGS"] = (
+  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
@@ -33,8 +35,16 @@ RATIO = 0.4
 
 def config():
   h, m, hd = 8192 // SHRINK, 28672 // SHRINK, 128 // SHRINK
-  return ModelConfig(vocab_size=512, hidden_size=h, intermediate_size=m, num_layers=1,
-                     num_heads=64, num_kv_heads=8, head_dim=hd, rope_theta=500000.0)
+  return ModelConfig(
+    vocab_size=512,
+    hidden_size=h,
+    intermediate_size=m,
+    num_layers=1,
+    num_heads=64,
+    num_kv_heads=8,
+    head_dim=hd,
+    rope_theta=500000.0,
+  )
 
 
 def table1(h=8192, hkv=1024, m=28672, ratio=RATIO):
@@ -48,8 +58,9 @@ def table1(h=8192, hkv=1024, m=28672, ratio=RATIO):
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--tp", type=int, nargs="+", default=[2, 4, 8])
-  ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
-                                                "tp_collectives.json"))
+  ap.add_argument(
+    "--out", default=os.path.join(os.path.dirname(__file__), "results", "tp_collectives.json")
+  )
   args = ap.parse_args()
   cfg = config()
   ranks = compressed_ranks(cfg, RATIO, multiple=8)
@@ -57,34 +68,57 @@ def main():
   mk_dense = lambda: LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))  # noqa: E731
   records = []
   for tp in args.tp:
-    for strategy, mk in (("dense", mk_dense), ("naive_tp", mk_lr), ("lowrank_tp", mk_lr),
-                         ("repl_u_tp", mk_lr)):
-      for fused in ((False, True) if strategy != "dense" else (False,)):
+    for strategy, mk in (
+      ("dense", mk_dense),
+      ("naive_tp", mk_lr),
+      ("lowrank_tp", mk_lr),
+      ("repl_u_tp", mk_lr),
+    ):
+      for fused in (False, True) if strategy != "dense" else (False,):
         rec = measure(mk, cfg, strategy, tp, fused=fused)
         records.append(rec)
-        print(f"tp={tp} {strategy:11s} fused={fused!s:5s} bytes/token={rec['bytes_per_token']:9.1f}"
-              f" n={rec['n_collectives']:2d} err={rec['max_rel_logit_err']:.2e}"
-              f" kernels={rec['kernel_custom_calls']}"
-              f" whole-weight gathers={rec['whole_weight_all_gathers']}")
+        print(
+          f"tp={tp} {strategy:11s} fused={fused!s:5s} bytes/token={rec['bytes_per_token']:9.1f}"
+          f" n={rec['n_collectives']:2d} err={rec['max_rel_logit_err']:.2e}"
+          f" kernels={rec['kernel_custom_calls']}"
+          f" whole-weight gathers={rec['whole_weight_all_gathers']}"
+        )
   ratios = {}
   for tp in args.tp:
-    get = lambda s: next(r for r in records if r["strategy"] == s and r["tp"] == tp  # noqa: E731
-                         and not r["fused"])
+    get = lambda s: next(
+      r
+      for r in records
+      if r["strategy"] == s
+      and r["tp"] == tp  # noqa: E731
+      and not r["fused"]
+    )
     ratios[str(tp)] = get("lowrank_tp")["bytes_per_token"] / get("naive_tp")["bytes_per_token"]
   print("lowrank_tp / naive_tp bytes:", ratios)
-  out = {"benchmark": "tp_collectives", "date": datetime.datetime.now(
-      datetime.timezone.utc).isoformat(timespec="seconds"),
-      "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                  "devices": f"{jax.device_count()} simulated CPU devices"},
-      "versions": {"jax": jax.__version__, "flax": flax.__version__,
-                   "python": platform.python_version()},
-      "model": {**cfg.to_dict(), "ranks": ranks, "compression_ratio": RATIO,
-                "proportions": f"Llama-3-70B / {SHRINK}"},
-      "cost_model": "bytes of every collective in the compiled HLO of one decoder layer per "
-                    "token; all-reduce counted 2x its operand, all-gather its result (Table 1)",
-      "lowrank_over_naive_bytes": ratios,
-      "deinfer_table1_full_size_elements": table1(),
-      "records": records}
+  out = {
+    "benchmark": "tp_collectives",
+    "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    "machine": {
+      "platform": platform.platform(),
+      "processor": platform.processor(),
+      "devices": f"{jax.device_count()} simulated CPU devices",
+    },
+    "versions": {
+      "jax": jax.__version__,
+      "flax": flax.__version__,
+      "python": platform.python_version(),
+    },
+    "model": {
+      **cfg.to_dict(),
+      "ranks": ranks,
+      "compression_ratio": RATIO,
+      "proportions": f"Llama-3-70B / {SHRINK}",
+    },
+    "cost_model": "bytes of every collective in the compiled HLO of one decoder layer per "
+    "token; all-reduce counted 2x its operand, all-gather its result (Table 1)",
+    "lowrank_over_naive_bytes": ratios,
+    "deinfer_table1_full_size_elements": table1(),
+    "records": records,
+  }
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as fh:
     json.dump(out, fh, indent=1)

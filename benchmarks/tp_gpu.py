@@ -30,6 +30,7 @@ values sweep the compression (DeInfer Fig. 7); dense runs once and serving at th
 Records carry the model's name and ratio; ``models`` in the JSON holds each model's config and
 ``ranks`` each ``model@ratio``'s ranks.
 """
+
 import argparse
 import contextlib
 import datetime
@@ -61,12 +62,23 @@ HBM_BPS = 4.3e12
 
 def machine():
   d = jax.devices()
-  info = {"platform": platform.platform(), "python": platform.python_version(),
-          "devices": [str(x.device_kind) for x in d], "n_devices": len(d)}
+  info = {
+    "platform": platform.platform(),
+    "python": platform.python_version(),
+    "devices": [str(x.device_kind) for x in d],
+    "n_devices": len(d),
+  }
   try:
-    info["nvidia_smi"] = subprocess.run(
+    info["nvidia_smi"] = (
+      subprocess.run(
         ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-        capture_output=True, text=True, timeout=20).stdout.strip().splitlines()
+        capture_output=True,
+        text=True,
+        timeout=20,
+      )
+      .stdout.strip()
+      .splitlines()
+    )
   except Exception as e:  # noqa: BLE001 (not an NVIDIA host)
     info["nvidia_smi"] = f"unavailable: {e}"
   return info
@@ -74,23 +86,36 @@ def machine():
 
 def versions():
   import flax
+
   out = {"jax": jax.__version__, "flax": flax.__version__}
   try:
     import jaxlib
+
     out["jaxlib"] = jaxlib.__version__
   except ImportError:
     pass
   return out
 
 
-MODELS = {"8b": ModelConfig.llama3_8b, "70b": ModelConfig.llama3_70b,
-          "qwen2.5-7b": ModelConfig.qwen2_5_7b, "1b": ModelConfig.llama3_2_1b}
+MODELS = {
+  "8b": ModelConfig.llama3_8b,
+  "70b": ModelConfig.llama3_70b,
+  "qwen2.5-7b": ModelConfig.qwen2_5_7b,
+  "1b": ModelConfig.llama3_2_1b,
+}
 
 
 def config(args, name):
   if args.smoke:
-    return ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=448, num_layers=2,
-                       num_heads=8, num_kv_heads=8, head_dim=16)
+    return ModelConfig(
+      vocab_size=512,
+      hidden_size=128,
+      intermediate_size=448,
+      num_layers=2,
+      num_heads=8,
+      num_kv_heads=8,
+      head_dim=16,
+    )
   return MODELS[name]().replace(num_layers=args.layers)
 
 
@@ -105,9 +130,11 @@ def device_bytes(tree) -> int:
 
 def fused_ops(gdef, state, cache, toks, group=True):
   """lr_xuv / lr_mlp / lr_xuv_group equations lrjax.fuse puts into one decode step."""
+
   def step(state, cache, toks):
     model = nnx.merge(gdef, state)
     return lrjax.fuse(type(model).decode, group=group)(model, toks, cache)
+
   text = str(jax.make_jaxpr(step)(state, cache, toks))
   return {p: text.count(f" {p}[") for p in ("lr_xuv", "lr_mlp", "lr_xuv_group")}
 
@@ -138,6 +165,7 @@ def only_kernels(ops):
     if op not in ops:
       return f"left to XLA by tp_gpu.py --kernels {' '.join(sorted(ops))}"
     return saved(op, *args)
+
   measured.verdict = verdict
   try:
     yield
@@ -153,6 +181,7 @@ def kernel_profile(fn, fn_args, steps, top=40, events_out=None):
   fusion numbers stripped, so a name sums over the layers)."""
   import tempfile
   from gpu_lowrank import busy_ns, device_kernel_events, idle_gaps_ns, overlaps_ns, span_ns
+
   with tempfile.TemporaryDirectory() as d:
     with jax.profiler.trace(d):
       outs = jax.block_until_ready(fn(*fn_args))
@@ -161,6 +190,7 @@ def kernel_profile(fn, fn_args, steps, top=40, events_out=None):
     with open(events_out, "w") as f:
       json.dump({"events": events, "hlo": fn.lower(*fn_args).compile().as_text()}, f)
   from step_trace import base_name
+
   key = lambda name: base_name(name)[:64]  # noqa: E731
   by_name = {}
   for s, e, name in events:
@@ -171,85 +201,129 @@ def kernel_profile(fn, fn_args, steps, top=40, events_out=None):
   overlaps = sorted(overlaps_ns(events, key).items(), key=lambda kv: -kv[1])[:top]
   busy, span = busy_ns(events) / steps / 1e6, span_ns(events) / steps / 1e6
   return outs, {
-      "gpu_busy_ms": busy, "gpu_span_ms": span, "gpu_idle_ms": span - busy,
-      "kernels": [{"name": k, "us_per_step": t / steps / 1e3, "launches_per_step": n / steps}
-                  for k, (t, n) in kernels],
-      "idle_gaps": [{"after": a, "before": b, "us_per_step": t / steps / 1e3,
-                     "gaps_per_step": n / steps} for (a, b), (t, n) in gaps],
-      "overlaps": [{"kernels": list(pair), "us_per_step": t / steps / 1e3}
-                   for pair, t in overlaps]}
+    "gpu_busy_ms": busy,
+    "gpu_span_ms": span,
+    "gpu_idle_ms": span - busy,
+    "kernels": [
+      {"name": k, "us_per_step": t / steps / 1e3, "launches_per_step": n / steps}
+      for k, (t, n) in kernels
+    ],
+    "idle_gaps": [
+      {"after": a, "before": b, "us_per_step": t / steps / 1e3, "gaps_per_step": n / steps}
+      for (a, b), (t, n) in gaps
+    ],
+    "overlaps": [{"kernels": list(pair), "us_per_step": t / steps / 1e3} for pair, t in overlaps],
+  }
 
 
 def time_decode(model, plan, args, dtype):
   cfg = model.cfg
   gdef, state = nnx.split(model)
   cache = KVCache.init(cfg, args.batch, args.ctx, dtype)
-  shardings = jax.tree.map(lambda a: plan.cache_sharding() if a.ndim > 1 else plan.replicated(),
-                           cache)
+  shardings = jax.tree.map(
+    lambda a: plan.cache_sharding() if a.ndim > 1 else plan.replicated(), cache
+  )
   half = lambda c: jax.device_put(  # noqa: E731
-      KVCache(c.k, c.v, jnp.full((args.batch,), args.ctx // 2, jnp.int32)), shardings)
+    KVCache(c.k, c.v, jnp.full((args.batch,), args.ctx // 2, jnp.int32)), shardings
+  )
   # Start half-full so attention reads real context; steps stay inside the cache.
   cache = half(cache)
   toks = jnp.zeros((args.batch,), jnp.int32)
-  decode = (lrjax.fuse(type(model).decode, group=not args.no_group) if args.fuse
-            else type(model).decode)
+  decode = (
+    lrjax.fuse(type(model).decode, group=not args.no_group) if args.fuse else type(model).decode
+  )
   fn = greedy_loop(gdef, decode, args.steps, shardings)
   kernels = {}
-  with (contextlib.nullcontext() if args.whole_policy else calls_judged_alone()), \
-       only_kernels(args.kernels):
+  with (
+    contextlib.nullcontext() if args.whole_policy else calls_judged_alone(),
+    only_kernels(args.kernels),
+  ):
     times, compile_s, cache, toks = time_loop(fn, state, cache, toks, half, args.reps)
     if args.fuse:  # what the fused step really runs: Triton custom calls in the compiled HLO
       text = fn.lower(state, half(cache), toks).compile().as_text()
-      kernels = {"triton_calls": planner.count_calls(text),
-                 "fused_ops_in_jaxpr": fused_ops(gdef, state, cache, toks, not args.no_group)}
+      kernels = {
+        "triton_calls": planner.count_calls(text),
+        "fused_ops_in_jaxpr": fused_ops(gdef, state, cache, toks, not args.no_group),
+      }
   step = median_step(times, args.steps)
   if args.profile:
     (cache, toks), kernels["profile"] = kernel_profile(
-        fn, (state, half(cache), toks), args.steps,
-        events_out=args.events_out and args.events_out.format(**vars(args)))
+      fn,
+      (state, half(cache), toks),
+      args.steps,
+      events_out=args.events_out and args.events_out.format(**vars(args)),
+    )
   w_bytes = device_bytes(state)
   kv_bytes = device_bytes(cache)
-  return {"step_ms": step * 1e3, "tokens_per_s": args.batch / step,
-          "step_ms_all_reps": [t / args.steps * 1e3 for t in times],
-          "compile_s": compile_s, "device0_weight_bytes": w_bytes,
-          "device0_kv_bytes": kv_bytes,
-          "roofline_step_ms": (w_bytes + kv_bytes) / HBM_BPS * 1e3,
-          "roofline_fraction": (w_bytes + kv_bytes) / HBM_BPS / step, **kernels}
+  return {
+    "step_ms": step * 1e3,
+    "tokens_per_s": args.batch / step,
+    "step_ms_all_reps": [t / args.steps * 1e3 for t in times],
+    "compile_s": compile_s,
+    "device0_weight_bytes": w_bytes,
+    "device0_kv_bytes": kv_bytes,
+    "roofline_step_ms": (w_bytes + kv_bytes) / HBM_BPS * 1e3,
+    "roofline_fraction": (w_bytes + kv_bytes) / HBM_BPS / step,
+    **kernels,
+  }
 
 
 def time_serving(model, args):
   rng = np.random.default_rng(0)
-  eng = Engine(model, max_slots=args.requests, max_len=args.prompt_len + args.new_tokens + 1,
-               buckets=(args.prompt_len,), fuse=args.fuse)
+  eng = Engine(
+    model,
+    max_slots=args.requests,
+    max_len=args.prompt_len + args.new_tokens + 1,
+    buckets=(args.prompt_len,),
+    fuse=args.fuse,
+  )
   sp = SamplingParams(max_new_tokens=args.new_tokens)
-  mk = lambda: [Request(list(rng.integers(0, model.cfg.vocab_size, args.prompt_len)), sp)  # noqa: E731
-                for _ in range(args.requests)]
-  eng.generate(mk()[:2])           # compile prefill and decode
+  mk = lambda: [
+    Request(list(rng.integers(0, model.cfg.vocab_size, args.prompt_len)), sp)  # noqa: E731
+    for _ in range(args.requests)
+  ]
+  eng.generate(mk()[:2])  # compile prefill and decode
   t0 = time.perf_counter()
   res = eng.generate(mk())
   wall = time.perf_counter() - t0
   ttft = [r.ttft_s * 1e3 for r in res]
   gaps = [g * 1e3 for g in itl(res)]
   n = sum(len(r.tokens) for r in res)
-  return {"requests": args.requests, "prompt_len": args.prompt_len,
-          "new_tokens": args.new_tokens, "ttft_ms_median": float(np.median(ttft)),
-          "ttft_ms_p90": float(np.percentile(ttft, 90)), "itl_ms_median": float(np.median(gaps)),
-          "itl_ms_p90": float(np.percentile(gaps, 90)), "tokens_per_s": n / wall}
+  return {
+    "requests": args.requests,
+    "prompt_len": args.prompt_len,
+    "new_tokens": args.new_tokens,
+    "ttft_ms_median": float(np.median(ttft)),
+    "ttft_ms_p90": float(np.percentile(ttft, 90)),
+    "itl_ms_median": float(np.median(gaps)),
+    "itl_ms_p90": float(np.percentile(gaps, 90)),
+    "tokens_per_s": n / wall,
+  }
 
 
 def run_model(name, cfg, args, dtype, out, save):
   """Every TP size × strategy × ratio × batch of one model, each record saved as it comes.
 
   Dense runs once (it has no ratio); serving runs for the first ratio only."""
+
   def build(ranks):
     t0 = time.perf_counter()
-    m = LlamaForCausalLM(cfg, ranks=None if ranks is None else [ranks] * cfg.num_layers,
-                         dtype=dtype, param_dtype=dtype, scan_layers=False, rngs=nnx.Rngs(0))
-    print(f"{name}: built {'dense' if ranks is None else 'low-rank'} model in "
-          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    m = LlamaForCausalLM(
+      cfg,
+      ranks=None if ranks is None else [ranks] * cfg.num_layers,
+      dtype=dtype,
+      param_dtype=dtype,
+      scan_layers=False,
+      rngs=nnx.Rngs(0),
+    )
+    print(
+      f"{name}: built {'dense' if ranks is None else 'low-rank'} model in "
+      f"{time.perf_counter() - t0:.1f} s",
+      flush=True,
+    )
     return m
 
-  runs = []       # (strategy, ratio, model)
+  runs = []  # (strategy, ratio, model)
   if "dense" in args.strategies:
     runs.append(("dense", None, build(None)))
   for ratio in args.ratio:
@@ -267,29 +341,45 @@ def run_model(name, cfg, args, dtype, out, save):
     for strategy, ratio, model in runs:
       sharding.shard(model, mesh, strategy)
       plan = model.tp_plan
-      tag = {"model": name, "strategy": strategy, "ratio": ratio, "tp": tp, "fuse": args.fuse,
-             **({"group": not args.no_group} if args.fuse else {}),
-             **({"whole_policy": True} if args.whole_policy else {}),
-             **({"kernels": sorted(args.kernels)} if args.kernels else {}),
-             # each call's scratch zeroed by XLA (LRJAX_TRITON_SCRATCH_CHAIN=0): not the default
-             **({"scratch_chain": False} if args.fuse and not planner.chain_scratch() else {}),
-             # the Triton launcher (LRJAX_TRITON_LAUNCH or the default)
-             **({"triton_launch": planner.launch_mode()} if args.fuse else {})}
+      tag = {
+        "model": name,
+        "strategy": strategy,
+        "ratio": ratio,
+        "tp": tp,
+        "fuse": args.fuse,
+        **({"group": not args.no_group} if args.fuse else {}),
+        **({"whole_policy": True} if args.whole_policy else {}),
+        **({"kernels": sorted(args.kernels)} if args.kernels else {}),
+        # each call's scratch zeroed by XLA (LRJAX_TRITON_SCRATCH_CHAIN=0): not the default
+        **({"scratch_chain": False} if args.fuse and not planner.chain_scratch() else {}),
+        # the Triton launcher (LRJAX_TRITON_LAUNCH or the default)
+        **({"triton_launch": planner.launch_mode()} if args.fuse else {}),
+      }
       for batch in args.batch:
         a = argparse.Namespace(**{**vars(args), "batch": batch})
-        rec = {**tag, "batch": batch, "ctx": args.ctx, "layers": cfg.num_layers,
-               **time_decode(model, plan, a, dtype)}
-        print(f"{name} tp={tp} {strategy:10s} ratio={ratio} batch={batch:3d} "
-              f"step {rec['step_ms']:.3f} ms {rec['tokens_per_s']:.0f} tok/s "
-              f"roofline {rec['roofline_fraction']:.2f} (compile {rec['compile_s']:.1f} s)",
-              flush=True)
+        rec = {
+          **tag,
+          "batch": batch,
+          "ctx": args.ctx,
+          "layers": cfg.num_layers,
+          **time_decode(model, plan, a, dtype),
+        }
+        print(
+          f"{name} tp={tp} {strategy:10s} ratio={ratio} batch={batch:3d} "
+          f"step {rec['step_ms']:.3f} ms {rec['tokens_per_s']:.0f} tok/s "
+          f"roofline {rec['roofline_fraction']:.2f} (compile {rec['compile_s']:.1f} s)",
+          flush=True,
+        )
         out["records"].append(rec)
         save()
       if not args.no_serving and ratio in (None, args.ratio[0]):
         s = time_serving(model, args)
         out["records"].append({**tag, "serving": s})
-        print(f"{name} tp={tp} {strategy:10s} serving ttft {s['ttft_ms_median']:.1f} ms itl "
-              f"{s['itl_ms_median']:.2f} ms {s['tokens_per_s']:.0f} tok/s", flush=True)
+        print(
+          f"{name} tp={tp} {strategy:10s} serving ttft {s['ttft_ms_median']:.1f} ms itl "
+          f"{s['itl_ms_median']:.2f} ms {s['tokens_per_s']:.0f} tok/s",
+          flush=True,
+        )
         save()
 
 
@@ -297,6 +387,7 @@ def plot(path_json: str) -> str:
   """Beside the JSON: decode step per strategy over TP (one panel per model and batch), and
   lowrank_tp's speed-up over naive_tp per compression ratio. Needs matplotlib."""
   from plotting import pyplot, save_beside
+
   plt = pyplot()
   with open(path_json) as fh:
     recs = [r for r in json.load(fh)["records"] if "step_ms" in r and not r.get("fuse")]
@@ -304,20 +395,34 @@ def plot(path_json: str) -> str:
   fig, axes = plt.subplots(1, len(panels) + 1, figsize=(4.2 * (len(panels) + 1), 3.8))
   for ax, (model, batch) in zip(axes, panels):
     for strategy, style in (("dense", "s:"), ("naive_tp", "x--"), ("lowrank_tp", "o-")):
-      rs = sorted((r for r in recs if (r["model"], r["batch"], r["strategy"]) ==
-                   (model, batch, strategy) and r["ratio"] in (None, 0.4)), key=lambda r: r["tp"])
+      rs = sorted(
+        (
+          r
+          for r in recs
+          if (r["model"], r["batch"], r["strategy"]) == (model, batch, strategy)
+          and r["ratio"] in (None, 0.4)
+        ),
+        key=lambda r: r["tp"],
+      )
       ax.plot([r["tp"] for r in rs], [r["step_ms"] for r in rs], style, label=strategy)
     ax.set(xlabel="TP", ylabel="ms per decode step", title=f"{model}, batch {batch}")
     ax.legend(fontsize=7)
   ax = axes[-1]
-  for (model, ratio, batch) in sorted({(r["model"], r["ratio"], r["batch"]) for r in recs
-                                       if r["strategy"] == "lowrank_tp"}):
+  for model, ratio, batch in sorted(
+    {(r["model"], r["ratio"], r["batch"]) for r in recs if r["strategy"] == "lowrank_tp"}
+  ):
     pts = []
     for r in sorted(recs, key=lambda r: r["tp"]):
       if (r["model"], r["ratio"], r["batch"], r["strategy"]) == (model, ratio, batch, "naive_tp"):
-        low = next((q for q in recs if (q["model"], q["ratio"], q["batch"], q["tp"],
-                                         q["strategy"]) == (model, ratio, batch, r["tp"],
-                                                            "lowrank_tp")), None)
+        low = next(
+          (
+            q
+            for q in recs
+            if (q["model"], q["ratio"], q["batch"], q["tp"], q["strategy"])
+            == (model, ratio, batch, r["tp"], "lowrank_tp")
+          ),
+          None,
+        )
         if low:
           pts.append((r["tp"], r["step_ms"] / low["step_ms"]))
     ax.plot(*zip(*pts), "o-" if batch >= 32 else "x--", label=f"{model} r{ratio} b{batch}")
@@ -339,8 +444,13 @@ def main():
   ap.add_argument("--tp", type=int, nargs="+", default=[2, 4])
   ap.add_argument("--strategies", nargs="+", default=["dense", "naive_tp", "lowrank_tp"])
   ap.add_argument("--layers", type=int, default=4)
-  ap.add_argument("--ratio", type=float, nargs="+", default=[0.4],
-                  help="fractions of each projection's params removed (serving: the first)")
+  ap.add_argument(
+    "--ratio",
+    type=float,
+    nargs="+",
+    default=[0.4],
+    help="fractions of each projection's params removed (serving: the first)",
+  )
   ap.add_argument("--batch", type=int, nargs="+", default=[32])
   ap.add_argument("--ctx", type=int, default=2048)
   ap.add_argument("--steps", type=int, default=32)
@@ -349,30 +459,53 @@ def main():
   ap.add_argument("--prompt-len", type=int, default=128)
   ap.add_argument("--new-tokens", type=int, default=32)
   ap.add_argument("--no-serving", action="store_true")
-  ap.add_argument("--fuse", action="store_true",
-                  help="run the steps through lrjax.fuse (Triton kernels on GPU, per the policy)")
-  ap.add_argument("--whole-policy", action="store_true",
-                  help="with --fuse: the policy as shipped, its whole-model rules included "
-                  "(these records are not measured.MODEL_AB's source)")
-  ap.add_argument("--no-group", action="store_true",
-                  help="with --fuse: lrjax.fuse(..., group=False) (q/k/v as three lr_xuv)")
-  ap.add_argument("--kernels", nargs="+", choices=measured.OPS,
-                  help="with --fuse: serve only these ops' kernels (the others on XLA), to see "
-                  "each kernel's share of a step; such records are not measured.MODEL_AB's; "
-                  "all ops but one, then --fuse as the next run: measured.MODEL_OP_AB's")
-  ap.add_argument("--profile", action="store_true",
-                  help="also trace one call: GPU busy time, top kernels, idle gaps by kernel "
-                  "pair and overlapping kernels per step")
-  ap.add_argument("--events-out", metavar="PATH",
-                  help="with --profile: write the traced call's kernel events and compiled HLO "
-                  "as JSON to PATH (formatted with the arguments, e.g. {batch}, {fuse})")
+  ap.add_argument(
+    "--fuse",
+    action="store_true",
+    help="run the steps through lrjax.fuse (Triton kernels on GPU, per the policy)",
+  )
+  ap.add_argument(
+    "--whole-policy",
+    action="store_true",
+    help="with --fuse: the policy as shipped, its whole-model rules included "
+    "(these records are not measured.MODEL_AB's source)",
+  )
+  ap.add_argument(
+    "--no-group",
+    action="store_true",
+    help="with --fuse: lrjax.fuse(..., group=False) (q/k/v as three lr_xuv)",
+  )
+  ap.add_argument(
+    "--kernels",
+    nargs="+",
+    choices=measured.OPS,
+    help="with --fuse: serve only these ops' kernels (the others on XLA), to see "
+    "each kernel's share of a step; such records are not measured.MODEL_AB's; "
+    "all ops but one, then --fuse as the next run: measured.MODEL_OP_AB's",
+  )
+  ap.add_argument(
+    "--profile",
+    action="store_true",
+    help="also trace one call: GPU busy time, top kernels, idle gaps by kernel "
+    "pair and overlapping kernels per step",
+  )
+  ap.add_argument(
+    "--events-out",
+    metavar="PATH",
+    help="with --profile: write the traced call's kernel events and compiled HLO "
+    "as JSON to PATH (formatted with the arguments, e.g. {batch}, {fuse})",
+  )
   ap.add_argument("--dtype", default="bfloat16")
   ap.add_argument("--smoke", action="store_true", help="tiny dims (CPU check of the script)")
-  ap.add_argument("--append", action="store_true",
-                  help="keep --out's other records (a re-measured one replaces its record; "
-                  "each run's 'steps' keeps every step time it measured)")
-  ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
-                                                "tp_h200.json"))
+  ap.add_argument(
+    "--append",
+    action="store_true",
+    help="keep --out's other records (a re-measured one replaces its record; "
+    "each run's 'steps' keeps every step time it measured)",
+  )
+  ap.add_argument(
+    "--out", default=os.path.join(os.path.dirname(__file__), "results", "tp_h200.json")
+  )
   args = ap.parse_args()
   if args.plot:
     print("wrote", plot(args.plot))
@@ -381,21 +514,32 @@ def main():
     raise SystemExit("--no-group applies to the chains lrjax.fuse finds: it needs --fuse")
   for flag, given in (("--kernels", args.kernels), ("--whole-policy", args.whole_policy)):
     if given and not args.fuse:
-      raise SystemExit(f"{flag} chooses among the kernels lrjax.fuse's ops lower to: it needs "
-                       "--fuse")
+      raise SystemExit(
+        f"{flag} chooses among the kernels lrjax.fuse's ops lower to: it needs --fuse"
+      )
   if args.events_out and not args.profile:
     raise SystemExit("--events-out writes the trace --profile takes: it needs --profile")
   if args.profile and jax.devices()[0].platform != "gpu":
-    raise SystemExit(f"--profile reads GPU kernel traces; this machine's devices are "
-                     f"{jax.devices()}")
+    raise SystemExit(
+      f"--profile reads GPU kernel traces; this machine's devices are {jax.devices()}"
+    )
   dtype = jnp.dtype(args.dtype)
   start = time.perf_counter()
-  run = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-         "machine": machine(), "versions": versions(), "argv": sys.argv[1:],
-         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("LRJAX_")}}
-  out = {"benchmark": "tp_gpu",
-         "roofline": f"device-0 bytes (weights + KV cache) / {HBM_BPS / 1e12} TB/s per step",
-         "runs": [], "models": {}, "ranks": {}, "records": []}
+  run = {
+    "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    "machine": machine(),
+    "versions": versions(),
+    "argv": sys.argv[1:],
+    "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("LRJAX_")},
+  }
+  out = {
+    "benchmark": "tp_gpu",
+    "roofline": f"device-0 bytes (weights + KV cache) / {HBM_BPS / 1e12} TB/s per step",
+    "runs": [],
+    "models": {},
+    "ranks": {},
+    "records": [],
+  }
   if args.append and os.path.exists(args.out):
     with open(args.out) as fh:
       old = json.load(fh)
@@ -411,15 +555,45 @@ def main():
     def append(self, rec):
       rec = {**rec, "run": run["index"]}
       if "step_ms" in rec:
-        run["steps"].append({k: rec.get(k) for k in (
-            "model", "strategy", "ratio", "tp", "fuse", "group", "triton_launch", "kernels",
-            "batch", "step_ms") if rec.get(k) is not None})
-      kind = lambda r: tuple(r.get(k) for k in (  # noqa: E731
-          "model", "strategy", "ratio", "tp", "fuse", "group", "whole_policy", "scratch_chain",
-          "triton_launch", "batch")
-      ) + (tuple(r.get("kernels") or ()), "serving" in r)
-      self[:] = [r for r in self if kind(r) != kind(rec)
-                 or any(measured.op_ab_pair(k, r) for k in self)]
+        run["steps"].append(
+          {
+            k: rec.get(k)
+            for k in (
+              "model",
+              "strategy",
+              "ratio",
+              "tp",
+              "fuse",
+              "group",
+              "triton_launch",
+              "kernels",
+              "batch",
+              "step_ms",
+            )
+            if rec.get(k) is not None
+          }
+        )
+      kind = lambda r: (
+        tuple(
+          r.get(k)
+          for k in (  # noqa: E731
+            "model",
+            "strategy",
+            "ratio",
+            "tp",
+            "fuse",
+            "group",
+            "whole_policy",
+            "scratch_chain",
+            "triton_launch",
+            "batch",
+          )
+        )
+        + (tuple(r.get("kernels") or ()), "serving" in r)
+      )
+      self[:] = [
+        r for r in self if kind(r) != kind(rec) or any(measured.op_ab_pair(k, r) for k in self)
+      ]
       super().append(rec)
 
   out["records"] = Records(out["records"])
@@ -436,8 +610,14 @@ def main():
   for r in out["records"]:
     if "step_ms" in r and r["strategy"] == "lowrank_tp":
       same = ("model", "ratio", "tp", "batch", "fuse")
-      base = next((b for b in out["records"] if b["strategy"] == "naive_tp" and "step_ms" in b
-                   and all(b[k] == r[k] for k in same)), None)
+      base = next(
+        (
+          b
+          for b in out["records"]
+          if b["strategy"] == "naive_tp" and "step_ms" in b and all(b[k] == r[k] for k in same)
+        ),
+        None,
+      )
       if base:
         key = f"{r['model']}_r{r['ratio']}_tp{r['tp']}_b{r['batch']}" + ("_fused" * r["fuse"])
         speed[key] = base["step_ms"] / r["step_ms"]

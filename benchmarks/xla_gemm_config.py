@@ -18,6 +18,7 @@ its layers):
       --points benchmarks/results/gpu_lowrank_h200.json --emit-cases cases.txt
   python benchmarks/decode_ab.py --out ab.json $(cat cases.txt)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,7 +47,7 @@ def _json_after(line: str, key: str):
   for j in range(i, len(line)):
     depth += {"{": 1, "}": -1}.get(line[j], 0)
     if depth == 0:
-      return json.loads(line[i:j + 1])
+      return json.loads(line[i : j + 1])
   raise ValueError(f"unbalanced backend_config in {line[:200]!r}")
 
 
@@ -60,7 +61,7 @@ def hlo_gemms(hlo: str) -> list:
   (``__triton_gemm``, ``__triton_nested_gemm_fusion`` ...) or the custom call's target
   (``__cublas$lt$matmul`` ...); ``params`` the parameter shapes of a fusion's computation;
   ``backend`` the fusion's backend config as XLA wrote it (its tiles: ``triton_gemm_config``
-  or ``block_level_fusion_config``), or a custom call's whole config."""
+  or ``block_level_fusion_config``), or a custom call's whole config."""  # noqa: E501
   params, comp, lines = {}, None, []
   for line in hlo.splitlines():  # parameter shapes of every computation
     m = _COMP.match(line)
@@ -86,10 +87,17 @@ def hlo_gemms(hlo: str) -> list:
     shape = _SHAPE.search(m.group(2))
     called = re.search(r"calls=%?([\w.\-]+)", line)
     ps = params.get(called.group(1), {}) if called else {}
-    out.append(dict(name=m.group(1), computation=comp, kind=kind,
-                    calls=called.group(1) if called else None,
-                    out=[shape.group(1), _dims(shape.group(2))] if shape else None,
-                    params=[ps[i] for i in sorted(ps)], backend=fusion or cfg))
+    out.append(
+      dict(
+        name=m.group(1),
+        computation=comp,
+        kind=kind,
+        calls=called.group(1) if called else None,
+        out=[shape.group(1), _dims(shape.group(2))] if shape else None,
+        params=[ps[i] for i in sorted(ps)],
+        backend=fusion or cfg,
+      )
+    )
   return out
 
 
@@ -112,8 +120,10 @@ def xla_tiles(gemm: dict, m: int, r: int):
   be = gemm["backend"]
   if "triton_gemm_config" in be:
     c = be["triton_gemm_config"]
-    return {f: int(c.get(f, 1)) for f in ("block_m", "block_n", "block_k", "split_k",
-                                           "num_stages", "num_warps")}
+    return {
+      f: int(c.get(f, 1))
+      for f in ("block_m", "block_n", "block_k", "split_k", "num_stages", "num_warps")
+    }
   blc = be.get("block_level_fusion_config")
   if not blc or not gemm["out"]:
     return None
@@ -121,9 +131,14 @@ def xla_tiles(gemm: dict, m: int, r: int):
   if tuple(dims[-2:]) != (m, r):
     return None
   sizes = [int(s) for s in blc["output_tiles"][0]["sizes"]]
-  return dict(block_m=sizes[-2], block_n=sizes[-1], block_k=None,
-              split_k=dims[0] if len(dims) == 3 else 1,
-              num_stages=int(blc.get("num_stages", 1)), num_warps=int(blc.get("num_warps", 4)))
+  return dict(
+    block_m=sizes[-2],
+    block_n=sizes[-1],
+    block_k=None,
+    split_k=dims[0] if len(dims) == 3 else 1,
+    num_stages=int(blc.get("num_stages", 1)),
+    num_warps=int(blc.get("num_warps", 4)),
+  )
 
 
 def phase1_variant(m: int, k: int, r: int, t: dict) -> tuple[str, str]:
@@ -132,14 +147,20 @@ def phase1_variant(m: int, k: int, r: int, t: dict) -> tuple[str, str]:
   tile holds every row (block_m = M padded), so XLA's row blocks are not copied; where XLA's
   config gives no K step the kernel's 64 is kept."""
   from lrjax.custom_calls.triton import planner
+
   bn, split = t["block_n"], t["split_k"]
   bk = t["block_k"] or 64
   k_per = planner.part_len(k, split, bk)
   tiles = planner.cdiv(r, bn) * planner.cdiv(k, k_per)
-  v = (f"pv_xla:block_r={bn},cols_r={bn},block_k={bk},k_per={k_per},"
-       f"stages={t['num_stages']},warps={t['num_warps']},programs={tiles}")
-  missed = [] if t["block_m"] >= m else [
-      f"XLA's {planner.cdiv(m, t['block_m'])} row blocks of {t['block_m']}"]
+  v = (
+    f"pv_xla:block_r={bn},cols_r={bn},block_k={bk},k_per={k_per},"
+    f"stages={t['num_stages']},warps={t['num_warps']},programs={tiles}"
+  )
+  missed = (
+    []
+    if t["block_m"] >= m
+    else [f"XLA's {planner.cdiv(m, t['block_m'])} row blocks of {t['block_m']}"]
+  )
   if t["block_k"] is None:
     missed.append("XLA's K step (not in its config; 64 kept)")
   return v, "; ".join(missed)
@@ -152,8 +173,11 @@ def main(argv=None):
   ap.add_argument("--min-m", type=int, default=1)
   ap.add_argument("--max-m", type=int, default=128)
   ap.add_argument("--out", required=True)
-  ap.add_argument("--emit-cases", help="write decode_ab.py cases: xla, auto and, where XLA's "
-                  "Triton emitter runs X·U, its tiles in lrjax's phase-1 kernel")
+  ap.add_argument(
+    "--emit-cases",
+    help="write decode_ab.py cases: xla, auto and, where XLA's "
+    "Triton emitter runs X·U, its tiles in lrjax's phase-1 kernel",
+  )
   args = ap.parse_args(argv)
 
   import jax
@@ -175,8 +199,10 @@ def main(argv=None):
     nl = gl.n_layers(2 * (k * r + r * n), m)
     key = jax.random.split(jax.random.key(m + k + r + n), 1 + 2 * nl)
     x = gl.rand(key[0], (m, k))
-    layers = [(gl.rand(key[1 + 2 * i], (k, r), k ** -0.5),
-               gl.rand(key[2 + 2 * i], (r, n), r ** -0.5)) for i in range(nl)]
+    layers = [
+      (gl.rand(key[1 + 2 * i], (k, r), k**-0.5), gl.rand(key[2 + 2 * i], (r, n), r**-0.5))
+      for i in range(nl)
+    ]
     hlo = gl.chained(fn, 1).lower(x, layers).compile().as_text()
     gemms, seen = [], set()
     for g in hlo_gemms(hlo):  # one of each: the layers' GEMMs repeat
@@ -184,11 +210,22 @@ def main(argv=None):
       if sig not in seen:
         seen.add(sig)
         gemms.append(g)
-    rec = dict(M=m, K=k, r=r, N=n, dtype=str(jnp.dtype(gl.DT)), layers=nl, gemms=gemms,
-               kernels=gpu_timeline.timeline(fn, x, layers)["kernels"])
+    rec = dict(
+      M=m,
+      K=k,
+      r=r,
+      N=n,
+      dtype=str(jnp.dtype(gl.DT)),
+      layers=nl,
+      gemms=gemms,
+      kernels=gpu_timeline.timeline(fn, x, layers)["kernels"],
+    )
     if not gemms:  # keep what the HLO holds for a reader, rather than guess
-      rec["hlo_excerpt"] = [ln.strip()[:600] for ln in hlo.splitlines()
-                            if "kCustom" in ln or "custom-call(" in ln or " dot(" in ln][:12]
+      rec["hlo_excerpt"] = [
+        ln.strip()[:600]
+        for ln in hlo.splitlines()
+        if "kCustom" in ln or "custom-call(" in ln or " dot(" in ln
+      ][:12]
     xu = xu_gemm(gemms, m, r)
     tiles = xla_tiles(xu, m, r) if xu else None
     case = f"{m},{k},{r},{n}|xla,,auto"
@@ -198,15 +235,26 @@ def main(argv=None):
       case += ",," + rec["phase1_variant"]
     cases.append(case)
     records.append(rec)
-    print(m, k, r, n, [(g["kind"], g["out"]) for g in gemms], tiles,
-          [(kk["name"], round(kk["median_us"], 2)) for kk in rec["kernels"]], flush=True)
+    print(
+      m,
+      k,
+      r,
+      n,
+      [(g["kind"], g["out"]) for g in gemms],
+      tiles,
+      [(kk["name"], round(kk["median_us"], 2)) for kk in rec["kernels"]],
+      flush=True,
+    )
 
   dev = jax.devices()[0]
-  meta = dict(machine=getattr(dev, "device_kind", str(dev)), jax=jax.__version__,
-              date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              method="gpu_lowrank.chained((x@u)@v) over the benchmark's L layers, one pass, "
-                     "compiled; GEMMs read from its optimized HLO text (one of each); "
-                     "kernel medians from gpu_timeline.timeline (3 passes)")
+  meta = dict(
+    machine=getattr(dev, "device_kind", str(dev)),
+    jax=jax.__version__,
+    date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    method="gpu_lowrank.chained((x@u)@v) over the benchmark's L layers, one pass, "
+    "compiled; GEMMs read from its optimized HLO text (one of each); "
+    "kernel medians from gpu_timeline.timeline (3 passes)",
+  )
   with open(args.out, "w") as f:
     json.dump(dict(meta=meta, records=records), f, indent=1)
   if args.emit_cases:

@@ -21,6 +21,7 @@ reference of round(P)·V.
   python benchmarks/xla_p_handover.py --out benchmarks/results/gpu_xla_p_handover_h200.json \\
       128,256,512 128,152,4096 128,640,2048
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,14 +75,16 @@ def entry_kernels(hlo: str) -> list[str]:
 
 def form_fn(form: str, m: int, r: int):
   """fn(x, p, v) -> y [m, N] bf16 for one form of P (x, the chain's input, is not read)."""
+
   def fn(x, p, v):
     if form == "f32_slice":
-      p = p[:m * r].reshape(m, r)
+      p = p[: m * r].reshape(m, r)
     elif form == "f32_flat":
       p = p.reshape(m, r)
     elif form == "f32_rows":
-      p = p[m:2 * m]
+      p = p[m : 2 * m]
     return jnp.dot(p.astype(jnp.bfloat16), v)
+
   return fn
 
 
@@ -94,6 +97,7 @@ def main(argv=None):
   points = [parse_point(p) for p in args.points]
   import gpu_lowrank as g
   from results_io import write_json
+
   g.REPS = args.reps
   dev = jax.devices()[0]
   if dev.platform != "gpu":
@@ -103,8 +107,10 @@ def main(argv=None):
     layers = 3 * g.n_layers(0, m)
     keys = jax.random.split(jax.random.key(m * 7919 + r * 31 + n), 2 * layers)
     p32 = [jax.random.normal(keys[2 * i], (m, r), jnp.float32) for i in range(layers)]
-    v = [(jax.random.normal(keys[2 * i + 1], (r, n), jnp.float32) * r ** -0.5)
-         .astype(jnp.bfloat16) for i in range(layers)]
+    v = [
+      (jax.random.normal(keys[2 * i + 1], (r, n), jnp.float32) * r**-0.5).astype(jnp.bfloat16)
+      for i in range(layers)
+    ]
     x = jnp.zeros((1,), jnp.float32)
     for form in FORMS:
       if form == "bf16":
@@ -121,19 +127,30 @@ def main(argv=None):
       us, spread = g.per_call_us(fn, x, list(zip(ps, v)), distinct=True)
       hlo = jax.jit(fn).lower(x, ps[0], v[0]).compile().as_text()
       got = np.asarray(jax.jit(fn)(x, ps[0], v[0]), np.float64)
-      want = (np.asarray(p32[0].astype(jnp.bfloat16), np.float64)
-              @ np.asarray(v[0], np.float64))
+      want = np.asarray(p32[0].astype(jnp.bfloat16), np.float64) @ np.asarray(v[0], np.float64)
       err = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
       if err > 2e-2:
         raise SystemExit(f"{m},{r},{n} {form}: relative error {err} (expected < 2e-2)")
-      rec = dict(M=m, r=r, N=n, form=form, us=round(us, 3), spread=round(spread, 4),
-                 kernels=entry_kernels(hlo), rel_err=err, layers=layers)
+      rec = dict(
+        M=m,
+        r=r,
+        N=n,
+        form=form,
+        us=round(us, 3),
+        spread=round(spread, 4),
+        kernels=entry_kernels(hlo),
+        rel_err=err,
+        layers=layers,
+      )
       recs.append(rec)
       print(f"{m},{r},{n} {form:10s} {us:7.3f} us  {' '.join(rec['kernels'])}", flush=True)
-  meta = dict(machine=dev.device_kind, jax=jax.__version__,
-              date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              method=__doc__.split("\n\n")[1].replace("\n", " "),
-              timing="per_call_us(distinct=True): 3L layers, each call on its own")
+  meta = dict(
+    machine=dev.device_kind,
+    jax=jax.__version__,
+    date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    method=__doc__.split("\n\n")[1].replace("\n", " "),
+    timing="per_call_us(distinct=True): 3L layers, each call on its own",
+  )
   write_json(args.out, dict(meta=meta, records=recs))
   print(f"wrote {len(recs)} records to {args.out}")
 

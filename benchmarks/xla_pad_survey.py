@@ -11,6 +11,7 @@ follows its GEMM autotuner; the survey records which (M, K, r, N) it padded.
 
   python benchmarks/xla_pad_survey.py --out benchmarks/results/gpu_xla_pad_survey_h200.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,6 +36,7 @@ def v_pads(hlo: str, r: int, n: int) -> list[int]:
 def survey(contexts=CONTEXTS, ranks=RANKS) -> list[dict]:
   import jax
   import jax.numpy as jnp
+
   out = []
   for m, k, n in contexts:
     for r in ranks:
@@ -42,13 +44,15 @@ def survey(contexts=CONTEXTS, ranks=RANKS) -> list[dict]:
       hlo = jax.jit(lambda x, u, v: (x @ u) @ v).lower(*spec).compile().as_text()
       pads = v_pads(hlo, r, n)
       out.append(dict(M=m, K=k, r=r, N=n, v_padded_to=pads[0] if pads else None))
-      print(f"M={m} K={k} r={r} N={n}: {'V padded to ' + str(pads[0]) if pads else 'no pad'}",
-            flush=True)
+      print(
+        f"M={m} K={k} r={r} N={n}: {'V padded to ' + str(pads[0]) if pads else 'no pad'}",
+        flush=True,
+      )
   return out
 
 
 def parse_context(text: str) -> tuple[int, int, int]:
-  """"M,K,N" -> (M, K, N), each a positive integer."""
+  """ "M,K,N" -> (M, K, N), each a positive integer."""
   parts = text.split(",")
   if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
     raise ValueError(f"{text!r}: expected M,K,N (three positive integers)")
@@ -65,20 +69,30 @@ def _context_arg(text: str) -> tuple[int, int, int]:
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--out", required=True, help="results JSON")
-  ap.add_argument("--contexts", nargs="*", type=_context_arg, default=list(CONTEXTS),
-                  metavar="M,K,N", help="row counts and the chain's K and N")
+  ap.add_argument(
+    "--contexts",
+    nargs="*",
+    type=_context_arg,
+    default=list(CONTEXTS),
+    metavar="M,K,N",
+    help="row counts and the chain's K and N",
+  )
   ap.add_argument("--ranks", nargs="*", type=int, default=list(RANKS), help="ranks r to compile")
   args = ap.parse_args()
   if any(r <= 0 for r in args.ranks):
     ap.error(f"--ranks: expected positive integers, got {args.ranks}")
   import jax
   from results_io import write_json
+
   dev = jax.devices()[0]
   records = survey(args.contexts, args.ranks)
-  meta = dict(machine=getattr(dev, "device_kind", str(dev)), jax=jax.__version__,
-              date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              method="compile (x @ u) @ v for bf16 ShapeDtypeStructs of each (M, K, r, N) in a "
-                     "fresh jit; a pad (or pad fusion) producing [r' > r, N] is a padded V")
+  meta = dict(
+    machine=getattr(dev, "device_kind", str(dev)),
+    jax=jax.__version__,
+    date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    method="compile (x @ u) @ v for bf16 ShapeDtypeStructs of each (M, K, r, N) in a "
+    "fresh jit; a pad (or pad fusion) producing [r' > r, N] is a padded V",
+  )
   write_json(args.out, dict(meta=meta, records=records))
 
 

@@ -11,6 +11,7 @@ instructions, and with ``--time`` times both on the same weights. Extra ``XLA_FL
 
   python benchmarks/xla_triton_ptx.py --case 8,8192,2456,8192 --out ptx.json --ptx-dir $OUT --time
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,9 +37,24 @@ import kernel_resources  # noqa: E402
 from lrjax.custom_calls.triton import launch, planner, xuv_decode  # noqa: E402
 
 # instruction classes counted in each build (a PTX opcode's leading fields)
-CLASSES = ("ld.global", "st.global", "cp.async", "ld.shared", "st.shared", "ldmatrix",
-           "mma", "wgmma", "atom", "red", "bar", "mbarrier", "prefetch", "setp", "selp",
-           "bra")
+CLASSES = (
+  "ld.global",
+  "st.global",
+  "cp.async",
+  "ld.shared",
+  "st.shared",
+  "ldmatrix",
+  "mma",
+  "wgmma",
+  "atom",
+  "red",
+  "bar",
+  "mbarrier",
+  "prefetch",
+  "setp",
+  "selp",
+  "bra",
+)
 
 
 def entries(ptx: str) -> dict[str, str]:
@@ -46,7 +62,7 @@ def entries(ptx: str) -> dict[str, str]:
   out = {}
   for m in re.finditer(r"\.entry\s+(\w+)\s*\(", ptx):
     end = ptx.find("\n}\n", m.end())
-    out[m.group(1)] = ptx[m.start():end + 3 if end >= 0 else len(ptx)]
+    out[m.group(1)] = ptx[m.start() : end + 3 if end >= 0 else len(ptx)]
   return out
 
 
@@ -62,15 +78,15 @@ def histogram(body: str) -> dict[str, int]:
     op = t.split(None, 1)[0].rstrip(";") if t else ""
     if op:
       ops[op] += 1
-  classes = {c: sum(n for op, n in ops.items() if op == c or op.startswith(c + "."))
-             for c in CLASSES}
+  classes = {
+    c: sum(n for op, n in ops.items() if op == c or op.startswith(c + ".")) for c in CLASSES
+  }
   return dict(classes=classes, opcodes=dict(ops.most_common()))
 
 
 def _dumped() -> set[str]:
   """Every file under the dump folder (XLA writes some into a folder per module)."""
-  return {f for f in glob.glob(os.path.join(DUMP, "**", "*"), recursive=True)
-          if os.path.isfile(f)}
+  return {f for f in glob.glob(os.path.join(DUMP, "**", "*"), recursive=True) if os.path.isfile(f)}
 
 
 def _ptxas(b: dict) -> dict:
@@ -95,23 +111,31 @@ def _ptxas(b: dict) -> dict:
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--case", default="8,8192,2456,8192",
-                  help="M,K,r,N[:field=value,...] (a planner.PersistentDecodePlan's fields)")
+  ap.add_argument(
+    "--case",
+    default="8,8192,2456,8192",
+    help="M,K,r,N[:field=value,...] (a planner.PersistentDecodePlan's fields)",
+  )
   ap.add_argument("--out", required=True, help="results JSON: each call appends one run")
   ap.add_argument("--ptx-dir", help="also write each build's kernel PTX here")
   ap.add_argument("--time", action="store_true", help="time both builds on the same weights")
   args = ap.parse_args(argv)
   global DUMP
   DUMP = tempfile.mkdtemp(prefix="xla_dump_")  # read when the backend starts (below)
-  os.environ["XLA_FLAGS"] = (USER_XLA_FLAGS + f" --xla_dump_to={DUMP}"
-                             + " --xla_gpu_dump_llvmir=true --xla_dump_emitter_re=.*").strip()
+  os.environ["XLA_FLAGS"] = (
+    USER_XLA_FLAGS
+    + f" --xla_dump_to={DUMP}"
+    + " --xla_gpu_dump_llvmir=true --xla_dump_emitter_re=.*"
+  ).strip()
   dims, _, fields = args.case.partition(":")
   m, k, r, n = (int(t) for t in dims.split(","))
   plan = xuv_decode.plan_persistent(m, k, r, n, "kernel", None)
   if fields:
     import dataclasses
-    plan = dataclasses.replace(plan, **{f: int(v) for f, v in
-                                        (t.split("=") for t in fields.split(","))})
+
+    plan = dataclasses.replace(
+      plan, **{f: int(v) for f, v in (t.split("=") for t in fields.split(","))}
+    )
   name = xuv_decode._xuv_decode_persistent_kernel.__name__
   planner.xla_triton_serves = lambda kernel, meta: kernel == name  # force it for this plan
   fn = lambda x, u, v: xuv_decode.xuv_decode(x, u, v, persistent=plan, pv="kernel")  # noqa
@@ -137,26 +161,42 @@ def main(argv=None):
   theirs = {e: v for e, v in found.items() if "xuv" in e or "triton" in e.lower()}
   if len(theirs) != 1:
     files = sorted(os.path.relpath(f, DUMP) for f in _dumped() - before)
-    raise SystemExit(f"expected one XLA-built kernel entry in the dump, found {sorted(found)} "
-                     f"in {len(files)} files: {files[-40:]}")
-  (xla_entry, (xla_path, xla_body)), = theirs.items()
+    raise SystemExit(
+      f"expected one XLA-built kernel entry in the dump, found {sorted(found)} "
+      f"in {len(files)} files: {files[-40:]}"
+    )
+  ((xla_entry, (xla_path, xla_body)),) = theirs.items()
   with open(xla_path) as fh:
     xla_module = fh.read()
   # ctas_per_sm from our build's shared memory for both (XLA's is set inside its compile)
   common = dict(shared=ours[0].shared, warps=plan.warps)
   builds = {
-      ours_key: dict(entry=ours[0].name, ptx=ours[0].ptx,
-                     body=entries(ours[0].ptx)[ours[0].name], **common),
-      "xla_bundled_triton": dict(entry=xla_entry, ptx=xla_module, body=xla_body, **common),
+    ours_key: dict(
+      entry=ours[0].name, ptx=ours[0].ptx, body=entries(ours[0].ptx)[ours[0].name], **common
+    ),
+    "xla_bundled_triton": dict(entry=xla_entry, ptx=xla_module, body=xla_body, **common),
   }
-  out = dict(meta=dict(machine=jax.devices()[0].device_kind, jax=jax.__version__,
-                       triton=triton.__version__, date=datetime.date.today().isoformat(),
-                       case=args.case, plan=str(plan), xla_flags=USER_XLA_FLAGS), builds={})
+  out = dict(
+    meta=dict(
+      machine=jax.devices()[0].device_kind,
+      jax=jax.__version__,
+      triton=triton.__version__,
+      date=datetime.date.today().isoformat(),
+      case=args.case,
+      plan=str(plan),
+      xla_flags=USER_XLA_FLAGS,
+    ),
+    builds={},
+  )
   for key, b in builds.items():
     head = re.search(r"\.version\s+(\S+)", b["ptx"])
-    out["builds"][key] = dict(entry=b["entry"], ptx_version=head.group(1) if head else None,
-                              lines=b["body"].count("\n"), ptxas=_ptxas(b),
-                              **histogram(b["body"]))
+    out["builds"][key] = dict(
+      entry=b["entry"],
+      ptx_version=head.group(1) if head else None,
+      lines=b["body"].count("\n"),
+      ptxas=_ptxas(b),
+      **histogram(b["body"]),
+    )
     if args.ptx_dir:
       with open(os.path.join(args.ptx_dir, key + ".ptx"), "w") as fh:
         fh.write(b["body"])

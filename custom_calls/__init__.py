@@ -7,6 +7,7 @@ Each room has a light ``lowering.py`` that never imports its toolchain at import
 time. It defines ``KERNELS`` (a list of :class:`lrjax.lowering.KernelLowering`)
 and ``register()``, which registers them where the platform can use them.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -7,6 +7,7 @@ Runs on a committed tiny fixture by default (no downloads):
 The same conversion from the shell: ``lrjax convert --hf DIR --out DIR --ratio 0.3 --calib
 tokens.npy`` and ``lrjax export --ckpt DIR --out DIR``.
 """
+
 import argparse
 import os
 import tempfile
@@ -35,27 +36,34 @@ def main():
 
   dense = from_hf(args.hf, dtype=jnp.float32)
   cfg = dense.cfg
-  print(f"loaded {args.hf}: {cfg.model_type}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
-        f"heads {cfg.num_heads}/{cfg.num_kv_heads}, digest {dense.source_digest[:19]}…")
+  print(
+    f"loaded {args.hf}: {cfg.model_type}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+    f"heads {cfg.num_heads}/{cfg.num_kv_heads}, digest {dense.source_digest[:19]}…"
+  )
   ref_path = os.path.join(args.hf, "reference.safetensors")
   if os.path.exists(ref_path):
     ref = load_file(ref_path)
     err = np.max(np.abs(np.asarray(fwd(dense, ref["tokens"])) - ref["logits"]))
-    print(f"max |Δlogit| vs transformers: {err:.2e} (max |logit| {np.abs(ref['logits']).max():.2f})")
+    print(
+      f"max |Δlogit| vs transformers: {err:.2e} (max |logit| {np.abs(ref['logits']).max():.2f})"
+    )
 
   rng = np.random.default_rng(0)
   calib = rng.integers(0, cfg.vocab_size, (8, 32))
   probe = rng.integers(0, cfg.vocab_size, (2, 16))
   dense_logits = np.asarray(fwd(dense, probe))
-  model = compress(dense, ratio=args.ratio, calib_tokens=calib, method="whiten",
-                   block=args.block)
+  model = compress(dense, ratio=args.ratio, calib_tokens=calib, method="whiten", block=args.block)
   pc = param_counts(model)
-  print(f"compressed: projection weights {pc['dense_equiv']} → {pc['actual']} "
-        f"({1 - pc['actual'] / pc['dense_equiv']:.1%} removed); layer-0 ranks "
-        f"{model.layer_ranks()[0]}")
+  print(
+    f"compressed: projection weights {pc['dense_equiv']} → {pc['actual']} "
+    f"({1 - pc['actual'] / pc['dense_equiv']:.1%} removed); layer-0 ranks "
+    f"{model.layer_ranks()[0]}"
+  )
   lr_logits = np.asarray(fwd(model, probe))
-  print(f"relative logit change from compression: "
-        f"{np.linalg.norm(lr_logits - dense_logits) / np.linalg.norm(dense_logits):.3f}")
+  print(
+    f"relative logit change from compression: "
+    f"{np.linalg.norm(lr_logits - dense_logits) / np.linalg.norm(dense_logits):.3f}"
+  )
 
   ck = os.path.join(out, "lowrank_orbax")
   checkpoint.save(model, ck, overwrite=True)

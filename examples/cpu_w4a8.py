@@ -5,6 +5,7 @@
 Prints the W4A8 custom calls in the compiled HLO, the error against the float
 model, and the error against an f64 reference that uses the same int4 weights.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,22 +39,28 @@ def main():
 
   y = forward(state, x)
   ref = model(x)
-  print(f"relative error vs the float model: "
-        f"{float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)):.3f} "
-        "(random-init model, 9 int4 matmuls in series)")
+  print(
+    f"relative error vs the float model: "
+    f"{float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)):.3f} "
+    "(random-init model, 9 int4 matmuls in series)"
+  )
 
   # One layer against f64 with the same int4 weights: only activation rounding remains.
   layer = qmodel.proj
   assert isinstance(layer, QuantizedLowRankLinear)
+
   def deq(name):
     k, n, group, layout = getattr(layer, f"{name}_meta")
     q = np.asarray(Q.unpack_int4(getattr(layer, f"{name}_packed")[...], k, n, layout))
     return dequantize_int4(q, np.asarray(getattr(layer, f"{name}_scales")[...]), group)
+
   x64 = np.asarray(x, np.float64)
   ref64 = (x64 @ deq("u")) @ deq("v") + np.asarray(layer.bias[...], np.float64)
   y1 = np.asarray(jax.jit(lambda x: layer(x))(x), np.float64)
-  print(f"proj layer NMSE vs f64 with the same int4 weights: "
-        f"{np.mean((y1 - ref64) ** 2) / np.mean(ref64 ** 2):.2e} (bound 5e-4)")
+  print(
+    f"proj layer NMSE vs f64 with the same int4 weights: "
+    f"{np.mean((y1 - ref64) ** 2) / np.mean(ref64**2):.2e} (bound 5e-4)"
+  )
 
 
 if __name__ == "__main__":

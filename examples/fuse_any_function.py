@@ -5,6 +5,7 @@
 Prints the rewritten jaxpr, the explain report and the agreement with the
 unfused function.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,10 +26,22 @@ def block(x, p):
 def main():
   d, f, r = 256, 704, 64
   keys = iter(jax.random.split(jax.random.key(0), 16))
-  shapes = {"q_u": (d, r), "q_v": (r, d), "k_u": (d, r // 2), "k_v": (r // 2, d),
-            "v_u": (d, r // 2), "v_v": (r // 2, d), "o_u": (d, r), "o_v": (r, d),
-            "g_u": (d, r), "g_v": (r, f), "u_u": (d, r), "u_v": (r, f), "d_u": (f, r),
-            "d_v": (r, d)}
+  shapes = {
+    "q_u": (d, r),
+    "q_v": (r, d),
+    "k_u": (d, r // 2),
+    "k_v": (r // 2, d),
+    "v_u": (d, r // 2),
+    "v_v": (r // 2, d),
+    "o_u": (d, r),
+    "o_v": (r, d),
+    "g_u": (d, r),
+    "g_v": (r, f),
+    "u_u": (d, r),
+    "u_v": (r, f),
+    "d_u": (f, r),
+    "d_v": (r, d),
+  }
   p = {k: jax.random.normal(next(keys), s) * s[0] ** -0.5 for k, s in shapes.items()}
   x = jax.random.normal(next(keys), (4, 32, d))
 

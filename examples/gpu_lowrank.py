@@ -14,6 +14,7 @@ on later jaxlibs all through the PTX call (README, "XLA launches the kernels its
 ``LRJAX_TRITON_LAUNCH=xla`` sends them all to the PTX call, ``jaxlib`` to jaxlib's Triton
 handler, ``pdl`` to lrjax's own as programmatic dependents (measured neutral under XLA).
 """
+
 import statistics
 import time
 
@@ -29,8 +30,7 @@ class LowRankStack(nnx.Module):
   def __init__(self, hidden, intermediate, rank, layers, *, rngs):
     kw = dict(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=rngs)
     seq = nnx.List if hasattr(nnx, "List") else list
-    self.mlps = seq([LowRankMLP(hidden, intermediate, (rank,) * 3, **kw)
-                          for _ in range(layers)])
+    self.mlps = seq([LowRankMLP(hidden, intermediate, (rank,) * 3, **kw) for _ in range(layers)])
     self.out = LowRankLinear(hidden, 4 * hidden, rank, **kw)
 
   def __call__(self, x):
@@ -53,22 +53,32 @@ def main():
   if jax.default_backend() != "gpu":
     raise SystemExit(f"this example needs a GPU; jax backend is {jax.default_backend()!r}")
   from lrjax.custom_calls.triton import launch  # needs jax-triton: GPU installs only
+
   model = LowRankStack(4096, 14336, 1024, layers=4, rngs=nnx.Rngs(0))
   fused = jax.jit(lrjax.fuse(model))
   plain = jax.jit(lambda x: model(x))
   for tokens in (1, 16, 2048):
     x = jax.random.normal(jax.random.key(tokens), (tokens, 4096), jnp.float32).astype(jnp.bfloat16)
     hlo = fused.lower(x).compile().as_text()
-    calls = [line.split("kernel_name")[0].strip()[:60] for line in hlo.splitlines()
-             if launch.count_calls(line)]
-    err = float(jnp.linalg.norm((fused(x) - plain(x)).astype(jnp.float32)) /
-                jnp.linalg.norm(plain(x).astype(jnp.float32)))
-    print(f"tokens={tokens}: {len(calls)} Triton custom calls in the compiled HLO, "
-          f"rel. diff vs XLA {err:.2e}")
+    calls = [
+      line.split("kernel_name")[0].strip()[:60]
+      for line in hlo.splitlines()
+      if launch.count_calls(line)
+    ]
+    err = float(
+      jnp.linalg.norm((fused(x) - plain(x)).astype(jnp.float32))
+      / jnp.linalg.norm(plain(x).astype(jnp.float32))
+    )
+    print(
+      f"tokens={tokens}: {len(calls)} Triton custom calls in the compiled HLO, "
+      f"rel. diff vs XLA {err:.2e}"
+    )
     for c in calls:
       print("   ", c)
-    print(f"   lrjax.fuse + Triton {timed(fused, x):.3f} ms   XLA unfused {timed(plain, x):.3f} ms "
-          "(host-timed whole forward, median)")
+    print(
+      f"   lrjax.fuse + Triton {timed(fused, x):.3f} ms   XLA unfused {timed(plain, x):.3f} ms "
+      "(host-timed whole forward, median)"
+    )
   print(lrjax.explain(model, x))
 
 

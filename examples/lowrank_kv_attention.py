@@ -10,6 +10,7 @@ cache and never rebuilds V: it attends with (p·zv)·v_v. On CUDA, the Triton ke
 (``prefer_kernels()``): on the H200 it measured 0.50-0.63x the reference's speed, with
 4-270x less temporary memory.
 """
+
 import statistics
 import time
 
@@ -27,7 +28,7 @@ def main():
   dt = jnp.bfloat16
   q = jax.random.normal(ks[0], (b, hq, d), dt)
   zk, zv = (jax.random.normal(k, (b, t, r), dt) for k in ks[1:3])
-  vk, vv = (jax.random.normal(k, (r, hkv * d), dt) * r ** -0.5 for k in ks[3:5])
+  vk, vv = (jax.random.normal(k, (r, hkv * d), dt) * r**-0.5 for k in ks[3:5])
   pos = jnp.array([t - 1, 2000, 100, 0], jnp.int32)  # last visible key of each sequence
   inv = jnp.asarray(1.0 / (500000.0 ** (np.arange(0, d, 2) / d)), jnp.float32)
   ops = (q, zk, zv, vk, vv, pos, inv)
@@ -41,16 +42,22 @@ def main():
   with force_reference():
     ref = jax.jit(lambda *a: lr_kv_attention(*a)).lower(*ops).compile()
   out = ref(*ops)
-  print(f"output {out.shape} {out.dtype}; XLA temporaries "
-        f"{ref.memory_analysis().temp_size_in_bytes / 1e6:.0f} MB")
+  print(
+    f"output {out.shape} {out.dtype}; XLA temporaries "
+    f"{ref.memory_analysis().temp_size_in_bytes / 1e6:.0f} MB"
+  )
   if jax.default_backend() != "gpu":
     return
   with prefer_kernels():
     kern = jax.jit(lambda *a: lr_kv_attention(*a)).lower(*ops).compile()
-  err = float(jnp.linalg.norm((kern(*ops) - out).astype(jnp.float32)) /
-              jnp.linalg.norm(out.astype(jnp.float32)))
-  print(f"Triton kernel: relative difference {err:.2e}, temporaries "
-        f"{kern.memory_analysis().temp_size_in_bytes / 1e6:.0f} MB")
+  err = float(
+    jnp.linalg.norm((kern(*ops) - out).astype(jnp.float32))
+    / jnp.linalg.norm(out.astype(jnp.float32))
+  )
+  print(
+    f"Triton kernel: relative difference {err:.2e}, temporaries "
+    f"{kern.memory_analysis().temp_size_in_bytes / 1e6:.0f} MB"
+  )
   for name, f in (("XLA reference", ref), ("Triton kernel", kern)):
     f(*ops).block_until_ready()
     ts = []

@@ -7,6 +7,7 @@ tests/custom_calls/nki/, which this example deliberately does not import.)
 
     python examples/nki_plan.py --M 4096 --K 7168 --r 4096 --N 18432 --out-t
 """
+
 import argparse
 import json
 
@@ -38,17 +39,23 @@ def main():
       continue
     q = planner.best_for_bm("xuv", a.M, a.K, a.r, a.N, jnp.dtype(a.dtype), bm, out_t=a.out_t)
     if q is not None:
-      print(f"B_M={bm:5d} blocks={q.blocks.as_tuple()} AI eq10={q.ai_eq10:7.1f} kernel={q.ai:7.1f} "
-            f"SBUF(pipelined)={q.sbuf_pipelined_bytes / 2**20:5.1f}/24 MiB "
-            f"{'SPILLS' if not q.fits else 'fits'}")
+      print(
+        f"B_M={bm:5d} blocks={q.blocks.as_tuple()} AI eq10={q.ai_eq10:7.1f} kernel={q.ai:7.1f} "
+        f"SBUF(pipelined)={q.sbuf_pipelined_bytes / 2**20:5.1f}/24 MiB "
+        f"{'SPILLS' if not q.fits else 'fits'}"
+      )
 
   print("\n== what lrjax.lowering would select on platform 'neuron' ==")
   dt = jnp.dtype(a.dtype)
   S = jax.ShapeDtypeStruct
   avals = [S((a.M, a.K), dt), S((a.K, a.r), dt), S((a.r, a.N), dt)]
-  name, why = lowering.would_serve("lr_xuv", avals, dict(has_bias=False, inter_dtype=dt, out_dtype=dt))
+  name, why = lowering.would_serve(
+    "lr_xuv", avals, dict(has_bias=False, inter_dtype=dt, out_dtype=dt)
+  )
   print(f"lr_xuv -> {name or 'XLA reference'}: {why}")
-  print(f"(registered here: {lowering.neuron_available()}; without the Neuron SDK the reference serves)")
+  print(
+    f"(registered here: {lowering.neuron_available()}; without the Neuron SDK the reference serves)"
+  )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ into the tensor-parallel shardings, prints the collectives of one layer, and gen
 concurrent requests (continuous batching) — once with the dense KV cache and once with the
 low-rank (rank-space) KV cache.
 """
+
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -31,8 +32,15 @@ def main():
   ap.add_argument("--tp", type=int, default=4)
   ap.add_argument("--strategy", default="lowrank_tp", choices=sharding.STRATEGIES[1:])
   args = ap.parse_args()
-  cfg = ModelConfig.tiny(hidden_size=128, intermediate_size=384, num_heads=8, num_kv_heads=4,
-                         head_dim=16, num_layers=2, vocab_size=512)
+  cfg = ModelConfig.tiny(
+    hidden_size=128,
+    intermediate_size=384,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=16,
+    num_layers=2,
+    vocab_size=512,
+  )
   ranks = compressed_ranks(cfg, ratio=0.4, multiple=8)
   model = LlamaForCausalLM(cfg, ranks=[ranks] * cfg.num_layers, rngs=nnx.Rngs(0))
   with tempfile.TemporaryDirectory() as tmp:
@@ -41,8 +49,10 @@ def main():
     model = load_model(path, tp=args.tp, strategy=args.strategy)
   print(f"{jax.device_count()} devices; {args.strategy} over tp={args.tp}; ranks {ranks}")
   u = model.layers[0].attn.q_proj.u[...]
-  print(f"q_proj.u {u.shape} sharded {u.sharding.spec}: local shard "
-        f"{u.addressable_shards[0].data.shape}")
+  print(
+    f"q_proj.u {u.shape} sharded {u.sharding.spec}: local shard "
+    f"{u.addressable_shards[0].data.shape}"
+  )
 
   h = jax.random.normal(jax.random.key(0), (1, 8, cfg.hidden_size), jnp.float32)
   colls = sharding.collectives(layer_hlo(model.layers[0], cfg, h))
@@ -50,10 +60,12 @@ def main():
   for c in colls:
     print(f"  {c.kind:11s} {c.shapes} {c.nbytes} B")
 
-  reqs = [Request([1, 2, 3, 4], SamplingParams(max_new_tokens=12)),
-          Request([7, 8], SamplingParams(max_new_tokens=8, temperature=0.8, top_k=20, seed=1)),
-          Request([9] * 10, SamplingParams(max_new_tokens=10, top_p=0.9, temperature=1.0)),
-          Request([5, 6, 7], SamplingParams(max_new_tokens=6, stop_tokens=(0,)))]
+  reqs = [
+    Request([1, 2, 3, 4], SamplingParams(max_new_tokens=12)),
+    Request([7, 8], SamplingParams(max_new_tokens=8, temperature=0.8, top_k=20, seed=1)),
+    Request([9] * 10, SamplingParams(max_new_tokens=10, top_p=0.9, temperature=1.0)),
+    Request([5, 6, 7], SamplingParams(max_new_tokens=6, stop_tokens=(0,))),
+  ]
   for lowrank_kv in (False, True):
     eng = Engine(model, max_slots=2, max_len=64, buckets=(16,), lowrank_kv=lowrank_kv)
     t0 = time.perf_counter()

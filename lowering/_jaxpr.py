@@ -3,11 +3,13 @@
 Pinned to jax >= 0.10.2, < 0.12. Everything else in lrjax goes through the
 small API below (eqn evaluation, sub-jaxpr discovery, source locations).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import jax
 from jax._src import core
@@ -27,8 +29,9 @@ def _version_tuple(v: str) -> tuple[int, ...]:
 
 if not SUPPORTED_JAX[0] <= _version_tuple(jax.__version__) < SUPPORTED_JAX[1]:
   raise ImportError(
-      f"lrjax's jaxpr pass supports jax >=0.10.2,<0.12; found jax {jax.__version__}. "
-      "Install a supported jax (pip install 'jax>=0.10.2,<0.12').")
+    f"lrjax's jaxpr pass supports jax >=0.10.2,<0.12; found jax {jax.__version__}. "
+    "Install a supported jax (pip install 'jax>=0.10.2,<0.12')."
+  )
 
 Var = core.Var
 Literal = core.Literal
@@ -55,8 +58,10 @@ def bind_eqn(eqn: JaxprEqn, invals: Sequence[Any], params: dict | None = None) -
   else:
     subfuns = ()
   name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-  with (source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
-        eqn.ctx.manager):
+  with (
+    source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
+    eqn.ctx.manager,
+  ):
     ans = eqn.primitive.bind(*subfuns, *invals, **bind_params)
   return list(ans) if eqn.primitive.multiple_results else [ans]
 
@@ -68,8 +73,11 @@ def location(eqn: JaxprEqn, depth: int = 2) -> str:
   """'file.py:LINE (function)' of the user code that produced ``eqn``, innermost first,
   with up to ``depth`` frames (e.g. the layer's __call__ and the model code calling it)."""
   try:
-    frames = [f for f in source_info_util.user_frames(eqn.source_info.traceback)
-              if not f.file_name.startswith(_LOWERING_DIR)][:depth]
+    frames = [
+      f
+      for f in source_info_util.user_frames(eqn.source_info.traceback)
+      if not f.file_name.startswith(_LOWERING_DIR)
+    ][:depth]
     parts = [f"{f.file_name}:{f.start_line} ({f.function_name})" for f in frames]
     return " <- ".join(parts) if parts else source_info_util.summarize(eqn.source_info)
   except Exception:  # pragma: no cover - best effort only
@@ -106,13 +114,18 @@ def sub_jaxprs(eqn: JaxprEqn) -> list[SubJaxpr]:
       if name == "while":
         cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
         carry = list(range(cn + bn, n_in))
-        omap = (list(range(cn)) + carry) if key == "cond_jaxpr" else (list(range(cn, cn + bn)) + carry)
+        omap = (
+          (list(range(cn)) + carry) if key == "cond_jaxpr" else (list(range(cn, cn + bn)) + carry)
+        )
       elif name == "cond":
         omap = list(range(1, n_in))  # operand 0 is the branch index
       else:
         omap = list(range(n_in)) if n == n_in else [None] * n
-      out.append(SubJaxpr(key, idx if isinstance(val, (tuple, list)) else None, jx, consts,
-                          closed, tuple(omap)))
+      out.append(
+        SubJaxpr(
+          key, idx if isinstance(val, (tuple, list)) else None, jx, consts, closed, tuple(omap)
+        )
+      )
   return out
 
 
@@ -125,8 +138,9 @@ def scan_counts(eqn: JaxprEqn) -> tuple[int, int]:
   if "ft_in" in p:
     consts, carry, _ = p["ft_in"].update(list(range(len(eqn.invars)))).unpack()
     return len(consts), len(carry)
-  raise NotImplementedError(f"scan params {sorted(p)}: neither num_consts nor ft_in "
-                            "(an unsupported jax version)")
+  raise NotImplementedError(
+    f"scan params {sorted(p)}: neither num_consts nor ft_in (an unsupported jax version)"
+  )
 
 
 def carried_invars(eqn: JaxprEqn, sub: SubJaxpr) -> set[int]:
@@ -173,6 +187,7 @@ def require_devices_during_lowering(*prims) -> None:
   """Makes jax hand device assignments to these primitives' lowering rules
   (custom_partitioning needs them when a kernel is lowered under SPMD)."""
   from jax._src import dispatch
+
   dispatch.prim_requires_devices_during_lowering.update(prims)
 
 

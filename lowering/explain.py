@@ -1,13 +1,15 @@
 """``lrjax.lowering.explain``: what the pass rewrites, what it refuses, and which kernel serves.
 
-    report = lrjax.lowering.explain(f, *args)
-    print(report)            # readable
-    report.to_dict()         # data
+report = lrjax.lowering.explain(f, *args)
+print(report)            # readable
+report.to_dict()         # data
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 from lrjax.lowering import registry
 from lrjax.lowering import rules as rules_lib
@@ -30,17 +32,25 @@ def kernels_for(primitive: str, avals_in, params) -> dict:
   for plat in REPORT_PLATFORMS:
     if registry.candidates(primitive, plat):
       sel = registry.select(primitive, plat, avals_in, params)
-      out[plat] = {"kernel": sel.name, "declined": [list(d) for d in sel.declined],
-                   "registered": True}
+      out[plat] = {
+        "kernel": sel.name,
+        "declined": [list(d) for d in sel.declined],
+        "registered": True,
+      }
       continue
     kernel, declined = registry.choose(
-        sorted((k for k in catalog if k.primitive == primitive and k.platform == plat),
-               key=lambda k: -k.priority), avals_in, params)
+      sorted(
+        (k for k in catalog if k.primitive == primitive and k.platform == plat),
+        key=lambda k: -k.priority,
+      ),
+      avals_in,
+      params,
+    )
     chosen = kernel.name if kernel is not None else "reference"
-    out[plat] = {"kernel": chosen, "declined": [list(d) for d in declined],
-                 "registered": False}
+    out[plat] = {"kernel": chosen, "declined": [list(d) for d in declined], "registered": False}
   if primitive in ("lr_xuv", "lr_mlp") and out["neuron"]["kernel"] != "reference":
     from lrjax.custom_calls.nki.lowering import would_serve
+
     out["neuron"]["plan"] = would_serve(primitive, avals_in, params)[1]
   return out
 
@@ -74,12 +84,16 @@ class ExplainReport:
       if "plan" in m["kernels"].get("neuron", {}):
         lines.append(f"        neuron plan: {m['kernels']['neuron']['plan']}")
     for g in self.groups:
-      lines.append(f"  GROUP lr_xuv_group ({len(g['members'])} of the lr_xuv above, one input) "
-                   f"{' | '.join(g['shapes'])}")
+      lines.append(
+        f"  GROUP lr_xuv_group ({len(g['members'])} of the lr_xuv above, one input) "
+        f"{' | '.join(g['shapes'])}"
+      )
       lines.append(f"        at {g['members'][0]}  [{g['path']}]")
       ks = ", ".join(f"{p}: {_kernel_note(v)}" for p, v in g["kernels"].items())
-      lines.append(f"        kernels: {ks} (as its members under SPMD and on platforms "
-                   "without a grouped kernel; a declined grouped kernel leaves XLA's reference)")
+      lines.append(
+        f"        kernels: {ks} (as its members under SPMD and on platforms "
+        "without a grouped kernel; a declined grouped kernel leaves XLA's reference)"
+      )
     for n in self.near_misses:
       lines.append(f"  MISS  {n['pattern']:<20} {n['reason']}")
       lines.append(f"        at {n['location']}  [{n['path']}]")
@@ -88,27 +102,44 @@ class ExplainReport:
     return "\n".join(lines)
 
 
-def explain(fn: Callable, *args, rules: Sequence[Any] | None = None, group: bool = True,
-            **kwargs) -> ExplainReport:
+def explain(
+  fn: Callable, *args, rules: Sequence[Any] | None = None, group: bool = True, **kwargs
+) -> ExplainReport:
   """Traces ``fn(*args, **kwargs)`` and reports every match, group (as ``lrjax.fuse`` with
   this ``group`` binds them), near-miss and idle rule."""
   rules = tuple(rules if rules is not None else rules_lib.DEFAULT_RULES)
   from lrjax.lowering.fuse import _module_call
+
   target = _module_call(fn)
   a = ((fn,) + args) if target is not fn else args
   _, _, _, _, analysis = analyze(target, a, kwargs, rules, group)
-  matches = [dict(pattern=m.pattern, location=m.location, path=m.path, shapes=m.shapes,
-                  params={k: str(v) for k, v in m.params.items()},
-                  kernels=kernels_for(m.primitive.name, m.avals_in, m.params))
-             for m in analysis.matches]
+  matches = [
+    dict(
+      pattern=m.pattern,
+      location=m.location,
+      path=m.path,
+      shapes=m.shapes,
+      params={k: str(v) for k, v in m.params.items()},
+      kernels=kernels_for(m.primitive.name, m.avals_in, m.params),
+    )
+    for m in analysis.matches
+  ]
   groups = []
   for g in analysis.groups:
     avals = (g[0].avals_in[0],) + tuple(a for m in g for a in m.avals_in[1:])
-    params = dict(bias_mask=tuple(m.params["has_bias"] for m in g),
-                  inter_dtype=g[0].params["inter_dtype"], out_dtype=g[0].params["out_dtype"])
-    groups.append(dict(members=[m.location for m in g], path=g[0].path,
-                       shapes=[m.shapes for m in g],
-                       kernels=kernels_for("lr_xuv_group", avals, params)))
+    params = dict(
+      bias_mask=tuple(m.params["has_bias"] for m in g),
+      inter_dtype=g[0].params["inter_dtype"],
+      out_dtype=g[0].params["out_dtype"],
+    )
+    groups.append(
+      dict(
+        members=[m.location for m in g],
+        path=g[0].path,
+        shapes=[m.shapes for m in g],
+        kernels=kernels_for("lr_xuv_group", avals, params),
+      )
+    )
   near = [dataclasses.asdict(n) for n in analysis.near_misses]
   used = {m.pattern for m in analysis.matches}
   unmatched = [rules_lib.rule_label(r) for r in rules if rules_lib.rule_label(r) not in used]

@@ -11,12 +11,14 @@ params, so shardings, donation and names of jitted sub-functions are kept.
 Use it under a transformation that caches tracing (``jax.jit``, ``nnx.jit``);
 eagerly it re-traces on every call.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import functools
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import jax
 
@@ -72,8 +74,11 @@ def xuv_groups(jaxpr, matches, absorbed) -> list:
       first, ready = members[0].root, [members[0]]
       for m in members[1:]:
         if len(ready) < MAX_MEMBERS and all(
-            jx.is_literal(v) or v not in produced
-            or (produced[v] < first and produced[v] not in absorbed) for v in m.reads):
+          jx.is_literal(v)
+          or v not in produced
+          or (produced[v] < first and produced[v] not in absorbed)
+          for v in m.reads
+        ):
           ready.append(m)
       if len(ready) >= 2:
         groups.append(tuple(ready))
@@ -81,8 +86,15 @@ def xuv_groups(jaxpr, matches, absorbed) -> list:
   return groups
 
 
-def build_plan(jaxpr, consts, weight_invars: Sequence[bool], rules, analysis: Analysis,
-               path: str = "", group: bool = False) -> Plan:
+def build_plan(
+  jaxpr,
+  consts,
+  weight_invars: Sequence[bool],
+  rules,
+  analysis: Analysis,
+  path: str = "",
+  group: bool = False,
+) -> Plan:
   g = rules_lib.Graph(jaxpr, weight_invars, path or "<top>", consts)
   matches, near = rules_lib.find_matches(g, rules)
   analysis.matches += matches
@@ -97,16 +109,30 @@ def build_plan(jaxpr, consts, weight_invars: Sequence[bool], rules, analysis: An
       continue  # bodies see per-device shapes; kernels there are placed by lrjax.sharding
     for s in jx.sub_jaxprs(e):
       carried = jx.carried_invars(e, s)
-      flags = [om is not None and k not in carried and g.is_weight(e.invars[om])
-               for k, om in enumerate(s.operand_map)]
-      p = build_plan(s.jaxpr, s.consts, flags, rules, analysis,
-                     f"{path}/{_eqn_label(e)}" if path else _eqn_label(e), group)
+      flags = [
+        om is not None and k not in carried and g.is_weight(e.invars[om])
+        for k, om in enumerate(s.operand_map)
+      ]
+      p = build_plan(
+        s.jaxpr,
+        s.consts,
+        flags,
+        rules,
+        analysis,
+        f"{path}/{_eqn_label(e)}" if path else _eqn_label(e),
+        group,
+      )
       if not p.empty:
         subs.setdefault(i, []).append((s, p))
   groups = xuv_groups(jaxpr, matches, absorbed) if group else []
   analysis.groups += groups
-  return Plan(roots, absorbed, subs, {g[0].root: g for g in groups},
-              frozenset(m.root for g in groups for m in g[1:]))
+  return Plan(
+    roots,
+    absorbed,
+    subs,
+    {g[0].root: g for g in groups},
+    frozenset(m.root for g in groups for m in g[1:]),
+  )
 
 
 def emit_group(jaxpr, members, read, env) -> None:
@@ -116,8 +142,9 @@ def emit_group(jaxpr, members, read, env) -> None:
     ops += m.operands(read)[1:]
     mask.append(m.params["has_bias"])
   p = members[0].params
-  outs = lr_xuv_group_p.bind(*ops, bias_mask=tuple(mask), inter_dtype=p["inter_dtype"],
-                             out_dtype=p["out_dtype"])
+  outs = lr_xuv_group_p.bind(
+    *ops, bias_mask=tuple(mask), inter_dtype=p["inter_dtype"], out_dtype=p["out_dtype"]
+  )
   for m, y in zip(members, outs):
     env[jaxpr.eqns[m.root].outvars[0]] = y
 
@@ -144,8 +171,9 @@ def run_plan(jaxpr, consts, plan: Plan, *args):
     invals = [read(a) for a in e.invars]
     params = e.params
     for s, p in plan.subs.get(i, ()):
-      new = jx.retrace(functools.partial(run_plan, s.jaxpr, s.consts, p),
-                       [v.aval for v in s.jaxpr.invars])
+      new = jx.retrace(
+        functools.partial(run_plan, s.jaxpr, s.consts, p), [v.aval for v in s.jaxpr.invars]
+      )
       params, extra = jx.replace_sub_jaxpr(e, s, new, params)
       invals = list(extra) + invals
     env.update(zip(e.outvars, jx.bind_eqn(e, invals, params)))
@@ -159,8 +187,12 @@ def _split_args(args, kwargs):
 
 
 def _is_array(x) -> bool:
-  return isinstance(x, (jax.Array, jax.core.Tracer)) or hasattr(x, "__jax_array__") or (
-      hasattr(x, "shape") and hasattr(x, "dtype")) or isinstance(x, (int, float, complex, bool))
+  return (
+    isinstance(x, (jax.Array, jax.core.Tracer))
+    or hasattr(x, "__jax_array__")
+    or (hasattr(x, "shape") and hasattr(x, "dtype"))
+    or isinstance(x, (int, float, complex, bool))
+  )
 
 
 def trace(fn: Callable, args, kwargs):
@@ -184,13 +216,19 @@ def analyze(fn: Callable, args, kwargs, rules, group: bool = False) -> tuple:
   analysis = Analysis([], [], tuple(rules))
   # At the top level every input may be a weight: the rules also require the
   # x·u·v shape, the rank condition and single use before anything is rewritten.
-  plan = build_plan(closed.jaxpr, closed.consts, [True] * len(closed.jaxpr.invars), rules,
-                    analysis, group=group)
+  plan = build_plan(
+    closed.jaxpr, closed.consts, [True] * len(closed.jaxpr.invars), rules, analysis, group=group
+  )
   return closed, dyn, out_tree, plan, analysis
 
 
-def fuse(fn: Callable | None = None, *, rules: Sequence[Any] | None = None,
-         rank_threshold: float | None = None, group: bool = True) -> Callable:
+def fuse(
+  fn: Callable | None = None,
+  *,
+  rules: Sequence[Any] | None = None,
+  rank_threshold: float | None = None,
+  group: bool = True,
+) -> Callable:
   """Returns ``fn`` with its X·U·V chains and low-rank MLPs rewritten into lrjax primitives.
 
   Args:
@@ -210,8 +248,12 @@ def fuse(fn: Callable | None = None, *, rules: Sequence[Any] | None = None,
   if rank_threshold is not None:
     if not rank_threshold > 0:
       raise ValueError(f"{rank_threshold=} must be > 0")
-    rules = tuple(dataclasses.replace(r, rank_threshold=rank_threshold)
-                  if isinstance(r, rules_lib.XUVRule) else r for r in rules)
+    rules = tuple(
+      dataclasses.replace(r, rank_threshold=rank_threshold)
+      if isinstance(r, rules_lib.XUVRule)
+      else r
+      for r in rules
+    )
   if not callable(fn):
     raise TypeError(f"lrjax.fuse expects a callable or an NNX module; got {type(fn).__name__}")
   target = _module_call(fn)

@@ -17,6 +17,7 @@ Operands: x, then per member u_i, v_i and (if ``bias_mask[i]``) bias_i. Params: 
 ``inter_dtype``, ``out_dtype`` (shared). Results: one [..., N_i] array per member.
 ``lrjax.fuse(f, group=True)`` forms groups from ``lr_xuv`` matches with the same input.
 """
+
 from __future__ import annotations
 
 import functools
@@ -59,21 +60,36 @@ def lr_xuv_group(x, members, *, out_dtype=None, inter_dtype=None):
     ops += list(m)
     mask.append(len(m) == 3)
   out_dtype = jnp.dtype(out_dtype or jnp.result_type(*ops))
-  return lr_xuv_group_p.bind(*ops, bias_mask=tuple(mask), out_dtype=out_dtype,
-                             inter_dtype=jnp.dtype(inter_dtype or out_dtype))
+  return lr_xuv_group_p.bind(
+    *ops,
+    bias_mask=tuple(mask),
+    out_dtype=out_dtype,
+    inter_dtype=jnp.dtype(inter_dtype or out_dtype),
+  )
 
 
 def _as_members(*ops, bias_mask, inter_dtype, out_dtype):
   """The group as its members: one lr_xuv each (under SPMD and without a grouped kernel)."""
-  return [lr_xuv_p.bind(ops[0], u, v, *(() if b is None else (b,)), has_bias=b is not None,
-                        inter_dtype=inter_dtype, out_dtype=out_dtype)
-          for u, v, b in members_of(ops, bias_mask)]
+  return [
+    lr_xuv_p.bind(
+      ops[0],
+      u,
+      v,
+      *(() if b is None else (b,)),
+      has_bias=b is not None,
+      inter_dtype=inter_dtype,
+      out_dtype=out_dtype,
+    )
+    for u, v, b in members_of(ops, bias_mask)
+  ]
 
 
 def _reference(*ops, bias_mask, inter_dtype, out_dtype):
   """The group as XLA's reference: every member's X·U·V in jnp (XLA merges the X·U dots)."""
-  return [lr_xuv_reference(ops[0], u, v, b, inter_dtype=inter_dtype, out_dtype=out_dtype)
-          for u, v, b in members_of(ops, bias_mask)]
+  return [
+    lr_xuv_reference(ops[0], u, v, b, inter_dtype=inter_dtype, out_dtype=out_dtype)
+    for u, v, b in members_of(ops, bias_mask)
+  ]
 
 
 @lr_xuv_group_p.def_abstract_eval
@@ -114,13 +130,14 @@ def _lowering(ctx, *args, **params):
       log.debug("lr_xuv_group on %s: %s declined: %s", platforms[0], name, reason)
     if sel.kernel is not None:
       log.debug("lr_xuv_group on %s: lowering with %s", platforms[0], sel.kernel.name)
-      return mlir.lower_fun(functools.partial(sel.kernel.load(), **params),
-                            multiple_results=True)(ctx, *args)
+      return mlir.lower_fun(functools.partial(sel.kernel.load(), **params), multiple_results=True)(
+        ctx, *args
+      )
     if sel.declined and not registry.kernels_preferred():  # a grouped kernel declined
-      return mlir.lower_fun(functools.partial(_reference, **params),
-                            multiple_results=True)(ctx, *args)
-  return mlir.lower_fun(functools.partial(_as_members, **params),
-                        multiple_results=True)(ctx, *args)
+      return mlir.lower_fun(functools.partial(_reference, **params), multiple_results=True)(
+        ctx, *args
+      )
+  return mlir.lower_fun(functools.partial(_as_members, **params), multiple_results=True)(ctx, *args)
 
 
 # its members' kernels lower through custom_partitioning, which needs the device assignment

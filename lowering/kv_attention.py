@@ -15,6 +15,7 @@ chip, FlashSVD-style.
   bk, bv   optional [Hkv·D]
   → [B, Hq·D] in q's dtype; query head j attends with KV head j // (Hq / Hkv).
 """
+
 from __future__ import annotations
 
 import math
@@ -31,19 +32,25 @@ lr_kv_attention_p = Primitive("lr_kv_attention")
 
 def _check(q, zk, zv, vk, vv, pos, inv_freq, bk, bv):
   if q.ndim != 3 or zk.ndim != 3 or zv.ndim != 3 or vk.ndim != 2 or vv.ndim != 2:
-    raise ValueError(f"{q.shape=} {zk.shape=} {zv.shape=} {vk.shape=} {vv.shape=}: expected "
-                     "q [B, Hq, D], zk [B, T, r_k], zv [B, T, r_v], vk [r_k, Hkv·D], "
-                     "vv [r_v, Hkv·D]")
+    raise ValueError(
+      f"{q.shape=} {zk.shape=} {zv.shape=} {vk.shape=} {vv.shape=}: expected "
+      "q [B, Hq, D], zk [B, T, r_k], zv [B, T, r_v], vk [r_k, Hkv·D], "
+      "vv [r_v, Hkv·D]"
+    )
   b, hq, d = q.shape
   if zk.shape[0] != b or zv.shape[:2] != zk.shape[:2]:
-    raise ValueError(f"{q.shape=} {zk.shape=} {zv.shape=}: the batch B and cache length T "
-                     "must agree")
+    raise ValueError(
+      f"{q.shape=} {zk.shape=} {zv.shape=}: the batch B and cache length T must agree"
+    )
   if vk.shape[0] != zk.shape[2] or vv.shape[0] != zv.shape[2]:
-    raise ValueError(f"{zk.shape=} {vk.shape=} {zv.shape=} {vv.shape=}: vk must be [r_k, ...] "
-                     "and vv [r_v, ...]")
+    raise ValueError(
+      f"{zk.shape=} {vk.shape=} {zv.shape=} {vv.shape=}: vk must be [r_k, ...] and vv [r_v, ...]"
+    )
   if vk.shape[1] != vv.shape[1] or d % 2 or vk.shape[1] % d or hq % (vk.shape[1] // d):
-    raise ValueError(f"{q.shape=} {vk.shape=} {vv.shape=}: expected vk and vv [., Hkv·D] with "
-                     "an even head dim D and Hq a multiple of Hkv")
+    raise ValueError(
+      f"{q.shape=} {vk.shape=} {vv.shape=}: expected vk and vv [., Hkv·D] with "
+      "an even head dim D and Hq a multiple of Hkv"
+    )
   if pos.shape != (b,) or not jnp.issubdtype(pos.dtype, jnp.integer):
     raise ValueError(f"{pos.shape=} {pos.dtype=}: expected [{b}] integer positions")
   if inv_freq.shape != (d // 2,):
@@ -58,9 +65,12 @@ def lr_kv_attention(q, zk, zv, vk, vv, pos, inv_freq, bk=None, bv=None, *, windo
   _check(q, zk, zv, vk, vv, pos, inv_freq, bk, bv)
   if window is not None and int(window) < 1:
     raise ValueError(f"{window=}: expected a sliding window of >= 1 keys, or None")
-  return lr_kv_attention_p.bind(*_operands(q, zk, zv, vk, vv, pos, inv_freq, bk, bv),
-                                has_bk=bk is not None, has_bv=bv is not None,
-                                window=None if window is None else int(window))
+  return lr_kv_attention_p.bind(
+    *_operands(q, zk, zv, vk, vv, pos, inv_freq, bk, bv),
+    has_bk=bk is not None,
+    has_bv=bv is not None,
+    window=None if window is None else int(window),
+  )
 
 
 def _operands(q, zk, zv, vk, vv, pos, inv_freq, bk, bv):
@@ -81,6 +91,7 @@ def _reference(*ops, has_bk, has_bv, window):
   """Rebuild K for the whole cache (in the factors' dtype), RoPE it, masked softmax, then
   fold V: (p·zv)·v_v + b_v, never V = zv·v_v itself."""
   from lrjax.models.llama import _mask, apply_rope
+
   q, zk, zv, vk, vv, pos, inv, bk, bv = split_operands(ops, has_bk, has_bv)
   b, t = zk.shape[:2]
   _, hq, d = q.shape
@@ -107,18 +118,25 @@ def fold_values(pz, vv, bv, dtype):
   Shared by the reference and the kernels' split merge."""
   b, hkv, g, rv = pz.shape
   d = vv.shape[1] // hkv
-  o = jnp.einsum("bkgr,rkd->bkgd", pz.astype(vv.dtype), vv.reshape(rv, hkv, d),
-                 preferred_element_type=jnp.float32)
+  o = jnp.einsum(
+    "bkgr,rkd->bkgd",
+    pz.astype(vv.dtype),
+    vv.reshape(rv, hkv, d),
+    preferred_element_type=jnp.float32,
+  )
   if bv is not None:
     o = o + bv.astype(jnp.float32).reshape(hkv, 1, d)
   return o.reshape(b, hkv * g * d).astype(dtype)
 
 
-def lr_kv_attention_reference(q, zk, zv, vk, vv, pos, inv_freq, bk=None, bv=None, *,
-                              window=None):
+def lr_kv_attention_reference(q, zk, zv, vk, vv, pos, inv_freq, bk=None, bv=None, *, window=None):
   """Pure-jnp reference of :func:`lr_kv_attention` (also its default lowering)."""
-  return _reference(*_operands(q, zk, zv, vk, vv, pos, inv_freq, bk, bv),
-                    has_bk=bk is not None, has_bv=bv is not None, window=window)
+  return _reference(
+    *_operands(q, zk, zv, vk, vv, pos, inv_freq, bk, bv),
+    has_bk=bk is not None,
+    has_bv=bv is not None,
+    window=window,
+  )
 
 
 @lr_kv_attention_p.def_abstract_eval

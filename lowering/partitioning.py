@@ -21,6 +21,7 @@ axis is manual and this wrapper inlines. Any other layout replicates its operand
 The Shardy rule gives every weight dim its own factor, so that no weight is resharded to make
 factors agree; only the batch dims ("...") and the output width (tied to the last v) propagate.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -60,8 +61,12 @@ def pair_layout(su: tuple, sv: tuple) -> tuple[str, str | None]:
   if len(axes) > 1 or any(isinstance(a, tuple) for a in axes):
     return "other", None
   ax = axes.pop()
-  table = {((None, ax), (ax, None)): "rank", ((None, None), (None, ax)): "col",
-           ((None, ax), (None, ax)): "lr_col", ((ax, None), (None, None)): "lr_row"}
+  table = {
+    ((None, ax), (ax, None)): "rank",
+    ((None, None), (None, ax)): "col",
+    ((None, ax), (None, ax)): "lr_col",
+    ((ax, None), (None, None)): "lr_row",
+  }
   return table.get((su, sv), "other"), ax
 
 
@@ -72,6 +77,7 @@ def _out_split(layout: str) -> bool:
 def _local_xuv(x, u, v, b, layout, ax, inter_dtype, out_dtype):
   """One factor pair on local shards (inside the manual per-device program)."""
   from lrjax.lowering.primitives import lr_xuv_p, rank_space_out
+
   kw = dict(inter_dtype=inter_dtype, out_dtype=out_dtype)
   if layout in ("repl", "col"):
     ops = (x, u, v) + ((b,) if b is not None else ())
@@ -102,6 +108,7 @@ def _to_layout(h, split: bool, want_split: bool, ax):
 def _plan(prim_name: str, shardings, shapes, params):
   """Per-projection layouts, or None when the operands need replicating."""
   from lrjax.lowering.primitives import mlp_operands
+
   specs = [_spec(s, len(sh)) for s, sh in zip(shardings, shapes)]
   if prim_name == "lr_xuv":
     projs = {"p": (specs[1], specs[2], specs[3] if params["has_bias"] else None)}
@@ -129,9 +136,13 @@ def _bias_spec(layout, ax):
 
 
 def _weights_spec(layout, ax):
-  su, sv = {"repl": (P(), P()), "rank": (P(None, ax), P(ax, None)),
-            "col": (P(), P(None, ax)), "lr_col": (P(None, ax), P(None, ax)),
-            "lr_row": (P(ax, None), P())}[layout]
+  su, sv = {
+    "repl": (P(), P()),
+    "rank": (P(None, ax), P(ax, None)),
+    "col": (P(), P(None, ax)),
+    "lr_col": (P(None, ax), P(None, ax)),
+    "lr_row": (P(ax, None), P()),
+  }[layout]
   return su, sv
 
 
@@ -159,6 +170,7 @@ def _arg_and_out_specs(prim_name, plan, x_spec, params, nops):
 
 def _lower_fn(prim_name, plan, params):
   from lrjax.lowering.primitives import mlp_operands
+
   inter, out_dt = params["inter_dtype"], params["out_dtype"]
   if prim_name == "lr_xuv":
     layout, ax = plan["p"]
@@ -166,9 +178,11 @@ def _lower_fn(prim_name, plan, params):
     def xuv(*ops):
       b = ops[3] if params["has_bias"] else None
       return _local_xuv(ops[0], ops[1], ops[2], b, layout, ax, inter, out_dt)
+
     return xuv
 
   from lrjax.lowering.primitives import ACTIVATIONS
+
   act = ACTIVATIONS[params["act"]]
 
   def mlp(*ops):
@@ -187,6 +201,7 @@ def _lower_fn(prim_name, plan, params):
     ld, axd = plan["down"]
     h = _to_layout(h, split, ld == "lr_row", axd or ax)
     return _local_xuv(h, *d["down"], ld, axd, inter, out_dt)
+
   return mlp
 
 
@@ -194,6 +209,7 @@ def _rule_string(prim_name, shapes, params) -> str:
   """Einsum-like Shardy rule: batch dims shared by x and the output, the output width tied to
   the last v's width, every other weight dim its own factor (so no weight gets resharded)."""
   from lrjax.lowering.primitives import mlp_operands
+
   idx = list(range(len(shapes)))
   if prim_name == "lr_xuv":
     last_v = 2
@@ -213,7 +229,7 @@ def _rule_string(prim_name, shapes, params) -> str:
   return ", ".join(terms) + " -> ... n"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _wrapped(prim_name: str, kernel_fn, param_items: tuple):
   params = dict(param_items)
 
@@ -238,19 +254,29 @@ def _wrapped(prim_name: str, kernel_fn, param_items: tuple):
   def partition(mesh, arg_shapes, result_shape):
     plan, x_spec = plan_and_specs(arg_shapes)
     if plan is None:
-      log.warning("%s: operand shardings %s fit no local layout; replicating them",
-                  prim_name, [_spec(a.sharding, a.ndim) for a in arg_shapes])
+      log.warning(
+        "%s: operand shardings %s fit no local layout; replicating them",
+        prim_name,
+        [_spec(a.sharding, a.ndim) for a in arg_shapes],
+      )
       args = tuple(NamedSharding(mesh, P()) for _ in arg_shapes)
       return mesh, (lambda *ops: kernel_fn(*ops, **params)), NamedSharding(mesh, P()), args
     specs, out = _arg_and_out_specs(prim_name, plan, x_spec, params, len(arg_shapes))
     log.debug("%s: partitioned as %s", prim_name, plan)
-    return (mesh, _lower_fn(prim_name, plan, params), NamedSharding(mesh, out),
-            tuple(NamedSharding(mesh, s) for s in specs))
+    return (
+      mesh,
+      _lower_fn(prim_name, plan, params),
+      NamedSharding(mesh, out),
+      tuple(NamedSharding(mesh, s) for s in specs),
+    )
 
   call.def_partition(
-      partition=partition, infer_sharding_from_operands=infer,
-      sharding_rule=lambda mesh, value_types, result_types: _rule_string(
-          prim_name, [tuple(t.shape) for t in value_types], params))
+    partition=partition,
+    infer_sharding_from_operands=infer,
+    sharding_rule=lambda mesh, value_types, result_types: _rule_string(
+      prim_name, [tuple(t.shape) for t in value_types], params
+    ),
+  )
   return call
 
 
@@ -271,6 +297,7 @@ def disabled():
 def single_device(ctx) -> bool:
   """Whether this lowering is for one device, unpartitioned."""
   from jax._src import sharding_impls
+
   ac = ctx.module_context.axis_context
   return isinstance(ac, sharding_impls.ShardingContext) and ac.num_devices == 1
 
@@ -279,7 +306,6 @@ def wrap(ctx, prim_name: str, kernel_fn, params: dict):
   """``impl(*ops)`` that runs ``kernel_fn(*ops, **params)`` on local shards under SPMD; on
   one device the kernel itself, lowered inline (so its block's Triton decode calls share a
   chained scratch, custom_calls/triton/launch.py)."""
-  if (prim_name not in ("lr_xuv", "lr_mlp") or getattr(_state, "off", False)
-      or single_device(ctx)):
+  if prim_name not in ("lr_xuv", "lr_mlp") or getattr(_state, "off", False) or single_device(ctx):
     return functools.partial(kernel_fn, **params)
   return _wrapped(prim_name, kernel_fn, tuple(sorted(params.items())))

@@ -13,11 +13,13 @@ Numerics of the reference: every matmul accumulates in f32; the rank-space
 intermediate and the MLP's activations are rounded to ``inter_dtype`` (the dtype
 the unfused program had there), and the output is cast to ``out_dtype``.
 """
+
 from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -40,17 +42,18 @@ def _gelu_tanh(x):
 
 
 ACTIVATIONS = {
-    "silu": jax.nn.silu,
-    "gelu_tanh": _gelu_tanh,
-    "gelu": _gelu_exact,
-    "relu": jax.nn.relu,
+  "silu": jax.nn.silu,
+  "gelu_tanh": _gelu_tanh,
+  "gelu": _gelu_exact,
+  "relu": jax.nn.relu,
 }
 
 
 def _check_float(name, a):
   if jnp.dtype(a.dtype) not in FLOAT_DTYPES:
-    raise TypeError(f"{name}.dtype={a.dtype} is not supported; expected one of "
-                    f"{[str(d) for d in FLOAT_DTYPES]}")
+    raise TypeError(
+      f"{name}.dtype={a.dtype} is not supported; expected one of {[str(d) for d in FLOAT_DTYPES]}"
+    )
 
 
 # ----------------------------------------------------------------------------- lr_xuv
@@ -89,8 +92,9 @@ def lr_xuv(x, u, v, bias=None, *, out_dtype=None, inter_dtype=None):
   ops = (x, u, v) + ((bias,) if bias is not None else ())
   out_dtype = jnp.dtype(out_dtype or jnp.result_type(*ops))
   inter_dtype = jnp.dtype(inter_dtype or out_dtype)
-  return lr_xuv_p.bind(*ops, has_bias=bias is not None, inter_dtype=inter_dtype,
-                       out_dtype=out_dtype)
+  return lr_xuv_p.bind(
+    *ops, has_bias=bias is not None, inter_dtype=inter_dtype, out_dtype=out_dtype
+  )
 
 
 def _xuv_chain(x, u, v, bias, inter_dtype, out_dtype):
@@ -99,8 +103,7 @@ def _xuv_chain(x, u, v, bias, inter_dtype, out_dtype):
   for that dtype directly, not for f32 plus a convert, lets XLA emit the same single GEMM
   it emits for a user's ``(x @ u) @ v``: an f32 product and a separate convert measured
   ~10% slower at prefill on the H200 (benchmarks/gpu_notes.md)."""
-  return rank_space_out(jnp.matmul(x, u, preferred_element_type=inter_dtype), v, bias,
-                        out_dtype)
+  return rank_space_out(jnp.matmul(x, u, preferred_element_type=inter_dtype), v, bias, out_dtype)
 
 
 def rank_space_out(t, v, bias, out_dtype):
@@ -172,8 +175,13 @@ def lr_mlp(x, up, down, gate=None, *, act="silu", out_dtype=None, inter_dtype=No
     mask.append(b is not None)
   out_dtype = jnp.dtype(out_dtype or jnp.result_type(*ops))
   inter_dtype = jnp.dtype(inter_dtype or out_dtype)
-  params = dict(gated=gate is not None, act=act, bias_mask=tuple(mask),
-                inter_dtype=inter_dtype, out_dtype=out_dtype)
+  params = dict(
+    gated=gate is not None,
+    act=act,
+    bias_mask=tuple(mask),
+    inter_dtype=inter_dtype,
+    out_dtype=out_dtype,
+  )
   _mlp_check(ops, **params)
   return lr_mlp_p.bind(*ops, **params)
 
@@ -188,11 +196,15 @@ def _mlp_check(ops, *, gated, act, bias_mask, inter_dtype, out_dtype):
   if gated:
     _xuv_check(x, *d["gate"])
     if d["gate"][1].shape[1] != up_v.shape[1]:
-      raise ValueError(f"gate width {d['gate'][1].shape[1]} != up width {up_v.shape[1]}; "
-                       "the gated MLP multiplies them elementwise")
+      raise ValueError(
+        f"gate width {d['gate'][1].shape[1]} != up width {up_v.shape[1]}; "
+        "the gated MLP multiplies them elementwise"
+      )
   du, dv, db = d["down"]
   if du.shape[0] != up_v.shape[1]:
-    raise ValueError(f"down u.shape={du.shape} must start with the intermediate width {up_v.shape[1]}")
+    raise ValueError(
+      f"down u.shape={du.shape} must start with the intermediate width {up_v.shape[1]}"
+    )
   _xuv_check(jax.ShapeDtypeStruct(x.shape[:-1] + (du.shape[0],), x.dtype), du, dv, db)
   return x.shape[:-1] + (dv.shape[1],)
 
@@ -217,8 +229,14 @@ def lr_mlp_reference(x, up, down, gate=None, *, act="silu", out_dtype=None, inte
     ops += [p[0], p[1]] + ([b] if b is not None else [])
     mask.append(b is not None)
   out_dtype = jnp.dtype(out_dtype or jnp.result_type(*ops))
-  return _mlp_ref_ops(*ops, gated=gate is not None, act=act, bias_mask=tuple(mask),
-                      inter_dtype=jnp.dtype(inter_dtype or out_dtype), out_dtype=out_dtype)
+  return _mlp_ref_ops(
+    *ops,
+    gated=gate is not None,
+    act=act,
+    bias_mask=tuple(mask),
+    inter_dtype=jnp.dtype(inter_dtype or out_dtype),
+    out_dtype=out_dtype,
+  )
 
 
 @lr_mlp_p.def_abstract_eval
@@ -236,6 +254,7 @@ _ACT_OPERANDS = 1
 def _impl(prim):
   def impl(*ops, **params):
     return jax.jit(functools.partial(prim.bind, **params))(*ops)
+
   return impl
 
 
@@ -247,6 +266,7 @@ def _jvp(prim):
     tangents = [ad.instantiate_zeros(t) for t in tangents]
     _, t_out = jax.jvp(functools.partial(ref, **params), tuple(primals), tuple(tangents))
     return out, t_out
+
   return jvp
 
 
@@ -262,6 +282,7 @@ def _batch(prim):
     # factors, so vmap the reference.
     out = jax.vmap(functools.partial(ref, **params), in_axes=dims)(*args)
     return out, 0
+
   return rule
 
 
@@ -280,11 +301,13 @@ def _lowering(prim):
         # A kernel is a custom call XLA cannot split: lrjax.sharding runs it on local shards
         # (lowering/partitioning.py; inlined unchanged on a single device).
         from lrjax.lowering import partitioning
+
         impl = partitioning.wrap(ctx, prim.name, sel.kernel.load(), params)
         return mlir.lower_fun(impl, multiple_results=False)(ctx, *args)
     else:
       log.debug("%s: multi-platform lowering %s uses the reference", prim.name, platforms)
     return mlir.lower_fun(functools.partial(fn, **params), multiple_results=False)(ctx, *args)
+
   return rule
 
 
@@ -317,4 +340,3 @@ def register_reference(prim, ref) -> None:
   ad.primitive_jvps[prim] = _jvp(prim)
   batching.primitive_batchers[prim] = _batch(prim)
   register_lowering(prim, _lowering(prim))
-

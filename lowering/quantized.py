@@ -37,9 +37,11 @@ has no other use, the pair is rewritten as::
 A separate ``add(y, b)`` after a bias-free second matmul may also be folded in
 (operand ``b`` of dtype float32, shape [N]) with ``has_bias=True``.
 """
+
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -78,11 +80,15 @@ def check_weight(name: str, k: int, n: int, group: int, layout: str, w, s) -> No
   if not isinstance(group, (int, np.integer)) or group < 0 or group % 8:
     raise ValueError(f"{group=} must be 0 (per channel) or a positive multiple of 8")
   if jnp.dtype(w.dtype) != jnp.uint8 or tuple(w.shape) != packed_shape(k, n, layout):
-    raise ValueError(f"{name}: packed weight {w.shape} {w.dtype} must be uint8 "
-                     f"{packed_shape(k, n, layout)} for K={k}, N={n}, {layout=}")
+    raise ValueError(
+      f"{name}: packed weight {w.shape} {w.dtype} must be uint8 "
+      f"{packed_shape(k, n, layout)} for K={k}, N={n}, {layout=}"
+    )
   if jnp.dtype(s.dtype) != jnp.float32 or tuple(s.shape) != scales_shape(k, n, group, layout):
-    raise ValueError(f"{name}: scales {s.shape} {s.dtype} must be float32 "
-                     f"{scales_shape(k, n, group, layout)} for K={k}, {group=}")
+    raise ValueError(
+      f"{name}: scales {s.shape} {s.dtype} must be float32 "
+      f"{scales_shape(k, n, group, layout)} for K={k}, {group=}"
+    )
 
 
 def _check_x(x, bias, n):
@@ -96,19 +102,20 @@ def _check_x(x, bias, n):
 
 # ------------------------------------------------------------------ references
 
+
 def unpack_int4(w, k: int, n: int, layout: str):
   """q [k, n] int8 in [-8, 7] from a packed weight (jnp, traceable)."""
   bw = BLOCK_WIDTH[layout]
   nb, kc, _ = w.shape
   w = w.astype(jnp.int32)
   if layout == "arm_smmla8":
-    b = w.reshape(nb, kc, 2, 2, 8)                          # [nb, kc, h, cc, j]
-    u = jnp.stack([b >> 4, b & 15], axis=-1)                # [nb, kc, h, cc, j, p]
-    u = u.transpose(1, 4, 0, 2, 5, 3)                       # [kc, j, nb, h, p, cc]
+    b = w.reshape(nb, kc, 2, 2, 8)  # [nb, kc, h, cc, j]
+    u = jnp.stack([b >> 4, b & 15], axis=-1)  # [nb, kc, h, cc, j, p]
+    u = u.transpose(1, 4, 0, 2, 5, 3)  # [kc, j, nb, h, p, cc]
   else:
-    b = w.reshape(nb, kc, bw, 4)                            # [nb, kc, c, j]
-    u = jnp.stack([b & 15, b >> 4], axis=-1)                # [nb, kc, c, j, h]
-    u = u.transpose(1, 4, 3, 0, 2)                          # [kc, h, j, nb, c]
+    b = w.reshape(nb, kc, bw, 4)  # [nb, kc, c, j]
+    u = jnp.stack([b & 15, b >> 4], axis=-1)  # [nb, kc, c, j, h]
+    u = u.transpose(1, 4, 3, 0, 2)  # [kc, h, j, nb, c]
   return (u.reshape(kc * 8, nb * bw)[:k, :n] - 8).astype(jnp.int8)
 
 
@@ -156,8 +163,9 @@ def _w4a8_ref_ops(x, w, s, *rest, n, group, layout, has_bias, out_dtype):
   return y.astype(out_dtype).reshape(x.shape[:-1] + (n,))
 
 
-def _xuv_w4a8_ref_ops(x, wu, su, wv, sv, *rest, r, n, group_u, group_v, layout, has_bias,
-                      out_dtype):
+def _xuv_w4a8_ref_ops(
+  x, wu, su, wv, sv, *rest, r, n, group_u, group_v, layout, has_bias, out_dtype
+):
   k = x.shape[-1]
   t = _w4a8_apply(x, wu, su, None, k, r, group_u, layout)  # f32, never rounded
   y = _w4a8_apply(t, wv, sv, rest[0] if has_bias else None, r, n, group_v, layout)
@@ -178,8 +186,9 @@ def _w4a8_abstract(x, w, s, *rest, n, group, layout, has_bias, out_dtype):
 
 
 @lr_xuv_w4a8_p.def_abstract_eval
-def _xuv_w4a8_abstract(x, wu, su, wv, sv, *rest, r, n, group_u, group_v, layout, has_bias,
-                       out_dtype):
+def _xuv_w4a8_abstract(
+  x, wu, su, wv, sv, *rest, r, n, group_u, group_v, layout, has_bias, out_dtype
+):
   _check_x(x, rest[0] if has_bias else None, n)
   check_weight("u", x.shape[-1], r, group_u, layout, wu, su)
   check_weight("v", r, n, group_v, layout, wv, sv)
@@ -209,12 +218,26 @@ def w4a8_matmul(x, w, scales, bias=None, *, n: int, group: int, layout: str, out
   ops = (x, w, scales) + ((bias,) if bias is not None else ())
   _check_x(x, bias, n)
   check_weight("w", x.shape[-1], n, group, layout, w, scales)
-  return w4a8_matmul_p.bind(*ops, n=int(n), group=int(group), layout=layout,
-                            has_bias=bias is not None, out_dtype=dt)
+  return w4a8_matmul_p.bind(
+    *ops, n=int(n), group=int(group), layout=layout, has_bias=bias is not None, out_dtype=dt
+  )
 
 
-def lr_xuv_w4a8(x, wu, su, wv, sv, bias=None, *, r: int, n: int, group_u: int, group_v: int,
-                layout: str, out_dtype=None):
+def lr_xuv_w4a8(
+  x,
+  wu,
+  su,
+  wv,
+  sv,
+  bias=None,
+  *,
+  r: int,
+  n: int,
+  group_u: int,
+  group_v: int,
+  layout: str,
+  out_dtype=None,
+):
   """y = W4A8(W4A8(x · U) · V) (+ bias) in one kernel; see the module docstring."""
   dt = _out_dtype(x, out_dtype)
   if bias is not None:
@@ -223,13 +246,21 @@ def lr_xuv_w4a8(x, wu, su, wv, sv, bias=None, *, r: int, n: int, group_u: int, g
   check_weight("u", x.shape[-1], r, group_u, layout, wu, su)
   check_weight("v", r, n, group_v, layout, wv, sv)
   ops = (x, wu, su, wv, sv) + ((bias,) if bias is not None else ())
-  return lr_xuv_w4a8_p.bind(*ops, r=int(r), n=int(n), group_u=int(group_u),
-                            group_v=int(group_v), layout=layout, has_bias=bias is not None,
-                            out_dtype=dt)
+  return lr_xuv_w4a8_p.bind(
+    *ops,
+    r=int(r),
+    n=int(n),
+    group_u=int(group_u),
+    group_v=int(group_v),
+    layout=layout,
+    has_bias=bias is not None,
+    out_dtype=dt,
+  )
 
 
-def fused_xuv_params(params_u: Mapping[str, Any], params_v: Mapping[str, Any],
-                     has_bias: bool) -> dict:
+def fused_xuv_params(
+  params_u: Mapping[str, Any], params_v: Mapping[str, Any], has_bias: bool
+) -> dict:
   """Params of ``lr_xuv_w4a8_p`` replacing ``w4a8_matmul(w4a8_matmul(x, *U), *V)``.
 
   ``params_u``/``params_v`` are the two eqns' params; ``has_bias`` says whether a
@@ -240,23 +271,39 @@ def fused_xuv_params(params_u: Mapping[str, Any], params_v: Mapping[str, Any],
     raise ValueError("the first w4a8_matmul has a bias; lr_xuv_w4a8 adds a bias only after V")
   if params_u["layout"] != params_v["layout"]:
     raise ValueError(f"layouts differ: {params_u['layout']=} vs {params_v['layout']=}")
-  return dict(r=int(params_u["n"]), n=int(params_v["n"]), group_u=int(params_u["group"]),
-              group_v=int(params_v["group"]), layout=params_u["layout"],
-              has_bias=bool(has_bias), out_dtype=jnp.dtype(params_v["out_dtype"]))
+  return dict(
+    r=int(params_u["n"]),
+    n=int(params_v["n"]),
+    group_u=int(params_u["group"]),
+    group_v=int(params_v["group"]),
+    layout=params_u["layout"],
+    has_bias=bool(has_bias),
+    out_dtype=jnp.dtype(params_v["out_dtype"]),
+  )
 
 
 def w4a8_matmul_reference(x, w, scales, bias=None, *, n, group, layout, out_dtype=None):
   """Pure-jnp reference of :func:`w4a8_matmul` (also its default lowering)."""
   dt = _out_dtype(x, out_dtype)
   ops = (x, w, scales) + ((jnp.asarray(bias, jnp.float32),) if bias is not None else ())
-  return _w4a8_ref_ops(*ops, n=n, group=group, layout=layout, has_bias=bias is not None,
-                       out_dtype=dt)
+  return _w4a8_ref_ops(
+    *ops, n=n, group=group, layout=layout, has_bias=bias is not None, out_dtype=dt
+  )
 
 
-def lr_xuv_w4a8_reference(x, wu, su, wv, sv, bias=None, *, r, n, group_u, group_v, layout,
-                          out_dtype=None):
+def lr_xuv_w4a8_reference(
+  x, wu, su, wv, sv, bias=None, *, r, n, group_u, group_v, layout, out_dtype=None
+):
   """Pure-jnp reference of :func:`lr_xuv_w4a8` (also its default lowering)."""
   dt = _out_dtype(x, out_dtype)
   ops = (x, wu, su, wv, sv) + ((jnp.asarray(bias, jnp.float32),) if bias is not None else ())
-  return _xuv_w4a8_ref_ops(*ops, r=r, n=n, group_u=group_u, group_v=group_v, layout=layout,
-                           has_bias=bias is not None, out_dtype=dt)
+  return _xuv_w4a8_ref_ops(
+    *ops,
+    r=r,
+    n=n,
+    group_u=group_u,
+    group_v=group_v,
+    layout=layout,
+    has_bias=bias is not None,
+    out_dtype=dt,
+  )

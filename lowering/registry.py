@@ -16,6 +16,7 @@ they serve, e.g. for their smaller memory footprint.
 Kernel modules are never imported here: ``load`` is called only when a kernel is
 selected for lowering, so a CPU install never imports triton or NKI.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,7 +25,8 @@ import logging
 import os
 import threading
 import warnings
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 log = logging.getLogger("lrjax.lowering")
 
@@ -93,7 +95,8 @@ def candidates(primitive: str, platform: str) -> tuple[KernelLowering, ...]:
 
 def reference_forced() -> bool:
   return bool(getattr(_state, "force_reference", 0)) or os.environ.get(
-      "LRJAX_FORCE_REFERENCE", "") not in ("", "0")
+    "LRJAX_FORCE_REFERENCE", ""
+  ) not in ("", "0")
 
 
 @contextlib.contextmanager
@@ -109,7 +112,8 @@ def _flag_raised(name: str):
 
 def kernels_preferred() -> bool:
   return bool(getattr(_state, "prefer_kernels", 0)) or os.environ.get(
-      "LRJAX_PREFER_KERNELS", "") not in ("", "0")
+    "LRJAX_PREFER_KERNELS", ""
+  ) not in ("", "0")
 
 
 @contextlib.contextmanager
@@ -133,17 +137,21 @@ def force_reference():
     yield
 
 
-def select(primitive: str, platform: str, avals_in: Sequence[Any],
-           params: Mapping[str, Any]) -> Selection:
+def select(
+  primitive: str, platform: str, avals_in: Sequence[Any], params: Mapping[str, Any]
+) -> Selection:
   """Picks the kernel that serves these operands, or the reference."""
   if reference_forced():
-    return Selection(platform, None, (("*", "reference forced (force_reference / LRJAX_FORCE_REFERENCE)"),))
+    return Selection(
+      platform, None, (("*", "reference forced (force_reference / LRJAX_FORCE_REFERENCE)"),)
+    )
   kernel, declined = choose(candidates(primitive, platform), avals_in, params)
   return Selection(platform, kernel, declined)
 
 
-def choose(kernels: Sequence[KernelLowering], avals_in: Sequence[Any],
-           params: Mapping[str, Any]) -> tuple[KernelLowering | None, tuple[tuple[str, str], ...]]:
+def choose(
+  kernels: Sequence[KernelLowering], avals_in: Sequence[Any], params: Mapping[str, Any]
+) -> tuple[KernelLowering | None, tuple[tuple[str, str], ...]]:
   """The first of ``kernels`` (in order) that serves and, unless kernels are preferred,
   is not measured slower than XLA; with the (name, reason) of each one passed over."""
   declined = []
@@ -158,8 +166,11 @@ def choose(kernels: Sequence[KernelLowering], avals_in: Sequence[Any],
         reason = fn(avals_in, params)
       except Exception as e:  # a buggy predicate must not break compilation, nor hide
         reason = f"{check}() raised {type(e).__name__}: {e}"
-        warnings.warn(f"lrjax: kernel {k.name} falls back to the reference because its "
-                      f"{reason}", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+          f"lrjax: kernel {k.name} falls back to the reference because its {reason}",
+          RuntimeWarning,
+          stacklevel=2,
+        )
       if reason is not None:
         break
     if reason is None:

@@ -9,11 +9,13 @@ What counts as a weight: a function input or constant, possibly through casts,
 reshapes, transposes or slices (e.g. one layer of stacked params inside a
 ``scan``), never a value computed from activations.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -26,23 +28,89 @@ from lrjax.lowering.primitives import ACTIVATIONS, FLOAT_DTYPES, lr_mlp_p, lr_xu
 # where it takes matrices (a layer's factors from a stack) or its indices are constants: rows
 # of an embedding picked by token ids are activations (at one token they have a bias's
 # [1, 1, N] shape), though every top-level input counts as a weight.
-VIEW_OPS = frozenset({
-    "convert_element_type", "reshape", "transpose", "squeeze", "expand_dims", "slice",
-    "dynamic_slice", "copy", "copy_p", "sharding_constraint", "device_put",
-    "reduce_precision", "mesh_cast", "pvary", "optimization_barrier", "broadcast_in_dim",
-})
+VIEW_OPS = frozenset(
+  {
+    "convert_element_type",
+    "reshape",
+    "transpose",
+    "squeeze",
+    "expand_dims",
+    "slice",
+    "dynamic_slice",
+    "copy",
+    "copy_p",
+    "sharding_constraint",
+    "device_put",
+    "reduce_precision",
+    "mesh_cast",
+    "pvary",
+    "optimization_barrier",
+    "broadcast_in_dim",
+  }
+)
 # Ops that build a weight from several weights (e.g. jnp.stack of per-layer params).
 COMBINE_OPS = frozenset({"concatenate", "stack"})
 
-ELEMENTWISE = frozenset({
-    "add", "sub", "mul", "div", "neg", "exp", "exp2", "log", "log1p", "expm1", "logistic",
-    "tanh", "sin", "cos", "erf", "erfc", "erf_inv", "sqrt", "rsqrt", "cbrt", "pow",
-    "integer_pow", "square", "max", "min", "abs", "sign", "select_n", "convert_element_type",
-    "copy", "copy_p", "gt", "ge", "lt", "le", "eq", "ne", "and", "or", "not", "clamp",
-    "stop_gradient", "reduce_precision", "sharding_constraint",
-})
-CALL_PRIMS = frozenset({"jit", "pjit", "closed_call", "custom_jvp_call", "custom_vjp_call",
-                        "remat", "remat2", "checkpoint"})
+ELEMENTWISE = frozenset(
+  {
+    "add",
+    "sub",
+    "mul",
+    "div",
+    "neg",
+    "exp",
+    "exp2",
+    "log",
+    "log1p",
+    "expm1",
+    "logistic",
+    "tanh",
+    "sin",
+    "cos",
+    "erf",
+    "erfc",
+    "erf_inv",
+    "sqrt",
+    "rsqrt",
+    "cbrt",
+    "pow",
+    "integer_pow",
+    "square",
+    "max",
+    "min",
+    "abs",
+    "sign",
+    "select_n",
+    "convert_element_type",
+    "copy",
+    "copy_p",
+    "gt",
+    "ge",
+    "lt",
+    "le",
+    "eq",
+    "ne",
+    "and",
+    "or",
+    "not",
+    "clamp",
+    "stop_gradient",
+    "reduce_precision",
+    "sharding_constraint",
+  }
+)
+CALL_PRIMS = frozenset(
+  {
+    "jit",
+    "pjit",
+    "closed_call",
+    "custom_jvp_call",
+    "custom_vjp_call",
+    "remat",
+    "remat2",
+    "checkpoint",
+  }
+)
 
 
 class Graph:
@@ -61,11 +129,19 @@ class Graph:
     self.weights.update(v for v, w in zip(jaxpr.invars, weight_invars) if w)
     for e in self.eqns:
       name = e.primitive.name
-      if ((name in VIEW_OPS and e.invars and self.is_weight(e.invars[0]))
-          or (name == "gather" and self.is_weight(e.invars[0])
-              and (len(e.params["dimension_numbers"].offset_dims) >= 2
-                   or jx.is_literal(e.invars[1]) or e.invars[1] in self.const_values))
-          or (name in COMBINE_OPS and all(self.is_weight(a) for a in e.invars))):
+      if (
+        (name in VIEW_OPS and e.invars and self.is_weight(e.invars[0]))
+        or (
+          name == "gather"
+          and self.is_weight(e.invars[0])
+          and (
+            len(e.params["dimension_numbers"].offset_dims) >= 2
+            or jx.is_literal(e.invars[1])
+            or e.invars[1] in self.const_values
+          )
+        )
+        or (name in COMBINE_OPS and all(self.is_weight(a) for a in e.invars))
+      ):
         self.weights.update(e.outvars)
 
   def is_weight(self, a) -> bool:
@@ -111,6 +187,7 @@ class Match:
 
 
 # ------------------------------------------------------------------ X·U·V
+
 
 def _matmul_dims(e):
   """For dot_general(lhs [...,K], rhs 2-D) returns rhs_contract (0 or 1), else None."""
@@ -177,9 +254,14 @@ class XUVRule:
       loc = g.location(j)
       if not (g.is_weight(u) and g.is_weight(v)):
         which = "u" if not g.is_weight(u) else "v"
-        near.append(NearMiss(self.name, g.path, loc,
-                             f"{which} is computed from activations (activation × activation "
-                             "product), not a weight"))
+        near.append(
+          NearMiss(
+            self.name,
+            g.path,
+            loc,
+            f"{which} is computed from activations (activation × activation product), not a weight",
+          )
+        )
         continue
       t1 = e1.outvars[0]
       if conv is not None:
@@ -187,30 +269,55 @@ class XUVRule:
       else:
         ok = g.single_use(t1, j)
       if not ok:
-        near.append(NearMiss(self.name, g.path, loc,
-                             "the intermediate x·u is used elsewhere or is an output"))
+        near.append(
+          NearMiss(self.name, g.path, loc, "the intermediate x·u is used elsewhere or is an output")
+        )
         continue
       xa, ua, va = x.aval, u.aval, v.aval
       if any(jnp.dtype(a.dtype) not in FLOAT_DTYPES for a in (xa, ua, va)):
-        near.append(NearMiss(self.name, g.path, loc,
-                             f"dtypes {xa.dtype}/{ua.dtype}/{va.dtype} are not bf16/f16/f32"))
+        near.append(
+          NearMiss(
+            self.name, g.path, loc, f"dtypes {xa.dtype}/{ua.dtype}/{va.dtype} are not bf16/f16/f32"
+          )
+        )
         continue
-      K, r = (ua.shape if rc1 == 0 else ua.shape[::-1])
-      r2, N = (va.shape if rc2 == 0 else va.shape[::-1])
+      K, r = ua.shape if rc1 == 0 else ua.shape[::-1]
+      r2, N = va.shape if rc2 == 0 else va.shape[::-1]
       if r2 != r:
         continue
       if not r * (K + N) < self.rank_threshold * K * N:
-        near.append(NearMiss(self.name, g.path, loc,
-                             f"not low-rank: r·(K+N) = {r * (K + N)} >= "
-                             f"{self.rank_threshold:g}·K·N = {self.rank_threshold * K * N:g} "
-                             f"(K={K}, r={r}, N={N})"))
+        near.append(
+          NearMiss(
+            self.name,
+            g.path,
+            loc,
+            f"not low-rank: r·(K+N) = {r * (K + N)} >= "
+            f"{self.rank_threshold:g}·K·N = {self.rank_threshold * K * N:g} "
+            f"(K={K}, r={r}, N={N})",
+          )
+        )
         continue
       chain.add(i)
       if conv is not None:
         chain.add(conv)
       y = e2.outvars[0]
-      m = _Xuv(x, u, v, None, False, rc1 == 1, rc2 == 1, chain, j, y,
-               jnp.dtype(t.aval.dtype), jnp.dtype(y.aval.dtype), K, r, N)
+      m = _Xuv(
+        x,
+        u,
+        v,
+        None,
+        False,
+        rc1 == 1,
+        rc2 == 1,
+        chain,
+        j,
+        y,
+        jnp.dtype(t.aval.dtype),
+        jnp.dtype(y.aval.dtype),
+        K,
+        r,
+        N,
+      )
       if self.absorb_bias:
         self._absorb_bias(g, m)
       found[m.out] = m
@@ -234,9 +341,12 @@ class XUVRule:
       return
     bi, be = g.producer_eqn(other)
     lead = len(oshape) - 1
-    if (be is not None and be.primitive.name == "broadcast_in_dim"
-        and be.invars[0].aval.shape == (m.N,)
-        and tuple(be.params["broadcast_dimensions"]) == (lead,)):
+    if (
+      be is not None
+      and be.primitive.name == "broadcast_in_dim"
+      and be.invars[0].aval.shape == (m.N,)
+      and tuple(be.params["broadcast_dimensions"]) == (lead,)
+    ):
       src, extra, reshape = be.invars[0], ({bi} if g.single_use(other, k) else set()), False
     elif all(d == 1 for d in oshape[:-1]):
       src, extra, reshape = other, set(), oshape != (m.N,)
@@ -256,31 +366,55 @@ class XUVRule:
         b = read(m.bias)
         ops.append(jnp.reshape(b, (m.N,)) if m.bias_reshape else b)
       return ops
+
     return operands
 
   def emit_xuv(self, m: _Xuv):
     operands = self.xuv_operands(m)
 
     def emit(read):
-      return lr_xuv_p.bind(*operands(read), has_bias=m.bias is not None,
-                           inter_dtype=m.inter_dtype, out_dtype=m.out_dtype)
+      return lr_xuv_p.bind(
+        *operands(read),
+        has_bias=m.bias is not None,
+        inter_dtype=m.inter_dtype,
+        out_dtype=m.out_dtype,
+      )
+
     return emit
 
   def to_match(self, g: Graph, m: _Xuv) -> Match:
     params = dict(has_bias=m.bias is not None, inter_dtype=m.inter_dtype, out_dtype=m.out_dtype)
-    avals = (m.x.aval, jax.core.ShapedArray((m.K, m.r), m.u.aval.dtype),
-             jax.core.ShapedArray((m.r, m.N), m.v.aval.dtype))
+    avals = (
+      m.x.aval,
+      jax.core.ShapedArray((m.K, m.r), m.u.aval.dtype),
+      jax.core.ShapedArray((m.r, m.N), m.v.aval.dtype),
+    )
     if m.bias is not None:
       avals += (jax.core.ShapedArray((m.N,), m.bias.aval.dtype),)
-    shapes = (f"x{list(m.x.aval.shape)}·u[{m.K},{m.r}]·v[{m.r},{m.N}]"
-              f"{' + bias' if m.bias is not None else ''} {m.x.aval.dtype}")
+    shapes = (
+      f"x{list(m.x.aval.shape)}·u[{m.K},{m.r}]·v[{m.r},{m.N}]"
+      f"{' + bias' if m.bias is not None else ''} {m.x.aval.dtype}"
+    )
     reads = (m.x, m.u, m.v) + ((m.bias,) if m.bias is not None else ())
-    return Match(self.name, m.root, frozenset(m.eqns), self.emit_xuv(m), g.path,
-                 g.location(m.root), lr_xuv_p, avals, params, shapes, m.x, reads,
-                 self.xuv_operands(m))
+    return Match(
+      self.name,
+      m.root,
+      frozenset(m.eqns),
+      self.emit_xuv(m),
+      g.path,
+      g.location(m.root),
+      lr_xuv_p,
+      avals,
+      params,
+      shapes,
+      m.x,
+      reads,
+      self.xuv_operands(m),
+    )
 
 
 # ------------------------------------------------------------------ activations
+
 
 def _is_elementwise_eqn(e) -> bool:
   name = e.primitive.name
@@ -294,8 +428,10 @@ def _is_elementwise_eqn(e) -> bool:
 
 def _eval_elementwise(jaxpr_eqns, env):
   """Evaluates elementwise eqns (recursing into calls) on whatever shape ``env`` holds."""
+
   def read(a):
     return a.val if jx.is_literal(a) else env[a]
+
   for e in jaxpr_eqns:
     if e.primitive.name in CALL_PRIMS:
       s = jx.sub_jaxprs(e)[0]
@@ -308,10 +444,14 @@ def _eval_elementwise(jaxpr_eqns, env):
     env.update(zip(e.outvars, outs))
 
 
-_PROBE = np.concatenate([np.linspace(-8.0, 8.0, 161),
-                         np.random.default_rng(1234).normal(0.0, 2.5, 256)]).astype(np.float32)
-_ACT_TOL = {jnp.dtype(jnp.float32): 2e-5, jnp.dtype(jnp.float16): 4e-3,
-            jnp.dtype(jnp.bfloat16): 3e-2}
+_PROBE = np.concatenate(
+  [np.linspace(-8.0, 8.0, 161), np.random.default_rng(1234).normal(0.0, 2.5, 256)]
+).astype(np.float32)
+_ACT_TOL = {
+  jnp.dtype(jnp.float32): 2e-5,
+  jnp.dtype(jnp.float16): 4e-3,
+  jnp.dtype(jnp.bfloat16): 3e-2,
+}
 
 
 def identify_activation(g: Graph, a, h):
@@ -364,6 +504,7 @@ def _probe_in_fresh_thread(g: Graph, region, a, h):
   Runs in a new thread: jax's trace state is thread-local, so the probe runs
   eagerly whatever transformation (jit, vmap, grad) is tracing the caller.
   """
+
   def probe():
     env = dict(g.const_values)
     env[h] = _PROBE.astype(np.dtype(h.aval.dtype))
@@ -383,6 +524,7 @@ def _probe_in_fresh_thread(g: Graph, region, a, h):
 
 
 # ------------------------------------------------------------------ MLP
+
 
 @dataclasses.dataclass(frozen=True)
 class MLPRule:
@@ -421,7 +563,7 @@ class MLPRule:
       if pe.primitive.name != "mul":
         return None
       a_, b_ = pe.invars
-      for a, hu in ((a_, b_), (b_, a_)):
+      for a, hu in ((a_, b_), (b_, a_)):  # noqa: B007
         up = xuvs.get(hu)
         if up is not None and not (up.eqns & taken):
           break
@@ -432,8 +574,14 @@ class MLPRule:
       if a is hu or not g.single_use(a, pi):
         return "the activation output is used elsewhere"
       # a = act(h_gate): find the gate chain feeding the activation region.
-      gate = next((m for m in xuvs.values() if m is not up and m is not down
-                   and not (m.eqns & taken) and self._feeds(g, m.out, a)), None)
+      gate = next(
+        (
+          m
+          for m in xuvs.values()
+          if m is not up and m is not down and not (m.eqns & taken) and self._feeds(g, m.out, a)
+        ),
+        None,
+      )
       if gate is None:
         return "no low-rank gate projection feeds the activation"
       if gate.x is not up.x:
@@ -444,8 +592,14 @@ class MLPRule:
       projs = (gate, up, down)
       extra = set(region) | {pi}
     else:
-      up = next((m for m in xuvs.values() if m is not down and not (m.eqns & taken)
-                 and self._feeds(g, m.out, p)), None)
+      up = next(
+        (
+          m
+          for m in xuvs.values()
+          if m is not down and not (m.eqns & taken) and self._feeds(g, m.out, p)
+        ),
+        None,
+      )
       if up is None:
         return None
       act, region = identify_activation(g, p, up.out)
@@ -481,13 +635,16 @@ class MLPRule:
     for m in projs:
       eqns |= m.eqns
     mask = tuple(m.bias is not None for m in projs)
-    params = dict(gated=self.gated, act=act, bias_mask=mask, inter_dtype=inter_dtype,
-                  out_dtype=down.out_dtype)
+    params = dict(
+      gated=self.gated, act=act, bias_mask=mask, inter_dtype=inter_dtype, out_dtype=down.out_dtype
+    )
     x = projs[0].x
     avals = [x.aval]
     for m in projs:
-      avals += [jax.core.ShapedArray((m.K, m.r), m.u.aval.dtype),
-                jax.core.ShapedArray((m.r, m.N), m.v.aval.dtype)]
+      avals += [
+        jax.core.ShapedArray((m.K, m.r), m.u.aval.dtype),
+        jax.core.ShapedArray((m.r, m.N), m.v.aval.dtype),
+      ]
       if m.bias is not None:
         avals.append(jax.core.ShapedArray((m.N,), m.bias.aval.dtype))
 
@@ -501,14 +658,27 @@ class MLPRule:
       return lr_mlp_p.bind(*ops, **params)
 
     ranks = "/".join(str(m.r) for m in projs)
-    shapes = (f"x{list(x.aval.shape)} {projs[0].K}→{projs[-2].N}→{down.N} ranks {ranks} "
-              f"{act} {x.aval.dtype}")
+    shapes = (
+      f"x{list(x.aval.shape)} {projs[0].K}→{projs[-2].N}→{down.N} ranks {ranks} "
+      f"{act} {x.aval.dtype}"
+    )
     pattern = f"{self.name}({'gated' if self.gated else 'non-gated'})"
-    return Match(pattern, down.root, frozenset(eqns), emit, g.path, g.location(down.root),
-                 lr_mlp_p, tuple(avals), params, shapes)
+    return Match(
+      pattern,
+      down.root,
+      frozenset(eqns),
+      emit,
+      g.path,
+      g.location(down.root),
+      lr_mlp_p,
+      tuple(avals),
+      params,
+      shapes,
+    )
 
 
 # ------------------------------------------------------------------ W4A8
+
 
 @dataclasses.dataclass(frozen=True)
 class W4A8XUVRule:
@@ -552,15 +722,28 @@ class W4A8XUVRule:
         return q.lr_xuv_w4a8_p.bind(*[read(a) for a in ops], **params)
 
       k = e1.invars[0].aval.shape[-1]
-      shapes = (f"x{list(e1.invars[0].aval.shape)} int4 U[{k},{params['r']}] "
-                f"int4 V[{params['r']},{params['n']}] {params['layout']}")
-      matches.append(Match(self.name, j, frozenset({i, j}), emit, g.path, loc, q.lr_xuv_w4a8_p,
-                           tuple(a.aval for a in ops), params, shapes))
+      shapes = (
+        f"x{list(e1.invars[0].aval.shape)} int4 U[{k},{params['r']}] "
+        f"int4 V[{params['r']},{params['n']}] {params['layout']}"
+      )
+      matches.append(
+        Match(
+          self.name,
+          j,
+          frozenset({i, j}),
+          emit,
+          g.path,
+          loc,
+          q.lr_xuv_w4a8_p,
+          tuple(a.aval for a in ops),
+          params,
+          shapes,
+        )
+      )
     return matches, near
 
 
-DEFAULT_RULES = (MLPRule(gated=True), MLPRule(name="lr_mlp", gated=False), XUVRule(),
-                 W4A8XUVRule())
+DEFAULT_RULES = (MLPRule(gated=True), MLPRule(name="lr_mlp", gated=False), XUVRule(), W4A8XUVRule())
 
 
 def rule_label(rule) -> str:

@@ -8,6 +8,7 @@ Subcommands register with :func:`subcommand`; a module that defines more of them
     p.add_argument("--ckpt", required=True)
     return lambda args: ...          # run(args) -> exit code (None means 0)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,7 +17,7 @@ import json
 import logging
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 # Modules that register further subcommands (skipped with a note if not importable).
 EXTENSIONS: tuple[str, ...] = ("lrjax.serving.cli",)
@@ -27,16 +28,19 @@ _COMMANDS: dict[str, tuple[str, Configure]] = {}
 
 def subcommand(name: str, *, help: str):
   """Register ``configure(parser) -> run(args)`` as ``lrjax <name>``."""
+
   def deco(fn: Configure) -> Configure:
     if name in _COMMANDS:
       raise ValueError(f"subcommand {name!r} is registered twice")
     _COMMANDS[name] = (help, fn)
     return fn
+
   return deco
 
 
 def _dtype(name: str):
   import jax.numpy as jnp
+
   table = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
   if name not in table:
     raise argparse.ArgumentTypeError(f"dtype {name!r}: expected one of {sorted(table)}")
@@ -47,10 +51,12 @@ def load_tokens(path: str):
   """Calibration tokens [batch, seq] int from .npy (no pickle), .safetensors ("tokens"), or text
   (one sequence of whitespace-separated ids per line, all the same length)."""
   import numpy as np
+
   if path.endswith(".npy"):
     t = np.load(path, allow_pickle=False)
   elif path.endswith(".safetensors"):
     from safetensors.numpy import load_file
+
     d = load_file(path)
     if "tokens" not in d:
       raise ValueError(f"{path}: expected a tensor named 'tokens', found {sorted(d)}")
@@ -59,8 +65,10 @@ def load_tokens(path: str):
     with open(path) as fh:
       rows = [[int(x) for x in line.split()] for line in fh if line.strip()]
     if len({len(r) for r in rows}) > 1:
-      raise ValueError(f"{path}: lines have different lengths {sorted({len(r) for r in rows})}; "
-                       "every calibration sequence must have the same length")
+      raise ValueError(
+        f"{path}: lines have different lengths {sorted({len(r) for r in rows})}; "
+        "every calibration sequence must have the same length"
+      )
     t = np.asarray(rows)
   if t.ndim == 1:
     t = t[None]
@@ -75,29 +83,44 @@ def convert(p: argparse.ArgumentParser):
   src.add_argument("--hf", metavar="DIR", help="HF checkpoint dir (config.json + safetensors)")
   src.add_argument("--orbax", metavar="DIR", help="lrjax orbax checkpoint dir (dense)")
   p.add_argument("--out", metavar="DIR", required=True, help="output lrjax checkpoint dir")
-  p.add_argument("--ratio", type=float, required=True,
-                 help="fraction of each compressed projection's weight parameters removed")
+  p.add_argument(
+    "--ratio",
+    type=float,
+    required=True,
+    help="fraction of each compressed projection's weight parameters removed",
+  )
   p.add_argument("--method", choices=("whiten", "svd"), default="whiten")
-  p.add_argument("--calib", metavar="FILE",
-                 help="calibration tokens: .npy / .safetensors ('tokens') / text, [batch, seq]")
+  p.add_argument(
+    "--calib",
+    metavar="FILE",
+    help="calibration tokens: .npy / .safetensors ('tokens') / text, [batch, seq]",
+  )
   p.add_argument("--lora-steps", type=int, default=0)
   p.add_argument("--lora-rank", type=int, default=8)
   p.add_argument("--lora-lr", type=float, default=1e-3)
-  p.add_argument("--lora-tokens", metavar="FILE",
-                 help="LoRA training tokens (same formats as --calib; default: the calibration "
-                      "tokens, which overfit when there are few sequences)")
+  p.add_argument(
+    "--lora-tokens",
+    metavar="FILE",
+    help="LoRA training tokens (same formats as --calib; default: the calibration "
+    "tokens, which overfit when there are few sequences)",
+  )
   p.add_argument("--lora-batch", type=int, default=8, help="sequences per LoRA step")
   p.add_argument("--mlp-only", action="store_true", help="compress gate/up/down only")
   p.add_argument("--per-head", action="store_true", help="factorise q/k/v per (kv) head")
   p.add_argument("--block", type=int, default=128, help="ranks are multiples of this")
-  p.add_argument("--dtype", type=_dtype, default=None,
-                 help="param dtype (default: the checkpoint's)")
+  p.add_argument(
+    "--dtype", type=_dtype, default=None, help="param dtype (default: the checkpoint's)"
+  )
   p.add_argument("--overwrite", action="store_true")
-  p.add_argument("--verify", action="store_true",
-                 help="reload the output and check it equals the compressed model bit for bit")
+  p.add_argument(
+    "--verify",
+    action="store_true",
+    help="reload the output and check it equals the compressed model bit for bit",
+  )
 
   def run(a):
     from lrjax import checkpoint
+
     try:
       from lrjax.compress import compress
     except ImportError as e:
@@ -117,21 +140,35 @@ def convert(p: argparse.ArgumentParser):
     else:
       print(f"loading orbax checkpoint {a.orbax}")
       model = checkpoint.load(a.orbax)
-    model = compress(model, ratio=a.ratio, calib_tokens=calib, method=a.method, block=a.block,
-                     mlp_only=a.mlp_only, per_head=a.per_head, lora_steps=a.lora_steps,
-                     lora_rank=a.lora_rank, lora_lr=a.lora_lr, lora_tokens=lora_tokens,
-                     lora_batch=a.lora_batch, progress=True)
+    model = compress(
+      model,
+      ratio=a.ratio,
+      calib_tokens=calib,
+      method=a.method,
+      block=a.block,
+      mlp_only=a.mlp_only,
+      per_head=a.per_head,
+      lora_steps=a.lora_steps,
+      lora_rank=a.lora_rank,
+      lora_lr=a.lora_lr,
+      lora_tokens=lora_tokens,
+      lora_batch=a.lora_batch,
+      progress=True,
+    )
     rec = dict(model.compression or {})
     rec["source"] = os.path.abspath(a.hf or a.orbax)
     model.compression = rec
     checkpoint.save(model, a.out, overwrite=a.overwrite)
     params = rec.get("params", {})
-    print(f"wrote {a.out}: method={a.method} ratio={a.ratio} ranks={model.layer_ranks()[0]}"
-          f" (layer 0) weights {params.get('dense')} → {params.get('compressed')}")
+    print(
+      f"wrote {a.out}: method={a.method} ratio={a.ratio} ranks={model.layer_ranks()[0]}"
+      f" (layer 0) weights {params.get('dense')} → {params.get('compressed')}"
+    )
     if a.verify:
       _verify(model, checkpoint.load(a.out))
       print("verified: reloaded checkpoint equals the compressed model bit for bit")
     return 0
+
   return run
 
 
@@ -139,6 +176,7 @@ def _verify(a, b):
   import jax
   import numpy as np
   from flax import nnx
+
   fa, fb = nnx.to_flat_state(nnx.state(a)), nnx.to_flat_state(nnx.state(b))
   da, db = dict(fa), dict(fb)
   if set(da) != set(db):
@@ -158,11 +196,18 @@ def export(p: argparse.ArgumentParser):
 
   def run(a):
     from lrjax import checkpoint
+
     model = checkpoint.load(a.ckpt)
-    checkpoint.export_hf(model, a.out, max_shard_bytes=int(a.max_shard_gb * 2**30),
-                         overwrite=a.overwrite, progress=True)
+    checkpoint.export_hf(
+      model,
+      a.out,
+      max_shard_bytes=int(a.max_shard_gb * 2**30),
+      overwrite=a.overwrite,
+      progress=True,
+    )
     print(f"wrote {a.out} (ranks per layer: {json.dumps(model.layer_ranks())})")
     return 0
+
   return run
 
 
@@ -183,8 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
-  logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                      format="%(levelname)s %(name)s: %(message)s")
+  logging.basicConfig(
+    level=logging.INFO if args.verbose else logging.WARNING,
+    format="%(levelname)s %(name)s: %(message)s",
+  )
   try:
     return int(args._run(args) or 0)
   except (ValueError, FileNotFoundError, FileExistsError, TypeError) as e:

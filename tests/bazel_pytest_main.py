@@ -1,4 +1,5 @@
 """Entry point for Bazel py_test targets: runs pytest on the test file given as argument."""
+
 import sys
 
 import pytest

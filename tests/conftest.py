@@ -1,4 +1,5 @@
 """Shared test helpers: the per-dtype tolerance table and fresh random inputs."""
+
 import itertools
 
 import jax
@@ -8,12 +9,14 @@ import pytest
 
 # Relative tolerance on ||out - ref|| / ||ref||, per compute dtype.
 TOLERANCES = {
-    jnp.dtype(jnp.float32): 1e-5,
-    jnp.dtype(jnp.float16): 2e-3,
-    jnp.dtype(jnp.bfloat16): 1e-2,
+  jnp.dtype(jnp.float32): 1e-5,
+  jnp.dtype(jnp.float16): 2e-3,
+  jnp.dtype(jnp.bfloat16): 1e-2,
 }
 
-_seed = itertools.count(int.from_bytes(np.random.SeedSequence().entropy.to_bytes(16, "little")[:4], "little"))
+_seed = itertools.count(
+  int.from_bytes(np.random.SeedSequence().entropy.to_bytes(16, "little")[:4], "little")
+)
 
 
 def tolerance(dtype) -> float:
@@ -61,7 +64,7 @@ def kv_attention_f64(q, zk, zv, vk, vv, pos, inv_freq, bk=None, bv=None, window=
   k, v = k.reshape(b, t, hkv, d), v.reshape(b, t, hkv, d)
   ang = np.arange(t)[:, None] * np.asarray(inv_freq, np.float64)[None, :]
   cos, sin = np.cos(np.concatenate([ang, ang], 1)), np.sin(np.concatenate([ang, ang], 1))
-  rot = np.concatenate([-k[..., d // 2:], k[..., :d // 2]], -1)  # rotate-half
+  rot = np.concatenate([-k[..., d // 2 :], k[..., : d // 2]], -1)  # rotate-half
   k = k * cos[None, :, None] + rot * sin[None, :, None]
   out = np.zeros((b, hq, d))
   for i in range(b):
@@ -85,6 +88,7 @@ def _no_jax_triton_stub_after_the_test():
   later tests on the same worker see a jax_triton without a spec (the registry's toolchain
   check raised, and the Triton kernels fell back with a warning instead of a reason)."""
   import sys
+
   before = sys.modules.get("jax_triton")
   yield
   after = sys.modules.get("jax_triton")
@@ -99,16 +103,19 @@ def load_benchmark():
   import importlib.util
   import os
   import sys
+
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   if os.path.join(root, "benchmarks") not in sys.path:
     sys.path.insert(0, os.path.join(root, "benchmarks"))
 
   def load(name: str):
     spec = importlib.util.spec_from_file_location(
-        name, os.path.join(root, "benchmarks", f"{name}.py"))
+      name, os.path.join(root, "benchmarks", f"{name}.py")
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
   return load
 
 

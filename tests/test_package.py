@@ -1,4 +1,5 @@
 """The installed package: import names, the top-level API, nothing installed at top level."""
+
 import importlib.metadata
 
 import lrjax
@@ -7,6 +8,7 @@ import lrjax
 def test_import_names():
   import lrjax.custom_calls
   import lrjax.lowering
+
   assert lrjax.lowering.__name__ == "lrjax.lowering"
   assert lrjax.custom_calls.__name__ == "lrjax.custom_calls"
   assert set(lrjax.custom_calls.kernel_catalog()) == {"triton", "cpu", "nki"}
@@ -21,5 +23,6 @@ def test_no_top_level_lowering_or_custom_calls_installed():
 def test_top_level_api():
   assert callable(lrjax.fuse) and callable(lrjax.explain) and callable(lrjax.quantize)
   from lrjax.compress import compress  # importing the submodule must not break the spelling
+
   assert callable(lrjax.compress) and lrjax.compress.compress is compress
   assert lrjax.models.from_hf is not None

@@ -2,19 +2,19 @@
 or compiled for the H200 to read what they ask of it): each runs as a script in a fresh
 Python, whose ``STUB`` prelude makes the kernel modules importable without jax-triton
 (benchmarks/kernel_resources.py's stub; nothing there launches through it)."""
+
 import os
 import subprocess
 import sys
 import textwrap
 
-BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                          "benchmarks")
-STUB = textwrap.dedent(f'''
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+STUB = textwrap.dedent(f"""
   import sys
   sys.path.insert(0, {BENCHMARKS!r})
   import kernel_resources
   kernel_resources.install_jax_triton_stub()
-''')
+""")
 
 
 def run_script(script: str, interpret: bool) -> str:
@@ -23,7 +23,8 @@ def run_script(script: str, interpret: bool) -> str:
   env.pop("TRITON_INTERPRET", None)
   if interpret:
     env["TRITON_INTERPRET"] = "1"
-  res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                       text=True, timeout=1200)
+  res = subprocess.run(
+    [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=1200
+  )
   assert res.returncode == 0 and res.stdout.rstrip().endswith("ok"), res.stdout + res.stderr
   return res.stdout

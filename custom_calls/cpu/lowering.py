@@ -9,12 +9,14 @@ Kernels: ``cpu.w4a8_matmul`` (primitive ``w4a8_matmul``) and ``cpu.lr_xuv_w4a8``
 x86 AVX512-VNNI -> AVX-VNNI -> AVX2 -> scalar, aarch64 i8mm -> dotprod -> NEON ->
 scalar; ``LRJAX_W4A8_ISA`` caps it, ``LRJAX_W4A8_THREADS`` sets the thread count.
 """
+
 from __future__ import annotations
 
 import importlib.util
 import logging
 import threading
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -68,6 +70,7 @@ def _supports(avals_in: Sequence[Any], params: Mapping[str, Any]) -> str | None:
 
 def _empty_bias():
   import jax.numpy as jnp
+
   return jnp.zeros((0,), jnp.float32)
 
 
@@ -80,8 +83,16 @@ def _load_matmul():
     bias = rest[0] if has_bias else _empty_bias()
     out = jax.ShapeDtypeStruct(x.shape[:-1] + (n,), out_dtype)
     return jax.ffi.ffi_call(_TARGETS["w4a8_matmul"], out, vmap_method="broadcast_all")(
-        x, w, s, bias, k=np.int64(x.shape[-1]), n=np.int64(n), group=np.int64(group),
-        layout=np.int64(_LAYOUT_CODES[layout]))
+      x,
+      w,
+      s,
+      bias,
+      k=np.int64(x.shape[-1]),
+      n=np.int64(n),
+      group=np.int64(group),
+      layout=np.int64(_LAYOUT_CODES[layout]),
+    )
+
   return impl
 
 
@@ -94,14 +105,26 @@ def _load_xuv():
     bias = rest[0] if has_bias else _empty_bias()
     out = jax.ShapeDtypeStruct(x.shape[:-1] + (n,), out_dtype)
     return jax.ffi.ffi_call(_TARGETS["lr_xuv_w4a8"], out, vmap_method="broadcast_all")(
-        x, wu, su, wv, sv, bias, k=np.int64(x.shape[-1]), r=np.int64(r), n=np.int64(n), group_u=np.int64(group_u),
-        group_v=np.int64(group_v), layout=np.int64(_LAYOUT_CODES[layout]))
+      x,
+      wu,
+      su,
+      wv,
+      sv,
+      bias,
+      k=np.int64(x.shape[-1]),
+      r=np.int64(r),
+      n=np.int64(n),
+      group_u=np.int64(group_u),
+      group_v=np.int64(group_v),
+      layout=np.int64(_LAYOUT_CODES[layout]),
+    )
+
   return impl
 
 
 KERNELS = [
-    KernelLowering("w4a8_matmul", "cpu", "cpu.w4a8_matmul", _supports, _load_matmul, priority=10),
-    KernelLowering("lr_xuv_w4a8", "cpu", "cpu.lr_xuv_w4a8", _supports, _load_xuv, priority=10),
+  KernelLowering("w4a8_matmul", "cpu", "cpu.w4a8_matmul", _supports, _load_matmul, priority=10),
+  KernelLowering("lr_xuv_w4a8", "cpu", "cpu.lr_xuv_w4a8", _supports, _load_xuv, priority=10),
 ]
 
 

@@ -15,6 +15,7 @@ module globals ``nki``, ``nl`` and ``nisa``. They bind them with one line,
   double in ``tests/custom_calls/nki/nki_double.py``. The copy is not put in
   ``sys.modules``, so the real kernels are never affected.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -25,9 +26,11 @@ import types
 
 _instances = itertools.count()
 
-_MISSING_MSG = ("the NKI toolchain (`import nki`, AWS Neuron SDK 2.33 / NKI 0.7) is not installed; "
-                "it ships from AWS's Neuron package repository, not PyPI. On a machine without it, "
-                "run the kernels on a test double via lrjax.custom_calls.nki._api.instantiate")
+_MISSING_MSG = (
+  "the NKI toolchain (`import nki`, AWS Neuron SDK 2.33 / NKI 0.7) is not installed; "
+  "it ships from AWS's Neuron package repository, not PyPI. On a machine without it, "
+  "run the kernels on a test double via lrjax.custom_calls.nki._api.instantiate"
+)
 
 
 class _Missing(types.ModuleType):
@@ -55,8 +58,11 @@ def toolchain(module_globals: dict):
     return module_globals["nki"], module_globals["nl"], module_globals["nisa"]
   if available():
     try:
-      return (importlib.import_module("nki"), importlib.import_module("nki.language"),
-              importlib.import_module("nki.isa"))
+      return (
+        importlib.import_module("nki"),
+        importlib.import_module("nki.language"),
+        importlib.import_module("nki.isa"),
+      )
     except ImportError:  # e.g. PyPI's placeholder `nki` 0.0.1, which raises on import
       pass
   return _MissingNki("nki"), _Missing("nki.language"), _Missing("nki.isa")

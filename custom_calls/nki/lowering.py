@@ -10,6 +10,7 @@ the reference lowering serves. ``load()`` imports the kernel modules, whose
 ``@nki.jit`` kernels are called with jax arrays (NKI's JAX integration, which
 replaced ``jax_neuronx.nki_call`` in Neuron 2.23).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -42,15 +43,19 @@ def _dtype_reason(avals, params) -> str | None:
   x = avals[0]
   dt = np.dtype(x.dtype)
   if dt.name not in _DTYPES:
-    return (f"x.dtype={dt.name}: the NKI kernels take {'/'.join(_DTYPES)} (X is transposed by "
-            "DMA in transit, which moves 2-byte types)")
+    return (
+      f"x.dtype={dt.name}: the NKI kernels take {'/'.join(_DTYPES)} (X is transposed by "
+      "DMA in transit, which moves 2-byte types)"
+    )
   for i, a in enumerate(avals[1:], 1):
     if np.dtype(a.dtype) != dt:
-      return f"operand {i} dtype={np.dtype(a.dtype).name} != x.dtype={dt.name}; the kernels do not cast on load"
+      return f"operand {i} dtype={np.dtype(a.dtype).name} != x.dtype={dt.name}; the kernels do not cast on load"  # noqa: E501
   for name in ("inter_dtype", "out_dtype"):
     if np.dtype(params[name]) != dt:
-      return (f"{name}={np.dtype(params[name]).name} != x.dtype={dt.name}: the kernels keep the "
-              "cached strip and the output in the input dtype")
+      return (
+        f"{name}={np.dtype(params[name]).name} != x.dtype={dt.name}: the kernels keep the "
+        "cached strip and the output in the input dtype"
+      )
   return None
 
 
@@ -61,27 +66,38 @@ def _rows(x) -> int:
 def xuv_plan(avals_in, params) -> planner.Plan:
   """The plan the lr_xuv kernel would run with (raises PlanError / ValueError if none)."""
   x, u, v = avals_in[:3]
-  return planner.plan("xuv", _rows(x), x.shape[-1], u.shape[1], v.shape[1], x.dtype,
-                      n_bias=int(params["has_bias"]))
+  return planner.plan(
+    "xuv", _rows(x), x.shape[-1], u.shape[1], v.shape[1], x.dtype, n_bias=int(params["has_bias"])
+  )
 
 
 def mlp_plan(avals_in, params) -> planner.MlpPlan:
   """The plans of the two launches the lr_mlp kernel would run with."""
   from lrjax.lowering.primitives import mlp_operands
+
   d = mlp_operands(avals_in, params["gated"], params["bias_mask"])
   x = d["x"]
   uu, vu, bu = d["up"]
   r_up = max(uu.shape[1], d["gate"][0].shape[1]) if params["gated"] else uu.shape[1]
   has_up_bias = bu is not None or (params["gated"] and d["gate"][2] is not None)
   ud, vd, bd = d["down"]
-  return planner.plan_mlp(_rows(x), x.shape[-1], r_up, vu.shape[1], ud.shape[1], vd.shape[1],
-                          x.dtype, gated=params["gated"],
-                          up_bias=(2 if params["gated"] else 1) if has_up_bias else 0,
-                          down_bias=bd is not None)
+  return planner.plan_mlp(
+    _rows(x),
+    x.shape[-1],
+    r_up,
+    vu.shape[1],
+    ud.shape[1],
+    vd.shape[1],
+    x.dtype,
+    gated=params["gated"],
+    up_bias=(2 if params["gated"] else 1) if has_up_bias else 0,
+    down_bias=bd is not None,
+  )
 
 
 def _planned_supports(plan):
   """supports() from a planner: dtype rules, non-empty input, and a plan that fits."""
+
   def supports(avals_in, params):
     reason = _dtype_reason(avals_in, params)
     if reason:
@@ -93,6 +109,7 @@ def _planned_supports(plan):
     except ValueError as e:
       return str(e)
     return None
+
   return supports
 
 
@@ -111,6 +128,7 @@ def _load_xuv():
 
   def impl(*ops, has_bias, inter_dtype, out_dtype):
     return xuv.xuv(ops[0], ops[1], ops[2], ops[3] if has_bias else None)
+
   return impl
 
 
@@ -121,14 +139,27 @@ def _load_mlp():
   def impl(*ops, gated, act, bias_mask, inter_dtype, out_dtype):
     d = mlp_operands(ops, gated, bias_mask)
     return mlp.mlp(d["x"], d["up"], d["down"], d["gate"], act=act)
+
   return impl
 
 
 KERNELS = [
-    KernelLowering(primitive="lr_xuv", platform=PLATFORM, name="nki.xuv_trainium_fusion",
-                   supports=_xuv_supports, load=_load_xuv, priority=10),
-    KernelLowering(primitive="lr_mlp", platform=PLATFORM, name="nki.mlp_up_gate_down",
-                   supports=_mlp_supports, load=_load_mlp, priority=10),
+  KernelLowering(
+    primitive="lr_xuv",
+    platform=PLATFORM,
+    name="nki.xuv_trainium_fusion",
+    supports=_xuv_supports,
+    load=_load_xuv,
+    priority=10,
+  ),
+  KernelLowering(
+    primitive="lr_mlp",
+    platform=PLATFORM,
+    name="nki.mlp_up_gate_down",
+    supports=_mlp_supports,
+    load=_load_mlp,
+    priority=10,
+  ),
 ]
 
 
@@ -164,9 +195,11 @@ def would_serve(prim_name, avals_in, params) -> tuple[str | None, str]:
       p = xuv_plan(avals_in, params) if name == "lr_xuv" else mlp_plan(avals_in, params)
       plans = (p,) if name == "lr_xuv" else (p.up_gate, p.down)
       desc = "; ".join(
-          f"{q.kernel} blocks (B_M,B_K,B_r,B_N)={q.blocks.as_tuple()}, predicted HBM "
-          f"{q.traffic.total / 2**20:.1f} MiB, AI {q.ai:.0f} flop/B, SBUF "
-          f"{q.sbuf_pipelined_bytes / 2**20:.1f}/24 MiB" for q in plans)
+        f"{q.kernel} blocks (B_M,B_K,B_r,B_N)={q.blocks.as_tuple()}, predicted HBM "
+        f"{q.traffic.total / 2**20:.1f} MiB, AI {q.ai:.0f} flop/B, SBUF "
+        f"{q.sbuf_pipelined_bytes / 2**20:.1f}/24 MiB"
+        for q in plans
+      )
       return k.name, desc
     declines.append(f"{k.name}: {reason}")
   if not declines:

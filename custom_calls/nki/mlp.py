@@ -11,6 +11,7 @@ zero rows of the padded Ud, so the result is exact).
 
 Operands follow ``lr_mlp``: x [..., K], up/gate/down as (u, v, bias|None).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,10 +25,12 @@ class BlockSizes:
   down: tuple[int, int, int, int]  # (B_M, B_K, B_r, B_N) of DownProjection
 
   @classmethod
-  def get_default(cls, M, K, r_up, d_ff, r_down, N, dtype, *, gated=True, up_bias=0,
-                  down_bias=False) -> "BlockSizes":
-    p = planner.plan_mlp(M, K, r_up, d_ff, r_down, N, dtype, gated=gated, up_bias=up_bias,
-                         down_bias=down_bias)
+  def get_default(
+    cls, M, K, r_up, d_ff, r_down, N, dtype, *, gated=True, up_bias=0, down_bias=False
+  ) -> BlockSizes:
+    p = planner.plan_mlp(
+      M, K, r_up, d_ff, r_down, N, dtype, gated=gated, up_bias=up_bias, down_bias=down_bias
+    )
     return cls(p.up_gate.blocks.as_tuple(), p.down.blocks.as_tuple())
 
 
@@ -60,14 +63,24 @@ def mlp(x, up, down, gate=None, *, act="silu", up_gate_mod=None, xuv_mod=None):
 
   if up_gate_mod is None or xuv_mod is None:
     from lrjax.custom_calls.nki import mlp_up_gate, xuv
+
     up_gate_mod, xuv_mod = up_gate_mod or mlp_up_gate, xuv_mod or xuv
   lead = x.shape[:-1]
-  z = fused_mlp(x.reshape(-1, x.shape[-1]), up, down, gate, act=act, xp=jnp,
-                up_gate_mod=up_gate_mod, xuv_mod=xuv_mod)
+  z = fused_mlp(
+    x.reshape(-1, x.shape[-1]),
+    up,
+    down,
+    gate,
+    act=act,
+    xp=jnp,
+    up_gate_mod=up_gate_mod,
+    xuv_mod=xuv_mod,
+  )
   return z.reshape(lead + (z.shape[-1],))
 
 
 def mlp_reference(x, up, down, gate=None, *, act="silu"):
   """The lrjax reference (lr_mlp_reference) with this module's argument order."""
   from lrjax.lowering import lr_mlp_reference
+
   return lr_mlp_reference(x, up, down, gate, act=act)

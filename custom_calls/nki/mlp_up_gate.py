@@ -16,6 +16,7 @@ rank (exact). Dims are padded to multiples of 128; bf16/f16 only.
 Targets NKI 0.7 (AWS Neuron SDK 2.33, ``import nki``). Not compiled or run on
 Trainium here; see the README's "Trainium status".
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,7 +38,7 @@ class BlockSizes:
   x_cache: bool = False  # hold the whole X^T row strip in SBUF: X read once per strip
 
   @classmethod
-  def get_default(cls, M, K, r, d_ff, dtype, *, gated=True, n_bias=0) -> "BlockSizes":
+  def get_default(cls, M, K, r, d_ff, dtype, *, gated=True, n_bias=0) -> BlockSizes:
     """Tuned table first, the planner's least-traffic plan otherwise."""
     key = (tuple(planner.pad128(d) for d in (K, r, d_ff)), gated)
     blocks = TUNED.get(key)
@@ -75,15 +76,17 @@ def _load_xt(x, m0, k0, bm, bk, tm):
   xt = nl.ndarray((P, bk // P, bm), dtype=x.dtype, buffer=nl.sbuf)
   for kt in nl.affine_range(bk // P):
     for mt in nl.affine_range(bm // tm):
-      nisa.dma_transpose(dst=xt[:, kt, mt * tm:(mt + 1) * tm],
-                         src=x[m0 + mt * tm:m0 + (mt + 1) * tm, k0 + kt * P:k0 + (kt + 1) * P])
+      nisa.dma_transpose(
+        dst=xt[:, kt, mt * tm : (mt + 1) * tm],
+        src=x[m0 + mt * tm : m0 + (mt + 1) * tm, k0 + kt * P : k0 + (kt + 1) * P],
+      )
   return xt
 
 
 def _load_block(dst, src, r0, c0, cols):
   """Rows r0.. of ``src`` (partition-major, dst.shape[1] row tiles) into dst [P, tiles, cols]."""
   for t in nl.affine_range(dst.shape[1]):
-    nisa.dma_copy(dst=dst[:, t, :], src=src[r0 + t * P:r0 + (t + 1) * P, c0:c0 + cols])
+    nisa.dma_copy(dst=dst[:, t, :], src=src[r0 + t * P : r0 + (t + 1) * P, c0 : c0 + cols])
 
 
 def _strips(x, ug, uu, m0, bm, bk, br, x_cache):
@@ -106,7 +109,7 @@ def _strips(x, ug, uu, m0, bm, bk, br, x_cache):
       nisa.memset(dst=accg, value=0.0)
     for k in nl.affine_range(K // bk):
       if x_cache:
-        xt = xs[:, k * (bk // P):(k + 1) * (bk // P), :]
+        xt = xs[:, k * (bk // P) : (k + 1) * (bk // P), :]
       else:
         xt = _load_xt(x, m0, k * bk, bm, bk, tm)
       uub = nl.ndarray((P, bk // P, br), dtype=uu.dtype, buffer=nl.sbuf)
@@ -117,17 +120,29 @@ def _strips(x, ug, uu, m0, bm, bk, br, x_cache):
       for rt in nl.affine_range(n_rt):
         for mt in nl.affine_range(n_mt):
           for kt in nl.affine_range(bk // P):
-            mov = xt[:, kt, mt * tm:(mt + 1) * tm]
-            nisa.nc_matmul(dst=accu[:, rt * n_mt + mt, :], stationary=uub[:, kt, rt * P:(rt + 1) * P],
-                           moving=mov, accumulate=True)
+            mov = xt[:, kt, mt * tm : (mt + 1) * tm]
+            nisa.nc_matmul(
+              dst=accu[:, rt * n_mt + mt, :],
+              stationary=uub[:, kt, rt * P : (rt + 1) * P],
+              moving=mov,
+              accumulate=True,
+            )
             if ug is not None:
-              nisa.nc_matmul(dst=accg[:, rt * n_mt + mt, :], stationary=ugb[:, kt, rt * P:(rt + 1) * P],
-                             moving=mov, accumulate=True)
+              nisa.nc_matmul(
+                dst=accg[:, rt * n_mt + mt, :],
+                stationary=ugb[:, kt, rt * P : (rt + 1) * P],
+                moving=mov,
+                accumulate=True,
+              )
     for rt in nl.affine_range(n_rt):
       for mt in nl.affine_range(n_mt):
-        nisa.tensor_copy(dst=su[:, p * n_rt + rt, mt * tm:(mt + 1) * tm], src=accu[:, rt * n_mt + mt, :])
+        nisa.tensor_copy(
+          dst=su[:, p * n_rt + rt, mt * tm : (mt + 1) * tm], src=accu[:, rt * n_mt + mt, :]
+        )
         if ug is not None:
-          nisa.tensor_copy(dst=sg[:, p * n_rt + rt, mt * tm:(mt + 1) * tm], src=accg[:, rt * n_mt + mt, :])
+          nisa.tensor_copy(
+            dst=sg[:, p * n_rt + rt, mt * tm : (mt + 1) * tm], src=accg[:, rt * n_mt + mt, :]
+          )
   return sg, su
 
 
@@ -135,8 +150,12 @@ def _rank1(acc, brow, ones, bm, bn, tm):
   """acc[n, m] += bias[n] via nc_matmul(stationary=bias row, moving=ones row)."""
   for nt in nl.affine_range(bn // P):
     for mt in nl.affine_range(bm // tm):
-      nisa.nc_matmul(dst=acc[:, nt * (bm // tm) + mt, :], stationary=brow[0:1, nt * P:(nt + 1) * P],
-                     moving=ones[0:1, mt * tm:(mt + 1) * tm], accumulate=True)
+      nisa.nc_matmul(
+        dst=acc[:, nt * (bm // tm) + mt, :],
+        stationary=brow[0:1, nt * P : (nt + 1) * P],
+        moving=ones[0:1, mt * tm : (mt + 1) * tm],
+        accumulate=True,
+      )
 
 
 def _project(sg, su, vg, vu, bg, bu, yt, m0, bm, br, bn, act):
@@ -165,18 +184,26 @@ def _project(sg, su, vg, vu, bg, bu, yt, m0, bm, br, bn, act):
         for nt in nl.affine_range(bn // P):
           for mt in nl.affine_range(bm // tm):
             i = nt * (bm // tm) + mt
-            nisa.nc_matmul(dst=accu[:, i, :], stationary=vub[:, rt, nt * P:(nt + 1) * P],
-                           moving=su[:, p * n_rt + rt, mt * tm:(mt + 1) * tm], accumulate=True)
+            nisa.nc_matmul(
+              dst=accu[:, i, :],
+              stationary=vub[:, rt, nt * P : (nt + 1) * P],
+              moving=su[:, p * n_rt + rt, mt * tm : (mt + 1) * tm],
+              accumulate=True,
+            )
             if sg is not None:
-              nisa.nc_matmul(dst=accg[:, i, :], stationary=vgb[:, rt, nt * P:(nt + 1) * P],
-                             moving=sg[:, p * n_rt + rt, mt * tm:(mt + 1) * tm], accumulate=True)
+              nisa.nc_matmul(
+                dst=accg[:, i, :],
+                stationary=vgb[:, rt, nt * P : (nt + 1) * P],
+                moving=sg[:, p * n_rt + rt, mt * tm : (mt + 1) * tm],
+                accumulate=True,
+              )
     if bu is not None:
       bur = nl.ndarray((1, bn), dtype=bu.dtype, buffer=nl.sbuf)
-      nisa.dma_copy(dst=bur, src=bu[0:1, n0:n0 + bn])
+      nisa.dma_copy(dst=bur, src=bu[0:1, n0 : n0 + bn])
       _rank1(accu, bur, ones, bm, bn, tm)
     if bg is not None:
       bgr = nl.ndarray((1, bn), dtype=bg.dtype, buffer=nl.sbuf)
-      nisa.dma_copy(dst=bgr, src=bg[0:1, n0:n0 + bn])
+      nisa.dma_copy(dst=bgr, src=bg[0:1, n0 : n0 + bn])
       _rank1(accg, bgr, ones, bm, bn, tm)
     yb = nl.ndarray((P, bn // P, bm), dtype=yt.dtype, buffer=nl.sbuf)
     for nt in nl.affine_range(bn // P):
@@ -185,11 +212,12 @@ def _project(sg, su, vg, vu, bg, bu, yt, m0, bm, br, bn, act):
         if sg is not None:
           g = nl.ndarray((P, tm), dtype=nl.float32, buffer=nl.sbuf)
           nisa.activation(dst=g, op=act, data=accg[:, i, :])  # Scalar Engine, from PSUM
-          nisa.tensor_tensor(dst=yb[:, nt, mt * tm:(mt + 1) * tm], data1=g, data2=accu[:, i, :],
-                             op=nl.multiply)  # Vector Engine
+          nisa.tensor_tensor(
+            dst=yb[:, nt, mt * tm : (mt + 1) * tm], data1=g, data2=accu[:, i, :], op=nl.multiply
+          )  # Vector Engine
         else:
-          nisa.activation(dst=yb[:, nt, mt * tm:(mt + 1) * tm], op=act, data=accu[:, i, :])
-      nisa.dma_copy(dst=yt[n0 + nt * P:n0 + (nt + 1) * P, m0:m0 + bm], src=yb[:, nt, :])
+          nisa.activation(dst=yb[:, nt, mt * tm : (mt + 1) * tm], op=act, data=accu[:, i, :])
+      nisa.dma_copy(dst=yt[n0 + nt * P : n0 + (nt + 1) * P, m0 : m0 + bm], src=yb[:, nt, :])
 
 
 def _up_gate_body(x, ug, vg, bg, uu, vu, bu, act, bm, bk, br, bn, x_cache):
@@ -232,6 +260,7 @@ def up_bias_kernel(x, uu, vu, bu, act, bm, bk, br, bn, x_cache=False):
 
 # ----------------------------------------------------------------------------- wrapper
 
+
 def _pad2(xp, a, rows, cols):
   pr, pc = rows - a.shape[0], cols - a.shape[1]
   return a if (pr, pc) == (0, 0) else xp.pad(a, ((0, pr), (0, pc)))
@@ -262,8 +291,9 @@ def prepare(x, up, gate=None, *, xp, act="silu", block_sizes=None):
   Mp, Kp, rp, Np = (planner.pad128(d) for d in (M, K, r, d_ff))
   has_bias = bu is not None or (gate is not None and gate[2] is not None)
   n_bias = (2 if gate is not None else 1) if has_bias else 0  # a missing bias is passed as zeros
-  bs = block_sizes or BlockSizes.get_default(M, K, r, d_ff, x.dtype, gated=gate is not None,
-                                             n_bias=n_bias)
+  bs = block_sizes or BlockSizes.get_default(
+    M, K, r, d_ff, x.dtype, gated=gate is not None, n_bias=n_bias
+  )
 
   def proj(u, v, b):
     if u.shape[0] != K or v.shape[0] != u.shape[1] or v.shape[1] != d_ff:
@@ -286,6 +316,7 @@ def prepare(x, up, gate=None, *, xp, act="silu", block_sizes=None):
 def up_gate(x, up, gate=None, *, act="silu", block_sizes=None):
   """JAX entry point: Y^T [D_ff_padded, M_padded] (padding kept: DownProjection consumes it)."""
   import jax.numpy as jnp
+
   name, args, kwargs, _ = prepare(x, up, gate, xp=jnp, act=act, block_sizes=block_sizes)
   return globals()[name](*args, **kwargs)
 
@@ -294,6 +325,7 @@ def up_gate_reference(x, up, gate=None, *, act="silu"):
   """Y^T from the lrjax reference chain (f32 accumulation, rounded to x.dtype)."""
   import jax
   from lrjax.lowering.primitives import ACTIVATIONS, lr_xuv_reference
+
   h = lr_xuv_reference(x, *up[:2], up[2] if len(up) > 2 else None)
   if gate is not None:
     h = ACTIVATIONS[act](lr_xuv_reference(x, *gate[:2], gate[2] if len(gate) > 2 else None)) * h

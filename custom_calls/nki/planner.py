@@ -20,6 +20,7 @@ Layouts. All dims are padded to multiples of 128 by the wrappers (zero padding i
 exact for the contractions; padded rows/cols of the output are sliced off); blocks
 are multiples of 128 that divide the padded dims.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -97,7 +98,7 @@ class Traffic:
   def total(self) -> int:
     return self.reads + self.writes
 
-  def __add__(self, o: "Traffic") -> "Traffic":
+  def __add__(self, o: Traffic) -> Traffic:
     return Traffic(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(o))))
 
 
@@ -146,8 +147,10 @@ class Plan:
     if self.sbuf_peak_bytes > SBUF_BYTES:
       return f"SBUF {self.sbuf_peak_bytes / 2**20:.1f} MiB > 24 MiB even single-buffered"
     if self.sbuf_pipelined_bytes > SBUF_BYTES:
-      return (f"SBUF {self.sbuf_pipelined_bytes / 2**20:.1f} MiB with {PIPELINE_BUFFERS} "
-              f"pipeline buffers > 24 MiB (would spill)")
+      return (
+        f"SBUF {self.sbuf_pipelined_bytes / 2**20:.1f} MiB with {PIPELINE_BUFFERS} "
+        f"pipeline buffers > 24 MiB (would spill)"
+      )
     return None
 
   @property
@@ -161,17 +164,34 @@ class Plan:
   def summary(self) -> dict:
     M, K, r, N = self.shape
     return {
-        "kernel": self.kernel, "M": M, "K": K, "r": r, "N": N, "itemsize": self.itemsize,
-        "B_M": self.blocks.bm, "B_K": self.blocks.bk, "B_r": self.blocks.br, "B_N": self.blocks.bn,
-        "x_cache": self.blocks.x_cache,
-        "out_t": self.out_t, "x_transposed": self.x_transposed,
-        "hbm_bytes": self.traffic.total, "hbm_read_bytes": self.traffic.reads,
-        "hbm_write_bytes": self.traffic.writes, "hbm_bytes_eq10": int(self.traffic_eq10), "flops": self.flops, "model_flops": self.model_flops,
-        "ai": round(self.ai, 2), "ai_eq10": round(self.ai_eq10, 2),
-        "sbuf_eq11_bytes": self.sbuf_eq11_bytes, "sbuf_peak_bytes": self.sbuf_peak_bytes,
-        "sbuf_pipelined_bytes": self.sbuf_pipelined_bytes,
-        "sbuf_pipelined_pct": round(100 * self.sbuf_pipelined_bytes / SBUF_BYTES, 2),
-        "psum_tiles": self.psum_tiles, "fits": self.fits, "spill_reason": self.spill_reason,
+      "kernel": self.kernel,
+      "M": M,
+      "K": K,
+      "r": r,
+      "N": N,
+      "itemsize": self.itemsize,
+      "B_M": self.blocks.bm,
+      "B_K": self.blocks.bk,
+      "B_r": self.blocks.br,
+      "B_N": self.blocks.bn,
+      "x_cache": self.blocks.x_cache,
+      "out_t": self.out_t,
+      "x_transposed": self.x_transposed,
+      "hbm_bytes": self.traffic.total,
+      "hbm_read_bytes": self.traffic.reads,
+      "hbm_write_bytes": self.traffic.writes,
+      "hbm_bytes_eq10": int(self.traffic_eq10),
+      "flops": self.flops,
+      "model_flops": self.model_flops,
+      "ai": round(self.ai, 2),
+      "ai_eq10": round(self.ai_eq10, 2),
+      "sbuf_eq11_bytes": self.sbuf_eq11_bytes,
+      "sbuf_peak_bytes": self.sbuf_peak_bytes,
+      "sbuf_pipelined_bytes": self.sbuf_pipelined_bytes,
+      "sbuf_pipelined_pct": round(100 * self.sbuf_pipelined_bytes / SBUF_BYTES, 2),
+      "psum_tiles": self.psum_tiles,
+      "fits": self.fits,
+      "spill_reason": self.spill_reason,
     }
 
 
@@ -188,8 +208,10 @@ def sbuf_eq11(r: int, b: Blocks, s: int) -> int:
 def _check_dims(shape, b: Blocks):
   for name, dim, blk in zip(("M", "K", "r", "N"), shape, b.as_tuple()):
     if dim % P or blk % P or dim % blk:
-      raise ValueError(f"{name}={dim} and its block {blk} must be multiples of {P} with the "
-                       f"block dividing the (padded) dim")
+      raise ValueError(
+        f"{name}={dim} and its block {blk} must be multiples of {P} with the "
+        f"block dividing the (padded) dim"
+      )
 
 
 def _evaluate(kernel, shape, s, b: Blocks, out_t, x_transposed, n_bias, gated) -> Plan:
@@ -242,11 +264,23 @@ def _evaluate(kernel, shape, s, b: Blocks, out_t, x_transposed, n_bias, gated) -
     raise ValueError(f"{kernel=} is not one of {KERNEL_NAMES}")
   traffic = Traffic(x=x_reads, u=u_reads, v=v_reads, bias=bias_reads, out=M * N * s)
   eq11 = proj * sbuf_eq11(r, b, s)
-  return Plan(kernel=kernel, shape=(M, K, r, N), itemsize=s, blocks=b, out_t=out_t,
-              x_transposed=x_transposed, n_bias=n_bias, gated=gated, traffic=traffic,
-              flops=flops, model_flops=model_flops,
-              ai_eq10=ai_eq10(M, K, r, N, b.bm, s),
-              sbuf_eq11_bytes=eq11, sbuf_peak_bytes=P * peak_pp, psum_tiles=psum)
+  return Plan(
+    kernel=kernel,
+    shape=(M, K, r, N),
+    itemsize=s,
+    blocks=b,
+    out_t=out_t,
+    x_transposed=x_transposed,
+    n_bias=n_bias,
+    gated=gated,
+    traffic=traffic,
+    flops=flops,
+    model_flops=model_flops,
+    ai_eq10=ai_eq10(M, K, r, N, b.bm, s),
+    sbuf_eq11_bytes=eq11,
+    sbuf_peak_bytes=P * peak_pp,
+    psum_tiles=psum,
+  )
 
 
 def _divisor_blocks(dim: int, cap: int) -> list[int]:
@@ -261,8 +295,9 @@ def _search(kernel, shape, s, out_t, x_transposed, n_bias, gated, bm_fixed):
   best = smallest = None
   caches = (False,) if kernel == "xuv_naive" else (False, True)
   bms = [bm_fixed] if bm_fixed else _divisor_blocks(M, 8192)
-  for bm, br, bk, bn, xc in itertools.product(bms, _divisor_blocks(r, 4096), _divisor_blocks(K, 4096),
-                                              _divisor_blocks(N, 4096), caches):
+  for bm, br, bk, bn, xc in itertools.product(
+    bms, _divisor_blocks(r, 4096), _divisor_blocks(K, 4096), _divisor_blocks(N, 4096), caches
+  ):
     if xc and br == r:
       continue  # one rank block: X is read once per strip anyway
     p = _evaluate(kernel, shape, s, Blocks(bm, bk, br, bn, xc), out_t, x_transposed, n_bias, gated)
@@ -280,9 +315,20 @@ def _search(kernel, shape, s, out_t, x_transposed, n_bias, gated, bm_fixed):
   return smallest if bm_fixed else None
 
 
-def plan(kernel: str, M: int, K: int, r: int, N: int, dtype, *, out_t: bool = False,
-         x_transposed: bool = False, n_bias: int = 0, gated: bool = True,
-         blocks: Blocks | tuple | None = None) -> Plan:
+def plan(
+  kernel: str,
+  M: int,
+  K: int,
+  r: int,
+  N: int,
+  dtype,
+  *,
+  out_t: bool = False,
+  x_transposed: bool = False,
+  n_bias: int = 0,
+  gated: bool = True,
+  blocks: Blocks | tuple | None = None,
+) -> Plan:
   """Plans one kernel launch on the shapes padded to multiples of 128.
 
   Without ``blocks`` it searches every block choice that divides the padded dims and
@@ -303,21 +349,47 @@ def plan(kernel: str, M: int, K: int, r: int, N: int, dtype, *, out_t: bool = Fa
     return p
   p = _search(kernel, shape, s, out_t, x_transposed, n_bias, gated, None)
   if p is None:
-    raise PlanError(f"{kernel}: no block choice fits 24 MiB SBUF / 8 PSUM banks for padded "
-                    f"shape (M, K, r, N)={shape} with {s}-byte elements; lower the rank r")
+    raise PlanError(
+      f"{kernel}: no block choice fits 24 MiB SBUF / 8 PSUM banks for padded "
+      f"shape (M, K, r, N)={shape} with {s}-byte elements; lower the rank r"
+    )
   return p
 
 
-def evaluate(kernel: str, M: int, K: int, r: int, N: int, dtype, blocks, *, out_t=False,
-             x_transposed=False, n_bias=0, gated=True) -> Plan:
+def evaluate(
+  kernel: str,
+  M: int,
+  K: int,
+  r: int,
+  N: int,
+  dtype,
+  blocks,
+  *,
+  out_t=False,
+  x_transposed=False,
+  n_bias=0,
+  gated=True,
+) -> Plan:
   """Like :func:`plan` with fixed blocks, but returns spilling plans instead of raising."""
   shape = tuple(pad128(d) for d in (M, K, r, N))
   b = blocks if isinstance(blocks, Blocks) else Blocks(*blocks)
   return _evaluate(kernel, shape, itemsize(dtype), b, out_t, x_transposed, n_bias, gated)
 
 
-def best_for_bm(kernel: str, M: int, K: int, r: int, N: int, dtype, bm: int, *, out_t=False,
-                x_transposed=False, n_bias=0, gated=True) -> Plan | None:
+def best_for_bm(
+  kernel: str,
+  M: int,
+  K: int,
+  r: int,
+  N: int,
+  dtype,
+  bm: int,
+  *,
+  out_t=False,
+  x_transposed=False,
+  n_bias=0,
+  gated=True,
+) -> Plan | None:
   """Least-traffic fitting plan with B_M fixed, else its smallest (spilling) plan; for Table 4."""
   shape = tuple(pad128(d) for d in (M, K, r, N))
   return _search(kernel, shape, itemsize(dtype), out_t, x_transposed, n_bias, gated, int(bm))
@@ -339,12 +411,24 @@ class MlpPlan:
     return self.up_gate.flops + self.down.flops
 
 
-def plan_mlp(M: int, K: int, r_up: int, d_ff: int, r_down: int, N: int, dtype, *,
-             gated: bool = True, up_bias: int = 0, down_bias: bool = False) -> MlpPlan:
+def plan_mlp(
+  M: int,
+  K: int,
+  r_up: int,
+  d_ff: int,
+  r_down: int,
+  N: int,
+  dtype,
+  *,
+  gated: bool = True,
+  up_bias: int = 0,
+  down_bias: bool = False,
+) -> MlpPlan:
   """Plans both launches of the fused MLP; ``up_bias`` counts gate/up bias rows (0-2)."""
   up = plan("mlp_up_gate", M, K, r_up, d_ff, dtype, out_t=True, n_bias=up_bias, gated=gated)
-  down = plan("xuv", M, d_ff, r_down, N, dtype, out_t=False, x_transposed=True,
-              n_bias=int(bool(down_bias)))
+  down = plan(
+    "xuv", M, d_ff, r_down, N, dtype, out_t=False, x_transposed=True, n_bias=int(bool(down_bias))
+  )
   return MlpPlan(up, down)
 
 

@@ -30,6 +30,7 @@ the cached strip and the output are in the input dtype.
 Targets NKI 0.7 (AWS Neuron SDK 2.33, ``import nki``), destination-passing API.
 Not compiled or run on Trainium here; see the README's "Trainium status".
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -50,8 +51,9 @@ class BlockSizes:
   x_cache: bool = False  # hold the whole X^T row strip in SBUF: X read once per strip
 
   @classmethod
-  def get_default(cls, M, K, r, N, dtype, *, out_t=False, x_transposed=False,
-                  has_bias=False) -> "BlockSizes":
+  def get_default(
+    cls, M, K, r, N, dtype, *, out_t=False, x_transposed=False, has_bias=False
+  ) -> BlockSizes:
     """Tuned B_M for known shape classes, the planner's least-traffic plan otherwise."""
     kw = dict(out_t=out_t, x_transposed=x_transposed, n_bias=int(has_bias))
     bm = TUNED_BM.get(tuple(planner.pad128(d) for d in (K, r, N)))
@@ -77,11 +79,13 @@ def _load_xt(x, m0, k0, bm, bk, tm, x_transposed):
   xt = nl.ndarray((P, bk // P, bm), dtype=x.dtype, buffer=nl.sbuf)
   for kt in nl.affine_range(bk // P):
     if x_transposed:
-      nisa.dma_copy(dst=xt[:, kt, :], src=x[k0 + kt * P:k0 + (kt + 1) * P, m0:m0 + bm])
+      nisa.dma_copy(dst=xt[:, kt, :], src=x[k0 + kt * P : k0 + (kt + 1) * P, m0 : m0 + bm])
     else:
       for mt in nl.affine_range(bm // tm):
-        nisa.dma_transpose(dst=xt[:, kt, mt * tm:(mt + 1) * tm],
-                           src=x[m0 + mt * tm:m0 + (mt + 1) * tm, k0 + kt * P:k0 + (kt + 1) * P])
+        nisa.dma_transpose(
+          dst=xt[:, kt, mt * tm : (mt + 1) * tm],
+          src=x[m0 + mt * tm : m0 + (mt + 1) * tm, k0 + kt * P : k0 + (kt + 1) * P],
+        )
   return xt
 
 
@@ -99,23 +103,29 @@ def _xu_strip(x, u, m0, bm, bk, br, x_transposed, x_cache):
     nisa.memset(dst=acc, value=0.0)
     for k in nl.affine_range(K // bk):
       if x_cache:
-        xt = xs[:, k * (bk // P):(k + 1) * (bk // P), :]
+        xt = xs[:, k * (bk // P) : (k + 1) * (bk // P), :]
       else:
         xt = _load_xt(x, m0, k * bk, bm, bk, tm, x_transposed)
       ub = nl.ndarray((P, bk // P, br), dtype=u.dtype, buffer=nl.sbuf)
       for kt in nl.affine_range(bk // P):
-        nisa.dma_copy(dst=ub[:, kt, :],
-                      src=u[k * bk + kt * P:k * bk + (kt + 1) * P, p * br:(p + 1) * br])
+        nisa.dma_copy(
+          dst=ub[:, kt, :], src=u[k * bk + kt * P : k * bk + (kt + 1) * P, p * br : (p + 1) * br]
+        )
       for rt in nl.affine_range(n_rt):
         for mt in nl.affine_range(n_mt):
           for kt in nl.affine_range(bk // P):
             # Implicit transpose: stationary=U, moving=X^T gives U^T·X^T = (X·U)^T.
-            nisa.nc_matmul(dst=acc[:, rt * n_mt + mt, :], stationary=ub[:, kt, rt * P:(rt + 1) * P],
-                           moving=xt[:, kt, mt * tm:(mt + 1) * tm], accumulate=True)
+            nisa.nc_matmul(
+              dst=acc[:, rt * n_mt + mt, :],
+              stationary=ub[:, kt, rt * P : (rt + 1) * P],
+              moving=xt[:, kt, mt * tm : (mt + 1) * tm],
+              accumulate=True,
+            )
     for rt in nl.affine_range(n_rt):
       for mt in nl.affine_range(n_mt):
-        nisa.tensor_copy(dst=strip[:, p * n_rt + rt, mt * tm:(mt + 1) * tm],
-                         src=acc[:, rt * n_mt + mt, :])
+        nisa.tensor_copy(
+          dst=strip[:, p * n_rt + rt, mt * tm : (mt + 1) * tm], src=acc[:, rt * n_mt + mt, :]
+        )
   return strip
 
 
@@ -138,47 +148,67 @@ def _strip_times_v(strip, v, bias, out, m0, bm, br, bn, out_t):
     for p in nl.affine_range(r // br):
       vb = nl.ndarray((P, n_rt, bn), dtype=v.dtype, buffer=nl.sbuf)
       for rt in nl.affine_range(n_rt):
-        nisa.dma_copy(dst=vb[:, rt, :], src=v[p * br + rt * P:p * br + (rt + 1) * P, n0:n0 + bn])
+        nisa.dma_copy(
+          dst=vb[:, rt, :], src=v[p * br + rt * P : p * br + (rt + 1) * P, n0 : n0 + bn]
+        )
       for rt in nl.affine_range(n_rt):
         if out_t:
           for nt in nl.affine_range(bn // P):
             for mt in nl.affine_range(bm // tm):
               # O^T tile = V^T·(XU)^T: V is the stationary operand.
-              nisa.nc_matmul(dst=acc[:, nt * (bm // tm) + mt, :],
-                             stationary=vb[:, rt, nt * P:(nt + 1) * P],
-                             moving=strip[:, p * n_rt + rt, mt * tm:(mt + 1) * tm], accumulate=True)
+              nisa.nc_matmul(
+                dst=acc[:, nt * (bm // tm) + mt, :],
+                stationary=vb[:, rt, nt * P : (nt + 1) * P],
+                moving=strip[:, p * n_rt + rt, mt * tm : (mt + 1) * tm],
+                accumulate=True,
+              )
         else:
           for mi in nl.affine_range(bm // P):
             for nj in nl.affine_range(bn // tn):
               # O tile = (XU)·V: the cached (XU)^T is already the stationary layout.
-              nisa.nc_matmul(dst=acc[:, mi * (bn // tn) + nj, :],
-                             stationary=strip[:, p * n_rt + rt, mi * P:(mi + 1) * P],
-                             moving=vb[:, rt, nj * tn:(nj + 1) * tn], accumulate=True)
+              nisa.nc_matmul(
+                dst=acc[:, mi * (bn // tn) + nj, :],
+                stationary=strip[:, p * n_rt + rt, mi * P : (mi + 1) * P],
+                moving=vb[:, rt, nj * tn : (nj + 1) * tn],
+                accumulate=True,
+              )
     if bias is not None:
       brow = nl.ndarray((1, bn), dtype=bias.dtype, buffer=nl.sbuf)
-      nisa.dma_copy(dst=brow, src=bias[0:1, n0:n0 + bn])
+      nisa.dma_copy(dst=brow, src=bias[0:1, n0 : n0 + bn])
       if out_t:
         for nt in nl.affine_range(bn // P):
           for mt in nl.affine_range(bm // tm):
-            nisa.nc_matmul(dst=acc[:, nt * (bm // tm) + mt, :], stationary=brow[0:1, nt * P:(nt + 1) * P],
-                           moving=ones[0:1, mt * tm:(mt + 1) * tm], accumulate=True)
+            nisa.nc_matmul(
+              dst=acc[:, nt * (bm // tm) + mt, :],
+              stationary=brow[0:1, nt * P : (nt + 1) * P],
+              moving=ones[0:1, mt * tm : (mt + 1) * tm],
+              accumulate=True,
+            )
       else:
         for mi in nl.affine_range(bm // P):
           for nj in nl.affine_range(bn // tn):
-            nisa.nc_matmul(dst=acc[:, mi * (bn // tn) + nj, :], stationary=ones[0:1, mi * P:(mi + 1) * P],
-                           moving=brow[0:1, nj * tn:(nj + 1) * tn], accumulate=True)
+            nisa.nc_matmul(
+              dst=acc[:, mi * (bn // tn) + nj, :],
+              stationary=ones[0:1, mi * P : (mi + 1) * P],
+              moving=brow[0:1, nj * tn : (nj + 1) * tn],
+              accumulate=True,
+            )
     if out_t:
       ob = nl.ndarray((P, bn // P, bm), dtype=out.dtype, buffer=nl.sbuf)
       for nt in nl.affine_range(bn // P):
         for mt in nl.affine_range(bm // tm):
-          nisa.tensor_copy(dst=ob[:, nt, mt * tm:(mt + 1) * tm], src=acc[:, nt * (bm // tm) + mt, :])
-        nisa.dma_copy(dst=out[n0 + nt * P:n0 + (nt + 1) * P, m0:m0 + bm], src=ob[:, nt, :])
+          nisa.tensor_copy(
+            dst=ob[:, nt, mt * tm : (mt + 1) * tm], src=acc[:, nt * (bm // tm) + mt, :]
+          )
+        nisa.dma_copy(dst=out[n0 + nt * P : n0 + (nt + 1) * P, m0 : m0 + bm], src=ob[:, nt, :])
     else:
       ob = nl.ndarray((P, bm // P, bn), dtype=out.dtype, buffer=nl.sbuf)
       for mi in nl.affine_range(bm // P):
         for nj in nl.affine_range(bn // tn):
-          nisa.tensor_copy(dst=ob[:, mi, nj * tn:(nj + 1) * tn], src=acc[:, mi * (bn // tn) + nj, :])
-        nisa.dma_copy(dst=out[m0 + mi * P:m0 + (mi + 1) * P, n0:n0 + bn], src=ob[:, mi, :])
+          nisa.tensor_copy(
+            dst=ob[:, mi, nj * tn : (nj + 1) * tn], src=acc[:, mi * (bn // tn) + nj, :]
+          )
+        nisa.dma_copy(dst=out[m0 + mi * P : m0 + (mi + 1) * P, n0 : n0 + bn], src=ob[:, mi, :])
 
 
 def _xuv_body(x, u, v, bias, bm, bk, br, bn, out_t, x_transposed, x_cache):
@@ -215,6 +245,7 @@ def xuv_bias_kernel(x, u, v, bias, bm, bk, br, bn, out_t, x_transposed, x_cache=
 
 # ----------------------------------------------------------------------------- wrapper
 
+
 def _pad2(xp, a, rows, cols):
   pr, pc = rows - a.shape[0], cols - a.shape[1]
   return a if (pr, pc) == (0, 0) else xp.pad(a, ((0, pr), (0, pc)))
@@ -234,16 +265,24 @@ def prepare(x, u, v, bias=None, *, xp, out_t=False, x_transposed=False, block_si
   if (x.shape[0] if x_transposed else x.shape[1]) != K or v.shape[0] != r:
     raise ValueError(f"{x.shape=}, {u.shape=}, {v.shape=} do not chain as X·U·V")
   Mp, Kp, rp, Np = (planner.pad128(d) for d in (M, K, r, N))
-  bs = block_sizes or BlockSizes.get_default(M, K, r, N, x.dtype, out_t=out_t,
-                                             x_transposed=x_transposed, has_bias=bias is not None)
+  bs = block_sizes or BlockSizes.get_default(
+    M, K, r, N, x.dtype, out_t=out_t, x_transposed=x_transposed, has_bias=bias is not None
+  )
   x = _pad2(xp, x, Kp, Mp) if x_transposed else _pad2(xp, x, Mp, Kp)
   args = (x, _pad2(xp, u, Kp, rp), _pad2(xp, v, rp, Np))
   if bias is not None:
     if bias.shape != (N,):
       raise ValueError(f"{bias.shape=} must be ({N},)")
     args += (_pad2(xp, bias.reshape(1, N), 1, Np),)
-  kwargs = dict(bm=bs.bm, bk=bs.bk, br=bs.br, bn=bs.bn, out_t=out_t, x_transposed=x_transposed,
-                x_cache=bs.x_cache)
+  kwargs = dict(
+    bm=bs.bm,
+    bk=bs.bk,
+    br=bs.br,
+    bn=bs.bn,
+    out_t=out_t,
+    x_transposed=x_transposed,
+    x_cache=bs.x_cache,
+  )
   return args, kwargs, (M, N)
 
 
@@ -261,10 +300,12 @@ def xuv(x, u, v, bias=None, *, out_t=False, x_transposed=False, block_sizes=None
   to a Neuron custom call (the integration that replaced jax_neuronx.nki_call).
   """
   import jax.numpy as jnp
+
   lead = x.shape[:-1] if not x_transposed else ()
   x2 = x.reshape(-1, x.shape[-1]) if not x_transposed else x
-  args, kwargs, shape = prepare(x2, u, v, bias, xp=jnp, out_t=out_t, x_transposed=x_transposed,
-                                block_sizes=block_sizes)
+  args, kwargs, shape = prepare(
+    x2, u, v, bias, xp=jnp, out_t=out_t, x_transposed=x_transposed, block_sizes=block_sizes
+  )
   kern = xuv_bias_kernel if bias is not None else xuv_kernel
   y = finish(kern(*args, **kwargs), shape, out_t)
   return y if (out_t or x_transposed) else y.reshape(lead + (v.shape[1],))
@@ -273,5 +314,6 @@ def xuv(x, u, v, bias=None, *, out_t=False, x_transposed=False, block_sizes=None
 def xuv_reference(x, u, v, bias=None, *, out_t=False, x_transposed=False):
   """The lrjax reference in this kernel's layouts (f32 accumulation, strip in x.dtype)."""
   from lrjax.lowering import lr_xuv_reference
+
   y = lr_xuv_reference(x.T if x_transposed else x, u, v, bias)
   return y.T if out_t else y

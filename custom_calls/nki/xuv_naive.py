@@ -10,6 +10,7 @@ strip instead.
 x: [M, K], u: [K, r], v: [r, N], multiples of 128, bf16/f16; writes O [M, N].
 Targets NKI 0.7 (AWS Neuron SDK 2.33, ``import nki``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,7 +30,7 @@ class BlockSizes:
   bn: int
 
   @classmethod
-  def get_default(cls, M, K, r, N, dtype) -> "BlockSizes":
+  def get_default(cls, M, K, r, N, dtype) -> BlockSizes:
     """The tuned blocks of the shape class if they fit, else the planner's."""
     blocks = TUNED.get(tuple(planner.pad128(d) for d in (K, r, N)))
     if blocks is not None:
@@ -73,42 +74,61 @@ def xuv_naive_kernel(x, u, v, bm, bk, br, bn):
           ub = nl.ndarray((P, bk // P, br), dtype=u.dtype, buffer=nl.sbuf)
           for kt in nl.affine_range(bk // P):
             for mt in nl.affine_range(bm // tm):
-              nisa.dma_transpose(dst=xt[:, kt, mt * tm:(mt + 1) * tm],
-                                 src=x[m0 + mt * tm:m0 + (mt + 1) * tm, k0 + kt * P:k0 + (kt + 1) * P])
-            nisa.dma_copy(dst=ub[:, kt, :], src=u[k0 + kt * P:k0 + (kt + 1) * P, p * br:(p + 1) * br])
+              nisa.dma_transpose(
+                dst=xt[:, kt, mt * tm : (mt + 1) * tm],
+                src=x[m0 + mt * tm : m0 + (mt + 1) * tm, k0 + kt * P : k0 + (kt + 1) * P],
+              )
+            nisa.dma_copy(
+              dst=ub[:, kt, :], src=u[k0 + kt * P : k0 + (kt + 1) * P, p * br : (p + 1) * br]
+            )
           for rt in nl.affine_range(n_rt):
             for mt in nl.affine_range(bm // tm):
               for kt in nl.affine_range(bk // P):
-                nisa.nc_matmul(dst=acc_y[:, rt * (bm // tm) + mt, :],
-                               stationary=ub[:, kt, rt * P:(rt + 1) * P],
-                               moving=xt[:, kt, mt * tm:(mt + 1) * tm], accumulate=True)
+                nisa.nc_matmul(
+                  dst=acc_y[:, rt * (bm // tm) + mt, :],
+                  stationary=ub[:, kt, rt * P : (rt + 1) * P],
+                  moving=xt[:, kt, mt * tm : (mt + 1) * tm],
+                  accumulate=True,
+                )
         yb = nl.ndarray((P, n_rt, bm), dtype=x.dtype, buffer=nl.sbuf)
         for rt in nl.affine_range(n_rt):
           for mt in nl.affine_range(bm // tm):
-            nisa.tensor_copy(dst=yb[:, rt, mt * tm:(mt + 1) * tm], src=acc_y[:, rt * (bm // tm) + mt, :])
+            nisa.tensor_copy(
+              dst=yb[:, rt, mt * tm : (mt + 1) * tm], src=acc_y[:, rt * (bm // tm) + mt, :]
+            )
         vb = nl.ndarray((P, n_rt, bn), dtype=v.dtype, buffer=nl.sbuf)
         for rt in nl.affine_range(n_rt):
-          nisa.dma_copy(dst=vb[:, rt, :], src=v[p * br + rt * P:p * br + (rt + 1) * P, n0:n0 + bn])
+          nisa.dma_copy(
+            dst=vb[:, rt, :], src=v[p * br + rt * P : p * br + (rt + 1) * P, n0 : n0 + bn]
+          )
         for rt in nl.affine_range(n_rt):
           for mi in nl.affine_range(bm // P):
             for nj in nl.affine_range(bn // tn):
-              nisa.nc_matmul(dst=acc_o[:, mi * (bn // tn) + nj, :],
-                             stationary=yb[:, rt, mi * P:(mi + 1) * P],
-                             moving=vb[:, rt, nj * tn:(nj + 1) * tn], accumulate=True)
+              nisa.nc_matmul(
+                dst=acc_o[:, mi * (bn // tn) + nj, :],
+                stationary=yb[:, rt, mi * P : (mi + 1) * P],
+                moving=vb[:, rt, nj * tn : (nj + 1) * tn],
+                accumulate=True,
+              )
       ob = nl.ndarray((P, bm // P, bn), dtype=x.dtype, buffer=nl.sbuf)
       for mi in nl.affine_range(bm // P):
         for nj in nl.affine_range(bn // tn):
-          nisa.tensor_copy(dst=ob[:, mi, nj * tn:(nj + 1) * tn], src=acc_o[:, mi * (bn // tn) + nj, :])
-        nisa.dma_copy(dst=out[m0 + mi * P:m0 + (mi + 1) * P, n0:n0 + bn], src=ob[:, mi, :])
+          nisa.tensor_copy(
+            dst=ob[:, mi, nj * tn : (nj + 1) * tn], src=acc_o[:, mi * (bn // tn) + nj, :]
+          )
+        nisa.dma_copy(dst=out[m0 + mi * P : m0 + (mi + 1) * P, n0 : n0 + bn], src=ob[:, mi, :])
   return out
 
 
 def xuv_naive(x, u, v, *, block_sizes=None):
   """JAX entry point (for comparisons only). x, u, v already padded to multiples of 128."""
-  bs = block_sizes or BlockSizes.get_default(x.shape[0], x.shape[1], u.shape[1], v.shape[1], x.dtype)
+  bs = block_sizes or BlockSizes.get_default(
+    x.shape[0], x.shape[1], u.shape[1], v.shape[1], x.dtype
+  )
   return xuv_naive_kernel(x, u, v, bm=bs.bm, bk=bs.bk, br=bs.br, bn=bs.bn)
 
 
 def xuv_naive_reference(x, u, v):
   from lrjax.lowering import lr_xuv_reference
+
   return lr_xuv_reference(x, u, v)

@@ -3,6 +3,7 @@ inter-CTA flags (release/acquire) that let one launch run dependent stages.
 
 Imports triton at module import: only ``load()`` of the CUDA lowering imports this.
 """
+
 import jax
 import jax.numpy as jnp
 import triton
@@ -14,8 +15,7 @@ def unpack_xuv_args(x, u, v, out_dtype):
 
   Returns (x2 [M, K], lead dims, (m, k, r, n), out_dtype)."""
   if u.ndim != 2 or v.ndim != 2 or x.shape[-1] != u.shape[0] or u.shape[1] != v.shape[0]:
-    raise ValueError(f"{x.shape=}, {u.shape=}, {v.shape=}: expected x [..., K], u [K, r], "
-                     "v [r, N]")
+    raise ValueError(f"{x.shape=}, {u.shape=}, {v.shape=}: expected x [..., K], u [K, r], v [r, N]")
   if u.dtype != v.dtype or x.dtype != u.dtype:
     raise TypeError(f"{x.dtype=}, {u.dtype=}, {v.dtype=} must match")
   k, r = u.shape
@@ -53,16 +53,23 @@ def k_masks(m_mask, n_mask, kk, K: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def mm_acc(acc,  # [BM, BN] f32 accumulator
-           a_ptr,  # A [*, LDA] row-major, rows offs_m
-           b_ptr,  # B [*, LDB] row-major, columns offs_n
-           offs_m,  # [BM] rows of A
-           offs_n,  # [BN] columns of B
-           m_mask,  # [BM]
-           n_mask,  # [BN]
-           k_start, k_end,  # reduction range, k_start a multiple of BK
-           K: tl.constexpr, LDA: tl.constexpr, LDB: tl.constexpr, BK: tl.constexpr,
-           EVEN_K: tl.constexpr, A_CG: tl.constexpr):
+def mm_acc(
+  acc,  # [BM, BN] f32 accumulator
+  a_ptr,  # A [*, LDA] row-major, rows offs_m
+  b_ptr,  # B [*, LDB] row-major, columns offs_n
+  offs_m,  # [BM] rows of A
+  offs_n,  # [BN] columns of B
+  m_mask,  # [BM]
+  n_mask,  # [BN]
+  k_start,
+  k_end,  # reduction range, k_start a multiple of BK
+  K: tl.constexpr,
+  LDA: tl.constexpr,
+  LDB: tl.constexpr,
+  BK: tl.constexpr,
+  EVEN_K: tl.constexpr,
+  A_CG: tl.constexpr,
+):
   """acc += A[offs_m, k_start:k_end] @ B[k_start:k_end, offs_n], software-pipelined."""
   offs_k = tl.arange(0, BK)
   for k0 in range(k_start, k_end, BK):
@@ -80,12 +87,27 @@ def mm_acc(acc,  # [BM, BN] f32 accumulator
 
 
 @triton.jit
-def mm_acc2(acc1, acc2,  # [BM, BN] f32 accumulators
-            a1_ptr, a2_ptr,  # A1, A2 [*, LDA] row-major
-            b1_ptr, b2_ptr,  # B1, B2 [*, LDB] row-major
-            offs_m, offs_n, m_mask, n_mask, k_start, k_end,
-            K: tl.constexpr, LDA: tl.constexpr, LDB: tl.constexpr, BK: tl.constexpr,
-            EVEN_K: tl.constexpr, A_CG: tl.constexpr, SHARED_A: tl.constexpr):
+def mm_acc2(
+  acc1,
+  acc2,  # [BM, BN] f32 accumulators
+  a1_ptr,
+  a2_ptr,  # A1, A2 [*, LDA] row-major
+  b1_ptr,
+  b2_ptr,  # B1, B2 [*, LDB] row-major
+  offs_m,
+  offs_n,
+  m_mask,
+  n_mask,
+  k_start,
+  k_end,
+  K: tl.constexpr,
+  LDA: tl.constexpr,
+  LDB: tl.constexpr,
+  BK: tl.constexpr,
+  EVEN_K: tl.constexpr,
+  A_CG: tl.constexpr,
+  SHARED_A: tl.constexpr,
+):
   """acc1 += A1 @ B1 and acc2 += A2 @ B2 in one pass (SHARED_A: A1 is A2, loaded once)."""
   offs_k = tl.arange(0, BK)
   for k0 in range(k_start, k_end, BK):
@@ -149,14 +171,15 @@ def stamp(trace_ptr, slot, ON: tl.constexpr):
   """Timing only (ON): this CTA's %globaltimer (ns) into int64 ``trace_ptr[pid * 8 + slot]``,
   at slot 0 also its SM (%smid) into slot 7 (benchmarks/decode_trace.py reads them)."""
   if ON:
-    t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
-                                  is_pure=False, pack=1)
+    t = tl.inline_asm_elementwise(
+      "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+    )
     tl.store(trace_ptr.to(tl.pointer_type(tl.int64)) + tl.program_id(0) * 8 + slot, t)
     if slot == 0:  # and the SM it runs on, in slot 7
-      sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32,
-                                     is_pure=True, pack=1)
-      tl.store(trace_ptr.to(tl.pointer_type(tl.int64)) + tl.program_id(0) * 8 + 7,
-               sm.to(tl.int64))
+      sm = tl.inline_asm_elementwise(
+        "mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1
+      )
+      tl.store(trace_ptr.to(tl.pointer_type(tl.int64)) + tl.program_id(0) * 8 + 7, sm.to(tl.int64))
 
 
 @triton.jit
@@ -188,8 +211,7 @@ def join_chain(scratch_ptr, WORK_OFF: tl.constexpr, PDL: tl.constexpr):
 
 
 @triton.jit
-def leave_chain(scratch_ptr, clear_off, clear_n, FIRST: tl.constexpr = 0,
-                COUNT: tl.constexpr = 0):
+def leave_chain(scratch_ptr, clear_off, clear_n, FIRST: tl.constexpr = 0, COUNT: tl.constexpr = 0):
   """A chained kernel's last step: zeroes this program's share of the half the call before it
   used (``clear_n`` floats at ``clear_off``), for the call after it; nothing in this launch
   reads that half. At the end its stores overlap the other programs' tails; at entry they
@@ -249,17 +271,27 @@ def next_tile(counter_ptr, t, PROGRAMS: tl.constexpr, DYNAMIC: tl.constexpr):
 
 
 @triton.jit
-def splitr_out_tile(nb, rc,  # output column block, reduction chunk
-                    a_ptr,  # [M, R] left operand, f32 or V's dtype (complete for chunk rc)
-                    v_ptr,  # [R, N] right factor
-                    b_ptr,  # [N] bias (read only if HAS_BIAS)
-                    acc_ptr,  # [M, N] f32 accumulator, zeroed
-                    sem_ptr,  # [ceil(N/BLOCK_N)] i32 chunks done per column block, zeroed
-                    o_ptr,  # [M, N] output
-                    M, R: tl.constexpr, N: tl.constexpr,
-                    R_PER: tl.constexpr, N_CHUNKS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KV: tl.constexpr,
-                    EVEN_R: tl.constexpr, COLS_N: tl.constexpr):
+def splitr_out_tile(
+  nb,
+  rc,  # output column block, reduction chunk
+  a_ptr,  # [M, R] left operand, f32 or V's dtype (complete for chunk rc)
+  v_ptr,  # [R, N] right factor
+  b_ptr,  # [N] bias (read only if HAS_BIAS)
+  acc_ptr,  # [M, N] f32 accumulator, zeroed
+  sem_ptr,  # [ceil(N/BLOCK_N)] i32 chunks done per column block, zeroed
+  o_ptr,  # [M, N] output
+  M,
+  R: tl.constexpr,
+  N: tl.constexpr,
+  R_PER: tl.constexpr,
+  N_CHUNKS: tl.constexpr,
+  HAS_BIAS: tl.constexpr,
+  BLOCK_M: tl.constexpr,
+  BLOCK_N: tl.constexpr,
+  BLOCK_KV: tl.constexpr,
+  EVEN_R: tl.constexpr,
+  COLS_N: tl.constexpr,
+):
   """One chunk of a split-r O = A·V: f32 atomics into acc; the last chunk to arrive for a
   column block (``last_arrival``) adds the bias and writes the output: one launch.
   A column block is COLS_N <= BLOCK_N columns wide; with one chunk the output is stored
@@ -271,16 +303,44 @@ def splitr_out_tile(nb, rc,  # output column block, reduction chunk
   if COLS_N < BLOCK_N:
     n_mask = n_mask & (tl.arange(0, BLOCK_N) < COLS_N)
   acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-  acc = mm_acc(acc, a_ptr, v_ptr, offs_m, offs_n, m_mask, n_mask, rc * R_PER, rc * R_PER + R_PER,
-               R, R, N, BLOCK_KV, EVEN_R, True)
-  splitr_finish(acc, nb, b_ptr, acc_ptr, sem_ptr, o_ptr, offs_m, m_mask, offs_n, n_mask, N,
-                N_CHUNKS, HAS_BIAS)
+  acc = mm_acc(
+    acc,
+    a_ptr,
+    v_ptr,
+    offs_m,
+    offs_n,
+    m_mask,
+    n_mask,
+    rc * R_PER,
+    rc * R_PER + R_PER,
+    R,
+    R,
+    N,
+    BLOCK_KV,
+    EVEN_R,
+    True,
+  )
+  splitr_finish(
+    acc, nb, b_ptr, acc_ptr, sem_ptr, o_ptr, offs_m, m_mask, offs_n, n_mask, N, N_CHUNKS, HAS_BIAS
+  )
 
 
 @triton.jit
-def splitr_finish(acc,  # [BM, BN] f32: this chunk's part of an output tile
-                  nb, b_ptr, acc_ptr, sem_ptr, o_ptr, offs_m, m_mask, offs_n, n_mask,
-                  N: tl.constexpr, N_CHUNKS: tl.constexpr, HAS_BIAS: tl.constexpr):
+def splitr_finish(
+  acc,  # [BM, BN] f32: this chunk's part of an output tile
+  nb,
+  b_ptr,
+  acc_ptr,
+  sem_ptr,
+  o_ptr,
+  offs_m,
+  m_mask,
+  offs_n,
+  n_mask,
+  N: tl.constexpr,
+  N_CHUNKS: tl.constexpr,
+  HAS_BIAS: tl.constexpr,
+):
   """splitr_out_tile's end: with one chunk the tile is stored; else f32 atomics into acc and
   the last chunk to arrive for column block nb adds the bias and writes the output."""
   off = offs_m[:, None] * N + offs_n[None, :]
@@ -290,14 +350,29 @@ def splitr_finish(acc,  # [BM, BN] f32: this chunk's part of an output tile
   else:
     tl.atomic_add(acc_ptr + off, acc, mask=mask, sem="relaxed")
     if last_arrival(sem_ptr + nb, N_CHUNKS):
-      store_out(tl.load(acc_ptr + off, mask=mask, other=0.0, cache_modifier=".cg"), b_ptr,
-                o_ptr, off, mask, offs_n, n_mask, HAS_BIAS)
+      store_out(
+        tl.load(acc_ptr + off, mask=mask, other=0.0, cache_modifier=".cg"),
+        b_ptr,
+        o_ptr,
+        off,
+        mask,
+        offs_n,
+        n_mask,
+        HAS_BIAS,
+      )
 
 
 @triton.jit
-def store_out(acc,  # [BM, BN] f32 output tile
-              b_ptr, o_ptr, off, mask,  # bias [N]; output and the tile's offsets and mask in it
-              offs_n, n_mask, HAS_BIAS: tl.constexpr):
+def store_out(
+  acc,  # [BM, BN] f32 output tile
+  b_ptr,
+  o_ptr,
+  off,
+  mask,  # bias [N]; output and the tile's offsets and mask in it
+  offs_n,
+  n_mask,
+  HAS_BIAS: tl.constexpr,
+):
   """o[off] = acc (+ bias[offs_n]) in o's dtype: a Y = A·V tile's epilogue."""
   if HAS_BIAS:
     acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -305,23 +380,45 @@ def store_out(acc,  # [BM, BN] f32 output tile
 
 
 @triton.jit
-def prefetch_l2(ptr,  # [n_rows, LD] row-major 2-byte matrix
-                row0, col0, n_rows, n_cols, LD: tl.constexpr,
-                ROWS: tl.constexpr, WIDTH: tl.constexpr):
+def prefetch_l2(
+  ptr,  # [n_rows, LD] row-major 2-byte matrix
+  row0,
+  col0,
+  n_rows,
+  n_cols,
+  LD: tl.constexpr,
+  ROWS: tl.constexpr,
+  WIDTH: tl.constexpr,
+):
   """Asks L2 to fetch ROWS x WIDTH elements from (row0, col0) (one address per 128-byte
   line), kept at evict_last priority. The asm is impure, so it is not removed."""
   rows = row0 + tl.arange(0, ROWS)
   cols = col0 + tl.arange(0, WIDTH // 64) * 64
   mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
   tl.inline_asm_elementwise(
-      "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; "
-      "mov.u32 $0, 0; }", "=r,l,r", [ptr + rows[:, None] * LD + cols[None, :],
-                                     mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; "
+    "mov.u32 $0, 0; }",
+    "=r,l,r",
+    [ptr + rows[:, None] * LD + cols[None, :], mask.to(tl.int32)],
+    dtype=tl.int32,
+    is_pure=False,
+    pack=1,
+  )
 
 
 @triton.jit
-def swiglu_epilogue(acc_g, acc_u, bg_ptr, bu_ptr, offs_f, f_mask, GATED: tl.constexpr,
-                    ACT: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr):
+def swiglu_epilogue(
+  acc_g,
+  acc_u,
+  bg_ptr,
+  bu_ptr,
+  offs_f,
+  f_mask,
+  GATED: tl.constexpr,
+  ACT: tl.constexpr,
+  HAS_BG: tl.constexpr,
+  HAS_BU: tl.constexpr,
+):
   """h = act(Pg·Vg + bg) ⊙ (Pu·Vu + bu) of one tile of the intermediate (act(Pu·Vu + bu)
   when not GATED), from the f32 accumulators (both MLP kernels)."""
   if GATED:

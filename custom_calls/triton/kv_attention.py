@@ -17,6 +17,7 @@ Work per KV head and key: 2·r_k·D FLOPs to rebuild K (shared by the G query he
 2·(r_k + r_v) bytes read: compute-bound at LLM ranks, where the unfused program also writes
 and reads K and V for the whole cache.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,7 +42,7 @@ class BlockSizes:
   splits: int = 0  # programs per (sequence, KV head); 0: ``planner.plan_kv_splits``
 
   @classmethod
-  def get_default(cls, b: int, hkv: int, t: int, d: int, rk: int, rv: int) -> "BlockSizes":
+  def get_default(cls, b: int, hkv: int, t: int, d: int, rk: int, rv: int) -> BlockSizes:
     del b, hkv, t, d
     return TUNED[("rk<=64" if rk <= cls.block_k else "rk>64", "rv>512" if rv > 512 else "rv<=512")]
 
@@ -52,27 +53,42 @@ class BlockSizes:
 # pipelines the key loop instead and multi-buffers that block (> 227 KB at 128 keys), so no
 # pipelining there (sizes checked with ptxas for sm_90 over D 32-128, r_k 16-1024, r_v 16-1024).
 TUNED: dict[tuple[str, str], BlockSizes] = {
-    ("rk>64", "rv<=512"): BlockSizes(),
-    ("rk>64", "rv>512"): BlockSizes(block_n=64, num_stages=2),
-    ("rk<=64", "rv<=512"): BlockSizes(num_stages=1),
-    ("rk<=64", "rv>512"): BlockSizes(block_n=64, num_stages=1),
+  ("rk>64", "rv<=512"): BlockSizes(),
+  ("rk>64", "rv>512"): BlockSizes(block_n=64, num_stages=2),
+  ("rk<=64", "rv<=512"): BlockSizes(num_stages=1),
+  ("rk<=64", "rv>512"): BlockSizes(block_n=64, num_stages=1),
 }
 
 
 @triton.jit
 def _kv_attention_kernel(
-    q_ptr,  # [B, HQ, D]
-    zk_ptr, zv_ptr,  # [B, T, RK], [B, T, RV]
-    vk_ptr,  # [RK, HKV*D]
-    bk_ptr,  # [HKV*D] (read only if HAS_BK)
-    pos_ptr,  # [B] i32
-    inv_ptr,  # [D/2] f32
-    m_ptr, l_ptr,  # [B, HKV, S, GP] f32 running max / sum per split
-    z_ptr,  # [B, HKV, S, GP, RVP] f32 softmax-weighted zv per split
-    T: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-    RK: tl.constexpr, RV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, RVP: tl.constexpr,
-    S: tl.constexpr, CHUNK: tl.constexpr, WINDOW: tl.constexpr, HAS_BK: tl.constexpr,
-    SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_RK: tl.constexpr,
+  q_ptr,  # [B, HQ, D]
+  zk_ptr,
+  zv_ptr,  # [B, T, RK], [B, T, RV]
+  vk_ptr,  # [RK, HKV*D]
+  bk_ptr,  # [HKV*D] (read only if HAS_BK)
+  pos_ptr,  # [B] i32
+  inv_ptr,  # [D/2] f32
+  m_ptr,
+  l_ptr,  # [B, HKV, S, GP] f32 running max / sum per split
+  z_ptr,  # [B, HKV, S, GP, RVP] f32 softmax-weighted zv per split
+  T: tl.constexpr,
+  HQ: tl.constexpr,
+  HKV: tl.constexpr,
+  D: tl.constexpr,
+  RK: tl.constexpr,
+  RV: tl.constexpr,
+  G: tl.constexpr,
+  GP: tl.constexpr,
+  RVP: tl.constexpr,
+  S: tl.constexpr,
+  CHUNK: tl.constexpr,
+  WINDOW: tl.constexpr,
+  HAS_BK: tl.constexpr,
+  SCALE: tl.constexpr,
+  BLOCK_N: tl.constexpr,
+  BLOCK_K: tl.constexpr,
+  EVEN_RK: tl.constexpr,
 ):
   b = tl.program_id(0)
   h = tl.program_id(1)
@@ -107,9 +123,27 @@ def _kv_attention_kernel(
       t_mask = t_mask & (pos - offs_t < WINDOW)
     k_lo = tl.zeros([BLOCK_N, HALF], tl.float32)
     k_hi = tl.zeros([BLOCK_N, HALF], tl.float32)
-    k_lo, k_hi = mm_acc2(k_lo, k_hi, zk_b, zk_b, vk_ptr + h * D, vk_ptr + h * D + HALF, offs_t,
-                         offs_d, t_mask, d_all, 0, RK, RK, RK, HKV * D, BLOCK_K, EVEN_RK, False,
-                         True)
+    k_lo, k_hi = mm_acc2(
+      k_lo,
+      k_hi,
+      zk_b,
+      zk_b,
+      vk_ptr + h * D,
+      vk_ptr + h * D + HALF,
+      offs_t,
+      offs_d,
+      t_mask,
+      d_all,
+      0,
+      RK,
+      RK,
+      RK,
+      HKV * D,
+      BLOCK_K,
+      EVEN_RK,
+      False,
+      True,
+    )
     if HAS_BK:
       k_lo += tl.load(bk_ptr + h * D + offs_d).to(tl.float32)[None, :]
       k_hi += tl.load(bk_ptr + h * D + HALF + offs_d).to(tl.float32)[None, :]
@@ -124,8 +158,11 @@ def _kv_attention_kernel(
     alpha = tl.exp(m_i - m_new)
     p = tl.where(t_mask[None, :], tl.exp(sc - m_new[:, None]), 0.0)
     l_i = l_i * alpha + tl.sum(p, 1)
-    zv = tl.load(zv_ptr + (b * T + offs_t)[:, None] * RV + offs_r[None, :],
-                 mask=t_mask[:, None] & r_mask[None, :], other=0.0)
+    zv = tl.load(
+      zv_ptr + (b * T + offs_t)[:, None] * RV + offs_r[None, :],
+      mask=t_mask[:, None] & r_mask[None, :],
+      other=0.0,
+    )
     acc = acc * alpha[:, None] + tl.dot(p.to(zv.dtype), zv)
     m_i = m_new
   row = ((b * HKV + h) * S + s) * GP + offs_g
@@ -134,23 +171,61 @@ def _kv_attention_kernel(
   tl.store(z_ptr + row[:, None] * RVP + offs_r[None, :], acc)
 
 
-def launch_plan(b: int, hq: int, hkv: int, t: int, d: int, rk: int, rv: int, window,
-                has_bk: bool, bs: BlockSizes, sms: int) -> dict:
+def launch_plan(
+  b: int,
+  hq: int,
+  hkv: int,
+  t: int,
+  d: int,
+  rk: int,
+  rv: int,
+  window,
+  has_bk: bool,
+  bs: BlockSizes,
+  sms: int,
+) -> dict:
   g = hq // hkv
-  splits = (min(bs.splits, planner.cdiv(t, bs.block_n))
-            or planner.plan_kv_splits(b, hkv, t, bs.block_n, bs.num_warps, sms))
+  splits = min(bs.splits, planner.cdiv(t, bs.block_n)) or planner.plan_kv_splits(
+    b, hkv, t, bs.block_n, bs.num_warps, sms
+  )
   chunk = planner.part_len(t, splits, bs.block_n)
   splits = planner.cdiv(t, chunk)
-  meta = dict(T=t, HQ=hq, HKV=hkv, D=d, RK=rk, RV=rv, G=g, GP=max(16, planner.next_pow2(g)),
-              RVP=max(16, planner.next_pow2(rv)), S=splits, CHUNK=chunk,
-              WINDOW=0 if window is None else int(window), HAS_BK=has_bk,
-              SCALE=float(d) ** -0.5, BLOCK_N=bs.block_n, BLOCK_K=bs.block_k,
-              EVEN_RK=rk % bs.block_k == 0)
+  meta = dict(
+    T=t,
+    HQ=hq,
+    HKV=hkv,
+    D=d,
+    RK=rk,
+    RV=rv,
+    G=g,
+    GP=max(16, planner.next_pow2(g)),
+    RVP=max(16, planner.next_pow2(rv)),
+    S=splits,
+    CHUNK=chunk,
+    WINDOW=0 if window is None else int(window),
+    HAS_BK=has_bk,
+    SCALE=float(d) ** -0.5,
+    BLOCK_N=bs.block_n,
+    BLOCK_K=bs.block_k,
+    EVEN_RK=rk % bs.block_k == 0,
+  )
   return dict(grid=(b, hkv, splits), meta=meta)
 
 
-def kv_attention(q, zk, zv, vk, vv, pos, inv_freq, bk=None, bv=None, *, window=None,
-                 block_sizes: BlockSizes | None = None):
+def kv_attention(
+  q,
+  zk,
+  zv,
+  vk,
+  vv,
+  pos,
+  inv_freq,
+  bk=None,
+  bv=None,
+  *,
+  window=None,
+  block_sizes: BlockSizes | None = None,
+):
   """lr_kv_attention on the GPU: q [B, Hq, D] → [B, Hq·D] (see the module docstring)."""
   b, hq, d = q.shape
   t, rk, rv = zk.shape[1], zk.shape[2], zv.shape[2]
@@ -164,13 +239,25 @@ def kv_attention(q, zk, zv, vk, vv, pos, inv_freq, bk=None, bv=None, *, window=N
   meta = plan["meta"]
   s, gp, rvp = meta["S"], meta["GP"], meta["RVP"]
   m, l, z = launch.triton_call(
-      q, zk, zv, vk, bk if bk is not None else vk, jnp.asarray(pos, jnp.int32),
-      jnp.asarray(inv_freq, jnp.float32), kernel=_kv_attention_kernel,
-      out_shape=(jax.ShapeDtypeStruct((b, hkv, s, gp), jnp.float32),
-                 jax.ShapeDtypeStruct((b, hkv, s, gp), jnp.float32),
-                 jax.ShapeDtypeStruct((b, hkv, s, gp, rvp), jnp.float32)),
-      grid=plan["grid"], num_warps=bs.num_warps, num_stages=bs.num_stages,
-      name="lrjax_kv_attention", **meta)
+    q,
+    zk,
+    zv,
+    vk,
+    bk if bk is not None else vk,
+    jnp.asarray(pos, jnp.int32),
+    jnp.asarray(inv_freq, jnp.float32),
+    kernel=_kv_attention_kernel,
+    out_shape=(
+      jax.ShapeDtypeStruct((b, hkv, s, gp), jnp.float32),
+      jax.ShapeDtypeStruct((b, hkv, s, gp), jnp.float32),
+      jax.ShapeDtypeStruct((b, hkv, s, gp, rvp), jnp.float32),
+    ),
+    grid=plan["grid"],
+    num_warps=bs.num_warps,
+    num_stages=bs.num_stages,
+    name="lrjax_kv_attention",
+    **meta,
+  )
   return merge_splits(m, l, z, vv, bv, meta["G"], rv, q.dtype)
 
 

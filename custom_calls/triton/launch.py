@@ -77,6 +77,7 @@ that ask for too much used to fail only at launch ("Shared memory requested ... 
 device resources"). While it compiles one of our calls, its compile step is wrapped so that
 ``planner.check_cta_smem`` raises a ValueError at lowering, naming the kernel and its needs.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -100,7 +101,11 @@ from jax_triton import triton_lib
 
 from lrjax.custom_calls.triton import planner
 from lrjax.custom_calls.triton.planner import (  # noqa: F401  (count_calls: re-exported)
-    FFI_TARGET, LAUNCH_TARGET, LEGACY_TARGET, count_calls)
+  FFI_TARGET,
+  LAUNCH_TARGET,
+  LEGACY_TARGET,
+  count_calls,
+)
 
 _REQUEST = "lrjax_triton_kernel_call"  # the name our calls pass; never reaches XLA
 PDL = "PDL"  # the constexpr of kernels that may be launched as programmatic dependents
@@ -111,11 +116,14 @@ launch_mode = planner.launch_mode
 def _launcher_paths() -> list[str]:
   """Where pdl_launch.cc's library may be: $LRJAX_TRITON_LAUNCHER, beside this file (a build
   in the source tree), or among the installed package's files (wheel or editable install)."""
-  paths = [os.environ.get("LRJAX_TRITON_LAUNCHER", ""),
-           os.path.join(os.path.dirname(os.path.abspath(__file__)), LAUNCHER_LIB)]
+  paths = [
+    os.environ.get("LRJAX_TRITON_LAUNCHER", ""),
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), LAUNCHER_LIB),
+  ]
   try:
-    paths += [str(f.locate()) for f in importlib.metadata.files("lrjax") or ()
-              if f.name == LAUNCHER_LIB]
+    paths += [
+      str(f.locate()) for f in importlib.metadata.files("lrjax") or () if f.name == LAUNCHER_LIB
+    ]
   except importlib.metadata.PackageNotFoundError:
     pass
   return [p for p in paths if p]
@@ -129,20 +137,23 @@ def launcher():
     if os.path.exists(path):
       lib = ctypes.CDLL(path)
       lib.lrjax_triton_launch_driver_error.restype = ctypes.c_char_p
-      jax.ffi.register_ffi_target(LAUNCH_TARGET, jax.ffi.pycapsule(lib.LrjaxTritonLaunch),
-                                  platform="CUDA")
+      jax.ffi.register_ffi_target(
+        LAUNCH_TARGET, jax.ffi.pycapsule(lib.LrjaxTritonLaunch), platform="CUDA"
+      )
       return lib
   raise RuntimeError(
-      f"LRJAX_TRITON_LAUNCH={launch_mode()} needs lrjax's Triton launcher ({LAUNCHER_LIB}), "
-      f"found in none of {_launcher_paths()}: it is built with the package when Triton's "
-      "CUDA headers are importable at build time, so install triton first and then lrjax "
-      "with `pip install --no-build-isolation '.[cuda]'` (or build it by hand: README, "
-      "'Building and testing'; or point LRJAX_TRITON_LAUNCHER at it)")
+    f"LRJAX_TRITON_LAUNCH={launch_mode()} needs lrjax's Triton launcher ({LAUNCHER_LIB}), "
+    f"found in none of {_launcher_paths()}: it is built with the package when Triton's "
+    "CUDA headers are importable at build time, so install triton first and then lrjax "
+    "with `pip install --no-build-isolation '.[cuda]'` (or build it by hand: README, "
+    "'Building and testing'; or point LRJAX_TRITON_LAUNCHER at it)"
+  )
 
 
 def use_ffi() -> bool:
-  return (jaxlib.version.__version_info__ > (0, 10, 2)
-          and os.environ.get("LRJAX_TRITON_LEGACY_CALL", "") in ("", "0"))
+  return jaxlib.version.__version_info__ > (0, 10, 2) and os.environ.get(
+    "LRJAX_TRITON_LEGACY_CALL", ""
+  ) in ("", "0")
 
 
 def xla_zeroing() -> bool:
@@ -155,11 +166,12 @@ def xla_zeroing() -> bool:
 
 def triton_call(*args, kernel, **kwargs):
   """``jax_triton.triton_call``, launched by jaxlib's typed-FFI target where available, or by
-lrjax's own (``launch_mode``)."""
+  lrjax's own (``launch_mode``)."""
   if "custom_call_target_name" in kwargs:
     raise TypeError("lrjax chooses the custom-call target of its kernels")
-  return jt.triton_call(*args, kernel=kernel, custom_call_target_name=_REQUEST,
-                        **launch_constexprs(kernel, kwargs))
+  return jt.triton_call(
+    *args, kernel=kernel, custom_call_target_name=_REQUEST, **launch_constexprs(kernel, kwargs)
+  )
 
 
 def launch_constexprs(kernel, meta: dict) -> dict:
@@ -170,11 +182,12 @@ def launch_constexprs(kernel, meta: dict) -> dict:
   None), so one missing is a ValueError here rather than a compile error on the GPU."""
   names = getattr(kernel, "arg_names", ())
   meta = {**{k: 0 for k in (WORK_OFF, PDL, READ_OFF) if k in names}, **meta}
-  missing = [p.name for p in getattr(kernel, "params", ())
-             if p.is_constexpr and p.name not in meta]
+  missing = [p.name for p in getattr(kernel, "params", ()) if p.is_constexpr and p.name not in meta]
   if missing:
-    raise ValueError(f"{getattr(kernel, '__name__', kernel)}: its launch names no value for "
-                     f"the constexprs {missing}; jax-triton passes no signature default")
+    raise ValueError(
+      f"{getattr(kernel, '__name__', kernel)}: its launch names no value for "
+      f"the constexprs {missing}; jax-triton passes no signature default"
+    )
   return meta
 
 
@@ -202,8 +215,11 @@ def _chain(ctx, array_args, params):
   fn = params["fn"]
   names = getattr(fn, "arg_names", ())
   by_name = {names[k]: k for k, _, _ in params["scalar_args"] if k < len(names)}
-  if (not planner.chain_scratch() or any(a not in by_name for a in SCRATCH_ARGS)
-      or WORK_OFF not in params):
+  if (
+    not planner.chain_scratch()
+    or any(a not in by_name for a in SCRATCH_ARGS)
+    or WORK_OFF not in params
+  ):
     return None
   src = [i for i, o in params["input_output_aliases"] if o == 0]
   if len(src) != 1:  # no aliased scratch: jax-triton's memset zeroes it
@@ -224,11 +240,18 @@ def _chain(ctx, array_args, params):
   link = next((lk for lk in links if lk.block == block), None)
   need = aval.shape[0]
   fresh, half, parity, clear_n = planner.next_link(
-      None if link is None else (link.half, link.parity, link.dirty), need)
+    None if link is None else (link.half, link.parity, link.dirty), need
+  )
   big = aval.update(shape=(2 * half,))
-  buf = link.buf if not fresh else hlo.broadcast_in_dim(
+  buf = (
+    link.buf
+    if not fresh
+    else hlo.broadcast_in_dim(
       ir.RankedTensorType.get((2 * half,), ir.F32Type.get()),
-      mlir.ir_constant(np.float32(0)), mlir.dense_int_array([]))
+      mlir.ir_constant(np.float32(0)),
+      mlir.dense_int_array([]),
+    )
+  )
   args = list(array_args)
   args[i] = buf
   avals_in, avals_out = list(ctx.avals_in), list(ctx.avals_out)
@@ -243,8 +266,12 @@ def _chain(ctx, array_args, params):
       link = _Link(block, None, half, parity, need)
       links.append(link)
     link.buf, link.half, link.parity, link.dirty = results[0], half, parity, need
-    own = hlo.slice(results[0], mlir.dense_int_array([parity * half]),  # the half it used
-                    mlir.dense_int_array([parity * half + need]), mlir.dense_int_array([1]))
+    own = hlo.slice(
+      results[0],
+      mlir.dense_int_array([parity * half]),  # the half it used
+      mlir.dense_int_array([parity * half + need]),
+      mlir.dense_int_array([1]),
+    )
     return [own, *results[1:]]
 
   return ctx.replace(avals_in=avals_in, avals_out=avals_out), args, params, finish
@@ -272,8 +299,9 @@ def _read_in_place(ctx, array_args, params):
   return ctx.replace(avals_in=avals_in), args, dict(params, **{READ_OFF: int(start)})
 
 
-_jax_triton_rule = functools.partial(triton_lib.triton_kernel_call_lowering,
-                                     triton_lib.get_cuda_backend)
+_jax_triton_rule = functools.partial(
+  triton_lib.triton_kernel_call_lowering, triton_lib.get_cuda_backend
+)
 
 
 _ours = threading.local()  # .active while jax-triton compiles one of our calls
@@ -288,6 +316,7 @@ _images: dict[int, tuple] = {}
 @dataclasses.dataclass(frozen=True)
 class Image:
   """What our launcher needs of a compiled kernel beyond jax-triton's compile result."""
+
   num_warps: int  # warps launched: more than asked for where Triton warp-specialized a loop
   scratch: int  # bytes of Triton's global scratch per CTA (TMA descriptors built on device)
   scratch_align: int
@@ -316,16 +345,28 @@ def _compile_checked(ttir, backend, options, compute_capability, platform):
   tap = _MetadataTap(backend)
   result = _jax_triton_compile(ttir, tap, options, compute_capability, platform)
   if getattr(_ours, "active", False) and platform == "cuda":
-    planner.check_cta_smem(result.name, result.shared_mem_bytes, compute_capability,
-                           options.num_warps, options.num_stages)
+    planner.check_cta_smem(
+      result.name,
+      result.shared_mem_bytes,
+      compute_capability,
+      options.num_warps,
+      options.num_stages,
+    )
   md = tap.metadata
   if platform == "cuda" and "shared" not in md:  # every CUDA compile fills it
-    raise RuntimeError("lrjax could not read Triton's compile metadata through jax-triton's "
-                       "compile step (it no longer calls the backend's make_ttir with it); "
-                       "this jax-triton release is not supported by launch.py")
-  _ours.compiled = result, Image(int(md.get("num_warps", options.num_warps)),
-                                 int(md.get("global_scratch_size", 0) or 0),
-                                 int(md.get("global_scratch_align", 1) or 1))
+    raise RuntimeError(
+      "lrjax could not read Triton's compile metadata through jax-triton's "
+      "compile step (it no longer calls the backend's make_ttir with it); "
+      "this jax-triton release is not supported by launch.py"
+    )
+  _ours.compiled = (
+    result,
+    Image(
+      int(md.get("num_warps", options.num_warps)),
+      int(md.get("global_scratch_size", 0) or 0),
+      int(md.get("global_scratch_align", 1) or 1),
+    ),
+  )
   return result
 
 
@@ -348,8 +389,9 @@ _SCALAR_KINDS = {"i32": 1, "u32": 1, "i64": 2, "u64": 2, "fp32": 4}  # pdl_launc
 _BUFFER, _NULL, _SCRATCH = 0, 3, 5
 
 
-def kernel_params(avals_in, avals_out, scalar_args, zeroed_outputs,
-                  scratch_align: int = 0) -> list[int]:
+def kernel_params(
+  avals_in, avals_out, scalar_args, zeroed_outputs, scratch_align: int = 0
+) -> list[int]:
   """The launch's parameters as pdl_launch.cc's (kind, a, b) triples, in the kernel's order:
   jax-triton's arguments (the operands, each scalar at its index, then the results), less
   scalars equal to 1 (Triton specializes them away), then Triton's two scratch pointers: the
@@ -357,8 +399,10 @@ def kernel_params(avals_in, avals_out, scalar_args, zeroed_outputs,
   alignment by the launcher), and the profile one null."""
   scalars = {i: (dtype, v) for i, dtype, v in scalar_args}
   n_in = len(avals_in) + len(scalars)
-  zero = {n_in + i: int(np.prod(avals_out[i].shape)) * np.dtype(avals_out[i].dtype).itemsize
-          for i in zeroed_outputs}
+  zero = {
+    n_in + i: int(np.prod(avals_out[i].shape)) * np.dtype(avals_out[i].dtype).itemsize
+    for i in zeroed_outputs
+  }
   triples, buf = [], 0
   for i in range(n_in + len(avals_out)):
     if i in scalars:
@@ -366,8 +410,9 @@ def kernel_params(avals_in, avals_out, scalar_args, zeroed_outputs,
       if v == 1:
         continue
       if dtype not in _SCALAR_KINDS:
-        raise ValueError(f"scalar argument {i} of type {dtype}: lrjax's launcher passes "
-                         f"{sorted(_SCALAR_KINDS)}")
+        raise ValueError(
+          f"scalar argument {i} of type {dtype}: lrjax's launcher passes {sorted(_SCALAR_KINDS)}"
+        )
       val = struct.unpack("<I", struct.pack("<f", v))[0] if dtype == "fp32" else int(v)
       triples += [_SCALAR_KINDS[dtype], val, 0]
     else:
@@ -397,39 +442,71 @@ def _own_launch(ctx, array_args, params, pdl: bool, entry):
   """Our launcher's custom call for the kernel jax-triton just compiled for this call
   (``entry``: ``_recorded()``)."""
   if entry is None:
-    raise RuntimeError("lrjax's launcher found no PTX for this kernel: it was compiled "
-                       "before lrjax.custom_calls.triton.launch was imported")
+    raise RuntimeError(
+      "lrjax's launcher found no PTX for this kernel: it was compiled "
+      "before lrjax.custom_calls.triton.launch was imported"
+    )
   _, compiled, image = entry
   if params["num_ctas"] != 1 or callable(params["zeroed_outputs"]):
-    raise ValueError(f"{compiled.name}: lrjax's launcher takes num_ctas=1 and a fixed "
-                     "zeroed_outputs")
+    raise ValueError(
+      f"{compiled.name}: lrjax's launcher takes num_ctas=1 and a fixed zeroed_outputs"
+    )
   grid = triton_lib.normalize_grid(params["grid"], {})
   avals_out = list(ctx.avals_out)
   if image.scratch:  # one more result: the global scratch, image.scratch bytes a CTA
     ctas = int(np.prod(grid))
-    avals_out.append(jax.core.ShapedArray((ctas * image.scratch + image.scratch_align,),
-                                          np.uint8))
-  triples = kernel_params(ctx.avals_in, ctx.avals_out, params["scalar_args"],
-                          params["zeroed_outputs"], image.scratch_align if image.scratch else 0)
+    avals_out.append(jax.core.ShapedArray((ctas * image.scratch + image.scratch_align,), np.uint8))
+  triples = kernel_params(
+    ctx.avals_in,
+    ctx.avals_out,
+    params["scalar_args"],
+    params["zeroed_outputs"],
+    image.scratch_align if image.scratch else 0,
+  )
   want = ptx_param_count(compiled.binary, compiled.name)
   if want != len(triples) // 3:
-    raise ValueError(f"{compiled.name}: the PTX entry takes {want} parameters, lrjax's "
-                     f"launcher would pass {len(triples) // 3}")
+    raise ValueError(
+      f"{compiled.name}: the PTX entry takes {want} parameters, lrjax's "
+      f"launcher would pass {len(triples) // 3}"
+    )
   digest = hashlib.sha256(compiled.name.encode() + b"\0" + compiled.binary.encode()).digest()
   key_hi, key_lo = struct.unpack("<qq", digest[:16])
   launcher()
-  rule = jax.ffi.ffi_lowering(LAUNCH_TARGET, api_version=4,
-                              operand_output_aliases=dict(params["input_output_aliases"]))
-  results = rule(ctx.replace(avals_out=avals_out), *array_args, name=compiled.name,
-                 image=compiled.binary, key_hi=np.int64(key_hi), key_lo=np.int64(key_lo),
-                 shared=np.int64(compiled.shared_mem_bytes), num_warps=np.int64(image.num_warps),
-                 grid=np.array(grid, np.int64), params=np.array(triples, np.int64), pdl=pdl)
-  return results[:len(ctx.avals_out)]
+  rule = jax.ffi.ffi_lowering(
+    LAUNCH_TARGET, api_version=4, operand_output_aliases=dict(params["input_output_aliases"])
+  )
+  results = rule(
+    ctx.replace(avals_out=avals_out),
+    *array_args,
+    name=compiled.name,
+    image=compiled.binary,
+    key_hi=np.int64(key_hi),
+    key_lo=np.int64(key_lo),
+    shared=np.int64(compiled.shared_mem_bytes),
+    num_warps=np.int64(image.num_warps),
+    grid=np.array(grid, np.int64),
+    params=np.array(triples, np.int64),
+    pdl=pdl,
+  )
+  return results[: len(ctx.avals_out)]
 
 
-_CALL_KEYS = ("fn", "scalar_args", "name", "out_shapes", "grid", "num_warps", "num_stages",
-              "num_ctas", "compute_capability", "enable_fp_fusion", "input_output_aliases",
-              "zeroed_outputs", "debug", "serialized_metadata")
+_CALL_KEYS = (
+  "fn",
+  "scalar_args",
+  "name",
+  "out_shapes",
+  "grid",
+  "num_warps",
+  "num_stages",
+  "num_ctas",
+  "compute_capability",
+  "enable_fp_fusion",
+  "input_output_aliases",
+  "zeroed_outputs",
+  "debug",
+  "serialized_metadata",
+)
 _xla_kernels: dict = {}
 
 
@@ -437,20 +514,30 @@ _xla_kernels: dict = {}
 class XlaKernel:
   """A kernel compiled for XLA's own PTX call: every scalar argument a constant, so its entry
   takes the buffers alone, operands first and results after, as XLA passes them."""
+
   name: str  # the PTX entry, unique to this specialization
   ptx: str
   shared: int  # dynamic shared memory, bytes
   threads: int  # a CTA's threads as launched
 
 
-def _frontend(fn, arg_types: list[str], scalar_args, metaparams: dict, num_warps: int,
-              num_stages: int, compute_capability: int, enable_fp_fusion: bool):
+def _frontend(
+  fn,
+  arg_types: list[str],
+  scalar_args,
+  metaparams: dict,
+  num_warps: int,
+  num_stages: int,
+  compute_capability: int,
+  enable_fp_fusion: bool,
+):
   """(TTIR module, backend, options) of ``fn`` from Triton's frontend, every scalar argument
   compiled in as a constant and every buffer 16-byte aligned."""
   from triton._C import libtriton
   from triton.backends.compiler import GPUTarget
   from triton.backends.nvidia.compiler import CUDABackend
   from triton.compiler import ASTSource, code_generator
+
   consts = _constants(fn, scalar_args, metaparams)
   scalars = {i for i, _, _ in scalar_args}
   signature, attrs = {}, {}
@@ -462,15 +549,20 @@ def _frontend(fn, arg_types: list[str], scalar_args, metaparams: dict, num_warps
     signature[name] = "constexpr"
   # Triton's stages one by one, as jax-triton runs them (triton.compile would need a cache dir)
   backend = CUDABackend(GPUTarget("cuda", compute_capability, 32))
-  options = backend.parse_options(dict(num_warps=num_warps, num_stages=num_stages, num_ctas=1,
-                                       enable_fp_fusion=enable_fp_fusion))
+  options = backend.parse_options(
+    dict(num_warps=num_warps, num_stages=num_stages, num_ctas=1, enable_fp_fusion=enable_fp_fusion)
+  )
   context = libtriton.ir.context()
   libtriton.ir.load_dialects(context)
   backend.load_dialects(context)
   mod = code_generator.ast_to_ttir(
-      fn, ASTSource(fn, signature=signature, constexprs=consts, attrs=attrs), context=context,
-      options=options, codegen_fns=backend.get_codegen_implementation(options),
-      module_map=backend.get_module_map())
+    fn,
+    ASTSource(fn, signature=signature, constexprs=consts, attrs=attrs),
+    context=context,
+    options=options,
+    codegen_fns=backend.get_codegen_implementation(options),
+    module_map=backend.get_module_map(),
+  )
   return mod, backend, options
 
 
@@ -483,23 +575,50 @@ def _constants(fn, scalar_args, metaparams: dict) -> dict:
 
 def _cache_key(fn, arg_types, scalar_args, metaparams, *rest):
   """One compiled kernel's key in ``_xla_kernels``."""
-  return (fn, tuple(arg_types), tuple(sorted(_constants(fn, scalar_args, metaparams).items())),
-          *rest)
+  return (
+    fn,
+    tuple(arg_types),
+    tuple(sorted(_constants(fn, scalar_args, metaparams).items())),
+    *rest,
+  )
 
 
-def xla_kernel(fn, arg_types: list[str], scalar_args, metaparams: dict, num_warps: int,
-               num_stages: int, compute_capability: int,
-               enable_fp_fusion: bool = True) -> "XlaKernel | None":
+def xla_kernel(
+  fn,
+  arg_types: list[str],
+  scalar_args,
+  metaparams: dict,
+  num_warps: int,
+  num_stages: int,
+  compute_capability: int,
+  enable_fp_fusion: bool = True,
+) -> XlaKernel | None:
   """``fn`` compiled by Triton with every scalar argument compiled in as a constant, for XLA's
   PTX call; None where XLA cannot launch it (it needs Triton's global scratch: TMA
   descriptors built on the device). ``arg_types``: Triton's type of each argument in order
   (jax-triton's: the operands, each scalar at its index, then the results)."""
-  key = _cache_key(fn, arg_types, scalar_args, metaparams, num_warps, num_stages,
-                   compute_capability, enable_fp_fusion)
+  key = _cache_key(
+    fn,
+    arg_types,
+    scalar_args,
+    metaparams,
+    num_warps,
+    num_stages,
+    compute_capability,
+    enable_fp_fusion,
+  )
   if key in _xla_kernels:
     return _xla_kernels[key]
-  mod, backend, options = _frontend(fn, arg_types, scalar_args, metaparams, num_warps,
-                                    num_stages, compute_capability, enable_fp_fusion)
+  mod, backend, options = _frontend(
+    fn,
+    arg_types,
+    scalar_args,
+    metaparams,
+    num_warps,
+    num_stages,
+    compute_capability,
+    enable_fp_fusion,
+  )
   md: dict = {}
   for stage in (backend.make_ttir, backend.make_ttgir, backend.make_llir, backend.make_ptx):
     mod = stage(mod, md, options, compute_capability)
@@ -513,11 +632,12 @@ def xla_kernel(fn, arg_types: list[str], scalar_args, metaparams: dict, num_warp
     params = m.group(1).split(",") if m else []
     extra = [p.split()[-1] for p in params[buffers:]]
     if len(params) == buffers + 2 and all(ptx.count(p) == 1 for p in extra):
-      ptx = ptx[:m.start(1)] + ",".join(params[:buffers]) + "\n" + ptx[m.end(1):]
+      ptx = ptx[: m.start(1)] + ",".join(params[:buffers]) + "\n" + ptx[m.end(1) :]
       # one entry name per specialization: a module may hold several (a chain's two halves)
       name = f"{entry}_{hashlib.sha256(ptx.encode()).hexdigest()[:12]}"
-      kernel = XlaKernel(name, ptx.replace(entry, name), int(md["shared"]),
-                         32 * int(md.get("num_warps", num_warps)))
+      kernel = XlaKernel(
+        name, ptx.replace(entry, name), int(md["shared"]), 32 * int(md.get("num_warps", num_warps))
+      )
   _xla_kernels[key] = kernel
   return kernel
 
@@ -528,17 +648,41 @@ class XlaTritonKernel:
   ttir: str  # Triton's frontend TTIR (text, no debug locations)
 
 
-def xla_triton_kernel(fn, arg_types: list[str], scalar_args, metaparams: dict, num_warps: int,
-                      num_stages: int, compute_capability: int,
-                      enable_fp_fusion: bool = True) -> XlaTritonKernel:
+def xla_triton_kernel(
+  fn,
+  arg_types: list[str],
+  scalar_args,
+  metaparams: dict,
+  num_warps: int,
+  num_stages: int,
+  compute_capability: int,
+  enable_fp_fusion: bool = True,
+) -> XlaTritonKernel:
   """``fn`` as Triton's frontend TTIR, every scalar argument a constant (its function takes the
   buffers alone, as XLA's Triton call passes them), for XLA to compile with its own Triton.
   Arguments as ``xla_kernel``'s."""
-  key = _cache_key(fn, arg_types, scalar_args, metaparams, num_warps, num_stages,
-                   compute_capability, enable_fp_fusion, "ttir")
+  key = _cache_key(
+    fn,
+    arg_types,
+    scalar_args,
+    metaparams,
+    num_warps,
+    num_stages,
+    compute_capability,
+    enable_fp_fusion,
+    "ttir",
+  )
   if key not in _xla_kernels:
-    mod, _, _ = _frontend(fn, arg_types, scalar_args, metaparams, num_warps, num_stages,
-                          compute_capability, enable_fp_fusion)
+    mod, _, _ = _frontend(
+      fn,
+      arg_types,
+      scalar_args,
+      metaparams,
+      num_warps,
+      num_stages,
+      compute_capability,
+      enable_fp_fusion,
+    )
     _xla_kernels[key] = XlaTritonKernel(mod.get_entry_func_name(), mod.str_nodebug())
   return _xla_kernels[key]
 
@@ -547,13 +691,19 @@ def _xla_custom_call(ctx, array_args, params, target: str, backend_config: dict)
   """The custom call of one of XLA's own kernel targets: operands then results as buffers."""
   layouts = lambda avals: [list(reversed(range(a.ndim))) for a in avals]  # noqa: E731
   from jax._src.interpreters import mlir as jax_mlir  # custom_call is not public
+
   return jax_mlir.custom_call(
-      target,
-      result_types=[ir.RankedTensorType.get(a.shape, mlir.dtype_to_ir_type(a.dtype))
-                    for a in ctx.avals_out],
-      operands=list(array_args), backend_config=backend_config, api_version=4,
-      operand_layouts=layouts(ctx.avals_in), result_layouts=layouts(ctx.avals_out),
-      operand_output_aliases=dict(params["input_output_aliases"])).results
+    target,
+    result_types=[
+      ir.RankedTensorType.get(a.shape, mlir.dtype_to_ir_type(a.dtype)) for a in ctx.avals_out
+    ],
+    operands=list(array_args),
+    backend_config=backend_config,
+    api_version=4,
+    operand_layouts=layouts(ctx.avals_in),
+    result_layouts=layouts(ctx.avals_out),
+    operand_output_aliases=dict(params["input_output_aliases"]),
+  ).results
 
 
 def _xla_call(ctx, array_args, params, triton_ir: bool = False):
@@ -575,30 +725,61 @@ def _xla_call(ctx, array_args, params, triton_ir: bool = False):
   cc = params["compute_capability"]
   if cc is None:
     cc = triton_lib.triton_kernel_call_lib.get_compute_capability(0)
-  args = (fn, types, params["scalar_args"], metaparams, params["num_warps"],
-          params["num_stages"], cc, params["enable_fp_fusion"])
+  args = (
+    fn,
+    types,
+    params["scalar_args"],
+    metaparams,
+    params["num_warps"],
+    params["num_stages"],
+    cc,
+    params["enable_fp_fusion"],
+  )
   gx, gy, gz = triton_lib.normalize_grid(params["grid"], metaparams)
   i32 = lambda v: ir.IntegerAttr.get(ir.IntegerType.get_signless(32), int(v))  # noqa: E731
   grid = dict(grid_x=i32(gx), grid_y=i32(gy), grid_z=i32(gz))
   if triton_ir:
     k = xla_triton_kernel(*args)
-    return _xla_custom_call(ctx, array_args, params, planner.XLA_TRITON_TARGET, dict(
-        name=ir.StringAttr.get(k.name), ir=ir.StringAttr.get(k.ttir),
-        num_stages=i32(params["num_stages"]), num_warps=i32(params["num_warps"]),
-        debug=ir.BoolAttr.get(False), **grid))
+    return _xla_custom_call(
+      ctx,
+      array_args,
+      params,
+      planner.XLA_TRITON_TARGET,
+      dict(
+        name=ir.StringAttr.get(k.name),
+        ir=ir.StringAttr.get(k.ttir),
+        num_stages=i32(params["num_stages"]),
+        num_warps=i32(params["num_warps"]),
+        debug=ir.BoolAttr.get(False),
+        **grid,
+      ),
+    )
   kernel = xla_kernel(*args)
   if kernel is None:
     return None
-  return _xla_custom_call(ctx, array_args, params, planner.XLA_TARGET, dict(
-      name=ir.StringAttr.get(kernel.name), kernel_type=ir.StringAttr.get("ptx"),
-      kernel_data=ir.StringAttr.get(kernel.ptx), block_x=i32(kernel.threads),
-      block_y=i32(1), block_z=i32(1), shared_mem_bytes=i32(kernel.shared), **grid))
+  return _xla_custom_call(
+    ctx,
+    array_args,
+    params,
+    planner.XLA_TARGET,
+    dict(
+      name=ir.StringAttr.get(kernel.name),
+      kernel_type=ir.StringAttr.get("ptx"),
+      kernel_data=ir.StringAttr.get(kernel.ptx),
+      block_x=i32(kernel.threads),
+      block_y=i32(1),
+      block_z=i32(1),
+      shared_mem_bytes=i32(kernel.shared),
+      **grid,
+    ),
+  )
 
 
 def _lowering(ctx, *array_args, custom_call_target_name, **params):
   if custom_call_target_name != _REQUEST:  # someone else's jax-triton call
-    return _jax_triton_rule(ctx, *array_args, custom_call_target_name=custom_call_target_name,
-                            **params)
+    return _jax_triton_rule(
+      ctx, *array_args, custom_call_target_name=custom_call_target_name, **params
+    )
   ctx, array_args, params = _read_in_place(ctx, array_args, params)
   chained = _chain(ctx, array_args, params)
   finish = lambda results: results  # noqa: E731
@@ -607,9 +788,12 @@ def _lowering(ctx, *array_args, custom_call_target_name, **params):
   mode = launch_mode()
   if mode in ("xla", "xla_triton"):
     # XLA may launch its kernels as programmatic dependents: wait at entry
-    results = _xla_call(ctx, array_args, dict(params, **{PDL: 1}) if PDL in params else params,
-                        mode == "xla_triton"
-                        and planner.xla_triton_serves(params["fn"].__name__, params))
+    results = _xla_call(
+      ctx,
+      array_args,
+      dict(params, **{PDL: 1}) if PDL in params else params,
+      mode == "xla_triton" and planner.xla_triton_serves(params["fn"].__name__, params),
+    )
     if results is not None:
       return finish(results)
   # a launch after a memset (zeroed_outputs) stays plain: the wait covers kernels ahead of it
@@ -618,8 +802,7 @@ def _lowering(ctx, *array_args, custom_call_target_name, **params):
     params = dict(params, **{PDL: 1})
   _ours.active, _ours.kernel = True, None  # _kernel_recorded sets the kernel of this call
   try:
-    legacy = _jax_triton_rule(ctx, *array_args, custom_call_target_name=LEGACY_TARGET,
-                              **params)
+    legacy = _jax_triton_rule(ctx, *array_args, custom_call_target_name=LEGACY_TARGET, **params)
   finally:
     _ours.active = False
   entry = _recorded()
@@ -629,8 +812,9 @@ def _lowering(ctx, *array_args, custom_call_target_name, **params):
       launcher()
     except RuntimeError as e:
       raise RuntimeError(
-          f"{entry[1].name} builds TMA descriptors on the device or was warp-specialized by "
-          "Triton, which only lrjax's own launcher can launch. " + str(e)) from None
+        f"{entry[1].name} builds TMA descriptors on the device or was warp-specialized by "
+        "Triton, which only lrjax's own launcher can launch. " + str(e)
+      ) from None
   if mode == "jaxlib" and not use_ffi() and not own:
     return finish(legacy)
   op = legacy[0].owner
@@ -639,8 +823,9 @@ def _lowering(ctx, *array_args, custom_call_target_name, **params):
     results = _own_launch(ctx, array_args, params, pdl, entry)
   else:
     opaque = ir.StringAttr(op.attributes["backend_config"]).value_bytes
-    rule = jax.ffi.ffi_lowering(FFI_TARGET, api_version=4,
-                                operand_output_aliases=dict(params["input_output_aliases"]))
+    rule = jax.ffi.ffi_lowering(
+      FFI_TARGET, api_version=4, operand_output_aliases=dict(params["input_output_aliases"])
+    )
     results = rule(ctx, *array_args, opaque=opaque)
   op.erase()  # nothing uses the legacy op's results
   return finish(results)
@@ -648,5 +833,4 @@ def _lowering(ctx, *array_args, custom_call_target_name, **params):
 
 # inline at each use, as lrjax's primitives are: a cached lowering would run once for calls
 # of equal operands, and each call in its own function could not join its block's chain
-mlir.register_lowering(triton_lib.triton_kernel_call_p, _lowering, platform="cuda",
-                       cacheable=False)
+mlir.register_lowering(triton_lib.triton_kernel_call_p, _lowering, platform="cuda", cacheable=False)

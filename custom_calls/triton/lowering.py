@@ -7,6 +7,7 @@ never import triton. ``supports`` declines (with the reason) what the kernels do
 and ``*_faster`` declines shapes where the kernels measured slower than XLA
 (custom_calls/triton/measured.py); the registry then lowers the XLA reference.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -62,8 +63,10 @@ def _common_checks(x, factors, params) -> str | None:
     return f"out_dtype {np.dtype(params['out_dtype']).name} not in {_OUT_DTYPES}"
   inter = np.dtype(params["inter_dtype"]).name
   if inter != _dt(x):
-    return (f"inter_dtype {inter} != {_dt(x)}: the kernel rounds the rank-space "
-            f"intermediate to {_dt(x)} for the tensor cores")
+    return (
+      f"inter_dtype {inter} != {_dt(x)}: the kernel rounds the rank-space "
+      f"intermediate to {_dt(x)} for the tensor cores"
+    )
   if _rows(x) == 0:
     return "no rows (M=0)"
   for a in (x,) + tuple(factors):
@@ -75,6 +78,7 @@ def _common_checks(x, factors, params) -> str | None:
 
 
 # ---------------------------------------------------------------- lr_xuv
+
 
 def _xuv_checks(avals, params) -> str | None:
   x, u, v = avals[:3]
@@ -102,6 +106,7 @@ def xuv_prefill_supports(avals, params) -> str | None:
 
 def xuv_faster(avals, params) -> str | None:
   from lrjax.custom_calls.triton import measured
+
   x, u, v = avals[:3]
   return measured.verdict("xuv", _rows(x), u.shape[0], u.shape[1], v.shape[1])
 
@@ -113,25 +118,29 @@ def _xuv_impl(mod: str, fn: str):
     def impl(*ops, has_bias, inter_dtype, out_dtype):
       del inter_dtype  # checked equal to the factor dtype in supports
       return kernel(ops[0], ops[1], ops[2], ops[3] if has_bias else None, out_dtype=out_dtype)
+
     return impl
+
   return load
 
 
 # ---------------------------------------------------------------- lr_xuv_group
 
 GROUP_MAX_M = 64  # the grouped kernel (with its phase 2) serves decode rows; the policy picks
-                 # where it runs
+# where it runs
 
 
 def _group(avals, params):
   from lrjax.lowering.group import members_of
+
   return avals[0], members_of(avals, params["bias_mask"])
 
 
 def xuv_group_supports(avals, params) -> str | None:
   x, members = _group(avals, params)
-  if (reason := _common_checks(x, tuple(a for u, v, _ in members for a in (u, v)),
-                               params)) is not None:
+  if (
+    reason := _common_checks(x, tuple(a for u, v, _ in members for a in (u, v)), params)
+  ) is not None:
     return reason
   if _rows(x) > GROUP_MAX_M:
     return f"M={_rows(x)} > {GROUP_MAX_M}: the grouped kernel serves decode rows"
@@ -140,10 +149,15 @@ def xuv_group_supports(avals, params) -> str | None:
 
 def xuv_group_faster(avals, params) -> str | None:
   from lrjax.custom_calls.triton import measured
+
   x, members = _group(avals, params)
-  return measured.verdict("xuv_group", _rows(x), x.shape[-1],
-                          sum(u.shape[1] for u, _, _ in members),
-                          sum(v.shape[1] for _, v, _ in members))
+  return measured.verdict(
+    "xuv_group",
+    _rows(x),
+    x.shape[-1],
+    sum(u.shape[1] for u, _, _ in members),
+    sum(v.shape[1] for _, v, _ in members),
+  )
 
 
 def _group_impl():
@@ -154,13 +168,16 @@ def _group_impl():
     del inter_dtype  # checked equal to the factor dtype in supports
     members = [(u, v) if b is None else (u, v, b) for u, v, b in members_of(ops, bias_mask)]
     return xuv_decode_group(ops[0], members, out_dtype=out_dtype)
+
   return impl
 
 
 # ---------------------------------------------------------------- lr_mlp
 
+
 def _mlp_checks(avals, params) -> str | None:
   from lrjax.lowering.primitives import mlp_operands
+
   d = mlp_operands(avals, params["gated"], params["bias_mask"])
   if params["act"] not in ("silu", "gelu_tanh", "gelu", "relu"):
     return f"activation {params['act']!r} has no Triton epilogue"
@@ -168,8 +185,10 @@ def _mlp_checks(avals, params) -> str | None:
   if params["gated"]:
     g = d["gate"]
     if g[0].shape != d["up"][0].shape or g[1].shape != d["up"][1].shape:
-      return (f"gate factors {g[0].shape}x{g[1].shape} differ from up's "
-              f"{d['up'][0].shape}x{d['up'][1].shape}; the kernel computes both in one pass")
+      return (
+        f"gate factors {g[0].shape}x{g[1].shape} differ from up's "
+        f"{d['up'][0].shape}x{d['up'][1].shape}; the kernel computes both in one pass"
+      )
     factors += [g[0], g[1]]
   return _common_checks(d["x"], tuple(factors), params)
 
@@ -190,6 +209,7 @@ def mlp_prefill_supports(avals, params) -> str | None:
 def mlp_faster(avals, params) -> str | None:
   from lrjax.custom_calls.triton import measured
   from lrjax.lowering.primitives import mlp_operands
+
   d = mlp_operands(avals, params["gated"], params["bias_mask"])
   u, v = d["up"][0], d["up"][1]
   return measured.verdict("mlp_swiglu", _rows(d["x"]), u.shape[0], u.shape[1], v.shape[1])
@@ -202,11 +222,20 @@ def _mlp_impl(mod: str, fn: str):
     def impl(*ops, gated, act, bias_mask, inter_dtype, out_dtype):
       del inter_dtype
       from lrjax.lowering.primitives import mlp_operands
+
       d = mlp_operands(ops, gated, bias_mask)
       proj = lambda p: (p[0], p[1]) if p[2] is None else p
-      return kernel(d["x"], proj(d["up"]), proj(d["down"]),
-                    proj(d["gate"]) if gated else None, act=act, out_dtype=out_dtype)
+      return kernel(
+        d["x"],
+        proj(d["up"]),
+        proj(d["down"]),
+        proj(d["gate"]) if gated else None,
+        act=act,
+        out_dtype=out_dtype,
+      )
+
     return impl
+
   return load
 
 
@@ -220,13 +249,16 @@ def kv_attention_shape_reason(d: int, rv: int, group: int) -> str | None:
   if d < 32 or d & (d - 1):
     return f"head dim {d} is not a power of two >= 32"
   if rv > KV_MAX_RV or group > KV_MAX_GROUP:
-    return (f"r_v={rv} (at most {KV_MAX_RV}) or {group} query heads per KV head "
-            f"(at most {KV_MAX_GROUP}) unsupported")
+    return (
+      f"r_v={rv} (at most {KV_MAX_RV}) or {group} query heads per KV head "
+      f"(at most {KV_MAX_GROUP}) unsupported"
+    )
   return None
 
 
 def kv_attention_supports(avals, params) -> str | None:
   from lrjax.lowering.kv_attention import split_operands
+
   if (reason := _toolchain()) is not None:
     return reason
   q, zk, zv, vk, vv, _, _, bk, bv = split_operands(avals, params["has_bk"], params["has_bv"])
@@ -235,8 +267,9 @@ def kv_attention_supports(avals, params) -> str | None:
   for name, a in (("zk", zk), ("zv", zv), ("vk", vk), ("vv", vv)):
     if _dt(a) != _dt(q):
       return f"{name} dtype {_dt(a)} != q dtype {_dt(q)} (cast the cache to the model dtype)"
-  if (reason := kv_attention_shape_reason(q.shape[2], zv.shape[2],
-                                          q.shape[1] // (vk.shape[1] // q.shape[2]))):
+  if reason := kv_attention_shape_reason(
+    q.shape[2], zv.shape[2], q.shape[1] // (vk.shape[1] // q.shape[2])
+  ):
     return reason
   if zk.shape[0] * zk.shape[1] * max(zk.shape[2], zv.shape[2]) > _INT32_MAX:
     return "cache too large for 32-bit offsets"
@@ -245,9 +278,11 @@ def kv_attention_supports(avals, params) -> str | None:
 
 def kv_attention_faster(avals, params) -> str | None:
   del avals, params
-  return ("measured 0.50-0.63x XLA's reference (which rebuilds K and folds V), slower at every "
-          "shape timed (benchmarks/results/gpu_kv_attention_h200.json); prefer_kernels() uses "
-          "it, e.g. to avoid the rebuilt [B, T, Hkv*D] K temporary (4-270x less memory)")
+  return (
+    "measured 0.50-0.63x XLA's reference (which rebuilds K and folds V), slower at every "
+    "shape timed (benchmarks/results/gpu_kv_attention_h200.json); prefer_kernels() uses "
+    "it, e.g. to avoid the rebuilt [B, T, Hkv*D] K temporary (4-270x less memory)"
+  )
 
 
 def _kv_attention_impl():
@@ -257,22 +292,65 @@ def _kv_attention_impl():
   def impl(*ops, has_bk, has_bv, window):
     q, zk, zv, vk, vv, pos, inv, bk, bv = split_operands(ops, has_bk, has_bv)
     return kv_attention(q, zk, zv, vk, vv, pos, inv, bk, bv, window=window)
+
   return impl
 
 
 KERNELS = [
-    KernelLowering("lr_xuv", "cuda", "triton.xuv_decode", xuv_decode_supports,
-                   _xuv_impl("xuv_decode", "xuv_decode"), priority=20, faster=xuv_faster),
-    KernelLowering("lr_xuv", "cuda", "triton.xuv_prefill", xuv_prefill_supports,
-                   _xuv_impl("xuv_prefill", "xuv_prefill"), priority=10, faster=xuv_faster),
-    KernelLowering("lr_mlp", "cuda", "triton.mlp_decode", mlp_decode_supports,
-                   _mlp_impl("mlp_decode", "mlp_decode"), priority=20, faster=mlp_faster),
-    KernelLowering("lr_mlp", "cuda", "triton.mlp_prefill", mlp_prefill_supports,
-                   _mlp_impl("mlp_prefill", "mlp_prefill"), priority=10, faster=mlp_faster),
-    KernelLowering("lr_xuv_group", "cuda", "triton.xuv_decode_group", xuv_group_supports,
-                   _group_impl, priority=20, faster=xuv_group_faster),
-    KernelLowering("lr_kv_attention", "cuda", "triton.kv_attention", kv_attention_supports,
-                   _kv_attention_impl, priority=10, faster=kv_attention_faster),
+  KernelLowering(
+    "lr_xuv",
+    "cuda",
+    "triton.xuv_decode",
+    xuv_decode_supports,
+    _xuv_impl("xuv_decode", "xuv_decode"),
+    priority=20,
+    faster=xuv_faster,
+  ),
+  KernelLowering(
+    "lr_xuv",
+    "cuda",
+    "triton.xuv_prefill",
+    xuv_prefill_supports,
+    _xuv_impl("xuv_prefill", "xuv_prefill"),
+    priority=10,
+    faster=xuv_faster,
+  ),
+  KernelLowering(
+    "lr_mlp",
+    "cuda",
+    "triton.mlp_decode",
+    mlp_decode_supports,
+    _mlp_impl("mlp_decode", "mlp_decode"),
+    priority=20,
+    faster=mlp_faster,
+  ),
+  KernelLowering(
+    "lr_mlp",
+    "cuda",
+    "triton.mlp_prefill",
+    mlp_prefill_supports,
+    _mlp_impl("mlp_prefill", "mlp_prefill"),
+    priority=10,
+    faster=mlp_faster,
+  ),
+  KernelLowering(
+    "lr_xuv_group",
+    "cuda",
+    "triton.xuv_decode_group",
+    xuv_group_supports,
+    _group_impl,
+    priority=20,
+    faster=xuv_group_faster,
+  ),
+  KernelLowering(
+    "lr_kv_attention",
+    "cuda",
+    "triton.kv_attention",
+    kv_attention_supports,
+    _kv_attention_impl,
+    priority=10,
+    faster=kv_attention_faster,
+  ),
 ]
 
 

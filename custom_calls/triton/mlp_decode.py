@@ -69,7 +69,8 @@ serves there); other widths from 65 rows are not measured.
 (``_mlp_decode_persistent_kernel``, tiles from ``planner.plan_mlp_decode_persistent``, as
 xuv_decode's persistent schedule): measured within ±5 % of this tiled schedule on most
 shapes (benchmarks/gpu_notes.md, session 3), so it is not the default.
-"""
+"""  # noqa: E501
+
 from __future__ import annotations
 
 import dataclasses
@@ -82,12 +83,23 @@ import triton.language as tl
 
 from lrjax.custom_calls.triton import launch, planner
 from lrjax.custom_calls.triton.lowering import MLP_COMPOSE_MIN_M, MLP_DECODE_MAX_M
-from lrjax.custom_calls.triton._common import (check_out, join_chain, last_arrival,
-                                               leave_chain, mm_acc, mm_acc2, num_sms,
-                                               prefetch_l2, round_once, signal,
-                                               splitr_finish, splitr_out_tile, stamp,
-                                               swiglu_epilogue,
-                                               wait_at_least)
+from lrjax.custom_calls.triton._common import (
+  check_out,
+  join_chain,
+  last_arrival,
+  leave_chain,
+  mm_acc,
+  mm_acc2,
+  num_sms,
+  prefetch_l2,
+  round_once,
+  signal,
+  splitr_finish,
+  splitr_out_tile,
+  stamp,
+  swiglu_epilogue,
+  wait_at_least,
+)
 
 ACT_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "relu": 3}
 # how stage B flushes its partial of S: atomics; timing only (wrong output), plain stores or
@@ -117,7 +129,7 @@ class BlockSizes:
   # A/B options, measured slower and so not defaults (benchmarks/gpu_notes.md, session 15):
   cols_f: int = 0  # D_ff columns a stage-B slice owns (<= block_f, the rest masked; 0: block_f)
   h_inline: bool = False  # park_h: stage-B CTAs run their split's stage-H tiles themselves,
-                          # splits of ceil(r_d / block_h) slices (one tile each) by default
+  # splits of ceil(r_d / block_h) slices (one tile each) by default
   # L2 prefetch before a CTA's first wait (rows, 0 or a power of two): stage B's first rows of
   # its Vg, Vu slices, stage H's of its U_d tile, stage C's of its V_d tile
   prefetch: int = 0
@@ -130,8 +142,9 @@ class BlockSizes:
   c_resident: bool = False
 
   @classmethod
-  def get_default(cls, m: int, d: int, f: int, r: int, d_out: int, *,
-                  park_small: bool = True) -> "BlockSizes":
+  def get_default(
+    cls, m: int, d: int, f: int, r: int, d_out: int, *, park_small: bool = True
+  ) -> BlockSizes:
     """The measured defaults; ``park_small=False``: at T <= 16 the unparked blocks that were
     the default before session 15 (kept for A/Bs and the S-flush probes)."""
     bm = max(16, planner.next_pow2(m))
@@ -229,33 +242,65 @@ class BlockSizes:
     # -0.7/-0.9 us, 8B r=1024 T=1 +0.8/-0.2, T=16 -0.6/-0.8, Qwen2.5-7B T=1 -0.3/-0.4,
     # T=16 -0.3, Gemma-7B T=1 -1.0 (results/gpu_mlp_decode_trace_splits_h200.json)
     p16 = not one_wave
-    return dataclasses.replace(t, block_m=bm, block_k=block_k, split_k=split, a_chunks=a_chunks,
-                               num_warps=warps, block_f=block_f, block_rd=block_rd,
-                               num_stages=stages, p16=p16, park_h=park, h_per_sm=h_per_sm,
-                               block_h=block_h)
+    return dataclasses.replace(
+      t,
+      block_m=bm,
+      block_k=block_k,
+      split_k=split,
+      a_chunks=a_chunks,
+      num_warps=warps,
+      block_f=block_f,
+      block_rd=block_rd,
+      num_stages=stages,
+      p16=p16,
+      park_h=park,
+      h_per_sm=h_per_sm,
+      block_h=block_h,
+    )
 
 
 # Tuned on the H200 (benchmarks/gpu_lowrank.py); shape class -> blocks.
 TUNED: dict[tuple[str, str], BlockSizes] = {
-    ("m<=16", "r>=2048"): BlockSizes(16, 64, 128, 8, 64, 256, 128, 64, 4, 4, 4, 4),
-    ("m<=16", "r<2048"): BlockSizes(16, 64, 128, 8, 64, 256, 128, 64, 4, 4, 4, 4),
+  ("m<=16", "r>=2048"): BlockSizes(16, 64, 128, 8, 64, 256, 128, 64, 4, 4, 4, 4),
+  ("m<=16", "r<2048"): BlockSizes(16, 64, 128, 8, 64, 256, 128, 64, 4, 4, 4, 4),
 }
 
 MAX_M = MLP_DECODE_MAX_M  # beyond this the prefill kernel serves
 COMPOSE_MIN_M = MLP_COMPOSE_MIN_M  # from here: X·U·V decode calls (module docstring)
 C_RESIDENT_MAX = 128 * 128  # V_d elements a stage-C CTA may hold with c_resident (64 regs a
-                            # thread at 4 warps)
+# thread at 4 warps)
 PERSISTENT_MAX_M = 64  # the persistent schedule serves up to here (f32 tiles in registers)
 
 
 @triton.jit
-def _up_tile(rb, k0,  # column block of the rank, first row of D
-             x_ptr, ug_ptr, uu_ptr, pg_ptr, pu_ptr, cnt_ptr, offs_m, m_mask,
-             D: tl.constexpr, R: tl.constexpr, GATED: tl.constexpr, K_PER: tl.constexpr,
-             RB_PER_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-             BLOCK_R: tl.constexpr, COLS_R: tl.constexpr, EVEN_D: tl.constexpr,
-             STREAM: tl.constexpr, P16: tl.constexpr, pg16_ptr, pu16_ptr, rb_cnt_ptr,
-             SPLIT_K: tl.constexpr):
+def _up_tile(
+  rb,
+  k0,  # column block of the rank, first row of D
+  x_ptr,
+  ug_ptr,
+  uu_ptr,
+  pg_ptr,
+  pu_ptr,
+  cnt_ptr,
+  offs_m,
+  m_mask,
+  D: tl.constexpr,
+  R: tl.constexpr,
+  GATED: tl.constexpr,
+  K_PER: tl.constexpr,
+  RB_PER_CHUNK: tl.constexpr,
+  BLOCK_M: tl.constexpr,
+  BLOCK_K: tl.constexpr,
+  BLOCK_R: tl.constexpr,
+  COLS_R: tl.constexpr,
+  EVEN_D: tl.constexpr,
+  STREAM: tl.constexpr,
+  P16: tl.constexpr,
+  pg16_ptr,
+  pu16_ptr,
+  rb_cnt_ptr,
+  SPLIT_K: tl.constexpr,
+):
   """One split-K tile of Pg = X·Ug and Pu = X·Uu (X loaded once per K step): f32 atomics
   into Pg/Pu, then this rank chunk's counter. P16: the column block's last tile
   (``last_arrival``) rounds it once into pg16/pu16 (the factors' dtype) and alone signals.
@@ -270,13 +315,46 @@ def _up_tile(rb, k0,  # column block of the rank, first row of D
     acc_u = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
     if GATED:
       acc_g = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-      acc_g, acc_u = mm_acc2(acc_g, acc_u, x_ptr, x_ptr, ug_ptr, uu_ptr, offs_m, offs_r,
-                             m_mask, r_mask, k0, k0 + K_PER, D, D, R, BLOCK_K, EVEN_D,
-                             False, True)
+      acc_g, acc_u = mm_acc2(
+        acc_g,
+        acc_u,
+        x_ptr,
+        x_ptr,
+        ug_ptr,
+        uu_ptr,
+        offs_m,
+        offs_r,
+        m_mask,
+        r_mask,
+        k0,
+        k0 + K_PER,
+        D,
+        D,
+        R,
+        BLOCK_K,
+        EVEN_D,
+        False,
+        True,
+      )
       tl.atomic_add(pg_ptr + out_off, acc_g, mask=out_mask, sem="relaxed")
     else:
-      acc_u = mm_acc(acc_u, x_ptr, uu_ptr, offs_m, offs_r, m_mask, r_mask, k0, k0 + K_PER,
-                     D, D, R, BLOCK_K, EVEN_D, False)
+      acc_u = mm_acc(
+        acc_u,
+        x_ptr,
+        uu_ptr,
+        offs_m,
+        offs_r,
+        m_mask,
+        r_mask,
+        k0,
+        k0 + K_PER,
+        D,
+        D,
+        R,
+        BLOCK_K,
+        EVEN_D,
+        False,
+      )
     tl.atomic_add(pu_ptr + out_off, acc_u, mask=out_mask, sem="relaxed")
   if P16:
     if last_arrival(rb_cnt_ptr + rb, SPLIT_K):
@@ -289,40 +367,91 @@ def _up_tile(rb, k0,  # column block of the rank, first row of D
 
 
 @triton.jit
-def _project_rank(h,  # [BLOCK_M, BLOCK_F] slice of the intermediate, the only copy of it
-                  ud_ptr, s_ptr, offs_m, m_mask, offs_f, f_mask, RD: tl.constexpr,
-                  BLOCK_RD: tl.constexpr, S_FLUSH: tl.constexpr):
+def _project_rank(
+  h,  # [BLOCK_M, BLOCK_F] slice of the intermediate, the only copy of it
+  ud_ptr,
+  s_ptr,
+  offs_m,
+  m_mask,
+  offs_f,
+  f_mask,
+  RD: tl.constexpr,
+  BLOCK_RD: tl.constexpr,
+  S_FLUSH: tl.constexpr,
+):
   """S += h · Ud[f, :]: f32 atomics into the down factor's rank space, BLOCK_RD at a time
   (S_FLUSH 0. Timing only, a wrong S: 1 plain stores; 2 stores masked off by a test on
   the data that never holds, so the dot and the instructions stay but no byte moves)."""
   for c0 in range(0, RD, BLOCK_RD):
     offs_c = c0 + tl.arange(0, BLOCK_RD)
     c_mask = offs_c < RD
-    udt = tl.load(ud_ptr + offs_f[:, None] * RD + offs_c[None, :],
-                  mask=f_mask[:, None] & c_mask[None, :], other=0.0)
+    udt = tl.load(
+      ud_ptr + offs_f[:, None] * RD + offs_c[None, :],
+      mask=f_mask[:, None] & c_mask[None, :],
+      other=0.0,
+    )
     part = tl.dot(h, udt)
     if S_FLUSH == 0:
-      tl.atomic_add(s_ptr + offs_m[:, None] * RD + offs_c[None, :], part,
-                    mask=m_mask[:, None] & c_mask[None, :], sem="relaxed")
+      tl.atomic_add(
+        s_ptr + offs_m[:, None] * RD + offs_c[None, :],
+        part,
+        mask=m_mask[:, None] & c_mask[None, :],
+        sem="relaxed",
+      )
     elif S_FLUSH == 1:
-      tl.store(s_ptr + offs_m[:, None] * RD + offs_c[None, :], part,
-               mask=m_mask[:, None] & c_mask[None, :])
+      tl.store(
+        s_ptr + offs_m[:, None] * RD + offs_c[None, :], part, mask=m_mask[:, None] & c_mask[None, :]
+      )
     else:
-      tl.store(s_ptr + offs_m[:, None] * RD + offs_c[None, :], part,
-               mask=m_mask[:, None] & c_mask[None, :] & (part > 3.0e38))
+      tl.store(
+        s_ptr + offs_m[:, None] * RD + offs_c[None, :],
+        part,
+        mask=m_mask[:, None] & c_mask[None, :] & (part > 3.0e38),
+      )
 
 
 @triton.jit
-def _down_slice(fb,  # slice of the intermediate dim
-                pg_ptr, pu_ptr, vg_ptr, bg_ptr, vu_ptr, bu_ptr, ud_ptr, s_ptr, cnt_ptr,
-                offs_m, m_mask, n_r, R: tl.constexpr, F: tl.constexpr, RD: tl.constexpr,
-                GATED: tl.constexpr, ACT: tl.constexpr, HAS_BG: tl.constexpr,
-                HAS_BU: tl.constexpr, SPLIT_K: tl.constexpr, A_CHUNKS: tl.constexpr,
-                RB_PER_CHUNK: tl.constexpr, R_PER: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_F: tl.constexpr, COLS_F: tl.constexpr, BLOCK_RD: tl.constexpr,
-                BLOCK_KR: tl.constexpr, EVEN_R: tl.constexpr, STREAM: tl.constexpr,
-                P16: tl.constexpr, S_FLUSH: tl.constexpr, PARK_H: tl.constexpr, h_ptr,
-                h_cnt_ptr, SLICES_PER_SPLIT: tl.constexpr, trace_ptr, TRACE: tl.constexpr):
+def _down_slice(
+  fb,  # slice of the intermediate dim
+  pg_ptr,
+  pu_ptr,
+  vg_ptr,
+  bg_ptr,
+  vu_ptr,
+  bu_ptr,
+  ud_ptr,
+  s_ptr,
+  cnt_ptr,
+  offs_m,
+  m_mask,
+  n_r,
+  R: tl.constexpr,
+  F: tl.constexpr,
+  RD: tl.constexpr,
+  GATED: tl.constexpr,
+  ACT: tl.constexpr,
+  HAS_BG: tl.constexpr,
+  HAS_BU: tl.constexpr,
+  SPLIT_K: tl.constexpr,
+  A_CHUNKS: tl.constexpr,
+  RB_PER_CHUNK: tl.constexpr,
+  R_PER: tl.constexpr,
+  BLOCK_M: tl.constexpr,
+  BLOCK_F: tl.constexpr,
+  COLS_F: tl.constexpr,
+  BLOCK_RD: tl.constexpr,
+  BLOCK_KR: tl.constexpr,
+  EVEN_R: tl.constexpr,
+  STREAM: tl.constexpr,
+  P16: tl.constexpr,
+  S_FLUSH: tl.constexpr,
+  PARK_H: tl.constexpr,
+  h_ptr,
+  h_cnt_ptr,
+  SLICES_PER_SPLIT: tl.constexpr,
+  trace_ptr,
+  TRACE: tl.constexpr,
+):
   """One COLS_F-wide slice h of the intermediate, consuming Pg/Pu chunk by chunk as they
   complete, projected straight into S (the down factor's rank space); then the counter.
   P16: pg_ptr/pu_ptr are the rounded copies (one signal per column block, not per tile).
@@ -346,18 +475,53 @@ def _down_slice(fb,  # slice of the intermediate dim
       stamp(trace_ptr, 2, TRACE)
     if STREAM:
       if GATED:
-        acc_g, acc_u = mm_acc2(acc_g, acc_u, pg_ptr, pu_ptr, vg_ptr, vu_ptr, offs_m, offs_f,
-                               m_mask, f_mask, c * R_PER, c * R_PER + R_PER, R, R, F,
-                               BLOCK_KR, EVEN_R, True, False)
+        acc_g, acc_u = mm_acc2(
+          acc_g,
+          acc_u,
+          pg_ptr,
+          pu_ptr,
+          vg_ptr,
+          vu_ptr,
+          offs_m,
+          offs_f,
+          m_mask,
+          f_mask,
+          c * R_PER,
+          c * R_PER + R_PER,
+          R,
+          R,
+          F,
+          BLOCK_KR,
+          EVEN_R,
+          True,
+          False,
+        )
       else:
-        acc_u = mm_acc(acc_u, pu_ptr, vu_ptr, offs_m, offs_f, m_mask, f_mask, c * R_PER,
-                       c * R_PER + R_PER, R, R, F, BLOCK_KR, EVEN_R, True)
+        acc_u = mm_acc(
+          acc_u,
+          pu_ptr,
+          vu_ptr,
+          offs_m,
+          offs_f,
+          m_mask,
+          f_mask,
+          c * R_PER,
+          c * R_PER + R_PER,
+          R,
+          R,
+          F,
+          BLOCK_KR,
+          EVEN_R,
+          True,
+        )
   if STREAM:
-    h = swiglu_epilogue(acc_g, acc_u, bg_ptr, bu_ptr, offs_f, f_mask, GATED, ACT, HAS_BG,
-                        HAS_BU).to(ud_ptr.dtype.element_ty)
+    h = swiglu_epilogue(
+      acc_g, acc_u, bg_ptr, bu_ptr, offs_f, f_mask, GATED, ACT, HAS_BG, HAS_BU
+    ).to(ud_ptr.dtype.element_ty)
     if PARK_H:
-      tl.store(h_ptr + offs_m[:, None] * F + offs_f[None, :], h,
-               mask=m_mask[:, None] & f_mask[None, :])
+      tl.store(
+        h_ptr + offs_m[:, None] * F + offs_f[None, :], h, mask=m_mask[:, None] & f_mask[None, :]
+      )
     else:
       _project_rank(h, ud_ptr, s_ptr, offs_m, m_mask, offs_f, f_mask, RD, BLOCK_RD, S_FLUSH)
   if PARK_H:
@@ -367,8 +531,16 @@ def _down_slice(fb,  # slice of the intermediate dim
 
 
 @triton.jit
-def _prefetch_slice(vg_ptr, vu_ptr, col0, R, F: tl.constexpr, GATED: tl.constexpr,
-                    ROWS: tl.constexpr, BLOCK_F: tl.constexpr):
+def _prefetch_slice(
+  vg_ptr,
+  vu_ptr,
+  col0,
+  R,
+  F: tl.constexpr,
+  GATED: tl.constexpr,
+  ROWS: tl.constexpr,
+  BLOCK_F: tl.constexpr,
+):
   """The first ROWS rows of one stage-B slice of Vu (and Vg) into L2 (BlockSizes.prefetch)."""
   prefetch_l2(vu_ptr, 0, col0, R, F, F, ROWS, BLOCK_F)
   if GATED:
@@ -376,12 +548,29 @@ def _prefetch_slice(vg_ptr, vu_ptr, col0, R, F: tl.constexpr, GATED: tl.constexp
 
 
 @triton.jit
-def _park_h_tile(q,  # stage-H tile: split of D_ff (major), column block of the down rank
-                 h_ptr, ud_ptr, s_ptr, cnt_ptr, h_cnt_ptr, offs_m, m_mask, n_b,
-                 F: tl.constexpr, RD: tl.constexpr, A_CHUNKS: tl.constexpr,
-                 F_PER: tl.constexpr, SLICES_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_H: tl.constexpr, BLOCK_KR: tl.constexpr, EVEN_F: tl.constexpr,
-                 PREFETCH: tl.constexpr, trace_ptr, TRACE: tl.constexpr):
+def _park_h_tile(
+  q,  # stage-H tile: split of D_ff (major), column block of the down rank
+  h_ptr,
+  ud_ptr,
+  s_ptr,
+  cnt_ptr,
+  h_cnt_ptr,
+  offs_m,
+  m_mask,
+  n_b,
+  F: tl.constexpr,
+  RD: tl.constexpr,
+  A_CHUNKS: tl.constexpr,
+  F_PER: tl.constexpr,
+  SLICES_PER_SPLIT: tl.constexpr,
+  BLOCK_M: tl.constexpr,
+  BLOCK_H: tl.constexpr,
+  BLOCK_KR: tl.constexpr,
+  EVEN_F: tl.constexpr,
+  PREFETCH: tl.constexpr,
+  trace_ptr,
+  TRACE: tl.constexpr,
+):
   """S += h[:, split] · Ud[split, cols] once the stage-B slices of its split have parked h
   (f32 atomics into S, one partial per split), then the counter stage C waits on. PREFETCH:
   the tile's first U_d rows into L2 before the wait; TRACE: ``stamp`` slots 1, 2 when the
@@ -391,64 +580,118 @@ def _park_h_tile(q,  # stage-H tile: split of D_ff (major), column block of the 
   offs_c = (q % n_cb) * BLOCK_H + tl.arange(0, BLOCK_H)
   c_mask = offs_c < RD
   if PREFETCH > 0:
-    prefetch_l2(ud_ptr, j * F_PER, (q % n_cb) * BLOCK_H, tl.minimum(F, j * F_PER + F_PER), RD,
-                RD, PREFETCH, BLOCK_H)
+    prefetch_l2(
+      ud_ptr,
+      j * F_PER,
+      (q % n_cb) * BLOCK_H,
+      tl.minimum(F, j * F_PER + F_PER),
+      RD,
+      RD,
+      PREFETCH,
+      BLOCK_H,
+    )
   wait_at_least(h_cnt_ptr + j, tl.minimum(n_b - j * SLICES_PER_SPLIT, SLICES_PER_SPLIT))
   stamp(trace_ptr, 1, TRACE)
   stamp(trace_ptr, 2, TRACE)
   acc = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
-  acc = mm_acc(acc, h_ptr, ud_ptr, offs_m, offs_c, m_mask, c_mask, j * F_PER, j * F_PER + F_PER,
-               F, F, RD, BLOCK_KR, EVEN_F, True)
-  tl.atomic_add(s_ptr + offs_m[:, None] * RD + offs_c[None, :], acc,
-                mask=m_mask[:, None] & c_mask[None, :], sem="relaxed")
+  acc = mm_acc(
+    acc,
+    h_ptr,
+    ud_ptr,
+    offs_m,
+    offs_c,
+    m_mask,
+    c_mask,
+    j * F_PER,
+    j * F_PER + F_PER,
+    F,
+    F,
+    RD,
+    BLOCK_KR,
+    EVEN_F,
+    True,
+  )
+  tl.atomic_add(
+    s_ptr + offs_m[:, None] * RD + offs_c[None, :],
+    acc,
+    mask=m_mask[:, None] & c_mask[None, :],
+    sem="relaxed",
+  )
   signal(cnt_ptr + A_CHUNKS)
 
 
 @triton.jit
 def _mlp_decode_kernel(
-    x_ptr,  # [M, D] activations
-    ug_ptr, vg_ptr, bg_ptr,  # [D, R], [R, F], [F] gate factors (unread if not GATED)
-    uu_ptr, vu_ptr, bu_ptr,  # [D, R], [R, F], [F] up factors
-    ud_ptr, vd_ptr, bd_ptr,  # [F, RD], [RD, DO], [DO] down factors
-    o_in_ptr,  # [M, DO] caller's output buffer aliased to o_ptr, or the zeroed scratch
-               # aliased to scratch_ptr (xla_zeroing), else x; never read
-    M,  # rows (runtime: one compile serves every M <= BLOCK_M)
-    clear_off, clear_n,  # the scratch chain (launch.py): the half of scratch_ptr this call
-                         # zeroes [clear_n floats]; WORK_OFF: the half it works in
-    scratch_ptr,  # f32, zeroed before the launch: Pg [M, R], Pu [M, R], S [M, RD],
-                  # output accumulator [M, DO], then (i32) A_CHUNKS stage-A counters,
-                  # the counter stage C waits on (stage-B slices or, PARK_H, stage-H
-                  # tiles), ceil(DO/BLOCK_N) stage-C semaphores, with P16 one stage-A
-                  # counter per column block of Pg/Pu, with PARK_H one per stage-H split
-    o_ptr,  # [M, DO] output
-    p16_ptr,  # in the factors' dtype: Pg, Pu [2, M, R] rounded once (P16), then h [M, F]
-              # (PARK_H); else unused
-    D: tl.constexpr, R: tl.constexpr, F: tl.constexpr,
-    RD: tl.constexpr, DO: tl.constexpr,
-    GATED: tl.constexpr, ACT: tl.constexpr,
-    HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr,
-    K_PER: tl.constexpr, SPLIT_K: tl.constexpr, C_CHUNKS: tl.constexpr, RD_PER: tl.constexpr,
-    A_CHUNKS: tl.constexpr, RB_PER_CHUNK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_F: tl.constexpr, BLOCK_RD: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_KR: tl.constexpr,
-    EVEN_D: tl.constexpr, EVEN_R: tl.constexpr, EVEN_RD: tl.constexpr,
-    P16: tl.constexpr,
-    S_FLUSH: tl.constexpr,  # 0 (atomics); timing only: 1 stores, 2 masked-off stores
-    PARK_H: tl.constexpr,  # stage B parks h; stage H (H_SPLITS x ceil(RD/BLOCK_H) CTAs) projects it
-    H_SPLITS: tl.constexpr, F_PER: tl.constexpr, BLOCK_H: tl.constexpr, EVEN_F: tl.constexpr,
-    COLS_F: tl.constexpr,  # D_ff columns per stage-B slice (<= BLOCK_F; the rest masked)
-    H_INLINE: tl.constexpr,  # PARK_H: each stage-B CTA then runs stage-H tiles of its own
-                             # split (no stage-H CTAs of their own)
-    PREFETCH: tl.constexpr = 0, PREFETCH_H: tl.constexpr = 0,  # BlockSizes.prefetch{,_h,_c}
-    PREFETCH_C: tl.constexpr = 0,
-    C_RESIDENT: tl.constexpr = 0,  # BlockSizes.c_resident; its chunk padded to RD_PER_P2 rows
-    RD_PER_P2: tl.constexpr = 16,
-    WORK_OFF: tl.constexpr = 0,  # the scratch chain's offset of this call's half (launch.py)
-    PDL: tl.constexpr = 0,  # launched as a programmatic dependent (launch.py, join_chain)
-    TRACE: tl.constexpr = 0,  # timing only (output right): each CTA stamps its entry, first
-                              # and last wait ends, work end and exit into o_in_ptr as int64
-                              # [grid, 8] (_common.stamp; benchmarks/mlp_trace.py)
+  x_ptr,  # [M, D] activations
+  ug_ptr,
+  vg_ptr,
+  bg_ptr,  # [D, R], [R, F], [F] gate factors (unread if not GATED)
+  uu_ptr,
+  vu_ptr,
+  bu_ptr,  # [D, R], [R, F], [F] up factors
+  ud_ptr,
+  vd_ptr,
+  bd_ptr,  # [F, RD], [RD, DO], [DO] down factors
+  o_in_ptr,  # [M, DO] caller's output buffer aliased to o_ptr, or the zeroed scratch
+  # aliased to scratch_ptr (xla_zeroing), else x; never read
+  M,  # rows (runtime: one compile serves every M <= BLOCK_M)
+  clear_off,
+  clear_n,  # the scratch chain (launch.py): the half of scratch_ptr this call
+  # zeroes [clear_n floats]; WORK_OFF: the half it works in
+  scratch_ptr,  # f32, zeroed before the launch: Pg [M, R], Pu [M, R], S [M, RD],
+  # output accumulator [M, DO], then (i32) A_CHUNKS stage-A counters,
+  # the counter stage C waits on (stage-B slices or, PARK_H, stage-H
+  # tiles), ceil(DO/BLOCK_N) stage-C semaphores, with P16 one stage-A
+  # counter per column block of Pg/Pu, with PARK_H one per stage-H split
+  o_ptr,  # [M, DO] output
+  p16_ptr,  # in the factors' dtype: Pg, Pu [2, M, R] rounded once (P16), then h [M, F]
+  # (PARK_H); else unused
+  D: tl.constexpr,
+  R: tl.constexpr,
+  F: tl.constexpr,
+  RD: tl.constexpr,
+  DO: tl.constexpr,
+  GATED: tl.constexpr,
+  ACT: tl.constexpr,
+  HAS_BG: tl.constexpr,
+  HAS_BU: tl.constexpr,
+  HAS_BD: tl.constexpr,
+  K_PER: tl.constexpr,
+  SPLIT_K: tl.constexpr,
+  C_CHUNKS: tl.constexpr,
+  RD_PER: tl.constexpr,
+  A_CHUNKS: tl.constexpr,
+  RB_PER_CHUNK: tl.constexpr,
+  BLOCK_M: tl.constexpr,
+  BLOCK_K: tl.constexpr,
+  BLOCK_R: tl.constexpr,
+  BLOCK_F: tl.constexpr,
+  BLOCK_RD: tl.constexpr,
+  BLOCK_N: tl.constexpr,
+  BLOCK_KR: tl.constexpr,
+  EVEN_D: tl.constexpr,
+  EVEN_R: tl.constexpr,
+  EVEN_RD: tl.constexpr,
+  P16: tl.constexpr,
+  S_FLUSH: tl.constexpr,  # 0 (atomics); timing only: 1 stores, 2 masked-off stores
+  PARK_H: tl.constexpr,  # stage B parks h; stage H (H_SPLITS x ceil(RD/BLOCK_H) CTAs) projects it
+  H_SPLITS: tl.constexpr,
+  F_PER: tl.constexpr,
+  BLOCK_H: tl.constexpr,
+  EVEN_F: tl.constexpr,
+  COLS_F: tl.constexpr,  # D_ff columns per stage-B slice (<= BLOCK_F; the rest masked)
+  H_INLINE: tl.constexpr,  # PARK_H: each stage-B CTA then runs stage-H tiles of its own
+  # split (no stage-H CTAs of their own)
+  PREFETCH: tl.constexpr = 0,
+  PREFETCH_H: tl.constexpr = 0,  # BlockSizes.prefetch{,_h,_c}
+  PREFETCH_C: tl.constexpr = 0,
+  C_RESIDENT: tl.constexpr = 0,  # BlockSizes.c_resident; its chunk padded to RD_PER_P2 rows
+  RD_PER_P2: tl.constexpr = 16,
+  WORK_OFF: tl.constexpr = 0,  # the scratch chain's offset of this call's half (launch.py)
+  PDL: tl.constexpr = 0,  # launched as a programmatic dependent (launch.py, join_chain)
+  TRACE: tl.constexpr = 0,  # timing only (output right): each CTA stamps its entry, first
+  # and last wait ends, work end and exit into o_in_ptr as int64
+  # [grid, 8] (_common.stamp; benchmarks/mlp_trace.py)
 ):
   pid = tl.program_id(0)
   chain_ptr = scratch_ptr
@@ -480,18 +723,79 @@ def _mlp_decode_kernel(
   m_mask = offs_m < M
   if pid < n_a:
     # ---- stage A: split-K X·Ug and X·Uu, X loaded once per K tile
-    _up_tile(pid // SPLIT_K, (pid % SPLIT_K) * K_PER, x_ptr, ug_ptr, uu_ptr, pg_ptr, pu_ptr,
-             cnt_ptr, offs_m, m_mask, D, R, GATED, K_PER, RB_PER_CHUNK, BLOCK_M, BLOCK_K,
-             BLOCK_R, BLOCK_R, EVEN_D, True, P16, pg16_ptr, pu16_ptr, rb_cnt_ptr, SPLIT_K)
+    _up_tile(
+      pid // SPLIT_K,
+      (pid % SPLIT_K) * K_PER,
+      x_ptr,
+      ug_ptr,
+      uu_ptr,
+      pg_ptr,
+      pu_ptr,
+      cnt_ptr,
+      offs_m,
+      m_mask,
+      D,
+      R,
+      GATED,
+      K_PER,
+      RB_PER_CHUNK,
+      BLOCK_M,
+      BLOCK_K,
+      BLOCK_R,
+      BLOCK_R,
+      EVEN_D,
+      True,
+      P16,
+      pg16_ptr,
+      pu16_ptr,
+      rb_cnt_ptr,
+      SPLIT_K,
+    )
   elif pid < n_a + n_b:
     # ---- stage B: one slice of the intermediate dim, projected straight into rank space
     if PREFETCH > 0:  # the first rows of its Vu (Vg) slice load while it waits
       _prefetch_slice(vg_ptr, vu_ptr, (pid - n_a) * COLS_F, R, F, GATED, PREFETCH, BLOCK_F)
-    _down_slice(pid - n_a, pg16_ptr if P16 else pg_ptr, pu16_ptr if P16 else pu_ptr, vg_ptr,
-                bg_ptr, vu_ptr, bu_ptr, ud_ptr, s_ptr, cnt_ptr, offs_m, m_mask, n_r, R, F, RD,
-                GATED, ACT, HAS_BG, HAS_BU, SPLIT_K, A_CHUNKS, RB_PER_CHUNK,
-                RB_PER_CHUNK * BLOCK_R, BLOCK_M, BLOCK_F, COLS_F, BLOCK_RD, BLOCK_KR, EVEN_R,
-                True, P16, S_FLUSH, PARK_H, h_ptr, h_cnt_ptr, F_PER // COLS_F, o_in_ptr, TRACE)
+    _down_slice(
+      pid - n_a,
+      pg16_ptr if P16 else pg_ptr,
+      pu16_ptr if P16 else pu_ptr,
+      vg_ptr,
+      bg_ptr,
+      vu_ptr,
+      bu_ptr,
+      ud_ptr,
+      s_ptr,
+      cnt_ptr,
+      offs_m,
+      m_mask,
+      n_r,
+      R,
+      F,
+      RD,
+      GATED,
+      ACT,
+      HAS_BG,
+      HAS_BU,
+      SPLIT_K,
+      A_CHUNKS,
+      RB_PER_CHUNK,
+      RB_PER_CHUNK * BLOCK_R,
+      BLOCK_M,
+      BLOCK_F,
+      COLS_F,
+      BLOCK_RD,
+      BLOCK_KR,
+      EVEN_R,
+      True,
+      P16,
+      S_FLUSH,
+      PARK_H,
+      h_ptr,
+      h_cnt_ptr,
+      F_PER // COLS_F,
+      o_in_ptr,
+      TRACE,
+    )
     if H_INLINE:
       # the split's slices share its n_cb tiles (the last split may have fewer slices):
       # S gets one partial per split instead of one per slice. Deadlock-free as long as
@@ -502,29 +806,80 @@ def _mlp_decode_kernel(
       first = j * (F_PER // COLS_F)
       members = tl.minimum(n_b - first, F_PER // COLS_F)
       for t in range(fb - first, n_cb, members):
-        _park_h_tile(j * n_cb + t, h_ptr, ud_ptr, s_ptr, cnt_ptr, h_cnt_ptr, offs_m, m_mask,
-                     n_b, F, RD, A_CHUNKS, F_PER, F_PER // COLS_F, BLOCK_M, BLOCK_H, BLOCK_KR,
-                     EVEN_F, 0, o_in_ptr, False)
+        _park_h_tile(
+          j * n_cb + t,
+          h_ptr,
+          ud_ptr,
+          s_ptr,
+          cnt_ptr,
+          h_cnt_ptr,
+          offs_m,
+          m_mask,
+          n_b,
+          F,
+          RD,
+          A_CHUNKS,
+          F_PER,
+          F_PER // COLS_F,
+          BLOCK_M,
+          BLOCK_H,
+          BLOCK_KR,
+          EVEN_F,
+          0,
+          o_in_ptr,
+          False,
+        )
   elif pid < n_a + n_b + n_h_ctas:
     # ---- stage H (PARK_H): S += h · Ud, split over D_ff, each split once its slices parked h
-    _park_h_tile(pid - n_a - n_b, h_ptr, ud_ptr, s_ptr, cnt_ptr, h_cnt_ptr, offs_m, m_mask, n_b,
-                 F, RD, A_CHUNKS, F_PER, F_PER // COLS_F, BLOCK_M, BLOCK_H, BLOCK_KR, EVEN_F,
-                 PREFETCH_H, o_in_ptr, TRACE)
+    _park_h_tile(
+      pid - n_a - n_b,
+      h_ptr,
+      ud_ptr,
+      s_ptr,
+      cnt_ptr,
+      h_cnt_ptr,
+      offs_m,
+      m_mask,
+      n_b,
+      F,
+      RD,
+      A_CHUNKS,
+      F_PER,
+      F_PER // COLS_F,
+      BLOCK_M,
+      BLOCK_H,
+      BLOCK_KR,
+      EVEN_F,
+      PREFETCH_H,
+      o_in_ptr,
+      TRACE,
+    )
   else:
     # ---- stage C: Y = S·Vd + bd, split over r_d chunks, once S is complete
     n_nb = (DO + BLOCK_N - 1) // BLOCK_N
     q = pid - n_a - n_b - n_h_ctas
     if PREFETCH_C > 0:  # the first rows of its V_d tile load while it waits
       row0 = (q // n_nb) * RD_PER
-      prefetch_l2(vd_ptr, row0, (q % n_nb) * BLOCK_N, tl.minimum(RD, row0 + RD_PER), DO, DO,
-                  PREFETCH_C, BLOCK_N)
+      prefetch_l2(
+        vd_ptr,
+        row0,
+        (q % n_nb) * BLOCK_N,
+        tl.minimum(RD, row0 + RD_PER),
+        DO,
+        DO,
+        PREFETCH_C,
+        BLOCK_N,
+      )
     if C_RESIDENT:  # its V_d chunk into registers while it waits
       offs_n = (q % n_nb) * BLOCK_N + tl.arange(0, BLOCK_N)
       n_mask = offs_n < DO
       offs_c = (q // n_nb) * RD_PER + tl.arange(0, RD_PER_P2)
       c_mask = (offs_c < RD) & (tl.arange(0, RD_PER_P2) < RD_PER)
-      vdt = tl.load(vd_ptr + offs_c[:, None] * DO + offs_n[None, :],
-                    mask=c_mask[:, None] & n_mask[None, :], other=0.0)
+      vdt = tl.load(
+        vd_ptr + offs_c[:, None] * DO + offs_n[None, :],
+        mask=c_mask[:, None] & n_mask[None, :],
+        other=0.0,
+      )
     if PARK_H:
       wait_at_least(cnt_ptr + A_CHUNKS, n_h)
     else:
@@ -532,14 +887,49 @@ def _mlp_decode_kernel(
     stamp(o_in_ptr, 1, TRACE)
     stamp(o_in_ptr, 2, TRACE)
     if C_RESIDENT:
-      st = tl.load(s_ptr + offs_m[:, None] * RD + offs_c[None, :],
-                   mask=m_mask[:, None] & c_mask[None, :], other=0.0, cache_modifier=".cg")
-      splitr_finish(tl.dot(st.to(vdt.dtype), vdt), q % n_nb, bd_ptr, acc_ptr, sem_ptr, o_ptr,
-                    offs_m, m_mask, offs_n, n_mask, DO, C_CHUNKS, HAS_BD)
+      st = tl.load(
+        s_ptr + offs_m[:, None] * RD + offs_c[None, :],
+        mask=m_mask[:, None] & c_mask[None, :],
+        other=0.0,
+        cache_modifier=".cg",
+      )
+      splitr_finish(
+        tl.dot(st.to(vdt.dtype), vdt),
+        q % n_nb,
+        bd_ptr,
+        acc_ptr,
+        sem_ptr,
+        o_ptr,
+        offs_m,
+        m_mask,
+        offs_n,
+        n_mask,
+        DO,
+        C_CHUNKS,
+        HAS_BD,
+      )
     else:
-      splitr_out_tile(q % n_nb, q // n_nb, s_ptr, vd_ptr, bd_ptr, acc_ptr, sem_ptr, o_ptr,
-                      M, RD, DO, RD_PER, C_CHUNKS, HAS_BD, BLOCK_M, BLOCK_N, BLOCK_KR,
-                      EVEN_RD, BLOCK_N)
+      splitr_out_tile(
+        q % n_nb,
+        q // n_nb,
+        s_ptr,
+        vd_ptr,
+        bd_ptr,
+        acc_ptr,
+        sem_ptr,
+        o_ptr,
+        M,
+        RD,
+        DO,
+        RD_PER,
+        C_CHUNKS,
+        HAS_BD,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_KR,
+        EVEN_RD,
+        BLOCK_N,
+      )
   stamp(o_in_ptr, 3, TRACE)
   leave_chain(chain_ptr, clear_off, clear_n)
   stamp(o_in_ptr, 4, TRACE)
@@ -547,29 +937,59 @@ def _mlp_decode_kernel(
 
 @triton.jit
 def _mlp_decode_persistent_kernel(
-    x_ptr, ug_ptr, vg_ptr, bg_ptr, uu_ptr, vu_ptr, bu_ptr, ud_ptr, vd_ptr, bd_ptr,  # as above
-    o_in_ptr,  # aliased buffer (as above); never read
-    M,
-    clear_off, clear_n,  # as above
-    scratch_ptr,  # as above, less the [M, DO] accumulator when C_CHUNKS == 1
-    o_ptr,
-    p16_ptr,  # as above
-    D: tl.constexpr, R: tl.constexpr, F: tl.constexpr,
-    RD: tl.constexpr, DO: tl.constexpr,
-    GATED: tl.constexpr, ACT: tl.constexpr,
-    HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr,
-    K_PER: tl.constexpr, SPLIT_K: tl.constexpr, C_CHUNKS: tl.constexpr, RD_PER: tl.constexpr,
-    A_CHUNKS: tl.constexpr, RB_PER_CHUNK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_F: tl.constexpr, BLOCK_RD: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_KR: tl.constexpr,
-    EVEN_D: tl.constexpr, EVEN_R: tl.constexpr, EVEN_RD: tl.constexpr,
-    COLS_R: tl.constexpr, COLS_F: tl.constexpr, COLS_N: tl.constexpr,
-    PROGRAMS: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_C: tl.constexpr,
-    PHASES: tl.constexpr,  # 7; timing only: bits 1, 2, 4 stream phases A, B, C
-    P16: tl.constexpr,
-    WORK_OFF: tl.constexpr = 0,  # as above
-    PDL: tl.constexpr = 0,  # as above
+  x_ptr,
+  ug_ptr,
+  vg_ptr,
+  bg_ptr,
+  uu_ptr,
+  vu_ptr,
+  bu_ptr,
+  ud_ptr,
+  vd_ptr,
+  bd_ptr,  # as above
+  o_in_ptr,  # aliased buffer (as above); never read
+  M,
+  clear_off,
+  clear_n,  # as above
+  scratch_ptr,  # as above, less the [M, DO] accumulator when C_CHUNKS == 1
+  o_ptr,
+  p16_ptr,  # as above
+  D: tl.constexpr,
+  R: tl.constexpr,
+  F: tl.constexpr,
+  RD: tl.constexpr,
+  DO: tl.constexpr,
+  GATED: tl.constexpr,
+  ACT: tl.constexpr,
+  HAS_BG: tl.constexpr,
+  HAS_BU: tl.constexpr,
+  HAS_BD: tl.constexpr,
+  K_PER: tl.constexpr,
+  SPLIT_K: tl.constexpr,
+  C_CHUNKS: tl.constexpr,
+  RD_PER: tl.constexpr,
+  A_CHUNKS: tl.constexpr,
+  RB_PER_CHUNK: tl.constexpr,
+  BLOCK_M: tl.constexpr,
+  BLOCK_K: tl.constexpr,
+  BLOCK_R: tl.constexpr,
+  BLOCK_F: tl.constexpr,
+  BLOCK_RD: tl.constexpr,
+  BLOCK_N: tl.constexpr,
+  BLOCK_KR: tl.constexpr,
+  EVEN_D: tl.constexpr,
+  EVEN_R: tl.constexpr,
+  EVEN_RD: tl.constexpr,
+  COLS_R: tl.constexpr,
+  COLS_F: tl.constexpr,
+  COLS_N: tl.constexpr,
+  PROGRAMS: tl.constexpr,
+  PREFETCH: tl.constexpr,
+  PREFETCH_C: tl.constexpr,
+  PHASES: tl.constexpr,  # 7; timing only: bits 1, 2, 4 stream phases A, B, C
+  P16: tl.constexpr,
+  WORK_OFF: tl.constexpr = 0,  # as above
+  PDL: tl.constexpr = 0,  # as above
 ):
   pid = tl.program_id(0)
   chain_ptr = scratch_ptr
@@ -597,29 +1017,115 @@ def _mlp_decode_persistent_kernel(
       _prefetch_slice(vg_ptr, vu_ptr, pid * COLS_F, R, F, GATED, PREFETCH, BLOCK_F)
   # ---- phase A: split-K X·Ug and X·Uu, X loaded once per K tile; never waits
   for t in range(pid, n_a, PROGRAMS):
-    _up_tile(t // SPLIT_K, (t % SPLIT_K) * K_PER, x_ptr, ug_ptr, uu_ptr, pg_ptr, pu_ptr,
-             cnt_ptr, offs_m, m_mask, D, R, GATED, K_PER, RB_PER_CHUNK, BLOCK_M, BLOCK_K,
-             BLOCK_R, COLS_R, EVEN_D, (PHASES & 1) != 0, P16, pg16_ptr, pu16_ptr, rb_cnt_ptr,
-             SPLIT_K)
+    _up_tile(
+      t // SPLIT_K,
+      (t % SPLIT_K) * K_PER,
+      x_ptr,
+      ug_ptr,
+      uu_ptr,
+      pg_ptr,
+      pu_ptr,
+      cnt_ptr,
+      offs_m,
+      m_mask,
+      D,
+      R,
+      GATED,
+      K_PER,
+      RB_PER_CHUNK,
+      BLOCK_M,
+      BLOCK_K,
+      BLOCK_R,
+      COLS_R,
+      EVEN_D,
+      (PHASES & 1) != 0,
+      P16,
+      pg16_ptr,
+      pu16_ptr,
+      rb_cnt_ptr,
+      SPLIT_K,
+    )
   # ---- phase B: one D_ff slice per tile, consuming Pg/Pu chunk by chunk
   for fb in range(pid, n_b, PROGRAMS):
-    _down_slice(fb, pg16_ptr if P16 else pg_ptr, pu16_ptr if P16 else pu_ptr, vg_ptr, bg_ptr,
-                vu_ptr, bu_ptr, ud_ptr, s_ptr, cnt_ptr, offs_m, m_mask, n_r, R, F, RD, GATED,
-                ACT, HAS_BG, HAS_BU, SPLIT_K, A_CHUNKS, RB_PER_CHUNK, RB_PER_CHUNK * COLS_R,
-                BLOCK_M, BLOCK_F, COLS_F, BLOCK_RD, BLOCK_KR, EVEN_R, (PHASES & 2) != 0, P16,
-                0, False, s_ptr, cnt_ptr, 1, o_in_ptr, False)  # S_FLUSH 0; h not parked
+    _down_slice(
+      fb,
+      pg16_ptr if P16 else pg_ptr,
+      pu16_ptr if P16 else pu_ptr,
+      vg_ptr,
+      bg_ptr,
+      vu_ptr,
+      bu_ptr,
+      ud_ptr,
+      s_ptr,
+      cnt_ptr,
+      offs_m,
+      m_mask,
+      n_r,
+      R,
+      F,
+      RD,
+      GATED,
+      ACT,
+      HAS_BG,
+      HAS_BU,
+      SPLIT_K,
+      A_CHUNKS,
+      RB_PER_CHUNK,
+      RB_PER_CHUNK * COLS_R,
+      BLOCK_M,
+      BLOCK_F,
+      COLS_F,
+      BLOCK_RD,
+      BLOCK_KR,
+      EVEN_R,
+      (PHASES & 2) != 0,
+      P16,
+      0,
+      False,
+      s_ptr,
+      cnt_ptr,
+      1,
+      o_in_ptr,
+      False,
+    )  # S_FLUSH 0; h not parked
   # ---- phase C: Y = S·Vd + bd once every phase-B tile has landed in S
   if (PHASES & 4) != 0:
     if PREFETCH_C > 0:
       if pid < C_CHUNKS * n_nb:
         row0 = (pid // n_nb) * RD_PER  # this CTA's first chunk, no further
-        prefetch_l2(vd_ptr, row0, (pid % n_nb) * COLS_N, tl.minimum(RD, row0 + RD_PER), DO,
-                    DO, PREFETCH_C, BLOCK_N)
+        prefetch_l2(
+          vd_ptr,
+          row0,
+          (pid % n_nb) * COLS_N,
+          tl.minimum(RD, row0 + RD_PER),
+          DO,
+          DO,
+          PREFETCH_C,
+          BLOCK_N,
+        )
     for q in range(pid, C_CHUNKS * n_nb, PROGRAMS):
       wait_at_least(cnt_ptr + A_CHUNKS, n_b)
-      splitr_out_tile(q % n_nb, q // n_nb, s_ptr, vd_ptr, bd_ptr, acc_ptr, sem_ptr, o_ptr,
-                      M, RD, DO, RD_PER, C_CHUNKS, HAS_BD, BLOCK_M, BLOCK_N, BLOCK_KR, EVEN_RD,
-                      COLS_N)
+      splitr_out_tile(
+        q % n_nb,
+        q // n_nb,
+        s_ptr,
+        vd_ptr,
+        bd_ptr,
+        acc_ptr,
+        sem_ptr,
+        o_ptr,
+        M,
+        RD,
+        DO,
+        RD_PER,
+        C_CHUNKS,
+        HAS_BD,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_KR,
+        EVEN_RD,
+        COLS_N,
+      )
   leave_chain(chain_ptr, clear_off, clear_n)
 
 
@@ -632,9 +1138,11 @@ def stage_a_splits(d: int, split_k: int, block_k: int) -> tuple[int, int]:
 
 def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes) -> dict:
   planner.check_prefetch_rows(bs, "prefetch", "prefetch_h", "prefetch_c")
-  for rows, width, name in ((bs.prefetch, bs.block_f, "block_f"),
-                            (bs.prefetch_h, bs.block_h, "block_h"),
-                            (bs.prefetch_c, bs.block_n, "block_n")):
+  for rows, width, name in (
+    (bs.prefetch, bs.block_f, "block_f"),
+    (bs.prefetch_h, bs.block_h, "block_h"),
+    (bs.prefetch_c, bs.block_n, "block_n"),
+  ):
     if rows and width < 64:  # prefetch_l2 asks for one address per 64 columns
       raise ValueError(f"{bs}: an L2 prefetch needs tiles of >= 64 columns ({name}={width})")
   cols_f = bs.cols_f or bs.block_f
@@ -651,9 +1159,11 @@ def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes)
   c_chunks = planner.cdiv(rd, rd_per)
   rd_per_p2 = max(16, planner.next_pow2(rd_per))
   if bs.c_resident and rd_per_p2 * bs.block_n > C_RESIDENT_MAX:
-    raise ValueError(f"{bs}: c_resident holds a V_d chunk of {rd_per_p2} x {bs.block_n} "
-                     f"elements in registers; at most {C_RESIDENT_MAX} (more c_chunks or a "
-                     "narrower block_n)")
+    raise ValueError(
+      f"{bs}: c_resident holds a V_d chunk of {rd_per_p2} x {bs.block_n} "
+      f"elements in registers; at most {C_RESIDENT_MAX} (more c_chunks or a "
+      "narrower block_n)"
+    )
   h_splits, f_per, n_h = 1, cols_f, 0
   if bs.h_inline and not bs.park_h:
     raise ValueError("h_inline=True runs stage H inside stage B: it needs park_h=True")
@@ -667,35 +1177,70 @@ def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes)
     h_splits = planner.cdiv(f, f_per)
     n_h = h_splits * n_cb
     if bs.h_inline and f_per // cols_f > planner.H200.num_sms:
-      raise ValueError(f"h_inline with {f_per // cols_f} slices a split: the CTAs of a split "
-                       f"wait for each other, so at most {planner.H200.num_sms} may share one")
+      raise ValueError(
+        f"h_inline with {f_per // cols_f} slices a split: the CTAs of a split "
+        f"wait for each other, so at most {planner.H200.num_sms} may share one"
+      )
   has = dict(zip(("bg", "bu", "bd") if gated else ("bu", "bd"), bias_mask))
-  meta = dict(D=d, R=r, F=f, RD=rd, DO=d_out, GATED=gated, ACT=ACT_CODES[act],
-              HAS_BG=has.get("bg", False), HAS_BU=has["bu"], HAS_BD=has["bd"],
-              K_PER=k_per, SPLIT_K=split, C_CHUNKS=c_chunks, RD_PER=rd_per,
-              A_CHUNKS=a_chunks, RB_PER_CHUNK=rb_per_chunk,
-              BLOCK_M=bs.block_m, BLOCK_K=bs.block_k,
-              BLOCK_R=bs.block_r, BLOCK_F=bs.block_f, BLOCK_RD=bs.block_rd,
-              BLOCK_N=bs.block_n, BLOCK_KR=bs.block_kr, EVEN_D=d % k_per == 0,
-              EVEN_R=r % (rb_per_chunk * bs.block_r) == 0
-              and (rb_per_chunk * bs.block_r) % bs.block_kr == 0,
-              EVEN_RD=rd % rd_per == 0, P16=bs.p16, S_FLUSH=0, PARK_H=bs.park_h,
-              H_SPLITS=h_splits, F_PER=f_per, BLOCK_H=bs.block_h,
-              EVEN_F=f % f_per == 0, COLS_F=cols_f, H_INLINE=bs.h_inline,
-              PREFETCH=bs.prefetch, PREFETCH_H=bs.prefetch_h, PREFETCH_C=bs.prefetch_c,
-              C_RESIDENT=int(bs.c_resident),
-              RD_PER_P2=rd_per_p2 if bs.c_resident else 16,  # read by c_resident alone
-              TRACE=0)  # jax-triton passes no constexpr default (a missing one is None)
-  scratch = (m * (2 * r + rd + d_out) + a_chunks + 1 + n_nb + (n_rb if bs.p16 else 0)
-             + (h_splits if bs.park_h else 0))
+  meta = dict(
+    D=d,
+    R=r,
+    F=f,
+    RD=rd,
+    DO=d_out,
+    GATED=gated,
+    ACT=ACT_CODES[act],
+    HAS_BG=has.get("bg", False),
+    HAS_BU=has["bu"],
+    HAS_BD=has["bd"],
+    K_PER=k_per,
+    SPLIT_K=split,
+    C_CHUNKS=c_chunks,
+    RD_PER=rd_per,
+    A_CHUNKS=a_chunks,
+    RB_PER_CHUNK=rb_per_chunk,
+    BLOCK_M=bs.block_m,
+    BLOCK_K=bs.block_k,
+    BLOCK_R=bs.block_r,
+    BLOCK_F=bs.block_f,
+    BLOCK_RD=bs.block_rd,
+    BLOCK_N=bs.block_n,
+    BLOCK_KR=bs.block_kr,
+    EVEN_D=d % k_per == 0,
+    EVEN_R=r % (rb_per_chunk * bs.block_r) == 0 and (rb_per_chunk * bs.block_r) % bs.block_kr == 0,
+    EVEN_RD=rd % rd_per == 0,
+    P16=bs.p16,
+    S_FLUSH=0,
+    PARK_H=bs.park_h,
+    H_SPLITS=h_splits,
+    F_PER=f_per,
+    BLOCK_H=bs.block_h,
+    EVEN_F=f % f_per == 0,
+    COLS_F=cols_f,
+    H_INLINE=bs.h_inline,
+    PREFETCH=bs.prefetch,
+    PREFETCH_H=bs.prefetch_h,
+    PREFETCH_C=bs.prefetch_c,
+    C_RESIDENT=int(bs.c_resident),
+    RD_PER_P2=rd_per_p2 if bs.c_resident else 16,  # read by c_resident alone
+    TRACE=0,
+  )  # jax-triton passes no constexpr default (a missing one is None)
+  scratch = (
+    m * (2 * r + rd + d_out)
+    + a_chunks
+    + 1
+    + n_nb
+    + (n_rb if bs.p16 else 0)
+    + (h_splits if bs.park_h else 0)
+  )
   p16 = (2 * m * r if bs.p16 else 0) + (m * f if bs.park_h else 0)
   grid = n_a + n_b + (0 if bs.h_inline else n_h) + n_nb * c_chunks
-  return dict(grid=grid, n_nb=n_nb, scratch=scratch, meta=meta,
-              p16=max(p16, 1))
+  return dict(grid=grid, n_nb=n_nb, scratch=scratch, meta=meta, p16=max(p16, 1))
 
 
-def persistent_launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask,
-                           p: planner.PersistentMlpPlan, phases: int = 7) -> dict:
+def persistent_launch_plan(
+  m, d, r, f, rd, d_out, *, gated, act, bias_mask, p: planner.PersistentMlpPlan, phases: int = 7
+) -> dict:
   """Grid size, scratch size and constexprs of one persistent call (``phases`` < 7 leaves
   phases out, to time the others: wrong output)."""
   planner.check_prefetch_rows(p, "prefetch", "prefetch_c")
@@ -710,19 +1255,46 @@ def persistent_launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask,
   n_nb = planner.cdiv(d_out, p.cols_n)
   r_per = rb_per_chunk * p.cols_r
   has = dict(zip(("bg", "bu", "bd") if gated else ("bu", "bd"), bias_mask))
-  meta = dict(D=d, R=r, F=f, RD=rd, DO=d_out, GATED=gated, ACT=ACT_CODES[act],
-              HAS_BG=has.get("bg", False), HAS_BU=has["bu"], HAS_BD=has["bd"],
-              K_PER=p.k_per, SPLIT_K=split, C_CHUNKS=c_chunks, RD_PER=rd_per,
-              A_CHUNKS=a_chunks, RB_PER_CHUNK=rb_per_chunk, BLOCK_M=p.block_m, BLOCK_K=64,
-              BLOCK_R=p.block_r, BLOCK_F=p.block_f, BLOCK_RD=256, BLOCK_N=p.block_n,
-              BLOCK_KR=64, EVEN_D=d % p.k_per == 0,
-              EVEN_R=r % r_per == 0 and r_per % 64 == 0, EVEN_RD=rd % rd_per == 0,
-              COLS_R=p.cols_r, COLS_F=p.cols_f, COLS_N=p.cols_n, PROGRAMS=p.programs,
-              PREFETCH=p.prefetch, PREFETCH_C=p.prefetch_c, PHASES=phases, P16=p.p16)
-  scratch = (m * (2 * r + rd + (d_out if c_chunks > 1 else 0)) + a_chunks + 1 + n_nb
-             + (n_rb if p.p16 else 0))
-  return dict(grid=p.programs, n_nb=n_nb, scratch=scratch, meta=meta,
-              p16=2 * m * r if p.p16 else 1)
+  meta = dict(
+    D=d,
+    R=r,
+    F=f,
+    RD=rd,
+    DO=d_out,
+    GATED=gated,
+    ACT=ACT_CODES[act],
+    HAS_BG=has.get("bg", False),
+    HAS_BU=has["bu"],
+    HAS_BD=has["bd"],
+    K_PER=p.k_per,
+    SPLIT_K=split,
+    C_CHUNKS=c_chunks,
+    RD_PER=rd_per,
+    A_CHUNKS=a_chunks,
+    RB_PER_CHUNK=rb_per_chunk,
+    BLOCK_M=p.block_m,
+    BLOCK_K=64,
+    BLOCK_R=p.block_r,
+    BLOCK_F=p.block_f,
+    BLOCK_RD=256,
+    BLOCK_N=p.block_n,
+    BLOCK_KR=64,
+    EVEN_D=d % p.k_per == 0,
+    EVEN_R=r % r_per == 0 and r_per % 64 == 0,
+    EVEN_RD=rd % rd_per == 0,
+    COLS_R=p.cols_r,
+    COLS_F=p.cols_f,
+    COLS_N=p.cols_n,
+    PROGRAMS=p.programs,
+    PREFETCH=p.prefetch,
+    PREFETCH_C=p.prefetch_c,
+    PHASES=phases,
+    P16=p.p16,
+  )
+  scratch = (
+    m * (2 * r + rd + (d_out if c_chunks > 1 else 0)) + a_chunks + 1 + n_nb + (n_rb if p.p16 else 0)
+  )
+  return dict(grid=p.programs, n_nb=n_nb, scratch=scratch, meta=meta, p16=2 * m * r if p.p16 else 1)
 
 
 def unpack_mlp_args(x, up, down, gate, act):
@@ -745,19 +1317,33 @@ def unpack_mlp_args(x, up, down, gate, act):
   f = vu.shape[1]
   rd, d_out = vd.shape
   if x.shape[-1] != d or vu.shape[0] != r or ud.shape != (f, rd):
-    raise ValueError(f"{x.shape=}, up {uu.shape}x{vu.shape}, down {ud.shape}x{vd.shape}: "
-                     "expected x [..., D], up [D, r]x[r, F], down [F, r_d]x[r_d, D_out]")
+    raise ValueError(
+      f"{x.shape=}, up {uu.shape}x{vu.shape}, down {ud.shape}x{vd.shape}: "
+      "expected x [..., D], up [D, r]x[r, F], down [F, r_d]x[r_d, D_out]"
+    )
   if gated and (gate[0].shape != uu.shape or gate[1].shape != vu.shape):
-    raise ValueError(f"gate factors {gate[0].shape}x{gate[1].shape} must match up's "
-                     f"{uu.shape}x{vu.shape} (one pass computes both)")
+    raise ValueError(
+      f"gate factors {gate[0].shape}x{gate[1].shape} must match up's "
+      f"{uu.shape}x{vu.shape} (one pass computes both)"
+    )
   lead = x.shape[:-1]
   x2 = x.reshape(-1, d)
   bias_mask = tuple(len(p) == 3 for p in projs)
   ug, vg, bg = (tuple(gate) + (None,))[:3] if gated else (uu, vu, None)
   bu = up[2] if len(up) == 3 else None
   bd = down[2] if len(down) == 3 else None
-  ops = (x2, ug, vg, bg if bg is not None else vg, uu, vu, bu if bu is not None else vu,
-         ud, vd, bd if bd is not None else vd)
+  ops = (
+    x2,
+    ug,
+    vg,
+    bg if bg is not None else vg,
+    uu,
+    vu,
+    bu if bu is not None else vu,
+    ud,
+    vd,
+    bd if bd is not None else vd,
+  )
   return x2, lead, (d, r, f, rd, d_out), bias_mask, ops
 
 
@@ -778,17 +1364,32 @@ def _composed(x2, up, down, gate, act, out_dtype, out, group=True):
     h = fn(xuv(x2, up, dt).astype(f32))
   else:
     plan = group if isinstance(group, planner.GroupDecodePlan) else None
-    yg, yu = (xuv_decode_group(x2, [gate, up], out_dtype=dt, pv="xla", plan=plan) if group
-              else (xuv(x2, gate, dt), xuv(x2, up, dt)))
+    yg, yu = (
+      xuv_decode_group(x2, [gate, up], out_dtype=dt, pv="xla", plan=plan)
+      if group
+      else (xuv(x2, gate, dt), xuv(x2, up, dt))
+    )
     h = fn(yg.astype(f32)) * yu.astype(f32)
   return xuv(h.astype(down[0].dtype), down, out_dtype, out)
 
 
-def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
-               block_sizes: BlockSizes | None = None, out=None, xla_zeroing: bool | None = None,
-               persistent: "bool | planner.PersistentMlpPlan" = False,
-               compose: bool | None = None, _phases: int = 7, _s_flush: str = "atomic",
-               _compose_group: "bool | planner.GroupDecodePlan" = True):
+def mlp_decode(
+  x,
+  up,
+  down,
+  gate=None,
+  *,
+  act="silu",
+  out_dtype=None,
+  block_sizes: BlockSizes | None = None,
+  out=None,
+  xla_zeroing: bool | None = None,
+  persistent: bool | planner.PersistentMlpPlan = False,
+  compose: bool | None = None,
+  _phases: int = 7,
+  _s_flush: str = "atomic",
+  _compose_group: bool | planner.GroupDecodePlan = True,
+):
   """Low-rank MLP for few tokens; ``up``/``down``/``gate`` are (u, v) or (u, v, bias).
 
   ``compose``: X·U·V decode calls and an XLA fusion instead of the fused kernel
@@ -812,38 +1413,53 @@ def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
   x2, lead, (d, r, f, rd, d_out), bias_mask, ops = unpack_mlp_args(x, up, down, gate, act)
   m = x2.shape[0]
   out_dtype = jnp.dtype(out_dtype or x.dtype)
-  fused_asked = (block_sizes is not None or persistent is not False or _phases != 7
-                 or _s_flush != "atomic" or xla_zeroing is not None)
+  fused_asked = (
+    block_sizes is not None
+    or persistent is not False
+    or _phases != 7
+    or _s_flush != "atomic"
+    or xla_zeroing is not None
+  )
   if compose is None:
     compose = m >= COMPOSE_MIN_M and not fused_asked
   if compose:
     if fused_asked:
-      raise ValueError("compose=True runs X·U·V decode calls, not the fused kernel: "
-                       "block_sizes=, persistent=, xla_zeroing=, _phases= and _s_flush= "
-                       "do not apply")
+      raise ValueError(
+        "compose=True runs X·U·V decode calls, not the fused kernel: "
+        "block_sizes=, persistent=, xla_zeroing=, _phases= and _s_flush= "
+        "do not apply"
+      )
     if m > MAX_M:
       raise ValueError(f"{m} rows: the decode MLP serves M <= {MAX_M}")
     check_out(out, (m, d_out), out_dtype)
-    return _composed(x2, up, down, gate, act, out_dtype, out,
-                     _compose_group).reshape(*lead, d_out)
+    return _composed(x2, up, down, gate, act, out_dtype, out, _compose_group).reshape(*lead, d_out)
   if persistent:
     if block_sizes is not None:
-      raise ValueError("block_sizes= applies to the tiled schedule (persistent=False); "
-                       "pass a planner.PersistentMlpPlan instead")
-    p = persistent if isinstance(persistent, planner.PersistentMlpPlan) else \
-        planner.plan_mlp_decode_persistent(m, d, f, r, rd, d_out, gated, programs=num_sms())
+      raise ValueError(
+        "block_sizes= applies to the tiled schedule (persistent=False); "
+        "pass a planner.PersistentMlpPlan instead"
+      )
+    p = (
+      persistent
+      if isinstance(persistent, planner.PersistentMlpPlan)
+      else planner.plan_mlp_decode_persistent(m, d, f, r, rd, d_out, gated, programs=num_sms())
+    )
     if m > PERSISTENT_MAX_M or p.block_m < m:
-      raise ValueError(f"{m} rows ({p.block_m=}): the persistent schedule serves "
-                       f"M <= {PERSISTENT_MAX_M}")
+      raise ValueError(
+        f"{m} rows ({p.block_m=}): the persistent schedule serves M <= {PERSISTENT_MAX_M}"
+      )
     if not 0 < p.programs <= num_sms():
-      raise ValueError(f"{p.programs=} must be in [1, {num_sms()}] (the SMs; 0: unknown): "
-                       "every CTA must be resident, or a waiting CTA could block its producer")
+      raise ValueError(
+        f"{p.programs=} must be in [1, {num_sms()}] (the SMs; 0: unknown): "
+        "every CTA must be resident, or a waiting CTA could block its producer"
+      )
     if _phases not in range(1, 8):
       raise ValueError(f"{_phases=} must be in 1..7")
     if _s_flush != "atomic":
       raise ValueError("_s_flush= applies to the tiled schedule only")
-    plan = persistent_launch_plan(m, d, r, f, rd, d_out, gated=gated, act=act,
-                                  bias_mask=bias_mask, p=p, phases=_phases)
+    plan = persistent_launch_plan(
+      m, d, r, f, rd, d_out, gated=gated, act=act, bias_mask=bias_mask, p=p, phases=_phases
+    )
     kernel, warps, stages = _mlp_decode_persistent_kernel, p.warps, p.stages
   else:
     if _phases != 7:
@@ -851,14 +1467,15 @@ def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
     bs = block_sizes or BlockSizes.get_default(m, d, f, r, d_out)
     if bs.block_m < m:
       raise ValueError(f"{bs.block_m=} must cover the {m} rows; use mlp_prefill for large M")
-    plan = launch_plan(m, d, r, f, rd, d_out, gated=gated, act=act, bias_mask=bias_mask,
-                       bs=bs)
+    plan = launch_plan(m, d, r, f, rd, d_out, gated=gated, act=act, bias_mask=bias_mask, bs=bs)
     if _s_flush not in S_FLUSH_CODES:
       raise ValueError(f"{_s_flush=} must be one of {sorted(S_FLUSH_CODES)}")
     if _s_flush != "atomic":
       if bs.park_h:
-        raise ValueError("_s_flush= times stage B's own projection into S; with "
-                         "park_h=True stage H projects h (pass park_h=False blocks)")
+        raise ValueError(
+          "_s_flush= times stage B's own projection into S; with "
+          "park_h=True stage H projects h (pass park_h=False blocks)"
+        )
       plan["meta"]["S_FLUSH"] = S_FLUSH_CODES[_s_flush]
     kernel, warps, stages = _mlp_decode_kernel, bs.num_warps, bs.num_stages
   check_out(out, (m, d_out), out_dtype)
@@ -872,19 +1489,31 @@ def mlp_decode(x, up, down, gate=None, *, act="silu", out_dtype=None,
     eleventh = x2 if out is None else out
     aliases, zeroed = ({10: 1} if out is not None else None), (0,)
   outs = launch.triton_call(
-      *ops, eleventh, m, *launch.UNCHAINED, kernel=kernel,
-      out_shape=(jax.ShapeDtypeStruct((plan["scratch"],), jnp.float32),
-                 jax.ShapeDtypeStruct((m, d_out), out_dtype),
-                 jax.ShapeDtypeStruct((plan["p16"],), ops[5].dtype)),  # P16's Pg, Pu; not zeroed
-      grid=(plan["grid"],), zeroed_outputs=zeroed, input_output_aliases=aliases,
-      num_warps=warps, num_stages=stages, name="lrjax_mlp_decode",
-      **plan["meta"])
+    *ops,
+    eleventh,
+    m,
+    *launch.UNCHAINED,
+    kernel=kernel,
+    out_shape=(
+      jax.ShapeDtypeStruct((plan["scratch"],), jnp.float32),
+      jax.ShapeDtypeStruct((m, d_out), out_dtype),
+      jax.ShapeDtypeStruct((plan["p16"],), ops[5].dtype),
+    ),  # P16's Pg, Pu; not zeroed
+    grid=(plan["grid"],),
+    zeroed_outputs=zeroed,
+    input_output_aliases=aliases,
+    num_warps=warps,
+    num_stages=stages,
+    name="lrjax_mlp_decode",
+    **plan["meta"],
+  )
   return outs[1].reshape(*lead, d_out)
 
 
 def mlp_decode_reference(x, up, down, gate=None, *, act="silu", out_dtype=None):
   """f32-accumulating low-rank MLP with the kernel's roundings (X·U and h to the factor dtype)."""
   from lrjax.lowering.primitives import ACTIVATIONS
+
   out_dtype = jnp.dtype(out_dtype or x.dtype)
   f32 = jnp.float32
 

@@ -29,6 +29,7 @@ accumulator (``wide_b``): the gate pass parks act(Pg·Vg) in the tile's own plac
 ring, the up pass reads it back and multiplies. ``split_c`` cuts phase C's reduction into
 chunks (f32 atomics; the last chunk writes S and re-zeroes its accumulator).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,9 +41,18 @@ import triton
 import triton.language as tl
 
 from lrjax.custom_calls.triton import launch, planner
-from lrjax.custom_calls.triton._common import (activation, check_out, first_tile, mm_acc,
-                                               mm_acc2, next_tile, ring_tile, signal,
-                                               swiglu_epilogue, wait_at_least)
+from lrjax.custom_calls.triton._common import (
+  activation,
+  check_out,
+  first_tile,
+  mm_acc,
+  mm_acc2,
+  next_tile,
+  ring_tile,
+  signal,
+  swiglu_epilogue,
+  wait_at_least,
+)
 from lrjax.custom_calls.triton.mlp_decode import ACT_CODES, unpack_mlp_args
 from lrjax.custom_calls.triton.xuv_prefill import tile_codes
 
@@ -68,7 +78,7 @@ class BlockSizes:
   split_c: int = 1
 
   @classmethod
-  def get_default(cls, m: int, d: int, f: int, r: int, rd: int, gated: bool) -> "BlockSizes":
+  def get_default(cls, m: int, d: int, f: int, r: int, rd: int, gated: bool) -> BlockSizes:
     t = TUNED.get(("m>512" if m > 512 else "m<=512", "r>=2048" if r >= 2048 else "r<2048"))
     if t is None:
       widths = ((2 * r) if gated else r, f, rd)
@@ -97,8 +107,8 @@ class BlockSizes:
 # (results/gpu_mlp_prefill_variants_h200.json).
 # Earlier: phases C and D in 128x256 tiles (results/gpu_mlp_prefill_tiles_h200.json).
 TUNED: dict[tuple[str, str], BlockSizes] = {
-    ("m>512", "r>=2048"): BlockSizes(128, 128, 64, 4, 3, 8, 4, 132, 256, True, True),
-    ("m>512", "r<2048"): BlockSizes(128, 128, 64, 4, 3, 8, 4, 132, 256, True, True),
+  ("m>512", "r>=2048"): BlockSizes(128, 128, 64, 4, 3, 8, 4, 132, 256, True, True),
+  ("m>512", "r<2048"): BlockSizes(128, 128, 64, 4, 3, 8, 4, 132, 256, True, True),
 }
 
 
@@ -110,31 +120,54 @@ def _wait(flag_ptr, target, WAITS: tl.constexpr):
 
 @triton.jit
 def _mlp_prefill_kernel(
-    x_ptr,  # [M, D] activations
-    ug_ptr, vg_ptr, bg_ptr,  # [D, R], [R, F], [F] gate (unread if not GATED)
-    uu_ptr, vu_ptr, bu_ptr,  # [D, R], [R, F], [F] up
-    ud_ptr, vd_ptr, bd_ptr,  # [F, RD], [RD, DO], [DO] down
-    sched_ptr,  # [T] i32 tile codes: phase << 28 | row block << 14 | column block
-    o_in_ptr,  # [M, DO] caller's output buffer aliased to o_ptr (else x; never read)
-    p_ring,  # [RING*G*BLOCK_M, 2R] (gated) or [.., R]: X·Ug | X·Uu strips
-    h_ring,  # [RING*G*BLOCK_M, F] activation strips
-    s_ring,  # [RING*G*BLOCK_M, RD] down-rank strips
-    sacc_ring,  # [RING*G*BLOCK_M, RD] f32 phase-C partial sums (SPLIT_C > 1), zeroed
-    flags_ptr,  # [4 * n_mb + 1 + RING*G*n_s] i32, zeroed: parts done per phase and row
-                # block, the tile counter (DYNAMIC), phase-C chunks done per slot tile
-    o_ptr,  # [M, DO] output
-    M: tl.constexpr, D: tl.constexpr, R: tl.constexpr, F: tl.constexpr,
-    RD: tl.constexpr, DO: tl.constexpr, NMB: tl.constexpr,
-    GATED: tl.constexpr, ACT: tl.constexpr,
-    HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr,
-    T: tl.constexpr, PROGRAMS: tl.constexpr, G: tl.constexpr, RING: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_NW: tl.constexpr,  # phases C and D: one accumulator, so wider tiles fit
-    WIDE_B: tl.constexpr,  # phase B in BLOCK_NW-wide tiles, gate and up in two passes
-    DYNAMIC: tl.constexpr,  # tiles claimed from a counter (else round-robin)
-    SPLIT_C: tl.constexpr, K_PER_C: tl.constexpr,  # phase-C reduction chunks, their length
-    WAITS: tl.constexpr,  # False: timing only, no dependencies honoured (wrong output)
-    EVEN_D: tl.constexpr, EVEN_R: tl.constexpr, EVEN_F: tl.constexpr, EVEN_RD: tl.constexpr,
+  x_ptr,  # [M, D] activations
+  ug_ptr,
+  vg_ptr,
+  bg_ptr,  # [D, R], [R, F], [F] gate (unread if not GATED)
+  uu_ptr,
+  vu_ptr,
+  bu_ptr,  # [D, R], [R, F], [F] up
+  ud_ptr,
+  vd_ptr,
+  bd_ptr,  # [F, RD], [RD, DO], [DO] down
+  sched_ptr,  # [T] i32 tile codes: phase << 28 | row block << 14 | column block
+  o_in_ptr,  # [M, DO] caller's output buffer aliased to o_ptr (else x; never read)
+  p_ring,  # [RING*G*BLOCK_M, 2R] (gated) or [.., R]: X·Ug | X·Uu strips
+  h_ring,  # [RING*G*BLOCK_M, F] activation strips
+  s_ring,  # [RING*G*BLOCK_M, RD] down-rank strips
+  sacc_ring,  # [RING*G*BLOCK_M, RD] f32 phase-C partial sums (SPLIT_C > 1), zeroed
+  flags_ptr,  # [4 * n_mb + 1 + RING*G*n_s] i32, zeroed: parts done per phase and row
+  # block, the tile counter (DYNAMIC), phase-C chunks done per slot tile
+  o_ptr,  # [M, DO] output
+  M: tl.constexpr,
+  D: tl.constexpr,
+  R: tl.constexpr,
+  F: tl.constexpr,
+  RD: tl.constexpr,
+  DO: tl.constexpr,
+  NMB: tl.constexpr,
+  GATED: tl.constexpr,
+  ACT: tl.constexpr,
+  HAS_BG: tl.constexpr,
+  HAS_BU: tl.constexpr,
+  HAS_BD: tl.constexpr,
+  T: tl.constexpr,
+  PROGRAMS: tl.constexpr,
+  G: tl.constexpr,
+  RING: tl.constexpr,
+  BLOCK_M: tl.constexpr,
+  BLOCK_N: tl.constexpr,
+  BLOCK_K: tl.constexpr,
+  BLOCK_NW: tl.constexpr,  # phases C and D: one accumulator, so wider tiles fit
+  WIDE_B: tl.constexpr,  # phase B in BLOCK_NW-wide tiles, gate and up in two passes
+  DYNAMIC: tl.constexpr,  # tiles claimed from a counter (else round-robin)
+  SPLIT_C: tl.constexpr,
+  K_PER_C: tl.constexpr,  # phase-C reduction chunks, their length
+  WAITS: tl.constexpr,  # False: timing only, no dependencies honoured (wrong output)
+  EVEN_D: tl.constexpr,
+  EVEN_R: tl.constexpr,
+  EVEN_F: tl.constexpr,
+  EVEN_RD: tl.constexpr,
 ):
   PW: tl.constexpr = 2 * R if GATED else R
   BW_B: tl.constexpr = BLOCK_NW if WIDE_B else BLOCK_N
@@ -147,8 +180,7 @@ def _mlp_prefill_kernel(
   chunks_done = counter + 1
   t = first_tile(counter, DYNAMIC)
   while t < T:
-    phase, mb, offs_m, m_mask, rows, j = ring_tile(
-        tl.load(sched_ptr + t), M, G, RING, BLOCK_M)
+    phase, mb, offs_m, m_mask, rows, j = ring_tile(tl.load(sched_ptr + t), M, G, RING, BLOCK_M)
     offs_c = j * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_w = j * BLOCK_NW + tl.arange(0, BLOCK_NW)
     if phase == 0:
@@ -159,17 +191,60 @@ def _mlp_prefill_kernel(
       acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
       if GATED:
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_g, acc_u = mm_acc2(acc_g, acc_u, x_ptr, x_ptr, ug_ptr, uu_ptr, offs_m, offs_c,
-                               m_mask, c_mask, 0, D, D, D, R, BLOCK_K, EVEN_D, False, True)
-        tl.store(p_ring + rows[:, None] * PW + offs_c[None, :],
-                 acc_g.to(p_ring.dtype.element_ty), mask=c_mask[None, :])
-        tl.store(p_ring + rows[:, None] * PW + R + offs_c[None, :],
-                 acc_u.to(p_ring.dtype.element_ty), mask=c_mask[None, :])
+        acc_g, acc_u = mm_acc2(
+          acc_g,
+          acc_u,
+          x_ptr,
+          x_ptr,
+          ug_ptr,
+          uu_ptr,
+          offs_m,
+          offs_c,
+          m_mask,
+          c_mask,
+          0,
+          D,
+          D,
+          D,
+          R,
+          BLOCK_K,
+          EVEN_D,
+          False,
+          True,
+        )
+        tl.store(
+          p_ring + rows[:, None] * PW + offs_c[None, :],
+          acc_g.to(p_ring.dtype.element_ty),
+          mask=c_mask[None, :],
+        )
+        tl.store(
+          p_ring + rows[:, None] * PW + R + offs_c[None, :],
+          acc_u.to(p_ring.dtype.element_ty),
+          mask=c_mask[None, :],
+        )
       else:
-        acc_u = mm_acc(acc_u, x_ptr, uu_ptr, offs_m, offs_c, m_mask, c_mask, 0, D, D, D, R,
-                       BLOCK_K, EVEN_D, False)
-        tl.store(p_ring + rows[:, None] * PW + offs_c[None, :],
-                 acc_u.to(p_ring.dtype.element_ty), mask=c_mask[None, :])
+        acc_u = mm_acc(
+          acc_u,
+          x_ptr,
+          uu_ptr,
+          offs_m,
+          offs_c,
+          m_mask,
+          c_mask,
+          0,
+          D,
+          D,
+          D,
+          R,
+          BLOCK_K,
+          EVEN_D,
+          False,
+        )
+        tl.store(
+          p_ring + rows[:, None] * PW + offs_c[None, :],
+          acc_u.to(p_ring.dtype.element_ty),
+          mask=c_mask[None, :],
+        )
       signal(flags_ptr + mb)
     elif phase == 1:
       # B: H columns j = act(Pg·Vg + bg) ⊙ (Pu·Vu + bu); slot's last user was C of mb - SLOT
@@ -181,16 +256,31 @@ def _mlp_prefill_kernel(
         h_tile = h_ring + rows[:, None] * F + offs_w[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_NW], tl.float32)
         if GATED:  # act(gate) parked in this tile's H, read back (same CTA) after the up pass
-          acc = mm_acc(acc, p_ring, vg_ptr, rows, offs_w, m_mask, f_mask, 0, R, R, PW, F,
-                       BLOCK_K, EVEN_R, True)
+          acc = mm_acc(
+            acc, p_ring, vg_ptr, rows, offs_w, m_mask, f_mask, 0, R, R, PW, F, BLOCK_K, EVEN_R, True
+          )
           if HAS_BG:
             acc += tl.load(bg_ptr + offs_w, mask=f_mask, other=0.0).to(tl.float32)[None, :]
-          tl.store(h_tile, activation(acc, ACT).to(h_ring.dtype.element_ty),
-                   mask=f_mask[None, :])
+          tl.store(h_tile, activation(acc, ACT).to(h_ring.dtype.element_ty), mask=f_mask[None, :])
           tl.debug_barrier()
           acc = tl.zeros([BLOCK_M, BLOCK_NW], tl.float32)
-        acc = mm_acc(acc, p_ring + (R if GATED else 0), vu_ptr, rows, offs_w, m_mask, f_mask,
-                     0, R, R, PW, F, BLOCK_K, EVEN_R, True)
+        acc = mm_acc(
+          acc,
+          p_ring + (R if GATED else 0),
+          vu_ptr,
+          rows,
+          offs_w,
+          m_mask,
+          f_mask,
+          0,
+          R,
+          R,
+          PW,
+          F,
+          BLOCK_K,
+          EVEN_R,
+          True,
+        )
         if HAS_BU:
           acc += tl.load(bu_ptr + offs_w, mask=f_mask, other=0.0).to(tl.float32)[None, :]
         if GATED:
@@ -203,16 +293,53 @@ def _mlp_prefill_kernel(
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # unused unless GATED
         if GATED:
-          acc_g, acc_u = mm_acc2(acc_g, acc_u, p_ring, p_ring + R, vg_ptr, vu_ptr, rows,
-                                 offs_c, m_mask, c_mask, 0, R, R, PW, F, BLOCK_K, EVEN_R, True,
-                                 False)
+          acc_g, acc_u = mm_acc2(
+            acc_g,
+            acc_u,
+            p_ring,
+            p_ring + R,
+            vg_ptr,
+            vu_ptr,
+            rows,
+            offs_c,
+            m_mask,
+            c_mask,
+            0,
+            R,
+            R,
+            PW,
+            F,
+            BLOCK_K,
+            EVEN_R,
+            True,
+            False,
+          )
         else:
-          acc_u = mm_acc(acc_u, p_ring, vu_ptr, rows, offs_c, m_mask, c_mask, 0, R, R, PW, F,
-                         BLOCK_K, EVEN_R, True)
-        h = swiglu_epilogue(acc_g, acc_u, bg_ptr, bu_ptr, offs_c, c_mask, GATED, ACT, HAS_BG,
-                            HAS_BU)
-        tl.store(h_ring + rows[:, None] * F + offs_c[None, :], h.to(h_ring.dtype.element_ty),
-                 mask=c_mask[None, :])
+          acc_u = mm_acc(
+            acc_u,
+            p_ring,
+            vu_ptr,
+            rows,
+            offs_c,
+            m_mask,
+            c_mask,
+            0,
+            R,
+            R,
+            PW,
+            F,
+            BLOCK_K,
+            EVEN_R,
+            True,
+          )
+        h = swiglu_epilogue(
+          acc_g, acc_u, bg_ptr, bu_ptr, offs_c, c_mask, GATED, ACT, HAS_BG, HAS_BU
+        )
+        tl.store(
+          h_ring + rows[:, None] * F + offs_c[None, :],
+          h.to(h_ring.dtype.element_ty),
+          mask=c_mask[None, :],
+        )
       signal(flags_ptr + NMB + mb)
     elif phase == 2:
       # C: S columns j = H·Ud; slot's last user was D of mb - SLOT
@@ -224,8 +351,23 @@ def _mlp_prefill_kernel(
       offs_s = jc * BLOCK_NW + tl.arange(0, BLOCK_NW)
       s_mask = offs_s < RD  # (a branch-local name: Triton types each name once per if)
       acc = tl.zeros([BLOCK_M, BLOCK_NW], tl.float32)
-      acc = mm_acc(acc, h_ring, ud_ptr, rows, offs_s, m_mask, s_mask, kc * K_PER_C,
-                   tl.minimum(kc * K_PER_C + K_PER_C, F), F, F, RD, BLOCK_K, EVEN_F, True)
+      acc = mm_acc(
+        acc,
+        h_ring,
+        ud_ptr,
+        rows,
+        offs_s,
+        m_mask,
+        s_mask,
+        kc * K_PER_C,
+        tl.minimum(kc * K_PER_C + K_PER_C, F),
+        F,
+        F,
+        RD,
+        BLOCK_K,
+        EVEN_F,
+        True,
+      )
       s_off = rows[:, None] * RD + offs_s[None, :]
       if SPLIT_C == 1:
         tl.store(s_ring + s_off, acc.to(s_ring.dtype.element_ty), mask=s_mask[None, :])
@@ -244,18 +386,21 @@ def _mlp_prefill_kernel(
       _wait(flags_ptr + 2 * NMB + mb, n_s * SPLIT_C, WAITS)
       w_mask = offs_w < DO
       acc = tl.zeros([BLOCK_M, BLOCK_NW], tl.float32)
-      acc = mm_acc(acc, s_ring, vd_ptr, rows, offs_w, m_mask, w_mask, 0, RD, RD, RD, DO,
-                   BLOCK_K, EVEN_RD, True)
+      acc = mm_acc(
+        acc, s_ring, vd_ptr, rows, offs_w, m_mask, w_mask, 0, RD, RD, RD, DO, BLOCK_K, EVEN_RD, True
+      )
       if HAS_BD:
         acc += tl.load(bd_ptr + offs_w, mask=w_mask, other=0.0).to(tl.float32)[None, :]
-      tl.store(o_ptr + offs_m[:, None] * DO + offs_w[None, :], acc.to(o_ptr.dtype.element_ty),
-               mask=m_mask[:, None] & w_mask[None, :])
+      tl.store(
+        o_ptr + offs_m[:, None] * DO + offs_w[None, :],
+        acc.to(o_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & w_mask[None, :],
+      )
       signal(flags_ptr + 3 * NMB + mb)
     t = next_tile(counter, t, PROGRAMS, DYNAMIC)
 
 
-def schedule(m: int, r: int, f: int, rd: int, d_out: int, bs: BlockSizes, xp=np,
-             phases: int = 15):
+def schedule(m: int, r: int, f: int, rd: int, d_out: int, bs: BlockSizes, xp=np, phases: int = 15):
   """Tile codes in dependency order: step s = [C(s-2), A(s), B(s-1), D(s-3)].
 
   The long-K phase-C tiles (K = D_ff) go first in each step, so they do not trail it.
@@ -263,8 +408,12 @@ def schedule(m: int, r: int, f: int, rd: int, d_out: int, bs: BlockSizes, xp=np,
   """
   n_mb = planner.cdiv(m, bs.block_m)
   bw = bs.block_n_cd or bs.block_n
-  widths = [planner.cdiv(r, bs.block_n), planner.cdiv(f, bw if bs.wide_b else bs.block_n),
-            planner.cdiv(rd, bw) * bs.split_c, planner.cdiv(d_out, bw)]
+  widths = [
+    planner.cdiv(r, bs.block_n),
+    planner.cdiv(f, bw if bs.wide_b else bs.block_n),
+    planner.cdiv(rd, bw) * bs.split_c,
+    planner.cdiv(d_out, bw),
+  ]
   if n_mb >= 1 << 14 or max(widths) >= 1 << 14:
     raise ValueError(f"{m=}, {r=}, {f=}, {rd=}, {d_out=} exceed the 14-bit tile code fields")
   n_sb = planner.cdiv(n_mb, bs.group_m)
@@ -278,8 +427,22 @@ def schedule(m: int, r: int, f: int, rd: int, d_out: int, bs: BlockSizes, xp=np,
   return xp.concatenate(pieces)
 
 
-def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes,
-                xp=np, phases: int = 15, waits: bool = True) -> dict:
+def launch_plan(
+  m,
+  d,
+  r,
+  f,
+  rd,
+  d_out,
+  *,
+  gated,
+  act,
+  bias_mask,
+  bs: BlockSizes,
+  xp=np,
+  phases: int = 15,
+  waits: bool = True,
+) -> dict:
   if bs.split_c < 1:
     raise ValueError(f"split_c={bs.split_c}: expected >= 1 chunks of phase C's reduction")
   if phases not in range(1, 16):
@@ -291,24 +454,62 @@ def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes,
   k_per_c = planner.part_len(f, bs.split_c, bs.block_k)
   has = dict(zip(("bg", "bu", "bd") if gated else ("bu", "bd"), bias_mask))
   programs = min(bs.programs, len(sched))
-  meta = dict(M=m, D=d, R=r, F=f, RD=rd, DO=d_out, NMB=n_mb, GATED=gated, ACT=ACT_CODES[act],
-              HAS_BG=has.get("bg", False), HAS_BU=has["bu"], HAS_BD=has["bd"],
-              T=len(sched), PROGRAMS=programs, G=bs.group_m, RING=ring,
-              BLOCK_M=bs.block_m, BLOCK_N=bs.block_n, BLOCK_K=bs.block_k,
-              BLOCK_NW=bs.block_n_cd or bs.block_n, WIDE_B=bool(bs.wide_b),
-              DYNAMIC=bool(bs.dynamic), SPLIT_C=bs.split_c, K_PER_C=k_per_c,
-              WAITS=waits and phases == 15,
-              EVEN_D=d % bs.block_k == 0, EVEN_R=r % bs.block_k == 0,
-              EVEN_F=f % bs.block_k == 0, EVEN_RD=rd % bs.block_k == 0)
+  meta = dict(
+    M=m,
+    D=d,
+    R=r,
+    F=f,
+    RD=rd,
+    DO=d_out,
+    NMB=n_mb,
+    GATED=gated,
+    ACT=ACT_CODES[act],
+    HAS_BG=has.get("bg", False),
+    HAS_BU=has["bu"],
+    HAS_BD=has["bd"],
+    T=len(sched),
+    PROGRAMS=programs,
+    G=bs.group_m,
+    RING=ring,
+    BLOCK_M=bs.block_m,
+    BLOCK_N=bs.block_n,
+    BLOCK_K=bs.block_k,
+    BLOCK_NW=bs.block_n_cd or bs.block_n,
+    WIDE_B=bool(bs.wide_b),
+    DYNAMIC=bool(bs.dynamic),
+    SPLIT_C=bs.split_c,
+    K_PER_C=k_per_c,
+    WAITS=waits and phases == 15,
+    EVEN_D=d % bs.block_k == 0,
+    EVEN_R=r % bs.block_k == 0,
+    EVEN_F=f % bs.block_k == 0,
+    EVEN_RD=rd % bs.block_k == 0,
+  )
   ring_rows = ring * bs.group_m * bs.block_m
-  return dict(sched=sched, n_mb=n_mb, ring_rows=ring_rows, programs=programs, meta=meta,
-              sacc_shape=(ring_rows, rd) if bs.split_c > 1 else (1, 1),
-              n_flags=4 * n_mb + 1 + ring * bs.group_m * n_s)
+  return dict(
+    sched=sched,
+    n_mb=n_mb,
+    ring_rows=ring_rows,
+    programs=programs,
+    meta=meta,
+    sacc_shape=(ring_rows, rd) if bs.split_c > 1 else (1, 1),
+    n_flags=4 * n_mb + 1 + ring * bs.group_m * n_s,
+  )
 
 
-def mlp_prefill(x, up, down, gate=None, *, act="silu", out_dtype=None,
-                block_sizes: BlockSizes | None = None, out=None, _phases: int = 15,
-                _waits: bool = True):
+def mlp_prefill(
+  x,
+  up,
+  down,
+  gate=None,
+  *,
+  act="silu",
+  out_dtype=None,
+  block_sizes: BlockSizes | None = None,
+  out=None,
+  _phases: int = 15,
+  _waits: bool = True,
+):
   """Low-rank MLP for many tokens; ``up``/``down``/``gate`` are (u, v) or (u, v, bias).
 
   ``out`` [M, D_out]: optional buffer the kernel writes into (aliased; tests poison it).
@@ -321,26 +522,50 @@ def mlp_prefill(x, up, down, gate=None, *, act="silu", out_dtype=None,
   m = x2.shape[0]
   out_dtype = jnp.dtype(out_dtype or x.dtype)
   bs = block_sizes or BlockSizes.get_default(m, d, f, r, rd, gated)
-  plan = launch_plan(m, d, r, f, rd, d_out, gated=gated, act=act, bias_mask=bias_mask, bs=bs,
-                     xp=jnp, phases=_phases, waits=_waits)
+  plan = launch_plan(
+    m,
+    d,
+    r,
+    f,
+    rd,
+    d_out,
+    gated=gated,
+    act=act,
+    bias_mask=bias_mask,
+    bs=bs,
+    xp=jnp,
+    phases=_phases,
+    waits=_waits,
+  )
   ops = ops + (plan["sched"],)
   rr = plan["ring_rows"]
   dt = ops[5].dtype  # vu
   check_out(out, (m, d_out), out_dtype)
   outs = launch.triton_call(
-      *ops, x2 if out is None else out, kernel=_mlp_prefill_kernel,
-      out_shape=(jax.ShapeDtypeStruct((rr, 2 * r if gated else r), dt),
-                 jax.ShapeDtypeStruct((rr, f), dt), jax.ShapeDtypeStruct((rr, rd), dt),
-                 jax.ShapeDtypeStruct(plan["sacc_shape"], jnp.float32),
-                 jax.ShapeDtypeStruct((plan["n_flags"],), jnp.int32),
-                 jax.ShapeDtypeStruct((m, d_out), out_dtype)),
-      grid=(plan["programs"],), zeroed_outputs=(3, 4),
-      input_output_aliases={11: 5} if out is not None else None, num_warps=bs.num_warps,
-      num_stages=bs.num_stages, name="lrjax_mlp_prefill", **plan["meta"])
+    *ops,
+    x2 if out is None else out,
+    kernel=_mlp_prefill_kernel,
+    out_shape=(
+      jax.ShapeDtypeStruct((rr, 2 * r if gated else r), dt),
+      jax.ShapeDtypeStruct((rr, f), dt),
+      jax.ShapeDtypeStruct((rr, rd), dt),
+      jax.ShapeDtypeStruct(plan["sacc_shape"], jnp.float32),
+      jax.ShapeDtypeStruct((plan["n_flags"],), jnp.int32),
+      jax.ShapeDtypeStruct((m, d_out), out_dtype),
+    ),
+    grid=(plan["programs"],),
+    zeroed_outputs=(3, 4),
+    input_output_aliases={11: 5} if out is not None else None,
+    num_warps=bs.num_warps,
+    num_stages=bs.num_stages,
+    name="lrjax_mlp_prefill",
+    **plan["meta"],
+  )
   return outs[-1].reshape(*lead, d_out)
 
 
 def mlp_prefill_reference(x, up, down, gate=None, *, act="silu", out_dtype=None):
   """Same function as the decode kernel's reference (the roundings are the same)."""
   from lrjax.custom_calls.triton.mlp_decode import mlp_decode_reference
+
   return mlp_decode_reference(x, up, down, gate, act=act, out_dtype=out_dtype)

@@ -23,6 +23,7 @@ Eq. 10 then decides G: the V factor is streamed from HBM once per super-block, s
 Eq. 11 decides the CTA tile: the pipelined tiles must fit shared memory, and the largest
 wgmma-friendly tile that does is the most intense per byte of L2 traffic.
 """
+
 from __future__ import annotations
 
 import collections
@@ -52,9 +53,17 @@ H200 = Hardware()
 
 # The shared memory one CTA may ask for (CUDA's opt-in maximum per block), in bytes, by compute
 # capability (CUDA C++ Programming Guide, technical specifications per compute capability)
-SMEM_PER_CTA_BY_CAPABILITY = {70: 96 * 1024, 75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024,
-                              87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024,
-                              120: 99 * 1024}
+SMEM_PER_CTA_BY_CAPABILITY = {
+  70: 96 * 1024,
+  75: 64 * 1024,
+  80: 163 * 1024,
+  86: 99 * 1024,
+  87: 163 * 1024,
+  89: 99 * 1024,
+  90: 227 * 1024,
+  100: 227 * 1024,
+  120: 99 * 1024,
+}
 
 
 def check_prefetch_rows(plan, *fields: str) -> None:
@@ -67,18 +76,20 @@ def check_prefetch_rows(plan, *fields: str) -> None:
       raise ValueError(f"{plan}: {name}={rows} V rows must be 0 or a power of two")
 
 
-def check_cta_smem(kernel: str, shared: int, capability: int, num_warps: int,
-                   num_stages: int) -> None:
+def check_cta_smem(
+  kernel: str, shared: int, capability: int, num_warps: int, num_stages: int
+) -> None:
   """Raises a ValueError if a compiled kernel asks for more shared memory per CTA than a GPU
   of this compute capability (e.g. 90) allows; CUDA would only refuse the launch. Unknown
   capabilities are not checked."""
   limit = SMEM_PER_CTA_BY_CAPABILITY.get(capability)
   if limit is not None and shared > limit:
     raise ValueError(
-        f"Triton kernel {kernel} (num_warps={num_warps}, num_stages={num_stages}) needs "
-        f"{shared} bytes of shared memory per CTA, more than the {limit} that a GPU of compute "
-        f"capability {capability // 10}.{capability % 10} allows; pass smaller block sizes or "
-        "fewer num_stages (block_sizes=None takes the defaults, which fit)")
+      f"Triton kernel {kernel} (num_warps={num_warps}, num_stages={num_stages}) needs "
+      f"{shared} bytes of shared memory per CTA, more than the {limit} that a GPU of compute "
+      f"capability {capability // 10}.{capability % 10} allows; pass smaller block sizes or "
+      "fewer num_stages (block_sizes=None takes the defaults, which fit)"
+    )
 
 
 def cdiv(a: int, b: int) -> int:
@@ -115,8 +126,9 @@ def pipeline_smem_bytes(b_m: int, b_n: int, b_k: int, stages: int, s: int = 2) -
   return stages * (b_m * b_k + b_k * b_n) * s
 
 
-def strip_fits_cta(b_m: int, r: int, b_k: int, b_n: int, stages: int, s: int = 2,
-                   hw: Hardware = H200) -> bool:
+def strip_fits_cta(
+  b_m: int, r: int, b_k: int, b_n: int, stages: int, s: int = 2, hw: Hardware = H200
+) -> bool:
   """Whether a CTA can hold the whole B_M x r strip next to its pipeline buffers."""
   return b_m * r * s + pipeline_smem_bytes(b_m, b_n, b_k, stages, s) <= hw.smem_per_cta
 
@@ -141,9 +153,16 @@ class PrefillPlan:
 _PREFILL_TILES = ((128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (64, 128, 64, 4, 4))
 
 
-def plan_prefill(m: int, r: int, widths: tuple[int, ...], s: int = 2, ring: int = 2,
-                 hw: Hardware = H200, l2_fraction: float = 0.4,
-                 margin: float = 2.0) -> PrefillPlan:
+def plan_prefill(
+  m: int,
+  r: int,
+  widths: tuple[int, ...],
+  s: int = 2,
+  ring: int = 2,
+  hw: Hardware = H200,
+  l2_fraction: float = 0.4,
+  margin: float = 2.0,
+) -> PrefillPlan:
   """Chooses the CTA tile (eq. 11 on smem) and the L2 super-block (eq. 10 on L2).
 
   Args:
@@ -153,7 +172,7 @@ def plan_prefill(m: int, r: int, widths: tuple[int, ...], s: int = 2, ring: int 
       X·U·V, (2r, D_ff, r) for a gated MLP: P, H and S).
     ring: super-block slots (2 lets one super-block be written while the last is read).
   """
-  for b_m, b_n, b_k, stages, warps in _PREFILL_TILES:
+  for b_m, b_n, b_k, stages, warps in _PREFILL_TILES:  # noqa: B007
     smem = pipeline_smem_bytes(b_m, b_n, b_k, stages, s)
     if smem <= hw.smem_per_cta and (b_m <= max(64, next_pow2(m))):
       break
@@ -169,12 +188,15 @@ def plan_prefill(m: int, r: int, widths: tuple[int, ...], s: int = 2, ring: int 
     g *= 2
   g = max(1, min(g, g_max, n_mb))
   ai = xuv_intensity(r, g * b_m, s)
-  reason = (f"tile {b_m}x{b_n}x{b_k}x{stages} uses {smem // 1024} KB smem; strip "
-            f"{b_m}x{r} ({b_m * r * s // 1024} KB) does not fit one CTA next to it, so "
-            f"super-blocks of {g} row blocks share the strip through L2 "
-            f"(eq.10 AI={ai:.0f} FLOP/B vs ridge {hw.ridge:.0f})")
-  return PrefillPlan(b_m, b_n, b_k, stages, warps, g, ring, hw.num_sms, ai,
-                     g * b_m * per_row, smem, reason)
+  reason = (
+    f"tile {b_m}x{b_n}x{b_k}x{stages} uses {smem // 1024} KB smem; strip "
+    f"{b_m}x{r} ({b_m * r * s // 1024} KB) does not fit one CTA next to it, so "
+    f"super-blocks of {g} row blocks share the strip through L2 "
+    f"(eq.10 AI={ai:.0f} FLOP/B vs ridge {hw.ridge:.0f})"
+  )
+  return PrefillPlan(
+    b_m, b_n, b_k, stages, warps, g, ring, hw.num_sms, ai, g * b_m * per_row, smem, reason
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,8 +211,9 @@ class DecodePlan:
   warps: int
 
 
-def plan_decode(m: int, k: int, r: int, n: int, hw: Hardware = H200,
-                ctas_per_sm: int = 3) -> DecodePlan:
+def plan_decode(
+  m: int, k: int, r: int, n: int, hw: Hardware = H200, ctas_per_sm: int = 3
+) -> DecodePlan:
   """Split-K so stage 1 has about ``ctas_per_sm`` CTAs per SM, each streaming >= 64 rows of U."""
   block_m = max(16, next_pow2(m))
   block_r = 128 if r >= 2048 else 64
@@ -246,19 +269,37 @@ class PersistentDecodePlan:
   def __post_init__(self):
     # the kernel computes block_r (block_n) columns of each cols_r (cols_n) wide block and
     # steps over a tile's K rows block_k at a time: outside these bounds its output is wrong
-    bad = [f"{f}={getattr(self, f)}" for f in ("block_m", "block_k", "block_r", "cols_r",
-                                               "k_per", "block_n", "cols_n", "block_kv",
-                                               "r_chunks", "programs", "warps", "stages")
-           if getattr(self, f) < 1]
+    bad = [
+      f"{f}={getattr(self, f)}"
+      for f in (
+        "block_m",
+        "block_k",
+        "block_r",
+        "cols_r",
+        "k_per",
+        "block_n",
+        "cols_n",
+        "block_kv",
+        "r_chunks",
+        "programs",
+        "warps",
+        "stages",
+      )
+      if getattr(self, f) < 1
+    ]
     if bad:
       raise ValueError(f"PersistentDecodePlan: expected positive sizes, got {', '.join(bad)}")
     if self.cols_r > self.block_r or self.cols_n > self.block_n:
-      raise ValueError(f"PersistentDecodePlan: expected cols_r <= block_r and cols_n <= "
-                       f"block_n, got cols_r={self.cols_r}, block_r={self.block_r}, "
-                       f"cols_n={self.cols_n}, block_n={self.block_n}")
+      raise ValueError(
+        f"PersistentDecodePlan: expected cols_r <= block_r and cols_n <= "
+        f"block_n, got cols_r={self.cols_r}, block_r={self.block_r}, "
+        f"cols_n={self.cols_n}, block_n={self.block_n}"
+      )
     if self.k_per % self.block_k:
-      raise ValueError(f"PersistentDecodePlan: expected k_per a multiple of block_k, got "
-                       f"k_per={self.k_per}, block_k={self.block_k}")
+      raise ValueError(
+        f"PersistentDecodePlan: expected k_per a multiple of block_k, got "
+        f"k_per={self.k_per}, block_k={self.block_k}"
+      )
 
 
 def _widths(pow2s):
@@ -290,8 +331,9 @@ ROUND_TRIP_US = 2.0
 ROUND_TRIP_MIN_BYTES = 64 * 1024
 
 
-def _cta_rate(cols: int, stages: int, share: float, round_trip_us: float,
-              factors: int = 1) -> float:
+def _cta_rate(
+  cols: int, stages: int, share: float, round_trip_us: float, factors: int = 1
+) -> float:
   """Bytes/s one phase-1 CTA streams: its ``share`` of the bandwidth, or, if less, its
   in-flight bytes (``stages`` 64-row steps of ``cols`` 2-byte columns of each of ``factors``
   matrices) per round trip (``round_trip_us`` <= 0: no cap)."""
@@ -323,19 +365,40 @@ def _partials_us(splits: int, m: int, r: int, factors: int = 1) -> float:
   return max(0, splits * m * r * 4 * factors - PARTIAL_FREE_BYTES) / PARTIAL_BW * 1e6
 
 
-def _split_k_us(k: int, r: int, cols: int, k_per: int, factors: int, g: int, bw: float,
-                fill_us: float, stages: int, round_trip_us: float, m: int) -> float:
+def _split_k_us(
+  k: int,
+  r: int,
+  cols: int,
+  k_per: int,
+  factors: int,
+  g: int,
+  bw: float,
+  fill_us: float,
+  stages: int,
+  round_trip_us: float,
+  m: int,
+) -> float:
   """The model's time of a split-K phase of ``cols``-column x ``k_per``-row tiles
   (``_split_k_tiles``' terms)."""
   splits = cdiv(k, k_per)
   phase_bw = g * _cta_rate(cols, stages, bw / g, round_trip_us, factors)
-  return (_phase_us(cdiv(r, cols) * splits, k_per * cols * 2 * factors, g, phase_bw, fill_us)
-          + _partials_us(splits, m, r, factors))
+  return _phase_us(
+    cdiv(r, cols) * splits, k_per * cols * 2 * factors, g, phase_bw, fill_us
+  ) + _partials_us(splits, m, r, factors)
 
 
-def _split_k_tiles(k: int, r: int, factors: int, g: int, bw: float, fill_us: float,
-                   stages: int = 4, round_trip_us: float = 0.0, m: int = 0,
-                   line_align_tol: float = -1.0):
+def _split_k_tiles(
+  k: int,
+  r: int,
+  factors: int,
+  g: int,
+  bw: float,
+  fill_us: float,
+  stages: int = 4,
+  round_trip_us: float = 0.0,
+  m: int = 0,
+  line_align_tol: float = -1.0,
+):
   """(us, block_r, cols_r, k_per) for a split-K phase over ``factors`` [K, r] matrices.
   With ``round_trip_us`` > 0 a CTA streams at most its in-flight bytes (``stages`` 64-row
   steps of its columns) per round trip (ROUND_TRIP_US). With ``m`` rows, the f32 partials
@@ -349,10 +412,18 @@ def _split_k_tiles(k: int, r: int, factors: int, g: int, bw: float, fill_us: flo
   steps = [st for st in (2, 4, 8, 16, 32, 64) if st * 64 < k + 64] or [1]
 
   def cand(w, c, k_per):
-    return (_split_k_us(k, r, c, k_per, factors, g, bw, fill_us, stages, round_trip_us, m),
-            cdiv(r, c) * cdiv(k, k_per), -c, w, c, k_per)
-  best = min(cand(w, c, st * 64) for w, c in _widths(widths) if c <= max(16, r) + 15
-             for st in steps)
+    return (
+      _split_k_us(k, r, c, k_per, factors, g, bw, fill_us, stages, round_trip_us, m),
+      cdiv(r, c) * cdiv(k, k_per),
+      -c,
+      w,
+      c,
+      k_per,
+    )
+
+  best = min(
+    cand(w, c, st * 64) for w, c in _widths(widths) if c <= max(16, r) + 15 for st in steps
+  )
   if line_align_tol >= 0 and best[4] % 64 and 256 <= r + 15 and cdiv(r, 256) <= g:
     splits = g // cdiv(r, 256)  # the most that fit one round of the grid
     wide = cand(256, 256, part_len(k, splits, 64))
@@ -373,10 +444,19 @@ LINE_ROW_TOL = 0.05
 LINE_ALIGN_TOL = 0.15
 
 
-def _column_tiles(n: int, n_rb: int, rows_rb: int, g: int, bw: float, fill_us: float,
-                  max_chunks: int = 16, min_row_bytes: int = 0,
-                  line_row_tol: float = LINE_ROW_TOL, line_align_tol: float = -1.0,
-                  widths=(64, 128, 256)):
+def _column_tiles(
+  n: int,
+  n_rb: int,
+  rows_rb: int,
+  g: int,
+  bw: float,
+  fill_us: float,
+  max_chunks: int = 16,
+  min_row_bytes: int = 0,
+  line_row_tol: float = LINE_ROW_TOL,
+  line_align_tol: float = -1.0,
+  widths=(64, 128, 256),
+):
   """(us, block_n, cols_n, chunks) for a phase that streams [n_rb * rows_rb, n] in tiles of
   a chunk of whole row blocks x cols_n columns (2-byte elements), each tile row at least
   ``min_row_bytes`` long where ``n`` allows. Where the fastest tiles by bytes have rows of one
@@ -394,18 +474,23 @@ def _column_tiles(n: int, n_rb: int, rows_rb: int, g: int, bw: float, fill_us: f
       if cdiv(n_rb, per) != chunks or (chunks > 1 and (per * rows_rb) % 64):
         continue
       n_tiles = chunks * cdiv(n, c)
-      cands.append((_phase_us(n_tiles, per * rows_rb * c * 2, g, bw, fill_us), n_tiles,
-                    chunks, -c, w, c))
+      cands.append(
+        (_phase_us(n_tiles, per * rows_rb * c * 2, g, bw, fill_us), n_tiles, chunks, -c, w, c)
+      )
   if not cands:
-    raise ValueError(f"{min_row_bytes=}: no tile of at most {max(widths)} columns has rows "
-                     "that long")
+    raise ValueError(
+      f"{min_row_bytes=}: no tile of at most {max(widths)} columns has rows that long"
+    )
   best = min(cands)  # ties: fewer chunks (no output atomics at one), then wider
   if best[5] <= 64:  # rows of one 128-byte line
     wide = [t for t in cands if t[5] > 64 and t[0] <= best[0] * (1 + line_row_tol)]
     best = min(wide, default=best)
   elif best[5] % 64 and best[2] == 1:  # rows over several lines, some starting mid-line
-    whole = [t for t in cands if t[5] % 64 == 0 and t[5] > 64 and t[2] == 1
-             and t[0] <= best[0] * (1 + line_align_tol)]
+    whole = [
+      t
+      for t in cands
+      if t[5] % 64 == 0 and t[5] > 64 and t[2] == 1 and t[0] <= best[0] * (1 + line_align_tol)
+    ]
     best = min(whole, default=best)
   return best[0], best[4], best[5], best[2]
 
@@ -437,17 +522,24 @@ PREFETCH_ROWS_WIDE = 64  # phase-2 tiles of 128 columns or more
 PHASE1_LINE_TOL = 0.0
 
 
-def plan_decode_persistent(m: int, k: int, r: int, n: int, hw: Hardware = H200,
-                           programs: int | None = None, bw: float = 4.0e12,
-                           fill_us: float = 1.5,
-                           p_split_bytes: float = P_SPLIT_BYTES,
-                           min_row_bytes: int = 0,
-                           line_row_tol: float = LINE_ROW_TOL,
-                           line_align_tol: float = LINE_ALIGN_TOL,
-                           phase1_line_tol: float = PHASE1_LINE_TOL,
-                           round_trip_us: float = ROUND_TRIP_US,
-                           v_resident: bool = True,
-                           stream_k: bool = True) -> PersistentDecodePlan:
+def plan_decode_persistent(
+  m: int,
+  k: int,
+  r: int,
+  n: int,
+  hw: Hardware = H200,
+  programs: int | None = None,
+  bw: float = 4.0e12,
+  fill_us: float = 1.5,
+  p_split_bytes: float = P_SPLIT_BYTES,
+  min_row_bytes: int = 0,
+  line_row_tol: float = LINE_ROW_TOL,
+  line_align_tol: float = LINE_ALIGN_TOL,
+  phase1_line_tol: float = PHASE1_LINE_TOL,
+  round_trip_us: float = ROUND_TRIP_US,
+  v_resident: bool = True,
+  stream_k: bool = True,
+) -> PersistentDecodePlan:
   """Tiles for the persistent decode kernel: ``programs`` CTAs stream U (phase 1), then V.
 
   Each CTA's share of a phase is ceil(tiles / programs) tiles, so the phase lasts as long
@@ -475,34 +567,71 @@ def plan_decode_persistent(m: int, k: int, r: int, n: int, hw: Hardware = H200,
     if res is not None:
       return res
   m_partials = m if block_m <= PARTIALS_MAX_M else 0
-  t1, block_r, cols_r, k_per = _split_k_tiles(k, r, 1, g, bw, fill_us,
-                                              4 if block_m <= 32 else 3, round_trip_us,
-                                              m_partials, phase1_line_tol)
-  t2, block_n, cols_n, chunks = _column_tiles(n, cdiv(r, cols_r), cols_r, g, bw, fill_us,
-                                              min_row_bytes=min_row_bytes,
-                                              line_row_tol=line_row_tol,
-                                              line_align_tol=line_align_tol)
+  t1, block_r, cols_r, k_per = _split_k_tiles(
+    k, r, 1, g, bw, fill_us, 4 if block_m <= 32 else 3, round_trip_us, m_partials, phase1_line_tol
+  )
+  t2, block_n, cols_n, chunks = _column_tiles(
+    n,
+    cdiv(r, cols_r),
+    cols_r,
+    g,
+    bw,
+    fill_us,
+    min_row_bytes=min_row_bytes,
+    line_row_tol=line_row_tol,
+    line_align_tol=line_align_tol,
+  )
   n_rb = cdiv(r, cols_r)
-  if (chunks == 1 and m * r * 4 >= p_split_bytes and n_rb >= 2 and 2 * cols_n <= 256
-      and (cdiv(n_rb, 2) * cols_r) % 64 == 0):  # chunks of whole 64-row (block_kv) steps
+  if (
+    chunks == 1
+    and m * r * 4 >= p_split_bytes
+    and n_rb >= 2
+    and 2 * cols_n <= 256
+    and (cdiv(n_rb, 2) * cols_r) % 64 == 0
+  ):  # chunks of whole 64-row (block_kv) steps
     chunks, cols_n, block_n = 2, 2 * cols_n, next_pow2(2 * cols_n)
   stages = 4 if block_m <= 32 else 3
   # 4 warps hold a [128, 256] f32 phase-1 tile only by spilling (2.6 KB/thread, ptxas sm_90a)
   warps = 8 if block_m >= 128 else 4
   prefetch = PREFETCH_ROWS_WIDE if cols_n >= 128 else PREFETCH_ROWS
-  plan = PersistentDecodePlan(block_m, 64, block_r, cols_r, k_per, block_n, cols_n, 64,
-                              chunks, g, warps, stages, prefetch, t1 + t2)
-  if (stream_k and chunks == 1 and 2 <= m <= STREAM_K_MAX_M and k <= STREAM_K_MAX_K
-      and r >= STREAM_K_MIN_R and r % STREAM_K_COLS == 0
-      and cdiv(r, STREAM_K_COLS) * cdiv(k, 64) >= g):
-    plan = dataclasses.replace(plan, block_r=STREAM_K_COLS, cols_r=STREAM_K_COLS,
-                               stream_k=True)
-  if (not plan.stream_k and chunks == 1 and m <= DEEP_KV_MAX_M and r >= DEEP_KV_MIN_R
-      and r % DEEP_KV_ROWS == 0 and block_n == 128):
-    t1 = _split_k_us(k, r, cols_r, k_per, 1, g, bw, fill_us, DEEP_KV_STAGES, round_trip_us,
-                     m_partials)  # phase 1 at the stages the plan now has
-    plan = dataclasses.replace(plan, block_kv=DEEP_KV_ROWS, stages=DEEP_KV_STAGES,
-                               est_us=t1 + t2)
+  plan = PersistentDecodePlan(
+    block_m,
+    64,
+    block_r,
+    cols_r,
+    k_per,
+    block_n,
+    cols_n,
+    64,
+    chunks,
+    g,
+    warps,
+    stages,
+    prefetch,
+    t1 + t2,
+  )
+  if (
+    stream_k
+    and chunks == 1
+    and 2 <= m <= STREAM_K_MAX_M
+    and k <= STREAM_K_MAX_K
+    and r >= STREAM_K_MIN_R
+    and r % STREAM_K_COLS == 0
+    and cdiv(r, STREAM_K_COLS) * cdiv(k, 64) >= g
+  ):
+    plan = dataclasses.replace(plan, block_r=STREAM_K_COLS, cols_r=STREAM_K_COLS, stream_k=True)
+  if (
+    not plan.stream_k
+    and chunks == 1
+    and m <= DEEP_KV_MAX_M
+    and r >= DEEP_KV_MIN_R
+    and r % DEEP_KV_ROWS == 0
+    and block_n == 128
+  ):
+    t1 = _split_k_us(
+      k, r, cols_r, k_per, 1, g, bw, fill_us, DEEP_KV_STAGES, round_trip_us, m_partials
+    )  # phase 1 at the stages the plan now has
+    plan = dataclasses.replace(plan, block_kv=DEEP_KV_ROWS, stages=DEEP_KV_STAGES, est_us=t1 + t2)
   return plan
 
 
@@ -548,8 +677,9 @@ V_RES_MAX_R = 256
 V_RES_BLOCK_N = 64
 
 
-def _v_resident_plan(m: int, k: int, r: int, n: int, g: int, bw: float, fill_us: float,
-                     round_trip_us: float) -> "PersistentDecodePlan | None":
+def _v_resident_plan(
+  m: int, k: int, r: int, n: int, g: int, bw: float, fill_us: float, round_trip_us: float
+) -> PersistentDecodePlan | None:
   """The V-resident plan, or None where it does not apply: phase 2 takes V_RES_BLOCK_N-column
   tiles, phase 1 the split-K tiles ``_split_k_tiles`` picks for the CTAs left over."""
   block_m = max(16, next_pow2(m))
@@ -561,12 +691,26 @@ def _v_resident_plan(m: int, k: int, r: int, n: int, g: int, bw: float, fill_us:
   n2 = cdiv(n, cols_n)
   if 2 * n2 > g:
     return None
-  t1, block_r, cols_r, k_per = _split_k_tiles(k, r, 1, g - n2, bw, fill_us, 4, round_trip_us,
-                                              m)
+  t1, block_r, cols_r, k_per = _split_k_tiles(k, r, 1, g - n2, bw, fill_us, 4, round_trip_us, m)
   if cdiv(r, cols_r) * cdiv(k, k_per) + n2 > g:
     return None
-  return PersistentDecodePlan(block_m, 64, block_r, cols_r, k_per, block_n, cols_n, 64, 1, g,
-                              4, 4, 0, t1 + fill_us, v_resident=True)
+  return PersistentDecodePlan(
+    block_m,
+    64,
+    block_r,
+    cols_r,
+    k_per,
+    block_n,
+    cols_n,
+    64,
+    1,
+    g,
+    4,
+    4,
+    0,
+    t1 + fill_us,
+    v_resident=True,
+  )
 
 
 # Pipeline stages of the phase-1-only plan's tiles: 4 instead of the fused plan's 3 from 64
@@ -625,8 +769,9 @@ def _phase1_tiles(k: int, r: int, cols: int, g: int) -> tuple[int, int]:
 def _phase1_l2_us(m: int, k: int, r: int, cols: int, k_per: int) -> float:
   """The model's L2 time of a phase-1 plan: its split-K partials (f32 atomics) and the
   re-reads of X, once per column block."""
-  return (cdiv(k, k_per) * m * r * 4 / PHASE1_ATOMIC_BW
-          + cdiv(r, cols) * m * k * 2 / PHASE1_X_L2_BW) * 1e6
+  return (
+    cdiv(k, k_per) * m * r * 4 / PHASE1_ATOMIC_BW + cdiv(r, cols) * m * k * 2 / PHASE1_X_L2_BW
+  ) * 1e6
 
 
 # Phase 1 alone leaves P's f32 sums in its scratch (no p16) and XLA rounds them in a loop
@@ -637,8 +782,9 @@ def _phase1_l2_us(m: int, k: int, r: int, cols: int, k_per: int) -> float:
 # the 7 M=64 points where phase 1 runs alone (+0.56 at 8192->4096->16384, still 1.03x XLA;
 # results/gpu_xuv_decode_signals_h200.json, session 39), and at M=128 0.07-2.35 us less at
 # 10 of 11 (+0.08 at 8192->2048->16384; results/gpu_xuv_decode_f32_p_h200.json, session 38).
-def plan_decode_phase1(m: int, k: int, r: int, n: int, hw: Hardware = H200,
-                       programs: int | None = None) -> PersistentDecodePlan:
+def plan_decode_phase1(
+  m: int, k: int, r: int, n: int, hw: Hardware = H200, programs: int | None = None
+) -> PersistentDecodePlan:
   """Tiles for the decode kernel's phase 1 alone (``xuv_decode(pv="xla")``: X·U split over
   K into P, then XLA's GEMM applies V). From M=64 rows the f32 partials of split-K (M x r x
   4 bytes per split, added with atomics) rival U's own bytes, so this takes the fewest
@@ -656,30 +802,35 @@ def plan_decode_phase1(m: int, k: int, r: int, n: int, hw: Hardware = H200,
   n_rb, k_per = _phase1_tiles(k, r, cols, g)
   if cols == 128:
     n64, k64 = _phase1_tiles(k, r, 64, g)
-    if (n64 * cdiv(k, k64) <= g and _phase1_l2_us(m, k, r, 64, k64)
-        <= _phase1_l2_us(m, k, r, 128, k_per) - PHASE1_NARROW_MIN_US):
+    if (
+      n64 * cdiv(k, k64) <= g
+      and _phase1_l2_us(m, k, r, 64, k64)
+      <= _phase1_l2_us(m, k, r, 128, k_per) - PHASE1_NARROW_MIN_US
+    ):
       cols, n_rb, k_per = 64, n64, k64
   cols_r = cols
   if cols == 128:  # PHASE1_BALANCE_COLS of the block's columns where the largest tile shrinks
     n_b, k_b = _phase1_tiles(k, r, PHASE1_BALANCE_COLS, g)
     if PHASE1_BALANCE_COLS * k_b <= (1 - PHASE1_BALANCE_MIN) * cols * k_per:
       cols_r, n_rb, k_per = PHASE1_BALANCE_COLS, n_b, k_b
-  base = plan_decode_persistent(m, k, r, n, hw, programs=g, v_resident=False,
-                                stream_k=False)
+  base = plan_decode_persistent(m, k, r, n, hw, programs=g, v_resident=False, stream_k=False)
   est = _phase_us(n_rb * cdiv(k, k_per), k_per * cols_r * 2, g, 4.0e12, 1.5)
   stages = base.stages
   if r > 1024 or k >= PHASE1_DEEP_MIN_K:
     stage_bytes = (base.block_m + cols) * base.block_k * 2
-    stages = max(PHASE1_WIDE_STAGES,
-                 min(PHASE1_MAX_STAGES, cdiv(PHASE1_INFLIGHT_BYTES, stage_bytes)))
-  return dataclasses.replace(base, block_r=cols, cols_r=cols_r, k_per=k_per, r_chunks=1,
-                             p16=False, stages=stages, est_us=est)
+    stages = max(
+      PHASE1_WIDE_STAGES, min(PHASE1_MAX_STAGES, cdiv(PHASE1_INFLIGHT_BYTES, stage_bytes))
+    )
+  return dataclasses.replace(
+    base, block_r=cols, cols_r=cols_r, k_per=k_per, r_chunks=1, p16=False, stages=stages, est_us=est
+  )
 
 
 @dataclasses.dataclass(frozen=True)
 class PvLaunchPlan:
   """Tiles of ``xuv_decode``'s ·V launch (``pv="launch"``): Y = P·V from phase 1's f32 P,
   one [block_m, block_n] output tile a CTA over all of r in block_kv steps (no split)."""
+
   block_m: int  # P rows a tile (>= 16 for the mma)
   block_n: int  # V columns a tile
   block_kv: int  # the reduction step over r
@@ -707,8 +858,14 @@ PV_LAUNCH_P_TILE_BYTES = 96 * 1024
 def plan_pv_launch(m: int, r: int, n: int) -> PvLaunchPlan:
   """Output tiles for ``xuv_decode``'s ·V launch (see PV_LAUNCH_* above)."""
   n_nb = cdiv(n, PV_LAUNCH_COLS)
-  bm = next((b for b in (64, 32) if b * r * 4 <= PV_LAUNCH_P_TILE_BYTES
-             and cdiv(m, b) * n_nb >= PV_LAUNCH_MIN_TILES), 16)
+  bm = next(
+    (
+      b
+      for b in (64, 32)
+      if b * r * 4 <= PV_LAUNCH_P_TILE_BYTES and cdiv(m, b) * n_nb >= PV_LAUNCH_MIN_TILES
+    ),
+    16,
+  )
   return PvLaunchPlan(bm, PV_LAUNCH_COLS, 64, 4, 3)
 
 
@@ -719,6 +876,7 @@ class GroupDecodePlan:
   (block_n[i], cols_n[i], one r-chunk). ``one_branch``: the members' ranks and phase-1 tiles
   are alike and the kernel runs them through one phase-1 call site (one pipeline in shared
   memory instead of one a member)."""
+
   block_m: int
   block_r: tuple
   cols_r: tuple
@@ -740,8 +898,16 @@ def _shares(sizes, g: int) -> list:
 
 
 @functools.lru_cache(maxsize=256)
-def _group_phase1(k: int, rs: tuple, g: int, bw: float, fill_us: float, stages: int,
-                  round_trip_us: float = ROUND_TRIP_US, widths: tuple = (64, 128, 256)):
+def _group_phase1(
+  k: int,
+  rs: tuple,
+  g: int,
+  bw: float,
+  fill_us: float,
+  stages: int,
+  round_trip_us: float = ROUND_TRIP_US,
+  widths: tuple = (64, 128, 256),
+):
   """(us, ((block_r, cols_r, k_per) a member)) for the grouped kernel's phase 1, whose CTAs
   take every member's split-K tiles round-robin (tile t of the concatenated list to CTA
   t mod g). A CTA's time is the sum over its tiles of bytes / min(bw / g, in-flight bytes /
@@ -757,13 +923,18 @@ def _group_phase1(k: int, rs: tuple, g: int, bw: float, fill_us: float, stages: 
     return kp * c * 2 / _cta_rate(c, stages, share, round_trip_us) * 1e6 + fill_us
 
   def tiles_us(r, c, kp):  # in the kernel's order: column block-major, then K splits
-    return [tile_us(min(c, r - j), min(kp, k - i))
-            for j in range(0, r, c) for i in range(0, k, kp)]
+    return [tile_us(min(c, r - j), min(kp, k - i)) for j in range(0, r, c) for i in range(0, k, kp)]
 
   ranks = sorted(set(rs))
-  options = {r: [((w, c, st * 64), tiles_us(r, c, st * 64))
-                 for w, c in _widths(widths if r > 32 else (16, 32))
-                 if c <= max(16, r) + 15 for st in steps] for r in ranks}
+  options = {
+    r: [
+      ((w, c, st * 64), tiles_us(r, c, st * 64))
+      for w, c in _widths(widths if r > 32 else (16, 32))
+      if c <= max(16, r) + 15
+      for st in steps
+    ]
+    for r in ranks
+  }
   count = collections.Counter(rs)
   best = None
   for combo in itertools.product(*(options[r] for r in ranks)):
@@ -786,12 +957,18 @@ def _group_phase1(k: int, rs: tuple, g: int, bw: float, fill_us: float, stages: 
   return best[0][1], best[1]
 
 
-def plan_decode_group(m: int, k: int, members, hw: Hardware = H200,
-                      programs: int | None = None, bw: float = 4.0e12,
-                      fill_us: float = 1.5,
-                      min_row_bytes: int = 0,
-                      line_row_tol: float = LINE_ROW_TOL,
-                      round_trip_us: float = ROUND_TRIP_US) -> GroupDecodePlan:
+def plan_decode_group(
+  m: int,
+  k: int,
+  members,
+  hw: Hardware = H200,
+  programs: int | None = None,
+  bw: float = 4.0e12,
+  fill_us: float = 1.5,
+  min_row_bytes: int = 0,
+  line_row_tol: float = LINE_ROW_TOL,
+  round_trip_us: float = ROUND_TRIP_US,
+) -> GroupDecodePlan:
   """Tiles for the grouped decode kernel: ``members`` is [(r_i, n_i)]. Phase 1 is planned as
   the kernel runs it, every member's split-K tiles round-robin over all ``programs`` CTAs
   (``_group_phase1``, with each CTA's DRAM round trip counted at every size: on Llama-3.2-1B's
@@ -808,24 +985,57 @@ def plan_decode_group(m: int, k: int, members, hw: Hardware = H200,
   # Llama-3-70B's q/k/v, 32 rows: tests/custom_calls/triton/test_triton_smem.py); so do
   # 256-column U tiles for every member at 64 rows
   widths = (64, 128, 256) if block_m <= 16 else (64, 128)
-  est1, phase1 = _group_phase1(k, tuple(r for r, _ in members), g, bw, fill_us, stages,
-                               round_trip_us, (64, 128, 256) if block_m <= 32 else (64, 128))
+  est1, phase1 = _group_phase1(
+    k,
+    tuple(r for r, _ in members),
+    g,
+    bw,
+    fill_us,
+    stages,
+    round_trip_us,
+    (64, 128, 256) if block_m <= 32 else (64, 128),
+  )
   est2 = 0.0
   block_n, cols_n = [], []
   for (r, n), (_, cr, _), b in zip(members, phase1, g2):
-    t2, bn, cn, _ = _column_tiles(n, cdiv(r, cr), cr, b, bw * b / g, fill_us, max_chunks=1,
-                                  min_row_bytes=min(min_row_bytes, 2 * widths[-1]),
-                                  line_row_tol=line_row_tol, widths=widths)
+    t2, bn, cn, _ = _column_tiles(
+      n,
+      cdiv(r, cr),
+      cr,
+      b,
+      bw * b / g,
+      fill_us,
+      max_chunks=1,
+      min_row_bytes=min(min_row_bytes, 2 * widths[-1]),
+      line_row_tol=line_row_tol,
+      widths=widths,
+    )
     block_n.append(bn), cols_n.append(cn)
     est2 = max(est2, t2)
   block_r, cols_r, k_per = (tuple(t) for t in zip(*phase1))
-  return GroupDecodePlan(block_m, block_r, cols_r, k_per, tuple(block_n), tuple(cols_n), g,
-                         4 if block_m <= 32 else 8, stages, 128, est1 + est2)
+  return GroupDecodePlan(
+    block_m,
+    block_r,
+    cols_r,
+    k_per,
+    tuple(block_n),
+    tuple(cols_n),
+    g,
+    4 if block_m <= 32 else 8,
+    stages,
+    128,
+    est1 + est2,
+  )
 
 
-def plan_decode_group_phase1(m: int, k: int, members, hw: Hardware = H200,
-                             programs: int | None = None,
-                             one_branch: bool | None = None) -> GroupDecodePlan:
+def plan_decode_group_phase1(
+  m: int,
+  k: int,
+  members,
+  hw: Hardware = H200,
+  programs: int | None = None,
+  one_branch: bool | None = None,
+) -> GroupDecodePlan:
   """Tiles for the grouped kernel's phase 1 alone (``xuv_decode_group(pv="xla")``: XLA's GEMMs
   then apply each V_i): ``plan_decode_phase1``'s tiles for the members' ranks side by side
   (K splits chosen for their summed rank, so the members' tiles together fill the grid once),
@@ -843,14 +1053,27 @@ def plan_decode_group_phase1(m: int, k: int, members, hw: Hardware = H200,
     one_branch = one_rank
   if one_branch and not one_rank:
     raise ValueError(f"one_branch: expected members of one rank, got {[r for r, _ in members]}")
-  p = plan_decode_phase1(m, k, sum(r for r, _ in members), max(n for _, n in members), hw,
-                         programs=g)
+  p = plan_decode_phase1(
+    m, k, sum(r for r, _ in members), max(n for _, n in members), hw, programs=g
+  )
   stage_bytes = (p.block_m + p.block_r) * p.block_k * 2
   pipelines = 1 if one_branch else 2
   stages = max(1, min(p.stages, hw.smem_per_cta // (pipelines * stage_bytes)))
   c = len(members)
-  return GroupDecodePlan(p.block_m, (p.block_r,) * c, (p.cols_r,) * c, (p.k_per,) * c,
-                         (16,) * c, (16,) * c, g, p.warps, stages, 0, p.est_us, one_branch)
+  return GroupDecodePlan(
+    p.block_m,
+    (p.block_r,) * c,
+    (p.cols_r,) * c,
+    (p.k_per,) * c,
+    (16,) * c,
+    (16,) * c,
+    g,
+    p.warps,
+    stages,
+    0,
+    p.est_us,
+    one_branch,
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -873,12 +1096,21 @@ class PersistentMlpPlan:
   p16: bool = False  # phase B reads Pg, Pu rounded once to the factors' dtype
 
 
-def plan_mlp_decode_persistent(m: int, d: int, f: int, r: int, rd: int, d_out: int,
-                               gated: bool = True, hw: Hardware = H200,
-                               programs: int | None = None, bw: float = 4.0e12,
-                               fill_us: float = 1.5,
-                               min_row_bytes: int = 0,
-                               line_row_tol: float = LINE_ROW_TOL) -> PersistentMlpPlan:
+def plan_mlp_decode_persistent(
+  m: int,
+  d: int,
+  f: int,
+  r: int,
+  rd: int,
+  d_out: int,
+  gated: bool = True,
+  hw: Hardware = H200,
+  programs: int | None = None,
+  bw: float = 4.0e12,
+  fill_us: float = 1.5,
+  min_row_bytes: int = 0,
+  line_row_tol: float = LINE_ROW_TOL,
+) -> PersistentMlpPlan:
   """Tiles for the persistent MLP decode kernel: phase A streams Ug and Uu (split-K), phase
   B one D_ff slice of Vg, Vu and Ud per tile, phase C Vd; each phase cut as in
   ``plan_decode_persistent`` (``min_row_bytes`` applies to phase B as far as its capped
@@ -891,19 +1123,44 @@ def plan_mlp_decode_persistent(m: int, d: int, f: int, r: int, rd: int, d_out: i
   # memory in Llama-3-70B's MLP, 128-wide ones 272 KB at 64 rows (the H200 has 227 KB a CTA;
   # tests/custom_calls/triton/test_triton_smem.py)
   widths_b = (64, 128) if block_m <= 32 else (64,)
-  tb, block_f, cols_f, _ = _column_tiles(f, 1, n_up * r + rd, g, bw, fill_us, max_chunks=1,
-                                         min_row_bytes=min(min_row_bytes, 2 * widths_b[-1]),
-                                         line_row_tol=line_row_tol, widths=widths_b)
-  tc, block_n, cols_n, chunks = _column_tiles(d_out, cdiv(rd, 64), 64, g, bw, fill_us,
-                                              min_row_bytes=min_row_bytes,
-                                              line_row_tol=line_row_tol)
+  tb, block_f, cols_f, _ = _column_tiles(
+    f,
+    1,
+    n_up * r + rd,
+    g,
+    bw,
+    fill_us,
+    max_chunks=1,
+    min_row_bytes=min(min_row_bytes, 2 * widths_b[-1]),
+    line_row_tol=line_row_tol,
+    widths=widths_b,
+  )
+  tc, block_n, cols_n, chunks = _column_tiles(
+    d_out, cdiv(rd, 64), 64, g, bw, fill_us, min_row_bytes=min_row_bytes, line_row_tol=line_row_tol
+  )
   warps = 4 if block_m <= 32 else 8  # two [block_m, block_f] f32 accumulators per CTA
-  return PersistentMlpPlan(block_m, block_r, cols_r, k_per, block_f, cols_f, block_n, cols_n,
-                           chunks, g, warps, 3, 64, 64, ta + tb + tc)
+  return PersistentMlpPlan(
+    block_m,
+    block_r,
+    cols_r,
+    k_per,
+    block_f,
+    cols_f,
+    block_n,
+    cols_n,
+    chunks,
+    g,
+    warps,
+    3,
+    64,
+    64,
+    ta + tb + tc,
+  )
 
 
-def plan_kv_splits(b: int, hkv: int, t: int, block_n: int, warps: int,
-                   sms: int = H200.num_sms) -> int:
+def plan_kv_splits(
+  b: int, hkv: int, t: int, block_n: int, warps: int, sms: int = H200.num_sms
+) -> int:
   """Cache splits per (sequence, KV head) for the low-rank KV attention kernel: the count
   that finishes soonest in whole waves.
 
@@ -936,13 +1193,15 @@ FFI_TARGET = "triton_kernel_call_ffi"  # jaxlib's typed-FFI handler (launch mode
 LAUNCH_TARGET = "lrjax_triton_launch"  # lrjax's handler (pdl_launch.cc)
 XLA_TARGET = "__gpu$xla.gpu.ptx"  # XLA launches the kernel's PTX itself (launch mode xla)
 XLA_TRITON_TARGET = "__gpu$xla.gpu.triton"  # XLA compiles the kernel's TTIR with its own
-                                            # Triton and launches it (launch mode xla_triton)
+# Triton and launches it (launch mode xla_triton)
 
 
 def count_calls(hlo_text: str) -> int:
   """Triton custom calls (any of the five targets) in a compiled module's HLO text."""
-  return sum(hlo_text.count(f'custom_call_target="{t}"')
-             for t in (LEGACY_TARGET, FFI_TARGET, LAUNCH_TARGET, XLA_TARGET, XLA_TRITON_TARGET))
+  return sum(
+    hlo_text.count(f'custom_call_target="{t}"')
+    for t in (LEGACY_TARGET, FFI_TARGET, LAUNCH_TARGET, XLA_TARGET, XLA_TRITON_TARGET)
+  )
 
 
 # The kernels launch mode xla_triton may hand to XLA's Triton call: the persistent X·U·V decode
@@ -973,8 +1232,11 @@ def xla_triton_serves(kernel: str, meta: dict) -> bool:
   results/gpu_xuv_decode_pv_launch_h200.json)."""
   if kernel not in XLA_TRITON_KERNELS:
     return False
-  return (kernel == "_pv_launch_kernel"  # any tiles
-          or meta["COLS_R"] == meta["BLOCK_R"] or bool(meta["V_RES"]))
+  return (
+    kernel == "_pv_launch_kernel"  # any tiles
+    or meta["COLS_R"] == meta["BLOCK_R"]
+    or bool(meta["V_RES"])
+  )
 
 
 LAUNCH_MODES = ("jaxlib", "lrjax", "pdl", "xla", "xla_triton")
@@ -987,6 +1249,7 @@ XLA_TRITON_JAXLIB = ((0, 11, 2), (0, 12))
 
 def _default_launch() -> str:
   import jaxlib.version
+
   version = jaxlib.version.__version_info__
   if XLA_TRITON_JAXLIB[0] <= version < XLA_TRITON_JAXLIB[1]:
     return "xla_triton"
@@ -1012,11 +1275,11 @@ def launch_mode() -> str:
 
 
 SCRATCH_MIN_HALF = 1 << 17  # floats in each half of a scratch chain's buffer at least
-                            # (512 KiB): one chain then serves every decode call of the
-                            # benchmarked models' steps at M <= 16 (launch.py)
+# (512 KiB): one chain then serves every decode call of the
+# benchmarked models' steps at M <= 16 (launch.py)
 
 
-def next_link(last: "tuple[int, int, int] | None", need: int) -> tuple[bool, int, int, int]:
+def next_link(last: tuple[int, int, int] | None, need: int) -> tuple[bool, int, int, int]:
   """Where a decode call needing ``need`` scratch floats runs in its block's scratch chain
   (launch.py). ``last`` is what the chain's last call left: (the buffer's half size, the
   half it worked in, floats of that half it used), or None where no chain runs yet.

@@ -24,6 +24,7 @@ unfinished tile can always run: no deadlock with a grid of at most one resident 
 With ``dynamic`` the CTAs claim tiles in table order from an atomic counter instead of
 taking every PROGRAMS-th one; the same argument holds.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,9 +36,16 @@ import triton
 import triton.language as tl
 
 from lrjax.custom_calls.triton import launch, planner
-from lrjax.custom_calls.triton._common import (check_out, first_tile, mm_acc, next_tile,
-                                               ring_tile, signal, unpack_xuv_args,
-                                               wait_at_least)
+from lrjax.custom_calls.triton._common import (
+  check_out,
+  first_tile,
+  mm_acc,
+  next_tile,
+  ring_tile,
+  signal,
+  unpack_xuv_args,
+  wait_at_least,
+)
 
 PHASE_A, PHASE_D = 0, 3
 _PHASE_SHIFT, _M_SHIFT, _J_MASK = 28, 14, (1 << 14) - 1
@@ -56,7 +64,7 @@ class BlockSizes:
   dynamic: bool = False  # tiles claimed in schedule order from a counter (else round-robin)
 
   @classmethod
-  def get_default(cls, m: int, k: int, r: int, n: int) -> "BlockSizes":
+  def get_default(cls, m: int, k: int, r: int, n: int) -> BlockSizes:
     key = _shape_class(m, r)
     if key in TUNED:
       t = TUNED[key]
@@ -74,58 +82,90 @@ def _shape_class(m: int, r: int) -> tuple[str, str]:
 
 # Tuned on the H200 (benchmarks/gpu_lowrank.py); missing classes use planner.plan_prefill.
 TUNED: dict[tuple[str, str], BlockSizes] = {
-    ("m>512", "r>=2048"): BlockSizes(128, 256, 64, 8, 3, 8, 3, 132),
-    ("m>512", "r<2048"): BlockSizes(128, 256, 64, 16, 3, 8, 3, 132),
-    ("m<=512", "r>=2048"): BlockSizes(128, 128, 64, 4, 3, 8, 4, 132),
-    ("m<=512", "r<2048"): BlockSizes(128, 128, 64, 4, 3, 8, 4, 132),
+  ("m>512", "r>=2048"): BlockSizes(128, 256, 64, 8, 3, 8, 3, 132),
+  ("m>512", "r<2048"): BlockSizes(128, 256, 64, 16, 3, 8, 3, 132),
+  ("m<=512", "r>=2048"): BlockSizes(128, 128, 64, 4, 3, 8, 4, 132),
+  ("m<=512", "r<2048"): BlockSizes(128, 128, 64, 4, 3, 8, 4, 132),
 }
 
 
 @triton.jit
 def _xuv_prefill_kernel(
-    x_ptr,  # [M, K] activations
-    u_ptr,  # [K, R]
-    v_ptr,  # [R, N]
-    b_ptr,  # [N] bias (read only if HAS_BIAS)
-    sched_ptr,  # [T] i32 tile codes: phase << 28 | row block << 14 | column block
-    o_in_ptr,  # [M, N] caller's output buffer aliased to o_ptr (else x; never read)
-    ring_ptr,  # [RING * G * BLOCK_M, R] strip ring (V's dtype)
-    flag_a_ptr,  # [n_mb + 1] i32 strip parts stored per row block, then the tile counter
-    flag_d_ptr,  # [n_mb] i32 output tiles done per row block, zeroed
-    o_ptr,  # [M, N] output
-    M: tl.constexpr, K: tl.constexpr, R: tl.constexpr, N: tl.constexpr, NMB: tl.constexpr,
-    HAS_BIAS: tl.constexpr, T: tl.constexpr, PROGRAMS: tl.constexpr,
-    G: tl.constexpr, RING: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_R: tl.constexpr, DYNAMIC: tl.constexpr,
+  x_ptr,  # [M, K] activations
+  u_ptr,  # [K, R]
+  v_ptr,  # [R, N]
+  b_ptr,  # [N] bias (read only if HAS_BIAS)
+  sched_ptr,  # [T] i32 tile codes: phase << 28 | row block << 14 | column block
+  o_in_ptr,  # [M, N] caller's output buffer aliased to o_ptr (else x; never read)
+  ring_ptr,  # [RING * G * BLOCK_M, R] strip ring (V's dtype)
+  flag_a_ptr,  # [n_mb + 1] i32 strip parts stored per row block, then the tile counter
+  flag_d_ptr,  # [n_mb] i32 output tiles done per row block, zeroed
+  o_ptr,  # [M, N] output
+  M: tl.constexpr,
+  K: tl.constexpr,
+  R: tl.constexpr,
+  N: tl.constexpr,
+  NMB: tl.constexpr,
+  HAS_BIAS: tl.constexpr,
+  T: tl.constexpr,
+  PROGRAMS: tl.constexpr,
+  G: tl.constexpr,
+  RING: tl.constexpr,
+  BLOCK_M: tl.constexpr,
+  BLOCK_N: tl.constexpr,
+  BLOCK_K: tl.constexpr,
+  EVEN_K: tl.constexpr,
+  EVEN_R: tl.constexpr,
+  DYNAMIC: tl.constexpr,
 ):
   n_r = (R + BLOCK_N - 1) // BLOCK_N
   n_n = (N + BLOCK_N - 1) // BLOCK_N
   counter = flag_a_ptr + NMB
   t = first_tile(counter, DYNAMIC)
   while t < T:
-    phase, mb, offs_m, m_mask, ring_rows, j = ring_tile(
-        tl.load(sched_ptr + t), M, G, RING, BLOCK_M)
+    phase, mb, offs_m, m_mask, ring_rows, j = ring_tile(tl.load(sched_ptr + t), M, G, RING, BLOCK_M)
     offs_c = j * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if phase == 0:
       if mb >= G * RING:  # slot reuse: the previous occupant must be fully consumed
         wait_at_least(flag_d_ptr + mb - G * RING, n_n)
       c_mask = offs_c < R
-      acc = mm_acc(acc, x_ptr, u_ptr, offs_m, offs_c, m_mask, c_mask, 0, K, K, K, R,
-                   BLOCK_K, EVEN_K, False)
-      tl.store(ring_ptr + ring_rows[:, None] * R + offs_c[None, :],
-               acc.to(ring_ptr.dtype.element_ty), mask=c_mask[None, :])
+      acc = mm_acc(
+        acc, x_ptr, u_ptr, offs_m, offs_c, m_mask, c_mask, 0, K, K, K, R, BLOCK_K, EVEN_K, False
+      )
+      tl.store(
+        ring_ptr + ring_rows[:, None] * R + offs_c[None, :],
+        acc.to(ring_ptr.dtype.element_ty),
+        mask=c_mask[None, :],
+      )
       signal(flag_a_ptr + mb)
     else:
       wait_at_least(flag_a_ptr + mb, n_r)
       c_mask = offs_c < N
-      acc = mm_acc(acc, ring_ptr, v_ptr, ring_rows, offs_c, m_mask, c_mask, 0, R, R, R, N,
-                   BLOCK_K, EVEN_R, True)
+      acc = mm_acc(
+        acc,
+        ring_ptr,
+        v_ptr,
+        ring_rows,
+        offs_c,
+        m_mask,
+        c_mask,
+        0,
+        R,
+        R,
+        R,
+        N,
+        BLOCK_K,
+        EVEN_R,
+        True,
+      )
       if HAS_BIAS:
         acc += tl.load(b_ptr + offs_c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
-      tl.store(o_ptr + offs_m[:, None] * N + offs_c[None, :], acc.to(o_ptr.dtype.element_ty),
-               mask=m_mask[:, None] & c_mask[None, :])
+      tl.store(
+        o_ptr + offs_m[:, None] * N + offs_c[None, :],
+        acc.to(o_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & c_mask[None, :],
+      )
       signal(flag_d_ptr + mb)
     t = next_tile(counter, t, PROGRAMS, DYNAMIC)
 
@@ -164,16 +204,32 @@ def launch_plan(m: int, k: int, r: int, n: int, has_bias: bool, bs: BlockSizes, 
   n_mb = planner.cdiv(m, bs.block_m)
   ring = min(bs.ring, planner.cdiv(n_mb, bs.group_m))  # fewer slots when all rows fit
   programs = min(bs.programs, len(sched))
-  meta = dict(M=m, K=k, R=r, N=n, HAS_BIAS=has_bias, T=len(sched), PROGRAMS=programs,
-              G=bs.group_m, RING=ring, BLOCK_M=bs.block_m, BLOCK_N=bs.block_n,
-              BLOCK_K=bs.block_k, EVEN_K=k % bs.block_k == 0, EVEN_R=r % bs.block_k == 0,
-              NMB=n_mb, DYNAMIC=bool(bs.dynamic))
-  return dict(sched=sched, n_mb=n_mb, ring_rows=ring * bs.group_m * bs.block_m,
-              programs=programs, meta=meta)
+  meta = dict(
+    M=m,
+    K=k,
+    R=r,
+    N=n,
+    HAS_BIAS=has_bias,
+    T=len(sched),
+    PROGRAMS=programs,
+    G=bs.group_m,
+    RING=ring,
+    BLOCK_M=bs.block_m,
+    BLOCK_N=bs.block_n,
+    BLOCK_K=bs.block_k,
+    EVEN_K=k % bs.block_k == 0,
+    EVEN_R=r % bs.block_k == 0,
+    NMB=n_mb,
+    DYNAMIC=bool(bs.dynamic),
+  )
+  return dict(
+    sched=sched, n_mb=n_mb, ring_rows=ring * bs.group_m * bs.block_m, programs=programs, meta=meta
+  )
 
 
-def xuv_prefill(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | None = None,
-                out=None):
+def xuv_prefill(
+  x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | None = None, out=None
+):
   """y = (x·u)·v (+ bias) for many tokens. x [..., K], u [K, r], v [r, N], bias [N].
 
   ``out`` [M, N]: optional buffer the kernel writes into (aliased; the tests poison it).
@@ -185,18 +241,32 @@ def xuv_prefill(x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes |
   b = bias if bias is not None else v  # never read without HAS_BIAS
   sched = plan["sched"]
   _, _, _, o = launch.triton_call(
-      x2, u, v, b, sched, x2 if out is None else out, kernel=_xuv_prefill_kernel,
-      input_output_aliases={5: 3} if out is not None else None,
-      out_shape=(jax.ShapeDtypeStruct((plan["ring_rows"], r), v.dtype),
-                 jax.ShapeDtypeStruct((plan["n_mb"] + 1,), jnp.int32),
-                 jax.ShapeDtypeStruct((plan["n_mb"],), jnp.int32),
-                 jax.ShapeDtypeStruct((m, n), out_dtype)),
-      grid=(plan["programs"],), zeroed_outputs=(1, 2), num_warps=bs.num_warps,
-      num_stages=bs.num_stages, name="lrjax_xuv_prefill", **plan["meta"])
+    x2,
+    u,
+    v,
+    b,
+    sched,
+    x2 if out is None else out,
+    kernel=_xuv_prefill_kernel,
+    input_output_aliases={5: 3} if out is not None else None,
+    out_shape=(
+      jax.ShapeDtypeStruct((plan["ring_rows"], r), v.dtype),
+      jax.ShapeDtypeStruct((plan["n_mb"] + 1,), jnp.int32),
+      jax.ShapeDtypeStruct((plan["n_mb"],), jnp.int32),
+      jax.ShapeDtypeStruct((m, n), out_dtype),
+    ),
+    grid=(plan["programs"],),
+    zeroed_outputs=(1, 2),
+    num_warps=bs.num_warps,
+    num_stages=bs.num_stages,
+    name="lrjax_xuv_prefill",
+    **plan["meta"],
+  )
   return o.reshape(*lead, n)
 
 
 def xuv_prefill_reference(x, u, v, bias=None, *, out_dtype=None):
   """f32-accumulating (x·u)·v (+ bias); the strip rounded to v's dtype as the kernel does."""
   from lrjax.lowering.primitives import lr_xuv_reference
+
   return lr_xuv_reference(x, u, v, bias, inter_dtype=v.dtype, out_dtype=out_dtype or x.dtype)

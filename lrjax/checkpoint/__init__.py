@@ -9,12 +9,25 @@
 
 Every write goes to a hidden temp dir that is renamed into place; nothing uses pickle.
 """
+
 from lrjax.checkpoint.atomic import atomic_dir
 from lrjax.checkpoint.hf import digest, export_hf, hf_name, load_hf
 from lrjax.checkpoint.orbax_io import METADATA_NAME, load, read_metadata, save
 from lrjax.checkpoint.placement import logical_sharding
 from lrjax.checkpoint.safetensors_io import SafetensorsDir, read_header, write_safetensors
 
-__all__ = ["METADATA_NAME", "SafetensorsDir", "atomic_dir", "digest", "export_hf", "hf_name",
-           "load", "load_hf", "logical_sharding", "read_header", "read_metadata", "save",
-           "write_safetensors"]
+__all__ = [
+  "METADATA_NAME",
+  "SafetensorsDir",
+  "atomic_dir",
+  "digest",
+  "export_hf",
+  "hf_name",
+  "load",
+  "load_hf",
+  "logical_sharding",
+  "read_header",
+  "read_metadata",
+  "save",
+  "write_safetensors",
+]

@@ -1,4 +1,5 @@
 """Atomic directory writes: build in a hidden temp dir beside the target, then rename."""
+
 from __future__ import annotations
 
 import contextlib

@@ -6,13 +6,14 @@ linears ``<p>_u_proj.weight`` [rank, in] and ``<p>_v_proj.weight`` [out, rank] (
 ``<p>_v_proj.bias``), so y = v_proj(u_proj(x)); ``config.json`` carries the ranks under
 ``lrjax_lowrank``.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
 import os
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -22,8 +23,13 @@ from tqdm.auto import tqdm
 
 from lrjax.checkpoint.atomic import atomic_dir
 from lrjax.checkpoint.placement import logical_sharding, param_axes, param_key, pick
-from lrjax.checkpoint.safetensors_io import (INDEX_NAME, SINGLE_NAME, SafetensorsDir,
-                                             plan_shards, write_safetensors)
+from lrjax.checkpoint.safetensors_io import (
+  INDEX_NAME,
+  SINGLE_NAME,
+  SafetensorsDir,
+  plan_shards,
+  write_safetensors,
+)
 from lrjax.models.config import ModelConfig
 from lrjax.models.llama import LlamaForCausalLM
 
@@ -32,8 +38,12 @@ log = logging.getLogger("lrjax.checkpoint")
 LOWRANK_KEY = "lrjax_lowrank"
 COMPRESSION_KEY = "lrjax_compression"
 _FLOAT_TAGS = ("F32", "F16", "BF16", "F64")
-_DTYPE_NAMES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16,
-                "float64": jnp.float64}
+_DTYPE_NAMES = {
+  "float32": jnp.float32,
+  "float16": jnp.float16,
+  "bfloat16": jnp.bfloat16,
+  "float64": jnp.float64,
+}
 _SECTION = {"attn": "self_attn", "mlp": "mlp"}
 
 
@@ -89,7 +99,7 @@ def _param_names(flat) -> dict[tuple, tuple[str, str]]:
 def _hf_shape(shape: tuple, layout: str) -> tuple:
   if layout == "T":
     return tuple(shape[::-1])
-  if layout == "bd":                      # v [H, r, d] ↔ block-diagonal v_proj.weight [H·d, H·r]
+  if layout == "bd":  # v [H, r, d] ↔ block-diagonal v_proj.weight [H·d, H·r]
     h, r, d = shape
     return (h * d, h * r)
   return tuple(shape)
@@ -102,7 +112,7 @@ def _to_hf(a: np.ndarray, layout: str) -> np.ndarray:
     h, r, d = a.shape
     w = np.zeros((h * d, h * r), a.dtype)
     for i in range(h):
-      w[i * d:(i + 1) * d, i * r:(i + 1) * r] = a[i].T
+      w[i * d : (i + 1) * d, i * r : (i + 1) * r] = a[i].T
     return w
   return a
 
@@ -112,24 +122,30 @@ def _from_hf(w: np.ndarray, layout: str, shape: tuple, name: str) -> np.ndarray:
     return w.T
   if layout == "bd":
     h, r, d = shape
-    v = np.stack([w[i * d:(i + 1) * d, i * r:(i + 1) * r].T for i in range(h)])
+    v = np.stack([w[i * d : (i + 1) * d, i * r : (i + 1) * r].T for i in range(h)])
     if np.count_nonzero(w) != np.count_nonzero(v):
-      raise ValueError(f"tensor {name!r} of a per-head projection must be block diagonal "
-                       f"({h} blocks of [{d}, {r}]) but has entries off the diagonal blocks")
+      raise ValueError(
+        f"tensor {name!r} of a per-head projection must be block diagonal "
+        f"({h} blocks of [{d}, {r}]) but has entries off the diagonal blocks"
+      )
     return v
   return w
 
 
 def _ignorable(name: str, cfg: ModelConfig) -> bool:
-  return name.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings
-                                                  and name == "lm_head.weight")
+  return name.endswith("rotary_emb.inv_freq") or (
+    cfg.tie_word_embeddings and name == "lm_head.weight"
+  )
 
 
 def digest(path: str | os.PathLike, progress: bool = False) -> str:
   """sha256 over config.json and the safetensors files (sorted names, streamed)."""
   path = os.fspath(path)
-  files = sorted(f for f in os.listdir(path)
-                 if f == "config.json" or f.endswith(".safetensors") or f == INDEX_NAME)
+  files = sorted(
+    f
+    for f in os.listdir(path)
+    if f == "config.json" or f.endswith(".safetensors") or f == INDEX_NAME
+  )
   h = hashlib.sha256()
   total = sum(os.path.getsize(os.path.join(path, f)) for f in files)
   with tqdm(total=total, unit="B", unit_scale=True, desc="digest", disable=not progress) as bar:
@@ -151,15 +167,25 @@ def _dtype_from(cfg_json: dict, dtype):
   return jnp.dtype(_DTYPE_NAMES[name])
 
 
-def abstract_model(cfg: ModelConfig, ranks=None, param_dtype=jnp.float32,
-                   heads=None) -> LlamaForCausalLM:
+def abstract_model(
+  cfg: ModelConfig, ranks=None, param_dtype=jnp.float32, heads=None
+) -> LlamaForCausalLM:
   """A model with ShapeDtypeStruct params (no memory), to be filled by a loader."""
-  return nnx.eval_shape(lambda: LlamaForCausalLM(cfg, ranks, heads, param_dtype=param_dtype,
-                                                 rngs=nnx.Rngs(0)))
+  return nnx.eval_shape(
+    lambda: LlamaForCausalLM(cfg, ranks, heads, param_dtype=param_dtype, rngs=nnx.Rngs(0))
+  )
 
 
-def load_hf(path: str | os.PathLike, dtype=None, *, with_digest: bool = True,
-            progress: bool = False, mesh=None, shardings=None, rules=None) -> LlamaForCausalLM:
+def load_hf(
+  path: str | os.PathLike,
+  dtype=None,
+  *,
+  with_digest: bool = True,
+  progress: bool = False,
+  mesh=None,
+  shardings=None,
+  rules=None,
+) -> LlamaForCausalLM:
   """Load an HF checkpoint dir (config.json + model.safetensors or an index and shards).
 
   Tensors are read one at a time (bf16, f16, f32 or f64 on disk), cast to ``dtype`` (default:
@@ -195,27 +221,35 @@ def load_hf(path: str | os.PathLike, dtype=None, *, with_digest: bool = True,
     p, n = missing[0]
     shape = _hf_shape(dict(flat)[p].shape, names[p][1])
     more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-    raise ValueError(f"missing tensor {n!r}{more}: expected shape {list(shape)} for "
-                     f"{'.'.join(map(str, p))} of a {cfg.model_type} model from {cfg_path}")
+    raise ValueError(
+      f"missing tensor {n!r}{more}: expected shape {list(shape)} for "
+      f"{'.'.join(map(str, p))} of a {cfg.model_type} model from {cfg_path}"
+    )
   skipped = sorted(n for n in st.names if n not in expected and _ignorable(n, cfg))
   if skipped:
     log.info("ignoring %d tensors the model does not use: %s", len(skipped), skipped[:3])
   extra = sorted(n for n in st.names if n not in expected and not _ignorable(n, cfg))
   if extra:
-    raise ValueError(f"checkpoint has {len(extra)} tensors that config.json does not describe, "
-                     f"e.g. {extra[:3]}; config.json and the tensors disagree "
-                     f"(num_hidden_layers={cfg.num_layers}, model_type={cfg.model_type!r})")
+    raise ValueError(
+      f"checkpoint has {len(extra)} tensors that config.json does not describe, "
+      f"e.g. {extra[:3]}; config.json and the tensors disagree "
+      f"(num_hidden_layers={cfg.num_layers}, model_type={cfg.model_type!r})"
+    )
   values = {}
   for p, var in tqdm(flat, desc="load", disable=not progress):
     name, layout = names[p]
     tag, shape = st.info(name)
     want = _hf_shape(var.shape, layout)
     if shape != want:
-      raise ValueError(f"tensor {name!r} has shape {list(shape)}, expected {list(want)} from "
-                       "config.json; config.json and the tensors disagree")
+      raise ValueError(
+        f"tensor {name!r} has shape {list(shape)}, expected {list(want)} from "
+        "config.json; config.json and the tensors disagree"
+      )
     if tag not in _FLOAT_TAGS:
-      raise ValueError(f"tensor {name!r} has dtype {tag}; expected one of {_FLOAT_TAGS} "
-                       "(quantized checkpoints are not supported)")
+      raise ValueError(
+        f"tensor {name!r} has dtype {tag}; expected one of {_FLOAT_TAGS} "
+        "(quantized checkpoints are not supported)"
+      )
     arr = _from_hf(st.get(name), layout, var.shape, name)
     where = pick(shardings, param_key(p), param_axes(var), mesh)
     values[p] = jax.device_put(np.ascontiguousarray(arr, dtype=var.dtype), where)
@@ -224,14 +258,21 @@ def load_hf(path: str | os.PathLike, dtype=None, *, with_digest: bool = True,
   state = nnx.from_flat_state([(p, var.replace(values[p])) for p, var in flat])
   model = nnx.merge(gdef, state)
   model.compression = cfg_json.get(COMPRESSION_KEY)
-  model.source_digest = (cfg_json.get(LOWRANK_KEY, {}).get("source_digest") or
-                         (digest(path, progress) if with_digest else None))
+  model.source_digest = cfg_json.get(LOWRANK_KEY, {}).get("source_digest") or (
+    digest(path, progress) if with_digest else None
+  )
   log.info("loaded %s (%s, %d layers, %s)", path, cfg.model_type, cfg.num_layers, dt)
   return model
 
 
-def export_hf(model: LlamaForCausalLM, out: str | os.PathLike, *, max_shard_bytes: int = 4 << 30,
-              overwrite: bool = False, progress: bool = False) -> None:
+def export_hf(
+  model: LlamaForCausalLM,
+  out: str | os.PathLike,
+  *,
+  max_shard_bytes: int = 4 << 30,
+  overwrite: bool = False,
+  progress: bool = False,
+) -> None:
   """Write ``model`` as an HF-style checkpoint dir (config.json + safetensors, atomically).
 
   Dense projections keep transformers' names; low-rank ones become ``<p>_u_proj`` /
@@ -252,17 +293,22 @@ def export_hf(model: LlamaForCausalLM, out: str | os.PathLike, *, max_shard_byte
   ranks = model.layer_ranks()
   if any(ranks):
     cfg_json[LOWRANK_KEY] = {
-        "format": "lrjax-uv-v1",
-        "naming": "<p>_u_proj.weight [rank, in], <p>_v_proj.weight [out, rank] (+ bias); "
-                  "y = v_proj(u_proj(x)); p in q,k,v,o,gate,up,down; per-head projections "
-                  "(heads) store v_proj block diagonal",
-        "ranks": ranks, "heads": model.layer_heads(),
-        "source_digest": getattr(model, "source_digest", None)}
+      "format": "lrjax-uv-v1",
+      "naming": "<p>_u_proj.weight [rank, in], <p>_v_proj.weight [out, rank] (+ bias); "
+      "y = v_proj(u_proj(x)); p in q,k,v,o,gate,up,down; per-head projections "
+      "(heads) store v_proj block diagonal",
+      "ranks": ranks,
+      "heads": model.layer_heads(),
+      "source_digest": getattr(model, "source_digest", None),
+    }
   if getattr(model, "compression", None):
     cfg_json[COMPRESSION_KEY] = model.compression
   shards = plan_shards(specs, max_shard_bytes)
-  files = ([SINGLE_NAME] if len(shards) == 1 else
-           [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+  files = (
+    [SINGLE_NAME]
+    if len(shards) == 1
+    else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+  )
 
   def tensors(group) -> Iterator[tuple[str, np.ndarray]]:
     for name in group:
@@ -272,17 +318,28 @@ def export_hf(model: LlamaForCausalLM, out: str | os.PathLike, *, max_shard_byte
   with atomic_dir(out, overwrite) as tmp:
     with tqdm(total=len(specs), desc="export", disable=not progress) as bar:
       for f, group in zip(files, shards):
-        write_safetensors(os.path.join(tmp, f), {n: specs[n] for n in group},
-                          _counting(tensors(group), bar.update), metadata={"format": "pt"})
+        write_safetensors(
+          os.path.join(tmp, f),
+          {n: specs[n] for n in group},
+          _counting(tensors(group), bar.update),
+          metadata={"format": "pt"},
+        )
     if len(shards) > 1:
       total = sum(int(np.prod(s, dtype=np.int64)) * d.itemsize for d, s in specs.values())
       with open(os.path.join(tmp, INDEX_NAME), "w") as fh:
-        json.dump({"metadata": {"total_size": total},
-                   "weight_map": {n: f for f, g in zip(files, shards) for n in g}}, fh, indent=1)
+        json.dump(
+          {
+            "metadata": {"total_size": total},
+            "weight_map": {n: f for f, g in zip(files, shards) for n in g},
+          },
+          fh,
+          indent=1,
+        )
     with open(os.path.join(tmp, "config.json"), "w") as fh:
       json.dump(cfg_json, fh, indent=1)
-  log.info("exported %s (%d tensors, dtypes %s, %d file(s))", out, len(specs), sorted(dtypes),
-           len(files))
+  log.info(
+    "exported %s (%d tensors, dtypes %s, %d file(s))", out, len(specs), sorted(dtypes), len(files)
+  )
 
 
 def _counting(it, tick: Callable[[int], object]):

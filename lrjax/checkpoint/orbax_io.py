@@ -10,13 +10,14 @@ Layout of ``path/``::
 Saving and restoring keep at most ``concurrent_gb`` of array bytes in flight, so the host
 copies orbax makes while writing stay bounded instead of duplicating the whole model.
 """
+
 from __future__ import annotations
 
 import datetime
 import json
 import logging
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +40,6 @@ FORMAT = "lrjax-orbax"
 FORMAT_VERSION = 1
 
 
-
 def _flat(model: LlamaForCausalLM):
   _, state = nnx.split(model)
   return list(nnx.to_flat_state(state))
@@ -48,39 +48,59 @@ def _flat(model: LlamaForCausalLM):
 def _checkpointer(concurrent_gb: int) -> ocp.Checkpointer:
   if not isinstance(concurrent_gb, int) or concurrent_gb < 1:
     raise ValueError(f"{concurrent_gb=} must be an int >= 1 (GB of array bytes in flight)")
-  return ocp.Checkpointer(ocp.StandardCheckpointHandler(save_concurrent_gb=concurrent_gb,
-                                                        restore_concurrent_gb=concurrent_gb))
+  return ocp.Checkpointer(
+    ocp.StandardCheckpointHandler(
+      save_concurrent_gb=concurrent_gb, restore_concurrent_gb=concurrent_gb
+    )
+  )
 
 
-def save(model: LlamaForCausalLM, path: str | os.PathLike, *, compression: Mapping | None = None,
-         source_digest: str | None = None, overwrite: bool = False,
-         concurrent_gb: int = 1) -> None:
+def save(
+  model: LlamaForCausalLM,
+  path: str | os.PathLike,
+  *,
+  compression: Mapping | None = None,
+  source_digest: str | None = None,
+  overwrite: bool = False,
+  concurrent_gb: int = 1,
+) -> None:
   """Save ``model`` to ``path`` (orbax arrays + metadata JSON) atomically.
 
   ``compression`` and ``source_digest`` default to ``model.compression`` and
   ``model.source_digest``.
   """
   import lrjax
+
   flat = _flat(model)
   arrays = {param_key(p): var[...] for p, var in flat}
   meta = {
-      "format": FORMAT, "format_version": FORMAT_VERSION,
-      "lrjax_version": lrjax.__version__, "jax_version": jax.__version__,
-      "orbax_version": getattr(ocp, "__version__", None),
-      "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      "config": model.cfg.to_dict(),
-      "ranks": model.layer_ranks(),
-      "heads": model.layer_heads(),
-      "compression": dict(compression) if compression is not None else getattr(
-          model, "compression", None),
-      "source_digest": source_digest or getattr(model, "source_digest", None),
-      "params": {param_key(p): {"shape": list(var.shape), "dtype": np.dtype(var.dtype).name,
-                           "axes": list(param_axes(var))} for p, var in flat},
+    "format": FORMAT,
+    "format_version": FORMAT_VERSION,
+    "lrjax_version": lrjax.__version__,
+    "jax_version": jax.__version__,
+    "orbax_version": getattr(ocp, "__version__", None),
+    "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    "config": model.cfg.to_dict(),
+    "ranks": model.layer_ranks(),
+    "heads": model.layer_heads(),
+    "compression": dict(compression)
+    if compression is not None
+    else getattr(model, "compression", None),
+    "source_digest": source_digest or getattr(model, "source_digest", None),
+    "params": {
+      param_key(p): {
+        "shape": list(var.shape),
+        "dtype": np.dtype(var.dtype).name,
+        "axes": list(param_axes(var)),
+      }
+      for p, var in flat
+    },
   }
   json.dumps(meta)  # fail before writing anything if the compression record is not JSON
   with atomic_dir(path, overwrite) as tmp:
-    _checkpointer(concurrent_gb).save(os.path.join(tmp, STATE_DIR),
-                                      args=ocp.args.StandardSave(arrays))
+    _checkpointer(concurrent_gb).save(
+      os.path.join(tmp, STATE_DIR), args=ocp.args.StandardSave(arrays)
+    )
     with open(os.path.join(tmp, METADATA_NAME), "w") as fh:
       json.dump(meta, fh, indent=1)
   log.info("saved %s (%d arrays)", path, len(arrays))
@@ -89,19 +109,28 @@ def save(model: LlamaForCausalLM, path: str | os.PathLike, *, compression: Mappi
 def read_metadata(path: str | os.PathLike) -> dict:
   mp = os.path.join(os.fspath(path), METADATA_NAME)
   if not os.path.exists(mp):
-    raise FileNotFoundError(f"{mp} does not exist; {path} is not an lrjax checkpoint "
-                            "(for an HF directory use lrjax.models.from_hf)")
+    raise FileNotFoundError(
+      f"{mp} does not exist; {path} is not an lrjax checkpoint "
+      "(for an HF directory use lrjax.models.from_hf)"
+    )
   with open(mp) as fh:
     meta = json.load(fh)
   if meta.get("format") != FORMAT or meta.get("format_version", 0) > FORMAT_VERSION:
-    raise ValueError(f"{mp}: format={meta.get('format')!r} version={meta.get('format_version')} "
-                     f"is not readable by this lrjax (reads {FORMAT} <= {FORMAT_VERSION})")
+    raise ValueError(
+      f"{mp}: format={meta.get('format')!r} version={meta.get('format_version')} "
+      f"is not readable by this lrjax (reads {FORMAT} <= {FORMAT_VERSION})"
+    )
   return meta
 
 
-def load(path: str | os.PathLike, mesh: Mesh | None = None, shardings: Shardings | None = None,
-         *, rules: Mapping[str, str | None] | None = None,
-         concurrent_gb: int = 1) -> LlamaForCausalLM:
+def load(
+  path: str | os.PathLike,
+  mesh: Mesh | None = None,
+  shardings: Shardings | None = None,
+  *,
+  rules: Mapping[str, str | None] | None = None,
+  concurrent_gb: int = 1,
+) -> LlamaForCausalLM:
   """Load an lrjax checkpoint, restoring arrays straight into their target shardings.
 
   ``shardings``: one ``Sharding`` for all params, a dict ``{"layers.0.attn.q_proj.u": s}``
@@ -121,23 +150,29 @@ def load(path: str | os.PathLike, mesh: Mesh | None = None, shardings: Shardings
   flat = list(nnx.to_flat_state(state))
   keys = [param_key(p) for p, _ in flat]
   if set(keys) != set(params):
-    raise ValueError(f"{path}: metadata params differ from the model its config and ranks "
-                     f"describe: missing {sorted(set(keys) - set(params))[:3]}, "
-                     f"extra {sorted(set(params) - set(keys))[:3]}")
+    raise ValueError(
+      f"{path}: metadata params differ from the model its config and ranks "
+      f"describe: missing {sorted(set(keys) - set(params))[:3]}, "
+      f"extra {sorted(set(params) - set(keys))[:3]}"
+    )
   if shardings is None and mesh is not None:
     shardings = logical_sharding(mesh, rules)
   target = {}
-  for k, (p, var) in zip(keys, flat):
+  for k, (p, var) in zip(keys, flat):  # noqa: B007
     info = params[k]
     if tuple(info["shape"]) != tuple(var.shape):
-      raise ValueError(f"{path}: param {k} has shape {info['shape']}, config and ranks imply "
-                       f"{list(var.shape)}")
-    target[k] = jax.ShapeDtypeStruct(tuple(info["shape"]), jnp.dtype(info["dtype"]),
-                                     sharding=pick(shardings, k, param_axes(var), mesh))
-  restored = _checkpointer(concurrent_gb).restore(os.path.join(path, STATE_DIR),
-                                                  args=ocp.args.StandardRestore(target))
-  state = nnx.from_flat_state([(p, var.replace(restored[k])) for k, (p, var) in
-                               zip(keys, flat)])
+      raise ValueError(
+        f"{path}: param {k} has shape {info['shape']}, config and ranks imply {list(var.shape)}"
+      )
+    target[k] = jax.ShapeDtypeStruct(
+      tuple(info["shape"]),
+      jnp.dtype(info["dtype"]),
+      sharding=pick(shardings, k, param_axes(var), mesh),
+    )
+  restored = _checkpointer(concurrent_gb).restore(
+    os.path.join(path, STATE_DIR), args=ocp.args.StandardRestore(target)
+  )
+  state = nnx.from_flat_state([(p, var.replace(restored[k])) for k, (p, var) in zip(keys, flat)])
   out = nnx.merge(gdef, state)
   out.compression = meta.get("compression")
   out.source_digest = meta.get("source_digest")

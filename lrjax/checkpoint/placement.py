@@ -1,7 +1,9 @@
 """Where loaded params go: one Sharding, a dict by param key, a function, or logical-axis rules."""
+
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any
+from collections.abc import Callable, Mapping
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -9,8 +11,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from lrjax.sharding import default_device
 
 # What the ``shardings`` argument of the loaders may be.
-Shardings = (jax.sharding.Sharding | Mapping[str, jax.sharding.Sharding]
-             | Callable[[str, tuple], jax.sharding.Sharding])
+Shardings = (
+  jax.sharding.Sharding
+  | Mapping[str, jax.sharding.Sharding]
+  | Callable[[str, tuple], jax.sharding.Sharding]
+)
 
 
 def param_key(path: tuple) -> str:
@@ -31,9 +36,11 @@ def logical_sharding(mesh: Mesh, rules: Mapping[str, str | None] | None = None):
   rules = dict(rules or {})
 
   def fn(key, axes):
-    spec = [rules.get(a) if a is not None and rules.get(a) in mesh.axis_names else None
-            for a in axes]
+    spec = [
+      rules.get(a) if a is not None and rules.get(a) in mesh.axis_names else None for a in axes
+    ]
     return NamedSharding(mesh, PartitionSpec(*spec))
+
   return fn
 
 
@@ -50,5 +57,7 @@ def pick(shardings: Any, key: str, axes: tuple, mesh: Mesh | None) -> jax.shardi
     if key in shardings:
       return shardings[key]
     return NamedSharding(mesh, PartitionSpec()) if mesh is not None else default
-  raise TypeError(f"shardings={type(shardings).__name__} must be a Sharding, a dict of "
-                  "key → Sharding, or a function (key, logical_axes) → Sharding")
+  raise TypeError(
+    f"shardings={type(shardings).__name__} must be a Sharding, a dict of "
+    "key → Sharding, or a function (key, logical_axes) → Sharding"
+  )

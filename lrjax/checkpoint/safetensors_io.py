@@ -4,12 +4,13 @@ Reading opens each file with ``safetensors.safe_open`` and loads one tensor at a
 checkpoint larger than RAM never sits in memory whole. Every header is checked against its
 file's size first, so a truncated file fails with the name of the tensor that is cut off.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import struct
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import jax.numpy as jnp
 import numpy as np
@@ -18,10 +19,17 @@ from safetensors import safe_open
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 # safetensors dtype tag ↔ numpy dtype (the float and int types checkpoints use).
-DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32),
-          "F16": np.dtype(np.float16), "BF16": np.dtype(jnp.bfloat16),
-          "I64": np.dtype(np.int64), "I32": np.dtype(np.int32), "I8": np.dtype(np.int8),
-          "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_)}
+DTYPES = {
+  "F64": np.dtype(np.float64),
+  "F32": np.dtype(np.float32),
+  "F16": np.dtype(np.float16),
+  "BF16": np.dtype(jnp.bfloat16),
+  "I64": np.dtype(np.int64),
+  "I32": np.dtype(np.int32),
+  "I8": np.dtype(np.int8),
+  "U8": np.dtype(np.uint8),
+  "BOOL": np.dtype(np.bool_),
+}
 TAGS = {v: k for k, v in DTYPES.items()}
 _MAX_HEADER = 100 << 20
 
@@ -32,16 +40,20 @@ def read_header(path: str) -> dict:
   with open(path, "rb") as fh:
     head = fh.read(8)
     if len(head) < 8:
-      raise ValueError(f"{path}: {size} bytes is too short for a safetensors header; "
-                       "the file is truncated or not safetensors")
+      raise ValueError(
+        f"{path}: {size} bytes is too short for a safetensors header; "
+        "the file is truncated or not safetensors"
+      )
     (n,) = struct.unpack("<Q", head)
     if n > _MAX_HEADER or 8 + n > size:
-      raise ValueError(f"{path}: header claims {n} bytes but the file has {size}; "
-                       "the file is truncated or not safetensors")
+      raise ValueError(
+        f"{path}: header claims {n} bytes but the file has {size}; "
+        "the file is truncated or not safetensors"
+      )
     try:
       header = json.loads(fh.read(n))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-      raise ValueError(f"{path}: header is not valid JSON ({e}); the file is corrupt")
+      raise ValueError(f"{path}: header is not valid JSON ({e}); the file is corrupt")  # noqa: B904
   header.pop("__metadata__", None)
   data = size - 8 - n
   for name, info in header.items():
@@ -49,11 +61,15 @@ def read_header(path: str) -> dict:
     if tag in DTYPES:
       want = int(np.prod(shape, dtype=np.int64)) * DTYPES[tag].itemsize
       if e - b != want:
-        raise ValueError(f"{path}: tensor {name!r} ({tag} {shape}) spans {e - b} bytes, "
-                         f"expected {want}; the header is corrupt")
+        raise ValueError(
+          f"{path}: tensor {name!r} ({tag} {shape}) spans {e - b} bytes, "
+          f"expected {want}; the header is corrupt"
+        )
     if e > data:
-      raise ValueError(f"{path}: tensor {name!r} ({tag} {shape}) needs data bytes [{b}, {e}) "
-                       f"but the file holds only {data} data bytes; the file is truncated")
+      raise ValueError(
+        f"{path}: tensor {name!r} ({tag} {shape}) needs data bytes [{b}, {e}) "
+        f"but the file holds only {data} data bytes; the file is truncated"
+      )
   return header
 
 
@@ -77,8 +93,10 @@ class SafetensorsDir:
     elif os.path.exists(single):
       files, weight_map = [SINGLE_NAME], None
     else:
-      raise FileNotFoundError(f"{self.path}: no {SINGLE_NAME} or {INDEX_NAME}; expected an HF "
-                              "checkpoint directory with safetensors weights")
+      raise FileNotFoundError(
+        f"{self.path}: no {SINGLE_NAME} or {INDEX_NAME}; expected an HF "
+        "checkpoint directory with safetensors weights"
+      )
     self.files = files
     self._info: dict[str, tuple[str, dict]] = {}
     for f in files:
@@ -87,14 +105,16 @@ class SafetensorsDir:
         raise FileNotFoundError(f"{fp}: shard listed in {INDEX_NAME} does not exist")
       for name, info in read_header(fp).items():
         if weight_map is not None and weight_map.get(name) != f:
-          raise ValueError(f"tensor {name!r} is in {f} but {INDEX_NAME} maps it to "
-                           f"{weight_map.get(name)!r}")
+          raise ValueError(
+            f"tensor {name!r} is in {f} but {INDEX_NAME} maps it to {weight_map.get(name)!r}"
+          )
         self._info[name] = (f, info)
     if weight_map is not None:
       lost = sorted(set(weight_map) - set(self._info))
       if lost:
-        raise ValueError(f"{INDEX_NAME} lists tensors that no shard holds: {lost[:5]}; "
-                         "a shard is incomplete")
+        raise ValueError(
+          f"{INDEX_NAME} lists tensors that no shard holds: {lost[:5]}; a shard is incomplete"
+        )
 
   @property
   def names(self) -> list[str]:
@@ -125,8 +145,9 @@ class SafetensorsDir:
     self.close()
 
 
-def plan_shards(specs: Mapping[str, tuple[np.dtype, tuple[int, ...]]], max_bytes: int
-                ) -> list[list[str]]:
+def plan_shards(
+  specs: Mapping[str, tuple[np.dtype, tuple[int, ...]]], max_bytes: int
+) -> list[list[str]]:
   """Group tensor names (in order) into shards of at most ``max_bytes`` (one tensor may exceed)."""
   shards, cur, size = [], [], 0
   for name, (dt, shape) in specs.items():
@@ -141,9 +162,12 @@ def plan_shards(specs: Mapping[str, tuple[np.dtype, tuple[int, ...]]], max_bytes
   return shards
 
 
-def write_safetensors(path: str, specs: Mapping[str, tuple[np.dtype, tuple[int, ...]]],
-                      tensors: Iterable[tuple[str, np.ndarray]],
-                      metadata: Mapping[str, str] | None = None) -> None:
+def write_safetensors(
+  path: str,
+  specs: Mapping[str, tuple[np.dtype, tuple[int, ...]]],
+  tensors: Iterable[tuple[str, np.ndarray]],
+  metadata: Mapping[str, str] | None = None,
+) -> None:
   """Write one safetensors file, tensor by tensor.
 
   ``specs`` (name → (dtype, shape), in file order) fixes the header up front; ``tensors``
@@ -168,16 +192,18 @@ def write_safetensors(path: str, specs: Mapping[str, tuple[np.dtype, tuple[int, 
     i = -1
     for i, (name, arr) in enumerate(tensors):
       if i >= len(names) or name != names[i]:
-        raise ValueError(f"tensor {name!r} arrived out of order; expected "
-                         f"{names[i] if i < len(names) else 'no more tensors'}")
+        raise ValueError(
+          f"tensor {name!r} arrived out of order; expected "
+          f"{names[i] if i < len(names) else 'no more tensors'}"
+        )
       dt, shape = specs[name]
       arr = np.ascontiguousarray(arr)
       if arr.dtype != np.dtype(dt) or arr.shape != tuple(shape):
-        raise ValueError(f"tensor {name!r} is {arr.dtype}{arr.shape}, header says "
-                         f"{np.dtype(dt)}{tuple(shape)}")
+        raise ValueError(
+          f"tensor {name!r} is {arr.dtype}{arr.shape}, header says {np.dtype(dt)}{tuple(shape)}"
+        )
       fh.write(arr.tobytes())
     if i + 1 != len(names):
       raise ValueError(f"only {i + 1} of {len(names)} tensors were written to {path}")
     fh.flush()
     os.fsync(fh.fileno())
-

@@ -8,17 +8,48 @@ logged positive-definite repair), both with the √Σ split into u and v (Neuron
 aligned ranks (eq. 5), optional per-head q/k/v factorisation (FlashSVD; GQA-aware), MLP-only or
 all-linear mode, and LoRA recovery merged back into u and v (eq. 9).
 """
-from lrjax.compress.factorize import (budget_rank, check_rank, check_ratio, cholesky_factor,
-                                      factorize, lowrank_params, reconstruct)
+
+from lrjax.compress.factorize import (
+  budget_rank,
+  check_rank,
+  check_ratio,
+  cholesky_factor,
+  factorize,
+  lowrank_params,
+  reconstruct,
+)
 from lrjax.compress.lora import lora_recover, next_token_loss
 from lrjax.compress.modules import HeadwiseLowRankLinear, headwise_apply
-from lrjax.compress.pipeline import (ALL_PROJS, METHODS, MLP_PROJS, check_tokens, compress,
-                                     param_counts, plan_ranks)
+from lrjax.compress.pipeline import (
+  ALL_PROJS,
+  METHODS,
+  MLP_PROJS,
+  check_tokens,
+  compress,
+  param_counts,
+  plan_ranks,
+)
 
-__all__ = ["ALL_PROJS", "HeadwiseLowRankLinear", "METHODS", "MLP_PROJS", "budget_rank",
-           "check_rank", "check_ratio", "check_tokens", "cholesky_factor", "compress",
-           "factorize", "headwise_apply", "lora_recover", "lowrank_params", "next_token_loss",
-           "param_counts", "plan_ranks", "reconstruct"]
+__all__ = [
+  "ALL_PROJS",
+  "HeadwiseLowRankLinear",
+  "METHODS",
+  "MLP_PROJS",
+  "budget_rank",
+  "check_rank",
+  "check_ratio",
+  "check_tokens",
+  "cholesky_factor",
+  "compress",
+  "factorize",
+  "headwise_apply",
+  "lora_recover",
+  "lowrank_params",
+  "next_token_loss",
+  "param_counts",
+  "plan_ranks",
+  "reconstruct",
+]
 
 
 class _CallableModule(type(__import__("sys"))):

@@ -10,6 +10,7 @@ eq. 6-8; NeuronMM's W·S with S = L in torch's [out, in] layout).
 weights keeps at most (1 − ratio)·K·N of them, i.e. r·(K + N) ≤ (1 − ratio)·K·N (biases are kept
 and not counted).
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,8 +33,10 @@ def check_ratio(ratio) -> float:
   if isinstance(ratio, bool) or not isinstance(ratio, (int, float, np.floating, np.integer)):
     raise TypeError(f"{ratio=} must be a float in (0, 1): the fraction of parameters removed")
   if not (0.0 < float(ratio) < 1.0) or not math.isfinite(float(ratio)):
-    raise ValueError(f"{ratio=} must be in the open interval (0, 1): the fraction of each "
-                     "compressed projection's weight parameters removed (0.2 keeps 80%)")
+    raise ValueError(
+      f"{ratio=} must be in the open interval (0, 1): the fraction of each "
+      "compressed projection's weight parameters removed (0.2 keeps 80%)"
+    )
   return float(ratio)
 
 
@@ -62,14 +65,17 @@ def budget_rank(k: int, n: int, ratio: float, block: int, *, heads: int = 1, nam
   cap = min(cap, heads * min(k, n // heads))
   rank = int(math.floor(cap / step + 1e-9)) * step
   if rank <= 0:
-    fits = [b for b in (2 ** i for i in range(12)) if b < block
-            and b * heads // math.gcd(b, heads) <= cap + 1e-9]
-    fix = (f"pass a smaller block (block={fits[-1]} fits)" if fits
-           else "pass a smaller ratio")
+    fits = [
+      b
+      for b in (2**i for i in range(12))
+      if b < block and b * heads // math.gcd(b, heads) <= cap + 1e-9
+    ]
+    fix = f"pass a smaller block (block={fits[-1]} fits)" if fits else "pass a smaller ratio"
     raise ValueError(
-        f"{name}: {block=} exceeds the rank budget of a [{k}, {n}] kernel at {ratio=} "
-        f"(r·(K + N{'/heads' if heads > 1 else ''}) ≤ (1 − ratio)·K·N allows r ≤ {cap:.1f}"
-        f"{f' over {heads} heads' if heads > 1 else ''}); {fix}")
+      f"{name}: {block=} exceeds the rank budget of a [{k}, {n}] kernel at {ratio=} "
+      f"(r·(K + N{'/heads' if heads > 1 else ''}) ≤ (1 − ratio)·K·N allows r ≤ {cap:.1f}"
+      f"{f' over {heads} heads' if heads > 1 else ''}); {fix}"
+    )
   return rank
 
 
@@ -80,11 +86,15 @@ def check_rank(k: int, n: int, rank: int, *, heads: int = 1, name: str = "") -> 
     if rank % heads:
       raise ValueError(f"{name}: {rank=} must be a multiple of {heads=} (same rank per head)")
     if rank // heads > min(k, n // heads):
-      raise ValueError(f"{name}: per-head rank {rank // heads} > min(K, head_dim)="
-                       f"{min(k, n // heads)} for a [{k}, {n}] kernel with {heads} heads")
+      raise ValueError(
+        f"{name}: per-head rank {rank // heads} > min(K, head_dim)="
+        f"{min(k, n // heads)} for a [{k}, {n}] kernel with {heads} heads"
+      )
   elif rank > min(k, n):
-    raise ValueError(f"{name}: {rank=} > min(K, N)={min(k, n)} for a [{k}, {n}] kernel; "
-                     "a rank above min(K, N) cannot be factorised")
+    raise ValueError(
+      f"{name}: {rank=} > min(K, N)={min(k, n)} for a [{k}, {n}] kernel; "
+      "a rank above min(K, N) cannot be factorised"
+    )
   return int(rank)
 
 
@@ -120,16 +130,27 @@ def cholesky_factor(gram, *, name: str = "") -> tuple[np.ndarray, str]:
   for eps in JITTERS:
     l = attempt(g + (eps * scale) * eye)
     if l is not None:
-      log.warning("%s: XᵀX is not positive definite; repaired with jitter %.0e × mean diag "
-                  "(%.3g)", name, eps, eps * scale)
+      log.warning(
+        "%s: XᵀX is not positive definite; repaired with jitter %.0e × mean diag (%.3g)",
+        name,
+        eps,
+        eps * scale,
+      )
       return l, f"jitter={eps:g}"
   w, q = np.linalg.eigh(g)
   floor = EIG_FLOOR * max(float(w[-1]), scale)
   n_clip = int(np.sum(w < floor))
   g2 = (q * np.maximum(w, floor)) @ q.T
   l = np.linalg.cholesky(0.5 * (g2 + g2.T))
-  log.warning("%s: XᵀX is not positive definite even with jitter; clipped %d of %d eigenvalues "
-              "to %.3g (%.0e × the largest)", name, n_clip, len(w), floor, EIG_FLOOR)
+  log.warning(
+    "%s: XᵀX is not positive definite even with jitter; clipped %d of %d eigenvalues "
+    "to %.3g (%.0e × the largest)",
+    name,
+    n_clip,
+    len(w),
+    floor,
+    EIG_FLOOR,
+  )
   return l, "eigclip"
 
 
@@ -156,7 +177,7 @@ def factorize(w, rank: int, chol=None, *, heads: int = 1, name: str = ""):
   r_h, d = rank // heads, n // heads
   us, vs = [], []
   for h in range(heads):
-    uu, s, vt = np.linalg.svd(a[:, h * d:(h + 1) * d], full_matrices=False)
+    uu, s, vt = np.linalg.svd(a[:, h * d : (h + 1) * d], full_matrices=False)
     rs = np.sqrt(s[:r_h])
     us.append(uu[:, :r_h] * rs)
     vs.append(rs[:, None] * vt[:r_h])
@@ -173,4 +194,4 @@ def reconstruct(u, v):
   if v.ndim == 2:
     return u @ v
   h, r_h, d = v.shape
-  return np.concatenate([u[:, i * r_h:(i + 1) * r_h] @ v[i] for i in range(h)], axis=1)
+  return np.concatenate([u[:, i * r_h : (i + 1) * r_h] @ v[i] for i in range(h)], axis=1)

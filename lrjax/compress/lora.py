@@ -7,6 +7,7 @@ from the compressed model. The loss is the mean next-token cross-entropy. Mergin
 u and v, whose shapes are unchanged, so every rank stays exactly as compressed (no
 re-factorisation is needed: rank(u·v) ≤ r by shape).
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,6 +26,7 @@ log = logging.getLogger("lrjax.compress")
 def init_adapters(model, targets, rank: int, key) -> list[dict[str, jax.Array]]:
   """Adapters for each (layer, proj) target: B zeros, A ~ N(0, 1/a)."""
   from lrjax.models import get_proj
+
   if not isinstance(rank, int) or rank <= 0:
     raise ValueError(f"lora_rank={rank!r} must be a positive int")
   out = []
@@ -45,6 +47,7 @@ def init_adapters(model, targets, rank: int, key) -> list[dict[str, jax.Array]]:
 def apply_adapters(model, targets, adapters) -> None:
   """u += B_u·A_u and v += B_v·A_v on ``model``'s target projections (in place)."""
   from lrjax.models import get_proj
+
   for (i, p), ad in zip(targets, adapters):
     m = get_proj(model, i, p)
     for name in ("u", "v"):
@@ -61,6 +64,7 @@ def next_token_loss(model, tokens):
 def module_paths(model, targets) -> list[tuple]:
   """Graph path of each (layer, proj) target module inside ``model``."""
   from lrjax.models import get_proj
+
   where = {id(node): path for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Module)}
   return [where[id(get_proj(model, i, p))] for i, p in targets]
 
@@ -74,13 +78,28 @@ def adapter_model(graphdef, state, paths, adapters):
   for path, ad in zip(paths, adapters):
     for name in ("u", "v"):
       delta[tuple(path) + (name,)] = ad["b" + name] @ ad["a" + name]
-  flat = [(p, v.replace((v[...].astype(jnp.float32) + delta[p]).astype(v[...].dtype))
-           if p in delta else v) for p, v in nnx.to_flat_state(state)]
+  flat = [
+    (
+      p,
+      v.replace((v[...].astype(jnp.float32) + delta[p]).astype(v[...].dtype)) if p in delta else v,
+    )
+    for p, v in nnx.to_flat_state(state)
+  ]
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-def lora_recover(model, targets, tokens, *, steps: int, rank: int = 8, lr: float = 1e-3,
-                 batch: int = 8, seed: int = 0, progress: bool = True) -> dict:
+def lora_recover(
+  model,
+  targets,
+  tokens,
+  *,
+  steps: int,
+  rank: int = 8,
+  lr: float = 1e-3,
+  batch: int = 8,
+  seed: int = 0,
+  progress: bool = True,
+) -> dict:
   """Train adapters on ``targets`` [(layer, proj)] for ``steps`` Adam steps, merge, return a record.
 
   The learning rate warms up over the first 10% of steps to ``lr``, then decays to 0 (cosine).
@@ -95,9 +114,14 @@ def lora_recover(model, targets, tokens, *, steps: int, rank: int = 8, lr: float
   tokens = np.asarray(tokens, np.int32)
   passes = steps * batch / len(tokens)
   if passes > 1:
-    log.warning("LoRA: %d steps × %d sequences revisit each of the %d training sequences %.1f "
-                "times; pass more lora_tokens if the held-out loss rises (overfitting)",
-                steps, batch, len(tokens), passes)
+    log.warning(
+      "LoRA: %d steps × %d sequences revisit each of the %d training sequences %.1f "
+      "times; pass more lora_tokens if the held-out loss rises (overfitting)",
+      steps,
+      batch,
+      len(tokens),
+      passes,
+    )
   t0 = time.perf_counter()
   graphdef, state = nnx.split(model)
   paths = module_paths(model, targets)
@@ -109,7 +133,8 @@ def lora_recover(model, targets, tokens, *, steps: int, rank: int = 8, lr: float
   @jax.jit
   def step(adapters, opt_state, state, tok):
     loss, g = jax.value_and_grad(
-        lambda ad: next_token_loss(adapter_model(graphdef, state, paths, ad), tok))(adapters)
+      lambda ad: next_token_loss(adapter_model(graphdef, state, paths, ad), tok)
+    )(adapters)
     upd, opt_state = opt.update(g, opt_state, adapters)
     return optax.apply_updates(adapters, upd), opt_state, loss
 
@@ -120,7 +145,7 @@ def lora_recover(model, targets, tokens, *, steps: int, rank: int = 8, lr: float
   for _ in bar:
     if pos + batch > len(order):
       order, pos = rng.permutation(len(tokens)), 0
-    tok = jnp.asarray(tokens[order[pos:pos + batch]])
+    tok = jnp.asarray(tokens[order[pos : pos + batch]])
     pos += batch
     adapters, opt_state, loss = step(adapters, opt_state, state, tok)
     losses.append(float(loss))
@@ -128,11 +153,24 @@ def lora_recover(model, targets, tokens, *, steps: int, rank: int = 8, lr: float
   bar.close()
   apply_adapters(model, targets, adapters)
   k = max(1, min(20, steps // 5))
-  rec = {"steps": steps, "rank": rank, "lr": lr, "batch": batch, "seed": seed,
-         "optimizer": "adam, 10% warmup + cosine decay to 0", "frozen_factors": True,
-         "merged": True,
-         "loss_first": float(np.mean(losses[:k])), "loss_last": float(np.mean(losses[-k:])),
-         "tokens": int(tokens.size), "seconds": round(time.perf_counter() - t0, 3)}
-  log.info("LoRA: %d steps, train loss %.4f → %.4f (merged into u, v; ranks unchanged)",
-           steps, rec["loss_first"], rec["loss_last"])
+  rec = {
+    "steps": steps,
+    "rank": rank,
+    "lr": lr,
+    "batch": batch,
+    "seed": seed,
+    "optimizer": "adam, 10% warmup + cosine decay to 0",
+    "frozen_factors": True,
+    "merged": True,
+    "loss_first": float(np.mean(losses[:k])),
+    "loss_last": float(np.mean(losses[-k:])),
+    "tokens": int(tokens.size),
+    "seconds": round(time.perf_counter() - t0, 3),
+  }
+  log.info(
+    "LoRA: %d steps, train loss %.4f → %.4f (merged into u, v; ranks unchanged)",
+    steps,
+    rec["loss_first"],
+    rec["loss_last"],
+  )
   return rec

@@ -8,6 +8,7 @@ Order of work: plan every rank (so a bad ``block`` fails before any calibration)
 0..i): accumulate XᵀX in f64 over all calibration batches, Cholesky (with logged PD repair),
 factorise, replace the projections. Then optional LoRA recovery (eq. 9), merged into u and v.
 """
+
 from __future__ import annotations
 
 import logging
@@ -18,8 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from lrjax.compress.factorize import (budget_rank, check_rank, check_ratio, cholesky_factor,
-                                      factorize, lowrank_params)
+from lrjax.compress.factorize import (
+  budget_rank,
+  check_rank,
+  check_ratio,
+  cholesky_factor,
+  factorize,
+  lowrank_params,
+)
 from lrjax.compress.modules import HeadwiseLowRankLinear
 from lrjax.nn.linear import Linear, LowRankLinear
 
@@ -29,8 +36,15 @@ METHODS = ("whiten", "svd")
 MLP_PROJS = ("gate_proj", "up_proj", "down_proj")
 ALL_PROJS = ("q_proj", "k_proj", "v_proj", "o_proj") + MLP_PROJS
 # Projection → input group (as yielded by ``lrjax.models.layer_inputs``).
-PROJ_GROUP = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o",
-              "gate_proj": "gate_up", "up_proj": "gate_up", "down_proj": "down"}
+PROJ_GROUP = {
+  "q_proj": "qkv",
+  "k_proj": "qkv",
+  "v_proj": "qkv",
+  "o_proj": "o",
+  "gate_proj": "gate_up",
+  "up_proj": "gate_up",
+  "down_proj": "down",
+}
 
 
 def check_tokens(tokens, vocab_size: int, name: str = "calib_tokens") -> np.ndarray:
@@ -42,13 +56,16 @@ def check_tokens(tokens, vocab_size: int, name: str = "calib_tokens") -> np.ndar
     raise ValueError(f"{name}.shape={t.shape} needs at least 1 sequence of 2 tokens")
   lo, hi = int(t.min()), int(t.max())
   if lo < 0 or hi >= vocab_size:
-    raise ValueError(f"{name} has ids in [{lo}, {hi}] outside the vocabulary [0, {vocab_size}); "
-                     "tokenize with the model's own tokenizer")
+    raise ValueError(
+      f"{name} has ids in [{lo}, {hi}] outside the vocabulary [0, {vocab_size}); "
+      "tokenize with the model's own tokenizer"
+    )
   return t.astype(np.int32)
 
 
-def plan_ranks(cfg, *, ratio: float, block: int, mlp_only: bool, per_head: bool,
-               ranks=None) -> list[dict[str, tuple[int, int]]]:
+def plan_ranks(
+  cfg, *, ratio: float, block: int, mlp_only: bool, per_head: bool, ranks=None
+) -> list[dict[str, tuple[int, int]]]:
   """Per layer {proj: (rank, heads)} for the projections to compress.
 
   ``ranks`` overrides the budget: an int for every projection, or a dict {proj: rank}, or a list
@@ -82,11 +99,26 @@ def plan_ranks(cfg, *, ratio: float, block: int, mlp_only: bool, per_head: bool,
   return plan
 
 
-def compress(model, *, ratio: float, calib_tokens=None, method: str = "whiten", block: int = 128,
-             mlp_only: bool = False, per_head: bool = False, ranks=None, calib_batch: int = 8,
-             sequential: bool = True, lora_steps: int = 0, lora_rank: int = 8,
-             lora_lr: float = 1e-3, lora_tokens=None, lora_batch: int = 8, lora_seed: int = 0,
-             progress: bool = True):
+def compress(
+  model,
+  *,
+  ratio: float,
+  calib_tokens=None,
+  method: str = "whiten",
+  block: int = 128,
+  mlp_only: bool = False,
+  per_head: bool = False,
+  ranks=None,
+  calib_batch: int = 8,
+  sequential: bool = True,
+  lora_steps: int = 0,
+  lora_rank: int = 8,
+  lora_lr: float = 1e-3,
+  lora_tokens=None,
+  lora_batch: int = 8,
+  lora_seed: int = 0,
+  progress: bool = True,
+):
   """Compress a dense ``lrjax.models`` model **in place** and return it.
 
   Args:
@@ -123,20 +155,24 @@ def compress(model, *, ratio: float, calib_tokens=None, method: str = "whiten", 
   if calib_tokens is not None:
     calib_tokens = check_tokens(calib_tokens, cfg.vocab_size)
   elif method == "whiten":
-    raise ValueError('method="whiten" needs calib_tokens [batch, seq]; pass them or use '
-                     'method="svd"')
+    raise ValueError(
+      'method="whiten" needs calib_tokens [batch, seq]; pass them or use method="svd"'
+    )
   if lora_steps:
     src = lora_tokens if lora_tokens is not None else calib_tokens
     if src is None:
       raise ValueError("lora_steps > 0 needs lora_tokens or calib_tokens [batch, seq]")
     lora_tokens = check_tokens(src, cfg.vocab_size, "lora_tokens")
-  plan = plan_ranks(cfg, ratio=ratio, block=block, mlp_only=mlp_only, per_head=per_head,
-                    ranks=ranks)
+  plan = plan_ranks(
+    cfg, ratio=ratio, block=block, mlp_only=mlp_only, per_head=per_head, ranks=ranks
+  )
   for i, layer in enumerate(plan):
     for p in layer:
       if not isinstance(get_proj(model, i, p), Linear):
-        raise ValueError(f"layer {i} {p} is {type(get_proj(model, i, p)).__name__}, not a dense "
-                         "Linear; compress a dense model (it is already compressed)")
+        raise ValueError(
+          f"layer {i} {p} is {type(get_proj(model, i, p)).__name__}, not a dense "
+          "Linear; compress a dense model (it is already compressed)"
+        )
   t0 = time.perf_counter()
   dense_params = sum(_weights(get_proj(model, i, p)) for i, l in enumerate(plan) for p in l)
   repairs: dict[str, str] = {}
@@ -152,25 +188,37 @@ def compress(model, *, ratio: float, calib_tokens=None, method: str = "whiten", 
           if grams[g][1] != "cholesky":
             repairs[f"{i}.{g}"] = grams[g][1]
         chol = grams[g][0]
-      u, v = factorize(np.asarray(old.kernel[...], np.float64), r, chol, heads=heads,
-                       name=f"layer {i} {p}")
+      u, v = factorize(
+        np.asarray(old.kernel[...], np.float64), r, chol, heads=heads, name=f"layer {i} {p}"
+      )
       set_proj(model, i, p, _lowrank_module(old, u, v, r, heads))
       svd_bar.update(1)
 
   n_calib, bars = 0, []
   if method == "svd":
-    svd_bar = tqdm(total=sum(map(len, plan)), desc="factorize (svd)", unit="proj",
-                   disable=not progress)
+    svd_bar = tqdm(
+      total=sum(map(len, plan)), desc="factorize (svd)", unit="proj", disable=not progress
+    )
     bars.append(svd_bar)
     for i in range(cfg.num_layers):
       compress_layer(i, None)
   else:
-    batches = [calib_tokens[j:j + calib_batch] for j in range(0, len(calib_tokens), calib_batch)]
+    batches = [calib_tokens[j : j + calib_batch] for j in range(0, len(calib_tokens), calib_batch)]
     n_calib = int(calib_tokens.size)
-    cal_bar = tqdm(total=cfg.num_layers * len(batches), desc="calibrate (XᵀX, f64)",
-                   unit="batch", disable=not progress, position=0)
-    svd_bar = tqdm(total=sum(map(len, plan)), desc="factorize (whitened svd)", unit="proj",
-                   disable=not progress, position=1)
+    cal_bar = tqdm(
+      total=cfg.num_layers * len(batches),
+      desc="calibrate (XᵀX, f64)",
+      unit="batch",
+      disable=not progress,
+      position=0,
+    )
+    svd_bar = tqdm(
+      total=sum(map(len, plan)),
+      desc="factorize (whitened svd)",
+      unit="proj",
+      disable=not progress,
+      position=1,
+    )
     bars += [cal_bar, svd_bar]
     if sequential:
       gens = [layer_inputs(model, b) for b in batches]
@@ -188,34 +236,65 @@ def compress(model, *, ratio: float, calib_tokens=None, method: str = "whiten", 
     b.close()
   compressed_params = sum(_weights(get_proj(model, i, p)) for i, l in enumerate(plan) for p in l)
   model.compression = {
-      "method": method, "ratio": ratio, "block": int(block), "mlp_only": bool(mlp_only),
-      "per_head": bool(per_head), "rank_rule": "NeuronMM eq. 5 with alpha=0 (round down)",
-      "ranks": [{p: int(r) for p, (r, _) in l.items()} for l in plan],
-      "heads": [{p: int(h) for p, (_, h) in l.items() if h > 1} for l in plan],
-      "params": {"dense": int(dense_params), "compressed": int(compressed_params),
-                 "removed_fraction": 1.0 - compressed_params / dense_params},
-      "calibration": ({"tokens": n_calib, "sequences": int(calib_tokens.shape[0]),
-                       "seq_len": int(calib_tokens.shape[1]), "batch": calib_batch,
-                       "sequential": bool(sequential), "gram_dtype": "float64",
-                       "pd_repairs": repairs} if method == "whiten" else None),
-      "lora": None,
-      "seconds": round(time.perf_counter() - t0, 3),
+    "method": method,
+    "ratio": ratio,
+    "block": int(block),
+    "mlp_only": bool(mlp_only),
+    "per_head": bool(per_head),
+    "rank_rule": "NeuronMM eq. 5 with alpha=0 (round down)",
+    "ranks": [{p: int(r) for p, (r, _) in l.items()} for l in plan],
+    "heads": [{p: int(h) for p, (_, h) in l.items() if h > 1} for l in plan],
+    "params": {
+      "dense": int(dense_params),
+      "compressed": int(compressed_params),
+      "removed_fraction": 1.0 - compressed_params / dense_params,
+    },
+    "calibration": (
+      {
+        "tokens": n_calib,
+        "sequences": int(calib_tokens.shape[0]),
+        "seq_len": int(calib_tokens.shape[1]),
+        "batch": calib_batch,
+        "sequential": bool(sequential),
+        "gram_dtype": "float64",
+        "pd_repairs": repairs,
+      }
+      if method == "whiten"
+      else None
+    ),
+    "lora": None,
+    "seconds": round(time.perf_counter() - t0, 3),
   }
-  log.info("compressed %d projections (%s, ratio %.3f): %d → %d weights (%.1f%% removed)",
-           sum(len(l) for l in plan), method, ratio, dense_params, compressed_params,
-           100 * model.compression["params"]["removed_fraction"])
+  log.info(
+    "compressed %d projections (%s, ratio %.3f): %d → %d weights (%.1f%% removed)",
+    sum(len(l) for l in plan),
+    method,
+    ratio,
+    dense_params,
+    compressed_params,
+    100 * model.compression["params"]["removed_fraction"],
+  )
   if lora_steps:
     from lrjax.compress.lora import lora_recover
+
     targets = [(i, p) for i, l in enumerate(plan) for p in l]
     model.compression["lora"] = lora_recover(
-        model, targets, lora_tokens, steps=lora_steps, rank=lora_rank, lr=lora_lr,
-        batch=lora_batch, seed=lora_seed, progress=progress)
+      model,
+      targets,
+      lora_tokens,
+      steps=lora_steps,
+      rank=lora_rank,
+      lr=lora_lr,
+      batch=lora_batch,
+      seed=lora_seed,
+      progress=progress,
+    )
   return model
 
 
 def _accumulate(i, taps, layer_plan, bar):
   """{group: XᵀX (f64)} over the (i, {group: X}) taps of one layer, for groups in the plan."""
-  groups = list(dict.fromkeys(PROJ_GROUP[p] for p in layer_plan))   # qkv, o, gate_up, down
+  groups = list(dict.fromkeys(PROJ_GROUP[p] for p in layer_plan))  # qkv, o, gate_up, down
   grams = {}
   for li, xs in taps:
     if li != i:
@@ -224,8 +303,10 @@ def _accumulate(i, taps, layer_plan, bar):
       x = np.asarray(jax.device_get(xs[g]), dtype=np.float64)
       if not np.all(np.isfinite(x)):
         bad = int(np.sum(~np.isfinite(x)))
-        raise ValueError(f"layer {i} {g} input: {bad} NaN/Inf calibration activations; the "
-                         "model overflows on these tokens (check weights, dtype, or tokens)")
+        raise ValueError(
+          f"layer {i} {g} input: {bad} NaN/Inf calibration activations; the "
+          "model overflows on these tokens (check weights, dtype, or tokens)"
+        )
       grams[g] = grams.get(g, 0) + x.T @ x
     bar.update(1)
   return grams
@@ -238,17 +319,33 @@ def _weights(m) -> int:
 def _lowrank_module(old: Linear, u, v, rank: int, heads: int):
   """LowRankLinear (or HeadwiseLowRankLinear) carrying ``old``'s bias, axes and dtypes."""
   from flax import nnx
+
   dt = old.param_dtype
   bias = None if old.bias is None else old.bias[...]
   if heads == 1:
-    make = lambda: LowRankLinear(old.in_features, old.out_features, rank,
-                                 use_bias=bias is not None, axes=old.axes, dtype=old.dtype,
-                                 param_dtype=dt, rngs=nnx.Rngs(0))
+    make = lambda: LowRankLinear(
+      old.in_features,
+      old.out_features,
+      rank,
+      use_bias=bias is not None,
+      axes=old.axes,
+      dtype=old.dtype,
+      param_dtype=dt,
+      rngs=nnx.Rngs(0),
+    )
   else:
-    make = lambda: HeadwiseLowRankLinear(old.in_features, heads, old.out_features // heads,
-                                         rank // heads, use_bias=bias is not None, axes=old.axes,
-                                         dtype=old.dtype, param_dtype=dt, rngs=nnx.Rngs(0))
-  m = nnx.eval_shape(make)                    # structure only: no random init to compile
+    make = lambda: HeadwiseLowRankLinear(
+      old.in_features,
+      heads,
+      old.out_features // heads,
+      rank // heads,
+      use_bias=bias is not None,
+      axes=old.axes,
+      dtype=old.dtype,
+      param_dtype=dt,
+      rngs=nnx.Rngs(0),
+    )
+  m = nnx.eval_shape(make)  # structure only: no random init to compile
   m.u.set_value(jnp.asarray(u, dt))
   m.v.set_value(jnp.asarray(v, dt))
   if bias is not None:
@@ -259,6 +356,7 @@ def _lowrank_module(old: Linear, u, v, rank: int, heads: int):
 def param_counts(model) -> dict[str, int]:
   """Weight parameters of all projections: {"dense_equiv", "actual"} (biases excluded)."""
   from lrjax.models import get_proj
+
   dense = actual = 0
   for i in range(model.cfg.num_layers):
     for p in ALL_PROJS:
@@ -268,5 +366,13 @@ def param_counts(model) -> dict[str, int]:
   return {"dense_equiv": dense, "actual": actual}
 
 
-__all__ = ["ALL_PROJS", "METHODS", "MLP_PROJS", "check_tokens", "compress", "lowrank_params",
-           "param_counts", "plan_ranks"]
+__all__ = [
+  "ALL_PROJS",
+  "METHODS",
+  "MLP_PROJS",
+  "check_tokens",
+  "compress",
+  "lowrank_params",
+  "param_counts",
+  "plan_ranks",
+]

@@ -40,11 +40,21 @@ Logical axis names on params (a rules table maps them to mesh axes for tensor pa
   None       replicated: Qwen3 q_norm/k_norm weights [head_dim]
   ========== ===============================================================
 """
+
 from lrjax.models.calib import GROUPS, PROJ_GROUP, get_proj, layer_inputs, set_proj
 from lrjax.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
-from lrjax.models.llama import (ATTN_PROJS, MLP_PROJS, PROJ_NAMES, DecoderLayer, KVCache,
-                                LlamaForCausalLM, decode_step, prefill_step, proj_axes,
-                                rope_inv_freq)
+from lrjax.models.llama import (
+  ATTN_PROJS,
+  MLP_PROJS,
+  PROJ_NAMES,
+  DecoderLayer,
+  KVCache,
+  LlamaForCausalLM,
+  decode_step,
+  prefill_step,
+  proj_axes,
+  rope_inv_freq,
+)
 
 
 def from_hf(path, dtype=None, **kw) -> LlamaForCausalLM:
@@ -54,10 +64,27 @@ def from_hf(path, dtype=None, **kw) -> LlamaForCausalLM:
   else float32). See :func:`lrjax.checkpoint.load_hf` for the other options.
   """
   from lrjax.checkpoint.hf import load_hf
+
   return load_hf(path, dtype=dtype, **kw)
 
 
-__all__ = ["ATTN_PROJS", "DecoderLayer", "GROUPS", "KVCache", "LlamaForCausalLM", "MLP_PROJS",
-           "ModelConfig", "PROJ_GROUP", "PROJ_NAMES", "SUPPORTED_MODEL_TYPES", "decode_step",
-           "from_hf", "get_proj", "layer_inputs", "prefill_step", "proj_axes", "rope_inv_freq",
-           "set_proj"]
+__all__ = [
+  "ATTN_PROJS",
+  "DecoderLayer",
+  "GROUPS",
+  "KVCache",
+  "LlamaForCausalLM",
+  "MLP_PROJS",
+  "ModelConfig",
+  "PROJ_GROUP",
+  "PROJ_NAMES",
+  "SUPPORTED_MODEL_TYPES",
+  "decode_step",
+  "from_hf",
+  "get_proj",
+  "layer_inputs",
+  "prefill_step",
+  "proj_axes",
+  "rope_inv_freq",
+  "set_proj",
+]

@@ -1,19 +1,30 @@
 """Calibration hooks: projection inputs per layer, and projection get/set by (layer, name)."""
+
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lrjax.models.llama import (ATTN_PROJS, PROJ_NAMES, LlamaForCausalLM, _mask,
-                                get_proj_module, rope_inv_freq)
+from lrjax.models.llama import (
+  ATTN_PROJS,
+  PROJ_NAMES,
+  LlamaForCausalLM,
+  _mask,
+  get_proj_module,
+  rope_inv_freq,
+)
 from lrjax.nn.linear import Linear, LowRankLinear
 
 # Projection group → projections that read that input.
-GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
-          "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+GROUPS = {
+  "qkv": ("q_proj", "k_proj", "v_proj"),
+  "o": ("o_proj",),
+  "gate_up": ("gate_proj", "up_proj"),
+  "down": ("down_proj",),
+}
 PROJ_GROUP = {p: g for g, ps in GROUPS.items() for p in ps}
 
 
@@ -67,10 +78,11 @@ def set_proj(model: LlamaForCausalLM, layer: int, name: str, module: nnx.Module)
   if got != want:
     raise ValueError(f"layer {layer} {name}: replacement (in, out)={got} must be {want}")
   if (old.bias is None) != (getattr(module, "bias", None) is None):
-    raise ValueError(f"layer {layer} {name}: replacement must {'' if old.bias is not None else 'not '}"
-                     "have a bias, like the module it replaces")
-  setattr(model.layers[layer].attn if name in ATTN_PROJS else model.layers[layer].mlp, name,
-          module)
+    raise ValueError(
+      f"layer {layer} {name}: replacement must {'' if old.bias is not None else 'not '}"
+      "have a bias, like the module it replaces"
+    )
+  setattr(model.layers[layer].attn if name in ATTN_PROJS else model.layers[layer].mlp, name, module)
 
 
 def _check_layer(model, layer):

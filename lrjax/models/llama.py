@@ -3,13 +3,14 @@
 Each projection is an ``lrjax.nn.Linear`` or ``lrjax.nn.LowRankLinear``; the MLP is written as
 ``down(silu(gate(x)) * up(x))`` so ``lrjax.fuse`` sees the x·u·v chains and the low-rank MLP.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import json
 import logging
 import math
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -24,10 +25,15 @@ log = logging.getLogger("lrjax.models")
 ATTN_PROJS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJS = ("gate_proj", "up_proj", "down_proj")
 PROJ_NAMES = ATTN_PROJS + MLP_PROJS
-_PROJ_AXES = {"q_proj": ("embed", "heads"), "k_proj": ("embed", "kv_heads"),
-              "v_proj": ("embed", "kv_heads"), "o_proj": ("heads", "embed"),
-              "gate_proj": ("embed", "mlp"), "up_proj": ("embed", "mlp"),
-              "down_proj": ("mlp", "embed")}
+_PROJ_AXES = {
+  "q_proj": ("embed", "heads"),
+  "k_proj": ("embed", "kv_heads"),
+  "v_proj": ("embed", "kv_heads"),
+  "o_proj": ("heads", "embed"),
+  "gate_proj": ("embed", "mlp"),
+  "up_proj": ("embed", "mlp"),
+  "down_proj": ("mlp", "embed"),
+}
 
 # Per-layer ranks: {proj_name: rank} for low-rank projections; absent names are dense.
 LayerRanks = Mapping[str, int]
@@ -45,16 +51,28 @@ def proj_axes(name: str) -> tuple[str, str]:
   return _PROJ_AXES[name]
 
 
-def make_proj(cfg: ModelConfig, name: str, rank: int | None, *, heads: int = 1, dtype,
-              param_dtype, rngs: nnx.Rngs):
+def make_proj(
+  cfg: ModelConfig,
+  name: str,
+  rank: int | None,
+  *,
+  heads: int = 1,
+  dtype,
+  param_dtype,
+  rngs: nnx.Rngs,
+):
   """The projection module ``name`` of one layer.
 
   Dense ``Linear`` if ``rank`` is None, ``LowRankLinear`` if ``heads`` is 1, else a per-head
   ``lrjax.compress.HeadwiseLowRankLinear`` with total rank ``rank`` over ``heads`` heads.
   """
   k, n = cfg.proj_shapes()[name]
-  bias = {"q_proj": cfg.qkv_bias, "k_proj": cfg.qkv_bias, "v_proj": cfg.qkv_bias,
-          "o_proj": cfg.o_bias}.get(name, cfg.mlp_bias)
+  bias = {
+    "q_proj": cfg.qkv_bias,
+    "k_proj": cfg.qkv_bias,
+    "v_proj": cfg.qkv_bias,
+    "o_proj": cfg.o_bias,
+  }.get(name, cfg.mlp_bias)
   kw = dict(use_bias=bias, axes=_PROJ_AXES[name], dtype=dtype, param_dtype=param_dtype, rngs=rngs)
   if rank is None:
     return Linear(k, n, **kw)
@@ -63,14 +81,14 @@ def make_proj(cfg: ModelConfig, name: str, rank: int | None, *, heads: int = 1, 
   if n % heads or rank % heads:
     raise ValueError(f"{name}: out={n} and {rank=} must be multiples of {heads=}")
   from lrjax.compress.modules import HeadwiseLowRankLinear
+
   return HeadwiseLowRankLinear(k, heads, n // heads, int(rank) // heads, **kw)
 
 
 class RMSNorm(nnx.Module):
   """y = w · x / rms(x) over the last axis; statistics in f32 (as HF)."""
 
-  def __init__(self, dim: int, eps: float, *, axes=("embed",), dtype=None,
-               param_dtype=jnp.float32):
+  def __init__(self, dim: int, eps: float, *, axes=("embed",), dtype=None, param_dtype=jnp.float32):
     self.eps, self.dtype = eps, dtype
     self.weight = param(jnp.ones((dim,), param_dtype), axes)
 
@@ -84,11 +102,11 @@ class RMSNorm(nnx.Module):
 class Embed(nnx.Module):
   """Token embedding table [vocab, embed]."""
 
-  def __init__(self, vocab: int, dim: int, *, dtype=None, param_dtype=jnp.float32,
-               rngs: nnx.Rngs):
+  def __init__(self, vocab: int, dim: int, *, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
     self.dtype = dtype
-    self.embedding = param(jax.random.normal(rngs.params(), (vocab, dim), param_dtype) * 0.02,
-                           ("vocab", "embed"))
+    self.embedding = param(
+      jax.random.normal(rngs.params(), (vocab, dim), param_dtype) * 0.02, ("vocab", "embed")
+    )
 
   def __call__(self, tokens):
     e = jnp.take(self.embedding[...], tokens, axis=0)
@@ -109,7 +127,11 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
   if rtype == "linear":
     inv = inv / float(rs["factor"])
   elif rtype == "llama3":
-    factor, lo, hi = float(rs["factor"]), float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+    factor, lo, hi = (
+      float(rs["factor"]),
+      float(rs["low_freq_factor"]),
+      float(rs["high_freq_factor"]),
+    )
     old = float(rs["original_max_position_embeddings"])
     wavelen = 2 * math.pi / inv
     scaled = np.where(wavelen > old / lo, inv / factor, inv)
@@ -122,8 +144,8 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
 
 def apply_rope(x, positions, inv_freq):
   """Rotate-half RoPE. x [B, S, H, D], positions [B, S] int, inv_freq [D/2] f32."""
-  ang = positions.astype(jnp.float32)[..., None] * inv_freq            # [B, S, D/2]
-  ang = jnp.concatenate([ang, ang], axis=-1)[:, :, None, :]            # [B, S, 1, D]
+  ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, S, D/2]
+  ang = jnp.concatenate([ang, ang], axis=-1)[:, :, None, :]  # [B, S, 1, D]
   cos, sin = jnp.cos(ang).astype(x.dtype), jnp.sin(ang).astype(x.dtype)
   x1, x2 = jnp.split(x, 2, axis=-1)
   return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
@@ -157,12 +179,13 @@ class KVCache:
   head), and with positions first XLA:GPU transposed every layer's whole buffer on the way in
   and out of a jitted decode step.
   """
+
   k: tuple
   v: tuple
   pos: jax.Array
 
   @classmethod
-  def init(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> "KVCache":
+  def init(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
     shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))  # noqa: E731
     return cls(zeros(), zeros(), jnp.zeros((batch,), jnp.int32))
@@ -184,12 +207,24 @@ def write_kv(buf, new, write_pos, heads_first: bool = False):
 
 
 class Attention(nnx.Module):
-  def __init__(self, cfg: ModelConfig, ranks: LayerRanks, heads: LayerRanks, *, dtype,
-               param_dtype, rngs):
+  def __init__(
+    self, cfg: ModelConfig, ranks: LayerRanks, heads: LayerRanks, *, dtype, param_dtype, rngs
+  ):
     self.cfg = cfg
     for name in ATTN_PROJS:
-      setattr(self, name, make_proj(cfg, name, ranks.get(name), heads=heads.get(name, 1),
-                                    dtype=dtype, param_dtype=param_dtype, rngs=rngs))
+      setattr(
+        self,
+        name,
+        make_proj(
+          cfg,
+          name,
+          ranks.get(name),
+          heads=heads.get(name, 1),
+          dtype=dtype,
+          param_dtype=param_dtype,
+          rngs=rngs,
+        ),
+      )
     if cfg.qk_norm:
       kw = dict(axes=(None,), dtype=dtype, param_dtype=param_dtype)
       self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **kw)
@@ -210,11 +245,23 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-  def __init__(self, cfg: ModelConfig, ranks: LayerRanks, heads: LayerRanks, *, dtype,
-               param_dtype, rngs):
+  def __init__(
+    self, cfg: ModelConfig, ranks: LayerRanks, heads: LayerRanks, *, dtype, param_dtype, rngs
+  ):
     for name in MLP_PROJS:
-      setattr(self, name, make_proj(cfg, name, ranks.get(name), heads=heads.get(name, 1),
-                                    dtype=dtype, param_dtype=param_dtype, rngs=rngs))
+      setattr(
+        self,
+        name,
+        make_proj(
+          cfg,
+          name,
+          ranks.get(name),
+          heads=heads.get(name, 1),
+          dtype=dtype,
+          param_dtype=param_dtype,
+          rngs=rngs,
+        ),
+      )
 
   def __call__(self, x):
     return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -223,22 +270,31 @@ class MLP(nnx.Module):
 class DecoderLayer(nnx.Module):
   """Pre-norm block: h += o(attn(norm(h))); h += mlp(norm(h))."""
 
-  def __init__(self, cfg: ModelConfig, ranks: LayerRanks | None = None,
-               heads: LayerRanks | None = None, *, dtype=None, param_dtype=jnp.float32,
-               rngs: nnx.Rngs):
+  def __init__(
+    self,
+    cfg: ModelConfig,
+    ranks: LayerRanks | None = None,
+    heads: LayerRanks | None = None,
+    *,
+    dtype=None,
+    param_dtype=jnp.float32,
+    rngs: nnx.Rngs,
+  ):
     ranks, heads = dict(ranks or {}), dict(heads or {})
     bad = (set(ranks) | set(heads)) - set(PROJ_NAMES)
     if bad:
-      raise ValueError(f"ranks/heads name unknown projections {sorted(bad)}; expected names in "
-                       f"{PROJ_NAMES}")
+      raise ValueError(
+        f"ranks/heads name unknown projections {sorted(bad)}; expected names in {PROJ_NAMES}"
+      )
     kw = dict(dtype=dtype, param_dtype=param_dtype)
     self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
     self.attn = Attention(cfg, ranks, heads, rngs=rngs, **kw)
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
     self.mlp = MLP(cfg, ranks, heads, rngs=rngs, **kw)
 
-  def __call__(self, h, positions, inv_freq, mask, kv=None, write_pos=None, taps=None,
-               attend_cache=True):
+  def __call__(
+    self, h, positions, inv_freq, mask, kv=None, write_pos=None, taps=None, attend_cache=True
+  ):
     """One block. Returns (h, kv).
 
     Without ``kv`` attention is over this call's keys (``mask`` [B,S,S]). With ``kv`` =
@@ -254,26 +310,34 @@ class DecoderLayer(nnx.Module):
       kv = tuple(write_kv(c, n, write_pos, heads_first=True) for c, n in zip(kv, (k, v)))
     if kv is not None and attend_cache:  # the first mask.shape[-1] positions (``attend_len``)
       t = mask.shape[-1]
-      a = attend(q, kv[0][:, :, :t].astype(q.dtype), kv[1][:, :, :t].astype(q.dtype), mask,
-                 heads_first=True)
+      a = attend(
+        q, kv[0][:, :, :t].astype(q.dtype), kv[1][:, :, :t].astype(q.dtype), mask, heads_first=True
+      )
     else:
       a = attend(q, k, v, mask)
     h = h + self.attn.o_proj(a)
     x2 = self.post_attention_layernorm(h)
     if taps is not None:
-      taps.update(qkv=x, o=a, gate_up=x2,
-                  down=jax.nn.silu(self.mlp.gate_proj(x2)) * self.mlp.up_proj(x2))
+      taps.update(
+        qkv=x, o=a, gate_up=x2, down=jax.nn.silu(self.mlp.gate_proj(x2)) * self.mlp.up_proj(x2)
+      )
     return h + self.mlp(x2), kv
 
   def ranks(self) -> dict[str, int]:
     """{proj_name: total rank} of this layer's low-rank projections (dense ones are absent)."""
-    return {name: int(m.rank) for name in PROJ_NAMES
-            if not isinstance(m := get_proj_module(self, name), Linear)}
+    return {
+      name: int(m.rank)
+      for name in PROJ_NAMES
+      if not isinstance(m := get_proj_module(self, name), Linear)
+    }
 
   def heads(self) -> dict[str, int]:
     """{proj_name: heads} of this layer's per-head low-rank projections."""
-    return {name: int(m.heads) for name in PROJ_NAMES
-            if getattr(m := get_proj_module(self, name), "heads", 1) > 1}
+    return {
+      name: int(m.heads)
+      for name in PROJ_NAMES
+      if getattr(m := get_proj_module(self, name), "heads", 1) > 1
+    }
 
 
 def get_proj_module(layer: DecoderLayer, name: str):
@@ -301,21 +365,35 @@ class LlamaForCausalLM(nnx.Module):
   program, which prefill amortises over its tokens; ``decode`` therefore always loops.
   """
 
-  def __init__(self, cfg: ModelConfig, ranks: Sequence[LayerRanks] | None = None,
-               heads: Sequence[LayerRanks] | None = None, *, dtype=None,
-               param_dtype=jnp.float32, scan_layers: bool = True, rngs: nnx.Rngs):
+  def __init__(
+    self,
+    cfg: ModelConfig,
+    ranks: Sequence[LayerRanks] | None = None,
+    heads: Sequence[LayerRanks] | None = None,
+    *,
+    dtype=None,
+    param_dtype=jnp.float32,
+    scan_layers: bool = True,
+    rngs: nnx.Rngs,
+  ):
     for name, per_layer in (("ranks", ranks), ("heads", heads)):
       if per_layer is not None and len(per_layer) != cfg.num_layers:
         raise ValueError(f"len({name})={len(per_layer)} must equal num_layers={cfg.num_layers}")
     self.cfg, self.dtype, self.scan_layers = cfg, dtype, scan_layers
     kw = dict(dtype=dtype, param_dtype=param_dtype)
     self.embed = Embed(cfg.vocab_size, cfg.hidden_size, rngs=rngs, **kw)
-    self.layers = nnx.List([DecoderLayer(cfg, ranks[i] if ranks else None,
-                                         heads[i] if heads else None, rngs=rngs, **kw)
-                            for i in range(cfg.num_layers)])
+    self.layers = nnx.List(
+      [
+        DecoderLayer(cfg, ranks[i] if ranks else None, heads[i] if heads else None, rngs=rngs, **kw)
+        for i in range(cfg.num_layers)
+      ]
+    )
     self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
-    self.lm_head = None if cfg.tie_word_embeddings else Linear(
-        cfg.hidden_size, cfg.vocab_size, axes=("embed", "vocab"), rngs=rngs, **kw)
+    self.lm_head = (
+      None
+      if cfg.tie_word_embeddings
+      else Linear(cfg.hidden_size, cfg.vocab_size, axes=("embed", "vocab"), rngs=rngs, **kw)
+    )
     self._compression: Record | None = None
     self.source_digest: str | None = None
 
@@ -353,18 +431,22 @@ class LlamaForCausalLM(nnx.Module):
     h = self.norm(h)
     return self.embed.attend(h) if self.lm_head is None else self.lm_head(h)
 
-  def _run_layers(self, h, positions, mask, cache=None, write_pos=None, scan=True,
-                  attend_cache=True):
+  def _run_layers(
+    self, h, positions, mask, cache=None, write_pos=None, scan=True, attend_cache=True
+  ):
     """Run all layers; with ``cache`` returns (h, (k_bufs, v_bufs)), the cache's per-layer
     buffers updated in place."""
     inv = jnp.asarray(rope_inv_freq(self.cfg), jnp.float32)
     if scan and self.scan_layers and len(self.layers) > 1 and self.homogeneous():
       if cache is not None and attend_cache:
-        raise ValueError("the layer scan attends only to each call's own keys "
-                         "(attend_cache=False); run attention over a cache with scan=False")
+        raise ValueError(
+          "the layer scan attends only to each call's own keys "
+          "(attend_cache=False); run attention over a cache with scan=False"
+        )
       gdef = nnx.split(self.layers[0])[0]
-      stacked = jax.tree.map(lambda *xs: jnp.stack(xs),
-                             *[nnx.split(layer)[1] for layer in self.layers])
+      stacked = jax.tree.map(
+        lambda *xs: jnp.stack(xs), *[nnx.split(layer)[1] for layer in self.layers]
+      )
       b, s = h.shape[:2]
       if cache is not None:
         _, kvh, _, d = cache.k[0].shape
@@ -374,19 +456,25 @@ class LlamaForCausalLM(nnx.Module):
         # a cache's layers cannot be indexed by the scan: each layer's keys and values go
         # into an S-long buffer of their own, stacked by the scan, written below
         kv = None if cache is None else (fresh, fresh)
-        h, kv = nnx.merge(gdef, st)(h, positions, inv, mask, kv, jnp.zeros((b,), jnp.int32),
-                                    attend_cache=False)
+        h, kv = nnx.merge(gdef, st)(
+          h, positions, inv, mask, kv, jnp.zeros((b,), jnp.int32), attend_cache=False
+        )
         return h, kv
 
       log.debug("forward: lax.scan over %d identical layers", len(self.layers))
       h, new = jax.lax.scan(body, h, stacked)
       if cache is None:
         return h, None
-      return h, tuple(tuple(write_kv(buf, n[i].swapaxes(1, 2), write_pos, heads_first=True)
-                            for i, buf in enumerate(bufs))
-                      for bufs, n in zip((cache.k, cache.v), new))
-    log.debug("forward: Python loop over %d layers (scan_layers=%s)", len(self.layers),
-              self.scan_layers)
+      return h, tuple(
+        tuple(
+          write_kv(buf, n[i].swapaxes(1, 2), write_pos, heads_first=True)
+          for i, buf in enumerate(bufs)
+        )
+        for bufs, n in zip((cache.k, cache.v), new)
+      )
+    log.debug(
+      "forward: Python loop over %d layers (scan_layers=%s)", len(self.layers), self.scan_layers
+    )
     ks, vs = [], []
     for i, layer in enumerate(self.layers):
       kv = None if cache is None else (cache.k[i], cache.v[i])
@@ -417,8 +505,9 @@ class LlamaForCausalLM(nnx.Module):
     pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     mask = _mask(pos, pos, jnp.ones((b, s), bool), self.cfg.sliding_window)
     # The cache starts empty: attend over this call's S keys, not all max_len slots.
-    h, (k, v) = self._run_layers(self.embed(tokens), pos, mask, cache,
-                                 jnp.zeros((b,), jnp.int32), attend_cache=False)
+    h, (k, v) = self._run_layers(
+      self.embed(tokens), pos, mask, cache, jnp.zeros((b,), jnp.int32), attend_cache=False
+    )
     return self._logits(h), KVCache(k, v, lengths)
 
   def decode(self, tokens, cache: KVCache, attend_len: int | None = None):
@@ -432,12 +521,13 @@ class LlamaForCausalLM(nnx.Module):
     tokens = _check_tokens(tokens, 1)
     b = tokens.shape[0]
     _check_cache(cache, self.cfg, b, 1)
-    pos = cache.pos[:, None]                                          # [B, 1]
+    pos = cache.pos[:, None]  # [B, 1]
     mask = decode_mask(cache.pos, cache.max_len, attend_len, self.cfg.sliding_window)
     # Python loop: a per-step stack of the layer weights for lax.scan would double the weight
     # traffic of a bandwidth-bound step.
-    h, (k, v) = self._run_layers(self.embed(tokens[:, None]), pos, mask, cache, cache.pos,
-                                 scan=False)
+    h, (k, v) = self._run_layers(
+      self.embed(tokens[:, None]), pos, mask, cache, cache.pos, scan=False
+    )
     return self._logits(h)[:, 0], KVCache(k, v, cache.pos + 1)
 
 
@@ -448,8 +538,10 @@ def decode_mask(pos, max_len: int, attend_len=None, window=None):
   if not isinstance(t_len, int) or isinstance(t_len, bool) or not 1 <= t_len <= max_len:
     raise ValueError(f"{attend_len=} must be a Python int in [1, max_len={max_len}]")
   if not isinstance(pos, jax.core.Tracer) and int(jnp.max(pos)) >= t_len:
-    raise ValueError(f"a row is at position {int(jnp.max(pos))}, past {attend_len=}: its key "
-                     "would fall outside the attended positions")
+    raise ValueError(
+      f"a row is at position {int(jnp.max(pos))}, past {attend_len=}: its key "
+      "would fall outside the attended positions"
+    )
   t = jnp.broadcast_to(jnp.arange(t_len, dtype=jnp.int32), (pos.shape[0], t_len))
   return _mask(pos[:, None], t, t <= pos[:, None], window)
 
@@ -466,13 +558,23 @@ def _check_cache(cache, cfg, b, s):
   bufs = (cache.k, cache.v)
   t = cache.k[0].shape[2] if isinstance(cache.k, tuple) and cache.k else None
   want = (b, cfg.num_kv_heads, t, cfg.head_dim)
-  if any(not isinstance(x, tuple) or len(x) != cfg.num_layers
-         or any(getattr(a, "shape", None) != want for a in x) for x in bufs):
-    got = [type(x).__name__ if not isinstance(x, tuple) else
-           f"{len(x)} x {getattr(x[0], 'shape', None) if x else None}" for x in bufs]
-    raise ValueError(f"cache.k / cache.v are {got}; each must be a tuple of "
-                     f"num_layers={cfg.num_layers} arrays {want} (batch, kv_heads, max_len, "
-                     "head_dim); build the cache with KVCache.init(cfg, batch, max_len)")
+  if any(
+    not isinstance(x, tuple)
+    or len(x) != cfg.num_layers
+    or any(getattr(a, "shape", None) != want for a in x)
+    for x in bufs
+  ):
+    got = [
+      type(x).__name__
+      if not isinstance(x, tuple)
+      else f"{len(x)} x {getattr(x[0], 'shape', None) if x else None}"
+      for x in bufs
+    ]
+    raise ValueError(
+      f"cache.k / cache.v are {got}; each must be a tuple of "
+      f"num_layers={cfg.num_layers} arrays {want} (batch, kv_heads, max_len, "
+      "head_dim); build the cache with KVCache.init(cfg, batch, max_len)"
+    )
   if s > cache.max_len:
     raise ValueError(f"{s=} tokens do not fit in cache max_len={cache.max_len}")
 

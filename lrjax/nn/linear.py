@@ -4,9 +4,10 @@ Forward passes are plain jnp: ``lrjax.fuse`` decides what becomes a fused kernel
 Every param carries logical axis names (``out_sharding`` metadata); one rules
 table in ``lrjax.sharding`` maps them to mesh axes.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -45,9 +46,18 @@ def svd_factors(kernel, rank: int):
 class Linear(nnx.Module):
   """y = x·kernel (+ bias); kernel [in, out] with logical axes ``axes``."""
 
-  def __init__(self, in_features: int, out_features: int, *, use_bias: bool = False,
-               axes: Axes = ("embed", "mlp"), dtype=None, param_dtype=jnp.float32,
-               kernel_init=nnx.initializers.lecun_normal(), rngs: nnx.Rngs):
+  def __init__(
+    self,
+    in_features: int,
+    out_features: int,
+    *,
+    use_bias: bool = False,
+    axes: Axes = ("embed", "mlp"),
+    dtype=None,
+    param_dtype=jnp.float32,
+    kernel_init=nnx.initializers.lecun_normal(),  # noqa: B008
+    rngs: nnx.Rngs,
+  ):
     _check_dims(in_features=in_features, out_features=out_features)
     self.in_features, self.out_features = in_features, out_features
     self.dtype, self.param_dtype, self.axes = dtype, param_dtype, tuple(axes)
@@ -63,7 +73,9 @@ class Linear(nnx.Module):
 
   @property
   def num_params(self) -> int:
-    return self.in_features * self.out_features + (self.out_features if self.bias is not None else 0)
+    return self.in_features * self.out_features + (
+      self.out_features if self.bias is not None else 0
+    )
 
 
 class LowRankLinear(nnx.Module):
@@ -72,23 +84,36 @@ class LowRankLinear(nnx.Module):
   Logical axes: u (axes[0], rank_axis), v (rank_axis, axes[1]), bias (axes[1],).
   """
 
-  def __init__(self, in_features: int, out_features: int, rank: int, *, use_bias: bool = False,
-               axes: Axes = ("embed", "mlp"), rank_axis: str = RANK_AXIS, dtype=None,
-               param_dtype=jnp.float32, rngs: nnx.Rngs):
+  def __init__(
+    self,
+    in_features: int,
+    out_features: int,
+    rank: int,
+    *,
+    use_bias: bool = False,
+    axes: Axes = ("embed", "mlp"),
+    rank_axis: str = RANK_AXIS,
+    dtype=None,
+    param_dtype=jnp.float32,
+    rngs: nnx.Rngs,
+  ):
     _check_dims(in_features=in_features, out_features=out_features, rank=rank)
     if rank > min(in_features, out_features):
-      raise ValueError(f"{rank=} must be <= min(in_features, out_features)="
-                       f"{min(in_features, out_features)}")
+      raise ValueError(
+        f"{rank=} must be <= min(in_features, out_features)={min(in_features, out_features)}"
+      )
     self.in_features, self.out_features, self.rank = in_features, out_features, rank
     self.dtype, self.param_dtype = dtype, param_dtype
     self.axes, self.rank_axis = tuple(axes), rank_axis
     # Product u·v has the variance of a lecun-normal dense kernel.
     su = (1.0 / in_features) ** 0.5
     sv = (1.0 / rank) ** 0.5
-    self.u = param(su * jax.random.normal(rngs.params(), (in_features, rank), param_dtype),
-                   (axes[0], rank_axis))
-    self.v = param(sv * jax.random.normal(rngs.params(), (rank, out_features), param_dtype),
-                   (rank_axis, axes[1]))
+    self.u = param(
+      su * jax.random.normal(rngs.params(), (in_features, rank), param_dtype), (axes[0], rank_axis)
+    )
+    self.v = param(
+      sv * jax.random.normal(rngs.params(), (rank, out_features), param_dtype), (rank_axis, axes[1])
+    )
     self.bias = param(jnp.zeros((out_features,), param_dtype), axes[1:]) if use_bias else None
 
   def __call__(self, x):
@@ -99,15 +124,33 @@ class LowRankLinear(nnx.Module):
     return y
 
   @classmethod
-  def from_dense(cls, kernel, rank: int, bias=None, *, axes: Axes = ("embed", "mlp"),
-                 rank_axis: str = RANK_AXIS, dtype=None, param_dtype=None,
-                 rngs: nnx.Rngs | None = None) -> "LowRankLinear":
+  def from_dense(
+    cls,
+    kernel,
+    rank: int,
+    bias=None,
+    *,
+    axes: Axes = ("embed", "mlp"),
+    rank_axis: str = RANK_AXIS,
+    dtype=None,
+    param_dtype=None,
+    rngs: nnx.Rngs | None = None,
+  ) -> LowRankLinear:
     """Truncated SVD of ``kernel`` [in, out], √Σ split into u and v."""
     u, v = svd_factors(kernel, rank)
     param_dtype = param_dtype or jnp.asarray(kernel).dtype
     k, n = u.shape[0], v.shape[1]
-    m = cls(k, n, rank, use_bias=bias is not None, axes=axes, rank_axis=rank_axis, dtype=dtype,
-            param_dtype=param_dtype, rngs=rngs or nnx.Rngs(0))
+    m = cls(
+      k,
+      n,
+      rank,
+      use_bias=bias is not None,
+      axes=axes,
+      rank_axis=rank_axis,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      rngs=rngs or nnx.Rngs(0),
+    )
     m.u[...] = jnp.asarray(u, param_dtype)
     m.v[...] = jnp.asarray(v, param_dtype)
     if bias is not None:
@@ -119,7 +162,8 @@ class LowRankLinear(nnx.Module):
   @property
   def num_params(self) -> int:
     return self.rank * (self.in_features + self.out_features) + (
-        self.out_features if self.bias is not None else 0)
+      self.out_features if self.bias is not None else 0
+    )
 
 
 class LowRankMLP(nnx.Module):
@@ -131,9 +175,19 @@ class LowRankMLP(nnx.Module):
   ``ranks`` is (gate, up, down) when gated, else (up, down).
   """
 
-  def __init__(self, hidden: int, intermediate: int, ranks: Sequence[int], *, gated: bool = True,
-               act: str = "silu", use_bias: bool = False, dtype=None, param_dtype=jnp.float32,
-               rngs: nnx.Rngs):
+  def __init__(
+    self,
+    hidden: int,
+    intermediate: int,
+    ranks: Sequence[int],
+    *,
+    gated: bool = True,
+    act: str = "silu",
+    use_bias: bool = False,
+    dtype=None,
+    param_dtype=jnp.float32,
+    rngs: nnx.Rngs,
+  ):
     if act not in ACTIVATIONS:
       raise ValueError(f"{act=} is not supported; expected one of {sorted(ACTIVATIONS)}")
     ranks = tuple(ranks)

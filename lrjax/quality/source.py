@@ -11,6 +11,7 @@ Sequences start in the stationary distribution: the first token is the state's x
 the third token on (position ≥ :attr:`MarkovSource.floor_from`) the state is fully determined by
 the visible past, so the best achievable cross-entropy there is exactly the entropy rate.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,10 +52,10 @@ class MarkovSource:
     self.cfg = cfg
     v, g, k = cfg.vocab, cfg.groups, cfg.support
     rng = np.random.default_rng(cfg.seed)
-    self.group = rng.permutation(np.arange(v) % g)                  # [V] token → group
+    self.group = rng.permutation(np.arange(v) % g)  # [V] token → group
     n_states = v * g
     self.succ = np.stack([rng.choice(v, k, replace=False) for _ in range(n_states)])  # [S, k]
-    self.prob = rng.dirichlet(np.full(k, cfg.alpha), size=n_states)                    # [S, k]
+    self.prob = rng.dirichlet(np.full(k, cfg.alpha), size=n_states)  # [S, k]
     self.n_states = n_states
     self.pi = self._stationary()
 
@@ -67,8 +68,9 @@ class MarkovSource:
     s = np.repeat(np.arange(self.n_states), self.cfg.support)
     a = s // self.cfg.groups
     nxt = self.state(self.succ.reshape(-1), self.group[a])
-    return scipy.sparse.csr_matrix((self.prob.reshape(-1), (s, nxt)),
-                                   shape=(self.n_states, self.n_states))
+    return scipy.sparse.csr_matrix(
+      (self.prob.reshape(-1), (s, nxt)), shape=(self.n_states, self.n_states)
+    )
 
   def _stationary(self) -> np.ndarray:
     t = self.transition_matrix()
@@ -79,8 +81,10 @@ class MarkovSource:
     leaving[labels[coo.row][labels[coo.row] != labels[coo.col]]] = True
     closed = np.flatnonzero(~leaving)
     if len(closed) != 1:
-      raise ValueError(f"source {self.cfg} has {len(closed)} closed classes, so no unique "
-                       "stationary distribution; use another seed or a larger support")
+      raise ValueError(
+        f"source {self.cfg} has {len(closed)} closed classes, so no unique "
+        "stationary distribution; use another seed or a larger support"
+      )
     members = np.flatnonzero(labels == closed[0])
     sub = t[members][:, members].toarray()
     # π (I − T) = 0 with Σπ = 1, solved densely on the closed class.
@@ -125,7 +129,7 @@ class MarkovSource:
   def log_prob_next(self, tokens: np.ndarray) -> np.ndarray:
     """True log P(x_t | past) for t >= floor_from: float64 [n, length - floor_from]."""
     tokens = np.asarray(tokens)
-    s = self.state(tokens[:, 1:-1], self.group[tokens[:, :-2]])     # state before x_t, t >= 2
+    s = self.state(tokens[:, 1:-1], self.group[tokens[:, :-2]])  # state before x_t, t >= 2
     x = tokens[:, 2:]
     hit = self.succ[s] == x[..., None]
     if not np.all(hit.any(-1)):
@@ -135,7 +139,11 @@ class MarkovSource:
 
 def describe(src: MarkovSource) -> dict:
   c = src.cfg
-  return {"kind": "sparse second-order Markov", **dataclasses.asdict(c),
-          "states": src.n_states, "entropy_rate_nats": src.entropy_rate,
-          "floor_from_position": src.floor_from,
-          "log_vocab_nats": math.log(c.vocab)}
+  return {
+    "kind": "sparse second-order Markov",
+    **dataclasses.asdict(c),
+    "states": src.n_states,
+    "entropy_rate_nats": src.entropy_rate,
+    "floor_from_position": src.floor_from,
+    "log_vocab_nats": math.log(c.vocab),
+  }

@@ -6,6 +6,7 @@ its jnp reference elsewhere. A quantized low-rank layer is
 ``w4a8_matmul(w4a8_matmul(x, U), V)``; the fusion pass may turn that pair into one
 ``lr_xuv_w4a8`` (see lowering/quantized.py).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,6 +43,7 @@ class QuantizedWeight:
   def dequantize(self) -> np.ndarray:
     """The f64 [K, N] weight the kernel multiplies by."""
     from lrjax.lowering.quantized import unpack_int4
+
     q = np.asarray(unpack_int4(jnp.asarray(self.packed), self.k, self.n, self.layout))
     return dequantize_int4(q, self.scales, self.group)
 
@@ -53,13 +55,15 @@ def quantize_weight(w, group: int = 128, layout: str | None = None) -> Quantized
   layout = layout or default_layout()
   w = np.asarray(w, np.float32)
   q, s = quantize_int4(w, group)
-  return QuantizedWeight(pack_int4(q, layout), pad_scales(s, layout), w.shape[0], w.shape[1],
-                         group, layout)
+  return QuantizedWeight(
+    pack_int4(q, layout), pad_scales(s, layout), w.shape[0], w.shape[1], group, layout
+  )
 
 
 def _call(x, qw_packed, qw_scales, bias, meta, out_dtype):
-  return w4a8_matmul(x, qw_packed, qw_scales, bias, n=meta[1], group=meta[2], layout=meta[3],
-                     out_dtype=out_dtype)
+  return w4a8_matmul(
+    x, qw_packed, qw_scales, bias, n=meta[1], group=meta[2], layout=meta[3], out_dtype=out_dtype
+  )
 
 
 def _out_dtype(dtype, x):
@@ -79,8 +83,7 @@ class QuantizedLinear(nnx.Module):
 
   def __call__(self, x):
     b = self.bias[...] if self.bias is not None else None
-    return _call(x, self.w_packed[...], self.w_scales[...], b, self.meta,
-                 _out_dtype(self.dtype, x))
+    return _call(x, self.w_packed[...], self.w_scales[...], b, self.meta, _out_dtype(self.dtype, x))
 
   @classmethod
   def from_linear(cls, m: Linear, group: int = 128, layout: str | None = None):
@@ -93,8 +96,10 @@ class QuantizedLowRankLinear(nnx.Module):
 
   def __init__(self, u: QuantizedWeight, v: QuantizedWeight, bias=None, *, dtype=None):
     if u.n != v.k or u.layout != v.layout:
-      raise ValueError(f"u [{u.k}, {u.n}] {u.layout} and v [{v.k}, {v.n}] {v.layout} "
-                       "must share the rank and the layout")
+      raise ValueError(
+        f"u [{u.k}, {u.n}] {u.layout} and v [{v.k}, {v.n}] {v.layout} "
+        "must share the rank and the layout"
+      )
     self.u_packed = QuantizedArray(jnp.asarray(u.packed))
     self.u_scales = QuantizedArray(jnp.asarray(u.scales))
     self.v_packed = QuantizedArray(jnp.asarray(v.packed))
@@ -107,16 +112,21 @@ class QuantizedLowRankLinear(nnx.Module):
   def __call__(self, x):
     t = _call(x, self.u_packed[...], self.u_scales[...], None, self.u_meta, jnp.float32)
     b = self.bias[...] if self.bias is not None else None
-    return _call(t, self.v_packed[...], self.v_scales[...], b, self.v_meta,
-                 _out_dtype(self.dtype, x))
+    return _call(
+      t, self.v_packed[...], self.v_scales[...], b, self.v_meta, _out_dtype(self.dtype, x)
+    )
 
   @classmethod
   def from_low_rank(cls, m: LowRankLinear, group: int = 128, layout: str | None = None):
     bias = np.asarray(m.bias[...]) if m.bias is not None else None
     # Rank-space K (= rank) may be smaller than a group; a single group then covers it.
     gv = group if group == 0 or group < m.rank else 0
-    return cls(quantize_weight(np.asarray(m.u[...]), group, layout),
-               quantize_weight(np.asarray(m.v[...]), gv, layout), bias, dtype=m.dtype)
+    return cls(
+      quantize_weight(np.asarray(m.u[...]), group, layout),
+      quantize_weight(np.asarray(m.v[...]), gv, layout),
+      bias,
+      dtype=m.dtype,
+    )
 
 
 def _convert(node, group, layout, counts):
@@ -166,8 +176,13 @@ def quantize(model, scheme: str = "w4a8", *, group: int = 128, layout: str | Non
   copy = nnx.merge(graphdef, state)
   counts = {"low_rank": 0, "dense": 0}
   out = _convert(copy, group, layout, counts)
-  log.info("quantize w4a8 (group=%d, layout=%s): %d low-rank, %d dense layers", group, layout,
-           counts["low_rank"], counts["dense"])
+  log.info(
+    "quantize w4a8 (group=%d, layout=%s): %d low-rank, %d dense layers",
+    group,
+    layout,
+    counts["low_rank"],
+    counts["dense"],
+  )
   if counts["low_rank"] + counts["dense"] == 0:
     raise ValueError("quantize found no Linear or LowRankLinear layer in the model")
   return out

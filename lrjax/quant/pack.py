@@ -13,6 +13,7 @@ stored as u = q + 8 nibbles, K padded to Kp = roundup(K, 8), N to a block width:
   bytes 16h+8cc+j hold k=j of column 4h+cc (high nibble) and 4h+2+cc (low
   nibble): each nibble plane is one [2 x 8] smmla operand.
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,6 +32,7 @@ def default_layout() -> str:
   if mach in ("aarch64", "arm64"):
     try:
       from lrjax.custom_calls.cpu import _w4a8
+
       if "i8mm" in _w4a8.cpu_isas():
         return "arm_smmla8"
     except ImportError:
@@ -88,7 +90,7 @@ def pack_int4(q, layout: str) -> np.ndarray:
     t = u.reshape(kc, 8, nb, 2, 2, 2).transpose(2, 0, 3, 5, 1, 4)  # [nb, kc, h, cc, j, p]
     packed = (t[..., 0] << 4) | t[..., 1]
   else:
-    t = u.reshape(kc, 2, 4, nb, bw).transpose(3, 0, 4, 2, 1)        # [nb, kc, c, j, h]
+    t = u.reshape(kc, 2, 4, nb, bw).transpose(3, 0, 4, 2, 1)  # [nb, kc, c, j, h]
     packed = t[..., 0] | (t[..., 1] << 4)
   return np.ascontiguousarray(packed.reshape(nb, kc, 4 * bw).astype(np.uint8))
 

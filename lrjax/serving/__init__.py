@@ -6,6 +6,7 @@
 See :mod:`lrjax.serving.engine` (continuous batching), :mod:`lrjax.serving.sampling` and
 :mod:`lrjax.serving.lowrank_kv` (rank-space KV cache).
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,22 +29,35 @@ def load_model(path, tp: int = 1, strategy: str | None = None, data: int = 1):
   ``tp == data == 1`` loads onto the default device, unsharded.
   """
   from lrjax import checkpoint, sharding
+
   meta = checkpoint.read_metadata(path)
   strategy = strategy or default_strategy(meta["ranks"])
   if tp * data == 1:
     return checkpoint.load(path)
   from lrjax.models import ModelConfig
+
   cfg = ModelConfig.from_dict(meta["config"])
   mesh = sharding.make_mesh(tp, data)
   shapes = {k: tuple(v["shape"]) for k, v in meta["params"].items()}
   fn = sharding.param_shardings(cfg, mesh, strategy)
   model = checkpoint.load(path, mesh, lambda key, axes: fn(key, axes, shapes[key]))
-  return sharding.shard(model, mesh, strategy)   # records the plan; arrays already in place
+  return sharding.shard(model, mesh, strategy)  # records the plan; arrays already in place
 
 
 def load_engine(path, tp: int = 1, strategy: str | None = None, **engine_kw) -> Engine:
   return Engine(load_model(path, tp, strategy), **engine_kw)
 
 
-__all__ = ["Engine", "LowRankKVCache", "Request", "Result", "SamplingParams", "default_buckets",
-           "default_strategy", "itl", "load_engine", "load_model", "sample"]
+__all__ = [
+  "Engine",
+  "LowRankKVCache",
+  "Request",
+  "Result",
+  "SamplingParams",
+  "default_buckets",
+  "default_strategy",
+  "itl",
+  "load_engine",
+  "load_model",
+  "sample",
+]

@@ -11,6 +11,7 @@ slots then decode together, one token per step, attending over the smallest atte
 holds every active row's context (one compile per attend bucket); a finished request frees its
 slot between steps and the next waiting request joins.
 """
+
 from __future__ import annotations
 
 import collections
@@ -18,7 +19,8 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import Iterable, NamedTuple, Sequence
+from typing import NamedTuple
+from collections.abc import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -47,9 +49,9 @@ class Result:
   id: int
   prompt: list[int]
   tokens: list[int]
-  finish_reason: str            # "stop" | "length" | "cache_full"
-  ttft_s: float                 # submit → first token
-  token_times: list[float]      # wall time of every generated token (perf_counter)
+  finish_reason: str  # "stop" | "length" | "cache_full"
+  ttft_s: float  # submit → first token
+  token_times: list[float]  # wall time of every generated token (perf_counter)
 
 
 def default_buckets(max_len: int, smallest: int = 16) -> tuple[int, ...]:
@@ -69,10 +71,19 @@ class Engine:
   attends over the smallest that holds every active row's context.
   """
 
-  def __init__(self, model, *, max_slots: int = 8, max_len: int = 256,
-               buckets: Sequence[int] | None = None, cache_dtype=None, lowrank_kv: bool = False,
-               fuse: bool = False, unroll_layers: bool = True,
-               attend_buckets: Sequence[int] | None = None):
+  def __init__(
+    self,
+    model,
+    *,
+    max_slots: int = 8,
+    max_len: int = 256,
+    buckets: Sequence[int] | None = None,
+    cache_dtype=None,
+    lowrank_kv: bool = False,
+    fuse: bool = False,
+    unroll_layers: bool = True,
+    attend_buckets: Sequence[int] | None = None,
+  ):
     cfg = model.cfg
     if unroll_layers and getattr(model, "scan_layers", False):
       # The model's scan stacks every layer's weights inside each call: a full weight copy per
@@ -95,8 +106,10 @@ class Engine:
     self.attend_buckets = tuple(sorted(set(ab) | {max_len}))
     self.plan = getattr(model, "tp_plan", None)
     if self.plan is not None and max_slots % self.plan.mesh.shape["data"]:
-      raise ValueError(f"{max_slots=} must be a multiple of the mesh's data axis "
-                       f"({self.plan.mesh.shape['data']}): slots are split over it")
+      raise ValueError(
+        f"{max_slots=} must be a multiple of the mesh's data axis "
+        f"({self.plan.mesh.shape['data']}): slots are split over it"
+      )
     self.lowrank_kv = lowrank_kv
     dtype = cache_dtype or model.dtype or model.embed.embedding[...].dtype
     self.gdef, self.state = nnx.split(model)
@@ -106,15 +119,17 @@ class Engine:
     else:
       cache = KVCache.init(cfg, max_slots, max_len, dtype)
       spec = self.plan.cache_sharding().spec if self.plan else None
-    self._cache_shardings = None      # (sharding of the two cache arrays, of pos): hashable
+    self._cache_shardings = None  # (sharding of the two cache arrays, of pos): hashable
     if self.plan is not None:
       mesh = self.plan.mesh
       # spelled as the steps return it (size-1 mesh axes and trailing Nones dropped), so the
       # fresh cache and every step's output share one compiled variant of each step
-      self._cache_shardings = (NamedSharding(mesh, _canonical_spec(spec, mesh)),
-                               NamedSharding(mesh, P()))
+      self._cache_shardings = (
+        NamedSharding(mesh, _canonical_spec(spec, mesh)),
+        NamedSharding(mesh, P()),
+      )
       cache = jax.device_put(cache, _cache_tree(cache, self._cache_shardings))
-    else:   # committed from the start, like every step's output: one compiled variant
+    else:  # committed from the start, like every step's output: one compiled variant
       cache = jax.device_put(cache, jax.sharding.SingleDeviceSharding(default_device()))
     self.cache = cache
     # Each step's jit is keyed by the graph, the cache layout and two flags. Hashing a GraphDef
@@ -134,10 +149,13 @@ class Engine:
     # Per-slot request keys: a request's draws depend only on its seed and positions.
     # Small per-step inputs live replicated (on the mesh, or on one device), the same sharding
     # as the decode step's outputs, so feeding tokens back never changes the compiled variant.
-    self._rep = (NamedSharding(self.plan.mesh, P()) if self.plan is not None
-                 else jax.sharding.SingleDeviceSharding(default_device()))
+    self._rep = (
+      NamedSharding(self.plan.mesh, P())
+      if self.plan is not None
+      else jax.sharding.SingleDeviceSharding(default_device())
+    )
     self._keys = jax.device_put(jax.random.split(jax.random.key(0), max_slots), self._rep)
-    self._dev = None   # device copies of (tokens, temp, top_k, top_p); None after slot changes
+    self._dev = None  # device copies of (tokens, temp, top_k, top_p); None after slot changes
 
   # ---- jitted steps (module-level jits: engines over the same model share compilations) ------
   def _prefill(self, *args):
@@ -156,13 +174,16 @@ class Engine:
     if not prompt:
       raise ValueError("prompt is empty; a request needs at least one token id")
     if len(prompt) > self.buckets[-1] or len(prompt) >= self.max_len:
-      raise ValueError(f"prompt has {len(prompt)} tokens; this engine takes at most "
-                       f"{min(self.buckets[-1], self.max_len - 1)} (max_len={self.max_len} "
-                       "leaves room for one generated token)")
+      raise ValueError(
+        f"prompt has {len(prompt)} tokens; this engine takes at most "
+        f"{min(self.buckets[-1], self.max_len - 1)} (max_len={self.max_len} "
+        "leaves room for one generated token)"
+      )
     bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
     if bad:
-      raise ValueError(f"prompt token ids {bad[:5]} are outside [0, vocab_size="
-                       f"{self.cfg.vocab_size})")
+      raise ValueError(
+        f"prompt token ids {bad[:5]} are outside [0, vocab_size={self.cfg.vocab_size})"
+      )
     return prompt
 
   def submit(self, req: Request) -> int:
@@ -182,17 +203,25 @@ class Engine:
       slot = self._free.pop(0)
       b = self._bucket(len(prompt))
       toks = np.zeros((1, b), np.int32)
-      toks[0, :len(prompt)] = prompt
+      toks[0, : len(prompt)] = prompt
       key = jax.random.key(sp.seed)
       self._keys = jax.device_put(self._keys.at[slot].set(key), self._rep)
       self._temp[slot], self._topk[slot], self._topp[slot] = sp.temperature, sp.top_k, sp.top_p
       first, self.cache = self._prefill(
-          self.cache, jnp.asarray(toks), jnp.int32(len(prompt)), jnp.int32(slot),
-          key, self._temp[slot:slot + 1], self._topk[slot:slot + 1], self._topp[slot:slot + 1])
+        self.cache,
+        jnp.asarray(toks),
+        jnp.int32(len(prompt)),
+        jnp.int32(slot),
+        key,
+        self._temp[slot : slot + 1],
+        self._topk[slot : slot + 1],
+        self._topp[slot : slot + 1],
+      )
       tok = int(first[0])
       now = time.perf_counter()
-      st = dict(id=rid, prompt=prompt, sp=sp, tokens=[tok], t0=t0, ttft=now - t0, times=[now],
-                key=key)
+      st = dict(
+        id=rid, prompt=prompt, sp=sp, tokens=[tok], t0=t0, ttft=now - t0, times=[now], key=key
+      )
       self._tokens[slot] = tok
       self._slots[slot] = st
       self._dev = None
@@ -221,9 +250,10 @@ class Engine:
     self._admit(finished)
     if not self._slots:
       return finished
-    if self._dev is None:   # upload only after slots changed; else feed back the last tokens
-      self._dev = tuple(jax.device_put(a, self._rep)
-                        for a in (self._tokens, self._temp, self._topk, self._topp))
+    if self._dev is None:  # upload only after slots changed; else feed back the last tokens
+      self._dev = tuple(
+        jax.device_put(a, self._rep) for a in (self._tokens, self._temp, self._topk, self._topp)
+      )
     toks, temp, topk, topp = self._dev
     # every active row decodes at position len(prompt) + len(tokens) - 1
     need = max(len(st["prompt"]) + len(st["tokens"]) for st in self._slots.values())
@@ -250,14 +280,22 @@ class Engine:
     for b in self.buckets:
       t0 = time.perf_counter()
       first, self.cache = self._prefill(
-          self.cache, jnp.zeros((1, b), jnp.int32), jnp.int32(b), jnp.int32(0),
-          jax.random.key(0), self._temp[:1], self._topk[:1], self._topp[:1])
+        self.cache,
+        jnp.zeros((1, b), jnp.int32),
+        jnp.int32(b),
+        jnp.int32(0),
+        jax.random.key(0),
+        self._temp[:1],
+        self._topk[:1],
+        self._topp[:1],
+      )
       first.block_until_ready()
       done += 1
       log.info("engine warmup: prefill over %d tokens in %.1f s", b, time.perf_counter() - t0)
     self._reset_positions()
-    toks, temp, topk, topp = (jax.device_put(a, self._rep)
-                              for a in (self._tokens, self._temp, self._topk, self._topp))
+    toks, temp, topk, topp = (
+      jax.device_put(a, self._rep) for a in (self._tokens, self._temp, self._topk, self._topp)
+    )
     for b in self.attend_buckets:
       t0 = time.perf_counter()
       nxt, self.cache = self._decode(b, self.cache, toks, self._keys, temp, topk, topp)
@@ -271,7 +309,8 @@ class Engine:
   def _reset_positions(self):
     pos = self.cache.pos
     self.cache = dataclasses.replace(
-        self.cache, pos=jax.device_put(jnp.zeros(pos.shape, pos.dtype), pos.sharding))
+      self.cache, pos=jax.device_put(jnp.zeros(pos.shape, pos.dtype), pos.sharding)
+    )
 
   @property
   def busy(self) -> bool:
@@ -291,8 +330,9 @@ def _canonical_spec(spec, mesh) -> P:
   """``spec`` without size-1 mesh axes or trailing Nones: how XLA spells a step's output."""
   out = []
   for a in spec:
-    names = tuple(n for n in (a if isinstance(a, tuple) else (a,))
-                  if n is not None and mesh.shape[n] > 1)
+    names = tuple(
+      n for n in (a if isinstance(a, tuple) else (a,)) if n is not None and mesh.shape[n] > 1
+    )
     out.append(None if not names else names[0] if len(names) == 1 else names)
   while out and out[-1] is None:
     out.pop()
@@ -306,15 +346,16 @@ def _cache_tree(cache, shardings):
 
 class _StepKey(NamedTuple):
   gdef: nnx.GraphDef
-  treedef: jax.tree_util.PyTreeDef   # of the weights list
-  lowrank: bool                      # rank-space KV cache
+  treedef: jax.tree_util.PyTreeDef  # of the weights list
+  lowrank: bool  # rank-space KV cache
   fuse: bool
-  shardings: tuple | None            # (the cache arrays', pos's) or None on one device
+  shardings: tuple | None  # (the cache arrays', pos's) or None on one device
 
 
 class _Static:
   """A static jit argument whose hash is computed once; equal to itself at once (by identity)
   and to an equal value from another engine (so engines over one model share compilations)."""
+
   __slots__ = ("value", "_hash")
 
   def __init__(self, value):
@@ -325,7 +366,8 @@ class _Static:
 
   def __eq__(self, other):
     return isinstance(other, _Static) and (
-        self.value is other.value or (self._hash == other._hash and self.value == other.value))
+      self.value is other.value or (self._hash == other._hash and self.value == other.value)
+    )
 
 
 def _call(static, weights, method, *args, **static_kw):
@@ -338,6 +380,7 @@ def _call(static, weights, method, *args, **static_kw):
   fn = functools.partial(fn, **static_kw) if static_kw else fn
   if key.fuse:
     import lrjax
+
     fn = lrjax.fuse(fn)
   return fn(model, *args)
 
@@ -352,12 +395,14 @@ def _constrain(cache, shardings):
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
 def _prefill_jit(static, weights, cache, tokens, length, slot, key, temp, topk, topp):
   """tokens [1, bucket], length/slot [] int32 → (first token [1], cache with the slot filled)."""
+
   # a slot is row ``slot`` of every layer's buffer
   def sl(bufs):
     return tuple(jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0) for a in bufs)
 
   def put(bufs, sub):
     return tuple(jax.lax.dynamic_update_slice_in_dim(a, s, slot, axis=0) for a, s in zip(bufs, sub))
+
   zero = jnp.zeros((1,), jnp.int32)
   pos = cache.pos.at[slot].set(length)
   if static.value.lowrank:
@@ -376,7 +421,7 @@ def _prefill_jit(static, weights, cache, tokens, length, slot, key, temp, topk, 
 def _decode_jit(static, attend_len, weights, cache, tokens, keys, temp, topk, topp):
   """tokens [slots], keys [slots] (each slot's request key) → (next tokens [slots], cache);
   attention over the first ``attend_len`` cache positions."""
-  step_keys = jax.vmap(jax.random.fold_in)(keys, cache.pos)   # draw i of a request: its pos
+  step_keys = jax.vmap(jax.random.fold_in)(keys, cache.pos)  # draw i of a request: its pos
   logits, cache = _call(static, weights, "decode", tokens, cache, attend_len=attend_len)
   nxt = sample(logits, step_keys, temp, topk, topp)
   shardings = static.value.shardings

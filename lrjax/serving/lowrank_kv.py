@@ -13,6 +13,7 @@ sequence and layer, but never V: it forms p·z_v and applies v_v once
 block (custom_calls/triton/kv_attention.py). A multi-token prefill (or a q/k-norm layer)
 rebuilds K and V for the whole cache and attends as usual.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,8 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from lrjax.lowering.kv_attention import lr_kv_attention
-from lrjax.models.llama import (_mask, apply_rope, attend, decode_mask, rope_inv_freq,
-                                write_kv)
+from lrjax.models.llama import _mask, apply_rope, attend, decode_mask, rope_inv_freq, write_kv
 from lrjax.nn.linear import LowRankLinear
 
 
@@ -31,16 +31,19 @@ from lrjax.nn.linear import LowRankLinear
 class LowRankKVCache:
   """One buffer per layer (as ``KVCache``): ``zk[i]`` [batch, max_len, r_k], ``zv[i]`` [batch,
   max_len, r_v] (tuples of num_layers arrays); pos [batch] int32."""
+
   zk: tuple
   zv: tuple
   pos: jax.Array
 
   @classmethod
-  def init(cls, model, batch: int, max_len: int, dtype=jnp.float32) -> "LowRankKVCache":
+  def init(cls, model, batch: int, max_len: int, dtype=jnp.float32) -> LowRankKVCache:
     ranks = kv_ranks(model)
-    return cls(tuple(jnp.zeros((batch, max_len, rk), dtype) for rk, _ in ranks),
-               tuple(jnp.zeros((batch, max_len, rv), dtype) for _, rv in ranks),
-               jnp.zeros((batch,), jnp.int32))
+    return cls(
+      tuple(jnp.zeros((batch, max_len, rk), dtype) for rk, _ in ranks),
+      tuple(jnp.zeros((batch, max_len, rv), dtype) for _, rv in ranks),
+      jnp.zeros((batch,), jnp.int32),
+    )
 
   @property
   def max_len(self) -> int:
@@ -54,8 +57,10 @@ def kv_ranks(model) -> list[tuple[int, int]]:
     for name in ("k_proj", "v_proj"):
       m = getattr(layer.attn, name)
       if type(m) is not LowRankLinear:
-        raise ValueError(f"layer {i} {name} is {type(m).__name__}; the low-rank KV cache needs "
-                         "LowRankLinear k_proj and v_proj in every layer (use the dense cache)")
+        raise ValueError(
+          f"layer {i} {name} is {type(m).__name__}; the low-rank KV cache needs "
+          "LowRankLinear k_proj and v_proj in every layer (use the dense cache)"
+        )
     ranks.append((int(layer.attn.k_proj.rank), int(layer.attn.v_proj.rank)))
   return ranks
 
@@ -80,9 +85,18 @@ def _layer(layer, cfg, h, positions, inv, mask, zk_c, zv_c, write_pos):
   if s == 1 and attn.q_norm is None:  # decode: one primitive; V is never rebuilt
     q = apply_rope(q, positions, inv)
     bias = lambda p: None if p.bias is None else p.bias[...].astype(dt)
-    a = lr_kv_attention(q[:, 0].astype(dt), zk_t.astype(dt), zv_t.astype(dt), kp.v[...].astype(dt),
-                        vp.v[...].astype(dt), positions[:, 0], inv, bias(kp), bias(vp),
-                        window=cfg.sliding_window)[:, None].astype(q.dtype)
+    a = lr_kv_attention(
+      q[:, 0].astype(dt),
+      zk_t.astype(dt),
+      zv_t.astype(dt),
+      kp.v[...].astype(dt),
+      vp.v[...].astype(dt),
+      positions[:, 0],
+      inv,
+      bias(kp),
+      bias(vp),
+      window=cfg.sliding_window,
+    )[:, None].astype(q.dtype)
     h = h + attn.o_proj(a)
     return h + layer.mlp(layer.post_attention_layernorm(h)), zk_c, zv_c
   k = _rebuild(kp, zk_t, dt).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
@@ -100,8 +114,9 @@ def _run(model, h, positions, mask, cache, write_pos):
   inv = jnp.asarray(rope_inv_freq(model.cfg), jnp.float32)
   zks, zvs = [], []
   for i, layer in enumerate(model.layers):
-    h, zk, zv = _layer(layer, model.cfg, h, positions, inv, mask, cache.zk[i], cache.zv[i],
-                       write_pos)
+    h, zk, zv = _layer(
+      layer, model.cfg, h, positions, inv, mask, cache.zk[i], cache.zv[i], write_pos
+    )
     zks.append(zk), zvs.append(zv)
   return h, tuple(zks), tuple(zvs)
 

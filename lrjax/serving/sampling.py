@@ -1,4 +1,5 @@
-"""Per-request sampling parameters and the on-device sampler (greedy / temperature / top-k / top-p)."""
+"""Per-request sampling parameters and the on-device sampler (greedy / temperature / top-k / top-p)."""  # noqa: E501
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,6 +15,7 @@ class SamplingParams:
   ``max_new_tokens`` bounds the generated tokens; generation also stops at any of
   ``stop_tokens`` (included in the output) or when the cache row is full.
   """
+
   temperature: float = 0.0
   top_k: int = 0
   top_p: float = 1.0
@@ -55,7 +57,7 @@ def sample(logits, key, temperature, top_k, top_p):
     keep = rank < k
     t = jnp.maximum(temperature, 1e-6)[:, None]
     probs = jax.nn.softmax(jnp.where(keep, srt / t, -jnp.inf), axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs          # mass of strictly better tokens
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly better tokens
     keep = keep & ((before < top_p[:, None]) | (rank == 0))
     masked = jnp.where(keep, srt / t, -jnp.inf)
     if key.ndim == 1:

@@ -9,6 +9,7 @@ XLA's SPMD partitioner then inserts the collectives. :mod:`lrjax.sharding.hlo` c
 the compiled HLO. Fused kernels (``lr_xuv``/``lr_mlp`` custom calls) run on local shards through
 ``custom_partitioning`` (``lrjax.lowering.partitioning``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,8 +22,16 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lrjax.sharding.hlo import Collective, collectives, summarize, weight_gathers
-from lrjax.sharding.rules import (CACHE, COL_PROJS, MESH_AXES, ROW_PROJS, RULES, STRATEGIES,
-                                  check_strategy, param_spec)
+from lrjax.sharding.rules import (
+  CACHE,
+  COL_PROJS,
+  MESH_AXES,
+  ROW_PROJS,
+  RULES,
+  STRATEGIES,
+  check_strategy,
+  param_spec,
+)
 
 log = logging.getLogger("lrjax.sharding")
 
@@ -43,10 +52,12 @@ def make_mesh(tp: int, data: int = 1, devices=None) -> Mesh:
     if not isinstance(v, (int, np.integer)) or v < 1:
       raise ValueError(f"{name}={v!r} must be a positive int")
   if tp * data > len(devices):
-    raise ValueError(f"tp={tp} × data={data} needs {tp * data} devices; {len(devices)} visible "
-                     "(on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N before "
-                     "importing jax)")
-  return Mesh(np.asarray(devices[:tp * data]).reshape(data, tp), MESH_AXES)
+    raise ValueError(
+      f"tp={tp} × data={data} needs {tp * data} devices; {len(devices)} visible "
+      "(on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N before "
+      "importing jax)"
+    )
+  return Mesh(np.asarray(devices[: tp * data]).reshape(data, tp), MESH_AXES)
 
 
 def _tp(mesh: Mesh) -> int:
@@ -67,8 +78,10 @@ def _check_cfg(cfg, strategy: str, tp: int):
   if strategy in ("dense", "lowrank_tp", "repl_u_tp"):
     for name in ("num_heads", "num_kv_heads"):
       if getattr(cfg, name) % tp:
-        raise ValueError(f"{strategy} with tp={tp} splits attention by heads: cfg.{name}="
-                         f"{getattr(cfg, name)} must be a multiple of tp (or use a smaller tp)")
+        raise ValueError(
+          f"{strategy} with tp={tp} splits attention by heads: cfg.{name}="
+          f"{getattr(cfg, name)} must be a multiple of tp (or use a smaller tp)"
+        )
     if cfg.intermediate_size % tp:
       raise ValueError(f"cfg.intermediate_size={cfg.intermediate_size} must be a multiple of {tp=}")
 
@@ -81,9 +94,11 @@ def spec_for(strategy: str, key: str, axes: tuple, shape: tuple, tp: int) -> P:
       if tuple(axes) == ("embed", "vocab"):
         log.info("%s: vocab %d is not a multiple of tp=%d; lm_head replicated", key, shape[d], tp)
         return P()
-      raise ValueError(f"{key}: dim {d} of shape {tuple(shape)} is split over tp={tp} by "
-                       f"{strategy} ({spec}) but is not a multiple of it; choose ranks that are "
-                       f"multiples of {tp} (compress with rank_multiple={tp}) or a smaller tp")
+      raise ValueError(
+        f"{key}: dim {d} of shape {tuple(shape)} is split over tp={tp} by "
+        f"{strategy} ({spec}) but is not a multiple of it; choose ranks that are "
+        f"multiples of {tp} (compress with rank_multiple={tp}) or a smaller tp"
+      )
   return spec
 
 
@@ -101,12 +116,14 @@ def param_shardings(cfg, mesh: Mesh, strategy: str = "lowrank_tp"):
     if shape is None:
       return NamedSharding(mesh, param_spec(strategy, key, axes, len(axes)))
     return NamedSharding(mesh, spec_for(strategy, key, axes, shape, tp))
+
   return fn
 
 
 @dataclasses.dataclass(frozen=True)
 class TPPlan:
   """What :func:`shard` decided: the strategy, the mesh and the KV cache spec."""
+
   strategy: str
   mesh: Mesh
 
@@ -156,11 +173,31 @@ def plan_of(model) -> TPPlan | None:
 def param_specs(model, strategy: str, tp: int) -> dict[str, P]:
   """{flat key: PartitionSpec} for ``model`` under ``strategy`` (no placement)."""
   _, state = nnx.split(model)
-  return {_key(p): spec_for(strategy, _key(p), _axes(v), tuple(v.shape), tp)
-          for p, v in nnx.to_flat_state(state)}
+  return {
+    _key(p): spec_for(strategy, _key(p), _axes(v), tuple(v.shape), tp)
+    for p, v in nnx.to_flat_state(state)
+  }
 
 
-__all__ = ["CACHE", "COL_PROJS", "Collective", "MESH_AXES", "ROW_PROJS", "RULES", "STRATEGIES",
-           "TPPlan", "cache_spec", "collectives", "default_device", "make_mesh", "param_shardings",
-           "param_spec", "param_specs", "plan_of", "shard", "spec_for", "summarize",
-           "weight_gathers"]
+__all__ = [
+  "CACHE",
+  "COL_PROJS",
+  "Collective",
+  "MESH_AXES",
+  "ROW_PROJS",
+  "RULES",
+  "STRATEGIES",
+  "TPPlan",
+  "cache_spec",
+  "collectives",
+  "default_device",
+  "make_mesh",
+  "param_shardings",
+  "param_spec",
+  "param_specs",
+  "plan_of",
+  "shard",
+  "spec_for",
+  "summarize",
+  "weight_gathers",
+]

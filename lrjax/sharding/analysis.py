@@ -2,6 +2,7 @@
 
 Used by ``benchmarks/tp_collectives.py`` and the sharding tests.
 """
+
 from __future__ import annotations
 
 import jax
@@ -26,6 +27,7 @@ def compressed_ranks(cfg, ratio: float, multiple: int = 8) -> dict[str, int]:
 
 def _layer_fn(cfg):
   from lrjax.models import rope_inv_freq
+
   inv = np.asarray(rope_inv_freq(cfg), np.float32)
 
   def fn(layer, h):
@@ -33,6 +35,7 @@ def _layer_fn(cfg):
     pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((s, s), bool)), (b, s, s))
     return layer(h, pos, jnp.asarray(inv), mask)[0]
+
   return fn
 
 
@@ -41,6 +44,7 @@ def layer_hlo(layer, cfg, h, *, fused: bool = False) -> str:
   fn = _layer_fn(cfg)
   if fused:
     import lrjax
+
     fn = lrjax.fuse(fn)
   return nnx.jit(fn).lower(layer, h).compile().as_text()
 
@@ -50,8 +54,17 @@ def weight_shapes(model) -> list[tuple[int, ...]]:
   return [tuple(v.shape) for _, v in nnx.to_flat_state(state) if len(v.shape) >= 2]
 
 
-def measure(make_model, cfg, strategy: str, tp: int, *, batch: int = 2, seq: int = 8,
-            seed: int = 0, fused: bool = False) -> dict:
+def measure(
+  make_model,
+  cfg,
+  strategy: str,
+  tp: int,
+  *,
+  batch: int = 2,
+  seq: int = 8,
+  seed: int = 0,
+  fused: bool = False,
+) -> dict:
   """One record: collectives of one sharded layer per token, and the logits error vs 1 device.
 
   ``make_model()`` must return the same model (same weights) on every call. With ``fused`` the
@@ -62,6 +75,7 @@ def measure(make_model, cfg, strategy: str, tp: int, *, batch: int = 2, seq: int
 
   import lrjax
   from lrjax.sharding import testing
+
   ref_model = make_model()
   tokens = jax.random.randint(jax.random.key(seed), (batch, seq), 0, cfg.vocab_size)
   ref = np.asarray(nnx.jit(lambda m, t: m(t))(ref_model, tokens), np.float64)
@@ -82,10 +96,16 @@ def measure(make_model, cfg, strategy: str, tp: int, *, batch: int = 2, seq: int
   s = hlo.summarize(colls)
   n_tok = batch * seq
   gathers = hlo.weight_gathers(colls, weight_shapes(model.layers[0]))
-  return {"strategy": strategy, "tp": tp, "fused": fused,
-          "bytes_per_token": s["cost_bytes"] / n_tok,
-          "n_collectives": s["n"], "max_rel_logit_err": err,
-          "by_kind": {k: {"n": v["n"], "bytes_per_token": v["bytes"] / n_tok}
-                      for k, v in s["by_kind"].items()},
-          "kernel_custom_calls": text.count("custom-call(") if fused else 0,
-          "whole_weight_all_gathers": len(gathers)}
+  return {
+    "strategy": strategy,
+    "tp": tp,
+    "fused": fused,
+    "bytes_per_token": s["cost_bytes"] / n_tok,
+    "n_collectives": s["n"],
+    "max_rel_logit_err": err,
+    "by_kind": {
+      k: {"n": v["n"], "bytes_per_token": v["bytes"] / n_tok} for k, v in s["by_kind"].items()
+    },
+    "kernel_custom_calls": text.count("custom-call(") if fused else 0,
+    "whole_weight_all_gathers": len(gathers),
+  }

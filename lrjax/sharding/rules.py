@@ -24,6 +24,7 @@ Strategies (TP degree n = mesh size along "tp"):
               all-reduces in rank space; with fused kernels (lowering/partitioning.py) each
               projection's output is all-gathered at full width.
 """
+
 from __future__ import annotations
 
 from jax.sharding import PartitionSpec as P
@@ -36,28 +37,42 @@ ROW_PROJS = ("o_proj", "down_proj")
 # Dense ``Linear`` projections follow Megatron in every strategy (a model may mix dense and
 # low-rank projections).
 _DENSE = {
-    ("col", "kernel"): P(None, "tp"), ("col", "bias"): P("tp"),
-    ("row", "kernel"): P("tp", None), ("row", "bias"): P(),
+  ("col", "kernel"): P(None, "tp"),
+  ("col", "bias"): P("tp"),
+  ("row", "kernel"): P("tp", None),
+  ("row", "bias"): P(),
 }
 
 # (role, param) → spec for low-rank params; "v3" is a per-head v [heads, r_h, head_dim].
 RULES: dict[str, dict[tuple[str, str], P]] = {
-    "dense": {},
-    "naive_tp": {
-        ("col", "u"): P(None, "tp"), ("col", "v"): P("tp", None), ("col", "bias"): P(),
-        ("row", "u"): P(None, "tp"), ("row", "v"): P("tp", None), ("row", "bias"): P(),
-        ("col", "v3"): P("tp", None, None),
-    },
-    "lowrank_tp": {
-        ("col", "u"): P(None, "tp"), ("col", "v"): P(None, "tp"), ("col", "bias"): P("tp"),
-        ("row", "u"): P("tp", None), ("row", "v"): P(), ("row", "bias"): P(),
-        ("col", "v3"): P("tp", None, None),
-    },
-    "repl_u_tp": {
-        ("col", "u"): P(), ("col", "v"): P(None, "tp"), ("col", "bias"): P("tp"),
-        ("row", "u"): P(), ("row", "v"): P(None, "tp"), ("row", "bias"): P("tp"),
-        ("col", "v3"): P("tp", None, None),
-    },
+  "dense": {},
+  "naive_tp": {
+    ("col", "u"): P(None, "tp"),
+    ("col", "v"): P("tp", None),
+    ("col", "bias"): P(),
+    ("row", "u"): P(None, "tp"),
+    ("row", "v"): P("tp", None),
+    ("row", "bias"): P(),
+    ("col", "v3"): P("tp", None, None),
+  },
+  "lowrank_tp": {
+    ("col", "u"): P(None, "tp"),
+    ("col", "v"): P(None, "tp"),
+    ("col", "bias"): P("tp"),
+    ("row", "u"): P("tp", None),
+    ("row", "v"): P(),
+    ("row", "bias"): P(),
+    ("col", "v3"): P("tp", None, None),
+  },
+  "repl_u_tp": {
+    ("col", "u"): P(),
+    ("col", "v"): P(None, "tp"),
+    ("col", "bias"): P("tp"),
+    ("row", "u"): P(),
+    ("row", "v"): P(None, "tp"),
+    ("row", "bias"): P("tp"),
+    ("col", "v3"): P("tp", None, None),
+  },
 }
 
 # Params outside the projections, by logical axes: the embedding table and norms are replicated
@@ -66,8 +81,12 @@ OTHER = {("vocab", "embed"): P(), ("embed", "vocab"): P(None, "tp")}
 
 # Each layer's KV cache buffer [batch, kv_heads, max_len, head_dim]: sharded on KV heads except
 # in naive_tp, whose attention runs replicated.
-CACHE = {"dense": P("data", "tp"), "naive_tp": P("data"), "lowrank_tp": P("data", "tp"),
-         "repl_u_tp": P("data", "tp")}
+CACHE = {
+  "dense": P("data", "tp"),
+  "naive_tp": P("data"),
+  "lowrank_tp": P("data", "tp"),
+  "repl_u_tp": P("data", "tp"),
+}
 
 
 def check_strategy(strategy: str) -> str:
@@ -98,8 +117,10 @@ def param_spec(strategy: str, key: str, axes: tuple, ndim: int) -> P:
   if name == "bias" and (r, "bias") not in RULES[strategy]:
     return _DENSE[(r, "bias")]
   if strategy == "dense":
-    raise ValueError(f"{key}: strategy 'dense' is for dense models but this param belongs to a "
-                     "low-rank projection; use 'lowrank_tp' (or 'naive_tp') for low-rank models")
+    raise ValueError(
+      f"{key}: strategy 'dense' is for dense models but this param belongs to a "
+      "low-rank projection; use 'lowrank_tp' (or 'naive_tp') for low-rank models"
+    )
   if name == "v" and ndim == 3:
     if r != "col":
       raise ValueError(f"{key}: per-head factors are only supported on q/k/v projections")

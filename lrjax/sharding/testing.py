@@ -6,6 +6,7 @@ the sharded path of a real kernel would go untested. :func:`callback_kernels` re
 numpy reference: an opaque ``custom_call`` that the SPMD partitioner cannot split, exactly like a
 Triton or FFI kernel. Without ``lowering/partitioning.py`` XLA must gather their operands.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,9 +19,11 @@ from lrjax.lowering import registry
 NAMES = ("test.callback_xuv", "test.callback_mlp")
 
 
-_ACT = {"silu": lambda x: x / (1.0 + np.exp(-x)), "relu": lambda x: np.maximum(x, 0.0),
-        "gelu_tanh": lambda x: 0.5 * x * (1.0 + np.tanh(0.7978845608028654 *
-                                                       (x + 0.044715 * x ** 3)))}
+_ACT = {
+  "silu": lambda x: x / (1.0 + np.exp(-x)),
+  "relu": lambda x: np.maximum(x, 0.0),
+  "gelu_tanh": lambda x: 0.5 * x * (1.0 + np.tanh(0.7978845608028654 * (x + 0.044715 * x**3))),
+}
 
 
 def _np_xuv(x, u, v, b, inter_dtype, out_dtype):
@@ -34,11 +37,13 @@ def _np_xuv(x, u, v, b, inter_dtype, out_dtype):
 def _np_kernel(prim_name, params):
   """The numpy reference that runs on the host inside the callback."""
   from lrjax.lowering.primitives import mlp_operands
+
   inter, out_dt = np.dtype(params["inter_dtype"]), np.dtype(params["out_dtype"])
   if prim_name == "lr_xuv":
+
     def xuv(*ops):
-      return _np_xuv(ops[0], ops[1], ops[2], ops[3] if params["has_bias"] else None, inter,
-                     out_dt)
+      return _np_xuv(ops[0], ops[1], ops[2], ops[3] if params["has_bias"] else None, inter, out_dt)
+
     return xuv
 
   def mlp(*ops):
@@ -50,6 +55,7 @@ def _np_kernel(prim_name, params):
     else:
       h = f(h)
     return _np_xuv(h.astype(inter), *d["down"], inter, out_dt)
+
   return mlp
 
 
@@ -67,6 +73,7 @@ def _inside_partition() -> bool:
 def _callback_impl(prim_name, execute: bool):
   def impl(*ops, **params):
     from lrjax.lowering.primitives import REFERENCES, lr_mlp_p, lr_xuv_p
+
     ref = REFERENCES[lr_xuv_p if prim_name == "lr_xuv" else lr_mlp_p]
     if execute and _inside_partition():
       # jax drops the host callbacks of a partitioned sub-program (running it would crash),
@@ -74,8 +81,10 @@ def _callback_impl(prim_name, execute: bool):
       return ref(*ops, **params)
     out = jax.eval_shape(lambda *a: ref(*a, **params), *ops)
     host = _np_kernel(prim_name, params)
-    return jax.pure_callback(lambda *a: host(*(np.asarray(o) for o in a)), out, *ops,
-                             vmap_method="sequential")
+    return jax.pure_callback(
+      lambda *a: host(*(np.asarray(o) for o in a)), out, *ops, vmap_method="sequential"
+    )
+
   return impl
 
 
@@ -87,9 +96,17 @@ def callback_kernels(execute: bool = False):
   the HLO (do not run a partitioned program; jax cannot run a callback inside it).
   ``execute=True``: partitioned programs use the reference on local shards, so they run.
   """
-  ks = [registry.KernelLowering(p, "cpu", n, lambda avals, params: None,
-                                (lambda p=p: _callback_impl(p, execute)), priority=1000)
-        for p, n in zip(("lr_xuv", "lr_mlp"), NAMES)]
+  ks = [
+    registry.KernelLowering(
+      p,
+      "cpu",
+      n,
+      lambda avals, params: None,
+      (lambda p=p: _callback_impl(p, execute)),
+      priority=1000,
+    )
+    for p, n in zip(("lr_xuv", "lr_mlp"), NAMES)
+  ]
   for k in ks:
     registry.register(k)
   try:

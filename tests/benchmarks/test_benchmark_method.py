@@ -1,4 +1,5 @@
 """CPU tests of the GPU benchmark's timing method (benchmarks/gpu_lowrank.py)."""
+
 import os
 
 import pytest
@@ -30,13 +31,16 @@ def test_noisy_timing_is_repeated_and_the_steadiest_kept(bench):
 def test_per_call_us_goes_through_the_retry(bench, monkeypatch):
   import math
   import jax.numpy as jnp
+
   seen = []
 
   def spy(attempt, **kw):  # the real retry, recording every attempt it makes
     def recorded():
       seen.append(attempt())
       return seen[-1]
+
     return real(recorded, **kw)
+
   real = bench.steadiest
   monkeypatch.setattr(bench, "steadiest", spy)
   x = jnp.ones((64,), jnp.float32)
@@ -52,6 +56,7 @@ def test_a_difference_at_or_below_zero_is_noise_and_is_retried(bench, monkeypatc
   never kept over one with a positive median."""
   import math
   import jax.numpy as jnp
+
   script = iter([[-2e-6, 1e-6, -3e-6], [4e-6, 5e-6, 6e-6]])
   monkeypatch.setattr(bench, "TIMING", "host")
   monkeypatch.setattr(bench, "_host_diffs", lambda *a: next(script))
@@ -64,9 +69,14 @@ def test_a_difference_at_or_below_zero_is_noise_and_is_retried(bench, monkeypatc
 
 
 def test_executions_split_at_the_pauses_between_them(bench):
-  ev = [(0, 10, "a"), (12, 30, "b"), (25, 28, "c"),  # one execution, overlapping kernels
-        (2_000, 2_040, "d"),  # a host stall inside it (shorter than the pause)
-        (5_000_000, 5_000_040, "a"), (5_000_041, 5_000_050, "b")]
+  ev = [
+    (0, 10, "a"),
+    (12, 30, "b"),
+    (25, 28, "c"),  # one execution, overlapping kernels
+    (2_000, 2_040, "d"),  # a host stall inside it (shorter than the pause)
+    (5_000_000, 5_000_040, "a"),
+    (5_000_041, 5_000_050, "b"),
+  ]
   assert bench.execution_spans(ev, 2, pause_ns=1_000_000) == [2_040, 50]
   groups = bench.split_executions(list(reversed(ev)), 2, pause_ns=1_000_000)
   assert [[e[2] for e in g] for g in groups] == [["a", "b", "c", "d"], ["a", "b"]]
@@ -88,6 +98,7 @@ def test_a_trace_that_does_not_split_into_the_executions_run_is_an_error(bench):
 def test_device_events_need_a_gpu_plane(bench, tmp_path):
   import jax
   import jax.numpy as jnp
+
   with jax.profiler.trace(str(tmp_path)):
     x = jnp.ones(8).block_until_ready()
   if next(iter(x.devices())).platform == "gpu":
@@ -100,6 +111,7 @@ def test_device_events_need_a_gpu_plane(bench, tmp_path):
 def test_host_timing_is_used_off_a_gpu(bench, monkeypatch):
   import math
   import jax.numpy as jnp
+
   x = jnp.ones((16,), jnp.float32)
   if next(iter(x.devices())).platform == "gpu":
     pytest.skip("checks the CPU fallback")
@@ -138,23 +150,27 @@ def test_device_diffs_pair_each_short_execution_with_the_next_long_one(bench, mo
 
 def test_decode_variant_suites_time_each_variant_beside_its_base(bench, monkeypatch):
   import argparse
+
   calls = []
 
   def fake(m, k, r, n, bw, peak, kernel="auto", reps=None, baselines=None):
     calls.append((m, k, kernel, baselines is not None))
     return dict(M=m, K=k, variant=kernel)
+
   monkeypatch.setattr(bench, "xuv_record", fake)
   args = argparse.Namespace(extra=[], chunk_m=[64])
   recs = bench.suite("decode_chunks", 1.0, 1.0, args, [])
   shapes = len(bench.XUV_DECODE_SHAPES)
   assert len(recs) == shapes * 4 and len(calls) == shapes * 4
   assert [c[2:] for c in calls[:4]] == [("auto", False)] + [
-      (v, True) for v in bench.decode_chunk_variants(64, *bench.XUV_DECODE_SHAPES[0])]
+    (v, True) for v in bench.decode_chunk_variants(64, *bench.XUV_DECODE_SHAPES[0])
+  ]
   calls.clear()
   bench.suite("decode_persistent", 1.0, 1.0, args, [])
   assert calls[0][2:] == ("decode_xz", False)
-  assert [c[2] for c in calls[1:1 + len(bench.PERSISTENT_VARIANTS)]] == list(
-      bench.PERSISTENT_VARIANTS)
+  assert [c[2] for c in calls[1 : 1 + len(bench.PERSISTENT_VARIANTS)]] == list(
+    bench.PERSISTENT_VARIANTS
+  )
 
 
 def test_attention_suite_extends_the_policy_to_its_shapes(bench, monkeypatch):
@@ -164,9 +180,11 @@ def test_attention_suite_extends_the_policy_to_its_shapes(bench, monkeypatch):
   import argparse
 
   from lrjax.custom_calls.triton import measured
+
   calls = []
-  monkeypatch.setattr(bench, "xuv_record", lambda m, k, r, n, *a, **kw: calls.append(
-      (m, k, r, n)) or dict(M=m))
+  monkeypatch.setattr(
+    bench, "xuv_record", lambda m, k, r, n, *a, **kw: calls.append((m, k, r, n)) or dict(M=m)
+  )
   args = argparse.Namespace(extra=[], min_m=2, max_m=64)
   bench.suite("decode_attn", 1.0, 1.0, args, [])
   ms = [m for m in bench.DECODE_M if 2 <= m <= 64]
@@ -180,9 +198,20 @@ def test_attention_suite_extends_the_policy_to_its_shapes(bench, monkeypatch):
 
 
 def decode_rec(op, m, floor_us, ours_us, xla_us, k=4096):
-  return dict(op=op, variant="auto", M=m, K=k, r=1024, N=4096, floor_us=floor_us,
-              ours_us=ours_us, xla_lowrank_us=xla_us, hbm_roofline_frac=floor_us / ours_us,
-              speedup_vs_xla=xla_us / ours_us, tflops=1.0)
+  return dict(
+    op=op,
+    variant="auto",
+    M=m,
+    K=k,
+    r=1024,
+    N=4096,
+    floor_us=floor_us,
+    ours_us=ours_us,
+    xla_lowrank_us=xla_us,
+    hbm_roofline_frac=floor_us / ours_us,
+    speedup_vs_xla=xla_us / ours_us,
+    tflops=1.0,
+  )
 
 
 def test_fixed_cost_fit_recovers_a_line_and_needs_three_floors(bench):
@@ -217,8 +246,12 @@ def test_missed_decode_targets_say_by_how_much_and_why(bench):
 def test_decode_points_to_128_rows_are_judged_against_xla(bench):
   """The issue's "done when": every decode X·U·V point ahead of XLA; from 17 to 128 rows
   that alone is judged, a trailing point says by how much and which measurements say why."""
-  recs = [decode_rec("xuv", 32, 5.0, 10.0, 10.5), decode_rec("xuv", 64, 5.0, 11.0, 10.0),
-          decode_rec("xuv", 128, 5.0, 12.0, 11.5), decode_rec("xuv", 256, 5.0, 9.0, 10.0)]
+  recs = [
+    decode_rec("xuv", 32, 5.0, 10.0, 10.5),
+    decode_rec("xuv", 64, 5.0, 11.0, 10.0),
+    decode_rec("xuv", 128, 5.0, 12.0, 11.5),
+    decode_rec("xuv", 256, 5.0, 9.0, 10.0),
+  ]
   out = {t["M"]: t for t in bench.evaluate_targets(recs)}
   assert set(out) == {32, 64, 128}  # 256 rows is neither decode nor the prefill sweep
   assert out[32]["met"] and out[32]["short_by_us"] == 0.0 and "why" not in out[32]
@@ -233,15 +266,19 @@ def test_decode_points_to_128_rows_are_judged_against_xla(bench):
 def test_swiglu_decode_from_17_tokens_is_judged_against_xla(bench):
   """The "done when" holds for the SwiGLU decode points from 17 to 128 tokens too: a trailing
   one says by how much, and how near each side runs to the roofline, on which weights."""
-  recs = [decode_rec("mlp_swiglu", 32, 90.0, 100.0, 110.0),
-          dict(decode_rec("mlp_swiglu", 64, 90.0, 100.0, 98.0), weights="distinct"),
-          decode_rec("mlp_swiglu", 128, 90.0, 100.0, 99.0)]
+  recs = [
+    decode_rec("mlp_swiglu", 32, 90.0, 100.0, 110.0),
+    dict(decode_rec("mlp_swiglu", 64, 90.0, 100.0, 98.0), weights="distinct"),
+    decode_rec("mlp_swiglu", 128, 90.0, 100.0, 99.0),
+  ]
   out = {t["M"]: t for t in bench.evaluate_targets(recs)}
   assert all("SwiGLU 17<=T<=128 (done when)" in t["target"] for t in out.values())
   assert out[32]["met"] and "why" not in out[32] and out[32]["short_by_us"] == 0.0
   assert not out[64]["met"] and out[64]["short_by_us"] == 2.0
-  assert out[64]["why"].startswith("the fused decode kernel at 90% of the HBM roofline, "
-                                   "XLA's unfused chain at 92% (each call on its own layer)")
+  assert out[64]["why"].startswith(
+    "the fused decode kernel at 90% of the HBM roofline, "
+    "XLA's unfused chain at 92% (each call on its own layer)"
+  )
   assert out[128]["why"].startswith("X·U·V decode calls") and "reused" in out[128]["why"]
 
 
@@ -255,11 +292,13 @@ def test_distinct_weights_time_each_call_on_its_own_layer(bench, monkeypatch):
   """per_call_us(distinct=True): 3L layers, the L-call jit takes the first L and the 3L-call
   jit each once, and the difference is divided by 2L; reused weights: 3 passes over L."""
   import jax.numpy as jnp
+
   seen = {}
 
   def diffs(f1, f3, x, layers, reps):
     seen["calls"] = (len(f1(x, layers)), len(f3(x, layers)))
     return [8e-6] * reps
+
   monkeypatch.setattr(bench, "TIMING", "host")
   monkeypatch.setattr(bench, "_host_diffs", diffs)
   x = jnp.ones((8,), jnp.float32)
@@ -277,13 +316,17 @@ def test_reused_weights_run_weight_only_work_once_a_layer(bench):
   (here a sine; on the H200, the pad it adds to V for an unaligned rank) once for the three
   calls that use it; with distinct layers, once a call."""
   import jax.numpy as jnp
+
   fn = lambda x, u: x @ jnp.sin(u)  # noqa: E731
   x = jnp.ones((2, 5), jnp.float32)
   layers = [(jnp.full((5, 4), float(i)),) for i in range(6)]
 
   def sines(f, ls):  # traced, then in the compiled HLO
-    return (f.lower(x, ls).as_text().count("stablehlo.sine"),
-            f.lower(x, ls).compile().as_text().count(" sine("))
+    return (
+      f.lower(x, ls).as_text().count("stablehlo.sine"),
+      f.lower(x, ls).compile().as_text().count(" sine("),
+    )
+
   assert sines(bench.chained(fn, 3), layers[:2]) == (6, 2)  # 3 passes x 2 layers, CSE'd
   assert sines(bench.chained(fn, 1), layers) == (6, 6)  # 6 distinct layers: one a call
   assert sines(bench.chained(fn, 1, first=2), layers) == (2, 2)  # the L-call jit's first L
@@ -294,8 +337,12 @@ def test_reused_weights_run_weight_only_work_once_a_layer(bench):
 def test_kernel_table_counts_launches_a_call_over_executions(bench):
   """Two executions of two calls each: launches a call averaged over the executions, names
   cut to name_len pooled, most time a call first."""
-  ex = [[(0, 4000, "gemm_a"), (4000, 5000, "pad"), (5000, 9000, "gemm_b")],
-        [(0, 2000, "gemm_a"), (2000, 3000, "pad")]]
+  ex = [
+    [(0, 4000, "gemm_a"), (4000, 5000, "pad"), (5000, 9000, "gemm_b")],
+    [(0, 2000, "gemm_a"), (2000, 3000, "pad")],
+  ]
   rows = bench.kernel_table(ex, calls=2, name_len=4)
-  assert rows == [dict(name="gemm", per_call=0.75, median_us=4.0),
-                  dict(name="pad", per_call=0.5, median_us=1.0)]
+  assert rows == [
+    dict(name="gemm", per_call=0.75, median_us=4.0),
+    dict(name="pad", per_call=0.5, median_us=1.0),
+  ]

@@ -1,5 +1,6 @@
 """CPU tests of benchmarks/decode_ab.py: its case syntax and that every variant of a case is
 timed on the same layers, with its environment set only while it is timed."""
+
 import os
 
 import pytest
@@ -12,16 +13,23 @@ def ab(load_benchmark):
 
 def test_cases_and_variants_parse(ab):
   assert ab.parse_case("2,4096,152,4096|xla,,auto,,persistent:programs=64,k_per=128") == (
-      (2, 4096, 152, 4096), ["xla", "auto", "persistent:programs=64,k_per=128"])
+    (2, 4096, 152, 4096),
+    ["xla", "auto", "persistent:programs=64,k_per=128"],
+  )
   assert ab.parse_variant("auto") == ({}, "auto")
   assert ab.parse_variant("env:A=1&B=x+persistent:stages=3") == (
-      {"A": "1", "B": "x"}, "persistent:stages=3")
+    {"A": "1", "B": "x"},
+    "persistent:stages=3",
+  )
   assert ab.parse_variant("env:LRJAX_TRITON_LAUNCH=jaxlib") == (
-      {"LRJAX_TRITON_LAUNCH": "jaxlib"}, "auto")
+    {"LRJAX_TRITON_LAUNCH": "jaxlib"},
+    "auto",
+  )
 
 
-@pytest.mark.parametrize("case", ["2,4096,152|xla", "2,4096,152,4096", "2,4096,152,4096|",
-                                  "a,b,c,d|xla"])
+@pytest.mark.parametrize(
+  "case", ["2,4096,152|xla", "2,4096,152,4096", "2,4096,152,4096|", "a,b,c,d|xla"]
+)
 def test_a_bad_case_names_the_syntax(ab, case):
   with pytest.raises(ValueError, match="M,K,r,N"):
     ab.parse_case(case)
@@ -39,6 +47,7 @@ def test_every_variant_is_timed_on_the_same_layers_with_its_environment(ab, monk
     assert not distinct
     seen.append((id(x), tuple(id(u) for u, _ in layers), os.environ.get("LRJAX_AB_PROBE")))
     return 1.0 + len(seen), 0.0
+
   monkeypatch.setattr(ab.g, "per_call_us", fake_time)
   monkeypatch.setattr(ab, "_fn", lambda variant, *dims: variant)
   monkeypatch.delenv("LRJAX_AB_PROBE", raising=False)
@@ -55,6 +64,7 @@ def test_the_script_writes_its_records_for_xla_alone(ab, monkeypatch, tmp_path):
   import json
   import math
   import statistics
+
   monkeypatch.setattr(ab.g, "REPS", 3)
   out = tmp_path / "ab.json"
   ab.main(["--rounds", "2", "--out", str(out), "2,64,16,32|xla"])
@@ -73,9 +83,15 @@ def test_a_variant_with_a_wrong_output_is_marked(ab, monkeypatch, tmp_path, caps
   """Each variant's output is checked against the f32 reference before it is timed: a wrong
   one is recorded with its error and printed as WRONG, the right one beside it is not."""
   import json
+
   real = ab._fn
-  monkeypatch.setattr(ab, "_fn", lambda variant, *dims: (
-      (lambda x, u, v: 1.05 * ((x @ u) @ v)) if variant == "off" else real(variant, *dims)))
+  monkeypatch.setattr(
+    ab,
+    "_fn",
+    lambda variant, *dims: (
+      (lambda x, u, v: 1.05 * ((x @ u) @ v)) if variant == "off" else real(variant, *dims)
+    ),
+  )
   monkeypatch.setattr(ab.g, "REPS", 2)
   out = tmp_path / "ab.json"
   ab.main(["--rounds", "1", "--out", str(out), "1,48,8,24|xla,,off"])
@@ -88,14 +104,18 @@ def test_a_variant_with_a_wrong_output_is_marked(ab, monkeypatch, tmp_path, caps
 
 def test_a_variant_that_fails_is_recorded_and_the_rest_go_on(ab, monkeypatch, tmp_path):
   import json
+
   real = ab._fn
 
   def fn(variant, *dims):
     if variant == "broken":
+
       def f(x, u, v):
         raise ValueError("asks for 300000 bytes of shared memory\nsecond line")
+
       return f
     return real(variant, *dims)
+
   monkeypatch.setattr(ab, "_fn", fn)
   monkeypatch.setattr(ab.g, "REPS", 2)
   out = tmp_path / "ab.json"
@@ -142,9 +162,18 @@ def test_points_come_from_a_sweep_and_split_into_shards(ab, tmp_path, capsys):
   """--points: each decode X·U·V point (M <= --max-m) of a results file, once, with
   --variants; --shard i/n: contiguous slices that together hold every case once."""
   import json
-  recs = [dict(op="xuv", M=m, K=k, r=r, N=n) for m, k, r, n in
-          ((4, 64, 16, 32), (1, 64, 16, 32), (4, 64, 16, 32), (64, 64, 16, 32),
-           (2, 32, 8, 16), (1024, 64, 16, 32))] + [dict(op="mlp_swiglu", M=1, K=1, r=1, N=1)]
+
+  recs = [
+    dict(op="xuv", M=m, K=k, r=r, N=n)
+    for m, k, r, n in (
+      (4, 64, 16, 32),
+      (1, 64, 16, 32),
+      (4, 64, 16, 32),
+      (64, 64, 16, 32),
+      (2, 32, 8, 16),
+      (1024, 64, 16, 32),
+    )
+  ] + [dict(op="mlp_swiglu", M=1, K=1, r=1, N=1)]
   path = tmp_path / "sweep.json"
   path.write_text(json.dumps(dict(records=recs)))
   assert ab.sweep_points(str(path), 32) == [(2, 32, 8, 16), (1, 64, 16, 32), (4, 64, 16, 32)]
@@ -156,8 +185,11 @@ def test_points_come_from_a_sweep_and_split_into_shards(ab, tmp_path, capsys):
   for bad in ("0/2", "3/2", "x"):
     with pytest.raises(ValueError, match="i/n"):
       ab.parse_shard(bad)
-  for argv, msg in ((["--points", str(tmp_path / "none.json")], "results JSON"),
-                    ([], "no cases"), (["--points", str(path), "--shard", "3/2"], "i/n")):
+  for argv, msg in (
+    (["--points", str(tmp_path / "none.json")], "results JSON"),
+    ([], "no cases"),
+    (["--points", str(path), "--shard", "3/2"], "i/n"),
+  ):
     with pytest.raises(SystemExit):
       ab.main(["--out", "unused.json"] + argv)
     assert msg in capsys.readouterr().err
@@ -165,16 +197,22 @@ def test_points_come_from_a_sweep_and_split_into_shards(ab, tmp_path, capsys):
 
 def test_the_points_of_a_sweep_are_timed_with_the_given_variants(ab, monkeypatch, tmp_path):
   import json
+
   path = tmp_path / "sweep.json"
-  path.write_text(json.dumps(dict(records=[dict(op="xuv", M=m, K=64, r=16, N=32)
-                                           for m in (1, 2, 4)])))
+  path.write_text(
+    json.dumps(dict(records=[dict(op="xuv", M=m, K=64, r=16, N=32) for m in (1, 2, 4)]))
+  )
   timed = []
-  monkeypatch.setattr(ab, "time_case", lambda dims, variants, rounds, inputs, distinct:
-                      timed.append((dims, variants)) or {v: [1.0] for v in variants})
+  monkeypatch.setattr(
+    ab,
+    "time_case",
+    lambda dims, variants, rounds, inputs, distinct: (
+      timed.append((dims, variants)) or {v: [1.0] for v in variants}
+    ),
+  )
   monkeypatch.setattr(ab, "check_case", lambda dims, variants, inputs: {v: 0.0 for v in variants})
   out = tmp_path / "ab.json"
-  ab.main(["--out", str(out), "--points", str(path), "--variants", "xla,,auto",
-           "--shard", "2/2"])
+  ab.main(["--out", str(out), "--points", str(path), "--variants", "xla,,auto", "--shard", "2/2"])
   assert timed == [((2, 64, 16, 32), ["xla", "auto"]), ((4, 64, 16, 32), ["xla", "auto"])]
   got = json.loads(out.read_text())
   assert got["meta"]["shard"] == "2/2" and len(got["records"]) == 4
@@ -182,8 +220,16 @@ def test_the_points_of_a_sweep_are_timed_with_the_given_variants(ab, monkeypatch
 
 def _shard_file(path, shard, recs, **meta):
   import json
-  base = dict(machine="NVIDIA H200", jax="0.11.2", triton="3.6.0", rounds=2, shard=shard,
-              date="2026-11-27T23:00:56+00:00", default_launch="xla")
+
+  base = dict(
+    machine="NVIDIA H200",
+    jax="0.11.2",
+    triton="3.6.0",
+    rounds=2,
+    shard=shard,
+    date="2026-11-27T23:00:56+00:00",
+    default_launch="xla",
+  )
   path.write_text(json.dumps(dict(meta=dict(base, **meta), records=recs)))
   return str(path)
 
@@ -194,16 +240,21 @@ def test_merge_joins_the_shards_of_one_run_and_names_xla_tritons_plans(ab, tmp_p
   132 SMs where a file predates the SM count in meta)."""
   pytest.importorskip("triton")
   import json
+
   rec = lambda m, k, r, n: dict(M=m, K=k, r=r, N=n, variant="auto", us=1.0)  # noqa: E731
-  b = _shard_file(tmp_path / "b.json", "2/2", [rec(8, 8192, 2456, 8192), rec(64, 4096, 2560,
-                                                                              14336)])
-  a = _shard_file(tmp_path / "a.json", "1/2", [rec(2, 4096, 2560, 14336),
-                                               rec(4, 4096, 152, 4096)])
+  b = _shard_file(
+    tmp_path / "b.json", "2/2", [rec(8, 8192, 2456, 8192), rec(64, 4096, 2560, 14336)]
+  )
+  a = _shard_file(tmp_path / "a.json", "1/2", [rec(2, 4096, 2560, 14336), rec(4, 4096, 152, 4096)])
   out = tmp_path / "ab.json"
   ab.main(["--merge", b, a, "--out", str(out), "--note", "two GPUs"])
   got = json.loads(out.read_text())
   assert [(r["M"], r["shard"], r["xla_triton_serves"]) for r in got["records"]] == [
-      (2, "1/2", True), (4, "1/2", True), (8, "2/2", False), (64, "2/2", True)]
+    (2, "1/2", True),
+    (4, "1/2", True),
+    (8, "2/2", False),
+    (64, "2/2", True),
+  ]
   assert got["meta"]["sms"] == 132 and got["meta"]["note"] == "two GPUs"
   assert [s["file"] for s in got["meta"]["shards"]] == ["a.json", "b.json"]
   assert "shard" not in got["meta"] and "date" not in got["meta"]
@@ -213,14 +264,16 @@ def test_merge_refuses_shards_that_are_not_one_run(ab, tmp_path, capsys):
   rec = [dict(M=2, K=64, r=16, N=32, variant="xla", us=1.0)]
   a = _shard_file(tmp_path / "a.json", "1/2", rec)
   for argv, msg in (
-      ([a], "1/2 ... 2/2 once each"),
-      ([a, _shard_file(tmp_path / "b.json", "1/2", rec)], "once each"),
-      ([a, _shard_file(tmp_path / "c.json", "2/2", rec, rounds=3)], "rounds 3 differs"),
-      ([a, _shard_file(tmp_path / "d.json", "2/2", rec, machine="NVIDIA H100", sms=132)],
-       "machine 'NVIDIA H100' differs"),
-      ([_shard_file(tmp_path / "e.json", "1/1", rec, machine="cpu", sms=None)],
-       "no SM count"),
-      ([str(tmp_path / "missing.json")], "decode_ab.py results file")):
+    ([a], "1/2 ... 2/2 once each"),
+    ([a, _shard_file(tmp_path / "b.json", "1/2", rec)], "once each"),
+    ([a, _shard_file(tmp_path / "c.json", "2/2", rec, rounds=3)], "rounds 3 differs"),
+    (
+      [a, _shard_file(tmp_path / "d.json", "2/2", rec, machine="NVIDIA H100", sms=132)],
+      "machine 'NVIDIA H100' differs",
+    ),
+    ([_shard_file(tmp_path / "e.json", "1/1", rec, machine="cpu", sms=None)], "no SM count"),
+    ([str(tmp_path / "missing.json")], "decode_ab.py results file"),
+  ):
     with pytest.raises(SystemExit):
       ab.main(["--merge", *argv, "--out", str(tmp_path / "out.json")])
     assert msg in capsys.readouterr().err
@@ -234,11 +287,13 @@ def test_distinct_weights_draw_three_times_the_layers_and_say_so(ab, monkeypatch
   """--distinct-weights: each case's inputs hold 3L layers, every timing gets distinct=True,
   and the file's meta says which weights were timed."""
   import json
+
   calls = []
 
   def fake_time(fn, x, layers, distinct=False):
     calls.append((len(layers), distinct))
     return 1.0, 0.0
+
   monkeypatch.setattr(ab.g, "per_call_us", fake_time)
   out = tmp_path / "ab.json"
   ab.main(["--rounds", "1", "--out", str(out), "--distinct-weights", "2,64,16,32|xla"])
@@ -254,6 +309,7 @@ def test_xla_split_is_the_chain_with_v_split_at_an_aligned_row(ab):
   product (f32 on the CPU), the plain chain where r is aligned, a bad A refused by name."""
   import jax
   import numpy as np
+
   keys = jax.random.split(jax.random.PRNGKey(0), 3)
   x, u, v = (jax.random.normal(kk, s) for kk, s in zip(keys, ((3, 40), (40, 44), (44, 24))))
   want = np.asarray((x @ u) @ v)
@@ -275,8 +331,16 @@ def test_kernel_table_counts_launches_a_call_and_takes_medians(ab, monkeypatch):
   def fake_profile(fns, x, layers):
     seen.append(len(fns))
     # two layers: a GEMM twice a call, a pad once a layer
-    return [[(0, 3000, "gemm"), (3000, 5000, "gemm"), (5000, 17000, "pad"),
-             (17000, 21000, "gemm"), (21000, 22000, "gemm")]]
+    return [
+      [
+        (0, 3000, "gemm"),
+        (3000, 5000, "gemm"),
+        (5000, 17000, "pad"),
+        (17000, 21000, "gemm"),
+        (21000, 22000, "gemm"),
+      ]
+    ]
+
   monkeypatch.setattr(ab.g, "profiled_executions", fake_profile)
   table = ab.kernel_table(lambda x, u, v: x, None, [(1, 2), (3, 4)])
   assert seen == [1]
@@ -286,15 +350,21 @@ def test_kernel_table_counts_launches_a_call_and_takes_medians(ab, monkeypatch):
 
 def test_check_after_times_first_and_records_the_kernels(ab, monkeypatch, tmp_path):
   import json
+
   order = []
-  monkeypatch.setattr(ab, "time_case", lambda dims, variants, *a: (
-      order.append("time"), {v: [1.0] for v in variants})[1])
-  monkeypatch.setattr(ab, "check_case", lambda dims, variants, inputs=None: (
-      order.append("check"), {v: 1e-3 for v in variants})[1])
+  monkeypatch.setattr(
+    ab,
+    "time_case",
+    lambda dims, variants, *a: (order.append("time"), {v: [1.0] for v in variants})[1],
+  )
+  monkeypatch.setattr(
+    ab,
+    "check_case",
+    lambda dims, variants, inputs=None: (order.append("check"), {v: 1e-3 for v in variants})[1],
+  )
   monkeypatch.setattr(ab, "kernel_table", lambda fn, x, layers: {"k": [1.0, 2.0]})
   out = tmp_path / "ab.json"
-  ab.main(["--rounds", "1", "--out", str(out), "--check-after", "--kernels",
-           "1,48,8,24|xla"])
+  ab.main(["--rounds", "1", "--out", str(out), "--check-after", "--kernels", "1,48,8,24|xla"])
   got = json.loads(out.read_text())
   assert order == ["time", "check"] and got["meta"]["checked"] == "after timing"
   (rec,) = got["records"]

@@ -1,5 +1,6 @@
 """CPU tests of benchmarks/decode_trace.py's per-call summary of a synthetic trace, with and
 without phase 2 (``--phase1``), and its command line (the GPU run itself needs a GPU)."""
+
 import numpy as np
 import pytest
 
@@ -24,8 +25,19 @@ def test_the_summary_reads_both_phases(dt):
   # entry, phase-1 end, wait end, phase-2 end, exit; CTAs 0-1 ran phase-1 tiles
   one = np.array([[0, 3, 4, 7, 7.5], [0.2, 4, 4.5, 8, 8.5], [0.4, 0.4, 4.5, 9, 9.5]])
   got = dt.summarize(_trace(one), 3, 2)
-  assert got == dict(period=10, enter=0.4, p1_med=3.5, p1_end=4, wait_first=4, wait_med=4.5,
-                     wait_last=4.5, p2_med=8, p2_end=9, exit=9.5, gap=0.5), got
+  assert got == dict(
+    period=10,
+    enter=0.4,
+    p1_med=3.5,
+    p1_end=4,
+    wait_first=4,
+    wait_med=4.5,
+    wait_last=4.5,
+    p2_med=8,
+    p2_end=9,
+    exit=9.5,
+    gap=0.5,
+  ), got
 
 
 def test_phase1_alone_has_no_wait_or_phase2(dt):
@@ -36,8 +48,9 @@ def test_phase1_alone_has_no_wait_or_phase2(dt):
 
 
 def test_phase1_is_a_flag_of_decode_trace_alone(dt):
-  args, cases = dt.cli("M,K,r,N", phase1=True,
-                       argv=["--out", "o.json", "--case", "128,2048,256,512", "--phase1"])
+  args, cases = dt.cli(
+    "M,K,r,N", phase1=True, argv=["--out", "o.json", "--case", "128,2048,256,512", "--phase1"]
+  )
   assert args.phase1 and cases == [((128, 2048, 256, 512), {})]
   args, _ = dt.cli("M,K,r,N", phase1=True, argv=["--out", "o.json", "--case", "1,2,3,4"])
   assert not args.phase1

@@ -1,6 +1,7 @@
 """CPU tests of benchmarks/mlp_trace.py: its case syntax (shared with decode_trace.py), the
 stages it reads from a launch plan, and its per-stage summary of a synthetic trace (the GPU
 run itself needs a GPU)."""
+
 import importlib.util
 import textwrap
 
@@ -8,10 +9,11 @@ import pytest
 from triton_offline import STUB, run_script
 
 pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None,
-    reason="needs triton (pip install 'lrjax[cuda]') for the SwiGLU kernel's launch plan")
+  importlib.util.find_spec("triton") is None,
+  reason="needs triton (pip install 'lrjax[cuda]') for the SwiGLU kernel's launch plan",
+)
 
-_SCRIPT = STUB + textwrap.dedent('''
+_SCRIPT = STUB + textwrap.dedent("""
   import numpy as np
   import mlp_trace
   from lrjax.custom_calls.triton import mlp_decode
@@ -75,7 +77,7 @@ _SCRIPT = STUB + textwrap.dedent('''
   assert ctas["work"] == [2, 2.5, 6, 7, 8] and ctas["wait1"][:2] == [None, None], ctas
   assert ctas["entry"] == [0, 0, 0, 0, 0.1] and ctas["sm"] == [0] * 5, ctas
   print("ok")
-''')
+""")
 
 
 def test_cases_stages_and_summary():

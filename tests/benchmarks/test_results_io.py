@@ -1,4 +1,5 @@
 """CPU tests of benchmarks/results_io.py: a results file is written whole or not at all."""
+
 import json
 
 import pytest
@@ -27,8 +28,7 @@ def test_a_failed_write_keeps_the_previous_file_and_no_temporary(rio, tmp_path):
 
 def test_non_finite_numbers_are_written_as_null(rio, tmp_path):
   path = tmp_path / "r.json"
-  rio.write_json(str(path), dict(records=[dict(us=-1.5, spread=float("inf")),
-                                          (float("nan"), 2.0)]))
+  rio.write_json(str(path), dict(records=[dict(us=-1.5, spread=float("inf")), (float("nan"), 2.0)]))
   text = path.read_text()
   assert "Infinity" not in text and "NaN" not in text
   assert json.loads(text) == dict(records=[dict(us=-1.5, spread=None), [None, 2.0]])

@@ -1,4 +1,5 @@
 """CPU tests of benchmarks/step_trace.py: a decode step's layer blocks from a kernel trace."""
+
 import gzip
 import json
 import os
@@ -20,13 +21,19 @@ def fake_step(t0, attn_us, mlp_us, layers=2):
   then the final norm, the LM head GEMM and a sampling kernel (times in ns)."""
   ev, t = [], t0
   for _ in range(layers):
-    ev += [(t, t + 1000, "fusion_7"), (t + 1000, t + 5000, "gemm_fusion_dot.3"),
-           (t + 5000, t + attn_us * 1000, "loop_add_fusion")]
+    ev += [
+      (t, t + 1000, "fusion_7"),
+      (t + 1000, t + 5000, "gemm_fusion_dot.3"),
+      (t + 5000, t + attn_us * 1000, "loop_add_fusion"),
+    ]
     t += attn_us * 1000
     ev += [(t, t + 1000, "fusion_7"), (t + 1000, t + mlp_us * 1000, "_mlp_decode_kernel")]
     t += mlp_us * 1000
-  ev += [(t, t + 1000, "fusion_9"), (t + 1000, t + 40_000, "gemm_fusion_dot.12"),
-         (t + 40_000, t + 41_000, "input_reduce_fusion")]
+  ev += [
+    (t, t + 1000, "fusion_9"),
+    (t + 1000, t + 40_000, "gemm_fusion_dot.12"),
+    (t + 40_000, t + 41_000, "input_reduce_fusion"),
+  ]
   return ev, t + 41_000
 
 
@@ -65,11 +72,15 @@ def test_the_committed_70b_summary_is_what_the_committed_traces_give(trace):
   with open(os.path.join(REPO, "benchmarks/results/model_70b_blocks_h200.json")) as fh:
     committed = json.load(fh)["traces"]
   for name, rec in committed.items():
-    got = trace.summarize(trace.load(os.path.join(REPO, "benchmarks/results/traces", name)),
-                          rec["layers"])
+    got = trace.summarize(
+      trace.load(os.path.join(REPO, "benchmarks/results/traces", name)), rec["layers"]
+    )
     for key, value in rec.items():
-      assert got[key] == (pytest.approx(value) if not isinstance(value, dict)
-                          else {k: pytest.approx(v) for k, v in value.items()}), (name, key)
+      assert got[key] == (
+        pytest.approx(value)
+        if not isinstance(value, dict)
+        else {k: pytest.approx(v) for k, v in value.items()}
+      ), (name, key)
 
 
 def test_kernel_totals_a_step(trace):

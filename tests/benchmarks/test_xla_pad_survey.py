@@ -1,4 +1,5 @@
 """CPU tests of benchmarks/xla_pad_survey.py's HLO reading (its GPU run is the survey)."""
+
 import pytest
 
 # Lines as jax 0.11.2 wrote them on an H200 for 64 x 8192->2456->8192 (shortened): P padded
@@ -8,7 +9,7 @@ HLO = """
   %loop_pad_fusion.1 = bf16[2464,8192]{1,0} fusion(%v.1), kind=kLoop, calls=%fused_pad.1, metadata={}
   ROOT %pad.1.1 = bf16[2464,8192]{1,0} pad(%param_0.8, %constant_1_2), padding=0_8x0_0
   %loop_convert_fusion = bf16[2480,8192]{1,0} fusion(%a), kind=kLoop, calls=%fused_convert
-"""
+"""  # noqa: E501
 
 
 def test_v_pads_finds_the_padded_copy_of_v_only(load_benchmark):

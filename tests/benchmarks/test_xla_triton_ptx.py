@@ -1,5 +1,6 @@
 """CPU tests of benchmarks/xla_triton_ptx.py's PTX reading: entries of a module, the opcode
 counts, and ptxas on a module whose PTX ISA Triton's ptxas does not know."""
+
 import textwrap
 
 import pytest
@@ -42,10 +43,16 @@ MODULE = """\
 def _run(body: str) -> None:
   """``body`` with the tool imported as ``xp`` and MODULE defined, in a fresh Python (the tool
   imports the kernel modules, which need jax-triton's stub; triton_offline)."""
-  run_script(STUB + textwrap.dedent(f'''
+  run_script(
+    STUB
+    + textwrap.dedent(f"""
       import xla_triton_ptx as xp
       MODULE = {MODULE!r}
-  ''') + textwrap.dedent(body) + "\nprint('ok')\n", interpret=False)
+  """)
+    + textwrap.dedent(body)
+    + "\nprint('ok')\n",
+    interpret=False,
+  )
 
 
 def test_entries_and_their_opcodes():

@@ -1,4 +1,5 @@
 """`lrjax convert` / `lrjax export`: outputs reload to exactly the in-memory compressed model."""
+
 import json
 import os
 
@@ -30,11 +31,28 @@ def calib(tmp_path, rng):
 
 def test_convert_hf_whiten_matches_in_memory(tmp_path, calib):
   src = os.path.join(FIXTURES, "llama3")
-  rc = cli.main(["convert", "--hf", src, "--out", str(tmp_path / "lr"), "--ratio", "0.3",
-                 "--method", "whiten", "--calib", str(calib), "--block", "8", "--verify"])
+  rc = cli.main(
+    [
+      "convert",
+      "--hf",
+      src,
+      "--out",
+      str(tmp_path / "lr"),
+      "--ratio",
+      "0.3",
+      "--method",
+      "whiten",
+      "--calib",
+      str(calib),
+      "--block",
+      "8",
+      "--verify",
+    ]
+  )
   assert rc == 0
-  ref = compress(from_hf(src), ratio=0.3, calib_tokens=np.load(calib), method="whiten",
-                 block=8, progress=False)
+  ref = compress(
+    from_hf(src), ratio=0.3, calib_tokens=np.load(calib), method="whiten", block=8, progress=False
+  )
   back = checkpoint.load(tmp_path / "lr")
   _assert_bit_equal(ref, back)
   assert back.compression["method"] == "whiten" and back.compression["ratio"] == 0.3
@@ -47,8 +65,22 @@ def test_convert_orbax_dense_to_low_rank_then_export(tmp_path):
   src = os.path.join(FIXTURES, "qwen3")
   dense = from_hf(src)
   checkpoint.save(dense, tmp_path / "dense")
-  rc = cli.main(["convert", "--orbax", str(tmp_path / "dense"), "--out", str(tmp_path / "lr"),
-                 "--ratio", "0.4", "--method", "svd", "--mlp-only", "--block", "4"])
+  rc = cli.main(
+    [
+      "convert",
+      "--orbax",
+      str(tmp_path / "dense"),
+      "--out",
+      str(tmp_path / "lr"),
+      "--ratio",
+      "0.4",
+      "--method",
+      "svd",
+      "--mlp-only",
+      "--block",
+      "4",
+    ]
+  )
   assert rc == 0
   ref = compress(dense, ratio=0.4, method="svd", mlp_only=True, block=4, progress=False)
   back = checkpoint.load(tmp_path / "lr")
@@ -63,21 +95,33 @@ def test_convert_orbax_dense_to_low_rank_then_export(tmp_path):
 
 def test_convert_errors_are_clear(tmp_path, capsys, calib):
   src = os.path.join(FIXTURES, "qwen3")
-  assert cli.main(["convert", "--hf", src, "--out", str(tmp_path / "o"), "--ratio", "1.5",
-                   "--method", "svd"]) == 1
+  assert (
+    cli.main(
+      ["convert", "--hf", src, "--out", str(tmp_path / "o"), "--ratio", "1.5", "--method", "svd"]
+    )
+    == 1
+  )
   assert "ratio" in capsys.readouterr().err
   assert not (tmp_path / "o").exists()
   (tmp_path / "o").mkdir()
-  assert cli.main(["convert", "--hf", src, "--out", str(tmp_path / "o"), "--ratio", "0.2",
-                   "--method", "svd"]) == 2
+  assert (
+    cli.main(
+      ["convert", "--hf", src, "--out", str(tmp_path / "o"), "--ratio", "0.2", "--method", "svd"]
+    )
+    == 2
+  )
   assert "--overwrite" in capsys.readouterr().err
   bad = tmp_path / "calib.txt"
   bad.write_text("1 2 3\n4 5\n")
-  assert cli.main(["convert", "--hf", src, "--out", str(tmp_path / "p"), "--ratio", "0.2",
-                   "--calib", str(bad)]) == 1
+  assert (
+    cli.main(
+      ["convert", "--hf", src, "--out", str(tmp_path / "p"), "--ratio", "0.2", "--calib", str(bad)]
+    )
+    == 1
+  )
   assert "same length" in capsys.readouterr().err
   with pytest.raises(SystemExit):
-    cli.main(["convert", "--out", str(tmp_path / "q"), "--ratio", "0.2"])   # no source
+    cli.main(["convert", "--out", str(tmp_path / "q"), "--ratio", "0.2"])  # no source
 
 
 def test_subcommand_registry():
@@ -92,6 +136,7 @@ def test_load_tokens_formats(tmp_path, rng):
   np.save(tmp_path / "a.npy", t)
   (tmp_path / "a.txt").write_text("\n".join(" ".join(map(str, r)) for r in t))
   from safetensors.numpy import save_file
+
   save_file({"tokens": t.astype(np.int32)}, str(tmp_path / "a.safetensors"))
   for f in ("a.npy", "a.txt", "a.safetensors"):
     assert np.array_equal(cli.load_tokens(str(tmp_path / f)), t)
@@ -104,10 +149,34 @@ def test_convert_lora_uses_its_own_tokens(tmp_path, calib, rng):
   src = os.path.join(FIXTURES, "llama3")
   lora = tmp_path / "lora.npy"
   np.save(lora, rng.integers(0, 128, (12, 17)).astype(np.int32))
-  args = ["convert", "--hf", src, "--ratio", "0.3", "--method", "whiten", "--calib", str(calib),
-          "--block", "8", "--lora-steps", "3", "--lora-batch", "4"]
+  args = [
+    "convert",
+    "--hf",
+    src,
+    "--ratio",
+    "0.3",
+    "--method",
+    "whiten",
+    "--calib",
+    str(calib),
+    "--block",
+    "8",
+    "--lora-steps",
+    "3",
+    "--lora-batch",
+    "4",
+  ]
   assert cli.main(args + ["--out", str(tmp_path / "a"), "--lora-tokens", str(lora)]) == 0
-  ref = compress(from_hf(src), ratio=0.3, calib_tokens=np.load(calib), method="whiten", block=8,
-                 lora_steps=3, lora_batch=4, lora_tokens=np.load(lora), progress=False)
+  ref = compress(
+    from_hf(src),
+    ratio=0.3,
+    calib_tokens=np.load(calib),
+    method="whiten",
+    block=8,
+    lora_steps=3,
+    lora_batch=4,
+    lora_tokens=np.load(lora),
+    progress=False,
+  )
   _assert_bit_equal(ref, checkpoint.load(tmp_path / "a"))
   assert checkpoint.load(tmp_path / "a").compression["lora"]["steps"] == 3

@@ -1,4 +1,5 @@
 """Bad HF checkpoints fail with errors that name the tensor and what was expected."""
+
 import json
 import os
 import shutil
@@ -31,7 +32,7 @@ def test_truncated_file_names_the_cut_tensor(tmp_path, cut):
   f = d / "model.safetensors"
   data = f.read_bytes()
   header = read_header(str(f))
-  f.write_bytes(data[:int(len(data) * cut)])
+  f.write_bytes(data[: int(len(data) * cut)])
   data_len = len(data) * cut - 8 - int.from_bytes(data[:8], "little")
   cut_names = [n for n, i in header.items() if i["data_offsets"][1] > data_len]
   with pytest.raises(ValueError, match="truncated") as e:
@@ -62,8 +63,11 @@ def test_truncated_shard_of_sharded_checkpoint(tmp_path):
 def test_mis_shaped_tensor_from_config_mismatch(tmp_path):
   d = _copy(tmp_path, "llama3")
   _edit_config(d, intermediate_size=96)
-  with pytest.raises(ValueError, match=r"tensor 'model\.layers\.0\.mlp\.\w+_proj\.weight' has "
-                     r"shape \[(128, 64|64, 128)\], expected \[(96, 64|64, 96)\] from config"):
+  with pytest.raises(
+    ValueError,
+    match=r"tensor 'model\.layers\.0\.mlp\.\w+_proj\.weight' has "
+    r"shape \[(128, 64|64, 128)\], expected \[(96, 64|64, 96)\] from config",
+  ):
     from_hf(d)
 
 
@@ -86,8 +90,11 @@ def test_missing_tensor(tmp_path):
   tensors = load_file(str(d / "model.safetensors"))
   del tensors["model.layers.1.self_attn.v_proj.weight"]
   save_file(tensors, str(d / "model.safetensors"))
-  with pytest.raises(ValueError, match=r"missing tensor 'model\.layers\.1\.self_attn\.v_proj"
-                     r"\.weight': expected shape \[32, 64\]"):
+  with pytest.raises(
+    ValueError,
+    match=r"missing tensor 'model\.layers\.1\.self_attn\.v_proj"
+    r"\.weight': expected shape \[32, 64\]",
+  ):
     from_hf(d)
 
 
@@ -103,19 +110,29 @@ def test_integer_tensor_rejected(tmp_path):
 def test_unsupported_architecture(tmp_path):
   d = _copy(tmp_path, "qwen3")
   _edit_config(d, model_type="gpt2", architectures=["GPT2LMHeadModel"])
-  with pytest.raises(ValueError, match=r"unsupported architecture: model_type='gpt2'.*"
-                     r"GPT2LMHeadModel.*supports model_type in"):
+  with pytest.raises(
+    ValueError,
+    match=r"unsupported architecture: model_type='gpt2'.*"
+    r"GPT2LMHeadModel.*supports model_type in",
+  ):
     from_hf(d)
 
 
-@pytest.mark.parametrize("change,match", [
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
-     "rope_scaling type 'yarn' is not supported"),
+@pytest.mark.parametrize(
+  "change,match",
+  [
+    (
+      {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+      "rope_scaling type 'yarn' is not supported",
+    ),
     ({"num_key_value_heads": 3}, "must be a multiple of num_kv_heads=3"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
-    ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4},
-     "mixes sliding and full attention"),
-])
+    (
+      {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4},
+      "mixes sliding and full attention",
+    ),
+  ],
+)
 def test_unsupported_config_features(change, match):
   cfg = json.load(open(os.path.join(FIXTURES, "qwen3", "config.json")))
   cfg.update(change)

@@ -1,4 +1,5 @@
 """Orbax save/load and HF export round trips are bit-exact; writes are atomic."""
+
 import json
 import os
 import subprocess
@@ -24,8 +25,9 @@ FIXTURES = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "fixtur
 
 
 def _random_model(cfg, ranks=None, dtype=jnp.float32):
-  m = LlamaForCausalLM(cfg, ranks, param_dtype=dtype,
-                       rngs=nnx.Rngs(int(jax.random.randint(fresh_key(), (), 0, 2**30))))
+  m = LlamaForCausalLM(
+    cfg, ranks, param_dtype=dtype, rngs=nnx.Rngs(int(jax.random.randint(fresh_key(), (), 0, 2**30)))
+  )
   for path, var in nnx.to_flat_state(nnx.state(m)):
     if path[-1] in ("weight", "bias"):
       var[...] = (1.0 + 0.3 * jax.random.normal(fresh_key(), var.shape)).astype(dtype)
@@ -44,11 +46,17 @@ def _assert_bit_equal(a, b):
 
 def _hetero(cfg, dtype=jnp.float32):
   """Heterogeneous ranks plus a per-head q projection in layer 1."""
-  m = _random_model(cfg, [{"q_proj": 8, "down_proj": 16}, {"gate_proj": 24, "o_proj": 12}],
-                    dtype)
-  hw = HeadwiseLowRankLinear(cfg.hidden_size, cfg.num_heads, cfg.head_dim, 4,
-                             use_bias=cfg.qkv_bias, axes=("embed", "heads"), param_dtype=dtype,
-                             rngs=nnx.Rngs(1))
+  m = _random_model(cfg, [{"q_proj": 8, "down_proj": 16}, {"gate_proj": 24, "o_proj": 12}], dtype)
+  hw = HeadwiseLowRankLinear(
+    cfg.hidden_size,
+    cfg.num_heads,
+    cfg.head_dim,
+    4,
+    use_bias=cfg.qkv_bias,
+    axes=("embed", "heads"),
+    param_dtype=dtype,
+    rngs=nnx.Rngs(1),
+  )
   set_proj(m, 1, "q_proj", hw)
   return m
 
@@ -60,8 +68,12 @@ _fwd = nnx.jit(lambda m, t: m(t))
 def test_orbax_round_trip_low_rank_bit_exact(tmp_path, dtype):
   cfg = ModelConfig.tiny(model_type="qwen2", qkv_bias=True)
   m = _hetero(cfg, dtype)
-  m.compression = {"method": "whiten", "ratio": 0.2, "calibration": {"tokens": 512},
-                   "lora": {"steps": 3, "rank": 8}}
+  m.compression = {
+    "method": "whiten",
+    "ratio": 0.2,
+    "calibration": {"tokens": 512},
+    "lora": {"steps": 3, "rank": 8},
+  }
   m.source_digest = "sha256:" + "ab" * 32
   checkpoint.save(m, tmp_path / "ck")
   back = checkpoint.load(tmp_path / "ck")
@@ -69,8 +81,11 @@ def test_orbax_round_trip_low_rank_bit_exact(tmp_path, dtype):
   tok = jax.random.randint(fresh_key(), (2, 5), 0, cfg.vocab_size)
   assert np.asarray(_fwd(m, tok)).tobytes() == np.asarray(_fwd(back, tok)).tobytes()
   meta = checkpoint.read_metadata(tmp_path / "ck")
-  assert meta["ranks"] == m.layer_ranks() == [{"q_proj": 8, "down_proj": 16},
-                                              {"q_proj": 16, "o_proj": 12, "gate_proj": 24}]
+  assert (
+    meta["ranks"]
+    == m.layer_ranks()
+    == [{"q_proj": 8, "down_proj": 16}, {"q_proj": 16, "o_proj": 12, "gate_proj": 24}]
+  )
   assert meta["heads"] == [{}, {"q_proj": 4}]
   assert meta["compression"] == m.compression == back.compression
   assert meta["source_digest"] == back.source_digest == m.source_digest
@@ -102,8 +117,9 @@ def test_load_into_named_shardings(tmp_path):
   assert back2.layers[1].attn.q_proj.v[...].sharding == one
   _assert_bit_equal(m, back2)
   h = checkpoint.load_hf(os.path.join(FIXTURES, "qwen3"), mesh=mesh, rules={"kv_heads": "tp"})
-  assert h.layers[1].attn.v_proj.kernel[...].sharding == NamedSharding(mesh,
-                                                                       PartitionSpec(None, "tp"))
+  assert h.layers[1].attn.v_proj.kernel[...].sharding == NamedSharding(
+    mesh, PartitionSpec(None, "tp")
+  )
   _assert_bit_equal(h, from_hf(os.path.join(FIXTURES, "qwen3")))
 
 
@@ -115,7 +131,7 @@ def test_load_shards_across_two_devices(tmp_path):
     from jax.sharding import Mesh, PartitionSpec
     from lrjax import checkpoint
     mesh = Mesh(np.array(jax.devices()), ("tp",))
-    m = checkpoint.load({str(tmp_path / 'ck')!r}, mesh=mesh, rules={{"mlp": "tp"}})
+    m = checkpoint.load({str(tmp_path / "ck")!r}, mesh=mesh, rules={{"mlp": "tp"}})
     k = m.layers[1].mlp.gate_proj.v[...]
     assert len(k.addressable_shards) == 2, k.sharding
     assert k.addressable_shards[0].data.shape == (24, 64), k.addressable_shards[0].data.shape
@@ -125,10 +141,10 @@ def test_load_shards_across_two_devices(tmp_path):
     assert tuple(q.sharding.spec) == (None, "tp") and q.addressable_shards[0].data.shape == (64, 32)
     print("ok")
   """)
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-             JAX_PLATFORMS="cpu")
-  r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                     timeout=120)
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+  r = subprocess.run(
+    [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+  )
   assert r.returncode == 0, r.stderr[-2000:]
   assert r.stdout.strip() == "ok"
 
@@ -161,20 +177,21 @@ def test_export_low_rank_round_trip_and_format(tmp_path):
     vb = f.get_tensor("model.layers.1.self_attn.q_v_proj.bias")
     hv = f.get_tensor("model.layers.1.self_attn.q_v_proj.weight")
   assert "model.layers.0.self_attn.q_proj.weight" not in names
-  assert "model.layers.1.self_attn.k_proj.weight" in names          # dense stays dense
+  assert "model.layers.1.self_attn.k_proj.weight" in names  # dense stays dense
   assert u.shape == (8, 64) and v.shape == (64, 8) and vb.shape == (64,)
   # torch-layout reading: y = v_proj(u_proj(x)) reproduces the module.
   x = np.asarray(jax.random.normal(fresh_key(), (3, 64)))
   want = np.asarray(m.layers[0].attn.q_proj(jnp.asarray(x)))
-  np.testing.assert_allclose((x @ u.T) @ v.T + np.asarray(m.layers[0].attn.q_proj.bias[...]),
-                             want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(
+    (x @ u.T) @ v.T + np.asarray(m.layers[0].attn.q_proj.bias[...]), want, rtol=1e-5, atol=1e-5
+  )
   want1 = np.asarray(m.layers[1].attn.q_proj(jnp.asarray(x)))
   u1 = back.layers[1].attn.q_proj.u[...]
   np.testing.assert_allclose((x @ np.asarray(u1)) @ hv.T + vb, want1, rtol=1e-5, atol=1e-5)
 
 
 def test_export_rejects_config_hf_cannot_express(tmp_path):
-  m = _random_model(ModelConfig.tiny(qkv_bias=True))         # llama biases q/k/v/o together
+  m = _random_model(ModelConfig.tiny(qkv_bias=True))  # llama biases q/k/v/o together
   with pytest.raises(ValueError, match="qkv_bias=True with o_bias=False"):
     checkpoint.export_hf(m, tmp_path / "ex")
   _no_partial(tmp_path, "ex")
@@ -184,6 +201,7 @@ def test_export_rejects_non_block_diagonal_headwise(tmp_path):
   m = _hetero(ModelConfig.tiny())
   checkpoint.export_hf(m, tmp_path / "ex")
   from safetensors.numpy import load_file, save_file
+
   f = str(tmp_path / "ex" / "model.safetensors")
   t = load_file(f)
   t["model.layers.1.self_attn.q_v_proj.weight"][0, -1] = 1.0
@@ -204,12 +222,14 @@ def test_failed_export_leaves_nothing(tmp_path, monkeypatch):
 
   def failing(path, specs, tensors, metadata=None):
     calls.append(path)
-    if len(calls) == 2:                # first shard written, fail in the second
+    if len(calls) == 2:  # first shard written, fail in the second
+
       def partial():
         for i, t in enumerate(tensors):
           if i == 2:
             raise OSError("disk full (simulated)")
           yield t
+
       return real(path, specs, partial(), metadata)
     return real(path, specs, tensors, metadata)
 
@@ -227,6 +247,7 @@ def test_failed_orbax_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
   with pytest.raises(FileExistsError, match="overwrite=True"):
     checkpoint.save(new, tmp_path / "ck")
   import lrjax.checkpoint.orbax_io as oio
+
   real_dump = json.dump
 
   def failing_dump(obj, fh, **kw):
@@ -264,10 +285,15 @@ def test_killed_process_leaves_no_checkpoint(tmp_path):
       return real(path, specs, gen(), metadata)
     hf.write_safetensors = dying
     m = LlamaForCausalLM(ModelConfig.tiny(), rngs=nnx.Rngs(0))
-    checkpoint.export_hf(m, {str(tmp_path / 'ex')!r})
+    checkpoint.export_hf(m, {str(tmp_path / "ex")!r})
   """)
-  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                     env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  r = subprocess.run(
+    [sys.executable, "-c", code],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+  )
   assert r.returncode == 17, r.stderr[-2000:]
   assert not (tmp_path / "ex").exists()
   assert all(p.startswith(".ex.tmp-") for p in os.listdir(tmp_path))

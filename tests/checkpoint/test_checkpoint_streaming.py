@@ -1,4 +1,5 @@
 """HF loading streams tensor by tensor: peak memory stays near the model size, not twice it."""
+
 import json
 import os
 import subprocess
@@ -14,13 +15,21 @@ from lrjax.models import ModelConfig
 
 @pytest.mark.slow
 def test_load_peak_memory_is_about_one_model(tmp_path, rng):
-  cfg = ModelConfig(vocab_size=8192, hidden_size=1024, intermediate_size=2048, num_layers=6,
-                    num_heads=8, num_kv_heads=8, head_dim=128)
+  cfg = ModelConfig(
+    vocab_size=8192,
+    hidden_size=1024,
+    intermediate_size=2048,
+    num_layers=6,
+    num_heads=8,
+    num_kv_heads=8,
+    head_dim=128,
+  )
   d = tmp_path / "big"
   d.mkdir()
   (d / "config.json").write_text(json.dumps(cfg.to_hf_config()))
   from flax import nnx
   from lrjax.checkpoint.hf import _param_names, abstract_model
+
   flat = list(nnx.to_flat_state(nnx.split(abstract_model(cfg))[1]))
   specs = {}
   for p, var in flat:
@@ -42,8 +51,13 @@ def test_load_peak_memory_is_about_one_model(tmp_path, rng):
     m = from_hf({str(d)!r}, dtype=jnp.float32, with_digest=False)
     print(hwm() - base)
   """)
-  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                     env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  r = subprocess.run(
+    [sys.executable, "-c", code],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+  )
   assert r.returncode == 0, r.stderr[-2000:]
   grew = int(r.stdout.split()[-1])
   # The model itself must be resident; a loader holding the file too would need >= 2x. The rest

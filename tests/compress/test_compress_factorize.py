@@ -1,4 +1,5 @@
 """Matrix-level compression: block-aligned ranks, whitening, PD repair, per-head factors, errors."""
+
 import logging
 import math
 
@@ -8,20 +9,29 @@ import pytest
 from conftest import assert_close, randn
 from flax import nnx
 
-from lrjax.compress import (HeadwiseLowRankLinear, budget_rank, check_rank, cholesky_factor,
-                            factorize, lowrank_params, reconstruct)
+from lrjax.compress import (
+  HeadwiseLowRankLinear,
+  budget_rank,
+  check_rank,
+  cholesky_factor,
+  factorize,
+  lowrank_params,
+  reconstruct,
+)
 from lrjax.nn import svd_factors
 
 
-@pytest.mark.parametrize("k,n,heads", [(128, 128, 1), (256, 96, 1), (96, 512, 1), (128, 256, 8),
-                                       (128, 64, 2), (100, 300, 1)])
+@pytest.mark.parametrize(
+  "k,n,heads",
+  [(128, 128, 1), (256, 96, 1), (96, 512, 1), (128, 256, 8), (128, 64, 2), (100, 300, 1)],
+)
 @pytest.mark.parametrize("ratio", [0.1, 0.2, 0.4, 0.75])
 @pytest.mark.parametrize("block", [8, 16])
 def test_budget_rank_block_aligned_and_maximal(k, n, heads, ratio, block):
   step = block * heads // math.gcd(block, heads)
   try:
     r = budget_rank(k, n, ratio, block, heads=heads)
-  except ValueError as e:                       # only when not even one step fits
+  except ValueError as e:  # only when not even one step fits
     assert "smaller" in str(e)
     assert step * (k + n // heads) > (1 - ratio) * k * n
     return
@@ -29,8 +39,7 @@ def test_budget_rank_block_aligned_and_maximal(k, n, heads, ratio, block):
   budget = (1 - ratio) * k * n
   assert lowrank_params(k, n, r, heads) <= budget
   # One more aligned step would break the budget or the max rank.
-  assert (lowrank_params(k, n, r + step, heads) > budget
-          or (r + step) // heads > min(k, n // heads))
+  assert lowrank_params(k, n, r + step, heads) > budget or (r + step) // heads > min(k, n // heads)
 
 
 def _anisotropic(t, k, rng):
@@ -69,10 +78,10 @@ def test_whitening_reduces_output_error_and_is_optimal(k, n, r, rng):
 
 def test_pd_repair_on_singular_gram_uses_jitter(rng, caplog):
   k = 32
-  x = rng.standard_normal((12, k))            # 12 tokens < 32 features: rank-12 XᵀX
-  x[:, 5] = 0.0                                # and a dead feature
+  x = rng.standard_normal((12, k))  # 12 tokens < 32 features: rank-12 XᵀX
+  x[:, 5] = 0.0  # and a dead feature
   g = x.T @ x
-  try:                                         # plain Cholesky fails or has a ~0 pivot
+  try:  # plain Cholesky fails or has a ~0 pivot
     plain_ok = np.min(np.diag(np.linalg.cholesky(g))) ** 2 > 1e-12 * np.mean(np.diag(g))
   except np.linalg.LinAlgError:
     plain_ok = False
@@ -95,7 +104,7 @@ def test_pd_repair_falls_back_to_eigenvalue_clipping(rng, caplog):
   k = 16
   q, _ = np.linalg.qr(rng.standard_normal((k, k)))
   ev = np.abs(rng.standard_normal(k)) + 1.0
-  ev[0] = -0.5 * ev.sum()                      # strongly indefinite: no small jitter fixes it
+  ev[0] = -0.5 * ev.sum()  # strongly indefinite: no small jitter fixes it
   g = (q * ev) @ q.T
   with caplog.at_level(logging.WARNING, logger="lrjax.compress"):
     l, how = cholesky_factor(g, name="indef")
@@ -124,20 +133,24 @@ def test_per_head_factors(heads, d, r_h, rng):
   u, v = factorize(w, heads * r_h, l, heads=heads)
   assert u.shape == (k, heads * r_h) and v.shape == (heads, r_h, d)
   full = reconstruct(u, v)
-  for h in range(heads):                      # each head is its own whitened truncated SVD
-    uh, vh = factorize(w[:, h * d:(h + 1) * d], r_h, l)
-    np.testing.assert_allclose(full[:, h * d:(h + 1) * d], uh @ vh, atol=1e-8)
-  if r_h == min(k, d):                         # full per-head rank reproduces w exactly
+  for h in range(heads):  # each head is its own whitened truncated SVD
+    uh, vh = factorize(w[:, h * d : (h + 1) * d], r_h, l)
+    np.testing.assert_allclose(full[:, h * d : (h + 1) * d], uh @ vh, atol=1e-8)
+  if r_h == min(k, d):  # full per-head rank reproduces w exactly
     np.testing.assert_allclose(full, w, atol=1e-8)
 
 
 def test_headwise_module_matches_reconstruction(rng):
-  heads, d, r_h, k = 2, 32, 12, 64           # a GQA k/v projection: 2 KV heads
+  heads, d, r_h, k = 2, 32, 12, 64  # a GQA k/v projection: 2 KV heads
   m = HeadwiseLowRankLinear(k, heads, d, r_h, use_bias=True, rngs=nnx.Rngs(0))
   m.bias[...] = randn((heads * d,))
   x = randn((3, 5, k))
-  ref = jnp.asarray(np.asarray(x) @ reconstruct(np.asarray(m.u[...]), np.asarray(m.v[...])),
-                    jnp.float32) + m.bias[...]
+  ref = (
+    jnp.asarray(
+      np.asarray(x) @ reconstruct(np.asarray(m.u[...]), np.asarray(m.v[...])), jnp.float32
+    )
+    + m.bias[...]
+  )
   assert_close(m(x), ref, jnp.float32, factor=10)
   assert m.num_params == heads * r_h * (k + d) + heads * d
 
@@ -161,6 +174,7 @@ def test_rank_above_min_dims(rng):
 
 
 def test_block_larger_than_budget_names_the_fix():
-  with pytest.raises(ValueError,
-                     match=r"block=128 exceeds .* pass a smaller block \(block=16 fits\)"):
+  with pytest.raises(
+    ValueError, match=r"block=128 exceeds .* pass a smaller block \(block=16 fits\)"
+  ):
     budget_rank(64, 64, 0.5, 128, name="layer 0 q_proj")

@@ -1,4 +1,5 @@
 """Model-level compression: ranks, parameter counts, whitening, per-head GQA, LoRA, errors."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,16 +7,28 @@ import pytest
 from conftest import assert_close
 from flax import nnx
 
-from lrjax.compress import (ALL_PROJS, HeadwiseLowRankLinear, MLP_PROJS, compress, param_counts,
-                            reconstruct)
-from lrjax.compress.lora import (adapter_model, apply_adapters, init_adapters, lora_recover,
-                                 module_paths, next_token_loss)
+from lrjax.compress import (
+  ALL_PROJS,
+  HeadwiseLowRankLinear,
+  MLP_PROJS,
+  compress,
+  param_counts,
+  reconstruct,
+)
+from lrjax.compress.lora import (
+  adapter_model,
+  apply_adapters,
+  init_adapters,
+  lora_recover,
+  module_paths,
+  next_token_loss,
+)
 from lrjax.models import LlamaForCausalLM, ModelConfig, get_proj, layer_inputs
 from lrjax.nn import Linear, LowRankLinear
 from lrjax.quality.source import MarkovSource, SourceConfig
 
-CFG = ModelConfig.tiny()   # hidden 64, MLP 128, 2 layers, 4 heads / 2 KV heads of 16, vocab 256
-CFG1 = CFG.replace(num_layers=1)   # for the LoRA tests (compile time)
+CFG = ModelConfig.tiny()  # hidden 64, MLP 128, 2 layers, 4 heads / 2 KV heads of 16, vocab 256
+CFG1 = CFG.replace(num_layers=1)  # for the LoRA tests (compile time)
 
 
 def _model(seed, cfg=CFG):
@@ -63,9 +76,16 @@ def test_whitening_reduces_output_error_on_calibration_data(rng):
   seed = int(rng.integers(1 << 30))
   tok = _tokens(rng, n=16, s=32)
   dense = _model(seed)
-  xs = next(layer_inputs(dense, tok))[1]              # layer-0 inputs of the dense model
-  group = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o",
-           "gate_proj": "gate_up", "up_proj": "gate_up", "down_proj": "down"}
+  xs = next(layer_inputs(dense, tok))[1]  # layer-0 inputs of the dense model
+  group = {
+    "q_proj": "qkv",
+    "k_proj": "qkv",
+    "v_proj": "qkv",
+    "o_proj": "o",
+    "gate_proj": "gate_up",
+    "up_proj": "gate_up",
+    "down_proj": "down",
+  }
   errs = {}
   for method in ("svd", "whiten"):
     m = _model(seed)
@@ -121,8 +141,13 @@ def test_merged_model_equals_adapter_model(rng):
   targets = [(i, p) for i in range(CFG1.num_layers) for p in ALL_PROJS]
   ad = init_adapters(m, targets, 4, jax.random.key(int(rng.integers(1 << 30))))
   # Non-zero B so the adapters change the model.
-  ad = [{k: (v if k.startswith("a") else 0.05 * jax.random.normal(jax.random.key(j), v.shape))
-         for k, v in a.items()} for j, a in enumerate(ad)]
+  ad = [
+    {
+      k: (v if k.startswith("a") else 0.05 * jax.random.normal(jax.random.key(j), v.shape))
+      for k, v in a.items()
+    }
+    for j, a in enumerate(ad)
+  ]
   graphdef, state = nnx.split(m)
   with_adapters = adapter_model(graphdef, state, module_paths(m, targets), ad)(tok)
   plain = m(tok)
@@ -135,8 +160,17 @@ def test_merged_model_equals_adapter_model(rng):
 def test_compress_with_lora_records_settings(rng):
   m = _model(int(rng.integers(1 << 30)), CFG1)
   tok = _source_tokens(16, 24, int(rng.integers(1 << 30)))
-  compress(m, ratio=0.4, calib_tokens=tok, block=8, mlp_only=True, lora_steps=5, lora_rank=2,
-           lora_lr=1e-3, progress=False)
+  compress(
+    m,
+    ratio=0.4,
+    calib_tokens=tok,
+    block=8,
+    mlp_only=True,
+    lora_steps=5,
+    lora_rank=2,
+    lora_lr=1e-3,
+    progress=False,
+  )
   rec = m.compression
   assert rec["lora"]["steps"] == 5 and rec["lora"]["rank"] == 2 and rec["lora"]["merged"]
   assert rec["calibration"]["tokens"] == tok.size
@@ -155,7 +189,7 @@ def test_rank_above_min_dims_in_model(rng):
 
 def test_block_too_large_for_tiny_model(rng):
   with pytest.raises(ValueError, match="pass a smaller block"):
-    compress(_model(0), ratio=0.2, calib_tokens=_tokens(rng), progress=False)   # block=128
+    compress(_model(0), ratio=0.2, calib_tokens=_tokens(rng), progress=False)  # block=128
 
 
 def test_nan_inf_calibration_activations(rng):
@@ -173,8 +207,7 @@ def test_calibration_tokens_out_of_vocab(rng):
   with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 256\)"):
     compress(_model(0), ratio=0.2, calib_tokens=tok, block=8, progress=False)
   with pytest.raises(ValueError, match=r"must be \[batch, seq\] integers"):
-    compress(_model(0), ratio=0.2, calib_tokens=tok.astype(np.float32), block=8,
-             progress=False)
+    compress(_model(0), ratio=0.2, calib_tokens=tok.astype(np.float32), block=8, progress=False)
 
 
 def test_whiten_needs_calibration_and_dense_model(rng):
@@ -190,8 +223,9 @@ def test_sequential_calibration_uses_compressed_prefix(rng):
   seed, tok = int(rng.integers(1 << 30)), _tokens(rng, n=12)
   seq, joint = _model(seed), _model(seed)
   compress(seq, ratio=0.4, calib_tokens=tok, block=8, calib_batch=5, progress=False)
-  compress(joint, ratio=0.4, calib_tokens=tok, block=8, calib_batch=5, sequential=False,
-           progress=False)
+  compress(
+    joint, ratio=0.4, calib_tokens=tok, block=8, calib_batch=5, sequential=False, progress=False
+  )
   # Layer 0 sees the same (dense) inputs either way; layer 1 sees a compressed layer 0 only
   # in sequential mode.
   u = lambda m, i: np.asarray(get_proj(m, i, "gate_proj").u[...])
@@ -201,29 +235,38 @@ def test_sequential_calibration_uses_compressed_prefix(rng):
 
 def test_bad_options(rng):
   tok = _tokens(rng)
-  for kw, msg in [(dict(method="asvd"), "method='asvd' must be one of"),
-                  (dict(calib_batch=0), "calib_batch=0 must be a positive int"),
-                  (dict(lora_steps=-1), "lora_steps=-1 must be a non-negative int"),
-                  (dict(block=0), "block=0 must be a positive int")]:
+  for kw, msg in [
+    (dict(method="asvd"), "method='asvd' must be one of"),
+    (dict(calib_batch=0), "calib_batch=0 must be a positive int"),
+    (dict(lora_steps=-1), "lora_steps=-1 must be a non-negative int"),
+    (dict(block=0), "block=0 must be a positive int"),
+  ]:
     with pytest.raises(ValueError, match=msg):
       compress(_model(0), ratio=0.2, calib_tokens=tok, **{"block": 8, **kw}, progress=False)
   with pytest.raises(ValueError, match="lora_rank=0 must be a positive int"):
-    compress(_model(0), ratio=0.2, calib_tokens=tok, block=8, lora_steps=1, lora_rank=0,
-             progress=False)
+    compress(
+      _model(0), ratio=0.2, calib_tokens=tok, block=8, lora_steps=1, lora_rank=0, progress=False
+    )
 
 
-@pytest.mark.parametrize("arch", [
+@pytest.mark.parametrize(
+  "arch",
+  [
     dict(model_type="qwen2", qkv_bias=True, tie_word_embeddings=True),
     dict(model_type="qwen3", qk_norm=True),
     dict(model_type="mistral", sliding_window=8),
     dict(model_type="llama", qkv_bias=True, o_bias=True, mlp_bias=True),
-])
+  ],
+)
 def test_architectures_keep_biases(arch, rng):
   cfg = CFG1.replace(**arch)
   m = _model(int(rng.integers(1 << 30)), cfg)
-  biases = {p: np.asarray(get_proj(m, 0, p).bias[...]) for p in ALL_PROJS
-            if get_proj(m, 0, p).bias is not None}
-  for p in biases:                              # non-zero biases, so "kept" can fail
+  biases = {
+    p: np.asarray(get_proj(m, 0, p).bias[...])
+    for p in ALL_PROJS
+    if get_proj(m, 0, p).bias is not None
+  }
+  for p in biases:  # non-zero biases, so "kept" can fail
     get_proj(m, 0, p).bias[...] = jnp.asarray(rng.standard_normal(biases[p].shape), jnp.float32)
     biases[p] = np.asarray(get_proj(m, 0, p).bias[...])
   tok = _tokens(rng, n=4, s=12)

@@ -1,5 +1,6 @@
 """lrjax.fuse on code lrjax never saw: plain jax, Flax NNX, Flax Linen, scan, remat,
 custom_jvp/custom_vjp, cond/while, grad, vmap; and the cases it must refuse."""
+
 import flax.linen as linen
 import jax
 import jax.numpy as jnp
@@ -20,17 +21,18 @@ def prims(fn, *args):
     for e in j.eqns:
       out.append(e.primitive.name)
       for v in e.params.values():
-        for s in (v if isinstance(v, (tuple, list)) else (v,)):
+        for s in v if isinstance(v, (tuple, list)) else (v,):
           if isinstance(s, jax.extend.core.ClosedJaxpr):
             walk(s.jaxpr)
           elif isinstance(s, jax.extend.core.Jaxpr):
             walk(s)
+
   walk(jax.make_jaxpr(fn)(*args).jaxpr)
   return out
 
 
 def lr_params(k=64, r=8, n=96, dtype=jnp.float32):
-  return randn((k, r), dtype, k ** -0.5), randn((r, n), dtype, r ** -0.5)
+  return randn((k, r), dtype, k**-0.5), randn((r, n), dtype, r**-0.5)
 
 
 def mlp_params(d=64, f=160, r=8, dtype=jnp.float32):
@@ -60,12 +62,15 @@ def test_gated_mlp(dtype):
   assert_close(jax.jit(lrjax.fuse(swiglu))(x, p), swiglu(x, p), dtype, factor=2.0)
 
 
-@pytest.mark.parametrize("act,fn", [
+@pytest.mark.parametrize(
+  "act,fn",
+  [
     ("gelu_tanh", lambda h: jax.nn.gelu(h, approximate=True)),
     ("gelu", lambda h: jax.nn.gelu(h, approximate=False)),
     ("silu", lambda h: h * jax.nn.sigmoid(h)),  # written by hand, not jax.nn.silu
     ("relu", jax.nn.relu),
-])
+  ],
+)
 def test_non_gated_mlp_with_biases(act, fn):
   u1, v1 = lr_params(64, 8, 160)
   u2, v2 = lr_params(160, 8, 64)
@@ -183,14 +188,16 @@ def test_jit_sub_function_keeps_donation_and_name():
 
 def test_transposed_weight_dot_general():
   ut, v = randn((8, 64)), randn((8, 96))  # stored [r, K] and [N, r]^T-style
-  f = lambda x: lax.dot_general(lax.dot_general(x, ut, (((1,), (1,)), ((), ()))), v,
-                                (((1,), (0,)), ((), ())))
+  f = lambda x: lax.dot_general(
+    lax.dot_general(x, ut, (((1,), (1,)), ((), ()))), v, (((1,), (0,)), ((), ()))
+  )
   x = randn((4, 64))
   assert prims(lrjax.fuse(f), x).count("lr_xuv") == 1
   assert_close(lrjax.fuse(f)(x), f(x), jnp.float32)
 
 
 # ---------------------------------------------------------------- refusals
+
 
 def test_refuses_rank_too_large():
   u, v = lr_params(64, 60, 64)  # 60·128 > 64·64
@@ -262,8 +269,9 @@ def test_embedding_rows_at_one_token_are_not_taken_for_a_bias():
   toks = jnp.array([[3]], jnp.int32)
   x = randn((1, 1, 64))
   f = lambda x, toks: emb[toks] + x @ u @ v  # a gather of one row  # noqa: E731
-  (e,) = [e for e in jax.make_jaxpr(lrjax.fuse(f))(x, toks).jaxpr.eqns
-          if e.primitive.name == "lr_xuv"]
+  (e,) = [
+    e for e in jax.make_jaxpr(lrjax.fuse(f))(x, toks).jaxpr.eqns if e.primitive.name == "lr_xuv"
+  ]
   assert e.params["has_bias"] is False
   assert_close(lrjax.fuse(f)(x, toks), f(x, toks), jnp.float32)
   us, vs = jnp.stack([u, 2 * u]), jnp.stack([v, v / 2])
@@ -326,6 +334,7 @@ def test_mlp_refused_when_activation_is_also_returned():
 
 def test_closed_call():
   from jax.extend.core import primitives as core_prims
+
   u, v = lr_params()
   inner = jax.make_jaxpr(lambda x: jnp.tanh(x @ u @ v))(randn((3, 64)))
   params = core_prims.closed_call_p.get_bind_params({"call_jaxpr": inner})

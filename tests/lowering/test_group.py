@@ -1,5 +1,6 @@
 """lr_xuv_group (lowering/group.py) and lrjax.fuse's grouping (on by default): X·U·V chains
 sharing their input become one primitive; off a single CUDA device it lowers as its members."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,8 +22,13 @@ def qkv(x, p):
 
 
 def qkv_params(dtype=jnp.float32):
-  return (*lr_params(64, 8, 48, dtype), *lr_params(64, 4, 48, dtype),
-          *lr_params(64, 6, 48, dtype), *lr_params(48, 8, 64, dtype), randn((48,), dtype))
+  return (
+    *lr_params(64, 8, 48, dtype),
+    *lr_params(64, 4, 48, dtype),
+    *lr_params(64, 6, 48, dtype),
+    *lr_params(48, 8, 64, dtype),
+    randn((48,), dtype),
+  )
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -42,11 +48,11 @@ def test_group_grad_and_vmap():
 
   def loss(x, u0, u1):
     a, b = lr_xuv_group(x, [(u0, v0), (u1, v1)])
-    return jnp.sum(a ** 2) + jnp.sum(jnp.sin(b))
+    return jnp.sum(a**2) + jnp.sum(jnp.sin(b))
 
   def ref(x, u0, u1):
-    return (jnp.sum(lr_xuv_reference(x, u0, v0) ** 2)
-            + jnp.sum(jnp.sin(lr_xuv_reference(x, u1, v1))))
+    return jnp.sum(lr_xuv_reference(x, u0, v0) ** 2) + jnp.sum(jnp.sin(lr_xuv_reference(x, u1, v1)))
+
   for got, want in zip(jax.grad(loss, (0, 1, 2))(x, u0, u1), jax.grad(ref, (0, 1, 2))(x, u0, u1)):
     assert_close(got, want, jnp.float32)
   xs = randn((2, 4, 64))
@@ -79,8 +85,11 @@ def test_fuse_groups_projections_that_share_an_input(dtype):
   assert prims(lrjax.fuse(qkv), x, p) == names  # on by default
   assert prims(lrjax.fuse(qkv, group=False), x, p).count("lr_xuv") == 4
   assert_close(jax.jit(lrjax.fuse(qkv))(x, p), qkv(x, p), dtype)
-  eqn = next(e for e in jax.make_jaxpr(lrjax.fuse(qkv, group=True))(x, p).jaxpr.eqns
-             if e.primitive.name == "lr_xuv_group")
+  eqn = next(
+    e
+    for e in jax.make_jaxpr(lrjax.fuse(qkv, group=True))(x, p).jaxpr.eqns
+    if e.primitive.name == "lr_xuv_group"
+  )
   assert eqn.params["bias_mask"] == (False, True, False)  # k's bias absorbed
 
 
@@ -90,6 +99,7 @@ def test_fuse_groups_at_most_three_and_only_ready_operands():
 
   def four(x, ws):
     return sum(x @ u @ v for u, v in ws)
+
   names = prims(lrjax.fuse(four, group=True), x, ws)
   assert names.count("lr_xuv_group") == 1 and names.count("lr_xuv") == 1
 
@@ -97,6 +107,7 @@ def test_fuse_groups_at_most_three_and_only_ready_operands():
     a = x @ ws[0][0] @ ws[0][1]
     b2 = jnp.reshape(b, (1, 32))  # a view of a weight: still a bias
     return a + (x @ ws[1][0] @ ws[1][1] + b2)
+
   b = randn((32,))
   names = prims(lrjax.fuse(late, group=True), x, ws, b)
   assert "lr_xuv_group" not in names and names.count("lr_xuv") == 2
@@ -106,6 +117,7 @@ def test_fuse_groups_at_most_three_and_only_ready_operands():
 def test_fused_model_groups_qkv():
   from flax import nnx
   from lrjax.models import PROJ_NAMES, LlamaForCausalLM, ModelConfig
+
   cfg = ModelConfig.tiny()
   m = LlamaForCausalLM(cfg, [{p: 8 for p in PROJ_NAMES}] * cfg.num_layers, rngs=nnx.Rngs(0))
   tok = jnp.asarray(np.arange(10).reshape(2, 5) % cfg.vocab_size)
@@ -113,12 +125,14 @@ def test_fused_model_groups_qkv():
 
   def fwd(state, tok):
     return nnx.merge(graphdef, state)(tok)
+
   names = prims(lrjax.fuse(fwd, group=True), state, tok)
   per_trace = names.count("lr_mlp")
   assert per_trace >= 1
   assert names.count("lr_xuv_group") == per_trace and names.count("lr_xuv") == per_trace  # o
-  assert_close(jax.jit(lrjax.fuse(fwd, group=True))(state, tok), jax.jit(fwd)(state, tok),
-               jnp.float32)
+  assert_close(
+    jax.jit(lrjax.fuse(fwd, group=True))(state, tok), jax.jit(fwd)(state, tok), jnp.float32
+  )
 
 
 def test_explain_reports_groups():
@@ -136,16 +150,23 @@ def counting_cpu_kernels():
   CPU grouped kernel that declines every group, as a CUDA group above 64 rows does."""
   from lrjax.lowering import registry
   from lrjax.lowering.primitives import _xuv_ref_ops
+
   lowered = []
 
   def load():
     lowered.append(1)
     return _xuv_ref_ops
-  ks = [registry.register(registry.KernelLowering("lr_xuv", "cpu", "test.xuv_counted",
-                                                  lambda a, p: None, load)),
-        registry.register(registry.KernelLowering(
-            "lr_xuv_group", "cpu", "test.group_declines", lambda a, p: "too many rows",
-            lambda: None))]
+
+  ks = [
+    registry.register(
+      registry.KernelLowering("lr_xuv", "cpu", "test.xuv_counted", lambda a, p: None, load)
+    ),
+    registry.register(
+      registry.KernelLowering(
+        "lr_xuv_group", "cpu", "test.group_declines", lambda a, p: "too many rows", lambda: None
+      )
+    ),
+  ]
   yield lowered
   for k in ks:
     registry.unregister(k.primitive, k.platform, k.name)
@@ -156,6 +177,7 @@ def test_declined_grouped_kernel_leaves_the_group_to_xla(counting_cpu_kernels):
   merger batches the members' X·U), not one member kernel each; prefer_kernels() lowers
   the members with their kernels."""
   from lrjax.lowering import registry
+
   x = randn((2, 64))
   members = [lr_params(64, 8, 40), lr_params(64, 3, 24)]
   f = lambda x: lr_xuv_group(x, members)  # noqa: E731
@@ -175,10 +197,17 @@ def test_group_without_a_grouped_kernel_lowers_its_members():
   """No grouped kernel on the platform: each member keeps its own lr_xuv kernel choice."""
   from lrjax.lowering import registry
   from lrjax.lowering.primitives import _xuv_ref_ops
+
   lowered = []
-  k = registry.register(registry.KernelLowering(
-      "lr_xuv", "cpu", "test.xuv_counted", lambda a, p: None,
-      lambda: lowered.append(1) or _xuv_ref_ops))
+  k = registry.register(
+    registry.KernelLowering(
+      "lr_xuv",
+      "cpu",
+      "test.xuv_counted",
+      lambda a, p: None,
+      lambda: lowered.append(1) or _xuv_ref_ops,
+    )
+  )
   try:
     members = [lr_params(64, 8, 40), lr_params(64, 3, 24), lr_params(64, 5, 16)]
     jax.jit(lambda x: lr_xuv_group(x, members))(randn((2, 64)))

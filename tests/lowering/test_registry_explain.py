@@ -1,4 +1,5 @@
 """Kernel registry: selection, reference fallback with logged reasons, and the explain report."""
+
 import logging
 
 import jax
@@ -31,8 +32,9 @@ def even_kernel():
     n = avals[2].shape[1]
     return None if n % 2 == 0 else f"N={n} is odd"
 
-  k = registry.register(registry.KernelLowering("lr_xuv", "cpu", "test.xuv_even", supports,
-                                                lambda: impl, priority=100))
+  k = registry.register(
+    registry.KernelLowering("lr_xuv", "cpu", "test.xuv_even", supports, lambda: impl, priority=100)
+  )
   yield calls
   registry.unregister("lr_xuv", "cpu", k.name)
 
@@ -41,8 +43,12 @@ def test_registered_kernel_is_selected_and_agrees(even_kernel):
   x, u, v = randn((3, 32)), randn((32, 4)), randn((4, 48))
   f = lambda x: lrjax.lr_xuv(x, u, v)
   assert _count_in_hlo(f, x, needle="sine") == 1
-  assert_close(jax.jit(f)(x), _xuv_ref_ops(x, u, v, has_bias=False, inter_dtype=jnp.float32,
-                                           out_dtype=jnp.float32), jnp.float32, factor=10)
+  assert_close(
+    jax.jit(f)(x),
+    _xuv_ref_ops(x, u, v, has_bias=False, inter_dtype=jnp.float32, out_dtype=jnp.float32),
+    jnp.float32,
+    factor=10,
+  )
   assert even_kernel, "the kernel's impl was never traced"
 
 
@@ -65,9 +71,17 @@ def test_measured_slower_kernel_declines_unless_kernels_preferred(monkeypatch):
   """``faster`` is asked after ``supports``; prefer_kernels() / the env var skip it."""
   x, u, v = randn((3, 32)), randn((32, 4)), randn((4, 48))
   slow = lambda avals, params: "XLA measured faster" if avals[0].shape[0] < 8 else None
-  k = registry.register(registry.KernelLowering(
-      "lr_xuv", "cpu", "test.slow", lambda a, p: None,
-      lambda: lambda x, u, v, *r, **kw: jnp.sin(x @ u @ v), priority=300, faster=slow))
+  k = registry.register(
+    registry.KernelLowering(
+      "lr_xuv",
+      "cpu",
+      "test.slow",
+      lambda a, p: None,
+      lambda: lambda x, u, v, *r, **kw: jnp.sin(x @ u @ v),
+      priority=300,
+      faster=slow,
+    )
+  )
   try:
     f = lambda x: lrjax.lr_xuv(x, u, v)
     g = lambda x: lrjax.lr_xuv(x, u, v)  # a fresh function: lowerings are cached per jaxpr
@@ -88,8 +102,11 @@ def test_measured_slower_kernel_declines_unless_kernels_preferred(monkeypatch):
 
 
 def test_raising_predicate_is_a_decline():
-  k = registry.register(registry.KernelLowering(
-      "lr_xuv", "cpu", "test.broken", lambda a, p: 1 / 0, lambda: None, priority=200))
+  k = registry.register(
+    registry.KernelLowering(
+      "lr_xuv", "cpu", "test.broken", lambda a, p: 1 / 0, lambda: None, priority=200
+    )
+  )
   try:
     with pytest.warns(RuntimeWarning, match="test.broken falls back.*ZeroDivisionError"):
       sel = registry.select("lr_xuv", "cpu", (), {})

@@ -1,4 +1,5 @@
 """Prefill + decode with the static KV cache equals the full forward; structure and hooks."""
+
 import collections
 import jax
 import jax.numpy as jnp
@@ -7,13 +8,24 @@ import pytest
 from conftest import fresh_key
 from flax import nnx
 
-from lrjax.models import (GROUPS, KVCache, LlamaForCausalLM, ModelConfig, decode_step, get_proj,
-                          layer_inputs, prefill_step, set_proj)
+from lrjax.models import (
+  GROUPS,
+  KVCache,
+  LlamaForCausalLM,
+  ModelConfig,
+  decode_step,
+  get_proj,
+  layer_inputs,
+  prefill_step,
+  set_proj,
+)
 from lrjax.nn import Linear, LowRankLinear
 
 
 def _model(cfg, ranks=None, scan=True):
-  m = LlamaForCausalLM(cfg, ranks, rngs=nnx.Rngs(int(jax.random.randint(fresh_key(), (), 0, 2**30))))
+  m = LlamaForCausalLM(
+    cfg, ranks, rngs=nnx.Rngs(int(jax.random.randint(fresh_key(), (), 0, 2**30)))
+  )
   # O(1) norm weights and biases so every param matters.
   for path, var in nnx.to_flat_state(nnx.state(m)):
     if path[-1] in ("weight", "bias"):
@@ -35,12 +47,20 @@ def _rel(a, b):
 
 
 CONFIGS = {
-    "gqa": ModelConfig.tiny(),
-    "window_qknorm_bias": ModelConfig.tiny(model_type="qwen3", qk_norm=True, qkv_bias=True,
-                                           sliding_window=3, tie_word_embeddings=True),
-    "mha_llama3_rope": ModelConfig.tiny(num_kv_heads=4, rope_scaling=(
-        ("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
-        ("original_max_position_embeddings", 16), ("rope_type", "llama3"))),
+  "gqa": ModelConfig.tiny(),
+  "window_qknorm_bias": ModelConfig.tiny(
+    model_type="qwen3", qk_norm=True, qkv_bias=True, sliding_window=3, tie_word_embeddings=True
+  ),
+  "mha_llama3_rope": ModelConfig.tiny(
+    num_kv_heads=4,
+    rope_scaling=(
+      ("factor", 8.0),
+      ("high_freq_factor", 4.0),
+      ("low_freq_factor", 1.0),
+      ("original_max_position_embeddings", 16),
+      ("rope_type", "llama3"),
+    ),
+  ),
 }
 
 
@@ -64,6 +84,7 @@ def test_prefill_then_decode_equals_full_forward(cfg_name, scan):
 def test_cached_partial_decode_loop_matches():
   """The README's token loop: ``nnx.cached_partial(decode_step, model)`` walks the graph once."""
   from flax import nnx
+
   cfg = CONFIGS["gqa"]
   m = _model(cfg, scan=False)
   tok = _tokens(2, 8, cfg.vocab_size)
@@ -81,6 +102,7 @@ def test_decode_over_the_first_attend_len_positions_matches():
   from lrjax.models.llama import KVCache as KV
   from lrjax.serving import lowrank_kv
   from lrjax.sharding.analysis import compressed_ranks
+
   cfg = CONFIGS["gqa"]
   m = _model(cfg, [compressed_ranks(cfg, 0.4, 8)] * cfg.num_layers, scan=False)
   tok = _tokens(2, 6, cfg.vocab_size)
@@ -150,8 +172,12 @@ def test_layer_inputs_are_the_projection_inputs():
   for i, xs in layer_inputs(m, tok):
     seen.append(i)
     assert set(xs) == set(GROUPS)
-    want = {"qkv": cfg.hidden_size, "o": cfg.q_dim, "gate_up": cfg.hidden_size,
-            "down": cfg.intermediate_size}
+    want = {
+      "qkv": cfg.hidden_size,
+      "o": cfg.q_dim,
+      "gate_up": cfg.hidden_size,
+      "down": cfg.intermediate_size,
+    }
     assert {g: x.shape for g, x in xs.items()} == {g: (10, k) for g, k in want.items()}
     if i == 0:
       x0 = m.layers[0].input_layernorm(m.embed(tok)).reshape(10, -1)
@@ -234,9 +260,12 @@ def test_decode_reads_each_layer_cache_where_it_lies(attend_len):
   jaxpr = jax.make_jaxpr(lambda c: m.decode(jnp.zeros((2,), jnp.int32), c, attend_len))(cache)
   buf = cache.k[0].shape
   readers = collections.Counter(
-      str(e.primitive) for e in jaxpr.jaxpr.eqns
-      if any(getattr(v, "aval", None) is not None and v.aval.shape == buf for v in e.invars))
+    str(e.primitive)
+    for e in jaxpr.jaxpr.eqns
+    if any(getattr(v, "aval", None) is not None and v.aval.shape == buf for v in e.invars)
+  )
   want = {"scatter": 2 * cfg.num_layers}
-  want.update({"dot_general": 2 * cfg.num_layers} if attend_len is None else
-              {"slice": 2 * cfg.num_layers})
+  want.update(
+    {"dot_general": 2 * cfg.num_layers} if attend_len is None else {"slice": 2 * cfg.num_layers}
+  )
   assert readers == want

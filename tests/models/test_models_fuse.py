@@ -1,4 +1,5 @@
 """The low-rank model's plain-jnp forward is rewritten by lrjax.fuse into lr_xuv / lr_mlp."""
+
 import jax
 import jax.extend.core
 import jax.numpy as jnp
@@ -21,8 +22,11 @@ def _count(jaxpr, counts):
 @pytest.mark.parametrize("scan", [True, False])
 def test_fuse_rewrites_every_projection(scan):
   cfg = ModelConfig.tiny()
-  m = LlamaForCausalLM(cfg, [{p: 8 for p in PROJ_NAMES}] * cfg.num_layers,
-                       rngs=nnx.Rngs(int(jax.random.randint(fresh_key(), (), 0, 2**30))))
+  m = LlamaForCausalLM(
+    cfg,
+    [{p: 8 for p in PROJ_NAMES}] * cfg.num_layers,
+    rngs=nnx.Rngs(int(jax.random.randint(fresh_key(), (), 0, 2**30))),
+  )
   m.scan_layers = scan
   tok = jax.random.randint(fresh_key(), (2, 5), 0, cfg.vocab_size)
   graphdef, state = nnx.split(m)
@@ -31,7 +35,7 @@ def test_fuse_rewrites_every_projection(scan):
     return nnx.merge(graphdef, state)(tok)
 
   counts = _count(jax.make_jaxpr(fuse(fwd))(state, tok).jaxpr, {})
-  per_trace = 1 if scan else cfg.num_layers       # scan traces the layer body once
+  per_trace = 1 if scan else cfg.num_layers  # scan traces the layer body once
   assert counts.get("lr_mlp", 0) == per_trace
   assert counts.get("lr_xuv_group", 0) == per_trace  # q, k, v share the normed input
   assert counts.get("lr_xuv", 0) == per_trace  # o

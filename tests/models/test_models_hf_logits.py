@@ -1,4 +1,5 @@
 """from_hf models against transformers logits on the committed tiny fixtures (no torch needed)."""
+
 import json
 import os
 import shutil
@@ -16,9 +17,12 @@ from lrjax.models import ModelConfig, from_hf
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf")
 NAMES = ["llama3", "llama2_bias_tied", "qwen3", "qwen2_bf16", "mistral_f16"]
 # Extra roots of fixture dirs (e.g. from ``make_hf_fixtures.py --random N --out DIR``).
-EXTRA = [os.path.join(root, d) for root in filter(None, os.environ.get(
-    "LRJAX_EXTRA_HF_FIXTURES", "").split(os.pathsep)) for d in sorted(os.listdir(root))
-         if os.path.exists(os.path.join(root, d, "reference.safetensors"))]
+EXTRA = [
+  os.path.join(root, d)
+  for root in filter(None, os.environ.get("LRJAX_EXTRA_HF_FIXTURES", "").split(os.pathsep))
+  for d in sorted(os.listdir(root))
+  if os.path.exists(os.path.join(root, d, "reference.safetensors"))
+]
 
 
 _fwd = nnx.jit(lambda m, t: m(t))
@@ -65,10 +69,13 @@ def _with_config(tmp_path, name, **changes):
   return d
 
 
-@pytest.mark.parametrize("name,changes", [
+@pytest.mark.parametrize(
+  "name,changes",
+  [
     ("llama3", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
     ("mistral_f16", {"sliding_window": None}),
-])
+  ],
+)
 def test_fixture_features_matter(tmp_path, name, changes):
   """The llama3 RoPE scaling and the sliding window change the logits measurably, so the
   fixtures really test them."""
@@ -94,7 +101,8 @@ def test_transformers4_style_config_matches(tmp_path):
   rp["type"] = rp.pop("rope_type")
   d = _with_config(tmp_path, "llama3", rope_parameters=None, rope_scaling=rp, rope_theta=theta)
   assert ModelConfig.from_hf_config(d) == ModelConfig.from_hf_config(
-      os.path.join(FIXTURES, "llama3"))
+    os.path.join(FIXTURES, "llama3")
+  )
   ref = _ref("llama3")
   model = from_hf(d, dtype=jnp.float32, with_digest=False)
   assert _rel_max(_fwd(model, ref["tokens"]), ref["logits"]) <= 1e-4
@@ -103,12 +111,13 @@ def test_transformers4_style_config_matches(tmp_path):
 @pytest.mark.parametrize("name,dtype", [("qwen2_bf16", jnp.bfloat16), ("mistral_f16", jnp.float16)])
 def test_half_precision_params_are_the_stored_bits(name, dtype):
   d = os.path.join(FIXTURES, name)
-  model = from_hf(d, with_digest=False)        # dtype from config.json
+  model = from_hf(d, with_digest=False)  # dtype from config.json
   assert model.embed.embedding.dtype == dtype
   with SafetensorsDir(d) as st:
     w = st.get("model.layers.1.mlp.down_proj.weight")
-  assert np.array_equal(np.asarray(model.layers[1].mlp.down_proj.kernel[...]).view(np.uint16),
-                        w.T.view(np.uint16))
+  assert np.array_equal(
+    np.asarray(model.layers[1].mlp.down_proj.kernel[...]).view(np.uint16), w.T.view(np.uint16)
+  )
   ref = _ref(name)
   logits = np.asarray(_fwd(model, ref["tokens"]).astype(jnp.float32))
   assert _rel_max(logits, ref["logits"]) <= 5e-2  # half-precision compute vs f32 reference

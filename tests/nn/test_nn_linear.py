@@ -1,4 +1,5 @@
 """lrjax.nn: LowRankLinear / LowRankMLP construction, from_dense, logical axes, errors."""
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -32,8 +33,9 @@ def test_forward_and_logical_axes():
 
 @pytest.mark.parametrize("gated", [True, False])
 def test_mlp_shapes(gated):
-  mlp = LowRankMLP(16, 40, (4, 4, 4) if gated else (4, 4), gated=gated, act="gelu",
-                   rngs=nnx.Rngs(1))
+  mlp = LowRankMLP(
+    16, 40, (4, 4, 4) if gated else (4, 4), gated=gated, act="gelu", rngs=nnx.Rngs(1)
+  )
   assert mlp(randn((2, 5, 16))).shape == (2, 5, 16)
 
 

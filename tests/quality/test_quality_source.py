@@ -1,4 +1,5 @@
 """The synthetic source: exact entropy rate vs brute-force enumeration, sampling, cache keying."""
+
 import itertools
 import json
 import os
@@ -10,7 +11,7 @@ from lrjax.quality.source import MarkovSource, SourceConfig
 
 
 def _small_source(seed):
-  for s in range(seed, seed + 50):             # a seed whose chain has one closed class
+  for s in range(seed, seed + 50):  # a seed whose chain has one closed class
     try:
       return MarkovSource(SourceConfig(vocab=3, groups=2, support=2, alpha=1.0, seed=s))
     except ValueError:
@@ -52,13 +53,13 @@ def test_entropy_rate_matches_brute_force(seed):
 def test_stationary_distribution_by_power_iteration():
   src = MarkovSource(SourceConfig(vocab=16, groups=2, support=3, seed=3))
   t = np.zeros((src.n_states, src.n_states))
-  for s in range(src.n_states):                # transition matrix built by explicit loops
+  for s in range(src.n_states):  # transition matrix built by explicit loops
     a = s // 2
     for x, p in zip(src.succ[s], src.prob[s]):
       t[s, x * 2 + src.group[a]] += p
   pi = np.full(src.n_states, 1.0 / src.n_states)
   for _ in range(5000):
-    pi = 0.5 * (pi + pi @ t)                   # lazy chain: converges even if periodic
+    pi = 0.5 * (pi + pi @ t)  # lazy chain: converges even if periodic
   np.testing.assert_allclose(src.pi, pi, atol=1e-9)
 
 
@@ -89,9 +90,17 @@ def test_bad_source_config():
 def test_training_cache_is_keyed_by_config(tmp_path, monkeypatch):
   from lrjax.models import ModelConfig
   from lrjax.quality.train import TrainConfig, cache_key, trained_model
+
   src = MarkovSource(SourceConfig(vocab=64, groups=2, support=3, seed=2))
-  mcfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
-                     num_heads=2, num_kv_heads=1, head_dim=16)
+  mcfg = ModelConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=16,
+  )
   tc = TrainConfig(steps=3, warmup=1, batch=2, seq_len=8)
   m1, r1 = trained_model(src, mcfg, tc, cache_dir=str(tmp_path), progress=False)
   m2, r2 = trained_model(src, mcfg, tc, cache_dir=str(tmp_path), progress=False)
@@ -108,6 +117,7 @@ def test_training_cache_is_keyed_by_config(tmp_path, monkeypatch):
   assert not os.path.exists(os.path.join(tmp_path, other))
   # ... and so does a change to the code that defines the model or the training loop.
   import lrjax.quality.train as train_mod
+
   monkeypatch.setattr(train_mod, "code_digest", lambda: "edited")
   assert cache_key(src.cfg, mcfg, tc) != os.path.basename(r1["cache_entry"])
-  assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]   # no temp dirs left
+  assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # no temp dirs left

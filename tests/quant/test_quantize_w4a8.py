@@ -1,4 +1,5 @@
 """lrjax.quant: packing round trips, quantize(model) and the custom call in the HLO."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,11 +11,19 @@ import lrjax
 from lrjax.custom_calls.cpu import lowering as cpu_lowering
 from lrjax.lowering import quantized as Q
 from lrjax.nn import Linear, LowRankLinear, LowRankMLP
-from lrjax.quant import (QuantizedLinear, QuantizedLowRankLinear, fused_xuv_params, pack,
-                         quantize, quantize_weight)
+from lrjax.quant import (
+  QuantizedLinear,
+  QuantizedLowRankLinear,
+  fused_xuv_params,
+  pack,
+  quantize,
+  quantize_weight,
+)
 
-needs_ext = pytest.mark.skipif(not cpu_lowering.extension_available(),
-                               reason="the W4A8 C++ extension is not built (pip install -e .)")
+needs_ext = pytest.mark.skipif(
+  not cpu_lowering.extension_available(),
+  reason="the W4A8 C++ extension is not built (pip install -e .)",
+)
 
 
 @pytest.mark.parametrize("layout", sorted(Q.LAYOUTS))
@@ -94,7 +103,7 @@ def test_quantized_low_rank_nmse_vs_f64(group):
   x = np.asarray(randn((8, 256)), np.float64)
   ref = (x @ u) @ v
   y = np.asarray(jax.jit(lambda x: ql(x))(jnp.asarray(x, jnp.float32)), np.float64)
-  nmse = np.mean((y - ref) ** 2) / np.mean(ref ** 2)
+  nmse = np.mean((y - ref) ** 2) / np.mean(ref**2)
   assert nmse <= 5e-4, nmse
 
 
@@ -113,6 +122,7 @@ def test_quantize_rejects_bad_input():
   class Empty(nnx.Module):
     def __init__(self):
       self.scale = nnx.Param(jnp.ones(3))
+
   with pytest.raises(ValueError, match="no Linear"):
     quantize(Empty())
 
@@ -138,7 +148,9 @@ def test_fused_xuv_params_from_chain(rng):
   val = lambda v: consts[v] if v in consts else v.val  # closed-over consts or literals
   wu, su = (val(v) for v in eqns[0].invars[1:])
   wv, sv, b = (val(v) for v in eqns[1].invars[1:])
-  fused = Q.lr_xuv_w4a8(x, wu, su, wv, sv, b, **{k: v for k, v in params.items() if k != "has_bias"})
+  fused = Q.lr_xuv_w4a8(
+    x, wu, su, wv, sv, b, **{k: v for k, v in params.items() if k != "has_bias"}
+  )
   assert_close(fused, ql(x), jnp.float32)
   with pytest.raises(ValueError, match="bias"):
     fused_xuv_params(dict(eqns[0].params, has_bias=True), eqns[1].params, has_bias=True)

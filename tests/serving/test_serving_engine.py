@@ -1,5 +1,6 @@
 """Engine correctness on one device: batching, continuous batching, sampling, bad requests,
 and the low-rank KV cache."""
+
 import dataclasses
 import random
 
@@ -13,16 +14,24 @@ from lrjax.models import KVCache, LlamaForCausalLM, ModelConfig, decode_step, pr
 from lrjax.serving import Engine, Request, SamplingParams, lowrank_kv, sample
 from lrjax.sharding.analysis import compressed_ranks
 
-CFG = ModelConfig.tiny(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2,
-                       head_dim=16, num_layers=2, vocab_size=128)
+CFG = ModelConfig.tiny(
+  hidden_size=64,
+  intermediate_size=128,
+  num_heads=4,
+  num_kv_heads=2,
+  head_dim=16,
+  num_layers=2,
+  vocab_size=128,
+)
 MAX_LEN = 40
 
 
 @pytest.fixture(scope="module")
 def model():
   seed = random.randrange(1 << 20)
-  return LlamaForCausalLM(CFG, ranks=[compressed_ranks(CFG, 0.4, 8)] * CFG.num_layers,
-                          rngs=nnx.Rngs(seed))
+  return LlamaForCausalLM(
+    CFG, ranks=[compressed_ranks(CFG, 0.4, 8)] * CFG.num_layers, rngs=nnx.Rngs(seed)
+  )
 
 
 def prompts(n, rng):
@@ -33,9 +42,10 @@ def greedy_reference(model, prompt, n_new):
   """One request at a time with the model's own prefill/decode (no engine)."""
   cache = KVCache.init(CFG, 1, MAX_LEN)
   padded = np.zeros((1, 16), np.int32)
-  padded[0, :len(prompt)] = prompt
-  logits, cache = prefill_step(model, jnp.asarray(padded), cache,
-                               jnp.asarray([len(prompt)], jnp.int32))
+  padded[0, : len(prompt)] = prompt
+  logits, cache = prefill_step(
+    model, jnp.asarray(padded), cache, jnp.asarray([len(prompt)], jnp.int32)
+  )
   toks = [int(jnp.argmax(logits[0, len(prompt) - 1]))]
   for _ in range(n_new - 1):
     logits, cache = decode_step(model, jnp.asarray([toks[-1]], jnp.int32), cache)
@@ -57,8 +67,10 @@ def test_batched_generation_equals_one_at_a_time(model):
 def test_continuous_batching_loses_no_request(model):
   rng = np.random.default_rng(random.randrange(1 << 20))
   eng = Engine(model, max_slots=2, max_len=MAX_LEN, buckets=(16,))
-  reqs = [Request(p, SamplingParams(max_new_tokens=int(rng.integers(1, 6))), id=100 + i)
-          for i, p in enumerate(prompts(7, rng))]
+  reqs = [
+    Request(p, SamplingParams(max_new_tokens=int(rng.integers(1, 6))), id=100 + i)
+    for i, p in enumerate(prompts(7, rng))
+  ]
   res = eng.generate(reqs)
   assert [r.id for r in res] == [100 + i for i in range(7)]
   for q, r in zip(reqs, res):
@@ -79,11 +91,16 @@ def test_sampled_request_is_independent_of_batch(model):
   sp = SamplingParams(max_new_tokens=6, temperature=1.5, top_k=40, top_p=0.95, seed=11)
   alone = Engine(model, max_slots=1, max_len=MAX_LEN, buckets=(16,)).generate([Request(ps[0], sp)])
   eng = Engine(model, max_slots=3, max_len=MAX_LEN, buckets=(16,))
-  mixed = eng.generate([Request(ps[1], SamplingParams(max_new_tokens=3, temperature=1.0)),
-                        Request(ps[0], sp), Request(ps[2], SamplingParams(max_new_tokens=9))])
+  mixed = eng.generate(
+    [
+      Request(ps[1], SamplingParams(max_new_tokens=3, temperature=1.0)),
+      Request(ps[0], sp),
+      Request(ps[2], SamplingParams(max_new_tokens=9)),
+    ]
+  )
   assert mixed[1].tokens == alone[0].tokens
   other = eng.generate([Request(ps[0], dataclasses.replace(sp, seed=12))])
-  assert other[0].tokens != alone[0].tokens          # another seed, other draws
+  assert other[0].tokens != alone[0].tokens  # another seed, other draws
 
 
 def test_stop_token_and_cache_full(model):
@@ -108,9 +125,14 @@ def test_bad_requests(model):
     eng.submit(Request([1, CFG.vocab_size]))
   with pytest.raises(TypeError, match="Request"):
     eng.submit([1, 2, 3])
-  for kw, msg in ((dict(temperature=-1.0), "temperature"), (dict(top_k=-2), "top_k"),
-                  (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
-                  (dict(max_new_tokens=0), "max_new_tokens"), (dict(stop_tokens=(-1,)), "stop")):
+  for kw, msg in (
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_k=-2), "top_k"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(stop_tokens=(-1,)), "stop"),
+  ):
     with pytest.raises(ValueError, match=msg):
       SamplingParams(**kw)
   with pytest.raises(ValueError, match="buckets"):
@@ -123,19 +145,21 @@ def test_sampling_filters():
   greedy = np.asarray(jnp.argmax(logits, -1))
   b = logits.shape[0]
   jsample = jax.jit(sample)
-  f = lambda t, k, p, s: np.asarray(jsample(  # noqa: E731
-      logits, jax.random.key(s), jnp.full((b,), t), jnp.full((b,), k, jnp.int32),
-      jnp.full((b,), p)))
+  f = lambda t, k, p, s: np.asarray(
+    jsample(  # noqa: E731
+      logits, jax.random.key(s), jnp.full((b,), t), jnp.full((b,), k, jnp.int32), jnp.full((b,), p)
+    )
+  )
   assert (f(0.0, 0, 1.0, 0) == greedy).all()
-  assert (f(1.0, 1, 1.0, 1) == greedy).all()           # top-k 1 is greedy
-  assert (f(1.0, 0, 1e-6, 2) == greedy).all()          # top-p → only the best token
+  assert (f(1.0, 1, 1.0, 1) == greedy).all()  # top-k 1 is greedy
+  assert (f(1.0, 0, 1e-6, 2) == greedy).all()  # top-p → only the best token
   top3 = np.argsort(-np.asarray(logits), -1)[:, :3]
   for s in range(5):
     t = f(2.0, 3, 1.0, s)
     assert all(t[i] in top3[i] for i in range(b))
   assert (f(1.0, 0, 1.0, 7) == f(1.0, 0, 1.0, 7)).all()  # same key, same tokens
   draws = np.stack([f(5.0, 0, 1.0, s) for s in range(8)])
-  assert len(np.unique(draws)) > b                      # high temperature really samples
+  assert len(np.unique(draws)) > b  # high temperature really samples
 
 
 def test_lowrank_kv_cache_equals_dense_cache(model):
@@ -175,17 +199,20 @@ def test_lowrank_kv_decode_binds_the_attention_primitive(model):
   cache = lowrank_kv.LowRankKVCache.init(model, 2, 16)
   toks = jnp.zeros((2,), jnp.int32)
   dec = str(jax.make_jaxpr(lambda c: lowrank_kv.decode(model, toks, c))(cache))
-  pre = str(jax.make_jaxpr(lambda c: lowrank_kv.prefill(model, jnp.zeros((2, 5), jnp.int32),
-                                                        c))(cache))
+  pre = str(
+    jax.make_jaxpr(lambda c: lowrank_kv.prefill(model, jnp.zeros((2, 5), jnp.int32), c))(cache)
+  )
   assert dec.count("lr_kv_attention") == CFG.num_layers
   assert "lr_kv_attention" not in pre
   # q/k norms (Qwen3) act on the rebuilt K: those layers keep the inline rebuild
   cfg = dataclasses.replace(CFG, qk_norm=True)
-  normed = LlamaForCausalLM(cfg, ranks=[compressed_ranks(cfg, 0.4, 8)] * cfg.num_layers,
-                            rngs=nnx.Rngs(1))
+  normed = LlamaForCausalLM(
+    cfg, ranks=[compressed_ranks(cfg, 0.4, 8)] * cfg.num_layers, rngs=nnx.Rngs(1)
+  )
   c = lowrank_kv.LowRankKVCache.init(normed, 2, 16)
-  assert "lr_kv_attention" not in str(jax.make_jaxpr(
-      lambda c: lowrank_kv.decode(normed, toks, c))(c))
+  assert "lr_kv_attention" not in str(
+    jax.make_jaxpr(lambda c: lowrank_kv.decode(normed, toks, c))(c)
+  )
 
 
 def test_lowrank_kv_needs_lowrank_projections():
@@ -196,6 +223,7 @@ def test_lowrank_kv_needs_lowrank_projections():
 
 def test_fused_engine_runs_kernels_and_matches(model, caplog):
   from lrjax.sharding.testing import callback_kernels
+
   rng = np.random.default_rng(random.randrange(1 << 20))
   ps = prompts(3, rng)
   reqs = lambda: [Request(p, SamplingParams(max_new_tokens=4)) for p in ps]  # noqa: E731
@@ -208,9 +236,10 @@ def test_fused_engine_runs_kernels_and_matches(model, caplog):
 
 def test_one_compiled_variant_per_shape(model):
   from lrjax.serving import engine as engine_mod
+
   rng = np.random.default_rng(random.randrange(1 << 20))
   before = (engine_mod._prefill_jit._cache_size(), engine_mod._decode_jit._cache_size())
-  eng = Engine(model, max_slots=2, max_len=37, buckets=(8, 16))   # shapes no other test uses
+  eng = Engine(model, max_slots=2, max_len=37, buckets=(8, 16))  # shapes no other test uses
   eng.generate([Request(p, SamplingParams(max_new_tokens=5)) for p in prompts(5, rng)])
   buckets = 2
   after = (engine_mod._prefill_jit._cache_size(), engine_mod._decode_jit._cache_size())
@@ -238,11 +267,13 @@ def test_decode_attends_only_the_context_bucket(model):
   """attend_buckets: each step reads the smallest bucket holding every row's context; the
   tokens are those of attending over the whole cache."""
   from lrjax.serving import engine as engine_mod
+
   rng = np.random.default_rng(random.randrange(1 << 20))
   ps = prompts(2, rng) + [list(rng.integers(0, CFG.vocab_size, size=14))]
   reqs = lambda: [Request(p, SamplingParams(max_new_tokens=24)) for p in ps]  # noqa: E731
-  whole = Engine(model, max_slots=3, max_len=MAX_LEN, buckets=(16,),
-                 attend_buckets=(MAX_LEN,)).generate(reqs())
+  whole = Engine(
+    model, max_slots=3, max_len=MAX_LEN, buckets=(16,), attend_buckets=(MAX_LEN,)
+  ).generate(reqs())
   before = engine_mod._decode_jit._cache_size()
   eng = Engine(model, max_slots=3, max_len=MAX_LEN, buckets=(16,), attend_buckets=(16, 24, 32))
   assert eng.attend_buckets == (16, 24, 32, MAX_LEN)
@@ -253,21 +284,26 @@ def test_decode_attends_only_the_context_bucket(model):
   assert engine_mod._decode_jit._cache_size() - before == 3
   with pytest.raises(ValueError, match="attend_buckets"):
     Engine(model, max_slots=1, max_len=MAX_LEN, attend_buckets=(64,))
-  lowrank = [Engine(model, max_slots=3, max_len=MAX_LEN, buckets=(16,), lowrank_kv=True,
-                    attend_buckets=ab).generate(reqs()) for ab in ((MAX_LEN,), (16, 24, 32))]
+  lowrank = [
+    Engine(
+      model, max_slots=3, max_len=MAX_LEN, buckets=(16,), lowrank_kv=True, attend_buckets=ab
+    ).generate(reqs())
+    for ab in ((MAX_LEN,), (16, 24, 32))
+  ]
   assert [r.tokens for r in lowrank[0]] == [r.tokens for r in lowrank[1]]
 
 
 def test_warmup_compiles_every_step_before_serving(model):
   from lrjax.serving import engine as engine_mod
+
   rng = np.random.default_rng(random.randrange(1 << 20))
   ps = prompts(3, rng) + [list(rng.integers(0, CFG.vocab_size, size=14))]
   reqs = lambda: [Request(p, SamplingParams(max_new_tokens=20)) for p in ps]  # noqa: E731
   kw = dict(max_len=MAX_LEN, buckets=(8, 16), attend_buckets=(20, 28))
   sizes = lambda: (engine_mod._prefill_jit._cache_size(), engine_mod._decode_jit._cache_size())  # noqa: E731
-  eng = Engine(model, max_slots=5, **kw)   # a slot count no other test compiles for
+  eng = Engine(model, max_slots=5, **kw)  # a slot count no other test compiles for
   before = sizes()
-  assert eng.warmup() == 2 + 3   # prefill at 8 and 16 tokens; decode over 20, 28 and 40
+  assert eng.warmup() == 2 + 3  # prefill at 8 and 16 tokens; decode over 20, 28 and 40
   assert sizes() == (before[0] + 2, before[1] + 3)
   warm = eng.generate(reqs())
   assert sizes() == (before[0] + 2, before[1] + 3)  # nothing left to compile

@@ -1,5 +1,6 @@
 """Sharded numerics and collectives on 8 simulated CPU devices (in a subprocess: the flag must be
 set before jax starts, and the rest of the suite shares this process)."""
+
 import json
 import os
 import random
@@ -15,8 +16,9 @@ F32_TOL = 1e-5
 def run_part(part: str) -> dict:
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
   seed = random.randrange(1 << 20)
-  p = subprocess.run([sys.executable, SCRIPT, part, str(seed)], capture_output=True, text=True,
-                     env=env, timeout=300)
+  p = subprocess.run(
+    [sys.executable, SCRIPT, part, str(seed)], capture_output=True, text=True, env=env, timeout=300
+  )
   lines = [l for l in p.stdout.splitlines() if l.startswith("JSON")]
   assert p.returncode == 0 and lines, f"seed={seed} rc={p.returncode}\n{p.stderr[-3000:]}"
   out = json.loads(lines[-1][4:])

@@ -1,4 +1,5 @@
 """Sharding rules, spec checks and HLO collective parsing (no devices needed)."""
+
 import os
 import subprocess
 import sys
@@ -15,10 +16,10 @@ def test_first_sublayer_rules(proj):
   grp = "attn" if proj[0] in "qkv" else "mlp"
   key = f"layers.3.{grp}.{proj}"
   ax = ("embed", "rank")
-  assert S.param_spec("lowrank_tp", key + ".u", ax, 2) == P(None, "tp")   # rank, all-gathered
-  assert S.param_spec("lowrank_tp", key + ".v", ax, 2) == P(None, "tp")   # column-parallel
+  assert S.param_spec("lowrank_tp", key + ".u", ax, 2) == P(None, "tp")  # rank, all-gathered
+  assert S.param_spec("lowrank_tp", key + ".v", ax, 2) == P(None, "tp")  # column-parallel
   assert S.param_spec("naive_tp", key + ".u", ax, 2) == P(None, "tp")
-  assert S.param_spec("naive_tp", key + ".v", ax, 2) == P("tp", None)     # row on the rank
+  assert S.param_spec("naive_tp", key + ".v", ax, 2) == P("tp", None)  # row on the rank
   assert S.param_spec("repl_u_tp", key + ".u", ax, 2) == P()
   assert S.param_spec("dense", key + ".kernel", ("embed", "heads"), 2) == P(None, "tp")
 
@@ -37,8 +38,8 @@ def test_other_params_and_cache():
   assert S.param_spec("lowrank_tp", "embed.embedding", ("vocab", "embed"), 2) == P()
   assert S.param_spec("naive_tp", "lm_head.kernel", ("embed", "vocab"), 2) == P(None, "tp")
   assert S.param_spec("lowrank_tp", "layers.0.input_layernorm.weight", ("embed",), 1) == P()
-  assert S.cache_spec("naive_tp") == P("data")         # replicated attention
-  assert S.cache_spec("lowrank_tp") == P("data", "tp")   # local KV heads
+  assert S.cache_spec("naive_tp") == P("data")  # replicated attention
+  assert S.cache_spec("lowrank_tp") == P("data", "tp")  # local KV heads
 
 
 def test_spec_errors_name_the_fix():
@@ -75,7 +76,7 @@ def test_collective_parsing():
   ar, ag, ags, rs = cs
   assert ar.nbytes == 2 * 5 * 32 * 4 + 2 * 5 * 64 * 2 and ar.cost_bytes == 2 * ar.nbytes
   assert ag.shapes == ((2, 5, 16),) and ag.nbytes == 2 * 5 * 16 * 4
-  assert ags.shapes == ((8, 16),) and ags.nbytes == 8 * 16 * 2       # result of the async start
+  assert ags.shapes == ((8, 16),) and ags.nbytes == 8 * 16 * 2  # result of the async start
   assert rs.nbytes == 4 * 8 * 4
   s = hlo.summarize(cs)
   assert s["n"] == 4 and s["by_kind"]["all-gather"]["n"] == 2
@@ -100,8 +101,16 @@ print("OK")
 def test_default_device_follows_jax_default_device():
   """Single-device placement (checkpoint.load, the engine) honours ``jax.default_device`` (in a
   subprocess with 2 simulated devices, so the default is not the first device)."""
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-         "JAX_PLATFORMS": "cpu"}
-  p = subprocess.run([sys.executable, "-c", _DEFAULT_DEVICE_CHECK], capture_output=True,
-                     text=True, env=env, timeout=120)
+  env = {
+    **os.environ,
+    "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    "JAX_PLATFORMS": "cpu",
+  }
+  p = subprocess.run(
+    [sys.executable, "-c", _DEFAULT_DEVICE_CHECK],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=120,
+  )
   assert p.returncode == 0 and p.stdout.strip() == "OK", p.stderr[-2000:]

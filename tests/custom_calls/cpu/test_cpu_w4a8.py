@@ -11,14 +11,22 @@ from lrjax.custom_calls.cpu import lowering as cpu_lowering
 from lrjax.lowering import quantized as Q
 from lrjax.quant import pack
 
-pytestmark = pytest.mark.skipif(not cpu_lowering.extension_available(),
-                                reason="the W4A8 C++ extension is not built (pip install -e .)")
+pytestmark = pytest.mark.skipif(
+  not cpu_lowering.extension_available(),
+  reason="the W4A8 C++ extension is not built (pip install -e .)",
+)
 
 LAYOUTS = ("x86_vnni", "arm_sdot4", "arm_smmla8")
 # (M, K, N, group): M=1, K not a multiple of the group or of 8, N not a multiple of the tile.
 # The last flag: with a bias.
-SHAPES = [(1, 256, 64, 32, False), (1, 300, 70, 64, True), (3, 200, 45, 128, False),
-          (17, 136, 33, 0, True), (6, 64, 130, 32, True), (40, 520, 96, 128, False)]
+SHAPES = [
+  (1, 256, 64, 32, False),
+  (1, 300, 70, 64, True),
+  (3, 200, 45, 128, False),
+  (17, 136, 33, 0, True),
+  (6, 64, 130, 32, True),
+  (40, 520, 96, 128, False),
+]
 
 
 def _weights(rng, k, n, group, layout):
@@ -47,8 +55,10 @@ def test_matmul_matches_reference(rng, layout, shape):
   assert_close(y, ref, jnp.float32)
 
 
-@pytest.mark.parametrize("x_dtype,out_dtype", [(jnp.bfloat16, jnp.bfloat16), (jnp.bfloat16, jnp.float32),
-                                               (jnp.float32, jnp.bfloat16)])
+@pytest.mark.parametrize(
+  "x_dtype,out_dtype",
+  [(jnp.bfloat16, jnp.bfloat16), (jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16)],
+)
 def test_matmul_bf16(rng, x_dtype, out_dtype):
   _, _, w, s = _weights(rng, 192, 80, 64, "x86_vnni")
   x = randn((2, 5, 192), x_dtype)
@@ -80,9 +90,10 @@ def test_accuracy_vs_f64_dequantized(rng, group):
   q, s, w, sp = _weights(rng, k, n, group, pack.default_layout())
   x = rng.standard_normal((m, k))
   y = jax.jit(lambda x: Q.w4a8_matmul(x, w, sp, n=n, group=group, layout=pack.default_layout()))(
-      jnp.asarray(x, jnp.float32))
+    jnp.asarray(x, jnp.float32)
+  )
   ref = x @ pack.dequantize_int4(q, s, group)
-  nmse = np.mean((np.asarray(y, np.float64) - ref) ** 2) / np.mean(ref ** 2)
+  nmse = np.mean((np.asarray(y, np.float64) - ref) ** 2) / np.mean(ref**2)
   assert nmse <= 5e-4, nmse
 
 
@@ -113,11 +124,18 @@ def test_xuv_fused_equals_chain(rng):
   _, _, wu, su = _weights(rng, k, r, 64, layout)
   _, _, wv, sv = _weights(rng, r, n, 0, layout)
   x, b = randn((m, k)), randn((n,))
-  fused = lambda x: Q.lr_xuv_w4a8(x, wu, su, wv, sv, b, r=r, n=n, group_u=64, group_v=0,
-                                  layout=layout)
+  fused = lambda x: Q.lr_xuv_w4a8(
+    x, wu, su, wv, sv, b, r=r, n=n, group_u=64, group_v=0, layout=layout
+  )
   chain = lambda x: Q.w4a8_matmul(
-      Q.w4a8_matmul(x, wu, su, n=r, group=64, layout=layout, out_dtype=jnp.float32),
-      wv, sv, b, n=n, group=0, layout=layout)
+    Q.w4a8_matmul(x, wu, su, n=r, group=64, layout=layout, out_dtype=jnp.float32),
+    wv,
+    sv,
+    b,
+    n=n,
+    group=0,
+    layout=layout,
+  )
   y, ref = _kernel_and_reference(fused, x)
   assert_close(y, ref, jnp.float32)
   hlo = jax.jit(fused).lower(x).compile().as_text()
@@ -138,8 +156,8 @@ def test_bad_shapes_raise_not_crash(rng):
   ext = cpu_lowering.extension()
   assert ext is not None
   call = lambda x, w, s, b: jax.ffi.ffi_call(
-      "lrjax_w4a8_matmul", jax.ShapeDtypeStruct((2, 30), jnp.float32), vmap_method="broadcast_all")(
-          x, w, s, b, k=np.int64(100), n=np.int64(30), group=np.int64(32), layout=np.int64(0))
+    "lrjax_w4a8_matmul", jax.ShapeDtypeStruct((2, 30), jnp.float32), vmap_method="broadcast_all"
+  )(x, w, s, b, k=np.int64(100), n=np.int64(30), group=np.int64(32), layout=np.int64(0))
   x = randn((2, 100))
   ok = call(x, w, s, jnp.zeros((0,), jnp.float32))
   assert ok.shape == (2, 30)
@@ -163,8 +181,9 @@ def test_unsupported_dtype_falls_back_with_reason(rng):
   x = randn((2, 64), jnp.float16)
   f = lambda x: Q.w4a8_matmul(x, w, s, n=16, group=32, layout="x86_vnni")
   assert "lrjax_w4a8" not in jax.jit(f).lower(x).compile().as_text()
-  reason = cpu_lowering.KERNELS[0].supports([jax.ShapeDtypeStruct(x.shape, x.dtype)],
-                                            {"out_dtype": jnp.float16, "layout": "x86_vnni"})
+  reason = cpu_lowering.KERNELS[0].supports(
+    [jax.ShapeDtypeStruct(x.shape, x.dtype)], {"out_dtype": jnp.float16, "layout": "x86_vnni"}
+  )
   assert "float16" in reason
   with lrjax.lowering.force_reference():
     ref = jax.jit(f)(x)

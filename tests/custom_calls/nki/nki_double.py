@@ -27,6 +27,7 @@ Counters: HBM bytes read (per kernel argument) and written, tensor-engine flops,
 peak SBUF/PSUM bytes. ``execute=False`` runs the same control flow and checks on
 zero-stride dummies without arithmetic (to count traffic at the paper's shapes).
 """
+
 from __future__ import annotations
 
 import collections
@@ -88,7 +89,9 @@ class Tensor:
     return Tensor(self.arr[idx], self.buffer, self.alloc)
 
   def __repr__(self):
-    return f"Tensor({self.buffer}, {self.shape}, {self.dtype}, {self.alloc.name or self.alloc.site})"
+    return (
+      f"Tensor({self.buffer}, {self.shape}, {self.dtype}, {self.alloc.name or self.alloc.site})"
+    )
 
 
 def _silu(x):
@@ -101,6 +104,7 @@ def _gelu_tanh(x):
 
 def _gelu(x):
   from math import erf
+
   return 0.5 * x * (1.0 + np.vectorize(erf, otypes=[np.float64])(x / np.sqrt(2.0)))
 
 
@@ -118,23 +122,48 @@ class NkiDouble:
   def __init__(self, execute: bool = True):
     self.execute = execute
     self._ids = itertools.count()
-    self._meta: dict[int, tuple[str, int, int]] = {}  # live allocation id -> (buffer, bytes/partition, banks)
+    self._meta: dict[
+      int, tuple[str, int, int]
+    ] = {}  # live allocation id -> (buffer, bytes/partition, banks)
     self._sites: dict[tuple, weakref.ref] = {}  # allocation site -> its current buffer
     self.reset()
     self.nki = types.SimpleNamespace(jit=self.jit)
     self.nl = types.SimpleNamespace(
-        ndarray=self.ndarray, sbuf=SBUF, psum=PSUM, hbm=HBM, shared_hbm=HBM, private_hbm=HBM,
-        affine_range=range, sequential_range=range, static_range=range,
-        float32=np.dtype(np.float32), float16=np.dtype(np.float16),
-        bfloat16=np.dtype(ml_dtypes.bfloat16),
-        tile_size=types.SimpleNamespace(pmax=PMAX, gemm_stationary_fmax=STATIONARY_FMAX,
-                                        gemm_moving_fmax=MOVING_FMAX, psum_fmax=MOVING_FMAX),
-        silu=_silu, gelu_apprx_tanh=_gelu_tanh, gelu=_gelu, relu=_relu, copy=_copy,
-        multiply=np.multiply, add=np.add)
+      ndarray=self.ndarray,
+      sbuf=SBUF,
+      psum=PSUM,
+      hbm=HBM,
+      shared_hbm=HBM,
+      private_hbm=HBM,
+      affine_range=range,
+      sequential_range=range,
+      static_range=range,
+      float32=np.dtype(np.float32),
+      float16=np.dtype(np.float16),
+      bfloat16=np.dtype(ml_dtypes.bfloat16),
+      tile_size=types.SimpleNamespace(
+        pmax=PMAX,
+        gemm_stationary_fmax=STATIONARY_FMAX,
+        gemm_moving_fmax=MOVING_FMAX,
+        psum_fmax=MOVING_FMAX,
+      ),
+      silu=_silu,
+      gelu_apprx_tanh=_gelu_tanh,
+      gelu=_gelu,
+      relu=_relu,
+      copy=_copy,
+      multiply=np.multiply,
+      add=np.add,
+    )
     self.nisa = types.SimpleNamespace(
-        nc_matmul=self.nc_matmul, dma_copy=self.dma_copy, dma_transpose=self.dma_transpose,
-        tensor_copy=self.tensor_copy, activation=self.activation,
-        tensor_tensor=self.tensor_tensor, memset=self.memset)
+      nc_matmul=self.nc_matmul,
+      dma_copy=self.dma_copy,
+      dma_transpose=self.dma_transpose,
+      tensor_copy=self.tensor_copy,
+      activation=self.activation,
+      tensor_tensor=self.tensor_tensor,
+      memset=self.memset,
+    )
 
   # ------------------------------------------------------------------ counters
   def reset(self):
@@ -172,6 +201,7 @@ class NkiDouble:
       if isinstance(out, tuple):
         return tuple(self._result(o) for o in out)
       return self._result(out)
+
     run.double = self
     return run
 
@@ -180,8 +210,11 @@ class NkiDouble:
       arr = np.broadcast_to(np.zeros((), val.dtype), val.shape)
     else:
       val = np.asarray(val)
-      arr = np.ascontiguousarray(val) if self.execute else np.broadcast_to(
-          np.zeros((), val.dtype), val.shape)
+      arr = (
+        np.ascontiguousarray(val)
+        if self.execute
+        else np.broadcast_to(np.zeros((), val.dtype), val.shape)
+      )
     return Tensor(arr, HBM, _Alloc(next(self._ids), HBM, 0, None, name))
 
   def _result(self, t):
@@ -211,12 +244,16 @@ class NkiDouble:
       self._release(old.id)
     alloc = _Alloc(next(self._ids), buffer, math.prod(shape[1:]) * dtype.itemsize, site[1:], name)
     if buffer == SBUF and self.live_pp[SBUF] + alloc.pp_bytes > SBUF_PARTITION_BYTES:
-      raise NkiRuleError(f"SBUF over capacity: {self.live_pp[SBUF] + alloc.pp_bytes} live bytes per "
-                         f"partition > {SBUF_PARTITION_BYTES} (24 MiB / 128) when allocating "
-                         f"{shape} {dtype}")
+      raise NkiRuleError(
+        f"SBUF over capacity: {self.live_pp[SBUF] + alloc.pp_bytes} live bytes per "
+        f"partition > {SBUF_PARTITION_BYTES} (24 MiB / 128) when allocating "
+        f"{shape} {dtype}"
+      )
     if buffer == PSUM and self.live_banks + alloc.banks > PSUM_BANKS:
-      raise NkiRuleError(f"PSUM over capacity: {self.live_banks + alloc.banks} banks live > "
-                         f"{PSUM_BANKS} (2 KiB per partition each) when allocating {shape} {dtype}")
+      raise NkiRuleError(
+        f"PSUM over capacity: {self.live_banks + alloc.banks} banks live > "
+        f"{PSUM_BANKS} (2 KiB per partition each) when allocating {shape} {dtype}"
+      )
     self._meta[alloc.id] = (buffer, alloc.pp_bytes, alloc.banks)
     self._sites[site] = weakref.ref(alloc)
     self.live_pp[buffer] += alloc.pp_bytes
@@ -245,8 +282,10 @@ class NkiDouble:
   def _on_chip(self, name, t):
     self._t(name, t)
     if t.buffer == HBM:
-      raise NkiRuleError(f"{name} is on HBM; compute engines read and write SBUF/PSUM only "
-                         "(load it with dma_copy first)")
+      raise NkiRuleError(
+        f"{name} is on HBM; compute engines read and write SBUF/PSUM only "
+        "(load it with dma_copy first)"
+      )
     return t
 
   def _write(self, dst, value):
@@ -254,8 +293,17 @@ class NkiDouble:
       dst.arr[...] = np.asarray(value).astype(dst.dtype)
 
   # ------------------------------------------------------------------ nki.isa
-  def nc_matmul(self, dst, stationary, moving, is_stationary_onezero=False,
-                is_moving_onezero=False, is_transpose=False, accumulate=None, **_kw):
+  def nc_matmul(
+    self,
+    dst,
+    stationary,
+    moving,
+    is_stationary_onezero=False,
+    is_moving_onezero=False,
+    is_transpose=False,
+    accumulate=None,
+    **_kw,
+  ):
     for name, t in (("stationary", stationary), ("moving", moving)):
       self._t(name, t)
       if t.buffer != SBUF:
@@ -274,8 +322,10 @@ class NkiDouble:
     k, m = stationary.shape
     k2, n = moving.shape
     if k != k2:
-      raise NkiRuleError(f"nc_matmul contracts over the partition dim: stationary {stationary.shape}"
-                         f" and moving {moving.shape} must share dim 0 (pass the stationary transposed)")
+      raise NkiRuleError(
+        f"nc_matmul contracts over the partition dim: stationary {stationary.shape}"
+        f" and moving {moving.shape} must share dim 0 (pass the stationary transposed)"
+      )
     if k > PMAX:
       raise NkiRuleError(f"contraction (partition) size {k} > {PMAX}")
     if m > STATIONARY_FMAX:
@@ -300,8 +350,9 @@ class NkiDouble:
     self._t("src", src)
     pair = (src.buffer, dst.buffer)
     if pair not in ((HBM, SBUF), (SBUF, HBM)):
-      raise NkiRuleError(f"{what}: DMA moves data only between HBM and SBUF; got "
-                         f"{src.buffer}->{dst.buffer}")
+      raise NkiRuleError(
+        f"{what}: DMA moves data only between HBM and SBUF; got {src.buffer}->{dst.buffer}"
+      )
     if src.dtype != dst.dtype:
       raise NkiRuleError(f"{what}: DMA does not cast ({src.dtype} -> {dst.dtype})")
 

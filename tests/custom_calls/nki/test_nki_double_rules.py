@@ -1,4 +1,5 @@
 """The NKI test double itself rejects kernels that break NKI's rules."""
+
 import numpy as np
 import pytest
 
@@ -22,8 +23,14 @@ def ps(d, shape):
 def _fresh(d, shape, dtype, buffer):
   # Each call compiles a new code object, i.e. a new allocation site for the double.
   ns = {}
-  exec(compile("def f(d, s, t, b):\n  return d.nl.ndarray(s, dtype=t, buffer=b)\n",
-               f"<tile {next(_n)}>", "exec"), ns)
+  exec(
+    compile(
+      "def f(d, s, t, b):\n  return d.nl.ndarray(s, dtype=t, buffer=b)\n",
+      f"<tile {next(_n)}>",
+      "exec",
+    ),
+    ns,
+  )
   return ns["f"](d, shape, dtype, buffer)
 
 
@@ -35,7 +42,9 @@ def test_matmul_rules(d):
   st.arr[...] = np.random.default_rng().standard_normal((128, 128))
   mv.arr[...] = np.random.default_rng().standard_normal((128, 512))
   d.nisa.nc_matmul(dst=acc, stationary=st, moving=mv, accumulate=True)
-  np.testing.assert_allclose(acc.arr, st.arr.astype(np.float32).T @ mv.arr.astype(np.float32), rtol=1e-5)
+  np.testing.assert_allclose(
+    acc.arr, st.arr.astype(np.float32).T @ mv.arr.astype(np.float32), rtol=1e-5
+  )
   assert d.flops == 2 * 128 * 128 * 512
   with pytest.raises(NkiRuleError, match="stationary free size"):
     d.nisa.nc_matmul(dst=ps(d, (128, 8)), stationary=sb(d, (64, 129)), moving=sb(d, (64, 8)))
@@ -46,8 +55,9 @@ def test_matmul_rules(d):
   with pytest.raises(NkiRuleError, match="writes PSUM"):
     d.nisa.nc_matmul(dst=sb(d, (128, 512), np.float32), stationary=st, moving=mv)
   with pytest.raises(NkiRuleError, match="float32"):
-    d.nisa.nc_matmul(dst=d.nl.ndarray((128, 512), dtype=np.float16, buffer=d.nl.psum),
-                     stationary=st, moving=mv)
+    d.nisa.nc_matmul(
+      dst=d.nl.ndarray((128, 512), dtype=np.float16, buffer=d.nl.psum), stationary=st, moving=mv
+    )
 
 
 def test_tile_and_capacity_limits(d):
@@ -76,8 +86,9 @@ def test_dma_only_between_hbm_and_sbuf(d):
   with pytest.raises(NkiRuleError, match="does not cast"):
     d.nisa.dma_copy(dst=sb(d, (128, 64), np.float32), src=src)
   with pytest.raises(NkiRuleError, match="2-byte"):
-    d.nisa.dma_transpose(dst=sb(d, (64, 128), np.float32),
-                         src=d._hbm_input(np.ones((128, 64), np.float32), "y"))
+    d.nisa.dma_transpose(
+      dst=sb(d, (64, 128), np.float32), src=d._hbm_input(np.ones((128, 64), np.float32), "y")
+    )
   t = sb(d, (64, 128))
   d.nisa.dma_transpose(dst=t, src=src)
   assert d.hbm_read_bytes == 128 * 64 * 2 and run is not None
@@ -90,6 +101,7 @@ def test_engines_do_not_touch_hbm_and_stale_tiles_raise(d):
 
   def alloc():
     return d.nl.ndarray((128, 8), dtype=np.float16, buffer=d.nl.sbuf)  # one site: one buffer
+
   first = alloc()
   alloc()
   with pytest.raises(NkiRuleError, match="reallocated"):

@@ -3,6 +3,7 @@
 Table 1: X [2048, 2048], U [2048, 2048], V [2048, 8192], B_N = 512, bf16. Counted with
 the double in count-only mode (same control flow and rule checks, no arithmetic).
 """
+
 import jax.numpy as jnp
 import pytest
 
@@ -24,8 +25,9 @@ def count(name, blocks, x_cache=False):
   if name == "xuv":
     kw.update(out_t=False, x_transposed=False, x_cache=x_cache)
   bf = jnp.bfloat16
-  getattr(mod, f"{name}_kernel")(ShapeOnly((M, K), bf), ShapeOnly((K, R), bf),
-                                 ShapeOnly((R, N), bf), **kw)
+  getattr(mod, f"{name}_kernel")(
+    ShapeOnly((M, K), bf), ShapeOnly((K, R), bf), ShapeOnly((R, N), bf), **kw
+  )
   return d
 
 
@@ -62,7 +64,11 @@ def test_table1_traffic_ratio_against_planned_fusion():
 def test_naive_kernel_numerics():
   d, (mod,) = on_double("xuv_naive")
   m, k, r, n = 256, 256, 256, 512
-  x, u, v = rand((m, k), jnp.bfloat16), rand((k, r), jnp.bfloat16, k**-0.5), rand((r, n), jnp.bfloat16, r**-0.5)
+  x, u, v = (
+    rand((m, k), jnp.bfloat16),
+    rand((k, r), jnp.bfloat16, k**-0.5),
+    rand((r, n), jnp.bfloat16, r**-0.5),
+  )
   out = mod.xuv_naive_kernel(x, u, v, bm=128, bk=128, br=128, bn=256)
   assert_close(out, lr_xuv_reference(j(x), j(u), j(v)), jnp.bfloat16)
   assert d.reads_by_arg["x"] == m * k * 2 * (n // 256) * (r // 128)

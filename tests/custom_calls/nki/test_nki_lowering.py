@@ -1,4 +1,5 @@
 """The Neuron lowering room: light import, guarded registration, would_serve, hardware test."""
+
 import sys
 
 import jax
@@ -23,7 +24,10 @@ def xuv_params(dt=BF, has_bias=False):
 
 def test_catalog_lists_nki_kernels_for_neuron():
   kernels = kernel_catalog()["nki"]
-  assert {(k.primitive, k.platform) for k in kernels} == {("lr_xuv", "neuron"), ("lr_mlp", "neuron")}
+  assert {(k.primitive, k.platform) for k in kernels} == {
+    ("lr_xuv", "neuron"),
+    ("lr_mlp", "neuron"),
+  }
 
 
 @pytest.mark.skipif(HAVE_NEURON, reason="checks the no-Neuron path")
@@ -51,10 +55,19 @@ def test_would_serve_xuv():
 
 def test_would_serve_mlp():
   x = S((2, 77, 2048), BF)
-  ops = [x, S((2048, 500), BF), S((500, 8192), BF), S((2048, 512), BF), S((512, 8192), BF),
-         S((8192,), BF), S((8192, 400), BF), S((400, 2048), BF)]
-  params = dict(gated=True, act="gelu_tanh", bias_mask=(False, True, False), inter_dtype=BF,
-                out_dtype=BF)
+  ops = [
+    x,
+    S((2048, 500), BF),
+    S((500, 8192), BF),
+    S((2048, 512), BF),
+    S((512, 8192), BF),
+    S((8192,), BF),
+    S((8192, 400), BF),
+    S((400, 2048), BF),
+  ]
+  params = dict(
+    gated=True, act="gelu_tanh", bias_mask=(False, True, False), inter_dtype=BF, out_dtype=BF
+  )
   name, why = lowering.would_serve("lr_mlp", ops, params)
   assert name == "nki.mlp_up_gate_down" and "mlp_up_gate" in why and "xuv" in why
   name, why = lowering.would_serve("lr_mlp", ops, dict(params, act="swish"))
@@ -64,6 +77,7 @@ def test_would_serve_mlp():
 @pytest.mark.skipif(_api.available(), reason="checks the placeholder used without NKI")
 def test_kernel_modules_import_without_nki_and_fail_clearly_when_run():
   from lrjax.custom_calls.nki import xuv
+
   assert xuv.BlockSizes.get_default(4096, 7168, 4096, 18432, jnp.bfloat16, out_t=True).bm == 1024
   x = np.ones((128, 128), np.float16)
   with pytest.raises(ImportError, match="Neuron SDK"):
@@ -73,15 +87,25 @@ def test_kernel_modules_import_without_nki_and_fail_clearly_when_run():
 def test_jax_entry_points_on_the_double():
   """xuv.xuv / mlp.mlp (what load() returns impls around) with jax arrays, run on the double."""
   from nki_helpers import on_double
+
   d, (xv, ug) = on_double("xuv", "mlp_up_gate")
   dt = jnp.bfloat16
-  x, u, v, b = randn((2, 5, 200), dt), randn((200, 130), dt, 0.07), randn((130, 300), dt, 0.09), randn((300,), dt)
+  x, u, v, b = (
+    randn((2, 5, 200), dt),
+    randn((200, 130), dt, 0.07),
+    randn((130, 300), dt, 0.09),
+    randn((300,), dt),
+  )
   y = xv.xuv(x, u, v, b)
   assert y.shape == (2, 5, 300)
   assert_close(y, lr_xuv_reference(x, u, v, b), dt)
-  up, gate, down = ((u, randn((130, 256), dt, 0.09)), (randn((200, 64), dt, 0.07), randn((64, 256), dt, 0.12)),
-                    (randn((256, 96), dt, 0.06), randn((96, 200), dt, 0.1), randn((200,), dt)))
+  up, gate, down = (
+    (u, randn((130, 256), dt, 0.09)),
+    (randn((200, 64), dt, 0.07), randn((64, 256), dt, 0.12)),
+    (randn((256, 96), dt, 0.06), randn((96, 200), dt, 0.1), randn((200,), dt)),
+  )
   from lrjax.custom_calls.nki import mlp
+
   z = mlp.mlp(x, up, down, gate, act="silu", up_gate_mod=ug, xuv_mod=xv)
   assert z.shape == (2, 5, 200)
   assert_close(z, lr_mlp_reference(x, up, down, gate), dt)
@@ -93,11 +117,18 @@ def test_jax_entry_points_on_the_double():
 @pytest.mark.parametrize("M", [1, 300])
 def test_neuron_lowering_matches_reference(M):
   dt = jnp.bfloat16
-  x, u, v, b = randn((M, 1000), dt), randn((1000, 256), dt, 0.03), randn((256, 700), dt, 0.06), randn((700,), dt)
+  x, u, v, b = (
+    randn((M, 1000), dt),
+    randn((1000, 256), dt, 0.03),
+    randn((256, 700), dt, 0.06),
+    randn((700,), dt),
+  )
   assert_close(jax.jit(lr_xuv)(x, u, v, b), lr_xuv_reference(x, u, v, b), dt)
-  up, gate, down = ((randn((1000, 256), dt, 0.03), randn((256, 640), dt, 0.06)),
-                    (randn((1000, 200), dt, 0.03), randn((200, 640), dt, 0.07)),
-                    (randn((640, 128), dt, 0.04), randn((128, 1000), dt, 0.09)))
+  up, gate, down = (
+    (randn((1000, 256), dt, 0.03), randn((256, 640), dt, 0.06)),
+    (randn((1000, 200), dt, 0.03), randn((200, 640), dt, 0.07)),
+    (randn((640, 128), dt, 0.04), randn((128, 1000), dt, 0.09)),
+  )
   out = jax.jit(lambda *a: lr_mlp(a[0], a[1], a[2], a[3]))(x, up, down, gate)
   assert_close(out, lr_mlp_reference(x, up, down, gate), dt)
 
@@ -114,4 +145,4 @@ def test_pypi_placeholder_nki_falls_back_to_placeholders(tmp_path, monkeypatch):
   nki, nl, nisa = _api.toolchain({})
   assert nki.jit(len) is len
   with pytest.raises(ImportError, match="Neuron SDK"):
-    nl.ndarray
+    nl.ndarray  # noqa: B018

@@ -1,4 +1,5 @@
 """The block planner against the paper's model (eq. 10-11) and Table 4."""
+
 import jax.numpy as jnp
 import pytest
 

@@ -3,6 +3,7 @@
 Shapes that are not multiples of 128 are zero-padded by ``xuv.prepare`` (not masked);
 the padded output rows/columns are sliced off by ``xuv.finish``.
 """
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,10 +14,10 @@ from lrjax.lowering import lr_xuv_reference
 from nki_helpers import hbm_total, j, on_double, rand
 
 SHAPES = [  # (M, K, r, N)
-    (1, 128, 128, 128),  # decode: one row
-    (300, 200, 130, 250),  # nothing a multiple of 128
-    (257, 384, 256, 520),
-    (512, 256, 384, 640),
+  (1, 128, 128, 128),  # decode: one row
+  (300, 200, 130, 250),  # nothing a multiple of 128
+  (257, 384, 256, 520),
+  (512, 256, 384, 640),
 ]
 
 
@@ -27,9 +28,12 @@ def run_xuv(M, K, r, N, dtype, *, out_t=False, x_transposed=False, bias=False, b
   v = rand((r, N), dtype, scale=r**-0.5)
   b = rand((N,), dtype) if bias else None
   xin = np.ascontiguousarray(x.T) if x_transposed else x
-  bs = mod.BlockSizes(*blocks[:4], x_cache=blocks[4] if len(blocks) > 4 else False) if blocks else None
-  args, kw, shape = mod.prepare(xin, u, v, b, xp=np, out_t=out_t, x_transposed=x_transposed,
-                                block_sizes=bs)
+  bs = (
+    mod.BlockSizes(*blocks[:4], x_cache=blocks[4] if len(blocks) > 4 else False) if blocks else None
+  )
+  args, kw, shape = mod.prepare(
+    xin, u, v, b, xp=np, out_t=out_t, x_transposed=x_transposed, block_sizes=bs
+  )
   kern = mod.xuv_bias_kernel if bias else mod.xuv_kernel
   out = mod.finish(kern(*args, **kw), shape, out_t)
   ref = lr_xuv_reference(j(x), j(u), j(v), j(b))
@@ -37,9 +41,11 @@ def run_xuv(M, K, r, N, dtype, *, out_t=False, x_transposed=False, bias=False, b
 
 
 LAYOUTS = [(False, False, True), (True, False, False), (True, True, True), (False, True, False)]
-CASES = ([(s, jnp.bfloat16, lay) for s in SHAPES for lay in LAYOUTS[:2]]
-         + [(s, jnp.float16, lay) for s, lay in zip(SHAPES, LAYOUTS[::-1])]
-         + [(SHAPES[1], jnp.bfloat16, LAYOUTS[2]), (SHAPES[2], jnp.bfloat16, LAYOUTS[3])])
+CASES = (
+  [(s, jnp.bfloat16, lay) for s in SHAPES for lay in LAYOUTS[:2]]
+  + [(s, jnp.float16, lay) for s, lay in zip(SHAPES, LAYOUTS[::-1])]
+  + [(SHAPES[1], jnp.bfloat16, LAYOUTS[2]), (SHAPES[2], jnp.bfloat16, LAYOUTS[3])]
+)
 
 
 @pytest.mark.parametrize("shape,dtype,layout", CASES)
@@ -48,8 +54,18 @@ def test_xuv_matches_reference_and_planner(shape, dtype, layout):
   d, kw, out, ref = run_xuv(M, K, r, N, dtype, out_t=out_t, x_transposed=x_transposed, bias=bias)
   assert out.dtype == np.dtype(dtype)
   assert_close(out.T if out_t else out, ref, dtype)
-  p = planner.evaluate("xuv", M, K, r, N, dtype,
-                       planner.Blocks(kw["bm"], kw["bk"], kw["br"], kw["bn"], kw["x_cache"]), out_t=out_t, x_transposed=x_transposed, n_bias=int(bias))
+  p = planner.evaluate(
+    "xuv",
+    M,
+    K,
+    r,
+    N,
+    dtype,
+    planner.Blocks(kw["bm"], kw["bk"], kw["br"], kw["bn"], kw["x_cache"]),
+    out_t=out_t,
+    x_transposed=x_transposed,
+    n_bias=int(bias),
+  )
   assert p.fits
   assert d.hbm_read_bytes == p.traffic.reads
   assert d.hbm_write_bytes == p.traffic.writes
@@ -60,7 +76,9 @@ def test_xuv_matches_reference_and_planner(shape, dtype, layout):
   assert d.peak_sbuf_bytes == p.sbuf_peak_bytes
 
 
-@pytest.mark.parametrize("blocks", [(128, 128, 128, 128), (256, 128, 128, 512), (128, 384, 384, 256)])
+@pytest.mark.parametrize(
+  "blocks", [(128, 128, 128, 128), (256, 128, 128, 512), (128, 384, 384, 256)]
+)
 def test_xuv_explicit_blocks(blocks):
   M, K, r, N = 256, 384, 384, 512
   bm, bk, br, bn = blocks
@@ -75,8 +93,13 @@ def test_xuv_explicit_blocks(blocks):
   assert hbm_total(d) == planner.evaluate("xuv", M, K, r, N, s, blocks).traffic.total
 
 
-@pytest.mark.parametrize("blocks", [(256, 256, 256, 512, False),  # B_r = r: one rank block
-                                    (256, 128, 128, 512, True)])  # B_r < r, X^T strip cached
+@pytest.mark.parametrize(
+  "blocks",
+  [
+    (256, 256, 256, 512, False),  # B_r = r: one rank block
+    (256, 128, 128, 512, True),
+  ],
+)  # B_r < r, X^T strip cached
 def test_xuv_reads_x_and_u_once_per_strip(blocks):
   M, K, r, N = 512, 256, 256, 1024
   d, kw, out, ref = run_xuv(M, K, r, N, jnp.bfloat16, blocks=blocks)
@@ -90,5 +113,6 @@ def test_xuv_reads_x_and_u_once_per_strip(blocks):
 
 def test_planner_rejects_blocks_that_spill():
   with pytest.raises(planner.PlanError, match="SBUF"):
-    planner.plan("xuv", 4096, 7168, 4096, 18432, jnp.bfloat16, out_t=True,
-                 blocks=(2048, 512, 128, 256))
+    planner.plan(
+      "xuv", 4096, 7168, 4096, 18432, jnp.bfloat16, out_t=True, blocks=(2048, 512, 128, 256)
+    )

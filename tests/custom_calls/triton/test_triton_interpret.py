@@ -15,6 +15,7 @@ whole decode kernels run as the second call of a scratch chain (launch.py): thei
 in one half of a buffer, the other half left dirty, which they must zero.
 It stands in for torch tensors with numpy arrays, and uses float16: the interpreter
 multiplies bfloat16 as its uint16 storage."""
+
 import importlib.util
 import textwrap
 
@@ -22,10 +23,11 @@ import pytest
 from triton_offline import STUB, run_script
 
 pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None,
-    reason="needs triton (pip install 'lrjax[cuda]'); its interpreter runs on the CPU")
+  importlib.util.find_spec("triton") is None,
+  reason="needs triton (pip install 'lrjax[cuda]'); its interpreter runs on the CPU",
+)
 
-_PRELUDE = STUB + textwrap.dedent('''
+_PRELUDE = STUB + textwrap.dedent("""
   import numpy as np
   from triton.runtime import interpreter
 
@@ -98,9 +100,9 @@ _PRELUDE = STUB + textwrap.dedent('''
     err = np.abs(f64(out) - ref).max() / np.abs(ref).max()
     assert err < tol, (what, err)
     return err
-''')
+""")
 
-_PHASE1 = textwrap.dedent('''
+_PHASE1 = textwrap.dedent("""
   for (m, k, r, n, programs) in SHAPES:
     p = dataclasses.replace(planner.plan_decode_phase1(m, k, r, n, programs=programs), **FIELDS)
     plan = xuv_decode.persistent_launch_plan(m, k, r, n, False, p, pv=False)
@@ -125,14 +127,14 @@ _PHASE1 = textwrap.dedent('''
     assert flag == 0, (m, k, r, "phase 1 alone signalled its r-chunk", flag)
     print(m, k, r, plan["grid"], p.cols_r, p.k_per, plan["meta"]["SPLIT_K"], f"{err:.1e}")
   print("ok")
-''')
+""")
 
 # The whole decode X·U·V: the tiled kernel (its stage-1 programs come first, so each stage-2
 # program finds its chunk of P complete) and the persistent one on a grid of one program (it
 # runs every phase-1 tile, then every phase-2 tile), with a bias, r-chunks (the f32 output
 # accumulator and its semaphores) and P rounded once (P16). Scratch zeroed as XLA zeroes it;
 # the output and the rounded P poisoned.
-_WHOLE = textwrap.dedent('''
+_WHOLE = textwrap.dedent("""
   def run(kernel, plan, m, k, r, n, bias):
     x = rand(m, k)
     u, v, b = factors(k, r, n, bias)
@@ -193,12 +195,12 @@ _WHOLE = textwrap.dedent('''
     else:
       raise AssertionError(f"{bad}: not refused")
   print("ok")
-''')
+""")
 
 # The fused SwiGLU kernels, gated with silu, with and without biases: the tiled decode kernel
 # (stage A's programs, then B's, then C's), the persistent one on a grid of one program, and
 # the prefill kernel on one program (schedule order, as _PREFILL).
-_MLP = textwrap.dedent('''
+_MLP = textwrap.dedent("""
   from lrjax.custom_calls.triton import mlp_decode, mlp_prefill
 
   def operands(m, d, f, r, bias):  # x and (ug, vg, bg), (uu, vu, bu), (ud, vd, bd)
@@ -248,14 +250,14 @@ _MLP = textwrap.dedent('''
     err = check(out, mlp_ref(x, gate, up, down, bias), 1e-2, (m, d, f, r, "prefill"))
     print("prefill", m, d, f, r, plan["n_mb"], rr, f"{err:.1e}")
   print("ok")
-''')
+""")
 
 
 # The prefill X·U·V kernel on a grid of one program: it claims every tile of the schedule in
 # order (step s: A(super-block s), then D(s - 1)), so each wait is on its own earlier work as
 # long as the ring has two slots or more (A(s) waits for D(s - RING)); a two-slot ring of one
 # row block each makes every third row block reuse a slot.
-_PREFILL = textwrap.dedent('''
+_PREFILL = textwrap.dedent("""
   from lrjax.custom_calls.triton import xuv_prefill
 
   for (m, k, r, n, bias, fields) in PREFILL:
@@ -275,26 +277,36 @@ _PREFILL = textwrap.dedent('''
     err = check(out, xuv_ref(x, u, v, b, bias), 5e-3, (m, k, r, n))
     print("prefill", m, k, r, n, plan["n_mb"], plan["ring_rows"], f"{err:.1e}")
   print("ok")
-''')
+""")
 
 
 def _interpret(script: str) -> str:
   return run_script(script, interpret=True)
 
 
-@pytest.mark.parametrize("shapes", [
+@pytest.mark.parametrize(
+  "shapes",
+  [
     # (M, K, r, N, CTAs): 64-column tiles over several K ranges; ragged K and r; r > 1024 on
     # 64-column tiles (fewer partials) and on 112 of 128 columns (planner.PHASE1_BALANCE_COLS);
     # a grid smaller than the tiles (each CTA loops)
-    [(64, 384, 136, 200, 132), (100, 320, 256, 384, 132), (128, 1000, 200, 96, 16),
-     (64, 640, 1100, 64, 132), (16, 512, 1100, 64, 40), (77, 200, 72, 130, 7)],
-])
+    [
+      (64, 384, 136, 200, 132),
+      (100, 320, 256, 384, 132),
+      (128, 1000, 200, 96, 16),
+      (64, 640, 1100, 64, 132),
+      (16, 512, 1100, 64, 40),
+      (77, 200, 72, 130, 7),
+    ],
+  ],
+)
 def test_decode_phase1_alone_on_its_planned_tiles(shapes):
   """P = X·U from the phase-1-only decode kernel, its f32 sums the whole scratch, equals the
   f64 product at f32's tolerance, and nothing is written past P (no flag is signalled)."""
   out = _interpret(f"SHAPES = {shapes!r}\nFIELDS = {{}}\n" + _PRELUDE + _PHASE1)
-  cols = {tuple(map(int, ln.split()[:3])): int(ln.split()[4])
-          for ln in out.splitlines() if ln != "ok"}
+  cols = {
+    tuple(map(int, ln.split()[:3])): int(ln.split()[4]) for ln in out.splitlines() if ln != "ok"
+  }
   assert cols[(16, 512, 1100)] == 112 and cols[(64, 640, 1100)] == 64, cols
 
 
@@ -302,8 +314,7 @@ def test_decode_phase1_alone_rounds_p_itself_with_p16():
   """``p16`` on (the plan's default is off): the last split-K tile of each column block
   rounds P = X·U once into the p16 buffer, close to the f64 product at f16's tolerance."""
   shapes = [(64, 384, 136, 200, 132), (77, 200, 72, 130, 7), (128, 640, 1100, 64, 132)]
-  _interpret(f"SHAPES = {shapes!r}\nFIELDS = {{'p16': True}}\n" + _PRELUDE
-             + _PHASE1)
+  _interpret(f"SHAPES = {shapes!r}\nFIELDS = {{'p16': True}}\n" + _PRELUDE + _PHASE1)
 
 
 def test_grouped_phase1_alone_leaves_every_members_p():
@@ -312,7 +323,9 @@ def test_grouped_phase1_alone_leaves_every_members_p():
   product at f32's tolerance, and writes no output; on ``plan_decode_group_phase1``'s tiles
   over a grid of 3, 5 and 7 programs (several tiles each), K, r and M ragged, 2 and 3
   members; members of one rank also through the kernel's one phase-1 call site (ONE)."""
-  _interpret(_PRELUDE + textwrap.dedent('''
+  _interpret(
+    _PRELUDE
+    + textwrap.dedent("""
     for m, k, rs, programs, one in ((65, 1000, (200, 200), 7, False),
                                     (65, 1000, (200, 200), 7, True),
                                     (128, 200, (72, 72, 40), 3, False),
@@ -350,14 +363,17 @@ def test_grouped_phase1_alone_leaves_every_members_p():
     else:
       raise AssertionError("a one_branch plan was launched on members of two ranks")
     print("ok")
-  '''))
+  """)
+  )
 
 
 def test_pv_launch_reads_f32_p_at_its_offset_and_writes_every_element():
   """``_pv_launch_kernel`` (``pv="launch"``): y = round(P)·V (+ bias) from f32 P that sits at
   READ_OFF floats into a buffer of dirt (a chained scratch's half), on the planner's tiles and
   on ragged 16 x 16 ones with r not a multiple of the step; the output poisoned."""
-  _interpret(_PRELUDE + textwrap.dedent('''
+  _interpret(
+    _PRELUDE
+    + textwrap.dedent("""
     for m, r, n, bias, fields in ((1, 72, 130, True, {}), (77, 136, 200, False,
                                   dict(block_m=16, block_n=16, block_kv=32)),
                                   (128, 100, 96, True, {}), (64, 256, 520, False, {})):
@@ -376,7 +392,8 @@ def test_pv_launch_reads_f32_p_at_its_offset_and_writes_every_element():
       err = check(out, want, 5e-3, (m, r, n, fields))
       print(m, r, n, pp, f"{err:.1e}")
     print("ok")
-  '''))
+  """)
+  )
 
 
 STREAM_K = dict(stream_k=True, r_chunks=1, p16=False, v_resident=False)
@@ -385,77 +402,103 @@ STREAM_K = dict(stream_k=True, r_chunks=1, p16=False, v_resident=False)
 def test_whole_decode_kernels_on_ragged_shapes():
   """Y = round(X·U)·V (+ bias) from the persistent, the tiled and the grouped decode kernels."""
   persistent = [  # (M, K, r, N, bias, plan fields replaced)
-      (1, 200, 72, 130, True, {}), (7, 1000, 96, 520, True, {"p16": True}),
-      (16, 512, 256, 1024, False, {"block_r": 64, "cols_r": 64, "r_chunks": 2}),
-      (3, 640, 1100, 300, True, {"cols_n": 48, "block_n": 64, "r_chunks": 3, "p16": True}),
-      # V-resident phase 2 (V in registers before the wait): ragged K, r and N
-      (3, 1000, 200, 300, True, {"v_resident": True}), (1, 512, 40, 96, False, {"v_resident": True}),
-      # stream-K phase 1 (one program runs every step: each run of a column block flushes)
-      (3, 1000, 200, 300, True, dict(STREAM_K, block_r=64, cols_r=64, block_n=64, cols_n=48)),
-      (16, 512, 256, 1024, False, dict(STREAM_K, block_r=128, cols_r=128)),
+    (1, 200, 72, 130, True, {}),
+    (7, 1000, 96, 520, True, {"p16": True}),
+    (16, 512, 256, 1024, False, {"block_r": 64, "cols_r": 64, "r_chunks": 2}),
+    (3, 640, 1100, 300, True, {"cols_n": 48, "block_n": 64, "r_chunks": 3, "p16": True}),
+    # V-resident phase 2 (V in registers before the wait): ragged K, r and N
+    (3, 1000, 200, 300, True, {"v_resident": True}),
+    (1, 512, 40, 96, False, {"v_resident": True}),
+    # stream-K phase 1 (one program runs every step: each run of a column block flushes)
+    (3, 1000, 200, 300, True, dict(STREAM_K, block_r=64, cols_r=64, block_n=64, cols_n=48)),
+    (16, 512, 256, 1024, False, dict(STREAM_K, block_r=128, cols_r=128)),
   ]
-  tiled = [(1, 200, 72, 130, True, {}), (5, 300, 200, 260, False, {}),
-           (7, 1000, 96, 520, True, {"block_r": 32, "split_k": 3, "block_n": 32,
-                                     "block_kv": 32, "r_chunks": 3})]
-  groups = [(8, 1000, [(136, 520, True), (72, 130, False), (72, 130, True)]),
-            (1, 200, [(96, 300, False), (40, 64, True)])]
-  _interpret(f"PERSISTENT = {persistent!r}\nTILED = {tiled!r}\nGROUPS = {groups!r}\n"
-             + _PRELUDE + _WHOLE)
+  tiled = [
+    (1, 200, 72, 130, True, {}),
+    (5, 300, 200, 260, False, {}),
+    (
+      7,
+      1000,
+      96,
+      520,
+      True,
+      {"block_r": 32, "split_k": 3, "block_n": 32, "block_kv": 32, "r_chunks": 3},
+    ),
+  ]
+  groups = [
+    (8, 1000, [(136, 520, True), (72, 130, False), (72, 130, True)]),
+    (1, 200, [(96, 300, False), (40, 64, True)]),
+  ]
+  _interpret(
+    f"PERSISTENT = {persistent!r}\nTILED = {tiled!r}\nGROUPS = {groups!r}\n" + _PRELUDE + _WHOLE
+  )
 
 
 def test_fused_swiglu_kernels_on_ragged_shapes():
   """Y = (silu(X·Ug·Vg) * X·Uu·Vu)·Ud·Vd (+ biases) from the tiled and persistent decode
   kernels and the prefill kernel."""
   persistent = [  # (M, D, F, r, biases, plan fields replaced)
-      (1, 200, 520, 72, True, {}), (5, 256, 1000, 96, False, {"p16": True}),
-      (3, 320, 700, 136, True, {"c_chunks": 3, "cols_n": 48, "block_n": 64}),
+    (1, 200, 520, 72, True, {}),
+    (5, 256, 1000, 96, False, {"p16": True}),
+    (3, 320, 700, 136, True, {"c_chunks": 3, "cols_n": 48, "block_n": 64}),
   ]
-  tiled = [(1, 200, 520, 72, True, {}), (5, 256, 1000, 96, False, {"p16": True}),
-           (7, 320, 700, 136, True, {"c_chunks": 2}),
-           # U_d in 128-column chunks (the default where D_ff's slices outnumber the SMs):
-           # two flushes of S per slice, the second ragged
-           (3, 320, 700, 136, True, {"block_f": 128, "block_rd": 128, "num_stages": 4}),
-           # h parked for stage H: ragged D_ff and r_d blocks, several D_ff splits
-           (33, 320, 700, 136, True, {"park_h": True, "block_h": 64, "h_splits": 3}),
-           (5, 256, 1000, 96, False, {"park_h": True, "p16": False, "c_chunks": 2}),
-           # slices narrower than the block (cols_f < block_f, the rest masked): a ragged
-           # last slice; then with h parked, D_ff splits of whole slices
-           (4, 256, 1000, 96, True, {"block_f": 128, "cols_f": 112}),
-           (20, 320, 700, 136, False, {"park_h": True, "cols_f": 48, "h_splits": 3}),
-           # stage H run by the stage-B CTAs (h_inline), on splits of one slice each (the
-           # interpreter runs programs one after another, so a CTA may wait only for
-           # itself): each loops over its split's r_d blocks, the last one ragged
-           (5, 256, 1000, 96, True, {"park_h": True, "h_inline": True, "block_h": 32,
-                                     "h_splits": 16}),
-           (20, 320, 700, 136, False, {"park_h": True, "h_inline": True, "block_h": 64,
-                                       "h_splits": 11}),
-           # the default blocks where D_ff's 128-wide slices (133, the last ragged) outnumber
-           # the H200's SMs: h parked at one token too, stage H in four times the splits
-           # (here one slice each, 133 of them)
-           (1, 64, 17000, 64, False, {}), (2, 64, 17000, 64, True, {}),
-           # Pg/Pu consumed in three chunks (T <= 16 defaults to one where stage A's CTAs fit
-           # the SMs): 64-column rank blocks, two a chunk, the last chunk ragged (264 = 4 x 64
-           # + 8)
-           (3, 320, 700, 264, True, {"a_chunks": 4, "block_r": 64}),
-           # stage C with its V_d chunk held in registers before the wait (c_resident): two
-           # chunks, the last ragged (72 = 64 + 8), ragged column blocks; one chunk padded
-           # (96 rows in a 128-row tile); h parked, three chunks of 64-column blocks
-           (1, 200, 520, 72, True, {"c_resident": True}),
-           (5, 256, 1000, 96, False, {"c_resident": True, "c_chunks": 1}),
-           (20, 320, 700, 136, True, {"park_h": True, "c_resident": True, "block_n": 64})]
-  prefill = [(200, 256, 520, 72, True, {}),
-             (300, 320, 700, 136, False, {"block_m": 64, "group_m": 1, "split_c": 2})]
-  _interpret(f"PERSISTENT = {persistent!r}\nTILED = {tiled!r}\nPREFILL = {prefill!r}\n"
-             + _PRELUDE + _MLP)
+  tiled = [
+    (1, 200, 520, 72, True, {}),
+    (5, 256, 1000, 96, False, {"p16": True}),
+    (7, 320, 700, 136, True, {"c_chunks": 2}),
+    # U_d in 128-column chunks (the default where D_ff's slices outnumber the SMs):
+    # two flushes of S per slice, the second ragged
+    (3, 320, 700, 136, True, {"block_f": 128, "block_rd": 128, "num_stages": 4}),
+    # h parked for stage H: ragged D_ff and r_d blocks, several D_ff splits
+    (33, 320, 700, 136, True, {"park_h": True, "block_h": 64, "h_splits": 3}),
+    (5, 256, 1000, 96, False, {"park_h": True, "p16": False, "c_chunks": 2}),
+    # slices narrower than the block (cols_f < block_f, the rest masked): a ragged
+    # last slice; then with h parked, D_ff splits of whole slices
+    (4, 256, 1000, 96, True, {"block_f": 128, "cols_f": 112}),
+    (20, 320, 700, 136, False, {"park_h": True, "cols_f": 48, "h_splits": 3}),
+    # stage H run by the stage-B CTAs (h_inline), on splits of one slice each (the
+    # interpreter runs programs one after another, so a CTA may wait only for
+    # itself): each loops over its split's r_d blocks, the last one ragged
+    (5, 256, 1000, 96, True, {"park_h": True, "h_inline": True, "block_h": 32, "h_splits": 16}),
+    (20, 320, 700, 136, False, {"park_h": True, "h_inline": True, "block_h": 64, "h_splits": 11}),
+    # the default blocks where D_ff's 128-wide slices (133, the last ragged) outnumber
+    # the H200's SMs: h parked at one token too, stage H in four times the splits
+    # (here one slice each, 133 of them)
+    (1, 64, 17000, 64, False, {}),
+    (2, 64, 17000, 64, True, {}),
+    # Pg/Pu consumed in three chunks (T <= 16 defaults to one where stage A's CTAs fit
+    # the SMs): 64-column rank blocks, two a chunk, the last chunk ragged (264 = 4 x 64
+    # + 8)
+    (3, 320, 700, 264, True, {"a_chunks": 4, "block_r": 64}),
+    # stage C with its V_d chunk held in registers before the wait (c_resident): two
+    # chunks, the last ragged (72 = 64 + 8), ragged column blocks; one chunk padded
+    # (96 rows in a 128-row tile); h parked, three chunks of 64-column blocks
+    (1, 200, 520, 72, True, {"c_resident": True}),
+    (5, 256, 1000, 96, False, {"c_resident": True, "c_chunks": 1}),
+    (20, 320, 700, 136, True, {"park_h": True, "c_resident": True, "block_n": 64}),
+  ]
+  prefill = [
+    (200, 256, 520, 72, True, {}),
+    (300, 320, 700, 136, False, {"block_m": 64, "group_m": 1, "split_c": 2}),
+  ]
+  _interpret(
+    f"PERSISTENT = {persistent!r}\nTILED = {tiled!r}\nPREFILL = {prefill!r}\n" + _PRELUDE + _MLP
+  )
 
 
 def test_prefill_xuv_kernel_with_its_ring_reused():
   """Y = round(X·U)·V (+ bias) from the prefill kernel: several row blocks, ragged K, r and
   N, and a two-slot ring the row blocks take turns in."""
   prefill = [  # (M, K, r, N, bias, block sizes replaced)
-      (200, 320, 136, 200, True, {}),
-      (333, 200, 72, 130, False, {"block_m": 64, "block_n": 64, "block_k": 32,
-                                  "group_m": 1, "ring": 2}),
+    (200, 320, 136, 200, True, {}),
+    (
+      333,
+      200,
+      72,
+      130,
+      False,
+      {"block_m": 64, "block_n": 64, "block_k": 32, "group_m": 1, "ring": 2},
+    ),
   ]
   _interpret(f"PREFILL = {prefill!r}\n" + _PRELUDE + _PREFILL)
 
@@ -464,7 +507,9 @@ def test_resident_stage_c_refuses_a_chunk_too_large_for_registers():
   """BlockSizes.c_resident holds a stage-C CTA's whole V_d chunk in registers: a plan whose
   chunk (padded to a power of two) times block_n exceeds C_RESIDENT_MAX is refused, naming
   the limit and the way out; ten 128-row chunks of Llama-3.2-1B's r_d = 1280 fit."""
-  run_script(STUB + textwrap.dedent('''
+  run_script(
+    STUB
+    + textwrap.dedent("""
     import dataclasses
     from lrjax.custom_calls.triton import mlp_decode
     kw = dict(gated=True, act="silu", bias_mask=(False, False, False))
@@ -480,4 +525,6 @@ def test_resident_stage_c_refuses_a_chunk_too_large_for_registers():
     assert plan["meta"]["C_RESIDENT"] == 1 and plan["meta"]["RD_PER_P2"] == 128
     assert plan["meta"]["C_CHUNKS"] == 10
     print("ok")
-  '''), interpret=False)
+  """),
+    interpret=False,
+  )

@@ -2,6 +2,7 @@
 parameter list handed to the kernel against the PTX entry Triton compiles, the library's
 driver check, and the errors for a bad mode or a missing library. Each runs as a script in a
 fresh Python (launch.py imports jax-triton; the stub stands in where it is absent)."""
+
 import importlib.util
 import textwrap
 
@@ -9,10 +10,11 @@ import pytest
 from triton_offline import STUB, run_script
 
 pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None,
-    reason="needs triton (pip install 'lrjax[cuda]'): launch.py compiles through it")
+  importlib.util.find_spec("triton") is None,
+  reason="needs triton (pip install 'lrjax[cuda]'): launch.py compiles through it",
+)
 
-_RAISES = STUB + textwrap.dedent('''
+_RAISES = STUB + textwrap.dedent("""
   def raises(exc, fn, *words):  # fn() raises exc, its message naming every word
     try:
       fn()
@@ -20,13 +22,15 @@ _RAISES = STUB + textwrap.dedent('''
       assert all(w in str(e) for w in words), e
     else:
       raise AssertionError(f"{fn} did not raise {exc.__name__}")
-''')
+""")
 
 
 def test_kernel_params_follow_jax_tritons_argument_order():
   """Operands, each scalar at its index (one equal to 1 dropped: Triton specializes it),
   then the results (a zeroed one with its bytes), then Triton's two scratch pointers."""
-  out = run_script(_RAISES + textwrap.dedent('''
+  out = run_script(
+    _RAISES
+    + textwrap.dedent("""
     import struct
     import jax.numpy as jnp
     import numpy as np
@@ -44,7 +48,9 @@ def test_kernel_params_follow_jax_tritons_argument_order():
     got = launch.kernel_params(ins, outs, [], (), scratch_align=128)
     assert got[-6:] == [5, 4, 128,  3, 0, 0], got
     print("ok")
-  '''), interpret=False)
+  """),
+    interpret=False,
+  )
   assert out.rstrip().endswith("ok")
 
 
@@ -53,7 +59,9 @@ def test_the_launch_passes_as_many_parameters_as_the_ptx_entry_takes():
   (M and the chain's two scalars runtime i32, every other argument a pointer): its PTX waits
   on the grid dependency, and the PTX entry's parameter count is what kernel_params hands
   cuLaunchKernelEx."""
-  out = run_script(STUB + textwrap.dedent('''
+  out = run_script(
+    STUB
+    + textwrap.dedent("""
     import numpy as np
     from jax.core import ShapedArray
     from lrjax.custom_calls.triton import launch
@@ -77,7 +85,9 @@ def test_the_launch_passes_as_many_parameters_as_the_ptx_entry_takes():
       n += 1
     assert n >= 4, n  # the tiled and persistent X·U·V and SwiGLU kernels, the group
     print(n, "ok")
-  '''), interpret=False)
+  """),
+    interpret=False,
+  )
   assert int(out.split()[-2]) >= 4, out
 
 
@@ -89,7 +99,9 @@ def test_kernels_for_xlas_ptx_call_take_their_buffers_alone():
   name is unique to the specialization (two halves of one chain are two kernels in one
   module) and stable for the same one. A kernel that builds TMA
   descriptors on the device needs Triton's global scratch, which XLA cannot pass: None."""
-  out = run_script(STUB + textwrap.dedent('''
+  out = run_script(
+    STUB
+    + textwrap.dedent("""
     import re
     import gemm_probe
     from lrjax.custom_calls.triton import launch
@@ -115,7 +127,9 @@ def test_kernels_for_xlas_ptx_call_take_their_buffers_alone():
     assert launch.xla_kernel(gemm_probe._gemm_tma_kernel, ["*bf16"] * 4, [], meta, 8, 3,
                              90) is None
     print(n, "ok")
-  '''), interpret=False)
+  """),
+    interpret=False,
+  )
   assert int(out.split()[-2]) >= 4, out
 
 
@@ -126,7 +140,9 @@ def test_kernels_for_xlas_triton_call_take_their_buffers_alone():
   buffers alone, each 16-byte aligned, as XLA's Triton call passes them; it waits on the grid
   dependency; it carries no debug locations (no source paths) and parses back with Triton's
   own parser."""
-  out = run_script(STUB + textwrap.dedent('''
+  out = run_script(
+    STUB
+    + textwrap.dedent("""
     import re, tempfile
     from triton._C import libtriton
     from lrjax.custom_calls.triton import launch, planner, xuv_decode
@@ -178,12 +194,16 @@ def test_kernels_for_xlas_triton_call_take_their_buffers_alone():
       n += 1
     assert n >= 3, n
     print(n, "ok")
-  '''), interpret=False)
+  """),
+    interpret=False,
+  )
   assert int(out.split()[-2]) >= 3, out
 
 
 def test_bad_mode_and_missing_library_are_named():
-  out = run_script(_RAISES + textwrap.dedent('''
+  out = run_script(
+    _RAISES
+    + textwrap.dedent("""
     import os
     from lrjax.custom_calls.triton import launch
     os.environ["LRJAX_TRITON_LAUNCH"] = "fast"
@@ -193,14 +213,18 @@ def test_bad_mode_and_missing_library_are_named():
     raises(RuntimeError, launch.launcher, "/nonexistent/_pdl_launch.so",
            "LRJAX_TRITON_LAUNCH=pdl")
     print("ok")
-  '''), interpret=False)
+  """),
+    interpret=False,
+  )
   assert out.rstrip().endswith("ok")
 
 
 def test_the_built_library_loads_and_checks_the_driver():
   """The library from the package build (or a source-tree build) loads without a GPU and
   registers its handler; it opens the CUDA driver only when asked, and says why it cannot."""
-  out = run_script(STUB + textwrap.dedent('''
+  out = run_script(
+    STUB
+    + textwrap.dedent("""
     import ctypes.util, os
     from lrjax.custom_calls.triton import launch
     if not any(os.path.exists(p) for p in launch._launcher_paths()):
@@ -212,7 +236,9 @@ def test_the_built_library_loads_and_checks_the_driver():
       else:
         assert err == "", err
       print("loaded ok")
-  '''), interpret=False)
+  """),
+    interpret=False,
+  )
   if out.split()[-2] == "absent":
     pytest.skip("the Triton launcher was not built (no Triton at build time)")
   assert out.split()[-2] == "loaded", out
@@ -224,7 +250,9 @@ def test_the_compile_keeps_the_scratch_and_warps_triton_reports():
   of global scratch a descriptor, and warp-specializing its K loop launches 12 warps for 4:
   both need lrjax's launcher, and the PTX entry takes as many parameters as it passes. The
   compile step is jax-triton 0.3.1's stages in order (here without jax-triton)."""
-  out = run_script(STUB + textwrap.dedent('''
+  out = run_script(
+    STUB
+    + textwrap.dedent("""
     import types
     import numpy as np
     import triton
@@ -272,7 +300,9 @@ def test_the_compile_keeps_the_scratch_and_warps_triton_reports():
       assert launch.ptx_param_count(compiled.binary, compiled.name) == len(triples) // 3
     assert not launch.Image(4, 0, 1).needs_own_launcher(4)
     print("ok")
-  '''), interpret=False)
+  """),
+    interpret=False,
+  )
   assert out.rstrip().endswith("ok")
 
 
@@ -280,7 +310,9 @@ def test_the_ctas_done_early_zero_the_scratch_chain():
   """Who zeroes the chain's other half (the X·U·V decode kernel's CLEAR_FIRST/CLEAR_COUNT): a
   V-resident call's phase-1 CTAs; else the CTAs with no phase-2 tile where there are at least
   CLEAR_MIN_IDLE of them; else every CTA (a phase-1-only call too)."""
-  run_script(STUB + textwrap.dedent('''
+  run_script(
+    STUB
+    + textwrap.dedent("""
     from lrjax.custom_calls.triton import planner, xuv_decode as xd
 
     def clearers(m, k, r, n, pv=True):
@@ -298,14 +330,18 @@ def test_the_ctas_done_early_zero_the_scratch_chain():
     assert who == (0, 0), (p, who)
     assert clearers(64, 8192, 4096, 16384, pv=False)[1] == (0, 0)  # phase 1 alone
     print("ok")
-  '''), interpret=False)
+  """),
+    interpret=False,
+  )
 
 
 def test_a_prefetch_that_is_not_a_power_of_two_is_refused_by_name():
   """The kernels' L2 prefetch covers tl.arange(0, PREFETCH) rows; Triton would fail deep in
   its compiler ("arange's range must be a power of 2") without saying which plan field. The
   X·U·V, grouped and SwiGLU decode plans are each checked (planner.check_prefetch_rows)."""
-  run_script(STUB + textwrap.dedent('''
+  run_script(
+    STUB
+    + textwrap.dedent("""
     import dataclasses
     from lrjax.custom_calls.triton import planner, xuv_decode as xd
 
@@ -337,7 +373,9 @@ def test_a_prefetch_that_is_not_a_power_of_two_is_refused_by_name():
       else:
         raise AssertionError(f"{field}: not refused")
     print("ok")
-  '''), interpret=False)
+  """),
+    interpret=False,
+  )
 
 
 def test_the_pv_launch_refuses_bad_input_by_name():
@@ -345,7 +383,9 @@ def test_the_pv_launch_refuses_bad_input_by_name():
   plan that rounds P itself (p16), the tiled schedule, a P that is not m·r f32 sums, tiles
   under the mma's 16 (refused where the plan is built) and an out= of the wrong shape are each
   refused, naming what was expected."""
-  run_script(_RAISES + textwrap.dedent('''
+  run_script(
+    _RAISES
+    + textwrap.dedent("""
     import dataclasses
     import jax.numpy as jnp
     from lrjax.custom_calls.triton import launch, planner, xuv_decode as xd
@@ -371,7 +411,9 @@ def test_the_pv_launch_refuses_bad_input_by_name():
     raises(ValueError, lambda: xd.xuv_decode(x, u, v, out=jnp.zeros((m, n + 1), jnp.bfloat16),
                                              pv="launch"), str((m, n)))
     print("ok")
-  '''), interpret=False)
+  """),
+    interpret=False,
+  )
 
 
 def test_the_decode_wrapper_launches_the_planners_persistent_plan():
@@ -383,7 +425,9 @@ def test_the_decode_wrapper_launches_the_planners_persistent_plan():
   where N <= K/4 and K >= 4096; each call's grid and constexprs are persistent_launch_plan's
   of plan_persistent's plan for that many SMs, and the ·V launch's those of
   plan_pv_launch's tiles."""
-  out = run_script(STUB + textwrap.dedent('''
+  out = run_script(
+    STUB
+    + textwrap.dedent("""
     import jax, jax.numpy as jnp
     from lrjax.custom_calls.triton import launch, planner, xuv_decode
     calls = []
@@ -445,7 +489,9 @@ def test_the_decode_wrapper_launches_the_planners_persistent_plan():
       if not given:  # the benchmarks' and tests' account of the same call
         assert xuv_decode.default_persistent_launch(m, k, r, n, False, 132) == (pv, p, want)
     print("ok")
-  '''), interpret=False)
+  """),
+    interpret=False,
+  )
   assert out.strip().endswith("ok")
 
 
@@ -454,7 +500,9 @@ def test_phase1_alone_hands_xla_the_p_its_launch_returns():
   (the default plan) the scratch the call asks for is P alone, m·r floats, and y is that P
   rounded once to V's dtype times V, plus the bias; with p16 y is the returned bf16 P times
   V. Ragged M, r and N."""
-  out = run_script(STUB + textwrap.dedent('''
+  out = run_script(
+    STUB
+    + textwrap.dedent("""
     import dataclasses
     import jax, jax.numpy as jnp, numpy as np
     from lrjax.custom_calls.triton import launch, planner, xuv_decode
@@ -488,7 +536,9 @@ def test_phase1_alone_hands_xla_the_p_its_launch_returns():
       err = np.abs(y - want).max() / np.abs(want).max()
       assert y.shape == (m, n) and err < 2e-2, (m, k, r, n, fields, err)
     print("ok")
-  '''), interpret=False)
+  """),
+    interpret=False,
+  )
   assert out.strip().endswith("ok")
 
 
@@ -497,7 +547,9 @@ def test_a_kernel_with_read_off_reads_a_slice_in_its_source_buffer():
   first operand is a contiguous slice of a 1-D buffer (a chained call's half) gets the whole
   buffer, its aval widened, and the slice's offset as READ_OFF; a strided slice, a slice of
   another operand, an operand that is no slice, or a kernel without READ_OFF is left alone."""
-  out = run_script(STUB + textwrap.dedent('''
+  out = run_script(
+    STUB
+    + textwrap.dedent("""
     import jax, numpy as np
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import func, hlo
@@ -533,7 +585,9 @@ def test_a_kernel_with_read_off_reads_a_slice_in_its_source_buffer():
         c2, a2, p2 = launch._read_in_place(c, [first, other], p)
         assert c2 is c and a2[0] == first and p2 is p, (first, p)
     print("ok")
-  '''), interpret=False)
+  """),
+    interpret=False,
+  )
   assert out.strip().endswith("ok")
 
 
@@ -545,7 +599,9 @@ def test_every_launch_names_every_constexpr_of_its_kernel():
   launch goes through Triton's frontend as lrjax's default launch compiles it
   (``launch._frontend``: the recorded operands' types, scalars and constexprs alone);
   ``launch.triton_call`` itself refuses a launch that leaves one out."""
-  out = run_script(STUB + textwrap.dedent('''
+  out = run_script(
+    STUB
+    + textwrap.dedent("""
     import jax.numpy as jnp, numpy as np
     from lrjax.custom_calls.triton import (kv_attention, launch, mlp_decode, mlp_prefill,
                                            xuv_decode, xuv_prefill)
@@ -605,5 +661,7 @@ def test_every_launch_names_every_constexpr_of_its_kernel():
     else:
       raise AssertionError("a launch without its constexprs was accepted")
     print("ok")
-  '''), interpret=False)
+  """),
+    interpret=False,
+  )
   assert out.strip().endswith("ok")

@@ -1,4 +1,5 @@
 """CPU tests of the Triton room: the H200 tile planner and the ``supports`` decisions."""
+
 import dataclasses
 
 import jax
@@ -40,8 +41,10 @@ def test_decode_plan_fills_the_machine():
   assert planner.plan_decode(40, 8192, 4096, 16384).block_m == 64
 
 
-@pytest.mark.parametrize("m,k,r,n", [(1, 8192, 4096, 16384), (4, 4096, 2560, 14336),
-                                     (16, 8192, 2048, 16384), (1, 4096, 1024, 14336)])
+@pytest.mark.parametrize(
+  "m,k,r,n",
+  [(1, 8192, 4096, 16384), (4, 4096, 2560, 14336), (16, 8192, 2048, 16384), (1, 4096, 1024, 14336)],
+)
 def test_persistent_decode_plan_gives_each_sm_about_one_tile(m, k, r, n):
   p = planner.plan_decode_persistent(m, k, r, n, stream_k=False)
   g = planner.H200.num_sms
@@ -81,10 +84,18 @@ def test_phase1_takes_256_column_tiles_on_a_tie(m):
   assert planner.plan_decode_persistent(16, 8192, 2456, 8192, programs=132).cols_r == 160
 
 
-@pytest.mark.parametrize("m,k,r,n,rows", [(2, 4096, 2560, 14336, 64), (1, 8192, 4096, 16384, 64),
-                                          (4, 8192, 2432, 8192, 64), (16, 4096, 1216, 4096, 64),
-                                          (4, 4096, 512, 1024, 128), (4, 8192, 544, 1024, 128),
-                                          (4, 4096, 152, 4096, 0)])
+@pytest.mark.parametrize(
+  "m,k,r,n,rows",
+  [
+    (2, 4096, 2560, 14336, 64),
+    (1, 8192, 4096, 16384, 64),
+    (4, 8192, 2432, 8192, 64),
+    (16, 4096, 1216, 4096, 64),
+    (4, 4096, 512, 1024, 128),
+    (4, 8192, 544, 1024, 128),
+    (4, 4096, 152, 4096, 0),
+  ],
+)
 def test_phase2_prefetch_rows_follow_the_tile_width(m, k, r, n, rows):
   """Tiles of 128 columns or more prefetch PREFETCH_ROWS_WIDE V rows into L2 before the wait
   (measured faster than PREFETCH_ROWS there), narrower ones PREFETCH_ROWS; a V-resident plan
@@ -96,12 +107,17 @@ def test_phase2_prefetch_rows_follow_the_tile_width(m, k, r, n, rows):
   assert planner.PREFETCH_ROWS_WIDE != planner.PREFETCH_ROWS
 
 
-@pytest.mark.parametrize("m,k,r,n,split", [(64, 8192, 4096, 16384, True),
-                                           (64, 4096, 2560, 14336, True),
-                                           (64, 1000, 2560, 8200, True),  # a GPU test shape
-                                           (64, 8192, 2048, 16384, False),
-                                           (32, 8192, 4096, 16384, False),
-                                           (1, 8192, 4096, 16384, False)])
+@pytest.mark.parametrize(
+  "m,k,r,n,split",
+  [
+    (64, 8192, 4096, 16384, True),
+    (64, 4096, 2560, 14336, True),
+    (64, 1000, 2560, 8200, True),  # a GPU test shape
+    (64, 8192, 2048, 16384, False),
+    (32, 8192, 4096, 16384, False),
+    (1, 8192, 4096, 16384, False),
+  ],
+)
 def test_persistent_decode_plan_halves_p_per_tile_when_it_is_large(m, k, r, n, split):
   """From P_SPLIT_BYTES of f32 P a phase-2 tile, two r-chunks of tiles twice as wide (the
   one-line-row rule off: it too may take two r-chunks)."""
@@ -117,13 +133,22 @@ def test_persistent_decode_plan_halves_p_per_tile_when_it_is_large(m, k, r, n, s
     assert p == one
 
 
-@pytest.mark.parametrize("m,k,r,n,programs", [(1, 200, 72, 130, None), (3, 1000, 96, 520, 7),
-                                              (1, 512, 1, 1024, None), (5, 300, 8, 200, None),
-                                              (1, 512, 16, 1024, None),  # a TP-8 shard
-                                              (16, 512, 32, 1024, None), (2, 512, 33, 64, 7),
-                                              (4, 64, 16, 32, None), (2, 40, 1, 48, None),
-                                              (16, 4096, 256, 1024, None),
-                                              (128, 2048, 2304, 1000, None)])
+@pytest.mark.parametrize(
+  "m,k,r,n,programs",
+  [
+    (1, 200, 72, 130, None),
+    (3, 1000, 96, 520, 7),
+    (1, 512, 1, 1024, None),
+    (5, 300, 8, 200, None),
+    (1, 512, 16, 1024, None),  # a TP-8 shard
+    (16, 512, 32, 1024, None),
+    (2, 512, 33, 64, 7),
+    (4, 64, 16, 32, None),
+    (2, 40, 1, 48, None),
+    (16, 4096, 256, 1024, None),
+    (128, 2048, 2304, 1000, None),
+  ],
+)
 def test_persistent_decode_plan_is_well_formed(m, k, r, n, programs):
   p = planner.plan_decode_persistent(m, k, r, n, programs=programs)
   assert p.block_m >= m and p.programs == (programs or planner.H200.num_sms)
@@ -150,13 +175,17 @@ def test_mlp_persistent_plan_serves_small_ranks():
     assert p.cols_r % 16 == 0 and p.cols_r <= 32 and p.block_r & (p.block_r - 1) == 0
 
 
-@pytest.mark.parametrize("m,d,f,r", [(1, 4096, 14336, 2560), (16, 2048, 8192, 1280),
-                                     (4, 4096, 14336, 1024)])
+@pytest.mark.parametrize(
+  "m,d,f,r", [(1, 4096, 14336, 2560), (16, 2048, 8192, 1280), (4, 4096, 14336, 1024)]
+)
 def test_persistent_mlp_plan_gives_each_sm_about_one_tile_per_phase(m, d, f, r):
   p = planner.plan_mlp_decode_persistent(m, d, f, r, r, d)
   g = planner.H200.num_sms
-  tiles = (planner.cdiv(r, p.cols_r) * planner.cdiv(d, p.k_per), planner.cdiv(f, p.cols_f),
-           p.c_chunks * planner.cdiv(d, p.cols_n))
+  tiles = (
+    planner.cdiv(r, p.cols_r) * planner.cdiv(d, p.k_per),
+    planner.cdiv(f, p.cols_f),
+    p.c_chunks * planner.cdiv(d, p.cols_n),
+  )
   assert all(7 * g // 8 <= t <= g for t in tiles), (p, tiles)
   for width, cols in ((p.block_r, p.cols_r), (p.block_f, p.cols_f), (p.block_n, p.cols_n)):
     assert width & (width - 1) == 0 and cols % 16 == 0 and width // 2 < cols <= width
@@ -168,16 +197,21 @@ def test_cta_smem_check_names_the_kernel_and_the_limit():
   h200 = planner.H200.smem_per_cta
   assert planner.SMEM_PER_CTA_BY_CAPABILITY[90] == h200 == 232448
   planner.check_cta_smem("_k", h200, 90, 4, 3)  # at the limit: fits
-  with pytest.raises(ValueError, match=r"_mlp_decode_kernel \(num_warps=4, num_stages=5\) "
-                     r"needs 282624 bytes .* the 232448 that a GPU of compute capability 9\.0"):
+  with pytest.raises(
+    ValueError,
+    match=r"_mlp_decode_kernel \(num_warps=4, num_stages=5\) "
+    r"needs 282624 bytes .* the 232448 that a GPU of compute capability 9\.0",
+  ):
     planner.check_cta_smem("_mlp_decode_kernel", 282624, 90, 4, 5)
   with pytest.raises(ValueError, match="101376 that a GPU of compute capability 8.9"):
     planner.check_cta_smem("_k", 147456, 89, 4, 5)  # fits an H200, not an L40S
-  planner.check_cta_smem("_k", 10 ** 9, 61, 4, 3)  # an unknown capability is not judged
+  planner.check_cta_smem("_k", 10**9, 61, 4, 3)  # an unknown capability is not judged
 
 
 def test_roofline_counts():
-  assert planner.hbm_bytes_xuv(1, 8192, 4096, 16384) == 2 * (8192 + 8192 * 4096 + 4096 * 16384 + 16384)
+  assert planner.hbm_bytes_xuv(1, 8192, 4096, 16384) == 2 * (
+    8192 + 8192 * 4096 + 4096 * 16384 + 16384
+  )
   assert planner.flops_xuv(2, 3, 4, 5) == 2 * 2 * 4 * 8
   assert planner.hbm_bytes_mlp(1, 4096, 14336, 2560) == 2 * (2 * 4096 + 3 * 2560 * (4096 + 14336))
 
@@ -186,8 +220,9 @@ def _aval(shape, dtype=jnp.bfloat16):
   return jax.core.ShapedArray(shape, jnp.dtype(dtype))
 
 
-XUV_PARAMS = dict(has_bias=False, inter_dtype=jnp.dtype(jnp.bfloat16),
-                  out_dtype=jnp.dtype(jnp.bfloat16))
+XUV_PARAMS = dict(
+  has_bias=False, inter_dtype=jnp.dtype(jnp.bfloat16), out_dtype=jnp.dtype(jnp.bfloat16)
+)
 
 
 @pytest.fixture
@@ -202,8 +237,11 @@ def test_supports_without_toolchain_names_the_extra(monkeypatch):
 
 
 def test_xuv_supports_decisions(toolchain):
-  avals = lambda m, dt=jnp.bfloat16: [_aval((m, 512), dt), _aval((512, 64), dt),
-                                       _aval((64, 256), dt)]
+  avals = lambda m, dt=jnp.bfloat16: [
+    _aval((m, 512), dt),
+    _aval((512, 64), dt),
+    _aval((64, 256), dt),
+  ]
   assert lowering.xuv_decode_supports(avals(16), XUV_PARAMS) is None
   assert "prefill" in lowering.xuv_decode_supports(avals(1024), XUV_PARAMS)
   assert lowering.xuv_prefill_supports(avals(1024), XUV_PARAMS) is None
@@ -225,8 +263,13 @@ def _mlp_avals(m, gated=True, gate_rank=64):
 
 
 def _mlp_params(gated=True, act="silu"):
-  return dict(gated=gated, act=act, bias_mask=(False,) * (3 if gated else 2),
-              inter_dtype=jnp.dtype(jnp.bfloat16), out_dtype=jnp.dtype(jnp.bfloat16))
+  return dict(
+    gated=gated,
+    act=act,
+    bias_mask=(False,) * (3 if gated else 2),
+    inter_dtype=jnp.dtype(jnp.bfloat16),
+    out_dtype=jnp.dtype(jnp.bfloat16),
+  )
 
 
 def test_mlp_supports_decisions(toolchain):
@@ -240,9 +283,15 @@ def test_mlp_supports_decisions(toolchain):
 
 
 def _kv_avals(b=2, hq=8, hkv=2, d=64, t=256, rk=96, rv=80, dt=jnp.bfloat16, biases=0):
-  ops = [_aval((b, hq, d), dt), _aval((b, t, rk), dt), _aval((b, t, rv), dt),
-         _aval((rk, hkv * d), dt), _aval((rv, hkv * d), dt), _aval((b,), jnp.int32),
-         _aval((d // 2,), jnp.float32)]
+  ops = [
+    _aval((b, hq, d), dt),
+    _aval((b, t, rk), dt),
+    _aval((b, t, rv), dt),
+    _aval((rk, hkv * d), dt),
+    _aval((rv, hkv * d), dt),
+    _aval((b,), jnp.int32),
+    _aval((d // 2,), jnp.float32),
+  ]
   return ops + [_aval((hkv * d,), dt)] * biases
 
 
@@ -273,6 +322,7 @@ def test_cuda_kernels_registered_and_triton_not_imported():
   """In a fresh interpreter (another test may have imported triton on a GPU host)."""
   import subprocess
   import sys
+
   code = """if True:
     import sys
     import jax, jax.numpy as jnp
@@ -294,17 +344,29 @@ def test_cuda_kernels_registered_and_triton_not_imported():
 
 def test_cpu_lowering_never_selects_triton():
   import lrjax
+
   x = jnp.ones((4, 64), jnp.bfloat16)
   u = jnp.ones((64, 16), jnp.bfloat16)
   v = jnp.ones((16, 32), jnp.bfloat16)
-  lowered = jax.jit(lambda x, u, v: lrjax.lr_xuv(x, u, v)).trace(x, u, v).lower(
-      lowering_platforms=("cpu",))
+  lowered = (
+    jax.jit(lambda x, u, v: lrjax.lr_xuv(x, u, v)).trace(x, u, v).lower(lowering_platforms=("cpu",))
+  )
   assert "triton" not in lowered.as_text()
 
 
-@pytest.mark.parametrize("k,r,n", [(8192, 4096, 16384), (4096, 2560, 14336),
-                                   (8192, 2048, 16384), (4096, 1024, 14336), (4096, 152, 4096),
-                                   (2048, 640, 2048), (200, 72, 130), (40, 1, 48)])
+@pytest.mark.parametrize(
+  "k,r,n",
+  [
+    (8192, 4096, 16384),
+    (4096, 2560, 14336),
+    (8192, 2048, 16384),
+    (4096, 1024, 14336),
+    (4096, 152, 4096),
+    (2048, 640, 2048),
+    (200, 72, 130),
+    (40, 1, 48),
+  ],
+)
 @pytest.mark.parametrize("m", [64, 128])
 def test_phase1_plan_takes_fewest_splits_with_a_tile_per_cta(m, k, r, n):
   """xuv_decode(pv="xla")'s phase-1 tiles: 128 columns (64 at r <= 1024), K ranges of whole
@@ -328,11 +390,18 @@ def test_phase1_plan_takes_fewest_splits_with_a_tile_per_cta(m, k, r, n):
 
 # Same-weights A/Bs of the phase-1-alone plan, 64-column tiles against 128 (session 34,
 # benchmarks/results/gpu_xuv_decode_phase1_cols_h200.json): us the 64-column tiles took more
-PHASE1_COLS_AB = [((128, 4096, 1216, 4096), -1.54), ((128, 4096, 1216, 4096), -1.45),
-                  ((64, 4096, 1216, 4096), -0.65), ((128, 4096, 2560, 14336), -0.42),
-                  ((64, 4096, 2560, 14336), 0.94), ((128, 8192, 2048, 16384), 0.44),
-                  ((128, 8192, 2456, 8192), 1.30), ((128, 8192, 2456, 8192), 1.28),
-                  ((64, 8192, 2456, 8192), 2.52), ((128, 8192, 4096, 16384), 3.46)]
+PHASE1_COLS_AB = [
+  ((128, 4096, 1216, 4096), -1.54),
+  ((128, 4096, 1216, 4096), -1.45),
+  ((64, 4096, 1216, 4096), -0.65),
+  ((128, 4096, 2560, 14336), -0.42),
+  ((64, 4096, 2560, 14336), 0.94),
+  ((128, 8192, 2048, 16384), 0.44),
+  ((128, 8192, 2456, 8192), 1.30),
+  ((128, 8192, 2456, 8192), 1.28),
+  ((64, 8192, 2456, 8192), 2.52),
+  ((128, 8192, 4096, 16384), 3.46),
+]
 
 
 @pytest.mark.parametrize("dims,slower_us", PHASE1_COLS_AB)
@@ -355,14 +424,24 @@ def test_phase1_plan_takes_64_column_tiles_where_they_measured_faster(dims, slow
 
 # Same-weights A/Bs of the phase-1-alone plan, 6 pipeline stages against its own (session 35,
 # benchmarks/results/gpu_xuv_decode_phase1_deep_h200.json): us the 6 stages took more
-PHASE1_STAGES_AB = [((64, 4096, 1024, 14336), -0.55), ((64, 8192, 2048, 16384), -0.09),
-                    ((64, 4096, 2560, 14336), 0.04), ((64, 8192, 4096, 16384), 0.26),
-                    ((64, 8192, 2456, 8192), 0.62), ((128, 2048, 256, 512), 0.07),
-                    ((128, 2048, 640, 2048), 0.16), ((128, 4096, 152, 4096), -0.01),
-                    ((128, 4096, 512, 1024), 0.22), ((128, 4096, 1024, 14336), 0.06),
-                    ((128, 4096, 1216, 4096), -0.45), ((128, 4096, 2560, 14336), 0.41),
-                    ((128, 8192, 544, 1024), 0.01), ((128, 8192, 2048, 16384), 0.29),
-                    ((128, 8192, 2456, 8192), 0.84), ((128, 8192, 4096, 16384), 0.57)]
+PHASE1_STAGES_AB = [
+  ((64, 4096, 1024, 14336), -0.55),
+  ((64, 8192, 2048, 16384), -0.09),
+  ((64, 4096, 2560, 14336), 0.04),
+  ((64, 8192, 4096, 16384), 0.26),
+  ((64, 8192, 2456, 8192), 0.62),
+  ((128, 2048, 256, 512), 0.07),
+  ((128, 2048, 640, 2048), 0.16),
+  ((128, 4096, 152, 4096), -0.01),
+  ((128, 4096, 512, 1024), 0.22),
+  ((128, 4096, 1024, 14336), 0.06),
+  ((128, 4096, 1216, 4096), -0.45),
+  ((128, 4096, 2560, 14336), 0.41),
+  ((128, 8192, 544, 1024), 0.01),
+  ((128, 8192, 2048, 16384), 0.29),
+  ((128, 8192, 2456, 8192), 0.84),
+  ((128, 8192, 4096, 16384), 0.57),
+]
 
 
 @pytest.mark.parametrize("dims,slower_us", PHASE1_STAGES_AB)
@@ -382,10 +461,15 @@ def test_phase1_plan_takes_6_stages_where_they_measured_faster(dims, slower_us):
 
 # Same-weights A/Bs of the phase-1-alone plan, fewer columns a tile than its block (session 42,
 # benchmarks/results/gpu_xuv_decode_phase1_balance_h200.json): (point, columns, us they took more)
-PHASE1_BALANCE_AB = [((128, 8192, 2456, 8192), 112, -0.73), ((128, 8192, 2456, 8192), 112, -0.97),
-                     ((64, 8192, 2456, 8192), 112, -0.75), ((128, 4096, 2560, 14336), 80, 0.53),
-                     ((64, 4096, 2560, 14336), 80, 0.93), ((128, 4096, 1216, 4096), 48, 0.36),
-                     ((64, 4096, 1216, 4096), 48, 0.27)]
+PHASE1_BALANCE_AB = [
+  ((128, 8192, 2456, 8192), 112, -0.73),
+  ((128, 8192, 2456, 8192), 112, -0.97),
+  ((64, 8192, 2456, 8192), 112, -0.75),
+  ((128, 4096, 2560, 14336), 80, 0.53),
+  ((64, 4096, 2560, 14336), 80, 0.93),
+  ((128, 4096, 1216, 4096), 48, 0.36),
+  ((64, 4096, 1216, 4096), 48, 0.27),
+]
 
 
 @pytest.mark.parametrize("dims,cols,slower_us", PHASE1_BALANCE_AB)
@@ -403,17 +487,23 @@ def test_phase1_plan_narrows_its_tiles_only_where_that_measured_faster(dims, col
   assert n_rb * planner.cdiv(k, p.k_per) <= 132
 
 
-@pytest.mark.parametrize("m,k,r,n,g,cols,k_per", [
+@pytest.mark.parametrize(
+  "m,k,r,n,g,cols,k_per",
+  [
     # narrowed: the sweep's point; the kernel tests' ragged shapes (GPU and interpreter). At
     # 8192->2456->8192 on 132 CTAs: 20 blocks of 128 columns x 6 splits of 1408 rows (largest
     # 128 x 1408) against 22 blocks of 112 x 6 splits of 1408 (112 x 1408: 0.875 of it)
-    (128, 8192, 2456, 8192, 132, 112, 1408), (100, 4100, 2456, 1000, 132, 112, 704),
+    (128, 8192, 2456, 8192, 132, 112, 1408),
+    (100, 4100, 2456, 1000, 132, 112, 704),
     (16, 512, 1100, 64, 40, 112, 128),  # 9 x 4 splits of 128 against 10 x 4 of 128: 0.875
     # whole: 112 columns would not shrink the largest tile by 10 %: 8192->2048 16 blocks x 8
     # splits of 1024 against 19 x 6 of 1408 (1.20x); 8192->4096 32 x 4 of 2048 against 37 x 3
     # of 2752 (1.18x); 4096->2560 20 x 6 of 704 against 23 x 5 of 832 (1.03x)
-    (128, 8192, 2048, 16384, 132, 128, 1024), (64, 8192, 4096, 16384, 132, 128, 2048),
-    (128, 4096, 2560, 14336, 132, 128, 704)])
+    (128, 8192, 2048, 16384, 132, 128, 1024),
+    (64, 8192, 4096, 16384, 132, 128, 2048),
+    (128, 4096, 2560, 14336, 132, 128, 704),
+  ],
+)
 def test_phase1_plan_narrows_by_the_largest_tile(m, k, r, n, g, cols, k_per):
   """PHASE1_BALANCE_COLS columns of each 128-column tile exactly where their largest tile (K
   rows x columns of U) is at most (1 - PHASE1_BALANCE_MIN) of the whole tiles' on as many
@@ -424,8 +514,9 @@ def test_phase1_plan_narrows_by_the_largest_tile(m, k, r, n, g, cols, k_per):
   assert planner.cdiv(r, p.cols_r) * planner.cdiv(k, p.k_per) <= g
 
 
-@pytest.mark.parametrize("k,r,n", [(8192, 4096, 16384), (4096, 2560, 14336),
-                                   (8192, 2048, 16384), (4096, 1024, 14336)])
+@pytest.mark.parametrize(
+  "k,r,n", [(8192, 4096, 16384), (4096, 2560, 14336), (8192, 2048, 16384), (4096, 1024, 14336)]
+)
 def test_phase1_plan_adds_fewer_partials_than_the_fused_plan(k, r, n):
   """At M=128 on the sweep's shapes, where it measured 5-24 % faster, the phase-1 plan adds
   fewer f32 split-K partials into P than the fused kernel's plan."""
@@ -492,17 +583,22 @@ def test_group_phase1_counts_the_round_trip_of_narrow_tiles():
   assert min(p.cols_r) > 64
 
 
-@pytest.mark.parametrize("k,qkv", [
+@pytest.mark.parametrize(
+  "k,qkv",
+  [
     (8192, [(2432, 8192), (576, 1024), (576, 1024)]),
     (4096, [(1216, 4096), (512, 1024), (512, 1024)]),
     (3584, [(1088, 3584), (256, 512), (256, 512)]),
-    (64, [(16, 64), (7, 64)])])
+    (64, [(16, 64), (7, 64)]),
+  ],
+)
 def test_group_phase1_is_one_round_of_tiles_over_the_ctas(k, qkv):
   """The kernel hands phase-1 tiles to its CTAs round-robin; the plan fits them in one round
   and gives members of one rank the same tiles."""
   p = planner.plan_decode_group(4, k, qkv)
-  tiles = sum(planner.cdiv(r, c) * planner.cdiv(k, kp)
-              for (r, _), c, kp in zip(qkv, p.cols_r, p.k_per))
+  tiles = sum(
+    planner.cdiv(r, c) * planner.cdiv(k, kp) for (r, _), c, kp in zip(qkv, p.cols_r, p.k_per)
+  )
   assert tiles <= p.programs
   by_rank = {}
   for (r, _), c, kp in zip(qkv, p.cols_r, p.k_per):
@@ -534,8 +630,10 @@ def test_persistent_phase1_counts_the_round_trip_from_64_kb_of_u_a_cta():
   ones were 4-20 % slower on such shapes. (The 160-column tiles then tie with 256-column
   ones, which PHASE1_LINE_TOL takes: test_phase1_takes_256_column_tiles_on_a_tie.)"""
   wide = planner.plan_decode_persistent(4, 8192, 2432, 8192, phase1_line_tol=-1)
-  assert planner.plan_decode_persistent(4, 8192, 2432, 8192, round_trip_us=0,
-                                        phase1_line_tol=-1).cols_r == 80
+  assert (
+    planner.plan_decode_persistent(4, 8192, 2432, 8192, round_trip_us=0, phase1_line_tol=-1).cols_r
+    == 80
+  )
   assert wide.cols_r == 160 and wide.k_per == 1024
   small = planner.plan_decode_persistent(4, 2048, 256, 512)
   assert small == planner.plan_decode_persistent(4, 2048, 256, 512, round_trip_us=0)
@@ -566,8 +664,15 @@ def test_scratch_chain_alternates_halves_and_zeroes_what_the_last_call_used():
       planner.next_link(*bad)
 
 
-@pytest.mark.parametrize("m,k,r,n", [(8, 4096, 1024, 14336), (8, 8192, 4096, 16384),
-                                     (16, 8192, 2048, 16384), (16, 4096, 1024, 14336)])
+@pytest.mark.parametrize(
+  "m,k,r,n",
+  [
+    (8, 4096, 1024, 14336),
+    (8, 8192, 4096, 16384),
+    (16, 8192, 2048, 16384),
+    (16, 4096, 1024, 14336),
+  ],
+)
 def test_fused_plan_bounds_the_split_k_partials_from_8_rows(m, k, r, n):
   """At M=8 and 16 the f32 split-K partials cost about 1 us a MiB beyond 0.5 MiB
   (PARTIAL_BW; 0.3-1.1 us a call measured): the plan takes fewer splits of at most 128
@@ -582,15 +687,19 @@ def test_fused_plan_bounds_the_split_k_partials_from_8_rows(m, k, r, n):
   # the cost: nothing up to PARTIAL_FREE_BYTES, then linear
   assert planner._partials_us(1, 1, planner.PARTIAL_FREE_BYTES // 4) == 0
   assert planner._partials_us(2, 1, planner.PARTIAL_FREE_BYTES // 4) == pytest.approx(
-      planner.PARTIAL_FREE_BYTES / planner.PARTIAL_BW * 1e6)
+    planner.PARTIAL_FREE_BYTES / planner.PARTIAL_BW * 1e6
+  )
 
 
 def test_fused_plan_leaves_one_row_and_64_rows_alone(monkeypatch):
   """The partials are not counted at M=1 (small) nor from 64 rows (PARTIALS_MAX_M; the
   default there is plan_decode_phase1's): the plans are those of a zero cost, unlike M=16's."""
   shapes = [(4096, 1024, 14336), (8192, 4096, 16384)]
-  plans = {(m, s): planner.plan_decode_persistent(m, *s, programs=132)
-           for m in (1, 16, 64, 128) for s in shapes}
+  plans = {
+    (m, s): planner.plan_decode_persistent(m, *s, programs=132)
+    for m in (1, 16, 64, 128)
+    for s in shapes
+  }
   monkeypatch.setattr(planner, "PARTIAL_FREE_BYTES", 1 << 40)
   for (m, s), p in plans.items():
     free = planner.plan_decode_persistent(m, *s, programs=132)
@@ -606,19 +715,29 @@ def test_v_resident_plan_takes_small_ranks_up_to_32_rows():
     tiles = planner.cdiv(r, p.cols_r) * planner.cdiv(k, p.k_per) + planner.cdiv(n, p.cols_n)
     assert p.v_resident and p.prefetch == 0 and tiles <= 132, p
   assert planner.plan_decode_persistent(8, 4096, 152, 4096).cols_r == 80  # 64 + 64 tiles
-  for m, k, r, n, kw in ((64, 2048, 256, 512, {}), (8, 4096, 512, 1024, {}),
-                         (8, 4096, 2560, 14336, {}), (8, 2048, 256, 512, {"v_resident": False}),
-                         (8, 2048, 256, 512, {"min_row_bytes": 512})):
+  for m, k, r, n, kw in (
+    (64, 2048, 256, 512, {}),
+    (8, 4096, 512, 1024, {}),
+    (8, 4096, 2560, 14336, {}),
+    (8, 2048, 256, 512, {"v_resident": False}),
+    (8, 2048, 256, 512, {"min_row_bytes": 512}),
+  ):
     assert not planner.plan_decode_persistent(m, k, r, n, **kw).v_resident, (m, k, r, n, kw)
 
 
-@pytest.mark.parametrize("m,k,r,n,stream_k", [
-    (2, 4096, 2560, 14336, True), (32, 4096, 1024, 14336, True),
+@pytest.mark.parametrize(
+  "m,k,r,n,stream_k",
+  [
+    (2, 4096, 2560, 14336, True),
+    (32, 4096, 1024, 14336, True),
     (1, 4096, 2560, 14336, False),  # one row: measured slower
     (4, 8192, 2048, 16384, False),  # K = 8192: measured slower
     (4, 8192, 2432, 8192, False),  # a rank of part-blocks
-    (4, 4096, 1216, 4096, False), (4, 2048, 640, 2048, False),  # part-blocks, small ranks
-    (64, 4096, 2560, 14336, False)])  # P per tile large: two r-chunks
+    (4, 4096, 1216, 4096, False),
+    (4, 2048, 640, 2048, False),  # part-blocks, small ranks
+    (64, 4096, 2560, 14336, False),
+  ],
+)  # P per tile large: two r-chunks
 def test_stream_k_phase1_where_it_measured_faster(m, k, r, n, stream_k):
   """The stream-K phase 1 takes K <= 4096, 2-32 rows and ranks of whole 128-column blocks
   from 1024; its steps then cover every CTA, and phase 2 keeps the tiled plan's tiles."""
@@ -632,12 +751,19 @@ def test_stream_k_phase1_where_it_measured_faster(m, k, r, n, stream_k):
   assert not planner.plan_decode_phase1(m, k, r, n).stream_k
 
 
-@pytest.mark.parametrize("m,k,r,n,deep", [
-    (1, 8192, 4096, 16384, True), (2, 8192, 4096, 16384, True), (4, 8192, 4096, 16384, True),
+@pytest.mark.parametrize(
+  "m,k,r,n,deep",
+  [
+    (1, 8192, 4096, 16384, True),
+    (2, 8192, 4096, 16384, True),
+    (4, 8192, 4096, 16384, True),
     (8, 8192, 4096, 16384, False),  # from 8 rows: measured slower
-    (2, 8192, 2048, 16384, False), (1, 4096, 2560, 14336, False),  # smaller ranks
+    (2, 8192, 2048, 16384, False),
+    (1, 4096, 2560, 14336, False),  # smaller ranks
     (2, 7168, 4096, 18432, False),  # 144-column (256-wide) V tiles: not measured
-    (2, 1000, 4096, 1000, False)])  # r-chunks (P per tile large)
+    (2, 1000, 4096, 1000, False),
+  ],
+)  # r-chunks (P per tile large)
 def test_deep_phase2_steps_where_they_measured_faster(m, k, r, n, deep):
   """128-row phase-2 steps, 3 stages deep, at r >= 4096 and M <= 4 on one r-chunk of
   128-column V tiles; every other field as the plan without them."""
@@ -660,7 +786,8 @@ def test_deep_phase2_plans_estimate_phase1_at_their_own_stages(monkeypatch):
   assert deep.est_us > 1.1 * four.est_us, (deep.est_us, four.est_us)
   monkeypatch.undo()
   assert planner.plan_decode_persistent(*dims).est_us == pytest.approx(
-      planner.plan_decode_persistent(*dims, round_trip_us=0.0).est_us)  # share-bound: equal
+    planner.plan_decode_persistent(*dims, round_trip_us=0.0).est_us
+  )  # share-bound: equal
 
 
 def test_default_launch_follows_the_verified_jaxlibs(monkeypatch):
@@ -670,9 +797,15 @@ def test_default_launch_follows_the_verified_jaxlibs(monkeypatch):
   the PTX call alone (XLA marks its Triton call for removal), before 0.11.2 through jaxlib's
   handler; LRJAX_TRITON_LAUNCH overrides any of them, and a mode that does not exist is named."""
   import jaxlib.version
-  for version, want in (((0, 10, 2), "jaxlib"), ((0, 11, 1), "jaxlib"),
-                        ((0, 11, 2), "xla_triton"), ((0, 11, 5), "xla_triton"),
-                        ((0, 12, 0), "xla"), ((1, 0, 0), "xla")):
+
+  for version, want in (
+    ((0, 10, 2), "jaxlib"),
+    ((0, 11, 1), "jaxlib"),
+    ((0, 11, 2), "xla_triton"),
+    ((0, 11, 5), "xla_triton"),
+    ((0, 12, 0), "xla"),
+    ((1, 0, 0), "xla"),
+  ):
     monkeypatch.setattr(jaxlib.version, "__version_info__", version)
     assert planner._default_launch() == want, version
   monkeypatch.setattr(planner, "DEFAULT_LAUNCH", "xla")
@@ -696,11 +829,23 @@ def test_part_len_covers_n_in_whole_steps():
   assert [planner.round_up(n, 32) for n in (2456, 152, 2432, 1)] == [2464, 160, 2432, 32]
 
 
-@pytest.mark.parametrize("m,r,n,block_m", [
+@pytest.mark.parametrize(
+  "m,r,n,block_m",
+  [
     # the rows the session-41 A/B found fastest (results/gpu_xuv_decode_pv_launch_h200.json)
-    (128, 256, 512, 16), (64, 256, 512, 16), (128, 152, 4096, 64), (64, 152, 4096, 64),
-    (48, 152, 4096, 64), (128, 640, 2048, 32), (64, 640, 2048, 32), (128, 544, 1024, 32),
-    (128, 512, 1024, 32), (64, 512, 1024, 16), (1, 72, 130, 16)])
+    (128, 256, 512, 16),
+    (64, 256, 512, 16),
+    (128, 152, 4096, 64),
+    (64, 152, 4096, 64),
+    (48, 152, 4096, 64),
+    (128, 640, 2048, 32),
+    (64, 640, 2048, 32),
+    (128, 544, 1024, 32),
+    (128, 512, 1024, 32),
+    (64, 512, 1024, 16),
+    (1, 72, 130, 16),
+  ],
+)
 def test_pv_launch_tiles_take_the_tallest_rows_that_keep_a_wave(m, r, n, block_m):
   """planner.plan_pv_launch: 32-column tiles, the tallest row block of 64/32 whose f32 P tile
   is at most PV_LAUNCH_P_TILE_BYTES and that leaves PV_LAUNCH_MIN_TILES tiles, else 16."""
@@ -711,15 +856,21 @@ def test_pv_launch_tiles_take_the_tallest_rows_that_keep_a_wave(m, r, n, block_m
     assert block_m * r * 4 <= planner.PV_LAUNCH_P_TILE_BYTES
     assert tiles(block_m) >= planner.PV_LAUNCH_MIN_TILES
   taller = [bm for bm in (64, 32) if bm > block_m]
-  assert all(bm * r * 4 > planner.PV_LAUNCH_P_TILE_BYTES
-             or tiles(bm) < planner.PV_LAUNCH_MIN_TILES for bm in taller), p
+  assert all(
+    bm * r * 4 > planner.PV_LAUNCH_P_TILE_BYTES or tiles(bm) < planner.PV_LAUNCH_MIN_TILES
+    for bm in taller
+  ), p
 
 
-@pytest.mark.parametrize("fields,names", [
+@pytest.mark.parametrize(
+  "fields,names",
+  [
     (dict(cols_r=112), "cols_r=112, block_r=64"),  # the kernel would leave 48 columns at 0
     (dict(cols_n=80, block_n=64), "cols_n=80, block_n=64"),
     (dict(k_per=96), "k_per=96, block_k=64"),  # its last K step would overlap the next tile
-    (dict(programs=0), "programs=0")])
+    (dict(programs=0), "programs=0"),
+  ],
+)
 def test_persistent_plans_outside_the_kernels_bounds_are_refused(fields, names):
   """A PersistentDecodePlan the kernel would run to a wrong P (more columns a tile than its
   registers hold, K ranges that are not whole K steps, no CTAs) is refused where it is built,

@@ -6,6 +6,7 @@ more: the persistent SwiGLU kernel at Llama-3-70B (session 11) and the grouped q
 at 32 rows (session 12), both found only by a GPU run, and the persistent SwiGLU kernel at 64
 rows and the grouped kernel's phase 1 alone at 128 rows with 4 stages (262144 B: session 43),
 found by this test. Runs wherever triton is installed, GPU or not."""
+
 import importlib.util
 import textwrap
 
@@ -13,10 +14,11 @@ import pytest
 from triton_offline import STUB, run_script
 
 pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None,
-    reason="needs triton (pip install 'lrjax[cuda]') to compile the kernels for the H200")
+  importlib.util.find_spec("triton") is None,
+  reason="needs triton (pip install 'lrjax[cuda]') to compile the kernels for the H200",
+)
 
-_CHECK = STUB + textwrap.dedent('''
+_CHECK = STUB + textwrap.dedent("""
   n = 0
   for name, kernel, meta, warps, stages in kernel_resources.planned():
     rec = kernel_resources.compile_sm90(kernel, meta, warps, stages, ptxas=n == 0)
@@ -25,7 +27,7 @@ _CHECK = STUB + textwrap.dedent('''
       assert 0 < rec["registers"] <= 255 and rec["spill_store_bytes"] >= 0, rec
     n += 1
   print(n, "ok")
-''')
+""")
 
 
 def test_planned_tiles_fit_a_cta_of_the_h200():
@@ -41,7 +43,7 @@ def test_planned_tiles_fit_a_cta_of_the_h200():
   assert int(out.split()[-2]) == 106, out  # every configuration was compiled
 
 
-_RESIDENT = STUB + textwrap.dedent('''
+_RESIDENT = STUB + textwrap.dedent("""
   n = 0
   for name, kernel, meta, warps, stages in kernel_resources.planned():
     if name in CASES:
@@ -49,7 +51,7 @@ _RESIDENT = STUB + textwrap.dedent('''
       assert rec["ctas_per_sm"] == CASES[name], (name, rec)
       n += 1
   print(n, "ok")
-''')
+""")
 
 
 def test_swiglu_decode_ctas_a_sm_are_the_measured_ones():
@@ -59,15 +61,18 @@ def test_swiglu_decode_ctas_a_sm_are_the_measured_ones():
   slices than the SMs (Qwen2.5-7B's 148, Llama-3-70B's 224). On six such shapes two CTAs an
   SM (4 stages) were 4-21 % slower than one on five, 1 % faster on Qwen2.5-7B
   (gpu_mlp_decode_park_waves_h200.json)."""
-  cases = {"mlp decode T=1 D=3584 F=18944 r=2048": 1, "mlp decode T=1 D=8192 F=28672 r=3824": 1,
-           "mlp decode T=16 D=3584 F=18944 r=2048": 1, "mlp decode T=1 D=4096 F=14336 r=2560": 1,
-           "mlp decode T=16 D=4096 F=14336 r=2560": 1}
+  cases = {
+    "mlp decode T=1 D=3584 F=18944 r=2048": 1,
+    "mlp decode T=1 D=8192 F=28672 r=3824": 1,
+    "mlp decode T=16 D=3584 F=18944 r=2048": 1,
+    "mlp decode T=1 D=4096 F=14336 r=2560": 1,
+    "mlp decode T=16 D=4096 F=14336 r=2560": 1,
+  }
   out = run_script(f"CASES = {cases!r}\n" + _RESIDENT, interpret=False)
   assert int(out.split()[-2]) == len(cases), out  # every case found in planned() and checked
 
 
-
-_CHAINED = STUB + textwrap.dedent('''
+_CHAINED = STUB + textwrap.dedent("""
   half = 1 << 17  # planner.SCRATCH_MIN_HALF: the second call of a chain works here
   n = 0
   for name, kernel, meta, warps, stages in kernel_resources.planned():
@@ -79,7 +84,7 @@ _CHAINED = STUB + textwrap.dedent('''
       assert chained == alone and regs <= 8, (name, alone, chained, regs)  # ptxas's own jitter
       n += 1
   print(n, "ok")
-''')
+""")
 
 
 def test_a_chained_call_compiles_to_the_unchained_resources():
@@ -88,13 +93,18 @@ def test_a_chained_call_compiles_to_the_unchained_resources():
   working at the scratch's start, and registers within 8 (ptxas's jitter). The offset was a
   runtime argument in session 17, and ptxas gave these kernels at 64 rows up to twice the
   registers (the grouped q/k/v 98-122 -> 216-230; the 8B step at batch 64 6 % slower)."""
-  cases = ("group M=64 K=8192 r=2456/544/544", "group M=64 K=8192 r=2432/576/576",
-           "mlp decode T=64 D=4096 F=14336 r=2560",
-           "xuv decode M=64 4096->1024->14336", "mlp decode persistent T=16 D=4096 F=14336 r=2560")
+  cases = (
+    "group M=64 K=8192 r=2456/544/544",
+    "group M=64 K=8192 r=2432/576/576",
+    "mlp decode T=64 D=4096 F=14336 r=2560",
+    "xuv decode M=64 4096->1024->14336",
+    "mlp decode persistent T=16 D=4096 F=14336 r=2560",
+  )
   out = run_script(f"CASES = {cases!r}\n" + _CHAINED, interpret=False)
   assert int(out.split()[-2]) >= len(cases), out  # every case found in planned() and checked
 
-_PARK_RULE = STUB + textwrap.dedent('''
+
+_PARK_RULE = STUB + textwrap.dedent("""
   import dataclasses
   from lrjax.custom_calls.triton import mlp_decode
   get = mlp_decode.BlockSizes.get_default
@@ -150,10 +160,10 @@ _PARK_RULE = STUB + textwrap.dedent('''
   n_h = sep["meta"]["H_SPLITS"] * 2560 // bs.block_h
   assert sep["grid"] - inl["grid"] == n_h, (sep["grid"], inl["grid"], n_h)
   print("ok")
-''')
+""")
 
 
-_STAGE_A_RULE = STUB + textwrap.dedent('''
+_STAGE_A_RULE = STUB + textwrap.dedent("""
   from lrjax.custom_calls.triton import mlp_decode, planner
   get, sms = mlp_decode.BlockSizes.get_default, planner.H200.num_sms
   kw = dict(gated=True, act="silu", bias_mask=(False,) * 3)
@@ -184,10 +194,10 @@ _STAGE_A_RULE = STUB + textwrap.dedent('''
   # and reads Pg/Pu in f32 after one wave (no rounding tail), the bf16 copy otherwise
   assert p16 == {k: not (k[1] <= 16 and ctas[k] <= sms) for k in ctas}, p16
   print("ok")
-''')
+""")
 
 
-_WIDE_RULE = STUB + textwrap.dedent('''
+_WIDE_RULE = STUB + textwrap.dedent("""
   from lrjax.custom_calls.triton import mlp_decode
   get = mlp_decode.BlockSizes.get_default
   shapes = {"70b": (8192, 28672, 3840), "qwen32b": (5120, 27648, 3072),
@@ -204,7 +214,7 @@ _WIDE_RULE = STUB + textwrap.dedent('''
       if m > 16:
         assert v[0] == 4 and v[2] == (4 if m <= 64 else 3), (n, m, v)
   print("ok")
-''')
+""")
 
 
 def test_swiglu_decode_wide_rule_at_17_to_64_tokens():

@@ -4,6 +4,7 @@ semantics, and the stage that publishes them must release. Session 21 found that
 kernels' wait had lost its acquire: a relaxed (volatile) poll followed by an unused
 ``atomic_add(flag, 0, sem="acquire")``, which Triton 3.6 drops when it lowers to LLVM.
 Runs wherever triton is installed, GPU or not."""
+
 import importlib.util
 import textwrap
 
@@ -11,8 +12,9 @@ import pytest
 from triton_offline import STUB, run_script
 
 pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None,
-    reason="needs triton (pip install 'lrjax[cuda]') to compile the kernels for the H200")
+  importlib.util.find_spec("triton") is None,
+  reason="needs triton (pip install 'lrjax[cuda]') to compile the kernels for the H200",
+)
 
 
 def test_every_wait_reads_its_flag_with_acquire_and_every_signal_releases():
@@ -21,7 +23,9 @@ def test_every_wait_reads_its_flag_with_acquire_and_every_signal_releases():
   kernels, the two prefill kernels, the ·V launch): every kernel with a second stage releases
   a flag and polls one with ``ld.global.gpu.acquire``, never with a relaxed or volatile load;
   phase 1 alone and the ·V launch (ordered after it by the launch) do neither."""
-  out = run_script(STUB + textwrap.dedent('''
+  out = run_script(
+    STUB
+    + textwrap.dedent("""
     import re
     from lrjax.custom_calls.triton import xuv_decode
     seen, waits = set(), 0
@@ -43,5 +47,7 @@ def test_every_wait_reads_its_flag_with_acquire_and_every_signal_releases():
         assert not meta["P16"] and releases == 0 and acquires == 0, (name, releases, acquires)
     assert waits >= 6, waits
     print(waits, "ok")
-  '''), interpret=False)
+  """),
+    interpret=False,
+  )
   assert int(out.split()[-2]) >= 6, out
