@@ -1,0 +1,446 @@
+"""Decode step of a Llama-shaped model: lrjax against a PyTorch peer, on one GPU, in one run.
+
+  python benchmarks/model_step_peer.py --model 8b --batch 1 8 16 --ctx 1024 --max-len 2048 \\
+      --ratio 0.4 --out benchmarks/results/model_step_peer.json
+
+Both sides build the same decoder (random bf16 weights; low-rank: every projection at the rank
+that removes ``--ratio`` of its params, a multiple of 64) and time one greedy decode step per
+row at context ``--ctx``:
+
+  lrjax  dense (XLA) and low-rank through ``lrjax.fuse`` (the serving engine's default path):
+         ``--steps`` steps inside one jit (a fori_loop), host-timed around block_until_ready,
+         median of ``--reps`` calls divided by the steps; attention over the first ``--ctx``
+         cache positions (the engine's attend bucket).
+  torch  the same decoder written here: dense and low-rank (two nn.Linear a projection), cuBLAS
+         GEMMs, SDPA over the filled part of a static KV cache, the whole step captured in one
+         CUDA graph, once eager and once after ``torch.compile``; CUDA-event median of graph
+         replays. ``torch_*_ms`` is the faster of the two; both are kept.
+
+Each side runs in its own subprocess, one after the other, so one framework holds the GPU at a
+time. Records: device, model, batch, ctx, ratio, lrjax_ms, lrjax_dense_ms, torch_dense_ms,
+torch_lowrank_ms, the ratios, bytes a step must read and hbm_roofline_frac (those bytes over the
+card's HBM bandwidth, divided by the step). ``--model tiny --device cpu`` checks the script on a
+CPU (no CUDA graphs there; nothing it prints is a performance number).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+MODELS = {
+  # Llama-3-8B: hidden, heads, kv heads, head dim, MLP, vocab, layers
+  "8b": dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, mlp=14336, vocab=128256, layers=32),
+  "1b": dict(hidden=2048, heads=32, kv_heads=8, head_dim=64, mlp=8192, vocab=128256, layers=16),
+  "tiny": dict(hidden=64, heads=4, kv_heads=2, head_dim=16, mlp=128, vocab=256, layers=2),
+}
+# HBM bandwidth (bytes/s) by device name substring: the H200's measured copy rate, the H100's
+# datasheet rate (DESIGN.md, "Measuring").
+HBM_BPS = {"H200": 4.3e12, "H100": 3.35e12}
+PROJS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def proj_shapes(m: dict) -> dict[str, tuple[int, int]]:
+  h, q, kv, f = m["hidden"], m["heads"] * m["head_dim"], m["kv_heads"] * m["head_dim"], m["mlp"]
+  return {
+    "q_proj": (h, q),
+    "k_proj": (h, kv),
+    "v_proj": (h, kv),
+    "o_proj": (q, h),
+    "gate_proj": (h, f),
+    "up_proj": (h, f),
+    "down_proj": (f, h),
+  }
+
+
+def ranks_for(m: dict, ratio: float, multiple: int) -> dict[str, int]:
+  """The rank keeping (1 - ratio) of each projection's params, rounded to ``multiple``."""
+  out = {}
+  for name, (k, n) in proj_shapes(m).items():
+    r = (1.0 - ratio) * k * n / (k + n)
+    out[name] = max(multiple, int(round(r / multiple)) * multiple)
+  return out
+
+
+def step_bytes(m: dict, ranks: dict | None, batch: int, ctx: int, elem: int = 2) -> int:
+  """Bytes one decode step must read at least: every weight once, and the K/V of ``ctx``
+  positions of every row and layer (embedding row reads are negligible and left out)."""
+  w = 0
+  for name, (k, n) in proj_shapes(m).items():
+    w += (ranks[name] * (k + n)) if ranks else k * n
+  w = w * m["layers"] + m["vocab"] * m["hidden"] + (2 * m["layers"] + 1) * m["hidden"]
+  kv = 2 * m["layers"] * batch * m["kv_heads"] * ctx * m["head_dim"]
+  return (w + kv) * elem
+
+
+def hbm_bps(device_name: str) -> float | None:
+  for key, bps in HBM_BPS.items():
+    if key in device_name:
+      return bps
+  return None
+
+
+# ---------------------------------------------------------------------------------------- lrjax
+
+
+def run_lrjax(args, ranks) -> dict:
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  import lrjax
+  from lrjax.models import LlamaForCausalLM, ModelConfig
+  from lrjax.models.llama import KVCache
+
+  m = MODELS[args.model]
+  cfg = ModelConfig(
+    model_type="llama",
+    vocab_size=m["vocab"],
+    hidden_size=m["hidden"],
+    intermediate_size=m["mlp"],
+    num_layers=m["layers"],
+    num_heads=m["heads"],
+    num_kv_heads=m["kv_heads"],
+    head_dim=m["head_dim"],
+    rope_theta=500000.0,
+    max_position_embeddings=max(8192, args.max_len),
+  )
+  dtype = jnp.bfloat16
+  out = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "records": {}}
+  for kind in ("dense", "lowrank"):
+    t0 = time.perf_counter()
+    model = LlamaForCausalLM(
+      cfg,
+      ranks=None if kind == "dense" else [ranks] * cfg.num_layers,
+      dtype=dtype,
+      param_dtype=dtype,
+      scan_layers=False,
+      rngs=nnx.Rngs(0),
+    )
+    print(f"lrjax: built {kind} in {time.perf_counter() - t0:.1f} s", flush=True)
+    gdef, state = nnx.split(model)
+    decode = functools.partial(type(model).decode, attend_len=args.ctx)
+    if kind == "lowrank":
+      decode = lrjax.fuse(decode)
+    steps = args.steps
+
+    def run(state, cache, tokens, decode=decode):
+      model = nnx.merge(gdef, state)
+
+      def body(_, carry):
+        cache, tok = carry
+        logits, cache = decode(model, tok, cache)
+        return cache, jnp.argmax(logits, -1).astype(jnp.int32)
+
+      return jax.lax.fori_loop(0, steps, body, (cache, tokens))
+
+    fn = jax.jit(run, donate_argnums=(1,))
+    for batch in args.batch:
+      start = args.ctx - steps  # every step's position stays inside the attended ctx
+
+      def fresh(batch=batch, start=start):
+        c = KVCache.init(cfg, batch, args.max_len, dtype)
+        k = tuple(jax.random.normal(jax.random.key(i), a.shape, dtype) for i, a in enumerate(c.k))
+        return KVCache(k, k, jnp.full((batch,), start, jnp.int32))
+
+      base = fresh()
+      reset = lambda c, base=base: KVCache(  # noqa: E731
+        tuple(jnp.copy(a) for a in base.k), tuple(jnp.copy(a) for a in base.v), jnp.copy(base.pos)
+      )
+      toks = jnp.ones((batch,), jnp.int32)
+      t0 = time.perf_counter()
+      for _ in range(2):
+        _, toks = fn(state, reset(None), toks)
+      toks.block_until_ready()
+      compile_s = time.perf_counter() - t0
+      times = []
+      for _ in range(args.reps):
+        c = reset(None)
+        jax.block_until_ready(c)
+        t0 = time.perf_counter()
+        _, toks = fn(state, c, toks)
+        toks.block_until_ready()
+        times.append((time.perf_counter() - t0) / steps)
+      times.sort()
+      ms = times[len(times) // 2] * 1e3
+      out["records"][f"{kind}/{batch}"] = {"ms": ms, "all_ms": [t * 1e3 for t in times]}
+      print(
+        f"lrjax {kind:8s} batch {batch:3d}: {ms:.3f} ms (compile {compile_s:.1f} s)", flush=True
+      )
+      del base
+    del model, state
+  return out
+
+
+# ---------------------------------------------------------------------------------------- torch
+
+
+def run_torch(args, ranks) -> dict:
+  import torch
+  import torch.nn.functional as F
+  from torch import nn
+
+  dev = torch.device(args.device)
+  cuda = dev.type == "cuda"
+  m = MODELS[args.model]
+  dtype = torch.bfloat16
+  torch.manual_seed(0)
+  hd, nh, nkv = m["head_dim"], m["heads"], m["kv_heads"]
+
+  def linear(k, n, r=None):
+    if r is None:
+      lin = nn.Linear(k, n, bias=False)
+    else:
+      lin = nn.Sequential(nn.Linear(k, r, bias=False), nn.Linear(r, n, bias=False))
+    for p in lin.parameters():
+      nn.init.normal_(p, std=1.0 / math.sqrt(p.shape[1]))
+    return lin
+
+  class RMSNorm(nn.Module):
+    def __init__(self, d):
+      super().__init__()
+      self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+      x32 = x.float()
+      x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)
+      return (x32 * self.weight.float()).to(x.dtype)
+
+  def rope(x, cos, sin):  # x [B, H, 1, D]; cos/sin [B, 1, 1, D]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+  class Layer(nn.Module):
+    def __init__(self, rk):
+      super().__init__()
+      s = proj_shapes(m)
+      for name in PROJS:
+        setattr(self, name, linear(*s[name], None if rk is None else rk[name]))
+      self.ln1, self.ln2 = RMSNorm(m["hidden"]), RMSNorm(m["hidden"])
+
+    def forward(self, h, cos, sin, pos, kc, vc, ctx):
+      b = h.shape[0]
+      x = self.ln1(h)
+      q = self.q_proj(x).view(b, 1, nh, hd).transpose(1, 2)
+      k = self.k_proj(x).view(b, 1, nkv, hd).transpose(1, 2)
+      v = self.v_proj(x).view(b, 1, nkv, hd).transpose(1, 2)
+      q, k = rope(q, cos, sin), rope(k, cos, sin)
+      kc.index_copy_(2, pos, k)  # the new key/value at position pos, in place
+      vc.index_copy_(2, pos, v)
+      a = F.scaled_dot_product_attention(q, kc[:, :, :ctx], vc[:, :, :ctx], enable_gqa=True)
+      h = h + self.o_proj(a.transpose(1, 2).reshape(b, 1, nh * hd))
+      x = self.ln2(h)
+      return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+  class Model(nn.Module):
+    def __init__(self, rk):
+      super().__init__()
+      self.embed = nn.Embedding(m["vocab"], m["hidden"])
+      self.layers = nn.ModuleList([Layer(rk) for _ in range(m["layers"])])
+      self.norm = RMSNorm(m["hidden"])
+      self.lm_head = linear(m["hidden"], m["vocab"])
+      inv = 1.0 / (500000.0 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+      self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, tok, pos, kcs, vcs, ctx: int):
+      h = self.embed(tok)[:, None]  # [B, 1, hidden]
+      ang = pos.float()[:, None] * self.inv_freq[None]  # [1, D/2]
+      ang = torch.cat([ang, ang], -1)[None, None].to(h.dtype)  # [1, 1, 1, D]
+      cos, sin = ang.cos(), ang.sin()
+      for layer, kc, vc in zip(self.layers, kcs, vcs):
+        h = layer(h, cos, sin, pos, kc, vc, ctx)
+      return self.lm_head(self.norm(h))[:, 0].argmax(-1)
+
+  out = {"device": torch.cuda.get_device_name(dev) if cuda else "cpu", "torch": torch.__version__}
+  out["records"] = {}
+  for kind in ("dense", "lowrank"):
+    with torch.device(dev):
+      model = Model(None if kind == "dense" else ranks).to(dtype).eval()
+    for batch in args.batch:
+      kcs = [
+        torch.randn(batch, nkv, args.max_len, hd, device=dev, dtype=dtype)
+        for _ in range(m["layers"])
+      ]
+      vcs = [torch.randn_like(k) for k in kcs]
+      tok = torch.ones(batch, dtype=torch.long, device=dev)
+      pos = torch.full((1,), args.ctx - 1, dtype=torch.long, device=dev)
+      rec = {}
+      variants = [("eager", model.forward)]
+      if not args.no_compile:
+        variants.append(("compile", torch.compile(model.forward, fullgraph=True, dynamic=False)))
+      for name, fn in variants:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+          if cuda:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+              for _ in range(3):
+                fn(tok, pos, kcs, vcs, args.ctx)
+            torch.cuda.current_stream().wait_stream(s)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+              nxt = fn(tok, pos, kcs, vcs, args.ctx)
+            graph.replay()
+            torch.cuda.synchronize()
+            setup_s = time.perf_counter() - t0
+            times = []
+            for _ in range(args.reps):
+              e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+              e0.record()
+              for _ in range(args.steps):
+                graph.replay()
+              e1.record()
+              e1.synchronize()
+              times.append(e0.elapsed_time(e1) / args.steps)
+          else:  # CPU check only
+            nxt = fn(tok, pos, kcs, vcs, args.ctx)
+            setup_s = time.perf_counter() - t0
+            times = []
+            for _ in range(max(1, args.reps // 4)):
+              t1 = time.perf_counter()
+              fn(tok, pos, kcs, vcs, args.ctx)
+              times.append((time.perf_counter() - t1) * 1e3)
+        assert nxt.shape == (batch,)
+        times.sort()
+        rec[name] = {"ms": times[len(times) // 2], "all_ms": times, "setup_s": setup_s}
+        print(
+          f"torch {kind:8s} {name:8s} batch {batch:3d}: {rec[name]['ms']:.3f} ms "
+          f"(setup {setup_s:.1f} s)",
+          flush=True,
+        )
+      out["records"][f"{kind}/{batch}"] = rec
+      del kcs, vcs
+    del model
+    if cuda:
+      torch.cuda.empty_cache()
+  return out
+
+
+# ---------------------------------------------------------------------------------------- main
+
+
+def child(side: str, args, ranks) -> dict:
+  """Runs one side in a subprocess and returns its JSON."""
+  with tempfile.NamedTemporaryFile("r", suffix=".json") as fh:
+    cmd = [sys.executable, os.path.abspath(__file__), "--side", side, "--side-out", fh.name]
+    cmd += ["--ranks-json", json.dumps(ranks)] + sys.argv[1:]
+    subprocess.run(cmd, check=True)
+    return json.load(open(fh.name))
+
+
+def build_records(args, ranks, lj, pt) -> list[dict]:
+  m = MODELS[args.model]
+  bps = hbm_bps(pt["device"])
+  recs = []
+  for batch in args.batch:
+    key = lambda kind, b=batch: f"{kind}/{b}"  # noqa: E731
+    best = {k: min(v["ms"] for v in pt["records"][key(k)].values()) for k in ("dense", "lowrank")}
+    lr_ms = lj["records"][key("lowrank")]["ms"]
+    nbytes = step_bytes(m, ranks, batch, args.ctx)
+    rec = {
+      "device": pt["device"],
+      "model": args.model,
+      "layers": m["layers"],
+      "batch": batch,
+      "ctx": args.ctx,
+      "max_len": args.max_len,
+      "ratio": args.ratio,
+      "ranks": ranks,
+      "lrjax_ms": lr_ms,
+      "lrjax_dense_ms": lj["records"][key("dense")]["ms"],
+      "torch_dense_ms": best["dense"],
+      "torch_lowrank_ms": best["lowrank"],
+      "torch_variants_ms": {
+        k: {n: v["ms"] for n, v in pt["records"][key(k)].items()} for k in ("dense", "lowrank")
+      },
+      "speedup_vs_torch_dense": best["dense"] / lr_ms,
+      "speedup_vs_torch_lowrank": best["lowrank"] / lr_ms,
+      "lowrank_step_bytes": nbytes,
+      "dense_step_bytes": step_bytes(m, None, batch, args.ctx),
+      "hbm_bps": bps,
+      "hbm_roofline_frac": (nbytes / bps) / (lr_ms * 1e-3) if bps else None,
+    }
+    recs.append(rec)
+  return recs
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--model", choices=sorted(MODELS), default="8b")
+  ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 16])
+  ap.add_argument("--ctx", type=int, default=1024, help="attended context per step")
+  ap.add_argument("--max-len", type=int, default=2048, help="KV cache length")
+  ap.add_argument("--ratio", type=float, default=0.4, help="fraction of params removed")
+  ap.add_argument("--steps", type=int, default=32, help="decode steps per timed call")
+  ap.add_argument("--reps", type=int, default=20)
+  ap.add_argument("--device", default="cuda", help="torch device (cpu: a check only)")
+  ap.add_argument("--no-compile", action="store_true", help="torch eager+graph only")
+  ap.add_argument("--out", help="results JSON")
+  ap.add_argument("--side", choices=("lrjax", "torch"), help=argparse.SUPPRESS)
+  ap.add_argument("--side-out", help=argparse.SUPPRESS)
+  ap.add_argument("--ranks-json", help=argparse.SUPPRESS)
+  args = ap.parse_args(argv)
+  if not 0.0 < args.ratio < 1.0:
+    ap.error(f"--ratio {args.ratio} must be in (0, 1)")
+  if not 0 < args.steps < args.ctx <= args.max_len:
+    ap.error(f"need 0 < --steps ({args.steps}) < --ctx ({args.ctx}) <= --max-len ({args.max_len})")
+  multiple = 8 if args.model == "tiny" else 64
+  ranks = (
+    json.loads(args.ranks_json)
+    if args.ranks_json
+    else ranks_for(MODELS[args.model], args.ratio, multiple)
+  )
+  if args.side:
+    res = (run_lrjax if args.side == "lrjax" else run_torch)(args, ranks)
+    with open(args.side_out, "w") as fh:
+      json.dump(res, fh)
+    return 0
+  t0 = time.perf_counter()
+  pt = child("torch", args, ranks)
+  lj = child("lrjax", args, ranks)
+  recs = build_records(args, ranks, lj, pt)
+  doc = {
+    "meta": {
+      "command": "python benchmarks/model_step_peer.py " + " ".join(sys.argv[1:]),
+      "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+      "device": pt["device"],
+      "lrjax_device": lj["device"],
+      "jax": lj["jax"],
+      "torch": pt["torch"],
+      "python": platform.python_version(),
+      "wall_s": time.perf_counter() - t0,
+      "method": __doc__.split("\n\n")[1],
+    },
+    "records": recs,
+  }
+  print(
+    f"{'batch':>5} {'lrjax':>8} {'lrjax dense':>11} {'torch dense':>11} {'torch lr':>9}"
+    f" {'vs dense':>8} {'vs lr':>6} {'roofline':>8}"
+  )
+  for r in recs:
+    frac = f"{r['hbm_roofline_frac']:.2f}" if r["hbm_roofline_frac"] else "-"
+    print(
+      f"{r['batch']:5d} {r['lrjax_ms']:8.3f} {r['lrjax_dense_ms']:11.3f} "
+      f"{r['torch_dense_ms']:11.3f} {r['torch_lowrank_ms']:9.3f} "
+      f"{r['speedup_vs_torch_dense']:8.2f} {r['speedup_vs_torch_lowrank']:6.2f} {frac:>8}"
+    )
+  if args.out:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as fh:
+      json.dump(doc, fh, indent=1)
+    print(f"wrote {args.out}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
