@@ -17,7 +17,9 @@ row at context ``--ctx``:
          replays. ``torch_*_ms`` is the faster of the two; both are kept.
 
 Each side runs in its own subprocess, one after the other, so one framework holds the GPU at a
-time. Records: device, model, batch, ctx, ratio, lrjax_ms, lrjax_dense_ms, torch_dense_ms,
+time (or run them yourself: ``--side torch --side-out t.json``, ``--side lrjax --side-out
+l.json``, then ``--merge t.json l.json --out ...``; a side writes after every record).
+Records: device, model, batch, ctx, ratio, lrjax_ms, lrjax_dense_ms, torch_dense_ms,
 torch_lowrank_ms, the ratios, bytes a step must read and hbm_roofline_frac (those bytes over the
 card's HBM bandwidth, divided by the step). ``--model tiny --device cpu`` checks the script on a
 CPU (no CUDA graphs there; nothing it prints is a performance number).
@@ -92,6 +94,13 @@ def hbm_bps(device_name: str) -> float | None:
 # ---------------------------------------------------------------------------------------- lrjax
 
 
+def _save(args, out) -> None:
+  """Writes a side's results so far (a later step may run out of time)."""
+  if args.side_out:
+    with open(args.side_out, "w") as fh:
+      json.dump(out, fh)
+
+
 def run_lrjax(args, ranks) -> dict:
   import jax
   import jax.numpy as jnp
@@ -116,6 +125,7 @@ def run_lrjax(args, ranks) -> dict:
   )
   dtype = jnp.bfloat16
   out = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "records": {}}
+  out["argv"] = sys.argv[1:]
   for kind in ("dense", "lowrank"):
     t0 = time.perf_counter()
     model = LlamaForCausalLM(
@@ -173,6 +183,7 @@ def run_lrjax(args, ranks) -> dict:
       times.sort()
       ms = times[len(times) // 2] * 1e3
       out["records"][f"{kind}/{batch}"] = {"ms": ms, "all_ms": [t * 1e3 for t in times]}
+      _save(args, out)
       print(
         f"lrjax {kind:8s} batch {batch:3d}: {ms:.3f} ms (compile {compile_s:.1f} s)", flush=True
       )
@@ -261,7 +272,7 @@ def run_torch(args, ranks) -> dict:
       return self.lm_head(self.norm(h))[:, 0].argmax(-1)
 
   out = {"device": torch.cuda.get_device_name(dev) if cuda else "cpu", "torch": torch.__version__}
-  out["records"] = {}
+  out["records"], out["argv"] = {}, sys.argv[1:]
   for kind in ("dense", "lowrank"):
     with torch.device(dev):
       model = Model(None if kind == "dense" else ranks).to(dtype).eval()
@@ -319,6 +330,7 @@ def run_torch(args, ranks) -> dict:
           flush=True,
         )
       out["records"][f"{kind}/{batch}"] = rec
+      _save(args, out)
       del kcs, vcs
     del model
     if cuda:
@@ -344,6 +356,9 @@ def build_records(args, ranks, lj, pt) -> list[dict]:
   recs = []
   for batch in args.batch:
     key = lambda kind, b=batch: f"{kind}/{b}"  # noqa: E731
+    if not all(key(k) in side["records"] for k in ("dense", "lowrank") for side in (lj, pt)):
+      print(f"batch {batch}: not measured on both sides, left out")
+      continue
     best = {k: min(v["ms"] for v in pt["records"][key(k)].values()) for k in ("dense", "lowrank")}
     lr_ms = lj["records"][key("lowrank")]["ms"]
     nbytes = step_bytes(m, ranks, batch, args.ctx)
@@ -386,8 +401,14 @@ def main(argv=None):
   ap.add_argument("--device", default="cuda", help="torch device (cpu: a check only)")
   ap.add_argument("--no-compile", action="store_true", help="torch eager+graph only")
   ap.add_argument("--out", help="results JSON")
-  ap.add_argument("--side", choices=("lrjax", "torch"), help=argparse.SUPPRESS)
-  ap.add_argument("--side-out", help=argparse.SUPPRESS)
+  ap.add_argument(
+    "--merge",
+    nargs=2,
+    metavar=("TORCH_JSON", "LRJAX_JSON"),
+    help="build --out from two sides run separately (--side torch|lrjax --side-out F)",
+  )
+  ap.add_argument("--side", choices=("lrjax", "torch"), help="run one side only")
+  ap.add_argument("--side-out", metavar="JSON", help="where --side writes (after each record)")
   ap.add_argument("--ranks-json", help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if not 0.0 < args.ratio < 1.0:
@@ -401,17 +422,22 @@ def main(argv=None):
     else ranks_for(MODELS[args.model], args.ratio, multiple)
   )
   if args.side:
-    res = (run_lrjax if args.side == "lrjax" else run_torch)(args, ranks)
-    with open(args.side_out, "w") as fh:
-      json.dump(res, fh)
+    (run_lrjax if args.side == "lrjax" else run_torch)(args, ranks)
     return 0
   t0 = time.perf_counter()
-  pt = child("torch", args, ranks)
-  lj = child("lrjax", args, ranks)
+  if args.merge:
+    pt, lj = (json.load(open(f)) for f in args.merge)
+  else:
+    pt = child("torch", args, ranks)
+    lj = child("lrjax", args, ranks)
   recs = build_records(args, ranks, lj, pt)
   doc = {
     "meta": {
       "command": "python benchmarks/model_step_peer.py " + " ".join(sys.argv[1:]),
+      "side_commands": {
+        "torch": pt.get("argv"),
+        "lrjax": lj.get("argv"),
+      },
       "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
       "device": pt["device"],
       "lrjax_device": lj["device"],
