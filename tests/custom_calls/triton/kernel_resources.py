@@ -1,37 +1,27 @@
-"""What the Triton kernels' default tiles ask of one H200 CTA, found without a GPU.
+"""What the Triton kernels' default tiles ask of one H200 CTA, found without a GPU (a helper
+of the CPU tests that compile the kernels: test_triton_smem.py, test_triton_sync.py,
+test_triton_launch.py).
 
 Each kernel is compiled for sm_90 by Triton, with the 16-byte pointer alignment that
 jax-triton declares (without it Triton does not pipeline the loads and reports a quarter to
 a third of the shared memory). Triton's metadata gives the shared memory; ``ptxas -v`` (the
 ptxas bundled with Triton) gives registers, spills and its C7515 warning that wgmma
 instructions run serialized; from shared memory, registers and warps, the CTAs that fit on
-one SM at once. The chained decode kernels are compiled as lrjax's default launch builds them
-for XLA's PTX call (M and the chain's offsets constants, launch.xla_kernel), each record with
-jaxlib's build (those runtime) beside it; the prefill kernels as jax-triton builds them. On
-the GPU the PTX is assembled by the driver's or XLA's ptxas, so registers and spills there
-may differ; the shared memory is Triton's own number.
-
-  python benchmarks/kernel_resources.py [--out benchmarks/results/kernel_resources_sm90.json]
-
-Runs where triton is installed; without jax-triton the kernel modules import against a stub
-(nothing here launches). tests/custom_calls/triton/test_triton_smem.py checks the shared
-memory of these configurations against the H200's limit, and that the SwiGLU decode kernel
-runs one CTA an SM at T <= 16.
+one SM at once. The chained decode kernels can be compiled as lrjax's default launch builds
+them for XLA's PTX call (M and the chain's offsets constants, launch.xla_kernel). On the GPU
+the PTX is assembled by the driver's or XLA's ptxas, so registers and spills there may
+differ; the shared memory is Triton's own number. Without jax-triton the kernel modules
+import against a stub (nothing here launches).
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import importlib.util
 import os
-import re
 import subprocess
 import sys
 import tempfile
 import types
-
-from results_io import write_json
 
 H200_SMEM_OPTIN = 232448  # bytes a CTA may ask for (cudaDevAttrMaxSharedMemoryPerBlockOptin)
 H200_SMEM_PER_SM = 233472  # bytes an SM holds for all its CTAs, 1024 of them reserved per CTA
@@ -214,15 +204,24 @@ def planned():
   decode at 1-128 rows (the grouped kernel to its 64, its phase 1 alone at 64 and 128),
   prefill at 1024 and 4096 tokens."""
   install_jax_triton_stub()
-  from lrjax.custom_calls.triton import mlp_decode, mlp_prefill, planner, xuv_decode, xuv_prefill
+  from lrjax.custom_calls.triton import (
+    mlp_decode,
+    mlp_prefill,
+    planner,
+    xuv_decode,
+    xuv_decode_group,
+    xuv_decode_pv,
+    xuv_prefill,
+  )
 
   kw = dict(gated=True, act="silu", bias_mask=(False,) * 3)
   for m in (1, 16, 32, 64):
     for k, members in GROUP_SHAPES:
       p = planner.plan_decode_group(m, k, members)
-      meta = xuv_decode.group_launch_plan(m, k, [(r, n, False) for r, n in members], p)["meta"]
+      meta = xuv_decode_group.launch_plan(m, k, [(r, n, False) for r, n in members], p)["meta"]
       ranks = "/".join(str(r) for r, _ in members)  # two shapes share K=8192
-      yield f"group M={m} K={k} r={ranks}", xuv_decode._xuv_group_kernel, meta, p.warps, p.stages
+      kernel = xuv_decode_group._xuv_decode_group_kernel
+      yield f"group M={m} K={k} r={ranks}", kernel, meta, p.warps, p.stages
   for m in (1, 16, 32, 64, 128):
     for k, r, n in XUV_SHAPES:
       _, p, launch = xuv_decode.default_persistent_launch(m, k, r, n, False, None)
@@ -258,21 +257,21 @@ def planned():
       members = [(r, f, False), (r, f, False)]
       for one in (False, True):
         p = planner.plan_decode_group_phase1(m, d, [(r, f), (r, f)], one_branch=one)
-        meta = xuv_decode.group_launch_plan(m, d, members, p, phase2=False)["meta"]
+        meta = xuv_decode_group.launch_plan(m, d, members, p, phase2=False)["meta"]
         yield (
           f"group phase 1{' one branch' if one else ''} M={m} D={d} r={r}",
-          xuv_decode._xuv_group_kernel,
+          xuv_decode_group._xuv_decode_group_kernel,
           meta,
           p.warps,
           p.stages,
         )
-  for m in (32, 64, 128):  # the ·V launch after phase 1 alone (xuv_decode pv="launch")
+  for m in (32, 64, 128):  # the ·V launch after phase 1 alone (xuv_decode's pv="launch")
     for r, n in PV_LAUNCH_SHAPES:
       pp = planner.plan_pv_launch(m, r, n)
       yield (
         f"xuv pv launch M={m} {r}->{n}",
-        xuv_decode._pv_launch_kernel,
-        xuv_decode.pv_launch_meta(r, n, False, pp),
+        xuv_decode_pv._xuv_decode_pv_kernel,
+        xuv_decode_pv.launch_meta(r, n, False, pp),
         pp.warps,
         pp.stages,
       )
@@ -297,49 +296,3 @@ def planned():
         bs.num_warps,
         bs.num_stages,
       )
-
-
-def main():
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("--out", help="write the records as JSON here")
-  args = ap.parse_args()
-  import triton
-
-  recs = []
-  for name, kernel, meta, warps, stages in planned():
-    jaxlib = compile_sm90(kernel, meta, warps, stages)
-    if "PDL" in [p.name for p in kernel.params]:  # a chained decode kernel: XLA's PTX call
-      rows = int(re.search(r"\b[MT]=(\d+)", name).group(1))
-      rec = dict(
-        name=name,
-        launch="xla",
-        **compile_xla_sm90(kernel, meta, warps, stages, rows),
-        jaxlib={k: jaxlib[k] for k in ("shared", "registers", "spill_store_bytes", "ctas_per_sm")},
-      )
-    else:  # a call with a memset before it (the prefill kernels): jaxlib's handler
-      rec = dict(name=name, launch="jaxlib", **jaxlib)
-    recs.append(rec)
-    serialized = "  wgmma serialized" if rec["wgmma_serialized"] else ""
-    print(
-      f"{name:<48} smem {rec['shared']:>6} B  regs {rec['registers']:>3}  spills "
-      f"{rec['spill_store_bytes']:>4} B  {rec['ctas_per_sm']} CTA/SM{serialized}"
-      + (
-        f"  (jaxlib: regs {jaxlib['registers']}, smem {jaxlib['shared']})"
-        if rec["launch"] == "xla"
-        else ""
-      ),
-      flush=True,
-    )
-  if args.out:
-    meta = dict(
-      target="sm_90 (H200), compiled on the CPU",
-      triton=triton.__version__,
-      smem_limit=H200_SMEM_OPTIN,
-      date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-      method=__doc__.split("\n\n")[1].replace("\n", " "),
-    )
-    write_json(args.out, dict(meta=meta, records=recs))
-
-
-if __name__ == "__main__":
-  main()
