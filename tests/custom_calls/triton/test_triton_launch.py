@@ -671,3 +671,47 @@ def test_every_launch_names_every_constexpr_of_its_kernel():
     interpret=False,
   )
   assert out.strip().endswith("ok")
+
+
+def test_explicit_block_sizes_launch_what_the_defaults_do():
+  """The public wrappers given their ``BlockSizes.get_default`` (the launch recorded, not
+  run) launch exactly the calls they launch with no block sizes: X·U·V decode on each of
+  its schedules (the fused kernel, phase 1 then XLA's GEMM, phase 1 then the ·V launch) and
+  the grouped q/k/v kernel."""
+  out = run_script(
+    STUB
+    + textwrap.dedent("""
+    import jax.numpy as jnp
+    from lrjax.custom_calls.triton import launch, xuv_decode, xuv_decode_group
+    calls = []
+    def record(*args, kernel, out_shape, grid, **kw):
+      calls.append((kernel.__name__, grid, sorted((k, str(v)) for k, v in kw.items())))
+      if not isinstance(out_shape, (list, tuple)):
+        return jnp.zeros(out_shape.shape, out_shape.dtype)
+      return tuple(jnp.zeros(s.shape, s.dtype) for s in out_shape)
+    launch.triton_call = record
+    for mod in (xuv_decode, xuv_decode_group):
+      mod.num_sms = lambda: 132
+    z = lambda *s: jnp.zeros(s, jnp.bfloat16)
+    pvs = set()
+    for m, k, r, n in ((2, 512, 200, 8200), (64, 512, 2000, 4096), (33, 8192, 200, 1024)):
+      x, u, v = z(m, k), z(k, r), z(r, n)
+      xuv_decode.xuv_decode(x, u, v, z(n))
+      default, calls[:] = list(calls), []
+      bs = xuv_decode.BlockSizes.get_default(m, k, r, n)
+      xuv_decode.xuv_decode(x, u, v, z(n), block_sizes=bs)
+      assert calls == default, (m, k, r, n, bs.pv)
+      pvs.add(bs.pv)
+      calls.clear()
+    assert pvs == {"kernel", "xla", "launch"}, pvs
+    members = [(z(512, 64), z(64, 256)), (z(512, 40), z(40, 128), z(128))]
+    xuv_decode_group.xuv_decode_group(z(4, 512), members)
+    default, calls[:] = list(calls), []
+    bs = xuv_decode_group.BlockSizes.get_default(4, 512, [(64, 256), (40, 128)])
+    xuv_decode_group.xuv_decode_group(z(4, 512), members, block_sizes=bs)
+    assert calls == default and bs.pv == "kernel"
+    print("ok")
+  """),
+    interpret=False,
+  )
+  assert out.strip().endswith("ok")
