@@ -1,57 +1,38 @@
-"""Decode X·U·V variants timed side by side on the SAME weights (run on a GPU).
+"""Decode X·U·V variants timed side by side on the SAME weights (one GPU): the A/B behind the
+tuning table's X·U·V thresholds.
+
+  python benchmarks/decode_ab.py --out ab.json "2,4096,2560,14336|xla,,auto,,persistent:prefetch=64"
+  python benchmarks/decode_ab.py --out ab.json --points benchmarks/results/gpu_lowrank_h200.json \\
+      --variants "xla,,auto,,env:LRJAX_TRITON_LAUNCH=xla"
 
 ``gpu_lowrank.py`` draws fresh weights for every record, and where the weights land in memory
 moves a decode call's time by up to ±3 % between records of one shape (XLA's too), more than
 many of the changes worth testing. Here each case draws its layers once and times every variant
 on them, round-robin, ``--rounds`` times, each time with ``gpu_lowrank.per_call_us`` (L distinct
 layers chained in one jit, (t(3L) − t(L)) / 2L from the profiler's device spans); the spread
-between rounds is then ±0.05 µs (gpu_notes.md, session 25). The 3L calls reuse each layer
-three times, so work on the weights alone (at r = 2456 XLA pads V to 2464 rows, a full copy:
-results/gpu_xuv_decode_ncu_h200.json) runs once a layer and cancels; ``--distinct-weights`` draws
-3L layers and times each call on its own (``gpu_lowrank.per_call_us(distinct=True)``), as
-a model step pays it (meta ``weights``).
+between rounds is then about ±0.05 µs. The 3L calls reuse each layer three times, so work on
+the weights alone (XLA padding V to an aligned rank, say) runs once a layer and cancels;
+``--distinct-weights`` draws 3L layers and times each call on its own, as a model step pays it.
 
-A case is ``M,K,r,N|variant,,variant,,...``; a variant is ``xla`` ((x@u)@v), ``xla_split:A``
-(the same with ·V's contraction split at r rounded down to A: ``_xla_split``), ``auto`` (the
-planner's plan), one of ``gpu_lowrank._xuv_variant``'s (``persistent:field=value,...``), or
+A case is ``M,K,r,N|variant,,variant,,...``; a variant is ``xla`` ((x@u)@v), ``auto`` (the
+tuning table's plan), one of ``kernel_variants.xuv``'s (``persistent:field=value,...``), or
 ``env:NAME=VALUE&NAME=VALUE+variant``: that variant traced with those environment variables
-set (switches read when a call is traced, e.g. ``LRJAX_TRITON_LAUNCH``), or
+set (switches read when a call is traced or lowered, e.g. ``LRJAX_TRITON_LAUNCH``), or
 ``triton_call+variant``: that variant under launch mode xla_triton with every call of the
 persistent X·U·V decode kernel handed to XLA's Triton call, whatever its plan
-(``planner.xla_triton_serves`` set aside; e.g. ``triton_call+persistent:cols_r=160``, phase-1
-tiles narrower than their block, which the rule keeps on the PTX call).
-``env:...+triton_call+variant`` combines both.
+(``launch_modes.xla_triton_serves`` set aside). ``env:...+triton_call+variant`` combines both.
+``--points`` adds every decode X·U·V point of a ``gpu_lowrank.py`` results file (M <=
+``--max-m``), each timed with ``--variants``.
 
 Before a case is timed, each variant's output on its first layer is compared with an f32
 reference ((x·u)·v at full precision): each record holds its ``rel_err`` and whether it is
 within ``REL_TOL`` (bf16's tolerance in tests/conftest.py), and a variant beyond it is printed
-as WRONG (the timing-only ``persistent_probe:`` variants are, by design). A variant that fails
-to run (a plan that asks for more shared memory than a CTA has, say) is recorded with its
-``error`` and not timed; the other variants and cases go on.
-
-  python benchmarks/decode_ab.py --out results.json \\
-      "2,4096,2560,14336|xla,,auto,,persistent:prefetch=256"
-
-``--points results.json`` adds every decode X·U·V point of a ``gpu_lowrank.py`` results file
-(M <= ``--max-m``), each timed with ``--variants``; ``--shard i/n`` times the i-th of n equal
-slices of all cases, so a long list splits over device calls:
-
-  python benchmarks/decode_ab.py --out a1.json --points benchmarks/results/gpu_lowrank_h200.json \\
-      --variants "xla,,auto,,env:LRJAX_TRITON_LAUNCH=xla_triton" --shard 1/2
-
-``--kernels`` adds to each record the kernels one call of the variant ran (names, launches a
-call, median µs; from one more profiled execution): which GEMM XLA's autotuner picked, say.
-``--check-after`` checks the outputs after the timing instead of before, so the timed jits
-are the process's first GPU work, as in ``gpu_lowrank.py``'s sweep (XLA autotunes its GEMMs
-when they compile; at 64x8192->2456->8192 it picked cuBLAS for X·U with the check first and
-its Triton GEMM without, its whole call then 3 µs slower:
-results/gpu_xuv_decode_xla_pick_h200.json). A variant that fails to run then stops the script
-(it fails in its timing, before any check).
-
-``--merge a1.json a2.json --out ab.json`` joins the shards of one run (same machine, versions
-and rounds; each shard once) into one file. Every record says whether launch mode xla_triton
-hands its point's default plan to XLA's Triton call (``xla_triton_serves``, from the planner,
-for the machine's SM count; needs triton, not a GPU).
+as WRONG (the timing probes ``persistent_probe:`` are, by design). A variant that fails to run
+(a plan that asks for more shared memory than a CTA has, say) is recorded with its ``error``
+and not timed; the other variants and cases go on. ``--kernels`` adds the kernels one call of
+each variant ran (names, launches a call, median µs); ``--check-after`` checks the outputs
+after the timing, so the timed jits are the process's first GPU work, as in the sweep (XLA
+autotunes its GEMMs when they first compile).
 """
 
 from __future__ import annotations
@@ -71,6 +52,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import gpu_lowrank as g  # noqa: E402
+import kernel_variants  # noqa: E402
+
+
+TRITON_CALL = "triton_call+"  # variant prefix: XLA's Triton call for every persistent plan
+REL_TOL = 1e-2  # ||out - ref|| / ||ref|| a bf16 variant may have (tests/conftest.py's table)
 
 
 def parse_variant(spec: str) -> tuple[dict, str]:
@@ -88,24 +74,21 @@ def parse_variant(spec: str) -> tuple[dict, str]:
   return env, variant or "auto"
 
 
-TRITON_CALL = "triton_call+"  # variant prefix: XLA's Triton call for every persistent plan
-REL_TOL = 1e-2  # ||out - ref|| / ||ref|| a bf16 variant may have (tests/conftest.py's table)
-
-
 @contextlib.contextmanager
 def variant_setup(spec: str):
   """The variant of ``spec``, its switches in force until the block ends: its environment set,
-  and for ``triton_call+`` launch mode xla_triton with planner.xla_triton_serves answering yes
-  for the persistent X·U·V decode kernel. Both restored after."""
+  and for ``triton_call+`` launch mode xla_triton with launch_modes.xla_triton_serves
+  answering yes for the persistent X·U·V decode kernel. Both restored after."""
   env, variant = parse_variant(spec)
   forced = variant.startswith(TRITON_CALL)
   if forced:
     variant = variant[len(TRITON_CALL) :] or "auto"
     env = dict(env, LRJAX_TRITON_LAUNCH="xla_triton")
-    planner, xuv_decode = _kernel_modules()
-    rule = planner.xla_triton_serves
-    name = xuv_decode._xuv_decode_persistent_kernel.__name__
-    planner.xla_triton_serves = lambda kernel, meta: kernel == name or rule(kernel, meta)
+    from lrjax.custom_calls.triton import launch_modes
+
+    rule = launch_modes.xla_triton_serves
+    name = "_xuv_decode_persistent_kernel"
+    launch_modes.xla_triton_serves = lambda kernel, meta: kernel == name or rule(kernel, meta)
   saved = {e: os.environ.get(e) for e in env}
   os.environ.update(env)
   try:
@@ -117,7 +100,7 @@ def variant_setup(spec: str):
       else:
         os.environ[e] = v
     if forced:
-      planner.xla_triton_serves = rule
+      launch_modes.xla_triton_serves = rule
 
 
 def parse_case(case: str) -> tuple[tuple[int, int, int, int], list[str]]:
@@ -144,135 +127,26 @@ def sweep_points(path: str, max_m: int) -> list[tuple[int, int, int, int]]:
   return sorted(pts, key=lambda p: (p[1:], p[0]))
 
 
-def parse_shard(spec: str) -> tuple[int, int]:
-  """(i, n) of ``i/n``, 1 <= i <= n."""
-  try:
-    i, n = (int(t) for t in spec.split("/"))
-  except ValueError:
-    raise ValueError(f"--shard {spec!r}: expected i/n, e.g. 1/2") from None
-  if not 1 <= i <= n:
-    raise ValueError(f"--shard {spec!r}: expected i/n with 1 <= i <= n")
-  return i, n
-
-
-def shard(cases: list, i: int, n: int) -> list:
-  """The i-th (from 1) of n contiguous, near-equal slices of ``cases``."""
-  return cases[(i - 1) * len(cases) // n : i * len(cases) // n]
-
-
 def _fn(variant: str, m: int, k: int, r: int, n: int):
   if variant == "xla":
     return lambda x, u, v: (x @ u) @ v
-  if variant.startswith("xla_split:"):  # XLA's chain, ·V's contraction split where r % A = 0
-    return _xla_split(int(variant.split(":")[1]), r)
   if variant == "auto":
     from lrjax.custom_calls.triton import xuv_decode  # the CUDA lowering: triton, jax-triton
 
     return lambda x, u, v: xuv_decode.xuv_decode(x, u, v)
-  return g._xuv_variant(variant, m, k, r, n)
-
-
-def _xla_split(align: int, r: int):
-  """(x@u)@v with ·V as p[:, :r0] @ v[:r0] + p[:, r0:] @ v[r0:], r0 = r rounded down to
-  ``align``: whether XLA then leaves V's rows where they are instead of padding a copy of V
-  (it does at r = 2456, every call, results/gpu_xuv_decode_unaligned_distinct_h200.json)."""
-  if align <= 0:
-    raise ValueError(f"xla_split:{align}: expected a positive alignment, e.g. xla_split:32")
-  r0 = r - r % align
-  if r0 in (0, r):
-    return lambda x, u, v: (x @ u) @ v
-
-  def fn(x, u, v):
-    p = x @ u
-    return p[:, :r0] @ v[:r0] + p[:, r0:] @ v[r0:]
-
-  return fn
-
-
-def _kernel_modules():
-  """lrjax's planner and X·U·V decode module; where jax-triton is absent (a CPU machine),
-  kernel_resources' stub stands in for it: only their Python planning runs."""
-  import kernel_resources
-
-  kernel_resources.install_jax_triton_stub()
-  from lrjax.custom_calls.triton import planner, xuv_decode
-
-  return planner, xuv_decode
+  return kernel_variants.xuv(variant, m, k, r, n)
 
 
 def xla_triton_serves(m: int, k: int, r: int, n: int, sms: int) -> bool:
   """Whether launch mode xla_triton hands the default plan of x [m, k] · u [k, r] · v [r, n]
-  (no bias) on ``sms`` SMs to XLA's Triton call (planner.xla_triton_serves), as
-  xuv_decode.xuv_decode plans it: the persistent kernel up to PERSISTENT_MAX_M rows, phase 1
-  alone where xuv_decode.default_pv says "xla" or "launch" (the ·V launch, which XLA's
-  Triton call always takes, is not counted here)."""
-  planner, xuv_decode = _kernel_modules()
-  if m > xuv_decode.PERSISTENT_MAX_M:
+  (no bias) on ``sms`` SMs to XLA's Triton call (launch_modes.xla_triton_serves), as
+  xuv_decode plans it (the ·V launch, which XLA's Triton call always takes, is not counted)."""
+  from lrjax.custom_calls.triton import launch_modes, policy, xuv_decode
+
+  if m > policy.values("xuv_decode").persistent_max_m:
     return False
   launch = xuv_decode.default_persistent_launch(m, k, r, n, False, sms)[2]
-  return planner.xla_triton_serves(
-    xuv_decode._xuv_decode_persistent_kernel.__name__, launch["meta"]
-  )
-
-
-MERGE_SAME = ("machine", "jax", "triton", "rounds", "sms", "weights")  # one run's shards share
-H200_SMS = 132  # the files written before meta held "sms" were all timed on H200s
-
-
-def merge(paths: list[str], note: str | None = None) -> dict:
-  """One results dict from the shard files of one run (``--shard i/n`` each, every i once),
-  records in shard order, each with ``xla_triton_serves``."""
-  if not paths:
-    raise ValueError("--merge: expected the shard files of one run")
-  shards = []
-  for path in paths:
-    try:
-      with open(path) as fh:
-        data = json.load(fh)
-      meta, records = data["meta"], data["records"]
-      i, n = parse_shard(meta["shard"])
-    except (OSError, ValueError, KeyError) as e:
-      raise ValueError(f"--merge {path}: expected a decode_ab.py results file ({e})") from None
-    if not meta.get("sms"):
-      if meta.get("machine") != "NVIDIA H200":
-        raise ValueError(
-          f"--merge {path}: no SM count in its meta (timed without a GPU?) and not an H200's"
-        )
-      meta = dict(meta, sms=H200_SMS)
-    shards.append((i, n, path, meta, records))
-  shards.sort(key=lambda s: s[0])
-  n = shards[0][1]
-  if sorted(s[0] for s in shards) != list(range(1, n + 1)) or any(s[1] != n for s in shards):
-    raise ValueError(
-      f"--merge: expected shards 1/{n} ... {n}/{n} once each, got "
-      + ", ".join(f"{s[0]}/{s[1]} ({s[2]})" for s in shards)
-    )
-  first = shards[0][3]
-  for _, _, path, meta, _ in shards[1:]:
-    for key in MERGE_SAME:
-      if meta.get(key) != first.get(key):
-        raise ValueError(
-          f"--merge {path}: {key} {meta.get(key)!r} differs from "
-          f"{shards[0][2]}'s {first.get(key)!r}; shards of one run share it"
-        )
-  records = []
-  for _, _, _, meta, recs in shards:
-    serves = {}  # by point, for records timed before decode_ab.py wrote the flag
-    for rec in recs:
-      flag = rec.get("xla_triton_serves")
-      if flag is None:
-        dims = (rec["M"], rec["K"], rec["r"], rec["N"])
-        if dims not in serves:
-          serves[dims] = xla_triton_serves(*dims, meta["sms"])
-        flag = serves[dims]
-      records.append(dict(rec, shard=meta["shard"], xla_triton_serves=flag))
-  meta = {k: v for k, v in first.items() if k not in ("shard", "date")}
-  meta["shards"] = [
-    dict(shard=m["shard"], date=m["date"], file=os.path.basename(p)) for _, _, p, m, _ in shards
-  ]
-  if note:
-    meta["note"] = note
-  return dict(meta=meta, records=records)
+  return launch_modes.xla_triton_serves("_xuv_decode_persistent_kernel", launch["meta"])
 
 
 def time_case(dims, variants, rounds: int, inputs=None, distinct: bool = False) -> dict:
@@ -328,9 +202,9 @@ def _err_text(err) -> str:
 
 def _default_launch() -> str:
   """The launch mode 'auto' ran under (LRJAX_TRITON_LAUNCH, else the default)."""
-  from lrjax.custom_calls.triton import planner
+  from lrjax.custom_calls.triton import launch_modes
 
-  return planner.launch_mode()
+  return launch_modes.launch_mode()
 
 
 def main(argv=None):
@@ -345,14 +219,6 @@ def main(argv=None):
   )
   ap.add_argument("--max-m", type=int, default=32, help="--points' largest M (default 32)")
   ap.add_argument("--variants", default="xla,,auto", help="--points' variants")
-  ap.add_argument("--shard", default="1/1", help="i/n: the i-th of n slices of the cases")
-  ap.add_argument(
-    "--merge",
-    nargs="+",
-    metavar="JSON",
-    help="only join these shard files of one run into --out (no timing)",
-  )
-  ap.add_argument("--note", help="with --merge: a note for the joined file's meta")
   ap.add_argument(
     "--distinct-weights",
     action="store_true",
@@ -372,16 +238,6 @@ def main(argv=None):
     "a variant that fails to run then stops the script)",
   )
   args = ap.parse_args(argv)
-  if args.merge:
-    if args.cases or args.points:
-      ap.error("--merge joins files; it takes no cases or --points")
-    try:
-      data = merge(args.merge, args.note)
-    except ValueError as e:
-      ap.error(str(e))
-    g.write_json(args.out, data)
-    print(f"wrote {len(data['records'])} records of {len(args.merge)} shards to {args.out}")
-    return
   try:  # bad input fails before any timing
     cases = [parse_case(c) for c in args.cases]
     if args.points:
@@ -394,7 +250,6 @@ def main(argv=None):
       cases += [parse_case(",".join(map(str, p)) + "|" + args.variants) for p in pts]
     if not cases:
       raise ValueError("no cases: give M,K,r,N|variant,,... or --points")
-    cases = shard(cases, *parse_shard(args.shard))
     for _, variants in cases:
       for v in variants:
         parse_variant(v)
@@ -416,7 +271,6 @@ def main(argv=None):
     triton=triton_version,
     date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     rounds=args.rounds,
-    shard=args.shard,
     sms=sms or None,
     default_launch=_default_launch(),
     rel_tol=REL_TOL,

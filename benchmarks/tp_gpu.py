@@ -10,14 +10,15 @@ strategy:
            inside one jit (a fori_loop), timed on the host around block_until_ready (the
            steps amortise the dispatch), median of ``--reps``; per-step latency, tokens/s,
            per-device bytes read and the fraction of the HBM roofline (bytes / 4.3 TB/s).
-           With ``--fuse``, also the Triton calls in the compiled step (each call judged by its
-           own benchmarked shape: these records are measured.MODEL_AB; ``--whole-policy``
-           times the policy as shipped, its whole-model rules included; ``--no-group`` keeps
-           q/k/v as three calls instead of one lr_xuv_group; ``--kernels`` serves only some
-           ops' kernels, for each kernel's share of a step: one op left out, then ``--fuse``
-           in the next run, gives measured.MODEL_OP_AB); with ``--profile``,
-           the GPU's busy time per step, the kernels that fill it, the idle gaps between kernel
-           pairs and the kernels that ran at once (one traced call; ``--events-out`` keeps
+           With ``--fuse``, also the Triton calls in the compiled step, each call judged by
+           its own benchmarked shape (these records are the tuning table's ``model_ab``);
+           ``--whole-policy`` times the policy as shipped, its whole-model rules included;
+           ``--no-group`` keeps q/k/v as three calls instead of one lr_xuv_group;
+           ``--kernels`` serves only some ops' kernels, for each kernel's share of a step
+           (one op left out, then ``--fuse`` in the next run, gives the table's
+           ``model_op_ab``); with ``--profile``, the GPU's busy time per step, the kernels
+           that fill it, the idle gaps between kernel pairs and the kernels that ran at once
+           (one traced call; ``--events-out`` keeps
            its raw events and the compiled HLO).
   serving  ``--requests`` concurrent requests through lrjax.serving.Engine (continuous batching,
            prompts of ``--prompt-len``): TTFT (submit → first token) and ITL (token gaps),
@@ -37,6 +38,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -48,13 +50,14 @@ from flax import nnx
 
 import lrjax
 from lrjax import sharding
-from lrjax.custom_calls.triton import measured, planner  # pure Python: no triton import
+from lrjax.custom_calls.triton import launch_modes, policy  # pure Python: no triton import
 from lrjax.models import LlamaForCausalLM, ModelConfig
 from lrjax.models.llama import KVCache
 from lrjax.serving import Engine, Request, SamplingParams, itl
 from lrjax.sharding.analysis import compressed_ranks
 
 from decode_timing import greedy_loop, median_step, time_loop
+from policy_tables import op_ab_pair
 from results_io import write_json
 
 HBM_BPS = 4.3e12
@@ -141,15 +144,11 @@ def fused_ops(gdef, state, cache, toks, group=True):
 
 @contextlib.contextmanager
 def calls_judged_alone():
-  """The kernel policy without its whole-model rules (measured.MODEL_AB, MODEL_OP_AB), which
-  this script's ``--fuse`` records are the source of: each call is judged by its own
-  benchmarked shape."""
-  saved = measured.MODEL_AB, measured.MODEL_OP_AB
-  measured.MODEL_AB, measured.MODEL_OP_AB = (), ()
-  try:
+  """The kernel policy without its whole-model rules (the tuning table's model_ab and
+  model_op_ab), which this script's ``--fuse`` records are the source of: each call is judged
+  by its own benchmarked shape."""
+  with policy.use(policy.current().replace(model_ab=(), model_op_ab=())):
     yield
-  finally:
-    measured.MODEL_AB, measured.MODEL_OP_AB = saved
 
 
 @contextlib.contextmanager
@@ -159,18 +158,24 @@ def only_kernels(ops):
   if not ops:
     yield
     return
-  saved = measured.verdict
+  saved = policy.verdict
 
   def verdict(op, *args):
     if op not in ops:
       return f"left to XLA by tp_gpu.py --kernels {' '.join(sorted(ops))}"
     return saved(op, *args)
 
-  measured.verdict = verdict
+  policy.verdict = verdict
   try:
     yield
   finally:
-    measured.verdict = saved
+    policy.verdict = saved
+
+
+def base_name(name: str) -> str:
+  """A kernel's name without its trailing fusion and layer numbers, or the hash that names
+  each specialization of a Triton kernel under XLA's PTX call (launch.xla_kernel)."""
+  return re.sub(r"(_[0-9a-f]{12})?([._]\d+)*$", "", name)
 
 
 def kernel_profile(fn, fn_args, steps, top=40, events_out=None):
@@ -189,8 +194,6 @@ def kernel_profile(fn, fn_args, steps, top=40, events_out=None):
   if events_out:  # the raw trace and the program, for reading kernels back to HLO ops
     with open(events_out, "w") as f:
       json.dump({"events": events, "hlo": fn.lower(*fn_args).compile().as_text()}, f)
-  from step_trace import base_name
-
   key = lambda name: base_name(name)[:64]  # noqa: E731
   by_name = {}
   for s, e, name in events:
@@ -242,7 +245,7 @@ def time_decode(model, plan, args, dtype):
     if args.fuse:  # what the fused step really runs: Triton custom calls in the compiled HLO
       text = fn.lower(state, half(cache), toks).compile().as_text()
       kernels = {
-        "triton_calls": planner.count_calls(text),
+        "triton_calls": launch_modes.count_calls(text),
         "fused_ops_in_jaxpr": fused_ops(gdef, state, cache, toks, not args.no_group),
       }
   step = median_step(times, args.steps)
@@ -351,9 +354,9 @@ def run_model(name, cfg, args, dtype, out, save):
         **({"whole_policy": True} if args.whole_policy else {}),
         **({"kernels": sorted(args.kernels)} if args.kernels else {}),
         # each call's scratch zeroed by XLA (LRJAX_TRITON_SCRATCH_CHAIN=0): not the default
-        **({"scratch_chain": False} if args.fuse and not planner.chain_scratch() else {}),
+        **({"scratch_chain": False} if args.fuse and not launch_modes.chain_scratch() else {}),
         # the Triton launcher (LRJAX_TRITON_LAUNCH or the default)
-        **({"triton_launch": planner.launch_mode()} if args.fuse else {}),
+        **({"triton_launch": launch_modes.launch_mode()} if args.fuse else {}),
       }
       for batch in args.batch:
         a = argparse.Namespace(**{**vars(args), "batch": batch})
@@ -468,7 +471,7 @@ def main():
     "--whole-policy",
     action="store_true",
     help="with --fuse: the policy as shipped, its whole-model rules included "
-    "(these records are not measured.MODEL_AB's source)",
+    "(these records are not the tuning table's model_ab source)",
   )
   ap.add_argument(
     "--no-group",
@@ -478,10 +481,10 @@ def main():
   ap.add_argument(
     "--kernels",
     nargs="+",
-    choices=measured.OPS,
+    choices=policy.OPS,
     help="with --fuse: serve only these ops' kernels (the others on XLA), to see "
-    "each kernel's share of a step; such records are not measured.MODEL_AB's; "
-    "all ops but one, then --fuse as the next run: measured.MODEL_OP_AB's",
+    "each kernel's share of a step; such records are not the table's model_ab; "
+    "all ops but one, then --fuse as the next run: its model_op_ab",
   )
   ap.add_argument(
     "--profile",
@@ -551,7 +554,7 @@ def main():
   run["steps"] = []  # every step this run timed, kept when a later run replaces its record
 
   class Records(list):  # a re-measured record replaces the earlier one of the same kind,
-    # except the step that follows a --kernels run (measured.MODEL_OP_AB's pair)
+    # except the step that follows a --kernels run (a model_op_ab pair)
     def append(self, rec):
       rec = {**rec, "run": run["index"]}
       if "step_ms" in rec:
@@ -591,9 +594,7 @@ def main():
         )
         + (tuple(r.get("kernels") or ()), "serving" in r)
       )
-      self[:] = [
-        r for r in self if kind(r) != kind(rec) or any(measured.op_ab_pair(k, r) for k in self)
-      ]
+      self[:] = [r for r in self if kind(r) != kind(rec) or any(op_ab_pair(k, r) for k in self)]
       super().append(rec)
 
   out["records"] = Records(out["records"])

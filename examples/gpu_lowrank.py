@@ -5,14 +5,13 @@
 The model is a stack of low-rank SwiGLU MLP blocks plus a low-rank output projection, written
 in plain jnp (lrjax.nn). ``lrjax.fuse`` rewrites each x·U·V chain into ``lr_xuv`` and each
 low-rank MLP into ``lr_mlp``; on CUDA those lower to the Triton kernels of
-``lrjax.custom_calls.triton`` where the committed H200 benchmark measured them at least as
-fast as XLA (elsewhere XLA's GEMMs run; ``lrjax.explain`` prints which and why, and
-``lrjax.lowering.prefer_kernels()`` around the first call forces the kernels). Without
-``fuse`` XLA runs the unfused chains. XLA launches the kernels itself: on jaxlib 0.11.x (from
-0.11.2) the decode X·U·V kernel through its Triton call and the others through its PTX call,
-on later jaxlibs all through the PTX call (README, "XLA launches the kernels itself");
-``LRJAX_TRITON_LAUNCH=xla`` sends them all to the PTX call, ``jaxlib`` to jaxlib's Triton
-handler, ``pdl`` to lrjax's own as programmatic dependents (measured neutral under XLA).
+``lrjax.custom_calls.triton`` where the GPU's tuning table (measured on an H200; other cards
+use the nearest table) has them at least as fast as XLA; elsewhere XLA's GEMMs run.
+``lrjax.explain`` prints which kernel serves each call, why others declined and which table
+decided; ``lrjax.lowering.prefer_kernels()`` around the first call forces the kernels. Without
+``fuse`` XLA runs the unfused chains. ``LRJAX_TRITON_LAUNCH`` picks how the kernels launch
+(docs/kernels.md): XLA's own calls by default, ``jaxlib`` for jaxlib's Triton handler,
+``pdl`` for lrjax's handler with programmatic dependent launches.
 """
 
 import statistics
@@ -52,7 +51,7 @@ def timed(f, x, reps=20):
 def main():
   if jax.default_backend() != "gpu":
     raise SystemExit(f"this example needs a GPU; jax backend is {jax.default_backend()!r}")
-  from lrjax.custom_calls.triton import launch  # needs jax-triton: GPU installs only
+  from lrjax.custom_calls.triton import launch_modes
 
   model = LowRankStack(4096, 14336, 1024, layers=4, rngs=nnx.Rngs(0))
   fused = jax.jit(lrjax.fuse(model))
@@ -63,7 +62,7 @@ def main():
     calls = [
       line.split("kernel_name")[0].strip()[:60]
       for line in hlo.splitlines()
-      if launch.count_calls(line)
+      if launch_modes.count_calls(line)
     ]
     err = float(
       jnp.linalg.norm((fused(x) - plain(x)).astype(jnp.float32))

@@ -48,6 +48,10 @@ def kernels_for(primitive: str, avals_in, params) -> dict:
     )
     chosen = kernel.name if kernel is not None else "reference"
     out[plat] = {"kernel": chosen, "declined": [list(d) for d in declined], "registered": False}
+  if any(k.primitive == primitive and k.platform == "cuda" for k in catalog):
+    from lrjax.custom_calls.triton import policy  # which card's tuning table decides
+
+    out["cuda"]["policy"] = policy.note()
   if primitive in ("lr_xuv", "lr_mlp") and out["neuron"]["kernel"] != "reference":
     from lrjax.custom_calls.nki.lowering import would_serve
 
@@ -83,6 +87,8 @@ class ExplainReport:
       lines.append(f"        kernels: {ks}")
       if "plan" in m["kernels"].get("neuron", {}):
         lines.append(f"        neuron plan: {m['kernels']['neuron']['plan']}")
+      if "policy" in m["kernels"].get("cuda", {}):
+        lines.append(f"        cuda {m['kernels']['cuda']['policy']}")
     for g in self.groups:
       lines.append(
         f"  GROUP lr_xuv_group ({len(g['members'])} of the lr_xuv above, one input) "

@@ -102,7 +102,7 @@ def _xuv_chain(x, u, v, bias, inter_dtype, out_dtype):
   do for 16-bit inputs) and is rounded once, to the dtype it is stored in. Asking the dot
   for that dtype directly, not for f32 plus a convert, lets XLA emit the same single GEMM
   it emits for a user's ``(x @ u) @ v``: an f32 product and a separate convert measured
-  ~10% slower at prefill on the H200 (benchmarks/gpu_notes.md)."""
+  ~10% slower at prefill on the H200."""
   return rank_space_out(jnp.matmul(x, u, preferred_element_type=inter_dtype), v, bias, out_dtype)
 
 

@@ -83,7 +83,7 @@ def kv_attention_f64(q, zk, zv, vk, vv, pos, inv_freq, bk=None, bv=None, window=
 
 @pytest.fixture(autouse=True)
 def _no_jax_triton_stub_after_the_test():
-  """A test that installs benchmarks/kernel_resources' jax-triton stub in this process (to
+  """A test that installs kernel_resources' jax-triton stub in this process (to
   plan or compile kernels without jax-triton) takes it out again: left in sys.modules it made
   later tests on the same worker see a jax_triton without a spec (the registry's toolchain
   check raised, and the Triton kernels fell back with a warning instead of a reason)."""

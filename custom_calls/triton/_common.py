@@ -23,6 +23,59 @@ def unpack_xuv_args(x, u, v, out_dtype):
   return x2, x.shape[:-1], (x2.shape[0], k, r, v.shape[1]), jnp.dtype(out_dtype or x.dtype)
 
 
+ACT_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "relu": 3}  # the MLP kernels' ACT constexpr
+
+
+def unpack_mlp_args(x, up, down, gate, act):
+  """Validates the MLP kernels' arguments (shared by mlp_decode and mlp_prefill).
+
+  Returns (x2 [M, D], lead dims, (d, r, f, rd, d_out), bias_mask, ops) where ``ops`` are the
+  ten kernel operands x2, ug, vg, bg, uu, vu, bu, ud, vd, bd (an absent bias is replaced by
+  its v factor, which the kernel never reads).
+  """
+  if act not in ACT_CODES:
+    raise ValueError(f"{act=} is not supported; expected one of {sorted(ACT_CODES)}")
+  gated = gate is not None
+  projs = ((gate,) if gated else ()) + (up, down)
+  for p in projs:
+    if not isinstance(p, (tuple, list)) or len(p) not in (2, 3):
+      raise ValueError("each projection must be (u, v) or (u, v, bias)")
+  uu, vu = up[:2]
+  ud, vd = down[:2]
+  d, r = uu.shape
+  f = vu.shape[1]
+  rd, d_out = vd.shape
+  if x.shape[-1] != d or vu.shape[0] != r or ud.shape != (f, rd):
+    raise ValueError(
+      f"{x.shape=}, up {uu.shape}x{vu.shape}, down {ud.shape}x{vd.shape}: "
+      "expected x [..., D], up [D, r]x[r, F], down [F, r_d]x[r_d, D_out]"
+    )
+  if gated and (gate[0].shape != uu.shape or gate[1].shape != vu.shape):
+    raise ValueError(
+      f"gate factors {gate[0].shape}x{gate[1].shape} must match up's "
+      f"{uu.shape}x{vu.shape} (one pass computes both)"
+    )
+  lead = x.shape[:-1]
+  x2 = x.reshape(-1, d)
+  bias_mask = tuple(len(p) == 3 for p in projs)
+  ug, vg, bg = (tuple(gate) + (None,))[:3] if gated else (uu, vu, None)
+  bu = up[2] if len(up) == 3 else None
+  bd = down[2] if len(down) == 3 else None
+  ops = (
+    x2,
+    ug,
+    vg,
+    bg if bg is not None else vg,
+    uu,
+    vu,
+    bu if bu is not None else vu,
+    ud,
+    vd,
+    bd if bd is not None else vd,
+  )
+  return x2, lead, (d, r, f, rd, d_out), bias_mask, ops
+
+
 def num_sms() -> int:
   """SMs of the first local GPU (the persistent grids; every CTA must be resident at once);
   0 when the runtime does not say or no GPU is attached (e.g. compiling ahead of time)."""
@@ -169,7 +222,7 @@ def wait_at_least(flag_ptr, target):
 @triton.jit
 def stamp(trace_ptr, slot, ON: tl.constexpr):
   """Timing only (ON): this CTA's %globaltimer (ns) into int64 ``trace_ptr[pid * 8 + slot]``,
-  at slot 0 also its SM (%smid) into slot 7 (benchmarks/decode_trace.py reads them)."""
+  at slot 0 also its SM (%smid) into slot 7: a per-CTA clock trace of a launch."""
   if ON:
     t = tl.inline_asm_elementwise(
       "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
@@ -197,14 +250,14 @@ def join_chain(scratch_ptr, WORK_OFF: tl.constexpr, PDL: tl.constexpr):
   """A chained kernel's first step: this call's half of the scratch chain's buffer (launch.py).
   The offset of the half is a constexpr: at a runtime offset the scratch's addresses no longer
   fold into the kernel argument, and ptxas gave the kernels at 64 rows up to twice the
-  registers (gpu_notes.md, session 18).
+  registers.
 
   PDL: the kernel was launched as a programmatic dependent (launch.py), so its CTAs may
   start before the kernel ahead of it on the stream has finished. ``gdc_wait`` holds them
   until that kernel has completed and its writes are visible; every load of activations or
   scratch after it is ordered as in a plain launch. The kernel never calls
   ``gdc_launch_dependents``: the next PDL launch starts as this one's CTAs exit, which
-  measured better than an early trigger (results/gpu_pdl_probe_h200.json)."""
+  measured better than an early trigger."""
   if PDL:
     tl.extra.cuda.gdc_wait()
   return scratch_ptr + WORK_OFF
@@ -215,9 +268,9 @@ def leave_chain(scratch_ptr, clear_off, clear_n, FIRST: tl.constexpr = 0, COUNT:
   """A chained kernel's last step: zeroes this program's share of the half the call before it
   used (``clear_n`` floats at ``clear_off``), for the call after it; nothing in this launch
   reads that half. At the end its stores overlap the other programs' tails; at entry they
-  came before the first loads and cost up to 0.4 µs a call (gpu_notes.md, session 19).
+  came before the first loads and cost up to 0.4 µs a call.
   COUNT > 0: programs [FIRST, FIRST + COUNT) share the zeroing and the others skip it, where
-  those programs are done early and the others end the call (gpu_notes.md, session 25)."""
+  those programs are done early and the others end the call."""
   # a tensor either way: for XLA's PTX call (launch.xla_kernel) the two are compiled in
   off = tl.multiple_of(tl.full((), clear_off, tl.int32), 16)
   if COUNT > 0:
@@ -433,6 +486,20 @@ def swiglu_epilogue(
   return h
 
 
+_PHASE_SHIFT, _M_SHIFT = 28, 14  # a prefill tile code: phase << 28 | row block << 14 | column
+
+
+def tile_codes(xp, phase: int, mb0: int, g: int, width: int, rows_fastest: bool):
+  """Codes of one phase over row blocks [mb0, mb0+g) x column blocks [0, width).
+
+  ``xp`` is numpy or jax.numpy. Under jit, jnp.arange is an iota, so the schedule is
+  built from ops rather than captured as an array constant.
+  """
+  i = xp.arange(g * width, dtype=xp.int32)
+  mb, j = (mb0 + i % g, i // g) if rows_fastest else (mb0 + i // width, i % width)
+  return (phase << _PHASE_SHIFT) | (mb << _M_SHIFT) | j
+
+
 @triton.jit
 def ring_tile(code, M, G: tl.constexpr, RING: tl.constexpr, BLOCK_M: tl.constexpr):
   """Decodes a persistent-schedule tile code (xuv_prefill.tile_codes: phase << 28 |
@@ -443,3 +510,147 @@ def ring_tile(code, M, G: tl.constexpr, RING: tl.constexpr, BLOCK_M: tl.constexp
   offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
   rows = ((mb // G) % RING) * (G * BLOCK_M) + (mb % G) * BLOCK_M + tl.arange(0, BLOCK_M)
   return phase, mb, offs_m, offs_m < M, rows, code & 16383
+
+
+@triton.jit
+def xu_tile(
+  rb,
+  k_start,  # column block of U, first row of K
+  x_ptr,
+  u_ptr,
+  p_ptr,
+  flag_ptr,
+  offs_m,
+  m_mask,
+  K: tl.constexpr,
+  R: tl.constexpr,
+  K_PER: tl.constexpr,
+  RB_PER_CHUNK: tl.constexpr,
+  BLOCK_K: tl.constexpr,
+  BLOCK_R: tl.constexpr,
+  COLS_R: tl.constexpr,
+  EVEN_K: tl.constexpr,
+  STREAM: tl.constexpr,
+  P16: tl.constexpr,
+  p16_ptr,
+  rb_cnt_ptr,
+  SPLIT_K: tl.constexpr,
+  P_STORE: tl.constexpr = False,
+  SIGNAL: tl.constexpr = True,
+):
+  """One split-K tile of P = X·U (the decode X·U·V kernels' phase 1): f32 atomics into P,
+  then its r-chunk's counter (release). P16: the last of the column block's SPLIT_K tiles
+  (``last_arrival`` on its counter) rounds the block once into p16 (V's dtype) and alone
+  signals the chunk. SIGNAL=False (phase 1 alone: no phase-2 tile waits on the chunk) leaves
+  the counter alone, since a release makes the CTA wait for its atomics. Timing probes (the
+  output is then wrong): STREAM=False skips the streaming, P_STORE stores the partial
+  instead of adding it."""
+  offs_r = rb * COLS_R + tl.arange(0, BLOCK_R)
+  r_mask = offs_r < R
+  if COLS_R < BLOCK_R:
+    r_mask = r_mask & (tl.arange(0, BLOCK_R) < COLS_R)
+  if STREAM:
+    acc = tl.zeros([offs_m.shape[0], BLOCK_R], tl.float32)
+    acc = mm_acc(
+      acc,
+      x_ptr,
+      u_ptr,
+      offs_m,
+      offs_r,
+      m_mask,
+      r_mask,
+      k_start,
+      k_start + K_PER,
+      K,
+      K,
+      R,
+      BLOCK_K,
+      EVEN_K,
+      False,
+    )
+    if P_STORE:
+      tl.store(
+        p_ptr + offs_m[:, None] * R + offs_r[None, :], acc, mask=m_mask[:, None] & r_mask[None, :]
+      )
+    else:
+      tl.atomic_add(
+        p_ptr + offs_m[:, None] * R + offs_r[None, :],
+        acc,
+        mask=m_mask[:, None] & r_mask[None, :],
+        sem="relaxed",
+      )
+  if P16:
+    if last_arrival(rb_cnt_ptr + rb, SPLIT_K):
+      round_once(
+        p_ptr, p16_ptr, offs_m[:, None] * R + offs_r[None, :], m_mask[:, None] & r_mask[None, :]
+      )
+      if SIGNAL:
+        signal(flag_ptr + rb // RB_PER_CHUNK)
+  elif SIGNAL:
+    signal(flag_ptr + rb // RB_PER_CHUNK)
+
+
+@triton.jit
+def pv_tile(
+  q,
+  n_nb,
+  n_rb,
+  p_ptr,
+  v_ptr,
+  b_ptr,
+  acc_ptr,
+  flag_ptr,
+  sem_ptr,
+  o_ptr,
+  M,
+  R: tl.constexpr,
+  N: tl.constexpr,
+  HAS_BIAS: tl.constexpr,
+  SPLIT_K: tl.constexpr,
+  R_CHUNKS: tl.constexpr,
+  RB_PER_CHUNK: tl.constexpr,
+  BLOCK_M: tl.constexpr,
+  BLOCK_N: tl.constexpr,
+  BLOCK_KV: tl.constexpr,
+  EVEN_R: tl.constexpr,
+  COLS_R: tl.constexpr,
+  COLS_N: tl.constexpr,
+  P16: tl.constexpr,
+  trace_ptr,
+  TRACE: tl.constexpr,
+  SIGNALS: tl.constexpr = 0,
+):
+  """Tile q of Y = P·V (chunk-major; the decode X·U·V kernels' phase 2): waits until its
+  r-chunk of P is complete (P16: p_ptr is the rounded copy, one signal per column block, not
+  one per split-K tile; SIGNALS > 0: one chunk, complete after that many signals). TRACE:
+  ``stamp`` slot 2 when the wait ends (timing only)."""
+  rc = q // n_nb
+  n_rb_c = tl.minimum(n_rb - rc * RB_PER_CHUNK, RB_PER_CHUNK)
+  if SIGNALS > 0:
+    wait_at_least(flag_ptr, SIGNALS)
+  elif P16:
+    wait_at_least(flag_ptr + rc, n_rb_c)
+  else:
+    wait_at_least(flag_ptr + rc, n_rb_c * SPLIT_K)
+  stamp(trace_ptr, 2, TRACE)
+  splitr_out_tile(
+    q % n_nb,
+    rc,
+    p_ptr,
+    v_ptr,
+    b_ptr,
+    acc_ptr,
+    sem_ptr,
+    o_ptr,
+    M,
+    R,
+    N,
+    RB_PER_CHUNK * COLS_R,
+    R_CHUNKS,
+    HAS_BIAS,
+    BLOCK_M,
+    BLOCK_N,
+    BLOCK_KV,
+    EVEN_R,
+    COLS_N,
+  )

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from lrjax.custom_calls.triton import launch, planner
+from lrjax.custom_calls.triton import launch, planner, policy
 from lrjax.custom_calls.triton._common import mm_acc2, num_sms
 from lrjax.custom_calls.triton.lowering import kv_attention_shape_reason
 from lrjax.lowering.kv_attention import fold_values, lr_kv_attention_reference
@@ -43,21 +43,13 @@ class BlockSizes:
 
   @classmethod
   def get_default(cls, b: int, hkv: int, t: int, d: int, rk: int, rv: int) -> BlockSizes:
+    """The tuning table's blocks by shape class (``kv_attention`` tiles): 128 keys, 8 warps,
+    3 stages; 64 keys and 2 stages above r_v = 512, where the [block_n, r_v] zv block goes
+    through shared memory; no pipelining with a one-step r_k loop (Triton would multi-buffer
+    that block past 227 KB)."""
     del b, hkv, t, d
-    return TUNED[("rk<=64" if rk <= cls.block_k else "rk>64", "rv>512" if rv > 512 else "rv<=512")]
-
-
-# 128 keys, 8 warps, 3 stages: 303 µs against 455 at 64 keys and 4 warps (Llama-3-8B heads,
-# B=8, T=4096, r=512; results/gpu_kv_attention_v1_h200.json). The [block_n, r_v] zv block goes
-# through shared memory: 64 keys and 2 stages above r_v = 512. With a one-step r_k loop Triton
-# pipelines the key loop instead and multi-buffers that block (> 227 KB at 128 keys), so no
-# pipelining there (sizes checked with ptxas for sm_90 over D 32-128, r_k 16-1024, r_v 16-1024).
-TUNED: dict[tuple[str, str], BlockSizes] = {
-  ("rk>64", "rv<=512"): BlockSizes(),
-  ("rk>64", "rv>512"): BlockSizes(block_n=64, num_stages=2),
-  ("rk<=64", "rv<=512"): BlockSizes(num_stages=1),
-  ("rk<=64", "rv>512"): BlockSizes(block_n=64, num_stages=1),
-}
+    key = f"{'rk<=64' if rk <= cls.block_k else 'rk>64'},{'rv>512' if rv > 512 else 'rv<=512'}"
+    return cls(**policy.tiles("kv_attention")[key])
 
 
 @triton.jit
@@ -114,8 +106,8 @@ def _kv_attention_kernel(
   acc = tl.zeros([GP, RVP], tl.float32)
   zk_b = zk_ptr + b * T * RK
   d_all = offs_d < HALF
-  # (One flat loop over (key block, r_k step), which keeps the rebuild's pipeline running
-  # across blocks, measured slower: results/gpu_kv_attention_flat_h200.json.)
+  # (one flat loop over (key block, r_k step), keeping the rebuild's pipeline running across
+  # blocks, measured slower)
   for start in range(lo, hi, BLOCK_N):
     offs_t = start + tl.arange(0, BLOCK_N)
     t_mask = offs_t < hi

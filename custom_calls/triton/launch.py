@@ -1,70 +1,46 @@
-"""How the Triton kernels are launched: XLA's PTX call, or jaxlib's typed-FFI Triton call.
+"""How lrjax's Triton kernels are launched: the lowering rule of their jax-triton calls.
 
-jax-triton 0.3.1 compiles a kernel and lowers ``jax_triton.triton_call`` to jaxlib's legacy
-``triton_kernel_call`` custom call (API version 2). XLA does not record legacy custom calls
-into its command buffers, and in the H200 profiles each one left the GPU idle 1.1-1.6 µs
-before the next kernel started (benchmarks/gpu_notes.md, session 6). jaxlib also registers
-``triton_kernel_call_ffi``: a typed-FFI handler for the same compressed kernel-call proto
-(passed as an ``opaque`` attribute), marked command-buffer compatible, that parses the proto
-once at initialization; later jax-triton releases lower to it. With it the idle gaps were
-gone and each decode call 1.2-2.0 µs shorter.
+jax-triton compiles a kernel and lowers ``jax_triton.triton_call`` to jaxlib's legacy
+``triton_kernel_call`` custom call, which XLA does not record into its command buffers (each
+call left the GPU idle for 1-2 µs before the next kernel). ``triton_call`` here is
+``jax_triton.triton_call`` with a target name that this module's lowering rule recognises:
+it lets jax-triton compile and lower the call as usual, then replaces the legacy op with one
+of the launchers below (``launch_modes.launch_mode``, ``LRJAX_TRITON_LAUNCH``, read when a
+call is lowered). Every other jax-triton call keeps jax-triton's own lowering.
 
-``triton_call`` here is ``jax_triton.triton_call`` with a target name that this module's
-lowering rule recognises: it lets jax-triton compile and lower the call as usual, then
-replaces the legacy op with the typed-FFI one. Every other jax-triton call keeps jax-triton's
-own lowering. ``LRJAX_TRITON_LEGACY_CALL=1`` (read when a call is lowered) keeps the legacy
-op, for A/B timing; so does a jaxlib without the FFI target (<= 0.10.2).
+- ``jaxlib``: jaxlib's typed-FFI handler ``triton_kernel_call_ffi`` (command-buffer
+  compatible; it parses the kernel-call proto once). ``LRJAX_TRITON_LEGACY_CALL=1`` keeps the
+  legacy op; so does a jaxlib without the FFI target (<= 0.10.2).
+- ``lrjax`` / ``pdl``: lrjax's own handler, ``lrjax_triton_launch`` (pdl_launch.cc, a small
+  C++ library built with the package), which launches the same compiled kernel with
+  cuLaunchKernelEx and, under ``pdl``, for kernels that take a ``PDL`` constexpr, as
+  programmatic dependents: their CTAs start while the kernel ahead drains and wait in
+  ``gdc_wait`` (_common.join_chain). The kernel's PTX, entry, shared memory and warps travel
+  as attributes of the custom call with a content hash the handler caches the loaded
+  function under, so compiled executables do not depend on the process that built them.
+- ``xla``: XLA's own PTX call, ``__gpu$xla.gpu.ptx``. The kernel is compiled with Triton here,
+  every scalar argument (the rows M, the chain's offsets) a constant so the entry takes the
+  buffers alone, and XLA launches it as one of its own kernels, possibly as a programmatic
+  dependent (the chained kernels wait on the grid dependency at entry). Calls with a memset
+  before the launch (``zeroed_outputs``) and kernels that need Triton's global scratch stay
+  with jaxlib's handler.
+- ``xla_triton`` (the default on jaxlib 0.11.x from 0.11.2): as ``xla``, but the kernels and
+  plans ``launch_modes.xla_triton_serves`` names go to XLA's Triton call,
+  ``__gpu$xla.gpu.triton``, as Triton's frontend TTIR, which XLA compiles with its own Triton.
 
 **The scratch chain.** The decode kernels count and accumulate in an f32 scratch buffer that
-must be zero at launch. Zeroed per call by an XLA op, that is one ~1 µs copy kernel a call:
-81 a step on Qwen2.5-7B at batch 8, 2 % of it (gpu_notes.md, session 17). Instead, calls in
-one MLIR block share one buffer of two halves: each works in one half and zeroes the half the
-call before it used (``_common.leave_chain``, a few stores a CTA at its end), so the buffer
-goes from call to call through XLA's in-place aliasing and is zeroed by XLA once, where a
-chain starts. A kernel takes part if it has the ``clear_off, clear_n`` arguments (passed as
-``UNCHAINED``) and the ``WORK_OFF`` constexpr (0 unless this lowering sets it; as a runtime
-argument it cost the kernels registers and the 8B step at batch 64 6 %), and its zeroed
-scratch is the input aliased to output 0. A chained kernel compiles once for each half.
-``LRJAX_TRITON_SCRATCH_CHAIN=0`` (``planner.chain_scratch``, read when a call is lowered)
-zeroes per call. A chained call's scratch output is the slice of the buffer it worked in; a
-kernel that takes a ``READ_OFF`` constexpr (X·U·V decode's ·V launch) reads such a slice in
-the buffer itself at that offset (``_read_in_place``), where XLA would copy it out first.
-
-**Programmatic dependent launch.** jaxlib's handler launches with a plain cuLaunchKernel, so a
-kernel's CTAs start only after the kernel ahead of it has finished and flushed. lrjax's own
-handler, ``lrjax_triton_launch`` (pdl_launch.cc, a small C++ library built with the package),
-launches the same compiled kernel with cuLaunchKernelEx and, for kernels that take a ``PDL``
-constexpr (the chained decode kernels, which then begin with ``gdc_wait``: _common.join_chain),
-the programmatic-stream-serialization attribute: their CTAs start while the kernel ahead
-drains. ``LRJAX_TRITON_LAUNCH`` (read when a call is lowered) picks the launcher: ``jaxlib``,
-``lrjax`` (ours, plain launches; for A/B), ``pdl`` (ours, PDL where the kernel allows it),
-``xla`` or ``xla_triton`` (below).
-The kernel's PTX, entry, shared memory and warps travel as attributes of the custom call, with
-a content hash the handler caches the loaded function under, so compiled executables do not
-depend on the process that built them.
-
-**XLA's own PTX call (from jaxlib 0.11.2; on 0.11.x with xla_triton, below).** With jaxlib's
-handler or ours, XLA records a Triton call into its command buffer by tracing it into a
-nested command buffer of its own. ``LRJAX_TRITON_LAUNCH=xla`` instead compiles the kernel
-with Triton here, every scalar argument (the rows M, the chain's offsets) a constant so the
-entry takes the buffers alone, and hands the PTX to XLA's ``__gpu$xla.gpu.ptx`` custom call:
-XLA launches it as one of its own kernels. The kernel code is what the other launchers run
-(Triton 3.6's PTX, compiled for each row count), and the chained kernels wait on the grid
-dependency at entry in case XLA launches them as programmatic dependents. The Llama-3-8B
-decode step on one H200 took 1.3-1.5 % less at batch 4 and 16 than with jaxlib's handler
-(gpu_notes.md, session 24); single kernels back to back, the same.
-Calls with a memset before the launch (``zeroed_outputs``: the prefill kernels' counters, a
-caller's ``out=``) and kernels that need Triton's global scratch stay with jaxlib's handler.
-``LRJAX_TRITON_LAUNCH=xla_triton`` (the default on jaxlib 0.11.x from 0.11.2:
-``planner.XLA_TRITON_JAXLIB``) hands the persistent X·U·V decode kernel, on the plans
-``planner.xla_triton_serves`` names, to XLA's Triton call, ``__gpu$xla.gpu.triton``, as
-Triton's frontend TTIR with the scalars as constants: XLA compiles it with its own Triton and
-launches it; the other calls take the PTX call. On the same weights (75 decode points,
-session 28) its 48 served plans took 0.12 us a call less on average than through the PTX call
-(0.89 us less at most, 0.16 us more at most), and at 64-128 rows the phase-1-only plans
-0.23 us less (22 points, session 31); one plan of masked phase-1 tiles, now left to
-the PTX call, was 2.3 us slower (session 27). XLA's Triton compiled the grouped and SwiGLU
-decode kernels to more shared memory than an H200 CTA has, so they stay on the PTX call.
+must be zero at launch. Zeroed per call by an XLA op, that is one ~1 µs kernel a call.
+Instead, calls in one MLIR block share one buffer of two halves: each works in one half and
+zeroes the half the call before it used (``_common.leave_chain``, a few stores a CTA at its
+end), so the buffer goes from call to call through XLA's in-place aliasing and is zeroed by
+XLA once, where a chain starts. A kernel takes part if it has the ``clear_off, clear_n``
+arguments (passed as ``UNCHAINED``) and the ``WORK_OFF`` constexpr (a constexpr, not a runtime
+offset, which cost the kernels registers), and its zeroed scratch is the input aliased to
+output 0. A chained kernel compiles once for each half. ``LRJAX_TRITON_SCRATCH_CHAIN=0``
+(``launch_modes.chain_scratch``) zeroes per call. A chained call's scratch output is the
+slice of the buffer it worked in; a kernel that takes a ``READ_OFF`` constexpr (the decode
+X·U·V's ·V launch) reads such a slice in the buffer itself at that offset
+(``_read_in_place``), where XLA would copy it out first.
 
 **Kernels jaxlib's handler cannot launch.** A kernel that builds TMA descriptors on the device
 (``tl.make_tensor_descriptor``) needs Triton's global scratch (bytes a CTA), and one whose loop
@@ -73,9 +49,9 @@ Triton's compile metadata; ``_compile_checked`` keeps it (``Image``), and such k
 lrjax's handler under every mode, with the scratch as one more result of the custom call.
 
 jax-triton does not check a compiled kernel's shared memory against the GPU's, so block sizes
-that ask for too much used to fail only at launch ("Shared memory requested ... exceeds
-device resources"). While it compiles one of our calls, its compile step is wrapped so that
-``planner.check_cta_smem`` raises a ValueError at lowering, naming the kernel and its needs.
+that ask for too much would fail only at launch. While it compiles one of our calls, its
+compile step is wrapped so that ``planner.check_cta_smem`` raises a ValueError at lowering,
+naming the kernel and its needs.
 """
 
 from __future__ import annotations
@@ -99,18 +75,20 @@ from jax._src.lib.mlir.dialects import hlo
 from jax.interpreters import mlir
 from jax_triton import triton_lib
 
-from lrjax.custom_calls.triton import planner
-from lrjax.custom_calls.triton.planner import (  # noqa: F401  (count_calls: re-exported)
+from lrjax.custom_calls.triton import launch_modes, planner
+from lrjax.custom_calls.triton.launch_modes import (  # noqa: F401  (count_calls: re-exported)
   FFI_TARGET,
   LAUNCH_TARGET,
   LEGACY_TARGET,
+  XLA_TARGET,
+  XLA_TRITON_TARGET,
   count_calls,
 )
 
 _REQUEST = "lrjax_triton_kernel_call"  # the name our calls pass; never reaches XLA
 PDL = "PDL"  # the constexpr of kernels that may be launched as programmatic dependents
 LAUNCHER_LIB = "_pdl_launch.so"
-launch_mode = planner.launch_mode
+launch_mode = launch_modes.launch_mode
 
 
 def _launcher_paths() -> list[str]:
@@ -145,8 +123,8 @@ def launcher():
     f"LRJAX_TRITON_LAUNCH={launch_mode()} needs lrjax's Triton launcher ({LAUNCHER_LIB}), "
     f"found in none of {_launcher_paths()}: it is built with the package when Triton's "
     "CUDA headers are importable at build time, so install triton first and then lrjax "
-    "with `pip install --no-build-isolation '.[cuda]'` (or build it by hand: README, "
-    "'Building and testing'; or point LRJAX_TRITON_LAUNCHER at it)"
+    "with `pip install --no-build-isolation '.[cuda]'` (or point LRJAX_TRITON_LAUNCHER at "
+    "a build of custom_calls/triton/pdl_launch.cc)"
   )
 
 
@@ -159,8 +137,8 @@ def use_ffi() -> bool:
 def xla_zeroing() -> bool:
   """Whether a decode kernel's scratch is zeroed by an XLA op aliased into the call (the
   default) or by jax-triton's memset inside it (``LRJAX_TRITON_SCRATCH_MEMSET=1``, read
-  when a call is traced; for A/B timing). In the Llama-3-8B decode step on the H200 both
-  cost about 1 µs a call (results/model_1gpu_memset_h200.json)."""
+  when a call is traced). In the Llama-3-8B decode step on the H200 both cost about 1 µs a
+  call."""
   return os.environ.get("LRJAX_TRITON_SCRATCH_MEMSET", "") in ("", "0")
 
 
@@ -216,7 +194,7 @@ def _chain(ctx, array_args, params):
   names = getattr(fn, "arg_names", ())
   by_name = {names[k]: k for k, _, _ in params["scalar_args"] if k < len(names)}
   if (
-    not planner.chain_scratch()
+    not launch_modes.chain_scratch()
     or any(a not in by_name for a in SCRATCH_ARGS)
     or WORK_OFF not in params
   ):
@@ -239,7 +217,7 @@ def _chain(ctx, array_args, params):
   links = links.setdefault(_CHAIN_KEY, [])
   link = next((lk for lk in links if lk.block == block), None)
   need = aval.shape[0]
-  fresh, half, parity, clear_n = planner.next_link(
+  fresh, half, parity, clear_n = launch_modes.next_link(
     None if link is None else (link.half, link.parity, link.dirty), need
   )
   big = aval.update(shape=(2 * half,))
@@ -744,7 +722,7 @@ def _xla_call(ctx, array_args, params, triton_ir: bool = False):
       ctx,
       array_args,
       params,
-      planner.XLA_TRITON_TARGET,
+      XLA_TRITON_TARGET,
       dict(
         name=ir.StringAttr.get(k.name),
         ir=ir.StringAttr.get(k.ttir),
@@ -761,7 +739,7 @@ def _xla_call(ctx, array_args, params, triton_ir: bool = False):
     ctx,
     array_args,
     params,
-    planner.XLA_TARGET,
+    XLA_TARGET,
     dict(
       name=ir.StringAttr.get(kernel.name),
       kernel_type=ir.StringAttr.get("ptx"),
@@ -792,7 +770,7 @@ def _lowering(ctx, *array_args, custom_call_target_name, **params):
       ctx,
       array_args,
       dict(params, **{PDL: 1}) if PDL in params else params,
-      mode == "xla_triton" and planner.xla_triton_serves(params["fn"].__name__, params),
+      mode == "xla_triton" and launch_modes.xla_triton_serves(params["fn"].__name__, params),
     )
     if results is not None:
       return finish(results)

@@ -4,8 +4,8 @@ through jax-triton.
 Light module: it imports neither triton nor jax_triton. ``load()`` imports the kernel
 module only when the registry selects the kernel for a CUDA lowering, so CPU installs
 never import triton. ``supports`` declines (with the reason) what the kernels do not serve,
-and ``*_faster`` declines shapes where the kernels measured slower than XLA
-(custom_calls/triton/measured.py); the registry then lowers the XLA reference.
+and ``*_faster`` declines shapes where the kernels measured slower than XLA (the device's
+tuning table, policy.py); the registry then lowers the XLA reference.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import math
 
 import numpy as np
 
+from lrjax.custom_calls.triton import policy
 from lrjax.lowering.registry import KernelLowering, register as _register
 
 log = logging.getLogger("lrjax.custom_calls.triton")
@@ -24,17 +25,11 @@ log = logging.getLogger("lrjax.custom_calls.triton")
 _KERNEL_DTYPES = ("bfloat16", "float16")
 _OUT_DTYPES = ("bfloat16", "float16", "float32")
 _INT32_MAX = 2**31 - 1
-# Token counts up to which the split-K decode kernels serve; above them the persistent
-# prefill kernels do. MLP: the decode kernel measured faster than the prefill kernel at
-# 32 and 128 tokens (slower at 64), benchmarks/gpu_notes.md. XUV: the persistent decode
-# kernel measured 4-26 % faster than the prefill kernel at M=128 on all four decode
-# shapes (results/gpu_xuv_decode_chunks_h200.json). The kernel modules take their limits
-# from here (xuv_decode.MAX_M, mlp_decode.MAX_M), so the registry needs no triton to read them.
+# Token counts up to which the decode kernels serve (their row tiles); above them the
+# persistent prefill kernels do. The kernel modules take their limits from here
+# (xuv_decode.MAX_M, mlp_decode.MAX_M), so the registry reads them without triton.
 XUV_DECODE_MAX_M = 128
 MLP_DECODE_MAX_M = 128
-# From these rows mlp_decode runs X·U·V decode calls instead of its fused kernel
-# (mlp_decode.COMPOSE_MIN_M; here so that measured.py can name the path without triton).
-MLP_COMPOSE_MIN_M = 65
 
 
 def _dt(a) -> str:
@@ -105,10 +100,8 @@ def xuv_prefill_supports(avals, params) -> str | None:
 
 
 def xuv_faster(avals, params) -> str | None:
-  from lrjax.custom_calls.triton import measured
-
   x, u, v = avals[:3]
-  return measured.verdict("xuv", _rows(x), u.shape[0], u.shape[1], v.shape[1])
+  return policy.verdict("xuv", _rows(x), u.shape[0], u.shape[1], v.shape[1])
 
 
 def _xuv_impl(mod: str, fn: str):
@@ -126,8 +119,7 @@ def _xuv_impl(mod: str, fn: str):
 
 # ---------------------------------------------------------------- lr_xuv_group
 
-GROUP_MAX_M = 64  # the grouped kernel (with its phase 2) serves decode rows; the policy picks
-# where it runs
+GROUP_MAX_M = 64  # rows the grouped kernel serves with its phase 2 (its register tiles)
 
 
 def _group(avals, params):
@@ -148,10 +140,8 @@ def xuv_group_supports(avals, params) -> str | None:
 
 
 def xuv_group_faster(avals, params) -> str | None:
-  from lrjax.custom_calls.triton import measured
-
   x, members = _group(avals, params)
-  return measured.verdict(
+  return policy.verdict(
     "xuv_group",
     _rows(x),
     x.shape[-1],
@@ -161,7 +151,7 @@ def xuv_group_faster(avals, params) -> str | None:
 
 
 def _group_impl():
-  from lrjax.custom_calls.triton.xuv_decode import xuv_decode_group
+  from lrjax.custom_calls.triton.xuv_decode_group import xuv_decode_group
   from lrjax.lowering.group import members_of
 
   def impl(*ops, bias_mask, inter_dtype, out_dtype):
@@ -207,12 +197,11 @@ def mlp_prefill_supports(avals, params) -> str | None:
 
 
 def mlp_faster(avals, params) -> str | None:
-  from lrjax.custom_calls.triton import measured
   from lrjax.lowering.primitives import mlp_operands
 
   d = mlp_operands(avals, params["gated"], params["bias_mask"])
   u, v = d["up"][0], d["up"][1]
-  return measured.verdict("mlp_swiglu", _rows(d["x"]), u.shape[0], u.shape[1], v.shape[1])
+  return policy.verdict("mlp_swiglu", _rows(d["x"]), u.shape[0], u.shape[1], v.shape[1])
 
 
 def _mlp_impl(mod: str, fn: str):
@@ -278,11 +267,8 @@ def kv_attention_supports(avals, params) -> str | None:
 
 def kv_attention_faster(avals, params) -> str | None:
   del avals, params
-  return (
-    "measured 0.50-0.63x XLA's reference (which rebuilds K and folds V), slower at every "
-    "shape timed (benchmarks/results/gpu_kv_attention_h200.json); prefer_kernels() uses "
-    "it, e.g. to avoid the rebuilt [B, T, Hkv*D] K temporary (4-270x less memory)"
-  )
+  table = policy.current()
+  return None if table.values("dispatch").kv_attention else table.why("dispatch", "kv_attention")
 
 
 def _kv_attention_impl():

@@ -1,89 +1,58 @@
-"""Fused low-rank (Swi)GLU MLP for few tokens, in one launch of three or four dependent
-stages (four where h is parked, below: the default from 2 tokens).
+"""Fused low-rank (Swi)GLU MLP for few tokens, in one launch of dependent stages.
 
   stage A  Pg = X·Ug, Pu = X·Uu          one pass over X (both factors per K tile),
                                          inter-CTA split-K, f32 atomics into [M, r]
   stage B  per B_F slice of the intermediate dim (one CTA each), consuming Pg, Pu
-           r-chunk by r-chunk as stage A completes them (so Vg, Vu stream while Ug, Uu do;
-           one chunk where stage A runs in one wave at T <= 16, BlockSizes.get_default):
+           r-chunk by r-chunk as stage A completes them (so Vg, Vu stream while Ug, Uu do):
            h = act(Pg·Vg[:, f] + bg) ⊙ (Pu·Vu[:, f] + bu)      [M, B_F], registers only
            S += h · Ud[f, :]                                   f32 atomics into [M, r_d]
   stage C  Y = S·Vd + bd        split over r_d chunks, f32 atomics; the last chunk to arrive
                                 for a column block writes the output (as in xuv_decode)
 
-Unparked (below), the [M, D_ff] intermediate exists only as one [M, B_F] register tile per
-CTA; it never touches HBM. Only the rank-space vectors Pg, Pu, S (a few KB to a few hundred KB) go
-through L2. Stages are ordered inside the grid by counters: stage-A CTAs ``signal`` the
-counter of their r-chunk and stage-B CTAs wait on each chunk before using it; stage-B
-CTAs ``signal`` one counter that stage-C CTAs wait on. This has the same forward-progress
-argument as xuv_decode: lower block indices are dispatched first. All accumulators and
-counters live in one scratch buffer, zeroed by an XLA op aliased into the call, or by the
-call before it on a scratch chain (launch.py), or, with ``out=``, by jax-triton's memset
-inside the custom call. Non-gated MLPs
-(act(X·U1·V1 + b1)·U2·V2 + b2) run the same kernel with GATED=False.
+The [M, D_ff] intermediate exists only as one [M, B_F] tile per CTA; only the rank-space
+vectors Pg, Pu, S (a few KB to a few hundred KB) go through L2, and every byte of the six
+factors is read once, so the floor is their size over the HBM bandwidth. Stages are ordered
+inside the grid by counters: stage-A CTAs ``signal`` the counter of their r-chunk and stage-B
+CTAs wait on each chunk before using it; stage-B CTAs ``signal`` one counter that stage-C
+CTAs wait on. Lower block indices are dispatched first, which is the forward-progress
+argument (as in xuv_decode). All accumulators and counters live in one scratch buffer,
+zeroed by an XLA op aliased into the call, or by the call before it on a scratch chain
+(launch.py), or, with ``out=``, by jax-triton's memset. Non-gated MLPs (act(X·U1·V1 + b1)·
+U2·V2 + b2) run the same kernel with GATED=False.
 
-With ``BlockSizes.park_h`` stage B's S partials, one [M, r_d] f32 add per slice (147 MB of
-L2 atomics at T=64 on Llama-3-8B r=2560, 18 MB at T=16), give way to parked h and a fourth
-stage that projects it:
+With ``BlockSizes.park_h`` (the default from 2 tokens) stage B's partials of S, one
+[M, r_d] f32 add per slice, give way to a fourth stage: stage B stores h once in the
+factors' dtype into an [M, D_ff] buffer (written, then read back from L2), and stage H
+projects it, S += h[:, split]·Ud[split, cols] over D_ff splits that each wait only for their
+own slices, one partial of S per split. With ``p16`` the last stage-A tile of each rank
+column block rounds Pg/Pu once to the factors' dtype and stage B reads that copy (half the L2
+bytes); where stage A runs in one wave the rounding tail delays stage B more than the f32
+reads cost, so it is off there.
 
-  stage B  h [M, B_F] stored once in the factors' dtype, into an [M, D_ff] buffer (1.8 MB
-           at T=64, D_ff=14336: written, then read back from L2)
-  stage H  S += h[:, split] · Ud[split, cols]   D_ff in about SMs / ceil(r_d / B_H) splits
-                                                (four times that where D_ff's slices outnumber
-                                                the SMs), each waiting only for its own
-                                                stage-B slices; f32 atomics, one partial of S
-                                                per split
-  stage C  as above, once every stage-H tile has landed in S
+From the tuning table's ``compose_min_m`` rows the MLP is X·U·V decode calls instead: X·Ug
+and X·Uu in one grouped launch of phase 1 alone (xuv_decode_group.py, XLA's GEMMs apply the V
+factors), one XLA fusion for the activation, then ``xuv_decode`` for the down projection.
+There the f32 partials of stage B's split-K reductions outweigh the [M, D_ff] round trip.
 
-Against the unparked kernel it measured 1.2-2.1x faster at T=32..128 (1.06x / 1.18x XLA at
-T=32 / 64 on Llama-3-8B r=2560; session 12), and at T=2..16, once 5 pipeline stages keep one
-CTA on each SM, 2-12 % faster (session 15: at 3-4 stages two or three CTAs shared an SM and
-it had measured 2-9 % slower). At one token it is the default where stage B takes 128-wide
-slices (``BlockSizes.get_default``; benchmarks/gpu_notes.md, sessions 15-16).
-
-Every byte of the six factors is read once, so the floor is their size over HBM bandwidth.
-
-With ``p16`` the last stage-A tile of each rank column block (``_common.last_arrival``)
-rounds its f32 sums once to the factors' dtype, and stage B reads that copy: half the L2
-bytes per slice, 1-3 % faster at Llama-3-8B r=2560 and Llama-3.2-1B (benchmarks/gpu_notes.md,
-session 9). The kernel rounded P to that dtype before its dot anyway, so the output is the
-same. It is the tiled default except where stage A runs in one wave at T <= 16: there the
-rounding tail delayed stage B more than reading f32 costs it (session 33).
-
-From ``COMPOSE_MIN_M`` rows the wrapper runs no fused kernel: the MLP is X·U·V decode calls,
-each phase 1 split over K with XLA's GEMM applying V at these rows (X·Ug and X·Uu in one
-grouped launch, ``xuv_decode_group(pv="xla")``; then ``xuv_decode`` for down), and one XLA
-fusion for the activation, so the [M, D_ff] outputs of gate and up go through HBM (two bf16
-[M, D_ff] writes and reads, 29 MB at Llama-3-70B's 128 rows). At 128 rows, as three calls,
-that took 113.6 against the fused kernel's 126.4 µs on Llama-3-8B r=2560 and 263.2 against
-312.2 on Llama-3-70B (XLA's unfused MLP 116.4 / 255.5; session 43,
-benchmarks/results/gpu_mlp_decode_compose_h200.json); with gate and up in one launch 110.8
-against two calls' 112.6 on the 8B (XLA 116.4), 262.9 against 262.0 on the 70B (XLA 253.7).
-At 64 rows the fused kernel was faster
-on the 8B (93.2 against 103.8) and, timed with weights of its own for every call, on the
-70B (242.2 against 284.1: there XLA's ·V GEMMs inside the composed calls pad V every call). On Llama-3.2-1B at
-128 rows the fused kernel was 1 % faster (59.4 against 60.2; XLA 55.7, which the policy
-serves there); other widths from 65 rows are not measured.
-
-``persistent=True`` runs the same three phases on one CTA per SM
-(``_mlp_decode_persistent_kernel``, tiles from ``planner.plan_mlp_decode_persistent``, as
-xuv_decode's persistent schedule): measured within ±5 % of this tiled schedule on most
-shapes (benchmarks/gpu_notes.md, session 3), so it is not the default.
-"""  # noqa: E501
+A persistent schedule of the same stages (``_mlp_decode_persistent_kernel``, one CTA per SM,
+tiles from ``planner.plan_mlp_decode_persistent``) measured within ±5 % of the tiled one and
+is not the default; ``_mlp_decode(persistent=...)`` runs it.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import types
 
 import jax
 import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from lrjax.custom_calls.triton import launch, planner
-from lrjax.custom_calls.triton.lowering import MLP_COMPOSE_MIN_M, MLP_DECODE_MAX_M
+from lrjax.custom_calls.triton import launch, planner, policy
 from lrjax.custom_calls.triton._common import (
+  ACT_CODES,
   check_out,
   join_chain,
   last_arrival,
@@ -98,13 +67,23 @@ from lrjax.custom_calls.triton._common import (
   splitr_out_tile,
   stamp,
   swiglu_epilogue,
+  unpack_mlp_args,
   wait_at_least,
 )
+from lrjax.custom_calls.triton.lowering import MLP_DECODE_MAX_M
 
-ACT_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "relu": 3}
-# how stage B flushes its partial of S: atomics; timing only (wrong output), plain stores or
-# none (stores masked off by a data test that never holds: same instructions, no bytes)
+# how stage B flushes its partial of S: atomics; timing probes (wrong output): plain stores
+# or none (stores masked off by a data test that never holds: same instructions, no bytes)
 S_FLUSH_CODES = {"atomic": 0, "store": 1, "none": 2}
+MAX_M = MLP_DECODE_MAX_M  # beyond this the prefill kernel serves
+C_RESIDENT_MAX = 128 * 128  # V_d elements a stage-C CTA may hold with c_resident (64
+# registers a thread at 4 warps)
+PERSISTENT_MAX_M = 64  # the persistent schedule serves up to here (f32 tiles in registers)
+
+
+def _t() -> types.SimpleNamespace:
+  """This device's ``mlp_decode`` thresholds (policy.py)."""
+  return policy.values("mlp_decode")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,154 +101,97 @@ class BlockSizes:
   num_warps: int = 4
   num_stages: int = 3
   p16: bool = False  # stage B reads Pg, Pu rounded once to the factors' dtype
-  park_h: bool = False  # stage B parks h in a global buffer; stage H projects it (below)
+  park_h: bool = False  # stage B parks h in a global buffer; stage H projects it
   block_h: int = 128  # stage-H columns of the down rank per CTA
   h_splits: int = 0  # stage-H split of D_ff (0: about h_per_sm stage-H tiles per SM)
   h_per_sm: int = 1  # with h_splits=0: stage-H splits of about this many tiles an SM
-  # A/B options, measured slower and so not defaults (benchmarks/gpu_notes.md, session 15):
-  cols_f: int = 0  # D_ff columns a stage-B slice owns (<= block_f, the rest masked; 0: block_f)
+
+  @classmethod
+  def get_default(cls, m: int, d: int, f: int, r: int, d_out: int) -> BlockSizes:
+    """The tuning table's blocks for M tokens of a D -> D_ff (rank r) -> D_out MLP."""
+    return _default_blocks(m, d, f, r, d_out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  """Options of the tiled schedule that measured slower than its defaults, kept for tests and
+  benchmarks (``_mlp_decode(variant=...)``)."""
+
+  cols_f: int = 0  # D_ff columns a stage-B slice owns (<= block_f, the rest masked; 0: all)
   h_inline: bool = False  # park_h: stage-B CTAs run their split's stage-H tiles themselves,
-  # splits of ceil(r_d / block_h) slices (one tile each) by default
+  # splits of ceil(r_d / block_h) slices (one tile each) unless h_splits is set
   # L2 prefetch before a CTA's first wait (rows, 0 or a power of two): stage B's first rows of
   # its Vg, Vu slices, stage H's of its U_d tile, stage C's of its V_d tile
   prefetch: int = 0
   prefetch_h: int = 0
   prefetch_c: int = 0
-  # stage C loads its whole V_d chunk (r_d / c_chunks rows, padded to a power of two, by
-  # block_n columns: at most C_RESIDENT_MAX elements) into registers before its wait, and
-  # after it does one dot with its chunk of S. The chunks that fit need 160-256 stage-C
-  # CTAs on the 1B, past one wave: 0.8-2.2 us slower at T = 1-16 (session 34)
-  c_resident: bool = False
-
-  @classmethod
-  def get_default(
-    cls, m: int, d: int, f: int, r: int, d_out: int, *, park_small: bool = True
-  ) -> BlockSizes:
-    """The measured defaults; ``park_small=False``: at T <= 16 the unparked blocks that were
-    the default before session 15 (kept for A/Bs and the S-flush probes)."""
-    bm = max(16, planner.next_pow2(m))
-    t = TUNED.get(("m<=16" if m <= 16 else "m<=64", "r>=2048" if r >= 2048 else "r<2048"))
-    if t is None:
-      p = planner.plan_decode(m, d, r, f)
-      t = cls(p.block_m, p.block_k, p.block_r, p.split_k, 64, 128, 128)
-    max_split = max(1, d // (8 * t.block_k))  # >= 8 pipelined K steps per CTA
-    n_rb = planner.cdiv(r, t.block_r)
-    split = max(1, min(max_split, planner.cdiv(2 * planner.H200.num_sms, n_rb)))
-    if bm <= 16 and n_rb * split < planner.H200.num_sms:
-      # stage A in one wave that leaves SMs idle (one CTA an SM at T <= 16): split D finer,
-      # to >= 2 K steps a CTA, so that it fills them. Same weights, T = 1-16: 1.0-1.7 us
-      # less on Llama-3.2-1B (40 -> 110 CTAs), 0.2-2.3 on Llama-3-8B r=1024 (64 -> 128),
-      # 2.1-2.2 on Qwen2.5-7B (112 -> 128), 0.0-2.0 on Gemma-7B (78 -> 130), each with four
-      # chunks (below). Where stage A already takes two waves (8B r=2560, 70B), fewer,
-      # longer splits in one wave were 3-5 us slower: stage B starts on the first wave's
-      # rank chunks (results/gpu_mlp_decode_trace_splits_h200.json)
-      split = max(split, min(planner.H200.num_sms // n_rb, d // (2 * t.block_k)))
-    a_chunks, one_wave = t.a_chunks, False
-    if bm <= 16:
-      # stage A in one wave completes every chunk of Pg/Pu at about the same time, so stage B
-      # gains nothing from consuming them chunk by chunk and pays a pipeline refill per
-      # chunk: one chunk, same weights, 0.0-5.1 us less at T = 1-16 (1B T=4/16 -3.2/-3.6,
-      # 8B r=1024 -1.4/-0.7, Qwen2.5-7B -0.35/0.0, Gemma-7B -5.1/-4.9; two chunks -2.5 at
-      # the 1B T=1). Where stage A takes two waves the first wave's chunks let stage B start
-      # early (Phi-3-medium: one chunk +3.4), but two chunks beat four: Phi-3-medium
-      # -3.9/-4.1 at T=1, -2.3 at T=16, 8B r=2560 -0.3..-1.3 at T=1-16, Yi-34B -0.5/-0.6,
-      # Llama-3-70B and Qwen2.5-32B +0.1..+0.6 of 198-208 us (0.3 %); three chunks no faster
-      # than two (results/gpu_mlp_decode_trace_splits_h200.json, session 33)
-      one_wave = n_rb * stage_a_splits(d, split, t.block_k)[1] <= planner.H200.num_sms
-      a_chunks = 1 if one_wave else 2
-    warps = t.num_warps if bm <= 32 else 8  # [bm, block_f] x2 f32 accumulators per CTA
-    block_f, stages = t.block_f, t.num_stages
-    block_rd, sms = t.block_rd, planner.H200.num_sms
-    slices = planner.cdiv(f, 128)  # of 128 columns: the stage-B / stage-H rules below
-    if bm <= 16 and slices >= 3 * sms // 4:
-      # fewer, longer stage-B slices while >= 3/4 of the SMs still get one: 4-18 % faster
-      # at D_ff=14336 (gpu_mlp_decode_variants_h200.json); 3 stages fit the wider tiles
-      block_f, stages = 128, 3
-      if sms < slices <= 2 * sms:
-        # more slices than SMs: 128-column U_d chunks and 4 stages take 108 KB, so two
-        # CTAs share an SM and every slice is resident at once. 5-15 % faster on five of
-        # six such shapes (D_ff 17920-28672), 1-3 % either way on the sixth; 1-12 % slower
-        # at D_ff=14336's 112 slices (results/gpu_mlp_decode_slices_h200.json)
-        block_rd, stages = 128, 4
-    block_k, park = t.block_k, bm > 16
-    if park_small and bm <= 16 and (m > 1 or block_f == 128):
-      # h parked at T <= 16 too, with 5 pipeline stages: 147 KB of shared memory (139 KB at
-      # 64-column slices), so one CTA an SM and the stage-B slices spread over every SM
-      # (3-4 stages, 74-110 KB, let 2-3 share one, which was why parking had measured 2-9 %
-      # slower here). Against the unparked blocks, 2-16 tokens: 7-12 % faster on Llama-3-8B
-      # r=2560 (75.2-78.1 us, 84-88 % of the roofline), 8-9 % on -70B at T=16, 2-7 % on
-      # Qwen2.5-7B, 5-7 % on 3.2-1B and 8B r=1024 at T=16; one token: 5 % on 8B r=2560,
-      # 1 % on r=1024 (results/gpu_mlp_decode_park_deep_h200.json; 6 stages within 1 % of
-      # 5). At one token the 1B's wider slices stay unparked (2-3 % slower parked); where
-      # the slices outnumber the SMs parking gains there too with the splits below
-      park, stages = True, 5
-    elif park:
-      # from 17 tokens stage B's partials of S (one [T, r_d] f32 add per slice) cost more
-      # than parking h: 1.2-2.1x faster at T=32..128, with 64-row K steps and 4 stages where
-      # they fit (4 x ([128, 64] P + [64, 128] V tiles) would need 256 KB at T=128);
-      # results/gpu_mlp_decode_park_{h,tune,stages}_h200.json
-      block_f, block_k, stages = 128, 64, 4 if bm <= 64 else 3
-    h_per_sm = 1
-    if park and slices > sms and m <= 64:
-      # where D_ff has more 128-wide slices than SMs, about four stage-H tiles an SM: shorter
-      # tiles, each ready as soon as its fewer slices are.
-      # Against one, at 1-16 tokens (1: parked against unparked): Qwen2.5-7B 6-8 %, Phi-3-
-      # medium 8-14 %, Yi-34B 6-9 %, Gemma-7B 3-6 %, Qwen2.5-32B 1-10 % faster, Llama-3-70B
-      # 1-2 % (also at 32 and 64 tokens); 6x within 2 % of 4x, 8x slower. Where the slices
-      # fit the SMs (8B, 1B) more splits measured 0-5 % slower
-      # (results/gpu_mlp_decode_h_splits{,_more}_h200.json)
-      h_per_sm = 4
-    block_h = t.block_h
-    if 16 < bm <= 64 and slices >= 3 * sms // 2:  # (h is parked from 17 tokens)
-      # 17-64 tokens where the slices are >= 1.5x the SMs: Pg/Pu in two chunks, 256-column
-      # stage-H tiles, and 5 stages at 32 rows (164 KB, one CTA an SM as before) or about
-      # one stage-H tile an SM at 64. Same run, distinct weights, T=32 / 64: Llama-3-70B
-      # r=3840 222.6 -> 214.5 / 234.1 -> 227.4 us (XLA 220.9 / 231.2), r=3824 227.9 -> 221.8
-      # / 242.9 -> 235.6, Qwen2.5-32B 167.6 -> 162.8 / 179.6 -> 176.8 (XLA 161.7 / 178.2);
-      # each part alone gained less (results/gpu_mlp_decode_70b_wide{,_confirm}_h200.json,
-      # session 46). Measured at 216 and 224 slices only: not applied to fewer (Qwen2.5-7B's
-      # 148, Gemma-7B's 192)
-      a_chunks, block_h = 2, 256
-      if bm <= 32:
-        stages = 5
-      else:
-        h_per_sm = 1
-    # p16: stage B reads Pg, Pu in bf16, 1-3 % faster on Llama-3-8B r=2560 and 3.2-1B
-    # (results/gpu_decode_p16_h200.json); at 8B r=2560 T=1 still 2.1 us faster (session 33).
-    # But where stage A runs in one wave at T <= 16 its tail (each column block's last tile
-    # rounding Pg/Pu, then signalling) held stage B back by ~1 us, and reading f32 Pg/Pu
-    # there was faster, same weights, two runs: 1B T=1/4/16 -1.1/-1.6, -0.3/-0.7,
-    # -0.7/-0.9 us, 8B r=1024 T=1 +0.8/-0.2, T=16 -0.6/-0.8, Qwen2.5-7B T=1 -0.3/-0.4,
-    # T=16 -0.3, Gemma-7B T=1 -1.0 (results/gpu_mlp_decode_trace_splits_h200.json)
-    p16 = not one_wave
-    return dataclasses.replace(
-      t,
-      block_m=bm,
-      block_k=block_k,
-      split_k=split,
-      a_chunks=a_chunks,
-      num_warps=warps,
-      block_f=block_f,
-      block_rd=block_rd,
-      num_stages=stages,
-      p16=p16,
-      park_h=park,
-      h_per_sm=h_per_sm,
-      block_h=block_h,
-    )
+  c_resident: bool = False  # stage C loads its whole V_d chunk into registers before its wait
 
 
-# Tuned on the H200 (benchmarks/gpu_lowrank.py); shape class -> blocks.
-TUNED: dict[tuple[str, str], BlockSizes] = {
-  ("m<=16", "r>=2048"): BlockSizes(16, 64, 128, 8, 64, 256, 128, 64, 4, 4, 4, 4),
-  ("m<=16", "r<2048"): BlockSizes(16, 64, 128, 8, 64, 256, 128, 64, 4, 4, 4, 4),
-}
-
-MAX_M = MLP_DECODE_MAX_M  # beyond this the prefill kernel serves
-COMPOSE_MIN_M = MLP_COMPOSE_MIN_M  # from here: X·U·V decode calls (module docstring)
-C_RESIDENT_MAX = 128 * 128  # V_d elements a stage-C CTA may hold with c_resident (64 regs a
-# thread at 4 warps)
-PERSISTENT_MAX_M = 64  # the persistent schedule serves up to here (f32 tiles in registers)
+def _default_blocks(m: int, d: int, f: int, r: int, d_out: int, park_small: bool = True):
+  """``BlockSizes.get_default``; ``park_small=False``: at T <= 16 the unparked blocks (for
+  tests and benchmarks that time stage B's own projection into S)."""
+  T = _t()
+  bm = max(16, planner.next_pow2(m))
+  key = f"{'m<=16' if m <= 16 else 'm<=64'},{'r>=2048' if r >= 2048 else 'r<2048'}"
+  tiles = policy.tiles("mlp_decode").get(key)
+  if tiles is not None:
+    t = BlockSizes(**tiles)
+  else:
+    p = planner.plan_decode(m, d, r, f)
+    t = BlockSizes(p.block_m, p.block_k, p.block_r, p.split_k, 64, 128, 128)
+  sms = planner.H200.num_sms
+  max_split = max(1, d // (8 * t.block_k))  # >= 8 pipelined K steps per CTA
+  n_rb = planner.cdiv(r, t.block_r)
+  split = max(1, min(max_split, planner.cdiv(2 * sms, n_rb)))
+  if bm <= 16 and n_rb * split < sms:  # stage A in one wave that leaves SMs idle: split D
+    # finer, down to fill_k_steps K steps a CTA
+    split = max(split, min(sms // n_rb, d // (T.fill_k_steps * t.block_k)))
+  a_chunks, one_wave = t.a_chunks, False
+  if bm <= 16:  # stage A in one wave completes every chunk of Pg/Pu at about the same time:
+    # one chunk (no refill per chunk); in two waves, two chunks let stage B start early
+    one_wave = n_rb * stage_a_splits(d, split, t.block_k)[1] <= sms
+    a_chunks = 1 if one_wave else 2
+  warps = t.num_warps if bm <= 32 else 8  # [bm, block_f] x2 f32 accumulators per CTA
+  block_f, stages = t.block_f, t.num_stages
+  block_rd = t.block_rd
+  slices = planner.cdiv(f, 128)  # of 128 columns: the stage-B / stage-H rules below
+  if bm <= 16 and slices >= int(T.wide_slice_frac * sms):  # fewer, longer stage-B slices
+    block_f, stages = 128, 3
+    if sms < slices <= T.shared_sm_slices * sms:  # two CTAs an SM: every slice resident
+      block_rd, stages = 128, 4
+  block_k, park = t.block_k, bm > 16
+  if park_small and bm <= 16 and (m > 1 or block_f == 128):  # h parked, one CTA an SM
+    park, stages = True, T.park_small_stages
+  elif park:  # from 17 tokens: 64-row K steps, 4 stages where they fit (3 at 128 rows)
+    block_f, block_k, stages = 128, 64, 4 if bm <= 64 else 3
+  h_per_sm = 1
+  if park and slices > sms and m <= 64:  # shorter stage-H tiles, each ready sooner
+    h_per_sm = T.h_per_sm_wide
+  block_h = t.block_h
+  if 16 < bm <= 64 and slices >= int(T.wide_rule_slices * sms):  # two chunks of Pg/Pu,
+    # 256-column stage-H tiles; 5 stages at 32 rows, one stage-H tile an SM at 64
+    a_chunks, block_h = 2, 256
+    if bm <= 32:
+      stages = 5
+    else:
+      h_per_sm = 1
+  p16 = not one_wave  # f32 Pg/Pu after a one-wave stage A (its rounding tail costs more)
+  return dataclasses.replace(
+    t,
+    block_m=bm,
+    block_k=block_k,
+    split_k=split,
+    a_chunks=a_chunks,
+    num_warps=warps,
+    block_f=block_f,
+    block_rd=block_rd,
+    num_stages=stages,
+    p16=p16,
+    park_h=park,
+    h_per_sm=h_per_sm,
+    block_h=block_h,
+  )
 
 
 @triton.jit
@@ -683,15 +605,15 @@ def _mlp_decode_kernel(
   H_INLINE: tl.constexpr,  # PARK_H: each stage-B CTA then runs stage-H tiles of its own
   # split (no stage-H CTAs of their own)
   PREFETCH: tl.constexpr = 0,
-  PREFETCH_H: tl.constexpr = 0,  # BlockSizes.prefetch{,_h,_c}
+  PREFETCH_H: tl.constexpr = 0,  # Variant.prefetch{,_h,_c}
   PREFETCH_C: tl.constexpr = 0,
-  C_RESIDENT: tl.constexpr = 0,  # BlockSizes.c_resident; its chunk padded to RD_PER_P2 rows
+  C_RESIDENT: tl.constexpr = 0,  # Variant.c_resident; its chunk padded to RD_PER_P2 rows
   RD_PER_P2: tl.constexpr = 16,
   WORK_OFF: tl.constexpr = 0,  # the scratch chain's offset of this call's half (launch.py)
   PDL: tl.constexpr = 0,  # launched as a programmatic dependent (launch.py, join_chain)
   TRACE: tl.constexpr = 0,  # timing only (output right): each CTA stamps its entry, first
   # and last wait ends, work end and exit into o_in_ptr as int64
-  # [grid, 8] (_common.stamp; benchmarks/mlp_trace.py)
+  # [grid, 8] (_common.stamp)
 ):
   pid = tl.program_id(0)
   chain_ptr = scratch_ptr
@@ -1136,18 +1058,23 @@ def stage_a_splits(d: int, split_k: int, block_k: int) -> tuple[int, int]:
   return k_per, planner.cdiv(d, k_per)
 
 
-def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes) -> dict:
-  planner.check_prefetch_rows(bs, "prefetch", "prefetch_h", "prefetch_c")
+def launch_plan(
+  m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes, variant: Variant | None = None
+) -> dict:
+  """Grid size, scratch size and constexprs of one tiled call (shared by the wrapper and the
+  tests); ``variant``: the options measured slower (None: none of them)."""
+  vt = variant or Variant()
+  planner.check_prefetch_rows(vt, "prefetch", "prefetch_h", "prefetch_c")
   for rows, width, name in (
-    (bs.prefetch, bs.block_f, "block_f"),
-    (bs.prefetch_h, bs.block_h, "block_h"),
-    (bs.prefetch_c, bs.block_n, "block_n"),
+    (vt.prefetch, bs.block_f, "block_f"),
+    (vt.prefetch_h, bs.block_h, "block_h"),
+    (vt.prefetch_c, bs.block_n, "block_n"),
   ):
     if rows and width < 64:  # prefetch_l2 asks for one address per 64 columns
       raise ValueError(f"{bs}: an L2 prefetch needs tiles of >= 64 columns ({name}={width})")
-  cols_f = bs.cols_f or bs.block_f
+  cols_f = vt.cols_f or bs.block_f
   if not 0 < cols_f <= bs.block_f:
-    raise ValueError(f"{bs.cols_f=} must be in [1, {bs.block_f=}] (0: block_f)")
+    raise ValueError(f"{vt.cols_f=} must be in [1, {bs.block_f=}] (0: block_f)")
   k_per, split = stage_a_splits(d, bs.split_k, bs.block_k)
   n_rb = planner.cdiv(r, bs.block_r)
   rb_per_chunk = planner.cdiv(n_rb, bs.a_chunks)
@@ -1158,25 +1085,25 @@ def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes)
   rd_per = planner.part_len(rd, bs.c_chunks, bs.block_kr)
   c_chunks = planner.cdiv(rd, rd_per)
   rd_per_p2 = max(16, planner.next_pow2(rd_per))
-  if bs.c_resident and rd_per_p2 * bs.block_n > C_RESIDENT_MAX:
+  if vt.c_resident and rd_per_p2 * bs.block_n > C_RESIDENT_MAX:
     raise ValueError(
       f"{bs}: c_resident holds a V_d chunk of {rd_per_p2} x {bs.block_n} "
       f"elements in registers; at most {C_RESIDENT_MAX} (more c_chunks or a "
       "narrower block_n)"
     )
   h_splits, f_per, n_h = 1, cols_f, 0
-  if bs.h_inline and not bs.park_h:
+  if vt.h_inline and not bs.park_h:
     raise ValueError("h_inline=True runs stage H inside stage B: it needs park_h=True")
   if bs.park_h:
     n_cb = planner.cdiv(rd, bs.block_h)
     want = bs.h_splits or bs.h_per_sm * max(1, planner.H200.num_sms // n_cb)
     step = math.lcm(cols_f, bs.block_kr)  # whole stage-B slices, whole K steps
     f_per = planner.part_len(f, want, step)
-    if bs.h_inline and not bs.h_splits:  # a split's slices share its n_cb tiles, one each
+    if vt.h_inline and not bs.h_splits:  # a split's slices share its n_cb tiles, one each
       f_per = planner.round_up(n_cb * cols_f, step)
     h_splits = planner.cdiv(f, f_per)
     n_h = h_splits * n_cb
-    if bs.h_inline and f_per // cols_f > planner.H200.num_sms:
+    if vt.h_inline and f_per // cols_f > planner.H200.num_sms:
       raise ValueError(
         f"h_inline with {f_per // cols_f} slices a split: the CTAs of a split "
         f"wait for each other, so at most {planner.H200.num_sms} may share one"
@@ -1217,12 +1144,12 @@ def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes)
     BLOCK_H=bs.block_h,
     EVEN_F=f % f_per == 0,
     COLS_F=cols_f,
-    H_INLINE=bs.h_inline,
-    PREFETCH=bs.prefetch,
-    PREFETCH_H=bs.prefetch_h,
-    PREFETCH_C=bs.prefetch_c,
-    C_RESIDENT=int(bs.c_resident),
-    RD_PER_P2=rd_per_p2 if bs.c_resident else 16,  # read by c_resident alone
+    H_INLINE=vt.h_inline,
+    PREFETCH=vt.prefetch,
+    PREFETCH_H=vt.prefetch_h,
+    PREFETCH_C=vt.prefetch_c,
+    C_RESIDENT=int(vt.c_resident),
+    RD_PER_P2=rd_per_p2 if vt.c_resident else 16,  # read by c_resident alone
     TRACE=0,
   )  # jax-triton passes no constexpr default (a missing one is None)
   scratch = (
@@ -1234,7 +1161,7 @@ def launch_plan(m, d, r, f, rd, d_out, *, gated, act, bias_mask, bs: BlockSizes)
     + (h_splits if bs.park_h else 0)
   )
   p16 = (2 * m * r if bs.p16 else 0) + (m * f if bs.park_h else 0)
-  grid = n_a + n_b + (0 if bs.h_inline else n_h) + n_nb * c_chunks
+  grid = n_a + n_b + (0 if vt.h_inline else n_h) + n_nb * c_chunks
   return dict(grid=grid, n_nb=n_nb, scratch=scratch, meta=meta, p16=max(p16, 1))
 
 
@@ -1297,63 +1224,14 @@ def persistent_launch_plan(
   return dict(grid=p.programs, n_nb=n_nb, scratch=scratch, meta=meta, p16=2 * m * r if p.p16 else 1)
 
 
-def unpack_mlp_args(x, up, down, gate, act):
-  """Validates the MLP kernels' arguments (shared by mlp_decode and mlp_prefill).
-
-  Returns (x2 [M, D], lead dims, (d, r, f, rd, d_out), bias_mask, ops) where ``ops`` are the
-  ten kernel operands x2, ug, vg, bg, uu, vu, bu, ud, vd, bd (an absent bias is replaced by
-  its v factor, which the kernel never reads).
-  """
-  if act not in ACT_CODES:
-    raise ValueError(f"{act=} is not supported; expected one of {sorted(ACT_CODES)}")
-  gated = gate is not None
-  projs = ((gate,) if gated else ()) + (up, down)
-  for p in projs:
-    if not isinstance(p, (tuple, list)) or len(p) not in (2, 3):
-      raise ValueError("each projection must be (u, v) or (u, v, bias)")
-  uu, vu = up[:2]
-  ud, vd = down[:2]
-  d, r = uu.shape
-  f = vu.shape[1]
-  rd, d_out = vd.shape
-  if x.shape[-1] != d or vu.shape[0] != r or ud.shape != (f, rd):
-    raise ValueError(
-      f"{x.shape=}, up {uu.shape}x{vu.shape}, down {ud.shape}x{vd.shape}: "
-      "expected x [..., D], up [D, r]x[r, F], down [F, r_d]x[r_d, D_out]"
-    )
-  if gated and (gate[0].shape != uu.shape or gate[1].shape != vu.shape):
-    raise ValueError(
-      f"gate factors {gate[0].shape}x{gate[1].shape} must match up's "
-      f"{uu.shape}x{vu.shape} (one pass computes both)"
-    )
-  lead = x.shape[:-1]
-  x2 = x.reshape(-1, d)
-  bias_mask = tuple(len(p) == 3 for p in projs)
-  ug, vg, bg = (tuple(gate) + (None,))[:3] if gated else (uu, vu, None)
-  bu = up[2] if len(up) == 3 else None
-  bd = down[2] if len(down) == 3 else None
-  ops = (
-    x2,
-    ug,
-    vg,
-    bg if bg is not None else vg,
-    uu,
-    vu,
-    bu if bu is not None else vu,
-    ud,
-    vd,
-    bd if bd is not None else vd,
-  )
-  return x2, lead, (d, r, f, rd, d_out), bias_mask, ops
-
-
 def _composed(x2, up, down, gate, act, out_dtype, out, group=True):
   """The MLP as X·U·V decode calls and XLA's activation fusion (``compose=True``):
   act(X·Ug·Vg + bg) ⊙ (X·Uu·Vu + bu) in f32 from the calls' outputs in the factors' dtype,
   rounded once to it, then ·Ud·Vd + bd (into ``out``, if given). ``group``: X·Ug and X·Uu in
-  one grouped launch (``xuv_decode_group(pv="xla")``; on these tiles if a GroupDecodePlan),
+  one grouped launch (phase 1 alone, ``pv="xla"``; on these tiles if a GroupDecodePlan),
   else one call each."""
-  from lrjax.custom_calls.triton.xuv_decode import xuv_decode, xuv_decode_group
+  from lrjax.custom_calls.triton.xuv_decode import xuv_decode
+  from lrjax.custom_calls.triton.xuv_decode_group import _xuv_decode_group
   from lrjax.lowering.primitives import ACTIVATIONS
 
   def xuv(a, p, odt, o=None):
@@ -1365,7 +1243,7 @@ def _composed(x2, up, down, gate, act, out_dtype, out, group=True):
   else:
     plan = group if isinstance(group, planner.GroupDecodePlan) else None
     yg, yu = (
-      xuv_decode_group(x2, [gate, up], out_dtype=dt, pv="xla", plan=plan)
+      _xuv_decode_group(x2, [gate, up], out_dtype=dt, pv="xla", plan=plan)
       if group
       else (xuv(x2, gate, dt), xuv(x2, up, dt))
     )
@@ -1373,7 +1251,7 @@ def _composed(x2, up, down, gate, act, out_dtype, out, group=True):
   return xuv(h.astype(down[0].dtype), down, out_dtype, out)
 
 
-def mlp_decode(
+def _mlp_decode(
   x,
   up,
   down,
@@ -1386,28 +1264,28 @@ def mlp_decode(
   xla_zeroing: bool | None = None,
   persistent: bool | planner.PersistentMlpPlan = False,
   compose: bool | None = None,
-  _phases: int = 7,
-  _s_flush: str = "atomic",
-  _compose_group: bool | planner.GroupDecodePlan = True,
+  variant: Variant | None = None,
+  phases: int = 7,
+  s_flush: str = "atomic",
+  compose_group: bool | planner.GroupDecodePlan = True,
 ):
-  """Low-rank MLP for few tokens; ``up``/``down``/``gate`` are (u, v) or (u, v, bias).
+  """``mlp_decode`` with every schedule option (tests, and the benchmarks through
+  benchmarks/kernel_variants.py).
 
-  ``compose``: X·U·V decode calls and an XLA fusion instead of the fused kernel
-  (module docstring); default: from COMPOSE_MIN_M rows, unless an argument of the fused
-  kernel (``block_sizes``, ``persistent``, ``xla_zeroing``, ``_phases``, ``_s_flush``) is given.
-  ``out`` [M, D_out]: optional buffer the kernel writes into (aliased; tests poison it).
+  ``compose``: X·U·V decode calls and an XLA fusion instead of the fused kernel (module
+  docstring); default: from the table's ``compose_min_m`` rows, unless an option of the fused
+  kernel is given.
   ``xla_zeroing``: zero the scratch with an XLA op aliased into the call instead of
   jax-triton's memset inside the custom call (default as in xuv_decode).
   ``persistent``: one CTA per SM runs its share of each phase
-  (``planner.plan_mlp_decode_persistent`` unless a plan is given).
-  ``_phases``: benchmarking the persistent schedule only (bits 1, 2, 4 stream phases A, B,
-  C; the output is wrong unless all three run).
-  ``_s_flush``: benchmarking the tiled schedule only: "store" stores stage B's partial of S
-  instead of adding it, "none" masks those stores off by a data test that never holds (the
-  dot and the instructions stay, no byte moves); the output is then wrong.
-  ``_compose_group``: benchmarking the composed schedule only: False runs X·Ug and X·Uu as
-  two calls instead of one grouped launch, a ``planner.GroupDecodePlan`` that launch on its
-  tiles.
+  (``planner.plan_mlp_decode_persistent`` unless a plan is given); measured within ±5 % of
+  the tiled schedule, so not the default.
+  ``variant``: the tiled schedule's options measured slower (``Variant``).
+  Timing probes (the output is then wrong): ``phases`` (persistent: bits 1, 2, 4 stream
+  phases A, B, C) and ``s_flush`` (tiled: "store" stores stage B's partial of S instead of
+  adding it, "none" masks those stores off by a data test that never holds).
+  ``compose_group``: the composed schedule's X·Ug and X·Uu as two calls (False) instead of
+  one grouped launch, or that launch on a ``planner.GroupDecodePlan``'s tiles.
   """
   gated = gate is not None
   x2, lead, (d, r, f, rd, d_out), bias_mask, ops = unpack_mlp_args(x, up, down, gate, act)
@@ -1416,27 +1294,28 @@ def mlp_decode(
   fused_asked = (
     block_sizes is not None
     or persistent is not False
-    or _phases != 7
-    or _s_flush != "atomic"
+    or variant is not None
+    or phases != 7
+    or s_flush != "atomic"
     or xla_zeroing is not None
   )
   if compose is None:
-    compose = m >= COMPOSE_MIN_M and not fused_asked
+    compose = m >= _t().compose_min_m and not fused_asked
   if compose:
     if fused_asked:
       raise ValueError(
         "compose=True runs X·U·V decode calls, not the fused kernel: "
-        "block_sizes=, persistent=, xla_zeroing=, _phases= and _s_flush= "
+        "block_sizes=, persistent=, variant=, xla_zeroing=, phases= and s_flush= "
         "do not apply"
       )
     if m > MAX_M:
       raise ValueError(f"{m} rows: the decode MLP serves M <= {MAX_M}")
     check_out(out, (m, d_out), out_dtype)
-    return _composed(x2, up, down, gate, act, out_dtype, out, _compose_group).reshape(*lead, d_out)
+    return _composed(x2, up, down, gate, act, out_dtype, out, compose_group).reshape(*lead, d_out)
   if persistent:
-    if block_sizes is not None:
+    if block_sizes is not None or variant is not None:
       raise ValueError(
-        "block_sizes= applies to the tiled schedule (persistent=False); "
+        "block_sizes= and variant= apply to the tiled schedule (persistent=False); "
         "pass a planner.PersistentMlpPlan instead"
       )
     p = (
@@ -1453,30 +1332,32 @@ def mlp_decode(
         f"{p.programs=} must be in [1, {num_sms()}] (the SMs; 0: unknown): "
         "every CTA must be resident, or a waiting CTA could block its producer"
       )
-    if _phases not in range(1, 8):
-      raise ValueError(f"{_phases=} must be in 1..7")
-    if _s_flush != "atomic":
-      raise ValueError("_s_flush= applies to the tiled schedule only")
+    if phases not in range(1, 8):
+      raise ValueError(f"{phases=} must be in 1..7")
+    if s_flush != "atomic":
+      raise ValueError("s_flush= applies to the tiled schedule only")
     plan = persistent_launch_plan(
-      m, d, r, f, rd, d_out, gated=gated, act=act, bias_mask=bias_mask, p=p, phases=_phases
+      m, d, r, f, rd, d_out, gated=gated, act=act, bias_mask=bias_mask, p=p, phases=phases
     )
     kernel, warps, stages = _mlp_decode_persistent_kernel, p.warps, p.stages
   else:
-    if _phases != 7:
-      raise ValueError("_phases= applies to the persistent schedule only")
+    if phases != 7:
+      raise ValueError("phases= applies to the persistent schedule only")
     bs = block_sizes or BlockSizes.get_default(m, d, f, r, d_out)
     if bs.block_m < m:
       raise ValueError(f"{bs.block_m=} must cover the {m} rows; use mlp_prefill for large M")
-    plan = launch_plan(m, d, r, f, rd, d_out, gated=gated, act=act, bias_mask=bias_mask, bs=bs)
-    if _s_flush not in S_FLUSH_CODES:
-      raise ValueError(f"{_s_flush=} must be one of {sorted(S_FLUSH_CODES)}")
-    if _s_flush != "atomic":
+    plan = launch_plan(
+      m, d, r, f, rd, d_out, gated=gated, act=act, bias_mask=bias_mask, bs=bs, variant=variant
+    )
+    if s_flush not in S_FLUSH_CODES:
+      raise ValueError(f"{s_flush=} must be one of {sorted(S_FLUSH_CODES)}")
+    if s_flush != "atomic":
       if bs.park_h:
         raise ValueError(
-          "_s_flush= times stage B's own projection into S; with "
+          "s_flush= times stage B's own projection into S; with "
           "park_h=True stage H projects h (pass park_h=False blocks)"
         )
-      plan["meta"]["S_FLUSH"] = S_FLUSH_CODES[_s_flush]
+      plan["meta"]["S_FLUSH"] = S_FLUSH_CODES[s_flush]
     kernel, warps, stages = _mlp_decode_kernel, bs.num_warps, bs.num_stages
   check_out(out, (m, d_out), out_dtype)
   if xla_zeroing is None:
@@ -1508,6 +1389,29 @@ def mlp_decode(
     **plan["meta"],
   )
   return outs[1].reshape(*lead, d_out)
+
+
+def mlp_decode(
+  x,
+  up,
+  down,
+  gate=None,
+  *,
+  act="silu",
+  out_dtype=None,
+  block_sizes: BlockSizes | None = None,
+  out=None,
+):
+  """Low-rank (Swi)GLU MLP for few tokens; ``up``/``down``/``gate`` are (u, v) or (u, v, bias).
+
+  x [..., D]; up (u [D, r], v [r, F]); gate like up (None: not gated); down (u [F, r_d],
+  v [r_d, D_out]). ``block_sizes``: the fused kernel's blocks (default: the table's, and from
+  ``compose_min_m`` rows X·U·V decode calls instead of the fused kernel). ``out`` [M, D_out]:
+  optional buffer the kernel writes into (aliased).
+  """
+  return _mlp_decode(
+    x, up, down, gate, act=act, out_dtype=out_dtype, block_sizes=block_sizes, out=out
+  )
 
 
 def mlp_decode_reference(x, up, down, gate=None, *, act="silu", out_dtype=None):

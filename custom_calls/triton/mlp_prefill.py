@@ -40,8 +40,9 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from lrjax.custom_calls.triton import launch, planner
+from lrjax.custom_calls.triton import launch, planner, policy
 from lrjax.custom_calls.triton._common import (
+  ACT_CODES,
   activation,
   check_out,
   first_tile,
@@ -51,10 +52,10 @@ from lrjax.custom_calls.triton._common import (
   ring_tile,
   signal,
   swiglu_epilogue,
+  tile_codes,
+  unpack_mlp_args,
   wait_at_least,
 )
-from lrjax.custom_calls.triton.mlp_decode import ACT_CODES, unpack_mlp_args
-from lrjax.custom_calls.triton.xuv_prefill import tile_codes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +80,13 @@ class BlockSizes:
 
   @classmethod
   def get_default(cls, m: int, d: int, f: int, r: int, rd: int, gated: bool) -> BlockSizes:
-    t = TUNED.get(("m>512" if m > 512 else "m<=512", "r>=2048" if r >= 2048 else "r<2048"))
-    if t is None:
+    """The tuning table's blocks by shape class (``mlp_prefill`` tiles), else
+    ``planner.plan_prefill``'s; as many pipeline stages as fit shared memory."""
+    key = f"{'m>512' if m > 512 else 'm<=512'},{'r>=2048' if r >= 2048 else 'r<2048'}"
+    t = policy.tiles("mlp_prefill").get(key)
+    if t is not None:
+      t = cls(**t)
+    else:
       widths = ((2 * r) if gated else r, f, rd)
       p = planner.plan_prefill(m, r, widths, ring=2)
       t = cls(p.block_m, p.block_n, p.block_k, p.group_m, 2, p.warps, p.stages, p.programs)
@@ -97,19 +103,6 @@ class BlockSizes:
     phase_a = 2 * (bm * bk + 2 * bk * bn)
     phase_b = one if self.wide_b else 2 * planner.pipeline_smem_bytes(bm, bn, bk, 1)
     return max(one, phase_a, phase_b)
-
-
-# Tuned on the H200 (benchmarks/gpu_lowrank.py); missing classes use planner.plan_prefill.
-# Tiles claimed from a counter, phase B in two-pass 128x256 tiles, 4 stages and a 3-slot ring:
-# 2045 vs 2344 us (8B r=2560), 684 vs 951 (1B r=1280), 966 vs 1431 (8B r=1024) at T=4096,
-# 556 vs 610 at T=1024; counter-claimed tiles alone gave most of it (2120 / 718 / 1049 us).
-# Phase C in 2-4 reduction chunks was not better overall
-# (results/gpu_mlp_prefill_variants_h200.json).
-# Earlier: phases C and D in 128x256 tiles (results/gpu_mlp_prefill_tiles_h200.json).
-TUNED: dict[tuple[str, str], BlockSizes] = {
-  ("m>512", "r>=2048"): BlockSizes(128, 128, 64, 4, 3, 8, 4, 132, 256, True, True),
-  ("m>512", "r<2048"): BlockSizes(128, 128, 64, 4, 3, 8, 4, 132, 256, True, True),
-}
 
 
 @triton.jit
@@ -497,7 +490,7 @@ def launch_plan(
   )
 
 
-def mlp_prefill(
+def _mlp_prefill(
   x,
   up,
   down,
@@ -507,16 +500,12 @@ def mlp_prefill(
   out_dtype=None,
   block_sizes: BlockSizes | None = None,
   out=None,
-  _phases: int = 15,
-  _waits: bool = True,
+  phases: int = 15,
+  waits: bool = True,
 ):
-  """Low-rank MLP for many tokens; ``up``/``down``/``gate`` are (u, v) or (u, v, bias).
-
-  ``out`` [M, D_out]: optional buffer the kernel writes into (aliased; tests poison it).
-  ``_phases``, ``_waits``: benchmarking only (bits 1, 2, 4, 8 run phases A, B, C, D; with
-  fewer than all four, or ``_waits=False``, no tile waits for another and the output is
-  wrong).
-  """
+  """``mlp_prefill`` with its timing probes (benchmarks/kernel_variants.py): ``phases``, bits
+  1, 2, 4, 8 run phases A, B, C, D; with fewer than all four, or ``waits=False``, no tile
+  waits for another and the output is wrong."""
   gated = gate is not None
   x2, lead, (d, r, f, rd, d_out), bias_mask, ops = unpack_mlp_args(x, up, down, gate, act)
   m = x2.shape[0]
@@ -534,8 +523,8 @@ def mlp_prefill(
     bias_mask=bias_mask,
     bs=bs,
     xp=jnp,
-    phases=_phases,
-    waits=_waits,
+    phases=phases,
+    waits=waits,
   )
   ops = ops + (plan["sched"],)
   rr = plan["ring_rows"]
@@ -562,6 +551,25 @@ def mlp_prefill(
     **plan["meta"],
   )
   return outs[-1].reshape(*lead, d_out)
+
+
+def mlp_prefill(
+  x,
+  up,
+  down,
+  gate=None,
+  *,
+  act="silu",
+  out_dtype=None,
+  block_sizes: BlockSizes | None = None,
+  out=None,
+):
+  """Low-rank (Swi)GLU MLP for many tokens; ``up``/``down``/``gate`` are (u, v) or (u, v,
+  bias), as in ``mlp_decode``. ``out`` [M, D_out]: optional buffer the kernel writes into
+  (aliased)."""
+  return _mlp_prefill(
+    x, up, down, gate, act=act, out_dtype=out_dtype, block_sizes=block_sizes, out=out
+  )
 
 
 def mlp_prefill_reference(x, up, down, gate=None, *, act="silu", out_dtype=None):

@@ -1,6 +1,9 @@
-"""Tile planner for the Triton low-rank kernels: NeuronMM's eq. 10-11 rewritten for the H200.
+"""Tile planner for the Triton low-rank kernels: NeuronMM's eq. 10-11 rewritten for the H200,
+and the byte model that cuts the decode kernels' tiles.
 
-Pure Python (no triton import), so the CPU suite tests it and ``supports`` can use it.
+Pure Python (no triton import), so the CPU suite tests it and ``supports`` can use it. The
+measured constants of the model (bandwidths, tolerances, where a schedule switches on) are
+the tuning table's ``planner`` thresholds (policy.py), each with its reason there.
 
 Two levels of on-chip memory matter on a GPU, not one:
 
@@ -30,7 +33,14 @@ import collections
 import dataclasses
 import functools
 import itertools
-import os
+import types
+
+from lrjax.custom_calls.triton import policy
+
+
+def _t() -> types.SimpleNamespace:
+  """The planner's thresholds in this device's tuning table."""
+  return policy.values("planner")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,24 +323,6 @@ def _phase_us(n_tiles: int, tile_bytes: float, g: int, bw: float, fill_us: float
   return cdiv(n_tiles, g) * (tile_bytes / (bw / g) * 1e6 + fill_us)
 
 
-# A phase-1 CTA keeps ``stages`` K steps of 64 rows x its columns of U in flight, so it streams
-# at most that many bytes per DRAM round trip: tiles of few columns are latency-bound below
-# their share of the bandwidth. Fitted to plans measured side by side on the H200 (session 14):
-# - the grouped kernel at Llama-3-70B's q/k/v (ranks 2432/576/576): k/v tiles of 64 columns
-#   (32 KB in flight) made the call 39.4 us at M=4 where 128-column ones took 31.7; at
-#   Qwen2.5-7B's (1088/256/256), q tiles of 96 columns x 512 rows were 3-6 % slower than
-#   192 x 256 (results/gpu_xuv_group_h200.json);
-# - the persistent X·U·V kernel at 8192->2432->8192: 160-column tiles 6-10 % faster than
-#   80-column ones at M = 1, 4, 16 (results/gpu_xuv_decode_round_trip_h200.json).
-# With this round trip, tiles under ~120 columns stream below a 1/132 share of 4 TB/s.
-ROUND_TRIP_US = 2.0
-# ... but where each CTA's share of U is only a few round trips' worth, the wider tiles the
-# cap asks for leave CTAs idle, and that measured worse: 4-20 % slower on 2048->256->512,
-# 4096->152->4096 and 2048->640->2048 (8-20 KB of U a CTA). The persistent kernel counts the
-# round trip from this many bytes of U a CTA (8192->2432->8192: 302 KB).
-ROUND_TRIP_MIN_BYTES = 64 * 1024
-
-
 def _cta_rate(
   cols: int, stages: int, share: float, round_trip_us: float, factors: int = 1
 ) -> float:
@@ -342,27 +334,11 @@ def _cta_rate(
   return min(share, stages * 64 * cols * 2 * factors / (round_trip_us * 1e-6))
 
 
-# Each split-K tile adds its f32 partial [M, cols] into P with atomics as it ends, so a
-# phase of S splits writes S x M x r x 4 bytes to L2 at its tail: at M=1-4 a few hundred KB,
-# at M=16 up to 2 MiB. Beyond about PARTIAL_FREE_BYTES that costs about a microsecond a MiB
-# (PARTIAL_BW). Fitted to the persistent X·U·V kernel, each pair timed in one device call
-# (results/gpu_xuv_decode_partials_h200.json): halving the partials with half as many,
-# half-width (128-column) splits took 1.1 / 1.0 / 0.3 us off at M=16 (2 -> 1 MiB;
-# 4096->1024->14336, 8192->4096->16384, 8192->2048->16384) and 0.9 / 0.5 us at M=8
-# (1 -> 0.5 MiB; the first two). Below 0.5 MiB nothing measurable was gained, and tiles
-# narrower than 128 columns cost on their own: 64-column tiles at 0.5 MiB were 0.05 us
-# faster than 128 at 1 MiB (M=16), 80-column ones 0.5 us slower than 160 at M=8 on
-# 4096->2560->14336 (0.33 against 0.66 MiB).
-PARTIAL_FREE_BYTES = 1 << 19
-PARTIAL_BW = 1.0e12
-# ... counted by plan_decode_persistent up to this many rows, the fused kernel's default rows
-# (from xuv_decode.PV_XLA_MIN_M = 64 the default is phase 1 alone, plan_decode_phase1's tiles)
-PARTIALS_MAX_M = 32
-
-
 def _partials_us(splits: int, m: int, r: int, factors: int = 1) -> float:
-  """The split-K partials' cost beyond PARTIAL_FREE_BYTES (m = 0: not counted)."""
-  return max(0, splits * m * r * 4 * factors - PARTIAL_FREE_BYTES) / PARTIAL_BW * 1e6
+  """The split-K partials' cost beyond ``partial_free_bytes`` (m = 0: not counted): each
+  split-K tile adds its f32 [M, cols] partial into P with atomics as it ends."""
+  T = _t()
+  return max(0, splits * m * r * 4 * factors - T.partial_free_bytes) / T.partial_bw * 1e6
 
 
 def _split_k_us(
@@ -401,10 +377,10 @@ def _split_k_tiles(
 ):
   """(us, block_r, cols_r, k_per) for a split-K phase over ``factors`` [K, r] matrices.
   With ``round_trip_us`` > 0 a CTA streams at most its in-flight bytes (``stages`` 64-row
-  steps of its columns) per round trip (ROUND_TRIP_US). With ``m`` rows, the f32 partials
-  count (``_partials_us``). Where the best tiles' rows are not whole 128-byte lines, tiles of
-  256 columns with as many K splits as fill one round of the grid are taken within
-  ``line_align_tol`` of its estimate (the decode plan's PHASE1_LINE_TOL; negative, the
+  steps of its columns) per round trip. With ``m`` rows, the f32 partials count
+  (``_partials_us``). Where the best tiles' rows are not whole 128-byte lines, tiles of 256
+  columns with as many K splits as fill one round of the grid are taken within
+  ``line_align_tol`` of its estimate (the decode plan's ``phase1_line_tol``; negative, the
   default: never)."""
   # ties go to fewer tiles, then to wider ones (longer contiguous rows); ranks <= 32 (e.g. a
   # TP shard of a small factor) take 16- or 32-column tiles; K <= 64 one 64-row step
@@ -432,18 +408,6 @@ def _split_k_tiles(
   return best[0], best[3], best[4], best[5]
 
 
-# Column tiles whose rows are one 128-byte line stream slower than the byte model says: at
-# 8192->2456->8192, two r-chunks of 128-column V tiles took 3-11 % less time than one r-chunk
-# of 64 columns, the same bytes a tile (results/gpu_xuv_decode_rows_h200.json). Wider tiles
-# are taken where their estimate is at most this much above the narrow ones'.
-LINE_ROW_TOL = 0.05
-# Tiles whose rows are whole 128-byte lines stream faster than tiles whose rows start
-# mid-line (three lines for a 224-byte row): at 4096->2560->14336, 112 tiles of 128 columns
-# (14 % more bytes a CTA, 20 SMs idle in phase 2) took 0.14-0.40 us less than 128 tiles of
-# 112 columns at M = 2, 4, 8, timed on the same weights (gpu_notes.md, session 25).
-LINE_ALIGN_TOL = 0.15
-
-
 def _column_tiles(
   n: int,
   n_rb: int,
@@ -453,7 +417,7 @@ def _column_tiles(
   fill_us: float,
   max_chunks: int = 16,
   min_row_bytes: int = 0,
-  line_row_tol: float = LINE_ROW_TOL,
+  line_row_tol: float | None = None,
   line_align_tol: float = -1.0,
   widths=(64, 128, 256),
 ):
@@ -461,9 +425,11 @@ def _column_tiles(
   a chunk of whole row blocks x cols_n columns (2-byte elements), each tile row at least
   ``min_row_bytes`` long where ``n`` allows. Where the fastest tiles by bytes have rows of one
   128-byte line (64 columns), wider tiles within ``line_row_tol`` of their estimate are taken
-  instead (see LINE_ROW_TOL; negative: never); where their rows span several lines but not
-  whole ones, one r-chunk of whole-line tiles within ``line_align_tol`` (the X·U·V decode
-  kernel's LINE_ALIGN_TOL; negative, the default: never)."""
+  instead (None: the table's ``line_row_tol``; negative: never); where their rows span
+  several lines but not whole ones, one r-chunk of whole-line tiles within ``line_align_tol``
+  (the X·U·V decode plan's ``line_align_tol``; negative, the default: never)."""
+  if line_row_tol is None:
+    line_row_tol = _t().line_row_tol
   min_cols = min(min_row_bytes // 2, round_up(n, 16))
   cands = []
   for w, c in _widths(widths):
@@ -495,33 +461,6 @@ def _column_tiles(
   return best[0], best[4], best[5], best[2]
 
 
-# Each phase-2 tile of the persistent decode kernel reads its r-chunk of the f32 P = X·U
-# from L2: m x r x 4 bytes a tile at one chunk. From about this many bytes, two r-chunks
-# with tiles twice as wide (half of P per tile, plus f32 output atomics) measured faster:
-# M=64 at r=4096 and 2560 (1 MB and 640 KB a tile) 11 % and 10 % faster, M=64 at r=2048
-# and M=32 at r=4096 (512 KB) 3-5 % slower (results/gpu_xuv_decode_chunks_h200.json).
-P_SPLIT_BYTES = 576 * 1024
-
-
-# V rows of its first tile each phase-2 CTA asks L2 for before it waits for P. Timed on the
-# same weights (results/gpu_xuv_decode_prefetch_rows_h200.json, session 26): with tiles of
-# 128 columns, 64 rows took 0.05-0.32 us less than 128 at 14 of 15 points of
-# 4096->2560/1024->14336, 8192->2048/4096->16384 and 4096->1216->4096 (M = 1...32; +0.01 at the
-# 15th), -0.17...+0.13 us at 8192->2432/2456->8192; 256 rows about as 64, 0 and 32 slower than
-# 128, 512 0.8-1.5 us slower. Narrower tiles (48 columns at N = 1024) keep 128 (64 was
-# -0.05...+0.14 us there).
-PREFETCH_ROWS = 128
-PREFETCH_ROWS_WIDE = 64  # phase-2 tiles of 128 columns or more
-
-# Phase-1 tiles of 256 columns (512-byte rows, whole lines), as many K splits as fill the grid,
-# are taken where their estimate is at most this much above the best tiles' (0: on a tie).
-# At 8192->2432->8192 and 8192->2456->8192, 130 tiles of 256 columns x 640 rows took 0.25-0.52
-# us less than 128 tiles of 160 x 1024 (the same bytes a tile) at M = 1, 2, 4, except
-# 8192->2456->8192 at M=1 (+0.22 / +0.37 us in two calls); at 4096->2560->14336 M=1, 256 x 320
-# against 160 x 512, 0.32 us less (session 26, results/gpu_xuv_decode_prefetch_rows_h200.json).
-PHASE1_LINE_TOL = 0.0
-
-
 def plan_decode_persistent(
   m: int,
   k: int,
@@ -529,14 +468,14 @@ def plan_decode_persistent(
   n: int,
   hw: Hardware = H200,
   programs: int | None = None,
-  bw: float = 4.0e12,
-  fill_us: float = 1.5,
-  p_split_bytes: float = P_SPLIT_BYTES,
+  bw: float | None = None,
+  fill_us: float | None = None,
+  p_split_bytes: float | None = None,
   min_row_bytes: int = 0,
-  line_row_tol: float = LINE_ROW_TOL,
-  line_align_tol: float = LINE_ALIGN_TOL,
-  phase1_line_tol: float = PHASE1_LINE_TOL,
-  round_trip_us: float = ROUND_TRIP_US,
+  line_row_tol: float | None = None,
+  line_align_tol: float | None = None,
+  phase1_line_tol: float | None = None,
+  round_trip_us: float | None = None,
   v_resident: bool = True,
   stream_k: bool = True,
 ) -> PersistentDecodePlan:
@@ -546,27 +485,35 @@ def plan_decode_persistent(
   as its busiest CTA (``_phase_us``). Tiles need not be powers of two wide (columns in
   multiples of 16, i.e. whole 32-byte sectors), so the tile count can match the grid. The
   plan minimises the estimate (HBM bytes only). Where a phase-2 tile would read at least
-  ``p_split_bytes`` of P from L2 (``P_SPLIT_BYTES``), phase 2 takes two r-chunks of tiles
-  twice as wide instead of one (the same tile count). Phase 1 counts each CTA's DRAM round
-  trip (ROUND_TRIP_US) where its share of U is at least ROUND_TRIP_MIN_BYTES, and up to
-  PARTIALS_MAX_M rows its f32 split-K partials beyond PARTIAL_FREE_BYTES (PARTIAL_BW).
-  Small ranks (``v_resident``, see ``_v_resident_plan``) take the V-resident schedule where
-  it applies and ``min_row_bytes`` allows its 64-column V tiles. Where measured faster
-  (``stream_k``, see STREAM_K_MAX_M), phase 1 runs as stream-K over 128-column blocks.
-  Phase-1 tiles whose rows are not whole 128-byte lines give way to 256-column ones that
-  fill one round of the grid within ``phase1_line_tol`` of their estimate (PHASE1_LINE_TOL),
-  and a phase-2 CTA prefetches PREFETCH_ROWS_WIDE V rows where its tiles are at least 128
-  columns wide, PREFETCH_ROWS where narrower.
+  ``p_split_bytes`` of P from L2, phase 2 takes two r-chunks of tiles twice as wide instead
+  of one (the same tile count). Phase 1 counts each CTA's DRAM round trip where its share of
+  U is at least ``round_trip_min_bytes``, and up to ``partials_max_m`` rows its f32 split-K
+  partials (``_partials_us``). Small ranks (``v_resident``, see ``_v_resident_plan``) take
+  the V-resident schedule where it applies and ``min_row_bytes`` allows its 64-column V
+  tiles. Where measured faster (``stream_k``: the ``stream_k_*`` thresholds), phase 1 runs as
+  stream-K over 128-column blocks. Phase-1 tiles whose rows are not whole 128-byte lines give
+  way to 256-column ones that fill one round of the grid within ``phase1_line_tol`` of their
+  estimate, and a phase-2 CTA prefetches ``prefetch_rows_wide`` V rows where its tiles are
+  at least 128 columns wide, ``prefetch_rows`` where narrower. Arguments left None take the
+  tuning table's thresholds of the same names (``policy.values("planner")``).
   """
+  T = _t()
+  bw = T.stream_bw if bw is None else bw
+  fill_us = T.fill_us if fill_us is None else fill_us
+  p_split_bytes = T.p_split_bytes if p_split_bytes is None else p_split_bytes
+  line_row_tol = T.line_row_tol if line_row_tol is None else line_row_tol
+  line_align_tol = T.line_align_tol if line_align_tol is None else line_align_tol
+  phase1_line_tol = T.phase1_line_tol if phase1_line_tol is None else phase1_line_tol
+  round_trip_us = T.round_trip_us if round_trip_us is None else round_trip_us
   g = programs or hw.num_sms
   block_m = max(16, next_pow2(m))
-  if k * r * 2 < ROUND_TRIP_MIN_BYTES * g:
+  if k * r * 2 < T.round_trip_min_bytes * g:
     round_trip_us = 0.0
-  if v_resident and min_row_bytes <= 2 * V_RES_BLOCK_N:
+  if v_resident and min_row_bytes <= 2 * T.v_res_block_n:
     res = _v_resident_plan(m, k, r, n, g, bw, fill_us, round_trip_us)
     if res is not None:
       return res
-  m_partials = m if block_m <= PARTIALS_MAX_M else 0
+  m_partials = m if block_m <= T.partials_max_m else 0
   t1, block_r, cols_r, k_per = _split_k_tiles(
     k, r, 1, g, bw, fill_us, 4 if block_m <= 32 else 3, round_trip_us, m_partials, phase1_line_tol
   )
@@ -593,7 +540,7 @@ def plan_decode_persistent(
   stages = 4 if block_m <= 32 else 3
   # 4 warps hold a [128, 256] f32 phase-1 tile only by spilling (2.6 KB/thread, ptxas sm_90a)
   warps = 8 if block_m >= 128 else 4
-  prefetch = PREFETCH_ROWS_WIDE if cols_n >= 128 else PREFETCH_ROWS
+  prefetch = T.prefetch_rows_wide if cols_n >= 128 else T.prefetch_rows
   plan = PersistentDecodePlan(
     block_m,
     64,
@@ -613,80 +560,43 @@ def plan_decode_persistent(
   if (
     stream_k
     and chunks == 1
-    and 2 <= m <= STREAM_K_MAX_M
-    and k <= STREAM_K_MAX_K
-    and r >= STREAM_K_MIN_R
-    and r % STREAM_K_COLS == 0
-    and cdiv(r, STREAM_K_COLS) * cdiv(k, 64) >= g
+    and 2 <= m <= T.stream_k_max_m
+    and k <= T.stream_k_max_k
+    and r >= T.stream_k_min_r
+    and r % T.stream_k_cols == 0
+    and cdiv(r, T.stream_k_cols) * cdiv(k, 64) >= g
   ):
-    plan = dataclasses.replace(plan, block_r=STREAM_K_COLS, cols_r=STREAM_K_COLS, stream_k=True)
+    plan = dataclasses.replace(plan, block_r=T.stream_k_cols, cols_r=T.stream_k_cols, stream_k=True)
   if (
     not plan.stream_k
     and chunks == 1
-    and m <= DEEP_KV_MAX_M
-    and r >= DEEP_KV_MIN_R
-    and r % DEEP_KV_ROWS == 0
+    and m <= T.deep_kv_max_m
+    and r >= T.deep_kv_min_r
+    and r % T.deep_kv_rows == 0
     and block_n == 128
   ):
     t1 = _split_k_us(
-      k, r, cols_r, k_per, 1, g, bw, fill_us, DEEP_KV_STAGES, round_trip_us, m_partials
+      k, r, cols_r, k_per, 1, g, bw, fill_us, T.deep_kv_stages, round_trip_us, m_partials
     )  # phase 1 at the stages the plan now has
-    plan = dataclasses.replace(plan, block_kv=DEEP_KV_ROWS, stages=DEEP_KV_STAGES, est_us=t1 + t2)
+    plan = dataclasses.replace(
+      plan, block_kv=T.deep_kv_rows, stages=T.deep_kv_stages, est_us=t1 + t2
+    )
   return plan
-
-
-# Phase 2 in DEEP_KV_ROWS-row reduction steps, DEEP_KV_STAGES stages (the field both phases
-# share; Triton keeps stages - 1 loads in flight: 64 KB of V a CTA at 128 columns against 48
-# KB, and 64 KB of U in phase 1 against 96; 80 KB of shared memory against 102), where
-# measured faster: 8192->4096->16384 at M = 1 / 2 / 4 took 0.55-0.61 us less a call (1.1 %;
-# 1.012x XLA at M=2, the one decode point that had trailed it), on the same weights (session
-# 29, results/gpu_xuv_decode_deep_kv_h200.json). Slower, not taken: M = 8 / 16 there
-# (+2.6-2.7 us), and with 128-column phase-1 tiles of 2048 rows as well (+2.2 us);
-# 4096->2560->14336 and 4096->1024->14336 at M=1 (+0.2-0.5 us, session 12,
-# results/gpu_xuv_decode_depth_h200.json).
-DEEP_KV_MAX_M = 4
-DEEP_KV_MIN_R = 4096
-DEEP_KV_ROWS = 128
-DEEP_KV_STAGES = 3
-
-
-# Phase 1 as stream-K (PersistentDecodePlan.stream_k, xuv_decode._xu_stream): U's 128-column
-# (256-byte) blocks x 64-row K steps split evenly over every CTA, where the tiles above leave
-# some SMs idle and straddle 128-byte lines (160-column tiles: the CTAs whose rows start
-# mid-line ended 0.3 us later; results/gpu_xuv_decode_trace_h200.json). Phase 1 of
-# 4096->2560->14336 then ended 0.5 us earlier and the call took 0.3-0.6 us less at M = 2-32
-# (4096->1024->14336: 0.3-0.5 us less at M = 2, 4, 16, even at 8). Slower, not taken: M=1
-# (+0.4 us), K = 8192 (+0.4-1.2 us at 8192->2048/4096->16384) and ranks that are not whole
-# 128-column blocks (8192->2432->8192: +2.5 us); results/gpu_xuv_decode_stream_k_h200.json.
-STREAM_K_MAX_M = 32
-STREAM_K_MAX_K = 4096
-STREAM_K_MIN_R = 1024
-STREAM_K_COLS = 128
-
-
-# The decode kernel's V-resident schedule (PersistentDecodePlan.v_resident): every tile on its
-# own CTA, the phase-2 CTAs loading their whole [r, cols_n] V tile into registers before they
-# wait for P. Where V is small, the wait, not V's bytes, is the call's time: at 2048->256->512
-# the call went from 4.5-4.7 to 3.8-4.1 us at M = 1...16, and 5.8 to 4.8-5.1 at M=32
-# (results/gpu_xuv_decode_v_resident_h200.json). Taken up to these many rows (P's [M, r] f32
-# tile is in registers too) and padded ranks, with V tiles of V_RES_BLOCK_N columns
-# (64 registers a thread at 4 warps: 64-column tiles, measured ahead of 128-column ones at 8
-# warps), and only where phase 2 needs at most half the SMs.
-V_RES_MAX_M = 32
-V_RES_MAX_R = 256
-V_RES_BLOCK_N = 64
 
 
 def _v_resident_plan(
   m: int, k: int, r: int, n: int, g: int, bw: float, fill_us: float, round_trip_us: float
 ) -> PersistentDecodePlan | None:
-  """The V-resident plan, or None where it does not apply: phase 2 takes V_RES_BLOCK_N-column
-  tiles, phase 1 the split-K tiles ``_split_k_tiles`` picks for the CTAs left over."""
+  """The V-resident plan, or None where it does not apply (``v_res_*``): every tile on its own
+  CTA, phase-2 tiles of ``v_res_block_n`` columns whose CTAs load their whole [r, cols_n] V
+  tile into registers before they wait for P, phase 1 the split-K tiles ``_split_k_tiles``
+  picks for the CTAs left over; only where phase 2 needs at most half the SMs."""
+  T = _t()
   block_m = max(16, next_pow2(m))
   r_p2 = max(16, next_pow2(r))
-  if block_m > V_RES_MAX_M or r_p2 > V_RES_MAX_R:
+  if block_m > T.v_res_max_m or r_p2 > T.v_res_max_r:
     return None
-  block_n = min(V_RES_BLOCK_N, max(32, next_pow2(n)))
+  block_n = min(T.v_res_block_n, max(32, next_pow2(n)))
   cols_n = min(block_n, round_up(n, 16))
   n2 = cdiv(n, cols_n)
   if 2 * n2 > g:
@@ -713,51 +623,6 @@ def _v_resident_plan(
   )
 
 
-# Pipeline stages of the phase-1-only plan's tiles: 4 instead of the fused plan's 3 from 64
-# rows took 0.5-2.4 us off a call at M = 64/128 with 128-column tiles (r > 1024) on
-# 8192->2456->8192, 4096->2560->14336 and 8192->4096->16384
-# (results/gpu_xuv_decode_phase1_stages_h200.json), and 0.0-0.7 us with 64-column tiles where
-# K >= PHASE1_DEEP_MIN_K (4096->1024->14336 at M = 64/128, 8192->544->1024, 4096->512->1024
-# and 4096->152->4096 at M=128); at K = 2048 they were 0.1-0.2 us slower, so 3 stay there
-# (results/gpu_xuv_decode_stages_more_h200.json; same weights, session 31)
-PHASE1_WIDE_STAGES = 4
-PHASE1_DEEP_MIN_K = 4096
-# ...or as many as keep PHASE1_INFLIGHT_BYTES of X and U in flight (up to PHASE1_MAX_STAGES):
-# at 64 rows a 64-column tile's stage is 16 KB (6 stages), with 128 columns or 128 rows 24 KB
-# (4). On the same weights 6 stages took 0.55 us off 4096->1024->14336 at M=64 (4 stages),
-# while on the 24- and 32-KB stages of the other points they moved -0.45...+0.85 us, mostly
-# slower (session 35, results/gpu_xuv_decode_phase1_deep_h200.json): about 96 KB of loads in
-# flight a CTA keep U streaming at one CTA an SM
-PHASE1_INFLIGHT_BYTES = 96 * 1024
-PHASE1_MAX_STAGES = 6
-
-# Where r > 1024, 64-column phase-1 tiles over twice the K range of 128-column ones (as many
-# CTAs) add half the f32 split-K partials but read X from L2 twice as often. On the same
-# weights at M = 64/128 (session 34, results/gpu_xuv_decode_phase1_cols_h200.json) the call
-# moved by about the partials' bytes over PHASE1_ATOMIC_BW plus X's L2 bytes over
-# PHASE1_X_L2_BW (``_phase1_l2_us``; five M=128 pairs fit to 0.2 us): 4096->1216->4096 -1.5 us
-# at M=128 (4.4 MB fewer partials, 9.4 MB more of X) and -0.65 at M=64, 4096->2560->14336
-# -0.4 at M=128 but +0.9 at M=64, 8192->2048/2456/4096 +0.4 / +1.3 / +3.5 at M=128 (33-67 MB
-# more of X). The narrow tiles are taken where that model saves PHASE1_NARROW_MIN_US.
-# (PARTIAL_BW, fitted to the fused plans' partials at M <= 32, does not fit these: with it the
-# X term would need 3.3 TB/s on one pair and 8.9 on another.)
-PHASE1_ATOMIC_BW = 1.9e12
-PHASE1_X_L2_BW = 11.8e12
-PHASE1_NARROW_MIN_US = 0.5
-
-# The grid's tiles end together only where they are of a size: at 8192->2456->8192, 128
-# columns over 20 column blocks (the last 24 wide) make 120 tiles of 1408 x 128 of U for 132
-# CTAs, and the largest tile is 1.18x the even share. 112 of the 128 columns (22 blocks, 132
-# tiles of 1408 x 112) cut the largest tile by 12.5 %: on the same weights -0.73 / -0.97 us at
-# M=128 (two H200s) and -0.75 at M=64 (session 42, results/gpu_xuv_decode_phase1_balance_h200.json).
-# Narrower tiles lost where tried, though they cut the largest tile too: 80 of 128 at
-# 4096->2560->14336 (9 % smaller; +0.53 us at M=128, +0.93 at M=64), 48 of 64 at
-# 4096->1216->4096 (11 %; +0.36 / +0.27), so only the one 16-column step of a 128-column tile
-# is taken, and only where it cuts the largest tile by at least PHASE1_BALANCE_MIN.
-PHASE1_BALANCE_COLS = 112
-PHASE1_BALANCE_MIN = 0.1
-
-
 def _phase1_tiles(k: int, r: int, cols: int, g: int) -> tuple[int, int]:
   """(column blocks, K rows a tile) of the phase-1 plan at ``cols`` columns: the fewest
   splits of whole 64-row steps that still give every CTA a tile."""
@@ -769,34 +634,26 @@ def _phase1_tiles(k: int, r: int, cols: int, g: int) -> tuple[int, int]:
 def _phase1_l2_us(m: int, k: int, r: int, cols: int, k_per: int) -> float:
   """The model's L2 time of a phase-1 plan: its split-K partials (f32 atomics) and the
   re-reads of X, once per column block."""
+  T = _t()
   return (
-    cdiv(k, k_per) * m * r * 4 / PHASE1_ATOMIC_BW + cdiv(r, cols) * m * k * 2 / PHASE1_X_L2_BW
+    cdiv(k, k_per) * m * r * 4 / T.phase1_atomic_bw + cdiv(r, cols) * m * k * 2 / T.phase1_x_l2_bw
   ) * 1e6
 
 
-# Phase 1 alone leaves P's f32 sums in its scratch (no p16) and XLA rounds them in a loop
-# fusion of its own before its GEMM. Rounding in the kernel (the last split-K tile of each
-# column block waits for the block's atomics, then reads its f32 sums back from L2) ended phase 1
-# 1.25-1.5 us after the other tiles at M=128 (results/gpu_xuv_decode_trace_phase1_h200.json).
-# Same weights, with phase 1's signals gone: the f32 hand-over took 0.06-1.8 us less at 6 of
-# the 7 M=64 points where phase 1 runs alone (+0.56 at 8192->4096->16384, still 1.03x XLA;
-# results/gpu_xuv_decode_signals_h200.json, session 39), and at M=128 0.07-2.35 us less at
-# 10 of 11 (+0.08 at 8192->2048->16384; results/gpu_xuv_decode_f32_p_h200.json, session 38).
 def plan_decode_phase1(
   m: int, k: int, r: int, n: int, hw: Hardware = H200, programs: int | None = None
 ) -> PersistentDecodePlan:
-  """Tiles for the decode kernel's phase 1 alone (``xuv_decode(pv="xla")``: X·U split over
-  K into P, then XLA's GEMM applies V). From M=64 rows the f32 partials of split-K (M x r x
-  4 bytes per split, added with atomics) rival U's own bytes, so this takes the fewest
-  splits that still give every CTA a tile: 128-column tiles (64 at r <= 1024, or where
-  ``_phase1_l2_us`` has them PHASE1_NARROW_MIN_US faster; PHASE1_BALANCE_COLS of a 128-column
-  tile's columns where that cuts the largest tile by PHASE1_BALANCE_MIN) over K ranges as long
-  as that allows, with PHASE1_WIDE_STAGES pipeline stages where r > 1024 (the 128-column tiles'
-  ranks) or K >= PHASE1_DEEP_MIN_K, more where fewer would keep less than
-  PHASE1_INFLIGHT_BYTES of X and U in flight (64 rows, 64 columns: 6). P left as f32 sums
-  for XLA to round (no p16, above).
-  Against ``plan_decode_persistent``'s tiles it took 5-24 % less time at M=128 and 0-15 % at
-  M=64 (results/gpu_xuv_decode_pv_h200.json, run 1)."""
+  """Tiles for the decode kernel's phase 1 alone (X·U split over K into P; then XLA's GEMM or
+  the ·V launch applies V). From 64 rows the f32 partials of split-K (M x r x 4 bytes per
+  split, added with atomics) rival U's own bytes, so this takes the fewest splits that still
+  give every CTA a tile: 128-column tiles (64 at r <= 1024, or where ``_phase1_l2_us`` has
+  them ``phase1_narrow_min_us`` faster; ``phase1_balance_cols`` of a 128-column tile's
+  columns where that cuts the largest tile by ``phase1_balance_min``) over K ranges as long
+  as that allows, with ``phase1_wide_stages`` pipeline stages where r > 1024 or K >=
+  ``phase1_deep_min_k``, more where fewer would keep less than ``phase1_inflight_bytes`` of X
+  and U in flight. P is left as f32 sums (no p16): rounding it in the kernel made a tile of
+  each column block wait for the block's atomics."""
+  T = _t()
   g = programs or hw.num_sms
   cols = 64 if r <= 1024 else 128
   n_rb, k_per = _phase1_tiles(k, r, cols, g)
@@ -805,21 +662,21 @@ def plan_decode_phase1(
     if (
       n64 * cdiv(k, k64) <= g
       and _phase1_l2_us(m, k, r, 64, k64)
-      <= _phase1_l2_us(m, k, r, 128, k_per) - PHASE1_NARROW_MIN_US
+      <= _phase1_l2_us(m, k, r, 128, k_per) - T.phase1_narrow_min_us
     ):
       cols, n_rb, k_per = 64, n64, k64
   cols_r = cols
-  if cols == 128:  # PHASE1_BALANCE_COLS of the block's columns where the largest tile shrinks
-    n_b, k_b = _phase1_tiles(k, r, PHASE1_BALANCE_COLS, g)
-    if PHASE1_BALANCE_COLS * k_b <= (1 - PHASE1_BALANCE_MIN) * cols * k_per:
-      cols_r, n_rb, k_per = PHASE1_BALANCE_COLS, n_b, k_b
+  if cols == 128:  # T.phase1_balance_cols of the block's columns where the largest tile shrinks
+    n_b, k_b = _phase1_tiles(k, r, T.phase1_balance_cols, g)
+    if T.phase1_balance_cols * k_b <= (1 - T.phase1_balance_min) * cols * k_per:
+      cols_r, n_rb, k_per = T.phase1_balance_cols, n_b, k_b
   base = plan_decode_persistent(m, k, r, n, hw, programs=g, v_resident=False, stream_k=False)
-  est = _phase_us(n_rb * cdiv(k, k_per), k_per * cols_r * 2, g, 4.0e12, 1.5)
+  est = _phase_us(n_rb * cdiv(k, k_per), k_per * cols_r * 2, g, T.stream_bw, T.fill_us)
   stages = base.stages
-  if r > 1024 or k >= PHASE1_DEEP_MIN_K:
+  if r > 1024 or k >= T.phase1_deep_min_k:
     stage_bytes = (base.block_m + cols) * base.block_k * 2
     stages = max(
-      PHASE1_WIDE_STAGES, min(PHASE1_MAX_STAGES, cdiv(PHASE1_INFLIGHT_BYTES, stage_bytes))
+      T.phase1_wide_stages, min(T.phase1_max_stages, cdiv(T.phase1_inflight_bytes, stage_bytes))
     )
   return dataclasses.replace(
     base, block_r=cols, cols_r=cols_r, k_per=k_per, r_chunks=1, p16=False, stages=stages, est_us=est
@@ -844,29 +701,21 @@ class PvLaunchPlan:
       raise ValueError(f"{self}: expected block_kv, warps and stages >= 1")
 
 
-# The ·V launch's tiles, fitted to 13 points of 32-128 rows (session 41, same weights,
-# results/gpu_xuv_decode_pv_launch_h200.json): 32-column tiles (64 were slower at every point
-# timed), and the tallest row block of 64/32/16 that still gives PV_LAUNCH_MIN_TILES tiles
-# with an f32 P tile of at most PV_LAUNCH_P_TILE_BYTES (a CTA's serial read); 16 rows where
-# none does. It picks the fastest of the three at 11 of the points and is within 0.9 % at the
-# other two.
-PV_LAUNCH_COLS = 32
-PV_LAUNCH_MIN_TILES = 128
-PV_LAUNCH_P_TILE_BYTES = 96 * 1024
-
-
 def plan_pv_launch(m: int, r: int, n: int) -> PvLaunchPlan:
-  """Output tiles for ``xuv_decode``'s ·V launch (see PV_LAUNCH_* above)."""
-  n_nb = cdiv(n, PV_LAUNCH_COLS)
+  """Output tiles for the ·V launch: ``pv_launch_cols``-column tiles, the tallest row block
+  of 64/32 that keeps at least ``pv_launch_min_tiles`` tiles with an f32 P tile of at most
+  ``pv_launch_p_tile_bytes``; 16 rows where none does."""
+  T = _t()
+  n_nb = cdiv(n, T.pv_launch_cols)
   bm = next(
     (
       b
       for b in (64, 32)
-      if b * r * 4 <= PV_LAUNCH_P_TILE_BYTES and cdiv(m, b) * n_nb >= PV_LAUNCH_MIN_TILES
+      if b * r * 4 <= T.pv_launch_p_tile_bytes and cdiv(m, b) * n_nb >= T.pv_launch_min_tiles
     ),
     16,
   )
-  return PvLaunchPlan(bm, PV_LAUNCH_COLS, 64, 4, 3)
+  return PvLaunchPlan(bm, T.pv_launch_cols, 64, 4, 3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -905,7 +754,7 @@ def _group_phase1(
   bw: float,
   fill_us: float,
   stages: int,
-  round_trip_us: float = ROUND_TRIP_US,
+  round_trip_us: float,
   widths: tuple = (64, 128, 256),
 ):
   """(us, ((block_r, cols_r, k_per) a member)) for the grouped kernel's phase 1, whose CTAs
@@ -963,27 +812,30 @@ def plan_decode_group(
   members,
   hw: Hardware = H200,
   programs: int | None = None,
-  bw: float = 4.0e12,
-  fill_us: float = 1.5,
+  bw: float | None = None,
+  fill_us: float | None = None,
   min_row_bytes: int = 0,
-  line_row_tol: float = LINE_ROW_TOL,
-  round_trip_us: float = ROUND_TRIP_US,
+  line_row_tol: float | None = None,
+  round_trip_us: float | None = None,
 ) -> GroupDecodePlan:
   """Tiles for the grouped decode kernel: ``members`` is [(r_i, n_i)]. Phase 1 is planned as
   the kernel runs it, every member's split-K tiles round-robin over all ``programs`` CTAs
-  (``_group_phase1``, with each CTA's DRAM round trip counted at every size: on Llama-3.2-1B's
-  q/k/v, 35 KB of U a CTA, the new plan measured as fast as the per-member one it replaced).
-  Phase 2 gives each member a share of the CTAs in proportion to its V_i bytes and cuts its
-  tiles as ``plan_decode_persistent`` does for that many CTAs, with one r-chunk (phase 2
-  waits for the member's whole X·U_i). ``min_row_bytes`` applies to phase 2 as far as its
-  capped width allows."""
+  (``_group_phase1``, each CTA's DRAM round trip counted at every size). Phase 2 gives each
+  member a share of the CTAs in proportion to its V_i bytes and cuts its tiles as
+  ``plan_decode_persistent`` does for that many CTAs, with one r-chunk (phase 2 waits for the
+  member's whole X·U_i). ``min_row_bytes`` applies to phase 2 as far as its capped width
+  allows. Arguments left None take the tuning table's thresholds of the same names."""
+  T = _t()
+  bw = T.stream_bw if bw is None else bw
+  fill_us = T.fill_us if fill_us is None else fill_us
+  line_row_tol = T.line_row_tol if line_row_tol is None else line_row_tol
+  round_trip_us = T.round_trip_us if round_trip_us is None else round_trip_us
   g = programs or hw.num_sms
   g2 = _shares([r * n for r, n in members], g)
   block_m = max(16, next_pow2(m))
   stages = 4 if block_m <= 32 else 3
-  # from 32 rows, 256-column V tiles ask for more shared memory than a CTA has (245760 B at
-  # Llama-3-70B's q/k/v, 32 rows: tests/custom_calls/triton/test_triton_smem.py); so do
-  # 256-column U tiles for every member at 64 rows
+  # from 32 rows 256-column V tiles need more shared memory than a CTA has (245760 B at
+  # Llama-3-70B's q/k/v), and at 64 rows so do 256-column U tiles
   widths = (64, 128, 256) if block_m <= 16 else (64, 128)
   est1, phase1 = _group_phase1(
     k,
@@ -1036,17 +888,15 @@ def plan_decode_group_phase1(
   programs: int | None = None,
   one_branch: bool | None = None,
 ) -> GroupDecodePlan:
-  """Tiles for the grouped kernel's phase 1 alone (``xuv_decode_group(pv="xla")``: XLA's GEMMs
-  then apply each V_i): ``plan_decode_phase1``'s tiles for the members' ranks side by side
-  (K splits chosen for their summed rank, so the members' tiles together fill the grid once),
-  every member cut the same way; no phase-2 tiles. The kernel keeps a phase-1 pipeline in
-  shared memory for each call site, and the stages are as many as those pipelines leave room
-  for, at most the phase-1 plan's. ``one_branch`` (members of one rank only; None, the
-  default, takes it wherever the ranks match): all members through one call site, one
-  pipeline (4 stages at 128 rows, as one X·U·V call; 2-3 % faster on the composed MLP's gate
-  and up, Llama-3-8B at 64 and 128 rows and 70B at 128: benchmarks/gpu_notes.md, session 45).
-  Otherwise a branch a member, counted as two pipelines (compiled for sm_90: 262144 B at 128
-  rows and 4 stages of 32 KB, so 3 stages)."""
+  """Tiles for the grouped kernel's phase 1 alone (``pv="xla"``: XLA's GEMMs then apply each
+  V_i): ``plan_decode_phase1``'s tiles for the members' ranks side by side (K splits chosen
+  for their summed rank, so the members' tiles together fill the grid once), every member cut
+  the same way; no phase-2 tiles. The kernel keeps a phase-1 pipeline in shared memory for
+  each call site, and the stages are as many as those pipelines leave room for, at most the
+  phase-1 plan's. ``one_branch`` (members of one rank only; None, the default, takes it
+  wherever the ranks match): all members through one call site, one pipeline (2-3 % faster
+  on the composed MLP's gate and up than a branch a member, which counts as two pipelines:
+  262144 B at 128 rows and 4 stages of 32 KB, so 3 stages)."""
   g = programs or hw.num_sms
   one_rank = len({r for r, _ in members}) == 1
   if one_branch is None:
@@ -1106,22 +956,25 @@ def plan_mlp_decode_persistent(
   gated: bool = True,
   hw: Hardware = H200,
   programs: int | None = None,
-  bw: float = 4.0e12,
-  fill_us: float = 1.5,
+  bw: float | None = None,
+  fill_us: float | None = None,
   min_row_bytes: int = 0,
-  line_row_tol: float = LINE_ROW_TOL,
+  line_row_tol: float | None = None,
 ) -> PersistentMlpPlan:
   """Tiles for the persistent MLP decode kernel: phase A streams Ug and Uu (split-K), phase
   B one D_ff slice of Vg, Vu and Ud per tile, phase C Vd; each phase cut as in
   ``plan_decode_persistent`` (``min_row_bytes`` applies to phase B as far as its capped
-  width allows)."""
+  width allows; arguments left None take the tuning table's thresholds)."""
+  T = _t()
+  bw = T.stream_bw if bw is None else bw
+  fill_us = T.fill_us if fill_us is None else fill_us
+  line_row_tol = T.line_row_tol if line_row_tol is None else line_row_tol
   g = programs or hw.num_sms
   n_up = 2 if gated else 1
   block_m = max(16, next_pow2(m))
   ta, block_r, cols_r, k_per = _split_k_tiles(d, r, n_up, g, bw, fill_us)
-  # phase B at most 128 wide, and 64 from 64 rows: 256-wide tiles asked for 280 KB of shared
-  # memory in Llama-3-70B's MLP, 128-wide ones 272 KB at 64 rows (the H200 has 227 KB a CTA;
-  # tests/custom_calls/triton/test_triton_smem.py)
+  # phase B at most 128 wide, and 64 from 64 rows: 256-wide tiles need 280 KB of shared
+  # memory in Llama-3-70B's MLP, 128-wide ones 272 KB at 64 rows (a CTA has 227 KB)
   widths_b = (64, 128) if block_m <= 32 else (64,)
   tb, block_f, cols_f, _ = _column_tiles(
     f,
@@ -1178,120 +1031,3 @@ def plan_kv_splits(
     if best is None or cost < best[0]:
       best = (cost, splits)
   return best[1]
-
-
-def chain_scratch() -> bool:
-  """Whether the decode calls of one block share a chained scratch buffer (launch.py; the
-  default) or each has its own zeroed by an XLA op (``LRJAX_TRITON_SCRATCH_CHAIN=0``, read
-  when a call is lowered; for A/B timing)."""
-  return os.environ.get("LRJAX_TRITON_SCRATCH_CHAIN", "") in ("", "1")
-
-
-# the custom-call targets lrjax's Triton calls lower to (launch.py)
-LEGACY_TARGET = "triton_kernel_call"  # jax-triton's own (jaxlib's legacy handler)
-FFI_TARGET = "triton_kernel_call_ffi"  # jaxlib's typed-FFI handler (launch mode jaxlib)
-LAUNCH_TARGET = "lrjax_triton_launch"  # lrjax's handler (pdl_launch.cc)
-XLA_TARGET = "__gpu$xla.gpu.ptx"  # XLA launches the kernel's PTX itself (launch mode xla)
-XLA_TRITON_TARGET = "__gpu$xla.gpu.triton"  # XLA compiles the kernel's TTIR with its own
-# Triton and launches it (launch mode xla_triton)
-
-
-def count_calls(hlo_text: str) -> int:
-  """Triton custom calls (any of the five targets) in a compiled module's HLO text."""
-  return sum(
-    hlo_text.count(f'custom_call_target="{t}"')
-    for t in (LEGACY_TARGET, FFI_TARGET, LAUNCH_TARGET, XLA_TARGET, XLA_TRITON_TARGET)
-  )
-
-
-# The kernels launch mode xla_triton may hand to XLA's Triton call: the persistent X·U·V decode
-# kernel. XLA's Triton compiled the grouped decode kernel to 306-324 KB of shared memory
-# (session 27) and the SwiGLU decode kernel to 313 KB (session 24), more than an H200 CTA may
-# have; those and every other kernel take XLA's PTX call.
-XLA_TRITON_KERNELS = ("_xuv_decode_persistent_kernel", "_pv_launch_kernel")
-
-
-def xla_triton_serves(kernel: str, meta: dict) -> bool:
-  """Whether launch mode xla_triton hands a call of ``kernel`` (the Triton function's name)
-  with constexprs ``meta`` to XLA's Triton call rather than its PTX call: the persistent X·U·V
-  decode kernel with phase-1 tiles of all BLOCK_R columns or V resident. Same weights on an
-  H200: such plans with phase 2 in the kernel 0.12 us faster a call on average over the 48
-  decode points up to 32 rows (session 28, results/gpu_xuv_decode_points_ab_h200.json),
-  mostly from the programmatic dependent launch XLA gives its Triton calls and not its PTX
-  call (0.31 us faster at 4096->2560->14336 M=2, 0.07 with --xla_gpu_enable_pdl=false);
-  phase 1 alone (PV=0, XLA's GEMM applies V; plan_decode_phase1's whole tiles) 0.23 us faster
-  on average over the 22 points at 64 and 128 rows (0.23-0.61 faster at 15, 0.07-0.36 slower
-  at 7; session 31, results/gpu_xuv_decode_wide_m_ab_h200.json); phase-1 tiles of 160 of 256
-  columns 2.3 us slower (8192->2456->8192, M=8, with PDL off too) and 0.14 us slower
-  (8192->2432->8192) (sessions 27 and 29, results/gpu_xuv_decode_xla_triton_h200.json,
-  results/gpu_xla_triton_build_h200.json); phase 1 alone on 112 of 128 columns a tie (PTX call
-  38.02 us, Triton call 38.07 at 8192->2456->8192 M=128, session 42,
-  results/gpu_xuv_decode_phase1_balance_h200.json). The X·U·V decode's ·V launch (``pv="launch"``)
-  always: with phase 1, both through XLA's Triton call were faster than both through its PTX
-  call at all five small-V points timed (session 41,
-  results/gpu_xuv_decode_pv_launch_h200.json)."""
-  if kernel not in XLA_TRITON_KERNELS:
-    return False
-  return (
-    kernel == "_pv_launch_kernel"  # any tiles
-    or meta["COLS_R"] == meta["BLOCK_R"]
-    or bool(meta["V_RES"])
-  )
-
-
-LAUNCH_MODES = ("jaxlib", "lrjax", "pdl", "xla", "xla_triton")
-XLA_LAUNCH_MIN_JAXLIB = (0, 11, 2)  # the jaxlib XLA's PTX call was verified on (H200)
-# [first, end): the jaxlibs whose XLA has the Triton call xla_triton needs, verified on 0.11.2
-# (H200, session 28); a TODO in XLA's source marks that target for removal, so later jaxlibs
-# fall back to the PTX call until verified
-XLA_TRITON_JAXLIB = ((0, 11, 2), (0, 12))
-
-
-def _default_launch() -> str:
-  import jaxlib.version
-
-  version = jaxlib.version.__version_info__
-  if XLA_TRITON_JAXLIB[0] <= version < XLA_TRITON_JAXLIB[1]:
-    return "xla_triton"
-  return "xla" if version >= XLA_LAUNCH_MIN_JAXLIB else "jaxlib"
-
-
-DEFAULT_LAUNCH = _default_launch()
-MODEL_AB_LAUNCHES = ("jaxlib", "xla", "xla_triton")  # the launchers whose model steps are the
-# kernels' A/B (measured.py): the default (xla_triton on jaxlib 0.11.x), XLA's PTX call, its
-# default before (the same step within 0.6 %, results/model_launch_ab_h200.json), and
-# jaxlib's, the default until session 24 and 1-1.5 % slower in the Llama-3-8B step: its rows
-# understate the kernels
-
-
-def launch_mode() -> str:
-  """Which handler launches lrjax's Triton kernels (launch.py): ``LRJAX_TRITON_LAUNCH``, read
-  when a call is lowered; DEFAULT_LAUNCH unless set (``xla_triton`` on jaxlib 0.11.x from
-  0.11.2, ``xla`` on later jaxlibs, else ``jaxlib``)."""
-  mode = os.environ.get("LRJAX_TRITON_LAUNCH", "") or DEFAULT_LAUNCH
-  if mode not in LAUNCH_MODES:
-    raise ValueError(f"LRJAX_TRITON_LAUNCH={mode!r}: expected one of {LAUNCH_MODES}")
-  return mode
-
-
-SCRATCH_MIN_HALF = 1 << 17  # floats in each half of a scratch chain's buffer at least
-# (512 KiB): one chain then serves every decode call of the
-# benchmarked models' steps at M <= 16 (launch.py)
-
-
-def next_link(last: tuple[int, int, int] | None, need: int) -> tuple[bool, int, int, int]:
-  """Where a decode call needing ``need`` scratch floats runs in its block's scratch chain
-  (launch.py). ``last`` is what the chain's last call left: (the buffer's half size, the
-  half it worked in, floats of that half it used), or None where no chain runs yet.
-  Returns (a fresh zeroed buffer?, its half size, the half this call works in, floats of
-  the other half it zeroes). Offsets and counts are 0 or multiples of 16 (_common.leave_chain
-  tells Triton so of the zeroed half's offset), never 1 (which jax-triton would compile in as
-  a constant)."""
-  if need < 1:
-    raise ValueError(f"a scratch of {need} floats: expected at least 1")
-  if last is None or need > last[0]:
-    return True, cdiv(max(need, SCRATCH_MIN_HALF), 1024) * 1024, 0, 0
-  half, parity, dirty = last
-  if parity not in (0, 1) or not 0 <= dirty <= half:
-    raise ValueError(f"{last=}: expected (half, 0 or 1, 0 <= used floats <= half)")
-  return False, half, 1 - parity, min(half, round_up(dirty, 16))

@@ -35,7 +35,7 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from lrjax.custom_calls.triton import launch, planner
+from lrjax.custom_calls.triton import launch, planner, policy
 from lrjax.custom_calls.triton._common import (
   check_out,
   first_tile,
@@ -43,12 +43,12 @@ from lrjax.custom_calls.triton._common import (
   next_tile,
   ring_tile,
   signal,
+  tile_codes,
   unpack_xuv_args,
   wait_at_least,
 )
 
 PHASE_A, PHASE_D = 0, 3
-_PHASE_SHIFT, _M_SHIFT, _J_MASK = 28, 14, (1 << 14) - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,9 +65,11 @@ class BlockSizes:
 
   @classmethod
   def get_default(cls, m: int, k: int, r: int, n: int) -> BlockSizes:
-    key = _shape_class(m, r)
-    if key in TUNED:
-      t = TUNED[key]
+    """The tuning table's blocks by shape class (``xuv_prefill`` tiles), else
+    ``planner.plan_prefill``'s."""
+    t = policy.tiles("xuv_prefill").get(",".join(_shape_class(m, r)))
+    if t is not None:
+      t = cls(**t)
     else:
       p = planner.plan_prefill(m, r, (r,))
       t = cls(p.block_m, p.block_n, p.block_k, p.group_m, 3, p.warps, p.stages, p.programs)
@@ -78,15 +80,6 @@ class BlockSizes:
 
 def _shape_class(m: int, r: int) -> tuple[str, str]:
   return ("m<=512" if m <= 512 else "m>512", "r>=2048" if r >= 2048 else "r<2048")
-
-
-# Tuned on the H200 (benchmarks/gpu_lowrank.py); missing classes use planner.plan_prefill.
-TUNED: dict[tuple[str, str], BlockSizes] = {
-  ("m>512", "r>=2048"): BlockSizes(128, 256, 64, 8, 3, 8, 3, 132),
-  ("m>512", "r<2048"): BlockSizes(128, 256, 64, 16, 3, 8, 3, 132),
-  ("m<=512", "r>=2048"): BlockSizes(128, 128, 64, 4, 3, 8, 4, 132),
-  ("m<=512", "r<2048"): BlockSizes(128, 128, 64, 4, 3, 8, 4, 132),
-}
 
 
 @triton.jit
@@ -170,17 +163,6 @@ def _xuv_prefill_kernel(
     t = next_tile(counter, t, PROGRAMS, DYNAMIC)
 
 
-def tile_codes(xp, phase: int, mb0: int, g: int, width: int, rows_fastest: bool):
-  """Codes of one phase over row blocks [mb0, mb0+g) x column blocks [0, width).
-
-  ``xp`` is numpy or jax.numpy. Under jit, jnp.arange is an iota, so the schedule is
-  built from ops rather than captured as an array constant.
-  """
-  i = xp.arange(g * width, dtype=xp.int32)
-  mb, j = (mb0 + i % g, i // g) if rows_fastest else (mb0 + i // width, i % width)
-  return (phase << _PHASE_SHIFT) | (mb << _M_SHIFT) | j
-
-
 def schedule(m: int, r: int, n: int, bs: BlockSizes, xp=np):
   """Tile codes in dependency order: step s = [A(super-block s), D(super-block s-1)]."""
   n_mb = planner.cdiv(m, bs.block_m)
@@ -232,7 +214,7 @@ def xuv_prefill(
 ):
   """y = (x·u)·v (+ bias) for many tokens. x [..., K], u [K, r], v [r, N], bias [N].
 
-  ``out`` [M, N]: optional buffer the kernel writes into (aliased; the tests poison it).
+  ``out`` [M, N]: optional buffer the kernel writes into (aliased).
   """
   x2, lead, (m, k, r, n), out_dtype = unpack_xuv_args(x, u, v, out_dtype)
   check_out(out, (m, n), out_dtype)

@@ -120,11 +120,9 @@ def test_host_timing_is_used_off_a_gpu(bench, monkeypatch):
   assert math.isfinite(t_us)
 
 
-def test_timeline_busy_time_is_the_union_of_kernel_intervals(monkeypatch, load_benchmark):
-  monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
-  timeline = load_benchmark("gpu_timeline")
-  assert timeline.gl.busy_ns([(0, 10, "a"), (5, 15, "b"), (20, 30, "c")]) == 25
-  assert timeline.gl.busy_ns([(0, 10, "a"), (2, 3, "b")]) == 10  # one inside another
+def test_timeline_busy_time_is_the_union_of_kernel_intervals(bench):
+  assert bench.busy_ns([(0, 10, "a"), (5, 15, "b"), (20, 30, "c")]) == 25
+  assert bench.busy_ns([(0, 10, "a"), (2, 3, "b")]) == 10  # one inside another
 
 
 def test_idle_gaps_are_summed_by_the_kernels_around_them(bench):
@@ -148,7 +146,9 @@ def test_device_diffs_pair_each_short_execution_with_the_next_long_one(bench, mo
   assert [round(1e9 * d) for d in diffs] == [20, 28]
 
 
-def test_decode_variant_suites_time_each_variant_beside_its_base(bench, monkeypatch):
+def test_variants_are_timed_beside_each_default_record(bench, monkeypatch):
+  """--variants SPEC,,SPEC: each default record of the suite, then each variant with the
+  default's XLA times (baselines)."""
   import argparse
 
   calls = []
@@ -158,134 +158,34 @@ def test_decode_variant_suites_time_each_variant_beside_its_base(bench, monkeypa
     return dict(M=m, K=k, variant=kernel)
 
   monkeypatch.setattr(bench, "xuv_record", fake)
-  args = argparse.Namespace(extra=[], chunk_m=[64])
-  recs = bench.suite("decode_chunks", 1.0, 1.0, args, [])
+  args = argparse.Namespace(extra=[], variants="persistent,,pv_xla", min_m=64, max_m=64)
+  recs = bench.suite("decode", 1.0, 1.0, args, [])
   shapes = len(bench.XUV_DECODE_SHAPES)
-  assert len(recs) == shapes * 4 and len(calls) == shapes * 4
-  assert [c[2:] for c in calls[:4]] == [("auto", False)] + [
-    (v, True) for v in bench.decode_chunk_variants(64, *bench.XUV_DECODE_SHAPES[0])
-  ]
-  calls.clear()
-  bench.suite("decode_persistent", 1.0, 1.0, args, [])
-  assert calls[0][2:] == ("decode_xz", False)
-  assert [c[2] for c in calls[1 : 1 + len(bench.PERSISTENT_VARIANTS)]] == list(
-    bench.PERSISTENT_VARIANTS
-  )
+  assert len(recs) == shapes * 3 and len(calls) == shapes * 3
+  assert [c[2:] for c in calls[:3]] == [("auto", False), ("persistent", True), ("pv_xla", True)]
+  assert {c[0] for c in calls} == {64}
 
 
 def test_attention_suite_extends_the_policy_to_its_shapes(bench, monkeypatch):
   """decode_attn times the attention projections at every decode M (--min-m / --max-m
-  narrow it), each within the policy's EXTRAPOLATE of the shapes it adds (so the policy
+  narrow it), each within the policy's ``extrapolate`` of the shapes it adds (so the policy
   judges them from these records)."""
   import argparse
 
-  from lrjax.custom_calls.triton import measured
+  from lrjax.custom_calls.triton import policy
 
   calls = []
   monkeypatch.setattr(
     bench, "xuv_record", lambda m, k, r, n, *a, **kw: calls.append((m, k, r, n)) or dict(M=m)
   )
-  args = argparse.Namespace(extra=[], min_m=2, max_m=64)
+  args = argparse.Namespace(extra=[], variants=None, min_m=2, max_m=64)
   bench.suite("decode_attn", 1.0, 1.0, args, [])
   ms = [m for m in bench.DECODE_M if 2 <= m <= 64]
   assert 1 not in ms and 128 not in ms and 32 in ms
   assert calls == [(m, *s) for s in bench.XUV_ATTN_SHAPES for m in ms]
   fake = tuple(("xuv", m, k, r, n, 10.0, 11.0) for (m, k, r, n) in calls)
-  monkeypatch.setattr(measured, "RECORDS", fake)
-  monkeypatch.setattr(measured, "MODEL_AB", ())  # the calls alone, not the whole-model A/Bs
-  monkeypatch.setattr(measured, "MODEL_OP_AB", ())
-  assert all(measured.verdict("xuv", m, k, r, n) is None for (m, k, r, n) in calls)
-
-
-def decode_rec(op, m, floor_us, ours_us, xla_us, k=4096):
-  return dict(
-    op=op,
-    variant="auto",
-    M=m,
-    K=k,
-    r=1024,
-    N=4096,
-    floor_us=floor_us,
-    ours_us=ours_us,
-    xla_lowrank_us=xla_us,
-    hbm_roofline_frac=floor_us / ours_us,
-    speedup_vs_xla=xla_us / ours_us,
-    tflops=1.0,
-  )
-
-
-def test_fixed_cost_fit_recovers_a_line_and_needs_three_floors(bench):
-  recs = [decode_rec("xuv", 1, f, 5.0 + 0.9 * f, 9.0 + f) for f in (2.0, 10.0, 30.0, 60.0)]
-  fixed, slope, rms = bench.fixed_cost_fit(recs)
-  assert abs(fixed - 5.0) < 1e-9 and abs(slope - 0.9) < 1e-9 and rms < 1e-9
-  assert bench.fixed_cost_fit(recs[:2]) is None
-  assert bench.fixed_cost_fit([decode_rec("xuv", 1, 3.0, t, t) for t in (4, 5, 6)]) is None
-
-
-def test_missed_decode_targets_say_by_how_much_and_why(bench):
-  """A decode miss records its target time and shortfall, and why: the run's fit of time
-  against floor leaves too little at small floors (fixed / (1/0.85 - slope)); a point above
-  its fit says by how much; one that streams well but trails XLA says so; a met point has
-  no reason."""
-  recs = [decode_rec("xuv", m, f, 5.0 + f, 8.0 + f) for m, f in ((1, 10.0), (2, 40.0), (4, 80.0))]
-  recs.append(decode_rec("xuv", 8, 40.0, 52.0, 60.0))  # 7 us above the others' line: 77 %
-  recs.append(decode_rec("xuv", 16, 80.0, 86.0, 85.0))  # 93 % but behind XLA
-  fixed, slope, _ = bench.fixed_cost_fit(recs)
-  out = {t["M"]: t for t in bench.evaluate_targets(recs)}
-  small = out[1]
-  assert not small["met"] and small["target_us"] == round(10 / 0.85, 2)
-  assert small["short_by_us"] == round(15.0 - 10 / 0.85, 2)
-  assert small["why"].startswith("fixed cost")
-  assert f"floors under {fixed / (1 / 0.85 - slope):.0f} us" in small["why"]
-  assert f"{fixed:.1f} us + {slope:.2f} x floor over the sweep's 5 decode points" in small["why"]
-  assert out[2]["met"] and "why" not in out[2] and out[2]["short_by_us"] == 0.0
-  assert not out[8]["met"] and out[8]["why"].startswith("this point runs")
-  assert not out[16]["met"] and out[16]["why"].startswith("behind XLA")
-
-
-def test_decode_points_to_128_rows_are_judged_against_xla(bench):
-  """The issue's "done when": every decode X·U·V point ahead of XLA; from 17 to 128 rows
-  that alone is judged, a trailing point says by how much and which measurements say why."""
-  recs = [
-    decode_rec("xuv", 32, 5.0, 10.0, 10.5),
-    decode_rec("xuv", 64, 5.0, 11.0, 10.0),
-    decode_rec("xuv", 128, 5.0, 12.0, 11.5),
-    decode_rec("xuv", 256, 5.0, 9.0, 10.0),
-  ]
-  out = {t["M"]: t for t in bench.evaluate_targets(recs)}
-  assert set(out) == {32, 64, 128}  # 256 rows is neither decode nor the prefill sweep
-  assert out[32]["met"] and out[32]["short_by_us"] == 0.0 and "why" not in out[32]
-  assert not out[64]["met"] and out[64]["short_by_us"] == 1.0
-  assert out[64]["why"] == bench.WIDE_M_WHY and "gpu_xla_gemm_config_h200" in out[64]["why"]
-  assert not out[128]["met"] and out[128]["short_by_us"] == 0.5
-  assert "ahead of XLA" in out[64]["target"] and "M<=128" in out[64]["target"]
-  slow32 = bench.evaluate_targets([decode_rec("xuv", 32, 5.0, 11.0, 10.0)])[0]
-  assert not slow32["met"] and slow32["why"].startswith("the fused kernel")
-
-
-def test_swiglu_decode_from_17_tokens_is_judged_against_xla(bench):
-  """The "done when" holds for the SwiGLU decode points from 17 to 128 tokens too: a trailing
-  one says by how much, and how near each side runs to the roofline, on which weights."""
-  recs = [
-    decode_rec("mlp_swiglu", 32, 90.0, 100.0, 110.0),
-    dict(decode_rec("mlp_swiglu", 64, 90.0, 100.0, 98.0), weights="distinct"),
-    decode_rec("mlp_swiglu", 128, 90.0, 100.0, 99.0),
-  ]
-  out = {t["M"]: t for t in bench.evaluate_targets(recs)}
-  assert all("SwiGLU 17<=T<=128 (done when)" in t["target"] for t in out.values())
-  assert out[32]["met"] and "why" not in out[32] and out[32]["short_by_us"] == 0.0
-  assert not out[64]["met"] and out[64]["short_by_us"] == 2.0
-  assert out[64]["why"].startswith(
-    "the fused decode kernel at 90% of the HBM roofline, "
-    "XLA's unfused chain at 92% (each call on its own layer)"
-  )
-  assert out[128]["why"].startswith("X·U·V decode calls") and "reused" in out[128]["why"]
-
-
-def test_missed_prefill_targets_give_the_throughput_against_xla(bench):
-  rec = dict(decode_rec("xuv", 1024, 100.0, 110.0, 100.0), tflops=600.0)
-  (t,) = bench.evaluate_targets([rec])
-  assert not t["met"] and t["why"].startswith("compute-bound: 600 TFLOP/s against XLA's 660")
+  table = policy.current().replace(records=fake, model_ab=(), model_op_ab=())  # calls alone
+  assert all(policy.verdict("xuv", m, k, r, n, table) is None for (m, k, r, n) in calls)
 
 
 def test_distinct_weights_time_each_call_on_its_own_layer(bench, monkeypatch):

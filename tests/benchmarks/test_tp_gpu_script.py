@@ -183,19 +183,19 @@ def test_kernels_runs_are_kept_apart_and_need_fuse(tmp_path):
 def test_only_kernels_declines_the_other_ops(load_benchmark, monkeypatch):
   monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))  # its sibling modules
   tp = load_benchmark("tp_gpu")
-  from lrjax.custom_calls.triton import measured
+  from lrjax.custom_calls.triton import policy
 
-  monkeypatch.setattr(measured, "verdict", lambda op, *a: None)  # every kernel served
+  monkeypatch.setattr(policy, "verdict", lambda op, *a: None)  # every kernel served
   with tp.only_kernels(["xuv_group"]):
-    assert measured.verdict("xuv_group", 4, 8192, 3584, 10240) is None
-    why = measured.verdict("mlp_swiglu", 4, 8192, 3840, 28672)
+    assert policy.verdict("xuv_group", 4, 8192, 3584, 10240) is None
+    why = policy.verdict("mlp_swiglu", 4, 8192, 3840, 28672)
     assert why is not None and "--kernels xuv_group" in why
-  assert measured.verdict("mlp_swiglu", 4, 8192, 3840, 28672) is None  # restored
+  assert policy.verdict("mlp_swiglu", 4, 8192, 3840, 28672) is None  # restored
 
 
 def test_a_kernels_runs_partner_is_kept_and_chain_off_runs_are_their_own_kind(tmp_path):
   """A re-measured step replaces the earlier one of its kind, except the all-kernels step that
-  followed a --kernels run (measured.MODEL_OP_AB's pair); LRJAX_TRITON_SCRATCH_CHAIN=0 runs
+  followed a --kernels run (a model_op_ab pair); LRJAX_TRITON_SCRATCH_CHAIN=0 runs
   are recorded as scratch_chain False, a kind of their own, with the env in their run."""
   out = str(tmp_path / "k.json")
   one = ("--model", "8b", "--tp", "1", "--strategies", "lowrank_tp", "--fuse")

@@ -69,7 +69,7 @@ _PRELUDE = STUB + textwrap.dedent("""
 
   import dataclasses
 
-  from lrjax.custom_calls.triton import planner, xuv_decode
+  from lrjax.custom_calls.triton import planner, xuv_decode, xuv_decode_group, xuv_decode_pv
   rng = np.random.default_rng(0)
   f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
   r16 = lambda a: f64(a).astype(np.float16).astype(np.float64)  # the kernels' one rounding
@@ -158,14 +158,14 @@ _WHOLE = textwrap.dedent("""
     err = run(xuv_decode._xuv_decode_persistent_kernel, plan, m, k, r, n, bias)
     print("persistent", m, k, r, n, plan["chunks"], p.p16, f"{err:.1e}")
   for (m, k, r, n, bias, fields) in TILED:
-    bs = dataclasses.replace(xuv_decode.BlockSizes.get_default(m, k, r, n), **fields)
+    bs = dataclasses.replace(xuv_decode.TiledBlockSizes.get_default(m, k, r, n), **fields)
     plan = xuv_decode.launch_plan(m, k, r, n, bias, bs)
     err = run(xuv_decode._xuv_decode_kernel, plan, m, k, r, n, bias)
     print("tiled", m, k, r, n, plan["grid"], plan["chunks"], f"{err:.1e}")
   for (m, k, members) in GROUPS:  # [(r_i, n_i, bias_i)]: the grouped kernel on one program
     p = dataclasses.replace(planner.plan_decode_group(m, k, [(r, n) for r, n, _ in members],
                                                       programs=1), prefetch=0)
-    plan = xuv_decode.group_launch_plan(m, k, members, p)
+    plan = xuv_decode_group.launch_plan(m, k, members, p)
     x = rand(m, k)
     ops, outs, refs = [], [], []
     for r, n, bias in members:
@@ -176,9 +176,9 @@ _WHOLE = textwrap.dedent("""
     ops += ops[-3:] * (3 - len(members))  # two members: the third repeats the second
     outs3 = outs + [np.full_like(outs[-1], np.nan)] * (3 - len(members))
     scratch, chain, work = chained(plan["scratch"])
-    xuv_decode._xuv_group_kernel[(1,)](T(x), *map(T, ops), T(scratch), T(x), T(x), T(x), m,
-                                       *chain, T(scratch), *map(T, outs3), **plan["meta"],
-                                       **work)
+    xuv_decode_group._xuv_decode_group_kernel[(1,)](
+        T(x), *map(T, ops), T(scratch), T(x), T(x), T(x), m, *chain, T(scratch),
+        *map(T, outs3), **plan["meta"], **work)
     check_cleared(scratch, chain)
     for i, (out, ref) in enumerate(zip(outs, refs)):
       err = check(out, ref, 5e-3, (m, k, members, i))
@@ -228,10 +228,13 @@ _MLP = textwrap.dedent("""
                                              bias_mask=(bias,) * 3, p=p)
     err = run(mlp_decode._mlp_decode_persistent_kernel, plan, m, d, f, r, bias)
     print("persistent", m, d, f, r, p.c_chunks, p.p16, f"{err:.1e}")
+  VARIANT = {f.name for f in dataclasses.fields(mlp_decode.Variant)}
   for (m, d, f, r, bias, fields) in TILED:
+    var = mlp_decode.Variant(**{k: v for k, v in fields.items() if k in VARIANT})
+    fields = {k: v for k, v in fields.items() if k not in VARIANT}
     bs = dataclasses.replace(mlp_decode.BlockSizes.get_default(m, d, f, r, d), **fields)
     plan = mlp_decode.launch_plan(m, d, r, f, r, d, gated=True, act="silu",
-                                  bias_mask=(bias,) * 3, bs=bs)
+                                  bias_mask=(bias,) * 3, bs=bs, variant=var)
     err = run(mlp_decode._mlp_decode_kernel, plan, m, d, f, r, bias)
     print("tiled", m, d, f, r, plan["grid"], bs.p16, bs.park_h, f"{err:.1e}")
   for (m, d, f, r, bias, fields) in PREFILL:  # one program, schedule order (see _PREFILL)
@@ -288,7 +291,7 @@ def _interpret(script: str) -> str:
   "shapes",
   [
     # (M, K, r, N, CTAs): 64-column tiles over several K ranges; ragged K and r; r > 1024 on
-    # 64-column tiles (fewer partials) and on 112 of 128 columns (planner.PHASE1_BALANCE_COLS);
+    # 64-column tiles (fewer partials) and on 112 of 128 columns (phase1_balance_cols);
     # a grid smaller than the tiles (each CTA loops)
     [
       (64, 384, 136, 200, 132),
@@ -318,7 +321,7 @@ def test_decode_phase1_alone_rounds_p_itself_with_p16():
 
 
 def test_grouped_phase1_alone_leaves_every_members_p():
-  """``xuv_decode_group(pv="xla")``: the grouped kernel with no phase-2 tiles leaves each
+  """``_xuv_decode_group(pv="xla")``: the grouped kernel with no phase-2 tiles leaves each
   member's P_i = X·U_i as f32 sums side by side in its scratch (P_0 first), equal to the f64
   product at f32's tolerance, and writes no output; on ``plan_decode_group_phase1``'s tiles
   over a grid of 3, 5 and 7 programs (several tiles each), K, r and M ragged, 2 and 3
@@ -334,7 +337,7 @@ def test_grouped_phase1_alone_leaves_every_members_p():
       members = [(r, 64, False) for r in rs]
       p = planner.plan_decode_group_phase1(m, k, [(r, n) for r, n, _ in members],
                                            programs=programs, one_branch=one)
-      plan = xuv_decode.group_launch_plan(m, k, members, p, phase2=False)
+      plan = xuv_decode_group.launch_plan(m, k, members, p, phase2=False)
       assert plan["meta"]["PREFETCH"] == 0 and not any(plan["meta"][f"Q{i}"] for i in range(3))
       assert plan["meta"]["ONE"] == int(one)
       x = rand(m, k)
@@ -345,9 +348,9 @@ def test_grouped_phase1_alone_leaves_every_members_p():
         ops += [u, v, v]
       scratch = np.zeros(plan["scratch"], np.float32)
       outs = [np.full((1,), np.nan, np.float16) for _ in range(3)]  # never written
-      xuv_decode._xuv_group_kernel[(p.programs,)](T(x), *map(T, ops), T(scratch), T(x), T(x),
-                                                  T(x), m, 0, 0, T(scratch), *map(T, outs),
-                                                  **plan["meta"])
+      xuv_decode_group._xuv_decode_group_kernel[(p.programs,)](
+          T(x), *map(T, ops), T(scratch), T(x), T(x), T(x), m, 0, 0, T(scratch), *map(T, outs),
+          **plan["meta"])
       off = 0
       for i, u in enumerate(us):
         err = check(scratch[off:off + m * u.shape[1]].reshape(m, -1), f64(x) @ f64(u), 1e-5,
@@ -357,7 +360,7 @@ def test_grouped_phase1_alone_leaves_every_members_p():
       print(m, k, rs, p.programs, p.cols_r, p.k_per, one, f"{err:.1e}")
     p = planner.plan_decode_group_phase1(8, 256, [(64, 64), (64, 64)], one_branch=True)
     try:  # one call site for members of two ranks
-      xuv_decode.group_launch_plan(8, 256, [(64, 64, False), (32, 64, False)], p, phase2=False)
+      xuv_decode_group.launch_plan(8, 256, [(64, 64, False), (32, 64, False)], p, phase2=False)
     except ValueError as e:
       assert "one_branch" in str(e), e
     else:
@@ -368,7 +371,7 @@ def test_grouped_phase1_alone_leaves_every_members_p():
 
 
 def test_pv_launch_reads_f32_p_at_its_offset_and_writes_every_element():
-  """``_pv_launch_kernel`` (``pv="launch"``): y = round(P)·V (+ bias) from f32 P that sits at
+  """``_xuv_decode_pv_kernel`` (``pv="launch"``): y = round(P)·V (+ bias) from f32 P that sits at
   READ_OFF floats into a buffer of dirt (a chained scratch's half), on the planner's tiles and
   on ragged 16 x 16 ones with r not a multiple of the step; the output poisoned."""
   _interpret(
@@ -384,10 +387,10 @@ def test_pv_launch_reads_f32_p_at_its_offset_and_writes_every_element():
       buf[off:off + m * r] = pf.reshape(-1)
       _, v, b = factors(8, r, n, bias)
       out = np.full((m, n), np.nan, np.float16)
-      meta = xuv_decode.pv_launch_meta(r, n, bias, pp)
+      meta = xuv_decode_pv.launch_meta(r, n, bias, pp)
       grid = (planner.cdiv(n, pp.block_n), planner.cdiv(m, pp.block_m))
-      xuv_decode._pv_launch_kernel[grid](T(buf), T(v), T(b), T(v), m, T(out), **meta,
-                                         READ_OFF=off, PDL=0)
+      xuv_decode_pv._xuv_decode_pv_kernel[grid](T(buf), T(v), T(b), T(v), m, T(out), **meta,
+                                                READ_OFF=off, PDL=0)
       want = r16(pf) @ f64(v) + (f64(b) if bias else 0.0)
       err = check(out, want, 5e-3, (m, r, n, fields))
       print(m, r, n, pp, f"{err:.1e}")
@@ -504,7 +507,7 @@ def test_prefill_xuv_kernel_with_its_ring_reused():
 
 
 def test_resident_stage_c_refuses_a_chunk_too_large_for_registers():
-  """BlockSizes.c_resident holds a stage-C CTA's whole V_d chunk in registers: a plan whose
+  """Variant.c_resident holds a stage-C CTA's whole V_d chunk in registers: a plan whose
   chunk (padded to a power of two) times block_n exceeds C_RESIDENT_MAX is refused, naming
   the limit and the way out; ten 128-row chunks of Llama-3.2-1B's r_d = 1280 fit."""
   run_script(
@@ -513,8 +516,8 @@ def test_resident_stage_c_refuses_a_chunk_too_large_for_registers():
     import dataclasses
     from lrjax.custom_calls.triton import mlp_decode
     kw = dict(gated=True, act="silu", bias_mask=(False, False, False))
-    bs = dataclasses.replace(mlp_decode.BlockSizes.get_default(1, 2048, 8192, 1280, 2048),
-                             c_resident=True)
+    bs = mlp_decode.BlockSizes.get_default(1, 2048, 8192, 1280, 2048)
+    kw["variant"] = mlp_decode.Variant(c_resident=True)
     try:
       mlp_decode.launch_plan(1, 2048, 1280, 8192, 1280, 2048, bs=bs, **kw)
       raise SystemExit("four 320-row chunks (512 x 128 in registers) were not refused")

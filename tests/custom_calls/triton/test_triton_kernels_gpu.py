@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_close, randn
-from lrjax.custom_calls.triton import planner  # pure Python: no triton import
+from lrjax.custom_calls.triton import launch_modes, planner, policy  # no triton import
 
 
 def _gpu_reason():
@@ -69,23 +69,23 @@ XUV_SHAPES = [  # (M, K, r, N): M=1, ragged everything, a multi-super-block pref
   (333, 1000, 200, 700),
   (1280, 512, 320, 640),
   (3, 2048, 2304, 1000),  # r >= 2048: the tuned large-rank configs
-  (64, 1000, 2560, 8200),  # P per phase-2 tile >= planner.P_SPLIT_BYTES: two r-chunks
+  (64, 1000, 2560, 8200),  # P per phase-2 tile >= the planner's p_split_bytes: two r-chunks
   (1, 512, 16, 1024),
   (5, 300, 7, 200),  # ranks <= 32 (TP-8 shards): narrow tiles
   (4, 64, 16, 32),
   (2, 40, 1, 48),  # K <= 64: one 64-row step; rank one
   (4, 8192, 2432, 8192),  # >= 64 KB of U a CTA: round-trip-wide phase-1 tiles, ragged
-  # split-K partials over planner.PARTIAL_FREE_BYTES: fewer, 128-column phase-1 tiles
+  # split-K partials over the planner's partial_free_bytes: fewer, 128-column phase-1 tiles
   (8, 4096, 1024, 1000),
   (16, 8192, 2048, 520),
   # 33-64 rows, N <= K/4, K >= 4096: phase 1 alone (xuv_decode.default_pv) on 64-column
-  # tiles of 6 stages (planner.PHASE1_INFLIGHT_BYTES), K ragged; at 48 rows part of the block
+  # tiles of 6 stages (phase1_inflight_bytes), K ragged; at 48 rows part of the block
   (64, 4100, 520, 1000),
   (48, 4100, 520, 1000),
-  # phase 1 alone on 112 of 128 columns a tile (planner.PHASE1_BALANCE_COLS), K and r ragged
+  # phase 1 alone on 112 of 128 columns a tile (phase1_balance_cols), K and r ragged
   (100, 4100, 2456, 1000),
   # up to 64 rows with r >= 2048 not a multiple of 16: the fused kernel by default
-  # (xuv_decode.PV_XLA_PAD_*: XLA's GEMM would pad V every call)
+  # (the pv_xla_pad_* thresholds: XLA's GEMM would pad V every call)
   (64, 2000, 2056, 1100),
 ]
 
@@ -166,11 +166,11 @@ def test_xuv_kernels(kind, shape, dtype, bias):
         v_resident=False,
         programs=min(p.programs, steps),
       )
-    if kind == "persistent_deep_kv":  # planner.DEEP_KV_*: 128-row phase-2 steps, 3 stages
+    if kind == "persistent_deep_kv":  # the deep_kv_* thresholds: 128-row phase-2 steps, 3 stages
       p = dataclasses.replace(
         p,
-        block_kv=planner.DEEP_KV_ROWS,
-        stages=planner.DEEP_KV_STAGES,
+        block_kv=policy.values("planner").deep_kv_rows,
+        stages=policy.values("planner").deep_kv_stages,
         r_chunks=1,
         p16=False,
         v_resident=False,
@@ -179,27 +179,27 @@ def test_xuv_kernels(kind, shape, dtype, bias):
       p = dataclasses.replace(planner.plan_decode_phase1(m, k, r, n), p16=True)
     if kind.endswith("_p16"):  # phase 2 reads P rounded once by each block's last tile
       p = dataclasses.replace(p, p16=True, v_resident=False, stream_k=False)
-    fn = lambda x, u, v, b, o: xuv_decode.xuv_decode(x, u, v, b, out=o, persistent=p, pv="kernel")
+    fn = lambda x, u, v, b, o: xuv_decode._xuv_decode(x, u, v, b, out=o, persistent=p, pv="kernel")
     if kind.endswith("_pv_xla"):  # phase 1 alone, then XLA's GEMM (it writes all of y)
-      fn = lambda x, u, v, b, o: xuv_decode.xuv_decode(x, u, v, b, persistent=p, pv="xla")
+      fn = lambda x, u, v, b, o: xuv_decode._xuv_decode(x, u, v, b, persistent=p, pv="xla")
     if kind.startswith("persistent_pv_launch"):  # phase 1 alone, then the ·V launch
       pp = planner.plan_pv_launch(m, r, n)
       if kind.endswith("small_tiles"):  # ragged 16 x 16 tiles, 32-row steps over r
         pp = dataclasses.replace(pp, block_m=16, block_n=16, block_kv=32, stages=2)
       p = planner.plan_decode_phase1(m, k, r, n)
-      fn = lambda x, u, v, b, o: xuv_decode.xuv_decode(
+      fn = lambda x, u, v, b, o: xuv_decode._xuv_decode(
         x, u, v, b, out=o, persistent=p, pv="launch", pv_plan=pp
       )
     if kind == "persistent_planned":  # the wrapper's own plan (pv="xla" on
-      # planner.plan_decode_phase1's tiles from PV_XLA_MIN_M rows)
+      # planner.plan_decode_phase1's tiles from pv_xla_min_m rows)
       fn = lambda x, u, v, b, o: xuv_decode.xuv_decode(x, u, v, b)
     if kind == "persistent_xla_zeroing":  # the default: scratch zeroed by XLA, no out=
-      fn = lambda x, u, v, b, o: xuv_decode.xuv_decode(x, u, v, b, persistent=p)
+      fn = lambda x, u, v, b, o: xuv_decode._xuv_decode(x, u, v, b, persistent=p)
   else:
-    bs = xuv_decode.BlockSizes.get_default(m, k, r, n)
+    bs = xuv_decode.TiledBlockSizes.get_default(m, k, r, n)
     if kind == "decode_small_blocks":  # many ragged r-chunks and column blocks
       bs = dataclasses.replace(bs, block_r=32, split_k=3, block_n=32, block_kv=32, r_chunks=3)
-    fn = lambda x, u, v, b, o: xuv_decode.xuv_decode(x, u, v, b, out=o, block_sizes=bs)
+    fn = lambda x, u, v, b, o: xuv_decode._xuv_decode(x, u, v, b, out=o, block_sizes=bs)
   out = jax.jit(fn)(x, u, v, b, poisoned((m, n), dtype))
   assert_close(out, xuv_ref(x, u, v, b, dtype), dtype)
 
@@ -237,13 +237,13 @@ def _check_group(outs, x, members, dtype):
 @pytest.mark.parametrize("grid", ["planned", "small", "wide_rows"])
 def test_xuv_decode_group(case, dtype, grid):
   """Several X·U_i·V_i sharing X in one launch; each output poisoned, against the reference."""
-  from lrjax.custom_calls.triton import xuv_decode
+  from lrjax.custom_calls.triton import xuv_decode_group
 
   m, k, mem, _ = case
   x, members = _group_inputs(case, dtype)
   wide = dict(min_row_bytes=512) if grid == "wide_rows" else {}  # V_i's tiles >= 256 columns
   plan = planner.plan_decode_group(m, k, mem, programs=7 if grid == "small" else None, **wide)
-  outs = jax.jit(lambda x, ms, o: xuv_decode.xuv_decode_group(x, ms, out=o, plan=plan))(
+  outs = jax.jit(lambda x, ms, o: xuv_decode_group._xuv_decode_group(x, ms, out=o, plan=plan))(
     x, members, [poisoned((m, n), dtype) for _, n in mem]
   )
   _check_group(outs, x, members, dtype)
@@ -264,7 +264,7 @@ def test_xuv_decode_group(case, dtype, grid):
 def test_xuv_decode_group_phase1_alone(case, dtype, grid, one):
   """``pv="xla"``: every member's X·U_i in one launch (up to 128 rows), then XLA's GEMMs;
   ``one``: members of one rank through the kernel's one phase-1 call site (one_branch)."""
-  from lrjax.custom_calls.triton import xuv_decode
+  from lrjax.custom_calls.triton import xuv_decode_group
 
   m, k, mem, _ = case
   if one and len({r for r, _ in mem}) > 1:
@@ -273,21 +273,23 @@ def test_xuv_decode_group_phase1_alone(case, dtype, grid, one):
   plan = planner.plan_decode_group_phase1(
     m, k, mem, programs=7 if grid == "small" else None, one_branch=one
   )
-  outs = jax.jit(lambda x, ms: xuv_decode.xuv_decode_group(x, ms, plan=plan, pv="xla"))(x, members)
+  outs = jax.jit(lambda x, ms: xuv_decode_group._xuv_decode_group(x, ms, plan=plan, pv="xla"))(
+    x, members
+  )
   _check_group(outs, x, members, dtype)
 
 
 def test_xuv_decode_group_checks_its_input():
-  from lrjax.custom_calls.triton import xuv_decode
+  from lrjax.custom_calls.triton import xuv_decode_group
 
   x = randn((2, 64), jnp.bfloat16)
   u, v = lr_factors(64, 16, 32, jnp.bfloat16)
   with pytest.raises(ValueError, match="2 or 3"):
-    xuv_decode.xuv_decode_group(x, [(u, v)])
+    xuv_decode_group.xuv_decode_group(x, [(u, v)])
   with pytest.raises(ValueError, match="M <= 64"):
-    xuv_decode.xuv_decode_group(randn((65, 64), jnp.bfloat16), [(u, v), (u, v)])
+    xuv_decode_group.xuv_decode_group(randn((65, 64), jnp.bfloat16), [(u, v), (u, v)])
   with pytest.raises(ValueError, match="bias"):
-    xuv_decode.xuv_decode_group(x, [(u, v, randn((31,), jnp.bfloat16)), (u, v)])
+    xuv_decode_group.xuv_decode_group(x, [(u, v, randn((31,), jnp.bfloat16)), (u, v)])
 
 
 @pytest.mark.parametrize("dynamic", [False, True])  # tiles round-robin / from a counter
@@ -380,11 +382,13 @@ def test_mlp_kernels(kind, shape, dtype, gated, act, bias):
     pytest.skip(f"persistent schedule serves M <= {mlp_decode.PERSISTENT_MAX_M}")
   gate, up, down = mlp_params(d, f, r, rd, d, dtype, gated, bias)
   x = randn((m, d), dtype)
-  kern = mlp_prefill.mlp_prefill if kind == "prefill" else mlp_decode.mlp_decode
+  kern = mlp_prefill.mlp_prefill if kind == "prefill" else mlp_decode._mlp_decode
   if kind == "decode_xla_zeroing":  # the default: scratch zeroed by XLA, no out= buffer
-    # (from COMPOSE_MIN_M rows the default is the composed schedule)
-    out = jax.jit(lambda x, g, u, dn: kern(x, u, dn, g, act=act))(x, gate, up, down)
-  elif kind == "compose":  # X·U·V decode calls (the default from COMPOSE_MIN_M rows)
+    # (from compose_min_m rows the default is the composed schedule)
+    out = jax.jit(lambda x, g, u, dn: mlp_decode.mlp_decode(x, u, dn, g, act=act))(
+      x, gate, up, down
+    )
+  elif kind == "compose":  # X·U·V decode calls (the default from compose_min_m rows)
     out = jax.jit(lambda x, g, u, dn, o: kern(x, u, dn, g, act=act, out=o, compose=True))(
       x, gate, up, down, poisoned((m, d), dtype)
     )
@@ -413,7 +417,7 @@ def test_mlp_kernels(kind, shape, dtype, gated, act, bias):
       x, gate, up, down, poisoned((m, d), dtype)
     )
   else:
-    bs = None
+    bs, var = None, None
     if kind == "decode_p16":  # stage B reads Pg, Pu rounded once by each block's last tile
       bs = dataclasses.replace(mlp_decode.BlockSizes.get_default(m, d, f, r, d), p16=True)
     if kind == "decode_park_h":  # h parked, projected by stage H in 3 splits of 64 columns
@@ -422,22 +426,21 @@ def test_mlp_kernels(kind, shape, dtype, gated, act, bias):
       )
     if kind == "decode_h_inline":  # h parked; stage-B CTAs project their split's h
       bs = dataclasses.replace(
-        mlp_decode.BlockSizes.get_default(m, d, f, r, d), park_h=True, h_inline=True, block_h=64
+        mlp_decode.BlockSizes.get_default(m, d, f, r, d), park_h=True, block_h=64
       )
+      var = mlp_decode.Variant(h_inline=True)
     if kind == "decode_prefetch":  # h parked; L2 prefetch before every stage's first wait
       bs = dataclasses.replace(
         mlp_decode.BlockSizes.get_default(m, d, f, r, d),
         park_h=True,
         block_h=64,
         h_splits=3,
-        prefetch=64,
-        prefetch_h=32,
-        prefetch_c=16,
       )
+      var = mlp_decode.Variant(prefetch=64, prefetch_h=32, prefetch_c=16)
     if kind == "decode_cols_f":  # stage-B slices own 16 columns fewer than their block
       bs = mlp_decode.BlockSizes.get_default(m, d, f, r, d)
-      bs = dataclasses.replace(bs, cols_f=bs.block_f - 16)
-    fused = {} if kind == "prefill" else dict(compose=False)
+      var = mlp_decode.Variant(cols_f=bs.block_f - 16)
+    fused = {} if kind == "prefill" else dict(compose=False, variant=var)
     out = jax.jit(
       lambda x, g, u, dn, o: kern(x, u, dn, g, act=act, out=o, block_sizes=bs, **fused)
     )(x, gate, up, down, poisoned((m, d), dtype))
@@ -456,7 +459,7 @@ def test_mlp_persistent_plans_of_llama_shapes(shape, m):
   dtype = jnp.bfloat16
   gate, up, down = mlp_params(d, f, r, r, d, dtype, True, False)
   x = randn((m, d), dtype)
-  out = jax.jit(lambda x, g, u, dn: mlp_decode.mlp_decode(x, u, dn, g, persistent=True))(
+  out = jax.jit(lambda x, g, u, dn: mlp_decode._mlp_decode(x, u, dn, g, persistent=True))(
     x, gate, up, down
   )
   assert_close(out, mlp_ref(x, gate, up, down, "silu", dtype), dtype)
@@ -493,30 +496,31 @@ def test_mlp_decode_tiles_of_llama_shapes(shape, m, park_h):
   dtype = jnp.bfloat16
   gate, up, down = mlp_params(d, f, r, r, d, dtype, True, False)
   x = randn((m, d), dtype)
-  inline = dict(h_inline=True, block_h=256) if park_h == "inline" else {}
-  # unparked at T <= 16: the blocks that were the default there before h was parked (5
-  # stages with h not parked would ask for 282 KB of shared memory)
+  inline = dict(block_h=256) if park_h == "inline" else {}
+  var = mlp_decode.Variant(h_inline=True) if park_h == "inline" else None
+  # unparked at T <= 16: the unparked blocks (5 stages with h not parked would ask for 282 KB
+  # of shared memory)
   bs = dataclasses.replace(
-    mlp_decode.BlockSizes.get_default(m, d, f, r, d, park_small=bool(park_h)),
+    mlp_decode._default_blocks(m, d, f, r, d, park_small=bool(park_h)),
     park_h=bool(park_h),
     **inline,
   )
-  out = jax.jit(lambda x, g, u, dn: mlp_decode.mlp_decode(x, u, dn, g, block_sizes=bs))(
-    x, gate, up, down
-  )
+  out = jax.jit(
+    lambda x, g, u, dn: mlp_decode._mlp_decode(x, u, dn, g, block_sizes=bs, variant=var)
+  )(x, gate, up, down)
   assert_close(out, mlp_ref(x, gate, up, down, "silu", dtype), dtype)
 
 
 @pytest.mark.parametrize("m", [65, 128])
 @pytest.mark.parametrize("shape", [(4096, 14336, 2560), (8192, 28672, 3824)])
 def test_mlp_decode_composes_xuv_calls_from_65_rows(shape, m):
-  """From COMPOSE_MIN_M rows mlp_decode's default is X·U·V decode calls (X·Ug and X·Uu in one
+  """From compose_min_m rows mlp_decode's default is X·U·V decode calls (X·Ug and X·Uu in one
   grouped launch, then ·Ud: phase 1 alone each, XLA's GEMMs apply the V factors) and XLA's
   activation fusion, not the fused kernel: two Triton calls in the compiled module (three
   with gate and up as two calls). Right at Llama-3-8B's and -70B's SwiGLU."""
   from lrjax.custom_calls.triton import mlp_decode
 
-  assert mlp_decode.COMPOSE_MIN_M == 65
+  assert policy.values("mlp_decode").compose_min_m == 65
   d, f, r = shape
   dtype = jnp.bfloat16
   gate, up, down = mlp_params(d, f, r, r, d, dtype, True, False)
@@ -524,7 +528,7 @@ def test_mlp_decode_composes_xuv_calls_from_65_rows(shape, m):
   for group, calls in ((True, 2), (False, 3)):
     fn = (
       jax.jit(
-        lambda x, g, u, dn, group=group: mlp_decode.mlp_decode(x, u, dn, g, _compose_group=group)
+        lambda x, g, u, dn, group=group: mlp_decode._mlp_decode(x, u, dn, g, compose_group=group)
       )
       .lower(x, gate, up, down)
       .compile()
@@ -704,11 +708,11 @@ def _scratch_sizes(compiled_text):
   targets = "|".join(
     re.escape(t)
     for t in (
-      planner.LEGACY_TARGET,
-      planner.FFI_TARGET,
-      planner.LAUNCH_TARGET,
-      planner.XLA_TARGET,
-      planner.XLA_TRITON_TARGET,
+      launch_modes.LEGACY_TARGET,
+      launch_modes.FFI_TARGET,
+      launch_modes.LAUNCH_TARGET,
+      launch_modes.XLA_TARGET,
+      launch_modes.XLA_TRITON_TARGET,
     )
   )
   return [
@@ -725,7 +729,7 @@ def test_launchers_agree(monkeypatch, mode):
   lrjax's with the chained decode kernels as programmatic dependents (they then wait on the
   grid dependency first), XLA's own PTX call (each kernel compiled with every scalar a
   constant, launched by XLA), or XLA's Triton call for the persistent X·U·V decode calls
-  planner.xla_triton_serves names (here the three V-resident ones; XLA's Triton compiles
+  launch_modes.xla_triton_serves names (here the three V-resident ones; XLA's Triton compiles
   their TTIR; the rest keep the PTX call). A chain of data-dependent decode calls of every
   chained kernel (two calls of one kernel in the chain's two halves; the X·U·V kernel's
   scratch zeroed by its phase-1 CTAs (V-resident) and by its CTAs with no phase-2 tile), an
@@ -757,7 +761,7 @@ def test_launchers_agree(monkeypatch, mode):
     g = lrjax.lr_xuv(c, *wide)
     d = lrjax.lr_xuv(x, *xuvs[2])  # independent of the others
     e = lrjax.lr_xuv(xp, *big)  # 300 rows: the prefill kernel
-    f = xuv_decode.xuv_decode(
+    f = xuv_decode._xuv_decode(
       d, big[0], big[1][:, :200], out=o, persistent=False, xla_zeroing=False
     )  # tiled; jax-triton zeroes its scratch
     return a, q, k, v, b, c, g, d, e, f
@@ -788,8 +792,8 @@ def test_launchers_agree(monkeypatch, mode):
   ours = text.count(f'custom_call_target="{launch.LAUNCH_TARGET}"')
   jaxlibs = text.count(f'custom_call_target="{launch.FFI_TARGET}"')
   pdl = len(re.findall(r"pdl\s*=\s*true", text))
-  xla = text.count(f'custom_call_target="{planner.XLA_TARGET}"')
-  xla_triton = text.count(f'custom_call_target="{planner.XLA_TRITON_TARGET}"')
+  xla = text.count(f'custom_call_target="{launch_modes.XLA_TARGET}"')
+  xla_triton = text.count(f'custom_call_target="{launch_modes.XLA_TRITON_TARGET}"')
   assert (ours, jaxlibs, pdl, xla, xla_triton) == {
     "jaxlib": (0, 8, 0, 0, 0),
     "lrjax": (8, 0, 0, 0, 0),
@@ -816,7 +820,7 @@ def test_launchers_agree(monkeypatch, mode):
 def test_wide_decode_plans_through_xlas_triton_call(monkeypatch, shape):
   """LRJAX_TRITON_LAUNCH=xla_triton at 64-128 rows: the wrapper's own plan (phase 1 alone,
   then XLA's GEMM or the ·V launch, where xuv_decode.default_pv says so) goes to XLA's Triton
-  call exactly where planner.xla_triton_serves names it (the ·V launch always; phase 1 on 112
+  call exactly where launch_modes.xla_triton_serves names it (the ·V launch always; phase 1 on 112
   of 128 columns a tile, the last shape, not), and the output (with a bias) matches the
   reference."""
   from lrjax.custom_calls.triton import xuv_decode
@@ -827,14 +831,14 @@ def test_wide_decode_plans_through_xlas_triton_call(monkeypatch, shape):
   x, b = randn((m, k), dtype), randn((n,), dtype)
   u, v = lr_factors(k, r, n, dtype)
   pv, _, launch = xuv_decode.default_persistent_launch(m, k, r, n, True, xuv_decode.num_sms())
-  serves = planner.xla_triton_serves(
+  serves = launch_modes.xla_triton_serves(
     xuv_decode._xuv_decode_persistent_kernel.__name__, launch["meta"]
   )
-  if r == 2456:  # planner.PHASE1_BALANCE_COLS: XLA's PTX call
+  if r == 2456:  # phase1_balance_cols: XLA's PTX call
     assert launch["meta"]["COLS_R"] == 112 and not serves
   f = jax.jit(lambda x, u, v, b: xuv_decode.xuv_decode(x, u, v, b)).lower(x, u, v, b).compile()
   want = serves + (pv == "launch")  # the ·V launch: XLA's Triton call too
-  assert f.as_text().count(f'custom_call_target="{planner.XLA_TRITON_TARGET}"') == want, pv
+  assert f.as_text().count(f'custom_call_target="{launch_modes.XLA_TRITON_TARGET}"') == want, pv
   for _ in range(2):
     assert_close(f(x, u, v, b), xuv_ref(x, u, v, b, dtype), dtype)
 
@@ -855,22 +859,20 @@ def test_tma_and_warp_specialized_kernels_launch_through_lrjax(monkeypatch, mode
   """A kernel that builds TMA descriptors on the device (Triton's global scratch, 128 bytes a
   descriptor a CTA) and one Triton warp-specialized (12 warps launched for num_warps=4): both
   go to lrjax's launcher under every mode, which passes the scratch and the warps; jaxlib's
-  could do neither (benchmarks/gemm_probe.gemm_tma). The poisoned output matches the f64
+  could do neither (tma_gemm.gemm_tma, a test helper). The poisoned output matches the f64
   product on fresh inputs, M=1 and sizes no block divides, twice on one executable."""
   import os
   from lrjax.custom_calls.triton import launch
 
-  monkeypatch.syspath_prepend(
-    os.path.join(os.path.dirname(__file__), "..", "..", "..", "benchmarks")
-  )
-  import gemm_probe
+  monkeypatch.syspath_prepend(os.path.dirname(os.path.abspath(__file__)))
+  import tma_gemm
 
   monkeypatch.setenv("LRJAX_TRITON_LAUNCH", mode)
   m, k, n = mkn
   dtype = jnp.bfloat16
   a, b = randn((m, k), dtype), randn((k, n), dtype, k**-0.5)
   f = (
-    jax.jit(lambda a, b, o: gemm_probe.gemm_tma(a, b, out=o, **cfg))
+    jax.jit(lambda a, b, o: tma_gemm.gemm_tma(a, b, out=o, **cfg))
     .lower(a, b, poisoned((m, n), dtype))
     .compile()
   )
@@ -894,7 +896,7 @@ def test_decode_calls_share_a_chained_scratch(monkeypatch, min_half):
   from lrjax.lowering import lr_xuv_group
 
   if min_half:
-    monkeypatch.setattr(planner, "SCRATCH_MIN_HALF", min_half)
+    monkeypatch.setattr(launch_modes, "SCRATCH_MIN_HALF", min_half)
   dtype = jnp.bfloat16
   xuvs = [lr_factors(512, r, n, dtype) for r, n in ((128, 512), (200, 1000), (72, 512))]
   group = [lr_factors(512, r, n, dtype) for r, n in ((96, 512), (48, 130), (48, 130))]
@@ -926,7 +928,7 @@ def test_decode_calls_share_a_chained_scratch(monkeypatch, min_half):
     sizes = _scratch_sizes(f.as_text())
     assert len(sizes) == _count_triton_calls(f.as_text()) == 5, sizes
     if min_half is None:  # one chain: one buffer of two default halves
-      assert set(sizes) == {2 * planner.SCRATCH_MIN_HALF}, sizes
+      assert set(sizes) == {2 * launch_modes.SCRATCH_MIN_HALF}, sizes
     else:
       assert all(s % 2048 == 0 and s >= 2 * min_half for s in sizes), sizes
     for _ in range(2):  # the second run on the first one's buffers
@@ -937,12 +939,12 @@ def test_decode_calls_share_a_chained_scratch(monkeypatch, min_half):
       y = f(y, xuvs, group, mlp)[1]
     assert_close(g(x, xuvs, group, mlp), f64(y), dtype, factor=2.0)
   monkeypatch.setenv("LRJAX_TRITON_SCRATCH_CHAIN", "0")
-  assert planner.chain_scratch() is False
+  assert launch_modes.chain_scratch() is False
   x = randn((3, 512), dtype)
   with lrjax.lowering.prefer_kernels():  # a new function: jit would reuse step's lowering
     f = jax.jit(lambda *a: step(*a)).lower(x, xuvs, group, mlp).compile()
   sizes = _scratch_sizes(f.as_text())
-  assert len(sizes) == 5 and 2 * planner.SCRATCH_MIN_HALF not in sizes, sizes
+  assert len(sizes) == 5 and 2 * launch_modes.SCRATCH_MIN_HALF not in sizes, sizes
   for got, want in zip(f(x, xuvs, group, mlp), refs(x)):
     assert_close(got, want, dtype, factor=2.0)
 
@@ -961,7 +963,7 @@ def test_f32_p_is_read_from_the_calls_own_half_of_the_chain(monkeypatch, chain):
 
   def call(x, u, v):
     p = planner.plan_decode_phase1(x.shape[0], *u.shape, v.shape[1])
-    return xuv_decode.xuv_decode(x, u, v, persistent=dataclasses.replace(p, p16=False), pv="xla")
+    return xuv_decode._xuv_decode(x, u, v, persistent=dataclasses.replace(p, p16=False), pv="xla")
 
   def step(x):
     ys = [call(x, u, v) for u, v in facs[:3]]
@@ -1002,9 +1004,9 @@ def test_pv_launch_reads_p_where_phase1_left_it(monkeypatch, chain):
   b = randn((1000,), dtype)
 
   def step(x):
-    a = xuv_decode.xuv_decode(x, *facs[0], pv="launch")
-    c = xuv_decode.xuv_decode(a, *facs[1], b, pv="launch")
-    return a, c, xuv_decode.xuv_decode(x, *facs[2], pv="launch")
+    a = xuv_decode._xuv_decode(x, *facs[0], pv="launch")
+    c = xuv_decode._xuv_decode(a, *facs[1], b, pv="launch")
+    return a, c, xuv_decode._xuv_decode(x, *facs[2], pv="launch")
 
   for m in (64, 100):
     x = randn((m, 512), dtype)
@@ -1019,21 +1021,19 @@ def test_pv_launch_reads_p_where_phase1_left_it(monkeypatch, chain):
       assert_close(d, xuv_ref(x, *facs[2], None, dtype), dtype)
 
 
-def test_measured_policy_leaves_slower_shapes_to_xla(monkeypatch):
+def test_measured_policy_leaves_slower_shapes_to_xla():
   """Where the benchmark measured the kernel slower than XLA, XLA lowers the call (the call
   alone: no whole-model A/B, which at 300 rows would follow the 8B step at batch 128)."""
   import lrjax
-  from lrjax.custom_calls.triton import measured
 
-  monkeypatch.setattr(measured, "MODEL_AB", ())
-  monkeypatch.setattr(measured, "MODEL_OP_AB", ())
+  table = policy.current().replace(model_ab=(), model_op_ab=())
   x = randn((300, 512), jnp.bfloat16)
   u, v = lr_factors(512, 128, 768, jnp.bfloat16)
   fn = lambda x, u, v: lrjax.lr_xuv(x, u, v)
-  monkeypatch.setattr(measured, "RECORDS", (("xuv", 300, 512, 128, 768, 20.0, 10.0),))
-  slow = jax.jit(fn).lower(x, u, v).compile()
-  monkeypatch.setattr(measured, "RECORDS", (("xuv", 300, 512, 128, 768, 10.0, 20.0),))
-  fast = jax.jit(lambda x, u, v: lrjax.lr_xuv(x, u, v)).lower(x, u, v).compile()
+  with policy.use(table.replace(records=(("xuv", 300, 512, 128, 768, 20.0, 10.0),))):
+    slow = jax.jit(fn).lower(x, u, v).compile()
+  with policy.use(table.replace(records=(("xuv", 300, 512, 128, 768, 10.0, 20.0),))):
+    fast = jax.jit(lambda x, u, v: lrjax.lr_xuv(x, u, v)).lower(x, u, v).compile()
   assert _count_triton_calls(slow.as_text()) == 0
   assert _count_triton_calls(fast.as_text()) == 1
   assert_close(slow(x, u, v), fast(x, u, v), jnp.bfloat16)
@@ -1141,15 +1141,15 @@ def test_mlp_decode_timing_masks_are_checked():
   gate, up, down = mlp_params(256, 512, 64, 64, 256, jnp.bfloat16, True, False)
   x = randn((2, 256), jnp.bfloat16)
   with pytest.raises(ValueError, match="persistent schedule only"):
-    mlp_decode.mlp_decode(x, up, down, gate, _phases=1)
+    mlp_decode._mlp_decode(x, up, down, gate, phases=1)
   with pytest.raises(ValueError, match="must be in 1..7"):
-    mlp_decode.mlp_decode(x, up, down, gate, persistent=True, _phases=0)
+    mlp_decode._mlp_decode(x, up, down, gate, persistent=True, phases=0)
   with pytest.raises(ValueError, match="tiled schedule only"):
-    mlp_decode.mlp_decode(x, up, down, gate, persistent=True, _s_flush="store")
+    mlp_decode._mlp_decode(x, up, down, gate, persistent=True, s_flush="store")
   with pytest.raises(ValueError, match="must be one of"):
-    mlp_decode.mlp_decode(x, up, down, gate, _s_flush="skip")
+    mlp_decode._mlp_decode(x, up, down, gate, s_flush="skip")
   with pytest.raises(ValueError, match="stage H projects h"):  # parked by default at 33 rows
-    mlp_decode.mlp_decode(randn((33, 256), jnp.bfloat16), up, down, gate, _s_flush="store")
+    mlp_decode._mlp_decode(randn((33, 256), jnp.bfloat16), up, down, gate, s_flush="store")
 
 
 KV_SHAPES = [  # (B, Hq, Hkv, D, T, r_k, r_v, window, bias)

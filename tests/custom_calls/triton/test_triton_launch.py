@@ -103,7 +103,7 @@ def test_kernels_for_xlas_ptx_call_take_their_buffers_alone():
     STUB
     + textwrap.dedent("""
     import re
-    import gemm_probe
+    import tma_gemm
     from lrjax.custom_calls.triton import launch
     n, seen = 0, set()
     for name, kernel, meta, warps, stages in kernel_resources.planned():
@@ -124,7 +124,7 @@ def test_kernels_for_xlas_ptx_call_take_their_buffers_alone():
       n += 1
     assert n >= 4, n  # the tiled and persistent X·U·V and SwiGLU kernels, the group
     meta = dict(M=64, N=256, K=128, BM=64, BN=128, BK=64, GROUP=8, PROGRAMS=4, WS=False)
-    assert launch.xla_kernel(gemm_probe._gemm_tma_kernel, ["*bf16"] * 4, [], meta, 8, 3,
+    assert launch.xla_kernel(tma_gemm._gemm_tma_kernel, ["*bf16"] * 4, [], meta, 8, 3,
                              90) is None
     print(n, "ok")
   """),
@@ -135,7 +135,7 @@ def test_kernels_for_xlas_ptx_call_take_their_buffers_alone():
 
 def test_kernels_for_xlas_triton_call_take_their_buffers_alone():
   """LRJAX_TRITON_LAUNCH=xla_triton: the persistent X·U·V decode kernel and the ·V launch
-  (planner.XLA_TRITON_KERNELS; no other kernel, whatever its constexprs) as Triton's frontend
+  (launch_modes.XLA_TRITON_KERNELS; no other kernel, whatever its constexprs) as Triton's frontend
   TTIR with its scalars as constants, on each planned shape: its public function takes the
   buffers alone, each 16-byte aligned, as XLA's Triton call passes them; it waits on the grid
   dependency; it carries no debug locations (no source paths) and parses back with Triton's
@@ -145,31 +145,32 @@ def test_kernels_for_xlas_triton_call_take_their_buffers_alone():
     + textwrap.dedent("""
     import re, tempfile
     from triton._C import libtriton
-    from lrjax.custom_calls.triton import launch, planner, xuv_decode
-    assert planner.XLA_TRITON_KERNELS and all(
-        hasattr(xuv_decode, k) for k in planner.XLA_TRITON_KERNELS)
-    assert "xla_triton" in planner.LAUNCH_MODES
-    assert planner.count_calls('custom_call_target="__gpu$xla.gpu.triton"') == 1
+    from lrjax.custom_calls.triton import (launch, launch_modes, planner, xuv_decode,
+                                           xuv_decode_pv)
+    assert launch_modes.XLA_TRITON_KERNELS == (xuv_decode._xuv_decode_persistent_kernel.__name__,
+                                               xuv_decode_pv._xuv_decode_pv_kernel.__name__)
+    assert "xla_triton" in launch_modes.LAUNCH_MODES
+    assert launch_modes.count_calls('custom_call_target="__gpu$xla.gpu.triton"') == 1
     def serves(m, k, r, n, pv=True):
       p = (planner.plan_decode_persistent if pv else planner.plan_decode_phase1)(m, k, r, n)
-      return planner.xla_triton_serves("_xuv_decode_persistent_kernel",
+      return launch_modes.xla_triton_serves("_xuv_decode_persistent_kernel",
           xuv_decode.persistent_launch_plan(m, k, r, n, False, p, pv=pv)["meta"])
-    # timed on the same weights (sessions 27, 31): whole or V-resident phase-1 tiles gained,
-    # phase 1 alone (XLA applies V) too on average, tiles of 160 of 256 columns lost
+    # timed on the same weights: whole or V-resident phase-1 tiles gained, phase 1 alone
+    # (XLA applies V) too on average, tiles of 160 of 256 columns lost
     assert serves(2, 4096, 2560, 14336) and serves(4, 4096, 152, 4096)
     assert serves(1, 8192, 4096, 16384) and serves(2, 8192, 2456, 8192)
     assert not serves(8, 8192, 2456, 8192) and not serves(8, 8192, 2432, 8192)
     assert serves(64, 4096, 2560, 14336, pv=False) and serves(128, 8192, 2048, 16384, pv=False)
-    # phase 1 alone on 112 of 128 columns (planner.PHASE1_BALANCE_COLS): the PTX call (a tie)
+    # phase 1 alone on 112 of 128 columns (phase1_balance_cols): the PTX call (a tie)
     assert not serves(128, 8192, 2456, 8192, pv=False)
     p = planner.plan_decode_persistent(2, 4096, 2560, 14336)
     meta = xuv_decode.persistent_launch_plan(2, 4096, 2560, 14336, False, p)["meta"]
-    assert not planner.xla_triton_serves("_xuv_group_kernel", meta)
+    assert not launch_modes.xla_triton_serves("_xuv_decode_group_kernel", meta)
     n, kinds = 0, set()
     for name, kernel, meta, warps, stages in kernel_resources.planned():
       # one plan of each kind the call serves: V-resident, stream-K, r-chunks
       kind = (meta.get("V_RES"), meta.get("STREAM_K"), meta.get("R_CHUNKS", 1) > 1)
-      if kind in kinds or not planner.xla_triton_serves(kernel.__name__, meta):
+      if kind in kinds or not launch_modes.xla_triton_serves(kernel.__name__, meta):
         continue
       kinds.add(kind)
       types, scalars = kernel_resources.xla_args(kernel, 3)
@@ -260,7 +261,7 @@ def test_the_compile_keeps_the_scratch_and_warps_triton_reports():
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
-    import gemm_probe
+    import tma_gemm
     from lrjax.custom_calls.triton import launch
 
     def jax_triton_compile(ttir, backend, options, cc, platform):
@@ -274,7 +275,7 @@ def test_the_compile_keeps_the_scratch_and_warps_triton_reports():
     launch._jax_triton_compile = jax_triton_compile
 
     target = GPUTarget("cuda", 90, 32)
-    kernel = gemm_probe._gemm_tma_kernel
+    kernel = tma_gemm._gemm_tma_kernel
     for ws, warps in ((False, 8), (True, 4)):
       meta = dict(M=64, N=256, K=128, BM=64, BN=128, BK=64, GROUP=8, PROGRAMS=4, WS=ws)
       sig = {p.name: "constexpr" if p.is_constexpr else "*bf16" for p in kernel.params}
@@ -309,11 +310,11 @@ def test_the_compile_keeps_the_scratch_and_warps_triton_reports():
 def test_the_ctas_done_early_zero_the_scratch_chain():
   """Who zeroes the chain's other half (the X·U·V decode kernel's CLEAR_FIRST/CLEAR_COUNT): a
   V-resident call's phase-1 CTAs; else the CTAs with no phase-2 tile where there are at least
-  CLEAR_MIN_IDLE of them; else every CTA (a phase-1-only call too)."""
+  clear_min_idle of them; else every CTA (a phase-1-only call too)."""
   run_script(
     STUB
     + textwrap.dedent("""
-    from lrjax.custom_calls.triton import planner, xuv_decode as xd
+    from lrjax.custom_calls.triton import planner, policy, xuv_decode as xd
 
     def clearers(m, k, r, n, pv=True):
       plan = (planner.plan_decode_persistent if pv else planner.plan_decode_phase1)(
@@ -325,7 +326,7 @@ def test_the_ctas_done_early_zero_the_scratch_chain():
     assert p.v_resident and who == (0, 64), (p, who)
     p, who = clearers(2, 4096, 2560, 14336)  # 112 whole-line phase-2 tiles on 132 CTAs
     assert (p.cols_n, p.r_chunks) == (128, 1) and who == (112, 20), (p, who)
-    assert xd.CLEAR_MIN_IDLE > 4
+    assert policy.values("xuv_decode").clear_min_idle > 4
     p, who = clearers(2, 8192, 4096, 16384)  # 128 phase-2 tiles: 4 CTAs idle, too few
     assert who == (0, 0), (p, who)
     assert clearers(64, 8192, 4096, 16384, pv=False)[1] == (0, 0)  # phase 1 alone
@@ -356,11 +357,11 @@ def test_a_prefetch_that_is_not_a_power_of_two_is_refused_by_name():
         assert f"prefetch={rows} V rows must be 0 or a power of two" in str(e), e
       else:
         raise AssertionError(f"prefetch={rows}: not refused")
-    from lrjax.custom_calls.triton import mlp_decode
+    from lrjax.custom_calls.triton import mlp_decode, xuv_decode_group
     g = planner.plan_decode_group(2, 4096, [(1216, 4096), (512, 1024)], programs=132)
     q = planner.plan_mlp_decode_persistent(2, 4096, 14336, 2560, 2560, 4096, programs=132)
     for call, field in (
-        (lambda: xd.group_launch_plan(2, 4096, [(1216, 4096, False), (512, 1024, False)],
+        (lambda: xuv_decode_group.launch_plan(2, 4096, [(1216, 4096, False), (512, 1024, False)],
                                       dataclasses.replace(g, prefetch=48)), "prefetch=48"),
         (lambda: mlp_decode.persistent_launch_plan(
             2, 4096, 2560, 14336, 2560, 4096, gated=True, act="silu",
@@ -388,27 +389,28 @@ def test_the_pv_launch_refuses_bad_input_by_name():
     + textwrap.dedent("""
     import dataclasses
     import jax.numpy as jnp
-    from lrjax.custom_calls.triton import launch, planner, xuv_decode as xd
+    from lrjax.custom_calls.triton import launch, planner, xuv_decode as xd, xuv_decode_pv
     launch.triton_call = lambda *a, out_shape, **kw: out_shape  # never reached below
     xd.num_sms = lambda: 132
     m, k, r, n = 64, 512, 136, 200
     x, u, v = (jnp.zeros(s, jnp.bfloat16) for s in ((m, k), (k, r), (r, n)))
     pp = planner.plan_pv_launch(m, r, n)
-    raises(ValueError, lambda: xd.xuv_decode(x, u, v, pv="xla", pv_plan=pp), "pv_plan=",
+    raises(ValueError, lambda: xd._xuv_decode(x, u, v, pv="xla", pv_plan=pp), "pv_plan=",
            "pv='launch'")
     p16 = dataclasses.replace(planner.plan_decode_phase1(m, k, r, n, programs=132), p16=True)
-    raises(ValueError, lambda: xd.xuv_decode(x, u, v, persistent=p16, pv="launch"), "p16",
+    raises(ValueError, lambda: xd._xuv_decode(x, u, v, persistent=p16, pv="launch"), "p16",
            "f32 P")
-    raises(ValueError, lambda: xd.xuv_decode(x, u, v, persistent=False, pv="launch"),
+    raises(ValueError, lambda: xd._xuv_decode(x, u, v, persistent=False, pv="launch"),
            "persistent schedule")
-    raises(ValueError, lambda: xd.pv_launch(jnp.zeros((m * r,), jnp.bfloat16), v, None, m,
-                                            jnp.bfloat16), f"f32 [{m * r}]", "bfloat16")
-    raises(ValueError, lambda: xd.pv_launch(jnp.zeros((m * r + 1,), jnp.float32), v, None, m,
-                                            jnp.bfloat16), f"f32 [{m * r}]")
-    raises(ValueError, lambda: xd.pv_launch(jnp.zeros((m * r,), jnp.float32), v, None, m,
-                                            jnp.bfloat16, dataclasses.replace(pp, block_n=8)),
+    pv_launch = lambda p, **kw: xuv_decode_pv.xuv_decode_pv(p, v, m=m, out_dtype=jnp.bfloat16,
+                                                            **kw)
+    raises(ValueError, lambda: pv_launch(jnp.zeros((m * r,), jnp.bfloat16)), f"f32 [{m * r}]",
+           "bfloat16")
+    raises(ValueError, lambda: pv_launch(jnp.zeros((m * r + 1,), jnp.float32)), f"f32 [{m * r}]")
+    raises(ValueError, lambda: pv_launch(jnp.zeros((m * r,), jnp.float32),
+                                         block_sizes=dataclasses.replace(pp, block_n=8)),
            "block_n", ">= 16")
-    raises(ValueError, lambda: xd.xuv_decode(x, u, v, out=jnp.zeros((m, n + 1), jnp.bfloat16),
+    raises(ValueError, lambda: xd._xuv_decode(x, u, v, out=jnp.zeros((m, n + 1), jnp.bfloat16),
                                              pv="launch"), str((m, n)))
     print("ok")
   """),
@@ -418,9 +420,9 @@ def test_the_pv_launch_refuses_bad_input_by_name():
 
 def test_the_decode_wrapper_launches_the_planners_persistent_plan():
   """xuv_decode.xuv_decode on 132 SMs (the launch recorded, not run): where V has at most
-  PV_LAUNCH_MAX_V elements, from PV_LAUNCH_MIN_M rows (from 17 where N <= K/4 and K >= 4096),
+  pv_launch_max_v elements, from pv_launch_min_m rows (from 17 where N <= K/4 and K >= 4096),
   phase 1 alone and then the ·V launch (into out= where given); otherwise below
-  PV_XLA_MIN_M rows the persistent kernel with
+  pv_xla_min_m rows the persistent kernel with
   phase 2, from it phase 1 alone (XLA applies V) except where out= is given, and from 33 rows
   where N <= K/4 and K >= 4096; each call's grid and constexprs are persistent_launch_plan's
   of plan_persistent's plan for that many SMs, and the ·V launch's those of
@@ -429,7 +431,7 @@ def test_the_decode_wrapper_launches_the_planners_persistent_plan():
     STUB
     + textwrap.dedent("""
     import jax, jax.numpy as jnp
-    from lrjax.custom_calls.triton import launch, planner, xuv_decode
+    from lrjax.custom_calls.triton import launch, planner, policy, xuv_decode, xuv_decode_pv
     calls = []
     def record(*args, kernel, out_shape, grid, **kw):
       calls.append((kernel.__name__, grid, kw))
@@ -438,10 +440,11 @@ def test_the_decode_wrapper_launches_the_planners_persistent_plan():
       return tuple(jnp.zeros(s.shape, s.dtype) for s in out_shape)
     launch.triton_call = record
     xuv_decode.num_sms = lambda: 132
-    assert (xuv_decode.PV_LAUNCH_MIN_M, xuv_decode.PV_LAUNCH_MAX_V) == (33, 2 << 20)
-    assert xuv_decode.PV_LAUNCH_SMALL_V_MIN_M == 17
-    assert xuv_decode.PV_XLA_MIN_M == 64
-    assert (xuv_decode.PV_XLA_K_OVER_N, xuv_decode.PV_XLA_MIN_K) == (4, 4096)
+    t = policy.values("xuv_decode")
+    assert (t.pv_launch_min_m, t.pv_launch_max_v) == (33, 2 << 20)
+    assert t.pv_launch_small_v_min_m == 17
+    assert t.pv_xla_min_m == 64
+    assert (t.pv_xla_k_over_n, t.pv_xla_min_k) == (4, 4096)
     for m, k, r, n, given, pv in (
         (2, 512, 200, 8200, False, "kernel"), (32, 4096, 200, 1025, False, "kernel"),
         # 17-32 rows: the ·V launch where N <= K/4 and K >= 4096 as well
@@ -472,11 +475,11 @@ def test_the_decode_wrapper_launches_the_planners_persistent_plan():
       if pv == "launch":  # the ·V launch, last: into out= where given
         name, grid, kw = calls.pop()
         pp = planner.plan_pv_launch(m, r, n)
-        assert name == "_pv_launch_kernel", name
+        assert name == "_xuv_decode_pv_kernel", name
         assert grid == (planner.cdiv(n, pp.block_n), planner.cdiv(m, pp.block_m)), grid
         assert kw["input_output_aliases"] == ({3: 0} if given else None), kw
         assert all(kw[key] == val for key, val in
-                   xuv_decode.pv_launch_meta(r, n, False, pp).items()), (m, r, n)
+                   xuv_decode_pv.launch_meta(r, n, False, pp).items()), (m, r, n)
       p = xuv_decode.plan_persistent(m, k, r, n, pv, 132)
       want = xuv_decode.persistent_launch_plan(m, k, r, n, False, p, pv == "kernel")
       name, grid, kw = calls.pop()
@@ -488,6 +491,8 @@ def test_the_decode_wrapper_launches_the_planners_persistent_plan():
         assert kw["input_output_aliases"] == {4: 0}, kw["input_output_aliases"]
       if not given:  # the benchmarks' and tests' account of the same call
         assert xuv_decode.default_persistent_launch(m, k, r, n, False, 132) == (pv, p, want)
+      bs = xuv_decode.BlockSizes.get_default(m, k, r, n, out_given=given, programs=132)
+      assert (bs.pv, bs.plan) == (pv, p) and (bs.pv_plan is None) == (pv != "launch"), bs
     print("ok")
   """),
     interpret=False,
@@ -525,7 +530,7 @@ def test_phase1_alone_hands_xla_the_p_its_launch_returns():
       u = jnp.zeros((k, r), jnp.bfloat16)
       v = jnp.asarray(rng.standard_normal((r, n)), jnp.bfloat16)
       b = jnp.asarray(rng.standard_normal(n), jnp.bfloat16)
-      y = np.asarray(xuv_decode.xuv_decode(x, u, v, b, persistent=p, pv="xla"), np.float64)
+      y = np.asarray(xuv_decode._xuv_decode(x, u, v, b, persistent=p, pv="xla"), np.float64)
       (scratch_shape, _, p16_shape), = shapes
       if not p.p16:
         assert scratch_shape == (m * r,), (m, r, scratch_shape)  # P alone: nothing to slice
@@ -593,8 +598,8 @@ def test_a_kernel_with_read_off_reads_a_slice_in_its_source_buffer():
 
 def test_every_launch_names_every_constexpr_of_its_kernel():
   """jax-triton passes a kernel only the constexprs its launch names, never a signature
-  default (Triton then reads the missing one as None; session 37's GPU run failed to compile
-  the persistent X·U·V kernel that way). Every product wrapper, on shapes reaching each of
+  default (Triton then reads the missing one as None, and the kernel fails to compile on the
+  GPU). Every product wrapper, on shapes reaching each of
   its kernels and schedules (the launch recorded, not run), names every constexpr, and each
   launch goes through Triton's frontend as lrjax's default launch compiles it
   (``launch._frontend``: the recorded operands' types, scalars and constexprs alone);
@@ -604,7 +609,7 @@ def test_every_launch_names_every_constexpr_of_its_kernel():
     + textwrap.dedent("""
     import jax.numpy as jnp, numpy as np
     from lrjax.custom_calls.triton import (kv_attention, launch, mlp_decode, mlp_prefill,
-                                           xuv_decode, xuv_prefill)
+                                           xuv_decode, xuv_decode_group, xuv_prefill)
     seen = set()
     CALL_KEYS = {"name", "custom_call_target_name", "num_warps", "num_stages", "num_ctas",
                  "compute_capability", "enable_fp_fusion", "input_output_aliases",
@@ -629,27 +634,28 @@ def test_every_launch_names_every_constexpr_of_its_kernel():
       outs = tuple(jnp.zeros(s.shape, s.dtype) for s in out_shape)
       return outs[0] if one else outs
     launch.jt.triton_call = record  # below launch.triton_call, which adds WORK_OFF and PDL
-    for mod in (xuv_decode, mlp_decode, kv_attention):
+    for mod in (xuv_decode, xuv_decode_group, mlp_decode, kv_attention):
       mod.num_sms = lambda: 132
     z = lambda *s: jnp.zeros(s, jnp.bfloat16)
     for m, k, r, n in ((1, 512, 200, 1000), (64, 8192, 2456, 8192), (128, 4096, 152, 4096),
                        (64, 4096, 1024, 1024), (33, 8192, 1000, 1024)):
       xuv_decode.xuv_decode(z(m, k), z(k, r), z(r, n), z(n))
-      xuv_decode.xuv_decode(z(m, k), z(k, r), z(r, n), persistent=False)
-      xuv_decode.xuv_decode(z(m, k), z(k, r), z(r, n), z(n), pv="launch")
-    xuv_decode.xuv_decode_group(z(4, 512), [(z(512, 64), z(64, 256)), (z(512, 40), z(40, 128))])
+      xuv_decode._xuv_decode(z(m, k), z(k, r), z(r, n), persistent=False)
+      xuv_decode._xuv_decode(z(m, k), z(k, r), z(r, n), z(n), pv="launch")
+    xuv_decode_group.xuv_decode_group(z(4, 512),
+                                      [(z(512, 64), z(64, 256)), (z(512, 40), z(40, 128))])
     xuv_prefill.xuv_prefill(z(300, 512), z(512, 72), z(72, 260), z(260))
     up, down, gate = (z(256, 64), z(64, 700)), (z(700, 48), z(48, 256)), (z(256, 64), z(64, 700))
     for m in (1, 16, 33):
       mlp_decode.mlp_decode(z(m, 256), up, down, gate)
-      mlp_decode.mlp_decode(z(m, 256), up, down, gate, persistent=True)
+      mlp_decode._mlp_decode(z(m, 256), up, down, gate, persistent=True)
     mlp_prefill.mlp_prefill(z(300, 256), up, down, gate)
     b, hq, hkv, d, t, rk, rv = 2, 8, 2, 64, 300, 136, 72
     kv_attention.kv_attention(z(b, hq, d), z(b, t, rk), z(b, t, rv), z(rk, hkv * d),
                               z(rv, hkv * d), np.array([t - 1, 5], np.int32),
                               np.ones(d // 2, np.float32), window=64)
-    want = {"_xuv_decode_kernel", "_xuv_decode_persistent_kernel", "_xuv_group_kernel",
-            "_pv_launch_kernel",
+    want = {"_xuv_decode_kernel", "_xuv_decode_persistent_kernel", "_xuv_decode_group_kernel",
+            "_xuv_decode_pv_kernel",
             "_xuv_prefill_kernel", "_mlp_decode_kernel", "_mlp_decode_persistent_kernel",
             "_mlp_prefill_kernel", "_kv_attention_kernel"}
     assert seen == want, want ^ seen
@@ -660,6 +666,50 @@ def test_every_launch_names_every_constexpr_of_its_kernel():
       assert "'STREAM_K'" in str(e) and "'K'" not in str(e) and "WORK_OFF" not in str(e), e
     else:
       raise AssertionError("a launch without its constexprs was accepted")
+    print("ok")
+  """),
+    interpret=False,
+  )
+  assert out.strip().endswith("ok")
+
+
+def test_explicit_block_sizes_launch_what_the_defaults_do():
+  """The public wrappers given their ``BlockSizes.get_default`` (the launch recorded, not
+  run) launch exactly the calls they launch with no block sizes: X·U·V decode on each of
+  its schedules (the fused kernel, phase 1 then XLA's GEMM, phase 1 then the ·V launch) and
+  the grouped q/k/v kernel."""
+  out = run_script(
+    STUB
+    + textwrap.dedent("""
+    import jax.numpy as jnp
+    from lrjax.custom_calls.triton import launch, xuv_decode, xuv_decode_group
+    calls = []
+    def record(*args, kernel, out_shape, grid, **kw):
+      calls.append((kernel.__name__, grid, sorted((k, str(v)) for k, v in kw.items())))
+      if not isinstance(out_shape, (list, tuple)):
+        return jnp.zeros(out_shape.shape, out_shape.dtype)
+      return tuple(jnp.zeros(s.shape, s.dtype) for s in out_shape)
+    launch.triton_call = record
+    for mod in (xuv_decode, xuv_decode_group):
+      mod.num_sms = lambda: 132
+    z = lambda *s: jnp.zeros(s, jnp.bfloat16)
+    pvs = set()
+    for m, k, r, n in ((2, 512, 200, 8200), (64, 512, 2000, 4096), (33, 8192, 200, 1024)):
+      x, u, v = z(m, k), z(k, r), z(r, n)
+      xuv_decode.xuv_decode(x, u, v, z(n))
+      default, calls[:] = list(calls), []
+      bs = xuv_decode.BlockSizes.get_default(m, k, r, n)
+      xuv_decode.xuv_decode(x, u, v, z(n), block_sizes=bs)
+      assert calls == default, (m, k, r, n, bs.pv)
+      pvs.add(bs.pv)
+      calls.clear()
+    assert pvs == {"kernel", "xla", "launch"}, pvs
+    members = [(z(512, 64), z(64, 256)), (z(512, 40), z(40, 128), z(128))]
+    xuv_decode_group.xuv_decode_group(z(4, 512), members)
+    default, calls[:] = list(calls), []
+    bs = xuv_decode_group.BlockSizes.get_default(4, 512, [(64, 256), (40, 128)])
+    xuv_decode_group.xuv_decode_group(z(4, 512), members, block_sizes=bs)
+    assert calls == default and bs.pv == "kernel"
     print("ok")
   """),
     interpret=False,

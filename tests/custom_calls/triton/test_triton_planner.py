@@ -1,4 +1,4 @@
-"""CPU tests of the Triton room: the H200 tile planner and the ``supports`` decisions."""
+"""CPU tests of the Triton kernels' tile planner and ``supports`` decisions (the H200 table)."""
 
 import dataclasses
 
@@ -6,7 +6,17 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from lrjax.custom_calls.triton import lowering, planner
+from lrjax.custom_calls.triton import launch_modes, lowering, planner, policy
+
+H200 = policy.for_device("NVIDIA H200")[0]
+T = H200.values("planner")  # the planner's thresholds in the table the tests run under
+
+
+@pytest.fixture(autouse=True)
+def _h200_table():
+  """These expectations were written for the H200's tuning table, whatever GPU the host has."""
+  with policy.use(H200):
+    yield
 
 
 def test_eq10_intensity_matches_the_paper_formula():
@@ -55,7 +65,7 @@ def test_persistent_decode_plan_gives_each_sm_about_one_tile(m, k, r, n):
   assert 7 * g // 8 <= tiles1 <= g, (p, tiles1, tiles2)
   assert tiles2 <= g and (tiles2 >= 7 * g // 8 or p.cols_n % 64 == 0), (p, tiles1, tiles2)
   floor_us = planner.hbm_bytes_xuv(m, k, r, n) / 4.0e12 * 1e6
-  assert floor_us < p.est_us < floor_us * (1 + planner.LINE_ALIGN_TOL) + 4 * 1.5
+  assert floor_us < p.est_us < floor_us * (1 + T.line_align_tol) + 4 * 1.5
 
 
 @pytest.mark.parametrize("m", [1, 2, 8, 16])
@@ -103,8 +113,8 @@ def test_phase2_prefetch_rows_follow_the_tile_width(m, k, r, n, rows):
   p = planner.plan_decode_persistent(m, k, r, n)
   assert p.prefetch == rows, p
   if rows:
-    assert rows == (planner.PREFETCH_ROWS_WIDE if p.cols_n >= 128 else planner.PREFETCH_ROWS)
-  assert planner.PREFETCH_ROWS_WIDE != planner.PREFETCH_ROWS
+    assert rows == (T.prefetch_rows_wide if p.cols_n >= 128 else T.prefetch_rows)
+  assert T.prefetch_rows_wide != T.prefetch_rows
 
 
 @pytest.mark.parametrize(
@@ -124,7 +134,7 @@ def test_persistent_decode_plan_halves_p_per_tile_when_it_is_large(m, k, r, n, s
   p = planner.plan_decode_persistent(m, k, r, n, line_row_tol=-1)
   one = planner.plan_decode_persistent(m, k, r, n, p_split_bytes=float("inf"), line_row_tol=-1)
   assert one.r_chunks == 1
-  assert (m * r * 4 >= planner.P_SPLIT_BYTES) == split
+  assert (m * r * 4 >= T.p_split_bytes) == split
   if split:
     assert (p.r_chunks, p.cols_n) == (2, 2 * one.cols_n) and p.block_n >= p.cols_n
     tiles = [q.r_chunks * planner.cdiv(n, q.cols_n) for q in (p, one)]
@@ -159,8 +169,8 @@ def test_persistent_decode_plan_is_well_formed(m, k, r, n, programs):
   n_rb = planner.cdiv(r, p.cols_r)
   if p.v_resident:  # a CTA for every tile, V's register tile within bounds, one r-chunk
     assert n_rb * planner.cdiv(k, p.k_per) + planner.cdiv(n, p.cols_n) <= p.programs
-    assert planner.next_pow2(r) <= planner.V_RES_MAX_R and p.block_n <= planner.V_RES_BLOCK_N
-    assert p.r_chunks == 1 and not p.p16 and p.block_m <= planner.V_RES_MAX_M
+    assert planner.next_pow2(r) <= T.v_res_max_r and p.block_n <= T.v_res_block_n
+    assert p.r_chunks == 1 and not p.p16 and p.block_m <= T.v_res_max_m
   per = planner.cdiv(n_rb, p.r_chunks)
   assert planner.cdiv(n_rb, per) == p.r_chunks
   assert p.r_chunks == 1 or (per * p.cols_r) % p.block_kv == 0  # chunks of whole steps
@@ -388,8 +398,8 @@ def test_phase1_plan_takes_fewest_splits_with_a_tile_per_cta(m, k, r, n):
   assert p.k_per == 64 or n_rb * planner.cdiv(k, p.k_per - 64) > 132
 
 
-# Same-weights A/Bs of the phase-1-alone plan, 64-column tiles against 128 (session 34,
-# benchmarks/results/gpu_xuv_decode_phase1_cols_h200.json): us the 64-column tiles took more
+# Same-weights A/Bs of the phase-1-alone plan, 64-column tiles against 128
+# (benchmarks/results/gpu_xuv_decode_phase1_cols_h200.json): us the 64-column tiles took more
 PHASE1_COLS_AB = [
   ((128, 4096, 1216, 4096), -1.54),
   ((128, 4096, 1216, 4096), -1.45),
@@ -411,19 +421,19 @@ def test_phase1_plan_takes_64_column_tiles_where_they_measured_faster(dims, slow
   that measured faster, or lets a gain under that margin go; as many CTAs either way."""
   m, k, r, n = dims
   p = planner.plan_decode_phase1(m, k, r, n, programs=132)
-  if slower_us <= -planner.PHASE1_NARROW_MIN_US:
+  if slower_us <= -T.phase1_narrow_min_us:
     assert p.cols_r == p.block_r == 64
   elif slower_us > 0:  # (112 of them read at 8192->2456->8192: PHASE1_BALANCE_COLS)
-    assert p.block_r == 128 and p.cols_r in (128, planner.PHASE1_BALANCE_COLS)
+    assert p.block_r == 128 and p.cols_r in (128, T.phase1_balance_cols)
   # r > 1024: as the 128-column tiles, or 6 on 16-KB stages (64 rows, 64 columns)
-  assert p.stages == (6 if p.block_m == p.cols_r == 64 else planner.PHASE1_WIDE_STAGES)
+  assert p.stages == (6 if p.block_m == p.cols_r == 64 else T.phase1_wide_stages)
   n_rb = planner.cdiv(r, p.cols_r)
   assert n_rb * planner.cdiv(k, p.k_per) <= 132
   assert p.k_per == 64 or n_rb * planner.cdiv(k, p.k_per - 64) > 132
 
 
-# Same-weights A/Bs of the phase-1-alone plan, 6 pipeline stages against its own (session 35,
-# benchmarks/results/gpu_xuv_decode_phase1_deep_h200.json): us the 6 stages took more
+# Same-weights A/Bs of the phase-1-alone plan, 6 pipeline stages against its own
+# (benchmarks/results/gpu_xuv_decode_phase1_deep_h200.json): us the 6 stages took more
 PHASE1_STAGES_AB = [
   ((64, 4096, 1024, 14336), -0.55),
   ((64, 8192, 2048, 16384), -0.09),
@@ -453,14 +463,14 @@ def test_phase1_plan_takes_6_stages_where_they_measured_faster(dims, slower_us):
   m, k, r, n = dims
   p = planner.plan_decode_phase1(m, k, r, n, programs=132)
   if slower_us <= -0.5:
-    assert p.stages == planner.PHASE1_MAX_STAGES == 6
+    assert p.stages == T.phase1_max_stages == 6
   elif slower_us > 0:
     assert p.stages < 6
   assert p.stages * (p.block_m + p.cols_r) * p.block_k * 2 <= 160 * 1024  # 1 CTA an SM fits
 
 
-# Same-weights A/Bs of the phase-1-alone plan, fewer columns a tile than its block (session 42,
-# benchmarks/results/gpu_xuv_decode_phase1_balance_h200.json): (point, columns, us they took more)
+# Same-weights A/Bs of the phase-1-alone plan, fewer columns a tile than its block
+# (benchmarks/results/gpu_xuv_decode_phase1_balance_h200.json): (point, columns, us they took more)
 PHASE1_BALANCE_AB = [
   ((128, 8192, 2456, 8192), 112, -0.73),
   ((128, 8192, 2456, 8192), 112, -0.97),
@@ -508,7 +518,7 @@ def test_phase1_plan_narrows_by_the_largest_tile(m, k, r, n, g, cols, k_per):
   """PHASE1_BALANCE_COLS columns of each 128-column tile exactly where their largest tile (K
   rows x columns of U) is at most (1 - PHASE1_BALANCE_MIN) of the whole tiles' on as many
   CTAs (the tiles worked out by hand above): the kernel tests' shapes run the narrowed tiles."""
-  assert (planner.PHASE1_BALANCE_COLS, planner.PHASE1_BALANCE_MIN) == (112, 0.1)
+  assert (T.phase1_balance_cols, T.phase1_balance_min) == (112, 0.1)
   p = planner.plan_decode_phase1(m, k, r, n, programs=g)
   assert (p.block_r, p.cols_r, p.k_per) == (128, cols, k_per)
   assert planner.cdiv(r, p.cols_r) * planner.cdiv(k, p.k_per) <= g
@@ -532,7 +542,7 @@ def test_rows_of_one_line_give_way_to_wider_tiles_of_about_the_same_estimate(m, 
   narrow = planner.plan_decode_persistent(m, k, r, n, line_row_tol=-1)
   p = planner.plan_decode_persistent(m, k, r, n)
   assert narrow.cols_n == 64 and p.cols_n == 128
-  assert p.est_us <= narrow.est_us * (1 + planner.LINE_ROW_TOL)
+  assert p.est_us <= narrow.est_us * (1 + T.line_row_tol)
   assert p.r_chunks * planner.cdiv(n, p.cols_n) <= planner.H200.num_sms
 
 
@@ -646,22 +656,22 @@ def test_scratch_chain_alternates_halves_and_zeroes_what_the_last_call_used():
   call whose scratch does not fit a half starts a new chain. Offsets and counts are
   multiples of 16 (_common.leave_chain tells Triton so of the zeroed half's offset), never 1
   (jax-triton compiles a 1 in as a constant)."""
-  half = planner.SCRATCH_MIN_HALF
-  assert planner.next_link(None, 5) == (True, half, 0, 0)
+  half = launch_modes.SCRATCH_MIN_HALF
+  assert launch_modes.next_link(None, 5) == (True, half, 0, 0)
   last, work = None, []
   for need in (5, 700, 17, half, 1):
-    fresh, h, parity, clear_n = planner.next_link(last, need)
+    fresh, h, parity, clear_n = launch_modes.next_link(last, need)
     assert (fresh, h) == (last is None, half)
     assert clear_n == (0 if last is None else min(half, -(-last[2] // 16) * 16))
     assert clear_n != 1 and clear_n % 16 == 0 and h % 1024 == 0
     work.append(parity)
     last = (h, parity, need)
   assert work == [0, 1, 0, 1, 0]
-  big = planner.next_link((half, 1, 10), half + 1)  # too big for the chain: a new one
+  big = launch_modes.next_link((half, 1, 10), half + 1)  # too big for the chain: a new one
   assert big == (True, -(-(half + 1) // 1024) * 1024, 0, 0)
   for bad in (((half, 2, 0), 8), ((half, 0, half + 1), 8), (None, 0)):
     with pytest.raises(ValueError, match="expected"):
-      planner.next_link(*bad)
+      launch_modes.next_link(*bad)
 
 
 @pytest.mark.parametrize(
@@ -682,16 +692,16 @@ def test_fused_plan_bounds_the_split_k_partials_from_8_rows(m, k, r, n):
   splits, splits1 = planner.cdiv(k, p.k_per), planner.cdiv(k, p1.k_per)
   assert 2 * splits <= splits1 and p.cols_r <= 128 < p1.cols_r
   assert 100 <= planner.cdiv(r, p.cols_r) * splits <= 132
-  assert splits * m * r * 4 <= 2 * planner.PARTIAL_FREE_BYTES
+  assert splits * m * r * 4 <= 2 * T.partial_free_bytes
   assert planner._partials_us(splits, m, r) < planner._partials_us(splits1, m, r)
   # the cost: nothing up to PARTIAL_FREE_BYTES, then linear
-  assert planner._partials_us(1, 1, planner.PARTIAL_FREE_BYTES // 4) == 0
-  assert planner._partials_us(2, 1, planner.PARTIAL_FREE_BYTES // 4) == pytest.approx(
-    planner.PARTIAL_FREE_BYTES / planner.PARTIAL_BW * 1e6
+  assert planner._partials_us(1, 1, T.partial_free_bytes // 4) == 0
+  assert planner._partials_us(2, 1, T.partial_free_bytes // 4) == pytest.approx(
+    T.partial_free_bytes / T.partial_bw * 1e6
   )
 
 
-def test_fused_plan_leaves_one_row_and_64_rows_alone(monkeypatch):
+def test_fused_plan_leaves_one_row_and_64_rows_alone():
   """The partials are not counted at M=1 (small) nor from 64 rows (PARTIALS_MAX_M; the
   default there is plan_decode_phase1's): the plans are those of a zero cost, unlike M=16's."""
   shapes = [(4096, 1024, 14336), (8192, 4096, 16384)]
@@ -700,10 +710,10 @@ def test_fused_plan_leaves_one_row_and_64_rows_alone(monkeypatch):
     for m in (1, 16, 64, 128)
     for s in shapes
   }
-  monkeypatch.setattr(planner, "PARTIAL_FREE_BYTES", 1 << 40)
-  for (m, s), p in plans.items():
-    free = planner.plan_decode_persistent(m, *s, programs=132)
-    assert (free == p) == (m != 16), (m, s, p, free)
+  with policy.use(policy.current().with_values("planner", partial_free_bytes=1 << 40)):
+    for (m, s), p in plans.items():
+      free = planner.plan_decode_persistent(m, *s, programs=132)
+      assert (free == p) == (m != 16), (m, s, p, free)
 
 
 def test_v_resident_plan_takes_small_ranks_up_to_32_rows():
@@ -774,17 +784,16 @@ def test_deep_phase2_steps_where_they_measured_faster(m, k, r, n, deep):
     assert r % p.block_kv == 0
 
 
-def test_deep_phase2_plans_estimate_phase1_at_their_own_stages(monkeypatch):
+def test_deep_phase2_plans_estimate_phase1_at_their_own_stages():
   """The DEEP_KV plan's estimate counts phase 1 at its 3 stages: where a CTA's in-flight
   bytes bound its rate (a long DRAM round trip), fewer stages are estimated slower."""
   dims, rt = (2, 8192, 4096, 16384), 10.0
   deep = planner.plan_decode_persistent(*dims, round_trip_us=rt)
-  monkeypatch.setattr(planner, "DEEP_KV_MIN_R", 1 << 30)
-  four = planner.plan_decode_persistent(*dims, round_trip_us=rt)
+  with policy.use(policy.current().with_values("planner", deep_kv_min_r=1 << 30)):
+    four = planner.plan_decode_persistent(*dims, round_trip_us=rt)
   assert (deep.stages, four.stages) == (3, 4)
   assert dataclasses.replace(deep, block_kv=64, stages=4, est_us=four.est_us) == four
   assert deep.est_us > 1.1 * four.est_us, (deep.est_us, four.est_us)
-  monkeypatch.undo()
   assert planner.plan_decode_persistent(*dims).est_us == pytest.approx(
     planner.plan_decode_persistent(*dims, round_trip_us=0.0).est_us
   )  # share-bound: equal
@@ -807,15 +816,15 @@ def test_default_launch_follows_the_verified_jaxlibs(monkeypatch):
     ((1, 0, 0), "xla"),
   ):
     monkeypatch.setattr(jaxlib.version, "__version_info__", version)
-    assert planner._default_launch() == want, version
-  monkeypatch.setattr(planner, "DEFAULT_LAUNCH", "xla")
+    assert launch_modes._default_launch() == want, version
+  monkeypatch.setattr(launch_modes, "DEFAULT_LAUNCH", "xla")
   monkeypatch.delenv("LRJAX_TRITON_LAUNCH", raising=False)
-  assert planner.launch_mode() == "xla"
+  assert launch_modes.launch_mode() == "xla"
   monkeypatch.setenv("LRJAX_TRITON_LAUNCH", "jaxlib")
-  assert planner.launch_mode() == "jaxlib"
+  assert launch_modes.launch_mode() == "jaxlib"
   monkeypatch.setenv("LRJAX_TRITON_LAUNCH", "ptx")
   with pytest.raises(ValueError, match="'ptx'.*xla"):
-    planner.launch_mode()
+    launch_modes.launch_mode()
 
 
 def test_part_len_covers_n_in_whole_steps():
@@ -832,7 +841,7 @@ def test_part_len_covers_n_in_whole_steps():
 @pytest.mark.parametrize(
   "m,r,n,block_m",
   [
-    # the rows the session-41 A/B found fastest (results/gpu_xuv_decode_pv_launch_h200.json)
+    # the rows the A/B found fastest (benchmarks/results/gpu_xuv_decode_pv_launch_h200.json)
     (128, 256, 512, 16),
     (64, 256, 512, 16),
     (128, 152, 4096, 64),
@@ -850,15 +859,14 @@ def test_pv_launch_tiles_take_the_tallest_rows_that_keep_a_wave(m, r, n, block_m
   """planner.plan_pv_launch: 32-column tiles, the tallest row block of 64/32 whose f32 P tile
   is at most PV_LAUNCH_P_TILE_BYTES and that leaves PV_LAUNCH_MIN_TILES tiles, else 16."""
   p = planner.plan_pv_launch(m, r, n)
-  assert (p.block_m, p.block_n) == (block_m, planner.PV_LAUNCH_COLS), p
+  assert (p.block_m, p.block_n) == (block_m, T.pv_launch_cols), p
   tiles = lambda bm: planner.cdiv(m, bm) * planner.cdiv(n, p.block_n)  # noqa: E731
   if block_m > 16:
-    assert block_m * r * 4 <= planner.PV_LAUNCH_P_TILE_BYTES
-    assert tiles(block_m) >= planner.PV_LAUNCH_MIN_TILES
+    assert block_m * r * 4 <= T.pv_launch_p_tile_bytes
+    assert tiles(block_m) >= T.pv_launch_min_tiles
   taller = [bm for bm in (64, 32) if bm > block_m]
   assert all(
-    bm * r * 4 > planner.PV_LAUNCH_P_TILE_BYTES or tiles(bm) < planner.PV_LAUNCH_MIN_TILES
-    for bm in taller
+    bm * r * 4 > T.pv_launch_p_tile_bytes or tiles(bm) < T.pv_launch_min_tiles for bm in taller
   ), p
 
 

@@ -1,11 +1,10 @@
 """Shared memory of the kernels' default tiles, checked on the CPU: each kernel is compiled for
-the H200 (sm_90, with the 16-byte pointer alignment jax-triton declares;
-benchmarks/kernel_resources.py) and Triton's metadata gives the bytes one CTA asks for. More
-than the H200's opt-in limit and the kernel does not launch. Three planned shapes asked for
-more: the persistent SwiGLU kernel at Llama-3-70B (session 11) and the grouped q/k/v kernel
-at 32 rows (session 12), both found only by a GPU run, and the persistent SwiGLU kernel at 64
-rows and the grouped kernel's phase 1 alone at 128 rows with 4 stages (262144 B: session 43),
-found by this test. Runs wherever triton is installed, GPU or not."""
+the H200 (sm_90, with the 16-byte pointer alignment jax-triton declares; kernel_resources.py)
+and Triton's metadata gives the bytes one CTA asks for. More than the H200's opt-in limit and
+the kernel does not launch; planned shapes that once asked for more: the persistent SwiGLU
+kernel at Llama-3-70B and at 64 rows, the grouped q/k/v kernel at 32 rows, the grouped
+kernel's phase 1 alone at 128 rows with 4 stages (262144 B). Runs wherever triton is
+installed, GPU or not."""
 
 import importlib.util
 import textwrap
@@ -57,10 +56,10 @@ _RESIDENT = STUB + textwrap.dedent("""
 def test_swiglu_decode_ctas_a_sm_are_the_measured_ones():
   """The parked default at T <= 16 (5 stages) rests on one CTA an SM, so the stage-B slices
   spread over all SMs: at 3-4 stages two or three shared one and it was 2-9 % slower than
-  unparked. Since session 16 that holds at one token too where D_ff has more 128-column
+  unparked. That holds at one token too where D_ff has more 128-column
   slices than the SMs (Qwen2.5-7B's 148, Llama-3-70B's 224). On six such shapes two CTAs an
   SM (4 stages) were 4-21 % slower than one on five, 1 % faster on Qwen2.5-7B
-  (gpu_mlp_decode_park_waves_h200.json)."""
+  (benchmarks/results/gpu_mlp_decode_park_waves_h200.json)."""
   cases = {
     "mlp decode T=1 D=3584 F=18944 r=2048": 1,
     "mlp decode T=1 D=8192 F=28672 r=3824": 1,
@@ -73,7 +72,7 @@ def test_swiglu_decode_ctas_a_sm_are_the_measured_ones():
 
 
 _CHAINED = STUB + textwrap.dedent("""
-  half = 1 << 17  # planner.SCRATCH_MIN_HALF: the second call of a chain works here
+  half = 1 << 17  # launch_modes.SCRATCH_MIN_HALF: the second call of a chain works here
   n = 0
   for name, kernel, meta, warps, stages in kernel_resources.planned():
     if name in CASES:
@@ -90,9 +89,9 @@ _CHAINED = STUB + textwrap.dedent("""
 def test_a_chained_call_compiles_to_the_unchained_resources():
   """The offset of a decode call's half of a scratch chain (launch.py) is a constexpr, and a
   call working in the second half gets the same shared memory, spills and CTAs an SM as one
-  working at the scratch's start, and registers within 8 (ptxas's jitter). The offset was a
-  runtime argument in session 17, and ptxas gave these kernels at 64 rows up to twice the
-  registers (the grouped q/k/v 98-122 -> 216-230; the 8B step at batch 64 6 % slower)."""
+  working at the scratch's start, and registers within 8 (ptxas's jitter). As a runtime
+  argument the offset gave these kernels at 64 rows up to twice the registers (the grouped
+  q/k/v 98-122 -> 216-230; the 8B step at batch 64 6 % slower)."""
   cases = (
     "group M=64 K=8192 r=2456/544/544",
     "group M=64 K=8192 r=2432/576/576",
@@ -138,23 +137,26 @@ _PARK_RULE = STUB + textwrap.dedent("""
   for name, (d, f, r) in shapes.items():
     for m in (2, 16):
       assert get(m, d, f, r, d).num_stages == 5, (name, m)  # one CTA an SM
-      old = get(m, d, f, r, d, park_small=False)
+      old = mlp_decode._default_blocks(m, d, f, r, d, park_small=False)
       assert not old.park_h and old.num_stages in (3, 4), (name, m, old)
   bs = get(4, 4096, 14336, 2560, 4096)
-  for bad, match in ((dict(cols_f=129), "cols_f"), (dict(park_h=False, h_inline=True), "park_h"),
-                     (dict(h_inline=True, h_splits=1, cols_f=64), "at most"),
-                     (dict(prefetch=96), "power of two"),
-                     (dict(prefetch_c=64, block_n=32), "block_n=32")):
+  V = mlp_decode.Variant
+  for bad, var, match in ((dict(), V(cols_f=129), "cols_f"),
+                          (dict(park_h=False), V(h_inline=True), "park_h"),
+                          (dict(h_splits=1), V(h_inline=True, cols_f=64), "at most"),
+                          (dict(), V(prefetch=96), "power of two"),
+                          (dict(block_n=32), V(prefetch_c=64), "block_n=32")):
     try:
       mlp_decode.launch_plan(4, 4096, 2560, 14336, 2560, 4096, bs=dataclasses.replace(bs, **bad),
-                             **kw)
+                             variant=var, **kw)
     except ValueError as e:
-      assert match in str(e), (bad, e)
+      assert match in str(e), (bad, var, e)
     else:
-      raise AssertionError(f"{bad} was accepted")
+      raise AssertionError(f"{bad} {var} was accepted")
   # h_inline: splits of ceil(r_d / block_h) slices, no stage-H CTAs of their own
   inl = mlp_decode.launch_plan(4, 4096, 2560, 14336, 2560, 4096,
-                               bs=dataclasses.replace(bs, h_inline=True, block_h=256), **kw)
+                               bs=dataclasses.replace(bs, block_h=256), variant=V(h_inline=True),
+                               **kw)
   sep = mlp_decode.launch_plan(4, 4096, 2560, 14336, 2560, 4096, bs=bs, **kw)
   assert inl["meta"]["F_PER"] == 10 * 128 and inl["meta"]["H_SPLITS"] == 12, inl["meta"]
   n_h = sep["meta"]["H_SPLITS"] * 2560 // bs.block_h
@@ -218,7 +220,7 @@ _WIDE_RULE = STUB + textwrap.dedent("""
 
 
 def test_swiglu_decode_wide_rule_at_17_to_64_tokens():
-  """Session 46: where D_ff's 128-column slices are >= 1.5x the SMs (Llama-3-70B, Qwen2.5-32B),
+  """The wide rule: where D_ff's 128-column slices are >= 1.5x the SMs (Llama-3-70B, Qwen2.5-32B),
   17-64 tokens take two chunks of Pg/Pu, 256-column stage-H tiles, and 5 stages up to 32 rows
   or one stage-H tile an SM above; fewer slices (Gemma-7B's 192, Qwen2.5-7B's 148, the 8B's
   112), T <= 16 and T > 64 keep their blocks."""
@@ -226,18 +228,18 @@ def test_swiglu_decode_wide_rule_at_17_to_64_tokens():
 
 
 def test_swiglu_decode_stage_a_fills_the_sms_in_one_wave():
-  """The T <= 16 rule of session 32: where stage A's splits (>= 8 K steps a CTA) leave SMs
-  idle in their one wave, D is split finer (>= 2 K steps a CTA) to fill them, and stage B
-  then takes Pg/Pu in one chunk (all complete at once); where stage A already takes two
-  waves, its splits stay and stage B takes two chunks (session 33). After one wave stage B
-  reads Pg/Pu in f32 (p16 off, session 33)."""
+  """The T <= 16 stage-A rule: where stage A's splits (>= 8 K steps a CTA) leave SMs idle in
+  their one wave, D is split finer (>= 2 K steps a CTA) to fill them, and stage B then takes
+  Pg/Pu in one chunk (all complete at once); where stage A already takes two waves, its
+  splits stay and stage B takes two chunks. After one wave stage B reads Pg/Pu in f32 (p16
+  off)."""
   run_script(_STAGE_A_RULE, interpret=False)
 
 
 def test_swiglu_decode_parks_h_where_it_measured_faster():
-  """The T <= 16 rule of sessions 15-16: h parked with 5 stages from 2 tokens, and at one
-  token where stage B takes 128-wide slices; stage H in four times the splits where those
-  slices outnumber the SMs; ``park_small=False`` gives the unparked blocks back. And the plan
-  refuses slices wider than their block, ``h_inline`` without parked h, and ``h_inline``
+  """The T <= 16 parking rule: h parked with 5 stages from 2 tokens, and at one token where
+  stage B takes 128-wide slices; stage H in four times the splits where those slices
+  outnumber the SMs; ``_default_blocks(park_small=False)`` gives the unparked blocks. And the
+  plan refuses slices wider than their block, ``h_inline`` without parked h, and ``h_inline``
   splits of more CTAs than the GPU holds at once (they wait for each other)."""
   run_script(_PARK_RULE, interpret=False)

@@ -1,8 +1,8 @@
 """The inter-CTA flags of the one-launch kernels, read in their PTX (compiled for the H200 on
 the CPU): a stage that waits for another's results must read the flag with acquire
-semantics, and the stage that publishes them must release. Session 21 found that the
-kernels' wait had lost its acquire: a relaxed (volatile) poll followed by an unused
-``atomic_add(flag, 0, sem="acquire")``, which Triton 3.6 drops when it lowers to LLVM.
+semantics, and the stage that publishes them must release. (A relaxed, volatile poll
+followed by an unused ``atomic_add(flag, 0, sem="acquire")`` loses its acquire: Triton 3.6
+drops the unused atomic when it lowers to LLVM.)
 Runs wherever triton is installed, GPU or not."""
 
 import importlib.util
@@ -27,7 +27,7 @@ def test_every_wait_reads_its_flag_with_acquire_and_every_signal_releases():
     STUB
     + textwrap.dedent("""
     import re
-    from lrjax.custom_calls.triton import xuv_decode
+    from lrjax.custom_calls.triton import xuv_decode_pv
     seen, waits = set(), 0
     for name, kernel, meta, warps, stages in kernel_resources.planned():
       key = (kernel, meta.get("PV", True))
@@ -38,7 +38,7 @@ def test_every_wait_reads_its_flag_with_acquire_and_every_signal_releases():
       assert "ld.volatile" not in ptx, name  # a poll without ordering
       releases = len(re.findall(r"atom\\.global\\.gpu\\.(release|acq_rel)\\.", ptx))
       acquires = len(re.findall(r"ld\\.global\\.gpu\\.acquire\\.b32", ptx))
-      if kernel is xuv_decode._pv_launch_kernel:  # one stage: the launch order is its sync
+      if kernel is xuv_decode_pv._xuv_decode_pv_kernel:  # one stage: the launch order is its sync
         assert releases == 0 and acquires == 0, (name, releases, acquires)
       elif meta.get("PV", True):  # each of these kernels publishes some stage's results
         assert releases >= 1 and acquires >= 1, (name, releases, acquires)
