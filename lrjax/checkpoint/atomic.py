@@ -161,6 +161,10 @@ def _exchange(a: Path, b: Path) -> bool:
   raise OSError(err, f"exchanging {a} and {b}: {os.strerror(err)}")
 
 
+def _mkdir(p: Path):
+  p.mkdir()
+
+
 def _rename(a: Path, b: Path):
   os.rename(a, b)
 
@@ -169,7 +173,7 @@ def _rmtree(p: Path):
   shutil.rmtree(p)
 
 
-def _fsync_path(p: Path | str):
+def _fsync_one(p: Path | str):
   fd = os.open(p, os.O_RDONLY)
   try:
     os.fsync(fd)
@@ -177,11 +181,15 @@ def _fsync_path(p: Path | str):
     os.close(fd)
 
 
+def _fsync_path(p: Path | str):
+  _fsync_one(p)
+
+
 def _fsync_tree(root: Path):
   for dirpath, _, files in os.walk(root):
     for f in files:
-      _fsync_path(os.path.join(dirpath, f))
-    _fsync_path(dirpath)
+      _fsync_one(os.path.join(dirpath, f))
+    _fsync_one(dirpath)
 
 
 # ---- locks ------------------------------------------------------------------------------------
@@ -469,7 +477,7 @@ def atomic_dir(
     if err is not None:
       raise err
     tmp = _temp_name(p, "tmp")
-    tmp.mkdir()
+    _mkdir(tmp)
     committed = False
     try:
       yield tmp
