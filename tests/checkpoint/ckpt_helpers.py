@@ -63,8 +63,21 @@ def unwritable_dir(tmp_path):
 
 
 def data_files(ckpt_dir) -> list[str]:
-  """The orbax array data files of an lrjax checkpoint, largest first."""
+  """The orbax array data files of an lrjax checkpoint (``state/ocdbt.process_*/d/*``),
+  largest first."""
   out = []
   for d, _, fs in os.walk(os.path.join(ckpt_dir, "state")):
-    out += [os.path.join(d, f) for f in fs if os.sep + "d" + os.sep in os.path.join(d, f)]
+    if os.path.basename(d) == "d" and os.path.basename(os.path.dirname(d)).startswith("ocdbt."):
+      out += [os.path.join(d, f) for f in fs]
   return sorted(out, key=os.path.getsize, reverse=True)
+
+
+def index_files(ckpt_dir) -> list[str]:
+  """The orbax files that are not array data (manifests, tree metadata)."""
+  data = set(data_files(ckpt_dir))
+  return sorted(
+    os.path.join(d, f)
+    for d, _, fs in os.walk(os.path.join(ckpt_dir, "state"))
+    for f in fs
+    if os.path.join(d, f) not in data
+  )
