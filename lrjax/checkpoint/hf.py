@@ -14,6 +14,7 @@ its bytes as stored). :func:`load_hf` verifies those checksums when the file is 
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import json
 import logging
@@ -252,6 +253,19 @@ def _sha256(a: np.ndarray) -> str:
   return hashlib.sha256(np.ascontiguousarray(a).reshape(-1).view(np.uint8)).hexdigest()
 
 
+def abstract_split(cfg: ModelConfig, ranks=None, param_dtype=jnp.float32, heads=None):
+  """(graphdef, flat abstract state) of :func:`abstract_model`; cached per architecture, since
+  tracing a model's construction costs more than loading a small checkpoint."""
+  return _abstract_split(cfg, json.dumps(ranks), jnp.dtype(param_dtype).name, json.dumps(heads))
+
+
+@functools.lru_cache(maxsize=8)
+def _abstract_split(cfg: ModelConfig, ranks: str, dtype: str, heads: str):
+  model = abstract_model(cfg, json.loads(ranks), jnp.dtype(dtype), json.loads(heads))
+  gdef, state = nnx.split(model)
+  return gdef, tuple(nnx.to_flat_state(state))
+
+
 def load_hf(
   path: str | os.PathLike,
   dtype=None,
@@ -291,19 +305,23 @@ def load_hf(
   if comp is not None and not isinstance(comp, dict):
     raise ValueError(f"{cfg_path}: {COMPRESSION_KEY} must be an object")
   record = read_export_record(path) if verify else None
+  st = SafetensorsDir(path)  # headers only; checked before the model is built
+  fam = get_family(cfg.model_type)
+  last = fam.tensor_name(("layers", cfg.num_layers - 1, "input_layernorm", "weight"))[0]
+  if last not in st:
+    raise ValueError(
+      f"missing tensor {last!r}: expected shape [{cfg.hidden_size}] for the last of the "
+      f"{cfg.num_layers} layers that {cfg_path} declares (num_hidden_layers)"
+    )
   try:
-    model = abstract_model(cfg, ranks, dt, heads)
+    gdef, flat = abstract_split(cfg, ranks, dt, heads)
   except (ValueError, TypeError, KeyError) as e:
     raise ValueError(
       f"{cfg_path}: {LOWRANK_KEY} ranks/heads do not fit the model ({_one_line(e)})"
     ) from None
-  gdef, state = nnx.split(model)
-  flat = list(nnx.to_flat_state(state))
-  fam = get_family(cfg.model_type)
   names = _param_names(flat, fam)
   if shardings is None and mesh is not None:
     shardings = logical_sharding(mesh, rules)
-  st = SafetensorsDir(path)
   expected = {n for n, _ in names.values()}
   missing = [(p, n) for p, (n, _) in names.items() if n not in st]
   if missing:

@@ -25,7 +25,6 @@ import logging
 import os
 import re
 from collections.abc import Mapping
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +34,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from lrjax.checkpoint.atomic import atomic_dir, resolve
-from lrjax.checkpoint.hf import abstract_model
+from lrjax.checkpoint.hf import abstract_split
 from lrjax.checkpoint.placement import Shardings, logical_sharding, param_axes, param_key, pick
 from lrjax.models.config import ModelConfig
 from lrjax.models.llama import LlamaForCausalLM
@@ -291,13 +290,11 @@ def load(
   if emb is None:
     raise ValueError(f"{mp}: lists no 'embed.embedding' param; the checkpoint is corrupt")
   try:
-    model = abstract_model(cfg, meta["ranks"], jnp.dtype(emb["dtype"]), meta.get("heads"))
+    gdef, flat = abstract_split(cfg, meta["ranks"], jnp.dtype(emb["dtype"]), meta.get("heads"))
   except (ValueError, TypeError, KeyError) as e:
     raise ValueError(
       f"{mp}: config, ranks and heads do not build a model ({_one_line(e)})"
     ) from None
-  gdef, state = nnx.split(model)
-  flat = list(nnx.to_flat_state(state))
   keys = [param_key(p) for p, _ in flat]
   if set(keys) != set(params):
     raise ValueError(
@@ -309,7 +306,6 @@ def load(
   if not os.path.isdir(state_dir):
     raise FileNotFoundError(f"{state_dir} does not exist; the checkpoint is incomplete")
   ckptr = _checkpointer(concurrent_gb)
-  stored = _stored(state_dir, ckptr)
   if shardings is None and mesh is not None:
     shardings = logical_sharding(mesh, rules)
   target = {}
@@ -319,25 +315,31 @@ def load(
       raise ValueError(
         f"{mp}: param {k} has shape {info['shape']}, config and ranks imply {list(var.shape)}"
       )
-    if k not in stored:
-      raise ValueError(f"{state_dir}: holds no array {k!r} listed in {METADATA_NAME}")
-    shape, dt = stored[k]
-    if shape != tuple(info["shape"]) or dt != np.dtype(info["dtype"]):
-      raise ValueError(
-        f"{mp}: param {k!r} is recorded as {info['dtype']}{info['shape']} but {STATE_DIR}/ "
-        f"holds {dt.name}{list(shape)}; the metadata was edited or is corrupt"
-      )
     target[k] = jax.ShapeDtypeStruct(
       tuple(info["shape"]),
       jnp.dtype(info["dtype"]),
       sharding=pick(shardings, k, param_axes(var), mesh),
     )
+  # What state/ holds is compared with the metadata up front without checksums; with them,
+  # only to explain a failure (a restore casts to the recorded dtype, so an edited dtype
+  # shows up as a checksum mismatch first).
+  if not verify:
+    _check_stored(mp, state_dir, ckptr, params)
   try:
     restored = ckptr.restore(state_dir, args=ocp.args.StandardRestore(target))
   except Exception as e:
+    if verify:
+      _check_stored(mp, state_dir, ckptr, params)
     raise _locate(state_dir, target, e) from None
   if verify:
-    _verify(path, meta, restored)
+    bad = _mismatched(meta, restored)
+    if bad:
+      _check_stored(mp, state_dir, ckptr, params)
+      raise ValueError(
+        f"{path}: array {bad!r} fails its sha256 check against {METADATA_NAME} (data in "
+        f"{state_dir}); the checkpoint is corrupt: re-create it "
+        "(verify=False / --no-verify skips the check)"
+      )
   state = nnx.from_flat_state([(p, var.replace(restored[k])) for k, (p, var) in zip(keys, flat)])
   out = nnx.merge(gdef, state)
   out.compression = meta.get("compression")
@@ -346,18 +348,24 @@ def load(
   return out
 
 
-def _verify(path: Path, meta: dict, restored: Mapping[str, object]):
-  params = meta["params"]
-  if meta["format_version"] < 2:
-    log.warning(
-      "%s: format version %d records no checksums; not verified", path, meta["format_version"]
-    )
-    return
-  got = _hashes(restored)
-  for k, h in got.items():
-    if h != params[k]["sha256"]:
+def _check_stored(mp: str, state_dir: str, ckptr: ocp.Checkpointer, params: dict):
+  """Raise if a param's recorded shape or dtype differs from what ``state_dir`` holds."""
+  stored = _stored(state_dir, ckptr)
+  for k, info in params.items():
+    if k not in stored:
+      raise ValueError(f"{state_dir}: holds no array {k!r} listed in {METADATA_NAME}")
+    shape, dt = stored[k]
+    if shape != tuple(info["shape"]) or dt != np.dtype(info["dtype"]):
       raise ValueError(
-        f"{path}: array {k!r} fails its sha256 check against {METADATA_NAME} (data in "
-        f"{os.path.join(path, STATE_DIR)}); the checkpoint is corrupt: re-create it "
-        "(verify=False / --no-verify skips the check)"
+        f"{mp}: param {k!r} is recorded as {info['dtype']}{info['shape']} but {STATE_DIR}/ "
+        f"holds {dt.name}{list(shape)}; the metadata was edited or is corrupt"
       )
+
+
+def _mismatched(meta: dict, restored: Mapping[str, object]) -> str | None:
+  """The first array whose sha256 differs from the metadata's, or None."""
+  if meta["format_version"] < 2:
+    log.warning("format version %d records no checksums; not verified", meta["format_version"])
+    return None
+  got = _hashes(restored)
+  return next((k for k, h in got.items() if h != meta["params"][k]["sha256"]), None)

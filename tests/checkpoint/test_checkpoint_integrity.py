@@ -21,7 +21,10 @@ from lrjax.models import from_hf
 
 # A failed orbax restore leaves un-awaited read coroutines behind; they are collected (and
 # reported by pytest as unraisable) when this module ends rather than in some later test.
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+pytestmark = [
+  pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+  pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning"),
+]
 
 
 @pytest.fixture(autouse=True, scope="module")
