@@ -246,8 +246,11 @@ def _check_convert(a) -> tuple:
   if a.lora_steps and not (a.lora_tokens or calibrated):
     raise ValueError("--lora-steps > 0 needs --lora-tokens FILE or --calib FILE")
   src = _existing_dir(a.hf or a.orbax, "--hf" if a.hf else "--orbax")
-  files = [(a.calib, "--calib"), (a.lora_tokens, "--lora-tokens")]
-  inputs = [src] + [_existing_file(f, n) for f, n in files if f]
+  inputs = [src]
+  for attr, flag in (("calib", "--calib"), ("lora_tokens", "--lora-tokens")):
+    if getattr(a, attr):
+      inputs.append(_existing_file(getattr(a, attr), flag))
+      setattr(a, attr, os.path.abspath(os.path.expanduser(getattr(a, attr))))  # keeps its suffix
   return a.out, inputs, src
 
 

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from ckpt_helpers import FIXTURES, bit_equal, random_model
 
@@ -62,9 +63,11 @@ def test_cli_from_another_working_directory(work, capsys):
   )
   assert cli.main(["export", "--ckpt", "out/ck_w", "--out", "~/ex_w"]) == 0
   assert bit_equal(checkpoint.load_hf(work.parent / "ex_w"), checkpoint.load("out/ck_w"))
+  np.save(work.parent / "calib.npy", np.arange(32).reshape(2, 16) % 7)
   assert cli.main(["convert", "--orbax", "~/work/out/ck_w", "--out", "ck2", "--ratio", "0.3",
-                   "--method", "svd", "--block", "4"]) == 1  # fmt: skip
-  assert "not a dense" in capsys.readouterr().err  # got as far as compress: the path resolved
+                   "--calib", "~/calib.npy", "--block", "4"]) == 1  # fmt: skip
+  # Got as far as compress (a low-rank input): the checkpoint and the tokens were found.
+  assert "not a dense" in capsys.readouterr().err
   # generate loads the relative checkpoint, then rejects a prompt longer than its cache with
   # the engine's one-line error (the warm-up used to die with StopIteration).
   long = ",".join(["1"] * 40)
