@@ -76,3 +76,14 @@ def test_cli_from_another_working_directory(work, capsys):
   assert rc == 1 and "prompt has 40 tokens; this engine takes at most 15" in err, err
   assert len(err.strip().splitlines()) == 1
   assert sorted(os.listdir(work)) == ["out"] and sorted(os.listdir(work / "out")) == ["ck_w"]
+
+
+def test_generate_rejects_a_prompt_longer_than_its_cache(tmp_path, capsys):
+  """The warm-up used to die with StopIteration before the engine could say what is wrong."""
+  checkpoint.save(random_model(), tmp_path / "ck")
+  long = ",".join(["1"] * 40)
+  args = ["generate", "--ckpt", str(tmp_path / "ck"), "--prompt-ids", "1,2", "--prompt-ids"]
+  rc = cli.main(args + [long, "--max-len", "16"])
+  err = capsys.readouterr().err
+  assert rc == 1 and "prompt has 40 tokens; this engine takes at most 15" in err, err
+  assert len(err.strip().splitlines()) == 1
