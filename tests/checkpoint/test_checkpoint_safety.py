@@ -75,7 +75,7 @@ def _convert_args(src, out, *extra):
 
 
 # ---- --overwrite refuses what lrjax did not write ---------------------------------------------
-def test_overwrite_refuses_a_directory_that_is_not_a_checkpoint(tmp_path, capsys, no_load):
+def test_overwrite_refuses_a_directory_that_is_not_a_checkpoint(tmp_path, capsys):
   src = copy_fixture(tmp_path)
   out = tmp_path / "mine"
   out.mkdir()
@@ -91,11 +91,11 @@ def test_overwrite_refuses_a_directory_that_is_not_a_checkpoint(tmp_path, capsys
   assert sorted(p for p in os.listdir(tmp_path) if p.startswith(".")) == []
 
 
-def test_overwrite_refuses_a_file(tmp_path, capsys, no_load):
+def test_overwrite_refuses_a_file(tmp_path, capsys):
   src = copy_fixture(tmp_path)
   f = tmp_path / "afile"
   f.write_text("data")
-  for extra in ([], ["--overwrite"]):
+  for extra in (["--overwrite"], []):
     rc, err = _cli(capsys, *_convert_args(src, f, *extra))
     assert rc == 2 and "is not a directory" in _one_line_error(err)
   with pytest.raises(FileExistsError, match="never replaces a file"):
@@ -121,6 +121,11 @@ def test_overwrite_refuses_the_current_directory(tmp_path, capsys, monkeypatch, 
 
 def test_overwrite_refuses_the_input_and_its_ancestors(tmp_path, capsys, monkeypatch, saved):
   ck, m = saved
+  hf = copy_fixture(tmp_path, dest="hf")
+  before = sorted(os.listdir(hf))
+  rc, err = _cli(capsys, *_convert_args(hf, hf, "--overwrite"))
+  assert rc == 2 and "is an input" in _one_line_error(err)
+  assert sorted(os.listdir(hf)) == before
   os.symlink(ck, tmp_path / "link")
   monkeypatch.chdir(tmp_path)
   for out in ("ck", "./ck", "link", str(ck) + "/", "link/../ck"):
@@ -351,9 +356,37 @@ def test_stale_temporaries_of_live_or_foreign_owners_are_kept(tmp_path):
   assert sorted(os.listdir(tmp_path)) == sorted(["ck", live.name, foreign.name, legacy.name])
 
 
+def test_crash_between_the_two_renames_keeps_the_old_checkpoint(tmp_path, monkeypatch):
+  """Without RENAME_EXCHANGE a replace is two renames; failing the second restores the old."""
+  old, new = random_model(), random_model()
+  out = tmp_path / "ck"
+  checkpoint.save(old, out)
+  monkeypatch.setattr(atomic, "_exchange", lambda a, b: False, raising=False)
+  real = os.rename
+
+  def rename(src, dst, *a, **kw):
+    if os.path.basename(src).startswith(".ck.tmp-") and os.fspath(dst) == str(out):
+      raise OSError("crash between the two renames (simulated)")
+    return real(src, dst, *a, **kw)
+
+  monkeypatch.setattr(os, "rename", rename)
+  with pytest.raises(OSError, match="simulated"):
+    checkpoint.save(new, out, overwrite=True)
+  monkeypatch.setattr(os, "rename", real)
+  assert bit_equal(checkpoint.load(out), old)
+
+
 def test_next_write_cleans_what_a_killed_run_left(tmp_path):
-  r = _child_write(tmp_path / "other", 2, True)  # killed after creating its temp dir
-  assert r.returncode == -signal.SIGKILL
+  code = textwrap.dedent(f"""
+    import importlib.util, os, signal
+    spec = importlib.util.spec_from_file_location("atomic", {ATOMIC_PY!r})
+    atomic = importlib.util.module_from_spec(spec); spec.loader.exec_module(atomic)
+    with atomic.atomic_dir({str(tmp_path / "other")!r}) as tmp:
+      (tmp / "payload").write_bytes(b"x" * 1000)
+      os.kill(os.getpid(), signal.SIGKILL)
+  """)
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+  assert r.returncode == -signal.SIGKILL, r.stderr
   assert any(p.startswith(".other.tmp-") for p in os.listdir(tmp_path))
   checkpoint.save(random_model(), tmp_path / "ck")  # a write to another name, same parent
   assert sorted(os.listdir(tmp_path)) == ["ck"]
