@@ -16,7 +16,6 @@ wrote (see :mod:`lrjax.checkpoint.atomic`). Nothing uses pickle.
 from lrjax.checkpoint.atomic import (
   OutputBusyError,
   atomic_dir,
-  check_output,
   clean_stale,
   reserve_output,
   resolve,
@@ -49,7 +48,6 @@ __all__ = [
   "SafetensorsDir",
   "array_sha256",
   "atomic_dir",
-  "check_output",
   "clean_stale",
   "digest",
   "export_hf",

@@ -349,21 +349,6 @@ def _refusal(
   return None
 
 
-def check_output(
-  path: str | os.PathLike,
-  overwrite: bool = False,
-  *,
-  replaceable: Replaceable | None = None,
-  protect: Iterable[str | os.PathLike] = (),
-) -> Path:
-  """Raise if ``path`` may not be written (see module docstring); returns it resolved."""
-  p = resolve(path, "output path")
-  err = _refusal(p, overwrite, replaceable, [resolve(x) for x in protect])
-  if err is not None:
-    raise err
-  return p
-
-
 @contextlib.contextmanager
 def reserve_output(
   path: str | os.PathLike,
