@@ -12,9 +12,11 @@ Subcommands register with :func:`subcommand`; a module that defines more of them
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -111,12 +113,17 @@ def convert(p: argparse.ArgumentParser):
   p.add_argument(
     "--dtype", type=_dtype, default=None, help="param dtype (default: the checkpoint's)"
   )
-  p.add_argument("--overwrite", action="store_true")
+  p.add_argument(
+    "--overwrite",
+    action="store_true",
+    help="replace --out if it holds an lrjax checkpoint (never any other directory or file)",
+  )
   p.add_argument(
     "--verify",
     action="store_true",
     help="reload the output and check it equals the compressed model bit for bit",
   )
+  _no_verify_arg(p)
 
   def run(a):
     from lrjax import checkpoint
@@ -126,50 +133,143 @@ def convert(p: argparse.ArgumentParser):
     except ImportError as e:
       print(f"lrjax convert: lrjax.compress is not available ({e})", file=sys.stderr)
       return 2
-    if a.out and os.path.exists(a.out) and not a.overwrite:
-      print(f"lrjax convert: {a.out} exists; pass --overwrite to replace it", file=sys.stderr)
-      return 2
     if a.orbax and a.dtype is not None:
       print("lrjax convert: --dtype applies to --hf sources only", file=sys.stderr)
       return 2
-    calib = load_tokens(a.calib) if a.calib else None
-    lora_tokens = load_tokens(a.lora_tokens) if a.lora_tokens else None
-    if a.hf:
-      print(f"loading HF checkpoint {a.hf}")
-      model = checkpoint.load_hf(a.hf, dtype=a.dtype, progress=True)
-    else:
-      print(f"loading orbax checkpoint {a.orbax}")
-      model = checkpoint.load(a.orbax)
-    model = compress(
-      model,
-      ratio=a.ratio,
-      calib_tokens=calib,
-      method=a.method,
-      block=a.block,
-      mlp_only=a.mlp_only,
-      per_head=a.per_head,
-      lora_steps=a.lora_steps,
-      lora_rank=a.lora_rank,
-      lora_lr=a.lora_lr,
-      lora_tokens=lora_tokens,
-      lora_batch=a.lora_batch,
-      progress=True,
-    )
-    rec = dict(model.compression or {})
-    rec["source"] = os.path.abspath(a.hf or a.orbax)
-    model.compression = rec
-    checkpoint.save(model, a.out, overwrite=a.overwrite)
-    params = rec.get("params", {})
-    print(
-      f"wrote {a.out}: method={a.method} ratio={a.ratio} ranks={model.layer_ranks()[0]}"
-      f" (layer 0) weights {params.get('dense')} → {params.get('compressed')}"
-    )
-    if a.verify:
-      _verify(model, checkpoint.load(a.out))
-      print("verified: reloaded checkpoint equals the compressed model bit for bit")
-    return 0
+    # Cheap checks first: nothing is loaded before the arguments and --out are known usable.
+    with _reserved(
+      "convert",
+      lambda: _check_convert(a),
+      overwrite=a.overwrite,
+      replaceable=checkpoint.is_checkpoint,
+    ) as (out, src):
+      if out is None:
+        return 2
+      verify = not a.no_verify
+      calib = load_tokens(a.calib) if a.calib else None
+      lora_tokens = load_tokens(a.lora_tokens) if a.lora_tokens else None
+      if a.hf:
+        print(f"loading HF checkpoint {a.hf}")
+        model = checkpoint.load_hf(src, dtype=a.dtype, progress=True, verify=verify)
+      else:
+        print(f"loading orbax checkpoint {a.orbax}")
+        model = checkpoint.load(src, verify=verify)
+      model = compress(
+        model,
+        ratio=a.ratio,
+        calib_tokens=calib,
+        method=a.method,
+        block=a.block,
+        mlp_only=a.mlp_only,
+        per_head=a.per_head,
+        lora_steps=a.lora_steps,
+        lora_rank=a.lora_rank,
+        lora_lr=a.lora_lr,
+        lora_tokens=lora_tokens,
+        lora_batch=a.lora_batch,
+        progress=True,
+      )
+      rec = dict(model.compression or {})
+      rec["source"] = os.fspath(src)
+      model.compression = rec
+      checkpoint.save(model, out, overwrite=a.overwrite)
+      params = rec.get("params", {})
+      print(
+        f"wrote {a.out}: method={a.method} ratio={a.ratio} ranks={model.layer_ranks()[0]}"
+        f" (layer 0) weights {params.get('dense')} → {params.get('compressed')}"
+      )
+      if a.verify:
+        _verify(model, checkpoint.load(out))
+        print("verified: reloaded checkpoint equals the compressed model bit for bit")
+      return 0
 
   return run
+
+
+def _no_verify_arg(p: argparse.ArgumentParser):
+  p.add_argument(
+    "--no-verify",
+    action="store_true",
+    help="skip the sha256 check of every array when reading an lrjax checkpoint or export "
+    "(faster on large models; shapes and dtypes are still checked)",
+  )
+
+
+def _one_line(e: BaseException) -> str:
+  lines = str(e).strip().splitlines()
+  return lines[0][:500] if lines else type(e).__name__
+
+
+@contextlib.contextmanager
+def _reserved(command: str, check: Callable[[], tuple], *, overwrite: bool, replaceable):
+  # Runs check() -> (out, inputs, src), then holds out's write lock for the block. Yields
+  # (resolved out, src), or (None, None) after printing a one-line error when the arguments
+  # or the output are unusable (the caller then returns 2).
+  from lrjax import checkpoint
+
+  stack = contextlib.ExitStack()
+  try:
+    out, inputs, src = check()
+    resolved = stack.enter_context(
+      checkpoint.reserve_output(out, overwrite, replaceable=replaceable, protect=inputs)
+    )
+  except (ValueError, OSError) as e:
+    stack.close()
+    print(f"lrjax {command}: error: {_one_line(e)}", file=sys.stderr)
+    yield None, None
+    return
+  with stack:
+    yield resolved, src
+
+
+def _positive(name: str, v, integer: bool = False):
+  ok = isinstance(v, int) if integer else isinstance(v, (int, float)) and math.isfinite(v)
+  if not ok or v <= 0:
+    raise ValueError(f"{name} {v!r} must be a positive {'integer' if integer else 'number'}")
+
+
+def _check_convert(a) -> tuple:
+  if not (math.isfinite(a.ratio) and 0.0 < a.ratio < 1.0):
+    raise ValueError(
+      f"--ratio {a.ratio!r} must be in (0, 1): the fraction of each compressed projection's "
+      "weight parameters removed (0.2 keeps 80%)"
+    )
+  _positive("--block", a.block, integer=True)
+  if a.lora_steps < 0:
+    raise ValueError(f"--lora-steps {a.lora_steps} must be >= 0 (0 skips LoRA)")
+  _positive("--lora-rank", a.lora_rank, integer=True)
+  _positive("--lora-lr", a.lora_lr)
+  _positive("--lora-batch", a.lora_batch, integer=True)
+  calibrated = bool(a.calib or getattr(a, "calib_text", None))
+  if a.method == "whiten" and not calibrated:
+    raise ValueError("--method whiten needs calibration tokens (--calib FILE); or use --method svd")
+  if a.lora_steps and not (a.lora_tokens or calibrated):
+    raise ValueError("--lora-steps > 0 needs --lora-tokens FILE or --calib FILE")
+  src = _existing_dir(a.hf or a.orbax, "--hf" if a.hf else "--orbax")
+  inputs = [src]
+  for attr, flag in (("calib", "--calib"), ("lora_tokens", "--lora-tokens")):
+    if getattr(a, attr):
+      inputs.append(_existing_file(getattr(a, attr), flag))
+      setattr(a, attr, os.path.abspath(os.path.expanduser(getattr(a, attr))))  # keeps its suffix
+  return a.out, inputs, src
+
+
+def _existing_dir(path: str, what: str):
+  from lrjax.checkpoint import resolve
+
+  p = resolve(path, what)
+  if not p.is_dir():
+    raise FileNotFoundError(f"{what} {path}: no such directory")
+  return p
+
+
+def _existing_file(path: str, what: str):
+  from lrjax.checkpoint import resolve
+
+  p = resolve(path, what)
+  if not p.is_file():
+    raise FileNotFoundError(f"{what} {path}: no such file")
+  return p
 
 
 def _verify(a, b):
@@ -191,22 +291,43 @@ def _verify(a, b):
 def export(p: argparse.ArgumentParser):
   p.add_argument("--ckpt", metavar="DIR", required=True, help="lrjax orbax checkpoint dir")
   p.add_argument("--out", metavar="DIR", required=True, help="output HF-style dir")
-  p.add_argument("--max-shard-gb", type=float, default=4.0)
-  p.add_argument("--overwrite", action="store_true")
+  p.add_argument(
+    "--max-shard-gb", type=float, default=4.0, help="largest safetensors file, in GiB (> 0)"
+  )
+  p.add_argument(
+    "--overwrite",
+    action="store_true",
+    help="replace --out if an earlier lrjax export wrote it (never any other directory or file)",
+  )
+  _no_verify_arg(p)
 
   def run(a):
     from lrjax import checkpoint
 
-    model = checkpoint.load(a.ckpt)
-    checkpoint.export_hf(
-      model,
-      a.out,
-      max_shard_bytes=int(a.max_shard_gb * 2**30),
-      overwrite=a.overwrite,
-      progress=True,
-    )
-    print(f"wrote {a.out} (ranks per layer: {json.dumps(model.layer_ranks())})")
-    return 0
+    def check():
+      _positive("--max-shard-gb", a.max_shard_gb)
+      if int(a.max_shard_gb * 2**30) < 1:
+        raise ValueError(f"--max-shard-gb {a.max_shard_gb!r} is under one byte")
+      src = _existing_dir(a.ckpt, "--ckpt")
+      checkpoint.read_metadata(src)
+      return a.out, [src], src
+
+    with _reserved("export", check, overwrite=a.overwrite, replaceable=checkpoint.is_export) as (
+      out,
+      src,
+    ):
+      if out is None:
+        return 2
+      model = checkpoint.load(src, verify=not a.no_verify)
+      checkpoint.export_hf(
+        model,
+        out,
+        max_shard_bytes=int(a.max_shard_gb * 2**30),
+        overwrite=a.overwrite,
+        progress=True,
+      )
+      print(f"wrote {a.out} (ranks per layer: {json.dumps(model.layer_ranks())})")
+      return 0
 
   return run
 
@@ -234,8 +355,9 @@ def main(argv: list[str] | None = None) -> int:
   )
   try:
     return int(args._run(args) or 0)
-  except (ValueError, FileNotFoundError, FileExistsError, TypeError) as e:
-    print(f"lrjax {args.command}: error: {e}", file=sys.stderr)
+  except (ValueError, OSError, TypeError) as e:
+    lines = str(e).strip().splitlines() or [type(e).__name__]
+    print(f"lrjax {args.command}: error: {lines[0]}", file=sys.stderr)
     return 1
 
 

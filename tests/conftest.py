@@ -128,3 +128,40 @@ def _cpu_device_unless_gpu_test(request):
     return
   with jax.default_device(jax.devices("cpu")[0]):
     yield
+
+
+# ---- fuzz summaries: case and crash counts printed at the end of the run (xdist or not) ------
+_FUZZ: dict[str, list[int]] = {}
+
+
+@pytest.fixture(scope="session")
+def fuzz_report():
+  """``report(name, cases, crashes)`` adds a fuzzer's counts to the end-of-run summary."""
+
+  def report(name: str, cases: int, crashes: int):
+    c = _FUZZ.setdefault(name, [0, 0])
+    c[0] += cases
+    c[1] += crashes
+
+  return report
+
+
+def pytest_sessionfinish(session):
+  out = getattr(session.config, "workeroutput", None)  # an xdist worker: hand counts up
+  if out is not None:
+    out["lrjax_fuzz"] = dict(_FUZZ)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+  for name, (cases, crashes) in getattr(node, "workeroutput", {}).get("lrjax_fuzz", {}).items():
+    c = _FUZZ.setdefault(name, [0, 0])
+    c[0] += cases
+    c[1] += crashes
+
+
+def pytest_terminal_summary(terminalreporter):
+  if _FUZZ:
+    terminalreporter.section("fuzz")
+    for name, (cases, crashes) in sorted(_FUZZ.items()):
+      terminalreporter.write_line(f"{name}: {cases} cases, {crashes} crashes")

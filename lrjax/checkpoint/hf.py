@@ -5,15 +5,22 @@ A low-rank projection ``<p>_proj`` (p in q, k, v, o, gate, up, down) is stored a
 linears ``<p>_u_proj.weight`` [rank, in] and ``<p>_v_proj.weight`` [out, rank] (bias, if any, as
 ``<p>_v_proj.bias``), so y = v_proj(u_proj(x)); ``config.json`` carries the ranks under
 ``lrjax_lowrank``.
+
+An export also writes ``lrjax_export.json``: the format, and each tensor's file and sha256 (of
+its bytes as stored). :func:`load_hf` verifies those checksums when the file is present, and
+``export_hf(..., overwrite=True)`` replaces only a directory that holds one.
 """
 
 from __future__ import annotations
 
+import datetime
+import functools
 import hashlib
 import json
 import logging
 import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -21,22 +28,27 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from lrjax.checkpoint.atomic import atomic_dir
+from lrjax.checkpoint.atomic import atomic_dir, resolve
 from lrjax.checkpoint.placement import logical_sharding, param_axes, param_key, pick
 from lrjax.checkpoint.safetensors_io import (
   INDEX_NAME,
   SINGLE_NAME,
   SafetensorsDir,
+  confined,
   plan_shards,
   write_safetensors,
 )
 from lrjax.models.config import ModelConfig
+from lrjax.models.families import Family, get_family
 from lrjax.models.llama import LlamaForCausalLM
 
 log = logging.getLogger("lrjax.checkpoint")
 
 LOWRANK_KEY = "lrjax_lowrank"
 COMPRESSION_KEY = "lrjax_compression"
+EXPORT_NAME = "lrjax_export.json"
+EXPORT_FORMAT = "lrjax-hf-export"
+EXPORT_VERSION = 1
 _FLOAT_TAGS = ("F32", "F16", "BF16", "F64")
 _DTYPE_NAMES = {
   "float32": jnp.float32,
@@ -44,54 +56,29 @@ _DTYPE_NAMES = {
   "bfloat16": jnp.bfloat16,
   "float64": jnp.float64,
 }
-_SECTION = {"attn": "self_attn", "mlp": "mlp"}
 
 
-def hf_name(path: tuple) -> tuple[str, bool]:
-  """(HF tensor name, stored transposed?) of the NNX param at ``path``."""
-  p = tuple(str(x) for x in path)
-  if p == ("embed", "embedding"):
-    return "model.embed_tokens.weight", False
-  if p == ("norm", "weight"):
-    return "model.norm.weight", False
-  if p == ("lm_head", "kernel"):
-    return "lm_head.weight", True
-  if p[0] == "layers":
-    pre = f"model.layers.{p[1]}."
-    if p[2] in ("input_layernorm", "post_attention_layernorm"):
-      return pre + f"{p[2]}.weight", False
-    sec = pre + _SECTION[p[2]] + "."
-    if p[3] in ("q_norm", "k_norm"):
-      return sec + f"{p[3]}.weight", False
-    proj, leaf = p[3], p[4]
-    short = proj[: -len("_proj")]
-    if leaf == "kernel":
-      return sec + f"{proj}.weight", True
-    if leaf == "u":
-      return sec + f"{short}_u_proj.weight", True
-    if leaf == "v":
-      return sec + f"{short}_v_proj.weight", True
-    if leaf == "bias":
-      return sec + f"{proj}.bias", False
-  raise ValueError(f"no HF tensor name for param {'.'.join(p)}")
+def hf_name(path: tuple, model_type: str = "llama") -> tuple[str, bool]:
+  """(HF tensor name, stored transposed?) of the NNX param at ``path`` in ``model_type``."""
+  return get_family(model_type).tensor_name(path)
 
 
-def _bias_name(path: tuple, state_paths: set) -> str:
+def _bias_name(path: tuple, state_paths: set, fam: Family) -> str:
   """Bias of a low-rank projection lives on its v_proj."""
-  name, _ = hf_name(path)
+  name, _ = fam.tensor_name(path)
   if path[:-1] + ("v",) in state_paths:
     return name.replace("_proj.bias", "_v_proj.bias")
   return name
 
 
-def _param_names(flat) -> dict[tuple, tuple[str, str]]:
+def _param_names(flat, fam: Family) -> dict[tuple, tuple[str, str]]:
   """{path: (HF name, layout)}; layout "id", "T" (transposed) or "bd" (per-head v, see below)."""
   paths = {p for p, _ in flat}
   out = {}
   for p, var in flat:
-    name, tr = hf_name(p)
+    name, tr = fam.tensor_name(p)
     if p[-1] == "bias":
-      name = _bias_name(p, paths)
+      name = _bias_name(p, paths, fam)
     out[p] = (name, "bd" if p[-1] == "v" and len(var.shape) == 3 else ("T" if tr else "id"))
   return out
 
@@ -132,20 +119,22 @@ def _from_hf(w: np.ndarray, layout: str, shape: tuple, name: str) -> np.ndarray:
   return w
 
 
-def _ignorable(name: str, cfg: ModelConfig) -> bool:
-  return name.endswith("rotary_emb.inv_freq") or (
-    cfg.tie_word_embeddings and name == "lm_head.weight"
+def _ignorable(name: str, cfg: ModelConfig, fam: Family) -> bool:
+  return name.endswith(fam.ignored_tensors) or (
+    cfg.tie_word_embeddings and name == fam.tensor_name(("lm_head", "kernel"))[0]
   )
 
 
 def digest(path: str | os.PathLike, progress: bool = False) -> str:
   """sha256 over config.json and the safetensors files (sorted names, streamed)."""
-  path = os.fspath(path)
+  path = os.fspath(resolve(path, "checkpoint path"))
   files = sorted(
     f
     for f in os.listdir(path)
     if f == "config.json" or f.endswith(".safetensors") or f == INDEX_NAME
   )
+  for f in files:
+    confined(path, f, os.path.join(path, f))
   h = hashlib.sha256()
   total = sum(os.path.getsize(os.path.join(path, f)) for f in files)
   with tqdm(total=total, unit="B", unit_scale=True, desc="digest", disable=not progress) as bar:
@@ -158,12 +147,20 @@ def digest(path: str | os.PathLike, progress: bool = False) -> str:
   return "sha256:" + h.hexdigest()
 
 
-def _dtype_from(cfg_json: dict, dtype):
+def _one_line(e: BaseException) -> str:
+  s = str(e).strip().splitlines()
+  return s[0][:300] if s else type(e).__name__
+
+
+def _dtype_from(cfg_json: dict, dtype, cfg_path: str):
   if dtype is not None:
     return jnp.dtype(dtype)
   name = cfg_json.get("dtype") or cfg_json.get("torch_dtype") or "float32"
-  if name not in _DTYPE_NAMES:
-    raise ValueError(f"config dtype {name!r} is not supported; pass dtype= explicitly")
+  if not isinstance(name, str) or name not in _DTYPE_NAMES:
+    raise ValueError(
+      f"{cfg_path}: dtype {name!r} is not supported; expected one of {sorted(_DTYPE_NAMES)} "
+      "(or pass dtype= / --dtype explicitly)"
+    )
   return jnp.dtype(_DTYPE_NAMES[name])
 
 
@@ -176,6 +173,99 @@ def abstract_model(
   )
 
 
+def read_hf_config(path: str | os.PathLike) -> tuple[str, dict]:
+  """(path of config.json, its dict) for an HF checkpoint dir; errors name the file."""
+  path = os.fspath(resolve(path, "checkpoint path"))
+  cfg_path = os.path.join(path, "config.json")
+  if not os.path.exists(cfg_path):
+    raise FileNotFoundError(f"{cfg_path} does not exist; expected an HF checkpoint directory")
+  confined(path, "config.json", cfg_path)
+  try:
+    with open(cfg_path, encoding="utf-8") as fh:
+      cfg_json = json.load(fh)
+  except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    raise ValueError(f"{cfg_path}: not valid JSON ({_one_line(e)})") from None
+  except IsADirectoryError:
+    raise ValueError(f"{cfg_path}: is a directory, expected a JSON file") from None
+  if not isinstance(cfg_json, dict):
+    raise ValueError(f"{cfg_path}: expected a JSON object, got {type(cfg_json).__name__}")
+  return cfg_path, cfg_json
+
+
+def _layer_ints(cfg_path: str, key: str, v, n: int, optional: bool) -> list[dict] | None:
+  if v is None and optional:
+    return None
+  if not isinstance(v, list) or len(v) != n:
+    raise ValueError(f"{cfg_path}: {LOWRANK_KEY}.{key} must be a list of {n} per-layer objects")
+  for i, d in enumerate(v):
+    if not isinstance(d, dict) or not all(
+      isinstance(k, str) and isinstance(r, int) and not isinstance(r, bool) and r > 0
+      for k, r in d.items()
+    ):
+      raise ValueError(
+        f"{cfg_path}: {LOWRANK_KEY}.{key}[{i}] must map projection names to positive ints, "
+        f"got {d!r:.100}"
+      )
+  return v
+
+
+def read_export_record(path: str | os.PathLike) -> dict | None:
+  """The validated ``lrjax_export.json`` of an export dir, or None if it has none."""
+  path = os.fspath(resolve(path, "checkpoint path"))
+  rp = os.path.join(path, EXPORT_NAME)
+  if not os.path.lexists(rp):
+    return None
+  confined(path, EXPORT_NAME, rp)
+  try:
+    with open(rp, encoding="utf-8") as fh:
+      rec = json.load(fh)
+  except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    raise ValueError(f"{rp}: not valid JSON ({_one_line(e)})") from None
+  except IsADirectoryError:
+    raise ValueError(f"{rp}: is a directory, expected a JSON file") from None
+  if not isinstance(rec, dict) or rec.get("format") != EXPORT_FORMAT:
+    raise ValueError(f"{rp}: expected an object with format {EXPORT_FORMAT!r}")
+  ver = rec.get("format_version")
+  if not isinstance(ver, int) or isinstance(ver, bool) or not 1 <= ver <= EXPORT_VERSION:
+    raise ValueError(f"{rp}: format_version={ver!r} is not readable (reads <= {EXPORT_VERSION})")
+  tensors = rec.get("tensors")
+  if not isinstance(tensors, dict) or not all(
+    isinstance(k, str)
+    and isinstance(v, dict)
+    and isinstance(v.get("file"), str)
+    and isinstance(v.get("sha256"), str)
+    for k, v in tensors.items()
+  ):
+    raise ValueError(f"{rp}: 'tensors' must map tensor names to {{file, sha256}} objects")
+  return rec
+
+
+def is_export(path: str | os.PathLike) -> str | None:
+  """None if ``path`` is a directory :func:`export_hf` wrote, else the reason."""
+  try:
+    rec = read_export_record(path)
+  except (OSError, ValueError) as e:
+    return f"is not an lrjax export ({_one_line(e)})"
+  return None if rec is not None else f"is not an lrjax export (no {EXPORT_NAME})"
+
+
+def _sha256(a: np.ndarray) -> str:
+  return hashlib.sha256(np.ascontiguousarray(a).reshape(-1).view(np.uint8)).hexdigest()
+
+
+def abstract_split(cfg: ModelConfig, ranks=None, param_dtype=jnp.float32, heads=None):
+  """(graphdef, flat abstract state) of :func:`abstract_model`; cached per architecture, since
+  tracing a model's construction costs more than loading a small checkpoint."""
+  return _abstract_split(cfg, json.dumps(ranks), jnp.dtype(param_dtype).name, json.dumps(heads))
+
+
+@functools.lru_cache(maxsize=8)
+def _abstract_split(cfg: ModelConfig, ranks: str, dtype: str, heads: str):
+  model = abstract_model(cfg, json.loads(ranks), jnp.dtype(dtype), json.loads(heads))
+  gdef, state = nnx.split(model)
+  return gdef, tuple(nnx.to_flat_state(state))
+
+
 def load_hf(
   path: str | os.PathLike,
   dtype=None,
@@ -185,6 +275,7 @@ def load_hf(
   mesh=None,
   shardings=None,
   rules=None,
+  verify: bool = True,
 ) -> LlamaForCausalLM:
   """Load an HF checkpoint dir (config.json + model.safetensors or an index and shards).
 
@@ -193,28 +284,44 @@ def load_hf(
   sharding (``mesh``/``shardings``/``rules`` as in :func:`lrjax.checkpoint.load`; default: the
   first device). Low-rank exports of :func:`export_hf` load back as low-rank projections.
   Raises ``ValueError`` naming the tensor for missing, unexpected, mis-shaped or truncated
-  tensors.
+  tensors. An lrjax export's tensors are checked against the sha256 sums in its
+  ``lrjax_export.json`` unless ``verify=False``. Every file read stays inside ``path``.
   """
-  path = os.fspath(path)
-  cfg_path = os.path.join(path, "config.json")
-  if not os.path.exists(cfg_path):
-    raise FileNotFoundError(f"{cfg_path} does not exist; expected an HF checkpoint directory")
-  with open(cfg_path) as fh:
-    cfg_json = json.load(fh)
-  cfg = ModelConfig.from_hf_config(cfg_json)
-  dt = _dtype_from(cfg_json, dtype)
+  path = os.fspath(resolve(path, "checkpoint path"))
+  cfg_path, cfg_json = read_hf_config(path)
+  try:
+    cfg = ModelConfig.from_hf_config(cfg_json)
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"{cfg_path}: {_one_line(e)}") from None
+  dt = _dtype_from(cfg_json, dtype, cfg_path)
   ranks = heads = None
   if LOWRANK_KEY in cfg_json:
     lr = cfg_json[LOWRANK_KEY]
-    ranks = [{k: int(r) for k, r in layer.items()} for layer in lr["ranks"]]
-    heads = lr.get("heads")
-  model = abstract_model(cfg, ranks, dt, heads)
-  gdef, state = nnx.split(model)
-  flat = list(nnx.to_flat_state(state))
-  names = _param_names(flat)
+    if not isinstance(lr, dict):
+      raise ValueError(f"{cfg_path}: {LOWRANK_KEY} must be an object with 'ranks'")
+    ranks = _layer_ints(cfg_path, "ranks", lr.get("ranks"), cfg.num_layers, optional=False)
+    heads = _layer_ints(cfg_path, "heads", lr.get("heads"), cfg.num_layers, optional=True)
+  comp = cfg_json.get(COMPRESSION_KEY)
+  if comp is not None and not isinstance(comp, dict):
+    raise ValueError(f"{cfg_path}: {COMPRESSION_KEY} must be an object")
+  record = read_export_record(path) if verify else None
+  st = SafetensorsDir(path)  # headers only; checked before the model is built
+  fam = get_family(cfg.model_type)
+  last = fam.tensor_name(("layers", cfg.num_layers - 1, "input_layernorm", "weight"))[0]
+  if last not in st:
+    raise ValueError(
+      f"missing tensor {last!r}: expected shape [{cfg.hidden_size}] for the last of the "
+      f"{cfg.num_layers} layers that {cfg_path} declares (num_hidden_layers)"
+    )
+  try:
+    gdef, flat = abstract_split(cfg, ranks, dt, heads)
+  except (ValueError, TypeError, KeyError) as e:
+    raise ValueError(
+      f"{cfg_path}: {LOWRANK_KEY} ranks/heads do not fit the model ({_one_line(e)})"
+    ) from None
+  names = _param_names(flat, fam)
   if shardings is None and mesh is not None:
     shardings = logical_sharding(mesh, rules)
-  st = SafetensorsDir(path)
   expected = {n for n, _ in names.values()}
   missing = [(p, n) for p, (n, _) in names.items() if n not in st]
   if missing:
@@ -225,10 +332,10 @@ def load_hf(
       f"missing tensor {n!r}{more}: expected shape {list(shape)} for "
       f"{'.'.join(map(str, p))} of a {cfg.model_type} model from {cfg_path}"
     )
-  skipped = sorted(n for n in st.names if n not in expected and _ignorable(n, cfg))
+  skipped = sorted(n for n in st.names if n not in expected and _ignorable(n, cfg, fam))
   if skipped:
     log.info("ignoring %d tensors the model does not use: %s", len(skipped), skipped[:3])
-  extra = sorted(n for n in st.names if n not in expected and not _ignorable(n, cfg))
+  extra = sorted(n for n in st.names if n not in expected and not _ignorable(n, cfg, fam))
   if extra:
     raise ValueError(
       f"checkpoint has {len(extra)} tensors that config.json does not describe, "
@@ -250,15 +357,25 @@ def load_hf(
         f"tensor {name!r} has dtype {tag}; expected one of {_FLOAT_TAGS} "
         "(quantized checkpoints are not supported)"
       )
-    arr = _from_hf(st.get(name), layout, var.shape, name)
+    raw = st.get(name)
+    if record is not None:
+      want_sum = record["tensors"].get(name, {}).get("sha256")
+      if want_sum != _sha256(raw):
+        raise ValueError(
+          f"{os.path.join(path, st.file_of(name))}: tensor {name!r} fails its sha256 check "
+          f"against {EXPORT_NAME}; the export is corrupt: re-export it (verify=False skips "
+          "the check)"
+        )
+    arr = _from_hf(raw, layout, var.shape, name)
     where = pick(shardings, param_key(p), param_axes(var), mesh)
     values[p] = jax.device_put(np.ascontiguousarray(arr, dtype=var.dtype), where)
     del arr
   st.close()
   state = nnx.from_flat_state([(p, var.replace(values[p])) for p, var in flat])
   model = nnx.merge(gdef, state)
-  model.compression = cfg_json.get(COMPRESSION_KEY)
-  model.source_digest = cfg_json.get(LOWRANK_KEY, {}).get("source_digest") or (
+  model.compression = comp
+  sd = cfg_json.get(LOWRANK_KEY, {}).get("source_digest")
+  model.source_digest = (sd if isinstance(sd, str) else None) or (
     digest(path, progress) if with_digest else None
   )
   log.info("loaded %s (%s, %d layers, %s)", path, cfg.model_type, cfg.num_layers, dt)
@@ -278,10 +395,17 @@ def export_hf(
   Dense projections keep transformers' names; low-rank ones become ``<p>_u_proj`` /
   ``<p>_v_proj`` (see module docstring). Files over ``max_shard_bytes`` are split with a
   ``model.safetensors.index.json``. Params are fetched to the host one at a time.
+  ``overwrite`` replaces only a directory an earlier export wrote (one with
+  ``lrjax_export.json``).
   """
+  if not isinstance(max_shard_bytes, int) or isinstance(max_shard_bytes, bool):
+    raise TypeError(f"{max_shard_bytes=} must be an int (bytes per safetensors file)")
+  if max_shard_bytes <= 0:
+    raise ValueError(f"{max_shard_bytes=} must be > 0 (bytes per safetensors file)")
+  out = resolve(out, "export path")
   _, state = nnx.split(model)
   flat = list(nnx.to_flat_state(state))
-  names = _param_names(flat)
+  names = _param_names(flat, get_family(model.cfg.model_type))
   specs, source = {}, {}
   for p, var in flat:
     name, layout = names[p]
@@ -310,18 +434,22 @@ def export_hf(
     else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
   )
 
-  def tensors(group) -> Iterator[tuple[str, np.ndarray]]:
+  sums: dict[str, dict] = {}
+
+  def tensors(f, group) -> Iterator[tuple[str, np.ndarray]]:
     for name in group:
       var, layout = source[name]
-      yield name, _to_hf(np.asarray(jax.device_get(var[...])), layout)
+      a = np.ascontiguousarray(_to_hf(np.asarray(jax.device_get(var[...])), layout))
+      sums[name] = {"file": f, "sha256": _sha256(a)}
+      yield name, a
 
-  with atomic_dir(out, overwrite) as tmp:
+  with atomic_dir(out, overwrite, replaceable=is_export) as tmp:
     with tqdm(total=len(specs), desc="export", disable=not progress) as bar:
       for f, group in zip(files, shards):
         write_safetensors(
           os.path.join(tmp, f),
           {n: specs[n] for n in group},
-          _counting(tensors(group), bar.update),
+          _counting(tensors(f, group), bar.update),
           metadata={"format": "pt"},
         )
     if len(shards) > 1:
@@ -337,9 +465,24 @@ def export_hf(
         )
     with open(os.path.join(tmp, "config.json"), "w") as fh:
       json.dump(cfg_json, fh, indent=1)
+    _write_export_record(tmp, sums)
   log.info(
     "exported %s (%d tensors, dtypes %s, %d file(s))", out, len(specs), sorted(dtypes), len(files)
   )
+
+
+def _write_export_record(tmp: str | Path, sums: dict[str, dict]):
+  import lrjax
+
+  rec = {
+    "format": EXPORT_FORMAT,
+    "format_version": EXPORT_VERSION,
+    "lrjax_version": lrjax.__version__,
+    "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    "tensors": sums,
+  }
+  with open(os.path.join(tmp, EXPORT_NAME), "w") as fh:
+    json.dump(rec, fh, indent=1)
 
 
 def _counting(it, tick: Callable[[int], object]):

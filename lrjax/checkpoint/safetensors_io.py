@@ -11,10 +11,13 @@ import json
 import os
 import struct
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
+
+from lrjax.checkpoint.atomic import resolve
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -34,8 +37,47 @@ TAGS = {v: k for k, v in DTYPES.items()}
 _MAX_HEADER = 100 << 20
 
 
+def _one_line(e: BaseException) -> str:
+  s = str(e).strip().splitlines()
+  return s[0][:300] if s else type(e).__name__
+
+
+def _is_int(v) -> bool:
+  return isinstance(v, int) and not isinstance(v, bool)
+
+
+def confined(root: str | os.PathLike, name: str, what: str) -> str:
+  """``root/name`` resolved, if it stays inside ``root``; else ``ValueError`` naming ``what``.
+
+  ``name`` must be relative without ``..``. A symlink may point anywhere inside ``root`` or,
+  for a snapshot of the Hugging Face hub cache (``.../snapshots/<rev>/``), into that repo's
+  ``blobs/`` folder, where the hub keeps the files its snapshot links point to.
+  """
+  if not isinstance(name, str) or not name or "\0" in name:
+    raise ValueError(f"{what}: file name {name!r} must be a non-empty string")
+  parts = Path(name).parts
+  if os.path.isabs(name) or ".." in parts:
+    raise ValueError(
+      f"{what}: file {name!r} is not a relative path inside the checkpoint directory; "
+      "shard files must sit in the checkpoint directory"
+    )
+  root = os.path.realpath(root)
+  real = os.path.realpath(os.path.join(root, name))
+  allowed = [root]
+  if os.path.basename(os.path.dirname(root)) == "snapshots":
+    allowed.append(os.path.join(os.path.dirname(os.path.dirname(root)), "blobs"))
+  if not any(real == a or real.startswith(a + os.sep) for a in allowed):
+    raise ValueError(
+      f"{what}: file {name!r} resolves to {real}, outside the checkpoint directory {root}; "
+      "shard files (and links to them) must stay inside it"
+    )
+  return real
+
+
 def read_header(path: str) -> dict:
   """Parse and validate one file's header: {name: {"dtype", "shape", "data_offsets"}}."""
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{path}: not a regular file; expected a safetensors file")
   size = os.path.getsize(path)
   with open(path, "rb") as fh:
     head = fh.read(8)
@@ -52,12 +94,32 @@ def read_header(path: str) -> dict:
       )
     try:
       header = json.loads(fh.read(n))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-      raise ValueError(f"{path}: header is not valid JSON ({e}); the file is corrupt")  # noqa: B904
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+      raise ValueError(  # noqa: B904
+        f"{path}: header is not valid JSON ({_one_line(e)}); the file is corrupt"
+      )
+  if not isinstance(header, dict):
+    raise ValueError(f"{path}: header is a JSON {type(header).__name__}, expected an object")
   header.pop("__metadata__", None)
   data = size - 8 - n
   for name, info in header.items():
-    tag, shape, (b, e) = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(info, dict):
+      raise ValueError(f"{path}: header entry {name!r} is not an object; the file is corrupt")
+    tag, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if (
+      not isinstance(tag, str)
+      or not isinstance(shape, list)
+      or not all(_is_int(d) and d >= 0 for d in shape)
+      or not isinstance(offs, list)
+      or len(offs) != 2
+      or not all(_is_int(o) for o in offs)
+      or not 0 <= offs[0] <= offs[1]
+    ):
+      raise ValueError(
+        f"{path}: header entry {name!r} ({info!r:.120}) needs a dtype string, a shape of "
+        "ints >= 0 and data_offsets [begin, end]; the file is corrupt"
+      )
+    b, e = offs
     if tag in DTYPES:
       want = int(np.prod(shape, dtype=np.int64)) * DTYPES[tag].itemsize
       if e - b != want:
@@ -81,16 +143,26 @@ class SafetensorsDir:
   """
 
   def __init__(self, path: str | os.PathLike):
-    self.path = os.fspath(path)
+    self.path = os.fspath(resolve(path, "checkpoint path"))
     index = os.path.join(self.path, INDEX_NAME)
     single = os.path.join(self.path, SINGLE_NAME)
-    if os.path.exists(index):
-      with open(index) as fh:
-        weight_map = json.load(fh).get("weight_map")
-      if not isinstance(weight_map, dict):
-        raise ValueError(f"{index}: expected a 'weight_map' object of tensor → shard file")
+    if os.path.lexists(index):
+      confined(self.path, INDEX_NAME, index)
+      try:
+        with open(index, encoding="utf-8") as fh:
+          idx = json.load(fh)
+      except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"{index}: not valid JSON ({_one_line(e)})") from None
+      weight_map = idx.get("weight_map") if isinstance(idx, dict) else None
+      if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+      ):
+        raise ValueError(f"{index}: expected a 'weight_map' object of tensor name → shard file")
       files = sorted(set(weight_map.values()))
-    elif os.path.exists(single):
+      for f in files:
+        confined(self.path, f, index)
+    elif os.path.lexists(single):
+      confined(self.path, SINGLE_NAME, single)
       files, weight_map = [SINGLE_NAME], None
     else:
       raise FileNotFoundError(
@@ -103,6 +175,8 @@ class SafetensorsDir:
       fp = os.path.join(self.path, f)
       if not os.path.exists(fp):
         raise FileNotFoundError(f"{fp}: shard listed in {INDEX_NAME} does not exist")
+      if not os.path.isfile(fp):
+        raise ValueError(f"{fp}: not a regular file; expected a safetensors shard")
       for name, info in read_header(fp).items():
         if weight_map is not None and weight_map.get(name) != f:
           raise ValueError(
@@ -132,8 +206,16 @@ class SafetensorsDir:
     """Read one tensor. The file is mapped only for this read, so its pages do not stay in
     this process's resident set while the rest of the checkpoint loads."""
     f, _ = self._info[name]
-    with safe_open(os.path.join(self.path, f), framework="numpy") as h:
-      return h.get_tensor(name)
+    fp = os.path.join(self.path, f)
+    try:
+      with safe_open(fp, framework="numpy") as h:
+        return h.get_tensor(name)
+    except Exception as e:
+      raise ValueError(f"{fp}: tensor {name!r} cannot be read ({_one_line(e)})") from None
+
+  def file_of(self, name: str) -> str:
+    """The file (relative to the directory) that holds tensor ``name``."""
+    return self._info[name][0]
 
   def close(self):
     """Nothing stays open between reads; kept so the class works as a context manager."""

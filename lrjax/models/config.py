@@ -1,16 +1,47 @@
-"""Frozen architecture config for the Llama family, read from and written to HF ``config.json``."""
+"""Frozen architecture config for the Llama family, read from and written to HF ``config.json``.
+
+What differs between HF model types (biases, q/k norms, sliding windows, names) lives in the
+family registry, :mod:`lrjax.models.families`; this file reads the keys they share. Every value
+is checked by type and range, and errors name the key.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
-from typing import Any
 from collections.abc import Mapping
+from typing import Any
 
-# HF ``model_type`` → lrjax architecture name. Architectures not listed are rejected.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+from lrjax.models.families import FAMILIES, get_family
+from lrjax.models.families.base import hf_bool, hf_float, hf_int, is_int, is_number
+
+# HF ``model_type``s lrjax runs (one registered family each).
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 _ROPE_TYPES = ("default", "linear", "llama3")
+# Required rope_scaling keys per type, and whether each must be an int (else a positive float).
+_ROPE_KEYS = {
+  "default": {},
+  "linear": {"factor": False},
+  "llama3": {
+    "factor": False,
+    "low_freq_factor": False,
+    "high_freq_factor": False,
+    "original_max_position_embeddings": True,
+  },
+}
+_INT_FIELDS = (
+  "vocab_size",
+  "hidden_size",
+  "intermediate_size",
+  "num_layers",
+  "num_heads",
+  "num_kv_heads",
+  "head_dim",
+  "max_position_embeddings",
+)
+_BOOL_FIELDS = ("tie_word_embeddings", "qkv_bias", "o_bias", "mlp_bias", "qk_norm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,23 +73,26 @@ class ModelConfig:
   hidden_act: str = "silu"
 
   def __post_init__(self):
-    if self.model_type not in SUPPORTED_MODEL_TYPES:
+    if not isinstance(self.model_type, str) or self.model_type not in FAMILIES:
       raise ValueError(
         f"model_type={self.model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}"
       )
-    for name in (
-      "vocab_size",
-      "hidden_size",
-      "intermediate_size",
-      "num_layers",
-      "num_heads",
-      "num_kv_heads",
-      "head_dim",
-      "max_position_embeddings",
-    ):
+    for name in _INT_FIELDS:
       v = getattr(self, name)
-      if not isinstance(v, int) or v <= 0:
+      if not is_int(v) or v <= 0:
         raise ValueError(f"{name}={v!r} must be a positive int")
+    for name in ("rms_norm_eps", "rope_theta"):
+      v = getattr(self, name)
+      if not is_number(v) or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{name}={v!r} must be a finite number > 0")
+      object.__setattr__(self, name, float(v))
+    for name in _BOOL_FIELDS:
+      v = getattr(self, name)
+      if not isinstance(v, bool):
+        raise ValueError(f"{name}={v!r} must be a bool")
+    sw = self.sliding_window
+    if sw is not None and (not is_int(sw) or sw <= 0):
+      raise ValueError(f"sliding_window={sw!r} must be a positive int or None")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
         f"num_heads={self.num_heads} must be a multiple of "
@@ -69,11 +103,7 @@ class ModelConfig:
     if self.hidden_act != "silu":
       raise ValueError(f"hidden_act={self.hidden_act!r} is not supported; expected 'silu'")
     if self.rope_scaling is not None:
-      rtype = self.rope_scaling_dict.get("rope_type", "default")
-      if rtype not in _ROPE_TYPES:
-        raise ValueError(
-          f"rope_scaling type {rtype!r} is not supported; expected one of {_ROPE_TYPES}"
-        )
+      _check_rope(self.rope_scaling)
 
   # ---- derived sizes ------------------------------------------------------------------------
   @property
@@ -107,55 +137,80 @@ class ModelConfig:
   # ---- HF config.json -----------------------------------------------------------------------
   @classmethod
   def from_hf_config(cls, cfg: Mapping[str, Any] | str | os.PathLike) -> ModelConfig:
-    """From an HF ``config.json`` dict, a path to the file, or a checkpoint directory."""
+    """From an HF ``config.json`` dict, a path to the file, or a checkpoint directory.
+
+    Raises ``ValueError`` naming the key (and the file, when given a path) for a missing key,
+    a value of the wrong type (``64.9`` or ``true`` for a size) or out of range.
+    """
     if not isinstance(cfg, Mapping):
-      p = os.fspath(cfg)
+      p = os.path.expanduser(os.fspath(cfg))
       if os.path.isdir(p):
         p = os.path.join(p, "config.json")
-      with open(p) as fh:
-        cfg = json.load(fh)
+      try:
+        with open(p, encoding="utf-8") as fh:
+          d = json.load(fh)
+      except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"{p}: not valid JSON ({str(e).splitlines()[0]})") from None
+      if not isinstance(d, Mapping):
+        raise ValueError(f"{p}: expected a JSON object, got {type(d).__name__}")
+      try:
+        return cls.from_hf_config(d)
+      except ValueError as e:
+        raise ValueError(f"{p}: {e}") from None
     mt = cfg.get("model_type")
-    if mt not in SUPPORTED_MODEL_TYPES:
+    if not isinstance(mt, str) or mt not in FAMILIES:
       arch = cfg.get("architectures")
       raise ValueError(
         f"unsupported architecture: model_type={mt!r} (architectures={arch}); "
         f"lrjax supports model_type in {SUPPORTED_MODEL_TYPES}"
       )
+    fam = get_family(mt)
     try:
-      hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
       kw = dict(
         model_type=mt,
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=hidden,
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
-        num_heads=heads,
+        vocab_size=hf_int(cfg, "vocab_size"),
+        hidden_size=hf_int(cfg, "hidden_size"),
+        intermediate_size=hf_int(cfg, "intermediate_size"),
+        num_layers=hf_int(cfg, "num_hidden_layers"),
+        num_heads=hf_int(cfg, "num_attention_heads"),
       )
-    except KeyError as e:
-      raise ValueError(f"config.json lacks required key {e.args[0]!r} for model_type={mt!r}")  # noqa: B904
-    kw["num_kv_heads"] = int(cfg.get("num_key_value_heads") or heads)
-    kw["head_dim"] = int(cfg.get("head_dim") or hidden // heads)
-    kw["rms_norm_eps"] = float(cfg.get("rms_norm_eps", 1e-6))
+    except ValueError as e:
+      if "lacks required key" in str(e):
+        raise ValueError(f"{e} for model_type={mt!r}") from None
+      raise
+    hidden, heads = kw["hidden_size"], kw["num_heads"]
+    kw["num_kv_heads"] = hf_int(cfg, "num_key_value_heads", heads)
+    kw["head_dim"] = hf_int(cfg, "head_dim", hidden // heads if hidden >= heads else None)
+    if kw["head_dim"] is None:
+      raise ValueError(
+        f"config.json key 'hidden_size'={hidden} is smaller than 'num_attention_heads'={heads}; "
+        "give 'head_dim' explicitly"
+      )
+    kw["rms_norm_eps"] = hf_float(cfg, "rms_norm_eps", 1e-6)
     # transformers 4.x: rope_theta + rope_scaling; 5.x: rope_parameters (theta inside).
-    rp = dict(cfg.get("rope_scaling") or {})
-    rp.update(cfg.get("rope_parameters") or {})
-    kw["rope_theta"] = float(rp.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rp = {}
+    for key in ("rope_scaling", "rope_parameters"):
+      v = cfg.get(key)
+      if v is not None and not isinstance(v, Mapping):
+        raise ValueError(f"config.json key {key!r}={v!r:.80} must be an object or null")
+      rp.update(v or {})
+    theta_src = rp if "rope_theta" in rp else cfg
+    kw["rope_theta"] = hf_float(theta_src, "rope_theta", 10000.0)
+    rp.pop("rope_theta", None)
     rtype = rp.pop("type", None) or rp.pop("rope_type", None) or "default"
+    rp.pop("rope_type", None)
+    if not isinstance(rtype, str):
+      raise ValueError(f"config.json rope type {rtype!r} must be a string")
     if rtype != "default":
       rp["rope_type"] = rtype
-      kw["rope_scaling"] = tuple(sorted((k, _freeze(v)) for k, v in rp.items()))
-    kw["max_position_embeddings"] = int(cfg.get("max_position_embeddings", 2048))
-    kw["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", False))
-    kw["hidden_act"] = cfg.get("hidden_act", "silu")
-    if mt == "qwen2":
-      kw["qkv_bias"] = True
-    elif mt in ("llama", "qwen3"):
-      kw["qkv_bias"] = kw["o_bias"] = bool(cfg.get("attention_bias", False))
-    if mt == "llama":
-      kw["mlp_bias"] = bool(cfg.get("mlp_bias", False))
-    if mt == "qwen3":
-      kw["qk_norm"] = True
-    kw["sliding_window"] = _sliding_window(cfg, mt, kw["num_layers"])
+      kw["rope_scaling"] = tuple(sorted((str(k), _freeze(v)) for k, v in rp.items()))
+    kw["max_position_embeddings"] = hf_int(cfg, "max_position_embeddings", 2048)
+    kw["tie_word_embeddings"] = hf_bool(cfg, "tie_word_embeddings", False)
+    act = cfg.get("hidden_act", "silu")
+    if not isinstance(act, str):
+      raise ValueError(f"config.json key 'hidden_act'={act!r} must be a string like 'silu'")
+    kw["hidden_act"] = act
+    kw.update(fam.from_hf(cfg, kw["num_layers"]))
     return cls(**kw)
 
   def to_hf_config(self) -> dict:
@@ -163,27 +218,17 @@ class ModelConfig:
 
     Raises ``ValueError`` for a combination the HF ``model_type`` cannot express.
     """
-    mt = self.model_type
-    bias_ok = {
-      "llama": self.qkv_bias == self.o_bias,
-      "qwen3": self.qkv_bias == self.o_bias,
-      "qwen2": self.qkv_bias and not self.o_bias,
-      "mistral": not (self.qkv_bias or self.o_bias),
-    }[mt]
-    if not bias_ok or (self.mlp_bias and mt != "llama") or self.qk_norm != (mt == "qwen3"):
+    fam = get_family(self.model_type)
+    why = fam.expresses(self)
+    if why:
       raise ValueError(
-        f"model_type={mt!r} cannot express qkv_bias={self.qkv_bias} with "
-        f"o_bias={self.o_bias}, mlp_bias={self.mlp_bias}, qk_norm={self.qk_norm}; "
+        f"model_type={self.model_type!r} cannot express qkv_bias={self.qkv_bias} with "
+        f"o_bias={self.o_bias}, mlp_bias={self.mlp_bias}, qk_norm={self.qk_norm}, "
+        f"sliding_window={self.sliding_window} ({why}); "
         "pick the model_type whose HF architecture has these features"
       )
-    arch = {
-      "llama": "LlamaForCausalLM",
-      "mistral": "MistralForCausalLM",
-      "qwen2": "Qwen2ForCausalLM",
-      "qwen3": "Qwen3ForCausalLM",
-    }[self.model_type]
     d = {
-      "architectures": [arch],
+      "architectures": [fam.architecture],
       "model_type": self.model_type,
       "vocab_size": self.vocab_size,
       "hidden_size": self.hidden_size,
@@ -204,16 +249,7 @@ class ModelConfig:
       "tie_word_embeddings": self.tie_word_embeddings,
       "hidden_act": self.hidden_act,
     }
-    if self.model_type in ("llama", "qwen3"):
-      d["attention_bias"] = self.qkv_bias
-    if self.model_type == "llama":
-      d["mlp_bias"] = self.mlp_bias
-    if self.model_type == "mistral":
-      d["sliding_window"] = self.sliding_window
-    elif self.model_type in ("qwen2", "qwen3"):
-      d["use_sliding_window"] = self.sliding_window is not None
-      d["sliding_window"] = self.sliding_window
-      d["max_window_layers"] = 0
+    d.update(fam.to_hf(self))
     return d
 
   def to_dict(self) -> dict:
@@ -223,12 +259,20 @@ class ModelConfig:
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
+    """Inverse of :meth:`to_dict`; errors name the field."""
+    if not isinstance(d, Mapping):
+      raise ValueError(f"a ModelConfig dict must be an object, got {type(d).__name__}")
     d = dict(d)
     unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
     if unknown:
-      raise ValueError(f"unknown ModelConfig fields {sorted(unknown)}")
-    if d.get("rope_scaling"):
-      d["rope_scaling"] = tuple(sorted((k, _freeze(v)) for k, v in d["rope_scaling"].items()))
+      raise ValueError(f"unknown ModelConfig fields {sorted(map(str, unknown))}")
+    rs = d.get("rope_scaling")
+    if rs is not None and not isinstance(rs, Mapping):
+      raise ValueError(f"rope_scaling={rs!r:.80} must be an object or null")
+    if rs:
+      d["rope_scaling"] = tuple(sorted((str(k), _freeze(v)) for k, v in rs.items()))
+    else:
+      d["rope_scaling"] = None if "rope_scaling" in d else cls.rope_scaling
     return cls(**d)
 
   # ---- presets (published architectures; weights always come from a checkpoint) ------------
@@ -375,26 +419,34 @@ class ModelConfig:
     )
 
 
-def _sliding_window(cfg, mt, n_layers):
-  """The window if every layer slides, None if none does; mixed layers are rejected."""
-  sw = cfg.get("sliding_window")
-  if mt == "mistral" or not sw:
-    return int(sw) if sw else None
-  types = cfg.get("layer_types")
-  if types is None:
-    use = bool(cfg.get("use_sliding_window", False))
-    mwl = int(cfg.get("max_window_layers", n_layers))
-    types = ["sliding_attention" if use and i >= mwl else "full_attention" for i in range(n_layers)]
-  kinds = set(types)
-  if kinds == {"full_attention"}:
-    return None
-  if kinds == {"sliding_attention"}:
-    return int(sw)
-  raise ValueError(
-    f"layer_types={types} mixes sliding and full attention; lrjax supports "
-    "models where all layers or no layers use a sliding window"
-  )
+def _check_rope(rs):
+  if not isinstance(rs, tuple) or not all(
+    isinstance(kv, tuple) and len(kv) == 2 and isinstance(kv[0], str) for kv in rs
+  ):
+    raise ValueError(f"rope_scaling={rs!r:.80} must be (key, value) pairs")
+  d = dict(rs)
+  rtype = d.get("rope_type", "default")
+  if rtype not in _ROPE_TYPES:
+    raise ValueError(f"rope_scaling type {rtype!r} is not supported; expected one of {_ROPE_TYPES}")
+  for key, integer in _ROPE_KEYS[rtype].items():
+    if key not in d:
+      raise ValueError(f"rope_scaling lacks {key!r}, which rope_type {rtype!r} needs")
+    v = d[key]
+    ok = is_int(v) if integer else is_number(v) and math.isfinite(v)
+    if not ok or v <= 0:
+      kind = "a positive integer" if integer else "a finite number > 0"
+      raise ValueError(f"rope_scaling {key}={v!r} must be {kind}")
+  if rtype == "llama3" and not d["high_freq_factor"] > d["low_freq_factor"]:
+    raise ValueError(
+      f"rope_scaling high_freq_factor={d['high_freq_factor']!r} must be greater than "
+      f"low_freq_factor={d['low_freq_factor']!r}"
+    )
 
 
 def _freeze(v):
-  return tuple(v) if isinstance(v, list) else v
+  """JSON value → hashable (lists → tuples, objects → sorted pairs)."""
+  if isinstance(v, list):
+    return tuple(_freeze(x) for x in v)
+  if isinstance(v, dict):
+    return tuple(sorted((str(k), _freeze(x)) for k, x in v.items()))
+  return v

@@ -86,7 +86,11 @@ def generate(p: argparse.ArgumentParser):
       engine.generate(
         [
           Request(ids, SamplingParams(max_new_tokens=2))
-          for ids in {engine._bucket(len(ids)): ids for ids in a.prompt_ids}.values()
+          # a prompt no bucket holds keys on its length: the engine then rejects it clearly
+          for ids in {
+            next((b for b in engine.buckets if b >= len(ids)), len(ids)): ids
+            for ids in a.prompt_ids
+          }.values()
         ]
       )
       print(f"compiled in {time.perf_counter() - t0:.2f} s")

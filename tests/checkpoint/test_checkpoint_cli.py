@@ -99,7 +99,7 @@ def test_convert_errors_are_clear(tmp_path, capsys, calib):
     cli.main(
       ["convert", "--hf", src, "--out", str(tmp_path / "o"), "--ratio", "1.5", "--method", "svd"]
     )
-    == 1
+    == 2
   )
   assert "ratio" in capsys.readouterr().err
   assert not (tmp_path / "o").exists()

@@ -206,8 +206,10 @@ def test_export_rejects_non_block_diagonal_headwise(tmp_path):
   t = load_file(f)
   t["model.layers.1.self_attn.q_v_proj.weight"][0, -1] = 1.0
   save_file(t, f)
-  with pytest.raises(ValueError, match="must be block diagonal"):
+  with pytest.raises(ValueError, match="q_v_proj.weight' fails its sha256 check"):
     from_hf(tmp_path / "ex")
+  with pytest.raises(ValueError, match="must be block diagonal"):
+    from_hf(tmp_path / "ex", verify=False)
 
 
 def _no_partial(parent, name):
@@ -296,7 +298,7 @@ def test_killed_process_leaves_no_checkpoint(tmp_path):
   )
   assert r.returncode == 17, r.stderr[-2000:]
   assert not (tmp_path / "ex").exists()
-  assert all(p.startswith(".ex.tmp-") for p in os.listdir(tmp_path))
+  assert all(p.startswith((".ex.tmp-", ".ex.lock")) for p in os.listdir(tmp_path))
 
 
 def test_load_rejects_non_lrjax_dir_and_bad_metadata(tmp_path):

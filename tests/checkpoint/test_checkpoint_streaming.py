@@ -29,11 +29,12 @@ def test_load_peak_memory_is_about_one_model(tmp_path, rng):
   (d / "config.json").write_text(json.dumps(cfg.to_hf_config()))
   from flax import nnx
   from lrjax.checkpoint.hf import _param_names, abstract_model
+  from lrjax.models.families import get_family
 
   flat = list(nnx.to_flat_state(nnx.split(abstract_model(cfg))[1]))
   specs = {}
   for p, var in flat:
-    name, layout = _param_names(flat)[p]
+    name, layout = _param_names(flat, get_family(cfg.model_type))[p]
     specs[name] = (np.dtype(np.float32), tuple(var.shape[::-1]) if layout == "T" else var.shape)
   gen = ((n, rng.standard_normal(s, dtype=np.float32)) for n, (_, s) in specs.items())
   write_safetensors(str(d / "model.safetensors"), specs, gen)
