@@ -52,6 +52,13 @@ def quantize_int4(w, group: int):
     raise ValueError(f"{w.shape=} must be 2-D [K, N]")
   if group < 0 or group % 8:
     raise ValueError(f"{group=} must be 0 (per channel) or a positive multiple of 8")
+  bad = ~np.isfinite(w)
+  if bad.any():
+    k0, n0 = np.argwhere(bad)[0]
+    raise ValueError(
+      f"weight [{w.shape[0]}, {w.shape[1]}] has {int(bad.sum())} NaN/inf values (first at "
+      f"[{k0}, {n0}]); int4 scales need finite weights: fix or drop them before quantizing"
+    )
   k, n = w.shape
   grp = k if group == 0 else group
   g = num_groups(k, group)

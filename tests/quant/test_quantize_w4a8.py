@@ -127,6 +127,14 @@ def test_quantize_rejects_bad_input():
     quantize(Empty())
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_quantize_rejects_non_finite_weights(rng, bad):
+  w = rng.standard_normal((40, 12)).astype(np.float32)
+  w[17, 5] = bad
+  with pytest.raises(ValueError, match=r"1 NaN/inf values \(first at \[17, 5\]\)"):
+    quantize_weight(w, 32)
+
+
 def test_quantized_weight_dequantize(rng):
   w = rng.standard_normal((70, 30)).astype(np.float32)
   qw = quantize_weight(w, 32, "arm_smmla8")
