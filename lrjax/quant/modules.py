@@ -157,7 +157,24 @@ def _convert(node, group, layout, counts):
   return node
 
 
-def quantize(model, scheme: str = "w4a8", *, group: int = 128, layout: str | None = None):
+def _tied_head(model) -> bool:
+  """Whether ``model`` is an lrjax LM whose output head is its embedding table (tied)."""
+  cfg = getattr(model, "cfg", None)
+  return (
+    getattr(cfg, "tie_word_embeddings", False)
+    and getattr(model, "lm_head", "absent") is None
+    and hasattr(getattr(model, "embed", None), "attend")
+  )
+
+
+def quantize(
+  model,
+  scheme: str = "w4a8",
+  *,
+  group: int = 128,
+  layout: str | None = None,
+  tied_head: bool = True,
+):
   """A copy of ``model`` whose ``LowRankLinear`` and ``Linear`` layers are W4A8.
 
   Args:
@@ -166,6 +183,9 @@ def quantize(model, scheme: str = "w4a8", *, group: int = 128, layout: str | Non
     group: rows of K per weight scale: 32, 64, 128, or 0 for per channel. A
       low-rank layer's V (K = rank) uses per-channel scales when rank <= group.
     layout: packed layout; default: this machine's (``default_layout()``).
+    tied_head: for an LM whose output head is tied to the embedding table, give it a
+      W4A8 ``lm_head`` made from the table's transpose (a decode step then reads int4 head
+      weights instead of the whole float table; the table stays for the token lookup).
   """
   if scheme != "w4a8":
     raise ValueError(f"{scheme=} is not supported; expected 'w4a8'")
@@ -176,12 +196,19 @@ def quantize(model, scheme: str = "w4a8", *, group: int = 128, layout: str | Non
   copy = nnx.merge(graphdef, state)
   counts = {"low_rank": 0, "dense": 0}
   out = _convert(copy, group, layout, counts)
+  head = tied_head and _tied_head(out)
+  if head:
+    table = np.asarray(out.embed.embedding[...], np.float32)
+    head_layer = QuantizedLinear(quantize_weight(table.T, group, layout), dtype=out.embed.dtype)
+    out.lm_head = nnx.data(head_layer)  # replaces a None (static) attribute
+    counts["dense"] += 1
   log.info(
-    "quantize w4a8 (group=%d, layout=%s): %d low-rank, %d dense layers",
+    "quantize w4a8 (group=%d, layout=%s): %d low-rank, %d dense layers%s",
     group,
     layout,
     counts["low_rank"],
     counts["dense"],
+    " (one the tied LM head)" if head else "",
   )
   if counts["low_rank"] + counts["dense"] == 0:
     raise ValueError("quantize found no Linear or LowRankLinear layer in the model")

@@ -45,24 +45,30 @@ def default_layout() -> str:
 # error wins. -8 is llama.cpp Q4_0's choice (the abs-max lands on -8, so all 16 levels are
 # used); +7 is plain abs-max / 7, so the search is never worse than that.
 SCALE_CANDIDATES = (-8.0, -7.5, -8.5, -7.0, 7.0, 7.5)
-_COLUMN_CHUNK = 4096  # columns quantized at a time: bounds the temporaries' memory
+_COLUMN_CHUNK = 512  # columns quantized at a time: the temporaries stay in cache
 
 
 def _quantize_groups(wg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """wg [G, grp, n] f32 -> (q [G, grp, n] int8 in [-8, 7], scales [G, n] f32)."""
   idx = np.abs(wg).argmax(axis=1)
   mx = np.take_along_axis(wg, idx[:, None, :], axis=1)[:, 0, :]  # signed abs-max
+  q, r = np.empty_like(wg), np.empty_like(wg)
   best_q = best_s = best_e = None
   for c in SCALE_CANDIDATES:
     s = mx / np.float32(c)
     s = np.where(s != 0, s, np.float32(1)).astype(np.float32)
-    q = np.clip(np.rint(wg / s[:, None, :]), -8, 7)
-    e = np.square(wg - q * s[:, None, :]).sum(axis=1)
+    np.divide(wg, s[:, None, :], out=q)
+    np.rint(q, out=q)
+    np.clip(q, -8, 7, out=q)
+    np.multiply(q, s[:, None, :], out=r)
+    np.subtract(wg, r, out=r)
+    np.square(r, out=r)
+    e = r.sum(axis=1)
     if best_e is None:
-      best_q, best_s, best_e = q, s, e
+      best_q, best_s, best_e = q.copy(), s, e
     else:
       better = e < best_e
-      best_q = np.where(better[:, None, :], q, best_q)
+      np.copyto(best_q, q, where=better[:, None, :])
       best_s = np.where(better, s, best_s)
       best_e = np.minimum(e, best_e)
   return best_q.astype(np.int8), best_s.astype(np.float32)

@@ -209,3 +209,29 @@ def test_fuse_turns_quantized_low_rank_into_one_xuv_call():
   assert hlo.count('custom_call_target="lrjax_w4a8_xuv"') == 1
   assert 'custom_call_target="lrjax_w4a8_matmul"' not in hlo
   assert_close(jax.jit(lrjax.fuse(q))(x), q(x), jnp.float32)
+
+
+@needs_ext
+@pytest.mark.parametrize("tied_head", [True, False])
+def test_quantize_tied_lm_head(tied_head):
+  from lrjax.models import LlamaForCausalLM, ModelConfig
+
+  cfg = ModelConfig.tiny(tie_word_embeddings=True, vocab_size=200)
+  model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(int(np.random.default_rng().integers(1 << 30))))
+  q = quantize(model, "w4a8", group=32, tied_head=tied_head)
+  assert model.lm_head is None  # the original is untouched
+  assert (q.lm_head is not None) == tied_head
+  if tied_head:
+    assert isinstance(q.lm_head, QuantizedLinear) and q.lm_head.meta[:2] == (64, 200)
+    np.testing.assert_array_equal(q.embed.embedding[...], model.embed.embedding[...])
+    h = randn((5, 64))
+    head, ref = np.asarray(q.lm_head(h)), np.asarray(model.embed.attend(h))
+    assert np.linalg.norm(head - ref) / np.linalg.norm(ref) < 0.12
+  tokens = jnp.asarray(np.random.default_rng().integers(0, 200, (2, 9)), jnp.int32)
+  q.scan_layers = False
+  f, state = _jit(q)
+  hlo = f.lower(state, tokens).compile().as_text()
+  # 7 projections per layer, 2 layers, (+ the head)
+  assert hlo.count('custom_call_target="lrjax_w4a8_matmul"') == 14 + tied_head
+  y, ref = np.asarray(f(state, tokens)), np.asarray(model(tokens))
+  assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 0.5  # 14-15 int4 layers in series
