@@ -113,6 +113,12 @@ def convert(p: argparse.ArgumentParser):
   )
   p.add_argument("--overwrite", action="store_true")
   p.add_argument(
+    "--quantize", choices=("w4a8",), help="save int4 weights / int8 activations (CPU kernels)"
+  )
+  p.add_argument(
+    "--group", type=_w4a8_group, help="W4A8 weight group along K: 32, 64 or 128 (default 128)"
+  )
+  p.add_argument(
     "--verify",
     action="store_true",
     help="reload the output and check it equals the compressed model bit for bit",
@@ -128,6 +134,9 @@ def convert(p: argparse.ArgumentParser):
       return 2
     if a.out and os.path.exists(a.out) and not a.overwrite:
       print(f"lrjax convert: {a.out} exists; pass --overwrite to replace it", file=sys.stderr)
+      return 2
+    if a.group is not None and a.quantize is None:
+      print("lrjax convert: --group applies with --quantize w4a8", file=sys.stderr)
       return 2
     if a.orbax and a.dtype is not None:
       print("lrjax convert: --dtype applies to --hf sources only", file=sys.stderr)
@@ -158,6 +167,7 @@ def convert(p: argparse.ArgumentParser):
     rec = dict(model.compression or {})
     rec["source"] = os.path.abspath(a.hf or a.orbax)
     model.compression = rec
+    model = _quantize_for_convert(model, a.quantize, a.group)
     checkpoint.save(model, a.out, overwrite=a.overwrite)
     params = rec.get("params", {})
     print(
@@ -170,6 +180,27 @@ def convert(p: argparse.ArgumentParser):
     return 0
 
   return run
+
+
+def _w4a8_group(text: str) -> int:
+  try:
+    v = int(text)
+  except ValueError:
+    v = -1
+  if v < 0 or v % 8:
+    raise argparse.ArgumentTypeError(f"{text!r}: expected 32, 64 or 128 (0: one per column)")
+  return v
+
+
+def _quantize_for_convert(model, scheme: str | None, group: int | None):
+  """``model`` quantized for ``convert --quantize`` (unchanged without it)."""
+  if scheme is None:
+    return model
+  from lrjax.quant import quantize
+
+  q = quantize(model, scheme, group=128 if group is None else group)
+  print(f"quantized {scheme} group={128 if group is None else group}")
+  return q
 
 
 def _verify(a, b):

@@ -26,6 +26,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
 
+from lrjax.checkpoint import quantized as quantized_ckpt
 from lrjax.checkpoint.atomic import atomic_dir
 from lrjax.checkpoint.hf import abstract_model
 from lrjax.checkpoint.placement import Shardings, logical_sharding, param_axes, param_key, pick
@@ -96,6 +97,8 @@ def save(
       for p, var in flat
     },
   }
+  if (qrec := quantized_ckpt.record(model)) is not None:
+    meta["quantization"] = qrec  # W4A8: scheme, layout, groups, per-projection shapes
   json.dumps(meta)  # fail before writing anything if the compression record is not JSON
   with atomic_dir(path, overwrite) as tmp:
     _checkpointer(concurrent_gb).save(
@@ -146,6 +149,7 @@ def load(
   if emb is None:
     raise ValueError(f"{path}: metadata lists no 'embed.embedding' param; checkpoint is corrupt")
   model = abstract_model(cfg, meta["ranks"], jnp.dtype(emb["dtype"]), meta.get("heads"))
+  model = quantized_ckpt.abstract(model, meta.get("quantization"), mesh, path)
   gdef, state = nnx.split(model)
   flat = list(nnx.to_flat_state(state))
   keys = [param_key(p) for p, _ in flat]
@@ -173,7 +177,7 @@ def load(
     os.path.join(path, STATE_DIR), args=ocp.args.StandardRestore(target)
   )
   state = nnx.from_flat_state([(p, var.replace(restored[k])) for k, (p, var) in zip(keys, flat)])
-  out = nnx.merge(gdef, state)
+  out = quantized_ckpt.for_host(nnx.merge(gdef, state), meta.get("quantization"), path)
   out.compression = meta.get("compression")
   out.source_digest = meta.get("source_digest")
   log.info("loaded %s (%s, ranks %s)", path, cfg.model_type, meta["ranks"])
