@@ -1,13 +1,15 @@
-"""From a checkpoint to tokens on CPU with W4A8: load, quantize, generate through the C++ kernels.
+"""From a checkpoint to tokens on CPU with W4A8: load, quantize, save, reload, generate.
 
   python examples/cpu_w4a8.py [--group 128]
 
 Makes a small low-rank checkpoint (random weights, so it runs anywhere without downloads),
 loads it, quantizes it to W4A8 (int4 weights in groups along K, int8 activations per row),
-and generates greedily with the serving engine, fused: every low-rank projection of the decode
-step runs as one ``lrjax_w4a8_xuv`` C++ custom call. Prints the custom calls, the tokens of
-the float and the W4A8 model, and the W4A8 logits' error against the float model's.
-The same with the CLI on a real checkpoint: ``lrjax bench --ckpt DIR --quantize w4a8``.
+saves that as a quantized checkpoint, reloads it (bit-exact) and generates greedily with the
+serving engine, fused: every low-rank projection of the decode step runs as one
+``lrjax_w4a8_xuv`` C++ custom call. Prints the custom calls, the tokens of the float and the
+W4A8 model, and the W4A8 error against the float model.
+With the CLI on a real checkpoint: ``lrjax convert --hf DIR --out CK --ratio 0.4 --quantize
+w4a8``, then ``lrjax generate --ckpt CK ...`` or ``lrjax bench --ckpt CK``.
 """
 
 import argparse
@@ -43,12 +45,13 @@ def main():
   model = LlamaForCausalLM(cfg, ranks * cfg.num_layers, rngs=nnx.Rngs(0))
 
   with tempfile.TemporaryDirectory() as tmp:
-    ck = os.path.join(tmp, "ck")
-    checkpoint.save(model, ck)
-    loaded = checkpoint.load(ck)
-  print(f"checkpoint: ranks {loaded.layer_ranks()[0]} (layer 0)")
-
-  q = lrjax.quantize(loaded, "w4a8", group=a.group)
+    checkpoint.save(model, os.path.join(tmp, "ck"))
+    loaded = checkpoint.load(os.path.join(tmp, "ck"))
+    print(f"checkpoint: ranks {loaded.layer_ranks()[0]} (layer 0)")
+    checkpoint.save(lrjax.quantize(loaded, "w4a8", group=a.group), os.path.join(tmp, "ck_w4a8"))
+    q = checkpoint.load(os.path.join(tmp, "ck_w4a8"))
+    rec = checkpoint.read_metadata(os.path.join(tmp, "ck_w4a8"))["quantization"]
+  print(f"quantized checkpoint: {rec['scheme']} layout {rec['layout']} groups {rec['groups']}")
   print(f"decode-step custom calls (fused): {bench.decode_kernels(q)}")
   _, float_bytes = bench.weight_bytes(loaded)
   _, w4a8_bytes = bench.weight_bytes(q)

@@ -217,6 +217,14 @@ def _dequantized(m):
   return out
 
 
+def dequantize(model):
+  """``model`` with every W4A8 projection replaced by the float layer of its int4 weights
+  (``q · scale`` in f32), e.g. to export a quantized checkpoint or run it without the kernel."""
+  for key, m in _quantized_modules(model):
+    _set(model, key, _dequantized(m))
+  return model
+
+
 def for_host(model, rec: dict | None, where: str = "checkpoint"):
   """The loaded ``model`` made runnable here: repacked for this host's kernel layout, or
   dequantized where no W4A8 kernel runs (see the module docstring)."""
@@ -228,9 +236,7 @@ def for_host(model, rec: dict | None, where: str = "checkpoint"):
   mods = _quantized_modules(model)
   if why is not None:
     log.warning("%s: %s; dequantizing its int4 weights to float32 at load", where, why)
-    for key, m in mods:
-      _set(model, key, _dequantized(m))
-    return model
+    return dequantize(model)
   host = default_layout()
   if rec["layout"] != host:
     log.warning(
