@@ -21,7 +21,9 @@ Operand order (positional operands; everything else is a static param):
 Numerics (the C++ kernel and the references below agree; see custom_calls/cpu/w4a8.h):
   per row of x: amax = max|x|, xq = clip(round_half_even(x * (127/amax)), -127, 127),
   sa = amax/127; acc = sum over groups g, in order, of f32(int32 dot of the group)
-  * scales[g]; y = acc * sa (+ bias), cast to out_dtype.
+  * scales[g]; y = acc * sa (+ bias), cast to out_dtype. A row holding a NaN or an inf, or
+  with 0 < amax < 2^-96, is not quantized: y = x · (q·s) in f32 (+ bias), so NaN and inf
+  propagate as f32 math does; in X·U·V the rank-space row follows suit.
 
 Fusion (for the lead's pass). A quantized low-rank layer's plain forward
 (``lrjax.quant.QuantizedLowRankLinear``) traces to exactly::
@@ -119,13 +121,25 @@ def unpack_int4(w, k: int, n: int, layout: str):
   return (u.reshape(kc * 8, nb * bw)[:k, :n] - 8).astype(jnp.int8)
 
 
+MIN_ROW_AMAX = 2.0**-96  # rows with 0 < amax below this are not quantized (see below)
+
+
 def quantize_rows(x2):
-  """Per-row abs-max int8 quantization: (xq [M, K] int8, sa [M] f32)."""
+  """Per-row abs-max int8 quantization: (xq [M, K] int8, sa [M] f32).
+
+  A row that is not quantized gets xq = 0 and sa = NaN: one holding a NaN or an inf, or with
+  0 < amax < ``MIN_ROW_AMAX`` (127/amax or sa would leave the normal f32 range). Its outputs
+  come from :func:`_exact_rows`.
+  """
   x2 = x2.astype(jnp.float32)
-  amax = jnp.max(jnp.abs(x2), axis=-1)
+  finite = jnp.all(jnp.isfinite(x2), axis=-1)
+  amax = jnp.max(jnp.where(jnp.isfinite(x2), jnp.abs(x2), 0), axis=-1)
+  exact = ~finite | ((amax > 0) & (amax < jnp.float32(MIN_ROW_AMAX)))
+  amax = jnp.where(exact, 0, amax)
   inv = jnp.where(amax > 0, jnp.float32(127) / jnp.where(amax > 0, amax, 1), 0).astype(jnp.float32)
-  xq = jnp.clip(jnp.round(x2 * inv[:, None]), -127, 127).astype(jnp.int8)
-  return xq, amax / jnp.float32(127)
+  xq = jnp.clip(jnp.round(jnp.where(exact[:, None], 0, x2) * inv[:, None]), -127, 127)
+  sa = jnp.where(exact, jnp.float32(jnp.nan), amax / jnp.float32(127))
+  return xq.astype(jnp.int8), sa
 
 
 def _w4a8_core(x2, w, s, k, n, group, layout):
@@ -148,10 +162,25 @@ def _w4a8_core(x2, w, s, k, n, group, layout):
   return acc, sa
 
 
+def _exact_rows(x2, w, s, k, n, group, layout):
+  """y [M, n] = x · (q s) in f32 over the dequantized weights: the outputs of the rows that
+  are not quantized. NaN and inf propagate as f32 math does."""
+  q = unpack_int4(w, k, n, layout).astype(jnp.float32)
+  grp = k if group == 0 else group
+  wd = q * s[jnp.arange(k) // grp, :n]
+  return jnp.dot(x2, wd, precision=jax.lax.Precision.HIGHEST)
+
+
 def _w4a8_apply(x, w, s, bias, k, n, group, layout):
-  x2 = x.reshape(-1, k)
+  x2 = x.reshape(-1, k).astype(jnp.float32)
   acc, sa = _w4a8_core(x2, w, s, k, n, group, layout)
   y = acc * sa[:, None]
+  bad = jnp.isnan(sa)
+  y = jax.lax.cond(
+    jnp.any(bad),
+    lambda: jnp.where(bad[:, None], _exact_rows(x2, w, s, k, n, group, layout), y),
+    lambda: y,
+  )
   if bias is not None:
     y = y + bias[None, :]
   return y

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable
 
 # Modules that register further subcommands (skipped with a note if not importable).
-EXTENSIONS: tuple[str, ...] = ("lrjax.serving.cli",)
+EXTENSIONS: tuple[str, ...] = ("lrjax.serving.cli", "lrjax.bench_cli")
 
 Configure = Callable[[argparse.ArgumentParser], Callable[[argparse.Namespace], int | None]]
 _COMMANDS: dict[str, tuple[str, Configure]] = {}
@@ -119,6 +119,12 @@ def convert(p: argparse.ArgumentParser):
     help="replace --out if it holds an lrjax checkpoint (never any other directory or file)",
   )
   p.add_argument(
+    "--quantize", choices=("w4a8",), help="save int4 weights / int8 activations (CPU kernels)"
+  )
+  p.add_argument(
+    "--group", type=_w4a8_group, help="W4A8 weight group along K: 32, 64 or 128 (default 128)"
+  )
+  p.add_argument(
     "--verify",
     action="store_true",
     help="reload the output and check it equals the compressed model bit for bit",
@@ -172,6 +178,7 @@ def convert(p: argparse.ArgumentParser):
       rec = dict(model.compression or {})
       rec["source"] = os.fspath(src)
       model.compression = rec
+      model = _quantize_for_convert(model, a.quantize, a.group)
       checkpoint.save(model, out, overwrite=a.overwrite)
       params = rec.get("params", {})
       print(
@@ -240,6 +247,8 @@ def _check_convert(a) -> tuple:
   _positive("--lora-rank", a.lora_rank, integer=True)
   _positive("--lora-lr", a.lora_lr)
   _positive("--lora-batch", a.lora_batch, integer=True)
+  if getattr(a, "group", None) is not None and getattr(a, "quantize", None) is None:
+    raise ValueError("--group applies with --quantize w4a8")
   calibrated = bool(a.calib or getattr(a, "calib_text", None))
   if a.method == "whiten" and not calibrated:
     raise ValueError("--method whiten needs calibration tokens (--calib FILE); or use --method svd")
@@ -270,6 +279,27 @@ def _existing_file(path: str, what: str):
   if not p.is_file():
     raise FileNotFoundError(f"{what} {path}: no such file")
   return p
+
+
+def _w4a8_group(text: str) -> int:
+  try:
+    v = int(text)
+  except ValueError:
+    v = -1
+  if v < 0 or v % 8:
+    raise argparse.ArgumentTypeError(f"{text!r}: expected 32, 64 or 128 (0: one per column)")
+  return v
+
+
+def _quantize_for_convert(model, scheme: str | None, group: int | None):
+  """``model`` quantized for ``convert --quantize`` (unchanged without it)."""
+  if scheme is None:
+    return model
+  from lrjax.quant import quantize
+
+  q = quantize(model, scheme, group=128 if group is None else group)
+  print(f"quantized {scheme} group={128 if group is None else group}")
+  return q
 
 
 def _verify(a, b):

@@ -7,13 +7,15 @@ XLA once and returns ``impl(*operands, **params)`` built on ``jax.ffi.ffi_call``
 Kernels: ``cpu.w4a8_matmul`` (primitive ``w4a8_matmul``) and ``cpu.lr_xuv_w4a8``
 (primitive ``lr_xuv_w4a8``). Runtime CPU dispatch happens inside the extension:
 x86 AVX512-VNNI -> AVX-VNNI -> AVX2 -> scalar, aarch64 i8mm -> dotprod -> NEON ->
-scalar; ``LRJAX_W4A8_ISA`` caps it, ``LRJAX_W4A8_THREADS`` sets the thread count.
+scalar; ``LRJAX_W4A8_ISA`` caps it, ``LRJAX_W4A8_THREADS`` sets the thread count (a
+positive integer, capped at the hardware threads; anything else is an error here).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import threading
 from typing import Any
 from collections.abc import Mapping, Sequence
@@ -40,11 +42,39 @@ def extension_available() -> bool:
     return False
 
 
+THREADS_ENV = "LRJAX_W4A8_THREADS"
+
+
+def check_threads_env() -> int | None:
+  """The thread count ``LRJAX_W4A8_THREADS`` asks for (None when unset).
+
+  Raises ValueError for a value that is not a positive integer; a count above the hardware
+  threads is capped by the kernel (logged here).
+  """
+  raw = os.environ.get(THREADS_ENV, "")
+  if raw == "":
+    return None
+  n = int(raw) if raw.isascii() and raw.isdigit() else 0
+  if n < 1:
+    raise ValueError(
+      f"{THREADS_ENV}={raw!r} is not a positive integer; set it to the number of W4A8 "
+      f"worker threads (e.g. {os.cpu_count() or 1}) or unset it for one per hardware thread"
+    )
+  hw = os.cpu_count() or 0
+  if hw and n > hw:
+    log.warning("%s=%d exceeds the %d hardware threads; the kernel uses %d", THREADS_ENV, n, hw, hw)
+  return n
+
+
 def extension():
-  """The compiled nanobind module, with its handlers registered with XLA."""
+  """The compiled nanobind module, with its handlers registered with XLA.
+
+  Raises ValueError when ``LRJAX_W4A8_THREADS`` is malformed (see :func:`check_threads_env`).
+  """
   global _registered
   import jax
 
+  check_threads_env()
   from lrjax.custom_calls.cpu import _w4a8
 
   with _lock:

@@ -5,8 +5,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
+#include <cfenv>
 #include <cmath>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -190,7 +193,9 @@ class Pool {
   // Runs fn(0..n-1); each index exactly once, by whichever thread claims it; the
   // caller works too and returns once all n are done, without waiting for workers
   // that never woke (a busy machine). A call that finds the pool busy (another
-  // XLA thread) runs its tasks inline. Results never depend on the thread.
+  // XLA thread) runs its tasks inline. Workers run under the caller's
+  // floating-point environment (rounding, flush-to-zero), so results never
+  // depend on the thread.
   void ParallelFor(int64_t n, const std::function<void(int64_t)>& fn) {
     std::unique_lock<std::mutex> busy(job_mu_, std::try_to_lock);
     if (!busy.owns_lock() || workers_.empty() || n <= 1) {
@@ -200,6 +205,7 @@ class Pool {
     auto job = std::make_shared<Job>();
     job->fn = &fn;
     job->n = n;
+    std::fegetenv(&job->env);
     {
       std::lock_guard<std::mutex> l(mu_);
       job_ = job;
@@ -216,6 +222,7 @@ class Pool {
   struct Job {
     const std::function<void(int64_t)>* fn = nullptr;
     int64_t n = 0;
+    std::fenv_t env;  // the caller's
     std::atomic<int64_t> next{0}, done{0};
   };
 
@@ -241,7 +248,13 @@ class Pool {
         seen = gen_;
         job = job_;
       }
-      if (job) Run(*job);
+      if (job) {
+        std::fenv_t own;
+        std::fegetenv(&own);
+        std::fesetenv(&job->env);
+        Run(*job);
+        std::fesetenv(&own);
+      }
     }
   }
 
@@ -281,10 +294,22 @@ struct QAct {
   int64_t M = 0, Mp = 0, Kp = 0, G = 0;
 };
 
-// Quantizes one row of n floats into q[Kp] (zero padded); returns the scale.
+// Quantizes one row of n floats into q[Kp] (zero padded); returns the scale, or
+// NaN (with q all zero) for a row that is not quantized: one holding a NaN or an
+// inf, or with 0 < amax < 2^-96 (127/amax would overflow, or sa underflow, near
+// there). ExactRow computes those rows' outputs.
 float QuantizeRow(const float* x, int64_t n, int64_t Kp, int8_t* q) {
   float amax = 0.f;
-  for (int64_t k = 0; k < n; ++k) amax = std::max(amax, std::fabs(x[k]));
+  bool finite = true;
+  for (int64_t k = 0; k < n; ++k) {
+    const float a = std::fabs(x[k]);
+    finite &= a <= 3.40282347e38f;  // false for inf and NaN
+    amax = std::max(amax, a);
+  }
+  if (!finite || (amax > 0.f && amax < kMinRowAmax)) {
+    std::memset(q, 0, size_t(Kp));
+    return std::nanf("");
+  }
   const float inv = amax > 0.f ? 127.f / amax : 0.f;
   const float magic = 12582912.f;  // 1.5 * 2^23: (v + magic) - magic rounds half to even
   for (int64_t k = 0; k < n; ++k) {
@@ -423,13 +448,37 @@ std::string CheckIsa(Layout layout, int isa, Isa* out) {
 
 }  // namespace
 
-int NumThreads() {
-  if (const char* env = std::getenv("LRJAX_W4A8_THREADS")) {
-    int n = std::atoi(env);
-    if (n > 0) return n;
+int ThreadsFor(const char* env, unsigned hw, std::string* warning) {
+  const int cap = hw == 0 ? kMaxThreadsUnknownHw : int(std::min<unsigned>(hw, 1u << 16));
+  const int dflt = hw == 0 ? 1 : cap;
+  if (env == nullptr || *env == '\0') return dflt;
+  bool digits = true;  // only [0-9]+: no sign, space or suffix
+  for (const char* c = env; *c; ++c) digits &= *c >= '0' && *c <= '9';
+  char* end = nullptr;
+  errno = 0;
+  const long long v = digits ? std::strtoll(env, &end, 10) : 0;
+  if (!digits || errno != 0 || v < 1) {
+    *warning = std::string("LRJAX_W4A8_THREADS='") + env +
+               "' is not a positive integer; using " + std::to_string(dflt) + " threads";
+    return dflt;
   }
-  unsigned n = std::thread::hardware_concurrency();
-  return n == 0 ? 1 : int(n);
+  if (v > cap) {
+    *warning = std::string("LRJAX_W4A8_THREADS=") + env + " exceeds the " +
+               (hw == 0 ? "default cap of " : "hardware's ") + std::to_string(cap) +
+               " threads; using " + std::to_string(cap);
+    return cap;
+  }
+  return int(v);
+}
+
+int NumThreads() {
+  std::string warning;
+  const int n = ThreadsFor(std::getenv("LRJAX_W4A8_THREADS"), std::thread::hardware_concurrency(),
+                           &warning);
+  static std::atomic<bool> warned{false};
+  if (!warning.empty() && !warned.exchange(true))
+    std::fprintf(stderr, "lrjax W4A8: %s\n", warning.c_str());
+  return n;
 }
 
 // ---------------------------------------------------------------- scalar tile
@@ -478,6 +527,47 @@ void TileScalar(const TileArgs& a, int64_t m0, int mr, int64_t n0, int nc, float
 
 // ------------------------------------------------------------------ the GEMMs
 
+namespace {
+
+const float* RowF32(const void* x, DType dt, int64_t m, int64_t K, std::vector<float>& buf) {
+  if (dt == DType::kF32) return static_cast<const float*>(x) + m * K;
+  const uint16_t* b = static_cast<const uint16_t*>(x) + m * K;
+  buf.resize(size_t(K));
+  for (int64_t k = 0; k < K; ++k) buf[size_t(k)] = Bf16ToF32(b[k]);
+  return buf.data();
+}
+
+// Outputs of one row that is not quantized (see w4a8.h): f32 math over the
+// dequantized weights, y[n] = sum over k, in order, of x[k] * (q[k][n] * s[g][n])
+// (+ bias).
+void ExactRow(const float* x, const Weights& w, const float* bias, void* dst, DType dt) {
+  const int64_t bw = BlockWidth(w.layout), Kp = RoundUp(w.K, 8), Np = RoundUp(w.N, bw);
+  const int64_t grp = w.group == 0 ? Kp : w.group;
+  TileArgs ta{nullptr, nullptr, nullptr, w.packed, w.scales, Kp, NumGroups(w.K, w.group), Np,
+              grp, w.layout};
+  std::vector<float> out(size_t(w.N));
+  for (int64_t n = 0; n < w.N; ++n) {
+    float acc = 0.f;
+    for (int64_t k = 0; k < w.K; ++k)
+      acc = acc + x[k] * (float(WeightAt(ta, k, n)) * w.scales[(k / grp) * Np + n]);
+    out[size_t(n)] = acc;
+  }
+  StoreRow(1.f, out.data(), bias, int(w.N), dst, dt);
+}
+
+// Rewrites the output rows whose activations were not quantized (sa is NaN).
+void FixExactRows(const QAct& a, const void* x, DType x_dtype, const Weights& w,
+                      const float* bias, void* y, DType y_dtype) {
+  const size_t esz = y_dtype == DType::kF32 ? 4 : 2;
+  std::vector<float> buf;
+  for (int64_t m = 0; m < a.M; ++m)
+    if (std::isnan(a.sa[size_t(m)]))
+      ExactRow(RowF32(x, x_dtype, m, w.K, buf), w, bias,
+                   static_cast<char*>(y) + m * w.N * esz, y_dtype);
+}
+
+}  // namespace
+
 std::string Matmul(const void* x, DType x_dtype, int64_t M, const Weights& w, const float* bias,
                    void* y, DType y_dtype, int isa_req) {
   Isa isa;
@@ -491,6 +581,7 @@ std::string Matmul(const void* x, DType x_dtype, int64_t M, const Weights& w, co
     StoreRow(a.sa[size_t(m)], acc, bias ? bias + n0 : nullptr, n,
              static_cast<char*>(y) + (m * w.N + n0) * esz, y_dtype);
   });
+  FixExactRows(a, x, x_dtype, w, bias, y, y_dtype);
   return "";
 }
 
@@ -519,12 +610,13 @@ std::string LowRankMatmul(const void* x, DType x_dtype, int64_t M, const Weights
   std::vector<float> tf;
   for (int64_t m0 = 0; m0 < M; m0 += mb) {
     const int64_t rows = std::min(mb, M - m0);
-    QuantizeInput(static_cast<const char*>(x) + m0 * u.K * xesz, x_dtype, rows, u.K, u.group, a,
-                  pairs);
+    const void* xb = static_cast<const char*>(x) + m0 * u.K * xesz;
+    QuantizeInput(xb, x_dtype, rows, u.K, u.group, a, pairs);
     tf.assign(size_t(rows * R), 0.f);
     RunGemm(a, u, isa, [&](int64_t m, int64_t n0, int n, const float* acc) {
       StoreRow(a.sa[size_t(m)], acc, nullptr, n, &tf[size_t(m * R + n0)], DType::kF32);
     });
+    FixExactRows(a, xb, x_dtype, u, nullptr, tf.data(), DType::kF32);
     Prepare(t, rows, Rp, Gv, pairs);
     const int64_t qrows = 16;  // even: row pairs stay within one task
     GetPool().ParallelFor((rows + qrows - 1) / qrows, [&](int64_t task) {
@@ -541,6 +633,7 @@ std::string LowRankMatmul(const void* x, DType x_dtype, int64_t M, const Weights
       StoreRow(t.sa[size_t(m)], acc, bias ? bias + n0 : nullptr, n, yb + (m * v.N + n0) * esz,
                y_dtype);
     });
+    FixExactRows(t, tf.data(), DType::kF32, v, bias, yb, y_dtype);
   }
   return "";
 }

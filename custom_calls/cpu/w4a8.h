@@ -19,8 +19,17 @@
 // Output: acc[m][n] = sum over groups, in order, of
 //   float(sum_{k in G} xq[m][k]*q[k][n]) * s[G][n]   (f32 mul then add)
 // y = acc*sa (+ bias[n], f32 add), rounded to the output dtype (RNE for bf16).
+// Rows that are not quantized: a row holding a NaN or an inf, or one with
+// 0 < amax < 2^-96 (kMinRowAmax; 127/amax or sa would leave the normal f32
+// range), is computed in f32 over the dequantized weights instead:
+//   y[n] = sum over k, in order, of x[k] * (q[k][n] * s[G][n])  (+ bias[n]).
+// So NaN and inf propagate as f32 math does: NaN when the row has a NaN, when
+// infs of both signs meet or when an inf meets a zero weight, else +-inf. In the
+// low-rank X·U·V the rank-space row follows the same rule.
 // Every ISA path performs the same float operations in the same order, so all
-// paths are bit-identical to the scalar path.
+// paths are bit-identical to the scalar path. Worker threads run under the
+// calling thread's floating-point environment (e.g. XLA's flush-to-zero), so the
+// result never depends on which thread computed a tile.
 #ifndef LRJAX_W4A8_H_
 #define LRJAX_W4A8_H_
 
@@ -57,6 +66,8 @@ struct Weights {
   Layout layout;
 };
 
+constexpr float kMinRowAmax = 0x1p-96f;  // see "Rows that are not quantized"
+
 inline int64_t RoundUp(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 int64_t NumGroups(int64_t K, int64_t group);
 // Shape checks shared by the FFI handlers and the tests; "" when fine.
@@ -74,8 +85,15 @@ std::string LowRankMatmul(const void* x, DType x_dtype, int64_t M, const Weights
                           const Weights& v, const float* bias, void* y, DType y_dtype,
                           int isa = -1);
 
-// Number of worker threads (env LRJAX_W4A8_THREADS, default: hardware threads).
+// Number of worker threads: env LRJAX_W4A8_THREADS (a positive integer, capped
+// at the hardware threads), default: hardware threads. A malformed value is
+// ignored with a one-line warning on stderr.
 int NumThreads();
+// The thread count for env value `env` (null: unset) on a CPU with `hw`
+// hardware threads (0: unknown); sets *warning when the value is malformed or
+// capped. Pure, for the tests.
+int ThreadsFor(const char* env, unsigned hw, std::string* warning);
+constexpr int kMaxThreadsUnknownHw = 64;  // cap when the hardware count is unknown
 
 // --- internal: the per-ISA tile kernels ---------------------------------------
 struct TileArgs {

@@ -4,9 +4,11 @@
 // returns ffi::Error (a Python exception), never crashes.
 #include <cstdint>
 #include <exception>
+#include <optional>
 #include <string>
 
 #include "nanobind/nanobind.h"
+#include "nanobind/stl/optional.h"
 #include "nanobind/stl/string.h"
 #include "w4a8.h"
 #include "xla/ffi/api/ffi.h"
@@ -52,13 +54,33 @@ ffi::Error CheckActivations(ffi::AnyBuffer x, int64_t K, ffi::Result<ffi::AnyBuf
   return ffi::Error::Success();
 }
 
-ffi::Error MakeWeights(const char* name, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> s,
-                       int64_t K, int64_t N, int64_t group, int64_t layout, Weights* out) {
+#define LRJAX_RETURN_IF_ERROR(expr)     \
+  do {                                  \
+    ffi::Error _e = (expr);             \
+    if (_e.failure()) return _e;        \
+  } while (0)
+
+// Every int64 attribute is range-checked before it is narrowed or used.
+constexpr int64_t kMaxDim = (int64_t(1) << 31) - 1;
+
+ffi::Error CheckAttr(const char* name, int64_t v, int64_t lo, int64_t hi) {
+  if (v < lo || v > hi)
+    return ffi::Error::InvalidArgument(std::string("attribute ") + name + "=" + std::to_string(v) +
+                                       " is outside [" + std::to_string(lo) + ", " +
+                                       std::to_string(hi) + "]");
+  return ffi::Error::Success();
+}
+
+ffi::Error MakeWeights(const char* name, const char* group_attr, ffi::Buffer<ffi::U8> w,
+                       ffi::Buffer<ffi::F32> s, int64_t K, int64_t N, int64_t group,
+                       int64_t layout, Weights* out) {
   auto wd = w.dimensions();
   auto sd = s.dimensions();
   if (wd.size() != 3 || sd.size() != 2)
     return ffi::Error::InvalidArgument(std::string(name) + ": packed weight " + Dims(wd) +
                                        " must be 3-D and scales " + Dims(sd) + " 2-D");
+  LRJAX_RETURN_IF_ERROR(CheckAttr("layout", layout, 0, 2));  // lrjax_w4a8::Layout
+  LRJAX_RETURN_IF_ERROR(CheckAttr(group_attr, group, 0, kMaxDim));
   *out = Weights{w.typed_data(), s.typed_data(), K, N, group, Layout(int(layout))};
   std::string e = CheckWeights(*out, wd[0], wd[1], wd[2], sd[0], sd[1]);
   if (!e.empty()) return ffi::Error::InvalidArgument(std::string(name) + ": " + e);
@@ -74,23 +96,19 @@ ffi::Error CheckBias(ffi::Buffer<ffi::F32> bias, int64_t N, const float** out) {
   return ffi::Error::Success();
 }
 
-#define LRJAX_RETURN_IF_ERROR(expr)     \
-  do {                                  \
-    ffi::Error _e = (expr);             \
-    if (_e.failure()) return _e;        \
-  } while (0)
-
 ffi::Error W4A8MatmulImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> scales,
                           ffi::Buffer<ffi::F32> bias, ffi::Result<ffi::AnyBuffer> y, int64_t k,
                           int64_t n, int64_t group, int64_t layout) {
   DType xt, yt;
+  LRJAX_RETURN_IF_ERROR(CheckAttr("k", k, 1, kMaxDim));
+  LRJAX_RETURN_IF_ERROR(CheckAttr("n", n, 1, kMaxDim));
   LRJAX_RETURN_IF_ERROR(FloatType(x.element_type(), "x", &xt));
   LRJAX_RETURN_IF_ERROR(FloatType(y->element_type(), "output", &yt));
   const int64_t K = k;
   int64_t M;
   LRJAX_RETURN_IF_ERROR(CheckActivations(x, K, y, n, &M));
   Weights wt;
-  LRJAX_RETURN_IF_ERROR(MakeWeights("w", w, scales, K, n, group, layout, &wt));
+  LRJAX_RETURN_IF_ERROR(MakeWeights("w", "group", w, scales, K, n, group, layout, &wt));
   const float* b;
   LRJAX_RETURN_IF_ERROR(CheckBias(bias, n, &b));
   std::string e;
@@ -108,14 +126,17 @@ ffi::Error LowRankW4A8Impl(ffi::AnyBuffer x, ffi::Buffer<ffi::U8> wu, ffi::Buffe
                            ffi::Buffer<ffi::F32> bias, ffi::Result<ffi::AnyBuffer> y, int64_t k,
                            int64_t r, int64_t n, int64_t group_u, int64_t group_v, int64_t layout) {
   DType xt, yt;
+  LRJAX_RETURN_IF_ERROR(CheckAttr("k", k, 1, kMaxDim));
+  LRJAX_RETURN_IF_ERROR(CheckAttr("r", r, 1, kMaxDim));
+  LRJAX_RETURN_IF_ERROR(CheckAttr("n", n, 1, kMaxDim));
   LRJAX_RETURN_IF_ERROR(FloatType(x.element_type(), "x", &xt));
   LRJAX_RETURN_IF_ERROR(FloatType(y->element_type(), "output", &yt));
   const int64_t K = k;
   int64_t M;
   LRJAX_RETURN_IF_ERROR(CheckActivations(x, K, y, n, &M));
   Weights u, v;
-  LRJAX_RETURN_IF_ERROR(MakeWeights("u", wu, su, K, r, group_u, layout, &u));
-  LRJAX_RETURN_IF_ERROR(MakeWeights("v", wv, sv, r, n, group_v, layout, &v));
+  LRJAX_RETURN_IF_ERROR(MakeWeights("u", "group_u", wu, su, K, r, group_u, layout, &u));
+  LRJAX_RETURN_IF_ERROR(MakeWeights("v", "group_v", wv, sv, r, n, group_v, layout, &v));
   const float* b;
   LRJAX_RETURN_IF_ERROR(CheckBias(bias, n, &b));
   std::string e;
@@ -187,5 +208,11 @@ NB_MODULE(_w4a8, m) {
     if (layout < 0 || layout > 2) throw nb::value_error("layout must be 0, 1 or 2");
     return std::string(IsaName(SelectIsa(Layout(layout))));
   }, nb::arg("layout"), "ISA the kernel uses for a layout (honours LRJAX_W4A8_ISA).");
-  m.def("num_threads", &NumThreads);
+  m.def("num_threads", &NumThreads, "Worker threads (LRJAX_W4A8_THREADS, capped).");
+  m.def("threads_for", [](std::optional<std::string> env, unsigned hw) {
+    std::string warning;
+    const int n = ThreadsFor(env ? env->c_str() : nullptr, hw, &warning);
+    return nb::make_tuple(n, warning);
+  }, nb::arg("env").none(), nb::arg("hw"),
+     "(threads, warning) for an LRJAX_W4A8_THREADS value on a CPU with hw threads.");
 }

@@ -33,8 +33,9 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
 
+from lrjax.checkpoint import quantized as quantized_ckpt
 from lrjax.checkpoint.atomic import atomic_dir, resolve
-from lrjax.checkpoint.hf import abstract_split
+from lrjax.checkpoint.hf import abstract_model, abstract_split
 from lrjax.checkpoint.placement import Shardings, logical_sharding, param_axes, param_key, pick
 from lrjax.models.config import ModelConfig
 from lrjax.models.llama import LlamaForCausalLM
@@ -129,6 +130,8 @@ def save(
       for p, var in flat
     },
   }
+  if (qrec := quantized_ckpt.record(model)) is not None:
+    meta["quantization"] = qrec  # W4A8: scheme, layout, groups, per-projection shapes
   json.dumps(meta)  # fail before writing anything if the compression record is not JSON
   with atomic_dir(path, overwrite, replaceable=is_checkpoint) as tmp:
     _checkpointer(concurrent_gb).save(
@@ -290,7 +293,13 @@ def load(
   if emb is None:
     raise ValueError(f"{mp}: lists no 'embed.embedding' param; the checkpoint is corrupt")
   try:
-    gdef, flat = abstract_split(cfg, meta["ranks"], jnp.dtype(emb["dtype"]), meta.get("heads"))
+    if meta.get("quantization") is None:
+      gdef, flat = abstract_split(cfg, meta["ranks"], jnp.dtype(emb["dtype"]), meta.get("heads"))
+    else:  # W4A8: the recorded projections as abstract quantized modules
+      model = abstract_model(cfg, meta["ranks"], jnp.dtype(emb["dtype"]), meta.get("heads"))
+      model = quantized_ckpt.abstract(model, meta["quantization"], mesh, path)
+      gdef, state = nnx.split(model)
+      flat = tuple(nnx.to_flat_state(state))
   except (ValueError, TypeError, KeyError) as e:
     raise ValueError(
       f"{mp}: config, ranks and heads do not build a model ({_one_line(e)})"
@@ -341,7 +350,7 @@ def load(
         "(verify=False / --no-verify skips the check)"
       )
   state = nnx.from_flat_state([(p, var.replace(restored[k])) for k, (p, var) in zip(keys, flat)])
-  out = nnx.merge(gdef, state)
+  out = quantized_ckpt.for_host(nnx.merge(gdef, state), meta.get("quantization"), path)
   out.compression = meta.get("compression")
   out.source_digest = meta.get("source_digest")
   log.info("loaded %s (%s, ranks %s)", path, cfg.model_type, meta["ranks"])

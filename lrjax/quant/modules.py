@@ -71,14 +71,19 @@ def _out_dtype(dtype, x):
   return dt if dt in (jnp.float32, jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.float32)
 
 
-class QuantizedLinear(nnx.Module):
-  """y = W4A8(x · W) (+ bias) for a dense ``Linear``."""
+class QuantizedLinear(Linear):
+  """y = W4A8(x · W) (+ bias) for a dense ``Linear``.
 
-  def __init__(self, w: QuantizedWeight, bias=None, *, dtype=None):
+  A ``Linear`` to code that asks what a projection is (a dense one, e.g. for
+  ``layer_ranks``), but it holds packed int4 weights instead of a ``kernel``.
+  """
+
+  def __init__(self, w: QuantizedWeight, bias=None, *, dtype=None, axes=("embed", "mlp")):
     self.w_packed = QuantizedArray(jnp.asarray(w.packed))
     self.w_scales = QuantizedArray(jnp.asarray(w.scales))
     self.bias = nnx.Param(jnp.asarray(bias, jnp.float32)) if bias is not None else None
     self.meta = (w.k, w.n, w.group, w.layout)
+    self.in_features, self.out_features, self.axes = w.k, w.n, tuple(axes)
     self.dtype = dtype
 
   def __call__(self, x):
@@ -88,13 +93,16 @@ class QuantizedLinear(nnx.Module):
   @classmethod
   def from_linear(cls, m: Linear, group: int = 128, layout: str | None = None):
     bias = np.asarray(m.bias[...]) if m.bias is not None else None
-    return cls(quantize_weight(np.asarray(m.kernel[...]), group, layout), bias, dtype=m.dtype)
+    w = quantize_weight(np.asarray(m.kernel[...]), group, layout)
+    return cls(w, bias, dtype=m.dtype, axes=m.axes)
 
 
 class QuantizedLowRankLinear(nnx.Module):
   """y = W4A8(W4A8(x · U) · V) (+ bias) for a ``LowRankLinear``; t = x·U stays f32."""
 
-  def __init__(self, u: QuantizedWeight, v: QuantizedWeight, bias=None, *, dtype=None):
+  def __init__(
+    self, u: QuantizedWeight, v: QuantizedWeight, bias=None, *, dtype=None, axes=("embed", "mlp")
+  ):
     if u.n != v.k or u.layout != v.layout:
       raise ValueError(
         f"u [{u.k}, {u.n}] {u.layout} and v [{v.k}, {v.n}] {v.layout} "
@@ -107,6 +115,7 @@ class QuantizedLowRankLinear(nnx.Module):
     self.bias = nnx.Param(jnp.asarray(bias, jnp.float32)) if bias is not None else None
     self.u_meta = (u.k, u.n, u.group, u.layout)
     self.v_meta = (v.k, v.n, v.group, v.layout)
+    self.in_features, self.out_features, self.rank, self.axes = u.k, v.n, u.n, tuple(axes)
     self.dtype = dtype
 
   def __call__(self, x):
@@ -126,10 +135,14 @@ class QuantizedLowRankLinear(nnx.Module):
       quantize_weight(np.asarray(m.v[...]), gv, layout),
       bias,
       dtype=m.dtype,
+      axes=m.axes,
     )
 
 
 def _convert(node, group, layout, counts):
+  if isinstance(node, (QuantizedLinear, QuantizedLowRankLinear)):
+    counts["quantized"] += 1
+    return node
   if isinstance(node, LowRankLinear):
     counts["low_rank"] += 1
     return QuantizedLowRankLinear.from_low_rank(node, group, layout)
@@ -157,7 +170,24 @@ def _convert(node, group, layout, counts):
   return node
 
 
-def quantize(model, scheme: str = "w4a8", *, group: int = 128, layout: str | None = None):
+def _tied_head(model) -> bool:
+  """Whether ``model`` is an lrjax LM whose output head is its embedding table (tied)."""
+  cfg = getattr(model, "cfg", None)
+  return (
+    getattr(cfg, "tie_word_embeddings", False)
+    and getattr(model, "lm_head", "absent") is None
+    and hasattr(getattr(model, "embed", None), "attend")
+  )
+
+
+def quantize(
+  model,
+  scheme: str = "w4a8",
+  *,
+  group: int = 128,
+  layout: str | None = None,
+  tied_head: bool = True,
+):
   """A copy of ``model`` whose ``LowRankLinear`` and ``Linear`` layers are W4A8.
 
   Args:
@@ -166,6 +196,9 @@ def quantize(model, scheme: str = "w4a8", *, group: int = 128, layout: str | Non
     group: rows of K per weight scale: 32, 64, 128, or 0 for per channel. A
       low-rank layer's V (K = rank) uses per-channel scales when rank <= group.
     layout: packed layout; default: this machine's (``default_layout()``).
+    tied_head: for an LM whose output head is tied to the embedding table, give it a
+      W4A8 ``lm_head`` made from the table's transpose (a decode step then reads int4 head
+      weights instead of the whole float table; the table stays for the token lookup).
   """
   if scheme != "w4a8":
     raise ValueError(f"{scheme=} is not supported; expected 'w4a8'")
@@ -174,15 +207,24 @@ def quantize(model, scheme: str = "w4a8", *, group: int = 128, layout: str | Non
   layout = layout or default_layout()
   graphdef, state = nnx.split(model)
   copy = nnx.merge(graphdef, state)
-  counts = {"low_rank": 0, "dense": 0}
+  counts = {"low_rank": 0, "dense": 0, "quantized": 0}
   out = _convert(copy, group, layout, counts)
+  head = tied_head and _tied_head(out)
+  if head:
+    table = np.asarray(out.embed.embedding[...], np.float32)
+    head_layer = QuantizedLinear(quantize_weight(table.T, group, layout), dtype=out.embed.dtype)
+    out.lm_head = nnx.data(head_layer)  # replaces a None (static) attribute
+    counts["dense"] += 1
   log.info(
-    "quantize w4a8 (group=%d, layout=%s): %d low-rank, %d dense layers",
+    "quantize w4a8 (group=%d, layout=%s): %d low-rank, %d dense layers%s",
     group,
     layout,
     counts["low_rank"],
     counts["dense"],
+    " (one the tied LM head)" if head else "",
   )
   if counts["low_rank"] + counts["dense"] == 0:
+    if counts["quantized"]:
+      raise ValueError("the model is already quantized (its layers are W4A8)")
     raise ValueError("quantize found no Linear or LowRankLinear layer in the model")
   return out

@@ -41,26 +41,70 @@ def default_layout() -> str:
   return "x86_vnni"
 
 
+# A group's scale is its signed abs-max divided by one of these; the one with the least squared
+# error wins. -8 is llama.cpp Q4_0's choice (the abs-max lands on -8, so all 16 levels are
+# used); +7 is plain abs-max / 7, so the search is never worse than that.
+SCALE_CANDIDATES = (-8.0, -7.5, -8.5, -7.0, 7.0, 7.5)
+_COLUMN_CHUNK = 512  # columns quantized at a time: the temporaries stay in cache
+
+
+def _quantize_groups(wg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """wg [G, grp, n] f32 -> (q [G, grp, n] int8 in [-8, 7], scales [G, n] f32)."""
+  idx = np.abs(wg).argmax(axis=1)
+  mx = np.take_along_axis(wg, idx[:, None, :], axis=1)[:, 0, :]  # signed abs-max
+  q, r = np.empty_like(wg), np.empty_like(wg)
+  best_q = best_s = best_e = None
+  for c in SCALE_CANDIDATES:
+    s = mx / np.float32(c)
+    s = np.where(s != 0, s, np.float32(1)).astype(np.float32)
+    np.divide(wg, s[:, None, :], out=q)
+    np.rint(q, out=q)
+    np.clip(q, -8, 7, out=q)
+    np.multiply(q, s[:, None, :], out=r)
+    np.subtract(wg, r, out=r)
+    np.square(r, out=r)
+    e = r.sum(axis=1)
+    if best_e is None:
+      best_q, best_s, best_e = q.copy(), s, e
+    else:
+      better = e < best_e
+      np.copyto(best_q, q, where=better[:, None, :])
+      best_s = np.where(better, s, best_s)
+      best_e = np.minimum(e, best_e)
+  return best_q.astype(np.int8), best_s.astype(np.float32)
+
+
 def quantize_int4(w, group: int):
-  """Symmetric int4: q [K, N] int8 in [-8, 7] and scales [G, N] f32 (abs-max / 7).
+  """Symmetric int4: q [K, N] int8 in [-8, 7] and scales [G, N] f32 (may be negative).
 
   ``group`` is 32/64/128 (any multiple of 8) rows of K per scale, or 0 for one
-  scale per output channel.
+  scale per output channel. Each scale is the group's signed abs-max over the
+  entry of ``SCALE_CANDIDATES`` with the least squared error (w ~ q * scale).
   """
   w = np.asarray(w, dtype=np.float32)
   if w.ndim != 2:
     raise ValueError(f"{w.shape=} must be 2-D [K, N]")
   if group < 0 or group % 8:
     raise ValueError(f"{group=} must be 0 (per channel) or a positive multiple of 8")
+  bad = ~np.isfinite(w)
+  if bad.any():
+    k0, n0 = np.argwhere(bad)[0]
+    raise ValueError(
+      f"weight [{w.shape[0]}, {w.shape[1]}] has {int(bad.sum())} NaN/inf values (first at "
+      f"[{k0}, {n0}]); int4 scales need finite weights: fix or drop them before quantizing"
+    )
   k, n = w.shape
   grp = k if group == 0 else group
   g = num_groups(k, group)
-  wp = np.zeros((g * grp, n), np.float32)
-  wp[:k] = w
-  wg = wp.reshape(g, grp, n)
-  amax = np.abs(wg).max(axis=1)
-  scales = np.where(amax > 0, amax / np.float32(7), np.float32(1)).astype(np.float32)
-  q = np.clip(np.rint(wg / scales[:, None, :]), -8, 7).astype(np.int8).reshape(g * grp, n)[:k]
+  q = np.empty((k, n), np.int8)
+  scales = np.empty((g, n), np.float32)
+  for j0 in range(0, n, _COLUMN_CHUNK):
+    j1 = min(n, j0 + _COLUMN_CHUNK)
+    wp = np.zeros((g * grp, j1 - j0), np.float32)
+    wp[:k] = w[:, j0:j1]
+    qc, sc = _quantize_groups(wp.reshape(g, grp, j1 - j0))
+    q[:, j0:j1] = qc.reshape(g * grp, j1 - j0)[:k]
+    scales[:, j0:j1] = sc
   return q, scales
 
 

@@ -4,6 +4,7 @@
 //
 // Usage: w4a8_test [--require=isa1,isa2,...]
 //   Fails if a required ISA path (e.g. dotprod,i8mm under qemu -cpu max) cannot run.
+#include <cfenv>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -11,6 +12,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../w4a8.h"
@@ -193,6 +195,148 @@ void TestBadShapes() {
         "rank mismatch accepted");
 }
 
+// Rows with NaN or inf give the IEEE sum of their non-finite terms x[k]*w[k][n]
+// (w = q*s), on every ISA path, also in the low-rank X·U·V; finite rows beside
+// them are unaffected.
+void TestNonFinite(std::mt19937& rng, Layout lay) {
+  const float inf = INFINITY, nan = NAN;
+  const Case c{6, 72, 21, 32};
+  Problem p = MakeProblem(rng, c, lay);
+  for (int64_t n = 0; n < c.N; n += 5) p.q[size_t(3 * c.N + n)] = 0;  // an inf meets zeros
+  p.packed = Pack(p.q, c.K, c.N, lay);
+  p.w.packed = p.packed.data();
+  std::vector<float> x = p.x;
+  auto X = [&](int64_t m, int64_t k) -> float& { return x[size_t(m * c.K + k)]; };
+  X(0, 10) = nan;                  // NaN row
+  X(1, 3) = inf;                   // one +inf (zero weights at some n)
+  X(2, 40) = -inf;                 // one -inf
+  X(3, 7) = inf, X(3, 50) = -inf;  // both signs
+  X(4, 0) = inf, X(4, 70) = inf;   // two +inf in different groups
+  const int64_t Np = RoundUp(c.N, BlockWidth(lay));
+  std::vector<float> ref(size_t(c.M * c.N)), out(ref.size());
+  std::string e = Matmul(x.data(), DType::kF32, c.M, p.w, p.bias.data(), ref.data(), DType::kF32,
+                         int(Isa::kScalar));
+  CHECK(e.empty(), "%s", e.c_str());
+  int bad = 0;
+  for (int64_t m = 0; m < 5; ++m)
+    for (int64_t n = 0; n < c.N; ++n) {
+      float want = 0.f;
+      for (int64_t k = 0; k < c.K; ++k)
+        if (!std::isfinite(X(m, k)))
+          want += X(m, k) * (float(p.q[size_t(k * c.N + n)]) * p.scales[size_t(k / 32 * Np + n)]);
+      want += p.bias[size_t(n)];
+      const float got = ref[size_t(m * c.N + n)];
+      bad += !(std::isnan(want) ? std::isnan(got) : got == want);
+    }
+  CHECK(bad == 0, "%s: %d non-finite outputs differ from IEEE f32 math", LayoutName(lay), bad);
+  int finite = 0;
+  for (int64_t n = 0; n < c.N; ++n) finite += std::isfinite(ref[size_t(5 * c.N + n)]);
+  CHECK(finite == c.N, "%s: a finite row next to non-finite ones is not finite", LayoutName(lay));
+  for (Isa isa : RunnableIsas(lay)) {
+    e = Matmul(x.data(), DType::kF32, c.M, p.w, p.bias.data(), out.data(), DType::kF32, int(isa));
+    CHECK(e.empty() && std::memcmp(out.data(), ref.data(), 4 * ref.size()) == 0,
+          "non-finite %s/%s differs from scalar", LayoutName(lay), IsaName(isa));
+  }
+  // Low rank: the rank-space row of a non-finite row is non-finite in turn.
+  const Case cv{c.M, c.N, 13, 0};
+  Problem pv = MakeProblem(rng, cv, lay);
+  std::vector<float> t(size_t(c.M * c.N)), y2(size_t(c.M * cv.N)), y1(y2.size());
+  e = Matmul(x.data(), DType::kF32, c.M, p.w, nullptr, t.data(), DType::kF32, int(Isa::kScalar));
+  CHECK(e.empty(), "%s", e.c_str());
+  e = Matmul(t.data(), DType::kF32, c.M, pv.w, pv.bias.data(), y2.data(), DType::kF32,
+             int(Isa::kScalar));
+  CHECK(e.empty(), "%s", e.c_str());
+  for (Isa isa : RunnableIsas(lay)) {
+    e = LowRankMatmul(x.data(), DType::kF32, c.M, p.w, pv.w, pv.bias.data(), y1.data(),
+                      DType::kF32, int(isa));
+    CHECK(e.empty() && std::memcmp(y1.data(), y2.data(), 4 * y2.size()) == 0,
+          "non-finite low rank %s/%s differs from the two-matmul chain", LayoutName(lay),
+          IsaName(isa));
+  }
+  int nan_row = 0;
+  for (int64_t n = 0; n < cv.N; ++n) nan_row += std::isnan(y1[size_t(n)]);
+  CHECK(nan_row == cv.N, "low rank: a NaN row came out with %d NaNs of %lld", nan_row,
+        (long long)cv.N);
+}
+
+// A row so small that 127/amax would overflow (amax < 2^-96) is computed in f32
+// over the dequantized weights, a small one is quantized as usual: both match
+// the f64 product to W4A8 accuracy.
+void TestTinyRows(std::mt19937& rng, Layout lay) {
+  const Case c{3, 256, 40, 64};
+  Problem p = MakeProblem(rng, c, lay);
+  const float scale[3] = {1e-36f, 1e-25f, 1.f};
+  for (int64_t m = 0; m < c.M; ++m)
+    for (int64_t k = 0; k < c.K; ++k) p.x[size_t(m * c.K + k)] *= scale[m];
+  std::vector<float> y(size_t(c.M * c.N));
+  std::string e = Matmul(p.x.data(), DType::kF32, c.M, p.w, nullptr, y.data(), DType::kF32);
+  CHECK(e.empty(), "%s", e.c_str());
+  const int64_t Np = RoundUp(c.N, BlockWidth(lay));
+  for (int64_t m = 0; m < c.M; ++m) {
+    double num = 0, den = 0;
+    for (int64_t n = 0; n < c.N; ++n) {
+      double want = 0;
+      for (int64_t k = 0; k < c.K; ++k)
+        want += double(p.x[size_t(m * c.K + k)]) * p.q[size_t(k * c.N + n)] *
+                p.scales[size_t(k / 64 * Np + n)];
+      num += (y[size_t(m * c.N + n)] - want) * (y[size_t(m * c.N + n)] - want);
+      den += want * want;
+    }
+    CHECK(den > 0 && num / den < 1e-3, "%s: row scaled by %g has NMSE %g vs f64", LayoutName(lay),
+          double(scale[m]), den > 0 ? num / den : -1.0);
+  }
+}
+
+void TestThreadsFromEnv() {
+  std::string w;
+  CHECK(ThreadsFor(nullptr, 2, &w) == 2 && w.empty(), "unset env: hardware threads");
+  CHECK(ThreadsFor("", 2, &w) == 2 && w.empty(), "empty env: hardware threads");
+  CHECK(ThreadsFor("1", 2, &w) == 1 && w.empty(), "LRJAX_W4A8_THREADS=1");
+  CHECK(ThreadsFor("100000", 2, &w) == 2 && w.find("exceeds") != std::string::npos,
+        "100000 threads must be capped at the hardware threads with a warning");
+  for (const char* bad : {"abc", "4x", "0", "-3", "+2", " 2", "1.5", "99999999999999999999999"}) {
+    w.clear();
+    CHECK(ThreadsFor(bad, 8, &w) == 8 && w.find("not a positive integer") != std::string::npos,
+          "LRJAX_W4A8_THREADS=%s must be rejected with a warning", bad);
+  }
+  w.clear();
+  CHECK(ThreadsFor("100000", 0, &w) == kMaxThreadsUnknownHw && !w.empty(),
+        "unknown hardware: capped at %d", kMaxThreadsUnknownHw);
+  const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+  CHECK(NumThreads() >= 1 && unsigned(NumThreads()) <= hw,
+        "NumThreads() = %d exceeds the %u hardware threads", NumThreads(), hw);
+}
+
+// The pool's workers run under the calling thread's floating-point environment:
+// with flush-to-zero and denormals-are-zero set by the caller (as XLA does),
+// denormal weight scales read as zero on every thread, not only the caller's.
+void TestWorkersFollowCallerFpEnv(std::mt19937& rng) {
+  const Case c{64, 512, 256, 32};
+  Problem p = MakeProblem(rng, c, Layout::kX86);
+  for (auto& s : p.scales) s *= 1e-38f;  // denormal
+  std::vector<float> y(size_t(c.M * c.N));
+  std::string e = Matmul(p.x.data(), DType::kF32, c.M, p.w, nullptr, y.data(), DType::kF32);
+  CHECK(e.empty(), "%s", e.c_str());  // the pool exists now, made by a thread without FTZ
+  std::fenv_t saved, flush;
+  std::fegetenv(&saved);
+  flush = saved;
+#if defined(__x86_64__)
+  flush.__mxcsr |= 0x8040;  // FTZ | DAZ
+#elif defined(__aarch64__)
+  flush.__fpcr |= 1u << 24;  // FZ
+#endif
+  std::fesetenv(&flush);
+  for (Isa isa : RunnableIsas(Layout::kX86)) {
+    e = Matmul(p.x.data(), DType::kF32, c.M, p.w, nullptr, y.data(), DType::kF32, int(isa));
+    int nonzero = 0;
+    for (float v : y) nonzero += v != 0.f;
+    CHECK(e.empty() && nonzero == 0,
+          "%s: %d outputs read denormal scales as non-zero under the caller's flush-to-zero",
+          IsaName(isa), nonzero);
+  }
+  std::fesetenv(&saved);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -215,8 +359,12 @@ int main(int argc, char** argv) {
     TestMatchesScalar(rng, lay, ran);
     TestIntegerExact(rng, lay);
     TestLowRankMatchesScalar(rng, lay);
+    TestNonFinite(rng, lay);
+    TestTinyRows(rng, lay);
   }
   TestBadShapes();
+  TestThreadsFromEnv();
+  TestWorkersFollowCallerFpEnv(rng);
   // Dispatch: SelectIsa honours LRJAX_W4A8_ISA and never picks what the CPU lacks.
   for (Layout lay : {Layout::kX86, Layout::kArm4, Layout::kArm8}) {
     const Isa sel = SelectIsa(lay);

@@ -1,0 +1,396 @@
+"""Serving throughput and latency of a model on this platform, through the generation engine.
+
+  model, info = load_model_for_bench(ckpt="ck_dir", quantize="w4a8", group=64)
+  result = run_bench(model, BenchSettings(concurrency=(1, 4, 8)))
+  print(format_table(result))
+
+Method (the repo's benchmarks': warm up, many steps, median). For each concurrency level ``c``
+an :class:`lrjax.serving.Engine` with ``c`` slots (or ``slots``) is built and warmed up (every
+step it will run is compiled and run once), then ``reps`` rounds each submit ``c`` requests of
+``prompt_len`` random token ids at once and generate ``gen_len`` tokens greedily. Per round:
+
+- TTFT: submit to first token, per request (the engine prefills one request at a time, so the
+  last of ``c`` waits for the others' prefills);
+- prefill tokens/s: ``c · prompt_len`` over the time to the last first token;
+- decode tokens/s: tokens generated after the last prefill over the time they took;
+- ITL: the gaps between a request's decode tokens (each is one engine step).
+
+Each metric is the median over rounds (ITL: the median and p90 of all gaps of all rounds).
+``decode_weight_gbs`` is the weight bytes one decode step reads (every param except the
+embedding table, which a step reads only ``c`` rows of, unless the LM head is tied to it)
+times the decode steps per second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib.metadata
+import logging
+import os
+import platform
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+log = logging.getLogger("lrjax.bench")
+
+QUANT_SCHEMES = ("w4a8",)
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchSettings:
+  """What :func:`run_bench` measures; see the module docstring."""
+
+  concurrency: tuple[int, ...] = (1, 4, 8)
+  prompt_len: int = 128
+  gen_len: int = 32
+  reps: int = 3
+  slots: int | None = None  # engine slots; None: one engine per level with c slots
+  fuse: bool = True
+  seed: int = 0
+
+  def __post_init__(self):
+    c = self.concurrency
+    if not c or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in c):
+      raise ValueError(f"concurrency={c!r} must be positive ints, e.g. (1, 4, 8)")
+    for name in ("prompt_len", "gen_len", "reps"):
+      v = getattr(self, name)
+      if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"{name}={v!r} must be a positive int")
+    if self.gen_len < 2:
+      raise ValueError(f"gen_len={self.gen_len} must be >= 2 (decode needs a second token)")
+    if self.slots is not None and (not isinstance(self.slots, int) or self.slots < max(c)):
+      raise ValueError(
+        f"slots={self.slots!r} must be an int >= the largest concurrency {max(c)} "
+        "(or None for one engine per level)"
+      )
+
+
+# ------------------------------------------------------------------ models
+
+
+def random_model(cfg, *, ratio: float | None = None, dtype=None, block: int = 128, seed: int = 0):
+  """A model of architecture ``cfg`` with random weights; low-rank at the ranks ``lrjax
+  convert --ratio`` would give (every projection, ``block``-aligned) when ``ratio`` is set."""
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from lrjax.compress.pipeline import plan_ranks
+  from lrjax.models import LlamaForCausalLM
+
+  ranks = None
+  if ratio is not None:
+    plan = plan_ranks(cfg, ratio=ratio, block=block, mlp_only=False, per_head=False)
+    ranks = [{p: r for p, (r, _) in layer.items()} for layer in plan]
+  dt = jnp.dtype(dtype or jnp.float32)
+  return LlamaForCausalLM(cfg, ranks, dtype=dt, param_dtype=dt, rngs=nnx.Rngs(seed))
+
+
+def load_model_for_bench(
+  *,
+  ckpt: str | None = None,
+  hf: str | None = None,
+  preset: str | None = None,
+  ratio: float | None = None,
+  dtype=None,
+  quantize: str | None = None,
+  group: int | None = None,
+  block: int = 128,
+):
+  """(model, description) from exactly one of an lrjax checkpoint, an HF directory, or a
+  ``ModelConfig`` preset with random weights (low-rank at ``ratio``, ranks multiples of
+  ``block``); optionally quantized at load."""
+  import jax.numpy as jnp
+
+  if sum(x is not None for x in (ckpt, hf, preset)) != 1:
+    raise ValueError("pass exactly one of ckpt=, hf= or preset= (random weights)")
+  if ratio is not None and preset is None:
+    raise ValueError(
+      "ratio= applies to preset= (random weights) only; convert a checkpoint instead"
+    )
+  if quantize is not None and quantize not in QUANT_SCHEMES:
+    raise ValueError(f"{quantize=} is not a scheme; expected one of {QUANT_SCHEMES}")
+  if group is not None and quantize is None:
+    raise ValueError("group= needs quantize='w4a8'")
+  info: dict = {}
+  ckpt, hf = (None if d is None else os.path.abspath(os.path.expanduser(d)) for d in (ckpt, hf))
+  if ckpt is not None:
+    from lrjax.serving import load_model
+
+    if dtype is not None:
+      raise ValueError("dtype= applies to hf= and preset= only; a checkpoint keeps its dtype")
+    model = load_model(ckpt)
+    info["source"] = {"ckpt": ckpt}
+  elif hf is not None:
+    from lrjax.checkpoint import load_hf
+
+    model = load_hf(hf, dtype=dtype)
+    info["source"] = {"hf": hf}
+  else:
+    from lrjax.models import ModelConfig
+
+    make = getattr(ModelConfig, preset, None)
+    if preset.startswith("_") or not callable(make) or preset in ("from_dict", "from_hf_config"):
+      raise ValueError(f"preset={preset!r} is not a ModelConfig preset; expected e.g. llama3_2_1b")
+    model = random_model(make(), ratio=ratio, dtype=dtype, block=block)
+    info["source"] = {"preset": preset, "random_weights": True, "ratio": ratio}
+  info["config"] = model.cfg.to_dict()
+  info["dtype"] = str(jnp.dtype(model.embed.embedding[...].dtype))
+  info["ranks_layer0"] = _ranks(model)
+  if quantize is not None:
+    from lrjax.quant import quantize as quantize_model
+
+    t = time.perf_counter()
+    g = 128 if group is None else group
+    model = quantize_model(model, quantize, group=g)
+    info["quantized"] = {"scheme": quantize, "group": g, "seconds": time.perf_counter() - t}
+  info["param_bytes"], info["decode_weight_bytes"] = weight_bytes(model)
+  return model, info
+
+
+def _ranks(model) -> dict:
+  from lrjax.models.llama import PROJ_NAMES, get_proj_module
+
+  out = {}
+  for name in PROJ_NAMES:
+    r = getattr(get_proj_module(model.layers[0], name), "rank", None)
+    if r is not None:
+      out[name] = int(r)
+  return out
+
+
+def weight_bytes(model) -> tuple[int, int]:
+  """(bytes of every param and packed weight, bytes one decode step reads): the second leaves
+  out the embedding table unless the LM head is tied to it."""
+  from flax import nnx
+
+  total = decode = 0
+  for path, var in nnx.to_flat_state(nnx.state(model)):
+    a = var[...]
+    nb = int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+    total += nb
+    is_table = tuple(map(str, path[-2:])) == ("embed", "embedding")
+    if not is_table or model.lm_head is None:
+      decode += nb
+  return total, decode
+
+
+def decode_kernels(model, fuse: bool = True) -> dict[str, int]:
+  """Custom calls in the compiled one-token decode step (as the engine runs it), by target."""
+  import re
+
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  import lrjax
+  from lrjax.models import KVCache
+
+  model.scan_layers = False
+  gdef, state = nnx.split(model)
+  step = type(model).decode
+  step = lrjax.fuse(step) if fuse else step
+  cache = KVCache.init(model.cfg, 1, 16, jnp.float32)
+  f = jax.jit(lambda st, t, c: step(nnx.merge(gdef, st), t, c))
+  hlo = f.lower(state, jnp.zeros((1,), jnp.int32), cache).compile().as_text()
+  out: dict[str, int] = {}
+  for target in re.findall(r'custom_call_target="([^"]+)"', hlo):
+    out[target] = out.get(target, 0) + 1
+  return out
+
+
+# ------------------------------------------------------------------ the measurement
+
+
+def _round(engine, c: int, s: BenchSettings, rng) -> dict:
+  from lrjax.serving import Request, SamplingParams
+
+  vocab = engine.cfg.vocab_size
+  sp = SamplingParams(max_new_tokens=s.gen_len, temperature=0.0)
+  reqs = [Request([int(t) for t in rng.integers(0, vocab, s.prompt_len)], sp) for _ in range(c)]
+  t0 = time.perf_counter()
+  results = engine.generate(reqs)
+  short = [r for r in results if len(r.tokens) != s.gen_len]
+  if short:
+    raise RuntimeError(
+      f"{len(short)} requests stopped early ({short[0].finish_reason}, "
+      f"{len(short[0].tokens)} of {s.gen_len} tokens); the timing would be wrong"
+    )
+  first = [r.token_times[0] for r in results]
+  last = [r.token_times[-1] for r in results]
+  t_prefilled, t_end = max(first), max(last)
+  decode_tokens = sum(len(r.tokens) - 1 for r in results)
+  gaps = [g for r in results for g in np.diff(r.token_times[1:])]
+  return dict(
+    ttft_s=[float(r.ttft_s) for r in results],
+    prefill_tps=c * s.prompt_len / (t_prefilled - t0),
+    decode_tps=decode_tokens / (t_end - t_prefilled),
+    decode_steps_per_s=(s.gen_len - 1) / (t_end - t_prefilled),
+    itl_s=[float(g) for g in gaps],
+    wall_s=t_end - t0,
+  )
+
+
+def run_bench(model, settings: BenchSettings = BenchSettings(), *, info: dict | None = None):
+  """Measures ``model`` through the engine at each concurrency level; returns a JSON-able dict
+  (levels, settings, machine, versions). See the module docstring for the method."""
+  import jax
+
+  from lrjax.serving import Engine
+
+  s = settings
+  info = dict(info or {})
+  if "decode_weight_bytes" not in info:
+    info["param_bytes"], info["decode_weight_bytes"] = weight_bytes(model)
+  max_len = s.prompt_len + s.gen_len + 1
+  rng = np.random.default_rng(s.seed)
+  levels = []
+  t_start = time.perf_counter()
+  for c in s.concurrency:
+    slots = s.slots or c
+    t = time.perf_counter()
+    engine = Engine(model, max_slots=slots, max_len=max_len, buckets=(s.prompt_len,), fuse=s.fuse)
+    engine.warmup()
+    _round(engine, c, s, rng)  # one untimed round: every path taken once
+    warm = time.perf_counter() - t
+    rounds = [_round(engine, c, s, rng) for _ in range(s.reps)]
+    ttft = [np.median(r["ttft_s"]) for r in rounds]
+    itl = np.asarray([g for r in rounds for g in r["itl_s"]])
+    decode_tps = float(np.median([r["decode_tps"] for r in rounds]))
+    steps = float(np.median([r["decode_steps_per_s"] for r in rounds]))
+    lvl = dict(
+      concurrency=c,
+      slots=slots,
+      prefill_tps=float(np.median([r["prefill_tps"] for r in rounds])),
+      decode_tps=decode_tps,
+      decode_steps_per_s=steps,
+      decode_weight_gbs=steps * info["decode_weight_bytes"] / 1e9,
+      ttft_ms_median=float(np.median(ttft)) * 1e3,
+      ttft_ms_max=float(np.median([max(r["ttft_s"]) for r in rounds])) * 1e3,
+      itl_ms_median=float(np.median(itl)) * 1e3,
+      itl_ms_p90=float(np.percentile(itl, 90)) * 1e3,
+      rounds=[{k: v for k, v in r.items() if k != "itl_s"} for r in rounds],
+      warmup_s=warm,
+    )
+    log.info(
+      "bench c=%d: decode %.1f tok/s, prefill %.1f tok/s, TTFT %.0f ms, ITL %.1f ms",
+      c,
+      decode_tps,
+      lvl["prefill_tps"],
+      lvl["ttft_ms_median"],
+      lvl["itl_ms_median"],
+    )
+    levels.append(lvl)
+    del engine
+  import lrjax
+
+  return dict(
+    benchmark="lrjax_bench",
+    date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    model=info,
+    settings=dataclasses.asdict(s),
+    max_len=max_len,
+    method="per level: engine warm-up and one untimed round, then reps rounds of c concurrent "
+    "requests; medians over rounds",
+    machine=machine(),
+    versions={
+      "jax": jax.__version__,
+      "jaxlib": importlib.metadata.version("jaxlib"),
+      "lrjax": lrjax.__version__,
+      "numpy": np.__version__,
+    },
+    devices=[str(d) for d in jax.devices()],
+    levels=levels,
+    wall_s=time.perf_counter() - t_start,
+  )
+
+
+def machine() -> dict:
+  cpu = ""
+  try:
+    with open("/proc/cpuinfo") as fh:
+      cpu = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), "")
+  except OSError:
+    pass
+  return {
+    "platform": platform.platform(),
+    "machine": platform.machine(),
+    "cpu": cpu,
+    "cpu_count": os.cpu_count(),
+    "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+  }
+
+
+def format_table(result: dict) -> str:
+  """A short text table of the levels."""
+  head = (
+    f"{'conc':>4} {'decode tok/s':>12} {'prefill tok/s':>13} {'TTFT ms':>9} "
+    f"{'TTFT max':>9} {'ITL ms':>8} {'ITL p90':>8} {'weights GB/s':>12}"
+  )
+  lines = [head]
+  for lv in result["levels"]:
+    lines.append(
+      f"{lv['concurrency']:>4} {lv['decode_tps']:>12.1f} {lv['prefill_tps']:>13.1f} "
+      f"{lv['ttft_ms_median']:>9.1f} {lv['ttft_ms_max']:>9.1f} {lv['itl_ms_median']:>8.1f} "
+      f"{lv['itl_ms_p90']:>8.1f} {lv['decode_weight_gbs']:>12.2f}"
+    )
+  return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> str | None:
+  """Writes a PNG of decode/prefill throughput and TTFT/ITL against concurrency to ``path``.
+  Returns None, or the reason no plot was written (matplotlib is an optional dependency)."""
+  try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return "matplotlib is not installed (pip install matplotlib for the plot)"
+  lv = result["levels"]
+  c = [x["concurrency"] for x in lv]
+  fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+  a1.plot(c, [x["decode_tps"] for x in lv], marker="o", label="decode")
+  a1.plot(c, [x["prefill_tps"] for x in lv], marker="s", label="prefill")
+  a1.set_xlabel("concurrent requests")
+  a1.set_ylabel("tokens/s")
+  a1.set_yscale("log")
+  a1.legend()
+  a2.plot(c, [x["ttft_ms_median"] for x in lv], marker="o", label="TTFT (median)")
+  a2.plot(c, [x["itl_ms_median"] for x in lv], marker="s", label="ITL (median)")
+  a2.set_xlabel("concurrent requests")
+  a2.set_ylabel("ms")
+  a2.set_yscale("log")
+  a2.legend()
+  src = result["model"].get("source", {})
+  fig.suptitle(f"lrjax bench: {next(iter(src.values()), '')} on {result['machine']['cpu']}")
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return None
+
+
+def parse_levels(text: str) -> tuple[int, ...]:
+  """'1,4,8' -> (1, 4, 8)."""
+  try:
+    out = tuple(int(v) for v in text.split(",") if v.strip())
+  except ValueError:
+    raise ValueError(f"{text!r}: expected comma-separated positive ints like 1,4,8") from None
+  if not out or min(out) < 1:
+    raise ValueError(f"{text!r}: expected comma-separated positive ints like 1,4,8")
+  return out
+
+
+__all__: Sequence[str] = (
+  "BenchSettings",
+  "decode_kernels",
+  "format_table",
+  "load_model_for_bench",
+  "parse_levels",
+  "plot",
+  "random_model",
+  "run_bench",
+  "weight_bytes",
+)

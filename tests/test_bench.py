@@ -1,0 +1,123 @@
+"""``lrjax bench`` on a tiny checkpoint: the JSON, the table, quantize-at-load and bad flags."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from lrjax import bench as B
+from lrjax import checkpoint
+from lrjax.cli import main
+from lrjax.custom_calls.cpu import lowering as cpu_lowering
+from lrjax.models import LlamaForCausalLM, ModelConfig
+
+RANKS = {p: 16 for p in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+  cfg = ModelConfig.tiny()
+  seed = int(np.random.default_rng().integers(1 << 30))
+  model = LlamaForCausalLM(cfg, [RANKS] * cfg.num_layers, rngs=nnx.Rngs(seed))
+  path = tmp_path_factory.mktemp("bench") / "ck"
+  checkpoint.save(model, str(path))
+  return path
+
+
+ARGS = ["--concurrency", "1,2", "--prompt-len", "8", "--gen-len", "5", "--reps", "2"]
+
+
+def test_bench_writes_json_and_table(ckpt, tmp_path, monkeypatch, capsys):
+  monkeypatch.chdir(tmp_path)  # relative --ckpt and --out
+  rel = os.path.relpath(ckpt, tmp_path)
+  assert main(["bench", "--ckpt", rel, *ARGS, "--out", "r.json"]) == 0
+  out = capsys.readouterr().out
+  assert "decode tok/s" in out and "wrote" in out
+  res = json.loads((tmp_path / "r.json").read_text())
+  assert [lv["concurrency"] for lv in res["levels"]] == [1, 2]
+  for lv in res["levels"]:
+    c = lv["concurrency"]
+    assert len(lv["rounds"]) == 2 and lv["slots"] == c
+    assert lv["decode_tps"] > 0 and lv["prefill_tps"] > 0
+    assert lv["ttft_ms_median"] > 0 and lv["itl_ms_median"] > 0
+    assert lv["ttft_ms_max"] >= lv["ttft_ms_median"]
+    assert lv["itl_ms_p90"] >= lv["itl_ms_median"]
+    for r in lv["rounds"]:  # c tokens per decode step
+      assert r["decode_tps"] == pytest.approx(c * r["decode_steps_per_s"], rel=1e-9)
+  assert res["model"]["source"]["ckpt"] == str(ckpt)
+  assert res["model"]["decode_weight_bytes"] == res["model"]["param_bytes"] - 256 * 64 * 4
+  assert res["settings"]["prompt_len"] == 8 and res["versions"]["jax"]
+  assert res["command"].startswith("lrjax") and res["machine"]["cpu_count"] >= 1
+  png = tmp_path / "r.png"
+  assert (res["plot"] == str(png)) == png.exists()
+  if res["plot"] is None:
+    assert "no plot: matplotlib is not installed" in out
+
+
+@pytest.mark.skipif(not cpu_lowering.extension_available(), reason="W4A8 extension not built")
+def test_bench_quantizes_at_load_and_runs_the_fused_kernel(ckpt, tmp_path, capsys):
+  out = tmp_path / "q.json"
+  argv = [
+    "bench",
+    "--ckpt",
+    str(ckpt),
+    "--quantize",
+    "w4a8",
+    "--group",
+    "32",
+    "--concurrency",
+    "2",
+    *ARGS[2:],
+  ]
+  assert main([*argv, "--out", str(out), "--no-plot"]) == 0
+  res = json.loads(out.read_text())
+  assert res["model"]["quantized"]["group"] == 32
+  kernels = res["model"]["decode_kernels"]
+  assert kernels.get("lrjax_w4a8_xuv", 0) == 6 * 2  # six low-rank projections, two layers
+  assert kernels.get("lrjax_w4a8_matmul", 0) == 2 + 1  # the dense down_proj, and the LM head
+  # int4 weights: a quarter of the f32 bytes and a little for the scales
+  assert res["model"]["decode_weight_bytes"] < 0.4 * B.weight_bytes(checkpoint.load(ckpt))[1]
+  assert [lv["concurrency"] for lv in res["levels"]] == [2] and res["levels"][0]["decode_tps"] > 0
+
+
+def test_bench_random_preset_at_a_ratio():
+  model, info = B.load_model_for_bench(preset="tiny", ratio=0.5, block=8)
+  assert info["source"] == {"preset": "tiny", "random_weights": True, "ratio": 0.5}
+  assert info["ranks_layer0"]["q_proj"] == 16 and info["ranks_layer0"]["gate_proj"] == 16
+  # block 128 > the tiny model's budget: compress's own error names the fix
+  with pytest.raises(ValueError, match="pass a smaller block"):
+    B.load_model_for_bench(preset="tiny", ratio=0.5)
+
+
+@pytest.mark.parametrize(
+  "argv,msg",
+  [
+    (["--group", "32"], "--group needs --quantize"),
+    (["--ratio", "0.4"], "--ratio applies to --preset"),
+    (["--dtype", "float32"], "--dtype applies to --hf/--preset"),
+  ],
+)
+def test_bench_rejects_bad_flag_combinations(ckpt, capsys, argv, msg):
+  assert main(["bench", "--ckpt", str(ckpt), *argv]) == 2
+  assert msg in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+  "flag,value", [("--concurrency", "0"), ("--concurrency", "a,b"), ("--group", "12")]
+)
+def test_bench_rejects_bad_values_before_loading(ckpt, capsys, flag, value):
+  with pytest.raises(SystemExit) as e:
+    main(["bench", "--ckpt", str(ckpt), flag, value])
+  assert e.value.code == 2
+  assert value in capsys.readouterr().err
+
+
+def test_bench_settings_validate():
+  with pytest.raises(ValueError, match="gen_len"):
+    B.BenchSettings(gen_len=1)
+  with pytest.raises(ValueError, match="slots"):
+    B.BenchSettings(concurrency=(1, 8), slots=4)
+  with pytest.raises(ValueError, match="preset"):
+    B.load_model_for_bench(preset="from_dict")
