@@ -2,20 +2,9 @@
 
 __version__ = "0.1.0"
 
-import os as _os
-
-# Source-tree use (Bazel, PYTHONPATH=<repo>): lowering/ and custom_calls/ sit beside lrjax/
-# on disk and are installed as lrjax.lowering / lrjax.custom_calls. Installed wheels and
-# editable installs already map them; only a bare source tree needs this.
-_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "lowering")) and _os.path.isfile(
-  _os.path.join(_root, "lowering", "__init__.py")
-):
-  __path__.append(_root)  # noqa: F821 - package __path__
-
-from lrjax import lowering  # noqa: E402
-from lrjax import custom_calls  # noqa: E402
-from lrjax.lowering import explain, fuse, lr_mlp, lr_xuv  # noqa: E402
+from lrjax import lowering
+from lrjax import custom_calls
+from lrjax.lowering import explain, fuse, lr_mlp, lr_xuv
 
 custom_calls.register_all()
 
