@@ -6,8 +6,6 @@ from lrjax import lowering
 from lrjax import custom_calls
 from lrjax.lowering import explain, fuse, lr_mlp, lr_xuv
 
-custom_calls.register_all()
-
 
 _LAZY = (
   "checkpoint",

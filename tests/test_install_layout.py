@@ -1,7 +1,7 @@
-"""What installing lrjax exposes: nothing on ``sys.path`` beyond site-packages, and one
-import name.
+"""What installing and importing lrjax exposes: nothing on ``sys.path`` beyond site-packages,
+one import name, and no platform toolchain imported while another platform lowers.
 
-The check runs the installed interpreter (``sys.executable``, the venv ``make test`` installs
+Both checks run the installed interpreter (``sys.executable``, the venv ``make test`` installs
 into) in a fresh process whose working directory is a temporary directory, so that neither
 the checkout nor pytest's own path entries can hide what the install itself adds.
 """
@@ -34,6 +34,7 @@ ABSENT = (
   "lrjax.scripts",
 )
 PRESENT = ("lrjax", "lrjax.lowering", "lrjax.custom_calls", "lrjax.custom_calls.cpu._w4a8")
+TOOLCHAINS = ("nki", "jax_neuronx", "triton", "jax_triton")
 # Bazel runs the base interpreter with site-packages and the runfiles on PYTHONPATH; only an
 # interpreter with lrjax installed (make test's venv) shows what the install adds.
 needs_install = pytest.mark.skipif(
@@ -100,6 +101,64 @@ def test_install_adds_only_site_packages_and_one_import_name(tmp_path):
   assert Path(out["specs"]["lrjax.custom_calls.cpu._w4a8"]["origin"]).suffix in (".so", ".pyd")
   for p in out["lrjax_path"]:
     assert Path(p).name == "lrjax", f"lrjax.__path__ holds {p}: {out['lrjax_path']}"
+
+
+def _plant_toolchains(root: Path, log: Path) -> None:
+  """Packages named like the platform toolchains that record, then refuse, being imported."""
+  for name in TOOLCHAINS:
+    (root / name).mkdir(parents=True)
+    (root / name / "__init__.py").write_text(
+      "import os\n"
+      f"with open({str(log)!r}, 'a') as f:\n"
+      "  f.write(__name__ + '\\n')\n"
+      f"raise RuntimeError('planted {name} was imported')\n"
+    )
+
+
+_CPU_WORK = """if True:
+  import sys
+  import jax, jax.numpy as jnp
+  import numpy as np
+  import lrjax
+
+  rng = np.random.default_rng(0)
+  r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+  u, v = r(64, 8), r(8, 96)
+  ug, vg, uu, vu, ud, vd = r(96, 8), r(8, 128), r(96, 8), r(8, 128), r(128, 8), r(8, 96)
+
+  def f(x):
+    h = (x @ u) @ v
+    return ((jax.nn.silu((h @ ug) @ vg) * ((h @ uu) @ vu)) @ ud) @ vd
+
+  x = r(4, 64)
+  got = jax.jit(lrjax.fuse(f))(x)
+  np.testing.assert_allclose(got, f(x), rtol=1e-4, atol=1e-4)
+  report = lrjax.explain(f, x)
+  assert len(report.matches) >= 2, str(report)
+  text = str(report)
+  assert "neuron:" in text and "cuda:" in text, text
+  print(sorted(m for m in sys.modules if m.split(".")[0] in %r))
+"""
+
+
+@needs_install
+def test_platform_toolchains_not_imported_on_cpu(tmp_path):
+  """``import lrjax``, a jitted CPU ``lrjax.fuse`` call and ``lrjax.explain`` with fake
+  nki / jax_neuronx / triton / jax_triton packages first on ``sys.path``: none is imported."""
+  plant, log = tmp_path / "plant", tmp_path / "imported.log"
+  _plant_toolchains(plant, log)
+  r = subprocess.run(
+    [sys.executable, "-P", "-c", _CPU_WORK % (TOOLCHAINS,)],
+    cwd=tmp_path,
+    env=_clean_env(PYTHONPATH=str(plant)),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  imported = log.read_text().split() if log.exists() else []
+  assert not imported, f"imported while lowering for CPU: {imported}\n{r.stderr[-3000:]}"
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
 
 
 def _load_backend():

@@ -11,7 +11,7 @@ def test_import_names():
 
   assert lrjax.lowering.__name__ == "lrjax.lowering"
   assert lrjax.custom_calls.__name__ == "lrjax.custom_calls"
-  assert set(lrjax.custom_calls.kernel_catalog()) == {"triton", "cpu", "nki"}
+  assert set(lrjax.custom_calls.kernel_catalog()) == {"cpu", "cuda", "neuron"}
 
 
 def test_no_top_level_lowering_or_custom_calls_installed():
