@@ -9,7 +9,7 @@ host's dispatch does not. Warmed up, the two jits alternated; per-call time =
 median(span_3L - span_L) / 2L. The difference cancels the execution's fixed costs.
 (``--timing host`` times host wall-clock around each jit instead, as sessions 1-5 did.)
 
-For every shape: ours (lrjax.lr_xuv / lr_mlp lowered to its Triton kernel, under
+For every shape: ours (lrjax.lowering.lr_xuv / lr_mlp lowered to its Triton kernel, under
 prefer_kernels), XLA's unfused low-rank chain, XLA's dense layer, and the roofline floor
 (max of HBM bytes / BW and FLOPs / peak at the H200's 4.3 TB/s and 790 TFLOP/s; this run's
 own copy and 8192^3 product are measured too and stored in "meta"). ``default_lowering`` /
@@ -378,7 +378,7 @@ def xuv_record(m, k, r, n, bw, peak, kernel="auto", reps=None, baselines=None):
   x, lr_layers, dense_key = xuv_inputs(m, k, r, n, DISTINCT)
   nl = len(lr_layers) // _draws()
   if kernel == "auto":
-    ours = lambda x, u, v: lrjax.lr_xuv(x, u, v)
+    ours = lambda x, u, v: lrjax.lowering.lr_xuv(x, u, v)
     t_ours, spread, low, t_def = ours_and_default(ours, x, lr_layers, reps)
   else:
     ours = _xuv_variant(kernel, m, k, r, n)
@@ -597,7 +597,7 @@ def mlp_record(m, d, f, r, bw, peak, kernel="auto", reps=None, baselines=None):
   ]
   low = None
   if kernel == "auto":
-    ours = lambda x, ug, vg, uu, vu, ud, vd: lrjax.lr_mlp(x, (uu, vu), (ud, vd), (ug, vg))
+    ours = lambda x, ug, vg, uu, vu, ud, vd: lrjax.lowering.lr_mlp(x, (uu, vu), (ud, vd), (ug, vg))
     t_ours, spread, low, t_def = ours_and_default(ours, x, layers, reps)
   else:
     from lrjax.custom_calls.triton import mlp_decode, mlp_prefill

@@ -52,7 +52,11 @@ def timeline(fn, x, layers):
 
 # "ours_legacy": the kernel launched through jax-triton's legacy custom call
 # (LRJAX_TRITON_LEGACY_CALL=1), not jaxlib's typed-FFI one (custom_calls/triton/launch.py)
-CASES = {"xla": lambda x, u, v: (x @ u) @ v, "ours": lrjax.lr_xuv, "ours_legacy": lrjax.lr_xuv}
+CASES = {
+  "xla": lambda x, u, v: (x @ u) @ v,
+  "ours": lrjax.lowering.lr_xuv,
+  "ours_legacy": lrjax.lowering.lr_xuv,
+}
 
 
 def main():
@@ -75,7 +79,7 @@ def main():
     date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     method=f"the chain of gpu_lowrank.chained ({PASSES} passes over L layers), "
     f"{EXECUTIONS} executions under jax.profiler.trace, medians over "
-    "executions divided by the calls per execution; 'ours' is lrjax.lr_xuv "
+    "executions divided by the calls per execution; 'ours' is lrjax.lowering.lr_xuv "
     "under prefer_kernels, launched through triton_kernel_call_ffi; "
     "'ours_legacy' the same through jax-triton's legacy triton_kernel_call",
   )

@@ -157,7 +157,9 @@ def _convert(node, group, layout, counts):
   return node
 
 
-def quantize(model, scheme: str = "w4a8", *, group: int = 128, layout: str | None = None):
+def quantize(
+  model: nnx.Module, scheme: str = "w4a8", *, group: int = 128, layout: str | None = None
+) -> nnx.Module:
   """A copy of ``model`` whose ``LowRankLinear`` and ``Linear`` layers are W4A8.
 
   Args:

@@ -45,7 +45,7 @@ def even_kernel():
 
 def test_registered_kernel_is_selected_and_agrees(even_kernel):
   x, u, v = randn((3, 32)), randn((32, 4)), randn((4, 48))
-  f = lambda x: lrjax.lr_xuv(x, u, v)
+  f = lambda x: lrjax.lowering.lr_xuv(x, u, v)
   assert _count_in_hlo(f, x, needle="sine") == 1
   assert_close(
     jax.jit(f)(x),
@@ -58,7 +58,7 @@ def test_registered_kernel_is_selected_and_agrees(even_kernel):
 
 def test_declined_shape_falls_back_to_reference_and_logs(even_kernel, caplog):
   x, u, v = randn((3, 32)), randn((32, 4)), randn((4, 47))
-  f = lambda x: lrjax.lr_xuv(x, u, v)
+  f = lambda x: lrjax.lowering.lr_xuv(x, u, v)
   with caplog.at_level(logging.DEBUG, logger="lrjax.lowering"):
     assert _count_in_hlo(f, x, needle="sine") == 0
   assert any("test.xuv_even declined: N=47 is odd" in r.getMessage() for r in caplog.records)
@@ -68,7 +68,7 @@ def test_declined_shape_falls_back_to_reference_and_logs(even_kernel, caplog):
 def test_force_reference(even_kernel):
   x, u, v = randn((3, 32)), randn((32, 4)), randn((4, 48))
   with registry.force_reference():
-    assert _count_in_hlo(lambda x: lrjax.lr_xuv(x, u, v), x, needle="sine") == 0
+    assert _count_in_hlo(lambda x: lrjax.lowering.lr_xuv(x, u, v), x, needle="sine") == 0
 
 
 def test_measured_slower_kernel_declines_unless_kernels_preferred(monkeypatch):
@@ -87,8 +87,8 @@ def test_measured_slower_kernel_declines_unless_kernels_preferred(monkeypatch):
     )
   )
   try:
-    f = lambda x: lrjax.lr_xuv(x, u, v)
-    g = lambda x: lrjax.lr_xuv(x, u, v)  # a fresh function: lowerings are cached per jaxpr
+    f = lambda x: lrjax.lowering.lr_xuv(x, u, v)
+    g = lambda x: lrjax.lowering.lr_xuv(x, u, v)  # a fresh function: lowerings are cached per jaxpr
     sel = registry.select("lr_xuv", "cpu", (x, u, v), {})
     assert sel.name != "test.slow" and ("test.slow", "XLA measured faster") in sel.declined
     assert registry.select("lr_xuv", "cpu", (randn((9, 32)), u, v), {}).name == "test.slow"
