@@ -77,20 +77,24 @@ def test_lowering_all_lists_what_users_call():
   assert {"fuse", "explain", "lr_xuv", "lr_mlp", "KernelLowering"} <= set(lrjax.lowering.__all__)
 
 
-def test_import_lrjax_imports_no_jax():
+def test_import_lrjax_imports_no_jax(tmp_path):
   """``import lrjax`` (and ``lrjax --version``) stay light: jax loads on first use."""
   heavy = ("jax", "flax", "numpy", "lrjax.lowering", "lrjax.custom_calls")
   code = f"import sys, lrjax; print(sorted(m for m in {heavy!r} if m in sys.modules))"
-  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  r = subprocess.run(
+    [sys.executable, "-P", "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120
+  )
   assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr[-2000:])
   code = "import sys, lrjax; lrjax.fuse; print('jax' in sys.modules)"
-  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  r = subprocess.run(
+    [sys.executable, "-P", "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120
+  )
   assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr[-2000:]
 
 
-def test_cli_version():
+def test_cli_version(tmp_path):
   script = os.path.join(os.path.dirname(sys.executable), "lrjax")
   cmd = [script] if os.path.exists(script) else [sys.executable, "-m", "lrjax.cli"]
-  r = subprocess.run([*cmd, "--version"], capture_output=True, text=True, timeout=120)
+  r = subprocess.run([*cmd, "--version"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
   assert r.returncode == 0, r.stderr[-2000:]
   assert r.stdout.strip() == f"lrjax {lrjax.__version__}", r.stdout
