@@ -1,4 +1,4 @@
-"""CPU tests of the Triton room: the H200 tile planner and the ``supports`` decisions."""
+"""CPU tests of the Triton kernels: the H200 tile planner and the ``supports`` decisions."""
 
 import dataclasses
 

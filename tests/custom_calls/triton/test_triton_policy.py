@@ -1,4 +1,4 @@
-"""CPU tests of the Triton room's measured speed policy (custom_calls/triton/measured.py)."""
+"""CPU tests of the Triton kernels' measured speed policy (custom_calls/triton/measured.py)."""
 
 import json
 import os
