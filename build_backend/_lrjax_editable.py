@@ -21,10 +21,9 @@ _INSTALLED = os.path.dirname(os.path.abspath(__file__))
 class LrjaxEditableFinder:
   """A meta path finder for the packages of one editable lrjax checkout."""
 
-  def __init__(self, roots: dict, built: str = _INSTALLED) -> None:
+  def __init__(self, roots: dict) -> None:
     # longest name first, so that lrjax.lowering wins over lrjax
     self.roots = sorted(roots.items(), key=lambda kv: -len(kv[0]))
-    self.built = built  # where built files lie by package path (site-packages)
 
   def _source_dir(self, fullname: str):
     for name, folder in self.roots:
@@ -43,8 +42,8 @@ class LrjaxEditableFinder:
     if not os.path.isfile(init):
       return None
     locations = [src]
-    built = os.path.join(self.built, *fullname.split(".")) if self.built else ""
-    if built and os.path.isdir(built):
+    built = os.path.join(_INSTALLED, *fullname.split("."))
+    if os.path.isdir(built):
       locations.append(built)
     import importlib.util
 
