@@ -78,7 +78,7 @@ def test_lowering_all_lists_what_users_call():
 
 
 def test_import_lrjax_imports_no_jax(tmp_path):
-  """``import lrjax`` (and ``lrjax --version``) stay light: jax loads on first use."""
+  """``import lrjax`` stays light: jax loads on the first use of the API."""
   heavy = ("jax", "flax", "numpy", "lrjax.lowering", "lrjax.custom_calls")
   code = f"import sys, lrjax; print(sorted(m for m in {heavy!r} if m in sys.modules))"
   r = subprocess.run(
