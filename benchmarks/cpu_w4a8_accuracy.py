@@ -223,7 +223,7 @@ def speed(rng, layout: str, rounds: int, reps: int) -> list[dict]:
 def quality(ratio: float, eval_seqs: int) -> dict:
   from flax import nnx
 
-  from lrjax.compress import compress
+  from lrjax.compression import compress
   from lrjax.quality.report import EvalConfig, evaluate
   from lrjax.quality.source import MarkovSource, describe
   from lrjax.quality.train import TrainConfig, trained_model

@@ -17,8 +17,8 @@ layers and times each call on a layer of its own, as a model step pays it (work 
 a layer's weights alone, such as padding V, is then paid every call). ``--timing host`` times
 host wall-clock around each jit instead (the only timing off a GPU).
 
-For every shape: lrjax's kernel (lrjax.lr_xuv / lr_mlp / lr_kv_attention lowered to its Triton
-kernel, under prefer_kernels), XLA's unfused low-rank chain, XLA's dense layer, and the
+For every shape: lrjax's kernel (lrjax.lowering.lr_xuv / lr_mlp / lr_kv_attention lowered to
+its Triton kernel, under prefer_kernels), XLA's unfused low-rank chain, XLA's dense layer, and the
 roofline floor (max of HBM bytes / BW and FLOPs / peak at the H200's 4.3 TB/s and 790
 TFLOP/s; this run's own copy and 8192^3 product are measured too and stored in "meta").
 ``default_lowering`` / ``default_us`` record what lrjax does without prefer_kernels: the
@@ -385,7 +385,7 @@ def xuv_record(m, k, r, n, bw, peak, kernel="auto", reps=None, baselines=None):
   x, lr_layers, dense_key = xuv_inputs(m, k, r, n, DISTINCT)
   nl = len(lr_layers) // _draws()
   if kernel == "auto":
-    ours = lambda x, u, v: lrjax.lr_xuv(x, u, v)
+    ours = lambda x, u, v: lrjax.lowering.lr_xuv(x, u, v)
     t_ours, spread, low, t_def = ours_and_default(ours, x, lr_layers, reps)
   else:
     ours = kernel_variants.xuv(kernel, m, k, r, n)
@@ -545,7 +545,7 @@ def mlp_record(m, d, f, r, bw, peak, kernel="auto", reps=None, baselines=None):
   ]
   low = None
   if kernel == "auto":
-    ours = lambda x, ug, vg, uu, vu, ud, vd: lrjax.lr_mlp(x, (uu, vu), (ud, vd), (ug, vg))
+    ours = lambda x, ug, vg, uu, vu, ud, vd: lrjax.lowering.lr_mlp(x, (uu, vu), (ud, vd), (ug, vg))
     t_ours, spread, low, t_def = ours_and_default(ours, x, layers, reps)
   else:
     ours = kernel_variants.mlp(kernel, m, d, f, r)

@@ -13,7 +13,7 @@ import json
 
 from flax import nnx
 
-from lrjax.compress import compress, param_counts
+from lrjax.compression import compress, param_counts
 from lrjax.quality.report import evaluate
 from lrjax.quality.source import MarkovSource
 from lrjax.quality.train import TrainConfig, trained_model

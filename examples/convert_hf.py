@@ -18,7 +18,7 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from lrjax import checkpoint
-from lrjax.compress import compress, param_counts
+from lrjax.compression import compress, param_counts
 from lrjax.models import KVCache, decode_step, from_hf, prefill_step
 
 HERE = os.path.dirname(os.path.abspath(__file__))

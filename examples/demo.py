@@ -28,7 +28,7 @@ from flax import nnx
 import lrjax
 from lrjax import checkpoint
 from lrjax.cli import main as lrjax_cli
-from lrjax.compress import compress, param_counts
+from lrjax.compression import compress, param_counts
 from lrjax.quality import MarkovSource, TrainConfig, evaluate, trained_model
 
 

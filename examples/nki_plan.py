@@ -1,7 +1,7 @@
 """Plan a low-rank layer for Trainium and show which NKI kernel lrjax would lower it to.
 
-Runs anywhere: it only uses the block planner (NeuronMM eq. 10-11) and the Neuron
-room's ``would_serve``; nothing is compiled for or run on Trainium. (The kernels
+Runs anywhere: it only uses the block planner (NeuronMM eq. 10-11) and the neuron
+platform's ``would_serve``; nothing is compiled for or run on Trainium. (The kernels
 themselves are exercised on CPU by the numpy NKI test double in
 tests/custom_calls/nki/, which this example deliberately does not import.)
 

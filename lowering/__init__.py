@@ -1,25 +1,21 @@
-"""lrjax.lowering: the lr_xuv / lr_mlp / lr_xuv_group / lr_kv_attention primitives, the kernel
-registry and the fusion pass.
+"""lrjax.lowering: the fusion pass, the lrjax primitives and the per-platform kernel registry.
 
-Installed as ``lrjax.lowering`` (on disk: ``lowering/``).
+Installed as ``lrjax.lowering`` (on disk: ``lowering/``). What users call is listed in
+``__all__``. The primitive objects (``lr_xuv_p``, ``lr_mlp_p``, ...) live in their modules
+(:mod:`lrjax.lowering.primitives`, :mod:`~lrjax.lowering.group`,
+:mod:`~lrjax.lowering.kv_attention`, :mod:`~lrjax.lowering.quantized`), and the kernel registry
+in :mod:`lrjax.lowering.registry`.
 """
 
-from lrjax.lowering import registry
 from lrjax.lowering.primitives import (
   ACTIVATIONS,
   lr_mlp,
-  lr_mlp_p,
   lr_mlp_reference,
   lr_xuv,
-  lr_xuv_p,
   lr_xuv_reference,
 )
-from lrjax.lowering.group import lr_xuv_group, lr_xuv_group_p
-from lrjax.lowering.kv_attention import (
-  lr_kv_attention,
-  lr_kv_attention_p,
-  lr_kv_attention_reference,
-)
+from lrjax.lowering.group import lr_xuv_group
+from lrjax.lowering.kv_attention import lr_kv_attention, lr_kv_attention_reference
 from lrjax.lowering.registry import KernelLowering, force_reference, prefer_kernels
 from lrjax.lowering.rules import DEFAULT_RULES, MLPRule, XUVRule
 from lrjax.lowering.fuse import fuse
@@ -29,23 +25,18 @@ __all__ = [
   "ACTIVATIONS",
   "DEFAULT_RULES",
   "ExplainReport",
+  "KernelLowering",
   "MLPRule",
   "XUVRule",
   "explain",
-  "fuse",
-  "KernelLowering",
   "force_reference",
+  "fuse",
   "lr_kv_attention",
-  "lr_kv_attention_p",
   "lr_kv_attention_reference",
   "lr_mlp",
-  "lr_mlp_p",
   "lr_mlp_reference",
   "lr_xuv",
   "lr_xuv_group",
-  "lr_xuv_group_p",
-  "lr_xuv_p",
   "lr_xuv_reference",
   "prefer_kernels",
-  "registry",
 ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from lrjax.lowering import registry
 from lrjax.lowering import rules as rules_lib
@@ -18,19 +18,31 @@ from lrjax.lowering.fuse import analyze
 REPORT_PLATFORMS = ("cpu", "cuda", "neuron")
 
 
-def kernels_for(primitive: str, avals_in, params) -> dict:
+def platforms_here() -> frozenset[str]:
+  """The platforms jax lowers for in this process (its initialised backends)."""
+  import jax.extend.backend
+
+  names = set(jax.extend.backend.backends())
+  if "gpu" in names:  # an alias of the CUDA backend in some jaxlib builds
+    names.add("cuda")
+  return frozenset(names)
+
+
+def kernels_for(primitive: str, avals_in: Sequence[Any], params: Mapping[str, Any]) -> dict:
   """Per platform: the kernel that would serve these operands, and why others decline.
 
-  Registered kernels are asked through the registry (so forced-reference mode
-  shows). Kernels of a platform not present here (e.g. Neuron) are asked
-  directly from the custom_calls catalog.
+  A platform jax lowers for here is asked through the registry, as its lowering would be (so
+  forced-reference mode shows; its kernels register now if they have not yet). Any other
+  platform's kernels are asked directly from the custom_calls catalog, without registering
+  them or importing their toolchain; kernels registered for it by hand are asked too.
   """
   from lrjax import custom_calls
 
-  catalog = [k for ks in custom_calls.kernel_catalog().values() for k in ks]
+  catalog = custom_calls.kernel_catalog()
+  here = platforms_here()
   out = {}
   for plat in REPORT_PLATFORMS:
-    if registry.candidates(primitive, plat):
+    if plat in here:
       sel = registry.select(primitive, plat, avals_in, params)
       out[plat] = {
         "kernel": sel.name,
@@ -38,17 +50,23 @@ def kernels_for(primitive: str, avals_in, params) -> dict:
         "registered": True,
       }
       continue
+    registered = registry.candidates(primitive, plat, load=False)
+    names = {k.name for k in registered}
+    unregistered = [
+      k
+      for k in catalog.get(plat, ())
+      if k.primitive == primitive and k.platform == plat and k.name not in names
+    ]
     kernel, declined = registry.choose(
-      sorted(
-        (k for k in catalog if k.primitive == primitive and k.platform == plat),
-        key=lambda k: -k.priority,
-      ),
-      avals_in,
-      params,
+      sorted((*registered, *unregistered), key=lambda k: -k.priority), avals_in, params
     )
     chosen = kernel.name if kernel is not None else "reference"
-    out[plat] = {"kernel": chosen, "declined": [list(d) for d in declined], "registered": False}
-  if any(k.primitive == primitive and k.platform == "cuda" for k in catalog):
+    out[plat] = {
+      "kernel": chosen,
+      "declined": [list(d) for d in declined],
+      "registered": kernel is not None and kernel.name in names,
+    }
+  if any(k.primitive == primitive for k in catalog.get("cuda", ())):
     from lrjax.custom_calls.triton import policy  # which card's tuning table decides
 
     out["cuda"]["policy"] = policy.note()

@@ -13,8 +13,11 @@ reference there (``faster``). A kernel that serves but measured slower is declin
 unless :func:`prefer_kernels` (or ``LRJAX_PREFER_KERNELS=1``) asks for kernels wherever
 they serve, e.g. for their smaller memory footprint.
 
-Kernel modules are never imported here: ``load`` is called only when a kernel is
-selected for lowering, so a CPU install never imports triton or NKI.
+Kernels register lazily: the first lowering for a platform (:func:`candidates`, which
+:func:`select` asks) imports that platform's light ``custom_calls/<package>/lowering.py`` and
+calls its ``register()``, once per process and thread-safely. Kernel modules are never
+imported here: ``load`` is called only when a kernel is selected for lowering, so a CPU
+lowering never imports triton or NKI, nor checks for their toolchains.
 """
 
 from __future__ import annotations
@@ -24,13 +27,18 @@ import dataclasses
 import logging
 import os
 import threading
+import types
 import warnings
 from typing import Any
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 log = logging.getLogger("lrjax.lowering")
 
-PLATFORMS = ("cpu", "cuda", "rocm", "neuron")
+# The platforms kernels lower for, each with the package of lrjax.custom_calls that holds its
+# kernels (None: none yet; the reference serves).
+PLATFORMS: Mapping[str, str | None] = types.MappingProxyType(
+  {"cpu": "cpu", "cuda": "triton", "rocm": None, "neuron": "nki"}
+)
 
 # supports(avals_in, params) -> None when the kernel serves, else the reason it declines.
 SupportsFn = Callable[[Sequence[Any], Mapping[str, Any]], "str | None"]
@@ -52,7 +60,9 @@ class KernelLowering:
 
   def __post_init__(self):
     if self.platform not in PLATFORMS:
-      raise ValueError(f"{self.platform=} is not a known platform; expected one of {PLATFORMS}")
+      raise ValueError(
+        f"{self.platform=} is not a known platform; expected one of {tuple(PLATFORMS)}"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +81,34 @@ class Selection:
 _REGISTRY: dict[tuple[str, str], list[KernelLowering]] = {}
 _LOCK = threading.Lock()
 _state = threading.local()
+_loaded: set[str] = set()  # platforms whose kernel package has registered its kernels
+_loading: set[str] = set()
+_LOAD_LOCK = threading.RLock()  # reentrant: a package's register() may ask candidates()
+
+
+def load_platform(platform: str) -> None:
+  """Registers ``platform``'s kernels (``lrjax.custom_calls`` package ``PLATFORMS[platform]``)
+  unless already done. Called by :func:`candidates`; a failing ``register()`` raises here
+  and is retried at the next lowering."""
+  if platform in _loaded or PLATFORMS.get(platform) is None:
+    return
+  with _LOAD_LOCK:
+    if platform in _loaded or platform in _loading:
+      return
+    _loading.add(platform)
+    try:
+      from lrjax import custom_calls
+
+      custom_calls.register(platform)
+      _loaded.add(platform)
+      log.debug("%s kernels registered", platform)
+    finally:
+      _loading.discard(platform)
+
+
+def loaded_platforms() -> frozenset[str]:
+  """The platforms whose kernels have been registered in this process."""
+  return frozenset(_loaded)
 
 
 def register(kernel: KernelLowering) -> KernelLowering:
@@ -83,12 +121,17 @@ def register(kernel: KernelLowering) -> KernelLowering:
 
 
 def unregister(primitive: str, platform: str, name: str) -> None:
+  """Removes the kernel ``name`` registered for ``primitive`` on ``platform``, if any."""
   with _LOCK:
     lst = _REGISTRY.get((primitive, platform), [])
     lst[:] = [k for k in lst if k.name != name]
 
 
-def candidates(primitive: str, platform: str) -> tuple[KernelLowering, ...]:
+def candidates(primitive: str, platform: str, *, load: bool = True) -> tuple[KernelLowering, ...]:
+  """The kernels registered for ``primitive`` on ``platform``, highest priority first; with
+  ``load``, the platform's kernel package registers its kernels first (once)."""
+  if load:
+    load_platform(platform)
   with _LOCK:
     return tuple(_REGISTRY.get((primitive, platform), ()))
 
@@ -100,7 +143,7 @@ def reference_forced() -> bool:
 
 
 @contextlib.contextmanager
-def _flag_raised(name: str):
+def _flag_raised(name: str) -> Iterator[None]:
   """Raises this thread's nesting count of the mode ``name`` for the context."""
   prev = getattr(_state, name, 0)
   setattr(_state, name, prev + 1)
@@ -117,7 +160,7 @@ def kernels_preferred() -> bool:
 
 
 @contextlib.contextmanager
-def prefer_kernels():
+def prefer_kernels() -> Iterator[None]:
   """Within this context, kernels serve wherever they can, even where measured slower
   than XLA (their ``faster`` check is skipped). Like :func:`force_reference`, it acts at
   lowering time: wrap the first call (or ``.lower()``) of a fresh ``jax.jit`` object.
@@ -127,7 +170,7 @@ def prefer_kernels():
 
 
 @contextlib.contextmanager
-def force_reference():
+def force_reference() -> Iterator[None]:
   """Within this context, newly lowered primitives use the XLA reference.
 
   Lowering happens when a jitted function is first compiled, so wrap the

@@ -1,60 +1,70 @@
-"""lrjax: a JAX/XLA compiler stack for low-rank (SVD-compressed) LLMs."""
+"""lrjax: a JAX/XLA compiler stack for low-rank (SVD-compressed) LLMs.
+
+The public API::
+
+  lrjax.fuse(fn)                   # rewrites X·U·V and low-rank MLPs into lrjax's primitives
+  lrjax.explain(fn, *args)         # what fuse rewrites, what it refuses, which kernel serves
+  lrjax.compress(model, ratio=...) # a dense Llama-family model -> a low-rank one
+  lrjax.quantize(model, "w4a8")    # int4 weights, int8 activations (CPU kernels)
+  lrjax.models, lrjax.nn, lrjax.checkpoint, lrjax.sharding, lrjax.serving
+  lrjax.__version__
+
+``import lrjax`` imports none of them: each name is imported on first use, so the package
+(and the ``lrjax`` command line) starts without importing jax. The primitives, the kernel
+registry and the pattern rules live in :mod:`lrjax.lowering`; the per-platform kernels in
+:mod:`lrjax.custom_calls`, registered on the first lowering for their platform.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-import os as _os
-
-# Source-tree use (Bazel, PYTHONPATH=<repo>): lowering/ and custom_calls/ sit beside lrjax/
-# on disk and are installed as lrjax.lowering / lrjax.custom_calls. Installed wheels and
-# editable installs already map them; only a bare source tree needs this.
-_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "lowering")) and _os.path.isfile(
-  _os.path.join(_root, "lowering", "__init__.py")
-):
-  __path__.append(_root)  # noqa: F821 - package __path__
-
-from lrjax import lowering  # noqa: E402
-from lrjax import custom_calls  # noqa: E402
-from lrjax.lowering import explain, fuse, lr_mlp, lr_xuv  # noqa: E402
-
-custom_calls.register_all()
-
-
-_LAZY = (
-  "checkpoint",
-  "compress",  # lrjax.compress(model, ...) is callable
-  "models",
-  "nn",
-  "quality",
-  "quant",
-  "serving",
-  "sharding",
-)
-
-
-def __getattr__(name):
-  """``lrjax.models``, ``lrjax.compress`` etc. are imported on first use."""
-  if name in _LAZY:
-    import importlib
-
-    return importlib.import_module(f"lrjax.{name}")
-  raise AttributeError(f"module 'lrjax' has no attribute {name!r}")
-
-
-def quantize(model, scheme: str = "w4a8", **kwargs):
-  """Quantizes a model's low-rank and dense projections (see :func:`lrjax.quant.quantize`)."""
-  from lrjax.quant import quantize as _quantize
-
-  return _quantize(model, scheme, **kwargs)
-
+# name -> the module that defines it
+_FUNCTIONS = {
+  "fuse": "lrjax.lowering.fuse",
+  "explain": "lrjax.lowering.explain",
+  "compress": "lrjax.compression.pipeline",
+  "quantize": "lrjax.quant.modules",
+}
+_SUBPACKAGES = ("checkpoint", "models", "nn", "serving", "sharding")
+# importable as lrjax.<name> too, but not part of the top-level API
+_OTHER_SUBPACKAGES = ("compression", "custom_calls", "lowering", "quality", "quant")
 
 __all__ = [
-  "custom_calls",
+  "__version__",
+  "checkpoint",
+  "compress",
   "explain",
   "fuse",
-  "lowering",
-  "lr_mlp",
-  "lr_xuv",
+  "models",
+  "nn",
   "quantize",
-  "__version__",
+  "serving",
+  "sharding",
 ]
+
+if TYPE_CHECKING:
+  from lrjax import checkpoint, models, nn, serving, sharding
+  from lrjax.compression.pipeline import compress
+  from lrjax.lowering.explain import explain
+  from lrjax.lowering.fuse import fuse
+  from lrjax.quant.modules import quantize
+
+
+def __getattr__(name: str) -> Any:
+  """Imports ``lrjax.fuse``, ``lrjax.models`` etc. on first use."""
+  if name in _FUNCTIONS:
+    value = getattr(importlib.import_module(_FUNCTIONS[name]), name)
+  elif name in _SUBPACKAGES or name in _OTHER_SUBPACKAGES:
+    value = importlib.import_module(f"lrjax.{name}")
+  else:
+    raise AttributeError(f"module 'lrjax' has no attribute {name!r}")
+  globals()[name] = value
+  return value
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(__all__) | set(_OTHER_SUBPACKAGES))

@@ -77,7 +77,7 @@ def random_model(cfg, *, ratio: float | None = None, dtype=None, block: int = 12
   import jax.numpy as jnp
   from flax import nnx
 
-  from lrjax.compress.pipeline import plan_ranks
+  from lrjax.compression.pipeline import plan_ranks
   from lrjax.models import LlamaForCausalLM
 
   ranks = None

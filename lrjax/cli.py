@@ -21,6 +21,8 @@ import os
 import sys
 from collections.abc import Callable
 
+from lrjax import __version__
+
 # Modules that register further subcommands (skipped with a note if not importable).
 EXTENSIONS: tuple[str, ...] = ("lrjax.serving.cli", "lrjax.bench_cli")
 
@@ -135,7 +137,7 @@ def convert(p: argparse.ArgumentParser):
     from lrjax import checkpoint
 
     try:
-      from lrjax.compress import compress
+      from lrjax.compression import compress
     except ImportError as e:
       print(f"lrjax convert: lrjax.compress is not available ({e})", file=sys.stderr)
       return 2
@@ -370,6 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
       logging.getLogger("lrjax.cli").debug("subcommand module %s not loaded: %s", mod, e)
   ap = argparse.ArgumentParser(prog="lrjax", description="lrjax: low-rank LLMs on JAX/XLA")
   ap.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+  ap.add_argument("--version", action="version", version=f"lrjax {__version__}")
   sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
   for name, (help_, configure) in sorted(_COMMANDS.items()):
     sp = sub.add_parser(name, help=help_, description=help_)

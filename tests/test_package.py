@@ -1,8 +1,18 @@
 """The installed package: import names, the top-level API, nothing installed at top level."""
 
 import importlib.metadata
+import inspect
+import os
+import subprocess
+import sys
+import types
+
+from jax.extend.core import Primitive
 
 import lrjax
+
+API = {"__version__", "compress", "explain", "fuse", "quantize"}
+SUBPACKAGES = {"checkpoint", "models", "nn", "serving", "sharding"}
 
 
 def test_import_names():
@@ -11,7 +21,7 @@ def test_import_names():
 
   assert lrjax.lowering.__name__ == "lrjax.lowering"
   assert lrjax.custom_calls.__name__ == "lrjax.custom_calls"
-  assert set(lrjax.custom_calls.kernel_catalog()) == {"triton", "cpu", "nki"}
+  assert set(lrjax.custom_calls.kernel_catalog()) == {"cpu", "cuda", "neuron"}
 
 
 def test_no_top_level_lowering_or_custom_calls_installed():
@@ -21,8 +31,70 @@ def test_no_top_level_lowering_or_custom_calls_installed():
 
 
 def test_top_level_api():
-  assert callable(lrjax.fuse) and callable(lrjax.explain) and callable(lrjax.quantize)
-  from lrjax.compress import compress  # importing the submodule must not break the spelling
+  assert set(lrjax.__all__) == API | SUBPACKAGES
+  assert lrjax.__version__ == importlib.metadata.version("lrjax")
+  for name in ("fuse", "explain", "compress", "quantize"):
+    fn = getattr(lrjax, name)
+    assert isinstance(fn, types.FunctionType), (name, type(fn))
+    assert inspect.signature(fn).return_annotation is not inspect.Signature.empty, name
+  from lrjax.compression import compress
+  from lrjax.lowering import explain, fuse
+  from lrjax.quant import quantize
 
-  assert callable(lrjax.compress) and lrjax.compress.compress is compress
+  assert (lrjax.compress, lrjax.fuse, lrjax.explain, lrjax.quantize) == (
+    compress,
+    fuse,
+    explain,
+    quantize,
+  )
+  for name in SUBPACKAGES:
+    assert getattr(lrjax, name).__name__ == f"lrjax.{name}"
   assert lrjax.models.from_hf is not None
+  assert API | SUBPACKAGES <= set(dir(lrjax))
+
+
+def test_primitives_and_registry_are_not_top_level():
+  for name in ("lr_xuv", "lr_mlp", "lr_xuv_p", "registry", "custom_calls_register"):
+    assert name not in lrjax.__all__
+    try:
+      getattr(lrjax, name)
+    except AttributeError as e:
+      assert repr(name) in str(e)
+    else:
+      raise AssertionError(f"lrjax.{name} is still an attribute")
+  from lrjax.lowering import primitives, registry
+
+  assert isinstance(primitives.lr_xuv_p, Primitive)
+  assert callable(registry.select)
+
+
+def test_lowering_all_lists_what_users_call():
+  import lrjax.lowering
+
+  for name in lrjax.lowering.__all__:
+    obj = getattr(lrjax.lowering, name)
+    assert not isinstance(obj, (Primitive, types.ModuleType)), name
+  assert {"fuse", "explain", "lr_xuv", "lr_mlp", "KernelLowering"} <= set(lrjax.lowering.__all__)
+
+
+def test_import_lrjax_imports_no_jax(tmp_path):
+  """``import lrjax`` stays light: jax loads on the first use of the API."""
+  heavy = ("jax", "flax", "numpy", "lrjax.lowering", "lrjax.custom_calls")
+  code = f"import sys, lrjax; print(sorted(m for m in {heavy!r} if m in sys.modules))"
+  r = subprocess.run(
+    [sys.executable, "-P", "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120
+  )
+  assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr[-2000:])
+  code = "import sys, lrjax; lrjax.fuse; print('jax' in sys.modules)"
+  r = subprocess.run(
+    [sys.executable, "-P", "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120
+  )
+  assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr[-2000:]
+
+
+def test_cli_version(tmp_path):
+  script = os.path.join(os.path.dirname(sys.executable), "lrjax")
+  cmd = [script] if os.path.exists(script) else [sys.executable, "-m", "lrjax.cli"]
+  r = subprocess.run([*cmd, "--version"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert r.stdout.strip() == f"lrjax {lrjax.__version__}", r.stdout

@@ -64,7 +64,7 @@ def make_proj(
   """The projection module ``name`` of one layer.
 
   Dense ``Linear`` if ``rank`` is None, ``LowRankLinear`` if ``heads`` is 1, else a per-head
-  ``lrjax.compress.HeadwiseLowRankLinear`` with total rank ``rank`` over ``heads`` heads.
+  ``lrjax.compression.HeadwiseLowRankLinear`` with total rank ``rank`` over ``heads`` heads.
   """
   k, n = cfg.proj_shapes()[name]
   bias = {
@@ -80,7 +80,7 @@ def make_proj(
     return LowRankLinear(k, n, int(rank), **kw)
   if n % heads or rank % heads:
     raise ValueError(f"{name}: out={n} and {rank=} must be multiples of {heads=}")
-  from lrjax.compress.modules import HeadwiseLowRankLinear
+  from lrjax.compression.modules import HeadwiseLowRankLinear
 
   return HeadwiseLowRankLinear(k, heads, n // heads, int(rank) // heads, **kw)
 

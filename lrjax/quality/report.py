@@ -83,7 +83,7 @@ def quality_table(
   tokens), ``whiten+per_head`` (q/k/v per head). Returns a JSON-able dict with the source, the
   model, the training record, the dense row and one row per (variant, ratio).
   """
-  from lrjax.compress import compress, param_counts
+  from lrjax.compression import compress, param_counts
 
   src = src or MarkovSource()
   ec = eval_cfg

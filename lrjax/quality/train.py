@@ -68,7 +68,7 @@ def default_cache_dir() -> str:
 
 def code_digest() -> str:
   """SHA-256 of the modules whose code decides what a trained model is."""
-  import lrjax.compress.lora
+  import lrjax.compression.lora
   import lrjax.models.config
   import lrjax.models.llama
   import lrjax.nn.linear
@@ -80,7 +80,7 @@ def code_digest() -> str:
     lrjax.models.llama,
     lrjax.nn.linear,
     lrjax.quality.source,
-    lrjax.compress.lora,
+    lrjax.compression.lora,
     sys.modules[__name__],
   ):
     with open(mod.__file__, "rb") as fh:
@@ -127,7 +127,7 @@ def _load_params(model, arrays) -> None:
 
 def train_model(src: MarkovSource, model_cfg, train_cfg: TrainConfig, *, progress: bool = True):
   """Train a fresh ``LlamaForCausalLM`` on fresh source samples; returns (model, record)."""
-  from lrjax.compress.lora import next_token_loss
+  from lrjax.compression.lora import next_token_loss
   from lrjax.models import LlamaForCausalLM
 
   if model_cfg.vocab_size != src.cfg.vocab:

@@ -181,13 +181,13 @@ def _tied_head(model) -> bool:
 
 
 def quantize(
-  model,
+  model: nnx.Module,
   scheme: str = "w4a8",
   *,
   group: int = 128,
   layout: str | None = None,
   tied_head: bool = True,
-):
+) -> nnx.Module:
   """A copy of ``model`` whose ``LowRankLinear`` and ``Linear`` layers are W4A8.
 
   Args:

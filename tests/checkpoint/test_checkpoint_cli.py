@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from lrjax import checkpoint, cli
-from lrjax.compress import compress
+from lrjax.compression import compress
 from lrjax.models import from_hf
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf")

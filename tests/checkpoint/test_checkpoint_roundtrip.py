@@ -18,7 +18,7 @@ from safetensors import safe_open
 import lrjax
 from lrjax import checkpoint
 from lrjax.checkpoint import hf as hf_mod
-from lrjax.compress import HeadwiseLowRankLinear
+from lrjax.compression import HeadwiseLowRankLinear
 from lrjax.models import LlamaForCausalLM, ModelConfig, from_hf, set_proj
 
 FIXTURES = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf"))

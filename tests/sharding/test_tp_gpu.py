@@ -88,7 +88,9 @@ def test_lr_xuv_triton_on_shards(layout, m):
   want = lrjax.lowering.lr_xuv_reference(x, u, v)
   put = lambda a, s: jax.device_put(a, NamedSharding(mesh, P(*s)))
   args = (put(x, (None, None)), put(u, su), put(v, sv))
-  _check(_compiled(lambda x, u, v: lrjax.lr_xuv(x, u, v), args), args, want, (u, v), kernel)
+  _check(
+    _compiled(lambda x, u, v: lrjax.lowering.lr_xuv(x, u, v), args), args, want, (u, v), kernel
+  )
 
 
 @pytest.mark.parametrize("m", [1, 200])
@@ -113,5 +115,5 @@ def test_lr_mlp_triton_on_shards(layout, m):
     put(ud, su2),
     put(vd, sv2),
   )
-  f = lambda x, ug, vg, uu, vu, ud, vd: lrjax.lr_mlp(x, (uu, vu), (ud, vd), gate=(ug, vg))
+  f = lambda x, ug, vg, uu, vu, ud, vd: lrjax.lowering.lr_mlp(x, (uu, vu), (ud, vd), gate=(ug, vg))
   _check(_compiled(f, args), args, want, (ug, vg, ud, vd), kernel)

@@ -1,4 +1,4 @@
-"""The Neuron lowering room: light import, guarded registration, would_serve, hardware test."""
+"""The Neuron kernels: light import, guarded registration, would_serve, hardware test."""
 
 import sys
 
@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import lrjax  # noqa: F401  (registers every room)
 from conftest import assert_close, randn
 from lrjax.custom_calls import kernel_catalog
 from lrjax.custom_calls.nki import _api, lowering
@@ -23,7 +22,7 @@ def xuv_params(dt=BF, has_bias=False):
 
 
 def test_catalog_lists_nki_kernels_for_neuron():
-  kernels = kernel_catalog()["nki"]
+  kernels = kernel_catalog()["neuron"]
   assert {(k.primitive, k.platform) for k in kernels} == {
     ("lr_xuv", "neuron"),
     ("lr_mlp", "neuron"),

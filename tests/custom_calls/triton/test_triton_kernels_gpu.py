@@ -600,7 +600,7 @@ def _count_triton_calls(compiled_text):
 
 @pytest.mark.parametrize("m", [1, 300])
 def test_lr_primitives_lower_to_triton(m):
-  """jax.jit of lrjax.lr_xuv / lr_mlp on GPU emits the Triton custom calls."""
+  """jax.jit of lrjax.lowering.lr_xuv / lr_mlp on GPU emits the Triton custom calls."""
   import lrjax
 
   dtype = jnp.bfloat16
@@ -609,9 +609,9 @@ def test_lr_primitives_lower_to_triton(m):
   b = randn((768,), dtype)
   gate, up, down = mlp_params(512, 1024, 128, 128, 512, dtype, True, False)
   with lrjax.lowering.prefer_kernels():  # serve even where measured slower than XLA
-    f = jax.jit(lambda x, u, v, b: lrjax.lr_xuv(x, u, v, b)).lower(x, u, v, b).compile()
+    f = jax.jit(lambda x, u, v, b: lrjax.lowering.lr_xuv(x, u, v, b)).lower(x, u, v, b).compile()
     g = (
-      jax.jit(lambda x, gate, up, down: lrjax.lr_mlp(x, up, down, gate))
+      jax.jit(lambda x, gate, up, down: lrjax.lowering.lr_mlp(x, up, down, gate))
       .lower(x, gate, up, down)
       .compile()
     )
@@ -635,7 +635,7 @@ def test_kernels_launch_through_the_typed_ffi_call(monkeypatch):
   for legacy in ("0", "1"):
     monkeypatch.setenv("LRJAX_TRITON_LEGACY_CALL", legacy)
     with lrjax.lowering.prefer_kernels():
-      f = jax.jit(lambda x, u, v: lrjax.lr_xuv(x, u, v)).lower(x, u, v).compile()
+      f = jax.jit(lambda x, u, v: lrjax.lowering.lr_xuv(x, u, v)).lower(x, u, v).compile()
     texts[legacy], outs[legacy] = f.as_text(), f(x, u, v)
   assert texts["0"].count(f'custom_call_target="{launch.FFI_TARGET}"') == 1
   assert f'custom_call_target="{launch.LEGACY_TARGET}"' not in texts["0"]
@@ -686,8 +686,8 @@ def test_many_decode_calls_in_one_jit_each_start_from_zeroed_scratch():
   mlps = [mlp_params(512, 1024, 128, 128, 512, dtype, True, False) for _ in range(6)]
 
   def many(x, xuvs, mlps):
-    return [lrjax.lr_xuv(x, u, v) for u, v in xuvs] + [
-      lrjax.lr_mlp(x, up, down, gate) for gate, up, down in mlps
+    return [lrjax.lowering.lr_xuv(x, u, v) for u, v in xuvs] + [
+      lrjax.lowering.lr_mlp(x, up, down, gate) for gate, up, down in mlps
     ]
 
   with lrjax.lowering.prefer_kernels():
@@ -753,14 +753,14 @@ def test_launchers_agree(monkeypatch, mode):
   wide = lr_factors(1000, 320, 264, dtype)
 
   def step(x, xp, xuvs, group, mlp, big, wide, o):
-    a = lrjax.lr_xuv(x, *xuvs[0])
+    a = lrjax.lowering.lr_xuv(x, *xuvs[0])
     q, k, v = lr_xuv_group(a, group)
-    b = lrjax.lr_mlp(q, mlp[1], mlp[2], mlp[0])
-    c = lrjax.lr_xuv(b, *xuvs[1])  # N=1000: ragged column blocks
+    b = lrjax.lowering.lr_mlp(q, mlp[1], mlp[2], mlp[0])
+    c = lrjax.lowering.lr_xuv(b, *xuvs[1])  # N=1000: ragged column blocks
     # 12 phase-2 tiles: the CTAs with none zero the scratch half the next call works in
-    g = lrjax.lr_xuv(c, *wide)
-    d = lrjax.lr_xuv(x, *xuvs[2])  # independent of the others
-    e = lrjax.lr_xuv(xp, *big)  # 300 rows: the prefill kernel
+    g = lrjax.lowering.lr_xuv(c, *wide)
+    d = lrjax.lowering.lr_xuv(x, *xuvs[2])  # independent of the others
+    e = lrjax.lowering.lr_xuv(xp, *big)  # 300 rows: the prefill kernel
     f = xuv_decode._xuv_decode(
       d, big[0], big[1][:, :200], out=o, persistent=False, xla_zeroing=False
     )  # tiled; jax-triton zeroes its scratch
@@ -903,11 +903,11 @@ def test_decode_calls_share_a_chained_scratch(monkeypatch, min_half):
   mlp = mlp_params(512, 1408, 128, 96, 512, dtype, True, True)
 
   def step(x, xuvs, group, mlp):
-    a = lrjax.lr_xuv(x, *xuvs[0])
+    a = lrjax.lowering.lr_xuv(x, *xuvs[0])
     q, k, v = lr_xuv_group(a, group)
-    b = lrjax.lr_mlp(q, mlp[1], mlp[2], mlp[0])
-    c = lrjax.lr_xuv(b, *xuvs[1])  # N=1000: ragged column blocks
-    d = lrjax.lr_xuv(x, *xuvs[2])  # independent of the others
+    b = lrjax.lowering.lr_mlp(q, mlp[1], mlp[2], mlp[0])
+    c = lrjax.lowering.lr_xuv(b, *xuvs[1])  # N=1000: ragged column blocks
+    d = lrjax.lowering.lr_xuv(x, *xuvs[2])  # independent of the others
     return a, q, k, v, b, c, d
 
   def refs(x):
@@ -1029,11 +1029,11 @@ def test_measured_policy_leaves_slower_shapes_to_xla():
   table = policy.current().replace(model_ab=(), model_op_ab=())
   x = randn((300, 512), jnp.bfloat16)
   u, v = lr_factors(512, 128, 768, jnp.bfloat16)
-  fn = lambda x, u, v: lrjax.lr_xuv(x, u, v)
+  fn = lambda x, u, v: lrjax.lowering.lr_xuv(x, u, v)
   with policy.use(table.replace(records=(("xuv", 300, 512, 128, 768, 20.0, 10.0),))):
     slow = jax.jit(fn).lower(x, u, v).compile()
   with policy.use(table.replace(records=(("xuv", 300, 512, 128, 768, 10.0, 20.0),))):
-    fast = jax.jit(lambda x, u, v: lrjax.lr_xuv(x, u, v)).lower(x, u, v).compile()
+    fast = jax.jit(lambda x, u, v: lrjax.lowering.lr_xuv(x, u, v)).lower(x, u, v).compile()
   assert _count_triton_calls(slow.as_text()) == 0
   assert _count_triton_calls(fast.as_text()) == 1
   assert_close(slow(x, u, v), fast(x, u, v), jnp.bfloat16)

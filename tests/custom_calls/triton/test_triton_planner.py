@@ -345,7 +345,7 @@ def test_cuda_kernels_registered_and_triton_not_imported():
     assert all(k.platform == "cuda" for k in lowering.KERNELS)
     cpu = jax.devices("cpu")[0]
     ops = [jax.device_put(jnp.ones(s, jnp.bfloat16), cpu) for s in ((4, 64), (64, 16), (16, 32))]
-    jax.jit(lrjax.lr_xuv)(*ops).block_until_ready()
+    jax.jit(lrjax.lowering.lr_xuv)(*ops).block_until_ready()
     assert "jax_triton" not in sys.modules and "triton" not in sys.modules
     """
   r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -359,7 +359,9 @@ def test_cpu_lowering_never_selects_triton():
   u = jnp.ones((64, 16), jnp.bfloat16)
   v = jnp.ones((16, 32), jnp.bfloat16)
   lowered = (
-    jax.jit(lambda x, u, v: lrjax.lr_xuv(x, u, v)).trace(x, u, v).lower(lowering_platforms=("cpu",))
+    jax.jit(lambda x, u, v: lrjax.lowering.lr_xuv(x, u, v))
+    .trace(x, u, v)
+    .lower(lowering_platforms=("cpu",))
   )
   assert "triton" not in lowered.as_text()
 

@@ -20,7 +20,7 @@ import optax
 from flax import nnx
 from tqdm.auto import tqdm
 
-log = logging.getLogger("lrjax.compress")
+log = logging.getLogger("lrjax.compression")
 
 
 def init_adapters(model, targets, rank: int, key) -> list[dict[str, jax.Array]]:

@@ -1,4 +1,5 @@
-"""Compression of dense Llama-family models into low-rank ones (``lrjax.compress.compress``).
+"""Compression of dense Llama-family models into low-rank ones: :func:`compress`, also
+exported as ``lrjax.compress``.
 
 ``ratio`` is the fraction of each compressed projection's weight parameters removed: a [K, N]
 projection gets the largest block-aligned rank r with r·(K + N) ≤ (1 − ratio)·K·N.
@@ -9,7 +10,7 @@ aligned ranks (eq. 5), optional per-head q/k/v factorisation (FlashSVD; GQA-awar
 all-linear mode, and LoRA recovery merged back into u and v (eq. 9).
 """
 
-from lrjax.compress.factorize import (
+from lrjax.compression.factorize import (
   budget_rank,
   check_rank,
   check_ratio,
@@ -18,9 +19,9 @@ from lrjax.compress.factorize import (
   lowrank_params,
   reconstruct,
 )
-from lrjax.compress.lora import lora_recover, next_token_loss
-from lrjax.compress.modules import HeadwiseLowRankLinear, headwise_apply
-from lrjax.compress.pipeline import (
+from lrjax.compression.lora import lora_recover, next_token_loss
+from lrjax.compression.modules import HeadwiseLowRankLinear, headwise_apply
+from lrjax.compression.pipeline import (
   ALL_PROJS,
   METHODS,
   MLP_PROJS,
@@ -50,15 +51,3 @@ __all__ = [
   "plan_ranks",
   "reconstruct",
 ]
-
-
-class _CallableModule(type(__import__("sys"))):
-  """Lets ``lrjax.compress(model, ratio=...)`` call :func:`compress`. Importing this
-  submodule rebinds the ``lrjax.compress`` attribute to the module, so the module itself
-  must be callable for the documented spelling to keep working."""
-
-  def __call__(self, model, **kwargs):
-    return compress(model, **kwargs)
-
-
-__import__("sys").modules[__name__].__class__ = _CallableModule

@@ -19,7 +19,7 @@ import math
 import numpy as np
 import scipy.linalg
 
-log = logging.getLogger("lrjax.compress")
+log = logging.getLogger("lrjax.compression")
 
 # Cholesky pivots below this fraction of the mean diagonal count as "not positive definite".
 PIVOT_RTOL = 1e-12

@@ -7,7 +7,7 @@ import pytest
 from conftest import assert_close
 from flax import nnx
 
-from lrjax.compress import (
+from lrjax.compression import (
   ALL_PROJS,
   HeadwiseLowRankLinear,
   MLP_PROJS,
@@ -15,7 +15,7 @@ from lrjax.compress import (
   param_counts,
   reconstruct,
 )
-from lrjax.compress.lora import (
+from lrjax.compression.lora import (
   adapter_model,
   apply_adapters,
   init_adapters,

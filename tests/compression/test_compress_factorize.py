@@ -9,7 +9,7 @@ import pytest
 from conftest import assert_close, randn
 from flax import nnx
 
-from lrjax.compress import (
+from lrjax.compression import (
   HeadwiseLowRankLinear,
   budget_rank,
   check_rank,
@@ -86,7 +86,7 @@ def test_pd_repair_on_singular_gram_uses_jitter(rng, caplog):
   except np.linalg.LinAlgError:
     plain_ok = False
   assert not plain_ok
-  with caplog.at_level(logging.WARNING, logger="lrjax.compress"):
+  with caplog.at_level(logging.WARNING, logger="lrjax.compression"):
     l, how = cholesky_factor(g, name="unit")
   assert how.startswith("jitter=")
   assert "not positive definite" in caplog.text and "unit" in caplog.text
@@ -106,7 +106,7 @@ def test_pd_repair_falls_back_to_eigenvalue_clipping(rng, caplog):
   ev = np.abs(rng.standard_normal(k)) + 1.0
   ev[0] = -0.5 * ev.sum()  # strongly indefinite: no small jitter fixes it
   g = (q * ev) @ q.T
-  with caplog.at_level(logging.WARNING, logger="lrjax.compress"):
+  with caplog.at_level(logging.WARNING, logger="lrjax.compression"):
     l, how = cholesky_factor(g, name="indef")
   assert how == "eigclip"
   assert "clipped 1 of 16 eigenvalues" in caplog.text

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from lrjax.compress.factorize import (
+from lrjax.compression.factorize import (
   budget_rank,
   check_rank,
   check_ratio,
@@ -27,10 +29,14 @@ from lrjax.compress.factorize import (
   factorize,
   lowrank_params,
 )
-from lrjax.compress.modules import HeadwiseLowRankLinear
+from lrjax.compression.modules import HeadwiseLowRankLinear
 from lrjax.nn.linear import Linear, LowRankLinear
 
-log = logging.getLogger("lrjax.compress")
+if TYPE_CHECKING:
+  from flax import nnx
+  from jax.typing import ArrayLike
+
+log = logging.getLogger("lrjax.compression")
 
 METHODS = ("whiten", "svd")
 MLP_PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -100,25 +106,25 @@ def plan_ranks(
 
 
 def compress(
-  model,
+  model: nnx.Module,
   *,
   ratio: float,
-  calib_tokens=None,
+  calib_tokens: ArrayLike | None = None,
   method: str = "whiten",
   block: int = 128,
   mlp_only: bool = False,
   per_head: bool = False,
-  ranks=None,
+  ranks: int | Mapping[str, int] | Sequence[int | Mapping[str, int]] | None = None,
   calib_batch: int = 8,
   sequential: bool = True,
   lora_steps: int = 0,
   lora_rank: int = 8,
   lora_lr: float = 1e-3,
-  lora_tokens=None,
+  lora_tokens: ArrayLike | None = None,
   lora_batch: int = 8,
   lora_seed: int = 0,
   progress: bool = True,
-):
+) -> nnx.Module:
   """Compress a dense ``lrjax.models`` model **in place** and return it.
 
   Args:
@@ -275,7 +281,7 @@ def compress(
     100 * model.compression["params"]["removed_fraction"],
   )
   if lora_steps:
-    from lrjax.compress.lora import lora_recover
+    from lrjax.compression.lora import lora_recover
 
     targets = [(i, p) for i, l in enumerate(plan) for p in l]
     model.compression["lora"] = lora_recover(
