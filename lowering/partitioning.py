@@ -14,8 +14,10 @@ rule instead. Its ``partition`` callback reads the factor shardings that the par
   (tp, -)     -           lr_row     x_l·u_l, psum in rank space, ·v; x must be split on K
   (tp, -)     (-, tp)     split      x_l·u_l, psum in rank space, ·v_l; x split on K, output on N
 
-``lr_mlp`` with gate/up in a col, lr_col or split layout and down in lr_row or split runs
-between its rank-space collectives ``lr_mlp_rank`` (lowering/mlp_rank.py): the gate/up
+``lr_mlp`` with gate/up in an lr_col or split layout (or col, where a kernel serves
+``lr_mlp_rank`` on the local shapes; else col's local gate/up X·U·V keep their ``lr_xuv``
+kernels) and down in lr_row or split runs between its rank-space collectives
+``lr_mlp_rank`` (lowering/mlp_rank.py): the gate/up
 rank-space inputs x·U are completed by one collective (their partial sums or shards
 concatenated), each device applies the SwiGLU on its F/n columns and down's first factor, and
 one all-reduce sums the rank-space partials s before ·Vd. Rank-space partial sums are reduced
@@ -43,7 +45,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lrjax.lowering import _jaxpr
+from lrjax.lowering import _jaxpr, registry
 from lrjax.lowering.primitives import lr_mlp_p, lr_xuv_p
 
 log = logging.getLogger("lrjax.lowering")
@@ -249,7 +251,39 @@ def _mlp_rank_path(*ops, plan, params):
   return rank_space_out(s, vd, bd, out_dt)
 
 
-def _lower_fn(prim_name, plan, params):
+def _registry_platform(mesh) -> str:
+  """The kernel registry's platform name of ``mesh``'s devices ("cuda" for NVIDIA GPUs)."""
+  d = mesh.devices.flat[0]
+  if d.platform == "gpu":
+    return "rocm" if "rocm" in str(getattr(d.client, "platform_version", "")).lower() else "cuda"
+  return d.platform
+
+
+def _rank_kernel_serves(ops, params, platform) -> bool:
+  """Whether a registered kernel would serve lr_mlp_rank on these local lr_mlp operands (all of
+  gate/up with u replicated, so x·U has the whole rank here)."""
+  from lrjax.lowering.primitives import mlp_operands
+
+  d = mlp_operands(ops, params["gated"], params["bias_mask"])
+  x, inter = d["x"], params["inter_dtype"]
+  avals, mask = [], []
+  for n in ("gate", "up") if params["gated"] else ("up",):
+    u, v, b = d[n]
+    avals += [jax.core.ShapedArray(x.shape[:-1] + (u.shape[1],), inter), v.aval]
+    avals += [b.aval] if b is not None else []
+    mask.append(b is not None)
+  avals.append(d["down"][0].aval)
+  rparams = dict(
+    gated=params["gated"],
+    act=params["act"],
+    bias_mask=tuple(mask),
+    inter_dtype=inter,
+    out_dtype=jnp.dtype(jnp.float32),
+  )
+  return registry.select("lr_mlp_rank", platform, avals, rparams).kernel is not None
+
+
+def _lower_fn(prim_name, plan, params, platform="cpu"):
   from lrjax.lowering.primitives import mlp_operands
 
   inter, out_dt = params["inter_dtype"], params["out_dtype"]
@@ -267,10 +301,14 @@ def _lower_fn(prim_name, plan, params):
   act = ACTIVATIONS[params["act"]]
 
   names = ("gate", "up") if params["gated"] else ("up",)
-  if all(plan[n][0] in _RANK_IN for n in names) and plan["down"][0] in _RANK_OUT:
-    return functools.partial(_mlp_rank_path, plan=plan, params=params)
+  rank_plan = all(plan[n][0] in _RANK_IN for n in names) and plan["down"][0] in _RANK_OUT
+  # With u replicated (col) x·U needs no collective, and the gate/up X·U·V are local: their
+  # lr_xuv kernels serve unless one serves lr_mlp_rank on these shapes.
+  all_col = all(plan[n][0] == "col" for n in names)
 
   def mlp(*ops):
+    if rank_plan and (not all_col or _rank_kernel_serves(ops, params, platform)):
+      return _mlp_rank_path(*ops, plan=plan, params=params)
     d = mlp_operands(ops, params["gated"], params["bias_mask"])
     x = d["x"]
     lu, ax = plan["up"]
@@ -350,7 +388,7 @@ def _wrapped(prim_name: str, kernel_fn, param_items: tuple):
     log.debug("%s: partitioned as %s", prim_name, plan)
     return (
       mesh,
-      _lower_fn(prim_name, plan, params),
+      _lower_fn(prim_name, plan, params, _registry_platform(mesh)),
       NamedSharding(mesh, out),
       tuple(NamedSharding(mesh, s) for s in specs),
     )

@@ -121,12 +121,13 @@ def _callback_impl(prim_name, execute: bool):
 
 
 @contextlib.contextmanager
-def callback_kernels(execute: bool = False):
+def callback_kernels(execute: bool = False, prims: tuple[str, ...] = PRIMS):
   """Register the pure_callback kernels (highest priority) for the duration of the context.
 
   ``execute=False``: the callback is lowered everywhere, also on local shards: compile and read
   the HLO (do not run a partitioned program; jax cannot run a callback inside it).
   ``execute=True``: partitioned programs use the reference on local shards, so they run.
+  ``prims``: the primitives that get one (the others keep their reference).
   """
   ks = [
     registry.KernelLowering(
@@ -138,6 +139,7 @@ def callback_kernels(execute: bool = False):
       priority=1000,
     )
     for p, n in zip(PRIMS, NAMES)
+    if p in prims
   ]
   for k in ks:
     registry.register(k)

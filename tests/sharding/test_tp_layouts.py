@@ -129,6 +129,10 @@ def test_kernels_run_on_local_shards(run):
       ],
     )
   )
+  # without an lr_mlp_rank kernel, megatron's local gate/up X·U·V run lr_xuv kernels instead
+  no_rank = k["megatron_no_rank_kernel"]
+  assert [c[0] for c in no_rank] == ["test.callback_xuv"] * 5, no_rank
+  assert [[b, s, e], [e, r["gate_proj"]], [r["gate_proj"], f // n]] in [c[1][:3] for c in no_rank]
   # lowrank_tp: gate and up all-gathered in one collective
   kinds = [c[0] for c in k["lowrank_tp"]["collectives"]]
   assert kinds.count("all-gather") == 4 and kinds.count("all-reduce") == 2

@@ -211,6 +211,13 @@ def part_hlo():
       "collectives": colls(text),
       "rel_err": err,
     }
+  # without an lr_mlp_rank kernel, lowrank_megatron's local gate/up X·U·V keep lr_xuv kernels
+  m = S.shard(make(cfg, r), S.make_mesh(4), "lowrank_megatron")
+  with T.callback_kernels(prims=("lr_xuv", "lr_mlp")):
+    text = A.layer_hlo(m.layers[0], cfg, h, fused=True)
+  kern["megatron_no_rank_kernel"] = [
+    [c.name, [list(s) for s in c.operands]] for c in T.kernel_calls(text)
+  ]
   out["kernels"] = kern
   out["dims"] = {"ranks": r[0], "F": cfg.intermediate_size, "E": cfg.hidden_size}
 
