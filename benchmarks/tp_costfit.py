@@ -8,9 +8,13 @@ strategy, model, TP size and batch), predicts each record's bytes and collective
 
   python benchmarks/tp_costfit.py benchmarks/results/tp_h200.json            # print the fit
   python benchmarks/tp_costfit.py benchmarks/results/tp_h200.json --write    # and store it
+  python benchmarks/tp_costfit.py --predict [--device "NVIDIA H200"]         # predictions
 
 ``--write`` replaces the entry of the records' device kind in interconnect.json, citing the
-files and this command.
+files and this command. ``--predict`` prints, as markdown, each strategy's predicted decode step
+and speed-up over dense Megatron for Llama-3-8B and 70B shapes at 40 % removed (4 layers and
+all layers), TP 2/4/8 and batch 1/8/32/64, with that device's table entry
+(docs/tensor_parallel.md quotes it).
 """
 
 import argparse
@@ -50,11 +54,52 @@ def features(r, d):
   return [1.0, r["batch"], nbytes, c.collectives, c.collective_bytes / 1e9]
 
 
+def predict_table(device: str) -> str:
+  from lrjax.sharding.analysis import compressed_ranks
+
+  ic, how = cost.interconnect_for(device)
+  names = ("lowrank_megatron", "lowrank_split", "lowrank_tp", "naive_tp")
+  lines = [f"Predicted decode step (ms) and speed-up over dense Megatron; {how}", ""]
+  for label, preset in (
+    ("Llama-3-8B", ModelConfig.llama3_8b),
+    ("Llama-3-70B", ModelConfig.llama3_70b),
+  ):
+    full = preset()
+    for layers in (4, full.num_layers):
+      cfg = full.replace(num_layers=layers)
+      ranks = [compressed_ranks(cfg, 0.4, 64)] * layers
+      lines += [
+        f"**{label} shapes, {layers} layers, 40 % removed**",
+        "",
+        "| TP | batch | dense | " + " | ".join(names) + " | auto |",
+        "|---|---|---|" + "---|" * (len(names) + 1),
+      ]
+      for tp in (2, 4, 8):
+        for batch in (1, 8, 32, 64):
+          kw = dict(batch=batch, ctx=cost.DEFAULT_CTX, interconnect=ic)
+          dense = cost.explain(cfg, None, tp, **kw).costs[0].ms
+          rep = cost.explain(cfg, ranks, tp, **kw)
+          ms = {c.strategy: c.ms for c in rep.costs}
+          cells = [f"{ms[n]:.3f} ({dense / ms[n]:.2f}x)" for n in names]
+          lines.append(
+            f"| {tp} | {batch} | {dense:.3f} | " + " | ".join(cells) + f" | {rep.choice} |"
+          )
+      lines.append("")
+  return "\n".join(lines)
+
+
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("results", nargs="+", help="tp_gpu.py results JSON files")
+  ap.add_argument("results", nargs="*", help="tp_gpu.py results JSON files")
   ap.add_argument("--write", action="store_true", help="store the fit in interconnect.json")
+  ap.add_argument("--predict", action="store_true", help="print the predictions (markdown)")
+  ap.add_argument("--device", default="NVIDIA H200", help="with --predict: the table entry")
   args = ap.parse_args()
+  if args.predict:
+    print(predict_table(args.device))
+    return
+  if not args.results:
+    raise SystemExit("give tp_gpu.py results files to fit, or --predict")
   rows, ys, kinds, recs = [], [], set(), []
   for r, d, kind in records(args.results):
     rows.append(features(r, d))

@@ -16,23 +16,25 @@ strategy:
   decode   ``--steps`` greedy decode steps of ``--batch`` sequences at ``--ctx`` cache length,
            inside one jit (a fori_loop), timed on the host around block_until_ready (the
            steps amortise the dispatch), median of ``--reps``; per-step latency, tokens/s,
-           per-device bytes read, the fraction of the HBM roofline (bytes / 4.3 TB/s) and the
-           cost model's prediction (``predicted_ms``). ``--fuse`` (or ``--fuse both``: unfused
-           and fused records) runs the low-rank steps through lrjax.fuse, with the Triton calls
-           in the compiled step (each call judged by its
+           per-device bytes read and the fraction of the HBM roofline (bytes / 4.3 TB/s).
+           With ``--fuse``, also the Triton calls in the compiled step (each call judged by its
            own benchmarked shape: these records are measured.MODEL_AB; ``--whole-policy``
            times the policy as shipped, its whole-model rules included; ``--no-group`` keeps
            q/k/v as three calls instead of one lr_xuv_group; ``--kernels`` serves only some
            ops' kernels, for each kernel's share of a step: one op left out, then ``--fuse``
            in the next run, gives measured.MODEL_OP_AB); with ``--profile``,
-           the GPU's busy time per step split into GEMM, collective and other kernels, the
-           kernels that fill it, the idle gaps between kernel
+           the GPU's busy time per step, the kernels that fill it, the idle gaps between kernel
            pairs and the kernels that ran at once (one traced call; ``--events-out`` keeps
            its raw events and the compiled HLO).
   serving  ``--requests`` concurrent requests through lrjax.serving.Engine (continuous batching,
            prompts of ``--prompt-len``; through lrjax.fuse for the low-rank strategies when
            fused steps are measured): TTFT (submit → first token) and ITL (token gaps),
            median and p90, after a warm-up pass that compiles every shape.
+
+Every decode record also carries the cost model's step (``predicted_ms``, lrjax.sharding.cost
+with this host's table entry); ``--fuse both`` times each low-rank strategy unfused and fused;
+``--profile`` adds the kernel time per step by kind (``kernel_ms_by_kind``: GEMM, collective,
+other), which shows where a step that misses its target goes.
 
   python benchmarks/tp_gpu.py --model 8b 70b --tp 2 4 8 [--layers 4] [--out results/tp_gpu.json]
 
