@@ -358,9 +358,14 @@ def explain(
   dtype_bytes: int = 2,
   device: str | None = None,
   strategies: Sequence[str] = STRATEGIES,
+  interconnect: Interconnect | None = None,
 ) -> TPExplain:
-  """Every strategy's predicted decode step and the fastest that applies (``choice``)."""
-  ic, how = interconnect_for(device)
+  """Every strategy's predicted decode step and the fastest that applies (``choice``), with the
+  constants of ``device``'s table entry (or ``interconnect``, given)."""
+  if interconnect is not None:
+    ic, how = interconnect, f"{interconnect.name} (given)"
+  else:
+    ic, how = interconnect_for(device)
   kw = dict(heads=heads, batch=batch, ctx=ctx, dtype_bytes=dtype_bytes, ic=ic)
   costs = [predict(s, cfg, ranks, tp, **kw) for s in strategies]
   ok = sorted((c for c in costs if c.ms is not None), key=lambda c: c.ms)
