@@ -144,7 +144,6 @@ def forward(layer, h, positions, inv_freq, mask, kv, write_pos, attend_cache):
       for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     },
     "attend_cache": attend_cache,
-    "with_kv": kv is not None,
   }
   act = P("data", None, AX)
   row = P("data", None)

@@ -42,10 +42,12 @@ def test_logits_equal_one_device(run):
   recs = run["numerics"]
   seen = {(r["config"], r["strategy"], r["tp"]) for r in recs}
   # the new layout at TP 2, 4 and 8; Llama (GQA, o/mlp biases), Qwen2 (qkv biases, tied
-  # embeddings), Qwen3 (q/k norms); a model with dense k_proj and down_proj
+  # embeddings), Qwen3 (q/k norms); a model with dense k_proj and down_proj, one with per-head
+  # q/k factors
   assert {("llama", "lowrank_split", t) for t in (2, 4, 8)} <= seen
   assert {("qwen2", "lowrank_split", 8), ("qwen3", "lowrank_split", 4)} <= seen
   assert ("llama_mixed", "lowrank_split", 4) in seen
+  assert ("llama_headwise", "lowrank_split", 8) in seen  # per-head q/k factors
   for r in recs:
     assert r["rel_err"] < F32_TOL, (r, run["seed"])
     if r["strategy"] == "lowrank_split":

@@ -56,9 +56,11 @@ def rel(a, b) -> float:
   return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def make(cfg, ranks, dtype=jnp.float32):
+def make(cfg, ranks, dtype=jnp.float32, heads=None):
   """The same random model on every call: biases and norm weights random too (not 0 / 1)."""
-  m = LlamaForCausalLM(cfg, ranks=ranks, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(seed))
+  m = LlamaForCausalLM(
+    cfg, ranks=ranks, heads=heads, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(seed)
+  )
   _, state = nnx.split(m)
   key = jax.random.key(seed + 1)
   for i, (path, var) in enumerate(nnx.to_flat_state(state)):
@@ -114,6 +116,19 @@ def part_numerics():
       "chosen": "lowrank_split",
       "tp": 4,
       "rel_err": rel(logits(m, tok), logits(make(cfg, rk), tok)),
+    }
+  )
+  # per-head q and k factors (HeadwiseLowRankLinear), split over the heads
+  rh = [dict(ranks_of(cfg)[0], q_proj=32, k_proj=16)] * cfg.num_layers
+  hh = [{"q_proj": 16, "k_proj": 8}] * cfg.num_layers
+  m = S.shard(make(cfg, rh, heads=hh), S.make_mesh(8), "lowrank_split")
+  recs.append(
+    {
+      "config": "llama_headwise",
+      "strategy": "lowrank_split",
+      "chosen": "lowrank_split",
+      "tp": 8,
+      "rel_err": rel(logits(m, tok), logits(make(cfg, rh, heads=hh), tok)),
     }
   )
   # bf16 weights and activations, both against the f32 model with the same (rounded) weights
