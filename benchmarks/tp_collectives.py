@@ -1,4 +1,4 @@
-"""Collectives per token of one decoder layer under naive_tp vs lowrank_tp (and dense, repl_u_tp).
+"""Collectives per token of one decoder layer under each TP strategy, and its weights per device.
 
 Llama-3-70B proportions shrunk 32× (hidden 8192→256, 64 heads of 128→4, 8 KV heads, MLP
 28672→896), 40% of each projection's params removed (ranks rounded to multiples of 8). Each
@@ -73,6 +73,8 @@ def main():
       ("naive_tp", mk_lr),
       ("lowrank_tp", mk_lr),
       ("repl_u_tp", mk_lr),
+      ("lowrank_split", mk_lr),
+      ("lowrank_megatron", mk_lr),
     ):
       for fused in (False, True) if strategy != "dense" else (False,):
         rec = measure(mk, cfg, strategy, tp, fused=fused)
@@ -82,6 +84,7 @@ def main():
           f" n={rec['n_collectives']:2d} err={rec['max_rel_logit_err']:.2e}"
           f" kernels={rec['kernel_custom_calls']}"
           f" whole-weight gathers={rec['whole_weight_all_gathers']}"
+          f" layer weights/device={rec['layer_weight_bytes_per_device']}"
         )
   ratios = {}
   for tp in args.tp:
@@ -114,7 +117,8 @@ def main():
       "proportions": f"Llama-3-70B / {SHRINK}",
     },
     "cost_model": "bytes of every collective in the compiled HLO of one decoder layer per "
-    "token; all-reduce counted 2x its operand, all-gather its result (Table 1)",
+    "token; all-reduce counted 2x its operand, all-gather its result (Table 1); "
+    "layer_weight_bytes_per_device: the layer's params held by device 0",
     "lowrank_over_naive_bytes": ratios,
     "deinfer_table1_full_size_elements": table1(),
     "records": records,

@@ -1,4 +1,11 @@
-"""Decode latency and tokens/s under TP: dense vs naive_tp vs lowrank_tp.
+"""Decode latency, tokens/s and serving under TP: dense Megatron against the low-rank layouts.
+
+Strategies (``--strategies``; lrjax.sharding.rules): ``dense`` (Megatron on the uncompressed
+model), ``naive_tp``, ``lowrank_tp`` (DeInfer), ``lowrank_split`` (no factor replicated, four
+rank-space all-reduces a layer), ``lowrank_megatron`` (two rank-space all-reduces a layer), and
+``auto``: not timed again, but recorded per model, TP size and batch as the strategy
+``lrjax.sharding.explain`` picks, the step it predicts for each strategy, and how the pick's
+measured step compares with the fastest measured one.
 
 ``--model 8b``: Llama-3-8B shapes (hidden 4096, 32/8 heads of 128, MLP 14336, vocab 128256);
 ``--model 70b``: Llama-3-70B shapes (hidden 8192, 64/8 heads of 128, MLP 28672, vocab 128256).
@@ -21,15 +28,25 @@ strategy:
            (one traced call; ``--events-out`` keeps
            its raw events and the compiled HLO).
   serving  ``--requests`` concurrent requests through lrjax.serving.Engine (continuous batching,
-           prompts of ``--prompt-len``): TTFT (submit → first token) and ITL (token gaps),
+           prompts of ``--prompt-len``; through lrjax.fuse for the low-rank strategies when
+           fused steps are measured): TTFT (submit → first token) and ITL (token gaps),
            median and p90, after a warm-up pass that compiles every shape.
 
-  python benchmarks/tp_gpu.py --model 8b 70b --tp 2 4 8 [--layers 4] [--out results/tp_h200.json]
+Every decode record also carries the cost model's step (``predicted_ms``, lrjax.sharding.cost
+with this host's table entry); ``--fuse both`` times each low-rank strategy unfused and fused;
+``--profile`` adds the kernel time per step by kind (``kernel_ms_by_kind``: GEMM, collective,
+other), which shows where a step that misses its target goes.
 
-Runs unchanged for any TP size the host has devices for (TP=8 on 8 GPUs). Several ``--ratio``
-values sweep the compression (DeInfer Fig. 7); dense runs once and serving at the first ratio.
-Records carry the model's name and ratio; ``models`` in the JSON holds each model's config and
-``ranks`` each ``model@ratio``'s ranks.
+  python benchmarks/tp_gpu.py --model 8b 70b --tp 2 4 8 [--layers 4] [--out results/tp_gpu.json]
+
+Runs unchanged for any TP size the host has devices for (TP=8 on 8 GPUs); ``--append`` adds to
+``--out`` (one TP size or model per command fits a time-limited session). On CPU:
+``XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu python
+benchmarks/tp_gpu.py --smoke --tp 2 4 --out /tmp/tp_smoke.json`` checks the script. Several
+``--ratio`` values sweep the compression (DeInfer Fig. 7); dense runs once and serving at the
+first ratio. Records carry the model's name and ratio; ``models`` in the JSON holds each
+model's config and ``ranks`` each ``model@ratio``'s ranks. ``--plot JSON`` draws the step per
+strategy over TP and each layout's speed-up over dense Megatron against the targets.
 """
 
 import argparse
@@ -63,6 +80,12 @@ from results_io import write_json
 HBM_BPS = 4.3e12
 
 
+LOWRANK = ("naive_tp", "lowrank_tp", "lowrank_split", "lowrank_megatron")
+STRATEGIES = ("dense",) + LOWRANK + ("auto",)
+# speed-up over dense Megatron at 40 % removed that the layouts aim for, per TP size
+TARGETS = {2: 1.3, 4: 1.3, 8: 1.15}
+
+
 def machine():
   d = jax.devices()
   info = {
@@ -84,6 +107,12 @@ def machine():
     )
   except Exception as e:  # noqa: BLE001 (not an NVIDIA host)
     info["nvidia_smi"] = f"unavailable: {e}"
+  try:  # NVLink or PCIe between the GPUs
+    info["topology"] = subprocess.run(
+      ["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20
+    ).stdout.strip()
+  except Exception as e:  # noqa: BLE001
+    info["topology"] = f"unavailable: {e}"
   return info
 
 
@@ -178,6 +207,21 @@ def base_name(name: str) -> str:
   return re.sub(r"(_[0-9a-f]{12})?([._]\d+)*$", "", name)
 
 
+_COLLECTIVE = ("nccl", "allreduce", "all_reduce", "all-reduce", "allgather", "all_gather")
+_GEMM = ("gemm", "cublas", "cutlass", "xmma", "sm90_", "sm80_", "triton", "dot", "matmul")
+
+
+def kernel_kind(name: str) -> str:
+  """ "collective", "gemm" or "other" for a GPU kernel's name (NCCL kernels; cuBLAS/CUTLASS GEMMs,
+  XLA's Triton GEMM fusions and lrjax's Triton kernels; everything else)."""
+  low = name.lower()
+  if any(k in low for k in _COLLECTIVE):
+    return "collective"
+  if any(k in low for k in _GEMM):
+    return "gemm"
+  return "other"
+
+
 def kernel_profile(fn, fn_args, steps, top=40, events_out=None):
   """One traced call ``fn(*fn_args)`` of the decode loop. Returns its outputs and, per step,
   the GPU's busy time (the union of kernel intervals), its span, the ``top`` kernel names by
@@ -203,7 +247,11 @@ def kernel_profile(fn, fn_args, steps, top=40, events_out=None):
   gaps = sorted(idle_gaps_ns(events, key).items(), key=lambda kv: -kv[1][0])[:top]
   overlaps = sorted(overlaps_ns(events, key).items(), key=lambda kv: -kv[1])[:top]
   busy, span = busy_ns(events) / steps / 1e6, span_ns(events) / steps / 1e6
+  split = {"gemm": 0.0, "collective": 0.0, "other": 0.0}  # kernel time per step (may overlap)
+  for s, e, name in events:
+    split[kernel_kind(name)] += (e - s) / steps / 1e6
   return outs, {
+    "kernel_ms_by_kind": split,
     "gpu_busy_ms": busy,
     "gpu_span_ms": span,
     "gpu_idle_ms": span - busy,
@@ -304,10 +352,66 @@ def time_serving(model, args):
   }
 
 
-def run_model(name, cfg, args, dtype, out, save):
-  """Every TP size × strategy × ratio × batch of one model, each record saved as it comes.
+def fuse_modes(args) -> tuple[bool, ...]:
+  return {"no": (False,), "yes": (True,), "both": (False, True)}[args.fuse_mode]
 
-  Dense runs once (it has no ratio); serving runs for the first ratio only."""
+
+def predicted_ms(model, strategy, tp, batch, ctx, dtype) -> float | None:
+  """The cost model's step for ``strategy`` (lrjax.sharding.cost, this host's table entry)."""
+  c = sharding.cost.predict(
+    strategy,
+    model.cfg,
+    model.layer_ranks() if any(model.layer_ranks()) else None,
+    tp,
+    batch=batch,
+    ctx=ctx,
+    dtype_bytes=jnp.dtype(dtype).itemsize,
+    ic=sharding.cost.interconnect_for(jax.devices()[0].device_kind)[0],
+  )
+  return c.ms
+
+
+def auto_record(name, model, ratio, tp, batch, args, dtype, out):
+  """What ``strategy="auto"`` picks here, the step the cost model predicts for every strategy,
+  and the pick's measured (unfused) step against the fastest measured low-rank one."""
+  rep = sharding.explain(model, tp, batch=batch, ctx=args.ctx, device=jax.devices()[0].device_kind)
+  measured = {
+    r["strategy"]: r["step_ms"]
+    for r in out["records"]
+    if "step_ms" in r
+    and not r.get("fuse")
+    and (r["model"], r["ratio"], r["tp"], r["batch"]) == (name, ratio, tp, batch)
+  }
+  rec = {
+    "model": name,
+    "strategy": "auto",
+    "ratio": ratio,
+    "tp": tp,
+    "batch": batch,
+    "ctx": args.ctx,
+    "layers": model.cfg.num_layers,
+    "fuse": False,
+    "chose": rep.choice,
+    "interconnect": rep.interconnect,
+    "predicted_ms": {c.strategy: c.ms for c in rep.costs if c.ms is not None},
+    "measured_ms": measured,
+  }
+  if rep.choice in measured:
+    best = min(measured, key=measured.get)
+    rec.update(
+      step_ms_of_choice=measured[rep.choice],
+      fastest_measured=best,
+      choice_over_fastest=measured[rep.choice] / measured[best],
+    )
+  return rec
+
+
+def run_model(name, cfg, args, dtype, out, save):
+  """Every TP size × strategy × ratio × batch (× unfused / fused) of one model, each record
+  saved as it comes, then ``auto``'s pick per TP size and batch.
+
+  Dense runs once (it has no ratio), unfused only (it has no factor pairs to fuse); serving runs
+  for the first ratio only, through lrjax.fuse when fused steps are measured."""
 
   def build(ranks):
     t0 = time.perf_counter()
@@ -327,125 +431,204 @@ def run_model(name, cfg, args, dtype, out, save):
     return m
 
   runs = []  # (strategy, ratio, model)
+  lowrank_models = []  # (ratio, model)
   if "dense" in args.strategies:
     runs.append(("dense", None, build(None)))
   for ratio in args.ratio:
     ranks = compressed_ranks(cfg, ratio, multiple=8 if args.smoke else 64)
     out["ranks"][f"{name}@{ratio}"] = ranks
-    lowrank = [s for s in args.strategies if s != "dense"]
-    if lowrank:
+    lowrank = [s for s in args.strategies if s in LOWRANK]
+    if lowrank or "auto" in args.strategies:
       m = build(ranks)
       runs += [(s, ratio, m) for s in lowrank]
+      lowrank_models.append((ratio, m))
   for tp in args.tp:
     if tp > jax.device_count():
       print(f"skip tp={tp}: only {jax.device_count()} devices", flush=True)
       continue
     mesh = sharding.make_mesh(tp)
     for strategy, ratio, model in runs:
-      sharding.shard(model, mesh, strategy)
+      try:
+        sharding.shard(model, mesh, strategy)
+      except ValueError as e:  # e.g. heads that do not split tp ways
+        print(f"skip {name} tp={tp} {strategy}: {e}", flush=True)
+        continue
       plan = model.tp_plan
-      tag = {
-        "model": name,
-        "strategy": strategy,
-        "ratio": ratio,
-        "tp": tp,
-        "fuse": args.fuse,
-        **({"group": not args.no_group} if args.fuse else {}),
-        **({"whole_policy": True} if args.whole_policy else {}),
-        **({"kernels": sorted(args.kernels)} if args.kernels else {}),
-        # each call's scratch zeroed by XLA (LRJAX_TRITON_SCRATCH_CHAIN=0): not the default
-        **({"scratch_chain": False} if args.fuse and not launch_modes.chain_scratch() else {}),
-        # the Triton launcher (LRJAX_TRITON_LAUNCH or the default)
-        **({"triton_launch": launch_modes.launch_mode()} if args.fuse else {}),
-      }
-      for batch in args.batch:
-        a = argparse.Namespace(**{**vars(args), "batch": batch})
-        rec = {
-          **tag,
-          "batch": batch,
-          "ctx": args.ctx,
-          "layers": cfg.num_layers,
-          **time_decode(model, plan, a, dtype),
+      modes = (False,) if strategy == "dense" else fuse_modes(args)
+      for fuse in modes:
+        fa = argparse.Namespace(**{**vars(args), "fuse": fuse})
+        tag = {
+          "model": name,
+          "strategy": strategy,
+          "ratio": ratio,
+          "tp": tp,
+          "fuse": fuse,
+          **({"group": not args.no_group} if fuse else {}),
+          **({"whole_policy": True} if args.whole_policy else {}),
+          **({"kernels": sorted(args.kernels)} if args.kernels else {}),
+          # each call's scratch zeroed by XLA (LRJAX_TRITON_SCRATCH_CHAIN=0): not the default
+          **({"scratch_chain": False} if fuse and not launch_modes.chain_scratch() else {}),
+          # the Triton launcher (LRJAX_TRITON_LAUNCH or the default)
+          **({"triton_launch": launch_modes.launch_mode()} if fuse else {}),
         }
-        print(
-          f"{name} tp={tp} {strategy:10s} ratio={ratio} batch={batch:3d} "
-          f"step {rec['step_ms']:.3f} ms {rec['tokens_per_s']:.0f} tok/s "
-          f"roofline {rec['roofline_fraction']:.2f} (compile {rec['compile_s']:.1f} s)",
-          flush=True,
-        )
-        out["records"].append(rec)
-        save()
-      if not args.no_serving and ratio in (None, args.ratio[0]):
-        s = time_serving(model, args)
-        out["records"].append({**tag, "serving": s})
-        print(
-          f"{name} tp={tp} {strategy:10s} serving ttft {s['ttft_ms_median']:.1f} ms itl "
-          f"{s['itl_ms_median']:.2f} ms {s['tokens_per_s']:.0f} tok/s",
-          flush=True,
-        )
-        save()
+        for batch in args.batch:
+          a = argparse.Namespace(**{**vars(fa), "batch": batch})
+          rec = {
+            **tag,
+            "batch": batch,
+            "ctx": args.ctx,
+            "layers": cfg.num_layers,
+            **time_decode(model, plan, a, dtype),
+            "predicted_ms": predicted_ms(model, strategy, tp, batch, args.ctx, dtype),
+          }
+          print(
+            f"{name} tp={tp} {strategy:16s} fuse={int(fuse)} ratio={ratio} batch={batch:3d} "
+            f"step {rec['step_ms']:.3f} ms (predicted {rec['predicted_ms']:.3f}) "
+            f"{rec['tokens_per_s']:.0f} tok/s roofline {rec['roofline_fraction']:.2f} "
+            f"(compile {rec['compile_s']:.1f} s)",
+            flush=True,
+          )
+          out["records"].append(rec)
+          save()
+        serve = fuse == modes[-1]  # the fused engine when fused steps are measured
+        if serve and not args.no_serving and ratio in (None, args.ratio[0]):
+          s = time_serving(model, fa)
+          out["records"].append({**tag, "serving": s})
+          print(
+            f"{name} tp={tp} {strategy:16s} fuse={int(fuse)} serving ttft "
+            f"{s['ttft_ms_median']:.1f} ms itl {s['itl_ms_median']:.2f} ms "
+            f"{s['tokens_per_s']:.0f} tok/s",
+            flush=True,
+          )
+          save()
+    if "auto" in args.strategies:
+      for ratio, model in lowrank_models:
+        for batch in args.batch:
+          rec = auto_record(name, model, ratio, tp, batch, args, dtype, out)
+          print(
+            f"{name} tp={tp} auto ratio={ratio} batch={batch:3d} chose {rec['chose']}"
+            + (
+              f" (measured {rec['choice_over_fastest']:.2f}x the fastest, "
+              f"{rec['fastest_measured']})"
+              if "choice_over_fastest" in rec
+              else ""
+            ),
+            flush=True,
+          )
+          out["records"].append(rec)
+          save()
+
+
+MARKERS = {"dense": "s", "naive_tp": "x", "lowrank_tp": "o", "lowrank_split": "D"}
+MARKERS["lowrank_megatron"] = "^"
 
 
 def plot(path_json: str) -> str:
-  """Beside the JSON: decode step per strategy over TP (one panel per model and batch), and
-  lowrank_tp's speed-up over naive_tp per compression ratio. Needs matplotlib."""
+  """Beside the JSON: the decode step per strategy over TP (one panel per model and batch;
+  fused steps dotted), and per model each layout's speed-up over dense Megatron over TP with
+  the targets (gray). Needs matplotlib."""
   from plotting import pyplot, save_beside
 
   plt = pyplot()
   with open(path_json) as fh:
-    recs = [r for r in json.load(fh)["records"] if "step_ms" in r and not r.get("fuse")]
+    recs = [r for r in json.load(fh)["records"] if "step_ms" in r and r["ratio"] in (None, 0.4)]
   panels = sorted({(r["model"], r["batch"]) for r in recs})
-  fig, axes = plt.subplots(1, len(panels) + 1, figsize=(4.2 * (len(panels) + 1), 3.8))
+  models = sorted({r["model"] for r in recs})
+  n = len(panels) + len(models)
+  cols = min(n, 4)
+  rows = -(-n // cols)
+  fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.6 * rows), squeeze=False)
+  axes = list(axes.flat)
   for ax, (model, batch) in zip(axes, panels):
-    for strategy, style in (("dense", "s:"), ("naive_tp", "x--"), ("lowrank_tp", "o-")):
+    lines = sorted({(r["strategy"], bool(r["fuse"])) for r in recs if r["model"] == model})
+    for strategy, fuse in lines:
       rs = sorted(
         (
           r
           for r in recs
-          if (r["model"], r["batch"], r["strategy"]) == (model, batch, strategy)
-          and r["ratio"] in (None, 0.4)
+          if (r["model"], r["batch"], r["strategy"], bool(r["fuse"]))
+          == (model, batch, strategy, fuse)
         ),
         key=lambda r: r["tp"],
       )
-      ax.plot([r["tp"] for r in rs], [r["step_ms"] for r in rs], style, label=strategy)
-    ax.set(xlabel="TP", ylabel="ms per decode step", title=f"{model}, batch {batch}")
-    ax.legend(fontsize=7)
-  ax = axes[-1]
-  for model, ratio, batch in sorted(
-    {(r["model"], r["ratio"], r["batch"]) for r in recs if r["strategy"] == "lowrank_tp"}
-  ):
-    pts = []
-    for r in sorted(recs, key=lambda r: r["tp"]):
-      if (r["model"], r["ratio"], r["batch"], r["strategy"]) == (model, ratio, batch, "naive_tp"):
-        low = next(
-          (
-            q
-            for q in recs
-            if (q["model"], q["ratio"], q["batch"], q["tp"], q["strategy"])
-            == (model, ratio, batch, r["tp"], "lowrank_tp")
-          ),
-          None,
+      if rs:
+        ax.plot(
+          [r["tp"] for r in rs],
+          [r["step_ms"] for r in rs],
+          marker=MARKERS.get(strategy, "."),
+          ls=":" if fuse else "-",
+          label=strategy + (" (fused)" if fuse else ""),
+          alpha=0.6 if fuse else 1.0,
         )
-        if low:
-          pts.append((r["tp"], r["step_ms"] / low["step_ms"]))
-    ax.plot(*zip(*pts), "o-" if batch >= 32 else "x--", label=f"{model} r{ratio} b{batch}")
-  ax.axhline(1.3, color="gray", lw=0.8)
-  ax.set(xlabel="TP", ylabel="lowrank_tp / naive_tp speed", title="speed-up (target 1.3x)")
-  ax.legend(fontsize=6)
+    ax.set(xlabel="TP", ylabel="ms per decode step", title=f"{model}, batch {batch}")
+    ax.legend(fontsize=6)
+  sp = over_dense(recs)
+  for ax, model in zip(axes[len(panels) :], models):
+    curves = {}  # (strategy, batch) -> [(tp, speed-up)], unfused
+    for r in recs:
+      key = f"{r['model']}_{r['strategy']}_r{r['ratio']}_tp{r['tp']}_b{r['batch']}"
+      if r["model"] == model and not r["fuse"] and key in sp:
+        curves.setdefault((r["strategy"], r["batch"]), []).append((r["tp"], sp[key]["speedup"]))
+    for (strategy, batch), pts in sorted(curves.items()):
+      ax.plot(
+        *zip(*sorted(pts)),
+        marker=MARKERS.get(strategy, "."),
+        ms=3 + batch / 16,
+        lw=0.8,
+        label=f"{strategy} b{batch}",
+      )
+    for tp, t in TARGETS.items():
+      ax.plot([tp], [t], "s", color="gray", ms=9, alpha=0.5)
+    ax.axhline(1.0, color="gray", lw=0.6)
+    ax.set(
+      xlabel="TP", ylabel="speed-up over dense Megatron", title=f"{model}: vs dense (targets gray)"
+    )
+    ax.legend(fontsize=5, ncol=2)
   tps = sorted({r["tp"] for r in recs})
-  for ax in axes:
+  for ax in axes[:n]:
     ax.set_xscale("log", base=2)
     ax.set_xticks(tps, [str(t) for t in tps])
     ax.minorticks_off()
+  for ax in axes[n:]:
+    ax.set_visible(False)
   return save_beside(fig, path_json)
+
+
+def over_dense(records) -> dict:
+  """Each low-rank layout's decode speed-up over dense Megatron at the same model, TP size and
+  batch (unfused dense against the layout's unfused and fused steps), with the target."""
+  dense = {
+    (r["model"], r["tp"], r["batch"]): r["step_ms"]
+    for r in records
+    if "step_ms" in r and r["strategy"] == "dense"
+  }
+  out = {}
+  for r in records:
+    if "step_ms" not in r or r["strategy"] == "dense":
+      continue
+    base = dense.get((r["model"], r["tp"], r["batch"]))
+    if base is None:
+      continue
+    key = f"{r['model']}_{r['strategy']}_r{r['ratio']}_tp{r['tp']}_b{r['batch']}" + (
+      "_fused" * bool(r["fuse"])
+    )
+    target = TARGETS.get(r["tp"])
+    # the targets hold at 40 % removed, at every batch for TP 2 and 4, at batch 8 and 32 at TP 8
+    applies = r["ratio"] == 0.4 and target and (r["tp"] != 8 or r["batch"] in (8, 32))
+    out[key] = {
+      "speedup": base / r["step_ms"],
+      "target": target,
+      "meets_target": (base / r["step_ms"] >= target) if applies else None,
+    }
+  return out
 
 
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--plot", metavar="JSON", help="only draw the plot of a results file")
-  ap.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["8b"])
-  ap.add_argument("--tp", type=int, nargs="+", default=[2, 4])
-  ap.add_argument("--strategies", nargs="+", default=["dense", "naive_tp", "lowrank_tp"])
+  ap.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["8b", "70b"])
+  ap.add_argument("--tp", type=int, nargs="+", default=[2, 4, 8])
+  ap.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
   ap.add_argument("--layers", type=int, default=4)
   ap.add_argument(
     "--ratio",
@@ -454,7 +637,7 @@ def main():
     default=[0.4],
     help="fractions of each projection's params removed (serving: the first)",
   )
-  ap.add_argument("--batch", type=int, nargs="+", default=[32])
+  ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
   ap.add_argument("--ctx", type=int, default=2048)
   ap.add_argument("--steps", type=int, default=32)
   ap.add_argument("--reps", type=int, default=5)
@@ -464,8 +647,13 @@ def main():
   ap.add_argument("--no-serving", action="store_true")
   ap.add_argument(
     "--fuse",
-    action="store_true",
-    help="run the steps through lrjax.fuse (Triton kernels on GPU, per the policy)",
+    dest="fuse_mode",
+    nargs="?",
+    const="yes",
+    default="no",
+    choices=("no", "yes", "both"),
+    help="run the low-rank steps through lrjax.fuse (Triton kernels on GPU, per the policy); "
+    "'both': unfused and fused records (serving fused)",
   )
   ap.add_argument(
     "--whole-policy",
@@ -507,16 +695,17 @@ def main():
     "each run's 'steps' keeps every step time it measured)",
   )
   ap.add_argument(
-    "--out", default=os.path.join(os.path.dirname(__file__), "results", "tp_h200.json")
+    "--out", default=os.path.join(os.path.dirname(__file__), "results", "tp_gpu.json")
   )
   args = ap.parse_args()
   if args.plot:
     print("wrote", plot(args.plot))
     return
-  if args.no_group and not args.fuse:
+  fused = args.fuse_mode != "no"
+  if args.no_group and not fused:
     raise SystemExit("--no-group applies to the chains lrjax.fuse finds: it needs --fuse")
   for flag, given in (("--kernels", args.kernels), ("--whole-policy", args.whole_policy)):
-    if given and not args.fuse:
+    if given and not fused:
       raise SystemExit(
         f"{flag} chooses among the kernels lrjax.fuse's ops lower to: it needs --fuse"
       )
@@ -624,6 +813,10 @@ def main():
         speed[key] = base["step_ms"] / r["step_ms"]
   out["lowrank_over_naive_decode_speedup"] = speed
   print("lowrank_tp / naive_tp decode speed-up:", speed)
+  out["over_dense_decode_speedup"] = over_dense(out["records"])
+  for key, v in sorted(out["over_dense_decode_speedup"].items()):
+    mark = "" if v["meets_target"] is None else (" meets" if v["meets_target"] else " misses")
+    print(f"over dense {key}: {v['speedup']:.2f}x (target {v['target']}){mark}")
   save()
   print("wrote", args.out)
 

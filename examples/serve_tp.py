@@ -1,11 +1,12 @@
-"""Serve a low-rank Llama with DeInfer's low-rank TP on 4 simulated CPU devices.
+"""Serve a low-rank Llama with low-rank tensor parallelism on simulated CPU devices.
 
-  python examples/serve_tp.py [--tp 4] [--strategy lowrank_tp]
+  python examples/serve_tp.py [--tp 4] [--strategy auto|lowrank_split|lowrank_megatron|...]
 
 Builds a small random low-rank model, saves it as an lrjax orbax checkpoint, loads it straight
-into the tensor-parallel shardings, prints the collectives of one layer, and generates for a few
-concurrent requests (continuous batching) — once with the dense KV cache and once with the
-low-rank (rank-space) KV cache.
+into the tensor-parallel shardings (``auto``: the strategy the cost model predicts fastest, and
+why), prints the collectives of one layer, and generates for a few concurrent requests
+(continuous batching) — once with the dense KV cache and once with the low-rank (rank-space)
+KV cache.
 """
 
 import os
@@ -19,6 +20,8 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from lrjax import checkpoint, sharding  # noqa: E402
 from lrjax.models import LlamaForCausalLM, ModelConfig  # noqa: E402
@@ -30,7 +33,7 @@ from lrjax.sharding.analysis import compressed_ranks, layer_hlo  # noqa: E402
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--tp", type=int, default=4)
-  ap.add_argument("--strategy", default="lowrank_tp", choices=sharding.STRATEGIES[1:])
+  ap.add_argument("--strategy", default="auto", choices=(sharding.AUTO,) + sharding.STRATEGIES[1:])
   args = ap.parse_args()
   cfg = ModelConfig.tiny(
     hidden_size=128,
@@ -47,7 +50,8 @@ def main():
     path = os.path.join(tmp, "ckpt")
     checkpoint.save(model, path)
     model = load_model(path, tp=args.tp, strategy=args.strategy)
-  print(f"{jax.device_count()} devices; {args.strategy} over tp={args.tp}; ranks {ranks}")
+  print(f"{jax.device_count()} devices; ranks {ranks}")
+  print(model.tp_plan)  # the strategy (and, for auto, every strategy's predicted step)
   u = model.layers[0].attn.q_proj.u[...]
   print(
     f"q_proj.u {u.shape} sharded {u.sharding.spec}: local shard "
@@ -55,6 +59,8 @@ def main():
   )
 
   h = jax.random.normal(jax.random.key(0), (1, 8, cfg.hidden_size), jnp.float32)
+  if model.tp_plan.strategy == "lowrank_split":  # its layers take the hidden state split
+    h = jax.device_put(h, NamedSharding(model.tp_plan.mesh, P(None, None, "tp")))
   colls = sharding.collectives(layer_hlo(model.layers[0], cfg, h))
   print("collectives of one decoder layer (8 tokens):")
   for c in colls:

@@ -12,11 +12,21 @@ rule instead. Its ``partition`` callback reads the factor shardings that the par
   -           (-, tp)     col        the primitive on (u, v_l); output split on N
   (-, tp)     (-, tp)     lr_col     x·u_l, all-gather in rank space, ·v_l; output split on N
   (tp, -)     -           lr_row     x_l·u_l, psum in rank space, ·v; x must be split on K
+  (tp, -)     (-, tp)     split      x_l·u_l, psum in rank space, ·v_l; x split on K, output on N
 
-``lr_mlp`` composes these per projection (the intermediate is all-gathered or sliced when the
-down projection needs another layout). Inside the per-device program the primitives are bound
-again on local shapes, so kernel selection (``supports``) sees the shard shapes; there every mesh
-axis is manual and this wrapper inlines. Any other layout replicates its operands (logged).
+``lr_mlp`` with gate/up in an lr_col or split layout (or col, where a kernel serves
+``lr_mlp_rank`` on the local shapes; else col's local gate/up X·U·V keep their ``lr_xuv``
+kernels) and down in lr_row or split runs between its rank-space collectives
+``lr_mlp_rank`` (lowering/mlp_rank.py): the gate/up
+rank-space inputs x·U are completed by one collective (their partial sums or shards
+concatenated), each device applies the SwiGLU on its F/n columns and down's first factor, and
+one all-reduce sums the rank-space partials s before ·Vd. Rank-space partial sums are reduced
+in f32 and rounded once, as the single-device reference rounds the whole sum once. Other
+``lr_mlp`` plans compose the per-pair layouts (the intermediate is all-gathered or sliced when
+the down projection needs another layout). Inside the per-device program the primitives are
+bound again on local shapes, so kernel selection (``supports``) sees the shard shapes; there
+every mesh axis is manual and this wrapper inlines. Any other layout replicates its operands
+(logged).
 
 The Shardy rule gives every weight dim its own factor, so that no weight is resharded to make
 factors agree; only the batch dims ("...") and the output width (tied to the last v) propagate.
@@ -35,7 +45,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lrjax.lowering import _jaxpr
+from lrjax.lowering import _jaxpr, registry
 from lrjax.lowering.primitives import lr_mlp_p, lr_xuv_p
 
 log = logging.getLogger("lrjax.lowering")
@@ -45,7 +55,7 @@ log = logging.getLogger("lrjax.lowering")
 # custom_partitioning needs them.
 _jaxpr.require_devices_during_lowering(lr_xuv_p, lr_mlp_p)
 
-LAYOUTS = ("repl", "rank", "col", "lr_col", "lr_row")
+LAYOUTS = ("repl", "rank", "col", "lr_col", "lr_row", "split")
 
 
 def _spec(sharding, ndim: int) -> tuple:
@@ -66,12 +76,18 @@ def pair_layout(su: tuple, sv: tuple) -> tuple[str, str | None]:
     ((None, None), (None, ax)): "col",
     ((None, ax), (None, ax)): "lr_col",
     ((ax, None), (None, None)): "lr_row",
+    ((ax, None), (None, ax)): "split",
   }
   return table.get((su, sv), "other"), ax
 
 
 def _out_split(layout: str) -> bool:
-  return layout in ("col", "lr_col")
+  return layout in ("col", "lr_col", "split")
+
+
+def _k_split(layout: str) -> bool:
+  """Whether the pair's input x must be split on K (its u is row-parallel)."""
+  return layout in ("lr_row", "split")
 
 
 def _local_xuv(x, u, v, b, layout, ax, inter_dtype, out_dtype):
@@ -90,6 +106,9 @@ def _local_xuv(x, u, v, b, layout, ax, inter_dtype, out_dtype):
   xu = jnp.matmul(x, u, preferred_element_type=inter_dtype)
   if layout == "lr_col":
     t = jax.lax.all_gather(xu, ax, axis=x.ndim - 1, tiled=True)
+  elif layout == "split":  # rank-space partial sums, reduced in f32 and rounded once
+    xu = jnp.matmul(x, u, preferred_element_type=jnp.float32)
+    t = jax.lax.psum(xu, ax).astype(inter_dtype)
   else:  # lr_row: rank-space partial sums, reduced in the intermediate dtype
     t = jax.lax.psum(xu, ax)
   return rank_space_out(t, v, b, out_dtype)
@@ -124,6 +143,9 @@ def _plan(prim_name: str, shardings, shapes, params):
   axes = {ax for _, ax in out.values() if ax is not None}
   if len(axes) > 1:
     return None
+  firsts = [out[k][0] for k in ("gate", "up") if k in out]
+  if len({_k_split(layout) for layout in firsts}) > 1:
+    return None  # gate and up would need x in two layouts
   return out
 
 
@@ -142,6 +164,7 @@ def _weights_spec(layout, ax):
     "col": (P(), P(None, ax)),
     "lr_col": (P(None, ax), P(None, ax)),
     "lr_row": (P(ax, None), P()),
+    "split": (P(ax, None), P(None, ax)),
   }[layout]
   return su, sv
 
@@ -150,13 +173,13 @@ def _arg_and_out_specs(prim_name, plan, x_spec, params, nops):
   """PartitionSpecs of every operand and of the output for ``plan``."""
   if prim_name == "lr_xuv":
     layout, ax = plan["p"]
-    specs = [_x_spec(x_spec, layout == "lr_row", ax), *_weights_spec(layout, ax)]
+    specs = [_x_spec(x_spec, _k_split(layout), ax), *_weights_spec(layout, ax)]
     if params["has_bias"]:
       specs.append(_bias_spec(layout, ax))
     out_last = ax if _out_split(layout) else None
     return specs, P(*x_spec[:-1], out_last)
   first = plan.get("gate", plan["up"])
-  specs = [_x_spec(x_spec, first[0] == "lr_row", first[1])]
+  specs = [_x_spec(x_spec, _k_split(first[0]), first[1])]
   names = ("gate", "up", "down") if params["gated"] else ("up", "down")
   for name, hb in zip(names, params["bias_mask"]):
     layout, ax = plan[name]
@@ -168,7 +191,99 @@ def _arg_and_out_specs(prim_name, plan, x_spec, params, nops):
   return specs, P(*x_spec[:-1], ax if _out_split(layout) else None)
 
 
-def _lower_fn(prim_name, plan, params):
+# lr_mlp plans that run lr_mlp_rank between two rank-space collectives: gate/up layouts whose
+# v is split on the intermediate's columns, down layouts whose u is split on its rows.
+_RANK_IN = ("col", "lr_col", "split")
+_RANK_OUT = ("lr_row", "split")
+
+
+def _mlp_rank_path(*ops, plan, params):
+  """Per-device lr_mlp for a (col | lr_col | split) → (lr_row | split) plan: x·U of gate and up
+  completed by one collective per kind (all-gather of rank shards, all-reduce of partial sums,
+  each over the members concatenated), ``lr_mlp_rank`` on the local columns, one all-reduce of
+  its rank-space partial sums, then ·Vd."""
+  from lrjax.lowering.mlp_rank import lr_mlp_rank_p
+  from lrjax.lowering.primitives import mlp_operands, rank_space_out
+
+  inter, out_dt = params["inter_dtype"], params["out_dtype"]
+  gated = params["gated"]
+  d = mlp_operands(ops, gated, params["bias_mask"])
+  x = d["x"]
+  names = ("gate", "up") if gated else ("up",)
+  ax = next(a for _, a in plan.values() if a is not None)
+  p = {}
+  gather = [n for n in names if plan[n][0] == "lr_col"]
+  reduce = [n for n in names if plan[n][0] == "split"]
+  for n in names:
+    if plan[n][0] == "col":  # u replicated: x·u is complete here
+      p[n] = jnp.matmul(x, d[n][0], preferred_element_type=inter)
+  if gather:  # rank shards [.., r/n] of each member → one all-gather → [.., r] each
+    parts = [jnp.matmul(x, d[n][0], preferred_element_type=inter) for n in gather]
+    g = jax.lax.all_gather(jnp.concatenate(parts, -1), ax, axis=x.ndim - 1, tiled=False)
+    o = 0
+    for n, t in zip(gather, parts):
+      w = t.shape[-1]
+      p[n] = g[..., o : o + w].reshape(*t.shape[:-1], -1)
+      o += w
+  if reduce:  # partial sums [.., r] of each member → one f32 all-reduce
+    parts = [jnp.matmul(x, d[n][0], preferred_element_type=jnp.float32) for n in reduce]
+    t = jax.lax.psum(jnp.concatenate(parts, -1) if len(parts) > 1 else parts[0], ax)
+    o = 0
+    for n, part in zip(reduce, parts):
+      p[n] = t[..., o : o + part.shape[-1]].astype(inter)
+      o += part.shape[-1]
+  rops, mask = [], []
+  for n in names:
+    _, v, b = d[n]
+    rops += [p[n], v] + ([b] if b is not None else [])
+    mask.append(b is not None)
+  ud, vd, bd = d["down"]
+  s = lr_mlp_rank_p.bind(
+    *rops,
+    ud,
+    gated=gated,
+    act=params["act"],
+    bias_mask=tuple(mask),
+    inter_dtype=inter,
+    out_dtype=jnp.dtype(jnp.float32),
+  )
+  s = jax.lax.psum(s, ax).astype(inter)
+  return rank_space_out(s, vd, bd, out_dt)
+
+
+def _registry_platform(mesh) -> str:
+  """The kernel registry's platform name of ``mesh``'s devices ("cuda" for NVIDIA GPUs)."""
+  d = mesh.devices.flat[0]
+  if d.platform == "gpu":
+    return "rocm" if "rocm" in str(getattr(d.client, "platform_version", "")).lower() else "cuda"
+  return d.platform
+
+
+def _rank_kernel_serves(ops, params, platform) -> bool:
+  """Whether a registered kernel would serve lr_mlp_rank on these local lr_mlp operands (all of
+  gate/up with u replicated, so x·U has the whole rank here)."""
+  from lrjax.lowering.primitives import mlp_operands
+
+  d = mlp_operands(ops, params["gated"], params["bias_mask"])
+  x, inter = d["x"], params["inter_dtype"]
+  avals, mask = [], []
+  for n in ("gate", "up") if params["gated"] else ("up",):
+    u, v, b = d[n]
+    avals += [jax.core.ShapedArray(x.shape[:-1] + (u.shape[1],), inter), v.aval]
+    avals += [b.aval] if b is not None else []
+    mask.append(b is not None)
+  avals.append(d["down"][0].aval)
+  rparams = dict(
+    gated=params["gated"],
+    act=params["act"],
+    bias_mask=tuple(mask),
+    inter_dtype=inter,
+    out_dtype=jnp.dtype(jnp.float32),
+  )
+  return registry.select("lr_mlp_rank", platform, avals, rparams).kernel is not None
+
+
+def _lower_fn(prim_name, plan, params, platform="cpu"):
   from lrjax.lowering.primitives import mlp_operands
 
   inter, out_dt = params["inter_dtype"], params["out_dtype"]
@@ -185,7 +300,15 @@ def _lower_fn(prim_name, plan, params):
 
   act = ACTIVATIONS[params["act"]]
 
+  names = ("gate", "up") if params["gated"] else ("up",)
+  rank_plan = all(plan[n][0] in _RANK_IN for n in names) and plan["down"][0] in _RANK_OUT
+  # With u replicated (col) x·U needs no collective, and the gate/up X·U·V are local: their
+  # lr_xuv kernels serve unless one serves lr_mlp_rank on these shapes.
+  all_col = all(plan[n][0] == "col" for n in names)
+
   def mlp(*ops):
+    if rank_plan and (not all_col or _rank_kernel_serves(ops, params, platform)):
+      return _mlp_rank_path(*ops, plan=plan, params=params)
     d = mlp_operands(ops, params["gated"], params["bias_mask"])
     x = d["x"]
     lu, ax = plan["up"]
@@ -199,7 +322,7 @@ def _lower_fn(prim_name, plan, params):
     else:
       h = act(h)
     ld, axd = plan["down"]
-    h = _to_layout(h, split, ld == "lr_row", axd or ax)
+    h = _to_layout(h, split, _k_split(ld), axd or ax)
     return _local_xuv(h, *d["down"], ld, axd, inter, out_dt)
 
   return mlp
@@ -265,7 +388,7 @@ def _wrapped(prim_name: str, kernel_fn, param_items: tuple):
     log.debug("%s: partitioned as %s", prim_name, plan)
     return (
       mesh,
-      _lower_fn(prim_name, plan, params),
+      _lower_fn(prim_name, plan, params, _registry_platform(mesh)),
       NamedSharding(mesh, out),
       tuple(NamedSharding(mesh, s) for s in specs),
     )
@@ -302,10 +425,34 @@ def single_device(ctx) -> bool:
   return isinstance(ac, sharding_impls.ShardingContext) and ac.num_devices == 1
 
 
+def manual_program(ctx) -> bool:
+  """Whether this lowering is inside a per-device program (every mesh axis manual: a
+  shard_map body or a custom_partitioning partition), where operands are local shards."""
+  from jax._src import sharding_impls
+
+  ac = ctx.module_context.axis_context
+  return isinstance(ac, sharding_impls.SPMDAxisContext) and set(ac.manual_axes) == set(
+    ac.mesh.axis_names
+  )
+
+
+# Primitives that only a per-device program binds on local shapes (lrjax.sharding): under SPMD
+# with sharded operands their reference lowers instead, for XLA to partition.
+LOCAL_ONLY = ("lr_mlp_rank",)
+
+
 def wrap(ctx, prim_name: str, kernel_fn, params: dict):
   """``impl(*ops)`` that runs ``kernel_fn(*ops, **params)`` on local shards under SPMD; on
   one device the kernel itself, lowered inline (so its block's Triton decode calls share a
   chained scratch, custom_calls/triton/launch.py)."""
-  if prim_name not in ("lr_xuv", "lr_mlp") or getattr(_state, "off", False) or single_device(ctx):
+  if getattr(_state, "off", False) or single_device(ctx):
+    return functools.partial(kernel_fn, **params)
+  if prim_name in LOCAL_ONLY and not manual_program(ctx):
+    from lrjax.lowering import primitives
+
+    log.debug("%s: sharded operands outside a per-device program; the reference lowers", prim_name)
+    prim = next(p for p in primitives.REFERENCES if p.name == prim_name)
+    return functools.partial(primitives.REFERENCES[prim], **params)
+  if prim_name not in ("lr_xuv", "lr_mlp"):
     return functools.partial(kernel_fn, **params)
   return _wrapped(prim_name, kernel_fn, tuple(sorted(params.items())))

@@ -26,8 +26,12 @@ def default_strategy(ranks) -> str:
 def load_model(path, tp: int = 1, strategy: str | None = None, data: int = 1):
   """Load an lrjax orbax checkpoint straight into ``strategy``'s shardings on a (data, tp) mesh.
 
-  ``tp == data == 1`` loads onto the default device, unsharded.
+  ``strategy="auto"`` picks the strategy ``lrjax.sharding.explain`` predicts fastest for this
+  checkpoint on this mesh's devices (``model.tp_plan`` shows why). ``tp == data == 1`` loads onto
+  the default device, unsharded.
   """
+  import numpy as np
+
   from lrjax import checkpoint, sharding
 
   meta = checkpoint.read_metadata(path)
@@ -38,10 +42,21 @@ def load_model(path, tp: int = 1, strategy: str | None = None, data: int = 1):
 
   cfg = ModelConfig.from_dict(meta["config"])
   mesh = sharding.make_mesh(tp, data)
+  emb = meta["params"].get("embed.embedding", {})
+  strategy, report = sharding.resolve(
+    strategy,
+    cfg,
+    tp,
+    ranks=meta["ranks"],
+    heads=meta.get("heads"),
+    dtype_bytes=np.dtype(emb.get("dtype", "bfloat16")).itemsize,
+    device=mesh.devices.flat[0].device_kind,
+  )
   shapes = {k: tuple(v["shape"]) for k, v in meta["params"].items()}
   fn = sharding.param_shardings(cfg, mesh, strategy)
   model = checkpoint.load(path, mesh, lambda key, axes: fn(key, axes, shapes[key]))
-  return sharding.shard(model, mesh, strategy)  # records the plan; arrays already in place
+  # records the plan (arrays already in place)
+  return sharding.shard(model, mesh, strategy, report=report)
 
 
 def load_engine(path, tp: int = 1, strategy: str | None = None, **engine_kw) -> Engine:

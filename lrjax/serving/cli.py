@@ -8,6 +8,18 @@ import time
 
 from lrjax.cli import subcommand
 
+# lrjax.sharding.STRATEGIES and "auto", spelled here so the CLI imports no jax before
+# --cpu-devices sets XLA_FLAGS (tests/sharding checks the two agree)
+STRATEGY_CHOICES = (
+  "auto",
+  "lowrank_tp",
+  "lowrank_split",
+  "lowrank_megatron",
+  "naive_tp",
+  "repl_u_tp",
+  "dense",
+)
+
 
 def _ids(s: str) -> list[int]:
   try:
@@ -31,8 +43,9 @@ def generate(p: argparse.ArgumentParser):
   p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (devices)")
   p.add_argument(
     "--strategy",
-    choices=("lowrank_tp", "naive_tp", "repl_u_tp", "dense"),
-    help="default: lowrank_tp for low-rank checkpoints, dense otherwise",
+    choices=STRATEGY_CHOICES,
+    help="default: lowrank_tp for low-rank checkpoints, dense otherwise; auto: the one the "
+    "cost model predicts fastest here (lrjax.sharding.explain)",
   )
   p.add_argument("--max-new-tokens", type=int, default=32)
   p.add_argument("--temperature", type=float, default=0.0)

@@ -96,10 +96,15 @@ def measure(
   s = hlo.summarize(colls)
   n_tok = batch * seq
   gathers = hlo.weight_gathers(colls, weight_shapes(model.layers[0]))
+  layer_bytes = sum(
+    v[...].addressable_shards[0].data.nbytes
+    for _, v in nnx.to_flat_state(nnx.split(model.layers[0])[1])
+  )
   return {
     "strategy": strategy,
     "tp": tp,
     "fused": fused,
+    "layer_weight_bytes_per_device": layer_bytes,
     "bytes_per_token": s["cost_bytes"] / n_tok,
     "n_collectives": s["n"],
     "max_rel_logit_err": err,

@@ -23,6 +23,19 @@ Strategies (TP degree n = mesh size along "tp"):
               dense weight. Unfused, XLA then keeps the residual stream split on hidden and
               all-reduces in rank space; with fused kernels (lowering/partitioning.py) each
               projection's output is all-gathered at full width.
+  lowrank_split
+              No factor replicated: every u split on its input (K) dim, every v on its output
+              dim, the residual stream split on hidden. Four rank-space all-reduces a layer (q/k/v
+              partial sums with the input norm's sum of squares, o, gate/up with the second
+              norm's, down), run by the layer program of :mod:`lrjax.sharding.split`. Dense
+              kernels of a mixed model are split on their input dim too.
+  lowrank_megatron
+              Megatron's schedule on factor pairs: the factors on the hidden side (col u, row v)
+              replicated, col v split on out, row u on in. Two rank-space all-reduces a layer
+              (o and down), the residual stream replicated.
+
+``lrjax.sharding.shard(..., strategy="auto")`` picks one by the cost model of
+:mod:`lrjax.sharding.cost`.
 """
 
 from __future__ import annotations
@@ -30,7 +43,8 @@ from __future__ import annotations
 from jax.sharding import PartitionSpec as P
 
 MESH_AXES = ("data", "tp")
-STRATEGIES = ("dense", "naive_tp", "lowrank_tp", "repl_u_tp")
+STRATEGIES = ("dense", "naive_tp", "lowrank_tp", "repl_u_tp", "lowrank_split", "lowrank_megatron")
+AUTO = "auto"
 COL_PROJS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PROJS = ("o_proj", "down_proj")
 
@@ -73,11 +87,33 @@ RULES: dict[str, dict[tuple[str, str], P]] = {
     ("row", "bias"): P("tp"),
     ("col", "v3"): P("tp", None, None),
   },
+  "lowrank_split": {
+    ("col", "u"): P("tp", None),
+    ("col", "v"): P(None, "tp"),
+    ("col", "bias"): P("tp"),
+    ("row", "u"): P("tp", None),
+    ("row", "v"): P(None, "tp"),
+    ("row", "bias"): P("tp"),
+    ("col", "v3"): P("tp", None, None),
+    ("col", "kernel"): P("tp", None),
+    ("row", "kernel"): P("tp", None),
+  },
+  "lowrank_megatron": {
+    ("col", "u"): P(),
+    ("col", "v"): P(None, "tp"),
+    ("col", "bias"): P("tp"),
+    ("row", "u"): P("tp", None),
+    ("row", "v"): P(),
+    ("row", "bias"): P(),
+    ("col", "v3"): P("tp", None, None),
+  },
 }
 
 # Params outside the projections, by logical axes: the embedding table and norms are replicated
 # (the lookup stays local); lm_head is column-parallel over the vocabulary in every strategy.
 OTHER = {("vocab", "embed"): P(), ("embed", "vocab"): P(None, "tp")}
+# Per-strategy exceptions: lowrank_split keeps the hidden state split, so its norms are too.
+OTHER_BY_STRATEGY = {"lowrank_split": {("embed",): P("tp")}}
 
 # Each layer's KV cache buffer [batch, kv_heads, max_len, head_dim]: sharded on KV heads except
 # in naive_tp, whose attention runs replicated.
@@ -86,12 +122,17 @@ CACHE = {
   "naive_tp": P("data"),
   "lowrank_tp": P("data", "tp"),
   "repl_u_tp": P("data", "tp"),
+  "lowrank_split": P("data", "tp"),
+  "lowrank_megatron": P("data", "tp"),
 }
 
 
 def check_strategy(strategy: str) -> str:
   if strategy not in STRATEGIES:
-    raise ValueError(f"{strategy=} is not a sharding strategy; expected one of {STRATEGIES}")
+    raise ValueError(
+      f"{strategy=} is not a sharding strategy; expected one of {STRATEGIES} "
+      f"(or {AUTO!r} where a model is sharded: lrjax.sharding.shard, lrjax.serving.load_model)"
+    )
   return strategy
 
 
@@ -109,11 +150,12 @@ def param_spec(strategy: str, key: str, axes: tuple, ndim: int) -> P:
   parts = key.split(".")
   proj = next((p for p in parts if p in COL_PROJS + ROW_PROJS), None)
   if proj is None:
-    return OTHER.get(tuple(axes), P())
+    other = OTHER_BY_STRATEGY.get(strategy, {})
+    return other.get(tuple(axes), OTHER.get(tuple(axes), P()))
   name = parts[-1]
   r = role(proj)
   if name == "kernel":
-    return _DENSE[(r, "kernel")]
+    return RULES[strategy].get((r, "kernel"), _DENSE[(r, "kernel")])
   if name == "bias" and (r, "bias") not in RULES[strategy]:
     return _DENSE[(r, "bias")]
   if strategy == "dense":
