@@ -1,0 +1,535 @@
+"""``lrjax eval``: perplexity and nats per token of checkpoints on a text file, side by side.
+
+Scoring is the strided sliding window of transformers' perplexity guide, with every token
+counted exactly once. Windows of ``seq_len`` tokens start every ``stride`` tokens; a window
+scores only the tokens the previous window did not reach, so each scored token sees at least
+``seq_len - stride`` tokens of context (fewer only near the start of the text)::
+
+  windows = strided_windows(n_tokens, seq_len=1024, stride=512)
+  res = score(model, ids, seq_len=1024, stride=512)   # res.nats_per_token, res.perplexity
+
+Token 0 has no context and is never scored, so ``n_tokens - 1`` tokens are. Windows are padded
+to one length (causal attention: padding after a position does not change its logits) and run
+``batch`` at a time through one jitted forward; the negative log-likelihoods are summed in
+float64 on the host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import hashlib
+import json
+import logging
+import math
+import os
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from lrjax.cli import subcommand
+
+log = logging.getLogger("lrjax.evaluate")
+
+EVAL_FORMAT = "lrjax-eval"
+EVAL_VERSION = 1
+DEFAULT_SEQ_LEN = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+  """Tokens ``[begin, end)`` go in; tokens ``[first, end)`` are scored (``first > begin``)."""
+
+  begin: int
+  end: int
+  first: int
+
+
+def strided_windows(n_tokens: int, seq_len: int, stride: int) -> list[Window]:
+  """The windows that score tokens 1..n_tokens-1 once each (see the module docstring)."""
+  for name, v in (("n_tokens", n_tokens), ("seq_len", seq_len), ("stride", stride)):
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+      raise ValueError(f"{name}={v!r} must be a positive int")
+  if n_tokens < 2:
+    raise ValueError(f"{n_tokens=}: scoring needs at least 2 tokens (one to predict from)")
+  if seq_len < 2:
+    raise ValueError(f"{seq_len=} must be >= 2 (a window predicts from at least one token)")
+  if stride > seq_len:
+    raise ValueError(
+      f"{stride=} > {seq_len=} would skip tokens between windows; use stride <= seq_len "
+      "(seq_len // 2 is usual)"
+    )
+  out, prev_end = [], 0
+  for begin in range(0, n_tokens, stride):
+    end = min(begin + seq_len, n_tokens)
+    first = max(prev_end, begin + 1)
+    if first < end:
+      out.append(Window(begin, end, first))
+    prev_end = end
+    if end == n_tokens:
+      break
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Score:
+  """Negative log-likelihood (nats) of a text under one model."""
+
+  nll_sum: float
+  scored: int
+  windows: int
+  seconds: float
+
+  @property
+  def nats_per_token(self) -> float:
+    return self.nll_sum / self.scored
+
+  @property
+  def perplexity(self) -> float:
+    return math.exp(self.nats_per_token)
+
+
+def _batches(ids: np.ndarray, windows: Sequence[Window], length: int, batch: int):
+  """[batch, length] inputs, next-token targets and 0/1 weights, padded with empty rows."""
+  for i in range(0, len(windows), batch):
+    group = windows[i : i + batch]
+    tok = np.zeros((batch, length), np.int32)
+    tgt = np.zeros((batch, length), np.int32)
+    w = np.zeros((batch, length), np.float32)
+    for row, win in enumerate(group):
+      n = win.end - win.begin
+      tok[row, :n] = ids[win.begin : win.end]
+      tgt[row, : n - 1] = ids[win.begin + 1 : win.end]
+      # position j predicts token begin + j + 1
+      w[row, win.first - win.begin - 1 : n - 1] = 1.0
+    yield len(group), tok, tgt, w
+
+
+def _nll_fn(fuse: bool):
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  @nnx.jit
+  def nll(model, tokens, targets, weights):
+    if fuse:
+      import lrjax
+
+      logits = lrjax.fuse(model)(tokens)
+    else:
+      logits = model(tokens)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    ll = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    return -(ll * weights).sum(axis=-1)  # [batch]
+
+  return nll
+
+
+def score(
+  model,
+  ids: Sequence[int] | np.ndarray,
+  *,
+  seq_len: int,
+  stride: int,
+  batch: int = 1,
+  fuse: bool = False,
+  progress: bool = False,
+  desc: str = "eval",
+) -> Score:
+  """Strided sliding-window negative log-likelihood of token ``ids`` under ``model`` (any
+  ``model(tokens [B, S]) -> logits [B, S, vocab]``, e.g. an lrjax checkpoint as
+  :func:`lrjax.checkpoint.load` returns it). ``fuse`` runs the forward through
+  :func:`lrjax.fuse`."""
+  from tqdm.auto import tqdm
+
+  ids = np.asarray(ids)
+  if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+    raise ValueError(f"ids {ids.dtype}{ids.shape} must be a 1-D sequence of integer token ids")
+  if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+    raise ValueError(f"{batch=} must be a positive int")
+  vocab = getattr(getattr(model, "cfg", None), "vocab_size", None)
+  if vocab is not None and len(ids) and (ids.min() < 0 or ids.max() >= vocab):
+    raise ValueError(
+      f"token ids span [{ids.min()}, {ids.max()}] but the model's vocab_size is {vocab}; "
+      "tokenize with the model's own tokenizer"
+    )
+  windows = strided_windows(len(ids), seq_len, stride)
+  length = max(w.end - w.begin for w in windows)
+  nll = _nll_fn(fuse)
+  total, t0 = 0.0, time.perf_counter()
+  with tqdm(total=len(windows), desc=desc, unit="window", disable=not progress) as bar:
+    for n, tok, tgt, w in _batches(ids, windows, length, min(batch, len(windows))):
+      out = np.asarray(nll(model, tok, tgt, w), np.float64)
+      total += float(out[:n].sum())
+      bar.update(n)
+  scored = sum(w.end - w.first for w in windows)
+  return Score(total, scored, len(windows), time.perf_counter() - t0)
+
+
+# ---- tokenizer --------------------------------------------------------------------------------
+def tokenizer_encoder(path: str | os.PathLike) -> Callable[[str], list[int]] | None:
+  """``encode(text) -> ids`` (with the special tokens the model expects, e.g. BOS) of model
+  directory ``path``, or None when it has no ``tokenizer.json``.
+
+  Uses :class:`lrjax.text.Tokenizer` where lrjax.text is installed, else the ``tokenizers``
+  library on ``tokenizer.json`` directly (its post-processor adds the special tokens).
+  """
+  path = os.fspath(path)
+  tj = os.path.join(path, "tokenizer.json")
+  if not os.path.isfile(tj):
+    return None
+  try:
+    from lrjax.text import Tokenizer
+  except ImportError:
+    Tokenizer = None
+  if Tokenizer is not None:
+    tok = Tokenizer.from_dir(path)
+    return lambda text: list(tok.encode(text))
+  from tokenizers import Tokenizer as Backend
+
+  try:
+    backend = Backend.from_file(tj)
+  except Exception as e:  # the Rust library raises its own exception type
+    raise ValueError(f"{tj}: not a tokenizers file ({_one_line(e)})") from None
+  return lambda text: list(backend.encode(text).ids)
+
+
+def read_text(path: str | os.PathLike) -> str:
+  try:
+    with open(path, encoding="utf-8") as fh:
+      text = fh.read()
+  except UnicodeDecodeError as e:
+    raise ValueError(f"--text {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+  if not text.strip():
+    raise ValueError(f"--text {path}: the file is empty; give a text to score")
+  return text
+
+
+# ---- models -----------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Source:
+  kind: str  # "ckpt" or "hf"
+  path: str  # as the user gave it
+  resolved: Path
+
+
+class _AddSource(argparse.Action):
+  def __call__(self, parser, ns, value, option_string=None):
+    models = getattr(ns, "models", None) or []
+    models.append((self.const, value))
+    ns.models = models
+
+
+def _load(src: Source, dtype, verify: bool):
+  from lrjax import checkpoint
+
+  if src.kind == "hf":
+    return checkpoint.load_hf(src.resolved, dtype=dtype, verify=verify)
+  return checkpoint.load(src.resolved, verify=verify)
+
+
+def _describe(model) -> dict:
+  from flax import nnx
+
+  leaves = [v for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+  ranks = model.layer_ranks() if hasattr(model, "layer_ranks") else []
+  comp = getattr(model, "compression", None)
+  return {
+    "params": int(sum(int(np.prod(v.shape)) for v in leaves)),
+    "weight_bytes": int(sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in leaves)),
+    "dtypes": sorted({np.dtype(v.dtype).name for v in leaves}),
+    "low_rank_projections": int(sum(len(r) for r in ranks)),
+    "compression": dict(comp) if comp else None,
+    "quantization": _jsonable(getattr(model, "quantization", None)),
+  }
+
+
+def _jsonable(v):
+  try:
+    json.dumps(v)
+    return v
+  except TypeError:
+    return repr(v)
+
+
+def _label(desc: dict) -> str:
+  comp = desc.get("compression") or {}
+  parts = []
+  if desc["low_rank_projections"]:
+    r = comp.get("ratio")
+    parts.append(f"low-rank {comp.get('method', '')} ratio {r}".replace("  ", " "))
+  else:
+    parts.append("dense")
+  if desc.get("quantization"):
+    q = desc["quantization"]
+    parts.append(q.get("scheme", "quantized") if isinstance(q, dict) else "quantized")
+  return ", ".join(parts) + " " + "/".join(desc["dtypes"])
+
+
+# ---- JSON output ------------------------------------------------------------------------------
+def _check_out(path: str, overwrite: bool, inputs: Sequence[Path]) -> Path:
+  from lrjax.checkpoint import resolve
+
+  p = resolve(path, "--out")
+  for i in inputs:
+    if p == i or i in p.parents:
+      raise FileExistsError(
+        f"--out {path} is {'an input' if p == i else 'inside an input'} of this command ({i}); "
+        "choose another output path"
+      )
+  if p.is_dir():
+    raise IsADirectoryError(f"--out {path} is a directory; give a file path like results.json")
+  if os.path.lexists(p):
+    if not overwrite:
+      raise FileExistsError(f"--out {path} exists; pass --overwrite to replace it")
+    try:
+      with open(p, encoding="utf-8") as fh:
+        ok = json.load(fh).get("format") == EVAL_FORMAT
+    except (OSError, ValueError, AttributeError):
+      ok = False
+    if not ok:
+      raise FileExistsError(
+        f"--out {path} exists and is not an lrjax eval result; --overwrite replaces only "
+        "that, so remove it yourself or choose another output path"
+      )
+  if not p.parent.is_dir():
+    raise FileNotFoundError(f"--out {path}: directory {p.parent} does not exist")
+  if not os.access(p.parent, os.W_OK):
+    raise PermissionError(f"--out {path}: directory {p.parent} is not writable")
+  return p
+
+
+def _write_json(p: Path, obj: dict) -> None:
+  """Write ``obj`` to ``p`` through a temp file beside it and one rename (never half-written)."""
+  tmp = p.parent / f".{p.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+  try:
+    with open(tmp, "w", encoding="utf-8") as fh:
+      json.dump(obj, fh, indent=1)
+      fh.write("\n")
+      fh.flush()
+      os.fsync(fh.fileno())
+    os.replace(tmp, p)
+  except BaseException:
+    tmp.unlink(missing_ok=True)
+    raise
+
+
+def _one_line(e: BaseException) -> str:
+  lines = str(e).strip().splitlines()
+  return lines[0][:500] if lines else type(e).__name__
+
+
+def _count(n: int) -> str:
+  for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+    if n >= div:
+      return f"{n / div:.3g}{unit}"
+  return str(n)
+
+
+def _table(rows: list[dict]) -> str:
+  base = rows[0]["nats_per_token"]
+  head = ("model", "weights", "params", "MiB", "nats/token", "Δ nats", "perplexity")
+  body = [
+    (
+      r["source"],
+      r["label"],
+      _count(r["params"]),
+      f"{r['weight_bytes'] / 2**20:.3g}",
+      f"{r['nats_per_token']:.5f}",
+      f"{r['nats_per_token'] - base:+.5f}",
+      f"{r['perplexity']:.4f}",
+    )
+    for r in rows
+  ]
+  widths = [max(len(x[i]) for x in (head, *body)) for i in range(len(head))]
+  fmt = lambda row: "  ".join(  # noqa: E731
+    c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))
+  )
+  return "\n".join([fmt(head), fmt(["-" * w for w in widths]), *map(fmt, body)])
+
+
+# ---- the subcommand ---------------------------------------------------------------------------
+@subcommand("eval", help="perplexity and nats/token of checkpoints on a text file")
+def eval_command(p: argparse.ArgumentParser):
+  p.add_argument(
+    "--ckpt",
+    metavar="DIR",
+    action=_AddSource,
+    const="ckpt",
+    help="lrjax checkpoint (repeat to compare several, e.g. ratios or W4A8)",
+  )
+  p.add_argument(
+    "--hf", metavar="DIR", action=_AddSource, const="hf", help="HF directory (repeatable)"
+  )
+  p.add_argument("--text", metavar="FILE", required=True, help="UTF-8 text file to score")
+  p.add_argument(
+    "--seq-len",
+    type=int,
+    default=None,
+    help=f"tokens per window (default: min(max_position_embeddings, {DEFAULT_SEQ_LEN}))",
+  )
+  p.add_argument(
+    "--stride", type=int, default=None, help="window start step, <= seq-len (default seq-len/2)"
+  )
+  p.add_argument("--batch", type=int, default=1, help="windows per forward")
+  p.add_argument(
+    "--tokenizer",
+    metavar="DIR",
+    help="directory with tokenizer.json (default: each model's own)",
+  )
+  p.add_argument(
+    "--dtype",
+    choices=("float32", "bfloat16", "float16"),
+    help="param dtype for --hf models (default: the checkpoint's); lrjax checkpoints keep theirs",
+  )
+  p.add_argument("--fuse", action="store_true", help="run the forward through lrjax.fuse")
+  p.add_argument("--out", metavar="FILE", help="write the results as JSON")
+  p.add_argument(
+    "--overwrite", action="store_true", help="replace --out if it holds an earlier eval result"
+  )
+  p.add_argument(
+    "--no-verify", action="store_true", help="skip the sha256 check of checkpoint arrays"
+  )
+  p.set_defaults(models=None)
+  return _run
+
+
+def _check(a) -> tuple[list[Source], Path, Path | None, Path | None]:
+  from lrjax.checkpoint import is_checkpoint, resolve
+
+  models = getattr(a, "models", None) or []
+  if not models:
+    raise ValueError("give at least one model: --ckpt DIR or --hf DIR (repeatable)")
+  for name in ("seq_len", "stride"):
+    v = getattr(a, name)
+    if v is not None and v < (2 if name == "seq_len" else 1):
+      raise ValueError(f"--{name.replace('_', '-')} {v} must be >= {2 if name == 'seq_len' else 1}")
+  if a.seq_len and a.stride and a.stride > a.seq_len:
+    raise ValueError(
+      f"--stride {a.stride} > --seq-len {a.seq_len} would skip tokens; use stride <= seq-len"
+    )
+  if a.batch < 1:
+    raise ValueError(f"--batch {a.batch} must be >= 1")
+  sources = []
+  for kind, path in models:
+    r = resolve(path, f"--{kind}")
+    if not r.is_dir():
+      raise FileNotFoundError(f"--{kind} {path}: no such directory")
+    if kind == "ckpt":
+      why = is_checkpoint(r)
+      if why:
+        raise ValueError(f"--ckpt {path} {why}")
+    elif not (r / "config.json").is_file():
+      raise FileNotFoundError(f"--hf {path}: no config.json (expected an HF model directory)")
+    sources.append(Source(kind, path, r))
+  text = resolve(a.text, "--text")
+  if not text.is_file():
+    raise FileNotFoundError(f"--text {a.text}: no such file")
+  tok = None
+  if a.tokenizer:
+    tok = resolve(a.tokenizer, "--tokenizer")
+    if not (tok / "tokenizer.json").is_file():
+      raise FileNotFoundError(f"--tokenizer {a.tokenizer}: no tokenizer.json there")
+  elif not any((s.resolved / "tokenizer.json").is_file() for s in sources):
+    raise FileNotFoundError(
+      "no model directory has a tokenizer.json; pass --tokenizer DIR (the source HF directory)"
+    )
+  inputs = [s.resolved for s in sources] + [text] + ([tok] if tok else [])
+  out = _check_out(a.out, a.overwrite, inputs) if a.out else None
+  return sources, text, tok, out
+
+
+def _run(a) -> int:
+  try:
+    sources, text_path, tok_dir, out = _check(a)
+    text = read_text(text_path)
+    # one tokenization per tokenizer; every model must see the same ids
+    encoded: dict[Path, list[int]] = {}
+    for d in [tok_dir] if tok_dir else [s.resolved for s in sources]:
+      enc = tokenizer_encoder(d)
+      if enc is not None:
+        encoded[d] = enc(text)
+    (first_dir, ids), *others = encoded.items()
+    for d, other in others:
+      if other != ids:
+        raise ValueError(
+          f"{first_dir} and {d} tokenize the text differently; compare models of one "
+          "tokenizer, or pass --tokenizer DIR to use one for all"
+        )
+  except (ValueError, OSError) as e:
+    print(f"lrjax eval: error: {_one_line(e)}", file=sys.stderr)
+    return 2
+  ids = np.asarray(ids, np.int64)
+  print(f"{text_path.name}: {len(text)} characters, {len(ids)} tokens ({first_dir})")
+  rows = []
+  for src in sources:
+    try:
+      model = _load(src, a.dtype, not a.no_verify)
+      seq_len = a.seq_len or min(model.cfg.max_position_embeddings, DEFAULT_SEQ_LEN)
+      if seq_len > model.cfg.max_position_embeddings:
+        raise ValueError(
+          f"--seq-len {seq_len} exceeds {src.path}'s max_position_embeddings "
+          f"{model.cfg.max_position_embeddings}; use a --seq-len at most that"
+        )
+      stride = a.stride or max(1, seq_len // 2)
+      s = score(
+        model, ids, seq_len=seq_len, stride=stride, batch=a.batch, fuse=a.fuse, progress=True,
+        desc=os.path.basename(os.path.normpath(src.path)) or src.path,
+      )  # fmt: skip
+    except (ValueError, OSError) as e:
+      print(f"lrjax eval: error: {src.path}: {_one_line(e)}", file=sys.stderr)
+      return 2
+    desc = _describe(model)
+    del model
+    rows.append(
+      {
+        "source": src.path,
+        "path": os.fspath(src.resolved),
+        "kind": src.kind,
+        "label": _label(desc),
+        **desc,
+        "seq_len": seq_len,
+        "stride": stride,
+        "windows": s.windows,
+        "scored_tokens": s.scored,
+        "nll_sum": s.nll_sum,
+        "nats_per_token": s.nats_per_token,
+        "perplexity": s.perplexity,
+        "seconds": round(s.seconds, 3),
+      }
+    )
+  print(_table(rows))
+  if out is not None:
+    import jax
+
+    import lrjax
+
+    _write_json(
+      out,
+      {
+        "format": EVAL_FORMAT,
+        "format_version": EVAL_VERSION,
+        "text": {
+          "path": os.fspath(text_path),
+          "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+          "characters": len(text),
+        },
+        "tokenizer": os.fspath(first_dir),
+        "tokens": len(ids),
+        "scoring": "strided sliding window: windows of seq_len tokens every stride tokens; "
+        "each scores the tokens the previous did not reach; token 0 is not scored",
+        "fuse": bool(a.fuse),
+        "lrjax_version": lrjax.__version__,
+        "jax_version": jax.__version__,
+        "device": str(jax.devices()[0].device_kind),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "results": rows,
+      },
+    )
+    print(f"wrote {a.out}")
+  return 0
