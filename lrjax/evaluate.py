@@ -8,7 +8,9 @@ scores only the tokens the previous window did not reach, so each scored token s
   windows = strided_windows(n_tokens, seq_len=1024, stride=512)
   res = score(model, ids, seq_len=1024, stride=512)   # res.nats_per_token, res.perplexity
 
-Token 0 has no context and is never scored, so ``n_tokens - 1`` tokens are. Windows are padded
+Token 0 has no context and is never scored, so with ``stride < seq_len`` the other
+``n_tokens - 1`` tokens are. With ``stride == seq_len`` (windows that do not overlap) the first
+token of every window has no context either and is not scored. Windows are padded
 to one length (causal attention: padding after a position does not change its logits) and run
 ``batch`` at a time through one jitted forward; the negative log-likelihoods are summed in
 float64 on the host.
@@ -51,7 +53,8 @@ class Window:
 
 
 def strided_windows(n_tokens: int, seq_len: int, stride: int) -> list[Window]:
-  """The windows that score tokens 1..n_tokens-1 once each (see the module docstring)."""
+  """The windows that score each token at most once: every token but the first when
+  ``stride < seq_len`` (see the module docstring)."""
   for name, v in (("n_tokens", n_tokens), ("seq_len", seq_len), ("stride", stride)):
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
       raise ValueError(f"{name}={v!r} must be a positive int")
