@@ -229,35 +229,31 @@ class _AddSource(argparse.Action):
 
 
 def _load(src: Source, dtype, verify: bool):
+  """(model, metadata or None) of one source."""
   from lrjax import checkpoint
 
   if src.kind == "hf":
-    return checkpoint.load_hf(src.resolved, dtype=dtype, verify=verify)
-  return checkpoint.load(src.resolved, verify=verify)
+    return checkpoint.load_hf(src.resolved, dtype=dtype, verify=verify), None
+  return checkpoint.load(src.resolved, verify=verify), checkpoint.read_metadata(src.resolved)
 
 
-def _describe(model) -> dict:
+def _describe(model, meta: dict | None) -> dict:
+  """Size and compression of a loaded model; ``meta`` is an lrjax checkpoint's metadata (its
+  ranks and ``quantization`` record), None for an HF directory."""
   from flax import nnx
 
   leaves = [v for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param))]
-  ranks = model.layer_ranks() if hasattr(model, "layer_ranks") else []
+  ranks = meta.get("ranks") if meta else model.layer_ranks()
   comp = getattr(model, "compression", None)
+  quant = meta.get("quantization") if meta else None
   return {
     "params": int(sum(int(np.prod(v.shape)) for v in leaves)),
     "weight_bytes": int(sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in leaves)),
     "dtypes": sorted({np.dtype(v.dtype).name for v in leaves}),
-    "low_rank_projections": int(sum(len(r) for r in ranks)),
+    "low_rank_projections": int(sum(len(r) for r in ranks or [])),
     "compression": dict(comp) if comp else None,
-    "quantization": _jsonable(getattr(model, "quantization", None)),
+    "quantization": quant if isinstance(quant, dict) else None,
   }
-
-
-def _jsonable(v):
-  try:
-    json.dumps(v)
-    return v
-  except TypeError:
-    return repr(v)
 
 
 def _label(desc: dict) -> str:
@@ -270,7 +266,8 @@ def _label(desc: dict) -> str:
     parts.append("dense")
   if desc.get("quantization"):
     q = desc["quantization"]
-    parts.append(q.get("scheme", "quantized") if isinstance(q, dict) else "quantized")
+    groups = q.get("groups")
+    parts.append(str(q.get("scheme", "quantized")) + (f" group {groups[0]}" if groups else ""))
   return ", ".join(parts) + " " + "/".join(desc["dtypes"])
 
 
@@ -472,7 +469,7 @@ def _run(a) -> int:
   rows = []
   for src in sources:
     try:
-      model = _load(src, a.dtype, not a.no_verify)
+      model, meta = _load(src, a.dtype, not a.no_verify)
       seq_len = a.seq_len or min(model.cfg.max_position_embeddings, DEFAULT_SEQ_LEN)
       if seq_len > model.cfg.max_position_embeddings:
         raise ValueError(
@@ -487,7 +484,7 @@ def _run(a) -> int:
     except (ValueError, OSError) as e:
       print(f"lrjax eval: error: {src.path}: {_one_line(e)}", file=sys.stderr)
       return 2
-    desc = _describe(model)
+    desc = _describe(model, meta)
     del model
     rows.append(
       {
