@@ -43,6 +43,10 @@ TEXT_FILES = (
   "added_tokens.json",
 )
 _CAUSAL_LM = "ForCausalLM"
+# files an export writes itself (with its *.safetensors)
+_EXPORT_OWN = frozenset(
+  {"config.json", "lrjax_export.json", "model.safetensors.index.json", MODELING_FILE}
+)
 
 # The family's classes, appended to remote_modeling.py's text in the exported modeling file.
 _FAMILY_CLASSES = '''
@@ -161,6 +165,8 @@ def check_text_files(files: Sequence[str | os.PathLike], vocab_size: int) -> lis
       raise FileNotFoundError(f"tokenizer/generation file {f}: no such file")
     if p.name in names:
       raise ValueError(f"two tokenizer/generation files are named {p.name!r}; give one")
+    if p.name in _EXPORT_OWN or p.name.endswith(".safetensors"):
+      raise ValueError(f"{f}: an export writes its own {p.name}; it cannot be copied in")
     names.add(p.name)
     out.append(p)
   for p in out:

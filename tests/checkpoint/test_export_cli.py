@@ -189,3 +189,16 @@ def test_overwrite_replaces_only_an_earlier_export(ckpt, capsys, tmp_path):
   rc, _, err = _cli(capsys, "export", "--ckpt", root / "ck", "--out", root / "ck", "--overwrite")
   assert rc == 2 and "is an input of this command" in err
   assert checkpoint.is_checkpoint(root / "ck") is None
+
+
+def test_extra_files_cannot_replace_what_the_export_writes(ckpt, tmp_path):
+  root, m = ckpt
+  for name in ("config.json", "model.safetensors", "lrjax_export.json"):
+    f = tmp_path / "src" / name
+    f.parent.mkdir(exist_ok=True)
+    f.write_text("{}")
+    with pytest.raises(ValueError, match=f"an export writes its own {name}"):
+      checkpoint.export_hf(m, tmp_path / "ex", extra_files=[f])
+  with pytest.raises(FileNotFoundError, match="no such file"):
+    checkpoint.export_hf(m, tmp_path / "ex", extra_files=[tmp_path / "nope.json"])
+  assert not (tmp_path / "ex").exists()

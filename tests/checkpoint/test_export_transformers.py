@@ -39,10 +39,13 @@ CASES = {
       {"q_proj": 24, "k_proj": 4, "v_proj": 16, "o_proj": 8, "gate_proj": 40, "down_proj": 12},
     ]
   ),
-  # attention and MLP biases, tied embeddings; attention stays dense
+  # attention and MLP biases (MLP ones on low-rank v_proj), tied embeddings; attention dense
   "llama2_bias_tied": dict(ratio=0.5, mlp_only=True, block=4),
-  # q/k/v biases on low-rank projections (stored on v_proj), per-layer ranks
-  "qwen2_bf16": dict(ranks=[{"q_proj": 12, "k_proj": 8}, {"q_proj": 20, "v_proj": 4}]),
+  # q/k/v biases on per-head low-rank projections (stored on v_proj), per-layer ranks
+  "qwen2_bf16": dict(
+    per_head=True,
+    ranks=[{"q_proj": 12, "k_proj": 8, "v_proj": 12}, {"q_proj": 20, "k_proj": 4, "v_proj": 8}],
+  ),
   # q/k norms; q/k/v factorised per (kv) head
   "qwen3": dict(ratio=0.4, block=4, per_head=True),
   # sliding window (5, shorter than the prompt); per head with per-layer ranks
