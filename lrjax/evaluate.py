@@ -423,7 +423,8 @@ def _check(a) -> tuple[list[Source], Path, Path | None, Path | None]:
     if kind == "ckpt":
       why = is_checkpoint(r)
       if why:
-        raise ValueError(f"--ckpt {path} {why}")
+        hint = "; it is an HF directory: pass it as --hf" if (r / "config.json").is_file() else ""
+        raise ValueError(f"--ckpt {path} {why}{hint}")
     elif not (r / "config.json").is_file():
       raise FileNotFoundError(f"--hf {path}: no config.json (expected an HF model directory)")
     sources.append(Source(kind, path, r))

@@ -424,6 +424,13 @@ def export_hf(
   fam = get_family(model.cfg.model_type)
   _, state = nnx.split(model)
   flat = list(nnx.to_flat_state(state))
+  try:
+    _param_names(flat, fam)
+  except ValueError as e:
+    raise ValueError(
+      f"{_one_line(e)}: an HF export holds float weights of transformers' layout only "
+      "(a quantized model cannot be exported; export the checkpoint it was quantized from)"
+    ) from None
   ranks = model.layer_ranks()
   lowrank = any(ranks) and format == "hf-lowrank"
   merge = any(ranks) and format == "hf-dense"

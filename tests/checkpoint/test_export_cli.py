@@ -202,3 +202,16 @@ def test_extra_files_cannot_replace_what_the_export_writes(ckpt, tmp_path):
   with pytest.raises(FileNotFoundError, match="no such file"):
     checkpoint.export_hf(m, tmp_path / "ex", extra_files=[tmp_path / "nope.json"])
   assert not (tmp_path / "ex").exists()
+
+
+def test_params_without_an_hf_layout_are_refused_by_name(tmp_path):
+  """A model holding arrays HF has no layout for (e.g. packed int4 factors) is not exported."""
+  from flax import nnx
+
+  from lrjax.models import LlamaForCausalLM, ModelConfig
+
+  m = LlamaForCausalLM(ModelConfig.tiny(), rngs=nnx.Rngs(0))
+  m.layers[1].mlp.up_proj.kernel_packed = nnx.Param(jnp.ones((4, 8), jnp.uint8))
+  with pytest.raises(ValueError, match=r"layers\.1\.mlp\.up_proj\.kernel_packed: .*quantized"):
+    checkpoint.export_hf(m, tmp_path / "ex")
+  assert not (tmp_path / "ex").exists()
