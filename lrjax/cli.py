@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable
 
 # Modules that register further subcommands (skipped with a note if not importable).
-EXTENSIONS: tuple[str, ...] = ("lrjax.serving.cli", "lrjax.evaluate")
+EXTENSIONS: tuple[str, ...] = ("lrjax.serving.cli", "lrjax.evaluate_cli")
 
 Configure = Callable[[argparse.ArgumentParser], Callable[[argparse.Namespace], int | None]]
 _COMMANDS: dict[str, tuple[str, Configure]] = {}

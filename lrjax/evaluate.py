@@ -1,7 +1,7 @@
-"""``lrjax eval``: perplexity and nats per token of checkpoints on a text file, side by side.
+"""Perplexity and nats per token of a model on a text (``lrjax eval``, :mod:`lrjax.evaluate_cli`).
 
 Scoring is the strided sliding window of transformers' perplexity guide, with every token
-counted exactly once. Windows of ``seq_len`` tokens start every ``stride`` tokens; a window
+counted at most once. Windows of ``seq_len`` tokens start every ``stride`` tokens; a window
 scores only the tokens the previous window did not reach, so each scored token sees at least
 ``seq_len - stride`` tokens of context (fewer only near the start of the text)::
 
@@ -18,23 +18,17 @@ float64 on the host.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import datetime
-import hashlib
 import json
 import logging
 import math
 import os
-import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
-
-from lrjax.cli import subcommand
 
 log = logging.getLogger("lrjax.evaluate")
 
@@ -198,7 +192,7 @@ def tokenizer_encoder(path: str | os.PathLike) -> Callable[[str], list[int]] | N
   try:
     backend = Backend.from_file(tj)
   except Exception as e:  # the Rust library raises its own exception type
-    raise ValueError(f"{tj}: not a tokenizers file ({_one_line(e)})") from None
+    raise ValueError(f"{tj}: not a tokenizers file ({one_line(e)})") from None
   return lambda text: list(backend.encode(text).ids)
 
 
@@ -214,30 +208,7 @@ def read_text(path: str | os.PathLike) -> str:
 
 
 # ---- models -----------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Source:
-  kind: str  # "ckpt" or "hf"
-  path: str  # as the user gave it
-  resolved: Path
-
-
-class _AddSource(argparse.Action):
-  def __call__(self, parser, ns, value, option_string=None):
-    models = getattr(ns, "models", None) or []
-    models.append((self.const, value))
-    ns.models = models
-
-
-def _load(src: Source, dtype, verify: bool):
-  """(model, metadata or None) of one source."""
-  from lrjax import checkpoint
-
-  if src.kind == "hf":
-    return checkpoint.load_hf(src.resolved, dtype=dtype, verify=verify), None
-  return checkpoint.load(src.resolved, verify=verify), checkpoint.read_metadata(src.resolved)
-
-
-def _describe(model, meta: dict | None) -> dict:
+def describe(model, meta: dict | None) -> dict:
   """Size and compression of a loaded model; ``meta`` is an lrjax checkpoint's metadata (its
   ranks and ``quantization`` record), None for an HF directory."""
   from flax import nnx
@@ -256,7 +227,8 @@ def _describe(model, meta: dict | None) -> dict:
   }
 
 
-def _label(desc: dict) -> str:
+def label(desc: dict) -> str:
+  """A short description of a :func:`describe` record: dense / low-rank ratio, W4A8, dtypes."""
   comp = desc.get("compression") or {}
   parts = []
   if desc["low_rank_projections"]:
@@ -272,7 +244,9 @@ def _label(desc: dict) -> str:
 
 
 # ---- JSON output ------------------------------------------------------------------------------
-def _check_out(path: str, overwrite: bool, inputs: Sequence[Path]) -> Path:
+def check_out(path: str, overwrite: bool, inputs: Sequence[Path]) -> Path:
+  """The resolved ``--out`` file, if it may be written: not an input or inside one, not a
+  directory, and when it exists only with ``overwrite`` and only an earlier eval result."""
   from lrjax.checkpoint import resolve
 
   p = resolve(path, "--out")
@@ -304,7 +278,7 @@ def _check_out(path: str, overwrite: bool, inputs: Sequence[Path]) -> Path:
   return p
 
 
-def _write_json(p: Path, obj: dict) -> None:
+def write_json(p: Path, obj: dict) -> None:
   """Write ``obj`` to ``p`` through a temp file beside it and one rename (never half-written)."""
   tmp = p.parent / f".{p.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
   try:
@@ -319,7 +293,7 @@ def _write_json(p: Path, obj: dict) -> None:
     raise
 
 
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
   lines = str(e).strip().splitlines()
   return lines[0][:500] if lines else type(e).__name__
 
@@ -331,7 +305,8 @@ def _count(n: int) -> str:
   return str(n)
 
 
-def _table(rows: list[dict]) -> str:
+def table(rows: list[dict]) -> str:
+  """The results as a text table, with each row's nats/token against the first row's."""
   base = rows[0]["nats_per_token"]
   head = ("model", "weights", "params", "MiB", "nats/token", "Δ nats", "perplexity")
   body = [
@@ -351,186 +326,3 @@ def _table(rows: list[dict]) -> str:
     c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))
   )
   return "\n".join([fmt(head), fmt(["-" * w for w in widths]), *map(fmt, body)])
-
-
-# ---- the subcommand ---------------------------------------------------------------------------
-@subcommand("eval", help="perplexity and nats/token of checkpoints on a text file")
-def eval_command(p: argparse.ArgumentParser):
-  p.add_argument(
-    "--ckpt",
-    metavar="DIR",
-    action=_AddSource,
-    const="ckpt",
-    help="lrjax checkpoint (repeat to compare several, e.g. ratios or W4A8)",
-  )
-  p.add_argument(
-    "--hf", metavar="DIR", action=_AddSource, const="hf", help="HF directory (repeatable)"
-  )
-  p.add_argument("--text", metavar="FILE", required=True, help="UTF-8 text file to score")
-  p.add_argument(
-    "--seq-len",
-    type=int,
-    default=None,
-    help=f"tokens per window (default: min(max_position_embeddings, {DEFAULT_SEQ_LEN}))",
-  )
-  p.add_argument(
-    "--stride", type=int, default=None, help="window start step, <= seq-len (default seq-len/2)"
-  )
-  p.add_argument("--batch", type=int, default=1, help="windows per forward")
-  p.add_argument(
-    "--tokenizer",
-    metavar="DIR",
-    help="directory with tokenizer.json (default: each model's own)",
-  )
-  p.add_argument(
-    "--dtype",
-    choices=("float32", "bfloat16", "float16"),
-    help="param dtype for --hf models (default: the checkpoint's); lrjax checkpoints keep theirs",
-  )
-  p.add_argument("--fuse", action="store_true", help="run the forward through lrjax.fuse")
-  p.add_argument("--out", metavar="FILE", help="write the results as JSON")
-  p.add_argument(
-    "--overwrite", action="store_true", help="replace --out if it holds an earlier eval result"
-  )
-  p.add_argument(
-    "--no-verify", action="store_true", help="skip the sha256 check of checkpoint arrays"
-  )
-  p.set_defaults(models=None)
-  return _run
-
-
-def _check(a) -> tuple[list[Source], Path, Path | None, Path | None]:
-  from lrjax.checkpoint import is_checkpoint, resolve
-
-  models = getattr(a, "models", None) or []
-  if not models:
-    raise ValueError("give at least one model: --ckpt DIR or --hf DIR (repeatable)")
-  for name in ("seq_len", "stride"):
-    v = getattr(a, name)
-    if v is not None and v < (2 if name == "seq_len" else 1):
-      raise ValueError(f"--{name.replace('_', '-')} {v} must be >= {2 if name == 'seq_len' else 1}")
-  if a.seq_len and a.stride and a.stride > a.seq_len:
-    raise ValueError(
-      f"--stride {a.stride} > --seq-len {a.seq_len} would skip tokens; use stride <= seq-len"
-    )
-  if a.batch < 1:
-    raise ValueError(f"--batch {a.batch} must be >= 1")
-  sources = []
-  for kind, path in models:
-    r = resolve(path, f"--{kind}")
-    if not r.is_dir():
-      raise FileNotFoundError(f"--{kind} {path}: no such directory")
-    if kind == "ckpt":
-      why = is_checkpoint(r)
-      if why:
-        hint = "; it is an HF directory: pass it as --hf" if (r / "config.json").is_file() else ""
-        raise ValueError(f"--ckpt {path} {why}{hint}")
-    elif not (r / "config.json").is_file():
-      raise FileNotFoundError(f"--hf {path}: no config.json (expected an HF model directory)")
-    sources.append(Source(kind, path, r))
-  text = resolve(a.text, "--text")
-  if not text.is_file():
-    raise FileNotFoundError(f"--text {a.text}: no such file")
-  tok = None
-  if a.tokenizer:
-    tok = resolve(a.tokenizer, "--tokenizer")
-    if not (tok / "tokenizer.json").is_file():
-      raise FileNotFoundError(f"--tokenizer {a.tokenizer}: no tokenizer.json there")
-  elif not any((s.resolved / "tokenizer.json").is_file() for s in sources):
-    raise FileNotFoundError(
-      "no model directory has a tokenizer.json; pass --tokenizer DIR (the source HF directory)"
-    )
-  inputs = [s.resolved for s in sources] + [text] + ([tok] if tok else [])
-  out = _check_out(a.out, a.overwrite, inputs) if a.out else None
-  return sources, text, tok, out
-
-
-def _run(a) -> int:
-  try:
-    sources, text_path, tok_dir, out = _check(a)
-    text = read_text(text_path)
-    # one tokenization per tokenizer; every model must see the same ids
-    encoded: dict[Path, list[int]] = {}
-    for d in [tok_dir] if tok_dir else [s.resolved for s in sources]:
-      enc = tokenizer_encoder(d)
-      if enc is not None:
-        encoded[d] = enc(text)
-    (first_dir, ids), *others = encoded.items()
-    for d, other in others:
-      if other != ids:
-        raise ValueError(
-          f"{first_dir} and {d} tokenize the text differently; compare models of one "
-          "tokenizer, or pass --tokenizer DIR to use one for all"
-        )
-  except (ValueError, OSError) as e:
-    print(f"lrjax eval: error: {_one_line(e)}", file=sys.stderr)
-    return 2
-  ids = np.asarray(ids, np.int64)
-  print(f"{text_path.name}: {len(text)} characters, {len(ids)} tokens ({first_dir})")
-  rows = []
-  for src in sources:
-    try:
-      model, meta = _load(src, a.dtype, not a.no_verify)
-      seq_len = a.seq_len or min(model.cfg.max_position_embeddings, DEFAULT_SEQ_LEN)
-      if seq_len > model.cfg.max_position_embeddings:
-        raise ValueError(
-          f"--seq-len {seq_len} exceeds {src.path}'s max_position_embeddings "
-          f"{model.cfg.max_position_embeddings}; use a --seq-len at most that"
-        )
-      stride = a.stride or max(1, seq_len // 2)
-      s = score(
-        model, ids, seq_len=seq_len, stride=stride, batch=a.batch, fuse=a.fuse, progress=True,
-        desc=os.path.basename(os.path.normpath(src.path)) or src.path,
-      )  # fmt: skip
-    except (ValueError, OSError) as e:
-      print(f"lrjax eval: error: {src.path}: {_one_line(e)}", file=sys.stderr)
-      return 2
-    desc = _describe(model, meta)
-    del model
-    rows.append(
-      {
-        "source": src.path,
-        "path": os.fspath(src.resolved),
-        "kind": src.kind,
-        "label": _label(desc),
-        **desc,
-        "seq_len": seq_len,
-        "stride": stride,
-        "windows": s.windows,
-        "scored_tokens": s.scored,
-        "nll_sum": s.nll_sum,
-        "nats_per_token": s.nats_per_token,
-        "perplexity": s.perplexity,
-        "seconds": round(s.seconds, 3),
-      }
-    )
-  print(_table(rows))
-  if out is not None:
-    import jax
-
-    import lrjax
-
-    _write_json(
-      out,
-      {
-        "format": EVAL_FORMAT,
-        "format_version": EVAL_VERSION,
-        "text": {
-          "path": os.fspath(text_path),
-          "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
-          "characters": len(text),
-        },
-        "tokenizer": os.fspath(first_dir),
-        "tokens": len(ids),
-        "scoring": "strided sliding window: windows of seq_len tokens every stride tokens; "
-        "each scores the tokens the previous did not reach; token 0 is not scored",
-        "fuse": bool(a.fuse),
-        "lrjax_version": lrjax.__version__,
-        "jax_version": jax.__version__,
-        "device": str(jax.devices()[0].device_kind),
-        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "results": rows,
-      },
-    )
-    print(f"wrote {a.out}")
-  return 0

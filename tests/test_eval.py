@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from tiny_text import tiny_text, write_tokenizer
 
+import lrjax
 from lrjax import checkpoint, cli
-from lrjax.compress import compress
 from lrjax.evaluate import strided_windows
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf")
@@ -58,7 +58,7 @@ def setup(tmp_path_factory):
     write_tokenizer(root / name, tiny_text(np.random.default_rng(0), 2000))  # one tokenizer
   for name, kw in (("llama3", {}), ("qwen3", dict(per_head=True))):
     m = checkpoint.load_hf(root / name, dtype=jnp.float32)
-    compress(m, ratio=0.3, method="svd", block=4, progress=False, **kw)
+    lrjax.compress(m, ratio=0.3, method="svd", block=4, progress=False, **kw)
     ck = root / f"ck_{name}"
     checkpoint.save(m, ck)
     for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):

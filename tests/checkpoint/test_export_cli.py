@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from tiny_text import tiny_text, write_tokenizer
 
+import lrjax
 from lrjax import checkpoint, cli
-from lrjax.compress import compress
 
 FIXTURES = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf"))
 TEXT = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
@@ -26,7 +26,7 @@ def ckpt(tmp_path_factory):
   one from an HF directory that has it), and a second tokenizer directory."""
   root = tmp_path_factory.mktemp("export_cli")
   m = checkpoint.load_hf(os.path.join(FIXTURES, "llama3"), dtype=jnp.float32)
-  compress(m, ratio=0.3, method="svd", block=4, progress=False)
+  lrjax.compress(m, ratio=0.3, method="svd", block=4, progress=False)
   checkpoint.save(m, root / "ck")
   rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
   write_tokenizer(root / "ck", tiny_text(rng))

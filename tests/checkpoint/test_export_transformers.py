@@ -19,8 +19,8 @@ import pytest
 from conftest import fresh_key, rel_err
 from flax import nnx
 
+import lrjax
 from lrjax import checkpoint
-from lrjax.compress import compress
 from lrjax.models import KVCache, decode_step, prefill_step
 
 torch = pytest.importorskip("torch", reason="the [test] extra installs CPU torch")
@@ -65,7 +65,7 @@ def _compressed(name):
   kw = dict(CASES[name])
   kw.setdefault("ratio", 0.3)
   kw.setdefault("block", 4)
-  return compress(m, method="svd", progress=False, **kw)
+  return lrjax.compress(m, method="svd", progress=False, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +221,7 @@ def test_lrjax_reads_both_formats_back(exported, name):
 @pytest.mark.parametrize(("dtype", "per_head"), [(jnp.float32, True), (jnp.bfloat16, False)])
 def test_dense_export_multiplies_in_float32_then_casts(tmp_path, dtype, per_head):
   m = checkpoint.load_hf(os.path.join(FIXTURES, "qwen3"), dtype=dtype)
-  compress(m, ratio=0.4, block=4, method="svd", per_head=per_head, progress=False)
+  lrjax.compress(m, ratio=0.4, block=4, method="svd", per_head=per_head, progress=False)
   checkpoint.export_hf(m, tmp_path / "ex", format="hf-dense")
   from safetensors.numpy import load_file
 
