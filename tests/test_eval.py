@@ -260,3 +260,18 @@ def test_paths_and_overwrite_from_another_directory(setup, capsys, tmp_path, mon
   again = json.loads((home / "res.json").read_text())
   assert again["results"][0]["stride"] == 8 and first["results"][0]["stride"] == SEQ_LEN // 2
   assert not [p for p in home.iterdir() if p.name.startswith(".")]  # no temp left behind
+
+
+def test_an_export_scores_like_its_checkpoint(setup, capsys, tmp_path):
+  """`--hf` reads an hf-lowrank export (tokenizer given with --tokenizer): same weights, same
+  nats/token as the checkpoint it came from."""
+  root = setup
+  out = tmp_path / "r.json"
+  rc, _, err = _eval(
+    capsys, "--ckpt", root / "ck_llama3", "--hf", root / "ex_llama3", "--text", root / "text.txt",
+    "--tokenizer", root / "llama3", "--seq-len", SEQ_LEN, "--out", out,
+  )  # fmt: skip
+  assert rc == 0, err
+  a, b = json.loads(out.read_text())["results"]
+  assert b["low_rank_projections"] == a["low_rank_projections"] == 14
+  assert abs(a["nats_per_token"] - b["nats_per_token"]) <= 1e-6 * a["nats_per_token"]

@@ -215,3 +215,25 @@ def test_params_without_an_hf_layout_are_refused_by_name(tmp_path):
   with pytest.raises(ValueError, match=r"layers\.1\.mlp\.up_proj\.kernel_packed: .*quantized"):
     checkpoint.export_hf(m, tmp_path / "ex")
   assert not (tmp_path / "ex").exists()
+
+
+def test_load_hf_reads_the_earlier_low_rank_layout(ckpt, tmp_path):
+  """Exports written before hf-lowrank had a model type of its own (the plain model_type with
+  an lrjax_lowrank key) still load as the low-rank model."""
+  root, m = ckpt
+  checkpoint.export_hf(m, tmp_path / "ex")
+  p = tmp_path / "ex" / "config.json"
+  cfg = json.loads(p.read_text())
+  cfg.update(model_type="llama", architectures=["LlamaForCausalLM"])
+  for k in ("auto_map",):
+    del cfg[k]
+  for k in ("base_model_type", "base_architecture"):
+    del cfg["lrjax_lowrank"][k]
+  p.write_text(json.dumps(cfg))
+  (tmp_path / "ex" / "modeling_lrjax_lowrank.py").unlink()
+  back = checkpoint.load_hf(tmp_path / "ex")
+  assert back.layer_ranks() == m.layer_ranks()
+  cfg["model_type"] = "lrjax_lowrank_qwen2"  # a low-rank type must name its base
+  p.write_text(json.dumps(cfg))
+  with pytest.raises(ValueError, match="needs lrjax_lowrank.base_model_type='qwen2', got None"):
+    checkpoint.load_hf(tmp_path / "ex")
