@@ -24,7 +24,7 @@ from collections.abc import Callable
 from lrjax import __version__
 
 # Modules that register further subcommands (skipped with a note if not importable).
-EXTENSIONS: tuple[str, ...] = ("lrjax.serving.cli", "lrjax.bench_cli")
+EXTENSIONS: tuple[str, ...] = ("lrjax.serving.cli", "lrjax.bench_cli", "lrjax.evaluate_cli")
 
 Configure = Callable[[argparse.ArgumentParser], Callable[[argparse.Namespace], int | None]]
 _COMMANDS: dict[str, tuple[str, Configure]] = {}
@@ -319,10 +319,24 @@ def _verify(a, b):
       raise SystemExit(f"verify failed: param {'.'.join(map(str, k))} differs after reload")
 
 
-@subcommand("export", help="lrjax checkpoint → HF-style safetensors (u/v tensors for low rank)")
+@subcommand("export", help="lrjax checkpoint → HF directory that transformers loads")
 def export(p: argparse.ArgumentParser):
   p.add_argument("--ckpt", metavar="DIR", required=True, help="lrjax orbax checkpoint dir")
-  p.add_argument("--out", metavar="DIR", required=True, help="output HF-style dir")
+  p.add_argument("--out", metavar="DIR", required=True, help="output HF dir")
+  p.add_argument(
+    "--format",
+    choices=("hf-lowrank", "hf-dense"),  # lrjax.checkpoint.hf_export.FORMATS
+    default="hf-lowrank",
+    help="hf-lowrank: factored U/V with its own modeling file (transformers: "
+    "trust_remote_code=True); hf-dense: U·V multiplied back into the plain architecture "
+    "(default: hf-lowrank; a checkpoint with no low-rank projection is written in its "
+    "plain architecture either way)",
+  )
+  p.add_argument(
+    "--tokenizer-from",
+    metavar="DIR",
+    help="copy tokenizer and generation_config files from DIR (default: those in --ckpt)",
+  )
   p.add_argument(
     "--max-shard-gb", type=float, default=4.0, help="largest safetensors file, in GiB (> 0)"
   )
@@ -335,14 +349,30 @@ def export(p: argparse.ArgumentParser):
 
   def run(a):
     from lrjax import checkpoint
+    from lrjax.checkpoint import hf_export
+
+    texts = []
 
     def check():
       _positive("--max-shard-gb", a.max_shard_gb)
       if int(a.max_shard_gb * 2**30) < 1:
         raise ValueError(f"--max-shard-gb {a.max_shard_gb!r} is under one byte")
       src = _existing_dir(a.ckpt, "--ckpt")
-      checkpoint.read_metadata(src)
-      return a.out, [src], src
+      meta = checkpoint.read_metadata(src)
+      inputs = [src]
+      if a.tokenizer_from:
+        tdir = _existing_dir(a.tokenizer_from, "--tokenizer-from")
+        texts[:] = hf_export.text_files(tdir)
+        if not texts:
+          raise FileNotFoundError(
+            f"--tokenizer-from {a.tokenizer_from}: no tokenizer or generation files there "
+            f"(expected some of {', '.join(hf_export.TEXT_FILES[:6])})"
+          )
+        inputs.append(tdir)
+      else:
+        texts[:] = hf_export.text_files(src)
+      hf_export.check_text_files(texts, int(meta["config"]["vocab_size"]))
+      return a.out, inputs, src
 
     with _reserved("export", check, overwrite=a.overwrite, replaceable=checkpoint.is_export) as (
       out,
@@ -354,11 +384,22 @@ def export(p: argparse.ArgumentParser):
       checkpoint.export_hf(
         model,
         out,
+        format=a.format,
+        extra_files=texts,
         max_shard_bytes=int(a.max_shard_gb * 2**30),
         overwrite=a.overwrite,
         progress=True,
       )
-      print(f"wrote {a.out} (ranks per layer: {json.dumps(model.layer_ranks())})")
+      with open(os.path.join(out, "config.json")) as fh:
+        arch = json.load(fh)["architectures"][0]
+      print(f"wrote {a.out}: {arch} (ranks per layer: {json.dumps(model.layer_ranks())})")
+      if texts:
+        print(f"copied {', '.join(t.name for t in texts)}")
+      if os.path.exists(os.path.join(out, hf_export.MODELING_FILE)):
+        print(
+          "load it with transformers.AutoModelForCausalLM.from_pretrained(DIR, "
+          "trust_remote_code=True), or lrjax.checkpoint.load_hf(DIR)"
+        )
       return 0
 
   return run

@@ -5,8 +5,10 @@
 - :func:`save` / :func:`load`: orbax arrays + ``lrjax_metadata.json`` (config, per-layer ranks,
   compression record, source digest, versions, each array's shape, dtype and sha256);
   ``load`` verifies them and restores into target shardings.
-- :func:`export_hf`: a (low-rank) model → HF-style safetensors with ``<p>_u_proj`` /
-  ``<p>_v_proj`` tensors and ranks in config.json; :func:`load_hf` reads it back.
+- :func:`export_hf`: a (low-rank) model → HF directory that transformers loads: ``hf-lowrank``
+  (``<p>_u_proj`` / ``<p>_v_proj`` tensors, ranks in config.json, its own model type and
+  modeling file; ``trust_remote_code=True``) or ``hf-dense`` (U·V merged, plain architecture);
+  :func:`load_hf` reads both back.
 
 Every path may be relative, start with ``~`` or go through symlinks. Every write goes to a
 hidden temp dir that is swapped into place under a lock; ``overwrite`` replaces only what lrjax

@@ -4,7 +4,9 @@ Tensor names follow transformers (``model.layers.{i}.self_attn.q_proj.weight`` [
 A low-rank projection ``<p>_proj`` (p in q, k, v, o, gate, up, down) is stored as two torch-layout
 linears ``<p>_u_proj.weight`` [rank, in] and ``<p>_v_proj.weight`` [out, rank] (bias, if any, as
 ``<p>_v_proj.bias``), so y = v_proj(u_proj(x)); ``config.json`` carries the ranks under
-``lrjax_lowrank``.
+``lrjax_lowrank``. Such an export (format ``hf-lowrank``) has a model type of its own and ships
+the modeling file transformers loads it with (``trust_remote_code=True``); format ``hf-dense``
+multiplies U·V back into the plain architecture (see :mod:`lrjax.checkpoint.hf_export`).
 
 An export also writes ``lrjax_export.json``: the format, and each tensor's file and sha256 (of
 its bytes as stored). :func:`load_hf` verifies those checksums when the file is present, and
@@ -19,7 +21,7 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import jax
@@ -28,6 +30,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
+from lrjax.checkpoint import hf_export
 from lrjax.checkpoint.atomic import atomic_dir, resolve
 from lrjax.checkpoint.placement import logical_sharding, param_axes, param_key, pick
 from lrjax.checkpoint.safetensors_io import (
@@ -46,6 +49,7 @@ log = logging.getLogger("lrjax.checkpoint")
 
 LOWRANK_KEY = "lrjax_lowrank"
 COMPRESSION_KEY = "lrjax_compression"
+MERGED_KEY = "lrjax_merged_from"
 EXPORT_NAME = "lrjax_export.json"
 EXPORT_FORMAT = "lrjax-hf-export"
 EXPORT_VERSION = 1
@@ -282,13 +286,15 @@ def load_hf(
   Tensors are read one at a time (bf16, f16, f32 or f64 on disk), cast to ``dtype`` (default:
   the config's ``dtype``/``torch_dtype``, else float32) and placed straight into their target
   sharding (``mesh``/``shardings``/``rules`` as in :func:`lrjax.checkpoint.load`; default: the
-  first device). Low-rank exports of :func:`export_hf` load back as low-rank projections.
+  first device). Low-rank exports of :func:`export_hf` (``hf-lowrank``, and the earlier
+  layout under the plain model type) load back as low-rank projections.
   Raises ``ValueError`` naming the tensor for missing, unexpected, mis-shaped or truncated
   tensors. An lrjax export's tensors are checked against the sha256 sums in its
   ``lrjax_export.json`` unless ``verify=False``. Every file read stays inside ``path``.
   """
   path = os.fspath(resolve(path, "checkpoint path"))
   cfg_path, cfg_json = read_hf_config(path)
+  cfg_json = hf_export.plain_model_type(cfg_json, cfg_json.get(LOWRANK_KEY), cfg_path)
   try:
     cfg = ModelConfig.from_hf_config(cfg_json)
   except (ValueError, TypeError) as e:
@@ -386,47 +392,70 @@ def export_hf(
   model: LlamaForCausalLM,
   out: str | os.PathLike,
   *,
+  format: str = hf_export.DEFAULT_FORMAT,
+  extra_files: Sequence[str | os.PathLike] = (),
   max_shard_bytes: int = 4 << 30,
   overwrite: bool = False,
   progress: bool = False,
 ) -> None:
-  """Write ``model`` as an HF-style checkpoint dir (config.json + safetensors, atomically).
+  """Write ``model`` as an HF checkpoint dir (config.json + safetensors, atomically).
 
-  Dense projections keep transformers' names; low-rank ones become ``<p>_u_proj`` /
-  ``<p>_v_proj`` (see module docstring). Files over ``max_shard_bytes`` are split with a
-  ``model.safetensors.index.json``. Params are fetched to the host one at a time.
-  ``overwrite`` replaces only a directory an earlier export wrote (one with
-  ``lrjax_export.json``).
+  ``format``:
+
+  - ``"hf-lowrank"`` (default): low-rank projections stay factored as ``<p>_u_proj`` /
+    ``<p>_v_proj`` (see module docstring) under a model type of their own
+    (``lrjax_lowrank_<type>``, architecture ``LowRank<Family>ForCausalLM``), with the
+    ``modeling_lrjax_lowrank.py`` that transformers loads with ``trust_remote_code=True``. A
+    model with no low-rank projection is written in its plain architecture.
+  - ``"hf-dense"``: U·V multiplied back (float32, cast to the param dtype) into the plain
+    architecture, which transformers loads with no remote code.
+
+  ``extra_files`` (tokenizer.json, generation_config.json, ...) are copied in. Files over
+  ``max_shard_bytes`` are split with a ``model.safetensors.index.json``. Params are fetched to
+  the host one at a time. ``overwrite`` replaces only a directory an earlier export wrote (one
+  with ``lrjax_export.json``). :func:`load_hf` reads both formats back.
   """
+  hf_export.check_format(format)
   if not isinstance(max_shard_bytes, int) or isinstance(max_shard_bytes, bool):
     raise TypeError(f"{max_shard_bytes=} must be an int (bytes per safetensors file)")
   if max_shard_bytes <= 0:
     raise ValueError(f"{max_shard_bytes=} must be > 0 (bytes per safetensors file)")
   out = resolve(out, "export path")
+  fam = get_family(model.cfg.model_type)
   _, state = nnx.split(model)
   flat = list(nnx.to_flat_state(state))
-  names = _param_names(flat, get_family(model.cfg.model_type))
-  specs, source = {}, {}
-  for p, var in flat:
-    name, layout = names[p]
-    specs[name] = (np.dtype(var.dtype), _hf_shape(var.shape, layout))
-    source[name] = (var, layout)
-  dtypes = {np.dtype(v.dtype).name for _, v in flat}
+  try:
+    _param_names(flat, fam)
+  except ValueError as e:
+    raise ValueError(
+      f"{_one_line(e)}: an HF export holds float weights of transformers' layout only "
+      "(a quantized model cannot be exported; export the checkpoint it was quantized from)"
+    ) from None
+  ranks = model.layer_ranks()
+  lowrank = any(ranks) and format == "hf-lowrank"
+  merge = any(ranks) and format == "hf-dense"
+  specs, source = _export_plan(flat, fam, merge)
   cfg_json = model.cfg.to_hf_config()
   cfg_json["dtype"] = np.dtype(model.embed.embedding.dtype).name
-  ranks = model.layer_ranks()
-  if any(ranks):
+  if lowrank:
+    cfg_json = hf_export.remote_config(cfg_json, fam)
     cfg_json[LOWRANK_KEY] = {
       "format": "lrjax-uv-v1",
       "naming": "<p>_u_proj.weight [rank, in], <p>_v_proj.weight [out, rank] (+ bias); "
       "y = v_proj(u_proj(x)); p in q,k,v,o,gate,up,down; per-head projections "
       "(heads) store v_proj block diagonal",
+      "base_model_type": fam.model_type,
+      "base_architecture": fam.architecture,
       "ranks": ranks,
       "heads": model.layer_heads(),
       "source_digest": getattr(model, "source_digest", None),
     }
   if getattr(model, "compression", None):
-    cfg_json[COMPRESSION_KEY] = model.compression
+    if merge:  # the weights are dense now: the record says where they came from
+      cfg_json[MERGED_KEY] = {"ranks": ranks, "compression": model.compression}
+    else:
+      cfg_json[COMPRESSION_KEY] = model.compression
+  texts = hf_export.check_text_files(extra_files, model.cfg.vocab_size)
   shards = plan_shards(specs, max_shard_bytes)
   files = (
     [SINGLE_NAME]
@@ -438,12 +467,11 @@ def export_hf(
 
   def tensors(f, group) -> Iterator[tuple[str, np.ndarray]]:
     for name in group:
-      var, layout = source[name]
-      a = np.ascontiguousarray(_to_hf(np.asarray(jax.device_get(var[...])), layout))
+      a = np.ascontiguousarray(source[name]())
       sums[name] = {"file": f, "sha256": _sha256(a)}
       yield name, a
 
-  with atomic_dir(out, overwrite, replaceable=is_export) as tmp:
+  with atomic_dir(out, overwrite, replaceable=is_export, protect=texts) as tmp:
     with tqdm(total=len(specs), desc="export", disable=not progress) as bar:
       for f, group in zip(files, shards):
         write_safetensors(
@@ -465,21 +493,72 @@ def export_hf(
         )
     with open(os.path.join(tmp, "config.json"), "w") as fh:
       json.dump(cfg_json, fh, indent=1)
-    _write_export_record(tmp, sums)
+    if lowrank:
+      with open(os.path.join(tmp, hf_export.MODELING_FILE), "w") as fh:
+        fh.write(hf_export.modeling_source(fam))
+    copied = hf_export.copy_text_files(texts, tmp)
+    _write_export_record(tmp, sums, format if any(ranks) else "hf-dense", copied)
   log.info(
-    "exported %s (%d tensors, dtypes %s, %d file(s))", out, len(specs), sorted(dtypes), len(files)
+    "exported %s as %s (%d tensors, dtypes %s, %d file(s))",
+    out,
+    cfg_json["architectures"][0],
+    len(specs),
+    sorted({d.name for d, _ in specs.values()}),
+    len(files),
   )
 
 
-def _write_export_record(tmp: str | Path, sums: dict[str, dict]):
+def _export_plan(flat, fam: Family, merge: bool):
+  """({HF name: (dtype, shape)}, {HF name: () -> array}) of an export; with ``merge`` every
+  low-rank projection is one dense weight (U·V in float32, cast to its param dtype)."""
+  names = _param_names(flat, fam)
+  specs, source = {}, {}
+  if not merge:
+    for p, var in flat:
+      name, layout = names[p]
+      specs[name] = (np.dtype(var.dtype), _hf_shape(var.shape, layout))
+      source[name] = functools.partial(_host_hf, var, layout)
+    return specs, source
+  by_path = dict(flat)
+  for p, var in flat:
+    if p[-1] == "v":
+      continue
+    if p[-1] == "u":
+      v = by_path[p[:-1] + ("v",)]
+      name = fam.tensor_name(p[:-1] + ("kernel",))[0]
+      out_dim = v.shape[0] * v.shape[2] if len(v.shape) == 3 else v.shape[1]
+      specs[name] = (np.dtype(var.dtype), (out_dim, var.shape[0]))
+      source[name] = functools.partial(_host_merged, var, v)
+    else:
+      name, layout = fam.tensor_name(p)[0], "T" if fam.tensor_name(p)[1] else "id"
+      specs[name] = (np.dtype(var.dtype), _hf_shape(var.shape, layout))
+      source[name] = functools.partial(_host_hf, var, layout)
+  return specs, source
+
+
+def _host(var) -> np.ndarray:
+  return np.asarray(jax.device_get(var[...]))
+
+
+def _host_hf(var, layout: str) -> np.ndarray:
+  return _to_hf(_host(var), layout)
+
+
+def _host_merged(u, v) -> np.ndarray:
+  return hf_export.merged_weight(_host(u), _host(v), np.dtype(u.dtype))
+
+
+def _write_export_record(tmp: str | Path, sums: dict[str, dict], layout: str, files: dict):
   import lrjax
 
   rec = {
     "format": EXPORT_FORMAT,
     "format_version": EXPORT_VERSION,
+    "layout": layout,
     "lrjax_version": lrjax.__version__,
     "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     "tensors": sums,
+    "files": files,
   }
   with open(os.path.join(tmp, EXPORT_NAME), "w") as fh:
     json.dump(rec, fh, indent=1)
