@@ -381,6 +381,11 @@ def export(p: argparse.ArgumentParser):
       if out is None:
         return 2
       model = checkpoint.load(src, verify=not a.no_verify)
+      from lrjax.checkpoint import quantized as qck
+
+      if qck.is_quantized(model):
+        model = qck.for_export(model)
+        print("W4A8 checkpoint: its int4 weights are written dequantized (q · scale)")
       checkpoint.export_hf(
         model,
         out,

@@ -225,6 +225,19 @@ def dequantize(model):
   return model
 
 
+def for_export(model):
+  """``model`` made exportable to an HF format: every W4A8 projection dequantized (``q ·
+  scale`` in f32, the weights the int4 codes stand for), and a W4A8 head made from a tied
+  embedding table dropped, so the export ties its head to the (float) table again. The int8
+  activations are a property of the kernel, not of the weights: transformers runs the export
+  in float."""
+  tied = getattr(getattr(model, "cfg", None), "tie_word_embeddings", False)
+  head = getattr(model, "lm_head", None)
+  if tied and head is not None and any(m is head for _, m in _quantized_modules(model)):
+    model.lm_head = nnx.data(None)
+  return dequantize(model)
+
+
 def for_host(model, rec: dict | None, where: str = "checkpoint"):
   """The loaded ``model`` made runnable here: repacked for this host's kernel layout, or
   dequantized where no W4A8 kernel runs (see the module docstring)."""

@@ -270,3 +270,32 @@ def test_modeling_file_rejects_ranks_that_do_not_fit(exported, tmp_path):
   (bad / "config.json").write_text(json.dumps(cfg))
   with pytest.raises(ValueError, match=r"'lrjax_lowrank' must hold 'ranks', a list of 2"):
     _hf(bad, "hf-lowrank")
+
+
+@pytest.mark.parametrize(
+  ("name", "fmt"), [("llama3", "hf-lowrank"), ("llama2_bias_tied", "hf-dense")]
+)
+def test_w4a8_checkpoint_exports_its_dequantized_weights(tmp_path, capsys, name, fmt):
+  """convert --quantize w4a8 -> export: transformers loads the int4 weights dequantized, with
+  the logits of lrjax's model over the same (q · scale) weights; a tied W4A8 head is dropped
+  so the export ties to the float table again."""
+  from lrjax import cli
+  from lrjax.checkpoint import quantized as qck
+  from lrjax.custom_calls.cpu import lowering as cpu_lowering
+
+  if not cpu_lowering.extension_available():
+    pytest.skip("the W4A8 C++ extension is not built")
+  src = os.path.join(FIXTURES, name)
+  ck, out = tmp_path / "ck", tmp_path / "ex"
+  argv = ["convert", "--hf", src, "--out", str(ck), "--ratio", "0.3", "--method", "svd"]
+  assert cli.main([*argv, "--block", "8", "--quantize", "w4a8", "--group", "32"]) == 0
+  assert cli.main(["export", "--ckpt", str(ck), "--out", str(out), "--format", fmt]) == 0
+  assert "dequantized" in capsys.readouterr().out
+  want = qck.for_export(checkpoint.load(ck))
+  assert not qck.is_quantized(want)
+  hf = _hf(out, fmt)
+  tokens = np.random.default_rng(fresh_seed()).integers(0, want.cfg.vocab_size, (2, 9))
+  got = hf(torch.tensor(tokens)).logits.detach().numpy()
+  ref = np.asarray(want(jnp.asarray(tokens)), np.float32)
+  err = np.max(np.abs(got - ref)) / np.max(np.abs(ref))
+  assert err < 1e-4, err
