@@ -103,16 +103,23 @@ class ExplainReport:
 
 
 def explain(
-  fn: Callable, *args, rules: Sequence[Any] | None = None, group: bool = True, **kwargs
+  fn: Callable,
+  *args,
+  rules: Sequence[Any] | None = None,
+  group: bool = True,
+  weights: Any = None,
+  **kwargs,
 ) -> ExplainReport:
   """Traces ``fn(*args, **kwargs)`` and reports every match, group (as ``lrjax.fuse`` with
-  this ``group`` binds them), near-miss and idle rule."""
+  this ``group`` and ``weights`` binds them), near-miss and idle rule. Every dot → … → dot
+  chain through a rank-sized intermediate that is not fused is a near-miss with its reason."""
   rules = tuple(rules if rules is not None else rules_lib.DEFAULT_RULES)
   from lrjax.lowering.fuse import _module_call
 
   target = _module_call(fn)
-  a = ((fn,) + args) if target is not fn else args
-  _, _, _, _, analysis = analyze(target, a, kwargs, rules, group)
+  module = target is not fn
+  a = ((fn,) + args) if module else args
+  _, _, _, _, analysis = analyze(target, a, kwargs, rules, group, weights, module)
   matches = [
     dict(
       pattern=m.pattern,
@@ -132,6 +139,8 @@ def explain(
       inter_dtype=g[0].params["inter_dtype"],
       out_dtype=g[0].params["out_dtype"],
     )
+    if any(m.params.get("has_scale", False) for m in g):
+      params["scale_mask"] = tuple(m.params.get("has_scale", False) for m in g)
     groups.append(
       dict(
         members=[m.location for m in g],
@@ -141,6 +150,6 @@ def explain(
       )
     )
   near = [dataclasses.asdict(n) for n in analysis.near_misses]
-  used = {m.pattern for m in analysis.matches}
+  used = {m.rule or m.pattern for m in analysis.matches}
   unmatched = [rules_lib.rule_label(r) for r in rules if rules_lib.rule_label(r) not in used]
   return ExplainReport(matches, near, unmatched, groups)
