@@ -38,7 +38,8 @@ class Plan:
   roots: dict  # eqn index -> Match
   absorbed: frozenset  # eqn indices that disappear
   subs: dict  # eqn index -> [(SubJaxpr, Plan)]
-  groups: dict = dataclasses.field(default_factory=dict)  # first root -> (Match, ...)
+  # first root -> ((Match, ...), weight-view eqns to evaluate before the group)
+  groups: dict = dataclasses.field(default_factory=dict)
   grouped: frozenset = frozenset()  # the other members' roots (emitted with their group)
 
   @property
@@ -59,10 +60,36 @@ def _eqn_label(e) -> str:
   return f"{e.primitive.name}({name})" if isinstance(name, str) else e.primitive.name
 
 
-def xuv_groups(jaxpr, matches, absorbed) -> list:
+def _weight_closure(g, v, produced, absorbed, first) -> set | None:
+  """Eqn indices that compute the weight ``v`` from inputs, constants and values that exist
+  before eqn ``first`` (views of weights, e.g. a bias reshaped after an earlier projection),
+  so they can be evaluated early; None when ``v`` is not such a weight."""
+  out, stack = set(), [v]
+  while stack:
+    a = stack.pop()
+    if jx.is_literal(a) or a not in produced:
+      continue
+    i = produced[a]
+    if i in absorbed:
+      return None
+    if i < first or i in out:
+      continue
+    if g is None or not g.is_weight(a):
+      return None
+    out.add(i)
+    stack.extend(_eqn_inputs(g, i))
+  return out
+
+
+def _eqn_inputs(g, i):
+  return [a for a in g.eqns[i].invars if not jx.is_literal(a)]
+
+
+def xuv_groups(jaxpr, matches, absorbed, g=None) -> list:
   """lr_xuv matches that read the same input var with the same dtypes, in groups of 2-3
   (in eqn order), each placed at its first member's root: every operand of every member
-  must exist by then (an input, a literal, or the output of an earlier kept eqn)."""
+  must exist by then (an input, a literal, the output of an earlier kept eqn, or a weight
+  view whose eqns can be evaluated there). Returns (members, eqns to evaluate first)."""
   produced = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
   by_input: dict = {}
   for m in sorted(matches, key=lambda m: m.root):
@@ -72,17 +99,21 @@ def xuv_groups(jaxpr, matches, absorbed) -> list:
   groups = []
   for members in by_input.values():
     while len(members) >= 2:
-      first, ready = members[0].root, [members[0]]
+      first, ready, hoist = members[0].root, [members[0]], set()
       for m in members[1:]:
-        if len(ready) < MAX_MEMBERS and all(
-          jx.is_literal(v)
-          or v not in produced
-          or (produced[v] < first and produced[v] not in absorbed)
-          for v in m.reads
-        ):
+        if len(ready) >= MAX_MEMBERS:
+          break
+        need = set()
+        for v in m.reads:
+          c = _weight_closure(g, v, produced, absorbed, first)
+          if c is None:
+            break
+          need |= c
+        else:
           ready.append(m)
+          hoist |= need
       if len(ready) >= 2:
-        groups.append(tuple(ready))
+        groups.append((tuple(ready), tuple(sorted(hoist))))
       members = [m for m in members[1:] if all(m is not r for r in ready)]
   return groups
 
@@ -143,14 +174,14 @@ def build_plan(
       )
       if not p.empty:
         subs.setdefault(i, []).append((s, p))
-  groups = xuv_groups(jaxpr, matches, absorbed) if group else []
-  analysis.groups += groups
+  groups = xuv_groups(jaxpr, matches, absorbed, g) if group else []
+  analysis.groups += [members for members, _ in groups]
   return Plan(
     roots,
     absorbed,
     subs,
-    {g[0].root: g for g in groups},
-    frozenset(m.root for g in groups for m in g[1:]),
+    {members[0].root: (members, hoist) for members, hoist in groups},
+    frozenset(m.root for members, _ in groups for m in members[1:]),
   )
 
 
@@ -183,7 +214,12 @@ def run_plan(jaxpr, consts, plan: Plan, *args):
     if i in plan.absorbed or i in plan.grouped:
       continue
     if i in plan.groups:
-      emit_group(jaxpr, plan.groups[i], read, env)
+      members, hoist = plan.groups[i]
+      for k in hoist:  # weight views the later members read, evaluated early
+        h = jaxpr.eqns[k]
+        if not all(o in env for o in h.outvars):
+          env.update(zip(h.outvars, jx.bind_eqn(h, [read(a) for a in h.invars])))
+      emit_group(jaxpr, members, read, env)
       continue
     m = plan.roots.get(i)
     if m is not None:

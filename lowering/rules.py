@@ -376,7 +376,7 @@ class _Xuv:
   r: int
   N: int
   H: int = 0
-  x_perm: tuple | None = None  # transpose of x to canonical (None: identity)
+  x_fn: Callable | None = None  # x's value -> canonical [..., (H), K] (None: identity)
   u_fn: Callable | None = None  # user's u value -> canonical u
   v_fn: Callable | None = None
   out_fn: Callable | None = None  # canonical output -> the user's layout (None: identity)
@@ -389,7 +389,7 @@ class _Xuv:
   @property
   def plain(self) -> bool:
     """A 2-D chain in the canonical layout (what lr_mlp and lr_xuv_group take)."""
-    return self.form == "2d" and self.x_perm is None and self.out_fn is None
+    return self.form == "2d" and self.x_fn is None and self.out_fn is None
 
   @property
   def simple_scale(self) -> bool:
@@ -483,6 +483,10 @@ def _check_precision(e):
 def analyse(g: Graph, cand: Candidate, rank_threshold: float) -> _Xuv:
   """The chain of ``cand`` in canonical operands; raises _Refuse(reason) if it cannot fuse."""
   e1, e2 = g.eqns[cand.e1], g.eqns[cand.e2]
+  if not any(g.is_weight(a) for a in e1.invars):
+    raise _Refuse("neither operand of the first product is a weight (activation × activation)")
+  if not g.is_weight(e2.invars[1 - cand.side]):
+    raise _Refuse(g.factor_reason(e2.invars[1 - cand.side], e1.invars[0], "v"))
   _check_precision(e1)
   _check_precision(e2)
   c1, b1, f1 = _dot_dims(e1)
@@ -565,13 +569,12 @@ def analyse(g: Graph, cand: Candidate, rank_threshold: float) -> _Xuv:
     if jnp.promote_types(da, db) not in (da, db):  # bf16 · f16: no exact common dtype
       raise _Refuse(f"a product of {da} and {db} operands")
   u_free = f1[u_side]
-  if len(u_free) != 1 or len(c1[u_side]) != 1:
-    raise _Refuse(f"u {u.aval.shape} must have one contracting dim and one rank dim")
+  if len(u_free) != 1:
+    raise _Refuse(f"u {u.aval.shape} must have one rank dim besides the contracted ones")
   u_lab = ("L" if u_side == 0 else "R", u_free[0])
   x_labs = [("L" if x_side == 0 else "R", d) for d in f1[x_side]]
-  if len(f2[vs]) != 1:
-    raise _Refuse(f"v {v.aval.shape} must have one output dim")
-  N = v.aval.shape[f2[vs][0]]
+  n_labs = [("N", d) for d in f2[vs]]  # v's output dims (DenseGeneral: several)
+  N = _size(v.aval.shape, f2[vs])
   K = _size(x.aval.shape, c1[x_side])
   # -------------------------------------------------------- the form
   n_b1 = len(b1[0])
@@ -600,10 +603,10 @@ def analyse(g: Graph, cand: Candidate, rank_threshold: float) -> _Xuv:
     or any(sizes[lab] != 1 for lab in set(x_labs) - set(t_rows))
   ):
     raise _Refuse("the intermediate's other dims are not x's dims (reshaped or broadcast)")
-  if form == "2d" and (v.aval.ndim != 2 or b2[vs]):
-    raise _Refuse(f"v {v.aval.shape} must be 2-D [r, N]")
-  if form != "2d" and (v.aval.ndim != 3 or len(b2[vs]) != 1):
-    raise _Refuse(f"v {v.aval.shape} must be [H, r, N] with a batch dim")
+  if form == "2d" and b2[vs]:
+    raise _Refuse(f"v {v.aval.shape} has a batch dim the intermediate lacks")
+  if form != "2d" and len(b2[vs]) != 1:
+    raise _Refuse(f"v {v.aval.shape} must be [H, r, N...] with a batch dim")
   if not r * (K + N) < rank_threshold * K * N:
     raise _Refuse(
       f"not low-rank: r·(K+N) = {r * (K + N)} >= "
@@ -627,33 +630,37 @@ def analyse(g: Graph, cand: Candidate, rank_threshold: float) -> _Xuv:
       raise _Refuse(f"scale dtype {_aval(scale).dtype} != the intermediate's {pre[-1]}")
     scaled_dtype = post[-1]
   # -------------------------------------------------------- canonical operands
-  x_perm = [d for d in range(x.aval.ndim) if d in f1[x_side]]
-  x_perm += [b1[x_side][0]] if form == "heads" else []
-  x_perm = tuple(x_perm + [c1[x_side][0]])
-  uc = c1[u_side][0]
-  if form == "2d":
-    u_fn = (lambda a: jnp.transpose(a)) if uc == 1 else None
-  elif form == "heads":
-    perm = (b1[u_side][0], uc, u_free[0])
-    u_fn = (lambda a, p=perm: jnp.transpose(a, p)) if perm != (0, 1, 2) else None
-  else:
+  # x [free..., (H), K...] -> [free..., (H), K]; u -> [K, r] / [H, K, r]; v -> [r, N] / [H, r, N]
+  xb = (b1[x_side][0],) if form == "heads" else ()
+  x_fn = _permute_merge(
+    tuple(d for d in range(x.aval.ndim) if d in f1[x_side]) + xb + c1[x_side],
+    x.aval.shape,
+    len(c1[x_side]),
+  )
+  ub = (b1[u_side][0],) if form == "heads" else ()
+  u_fn = _permute_merge(ub + c1[u_side] + u_free, u.aval.shape, len(c1[u_side]), last=1)
+  if form == "shared":
     part = {lab[2]: lab[3] for lab in (rank, hlab)}
+    u2d = u_fn
 
-    def u_fn(a, uc=uc, p0=part[0], p1=part[1], h_first=hlab[2] == 0):
-      a = jnp.transpose(a) if uc == 1 else a  # [K, H·r]
+    def u_fn(a, p0=part[0], p1=part[1], h_first=hlab[2] == 0):
+      a = u2d(a) if u2d is not None else a  # [K, H·r]
       a = jnp.reshape(a, (a.shape[0], p0, p1))
       return jnp.transpose(a, (1, 0, 2) if h_first else (2, 0, 1))
 
-  vperm = ((b2[vs][0],) if form != "2d" else ()) + (c2[vs][0], f2[vs][0])
-  v_fn = (lambda a, p=vperm: jnp.transpose(a, p)) if vperm != tuple(range(len(vperm))) else None
+  vb = (b2[vs][0],) if form != "2d" else ()
+  v_fn = _permute_merge(vb + c2[vs] + f2[vs], v.aval.shape, len(f2[vs]))
   # the output: canonical [x's free dims (x order)..., (H), N] -> the second product's layout
-  t_side_labels = t_free + ["N"] if ts == 0 else ["N"] + t_free
-  e2_labels = ["H"] * len(b2[0]) + t_side_labels
-  canon = x_labs + (["H"] if form != "2d" else []) + ["N"]
-  sizes.update(H=H, N=N)
+  e2_labels = ["H"] * len(b2[0]) + (t_free + n_labs if ts == 0 else n_labs + t_free)
+  canon = x_labs + (["H"] if form != "2d" else []) + n_labs
+  sizes["H"] = H
+  sizes.update((lab, v.aval.shape[lab[1]]) for lab in n_labs)
   out_fn = None
-  if e2_labels != canon:
-    out_fn = functools.partial(_relayout, src=canon, dst=e2_labels, sizes=dict(sizes))
+  if e2_labels != canon or len(n_labs) != 1:
+    split_n = tuple(v.aval.shape[d] for d in f2[vs])
+    out_fn = functools.partial(
+      _unmerge_relayout, split_n=split_n, src=canon, dst=e2_labels, sizes=dict(sizes)
+    )
   # the scale over the canonical rank labels
   scale_fn = None
   if scale is not None:
@@ -683,7 +690,7 @@ def analyse(g: Graph, cand: Candidate, rank_threshold: float) -> _Xuv:
     r,
     N,
     H,
-    x_perm if x_perm != tuple(range(x.aval.ndim)) else None,
+    x_fn,
     u_fn,
     v_fn,
     out_fn,
@@ -692,6 +699,33 @@ def analyse(g: Graph, cand: Candidate, rank_threshold: float) -> _Xuv:
     jnp.dtype(scaled_dtype) if scaled_dtype is not None else None,
   )
   return m
+
+
+def _permute_merge(perm, shape, n_merge, last=None):
+  """fn(a) transposing ``a`` by ``perm`` and merging its trailing ``n_merge`` dims into one
+  (or, with ``last=1``, the ``n_merge`` dims before the last one); None when that is a no-op."""
+  perm = tuple(perm)
+  dims = [shape[p] for p in perm]
+  if last:
+    lead, mid, tail = dims[: -n_merge - last], dims[-n_merge - last : -last], dims[-last:]
+  else:
+    lead, mid, tail = dims[:-n_merge], dims[-n_merge:], []
+  new = tuple(lead) + (math.prod(mid),) + tuple(tail)
+  if perm == tuple(range(len(shape))) and n_merge == 1:
+    return None
+
+  def fn(a):
+    if perm != tuple(range(len(shape))):
+      a = jnp.transpose(a, perm)
+    return jnp.reshape(a, new)
+
+  return fn
+
+
+def _unmerge_relayout(y, *, split_n, src, dst, sizes):
+  """Canonical [..., N] output, N split back into v's output dims, in the user's layout."""
+  y = jnp.reshape(y, y.shape[:-1] + tuple(split_n))
+  return _relayout(y, src, dst, sizes)
 
 
 def _scale_canonical(val, *, labels, target, sizes, split):
@@ -819,8 +853,8 @@ class XUVRule:
 
     def operands(read):
       x = read(m.x)
-      if m.x_perm is not None:
-        x = jnp.transpose(x, m.x_perm)
+      if m.x_fn is not None:
+        x = m.x_fn(x)
       return [x] + factors(read)
 
     return operands
@@ -870,8 +904,8 @@ class XUVRule:
     params = self._params(m)
     xd = m.x.aval.dtype
     xs = list(m.x.aval.shape)
-    if m.x_perm is not None:
-      xs = [xs[p] for p in m.x_perm]
+    if m.x_fn is not None:
+      xs = list(jax.eval_shape(m.x_fn, jax.ShapeDtypeStruct(tuple(xs), m.x.aval.dtype)).shape)
     sc = m.scale is not None
     if m.form == "2d":
       avals = (
@@ -1013,7 +1047,7 @@ def _activation_key(name: str, shape: tuple, dtype: str):
   return ("lit",) + _const_key(out.val)[1:] if jx.is_literal(out) else env[out]
 
 
-_NOT_ELEMENTWISE = "another product between the projections"
+_NOT_ELEMENTWISE = "no one-input activation between the projections"
 
 
 def identify_activation(g: Graph, a, h):
@@ -1045,7 +1079,7 @@ def identify_activation(g: Graph, a, h):
       else:
         stack.append(inv)
   if not region or not touches_h:
-    return None, "no activation between the projections"
+    return None, _NOT_ELEMENTWISE  # consecutive projections with nothing between them
   inside = {o for i in region for o in g.eqns[i].outvars}
   for var in inside | {h}:
     if var is a:
