@@ -105,6 +105,14 @@ def location(eqn: JaxprEqn, depth: int = 2) -> str:
     return "<unknown>"
 
 
+def scope(eqn: JaxprEqn) -> str:
+  """The eqn's name stack (jax.named_scope, transformations, module names), e.g. 'mlp/down'."""
+  try:
+    return str(eqn.source_info.name_stack)
+  except Exception:  # pragma: no cover - best effort only
+    return ""
+
+
 @dataclasses.dataclass(frozen=True)
 class SubJaxpr:
   """One jaxpr held in an eqn's params, and how the eqn's operands map onto its invars."""

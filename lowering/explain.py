@@ -55,6 +55,11 @@ def kernels_for(primitive: str, avals_in, params) -> dict:
   return out
 
 
+def _where(d: dict) -> str:
+  """The jaxpr nesting path, and the named scope when there is one."""
+  return d["path"] + (f" {d['scope']}" if d.get("scope") else "")
+
+
 def _kernel_note(v: dict) -> str:
   if v["declined"] and v["kernel"] == "reference":
     name, reason = v["declined"][0]
@@ -78,7 +83,7 @@ class ExplainReport:
     lines = [f"lrjax.fuse: {len(self.matches)} match(es), {len(self.near_misses)} near-miss(es)"]
     for m in self.matches:
       lines.append(f"  MATCH {m['pattern']:<20} {m['shapes']}")
-      lines.append(f"        at {m['location']}  [{m['path']}]")
+      lines.append(f"        at {m['location']}  [{_where(m)}]")
       ks = ", ".join(f"{p}: {_kernel_note(v)}" for p, v in m["kernels"].items())
       lines.append(f"        kernels: {ks}")
       if "plan" in m["kernels"].get("neuron", {}):
@@ -96,7 +101,7 @@ class ExplainReport:
       )
     for n in self.near_misses:
       lines.append(f"  MISS  {n['pattern']:<20} {n['reason']}")
-      lines.append(f"        at {n['location']}  [{n['path']}]")
+      lines.append(f"        at {n['location']}  [{_where(n)}]")
     if self.unmatched_rules:
       lines.append(f"  rules that matched nothing: {', '.join(self.unmatched_rules)}")
     return "\n".join(lines)
@@ -125,6 +130,7 @@ def explain(
       pattern=m.pattern,
       location=m.location,
       path=m.path,
+      scope=m.scope,
       shapes=m.shapes,
       params={k: str(v) for k, v in m.params.items()},
       kernels=kernels_for(m.primitive.name, m.avals_in, m.params),

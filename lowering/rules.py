@@ -244,6 +244,8 @@ class Graph:
     return None
 
   def single_use(self, v, by: int | None = None) -> bool:
+    if jx.is_literal(v):
+      return False
     u = self.uses.get(v, [])
     return len(u) == 1 and u[0][0] != "out" and (by is None or u[0][0] == by)
 
@@ -253,6 +255,9 @@ class Graph:
 
   def location(self, i: int) -> str:
     return jx.location(self.eqns[i])
+
+  def scope(self, i: int) -> str:
+    return jx.scope(self.eqns[i])
 
 
 def _is_var(a) -> bool:
@@ -265,6 +270,7 @@ class NearMiss:
   path: str
   location: str
   reason: str
+  scope: str = ""  # the jax.named_scope / module name stack of the eqn
 
 
 @dataclasses.dataclass
@@ -285,6 +291,7 @@ class Match:
   reads: tuple = ()  # reads, and ``operands(read)``, the bound operands (fuse(group=True)
   operands: Callable[[Callable], list] | None = None  # groups matches that share ``x``)
   rule: str = ""  # label of the rule that made it
+  scope: str = ""  # the jax.named_scope / module name stack of the root eqn
 
 
 # ------------------------------------------------------------------ chain candidates
@@ -615,15 +622,18 @@ def analyse(g: Graph, cand: Candidate, rank_threshold: float) -> _Xuv:
   # -------------------------------------------------------- dtypes (one cast each side of Σ)
   pre = _collapse(pre)
   post = _collapse([pre[-1]] + post) if scale is not None else []
-  if len(pre) > 2 or len(post) > 2:
+  narrow_up = len(pre) == 3 and _narrower(pre[0], pre[1]) and _narrower(pre[2], pre[1])
+  if (len(pre) > 2 and not narrow_up) or len(post) > 2:
     chain = " -> ".join(str(d) for d in pre + post[1:])
     raise _Refuse(f"more than one cast between the factors ({chain})")
   inter = pre[0]
+  steps = [_narrower(a, b) for a, b in zip(pre, pre[1:])]
+  if None in steps:
+    raise _Refuse(f"cast of the intermediate between {pre[0]} and {pre[1]}")
   if len(pre) == 2:
-    narrow = _narrower(pre[0], pre[1])
-    if narrow is None:
-      raise _Refuse(f"cast of the intermediate between {pre[0]} and {pre[1]}")
-    inter = pre[1] if narrow else pre[0]  # a widening cast is done by the promotion at ·v
+    inter = pre[1] if steps[0] else pre[0]  # a widening cast is done by the promotion at ·v
+  elif len(pre) == 3 and steps == [True, False]:
+    inter = pre[1]  # rounded, then widened exactly: the promotion at ·v (or at Σ) widens it
   scaled_dtype = None
   if scale is not None:
     if jnp.dtype(_aval(scale).dtype) != pre[-1]:  # a weak-typed literal already has it
@@ -800,7 +810,7 @@ class XUVRule:
         key = (cand.e1, cand.e2, str(r))
         if key not in reported:
           reported.add(key)
-          near.append(NearMiss(self.name, g.path, g.location(cand.e2), str(r)))
+          near.append(NearMiss(self.name, g.path, g.location(cand.e2), str(r), g.scope(cand.e2)))
         continue
       if m.out in found:
         continue
@@ -955,6 +965,7 @@ class XUVRule:
       reads,
       self.xuv_operands(m),
       self.name,
+      g.scope(m.root),
     )
 
 
@@ -1097,7 +1108,15 @@ def identify_activation(g: Graph, a, h):
   for name in ACTIVATIONS:
     if _activation_key(name, shape, dtype) == got:
       return name, region
-  return None, _mismatch_reason(g, region, a, h)
+  key = (got, dtype)
+  if key not in _MISMATCH:
+    if len(_MISMATCH) > 256:
+      _MISMATCH.clear()
+    _MISMATCH[key] = _mismatch_reason(g, region, a, h)
+  return None, _MISMATCH[key]
+
+
+_MISMATCH: dict = {}  # structural key, dtype -> reason (the probe is the costly part)
 
 
 def _probe_values(dtype) -> np.ndarray:
@@ -1163,8 +1182,11 @@ def _probe_in_fresh_thread(g: Graph, region, a, h):
       _eval_elementwise(eqns, env)
       return env[a]
 
-    got = np.asarray(jax.vmap(region_fn)(jnp.asarray(vals))).reshape(-1)[: pts.size]
     flat = jnp.asarray(pts)
+    try:  # elementwise ops only: evaluate on the flat probe (one compile per op, any model)
+      got = np.asarray(region_fn(flat)).reshape(-1)
+    except Exception:  # an op tied to h's shape: the probe in batches of that shape
+      got = np.asarray(jax.vmap(region_fn)(jnp.asarray(vals))).reshape(-1)[: pts.size]
     best = None
     for name, f in ACTIVATIONS.items():
       want = np.asarray(f(flat))
@@ -1202,7 +1224,7 @@ class MLPRule:
       if res is None:
         continue
       if isinstance(res, str):
-        near.append(NearMiss(self.label, g.path, g.location(down.root), res))
+        near.append(NearMiss(self.label, g.path, g.location(down.root), res, g.scope(down.root)))
         continue
       out.append(res)
       taken |= res.absorbed
@@ -1225,7 +1247,7 @@ class MLPRule:
         return None
       a_, b_ = pe.invars
       for a, hu in ((a_, b_), (b_, a_)):  # noqa: B007
-        up = plain.get(hu)
+        up = None if jx.is_literal(hu) else plain.get(hu)
         if up is not None and not (up.eqns & taken):
           break
       else:
@@ -1346,6 +1368,7 @@ class MLPRule:
       shapes,
       reads=(x,) + reads,
       rule=self.label,
+      scope=g.scope(down.root),
     )
 
 
@@ -1373,7 +1396,7 @@ class W4A8XUVRule:
         continue
       t = e2.invars[0]
       i, e1 = g.producer_eqn(t)
-      loc = g.location(j)
+      loc, scope = g.location(j), g.scope(j)
       if e1 is not None and e1.primitive is not q.w4a8_matmul_p and _walkable(e1):
         for k, _ in _walk_back_w4a8(g, t, q.w4a8_matmul_p):
           if k not in taken:
@@ -1384,6 +1407,7 @@ class W4A8XUVRule:
                 loc,
                 f"rank-space op '{_op_label(e1)}' between the quantized factors: "
                 "lr_xuv_w4a8 re-quantizes the f32 intermediate with no scale or cast",
+                scope,
               )
             )
             break
@@ -1391,13 +1415,17 @@ class W4A8XUVRule:
       if e1 is None or e1.primitive is not q.w4a8_matmul_p or i in taken:
         continue
       if e1.params["has_bias"]:
-        near.append(NearMiss(self.name, g.path, loc, "the first factor has a bias"))
+        near.append(NearMiss(self.name, g.path, loc, "the first factor has a bias", scope))
         continue
       if not g.single_use(t, j):
-        near.append(NearMiss(self.name, g.path, loc, "the intermediate x·U is used elsewhere"))
+        near.append(
+          NearMiss(self.name, g.path, loc, "the intermediate x·U is used elsewhere", scope)
+        )
         continue
       if e1.params["layout"] != e2.params["layout"]:
-        near.append(NearMiss(self.name, g.path, loc, "U and V are packed in different layouts"))
+        near.append(
+          NearMiss(self.name, g.path, loc, "U and V are packed in different layouts", scope)
+        )
         continue
       if jnp.dtype(e1.params["out_dtype"]) != jnp.dtype(jnp.float32):
         near.append(
@@ -1407,6 +1435,7 @@ class W4A8XUVRule:
             loc,
             f"the first product is rounded to {jnp.dtype(e1.params['out_dtype'])}; "
             "lr_xuv_w4a8 keeps the intermediate in f32",
+            scope,
           )
         )
         continue
@@ -1420,7 +1449,7 @@ class W4A8XUVRule:
         None,
       )
       if reason is not None:
-        near.append(NearMiss(self.name, g.path, loc, reason))
+        near.append(NearMiss(self.name, g.path, loc, reason, scope))
         continue
       has_bias = e2.params["has_bias"]
       params = q.fused_xuv_params(e1.params, e2.params, has_bias)
@@ -1447,6 +1476,7 @@ class W4A8XUVRule:
           params,
           shapes,
           rule=self.name,
+          scope=scope,
         )
       )
     return matches, near
@@ -1497,12 +1527,19 @@ def find_matches(g: Graph, rules) -> tuple[list, list]:
           g.path,
           g.location(m.root),
           "shares a product with another fused chain (a dot feeding two bottlenecks)",
+          g.scope(m.root),
         )
       )
       continue
     if not xuv_rules:
       near.append(
-        NearMiss(xuv_rule.name, g.path, g.location(m.root), "the lr_xuv rule is not enabled")
+        NearMiss(
+          xuv_rule.name,
+          g.path,
+          g.location(m.root),
+          "the lr_xuv rule is not enabled",
+          g.scope(m.root),
+        )
       )
       continue
     matches.append(xuv_rule.to_match(g, m))

@@ -128,3 +128,19 @@ def _cpu_device_unless_gpu_test(request):
     return
   with jax.default_device(jax.devices("cpu")[0]):
     yield
+
+
+def pytest_terminal_summary(terminalreporter):
+  """Prints what fuzz tests record with ``record_property("fuzz", ...)`` (case and crash
+  counts), also under xdist, where the property travels with the test report."""
+  lines = [
+    f"{r.nodeid}: {v}"
+    for reports in terminalreporter.stats.values()
+    for r in reports
+    for k, v in getattr(r, "user_properties", ())
+    if k == "fuzz" and getattr(r, "when", "call") == "call"
+  ]
+  if lines:
+    terminalreporter.write_sep("-", "fuzz cases")
+    for line in lines:
+      terminalreporter.write_line(line)
