@@ -185,3 +185,36 @@ def test_probe_covers_the_dtype(dtype):
     assert fin.max() == np.finfo(np.float32).max and fin.min() == -np.finfo(np.float32).max
     pos = np.sort(fin[fin >= np.finfo(np.float32).tiny])  # every binade, 16 points each
     assert pos[0] == np.finfo(np.float32).tiny and np.max(pos[1:] / pos[:-1]) <= 1.07
+
+
+# ---------------------------------------------------------------- W4A8 chains
+
+
+def _q(k, n):
+  from lrjax.quant.modules import quantize_weight
+
+  return quantize_weight(np.asarray(randn((k, n), scale=k**-0.5)), group=32)
+
+
+def _w4a8(x, qw, out_dtype=jnp.float32):
+  from lrjax.lowering.quantized import w4a8_matmul
+
+  return w4a8_matmul(
+    x, qw.packed, qw.scales, n=qw.n, group=qw.group, layout=qw.layout, out_dtype=out_dtype
+  )
+
+
+def test_w4a8_chain_with_a_scale_or_rounded_intermediate_is_refused_and_reported():
+  """lr_xuv_w4a8 re-quantizes the f32 intermediate as it is: a rank-space Σ between the
+  quantized factors, or a first product rounded to bf16, would be lost. Both stay unfused."""
+  qu, qv = _q(96, 16), _q(16, 80)
+  s = randn((16,))
+  x = randn((3, 96))
+  plain = lambda x: _w4a8(_w4a8(x, qu), qv)  # noqa: E731
+  scaled = lambda x: _w4a8(_w4a8(x, qu) * s, qv)  # noqa: E731
+  rounded = lambda x: _w4a8(_w4a8(x, qu, jnp.bfloat16), qv)  # noqa: E731
+  assert prims(lrjax.fuse(plain), x).count("lr_xuv_w4a8") == 1
+  for f, why in ((scaled, "op 'mul' between the quantized factors"), (rounded, "rounded to")):
+    assert "lr_xuv_w4a8" not in prims(lrjax.fuse(f), x)
+    assert any(why in r for r in _reasons(f, x)), _reasons(f, x)
+    np.testing.assert_array_equal(jax.jit(lrjax.fuse(f))(x), jax.jit(f)(x))
