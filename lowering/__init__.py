@@ -1,5 +1,5 @@
-"""lrjax.lowering: the lr_xuv / lr_mlp / lr_xuv_group / lr_kv_attention primitives, the kernel
-registry and the fusion pass.
+"""lrjax.lowering: the lr_xuv / lr_mlp / lr_xuv_group / lr_xuv_batched / lr_kv_attention
+primitives, the kernel registry and the fusion pass.
 
 Installed as ``lrjax.lowering`` (on disk: ``lowering/``).
 """
@@ -15,6 +15,7 @@ from lrjax.lowering.primitives import (
   lr_xuv_reference,
 )
 from lrjax.lowering.group import lr_xuv_group, lr_xuv_group_p
+from lrjax.lowering.batched import lr_xuv_batched, lr_xuv_batched_p, lr_xuv_batched_reference
 from lrjax.lowering.kv_attention import (
   lr_kv_attention,
   lr_kv_attention_p,
@@ -42,6 +43,9 @@ __all__ = [
   "lr_mlp_p",
   "lr_mlp_reference",
   "lr_xuv",
+  "lr_xuv_batched",
+  "lr_xuv_batched_p",
+  "lr_xuv_batched_reference",
   "lr_xuv_group",
   "lr_xuv_group_p",
   "lr_xuv_p",

@@ -1273,7 +1273,7 @@ class MLPRule:
         return "gate and up projections read different inputs"
       act, region = identify_activation(g, a, gate.out)
       if act is None:
-        return region
+        return None if region == _NOT_ELEMENTWISE else region
       projs = (gate, up, down)
       extra = set(region) | {pi}
     else:
