@@ -83,7 +83,7 @@ def _local_xuv(x, u, v, b, layout, ax, inter_dtype, out_dtype, s=None, scaled_dt
   from lrjax.lowering.primitives import apply_scale, lr_xuv_p, rank_space_out, scale_params
 
   kw = dict(inter_dtype=inter_dtype, out_dtype=out_dtype)
-  kw.update(scale_params(s, scaled_dtype, inter_dtype))
+  kw.update(scale_params(s, scaled_dtype if s is not None else None, inter_dtype))
   sc = (s,) if s is not None else ()
   if layout in ("repl", "col"):
     ops = (x, u, v) + ((b,) if b is not None else ()) + sc

@@ -136,4 +136,33 @@ for name, (su, sv, ss, sx) in lay.items():
     "kernel_in_hlo": "sine" in text or "CustomSPMDPartitioning" in text,
   }
 
+# lr_mlp with a scale per projection through the wrapper (rank layout: u and Σ split on r)
+from lrjax.lowering.primitives import REFERENCES, lr_mlp_p  # noqa: E402
+
+mlp_calls = []
+
+
+def mlp_kernel(*ops, **params):
+  mlp_calls.append(ops[1].shape)
+  y = REFERENCES[lr_mlp_p](*ops, **params)
+  return jnp.sin(jnp.zeros_like(y)) + y
+
+
+registry.register(
+  registry.KernelLowering(
+    "lr_mlp", "cpu", "test.mlp", lambda a, p: None, lambda: mlp_kernel, priority=100
+  )
+)
+proj = lambda k, n: (rn(k, 16, scale=k**-0.5), rn(16, n, scale=0.25), None, rn(16))  # noqa: E731
+gate, up, down = proj(D, F), proj(D, F), proj(F, D)
+xm = rn(6, D)
+want = np.asarray(lrjax.lowering.lr_mlp_reference(xm, up, down, gate))
+shard = lambda p: (put(p[0], None, "d"), put(p[1], "d", None), None, put(p[3], "d"))  # noqa: E731
+f = jax.jit(lambda x, g, u, d: lrjax.lr_mlp(x, u, d, g))
+calls.clear()
+got = np.asarray(f(xm, shard(gate), shard(up), shard(down)))
+out["mlp_scaled_err"] = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+# per device each projection is an lr_xuv on its rank shard, scale included (test.xuv above)
+out["mlp_local_xuv_scale_shapes"] = sorted({tuple(c[2]) for c in calls if c[2] is not None})
+
 print("JSON" + json.dumps(out))

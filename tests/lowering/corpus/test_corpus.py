@@ -115,3 +115,5 @@ def test_model_under_shard_map_on_simulated_devices():
   lay = out["layouts"]
   assert all(r["err"] < 1e-5 and r["kernel_in_hlo"] for r in lay.values()), lay
   assert [4] in lay["rank"]["kernel_scale_shapes"], lay
+  # lr_mlp with scales on every projection, factor pairs split on the rank
+  assert out["mlp_scaled_err"] < 1e-5 and [4] in out["mlp_local_xuv_scale_shapes"], out
