@@ -32,6 +32,7 @@ factor which shares its source with the chain's input (``(x @ x[:8].T) @ v``) is
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import functools
@@ -312,20 +313,21 @@ def _walkable(e) -> bool:
 
 def _walk_back(g: Graph, var):
   """(product eqn index, path eqn indices in data order) for every dot_general that feeds
-  ``var`` through walkable ops on non-weight operands."""
-  out, stack, seen = [], [(var, ())], set()
-  while stack:
-    v, path = stack.pop()
+  ``var`` through walkable ops on non-weight operands: breadth first, each eqn visited once
+  (its shortest path), so residual streams cost one visit per op."""
+  out, queue, seen = [], collections.deque([(var, ())]), set()
+  while queue:
+    v, path = queue.popleft()
     i, e = g.producer_eqn(v)
-    if e is None or (i, path) in seen:
+    if e is None or i in seen:
       continue
-    seen.add((i, path))
+    seen.add(i)
     if e.primitive.name == "dot_general":
       out.append((i, path))
     elif _walkable(e) and len(path) < MAX_WALK:
       for a in e.invars:
         if _is_var(a) and not g.is_weight(a):
-          stack.append((a, (i, *path)))
+          queue.append((a, (i, *path)))
   return out
 
 
