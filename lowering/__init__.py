@@ -15,6 +15,7 @@ from lrjax.lowering.primitives import (
   lr_xuv_reference,
 )
 from lrjax.lowering.group import lr_xuv_group
+from lrjax.lowering.batched import lr_xuv_batched, lr_xuv_batched_reference
 from lrjax.lowering.kv_attention import lr_kv_attention, lr_kv_attention_reference
 from lrjax.lowering.registry import KernelLowering, force_reference, prefer_kernels
 from lrjax.lowering.rules import DEFAULT_RULES, MLPRule, XUVRule
@@ -36,6 +37,8 @@ __all__ = [
   "lr_mlp",
   "lr_mlp_reference",
   "lr_xuv",
+  "lr_xuv_batched",
+  "lr_xuv_batched_reference",
   "lr_xuv_group",
   "lr_xuv_reference",
   "prefer_kernels",

@@ -41,6 +41,27 @@ JaxprEqn = core.JaxprEqn
 DropVar = core.DropVar
 
 
+def _varying(a) -> frozenset:
+  mat = getattr(a, "manual_axis_type", None)
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(getattr(a, "vma", ()) or ())
+
+
+def result_aval(shape, dtype, *operands):
+  """The ShapedArray of a primitive's result, varying over the manual mesh axes its operands
+  vary over (shard_map's type check: a result computed from per-device values is one)."""
+  varying = frozenset().union(*(_varying(a) for a in operands))
+  if not varying:
+    return core.ShapedArray(shape, dtype)
+  ref = max(operands, key=lambda a: len(_varying(a)))  # a per-device operand: its mesh
+  sharding = jax.sharding.NamedSharding(ref.sharding.mesh, jax.sharding.PartitionSpec())
+  if hasattr(core, "ManualAxisType"):  # jax 0.10
+    mat = core.ManualAxisType(varying=varying)
+    return core.ShapedArray(shape, dtype, sharding=sharding, manual_axis_type=mat)
+  return core.ShapedArray(shape, dtype, sharding=sharding, vma=varying)
+
+
 def is_literal(a) -> bool:
   return isinstance(a, core.Literal)
 
@@ -82,6 +103,14 @@ def location(eqn: JaxprEqn, depth: int = 2) -> str:
     return " <- ".join(parts) if parts else source_info_util.summarize(eqn.source_info)
   except Exception:  # pragma: no cover - best effort only
     return "<unknown>"
+
+
+def scope(eqn: JaxprEqn) -> str:
+  """The eqn's name stack (jax.named_scope, transformations, module names), e.g. 'mlp/down'."""
+  try:
+    return str(eqn.source_info.name_stack)
+  except Exception:  # pragma: no cover - best effort only
+    return ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +188,26 @@ def retrace(fn: Callable, in_avals: Sequence[Any]):
   """Traces ``fn(*args)`` at ``in_avals`` to a ClosedJaxpr."""
   structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in in_avals]
   return jax.make_jaxpr(fn)(*structs)
+
+
+def is_shard_map(eqn: JaxprEqn) -> bool:
+  return eqn.primitive.name == "shard_map"
+
+
+def rebind_shard_map(eqn: JaxprEqn, body: Callable, invals: Sequence[Any]) -> list:
+  """Binds ``eqn`` (a shard_map) again with ``body`` as its per-device function, through the
+  public ``jax.shard_map`` so that the body is traced with the mesh axes bound and the
+  operands' varying-axes types, as shard_map itself traces it."""
+  p = eqn.params
+  fn = jax.shard_map(
+    lambda *a: tuple(body(*a)),
+    mesh=p["mesh"],
+    in_specs=tuple(p["in_specs"]),
+    out_specs=tuple(p["out_specs"]),
+    axis_names=set(p["newly_manual_axes"]),
+    check_vma=p["check_vma"],
+  )
+  return list(fn(*invals))
 
 
 def replace_sub_jaxpr(eqn: JaxprEqn, sub: SubJaxpr, new: ClosedJaxpr, params: dict):

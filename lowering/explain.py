@@ -77,6 +77,11 @@ def kernels_for(primitive: str, avals_in: Sequence[Any], params: Mapping[str, An
   return out
 
 
+def _where(d: dict) -> str:
+  """The jaxpr nesting path, and the named scope when there is one."""
+  return d["path"] + (f" {d['scope']}" if d.get("scope") else "")
+
+
 def _kernel_note(v: dict) -> str:
   if v["declined"] and v["kernel"] == "reference":
     name, reason = v["declined"][0]
@@ -100,7 +105,7 @@ class ExplainReport:
     lines = [f"lrjax.fuse: {len(self.matches)} match(es), {len(self.near_misses)} near-miss(es)"]
     for m in self.matches:
       lines.append(f"  MATCH {m['pattern']:<20} {m['shapes']}")
-      lines.append(f"        at {m['location']}  [{m['path']}]")
+      lines.append(f"        at {m['location']}  [{_where(m)}]")
       ks = ", ".join(f"{p}: {_kernel_note(v)}" for p, v in m["kernels"].items())
       lines.append(f"        kernels: {ks}")
       if "plan" in m["kernels"].get("neuron", {}):
@@ -120,28 +125,36 @@ class ExplainReport:
       )
     for n in self.near_misses:
       lines.append(f"  MISS  {n['pattern']:<20} {n['reason']}")
-      lines.append(f"        at {n['location']}  [{n['path']}]")
+      lines.append(f"        at {n['location']}  [{_where(n)}]")
     if self.unmatched_rules:
       lines.append(f"  rules that matched nothing: {', '.join(self.unmatched_rules)}")
     return "\n".join(lines)
 
 
 def explain(
-  fn: Callable, *args, rules: Sequence[Any] | None = None, group: bool = True, **kwargs
+  fn: Callable,
+  *args,
+  rules: Sequence[Any] | None = None,
+  group: bool = True,
+  weights: Any = None,
+  **kwargs,
 ) -> ExplainReport:
   """Traces ``fn(*args, **kwargs)`` and reports every match, group (as ``lrjax.fuse`` with
-  this ``group`` binds them), near-miss and idle rule."""
+  this ``group`` and ``weights`` binds them), near-miss and idle rule. Every dot → … → dot
+  chain through a rank-sized intermediate that is not fused is a near-miss with its reason."""
   rules = tuple(rules if rules is not None else rules_lib.DEFAULT_RULES)
   from lrjax.lowering.fuse import _module_call
 
   target = _module_call(fn)
-  a = ((fn,) + args) if target is not fn else args
-  _, _, _, _, analysis = analyze(target, a, kwargs, rules, group)
+  module = target is not fn
+  a = ((fn,) + args) if module else args
+  _, _, _, _, analysis = analyze(target, a, kwargs, rules, group, weights, module)
   matches = [
     dict(
       pattern=m.pattern,
       location=m.location,
       path=m.path,
+      scope=m.scope,
       shapes=m.shapes,
       params={k: str(v) for k, v in m.params.items()},
       kernels=kernels_for(m.primitive.name, m.avals_in, m.params),
@@ -156,6 +169,8 @@ def explain(
       inter_dtype=g[0].params["inter_dtype"],
       out_dtype=g[0].params["out_dtype"],
     )
+    if any(m.params.get("has_scale", False) for m in g):
+      params["scale_mask"] = tuple(m.params.get("has_scale", False) for m in g)
     groups.append(
       dict(
         members=[m.location for m in g],
@@ -165,6 +180,6 @@ def explain(
       )
     )
   near = [dataclasses.asdict(n) for n in analysis.near_misses]
-  used = {m.pattern for m in analysis.matches}
+  used = {m.rule or m.pattern for m in analysis.matches}
   unmatched = [rules_lib.rule_label(r) for r in rules if rules_lib.rule_label(r) not in used]
   return ExplainReport(matches, near, unmatched, groups)

@@ -2,11 +2,12 @@
 
 ``fuse(fn)`` returns a function with ``fn``'s signature. Each call traces ``fn``
 to a jaxpr, finds X·U·V chains and low-rank MLPs (``lowering/rules.py``) at every
-nesting level (jit, closed_call, custom_jvp/vjp, checkpoint, scan, cond, while),
-and evaluates the jaxpr with the matches replaced by ``lr_xuv`` / ``lr_mlp``; 2-3
-``lr_xuv`` that read the same input are bound as one ``lr_xuv_group``.
-Nested jaxprs are re-traced with their rewrites and re-bound with their original
-params, so shardings, donation and names of jitted sub-functions are kept.
+nesting level (jit, closed_call, custom_jvp/vjp, checkpoint, scan, cond, while, and
+``shard_map`` bodies on their per-device shapes), and evaluates the jaxpr with the matches
+replaced by ``lr_xuv`` / ``lr_xuv_batched`` / ``lr_mlp``; 2-3 ``lr_xuv`` that read the same
+input are bound as one ``lr_xuv_group``. Nested jaxprs are re-traced with their rewrites and
+re-bound with their original params, so shardings, donation and names of jitted
+sub-functions are kept.
 
 Use it under a transformation that caches tracing (``jax.jit``, ``nnx.jit``);
 eagerly it re-traces on every call.
@@ -37,7 +38,8 @@ class Plan:
   roots: dict  # eqn index -> Match
   absorbed: frozenset  # eqn indices that disappear
   subs: dict  # eqn index -> [(SubJaxpr, Plan)]
-  groups: dict = dataclasses.field(default_factory=dict)  # first root -> (Match, ...)
+  # first root -> ((Match, ...), weight-view eqns to evaluate before the group)
+  groups: dict = dataclasses.field(default_factory=dict)
   grouped: frozenset = frozenset()  # the other members' roots (emitted with their group)
 
   @property
@@ -58,10 +60,36 @@ def _eqn_label(e) -> str:
   return f"{e.primitive.name}({name})" if isinstance(name, str) else e.primitive.name
 
 
-def xuv_groups(jaxpr, matches, absorbed) -> list:
+def _weight_closure(g, v, produced, absorbed, first) -> set | None:
+  """Eqn indices that compute the weight ``v`` from inputs, constants and values that exist
+  before eqn ``first`` (views of weights, e.g. a bias reshaped after an earlier projection),
+  so they can be evaluated early; None when ``v`` is not such a weight."""
+  out, stack = set(), [v]
+  while stack:
+    a = stack.pop()
+    if jx.is_literal(a) or a not in produced:
+      continue
+    i = produced[a]
+    if i in absorbed:
+      return None
+    if i < first or i in out:
+      continue
+    if g is None or not g.is_weight(a):
+      return None
+    out.add(i)
+    stack.extend(_eqn_inputs(g, i))
+  return out
+
+
+def _eqn_inputs(g, i):
+  return [a for a in g.eqns[i].invars if not jx.is_literal(a)]
+
+
+def xuv_groups(jaxpr, matches, absorbed, g=None) -> list:
   """lr_xuv matches that read the same input var with the same dtypes, in groups of 2-3
   (in eqn order), each placed at its first member's root: every operand of every member
-  must exist by then (an input, a literal, or the output of an earlier kept eqn)."""
+  must exist by then (an input, a literal, the output of an earlier kept eqn, or a weight
+  view whose eqns can be evaluated there). Returns (members, eqns to evaluate first)."""
   produced = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
   by_input: dict = {}
   for m in sorted(matches, key=lambda m: m.root):
@@ -71,17 +99,21 @@ def xuv_groups(jaxpr, matches, absorbed) -> list:
   groups = []
   for members in by_input.values():
     while len(members) >= 2:
-      first, ready = members[0].root, [members[0]]
+      first, ready, hoist = members[0].root, [members[0]], set()
       for m in members[1:]:
-        if len(ready) < MAX_MEMBERS and all(
-          jx.is_literal(v)
-          or v not in produced
-          or (produced[v] < first and produced[v] not in absorbed)
-          for v in m.reads
-        ):
+        if len(ready) >= MAX_MEMBERS:
+          break
+        need = set()
+        for v in m.reads:
+          c = _weight_closure(g, v, produced, absorbed, first)
+          if c is None:
+            break
+          need |= c
+        else:
           ready.append(m)
+          hoist |= need
       if len(ready) >= 2:
-        groups.append(tuple(ready))
+        groups.append((tuple(ready), tuple(sorted(hoist))))
       members = [m for m in members[1:] if all(m is not r for r in ready)]
   return groups
 
@@ -94,8 +126,13 @@ def build_plan(
   analysis: Analysis,
   path: str = "",
   group: bool = False,
+  invar_sources=None,
+  names: dict | None = None,
+  trust_weights: bool = False,
 ) -> Plan:
-  g = rules_lib.Graph(jaxpr, weight_invars, path or "<top>", consts)
+  g = rules_lib.Graph(
+    jaxpr, weight_invars, path or "<top>", consts, invar_sources, names, trust_weights
+  )
   matches, near = rules_lib.find_matches(g, rules)
   analysis.matches += matches
   analysis.near_misses += near
@@ -105,46 +142,61 @@ def build_plan(
   for i, e in enumerate(jaxpr.eqns):
     if i in absorbed or i in roots:
       continue
-    if e.primitive.name == "shard_map":
-      continue  # bodies see per-device shapes; kernels there are placed by lrjax.sharding
     for s in jx.sub_jaxprs(e):
       carried = jx.carried_invars(e, s)
-      flags = [
-        om is not None and k not in carried and g.is_weight(e.invars[om])
-        for k, om in enumerate(s.operand_map)
-      ]
+      sub_path = f"{path}/{_eqn_label(e)}" if path else _eqn_label(e)
+      flags, sources = [], []
+      for k, om in enumerate(s.operand_map):
+        outer = e.invars[om] if om is not None else None
+        fresh = frozenset({("in", sub_path, k)})
+        if outer is None:
+          flags.append(False)
+          sources.append((None, fresh))
+          continue
+        anc = g.anc.get(outer, frozenset()) if not jx.is_literal(outer) else frozenset()
+        if k in carried:  # its value changes across iterations: not a weight
+          flags.append(False)
+          sources.append((None, anc | fresh))
+        else:
+          flags.append(g.is_weight(outer))
+          sources.append((None if jx.is_literal(outer) else g.roots.get(outer), anc))
       p = build_plan(
         s.jaxpr,
         s.consts,
         flags,
         rules,
         analysis,
-        f"{path}/{_eqn_label(e)}" if path else _eqn_label(e),
+        sub_path,
         group,
+        sources,
+        g.names,
+        trust_weights,
       )
       if not p.empty:
         subs.setdefault(i, []).append((s, p))
-  groups = xuv_groups(jaxpr, matches, absorbed) if group else []
-  analysis.groups += groups
+  groups = xuv_groups(jaxpr, matches, absorbed, g) if group else []
+  analysis.groups += [members for members, _ in groups]
   return Plan(
     roots,
     absorbed,
     subs,
-    {g[0].root: g for g in groups},
-    frozenset(m.root for g in groups for m in g[1:]),
+    {members[0].root: (members, hoist) for members, hoist in groups},
+    frozenset(m.root for members, _ in groups for m in members[1:]),
   )
 
 
 def emit_group(jaxpr, members, read, env) -> None:
   """Binds one lr_xuv_group for ``members`` and sets each member's root output."""
-  ops, mask = [read(members[0].x)], []
+  ops, mask, smask = [read(members[0].x)], [], []
   for m in members:
     ops += m.operands(read)[1:]
     mask.append(m.params["has_bias"])
+    smask.append(m.params.get("has_scale", False))
   p = members[0].params
-  outs = lr_xuv_group_p.bind(
-    *ops, bias_mask=tuple(mask), inter_dtype=p["inter_dtype"], out_dtype=p["out_dtype"]
-  )
+  params = dict(bias_mask=tuple(mask), inter_dtype=p["inter_dtype"], out_dtype=p["out_dtype"])
+  if any(smask):
+    params["scale_mask"] = tuple(smask)
+  outs = lr_xuv_group_p.bind(*ops, **params)
   for m, y in zip(members, outs):
     env[jaxpr.eqns[m.root].outvars[0]] = y
 
@@ -162,7 +214,12 @@ def run_plan(jaxpr, consts, plan: Plan, *args):
     if i in plan.absorbed or i in plan.grouped:
       continue
     if i in plan.groups:
-      emit_group(jaxpr, plan.groups[i], read, env)
+      members, hoist = plan.groups[i]
+      for k in hoist:  # weight views the later members read, evaluated early
+        h = jaxpr.eqns[k]
+        if not all(o in env for o in h.outvars):
+          env.update(zip(h.outvars, jx.bind_eqn(h, [read(a) for a in h.invars])))
+      emit_group(jaxpr, members, read, env)
       continue
     m = plan.roots.get(i)
     if m is not None:
@@ -170,6 +227,11 @@ def run_plan(jaxpr, consts, plan: Plan, *args):
       continue
     invals = [read(a) for a in e.invars]
     params = e.params
+    if jx.is_shard_map(e) and i in plan.subs:
+      ((s, p),) = plan.subs[i]
+      body = functools.partial(run_plan, s.jaxpr, s.consts, p)
+      env.update(zip(e.outvars, jx.rebind_shard_map(e, body, invals)))
+      continue
     for s, p in plan.subs.get(i, ()):
       new = jx.retrace(
         functools.partial(run_plan, s.jaxpr, s.consts, p), [v.aval for v in s.jaxpr.invars]
@@ -184,6 +246,64 @@ def _split_args(args, kwargs):
   leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
   dyn_idx = [i for i, x in enumerate(leaves) if _is_array(x)]
   return leaves, tree, dyn_idx
+
+
+WeightsSpec = int | Sequence[int] | Callable[[tuple, Any], bool] | None
+
+
+def _check_weights(weights: WeightsSpec) -> None:
+  if weights is None or callable(weights):
+    return
+  nums = (weights,) if isinstance(weights, int) else weights
+  if not isinstance(nums, (tuple, list)) or not all(
+    isinstance(n, int) and not isinstance(n, bool) for n in nums
+  ):
+    raise TypeError(
+      f"weights={weights!r}: expected argnums (an int or a tuple of ints) or a predicate "
+      "weights(path, leaf) -> bool over the arguments' pytree leaves"
+    )
+
+
+def leaf_flags(args, kwargs, weights: WeightsSpec, module: bool) -> tuple[list, list]:
+  """(is-a-weight flag, readable name) per array leaf of ``(args, kwargs)``, in the order
+  :func:`trace` passes them. ``weights=None`` flags every leaf (the default heuristics then
+  decide); argnums flag the leaves of those positional args; a predicate is asked for each
+  leaf with its key path (starting at the positional index or the keyword's name). With
+  ``module``, args[0] is an NNX module whose state always counts as weights."""
+  _check_weights(weights)
+  with_path, _ = jax.tree_util.tree_flatten_with_path((args, kwargs))
+  nums = None
+  if weights is not None and not callable(weights):
+    nums = {weights} if isinstance(weights, int) else set(weights)
+    n_pos = len(args) - int(module)
+    bad = [n for n in nums if not -n_pos <= n < n_pos]
+    if bad:
+      raise ValueError(f"weights argnums {sorted(bad)} out of range for {n_pos} positional args")
+    nums = {n % n_pos for n in nums}
+  flags, names = [], []
+  for path, leaf in with_path:
+    if not _is_array(leaf):
+      continue
+    where, rest = path[0].idx, path[1:]  # 0: positional args, 1: keyword args
+    if where == 0:
+      pos = rest[0].idx - int(module)
+      inner = rest[1:]
+      is_module = module and pos < 0
+      name = "the module's state" if is_module else f"argument {pos}{jax.tree_util.keystr(inner)}"
+      user_path = (jax.tree_util.SequenceKey(pos),) + tuple(inner)
+    else:
+      is_module = False
+      name = f"keyword argument {jax.tree_util.keystr(rest)}"
+      user_path = tuple(rest)
+    if weights is None or is_module:
+      flag = True
+    elif callable(weights):
+      flag = bool(weights(user_path, leaf))
+    else:
+      flag = where == 0 and pos in nums
+    flags.append(flag)
+    names.append(name)
+  return flags, names
 
 
 def _is_array(x) -> bool:
@@ -211,13 +331,30 @@ def trace(fn: Callable, args, kwargs):
   return closed, dyn, jax.tree_util.tree_structure(out_shape)
 
 
-def analyze(fn: Callable, args, kwargs, rules, group: bool = False) -> tuple:
+def analyze(
+  fn: Callable,
+  args,
+  kwargs,
+  rules,
+  group: bool = False,
+  weights: WeightsSpec = None,
+  module: bool = False,
+) -> tuple:
   closed, dyn, out_tree = trace(fn, args, kwargs)
   analysis = Analysis([], [], tuple(rules))
-  # At the top level every input may be a weight: the rules also require the
-  # x·u·v shape, the rank condition and single use before anything is rewritten.
+  # By default every top-level input may be a weight: the rules also require the x·u·v
+  # shape, the rank condition, single use and factors not derived from the chain's input.
+  flags, leaf_names = leaf_flags(args, kwargs, weights, module)
+  names = {("in", k): n for k, n in enumerate(leaf_names)}
   plan = build_plan(
-    closed.jaxpr, closed.consts, [True] * len(closed.jaxpr.invars), rules, analysis, group=group
+    closed.jaxpr,
+    closed.consts,
+    flags,
+    rules,
+    analysis,
+    group=group,
+    names=names,
+    trust_weights=weights is not None,
   )
   return closed, dyn, out_tree, plan, analysis
 
@@ -228,6 +365,7 @@ def fuse(
   rules: Sequence[Any] | None = None,
   rank_threshold: float | None = None,
   group: bool = True,
+  weights: WeightsSpec = None,
 ) -> Callable:
   """Returns ``fn`` with its X·U·V chains and low-rank MLPs rewritten into lrjax primitives.
 
@@ -238,12 +376,21 @@ def fuse(
     group: bind 2-3 X·U·V chains that read the same input (e.g. q/k/v) as one
       ``lr_xuv_group`` (lowering/group.py; default on): one grouped kernel on a single CUDA
       device, the members' own lowerings elsewhere. ``False`` keeps one ``lr_xuv`` each.
+    weights: which inputs are weights. ``None`` (default): any input may be, except that a
+      factor derived from the chain's own input (``(x @ x[:8].T) @ v``) never is. Argnums
+      (``1`` or ``(1, 2)``): only those positional args' leaves (and constants). A predicate
+      ``weights(path, leaf) -> bool`` over every array leaf of the call's arguments, ``path``
+      being its jax key path (positional index or keyword name first). An NNX module's own
+      state always counts as weights.
 
   Usable as ``jax.jit(lrjax.fuse(f))``, inside ``nnx.jit`` or Linen ``apply``, and
   under ``jax.grad`` / ``jax.vmap``.
   """
   if fn is None:
-    return functools.partial(fuse, rules=rules, rank_threshold=rank_threshold, group=group)
+    return functools.partial(
+      fuse, rules=rules, rank_threshold=rank_threshold, group=group, weights=weights
+    )
+  _check_weights(weights)
   rules = tuple(rules if rules is not None else rules_lib.DEFAULT_RULES)
   if rank_threshold is not None:
     if not rank_threshold > 0:
@@ -260,8 +407,9 @@ def fuse(
 
   @functools.wraps(fn if not _is_module(fn) else type(fn).__call__)
   def fused(*args, **kwargs):
-    a, k = ((fn,) + args, kwargs) if target is not fn else (args, kwargs)
-    closed, dyn, out_tree, plan, analysis = analyze(target, a, k, rules, group)
+    module = target is not fn
+    a, k = ((fn,) + args, kwargs) if module else (args, kwargs)
+    closed, dyn, out_tree, plan, analysis = analyze(target, a, k, rules, group, weights, module)
     for m in analysis.matches:
       log.debug("fuse: %s at %s (%s)", m.pattern, m.location, m.path)
     outs = run_plan(closed.jaxpr, closed.consts, plan, *dyn)

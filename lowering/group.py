@@ -13,8 +13,10 @@ member measured slower than that in the whole Llama-3-8B decode step at batch 32
 and on platforms without a grouped kernel, the group lowers as its members: one ``lr_xuv``
 each, so every member keeps its own kernel choice and its own partitioning rule.
 
-Operands: x, then per member u_i, v_i and (if ``bias_mask[i]``) bias_i. Params: ``bias_mask``,
-``inter_dtype``, ``out_dtype`` (shared). Results: one [..., N_i] array per member.
+Operands: x, then per member u_i, v_i, (if ``bias_mask[i]``) bias_i and (if ``scale_mask[i]``)
+scale_i [r_i]. Params: ``bias_mask``, ``inter_dtype``, ``out_dtype`` (shared), and ``scale_mask``
+only when a member has a rank-space scale (applied in ``inter_dtype``, as lr_xuv does).
+Results: one [..., N_i] array per member.
 ``lrjax.fuse(f, group=True)`` forms groups from ``lr_xuv`` matches with the same input.
 """
 
@@ -38,37 +40,61 @@ lr_xuv_group_p.multiple_results = True
 MAX_MEMBERS = 3
 
 
-def members_of(ops, bias_mask):
+def members_of(ops, bias_mask, scale_mask=()):
   """[(u, v, bias | None)] of each member from the bound operands (after x)."""
+  return [m[:3] for m in members_with_scales(ops, bias_mask, scale_mask)]
+
+
+def members_with_scales(ops, bias_mask, scale_mask=()):
+  """[(u, v, bias | None, scale | None)] of each member from the bound operands (after x)."""
+  scale_mask = tuple(scale_mask) or (False,) * len(bias_mask)
+  if len(scale_mask) != len(bias_mask):
+    raise ValueError(f"{bias_mask=} and {scale_mask=} must have one flag per member")
   out, i = [], 1
-  for has_bias in bias_mask:
-    out.append((ops[i], ops[i + 1], ops[i + 2] if has_bias else None))
-    i += 3 if has_bias else 2
+  for has_bias, has_scale in zip(bias_mask, scale_mask):
+    u, v = ops[i], ops[i + 1]
+    i += 2
+    b = s = None
+    if has_bias:
+      b, i = ops[i], i + 1
+    if has_scale:
+      s, i = ops[i], i + 1
+    out.append((u, v, b, s))
+  if i != len(ops):
+    raise ValueError(f"lr_xuv_group got {len(ops)} operands, expected {i}")
   return out
 
 
 def lr_xuv_group(x, members, *, out_dtype=None, inter_dtype=None):
-  """[(x·u_i)·v_i (+ bias_i)] for 2 or 3 members [(u_i, v_i) or (u_i, v_i, bias_i)] sharing x;
-  dtypes as in :func:`lrjax.lowering.lr_xuv`, shared by the members."""
+  """[((x·u_i) ⊙ s_i)·v_i (+ bias_i)] for 2 or 3 members sharing x, each (u_i, v_i),
+  (u_i, v_i, bias_i) or (u_i, v_i, bias_i | None, scale_i); dtypes as in
+  :func:`lrjax.lowering.lr_xuv`, shared by the members (scales in ``inter_dtype``)."""
   if not 2 <= len(members) <= MAX_MEMBERS:
     raise ValueError(f"{len(members)} members: a group has 2 to {MAX_MEMBERS}")
-  ops, mask = [x], []
+  ops, mask, smask = [x], [], []
   for i, m in enumerate(members):
-    if not isinstance(m, (tuple, list)) or len(m) not in (2, 3):
-      raise ValueError(f"member {i}: expected (u, v) or (u, v, bias)")
-    _xuv_check(x, m[0], m[1], m[2] if len(m) == 3 else None)
-    ops += list(m)
-    mask.append(len(m) == 3)
+    if not isinstance(m, (tuple, list)) or len(m) not in (2, 3, 4):
+      raise ValueError(f"member {i}: expected (u, v), (u, v, bias) or (u, v, bias, scale)")
+    b = m[2] if len(m) >= 3 else None
+    s = m[3] if len(m) == 4 else None
+    _xuv_check(x, m[0], m[1], b, s)
+    ops += [m[0], m[1]] + ([b] if b is not None else []) + ([s] if s is not None else [])
+    mask.append(b is not None)
+    smask.append(s is not None)
   out_dtype = jnp.dtype(out_dtype or jnp.result_type(*ops))
-  return lr_xuv_group_p.bind(
-    *ops,
-    bias_mask=tuple(mask),
-    out_dtype=out_dtype,
-    inter_dtype=jnp.dtype(inter_dtype or out_dtype),
+  params = dict(
+    bias_mask=tuple(mask), out_dtype=out_dtype, inter_dtype=jnp.dtype(inter_dtype or out_dtype)
   )
+  if any(smask):
+    params["scale_mask"] = tuple(smask)
+  return lr_xuv_group_p.bind(*ops, **params)
 
 
-def _as_members(*ops, bias_mask, inter_dtype, out_dtype):
+def _member_scale(s, inter_dtype) -> dict:
+  return {} if s is None else dict(has_scale=True, scaled_dtype=inter_dtype)
+
+
+def _as_members(*ops, bias_mask, inter_dtype, out_dtype, scale_mask=()):
   """The group as its members: one lr_xuv each (under SPMD and without a grouped kernel)."""
   return [
     lr_xuv_p.bind(
@@ -76,33 +102,39 @@ def _as_members(*ops, bias_mask, inter_dtype, out_dtype):
       u,
       v,
       *(() if b is None else (b,)),
+      *(() if s is None else (s,)),
       has_bias=b is not None,
       inter_dtype=inter_dtype,
       out_dtype=out_dtype,
+      **_member_scale(s, inter_dtype),
     )
-    for u, v, b in members_of(ops, bias_mask)
+    for u, v, b, s in members_with_scales(ops, bias_mask, scale_mask)
   ]
 
 
-def _reference(*ops, bias_mask, inter_dtype, out_dtype):
+def _reference(*ops, bias_mask, inter_dtype, out_dtype, scale_mask=()):
   """The group as XLA's reference: every member's X·U·V in jnp (XLA merges the X·U dots)."""
   return [
-    lr_xuv_reference(ops[0], u, v, b, inter_dtype=inter_dtype, out_dtype=out_dtype)
-    for u, v, b in members_of(ops, bias_mask)
+    lr_xuv_reference(ops[0], u, v, b, scale=s, inter_dtype=inter_dtype, out_dtype=out_dtype)
+    for u, v, b, s in members_with_scales(ops, bias_mask, scale_mask)
   ]
 
 
 @lr_xuv_group_p.def_abstract_eval
-def _abstract(*ops, bias_mask, inter_dtype, out_dtype):
+def _abstract(*ops, bias_mask, inter_dtype, out_dtype, scale_mask=()):
   x = ops[0]
   outs = []
-  for u, v, b in members_of(ops, bias_mask):
-    _xuv_check(x, u, v, b)
-    outs.append(jax.core.ShapedArray(x.shape[:-1] + (v.shape[1],), out_dtype))
+  for u, v, b, s in members_with_scales(ops, bias_mask, scale_mask):
+    _xuv_check(x, u, v, b, s)
+    if s is not None and jnp.dtype(s.dtype) != jnp.dtype(inter_dtype):
+      raise ValueError(f"a member's scale dtype {s.dtype} must be the inter_dtype {inter_dtype}")
+    outs.append(_jaxpr.result_aval(x.shape[:-1] + (v.shape[1],), out_dtype, *ops))
   return outs
 
 
 def _impl(*ops, **params):
+  if jax.config.jax_disable_jit:  # eager: the reference, op by op
+    return _reference(*ops, **params)
   return jax.jit(functools.partial(lr_xuv_group_p.bind, **params))(*ops)
 
 

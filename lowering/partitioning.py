@@ -30,6 +30,10 @@ every mesh axis is manual and this wrapper inlines. Any other layout replicates 
 
 The Shardy rule gives every weight dim its own factor, so that no weight is resharded to make
 factors agree; only the batch dims ("...") and the output width (tied to the last v) propagate.
+
+A rank-space scale s [r] is sharded like the rank dim of its pair: split with u's columns in the
+rank and lr_col layouts (it multiplies the local x·u_l before any collective), replicated
+otherwise (lr_row applies it after the rank-space psum, where the sums are complete).
 """
 
 from __future__ import annotations
@@ -90,27 +94,29 @@ def _k_split(layout: str) -> bool:
   return layout in ("lr_row", "split")
 
 
-def _local_xuv(x, u, v, b, layout, ax, inter_dtype, out_dtype):
+def _local_xuv(x, u, v, b, layout, ax, inter_dtype, out_dtype, s=None, scaled_dtype=None):
   """One factor pair on local shards (inside the manual per-device program)."""
-  from lrjax.lowering.primitives import lr_xuv_p, rank_space_out
+  from lrjax.lowering.primitives import apply_scale, lr_xuv_p, rank_space_out, scale_params
 
   kw = dict(inter_dtype=inter_dtype, out_dtype=out_dtype)
+  kw.update(scale_params(s, scaled_dtype if s is not None else None, inter_dtype))
+  sc = (s,) if s is not None else ()
   if layout in ("repl", "col"):
-    ops = (x, u, v) + ((b,) if b is not None else ())
+    ops = (x, u, v) + ((b,) if b is not None else ()) + sc
     return lr_xuv_p.bind(*ops, has_bias=b is not None, **kw)
   if layout == "rank":
-    y = jax.lax.psum(lr_xuv_p.bind(x, u, v, has_bias=False, **kw), ax)
-    return y if b is None else (y.astype(jnp.float32) + b.astype(jnp.float32)).astype(out_dtype)
+    y = jax.lax.psum(lr_xuv_p.bind(x, u, v, *sc, has_bias=False, **kw), ax)
+    return y if b is None else (y + b.astype(out_dtype)).astype(out_dtype)
   # The rank-space collective sits between the two products, so they stay two GEMMs, each
   # rounded once to the dtype it is stored in (as in primitives._xuv_chain).
   xu = jnp.matmul(x, u, preferred_element_type=inter_dtype)
-  if layout == "lr_col":
-    t = jax.lax.all_gather(xu, ax, axis=x.ndim - 1, tiled=True)
-  elif layout == "split":  # rank-space partial sums, reduced in f32 and rounded once
+  if layout == "lr_col":  # the local scale columns match the local rank columns
+    t = jax.lax.all_gather(apply_scale(xu, s, scaled_dtype), ax, axis=x.ndim - 1, tiled=True)
+  elif layout == "split":  # rank-space partial sums, reduced in f32 and rounded once, scaled
     xu = jnp.matmul(x, u, preferred_element_type=jnp.float32)
-    t = jax.lax.psum(xu, ax).astype(inter_dtype)
-  else:  # lr_row: rank-space partial sums, reduced in the intermediate dtype
-    t = jax.lax.psum(xu, ax)
+    t = apply_scale(jax.lax.psum(xu, ax).astype(inter_dtype), s, scaled_dtype)
+  else:  # lr_row: rank-space partial sums, reduced in the intermediate dtype, then scaled
+    t = apply_scale(jax.lax.psum(xu, ax), s, scaled_dtype)
   return rank_space_out(t, v, b, out_dtype)
 
 
@@ -132,7 +138,7 @@ def _plan(prim_name: str, shardings, shapes, params):
   if prim_name == "lr_xuv":
     projs = {"p": (specs[1], specs[2], specs[3] if params["has_bias"] else None)}
   else:
-    d = mlp_operands(specs, params["gated"], params["bias_mask"])
+    d = mlp_operands(specs, params["gated"], params["bias_mask"], params.get("scale_mask", ()))
     projs = {k: d[k] for k in ("gate", "up", "down") if d.get(k) is not None}
   out = {}
   for name, (su, sv, _) in projs.items():
@@ -157,6 +163,10 @@ def _bias_spec(layout, ax):
   return P(ax) if _out_split(layout) else P(None)
 
 
+def _scale_spec(layout, ax):
+  return P(ax) if layout in ("rank", "lr_col") else P(None)
+
+
 def _weights_spec(layout, ax):
   su, sv = {
     "repl": (P(), P()),
@@ -176,16 +186,21 @@ def _arg_and_out_specs(prim_name, plan, x_spec, params, nops):
     specs = [_x_spec(x_spec, _k_split(layout), ax), *_weights_spec(layout, ax)]
     if params["has_bias"]:
       specs.append(_bias_spec(layout, ax))
+    if params.get("has_scale", False):
+      specs.append(_scale_spec(layout, ax))
     out_last = ax if _out_split(layout) else None
     return specs, P(*x_spec[:-1], out_last)
   first = plan.get("gate", plan["up"])
   specs = [_x_spec(x_spec, _k_split(first[0]), first[1])]
   names = ("gate", "up", "down") if params["gated"] else ("up", "down")
-  for name, hb in zip(names, params["bias_mask"]):
+  smask = params.get("scale_mask", ()) or (False,) * len(names)
+  for name, hb, hs in zip(names, params["bias_mask"], smask):
     layout, ax = plan[name]
     specs += list(_weights_spec(layout, ax))
     if hb:
       specs.append(_bias_spec(layout, ax))
+    if hs:
+      specs.append(_scale_spec(layout, ax))
   assert len(specs) == nops
   layout, ax = plan["down"]
   return specs, P(*x_spec[:-1], ax if _out_split(layout) else None)
@@ -291,8 +306,10 @@ def _lower_fn(prim_name, plan, params, platform="cpu"):
     layout, ax = plan["p"]
 
     def xuv(*ops):
-      b = ops[3] if params["has_bias"] else None
-      return _local_xuv(ops[0], ops[1], ops[2], b, layout, ax, inter, out_dt)
+      from lrjax.lowering.primitives import xuv_operands
+
+      x, u, v, b, s = xuv_operands(ops, params)
+      return _local_xuv(x, u, v, b, layout, ax, inter, out_dt, s, params.get("scaled_dtype"))
 
     return xuv
 
@@ -307,23 +324,26 @@ def _lower_fn(prim_name, plan, params, platform="cpu"):
   all_col = all(plan[n][0] == "col" for n in names)
 
   def mlp(*ops):
-    if rank_plan and (not all_col or _rank_kernel_serves(ops, params, platform)):
+    d = mlp_operands(ops, params["gated"], params["bias_mask"], params.get("scale_mask", ()))
+    sc = d["scales"]
+    # lr_mlp_rank takes no rank-space scale: a scaled MLP keeps the per-projection path
+    unscaled = all(v is None for v in sc.values())
+    if rank_plan and unscaled and (not all_col or _rank_kernel_serves(ops, params, platform)):
       return _mlp_rank_path(*ops, plan=plan, params=params)
-    d = mlp_operands(ops, params["gated"], params["bias_mask"])
     x = d["x"]
     lu, ax = plan["up"]
-    h = _local_xuv(x, *d["up"], lu, ax, inter, inter)
+    h = _local_xuv(x, *d["up"], lu, ax, inter, inter, sc["up"], inter)
     split = _out_split(lu)
     if params["gated"]:
       lg, axg = plan["gate"]
-      g = _local_xuv(x, *d["gate"], lg, axg, inter, inter)
+      g = _local_xuv(x, *d["gate"], lg, axg, inter, inter, sc["gate"], inter)
       g = _to_layout(g, _out_split(lg), split, axg or ax)
       h = act(g) * h
     else:
       h = act(h)
     ld, axd = plan["down"]
     h = _to_layout(h, split, _k_split(ld), axd or ax)
-    return _local_xuv(h, *d["down"], ld, axd, inter, out_dt)
+    return _local_xuv(h, *d["down"], ld, axd, inter, out_dt, sc["down"], inter)
 
   return mlp
 
@@ -337,7 +357,7 @@ def _rule_string(prim_name, shapes, params) -> str:
   if prim_name == "lr_xuv":
     last_v = 2
   else:
-    d = mlp_operands(idx, params["gated"], params["bias_mask"])
+    d = mlp_operands(idx, params["gated"], params["bias_mask"], params.get("scale_mask", ()))
     last_v = d["down"][1]
   terms, n = ["... k"], 0
   for i in idx[1:]:

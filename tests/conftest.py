@@ -161,7 +161,19 @@ def pytest_testnodedown(node, error):
 
 
 def pytest_terminal_summary(terminalreporter):
-  if _FUZZ:
+  """Prints the fuzzers' case and crash counts: those reported through ``fuzz_report`` and
+  those recorded with ``record_property("fuzz", ...)`` (which travel with the test report,
+  also under xdist)."""
+  lines = [
+    f"{r.nodeid}: {v}"
+    for reports in terminalreporter.stats.values()
+    for r in reports
+    for k, v in getattr(r, "user_properties", ())
+    if k == "fuzz" and getattr(r, "when", "call") == "call"
+  ]
+  if _FUZZ or lines:
     terminalreporter.section("fuzz")
     for name, (cases, crashes) in sorted(_FUZZ.items()):
       terminalreporter.write_line(f"{name}: {cases} cases, {crashes} crashes")
+    for line in lines:
+      terminalreporter.write_line(line)

@@ -50,8 +50,8 @@ def _dtype_reason(avals, params) -> str | None:
   for i, a in enumerate(avals[1:], 1):
     if np.dtype(a.dtype) != dt:
       return f"operand {i} dtype={np.dtype(a.dtype).name} != x.dtype={dt.name}; the kernels do not cast on load"  # noqa: E501
-  for name in ("inter_dtype", "out_dtype"):
-    if np.dtype(params[name]) != dt:
+  for name in ("inter_dtype", "out_dtype", "scaled_dtype"):
+    if name in params and np.dtype(params[name]) != dt:
       return (
         f"{name}={np.dtype(params[name]).name} != x.dtype={dt.name}: the kernels keep the "
         "cached strip and the output in the input dtype"
@@ -67,7 +67,14 @@ def xuv_plan(avals_in, params) -> planner.Plan:
   """The plan the lr_xuv kernel would run with (raises PlanError / ValueError if none)."""
   x, u, v = avals_in[:3]
   return planner.plan(
-    "xuv", _rows(x), x.shape[-1], u.shape[1], v.shape[1], x.dtype, n_bias=int(params["has_bias"])
+    "xuv",
+    _rows(x),
+    x.shape[-1],
+    u.shape[1],
+    v.shape[1],
+    x.dtype,
+    n_bias=int(params["has_bias"]),
+    n_scale=int(params.get("has_scale", False)),
   )
 
 
@@ -75,11 +82,13 @@ def mlp_plan(avals_in, params) -> planner.MlpPlan:
   """The plans of the two launches the lr_mlp kernel would run with."""
   from lrjax.lowering.primitives import mlp_operands
 
-  d = mlp_operands(avals_in, params["gated"], params["bias_mask"])
+  d = mlp_operands(avals_in, params["gated"], params["bias_mask"], params.get("scale_mask", ()))
   x = d["x"]
   uu, vu, bu = d["up"]
+  sc = d["scales"]
   r_up = max(uu.shape[1], d["gate"][0].shape[1]) if params["gated"] else uu.shape[1]
   has_up_bias = bu is not None or (params["gated"] and d["gate"][2] is not None)
+  has_up_scale = sc["up"] is not None or sc["gate"] is not None
   ud, vd, bd = d["down"]
   return planner.plan_mlp(
     _rows(x),
@@ -92,6 +101,8 @@ def mlp_plan(avals_in, params) -> planner.MlpPlan:
     gated=params["gated"],
     up_bias=(2 if params["gated"] else 1) if has_up_bias else 0,
     down_bias=bd is not None,
+    up_scale=(2 if params["gated"] else 1) if has_up_scale else 0,
+    down_scale=sc["down"] is not None,
   )
 
 
@@ -126,8 +137,11 @@ def _mlp_supports(avals_in, params):
 def _load_xuv():
   from lrjax.custom_calls.nki import xuv
 
-  def impl(*ops, has_bias, inter_dtype, out_dtype):
-    return xuv.xuv(ops[0], ops[1], ops[2], ops[3] if has_bias else None)
+  def impl(*ops, has_bias, inter_dtype, out_dtype, has_scale=False, scaled_dtype=None):
+    from lrjax.lowering.primitives import xuv_operands
+
+    x, u, v, b, s = xuv_operands(ops, dict(has_bias=has_bias, has_scale=has_scale))
+    return xuv.xuv(x, u, v, b, s)
 
   return impl
 
@@ -136,9 +150,11 @@ def _load_mlp():
   from lrjax.custom_calls.nki import mlp
   from lrjax.lowering.primitives import mlp_operands
 
-  def impl(*ops, gated, act, bias_mask, inter_dtype, out_dtype):
-    d = mlp_operands(ops, gated, bias_mask)
-    return mlp.mlp(d["x"], d["up"], d["down"], d["gate"], act=act)
+  def impl(*ops, gated, act, bias_mask, inter_dtype, out_dtype, scale_mask=()):
+    d = mlp_operands(ops, gated, bias_mask, scale_mask)
+    sc = d["scales"]
+    proj = lambda name: None if d[name] is None else (*d[name], sc[name])  # noqa: E731
+    return mlp.mlp(d["x"], proj("up"), proj("down"), proj("gate"), act=act)
 
   return impl
 

@@ -37,19 +37,22 @@ class BlockSizes:
 def fused_mlp(x, up, down, gate=None, *, act="silu", xp, up_gate_mod, xuv_mod):
   """Runs Algorithm 3 with the given kernel modules (real NKI, or a test double's copies).
 
-  x: [M, K]; up, gate: (u [K, r], v [r, D_ff], bias [D_ff] | None); down: (u [D_ff, r2],
-  v [r2, N], bias [N] | None). ``xp`` is numpy or jax.numpy. Returns Z [M, N].
+  x: [M, K]; up, gate: (u [K, r], v [r, D_ff], bias [D_ff] | None[, scale [r]]); down:
+  (u [D_ff, r2], v [r2, N], bias [N] | None[, scale [r2]]). ``xp`` is numpy or jax.numpy.
+  Returns Z [M, N].
   """
   M = x.shape[0]
   name, args, kwargs, _ = up_gate_mod.prepare(x, up, gate, xp=xp, act=act)
   yt = getattr(up_gate_mod, name)(*args, **kwargs)  # [D_ff padded, M padded]
-  ud, vd, bd = tuple(down) + (None,) * (3 - len(down))
+  ud, vd, bd, sd = tuple(down) + (None,) * (4 - len(down))
   Dp = yt.shape[0]
   if ud.shape[0] != up[1].shape[1]:
     raise ValueError(f"down u.shape={ud.shape} must start with D_ff={up[1].shape[1]}")
   ud = ud if ud.shape[0] == Dp else xp.pad(ud, ((0, Dp - ud.shape[0]), (0, 0)))
-  d_args, d_kwargs, (_, N) = xuv_mod.prepare(yt, ud, vd, bd, xp=xp, out_t=False, x_transposed=True)
-  kern = xuv_mod.xuv_bias_kernel if bd is not None else xuv_mod.xuv_kernel
+  d_args, d_kwargs, (_, N) = xuv_mod.prepare(
+    yt, ud, vd, bd, sd, xp=xp, out_t=False, x_transposed=True
+  )
+  kern = xuv_mod.kernel_for(bd is not None, sd is not None)
   z = kern(*d_args, **d_kwargs)  # [M padded, N padded]
   return z[:M, :N]
 

@@ -13,6 +13,10 @@ the up path only: Y^T = act(X·U·V + b)^T.
 Gate and up may have different ranks; :func:`prepare` zero-pads both to the larger
 rank (exact). Dims are padded to multiples of 128; bf16/f16 only.
 
+Rank-space scales (``(x @ u) * s`` between a projection's factors) multiply the cached
+strips after they were rounded to the input dtype, as in ``xuv.py``; when only one of gate
+and up has a scale the other gets ones (exact).
+
 Targets NKI 0.7 (AWS Neuron SDK 2.33, ``import nki``). Not compiled or run on
 Trainium here; see the README's "Trainium status".
 """
@@ -38,11 +42,11 @@ class BlockSizes:
   x_cache: bool = False  # hold the whole X^T row strip in SBUF: X read once per strip
 
   @classmethod
-  def get_default(cls, M, K, r, d_ff, dtype, *, gated=True, n_bias=0) -> BlockSizes:
+  def get_default(cls, M, K, r, d_ff, dtype, *, gated=True, n_bias=0, n_scale=0) -> BlockSizes:
     """Tuned table first, the planner's least-traffic plan otherwise."""
     key = (tuple(planner.pad128(d) for d in (K, r, d_ff)), gated)
     blocks = TUNED.get(key)
-    kw = dict(out_t=True, n_bias=n_bias, gated=gated)
+    kw = dict(out_t=True, n_bias=n_bias, gated=gated, n_scale=n_scale)
     p = None
     if blocks is not None:
       try:
@@ -89,8 +93,16 @@ def _load_block(dst, src, r0, c0, cols):
     nisa.dma_copy(dst=dst[:, t, :], src=src[r0 + t * P : r0 + (t + 1) * P, c0 : c0 + cols])
 
 
-def _strips(x, ug, uu, m0, bm, bk, br, x_cache):
-  """Phase 1: the (X·Ug)^T and (X·Uu)^T strips of rows m0..m0+bm (ug is None if not gated)."""
+def _scaled(strip, sc, i, cols):
+  """strip[:, i, cols] ⊙ the per-rank scale column i (after its rounding to the strip dtype)."""
+  if sc is not None:
+    t = strip[:, i, cols]
+    nisa.tensor_scalar(dst=t, data=t, op0=nl.multiply, operand0=sc[:, i : i + 1])
+
+
+def _strips(x, ug, uu, m0, bm, bk, br, x_cache, scg=None, scu=None):
+  """Phase 1: the (X·Ug)^T and (X·Uu)^T strips of rows m0..m0+bm (ug is None if not gated),
+  times their per-rank scales ``scg`` / ``scu`` [P, r/P] when given."""
   K, r = uu.shape
   tm = _moving_tile(bm)
   n_mt = bm // tm
@@ -136,13 +148,12 @@ def _strips(x, ug, uu, m0, bm, bk, br, x_cache):
               )
     for rt in nl.affine_range(n_rt):
       for mt in nl.affine_range(n_mt):
-        nisa.tensor_copy(
-          dst=su[:, p * n_rt + rt, mt * tm : (mt + 1) * tm], src=accu[:, rt * n_mt + mt, :]
-        )
+        cols = slice(mt * tm, (mt + 1) * tm)
+        nisa.tensor_copy(dst=su[:, p * n_rt + rt, cols], src=accu[:, rt * n_mt + mt, :])
+        _scaled(su, scu, p * n_rt + rt, cols)
         if ug is not None:
-          nisa.tensor_copy(
-            dst=sg[:, p * n_rt + rt, mt * tm : (mt + 1) * tm], src=accg[:, rt * n_mt + mt, :]
-          )
+          nisa.tensor_copy(dst=sg[:, p * n_rt + rt, cols], src=accg[:, rt * n_mt + mt, :])
+          _scaled(sg, scg, p * n_rt + rt, cols)
   return sg, su
 
 
@@ -220,13 +231,26 @@ def _project(sg, su, vg, vu, bg, bu, yt, m0, bm, br, bn, act):
       nisa.dma_copy(dst=yt[n0 + nt * P : n0 + (nt + 1) * P, m0 : m0 + bm], src=yb[:, nt, :])
 
 
-def _up_gate_body(x, ug, vg, bg, uu, vu, bu, act, bm, bk, br, bn, x_cache):
+def _load_scale(sc, scale):
+  """A rank-space scale ([r, 1] on HBM) into ``sc`` [P, r/P] in SBUF (see xuv.load_scale)."""
+  for t in nl.affine_range(sc.shape[1]):
+    nisa.dma_copy(dst=sc[:, t : t + 1], src=scale[t * P : (t + 1) * P, 0:1])
+  return sc
+
+
+def _up_gate_body(x, ug, vg, bg, uu, vu, bu, act, bm, bk, br, bn, x_cache, sg_=None, su_=None):
   M = x.shape[0]
   N = vu.shape[1]
   yt = nl.ndarray((N, M), dtype=x.dtype, buffer=nl.shared_hbm)
   f = _act(act)
+  r = uu.shape[1]
+  scg = scu = None  # one SBUF allocation each: both live for the whole launch
+  if sg_ is not None:
+    scg = _load_scale(nl.ndarray((P, r // P), dtype=sg_.dtype, buffer=nl.sbuf), sg_)
+  if su_ is not None:
+    scu = _load_scale(nl.ndarray((P, r // P), dtype=su_.dtype, buffer=nl.sbuf), su_)
   for m in nl.affine_range(M // bm):
-    sg, su = _strips(x, ug, uu, m * bm, bm, bk, br, x_cache)
+    sg, su = _strips(x, ug, uu, m * bm, bm, bk, br, x_cache, scg, scu)
     _project(sg, su, vg, vu, bg, bu, yt, m * bm, bm, br, bn, f)
   return yt
 
@@ -258,6 +282,32 @@ def up_bias_kernel(x, uu, vu, bu, act, bm, bk, br, bn, x_cache=False):
   return _up_gate_body(x, None, None, None, uu, vu, bu, act, bm, bk, br, bn, x_cache)
 
 
+@nki.jit
+def up_gate_scale_kernel(x, ug, vg, sg, uu, vu, su, act, bm, bk, br, bn, x_cache=False):
+  """As :func:`up_gate_kernel` with rank-space scales sg, su: [r, 1] each."""
+  return _up_gate_body(x, ug, vg, None, uu, vu, None, act, bm, bk, br, bn, x_cache, sg, su)
+
+
+@nki.jit
+def up_gate_bias_scale_kernel(
+  x, ug, vg, bg, sg, uu, vu, bu, su, act, bm, bk, br, bn, x_cache=False
+):
+  """As :func:`up_gate_bias_kernel` with rank-space scales sg, su: [r, 1] each."""
+  return _up_gate_body(x, ug, vg, bg, uu, vu, bu, act, bm, bk, br, bn, x_cache, sg, su)
+
+
+@nki.jit
+def up_scale_kernel(x, uu, vu, su, act, bm, bk, br, bn, x_cache=False):
+  """Non-gated with the rank-space scale su: [r, 1]."""
+  return _up_gate_body(x, None, None, None, uu, vu, None, act, bm, bk, br, bn, x_cache, None, su)
+
+
+@nki.jit
+def up_bias_scale_kernel(x, uu, vu, bu, su, act, bm, bk, br, bn, x_cache=False):
+  """Non-gated with bias bu: [1, D_ff] and the rank-space scale su: [r, 1]."""
+  return _up_gate_body(x, None, None, None, uu, vu, bu, act, bm, bk, br, bn, x_cache, None, su)
+
+
 # ----------------------------------------------------------------------------- wrapper
 
 
@@ -266,15 +316,15 @@ def _pad2(xp, a, rows, cols):
   return a if (pr, pc) == (0, 0) else xp.pad(a, ((0, pr), (0, pc)))
 
 
-def _proj3(p):
-  """(u, v) or (u, v, bias) -> (u, v, bias|None)."""
-  if len(p) not in (2, 3):
-    raise ValueError(f"a projection must be (u, v) or (u, v, bias); got {len(p)} items")
-  return tuple(p) + (None,) * (3 - len(p))
+def _proj4(p):
+  """(u, v), (u, v, bias) or (u, v, bias, scale) -> (u, v, bias|None, scale|None)."""
+  if len(p) not in (2, 3, 4):
+    raise ValueError(f"a projection must be (u, v[, bias[, scale]]); got {len(p)} items")
+  return tuple(p) + (None,) * (4 - len(p))
 
 
 def prepare(x, up, gate=None, *, xp, act="silu", block_sizes=None):
-  """Pads operands and picks the kernel; ``up``/``gate`` are (u, v, bias|None).
+  """Pads operands and picks the kernel; ``up``/``gate`` are (u, v[, bias|None[, scale]]).
 
   x: [M, K]. Returns (kernel name, args, kwargs, (M, D_ff)).
   """
@@ -283,32 +333,44 @@ def prepare(x, up, gate=None, *, xp, act="silu", block_sizes=None):
   if x.ndim != 2:
     raise ValueError(f"{x.shape=} must be 2-D [M, K]")
   M, K = x.shape
-  up = _proj3(up)
-  gate = None if gate is None else _proj3(gate)
-  uu, vu, bu = up
+  up = _proj4(up)
+  gate = None if gate is None else _proj4(gate)
+  uu, vu, bu, _ = up
   d_ff = vu.shape[1]
   r = max(uu.shape[1], gate[0].shape[1]) if gate is not None else uu.shape[1]
   Mp, Kp, rp, Np = (planner.pad128(d) for d in (M, K, r, d_ff))
   has_bias = bu is not None or (gate is not None and gate[2] is not None)
   n_bias = (2 if gate is not None else 1) if has_bias else 0  # a missing bias is passed as zeros
+  has_scale = up[3] is not None or (gate is not None and gate[3] is not None)
+  n_scale = (2 if gate is not None else 1) if has_scale else 0  # a missing one as ones
   bs = block_sizes or BlockSizes.get_default(
-    M, K, r, d_ff, x.dtype, gated=gate is not None, n_bias=n_bias
+    M, K, r, d_ff, x.dtype, gated=gate is not None, n_bias=n_bias, n_scale=n_scale
   )
 
-  def proj(u, v, b):
+  def proj(u, v, b, s):
     if u.shape[0] != K or v.shape[0] != u.shape[1] or v.shape[1] != d_ff:
       raise ValueError(f"{u.shape=}, {v.shape=} must be [K={K}, r] and [r, D_ff={d_ff}]")
     ops = (_pad2(xp, u, Kp, rp), _pad2(xp, v, rp, Np))
     if has_bias:
       b = xp.zeros((d_ff,), x.dtype) if b is None else b
       ops += (_pad2(xp, b.reshape(1, d_ff), 1, Np),)
+    if has_scale:
+      s = xp.ones((u.shape[1],), x.dtype) if s is None else s
+      if s.shape != (u.shape[1],):
+        raise ValueError(f"scale {s.shape=} must be ({u.shape[1]},)")
+      ops += (_pad2(xp, s.reshape(-1, 1), rp, 1),)
     return ops
 
   args = (_pad2(xp, x, Mp, Kp),)
   if gate is not None:
     args += proj(*gate)
-  args += proj(uu, vu, bu)
-  name = ("up_gate" if gate is not None else "up") + ("_bias" if has_bias else "") + "_kernel"
+  args += proj(*up)
+  name = (
+    ("up_gate" if gate is not None else "up")
+    + ("_bias" if has_bias else "")
+    + ("_scale" if has_scale else "")
+    + "_kernel"
+  )
   kwargs = dict(act=act, bm=bs.bm, bk=bs.bk, br=bs.br, bn=bs.bn, x_cache=bs.x_cache)
   return name, args, kwargs, (M, d_ff)
 
@@ -326,9 +388,12 @@ def up_gate_reference(x, up, gate=None, *, act="silu"):
   import jax
   from lrjax.lowering.primitives import ACTIVATIONS, lr_xuv_reference
 
-  h = lr_xuv_reference(x, *up[:2], up[2] if len(up) > 2 else None)
+  up, gate = _proj4(up), None if gate is None else _proj4(gate)
+  dt = x.dtype
+  h = lr_xuv_reference(x, *up[:3], scale=up[3], inter_dtype=dt, out_dtype=dt)
   if gate is not None:
-    h = ACTIVATIONS[act](lr_xuv_reference(x, *gate[:2], gate[2] if len(gate) > 2 else None)) * h
+    g = lr_xuv_reference(x, *gate[:3], scale=gate[3], inter_dtype=dt, out_dtype=dt)
+    h = ACTIVATIONS[act](g) * h
   else:
     h = ACTIVATIONS[act](h)
   return jax.numpy.asarray(h).T

@@ -85,10 +85,11 @@ class Traffic:
   v: int
   bias: int
   out: int
+  scale: int = 0  # rank-space scale vectors, read once per launch
 
   @property
   def reads(self) -> int:
-    return self.x + self.u + self.v + self.bias
+    return self.x + self.u + self.v + self.bias + self.scale
 
   @property
   def writes(self) -> int:
@@ -214,7 +215,7 @@ def _check_dims(shape, b: Blocks):
       )
 
 
-def _evaluate(kernel, shape, s, b: Blocks, out_t, x_transposed, n_bias, gated) -> Plan:
+def _evaluate(kernel, shape, s, b: Blocks, out_t, x_transposed, n_bias, gated, n_scale=0) -> Plan:
   """Exact footprint and traffic of our kernels for one block choice."""
   _check_dims(shape, b)
   M, K, r, N = shape
@@ -230,6 +231,7 @@ def _evaluate(kernel, shape, s, b: Blocks, out_t, x_transposed, n_bias, gated) -
   u_pp = proj * (b.bk // P) * b.br * s
   v_pp = proj * (b.br // P) * b.bn * s
   o_pp = (b.bn // P) * b.bm * s if out_t else (b.bm // P) * b.bn * s
+  scale_pp = n_scale * (r // P) * s  # [P, r/P] per scale vector, loaded once per launch
   acc1 = proj * (b.br // P) * (b.bm // tm)
   if out_t:
     acc2 = proj * (b.bn // P) * (b.bm // tm)
@@ -242,16 +244,16 @@ def _evaluate(kernel, shape, s, b: Blocks, out_t, x_transposed, n_bias, gated) -
   model_flops = proj * 2 * M * r * (K + N)
   flops = model_flops + n_bias * 2 * M * N
   if kernel == "xuv":
-    peak_pp = max(strip_pp + x_pp + u_pp, strip_pp + v_pp + o_pp + bias_pp)
+    peak_pp = max(strip_pp + x_pp + u_pp, strip_pp + v_pp + o_pp + bias_pp) + scale_pp
     psum = max(acc1, acc2)
   elif kernel == "mlp_up_gate":
     if not out_t:
       raise ValueError("mlp_up_gate always writes Y^T (out_t=True)")
     act_pp = tm * 4 if gated else 0  # f32 act(gate) tile
-    peak_pp = max(strip_pp + x_pp + u_pp, strip_pp + v_pp + o_pp + bias_pp + act_pp)
+    peak_pp = max(strip_pp + x_pp + u_pp, strip_pp + v_pp + o_pp + bias_pp + act_pp) + scale_pp
     psum = max(acc1, acc2)
   elif kernel == "xuv_naive":
-    if out_t or x_transposed or n_bias or b.x_cache:
+    if out_t or x_transposed or n_bias or n_scale or b.x_cache:
       raise ValueError("xuv_naive (Algorithm 1) writes O from X, without bias or X cache")
     # Algorithm 1: the Y_mp block is recomputed for every output block O_mn.
     y_pp = (b.br // P) * b.bm * s
@@ -262,7 +264,9 @@ def _evaluate(kernel, shape, s, b: Blocks, out_t, x_transposed, n_bias, gated) -
     flops = 2 * M * K * r * nblocks + 2 * M * r * N
   else:
     raise ValueError(f"{kernel=} is not one of {KERNEL_NAMES}")
-  traffic = Traffic(x=x_reads, u=u_reads, v=v_reads, bias=bias_reads, out=M * N * s)
+  traffic = Traffic(
+    x=x_reads, u=u_reads, v=v_reads, bias=bias_reads, out=M * N * s, scale=n_scale * r * s
+  )
   eq11 = proj * sbuf_eq11(r, b, s)
   return Plan(
     kernel=kernel,
@@ -289,7 +293,7 @@ def _divisor_blocks(dim: int, cap: int) -> list[int]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _search(kernel, shape, s, out_t, x_transposed, n_bias, gated, bm_fixed):
+def _search(kernel, shape, s, out_t, x_transposed, n_bias, gated, bm_fixed, n_scale=0):
   """Least-traffic fitting plan; with ``bm_fixed`` and nothing fitting, the smallest footprint."""
   M, K, r, N = shape
   best = smallest = None
@@ -300,7 +304,8 @@ def _search(kernel, shape, s, out_t, x_transposed, n_bias, gated, bm_fixed):
   ):
     if xc and br == r:
       continue  # one rank block: X is read once per strip anyway
-    p = _evaluate(kernel, shape, s, Blocks(bm, bk, br, bn, xc), out_t, x_transposed, n_bias, gated)
+    blocks = Blocks(bm, bk, br, bn, xc)
+    p = _evaluate(kernel, shape, s, blocks, out_t, x_transposed, n_bias, gated, n_scale)
     if p.psum_tiles > PSUM_BANKS:
       continue
     if p.fits:
@@ -328,6 +333,7 @@ def plan(
   n_bias: int = 0,
   gated: bool = True,
   blocks: Blocks | tuple | None = None,
+  n_scale: int = 0,
 ) -> Plan:
   """Plans one kernel launch on the shapes padded to multiples of 128.
 
@@ -343,11 +349,11 @@ def plan(
   s = itemsize(dtype)
   if blocks is not None:
     b = blocks if isinstance(blocks, Blocks) else Blocks(*blocks)
-    p = _evaluate(kernel, shape, s, b, out_t, x_transposed, n_bias, gated)
+    p = _evaluate(kernel, shape, s, b, out_t, x_transposed, n_bias, gated, n_scale)
     if not p.fits:
       raise PlanError(f"{kernel} blocks {b.as_tuple()} for padded shape {shape}: {p.spill_reason}")
     return p
-  p = _search(kernel, shape, s, out_t, x_transposed, n_bias, gated, None)
+  p = _search(kernel, shape, s, out_t, x_transposed, n_bias, gated, None, n_scale)
   if p is None:
     raise PlanError(
       f"{kernel}: no block choice fits 24 MiB SBUF / 8 PSUM banks for padded "
@@ -369,11 +375,12 @@ def evaluate(
   x_transposed=False,
   n_bias=0,
   gated=True,
+  n_scale=0,
 ) -> Plan:
   """Like :func:`plan` with fixed blocks, but returns spilling plans instead of raising."""
   shape = tuple(pad128(d) for d in (M, K, r, N))
   b = blocks if isinstance(blocks, Blocks) else Blocks(*blocks)
-  return _evaluate(kernel, shape, itemsize(dtype), b, out_t, x_transposed, n_bias, gated)
+  return _evaluate(kernel, shape, itemsize(dtype), b, out_t, x_transposed, n_bias, gated, n_scale)
 
 
 def best_for_bm(
@@ -389,10 +396,12 @@ def best_for_bm(
   x_transposed=False,
   n_bias=0,
   gated=True,
+  n_scale=0,
 ) -> Plan | None:
   """Least-traffic fitting plan with B_M fixed, else its smallest (spilling) plan; for Table 4."""
   shape = tuple(pad128(d) for d in (M, K, r, N))
-  return _search(kernel, shape, itemsize(dtype), out_t, x_transposed, n_bias, gated, int(bm))
+  s = itemsize(dtype)
+  return _search(kernel, shape, s, out_t, x_transposed, n_bias, gated, int(bm), n_scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -423,11 +432,34 @@ def plan_mlp(
   gated: bool = True,
   up_bias: int = 0,
   down_bias: bool = False,
+  up_scale: int = 0,
+  down_scale: bool = False,
 ) -> MlpPlan:
-  """Plans both launches of the fused MLP; ``up_bias`` counts gate/up bias rows (0-2)."""
-  up = plan("mlp_up_gate", M, K, r_up, d_ff, dtype, out_t=True, n_bias=up_bias, gated=gated)
+  """Plans both launches of the fused MLP; ``up_bias`` counts gate/up bias rows (0-2) and
+  ``up_scale`` their rank-space scale vectors (0-2)."""
+  up = plan(
+    "mlp_up_gate",
+    M,
+    K,
+    r_up,
+    d_ff,
+    dtype,
+    out_t=True,
+    n_bias=up_bias,
+    gated=gated,
+    n_scale=up_scale,
+  )
   down = plan(
-    "xuv", M, d_ff, r_down, N, dtype, out_t=False, x_transposed=True, n_bias=int(bool(down_bias))
+    "xuv",
+    M,
+    d_ff,
+    r_down,
+    N,
+    dtype,
+    out_t=False,
+    x_transposed=True,
+    n_bias=int(bool(down_bias)),
+    n_scale=int(bool(down_scale)),
   )
   return MlpPlan(up, down)
 

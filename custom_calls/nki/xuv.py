@@ -15,6 +15,10 @@ Dataflow, per row strip m of B_M rows (loop over M):
            the cached strip as stationary (``out_t=False``, the model's layout).
   bias     a rank-1 nc_matmul of the bias row with a row of ones into the same
            PSUM accumulator (no broadcast DMA, no extra engine pass).
+  scale    optional rank-space scale s [r] (Σ of an SVD, ``(x @ u) * s``): the strip is
+           (X·U)^T, so s is one scalar per partition. It is loaded once per launch as [P, r/P]
+           and multiplied into each strip tile after the tile was rounded to the input dtype
+           (``tensor_scalar`` with a per-partition vector), the rounding the reference does.
 
 HBM traffic: X once per strip when its X^T row strip [K, B_M] also fits in SBUF
 (``x_cache``), else once per (strip, rank block); U and V once per strip, O once; the
@@ -52,10 +56,10 @@ class BlockSizes:
 
   @classmethod
   def get_default(
-    cls, M, K, r, N, dtype, *, out_t=False, x_transposed=False, has_bias=False
+    cls, M, K, r, N, dtype, *, out_t=False, x_transposed=False, has_bias=False, has_scale=False
   ) -> BlockSizes:
     """Tuned B_M for known shape classes, the planner's least-traffic plan otherwise."""
-    kw = dict(out_t=out_t, x_transposed=x_transposed, n_bias=int(has_bias))
+    kw = dict(out_t=out_t, x_transposed=x_transposed, n_bias=int(has_bias), n_scale=int(has_scale))
     bm = TUNED_BM.get(tuple(planner.pad128(d) for d in (K, r, N)))
     if bm is not None and planner.pad128(M) % bm == 0:
       p = planner.best_for_bm("xuv", M, K, r, N, dtype, bm, **kw)
@@ -89,8 +93,18 @@ def _load_xt(x, m0, k0, bm, bk, tm, x_transposed):
   return xt
 
 
-def _xu_strip(x, u, m0, bm, bk, br, x_transposed, x_cache):
-  """Phase 1: the strip (X·U)^T of rows m0..m0+bm, cached in SBUF as [P, r/P, bm]."""
+def load_scale(scale, r):
+  """The rank-space scale ([r, 1] on HBM) as [P, r/P] in SBUF: column t holds ranks t·P...;
+  each column is the per-partition vector that scales rank tile t of a (X·U)^T strip."""
+  sc = nl.ndarray((P, r // P), dtype=scale.dtype, buffer=nl.sbuf)
+  for t in nl.affine_range(r // P):
+    nisa.dma_copy(dst=sc[:, t : t + 1], src=scale[t * P : (t + 1) * P, 0:1])
+  return sc
+
+
+def _xu_strip(x, u, m0, bm, bk, br, x_transposed, x_cache, sc=None):
+  """Phase 1: the strip (X·U)^T of rows m0..m0+bm, cached in SBUF as [P, r/P, bm]
+  (times the per-rank scale ``sc`` [P, r/P] when given)."""
   K, r = u.shape
   tm = _moving_tile(bm)
   n_mt = bm // tm
@@ -123,9 +137,11 @@ def _xu_strip(x, u, m0, bm, bk, br, x_transposed, x_cache):
             )
     for rt in nl.affine_range(n_rt):
       for mt in nl.affine_range(n_mt):
-        nisa.tensor_copy(
-          dst=strip[:, p * n_rt + rt, mt * tm : (mt + 1) * tm], src=acc[:, rt * n_mt + mt, :]
-        )
+        t = strip[:, p * n_rt + rt, mt * tm : (mt + 1) * tm]
+        nisa.tensor_copy(dst=t, src=acc[:, rt * n_mt + mt, :])
+        if sc is not None:  # ⊙ s after the rounding to the strip's dtype, as (x @ u) * s
+          i = p * n_rt + rt
+          nisa.tensor_scalar(dst=t, data=t, op0=nl.multiply, operand0=sc[:, i : i + 1])
   return strip
 
 
@@ -211,7 +227,7 @@ def _strip_times_v(strip, v, bias, out, m0, bm, br, bn, out_t):
         nisa.dma_copy(dst=out[m0 + mi * P : m0 + (mi + 1) * P, n0 : n0 + bn], src=ob[:, mi, :])
 
 
-def _xuv_body(x, u, v, bias, bm, bk, br, bn, out_t, x_transposed, x_cache):
+def _xuv_body(x, u, v, bias, bm, bk, br, bn, out_t, x_transposed, x_cache, scale=None):
   if x_transposed:
     K, M = x.shape
   else:
@@ -221,8 +237,9 @@ def _xuv_body(x, u, v, bias, bm, bk, br, bn, out_t, x_transposed, x_cache):
     out = nl.ndarray((N, M), dtype=x.dtype, buffer=nl.shared_hbm)
   else:
     out = nl.ndarray((M, N), dtype=x.dtype, buffer=nl.shared_hbm)
+  sc = load_scale(scale, u.shape[1]) if scale is not None else None
   for m in nl.affine_range(M // bm):
-    strip = _xu_strip(x, u, m * bm, bm, bk, br, x_transposed, x_cache)
+    strip = _xu_strip(x, u, m * bm, bm, bk, br, x_transposed, x_cache, sc)
     _strip_times_v(strip, v, bias, out, m * bm, bm, br, bn, out_t)
   return out
 
@@ -243,6 +260,28 @@ def xuv_bias_kernel(x, u, v, bias, bm, bk, br, bn, out_t, x_transposed, x_cache=
   return _xuv_body(x, u, v, bias, bm, bk, br, bn, out_t, x_transposed, x_cache)
 
 
+@nki.jit
+def xuv_scale_kernel(x, u, v, scale, bm, bk, br, bn, out_t, x_transposed, x_cache=False):
+  """As :func:`xuv_kernel` with the rank-space scale: [r, 1], O = ((X·U) ⊙ s)·V."""
+  return _xuv_body(x, u, v, None, bm, bk, br, bn, out_t, x_transposed, x_cache, scale)
+
+
+@nki.jit
+def xuv_bias_scale_kernel(x, u, v, bias, scale, bm, bk, br, bn, out_t, x_transposed, x_cache=False):
+  """As :func:`xuv_bias_kernel` with the rank-space scale: [r, 1]."""
+  return _xuv_body(x, u, v, bias, bm, bk, br, bn, out_t, x_transposed, x_cache, scale)
+
+
+def kernel_for(has_bias: bool, has_scale: bool):
+  """The entry point taking (x, u, v[, bias][, scale], blocks...)."""
+  return {
+    (False, False): xuv_kernel,
+    (True, False): xuv_bias_kernel,
+    (False, True): xuv_scale_kernel,
+    (True, True): xuv_bias_scale_kernel,
+  }[(bool(has_bias), bool(has_scale))]
+
+
 # ----------------------------------------------------------------------------- wrapper
 
 
@@ -251,11 +290,14 @@ def _pad2(xp, a, rows, cols):
   return a if (pr, pc) == (0, 0) else xp.pad(a, ((0, pr), (0, pc)))
 
 
-def prepare(x, u, v, bias=None, *, xp, out_t=False, x_transposed=False, block_sizes=None):
+def prepare(
+  x, u, v, bias=None, scale=None, *, xp, out_t=False, x_transposed=False, block_sizes=None
+):
   """Pads 2-D operands to multiples of 128 and picks blocks.
 
-  x: [M, K] (or [K, M] if x_transposed); u: [K, r]; v: [r, N]; bias: [N] or None;
-  ``xp`` is numpy or jax.numpy. Returns (kernel args, kernel kwargs, (M, N)).
+  x: [M, K] (or [K, M] if x_transposed); u: [K, r]; v: [r, N]; bias: [N] or None; scale:
+  [r] or None (zero-padded to [r padded, 1]); ``xp`` is numpy or jax.numpy. Returns
+  (kernel args, kernel kwargs, (M, N)); :func:`kernel_for` names the kernel to call.
   """
   if x.ndim != 2:
     raise ValueError(f"{x.shape=} must be 2-D: [M, K] (or [K, M] with x_transposed)")
@@ -266,7 +308,15 @@ def prepare(x, u, v, bias=None, *, xp, out_t=False, x_transposed=False, block_si
     raise ValueError(f"{x.shape=}, {u.shape=}, {v.shape=} do not chain as X·U·V")
   Mp, Kp, rp, Np = (planner.pad128(d) for d in (M, K, r, N))
   bs = block_sizes or BlockSizes.get_default(
-    M, K, r, N, x.dtype, out_t=out_t, x_transposed=x_transposed, has_bias=bias is not None
+    M,
+    K,
+    r,
+    N,
+    x.dtype,
+    out_t=out_t,
+    x_transposed=x_transposed,
+    has_bias=bias is not None,
+    has_scale=scale is not None,
   )
   x = _pad2(xp, x, Kp, Mp) if x_transposed else _pad2(xp, x, Mp, Kp)
   args = (x, _pad2(xp, u, Kp, rp), _pad2(xp, v, rp, Np))
@@ -274,6 +324,10 @@ def prepare(x, u, v, bias=None, *, xp, out_t=False, x_transposed=False, block_si
     if bias.shape != (N,):
       raise ValueError(f"{bias.shape=} must be ({N},)")
     args += (_pad2(xp, bias.reshape(1, N), 1, Np),)
+  if scale is not None:
+    if scale.shape != (r,):
+      raise ValueError(f"{scale.shape=} must be ({r},)")
+    args += (_pad2(xp, scale.reshape(r, 1), rp, 1),)
   kwargs = dict(
     bm=bs.bm,
     bk=bs.bk,
@@ -292,8 +346,8 @@ def finish(out, shape, out_t=False):
   return out[:N, :M] if out_t else out[:M, :N]
 
 
-def xuv(x, u, v, bias=None, *, out_t=False, x_transposed=False, block_sizes=None):
-  """JAX entry point: y = x·u·v (+ bias) through the NKI kernel (jax-neuronx integration).
+def xuv(x, u, v, bias=None, scale=None, *, out_t=False, x_transposed=False, block_sizes=None):
+  """JAX entry point: y = ((x·u) ⊙ scale)·v (+ bias) through the NKI kernel (jax-neuronx).
 
   x: [..., K] (or [K, M] with x_transposed); returns [..., N] (or [N, M] with out_t).
   Calling an ``@nki.jit`` kernel with jax arrays inside a jitted function lowers
@@ -304,16 +358,16 @@ def xuv(x, u, v, bias=None, *, out_t=False, x_transposed=False, block_sizes=None
   lead = x.shape[:-1] if not x_transposed else ()
   x2 = x.reshape(-1, x.shape[-1]) if not x_transposed else x
   args, kwargs, shape = prepare(
-    x2, u, v, bias, xp=jnp, out_t=out_t, x_transposed=x_transposed, block_sizes=block_sizes
+    x2, u, v, bias, scale, xp=jnp, out_t=out_t, x_transposed=x_transposed, block_sizes=block_sizes
   )
-  kern = xuv_bias_kernel if bias is not None else xuv_kernel
+  kern = kernel_for(bias is not None, scale is not None)
   y = finish(kern(*args, **kwargs), shape, out_t)
   return y if (out_t or x_transposed) else y.reshape(lead + (v.shape[1],))
 
 
-def xuv_reference(x, u, v, bias=None, *, out_t=False, x_transposed=False):
+def xuv_reference(x, u, v, bias=None, scale=None, *, out_t=False, x_transposed=False):
   """The lrjax reference in this kernel's layouts (f32 accumulation, strip in x.dtype)."""
   from lrjax.lowering import lr_xuv_reference
 
-  y = lr_xuv_reference(x.T if x_transposed else x, u, v, bias)
+  y = lr_xuv_reference(x.T if x_transposed else x, u, v, bias, scale=scale)
   return y.T if out_t else y

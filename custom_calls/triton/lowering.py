@@ -46,6 +46,12 @@ def _toolchain() -> str | None:
   return None
 
 
+def _scale_reason(params) -> str | None:
+  if params.get("has_scale") or any(params.get("scale_mask", ())):
+    return "rank-space scale between the factors: the Triton kernels do not apply one yet"
+  return None
+
+
 def _common_checks(x, factors, params) -> str | None:
   if (reason := _toolchain()) is not None:
     return reason
@@ -76,6 +82,8 @@ def _common_checks(x, factors, params) -> str | None:
 
 
 def _xuv_checks(avals, params) -> str | None:
+  if (reason := _scale_reason(params)) is not None:
+    return reason
   x, u, v = avals[:3]
   return _common_checks(x, (u, v), params)
 
@@ -129,6 +137,8 @@ def _group(avals, params):
 
 
 def xuv_group_supports(avals, params) -> str | None:
+  if (reason := _scale_reason(params)) is not None:
+    return reason
   x, members = _group(avals, params)
   if (
     reason := _common_checks(x, tuple(a for u, v, _ in members for a in (u, v)), params)
@@ -168,6 +178,8 @@ def _group_impl():
 def _mlp_checks(avals, params) -> str | None:
   from lrjax.lowering.primitives import mlp_operands
 
+  if (reason := _scale_reason(params)) is not None:
+    return reason
   d = mlp_operands(avals, params["gated"], params["bias_mask"])
   if params["act"] not in ("silu", "gelu_tanh", "gelu", "relu"):
     return f"activation {params['act']!r} has no Triton epilogue"

@@ -15,7 +15,8 @@ Rules enforced (each raises :class:`NkiRuleError`):
     accumulates in f32 (one PSUM bank: dst free bytes <= 2 KiB).
   * ``dma_copy`` / ``dma_transpose`` move data only between HBM and SBUF (no PSUM,
     no SBUF->SBUF, no casting); DMA transpose needs a 2-byte dtype.
-  * Engine ops (tensor_copy, activation, tensor_tensor, memset) work on SBUF/PSUM only.
+  * Engine ops (tensor_copy, activation, tensor_tensor, tensor_scalar, memset) work on
+    SBUF/PSUM only; tensor_scalar's operand is a scalar or a [partitions, 1] vector tile.
   * Capacity: live SBUF <= 192 KiB per partition (24 MiB), live PSUM <= 8 banks of
     2 KiB per partition (2 MiB). An allocation reserves its free-dim bytes on every
     partition. One buffer per allocation site: a new ``nl.ndarray`` at the same
@@ -162,6 +163,7 @@ class NkiDouble:
       tensor_copy=self.tensor_copy,
       activation=self.activation,
       tensor_tensor=self.tensor_tensor,
+      tensor_scalar=self.tensor_scalar,
       memset=self.memset,
     )
 
@@ -409,6 +411,26 @@ class NkiDouble:
       raise NkiRuleError("tensor_tensor cannot read both operands from PSUM")
     if self.execute:
       self._write(dst, op(data1.arr.astype(np.float32), data2.arr.astype(np.float32)))
+
+  def tensor_scalar(self, dst, data, op0, operand0, reverse0=False, **_kw):
+    """dst = data <op0> operand0 in f32 (operand0: a scalar, or a [data partitions, 1] tile
+    broadcast along the free dim), rounded to dst's dtype."""
+    self._on_chip("dst", dst)
+    self._on_chip("data", data)
+    if dst.shape != data.shape:
+      raise NkiRuleError(f"tensor_scalar shapes differ: dst {dst.shape} data {data.shape}")
+    if isinstance(operand0, Tensor):
+      self._on_chip("operand0", operand0)
+      if operand0.shape != (data.shape[0], 1):
+        raise NkiRuleError(
+          f"tensor_scalar operand0 {operand0.shape} must be a vector ({data.shape[0]}, 1)"
+        )
+      opnd = operand0.arr.astype(np.float32).reshape((data.shape[0],) + (1,) * (data.arr.ndim - 1))
+    else:
+      opnd = np.float32(operand0)
+    if self.execute:
+      a = data.arr.astype(np.float32)
+      self._write(dst, op0(opnd, a) if reverse0 else op0(a, opnd))
 
   def memset(self, dst, value, **_kw):
     self._on_chip("dst", dst)

@@ -145,3 +145,50 @@ def test_pypi_placeholder_nki_falls_back_to_placeholders(tmp_path, monkeypatch):
   assert nki.jit(len) is len
   with pytest.raises(ImportError, match="Neuron SDK"):
     nl.ndarray  # noqa: B018
+
+
+def test_would_serve_scaled_xuv_and_mlp():
+  """A rank-space scale is an operand the NKI kernels apply: it is planned (read once, held in
+  SBUF) and must share the input dtype, as every operand does."""
+  av = [S((4, 300, 4096), BF), S((4096, 1000), BF), S((1000, 11008), BF), S((1000,), BF)]
+  p = dict(xuv_params(), has_scale=True, scaled_dtype=BF)
+  name, why = lowering.would_serve("lr_xuv", av, p)
+  assert name == "nki.xuv_trainium_fusion" and "blocks" in why
+  plan = lowering.xuv_plan(av, p)
+  assert plan.traffic.scale == 1024 * 2
+  name, why = lowering.would_serve("lr_xuv", av, dict(p, scaled_dtype=jnp.dtype(jnp.float32)))
+  assert name is None and "scaled_dtype=float32" in why
+  f32s = av[:3] + [S((1000,), jnp.float32)]
+  name, why = lowering.would_serve("lr_xuv", f32s, p)
+  assert name is None and "operand 3 dtype=float32" in why
+  x = S((2, 77, 2048), BF)
+  ops = [x, S((2048, 512), BF), S((512, 8192), BF), S((512,), BF)]
+  ops += [S((8192, 400), BF), S((400, 2048), BF), S((400,), BF)]
+  params = dict(
+    gated=False,
+    act="relu",
+    bias_mask=(False, False),
+    inter_dtype=BF,
+    out_dtype=BF,
+    scale_mask=(True, True),
+  )
+  name, why = lowering.would_serve("lr_mlp", ops, params)
+  assert name == "nki.mlp_up_gate_down"
+  mp = lowering.mlp_plan(ops, params)
+  assert mp.up_gate.traffic.scale == 512 * 2 and mp.down.traffic.scale == 512 * 2
+
+
+def test_scaled_jax_entry_points_on_the_double():
+  from nki_helpers import on_double
+
+  from lrjax.custom_calls.nki import mlp
+
+  d, (xv, ug) = on_double("xuv", "mlp_up_gate")
+  dt = jnp.bfloat16
+  x, u, v = randn((2, 5, 200), dt), randn((200, 130), dt, 0.07), randn((130, 300), dt, 0.09)
+  s = randn((130,), dt, 2.0)
+  assert_close(xv.xuv(x, u, v, None, s), lr_xuv_reference(x, u, v, scale=s), dt)
+  up = (u, randn((130, 256), dt, 0.09), None, s)
+  down = (randn((256, 96), dt, 0.06), randn((96, 200), dt, 0.1), None, randn((96,), dt))
+  z = mlp.mlp(x, up, down, None, act="gelu_tanh", up_gate_mod=ug, xuv_mod=xv)
+  assert_close(z, lr_mlp_reference(x, up, down, None, act="gelu_tanh"), dt)

@@ -80,3 +80,38 @@ def test_chain_has_no_transpose_between_kernels():
     xuv_mod=xv,
   )
   assert calls and set(calls) == {"x"}  # only the model input X is transposed (by DMA)
+
+
+@pytest.mark.parametrize("gated,scaled", [(True, "gate"), (True, "both"), (False, "up")])
+def test_fused_mlp_rank_space_scales(gated, scaled):
+  """Σ between a projection's factors: up/gate strips and the down strip are scaled on chip
+  (a projection without one gets ones when its partner has one)."""
+  dtype = jnp.bfloat16
+  M, K, r, d_ff = 70, 200, 140, 300
+  d, (ug, xv) = on_double("mlp_up_gate", "xuv")
+  x = rand((M, K), dtype)
+  sc = lambda n: rand((n,), dtype, scale=2.0)  # noqa: E731
+  up = proj(K, r, d_ff, dtype, True) + ((sc(r),) if scaled in ("up", "both") else (None,))
+  gate = None
+  if gated:
+    gate = proj(K, r, d_ff, dtype, False) + ((sc(r),) if scaled in ("gate", "both") else (None,))
+  down = proj(d_ff, 90, K, dtype, False) + (sc(90),)
+  z = mlp.fused_mlp(x, up, down, gate, act="silu", xp=np, up_gate_mod=ug, xuv_mod=xv)
+  jt = lambda p: None if p is None else tuple(None if a is None else j(a) for a in p)  # noqa: E731
+  ref = lr_mlp_reference(j(x), jt(up), jt(down), jt(gate), act="silu")
+  assert_close(z, ref, dtype)
+  p = planner.plan_mlp(
+    M,
+    K,
+    r,
+    d_ff,
+    90,
+    K,
+    dtype,
+    gated=gated,
+    up_bias=2 if gated else 1,
+    up_scale=2 if gated else 1,
+    down_scale=True,
+  )
+  assert hbm_total(d) == p.traffic.total
+  assert d.peak_sbuf_bytes == max(p.up_gate.sbuf_peak_bytes, p.down.sbuf_peak_bytes)

@@ -116,3 +116,46 @@ def test_planner_rejects_blocks_that_spill():
     planner.plan(
       "xuv", 4096, 7168, 4096, 18432, jnp.bfloat16, out_t=True, blocks=(2048, 512, 128, 256)
     )
+
+
+@pytest.mark.parametrize(
+  "shape,dtype,layout",
+  [
+    ((300, 200, 130, 250), jnp.bfloat16, (False, False, True)),
+    ((257, 384, 256, 520), jnp.float16, (True, True, False)),
+    ((1, 128, 128, 128), jnp.bfloat16, (False, True, True)),
+  ],
+)
+def test_xuv_rank_space_scale(shape, dtype, layout):
+  """((X·U) ⊙ s)·V: the strip is scaled after its rounding, as the reference does it; the
+  scale is read once per launch and held in SBUF ([P, r/P]), which the planner counts."""
+  (M, K, r, N), (out_t, x_transposed, bias) = shape, layout
+  d, (mod,) = on_double("xuv")
+  x = rand((M, K), dtype)
+  u = rand((K, r), dtype, scale=K**-0.5)
+  v = rand((r, N), dtype, scale=r**-0.5)
+  s = rand((r,), dtype, scale=3.0)
+  b = rand((N,), dtype) if bias else None
+  xin = np.ascontiguousarray(x.T) if x_transposed else x
+  args, kw, sh = mod.prepare(xin, u, v, b, s, xp=np, out_t=out_t, x_transposed=x_transposed)
+  out = mod.finish(mod.kernel_for(bias, True)(*args, **kw), sh, out_t)
+  ref = lr_xuv_reference(j(x), j(u), j(v), j(b), scale=j(s))
+  assert_close(out.T if out_t else out, ref, dtype)
+  unscaled = lr_xuv_reference(j(x), j(u), j(v), j(b))
+  assert not np.allclose(np.asarray(ref, np.float32), np.asarray(unscaled, np.float32), rtol=0.1)
+  p = planner.evaluate(
+    "xuv",
+    M,
+    K,
+    r,
+    N,
+    dtype,
+    planner.Blocks(kw["bm"], kw["bk"], kw["br"], kw["bn"], kw["x_cache"]),
+    out_t=out_t,
+    x_transposed=x_transposed,
+    n_bias=int(bias),
+    n_scale=1,
+  )
+  assert p.traffic.scale == planner.pad128(r) * np.dtype(dtype).itemsize
+  assert d.hbm_read_bytes == p.traffic.reads and d.hbm_write_bytes == p.traffic.writes
+  assert d.peak_sbuf_bytes == p.sbuf_peak_bytes
