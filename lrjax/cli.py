@@ -95,6 +95,14 @@ def convert(p: argparse.ArgumentParser):
     metavar="FILE",
     help="calibration tokens: .npy / .safetensors ('tokens') / text, [batch, seq]",
   )
+  p.add_argument(
+    "--calib-text",
+    metavar="FILE",
+    action="append",
+    help="calibration text (plain, or .jsonl with a 'text' field; repeatable), tokenized with "
+    "the source's tokenizer and packed into --calib-seq-len windows",
+  )
+  p.add_argument("--calib-seq-len", type=int, default=512, help="tokens per --calib-text window")
   p.add_argument("--lora-steps", type=int, default=0)
   p.add_argument("--lora-rank", type=int, default=8)
   p.add_argument("--lora-lr", type=float, default=1e-3)
@@ -133,6 +141,10 @@ def convert(p: argparse.ArgumentParser):
       print("lrjax convert: --dtype applies to --hf sources only", file=sys.stderr)
       return 2
     calib = load_tokens(a.calib) if a.calib else None
+    if a.calib_text:
+      from lrjax import text
+
+      calib = text.calib_tokens_for(a.hf or a.orbax, a.calib_text, a.calib_seq_len, ids=calib)
     lora_tokens = load_tokens(a.lora_tokens) if a.lora_tokens else None
     if a.hf:
       print(f"loading HF checkpoint {a.hf}")
@@ -158,7 +170,10 @@ def convert(p: argparse.ArgumentParser):
     rec = dict(model.compression or {})
     rec["source"] = os.path.abspath(a.hf or a.orbax)
     model.compression = rec
-    checkpoint.save(model, a.out, overwrite=a.overwrite)
+    from lrjax.text import carried_files
+
+    with carried_files(a.hf or a.orbax) as extra:  # tokenizer, chat template, generation config
+      checkpoint.save(model, a.out, overwrite=a.overwrite, extra_files=extra)
     params = rec.get("params", {})
     print(
       f"wrote {a.out}: method={a.method} ratio={a.ratio} ranks={model.layer_ranks()[0]}"
