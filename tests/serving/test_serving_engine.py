@@ -227,9 +227,10 @@ def test_fused_engine_runs_kernels_and_matches(model, caplog):
   rng = np.random.default_rng(random.randrange(1 << 20))
   ps = prompts(3, rng)
   reqs = lambda: [Request(p, SamplingParams(max_new_tokens=4)) for p in ps]  # noqa: E731
-  plain = Engine(model, max_slots=2, max_len=MAX_LEN, buckets=(16,)).generate(reqs())
+  kw = dict(max_slots=2, max_len=MAX_LEN + 3, buckets=(16,))  # compiled by no other test
+  plain = Engine(model, fuse=False, **kw).generate(reqs())
   with callback_kernels(execute=True), caplog.at_level("DEBUG", logger="lrjax.lowering"):
-    fused = Engine(model, max_slots=2, max_len=MAX_LEN, buckets=(16,), fuse=True).generate(reqs())
+    fused = Engine(model, fuse=True, **kw).generate(reqs())
   assert [r.tokens for r in fused] == [r.tokens for r in plain]
   assert any("lowering with test.callback_xuv" in r.getMessage() for r in caplog.records)
 
