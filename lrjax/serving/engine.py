@@ -483,6 +483,29 @@ class Engine:
     self.cache = self._fresh_cache()
     self._reset_device_state()
 
+  def fusion_report(self) -> dict:
+    """What ``lrjax.fuse`` rewrites in this engine's decode step and which kernel serves each op
+    on this platform (from ``lrjax.explain``): ``{"fused", "platform", "ops": {pattern: count},
+    "kernels": {pattern: [kernel notes]}, "near_misses": n}``. See :func:`fusion_line`."""
+    plat = _platform()
+    if not self.fuse:
+      return {
+        "fused": False,
+        "platform": plat,
+        "ops": {},
+        "kernels": {},
+        "near_misses": 0,
+        "grouped": 0,
+      }
+    import lrjax
+
+    model = nnx.merge(self.gdef, self.state)
+    fn = lrkv.decode if self.lowrank_kv else type(model).decode
+    toks = jnp.zeros((self.max_slots,), jnp.int32)
+    fn = functools.partial(fn, attend_len=self.attend_buckets[0])  # static, not traced
+    rep = lrjax.explain(fn, model, toks, self.cache)
+    return summarize_explain(rep, plat)
+
   def warmup(self) -> int:
     """Compile every step this engine can take (a prefill per length bucket, a decode per
     attend bucket, and a request's small per-admission ops) before serving, so no request waits
@@ -554,6 +577,67 @@ class Engine:
         if r.id in want:
           done[r.id] = r
     return [done[i] for i in ids]
+
+
+def _platform() -> str:
+  """The lowering platform name of the default backend (cpu, cuda, rocm, neuron)."""
+  dev = default_device()
+  if dev.platform == "gpu":
+    return "rocm" if "rocm" in dev.client.platform_version.lower() else "cuda"
+  return dev.platform
+
+
+def _note(k: dict) -> str:
+  if k["kernel"] == "reference":
+    return f"XLA reference ({k['declined'][0][0]} declined)" if k["declined"] else "XLA reference"
+  return k["kernel"]
+
+
+def summarize_explain(rep, platform: str) -> dict:
+  """An :class:`~lrjax.lowering.explain.ExplainReport` → counts of each fused op and the
+  kernels that serve them on ``platform``."""
+  ops: dict[str, int] = {}
+  kernels: dict[str, set] = {}
+  grouped = {loc for g in rep.groups for loc in g["members"]}  # source locations (per line)
+  n_grouped = sum(len(g["members"]) for g in rep.groups)
+  for m in rep.matches:
+    ops[m["pattern"]] = ops.get(m["pattern"], 0) + 1
+    if m["location"] in grouped:
+      continue  # served by its group's kernel
+    k = m["kernels"].get(platform)
+    if k is not None:
+      kernels.setdefault(m["pattern"], set()).add(_note(k))
+  for g in rep.groups:
+    ops["lr_xuv_group"] = ops.get("lr_xuv_group", 0) + 1
+    k = g["kernels"].get(platform)
+    if k is not None:
+      kernels.setdefault("lr_xuv_group", set()).add(_note(k))
+  return {
+    "fused": True,
+    "platform": platform,
+    "ops": ops,
+    "kernels": {p: sorted(v) for p, v in kernels.items()},
+    "near_misses": len(rep.near_misses),
+    "grouped": n_grouped,  # lr_xuv matches bound into the groups
+  }
+
+
+def fusion_line(summary: dict) -> str:
+  """One log line of :meth:`Engine.fusion_report`."""
+  if not summary["fused"]:
+    return f"fusion off (--no-fuse): the steps run XLA's own GEMMs on {summary['platform']}"
+  if not summary["ops"]:
+    return "lrjax.fuse found nothing to fuse in the decode step (a dense model): XLA's GEMMs"
+  ops = ", ".join(
+    f"{n} {p}"
+    + (
+      f" ({summary['grouped']} of them grouped)" if p == "lr_xuv" and summary.get("grouped") else ""
+    )
+    for p, n in sorted(summary["ops"].items())
+  )
+  ks = "; ".join(f"{p} -> {', '.join(v)}" for p, v in sorted(summary["kernels"].items()))
+  miss = f"; {summary['near_misses']} near-miss(es) left unfused" if summary["near_misses"] else ""
+  return f"lrjax.fuse in the decode step: {ops}; on {summary['platform']}: {ks}{miss}"
 
 
 def _canonical_spec(spec, mesh) -> P:
