@@ -171,3 +171,76 @@ def summarize(results: Sequence[ClientResult]) -> dict:
     "itl_p99_s": _pct(itl, 99),
     "latency_p50_s": _pct([r.t_end - r.t_start for r in ok], 50),
   }
+
+
+def mixed_requests(
+  n: int,
+  seed: int,
+  *,
+  max_prompt: int,
+  max_len: int,
+  tokenizer=None,
+  texts: Sequence[str] = (),
+  vocab_size: int = 0,
+  max_tokens: tuple[int, int] = (4, 48),
+) -> list[tuple[ClientRequest, list[int]]]:
+  """``n`` greedy requests of mixed kinds, lengths and stream modes, each with the prompt ids
+  the server will see. With a tokenizer: completions of text cut from ``texts`` and chats with
+  one user message; without: completions of random token ids below ``vocab_size``."""
+  rng = np.random.default_rng(seed)
+  words = " ".join(texts).split()
+  out = []
+  while len(out) < n:
+    stream = bool(rng.integers(2))
+    if tokenizer is None:
+      ids = [int(t) for t in rng.integers(0, vocab_size, int(rng.integers(1, max_prompt + 1)))]
+      req, prompt_ids = ClientRequest("completion", ids, stream=stream), ids
+    else:
+      start = int(rng.integers(0, max(1, len(words) - 1)))
+      k = int(rng.integers(1, 40))
+      text = " ".join(words[start : start + k])
+      if rng.integers(2):
+        msgs = [{"role": "user", "content": text}]
+        req, prompt_ids = ClientRequest("chat", msgs, stream=stream), tokenizer.encode_chat(msgs)
+      else:
+        req, prompt_ids = ClientRequest("completion", text, stream=stream), tokenizer.encode(text)
+    room = max_len - len(prompt_ids)
+    if len(prompt_ids) > max_prompt or room < 1:
+      continue
+    req.max_tokens = min(room, int(rng.integers(max_tokens[0], max_tokens[1] + 1)))
+    out.append((req, prompt_ids))
+  return out
+
+
+def check_exact(
+  pairs: Sequence[tuple[ClientRequest, list[int]]],
+  results: Sequence[ClientResult],
+  alone,
+  eos_ids: Sequence[int] = (),
+  detokenize=None,
+) -> list[str]:
+  """Every result against the same request run alone: ``alone(prompt_ids, max_tokens)`` → the
+  tokens it generates. Returns one line per difference (empty when all match): a lost, failed,
+  cut-short or duplicated response, other tokens, text, finish reason or usage."""
+  problems = []
+  if len(results) != len(pairs):
+    problems.append(f"{len(pairs)} requests sent, {len(results)} results")
+  for i, ((req, ids), res) in enumerate(zip(pairs, results)):
+    tag = f"request {i} ({req.kind}, stream={req.stream}, max_tokens={req.max_tokens})"
+    if not res.ok:
+      problems.append(f"{tag}: status {res.status}, error {res.error}")
+      continue
+    if req.stream and not res.done_marker:
+      problems.append(f"{tag}: the stream did not end with data: [DONE]")
+    want = alone(ids, req.max_tokens)
+    if res.token_ids != want:
+      problems.append(f"{tag}: tokens {res.token_ids} != alone {want}")
+      continue
+    reason = "stop" if want and want[-1] in eos_ids else "length"
+    if res.finish_reason != reason:
+      problems.append(f"{tag}: finish_reason {res.finish_reason} != {reason}")
+    if res.usage is None or res.usage.get("completion_tokens") != len(want):
+      problems.append(f"{tag}: usage {res.usage} does not count {len(want)} tokens")
+    if detokenize is not None and res.text != detokenize(ids, want):
+      problems.append(f"{tag}: text {res.text!r} != {detokenize(ids, want)!r}")
+  return problems
