@@ -397,10 +397,11 @@ class Engine:
       jnp.asarray(toks),
       jnp.int32(n),
       jnp.int32(slot),
-      self._seeds[slot],
-      self._temp[slot : slot + 1],
-      self._topk[slot : slot + 1],
-      self._topp[slot : slot + 1],
+      # copies: a CPU device may alias a host array, and these rows change while the step runs
+      self._seeds[slot].copy(),
+      self._temp[slot : slot + 1].copy(),
+      self._topk[slot : slot + 1].copy(),
+      self._topp[slot : slot + 1].copy(),
       self._tok_dev,
     )
     self._pos[slot] = n
@@ -408,7 +409,8 @@ class Engine:
 
   def _upload_params(self):
     return tuple(
-      jax.device_put(a, self._rep) for a in (self._seeds, self._temp, self._topk, self._topp)
+      jax.device_put(a.copy(), self._rep)  # a copy: the host rows change while steps run
+      for a in (self._seeds, self._temp, self._topk, self._topp)
     )
 
   def _launch_decode(self) -> bool:
@@ -520,10 +522,10 @@ class Engine:
         jnp.zeros((1, b), jnp.int32),
         jnp.int32(b),
         jnp.int32(0),
-        self._seeds[0],
-        self._temp[:1],
-        self._topk[:1],
-        self._topp[:1],
+        self._seeds[0].copy(),
+        self._temp[:1].copy(),
+        self._topk[:1].copy(),
+        self._topp[:1].copy(),
         self._tok_dev,
       )
       first.block_until_ready()

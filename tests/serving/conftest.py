@@ -24,3 +24,17 @@ def chat_text():
   from lrjax import text
 
   return text.load_text(CHAT)
+
+
+def pytest_terminal_summary(terminalreporter):
+  """The engine fuzz's case counts, where CI logs show them."""
+  import sys
+
+  for name, mod in list(sys.modules.items()):
+    if name.endswith("test_engine_fuzz") and getattr(mod, "STATS", {}).get("cases"):
+      s = mod.STATS
+      terminalreporter.write_line(
+        f"engine fuzz: {s['cases']} cases, {s['requests']} requests ({s['rejected']} refused, "
+        f"{s['cancelled']} cancelled, {s['errors']} failed at admission), {s['steps']} steps, "
+        f"{s['crashes']} failing runs"
+      )
