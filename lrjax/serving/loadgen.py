@@ -244,3 +244,35 @@ def check_exact(
     if detokenize is not None and res.text != detokenize(ids, want):
       problems.append(f"{tag}: text {res.text!r} != {detokenize(ids, want)!r}")
   return problems
+
+
+def main(argv=None) -> int:
+  """``python -m lrjax.serving.loadgen --url URL --model NAME --requests IN.json --out OUT.json
+  --concurrency N``: the client side in a process of its own (so its parsing never competes
+  with the server for one interpreter). IN.json: a list of ClientRequest fields."""
+  import argparse
+
+  ap = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+  ap.add_argument("--url", required=True)
+  ap.add_argument("--model", required=True)
+  ap.add_argument("--requests", required=True)
+  ap.add_argument("--out", required=True)
+  ap.add_argument("--concurrency", type=int, required=True)
+  a = ap.parse_args(argv)
+  with open(a.requests) as fh:
+    reqs = [ClientRequest(**r) for r in json.load(fh)]
+  results = asyncio.run(run_load(a.url, a.model, reqs, a.concurrency))
+  out = []
+  for r in results:
+    d = dataclasses.asdict(r)
+    d.pop("request")
+    out.append(d)
+  with open(a.out, "w") as fh:
+    json.dump(out, fh)
+  return 0
+
+
+if __name__ == "__main__":
+  import sys
+
+  sys.exit(main())
