@@ -5,11 +5,20 @@
 
 The KV cache holds one static-shape buffer [slots, kv_heads, max_len, head_dim] per layer (or
 the rank-space :class:`~lrjax.serving.lowrank_kv.LowRankKVCache`), sharded by the model's
-:class:`~lrjax.sharding.TPPlan` and donated to every step. A new request is prefilled into a free
-slot (prompt right-padded to a length bucket, so compiles are bounded by the bucket count); all
-slots then decode together, one token per step, attending over the smallest attend bucket that
-holds every active row's context (one compile per attend bucket); a finished request frees its
-slot between steps and the next waiting request joins.
+:class:`~lrjax.sharding.TPPlan` and donated to every step. A waiting request takes a free slot;
+its prompt is prefilled into the slot's row, and all rows whose prompt is in then decode
+together, one token per step, attending over the smallest attend bucket that holds every active
+row's context (one compile per attend bucket); a finished request frees its slot between steps
+and the next waiting request joins.
+
+Prefill ("batched", the default): several waiting prompts go through one call (rows padded to a
+row bucket, tokens to a length bucket; about ``prefill_call_tokens`` tokens a call, enough to
+keep a GPU busy, up to ``prefill_tokens`` a step), and each call's first tokens are read before
+the next call's, so they stream out as the calls finish. A prompt longer than ``prefill_chunk``
+is prefilled one chunk a step, the decode steps of the running requests in between (a later
+chunk attends to the row's cached tokens). "single" prefills each prompt in a call of its own.
+Every (rows, length) pair is a compile: :meth:`Engine.prefill_variants` lists them, and
+:meth:`Engine.warmup` compiles them all.
 
 The loop runs one step ahead of the host: each :meth:`Engine.step_events` launches the next
 decode (its input tokens are the previous step's output, still on the device) before it reads
@@ -45,6 +54,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lrjax.models import KVCache
+from lrjax.models.llama import _mask
 from lrjax.serving import lowrank_kv as lrkv
 from lrjax.serving.sampling import SamplingParams, sample
 from lrjax.sharding import default_device
@@ -92,6 +102,8 @@ class _Live:
   tokens: list[int] = dataclasses.field(default_factory=list)
   times: list[float] = dataclasses.field(default_factory=list)
   ttft: float | None = None
+  filled: int = 0  # prompt tokens in the cache; the row decodes once all are
+  seq: int = 0  # the admission's number: tells a step's rows from a later request's in that slot
 
 
 def default_buckets(max_len: int, smallest: int = 16) -> tuple[int, ...]:
@@ -122,9 +134,13 @@ class Engine:
 
   ``unroll_layers`` (default) sets ``model.scan_layers = False``: a scanned model would stack
   (copy) all layer weights inside every step. ``fuse`` (default) runs the steps through
-  ``lrjax.fuse``, so the low-rank projections reach this platform's kernels (:meth:`explain`
-  says which). ``attend_buckets`` (default: powers of two from 128, and ``max_len``): each
-  decode step attends over the smallest that holds every active row's context.
+  ``lrjax.fuse``, so the low-rank projections reach this platform's kernels
+  (:meth:`fusion_report` says which). ``buckets`` (default: powers of two from 16, and
+  ``max_len``): prompt chunks are padded to one. ``attend_buckets`` (default: powers of two
+  from 128, and ``max_len``): each decode step attends over the smallest that holds every active
+  row's context. ``prefill``, ``prefill_chunk`` (default: the largest bucket, at most 512),
+  ``prefill_call_tokens``, ``prefill_tokens`` and ``prefill_rows`` (default: powers of two up
+  to ``prefill_call_tokens`` // the smallest bucket): see the module docstring.
   """
 
   def __init__(
@@ -139,6 +155,11 @@ class Engine:
     fuse: bool = True,
     unroll_layers: bool = True,
     attend_buckets: Sequence[int] | None = None,
+    prefill: str = "batched",
+    prefill_chunk: int | None = None,
+    prefill_call_tokens: int = 512,
+    prefill_tokens: int = 2048,
+    prefill_rows: Sequence[int] | None = None,
   ):
     cfg = model.cfg
     if unroll_layers and getattr(model, "scan_layers", False):
@@ -160,6 +181,28 @@ class Engine:
     if not all(_is_int(b) and 1 <= b <= max_len for b in ab):
       raise ValueError(f"attend_buckets={ab} must be ints in [1, {max_len=}]")
     self.attend_buckets = tuple(sorted(set(ab) | {max_len}))
+    # Admission ("batched"): each step prefills the waiting prompts in calls of a few rows
+    # (about prefill_call_tokens padded tokens a call: enough to keep the device busy), up to
+    # prefill_tokens a step, each call's first tokens read before the next call's; a prompt
+    # longer than prefill_chunk is prefilled a chunk a step, decode steps in between.
+    # "single": each admitted prompt in a call of its own, all before the step's decode.
+    if prefill not in ("batched", "single"):
+      raise ValueError(f"{prefill=} must be 'batched' or 'single'")
+    self.prefill = prefill
+    self.prefill_chunk = int(prefill_chunk or min(self.buckets[-1], 512))
+    if not 1 <= self.prefill_chunk <= self.buckets[-1]:
+      raise ValueError(f"{prefill_chunk=} must be in [1, the largest bucket {self.buckets[-1]}]")
+    self.prefill_call_tokens = int(prefill_call_tokens)
+    self.prefill_tokens = int(prefill_tokens)
+    if not 1 <= self.prefill_call_tokens <= self.prefill_tokens:
+      raise ValueError(f"need 1 <= {prefill_call_tokens=} <= {prefill_tokens=}")
+    most = max(1, self.prefill_call_tokens // self.buckets[0])
+    rows = prefill_rows or tuple(sorted({min(2**i, most, max_slots) for i in range(16)}))
+    if prefill == "single":
+      rows = (1,)
+    if not all(_is_int(r) and 1 <= r <= max_slots for r in rows):
+      raise ValueError(f"prefill_rows={tuple(rows)} must be ints in [1, {max_slots=}]")
+    self.prefill_rows = tuple(sorted(set(rows)))
     self.plan = getattr(model, "tp_plan", None)
     if self.plan is not None and max_slots % self.plan.mesh.shape["data"]:
       raise ValueError(
@@ -199,6 +242,7 @@ class Engine:
     self._ids: set[int] = set()  # live ids: waiting or in a slot
     self._cancels: set[int] = set()
     self._next_id = 0
+    self._admitted = 0
     self._free = list(range(self.max_slots))
     self._slots: dict[int, _Live] = {}
     self._slot_of: dict[int, int] = {}  # id → slot
@@ -226,8 +270,8 @@ class Engine:
     self._params_dev = None  # device copies of (seeds, temp, top_k, top_p); None after changes
 
   # ---- jitted steps (module-level jits: engines over the same model share compilations) ------
-  def _prefill(self, *args):
-    return _prefill_jit(self._static, self._weights, *args)
+  def _prefill(self, window, *args):
+    return _prefill_jit(self._static, window, self._weights, *args)
 
   def _decode(self, attend_len, *args):
     return _decode_jit(self._static, attend_len, self._weights, *args)
@@ -235,8 +279,9 @@ class Engine:
   # ---- requests ------------------------------------------------------------------------------
   @property
   def max_prompt_len(self) -> int:
-    """The longest prompt this engine takes (the largest bucket, leaving room for a token)."""
-    return min(self.buckets[-1], self.max_len - 1)
+    """The longest prompt this engine takes: all but one position of a cache row (prompts
+    longer than a chunk are prefilled in chunks)."""
+    return self.max_len - 1
 
   def check(self, req: Request) -> list[int]:
     """Validate ``req`` (types, ranges, token ids); returns its prompt as a list of ints."""
@@ -340,13 +385,17 @@ class Engine:
     except Exception as e:  # noqa: BLE001 - returned to every running request
       self._fail_running(e, ev)
       launched = False
-    while len(self._inflight) > (1 if launched else 0):
+    self._read_all(ev, keep=1 if launched else 0)
+    return ev
+
+  def _read_all(self, ev: StepEvents, keep: int):
+    """Read every launched step's tokens but the newest ``keep``."""
+    while len(self._inflight) > keep:
       entry = self._inflight.popleft()
       try:
         self._read(entry, ev)
-      except Exception as e:  # noqa: BLE001
+      except Exception as e:  # noqa: BLE001 - returned to every running request
         self._fail_running(e, ev)
-    return ev
 
   def _apply_cancels(self, ev: StepEvents):
     with self._lock:
@@ -368,44 +417,158 @@ class Engine:
         self._finish(slot, "cancelled", ev)
 
   def _admit(self, ev: StepEvents):
+    """Waiting requests take free slots (lowest first); then this step's prefill call(s)."""
     while self._free:
       with self._lock:
         if not self._waiting:
-          return
+          break
         rid, prompt, sp, t0 = self._waiting.popleft()
+      self._free.sort()
       slot = self._free.pop(0)
-      live = _Live(rid, prompt, sp, t0)
+      self._admitted += 1
+      live = _Live(rid, prompt, sp, t0, seq=self._admitted)
       self._slots[slot], self._slot_of[rid] = live, slot
       try:
-        self._launch_prefill(slot, live)
+        self._seeds[slot] = _seed_words(sp.seed)
       except Exception as e:  # noqa: BLE001 - this request fails; the others go on
+        log.warning("engine: request %d failed at admission: %s", rid, e)
+        self._finish(slot, "error", ev, error=f"{type(e).__name__}: {e}")
+        continue
+      self._temp[slot], self._topk[slot], self._topp[slot] = sp.temperature, sp.top_k, sp.top_p
+      self._params_dev = None
+    budget = self.prefill_tokens if self.prefill == "batched" else float("inf")
+    done: set[int] = set()  # slots prefilled this step: a long prompt gets one chunk a step
+    while True:
+      batch = self._next_prefill_batch(budget, done if self.prefill == "batched" else set())
+      if not batch:
+        return
+      done.update(slot for slot, _, _ in batch)
+      width = self._width(batch)
+      budget -= self._row_bucket(len(batch)) * width
+      try:
+        self._launch_prefill(batch, width)
+      except Exception as e:  # noqa: BLE001 - these requests fail; the others go on
         if not self._cache_intact():
           self._fail_running(e, ev)
-        else:
-          log.warning("engine: request %d failed at admission: %s", rid, e)
+          return
+        for slot, _, _ in batch:
+          live = self._slots[slot]
+          log.warning("engine: request %d failed at prefill: %s", live.id, e)
           self._finish(slot, "error", ev, error=f"{type(e).__name__}: {e}")
+      if self.prefill == "batched":  # this call's first tokens as soon as it is done
+        self._read_all(ev, keep=1)
 
-  def _launch_prefill(self, slot: int, live: _Live):
-    sp, n = live.sp, len(live.prompt)
-    toks = np.zeros((1, self._bucket(n)), np.int32)
-    toks[0, :n] = live.prompt
-    self._seeds[slot] = _seed_words(sp.seed)
-    self._temp[slot], self._topk[slot], self._topp[slot] = sp.temperature, sp.top_k, sp.top_p
-    self._params_dev = None
+  def _width(self, batch) -> int:
+    """A call's padded chunk length: later chunks at the chunk's bucket (one compiled width)."""
+    if any(start for _, start, _ in batch):
+      return self._bucket(self.prefill_chunk)
+    return self._bucket(max(n for _, _, n in batch))
+
+  def _next_prefill_batch(self, budget, skip: set[int]) -> list[tuple[int, int, int]]:
+    """[(slot, start, length)] of prompt chunks for one prefill call, oldest request first. A
+    call holds first chunks only (attending to themselves) or later chunks only (attending to
+    the row's cache too), no wider than the oldest's, as many rows as fit prefill_call_tokens
+    and the step's remaining ``budget``; the step's first call always gets one row."""
+    pending = sorted(
+      (live.t0, slot)
+      for slot, live in self._slots.items()
+      if live.filled < len(live.prompt) and slot not in skip
+    )
+    out: list[tuple[int, int, int]] = []
+    for _, slot in pending:
+      live = self._slots[slot]
+      n = min(self.prefill_chunk, len(live.prompt) - live.filled)
+      if not out:
+        later = live.filled > 0
+        width = self._bucket(self.prefill_chunk) if later else self._bucket(n)
+        most = min(self.prefill_rows[-1], max(1, self.prefill_call_tokens // width))
+        if width > budget and budget < self.prefill_tokens:
+          return []  # the step's budget is spent; the next step goes on
+      elif (live.filled > 0) != later or n > width:
+        continue  # another kind of call, or wider: a later call
+      elif len(out) >= most or self._row_bucket(len(out) + 1) * width > budget:
+        break
+      out.append((slot, live.filled, n))
+    return out
+
+  def _row_bucket(self, n: int) -> int:
+    return next(r for r in self.prefill_rows if r >= n)
+
+  def prefill_variants(self) -> list[tuple[int, int, int]]:
+    """(rows, width, window) of every prefill call this engine can make: first chunks at each
+    bucket up to the chunk's (window = width), later chunks at the chunk's bucket (window =
+    max_len) when a prompt can be longer than a chunk."""
+    top = self._bucket(self.prefill_chunk)
+    out = []
+
+    def rows_for(w):
+      most = min(self.prefill_rows[-1], max(1, self.prefill_call_tokens // w))
+      budget = self.prefill_tokens if self.prefill == "batched" else float("inf")
+      return sorted(
+        {
+          self._row_bucket(k)
+          for k in range(1, most + 1)
+          if k == 1 or self._row_bucket(k) * w <= budget
+        }
+      )
+
+    for w in (b for b in self.buckets if b <= top):
+      out += [(r, w, w) for r in rows_for(w)]
+    if self.max_prompt_len > self.prefill_chunk:
+      out += [(r, top, self.max_len) for r in rows_for(top)]
+    return out
+
+  def _launch_prefill(self, batch: list[tuple[int, int, int]], width: int):
+    """One prefill call over ``batch``'s chunks (rows padded to a row bucket, tokens to
+    ``width``); rows whose prompt it completes sample their first token."""
+    rows = self._row_bucket(len(batch))
+    toks = np.zeros((rows, width), np.int32)
+    starts = np.zeros((rows,), np.int32)
+    lengths = np.ones((rows,), np.int32)
+    slots = np.full((rows,), self.max_slots, np.int32)  # padding rows write nowhere
+    done = np.zeros((rows,), bool)
+    seeds = np.zeros((rows, 2), np.uint32)
+    temp, topk, topp = (
+      np.zeros((rows,), np.float32),
+      np.zeros((rows,), np.int32),
+      np.ones((rows,), np.float32),
+    )
+    for i, (slot, start, n) in enumerate(batch):
+      live = self._slots[slot]
+      toks[i, :n] = live.prompt[start : start + n]
+      starts[i], lengths[i], slots[i] = start, n, slot
+      done[i] = start + n == len(live.prompt)
+      seeds[i], temp[i], topk[i], topp[i] = (
+        self._seeds[slot],
+        self._temp[slot],
+        self._topk[slot],
+        self._topp[slot],
+      )
+    # the first chunks attend only to themselves; later chunks to the row's cache too
+    window = width if not starts.any() else self.max_len
     first, self._tok_dev, self.cache = self._prefill(
+      window,
       self.cache,
-      jnp.asarray(toks),
-      jnp.int32(n),
-      jnp.int32(slot),
-      # copies: a CPU device may alias a host array, and these rows change while the step runs
-      self._seeds[slot].copy(),
-      self._temp[slot : slot + 1].copy(),
-      self._topk[slot : slot + 1].copy(),
-      self._topp[slot : slot + 1].copy(),
+      toks,
+      starts,
+      lengths,
+      slots,
+      done,
+      seeds,
+      temp,
+      topk,
+      topp,
       self._tok_dev,
     )
-    self._pos[slot] = n
-    self._inflight.append(("prefill", first, ((slot, live.id),)))
+    read = []
+    for i, (slot, start, n) in enumerate(batch):
+      live = self._slots[slot]
+      live.filled = start + n
+      self._pos[slot] = start + n
+      if done[i]:
+        read.append((slot, live.seq, i))
+    if read:
+      self._inflight.append(("prefill", first, tuple(read)))
 
   def _upload_params(self):
     return tuple(
@@ -414,7 +577,9 @@ class Engine:
     )
 
   def _launch_decode(self) -> bool:
-    rows = tuple((s, live.id) for s, live in self._slots.items())
+    rows = tuple(
+      (s, live.seq) for s, live in self._slots.items() if live.filled == len(live.prompt)
+    )
     if not rows:
       return False
     need = int(max(self._pos[s] for s, _ in rows)) + 1  # each row attends to its pos too
@@ -432,16 +597,17 @@ class Engine:
     kind, arr, rows = entry
     vals = np.asarray(arr)  # the one host round trip of a step
     now = time.perf_counter()
-    for i, (slot, rid) in enumerate(rows):
+    for row in rows:
+      slot, seq = row[0], row[1]
       live = self._slots.get(slot)
-      if live is None or live.id != rid:
+      if live is None or live.seq != seq:
         continue  # finished or cancelled since: this row's token is discarded
-      tok = int(vals[i] if kind == "prefill" else vals[slot])
+      tok = int(vals[row[2]] if kind == "prefill" else vals[slot])
       live.tokens.append(tok)
       live.times.append(now)
       if live.ttft is None:
         live.ttft = now - live.t0
-      ev.tokens.setdefault(rid, []).append(tok)
+      ev.tokens.setdefault(live.id, []).append(tok)
       reason = None
       if tok in live.sp.stop_tokens:
         reason = "stop"
@@ -509,28 +675,38 @@ class Engine:
     return summarize_explain(rep, plat)
 
   def warmup(self) -> int:
-    """Compile every step this engine can take (a prefill per length bucket, a decode per
+    """Compile every step this engine can take (each of :meth:`prefill_variants`, a decode per
     attend bucket, and a request's small per-admission ops) before serving, so no request waits
-    on a compile. Only while idle: it runs the steps on free rows. Returns the steps run."""
+    on a compile. Only while idle (the prefills write nothing; the decodes run on free rows).
+    Returns the steps run."""
     if self.busy:
       raise RuntimeError("warmup() needs an idle engine (no active or waiting requests)")
     done = 0
-    for b in self.buckets:
+    for rows, b, window in self.prefill_variants():
       t0 = time.perf_counter()
       first, self._tok_dev, self.cache = self._prefill(
+        window,
         self.cache,
-        jnp.zeros((1, b), jnp.int32),
-        jnp.int32(b),
-        jnp.int32(0),
-        self._seeds[0].copy(),
-        self._temp[:1].copy(),
-        self._topk[:1].copy(),
-        self._topp[:1].copy(),
+        np.zeros((rows, b), np.int32),
+        np.zeros((rows,), np.int32),
+        np.ones((rows,), np.int32),
+        np.full((rows,), self.max_slots, np.int32),  # padding rows: nothing is written
+        np.zeros((rows,), bool),
+        np.zeros((rows, 2), np.uint32),
+        np.zeros((rows,), np.float32),
+        np.zeros((rows,), np.int32),
+        np.ones((rows,), np.float32),
         self._tok_dev,
       )
       first.block_until_ready()
       done += 1
-      log.info("engine warmup: prefill over %d tokens in %.1f s", b, time.perf_counter() - t0)
+      log.info(
+        "engine warmup: prefill of %d rows x %d tokens (window %d) in %.1f s",
+        rows,
+        b,
+        window,
+        time.perf_counter() - t0,
+      )
     params = self._upload_params()
     for b in self.attend_buckets:
       t0 = time.perf_counter()
@@ -689,7 +865,9 @@ class _Static:
 def _call(static, weights, method, *args, **static_kw):
   key = static.value
   model = nnx.merge(key.gdef, jax.tree.unflatten(key.treedef, weights))
-  if key.lowrank:
+  if method == "extend":
+    fn = _extend
+  elif key.lowrank:
     fn = {"prefill": lrkv.prefill, "decode": lrkv.decode}[method]
   else:
     fn = {"prefill": type(model).prefill, "decode": type(model).decode}[method]
@@ -708,32 +886,84 @@ def _constrain(cache, shardings):
   return jax.tree.map(jax.lax.with_sharding_constraint, cache, _cache_tree(cache, shardings))
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
-def _prefill_jit(static, weights, cache, tokens, length, slot, seed, temp, topk, topp, tok_vec):
-  """tokens [1, bucket], length/slot [] int32, seed [2] uint32 → (first token [1], tok_vec
-  [slots] with it at ``slot``, cache with the slot filled)."""
+def _extend(model, tokens, cache, starts, lengths, lowrank: bool):
+  """Run prompt chunks ``tokens`` [R, S] (valid lengths [R]) at positions ``starts`` [R] + 0..
+  over a cache of R rows whose first ``T`` positions hold each row's earlier tokens (T =
+  the cache's length): the chunk's keys and values are written at ``starts``, attention covers
+  the row's earlier tokens and the chunk's causal prefix. Returns (h at each row's last valid
+  token [R, hidden], the rows' cache)."""
+  r, s = tokens.shape
+  t = cache.max_len
+  q_pos = starts[:, None] + jnp.arange(s, dtype=jnp.int32)[None]
+  k_pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (r, t))
+  mask = _mask(q_pos, k_pos, k_pos < (starts + lengths)[:, None], model.cfg.sliding_window)
+  h = model.embed(tokens)
+  if lowrank:
+    h, zk, zv = lrkv._run(model, h, q_pos, mask, cache, starts)
+    cache = lrkv.LowRankKVCache(zk, zv, starts + lengths)
+  else:
+    h, (k, v) = model._run_layers(h, q_pos, mask, cache, starts, scan=False, attend_cache=True)
+    cache = KVCache(k, v, starts + lengths)
+  last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
+  return model._logits(last), cache
 
-  # a slot is row ``slot`` of every layer's buffer
-  def sl(bufs):
-    return tuple(jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0) for a in bufs)
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
+def _prefill_jit(
+  static,
+  window,
+  weights,
+  cache,
+  tokens,
+  starts,
+  lengths,
+  slots,
+  done,
+  seeds,
+  temp,
+  topk,
+  topp,
+  tok_vec,
+):
+  """Prompt chunks into cache rows. tokens [R, S]; starts, lengths, slots [R] int32 (a padding
+  row's slot is out of range: it writes nothing); done [R] (the chunk ends the prompt: its
+  sampled token goes to ``tok_vec``); seeds [R, 2]; temp/topk/topp [R]. The rows' first
+  ``window`` positions are read and written back (``window`` = S when every start is 0).
+  Returns (first tokens [R], tok_vec, cache)."""
+  key = static.value
+  n = cache.pos.shape[0]
+  safe = jnp.minimum(slots, n - 1)  # padding rows read a real row; their writes are dropped
+
+  def rows(bufs):
+    return tuple(
+      jnp.take(b, safe, axis=0)[:, :, :window]
+      if b.ndim == 4
+      else jnp.take(b, safe, axis=0)[:, :window]
+      for b in bufs
+    )
 
   def put(bufs, sub):
-    return tuple(jax.lax.dynamic_update_slice_in_dim(a, s, slot, axis=0) for a, s in zip(bufs, sub))
+    return tuple(
+      b.at[slots, :, :window].set(x, mode="drop")
+      if b.ndim == 4
+      else b.at[slots, :window].set(x, mode="drop")
+      for b, x in zip(bufs, sub)
+    )
 
-  zero = jnp.zeros((1,), jnp.int32)
-  pos = cache.pos.at[slot].set(length)
-  if static.value.lowrank:
-    sub = lrkv.LowRankKVCache(sl(cache.zk), sl(cache.zv), zero)
-    logits, sub = _call(static, weights, "prefill", tokens, sub, length[None])
+  if key.lowrank:
+    sub = lrkv.LowRankKVCache(rows(cache.zk), rows(cache.zv), starts)
+  else:
+    sub = KVCache(rows(cache.k), rows(cache.v), starts)
+  logits, sub = _call(static, weights, "extend", tokens, sub, starts, lengths, lowrank=key.lowrank)
+  keys = jax.vmap(_request_key)(seeds)
+  first = sample(logits, keys, temp, topk, topp)
+  pos = cache.pos.at[slots].set(starts + lengths, mode="drop")
+  if key.lowrank:
     cache = lrkv.LowRankKVCache(put(cache.zk, sub.zk), put(cache.zv, sub.zv), pos)
   else:
-    sub = KVCache(sl(cache.k), sl(cache.v), zero)
-    logits, sub = _call(static, weights, "prefill", tokens, sub, length[None])
     cache = KVCache(put(cache.k, sub.k), put(cache.v, sub.v), pos)
-  last = jax.lax.dynamic_index_in_dim(logits[0], length - 1, axis=0)
-  first = sample(last, _request_key(seed), temp, topk, topp)
-  tok_vec = tok_vec.at[slot].set(first[0])
-  shardings = static.value.shardings
+  tok_vec = tok_vec.at[jnp.where(done, slots, n)].set(first, mode="drop")
+  shardings = key.shardings
   if shardings is not None:
     first, tok_vec = (jax.lax.with_sharding_constraint(a, shardings[1]) for a in (first, tok_vec))
   return first, tok_vec, _constrain(cache, shardings)

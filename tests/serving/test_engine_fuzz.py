@@ -2,8 +2,9 @@
 that fail at admission), steps and cancels on one engine. The property: every valid request gets
 exactly its own output (what it generates run alone: greedy, or seeded sampling), a cancelled one
 a prefix of it, a failing one an error; nothing is lost or duplicated; and the engine ends idle
-with every slot free. Deterministic (derandomized), one engine and its compiled steps reused
-across all cases; the case count is printed in the test summary."""
+with every slot free. Prompts share prefill calls and long ones come in chunks. Deterministic
+(derandomized), one engine and its compiled steps reused across all cases; the case count is
+printed in the test summary."""
 
 import numpy as np
 import pytest
@@ -24,7 +25,7 @@ CFG = ModelConfig.tiny(
   num_layers=1,
   vocab_size=64,
 )
-SLOTS, MAX_LEN, MAX_NEW = 3, 24, 5
+SLOTS, MAX_LEN, MAX_NEW = 3, 32, 5
 POOL_SIZE = 16
 POISON = 13  # a seed whose admission fails (injected)
 CASES = 1000
@@ -36,8 +37,8 @@ def world():
   model = LlamaForCausalLM(CFG, rngs=nnx.Rngs(1234))
   eng = Engine(model, max_slots=SLOTS, max_len=MAX_LEN, buckets=(8,), attend_buckets=(MAX_LEN,))
   rng = np.random.default_rng(99)
-  pool = [
-    [int(t) for t in rng.integers(0, CFG.vocab_size, int(rng.integers(1, 8)))]
+  pool = [  # up to 20 tokens: prompts past 8 are prefilled in 8-token chunks
+    [int(t) for t in rng.integers(0, CFG.vocab_size, int(rng.integers(1, 21)))]
     for _ in range(POOL_SIZE)
   ]
   greedy = [
@@ -85,7 +86,7 @@ valid = st.fixed_dictionaries(
     "id": st.one_of(st.none(), st.none(), st.integers(0, 4)),
   }
 )
-bad_prompts = ["12", [1.5, 2.0], [], [CFG.vocab_size], [-1], list(range(9)), [True], None, [[1]]]
+bad_prompts = ["12", [1.5, 2.0], [], [CFG.vocab_size], [-1], [1] * MAX_LEN, [True], None, [[1]]]
 invalid = st.fixed_dictionaries(
   {"kind": st.just("bad_prompt"), "which": st.integers(0, len(bad_prompts) - 1)}
 ) | st.fixed_dictionaries(

@@ -213,3 +213,14 @@ def test_sampled_neighbour_leaves_greedy_rows_alone(engine):
     ]
   )
   assert [out[0].tokens, out[2].tokens] == want
+
+
+def test_reused_id_never_gets_a_stale_token(model):
+  """A finished request leaves a decode step in flight for its row; a new request with the
+  same id in the same slot must not be handed that step's token."""
+  engine = Engine(model, **{**KW, "max_slots": 1})  # one slot: the same row for both
+  a, b = _prompts(2, 9)
+  want = _alone(engine, b, 4)
+  engine.generate([Request(a, SamplingParams(max_new_tokens=2), id=42)])  # leaves a step in flight
+  [r] = engine.generate([Request(b, SamplingParams(max_new_tokens=4), id=42)])
+  assert r.tokens == want

@@ -194,7 +194,7 @@ def test_models_health_metrics(server, client):
 
 
 # ---- bad requests -------------------------------------------------------------------------------
-LONG = list(range(5, 5 + 90))  # 90 tokens: more than the 64-token prompt limit
+LONG = list(range(5, 5 + 100))  # 100 tokens: more than the 95 a 96-token context takes
 
 
 @pytest.mark.parametrize(
@@ -253,7 +253,7 @@ def test_malformed_json_and_limits_in_messages(server):
   msg = r.json()["error"]["message"]
   assert "500" in msg and "room for" in msg and "96" in msg  # names the limit
   r = httpx.post(server.url + "/v1/completions", json={"prompt": LONG})
-  assert "at most 64" in r.json()["error"]["message"]
+  assert "at most 95" in r.json()["error"]["message"]
   assert httpx.get(server.url + "/v1/nothing").status_code == 404
 
 
