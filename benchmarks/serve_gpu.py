@@ -15,9 +15,10 @@ For each model and client count it records, from the same run:
       --out /tmp/serve_gpu.json                                    # a CPU check of the script
 
 ``--transport http`` (default when fastapi and uvicorn import) serves over HTTP on 127.0.0.1;
-``inproc`` drives the engine thread directly (the same loop, without HTTP). ``--prefill`` runs
-each admission policy the engine has (single: one prompt per prefill; batched: waiting prompts
-together) and records TTFT for each.
+``inproc`` drives the engine thread directly (the same loop, without HTTP). ``--prefill single
+batched`` runs both admission policies (one prompt per prefill call; waiting prompts together,
+the engine's default) and records TTFT for each; benchmarks/serve_prefill.py --preset 8b
+compares prefill against earlier engines' at 16 and 64 concurrent requests.
 """
 
 from __future__ import annotations
