@@ -4,11 +4,11 @@ A byte-level BPE tokenizer (``tokenizers``) trained on tests/fixtures/text/corpu
 tiny Llama (vocab = the tokenizer's) briefly trained on the same text so that greedy output is
 corpus-like rather than one repeated token. The directory is a complete HF model directory:
 
-  config.json, model.safetensors        the model (transformers ``save_pretrained``)
-  tokenizer.json                        byte-level BPE; the post-processor prepends <|begin_of_text|>
-  tokenizer_config.json                 bos/eos tokens and a Llama-3-style chat template
-  generation_config.json                eos ids [<|end_of_text|>, <|eot_id|>], sampling defaults
-  reference.safetensors                 tokens [2, 12] and the transformers logits (as make_hf_fixtures)
+  config.json, model.safetensors   the model (transformers ``save_pretrained``)
+  tokenizer.json                   byte-level BPE; the post-processor prepends <|begin_of_text|>
+  tokenizer_config.json            bos/eos tokens and a Llama-3-style chat template
+  generation_config.json           eos ids [<|end_of_text|>, <|eot_id|>], sampling defaults
+  reference.safetensors            tokens [2, 12] and the transformers logits
 
 Needs torch and transformers (the test extras):
 

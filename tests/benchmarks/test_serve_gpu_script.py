@@ -24,5 +24,5 @@ def test_serve_gpu_script_tiny(tmp_path):
     assert r["client"]["ok"] == 2 and r["client"]["output_tokens"] == 8
     assert r["step_ms"] > 0 and r["engine"]["itl_p50_ms"] > 0 and r["tokens_per_s"] > 0
   assert "lr_xuv" in rec["records"][1]["fusion"]  # the low-rank engine runs fused
-  assert set(rec["lowrank_over_dense_tokens_per_s"]) == {"2/single"}
+  assert set(rec["lowrank_over_dense_tokens_per_s"]) == {"2/batched"}  # the default policy
   assert rec["ranks"] and rec["command"].startswith("python benchmarks/serve_gpu.py")
