@@ -30,10 +30,10 @@ sys.path.insert(0, HERE)
 
 
 def build_model(ratio: float = 0.3):
-  from lrjax.compress import compress
+  import lrjax
   from lrjax.models import from_hf
 
-  return compress(from_hf(CHAT), ratio=ratio, method="svd", block=8, progress=False)
+  return lrjax.compress(from_hf(CHAT), ratio=ratio, method="svd", block=8, progress=False)
 
 
 def run(

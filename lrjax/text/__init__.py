@@ -32,6 +32,11 @@ TEXT_FILES = (
   "chat_template.jinja",
   "chat_template.json",
   GENERATION_CONFIG,
+  # not read here; carried so that an export of the checkpoint has the source's complete set
+  "tokenizer.model",
+  "vocab.json",
+  "merges.txt",
+  "added_tokens.json",
 )
 
 _warned: set[str] = set()

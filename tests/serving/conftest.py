@@ -13,10 +13,10 @@ CHAT = os.path.join(FIXTURES, "hf", "llama_chat")
 @pytest.fixture(scope="session")
 def chat_model():
   """The llama_chat fixture with 30 % of its projection params removed (SVD, deterministic)."""
-  from lrjax.compress import compress
+  import lrjax
   from lrjax.models import from_hf
 
-  return compress(from_hf(CHAT), ratio=0.3, method="svd", block=8, progress=False)
+  return lrjax.compress(from_hf(CHAT), ratio=0.3, method="svd", block=8, progress=False)
 
 
 @pytest.fixture(scope="session")

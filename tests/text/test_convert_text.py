@@ -12,8 +12,8 @@ import shutil  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+import lrjax  # noqa: E402
 from lrjax import checkpoint, cli, text  # noqa: E402
-from lrjax.compress import compress  # noqa: E402
 from lrjax.models import from_hf  # noqa: E402
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures")
@@ -40,7 +40,7 @@ def test_convert_with_calib_text_carries_text_files(tmp_path, capsys):
   assert gen == src_gen
   # calibration = the corpus tokenized and packed, exactly
   calib = text.calib_tokens_from_text([CORPUS], src_tok, 32)
-  ref = compress(from_hf(CHAT), ratio=0.3, calib_tokens=calib, block=8, progress=False)
+  ref = lrjax.compress(from_hf(CHAT), ratio=0.3, calib_tokens=calib, block=8, progress=False)
   back = checkpoint.load(out)
   assert back.layer_ranks() == ref.layer_ranks()
   a = np.asarray(back.layers[0].mlp.up_proj.u[...])
