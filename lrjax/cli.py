@@ -99,6 +99,14 @@ def convert(p: argparse.ArgumentParser):
     metavar="FILE",
     help="calibration tokens: .npy / .safetensors ('tokens') / text, [batch, seq]",
   )
+  p.add_argument(
+    "--calib-text",
+    metavar="FILE",
+    action="append",
+    help="calibration text (plain, or .jsonl with a 'text' field; repeatable), tokenized with "
+    "the source's tokenizer and packed into --calib-seq-len windows",
+  )
+  p.add_argument("--calib-seq-len", type=int, default=512, help="tokens per --calib-text window")
   p.add_argument("--lora-steps", type=int, default=0)
   p.add_argument("--lora-rank", type=int, default=8)
   p.add_argument("--lora-lr", type=float, default=1e-3)
@@ -155,6 +163,10 @@ def convert(p: argparse.ArgumentParser):
         return 2
       verify = not a.no_verify
       calib = load_tokens(a.calib) if a.calib else None
+      if a.calib_text:
+        from lrjax import text
+
+        calib = text.calib_tokens_for(src, a.calib_text, a.calib_seq_len, ids=calib)
       lora_tokens = load_tokens(a.lora_tokens) if a.lora_tokens else None
       if a.hf:
         print(f"loading HF checkpoint {a.hf}")
@@ -181,7 +193,10 @@ def convert(p: argparse.ArgumentParser):
       rec["source"] = os.fspath(src)
       model.compression = rec
       model = _quantize_for_convert(model, a.quantize, a.group)
-      checkpoint.save(model, out, overwrite=a.overwrite)
+      from lrjax.text import carried_files
+
+      with carried_files(src) as extra:  # tokenizer, chat template, generation config
+        checkpoint.save(model, out, overwrite=a.overwrite, extra_files=extra)
       params = rec.get("params", {})
       print(
         f"wrote {a.out}: method={a.method} ratio={a.ratio} ranks={model.layer_ranks()[0]}"
@@ -249,6 +264,8 @@ def _check_convert(a) -> tuple:
   _positive("--lora-rank", a.lora_rank, integer=True)
   _positive("--lora-lr", a.lora_lr)
   _positive("--lora-batch", a.lora_batch, integer=True)
+  if getattr(a, "calib_text", None):
+    _positive("--calib-seq-len", a.calib_seq_len, integer=True)
   if getattr(a, "group", None) is not None and getattr(a, "quantize", None) is None:
     raise ValueError("--group applies with --quantize w4a8")
   calibrated = bool(a.calib or getattr(a, "calib_text", None))
@@ -262,6 +279,9 @@ def _check_convert(a) -> tuple:
     if getattr(a, attr):
       inputs.append(_existing_file(getattr(a, attr), flag))
       setattr(a, attr, os.path.abspath(os.path.expanduser(getattr(a, attr))))  # keeps its suffix
+  for i, f in enumerate(getattr(a, "calib_text", None) or ()):
+    inputs.append(_existing_file(f, "--calib-text"))
+    a.calib_text[i] = os.path.abspath(os.path.expanduser(f))
   return a.out, inputs, src
 
 

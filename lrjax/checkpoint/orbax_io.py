@@ -24,7 +24,8 @@ import json
 import logging
 import os
 import re
-from collections.abc import Mapping
+import shutil
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -93,15 +94,26 @@ def save(
   source_digest: str | None = None,
   overwrite: bool = False,
   concurrent_gb: int = 1,
+  extra_files: Sequence[str | os.PathLike] = (),
 ) -> None:
   """Save ``model`` to ``path`` (orbax arrays + metadata JSON) atomically.
 
   ``compression`` and ``source_digest`` default to ``model.compression`` and
   ``model.source_digest``. ``overwrite`` replaces only an existing lrjax checkpoint (see
-  :func:`lrjax.checkpoint.atomic_dir` for what is never replaced).
+  :func:`lrjax.checkpoint.atomic_dir` for what is never replaced). ``extra_files`` (e.g.
+  tokenizer.json) are copied into the checkpoint under their own names, inside the same atomic
+  write.
   """
   import lrjax
 
+  extra = [os.fspath(f) for f in extra_files]
+  names = [os.path.basename(f) for f in extra]
+  for f, n in zip(extra, names):
+    if n in (METADATA_NAME, STATE_DIR) or names.count(n) > 1 or not os.path.isfile(f):
+      raise ValueError(
+        f"extra_files: {f} must be an existing file, its name unique and not {METADATA_NAME} "
+        f"or {STATE_DIR}"
+      )
   path = resolve(path, "checkpoint path")
   flat = _flat(model)
   arrays = {param_key(p): var[...] for p, var in flat}
@@ -139,6 +151,8 @@ def save(
     )
     with open(os.path.join(tmp, METADATA_NAME), "w") as fh:
       json.dump(meta, fh, indent=1)
+    for f, n in zip(extra, names):
+      shutil.copyfile(f, os.path.join(tmp, n))
   log.info("saved %s (%d arrays)", path, len(arrays))
 
 

@@ -3,15 +3,16 @@
   engine = lrjax.serving.load_engine("ckpt_dir", tp=4)       # orbax → target shardings
   [res] = engine.generate([Request([1, 2, 3], SamplingParams(max_new_tokens=32))])
 
-See :mod:`lrjax.serving.engine` (continuous batching), :mod:`lrjax.serving.sampling` and
-:mod:`lrjax.serving.lowrank_kv` (rank-space KV cache).
+See :mod:`lrjax.serving.engine` (continuous batching), :mod:`lrjax.serving.sampling`,
+:mod:`lrjax.serving.lowrank_kv` (rank-space KV cache), and :mod:`lrjax.serving.server` (the
+OpenAI-compatible HTTP server of ``lrjax serve``).
 """
 
 from __future__ import annotations
 
 import logging
 
-from lrjax.serving.engine import Engine, Request, Result, default_buckets, itl
+from lrjax.serving.engine import Engine, Request, Result, StepEvents, default_buckets, itl
 from lrjax.serving.lowrank_kv import LowRankKVCache
 from lrjax.serving.sampling import SamplingParams, sample
 
@@ -60,6 +61,8 @@ def load_model(path, tp: int = 1, strategy: str | None = None, data: int = 1):
 
 
 def load_engine(path, tp: int = 1, strategy: str | None = None, **engine_kw) -> Engine:
+  """An :class:`Engine` over the checkpoint at ``path`` (steps through ``lrjax.fuse`` unless
+  ``fuse=False``)."""
   return Engine(load_model(path, tp, strategy), **engine_kw)
 
 
@@ -69,6 +72,7 @@ __all__ = [
   "Request",
   "Result",
   "SamplingParams",
+  "StepEvents",
   "default_buckets",
   "default_strategy",
   "itl",

@@ -6,6 +6,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,19 +25,44 @@ class SamplingParams:
   seed: int = 0
 
   def __post_init__(self):
-    t, k, p, m = self.temperature, self.top_k, self.top_p, self.max_new_tokens
-    if not isinstance(t, (int, float)) or not t >= 0.0 or t != t or t == float("inf"):
-      raise ValueError(f"temperature={t!r} must be a finite number >= 0 (0 means greedy)")
-    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-      raise ValueError(f"top_k={k!r} must be an int >= 0 (0 disables top-k)")
-    if not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
-      raise ValueError(f"top_p={p!r} must be in (0, 1] (1 disables top-p)")
-    if not isinstance(m, int) or isinstance(m, bool) or m < 1:
-      raise ValueError(f"max_new_tokens={m!r} must be an int >= 1")
-    stops = tuple(self.stop_tokens)
-    if any(not isinstance(s, int) or s < 0 for s in stops):
-      raise ValueError(f"stop_tokens={stops!r} must be non-negative ints")
-    object.__setattr__(self, "stop_tokens", stops)
+    t, k, p, m, seed = self.temperature, self.top_k, self.top_p, self.max_new_tokens, self.seed
+    _check("temperature", t, _is_number, lambda: 0 <= t < float("inf"), "a finite number >= 0")
+    _check("top_k", k, _is_int, lambda: k >= 0, "an int >= 0 (0 disables top-k)")
+    _check("top_p", p, _is_number, lambda: 0 < p <= 1, "a number in (0, 1] (1 disables top-p)")
+    _check("max_new_tokens", m, _is_int, lambda: m >= 1, "an int >= 1")
+    _check("seed", seed, _is_int, lambda: 0 <= seed < 2**64, "an int in [0, 2**64)")
+    stops = self.stop_tokens
+    is_seq = not isinstance(stops, (str, bytes)) and hasattr(stops, "__iter__")
+    stops = tuple(stops) if is_seq else stops
+    _check(
+      "stop_tokens",
+      stops,
+      lambda v: is_seq and all(_is_int(s) for s in v),
+      lambda: all(s >= 0 for s in stops),
+      "a sequence of non-negative token ids",
+    )
+    object.__setattr__(self, "stop_tokens", tuple(int(s) for s in stops))
+    object.__setattr__(self, "temperature", float(t))
+    object.__setattr__(self, "top_p", float(p))
+    object.__setattr__(self, "top_k", int(k))
+    object.__setattr__(self, "max_new_tokens", int(m))
+    object.__setattr__(self, "seed", int(seed))
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_number(x) -> bool:
+  return _is_int(x) or isinstance(x, (float, np.floating))
+
+
+def _check(name: str, value, type_ok, range_ok, want: str):
+  """TypeError for a value of the wrong type, ValueError for one out of range."""
+  if not type_ok(value):
+    raise TypeError(f"{name}={value!r} ({type(value).__name__}) must be {want}")
+  if not range_ok():
+    raise ValueError(f"{name}={value!r} must be {want}")
 
 
 def sample(logits, key, temperature, top_k, top_p):

@@ -119,8 +119,8 @@ def test_bad_requests(model):
   eng = Engine(model, max_slots=1, max_len=MAX_LEN, buckets=(16,))
   with pytest.raises(ValueError, match="prompt is empty"):
     eng.submit(Request([]))
-  with pytest.raises(ValueError, match="at most 16"):
-    eng.submit(Request(list(range(17))))
+  with pytest.raises(ValueError, match="at most 39"):  # max_len - 1 (chunks of 16)
+    eng.submit(Request(list(range(40))))
   with pytest.raises(ValueError, match="outside"):
     eng.submit(Request([1, CFG.vocab_size]))
   with pytest.raises(TypeError, match="Request"):
@@ -227,9 +227,10 @@ def test_fused_engine_runs_kernels_and_matches(model, caplog):
   rng = np.random.default_rng(random.randrange(1 << 20))
   ps = prompts(3, rng)
   reqs = lambda: [Request(p, SamplingParams(max_new_tokens=4)) for p in ps]  # noqa: E731
-  plain = Engine(model, max_slots=2, max_len=MAX_LEN, buckets=(16,)).generate(reqs())
+  kw = dict(max_slots=2, max_len=MAX_LEN + 3, buckets=(16,))  # compiled by no other test
+  plain = Engine(model, fuse=False, **kw).generate(reqs())
   with callback_kernels(execute=True), caplog.at_level("DEBUG", logger="lrjax.lowering"):
-    fused = Engine(model, max_slots=2, max_len=MAX_LEN, buckets=(16,), fuse=True).generate(reqs())
+    fused = Engine(model, fuse=True, **kw).generate(reqs())
   assert [r.tokens for r in fused] == [r.tokens for r in plain]
   assert any("lowering with test.callback_xuv" in r.getMessage() for r in caplog.records)
 
@@ -241,9 +242,9 @@ def test_one_compiled_variant_per_shape(model):
   before = (engine_mod._prefill_jit._cache_size(), engine_mod._decode_jit._cache_size())
   eng = Engine(model, max_slots=2, max_len=37, buckets=(8, 16))  # shapes no other test uses
   eng.generate([Request(p, SamplingParams(max_new_tokens=5)) for p in prompts(5, rng)])
-  buckets = 2
+  variants = len(eng.prefill_variants())
   after = (engine_mod._prefill_jit._cache_size(), engine_mod._decode_jit._cache_size())
-  assert after[0] - before[0] <= buckets and after[1] - before[1] == 1
+  assert after[0] - before[0] <= variants and after[1] - before[1] == 1
 
 
 def test_steps_do_not_hash_the_graph(model, monkeypatch):
@@ -303,10 +304,15 @@ def test_warmup_compiles_every_step_before_serving(model):
   sizes = lambda: (engine_mod._prefill_jit._cache_size(), engine_mod._decode_jit._cache_size())  # noqa: E731
   eng = Engine(model, max_slots=5, **kw)  # a slot count no other test compiles for
   before = sizes()
-  assert eng.warmup() == 2 + 3  # prefill at 8 and 16 tokens; decode over 20, 28 and 40
-  assert sizes() == (before[0] + 2, before[1] + 3)
+  # prefill: 1, 2, 4 or 5 rows of first chunks of 8 or 16 tokens, and of later 16-token chunks
+  # reading the whole row (prompts up to 39 tokens come in 16-token chunks); decode over 20, 28
+  # and 40 positions
+  want = [(r, w, w) for w in (8, 16) for r in (1, 2, 4, 5)] + [(r, 16, 40) for r in (1, 2, 4, 5)]
+  assert eng.prefill_variants() == want
+  assert eng.warmup() == 12 + 3
+  assert sizes() == (before[0] + 12, before[1] + 3)
   warm = eng.generate(reqs())
-  assert sizes() == (before[0] + 2, before[1] + 3)  # nothing left to compile
+  assert sizes() == (before[0] + 12, before[1] + 3)  # nothing left to compile
   cold = Engine(model, max_slots=3, **kw).generate(reqs())
   assert [r.tokens for r in warm] == [r.tokens for r in cold]
   eng.submit(Request(ps[0]))

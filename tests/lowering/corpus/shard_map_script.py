@@ -127,7 +127,7 @@ out["layouts"] = {}
 for name, (su, sv, ss, sx) in lay.items():
   calls.clear()
   args = (put(xs, *sx), put(u, *su), put(v, *sv), put(s, *ss))
-  f = jax.jit(lambda x, u, v, s: lrjax.lr_xuv(x, u, v, scale=s))
+  f = jax.jit(lambda x, u, v, s: lrjax.lowering.lr_xuv(x, u, v, scale=s))
   got = np.asarray(f(*args))
   text = f.lower(*args).as_text()
   out["layouts"][name] = {
@@ -158,7 +158,7 @@ gate, up, down = proj(D, F), proj(D, F), proj(F, D)
 xm = rn(6, D)
 want = np.asarray(lrjax.lowering.lr_mlp_reference(xm, up, down, gate))
 shard = lambda p: (put(p[0], None, "d"), put(p[1], "d", None), None, put(p[3], "d"))  # noqa: E731
-f = jax.jit(lambda x, g, u, d: lrjax.lr_mlp(x, u, d, g))
+f = jax.jit(lambda x, g, u, d: lrjax.lowering.lr_mlp(x, u, d, g))
 calls.clear()
 got = np.asarray(f(xm, shard(gate), shard(up), shard(down)))
 out["mlp_scaled_err"] = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
