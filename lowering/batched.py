@@ -3,7 +3,7 @@ grouped experts write it.
 
   x  [..., H, K]  (``x_heads=True``: every head reads its own slice of x)
      [..., K]     (``x_heads=False``: every head reads all of x, e.g. a shared x·U[K, H·r]
-                   split into heads, as ``lrjax.compress.HeadwiseLowRankLinear`` does)
+                   split into heads, as ``lrjax.compression.HeadwiseLowRankLinear`` does)
   u  [H, K, r]    v [H, r, N]    scale (optional) [H, r]
   -> [..., H, N]: y[..., h, :] = ((x_h·u[h]) ⊙ scale[h])·v[h]
 

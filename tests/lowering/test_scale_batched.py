@@ -154,7 +154,7 @@ def test_batched_vmap_grad_and_validation():
 def test_headwise_module_fuses_and_explain_names_the_batched_form():
   from flax import nnx
 
-  from lrjax.compress import HeadwiseLowRankLinear
+  from lrjax.compression import HeadwiseLowRankLinear
 
   m = HeadwiseLowRankLinear(64, 4, 16, 6, use_bias=True, rngs=nnx.Rngs(0))
   m.bias[...] = randn(m.bias[...].shape)
