@@ -1,6 +1,10 @@
-"""Shared test helpers: the per-dtype tolerance table and fresh random inputs."""
+"""Shared test helpers: the per-dtype tolerance table, fresh random inputs, fuzz summaries and
+the tiny chat fixture (compressed) with its tokenizer."""
 
 import itertools
+import os
+
+os.environ.setdefault("RAYON_NUM_THREADS", "1")  # tokenizers' thread pool
 
 import jax
 import jax.numpy as jnp
@@ -177,3 +181,23 @@ def pytest_terminal_summary(terminalreporter):
       terminalreporter.write_line(f"{name}: {cases} cases, {crashes} crashes")
     for line in lines:
       terminalreporter.write_line(line)
+
+
+# ---- the tiny chat fixture (a 2-layer Llama with a BPE tokenizer and a chat template) ---------
+CHAT = os.path.join(os.path.dirname(__file__), "fixtures", "hf", "llama_chat")
+
+
+@pytest.fixture(scope="session")
+def chat_model():
+  """The llama_chat fixture with 30 % of its projection params removed (SVD, deterministic)."""
+  import lrjax
+  from lrjax.models import from_hf
+
+  return lrjax.compress(from_hf(CHAT), ratio=0.3, method="svd", block=8, progress=False)
+
+
+@pytest.fixture(scope="session")
+def chat_text():
+  from lrjax import text
+
+  return text.load_text(CHAT)

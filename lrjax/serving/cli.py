@@ -171,7 +171,11 @@ def generate(p: argparse.ArgumentParser):
       engine.generate(
         [
           Request(ids, SamplingParams(max_new_tokens=2))
-          for ids in {engine._bucket(len(ids)): ids for _, ids in reqs}.values()
+          # one prompt per length bucket; a prompt no bucket holds keys on its length, and the
+          # engine then says what is wrong with it
+          for ids in {
+            next((b for b in engine.buckets if b >= len(ids)), len(ids)): ids for _, ids in reqs
+          }.values()
         ]
       )
       print(f"compiled in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
