@@ -40,7 +40,7 @@ other), which shows where a step that misses its target goes.
   python benchmarks/tp_gpu.py --model 8b 70b --tp 2 4 8 [--layers 4] [--out results/tp_gpu.json]
 
 Runs unchanged for any TP size the host has devices for (TP=8 on 8 GPUs); ``--append`` adds to
-``--out`` (one TP size or model per command fits a time-limited session). On CPU:
+``--out`` (one TP size or model per command keeps each run to a few minutes). On CPU:
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu python
 benchmarks/tp_gpu.py --smoke --tp 2 4 --out /tmp/tp_smoke.json`` checks the script. Several
 ``--ratio`` values sweep the compression (DeInfer Fig. 7); dense runs once and serving at the

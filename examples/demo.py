@@ -1,159 +1,182 @@
-"""The main job (`make demo`): the whole lrjax pipeline on an embedded default.
+"""The main job (`make demo`): a user's whole journey, on the committed tiny chat model.
 
-1. Train (or reuse the cached) small Llama on a synthetic Markov source whose entropy rate is
-   known exactly (~2 CPU minutes the first time; cached under ~/.cache/lrjax/quality).
-2. Save it as a dense orbax checkpoint and convert it with the CLI:
-   ``lrjax convert --orbax dense --out lowrank --ratio 0.2 --method whiten ...``.
-3. Compress in memory with whitening + LoRA recovery, save, reload (checked bit-exact).
-4. Run the reloaded low-rank model through ``jax.jit(lrjax.fuse(model))``: print what the
-   pass rewrote and the agreement with the unfused model.
-5. Print a live quality table (excess nats over the entropy floor) and tokens/s, dense vs
-   low-rank.
+An HF directory in (tests/fixtures/hf/llama_chat: a 2-layer Llama with a BPE tokenizer and a
+chat template), then, each step as the command line a user types:
 
-    python examples/demo.py [--workdir DIR] [--ratio 0.2]
+1. ``lrjax convert --calib-text``: compress it (whitened SVD calibrated on text), and again
+   with ``--quantize w4a8`` for the CPU kernels;
+2. ``lrjax eval``: perplexity of the HF model and both checkpoints on the same text;
+3. ``lrjax generate``: text from the W4A8 checkpoint, through lrjax.fuse and the C++ kernels;
+4. ``lrjax serve``: the OpenAI API; a chat completion streamed with the ``openai`` client, then
+   SIGTERM;
+5. ``lrjax export``: both HF formats, loaded by transformers, logits compared with lrjax's.
+
+About two minutes on a 2-core CPU. The tiny model's text is not meant to read well.
+
+    python examples/demo.py [--workdir DIR] [--hf DIR --calib-text FILE --ratio R --block B]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import signal
+import socket
+import subprocess
+import sys
 import tempfile
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
-
-import lrjax
-from lrjax import checkpoint
-from lrjax.cli import main as lrjax_cli
-from lrjax.compression import compress, param_counts
-from lrjax.quality import MarkovSource, TrainConfig, evaluate, trained_model
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURE = os.path.join(REPO, "tests", "fixtures", "hf", "llama_chat")
+TEXT = os.path.join(REPO, "tests", "fixtures", "text", "corpus.txt")
 
 
-def tokens_per_second(fn, model, tokens, iters=10):
-  jax.block_until_ready(fn(model, tokens))  # compile and warm up
-  t0 = time.perf_counter()
-  for _ in range(iters):
-    out = fn(model, tokens)
-  jax.block_until_ready(out)
-  return tokens.size * iters / (time.perf_counter() - t0)
+def lrjax_cmd() -> list[str]:
+  """The installed ``lrjax`` script beside this interpreter, else ``python -m lrjax.cli``."""
+  script = os.path.join(os.path.dirname(sys.executable), "lrjax")
+  return [script] if os.path.exists(script) else [sys.executable, "-m", "lrjax.cli"]
 
 
-def same_params(a, b) -> bool:
-  la, lb = jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b))
-  return len(la) == len(lb) and all(
-    np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb)
-  )
+def run(*args: str, env=None) -> str:
+  """Runs ``lrjax ARGS`` as a user would, echoing the command and its output."""
+  print(f"\n$ lrjax {' '.join(args)}", flush=True)
+  r = subprocess.run(lrjax_cmd() + list(args), capture_output=True, text=True, env=env)
+  print((r.stdout + r.stderr).rstrip(), flush=True)
+  if r.returncode != 0:
+    raise SystemExit(f"lrjax {args[0]} failed with exit code {r.returncode}")
+  return r.stdout
 
 
-def main():
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def serve_and_chat(ckpt: str, env) -> str:
+  """Starts ``lrjax serve``, streams one chat completion, sends SIGTERM; returns the reply."""
+  import httpx
+  import openai
+
+  port = free_port()
+  args = ["serve", "--ckpt", ckpt, "--port", str(port), "--max-len", "256", "--slots", "4"]
+  print(f"\n$ lrjax {' '.join(args)} &", flush=True)
+  server = subprocess.Popen(lrjax_cmd() + args, env=env)
+  url = f"http://127.0.0.1:{port}"
+  try:
+    t0 = time.monotonic()
+    while True:  # the port opens once every step is compiled
+      if server.poll() is not None:
+        raise SystemExit(f"lrjax serve exited with {server.returncode}")
+      try:
+        if httpx.get(url + "/health", timeout=1).status_code == 200:
+          break
+      except httpx.TransportError:
+        time.sleep(0.5)
+      if time.monotonic() - t0 > 600:
+        raise SystemExit("lrjax serve did not come up in 10 minutes")
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    question = "What is the capital of France?"
+    print(f"user: {question}\nassistant: ", end="", flush=True)
+    reply = []
+    stream = client.chat.completions.create(
+      model=model,
+      messages=[{"role": "user", "content": question}],
+      max_tokens=32,
+      temperature=0,
+      stream=True,
+    )
+    for chunk in stream:
+      piece = chunk.choices[0].delta.content or "" if chunk.choices else ""
+      reply.append(piece)
+      print(piece, end="", flush=True)
+    print()
+  finally:
+    server.send_signal(signal.SIGTERM)  # stops admission, drains, exits 0
+    rc = server.wait(timeout=120)
+    print(f"lrjax serve exited with {rc} after SIGTERM")
+  if rc != 0:
+    raise SystemExit(f"lrjax serve exited with {rc}")
+  return "".join(reply)
+
+
+def compare_exports(ckpt: str, exports: dict[str, str]) -> dict[str, float]:
+  """Loads each export with transformers and returns its logits' max relative difference from
+  lrjax's model of the same checkpoint (W4A8 weights dequantized, as the export writes them)."""
+  import jax.numpy as jnp
+  import numpy as np
+  import torch
+  import transformers
+
+  from lrjax import checkpoint
+  from lrjax.checkpoint import quantized
+
+  model = checkpoint.load(ckpt)
+  if quantized.is_quantized(model):
+    model = quantized.for_export(model)
+  tokens = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (2, 12))
+  want = np.asarray(model(jnp.asarray(tokens)), np.float32)
+  out = {}
+  for fmt, path in exports.items():
+    kw = {"trust_remote_code": True} if fmt == "hf-lowrank" else {}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
+    with torch.no_grad():
+      got = hf.eval()(torch.tensor(tokens)).logits.numpy()
+    out[fmt] = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+    print(f"transformers loads the {fmt} export ({type(hf).__name__}): max |Δlogit| / max "
+          f"|logit| = {out[fmt]:.1e}")
+  return out
+
+
+def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--workdir", default=None, help="where checkpoints go (default: a temp dir)")
-  ap.add_argument(
-    "--ratio", type=float, default=0.2, help="fraction of each projection's weights removed"
-  )
-  ap.add_argument("--lora-steps", type=int, default=100)
-  args = ap.parse_args()
-  work = args.workdir or tempfile.mkdtemp(prefix="lrjax_demo_")
+  ap.add_argument("--workdir", help="where the checkpoints go (default: a new temp dir)")
+  ap.add_argument("--hf", default=FIXTURE, help="the HF model directory")
+  ap.add_argument("--calib-text", default=TEXT, help="text to calibrate and evaluate on")
+  ap.add_argument("--ratio", default="0.3", help="fraction of each projection's params removed")
+  ap.add_argument("--block", default="8", help="ranks are multiples of this")
+  a = ap.parse_args(argv)
+  work = a.workdir or tempfile.mkdtemp(prefix="lrjax_demo_")
   os.makedirs(work, exist_ok=True)
+  env = dict(os.environ, RAYON_NUM_THREADS=os.environ.get("RAYON_NUM_THREADS", "1"))
+  t0 = time.perf_counter()
+  ck, ck_w4a8 = os.path.join(work, "lr"), os.path.join(work, "lr_w4a8")
+  convert = ["convert", "--hf", a.hf, "--ratio", a.ratio, "--block", a.block, "--overwrite"]
+  convert += ["--calib-text", a.calib_text, "--calib-seq-len", "64"]
 
-  print("== 1. train (or reuse) the reference model")
-  src = MarkovSource()
-  model, rec = trained_model(src)
-  seq = TrainConfig().seq_len
-  eval_tok = src.sample(1024, seq + 1, seed=1)
-  calib_tok = src.sample(64, seq, seed=2)
-  lora_tok = src.sample(max(1, args.lora_steps) * 32, seq + 1, seed=3)
-  how = "reused from cache" if rec["cached"] else f"trained in {rec['seconds']} s"
-  print(f"model {how}; entropy floor {src.entropy_rate:.4f} nats/token")
+  print("== 1. compress the HF model, calibrating on text (and once more as W4A8)")
+  run(*convert, "--out", ck, env=env)
+  run(*convert, "--out", ck_w4a8, "--quantize", "w4a8", "--group", "32", env=env)
 
-  print("\n== 2. dense orbax checkpoint -> lrjax convert (whitened SVD)")
-  dense_dir, cli_dir = os.path.join(work, "dense"), os.path.join(work, "lowrank_cli")
-  calib_path = os.path.join(work, "calib.npy")
-  np.save(calib_path, np.asarray(calib_tok))
-  checkpoint.save(model, dense_dir, overwrite=True)
-  cmd = [
-    "convert",
-    "--orbax",
-    dense_dir,
-    "--out",
-    cli_dir,
-    "--ratio",
-    str(args.ratio),
-    "--method",
-    "whiten",
-    "--calib",
-    calib_path,
-    "--block",
-    "4",
-    "--overwrite",
-  ]
-  print("lrjax " + " ".join(cmd))
-  if lrjax_cli(cmd) != 0:
-    raise SystemExit("lrjax convert failed")
-  cli_model = checkpoint.load(cli_dir)
+  print("\n== 2. perplexity of each on the same text")
+  evaluation = os.path.join(work, "eval.json")
+  run("eval", "--hf", a.hf, "--ckpt", ck, "--ckpt", ck_w4a8, "--text", a.calib_text,
+      "--seq-len", "64", "--out", evaluation, "--overwrite", env=env)  # fmt: skip
 
-  print(f"\n== 3. whitened SVD + {args.lora_steps} LoRA steps in memory, save, reload")
-  small = compress(
-    nnx.clone(model),
-    ratio=args.ratio,
-    calib_tokens=calib_tok,
-    block=4,
-    lora_steps=args.lora_steps,
-    lora_batch=32,
-    lora_lr=1e-3,
-    lora_tokens=lora_tok,
-    progress=False,
-  )
-  lr_dir = os.path.join(work, "lowrank_lora")
-  checkpoint.save(small, lr_dir, overwrite=True)
-  reloaded = checkpoint.load(lr_dir)
-  print(
-    f"reload bit-exact: {same_params(small, reloaded)}; ranks (layer 0): "
-    f"{reloaded.layer_ranks()[0]}"
-  )
+  print("\n== 3. text from the W4A8 checkpoint (fused: the C++ W4A8 kernels on CPU)")
+  run("generate", "--ckpt", ck_w4a8, "--prompt", "The river", "--max-new-tokens", "16", env=env)
 
-  print("\n== 4. jax.jit(lrjax.fuse(model))")
-  probe = jnp.asarray(eval_tok[:64, :-1])
-  report = lrjax.explain(reloaded, probe)
-  print(
-    f"{len(report.matches)} rewrites: "
-    + ", ".join(f"{m['pattern']} {m['shapes']}" for m in report.matches)
-  )
-  unfused = nnx.jit(lambda m, t: m(t))
-  fused = nnx.jit(lambda m, t: lrjax.fuse(m)(t))
-  ref, out = unfused(reloaded, probe), fused(reloaded, probe)
-  err = float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)))
-  print(f"fused vs unfused: max |Δlogit| / max |logit| = {err:.2e}")
-  if not (np.isfinite(err) and err < 1e-4):
-    raise SystemExit(f"fused model disagrees with the unfused one: {err:.3g}")
+  print("\n== 4. serve the low-rank checkpoint; stream a chat completion")
+  serve_and_chat(ck, env)
 
-  print("\n== 5. quality (excess nats over the entropy floor, 1024 held-out sequences)")
-  rows = [
-    ("dense", model, param_counts(model)["actual"]),
-    ("whitened SVD (lrjax convert)", cli_model, param_counts(cli_model)["actual"]),
-    ("whitened + LoRA (reloaded)", reloaded, param_counts(reloaded)["actual"]),
-  ]
-  print(f"{'variant':<32}{'excess nats':>12}{'proj. weights':>15}")
-  for name, m, n in rows:
-    print(f"{name:<32}{evaluate(m, src, eval_tok)['excess_nats']:>12.4f}{n:>15}")
-  print(
-    "full table at ratios 0.1/0.2/0.4: python benchmarks/quality.py "
-    "(results in benchmarks/results/quality.json)"
-  )
+  print("\n== 5. export both formats; transformers loads them")
+  exports = {fmt: os.path.join(work, f"export_{fmt}") for fmt in ("hf-lowrank", "hf-dense")}
+  for fmt, path in exports.items():
+    run("export", "--ckpt", ck_w4a8, "--out", path, "--format", fmt, "--overwrite", env=env)
+  diffs = compare_exports(ck_w4a8, exports)
 
-  tok = jnp.asarray(eval_tok[:256, :-1])
-  dense_tps = tokens_per_second(unfused, model, tok)
-  lr_tps = tokens_per_second(fused, reloaded, tok)
-  print(
-    f"\nscoring throughput on {jax.devices()[0].device_kind} ({jax.devices()[0].platform}): "
-    f"dense {dense_tps:,.0f} tok/s, low-rank fused {lr_tps:,.0f} tok/s "
-    f"({lr_tps / dense_tps:.2f}x)"
-  )
-  print(f"checkpoints in {work}")
+  with open(evaluation) as fh:
+    rows = json.load(fh)["results"]
+  print(f"\n== done in {time.perf_counter() - t0:.0f} s; checkpoints in {work}")
+  for r in rows:
+    print(f"  {r['label']:<40} perplexity {r['perplexity']:8.3f}")
+  for fmt, d in diffs.items():
+    print(f"  {fmt} export vs lrjax: {d:.1e} relative logit difference")
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())
