@@ -55,8 +55,9 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def serve_and_chat(ckpt: str, env) -> str:
-  """Starts ``lrjax serve``, streams one chat completion, sends SIGTERM; returns the reply."""
+def serve_and_chat(ckpt: str, env) -> dict:
+  """Starts ``lrjax serve``, streams one chat completion, sends SIGTERM; returns the reply, its
+  finish reason and the server's exit code."""
   import httpx
   import openai
 
@@ -81,7 +82,7 @@ def serve_and_chat(ckpt: str, env) -> str:
     model = client.models.list().data[0].id
     question = "What is the capital of France?"
     print(f"user: {question}\nassistant: ", end="", flush=True)
-    reply = []
+    reply, finish = [], None
     stream = client.chat.completions.create(
       model=model,
       messages=[{"role": "user", "content": question}],
@@ -90,17 +91,20 @@ def serve_and_chat(ckpt: str, env) -> str:
       stream=True,
     )
     for chunk in stream:
-      piece = chunk.choices[0].delta.content or "" if chunk.choices else ""
+      if not chunk.choices:
+        continue
+      piece = chunk.choices[0].delta.content or ""
+      finish = chunk.choices[0].finish_reason or finish
       reply.append(piece)
       print(piece, end="", flush=True)
-    print()
+    print(f"  [finish_reason: {finish}]")
   finally:
     server.send_signal(signal.SIGTERM)  # stops admission, drains, exits 0
     rc = server.wait(timeout=120)
     print(f"lrjax serve exited with {rc} after SIGTERM")
   if rc != 0:
     raise SystemExit(f"lrjax serve exited with {rc}")
-  return "".join(reply)
+  return {"reply": "".join(reply), "finish_reason": finish, "exit_code": rc}
 
 
 def compare_exports(ckpt: str, exports: dict[str, str]) -> dict[str, float]:
@@ -126,12 +130,15 @@ def compare_exports(ckpt: str, exports: dict[str, str]) -> dict[str, float]:
     with torch.no_grad():
       got = hf.eval()(torch.tensor(tokens)).logits.numpy()
     out[fmt] = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
-    print(f"transformers loads the {fmt} export ({type(hf).__name__}): max |Δlogit| / max "
-          f"|logit| = {out[fmt]:.1e}")
+    print(
+      f"transformers loads the {fmt} export ({type(hf).__name__}): max |Δlogit| / max "
+      f"|logit| = {out[fmt]:.1e}"
+    )
   return out
 
 
-def main(argv=None) -> int:
+def journey(argv=None) -> dict:
+  """Runs the five steps; returns what each produced (tests check it)."""
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--workdir", help="where the checkpoints go (default: a new temp dir)")
   ap.add_argument("--hf", default=FIXTURE, help="the HF model directory")
@@ -157,10 +164,12 @@ def main(argv=None) -> int:
       "--seq-len", "64", "--out", evaluation, "--overwrite", env=env)  # fmt: skip
 
   print("\n== 3. text from the W4A8 checkpoint (fused: the C++ W4A8 kernels on CPU)")
-  run("generate", "--ckpt", ck_w4a8, "--prompt", "The river", "--max-new-tokens", "16", env=env)
+  generated = run(
+    "generate", "--ckpt", ck_w4a8, "--prompt", "The river", "--max-new-tokens", "16", env=env
+  )
 
   print("\n== 4. serve the low-rank checkpoint; stream a chat completion")
-  serve_and_chat(ck, env)
+  chat = serve_and_chat(ck, env)
 
   print("\n== 5. export both formats; transformers loads them")
   exports = {fmt: os.path.join(work, f"export_{fmt}") for fmt in ("hf-lowrank", "hf-dense")}
@@ -175,6 +184,11 @@ def main(argv=None) -> int:
     print(f"  {r['label']:<40} perplexity {r['perplexity']:8.3f}")
   for fmt, d in diffs.items():
     print(f"  {fmt} export vs lrjax: {d:.1e} relative logit difference")
+  return {"workdir": work, "eval": rows, "generated": generated, "chat": chat, "exports": diffs}
+
+
+def main(argv=None) -> int:
+  journey(argv)
   return 0
 
 
