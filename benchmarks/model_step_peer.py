@@ -19,10 +19,14 @@ row at context ``--ctx``:
 Each side runs in its own subprocess, one after the other, so one framework holds the GPU at a
 time (or run them yourself: ``--side torch --side-out t.json``, ``--side lrjax --side-out
 l.json``, then ``--merge t.json l.json --out ...``; a side writes after every record).
-Records: device, model, batch, ctx, ratio, lrjax_ms, lrjax_dense_ms, torch_dense_ms,
-torch_lowrank_ms, the ratios, bytes a step must read and hbm_roofline_frac (those bytes over the
-card's HBM bandwidth, divided by the step). ``--model tiny --device cpu`` checks the script on a
-CPU (no CUDA graphs there; nothing it prints is a performance number).
+Records: device, model, batch, ctx, ratio, lrjax_ms, lrjax_dense_ms, lrjax_xla_attention_ms (the
+low-rank step with the model's attention left to XLA instead of the decode-attention kernel),
+torch_dense_ms, torch_lowrank_ms, the ratios, bytes a step must read and hbm_roofline_frac (those
+bytes over the card's HBM bandwidth, divided by the step); with ``--profile``, each low-rank
+step's kernel time per class (GEMM-like, attention, XLA fusions, memsets/copies, idle gaps) and
+launches. ``--out`` keeps the records of other devices and contexts already in it.
+``--model tiny --device cpu`` checks the script on a CPU (no CUDA graphs there; nothing it
+prints is a performance number).
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from results_io import write_json  # noqa: E402
 
 MODELS = {
   # Llama-3-8B: hidden, heads, kv heads, head dim, MLP, vocab, layers
@@ -93,6 +100,60 @@ def hbm_bps(device_name: str) -> float | None:
 
 # ---------------------------------------------------------------------------------------- lrjax
 
+# Kernel classes of a step's profile, by kernel name (first match wins).
+CLASSES = (
+  ("attention kernel", ("mha_forward", "decode_attention", "kv_attention")),
+  ("memsets/copies", ("memset", "memcpy", "copy")),
+  (
+    "GEMM-like",
+    ("gemm", "cublas", "cutlass", "xmma", "sm90_", "sm80_", "matmul", "xuv", "mlp_", "triton"),
+  ),
+)
+OTHER = "XLA fusions (norms, rope, residuals, cache writes, XLA's attention)"
+
+
+def kernel_class(name: str) -> str:
+  low = name.lower()
+  for cls, marks in CLASSES:
+    if any(m in low for m in marks):
+      return cls
+  return OTHER
+
+
+def attribute(fn, fn_args, steps: int, top: int = 12) -> dict:
+  """One profiled call of the ``steps``-step decode loop: per step, the kernel time of each
+  class (ms and its fraction of the step's device span), launches, and the idle gaps."""
+  import tempfile
+
+  import jax
+
+  from gpu_lowrank import busy_ns, device_kernel_events
+
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d):
+      jax.block_until_ready(fn(*fn_args))
+    events = sorted(device_kernel_events(d))
+  span = (max(e for _, e, _ in events) - events[0][0]) / steps / 1e6
+  busy = busy_ns(events) / steps / 1e6
+  ms, launches, names = {}, {}, {}
+  for st, en, name in events:
+    c = kernel_class(name)
+    ms[c] = ms.get(c, 0.0) + (en - st) / steps / 1e6
+    launches[c] = launches.get(c, 0) + 1 / steps
+    key = name[:60]
+    names[key] = names.get(key, 0.0) + (en - st) / steps / 1e3
+  classes = {
+    c: {"ms": ms[c], "frac_of_span": ms[c] / span, "launches": launches[c]} for c in sorted(ms)
+  }
+  classes["gaps (GPU idle)"] = {"ms": span - busy, "frac_of_span": (span - busy) / span}
+  return {
+    "span_ms": span,
+    "busy_ms": busy,
+    "launches_per_step": sum(launches.values()),
+    "classes": classes,
+    "top_kernels_us": dict(sorted(names.items(), key=lambda kv: -kv[1])[:top]),
+  }
+
 
 def _save(args, out) -> None:
   """Writes a side's results so far (a later step may run out of time)."""
@@ -126,7 +187,12 @@ def run_lrjax(args, ranks) -> dict:
   dtype = jnp.bfloat16
   out = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "records": {}}
   out["argv"] = sys.argv[1:]
-  for kind in ("dense", "lowrank"):
+  for kind in ("dense", "lowrank", "lowrank_xla_attention"):
+    if kind == "lowrank_xla_attention":  # the same step with the model's attention left to XLA
+      from lrjax.lowering import registry
+
+      registry.load_platform("cuda")
+      registry.unregister("decode_attention", "cuda", "pallas.decode_attention")
     t0 = time.perf_counter()
     model = LlamaForCausalLM(
       cfg,
@@ -139,7 +205,7 @@ def run_lrjax(args, ranks) -> dict:
     print(f"lrjax: built {kind} in {time.perf_counter() - t0:.1f} s", flush=True)
     gdef, state = nnx.split(model)
     decode = functools.partial(type(model).decode, attend_len=args.ctx)
-    if kind == "lowrank":
+    if kind != "dense":
       decode = lrjax.fuse(decode)
     steps = args.steps
 
@@ -183,6 +249,10 @@ def run_lrjax(args, ranks) -> dict:
       times.sort()
       ms = times[len(times) // 2] * 1e3
       out["records"][f"{kind}/{batch}"] = {"ms": ms, "all_ms": [t * 1e3 for t in times]}
+      if args.profile and kind != "dense":
+        out["records"][f"{kind}/{batch}"]["profile"] = attribute(
+          fn, (state, reset(None), toks), steps
+        )
       _save(args, out)
       print(
         f"lrjax {kind:8s} batch {batch:3d}: {ms:.3f} ms (compile {compile_s:.1f} s)", flush=True
@@ -373,6 +443,12 @@ def build_records(args, ranks, lj, pt) -> list[dict]:
       "ranks": ranks,
       "lrjax_ms": lr_ms,
       "lrjax_dense_ms": lj["records"][key("dense")]["ms"],
+      "lrjax_xla_attention_ms": lj["records"].get(key("lowrank_xla_attention"), {}).get("ms"),
+      "profile": {
+        k: lj["records"][key(k)]["profile"]
+        for k in ("lowrank", "lowrank_xla_attention")
+        if "profile" in lj["records"].get(key(k), {})
+      },
       "torch_dense_ms": best["dense"],
       "torch_lowrank_ms": best["lowrank"],
       "torch_variants_ms": {
@@ -410,6 +486,9 @@ def main(argv=None):
   ap.add_argument("--side", choices=("lrjax", "torch"), help="run one side only")
   ap.add_argument("--side-out", metavar="JSON", help="where --side writes (after each record)")
   ap.add_argument("--ranks-json", help=argparse.SUPPRESS)
+  ap.add_argument(
+    "--profile", action="store_true", help="attribute lrjax's low-rank step per kernel class"
+  )
   args = ap.parse_args(argv)
   if not 0.0 < args.ratio < 1.0:
     ap.error(f"--ratio {args.ratio} must be in (0, 1)")
@@ -431,39 +510,41 @@ def main(argv=None):
     pt = child("torch", args, ranks)
     lj = child("lrjax", args, ranks)
   recs = build_records(args, ranks, lj, pt)
-  doc = {
-    "meta": {
-      "command": "python benchmarks/model_step_peer.py " + " ".join(sys.argv[1:]),
-      "side_commands": {
-        "torch": pt.get("argv"),
-        "lrjax": lj.get("argv"),
-      },
-      "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-      "device": pt["device"],
-      "lrjax_device": lj["device"],
-      "jax": lj["jax"],
-      "torch": pt["torch"],
-      "python": platform.python_version(),
-      "wall_s": time.perf_counter() - t0,
-      "method": __doc__.split("\n\n")[1],
-    },
-    "records": recs,
+  meta = {
+    "command": "python benchmarks/model_step_peer.py " + " ".join(sys.argv[1:]),
+    "side_commands": {"torch": pt.get("argv"), "lrjax": lj.get("argv")},
+    "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    "device": pt["device"],
+    "lrjax_device": lj["device"],
+    "jax": lj["jax"],
+    "torch": pt["torch"],
+    "python": platform.python_version(),
+    "wall_s": time.perf_counter() - t0,
+    "method": __doc__.split("\n\n")[1],
   }
   print(
-    f"{'batch':>5} {'lrjax':>8} {'lrjax dense':>11} {'torch dense':>11} {'torch lr':>9}"
+    f"{'batch':>5} {'lrjax':>8} {'xla attn':>8} {'lrjax dense':>11} {'torch dense':>11}"
+    f" {'torch lr':>9}"
     f" {'vs dense':>8} {'vs lr':>6} {'roofline':>8}"
   )
   for r in recs:
     frac = f"{r['hbm_roofline_frac']:.2f}" if r["hbm_roofline_frac"] else "-"
     print(
-      f"{r['batch']:5d} {r['lrjax_ms']:8.3f} {r['lrjax_dense_ms']:11.3f} "
+      f"{r['batch']:5d} {r['lrjax_ms']:8.3f} {r['lrjax_xla_attention_ms'] or 0:8.3f} "
+      f"{r['lrjax_dense_ms']:11.3f} "
       f"{r['torch_dense_ms']:11.3f} {r['torch_lowrank_ms']:9.3f} "
       f"{r['speedup_vs_torch_dense']:8.2f} {r['speedup_vs_torch_lowrank']:6.2f} {frac:>8}"
     )
-  if args.out:
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as fh:
-      json.dump(doc, fh, indent=1)
+  if args.out:  # records of other devices (or other contexts) already in --out are kept
+    old = json.load(open(args.out)) if os.path.exists(args.out) else {}
+    if "meta" in old:  # one run per file, as written before runs were kept per device
+      old = {"runs": {old["meta"]["device"]: old["meta"]}, "records": old["records"]}
+    mine = {(r["device"], r["ctx"]) for r in recs}
+    doc = {
+      "runs": {**old.get("runs", {}), meta["device"]: meta},
+      "records": [r for r in old.get("records", []) if (r["device"], r["ctx"]) not in mine] + recs,
+    }
+    write_json(args.out, doc)
     print(f"wrote {args.out}")
   return 0
 

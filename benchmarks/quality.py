@@ -15,41 +15,15 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.metadata
 import json
 import os
-import platform
 import time
 
-import jax
 
-import lrjax
+from lrjax.bench import machine, versions
 from lrjax.quality.report import VARIANTS, format_table, quality_table
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def machine() -> dict:
-  cpu = ""
-  try:
-    with open("/proc/cpuinfo") as fh:
-      cpu = next((l.split(":", 1)[1].strip() for l in fh if l.startswith("model name")), "")
-  except OSError:
-    pass
-  return {
-    "platform": platform.platform(),
-    "machine": platform.machine(),
-    "cpu": cpu,
-    "cpu_count": os.cpu_count(),
-    "jax_devices": [str(d) for d in jax.devices()],
-  }
-
-
-def versions() -> dict:
-  out = {"python": platform.python_version(), "lrjax": lrjax.__version__}
-  for pkg in ("jax", "jaxlib", "flax", "optax", "numpy", "scipy"):
-    out[pkg] = importlib.metadata.version(pkg)
-  return out
 
 
 def checks(res: dict) -> dict:
@@ -85,7 +59,7 @@ def main():
     cache_dir=args.cache_dir,
   )
   res["checks"] = checks(res)
-  res["machine"], res["versions"] = machine(), versions()
+  res["machine"], res["versions"] = machine(), versions("optax", "scipy")
   res["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
   res["wall_seconds"] = round(time.perf_counter() - t0, 1)
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -16,9 +16,10 @@ import argparse
 import asyncio
 import datetime
 import os
-import platform
 import sys
 import time
+
+from lrjax.bench import machine, versions
 
 os.environ.setdefault("RAYON_NUM_THREADS", "1")
 
@@ -114,18 +115,6 @@ def engine_view(results) -> dict:
   }
 
 
-def machine() -> dict:
-  import jax
-
-  return {
-    "platform": platform.platform(),
-    "processor": platform.processor() or platform.machine(),
-    "cpu_count": os.cpu_count(),
-    "jax": jax.__version__,
-    "device": str(jax.devices()[0]),
-  }
-
-
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--clients", type=int, default=64)
@@ -147,6 +136,7 @@ def main(argv=None) -> int:
     "command": "python benchmarks/serve_cpu.py " + " ".join(argv or sys.argv[1:]),
     "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     "machine": machine(),
+    "versions": versions("fastapi", "uvicorn"),
     "config": {"clients": a.clients, "slots": a.slots, "max_len": a.max_len, "seed": a.seed},
     "summary": summary,
     "mismatches": len(problems),

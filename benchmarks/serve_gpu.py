@@ -30,7 +30,6 @@ import datetime
 import gc
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -38,46 +37,10 @@ import time
 
 import numpy as np
 
+from lrjax.bench import machine, versions
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-
-
-def machine() -> dict:
-  import jax
-
-  info = {
-    "platform": platform.platform(),
-    "python": platform.python_version(),
-    "device": jax.devices()[0].device_kind,
-    "n_devices": jax.device_count(),
-  }
-  try:
-    info["nvidia_smi"] = (
-      subprocess.run(
-        ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-        capture_output=True,
-        text=True,
-        timeout=20,
-      )
-      .stdout.strip()
-      .splitlines()
-    )
-  except Exception as e:  # noqa: BLE001 - not an NVIDIA host
-    info["nvidia_smi"] = f"unavailable: {e}"
-  return info
-
-
-def versions() -> dict:
-  import flax
-  import jax
-
-  out = {"jax": jax.__version__, "flax": flax.__version__}
-  for name in ("jaxlib", "fastapi", "uvicorn", "starlette"):
-    try:
-      out[name] = __import__(name).__version__
-    except (ImportError, AttributeError):
-      out[name] = None
-  return out
 
 
 def model_config(preset: str, layers: int | None):
@@ -270,7 +233,7 @@ def main(argv=None) -> int:
     + " ".join(argv if argv is not None else sys.argv[1:]),
     "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     "machine": machine(),
-    "versions": versions(),
+    "versions": versions("fastapi", "uvicorn", "starlette", "triton", "jax-triton"),
     "config": {
       "preset": a.preset,
       "layers": cfg.num_layers,

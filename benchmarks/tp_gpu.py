@@ -54,9 +54,7 @@ import contextlib
 import datetime
 import json
 import os
-import platform
 import re
-import subprocess
 import sys
 import time
 
@@ -67,6 +65,7 @@ from flax import nnx
 
 import lrjax
 from lrjax import sharding
+from lrjax.bench import machine, versions
 from lrjax.custom_calls.triton import launch_modes, policy  # pure Python: no triton import
 from lrjax.models import LlamaForCausalLM, ModelConfig
 from lrjax.models.llama import KVCache
@@ -84,49 +83,6 @@ LOWRANK = ("naive_tp", "lowrank_tp", "lowrank_split", "lowrank_megatron")
 STRATEGIES = ("dense",) + LOWRANK + ("auto",)
 # speed-up over dense Megatron at 40 % removed that the layouts aim for, per TP size
 TARGETS = {2: 1.3, 4: 1.3, 8: 1.15}
-
-
-def machine():
-  d = jax.devices()
-  info = {
-    "platform": platform.platform(),
-    "python": platform.python_version(),
-    "devices": [str(x.device_kind) for x in d],
-    "n_devices": len(d),
-  }
-  try:
-    info["nvidia_smi"] = (
-      subprocess.run(
-        ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-        capture_output=True,
-        text=True,
-        timeout=20,
-      )
-      .stdout.strip()
-      .splitlines()
-    )
-  except Exception as e:  # noqa: BLE001 (not an NVIDIA host)
-    info["nvidia_smi"] = f"unavailable: {e}"
-  try:  # NVLink or PCIe between the GPUs
-    info["topology"] = subprocess.run(
-      ["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20
-    ).stdout.strip()
-  except Exception as e:  # noqa: BLE001
-    info["topology"] = f"unavailable: {e}"
-  return info
-
-
-def versions():
-  import flax
-
-  out = {"jax": jax.__version__, "flax": flax.__version__}
-  try:
-    import jaxlib
-
-    out["jaxlib"] = jaxlib.__version__
-  except ImportError:
-    pass
-  return out
 
 
 MODELS = {
@@ -719,8 +675,8 @@ def main():
   start = time.perf_counter()
   run = {
     "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    "machine": machine(),
-    "versions": versions(),
+    "machine": machine(topology=True),
+    "versions": versions("triton", "jax-triton"),
     "argv": sys.argv[1:],
     "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("LRJAX_")},
   }

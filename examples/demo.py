@@ -55,13 +55,13 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def serve_and_chat(ckpt: str, env) -> dict:
+def serve_and_chat(ckpt: str, env, port: int | None = None, max_tokens: int = 32) -> dict:
   """Starts ``lrjax serve``, streams one chat completion, sends SIGTERM; returns the reply, its
   finish reason and the server's exit code."""
   import httpx
   import openai
 
-  port = free_port()
+  port = port or free_port()
   args = ["serve", "--ckpt", ckpt, "--port", str(port), "--max-len", "256", "--slots", "4"]
   print(f"\n$ lrjax {' '.join(args)} &", flush=True)
   server = subprocess.Popen(lrjax_cmd() + args, env=env)
@@ -86,7 +86,7 @@ def serve_and_chat(ckpt: str, env) -> dict:
     stream = client.chat.completions.create(
       model=model,
       messages=[{"role": "user", "content": question}],
-      max_tokens=32,
+      max_tokens=max_tokens,
       temperature=0,
       stream=True,
     )

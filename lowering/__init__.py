@@ -3,7 +3,8 @@
 Installed as ``lrjax.lowering`` (on disk: ``lowering/``). What users call is listed in
 ``__all__``. The primitive objects (``lr_xuv_p``, ``lr_mlp_p``, ...) live in their modules
 (:mod:`lrjax.lowering.primitives`, :mod:`~lrjax.lowering.group`,
-:mod:`~lrjax.lowering.kv_attention`, :mod:`~lrjax.lowering.quantized`), and the kernel registry
+:mod:`~lrjax.lowering.kv_attention`, :mod:`~lrjax.lowering.decode_attention`,
+:mod:`~lrjax.lowering.quantized`), and the kernel registry
 in :mod:`lrjax.lowering.registry`.
 """
 
@@ -17,6 +18,7 @@ from lrjax.lowering.primitives import (
 from lrjax.lowering.group import lr_xuv_group
 from lrjax.lowering.batched import lr_xuv_batched, lr_xuv_batched_reference
 from lrjax.lowering.kv_attention import lr_kv_attention, lr_kv_attention_reference
+from lrjax.lowering.decode_attention import decode_attention, decode_attention_reference
 from lrjax.lowering.registry import KernelLowering, force_reference, prefer_kernels
 from lrjax.lowering.rules import DEFAULT_RULES, MLPRule, XUVRule
 from lrjax.lowering.fuse import fuse
@@ -29,6 +31,8 @@ __all__ = [
   "KernelLowering",
   "MLPRule",
   "XUVRule",
+  "decode_attention",
+  "decode_attention_reference",
   "explain",
   "force_reference",
   "fuse",

@@ -236,7 +236,6 @@ def _round(engine, c: int, s: BenchSettings, rng) -> dict:
 def run_bench(model, settings: BenchSettings = BenchSettings(), *, info: dict | None = None):
   """Measures ``model`` through the engine at each concurrency level; returns a JSON-able dict
   (levels, settings, machine, versions). See the module docstring for the method."""
-  import jax
 
   from lrjax.serving import Engine
 
@@ -284,8 +283,6 @@ def run_bench(model, settings: BenchSettings = BenchSettings(), *, info: dict | 
     )
     levels.append(lvl)
     del engine
-  import lrjax
-
   return dict(
     benchmark="lrjax_bench",
     date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -295,32 +292,67 @@ def run_bench(model, settings: BenchSettings = BenchSettings(), *, info: dict | 
     method="per level: engine warm-up and one untimed round, then reps rounds of c concurrent "
     "requests; medians over rounds",
     machine=machine(),
-    versions={
-      "jax": jax.__version__,
-      "jaxlib": importlib.metadata.version("jaxlib"),
-      "lrjax": lrjax.__version__,
-      "numpy": np.__version__,
-    },
-    devices=[str(d) for d in jax.devices()],
+    versions=versions(),
     levels=levels,
     wall_s=time.perf_counter() - t_start,
   )
 
 
-def machine() -> dict:
+def _nvidia_smi(*args: str) -> str | None:
+  """``nvidia-smi ARGS``'s output, or None on a host without it."""
+  import shutil
+  import subprocess
+
+  if shutil.which("nvidia-smi") is None:
+    return None
+  try:
+    r = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=20)
+  except (OSError, subprocess.SubprocessError) as e:
+    return f"unavailable: {e}"
+  return r.stdout.strip()
+
+
+def machine(topology: bool = False) -> dict:
+  """What a results file records about the host and its accelerators (the card above all:
+  timings compare only on the same one). ``topology``: also ``nvidia-smi topo -m`` (how the
+  GPUs are linked)."""
+  import jax
+
   cpu = ""
   try:
     with open("/proc/cpuinfo") as fh:
       cpu = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), "")
   except OSError:
     pass
-  return {
+  devices = jax.devices()
+  info = {
     "platform": platform.platform(),
+    "python": platform.python_version(),
     "machine": platform.machine(),
     "cpu": cpu,
     "cpu_count": os.cpu_count(),
     "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    "device": devices[0].device_kind,
+    "devices": [str(d) for d in devices],
+    "n_devices": len(devices),
   }
+  smi = _nvidia_smi("--query-gpu=name,driver_version,memory.total", "--format=csv,noheader")
+  if smi is not None:
+    info["nvidia_smi"] = smi.splitlines()
+    if topology:
+      info["topology"] = _nvidia_smi("topo", "-m")
+  return info
+
+
+def versions(*extra: str) -> dict:
+  """Installed versions of lrjax, jax, jaxlib, flax, numpy and ``extra`` (None: not installed)."""
+  out = {"python": platform.python_version()}
+  for pkg in ("lrjax", "jax", "jaxlib", "flax", "numpy", *extra):
+    try:
+      out[pkg] = importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+      out[pkg] = None
+  return out
 
 
 def format_table(result: dict) -> str:

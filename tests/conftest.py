@@ -51,6 +51,51 @@ def randn(shape, dtype=jnp.float32, scale=1.0, key=None):
   return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
 
+def primitive_names(fn, *args) -> list[str]:
+  """Names of every primitive in the jaxpr of fn(*args), nested jaxprs included (walked here,
+  independently of the pass's own walker)."""
+  out = []
+
+  def walk(j):
+    for e in j.eqns:
+      out.append(e.primitive.name)
+      for v in e.params.values():
+        for s in v if isinstance(v, (tuple, list)) else (v,):
+          if isinstance(s, jax.extend.core.ClosedJaxpr):
+            walk(s.jaxpr)
+          elif isinstance(s, jax.extend.core.Jaxpr):
+            walk(s)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return out
+
+
+def decode_attention_f64(q, k, v, pos, window=None):
+  """decode_attention in float64 numpy: each query head over its KV head's visible keys."""
+  q, k, v = (np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in (q, k, v))
+  b, hq, d = q.shape
+  hkv = k.shape[1]
+  out = np.zeros((b, hq, d))
+  for i in range(b):
+    p = int(pos[i])
+    lo = 0 if window is None else max(0, p - window + 1)
+    for j in range(hq):
+      kh = j // (hq // hkv)
+      s = k[i, kh, lo : p + 1] @ q[i, j] / np.sqrt(d)
+      w = np.exp(s - s.max())
+      out[i, j] = (w / w.sum()) @ v[i, kh, lo : p + 1]
+  return out.reshape(b, hq * d)
+
+
+def decode_attention_operands(b, hq, hkv, t, d, dtype, pos=None):
+  """q [b,hq,d], k/v [b,hkv,t,d] and positions with the first row at 0, the last at t-1."""
+  q, k, v = randn((b, hq, d), dtype), randn((b, hkv, t, d), dtype), randn((b, hkv, t, d), dtype)
+  if pos is None:
+    pos = np.random.default_rng().integers(0, t, b)
+    pos[0], pos[-1] = 0, t - 1  # the first and the last key
+  return q, k, v, jnp.asarray(pos, jnp.int32)
+
+
 @pytest.fixture
 def rng():
   return np.random.default_rng(next(_seed))

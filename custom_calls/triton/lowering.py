@@ -1,5 +1,5 @@
-"""CUDA lowerings of lr_xuv, lr_mlp, lr_xuv_group and lr_kv_attention: Triton kernels called
-through jax-triton.
+"""CUDA lowerings of lr_xuv, lr_mlp, lr_xuv_group and lr_kv_attention (Triton kernels called
+through jax-triton), and of decode_attention (jax's Pallas flash-decoding kernel).
 
 Light module: it imports neither triton nor jax_triton. ``load()`` imports the kernel
 module only when the registry selects the kernel for a CUDA lowering, so CPU installs
@@ -294,6 +294,20 @@ def _kv_attention_impl():
   return impl
 
 
+def decode_attention_supports(avals, params) -> str | None:
+  del params
+  from lrjax.custom_calls.triton.decode_attention import shape_reason
+
+  q, k, v, _ = avals
+  return shape_reason(q.shape, k.shape, (_dt(q), _dt(k), _dt(v)))
+
+
+def _decode_attention_impl():
+  from lrjax.custom_calls.triton.decode_attention import decode_attention
+
+  return decode_attention
+
+
 KERNELS = [
   KernelLowering(
     "lr_xuv",
@@ -348,6 +362,14 @@ KERNELS = [
     _kv_attention_impl,
     priority=10,
     faster=kv_attention_faster,
+  ),
+  KernelLowering(
+    "decode_attention",
+    "cuda",
+    "pallas.decode_attention",
+    decode_attention_supports,
+    _decode_attention_impl,
+    priority=10,
   ),
 ]
 

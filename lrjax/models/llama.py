@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lrjax.lowering.decode_attention import attend, decode_attention
 from lrjax.models.config import ModelConfig
 from lrjax.nn.linear import Linear, LowRankLinear, param
 
@@ -149,20 +150,6 @@ def apply_rope(x, positions, inv_freq):
   cos, sin = jnp.cos(ang).astype(x.dtype), jnp.sin(ang).astype(x.dtype)
   x1, x2 = jnp.split(x, 2, axis=-1)
   return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
-
-
-def attend(q, k, v, mask, heads_first: bool = False):
-  """Softmax attention with GQA. q [B,S,H,D], k/v [B,T,KV,D] (or [B,KV,T,D] with
-  ``heads_first``, the cache's layout), mask [B,S,T] bool → [B,S,H·D]."""
-  b, s, h, d = q.shape
-  kvh = k.shape[1 if heads_first else 2]
-  kv = "bktd" if heads_first else "btkd"
-  q = q.reshape(b, s, kvh, h // kvh, d)
-  scores = jnp.einsum(f"bskgd,{kv}->bkgst", q, k).astype(jnp.float32) / math.sqrt(d)
-  scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-  p = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  o = jnp.einsum(f"bkgst,{kv}->bskgd", p, v)
-  return o.reshape(b, s, h * d)
 
 
 @jax.tree_util.register_dataclass
@@ -308,7 +295,12 @@ class DecoderLayer(nnx.Module):
     q, k, v = self.attn.qkv(x, positions, inv_freq)
     if kv is not None:
       kv = tuple(write_kv(c, n, write_pos, heads_first=True) for c, n in zip(kv, (k, v)))
-    if kv is not None and attend_cache:  # the first mask.shape[-1] positions (``attend_len``)
+    if kv is not None and attend_cache and q.shape[1] == 1:  # one decode step: the primitive
+      t = mask.shape[-1]  # the first ``attend_len`` positions
+      a = decode_attention(
+        q[:, 0], kv[0][:, :, :t], kv[1][:, :, :t], write_pos, window=self.attn.cfg.sliding_window
+      )[:, None]
+    elif kv is not None and attend_cache:
       t = mask.shape[-1]
       a = attend(
         q, kv[0][:, :, :t].astype(q.dtype), kv[1][:, :, :t].astype(q.dtype), mask, heads_first=True

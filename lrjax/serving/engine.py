@@ -210,7 +210,8 @@ class Engine:
         f"({self.plan.mesh.shape['data']}): slots are split over it"
       )
     self.lowrank_kv, self.fuse = lowrank_kv, fuse
-    self._cache_dtype = cache_dtype or model.dtype or model.embed.embedding[...].dtype
+    self._compute_dtype = model.dtype or model.embed.embedding[...].dtype
+    self._cache_dtype = cache_dtype or self._compute_dtype
     self.gdef, self.state = nnx.split(model)
     self._cache_shardings = None  # (sharding of the two cache arrays, of pos): hashable
     if self.plan is not None:
@@ -664,6 +665,7 @@ class Engine:
         "kernels": {},
         "near_misses": 0,
         "grouped": 0,
+        "attention": self._attention_lowering(plat),
       }
     import lrjax
 
@@ -672,7 +674,26 @@ class Engine:
     toks = jnp.zeros((self.max_slots,), jnp.int32)
     fn = functools.partial(fn, attend_len=self.attend_buckets[0])  # static, not traced
     rep = lrjax.explain(fn, model, toks, self.cache)
-    return summarize_explain(rep, plat)
+    return dict(summarize_explain(rep, plat), attention=self._attention_lowering(plat))
+
+  def _attention_lowering(self, plat: str) -> str:
+    """What serves the decode steps' attention over the KV cache on ``plat`` (at the largest
+    attend bucket): a kernel's name, or the XLA reference and why."""
+    if self.lowrank_kv:
+      return "lr_kv_attention (low-rank KV cache)"
+    from lrjax.lowering import registry
+
+    c = self.cfg
+    q = jax.ShapeDtypeStruct((self.max_slots, c.num_heads, c.head_dim), self._compute_dtype)
+    kshape = (self.max_slots, c.num_kv_heads, self.attend_buckets[-1], c.head_dim)
+    k = jax.ShapeDtypeStruct(kshape, self._cache_dtype)
+    pos = jax.ShapeDtypeStruct((self.max_slots,), jnp.int32)
+    sel = registry.select("decode_attention", plat, (q, k, k, pos), {"window": c.sliding_window})
+    if sel.kernel is not None:
+      return sel.kernel.name
+    return "XLA reference" + (
+      f" ({sel.declined[0][0]}: {sel.declined[0][1]})" if sel.declined else ""
+    )
 
   def warmup(self) -> int:
     """Compile every step this engine can take (each of :meth:`prefill_variants`, a decode per
@@ -815,7 +836,8 @@ def fusion_line(summary: dict) -> str:
   )
   ks = "; ".join(f"{p} -> {', '.join(v)}" for p, v in sorted(summary["kernels"].items()))
   miss = f"; {summary['near_misses']} near-miss(es) left unfused" if summary["near_misses"] else ""
-  return f"lrjax.fuse in the decode step: {ops}; on {summary['platform']}: {ks}{miss}"
+  att = f"; decode attention -> {summary['attention']}" if summary.get("attention") else ""
+  return f"lrjax.fuse in the decode step: {ops}; on {summary['platform']}: {ks}{miss}{att}"
 
 
 def _canonical_spec(spec, mesh) -> P:

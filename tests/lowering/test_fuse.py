@@ -9,26 +9,8 @@ from flax import nnx
 from jax import lax
 
 import lrjax
-from conftest import assert_close, randn
+from conftest import assert_close, randn, primitive_names as prims
 from lrjax.nn import LowRankLinear, LowRankMLP
-
-
-def prims(fn, *args):
-  """Names of every primitive in the (nested) jaxpr of fn(*args)."""
-  out = []
-
-  def walk(j):
-    for e in j.eqns:
-      out.append(e.primitive.name)
-      for v in e.params.values():
-        for s in v if isinstance(v, (tuple, list)) else (v,):
-          if isinstance(s, jax.extend.core.ClosedJaxpr):
-            walk(s.jaxpr)
-          elif isinstance(s, jax.extend.core.Jaxpr):
-            walk(s)
-
-  walk(jax.make_jaxpr(fn)(*args).jaxpr)
-  return out
 
 
 def lr_params(k=64, r=8, n=96, dtype=jnp.float32):

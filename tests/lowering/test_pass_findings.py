@@ -11,24 +11,7 @@ import numpy as np
 import pytest
 
 import lrjax
-from conftest import randn
-
-
-def _prims(fn, *args):
-  out = []
-
-  def walk(j):
-    for e in j.eqns:
-      out.append(e.primitive.name)
-      for v in e.params.values():
-        for s in v if isinstance(v, (tuple, list)) else (v,):
-          if isinstance(s, jax.extend.core.ClosedJaxpr):
-            walk(s.jaxpr)
-          elif isinstance(s, jax.extend.core.Jaxpr):
-            walk(s)
-
-  walk(jax.make_jaxpr(fn)(*args).jaxpr)
-  return out
+from conftest import randn, primitive_names as _prims
 
 
 def _factors(k, r, n, dtype=jnp.float32):

@@ -250,8 +250,9 @@ def test_compression_record_keeps_graphdef_hashable():
 @pytest.mark.parametrize("attend_len", [None, 8])
 def test_decode_reads_each_layer_cache_where_it_lies(attend_len):
   """One buffer per layer: a decode step writes each buffer in place (scatter) and attention
-  reads it directly; a stacked [layers, ...] cache was sliced per layer, and XLA:GPU copied
-  every slice (two memcpys a layer). Only an ``attend_len`` shorter than the cache slices it."""
+  (one decode_attention a layer, over k and v) reads it directly; a stacked [layers, ...] cache
+  was sliced per layer, and XLA:GPU copied every slice (two memcpys a layer). Only an
+  ``attend_len`` shorter than the cache slices it."""
   cfg = CONFIGS["gqa"]
   m = _model(cfg)
   cache = KVCache.init(cfg, 2, 16)
@@ -266,6 +267,6 @@ def test_decode_reads_each_layer_cache_where_it_lies(attend_len):
   )
   want = {"scatter": 2 * cfg.num_layers}
   want.update(
-    {"dot_general": 2 * cfg.num_layers} if attend_len is None else {"slice": 2 * cfg.num_layers}
+    {"decode_attention": cfg.num_layers} if attend_len is None else {"slice": 2 * cfg.num_layers}
   )
   assert readers == want

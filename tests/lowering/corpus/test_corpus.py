@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import lrjax
-from conftest import assert_close
+from conftest import assert_close, primitive_names
 from corpus_models import NEGATIVE, POSITIVE
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "shard_map_script.py")
@@ -23,20 +23,7 @@ LR_PRIMS = ("lr_xuv", "lr_mlp", "lr_xuv_group", "lr_xuv_batched")
 
 
 def _lr_prims(fn, *args):
-  out = []
-
-  def walk(j):
-    for e in j.eqns:
-      out.append(e.primitive.name)
-      for v in e.params.values():
-        for s in v if isinstance(v, (tuple, list)) else (v,):
-          if isinstance(s, jax.extend.core.ClosedJaxpr):
-            walk(s.jaxpr)
-          elif isinstance(s, jax.extend.core.Jaxpr):
-            walk(s)
-
-  walk(jax.make_jaxpr(fn)(*args).jaxpr)
-  return [p for p in out if p in LR_PRIMS]
+  return [p for p in primitive_names(fn, *args) if p in LR_PRIMS]
 
 
 def _compare(got, want, case):

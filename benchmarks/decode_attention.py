@@ -1,0 +1,162 @@
+"""Decode attention over a dense KV cache on one GPU: the Pallas flash-decoding kernel that
+serves ``decode_attention`` against XLA's lowering of the model's attention and cuDNN's.
+
+  python benchmarks/decode_attention.py --out benchmarks/results/decode_attention.json
+
+Llama-3-8B heads (32 query, 8 KV, head dim 128), bf16, a cache of ``--ctx`` positions all
+filled (each row at position ctx - 1), per batch size:
+
+  xla     the reference (the model's einsum/softmax attention, what XLA runs without lrjax);
+  pallas  lrjax's lowering (jax's Pallas kernel), at its planned split count and at each of
+          ``--splits`` (the sweep that justifies the plan);
+  cudnn   ``jax.nn.dot_product_attention(implementation="cudnn")`` on the cache transposed to
+          its [B, T, H, D] layout once, outside the timing (its best case).
+
+Each is jitted alone and timed as the median of ``--reps`` calls of ``--inner`` back-to-back
+applications (host timer around block_until_ready, divided by ``--inner``). ``read_gbs``: the
+K and V bytes the step must read (2 · B · Hkv · ctx · D · 2) over the time;
+``hbm_roofline_frac``: that over the card's HBM bandwidth. Records are keyed by device: a run
+on another card adds its records and keeps the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from model_step_peer import hbm_bps  # noqa: E402
+from results_io import write_json  # noqa: E402
+
+from lrjax.bench import machine, versions  # noqa: E402
+from lrjax.custom_calls.triton import decode_attention as kernel  # noqa: E402
+from lrjax.lowering.decode_attention import decode_attention_reference  # noqa: E402
+
+
+def time_ms(fn, args, inner: int, reps: int) -> float:
+  """Median ms of one application of ``fn`` (``inner`` chained calls per timed run)."""
+
+  @jax.jit
+  def many(q, k, v, pos):
+    def body(_, q):
+      return fn(q, k, v, pos).reshape(q.shape).astype(q.dtype)
+
+    return jax.lax.fori_loop(0, inner, body, q)
+
+  jax.block_until_ready(many(*args))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(many(*args))
+    times.append((time.perf_counter() - t0) / inner)
+  return float(np.median(times) * 1e3)
+
+
+def cudnn_fn(hq, hkv):
+  def fn(q, k_bthd, v_bthd, pos):
+    b, _, d = q.shape
+    t = k_bthd.shape[1]
+    out = jax.nn.dot_product_attention(
+      q[:, None],
+      k_bthd,
+      v_bthd,
+      key_value_seq_lengths=pos + 1,
+      implementation="cudnn",
+    )
+    del t
+    return out.reshape(b, hq * d)
+
+  return fn
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 16])
+  ap.add_argument("--ctx", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+  ap.add_argument("--splits", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32])
+  ap.add_argument("--heads", type=int, nargs=3, default=[32, 8, 128], metavar=("HQ", "HKV", "D"))
+  ap.add_argument("--inner", type=int, default=50)
+  ap.add_argument("--reps", type=int, default=15)
+  ap.add_argument("--no-cudnn", action="store_true")
+  ap.add_argument("--out", help="results JSON (records of other devices in it are kept)")
+  a = ap.parse_args(argv)
+  hq, hkv, d = a.heads
+  dev = jax.devices()[0].device_kind
+  bps = hbm_bps(dev)
+  t_start = time.perf_counter()
+  records = []
+  for b in a.batch:
+    for t in a.ctx:
+      keys = jax.random.split(jax.random.key(t + b), 3)
+      q = jax.random.normal(keys[0], (b, hq, d), jnp.bfloat16)
+      k = jax.random.normal(keys[1], (b, hkv, t, d), jnp.bfloat16)
+      v = jax.random.normal(keys[2], (b, hkv, t, d), jnp.bfloat16)
+      pos = jnp.full((b,), t - 1, jnp.int32)
+      nbytes = 2 * b * hkv * t * d * 2
+      rec = {"device": dev, "batch": b, "ctx": t, "heads": [hq, hkv, d], "read_bytes": nbytes}
+      rec["xla_ms"] = time_ms(decode_attention_reference, (q, k, v, pos), a.inner, a.reps)
+      plan = kernel.plan(b, hkv, t)
+      rec["pallas_plan_splits"] = plan.k_splits
+      rec["pallas_ms"] = time_ms(kernel.decode_attention, (q, k, v, pos), a.inner, a.reps)
+      sweep = {}
+      for ks in a.splits:
+        if isinstance(kernel.plan(b, hkv, t, ks), str):
+          continue
+        fn = lambda q, k, v, p, ks=ks: kernel.decode_attention(q, k, v, p, k_splits=ks)  # noqa: E731
+        sweep[str(ks)] = time_ms(fn, (q, k, v, pos), a.inner, a.reps)
+      rec["pallas_ms_by_splits"] = sweep
+      if not a.no_cudnn:
+        try:
+          kt, vt = k.swapaxes(1, 2), v.swapaxes(1, 2)
+          rec["cudnn_ms"] = time_ms(cudnn_fn(hq, hkv), (q, kt, vt, pos), a.inner, a.reps)
+        except Exception as e:  # noqa: BLE001 - cuDNN's attention may not take this shape
+          rec["cudnn_ms"] = None
+          rec["cudnn_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+      for name in ("xla", "pallas", "cudnn"):
+        ms = rec.get(f"{name}_ms")
+        if ms:
+          rec[f"{name}_read_gbs"] = nbytes / (ms * 1e-3) / 1e9
+          rec[f"{name}_hbm_roofline_frac"] = nbytes / bps / (ms * 1e-3) if bps else None
+      rec["pallas_speedup_vs_xla"] = rec["xla_ms"] / rec["pallas_ms"]
+      records.append(rec)
+      cud = rec.get("cudnn_ms")
+      print(
+        f"b={b:3d} ctx={t:5d}: xla {rec['xla_ms'] * 1e3:8.1f} us  pallas "
+        f"{rec['pallas_ms'] * 1e3:8.1f} us (ks={plan.k_splits}, "
+        f"{rec.get('pallas_hbm_roofline_frac') or 0:.2f} of HBM)  cudnn "
+        f"{'-' if not cud else f'{cud * 1e3:.1f} us'}  sweep "
+        + " ".join(f"{ks}:{ms * 1e3:.1f}" for ks, ms in sweep.items()),
+        flush=True,
+      )
+  if a.out:
+    old = json.load(open(a.out)) if os.path.exists(a.out) else {"runs": {}, "records": []}
+    doc = {
+      "runs": dict(old.get("runs", {})),
+      "records": [r for r in old.get("records", []) if r["device"] != dev] + records,
+    }
+    doc["runs"][dev] = {
+      "command": "python benchmarks/decode_attention.py " + " ".join(sys.argv[1:]),
+      "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+      "machine": machine(),
+      "versions": versions("triton"),
+      "hbm_bps": bps,
+      "wall_s": time.perf_counter() - t_start,
+      "method": __doc__.split("\n\n")[2],
+    }
+    write_json(a.out, doc)
+    print("wrote", a.out)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

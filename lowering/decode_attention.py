@@ -1,0 +1,106 @@
+"""``decode_attention``: one decode step of softmax attention over a (dense) KV cache.
+
+  q    [B, Hq, D]        the new token's queries, RoPE already applied
+  k, v [B, Hkv, T, D]    the cache in its own layout (lrjax.models.llama.KVCache), the new key
+                         and value already written; T is the attended length
+  pos  [B] int32         key t is visible to row b iff t <= pos[b] (and pos[b] - t < window)
+  → [B, Hq·D] in q's dtype; query head j attends with KV head j // (Hq / Hkv).
+
+The reference is the model's own attention (XLA's reduce and select fusions over all T keys).
+On NVIDIA GPUs a flash-decoding kernel serves it (custom_calls/triton/decode_attention.py):
+the cache is split along T over many programs, each reads only the filled part of its split,
+and the splits' partial softmaxes are merged.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import batching
+
+from lrjax.lowering import primitives
+
+decode_attention_p = Primitive("decode_attention")
+
+
+def _check(q, k, v, pos):
+  if q.ndim != 3 or k.ndim != 4 or v.shape != k.shape:
+    raise ValueError(
+      f"{q.shape=} {k.shape=} {v.shape=}: expected q [B, Hq, D] and k, v [B, Hkv, T, D]"
+    )
+  b, hq, d = q.shape
+  if k.shape[0] != b or k.shape[3] != d or hq % k.shape[1]:
+    raise ValueError(
+      f"{q.shape=} {k.shape=}: batch and head dim must agree and Hq must be a multiple of Hkv"
+    )
+  for name, a in (("q", q), ("k", k), ("v", v)):
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+      raise ValueError(f"{name}.dtype={a.dtype}: expected a floating dtype")
+  if pos.shape != (b,) or not jnp.issubdtype(pos.dtype, jnp.integer):
+    raise ValueError(f"{pos.shape=} {pos.dtype=}: expected [{b}] integer positions")
+
+
+def decode_attention(q, k, v, pos, *, window=None):
+  """Decode attention over a KV cache (see the module docstring)."""
+  _check(q, k, v, pos)
+  if window is not None and (isinstance(window, bool) or int(window) < 1):
+    raise ValueError(f"{window=}: expected a sliding window of >= 1 keys, or None")
+  return decode_attention_p.bind(
+    q, k, v, jnp.asarray(pos, jnp.int32), window=None if window is None else int(window)
+  )
+
+
+def visible(pos, t: int, window):
+  """[B, T] bool: key t is visible to the row at ``pos`` (causal, inside the window)."""
+  kpos = jnp.arange(t, dtype=jnp.int32)[None]
+  m = kpos <= pos[:, None]
+  if window is not None:
+    m = m & (pos[:, None] - kpos < window)
+  return m
+
+
+def attend(q, k, v, mask, heads_first: bool = False):
+  """Softmax attention with GQA (the models' attention). q [B,S,H,D], k/v [B,T,KV,D] (or
+  [B,KV,T,D] with ``heads_first``, the cache's layout), mask [B,S,T] bool → [B,S,H·D]."""
+  b, s, h, d = q.shape
+  kvh = k.shape[1 if heads_first else 2]
+  kv = "bktd" if heads_first else "btkd"
+  q = q.reshape(b, s, kvh, h // kvh, d)
+  scores = jnp.einsum(f"bskgd,{kv}->bkgst", q, k).astype(jnp.float32) / math.sqrt(d)
+  scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  p = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  o = jnp.einsum(f"bkgst,{kv}->bskgd", p, v)
+  return o.reshape(b, s, h * d)
+
+
+def _reference(q, k, v, pos, *, window):
+  """The models' attention of the one query over all T keys, masked."""
+  mask = visible(pos, k.shape[2], window)[:, None]
+  dt = q.dtype
+  return attend(q[:, None], k.astype(dt), v.astype(dt), mask, heads_first=True)[:, 0]
+
+
+def decode_attention_reference(q, k, v, pos, *, window=None):
+  """Pure-jnp reference of :func:`decode_attention` (also its default lowering)."""
+  _check(q, k, v, pos)
+  return _reference(q, k, v, jnp.asarray(pos, jnp.int32), window=window)
+
+
+@decode_attention_p.def_abstract_eval
+def _abstract(q, k, v, pos, *, window):
+  _check(q, k, v, pos)
+  return jax.core.ShapedArray((q.shape[0], q.shape[1] * q.shape[2]), q.dtype)
+
+
+primitives.register_reference(decode_attention_p, _reference)
+
+
+def _batch(args, dims, **params):
+  """Every operand is per sequence: vmap runs the reference."""
+  return jax.vmap(lambda *a: _reference(*a, **params), in_axes=dims)(*args), 0
+
+
+batching.primitive_batchers[decode_attention_p] = _batch

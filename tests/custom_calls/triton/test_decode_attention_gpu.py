@@ -1,0 +1,95 @@
+"""GPU tests of decode_attention's CUDA lowering (jax's Pallas flash-decoding kernel): compiled
+on the GPU, against a float64 host oracle on fresh random inputs, and bound in the model's
+decode step (``pytest -m gpu`` on a CUDA machine)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import assert_close
+from conftest import decode_attention_f64 as oracle
+from conftest import decode_attention_operands as operands
+from lrjax.custom_calls.triton import decode_attention as kernel
+from lrjax.lowering import force_reference
+from lrjax.lowering.decode_attention import decode_attention
+
+
+def _gpu_reason():
+  try:
+    return None if jax.devices("gpu") else "no GPU"
+  except RuntimeError as e:
+    return f"no CUDA backend: {e}"
+
+
+_REASON = _gpu_reason()
+pytestmark = [
+  pytest.mark.gpu,
+  pytest.mark.skipif(_REASON is not None, reason=f"needs an NVIDIA GPU: {_REASON}"),
+]
+
+SHAPES = [  # b, hq, hkv, t, d
+  (1, 32, 8, 1024, 128),  # Llama-3-8B
+  (16, 32, 8, 8192, 128),
+  (3, 28, 4, 256, 128),  # Qwen2.5-7B: 7 query heads a KV head
+  (5, 8, 8, 128, 64),  # no grouping
+  (2, 64, 8, 16, 256),
+  (7, 12, 2, 2048, 32),
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("window", [None, 100])
+def test_kernel_matches_oracle(shape, dtype, window):
+  """bf16 and f16 through the kernel; f32 through XLA (the kernel declines it)."""
+  q, k, v, pos = operands(*shape, dtype)
+  fn = jax.jit(lambda *a: decode_attention(*a, window=window))
+  lowered = "triton" in fn.lower(q, k, v, pos).as_text().lower()
+  assert lowered == (dtype != jnp.float32), "kernel chosen for f32 or not chosen for 16 bits"
+  out = fn(q, k, v, pos)
+  assert_close(out, oracle(q, k, v, pos, window), dtype)
+
+
+@pytest.mark.parametrize("k_splits", [1, 2, 4, 8, 16, 32])
+def test_every_split_count(k_splits):
+  q, k, v, pos = operands(4, 32, 8, 4096, 128, jnp.bfloat16)
+  out = kernel.decode_attention(q, k, v, pos, k_splits=k_splits)
+  assert_close(out, oracle(q, k, v, pos), jnp.bfloat16)
+
+
+def test_rows_at_every_fill_level():
+  """Rows from an empty cache (pos 0) to a full one, with keys past pos set to huge values
+  that a kernel reading past the row's last key would not survive."""
+  t = 512
+  q, k, v, _ = operands(8, 16, 4, t, 64, jnp.bfloat16)
+  pos = jnp.asarray([0, 1, 15, 16, 127, 128, 300, t - 1], jnp.int32)
+  past = jnp.arange(t)[None, None, :, None] > pos[:, None, None, None]
+  k, v = jnp.where(past, 3e4, k).astype(k.dtype), jnp.where(past, -3e4, v).astype(v.dtype)
+  out = jax.jit(decode_attention)(q, k, v, pos)
+  assert_close(out, oracle(q, k, v, pos), jnp.bfloat16)
+
+
+def test_model_decode_on_the_gpu_matches_the_reference():
+  from flax import nnx
+
+  from lrjax.models import LlamaForCausalLM, ModelConfig
+  from lrjax.models.llama import KVCache
+
+  cfg = ModelConfig.tiny(num_layers=2)
+  model = LlamaForCausalLM(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  seq = jax.random.randint(jax.random.key(0), (4, 40), 0, cfg.vocab_size)
+  _, cache = model.prefill(seq, KVCache.init(cfg, 4, 128, jnp.bfloat16))
+  step = jax.jit(lambda m, t, c: m.decode(t, c, attend_len=64)[0])
+  toks = jnp.asarray(np.arange(4), jnp.int32)
+  assert (
+    "triton"
+    in jax.jit(lambda t, c: model.decode(t, c, attend_len=64)[0])
+    .lower(toks, cache)
+    .as_text()
+    .lower()
+  )
+  got = step(model, toks, cache)
+  with force_reference():
+    want = jax.jit(lambda m, t, c: m.decode(t, c, attend_len=64)[0])(model, toks, cache)
+  assert_close(got, want, jnp.bfloat16)

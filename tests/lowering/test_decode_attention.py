@@ -1,0 +1,157 @@
+"""decode_attention: the primitive against a float64 oracle, the CUDA kernel's wrapper (jax's
+Pallas flash-decoding kernel, run in Pallas's interpreter here) against the primitive, its
+split plan, the registry's choice per platform, and the model's decode step binding it."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from conftest import assert_close, primitive_names
+from conftest import decode_attention_f64 as oracle
+from conftest import decode_attention_operands as operands
+from lrjax.custom_calls.triton import decode_attention as kernel
+from lrjax.lowering import registry
+from lrjax.lowering.decode_attention import decode_attention, decode_attention_reference
+
+
+SHAPES = [  # b, hq, hkv, t, d
+  (1, 1, 1, 1, 8),
+  (3, 8, 2, 37, 16),
+  (2, 7, 7, 64, 32),
+  (4, 12, 4, 129, 64),
+  (2, 32, 8, 256, 128),
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("window", [None, 5])
+def test_primitive_matches_oracle(shape, dtype, window):
+  q, k, v, pos = operands(*shape, dtype)
+  out = jax.jit(lambda *a: decode_attention(*a, window=window))(q, k, v, pos)
+  assert out.shape == (shape[0], shape[1] * shape[4]) and out.dtype == dtype
+  assert_close(out, oracle(q, k, v, pos, window), dtype)
+
+
+def test_cache_dtype_other_than_the_queries():
+  q, k, v, pos = operands(2, 8, 2, 40, 16, jnp.float32)
+  out = decode_attention(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), pos)
+  assert out.dtype == jnp.float32
+  assert_close(out, oracle(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), pos), jnp.bfloat16)
+
+
+def test_vmap_and_grad_through_the_reference():
+  q, k, v, pos = operands(2, 4, 2, 16, 8, jnp.float32)
+  batched = jax.vmap(lambda *a: decode_attention(*a))(q[None], k[None], v[None], pos[None])
+  assert_close(batched[0], oracle(q, k, v, pos), jnp.float32)
+  g = jax.grad(lambda q: decode_attention(q, k, v, pos).sum())(q)
+  want = jax.grad(lambda q: decode_attention_reference(q, k, v, pos).sum())(q)
+  assert_close(g, want, jnp.float32)
+
+
+@pytest.mark.parametrize(
+  "args, match",
+  [
+    (((2, 4, 8), (2, 2, 16, 8), (2, 2, 16, 8), (3,)), r"expected \[2\] integer positions"),
+    (((2, 4, 8), (2, 3, 16, 8), (2, 3, 16, 8), (2,)), "multiple of Hkv"),
+    (((2, 4, 8), (2, 2, 16, 4), (2, 2, 16, 4), (2,)), "head dim must agree"),
+    (((2, 4), (2, 2, 16, 8), (2, 2, 16, 8), (2,)), r"expected q \[B, Hq, D\]"),
+    (((2, 4, 8), (2, 2, 16, 8), (2, 2, 15, 8), (2,)), r"k, v \[B, Hkv, T, D\]"),
+  ],
+)
+def test_bad_operands_name_what_was_expected(args, match):
+  q, k, v, pos = (jnp.zeros(s, jnp.int32 if len(s) == 1 else jnp.float32) for s in args)
+  with pytest.raises(ValueError, match=match):
+    decode_attention(q, k, v, pos)
+
+
+@pytest.mark.parametrize("window", [0, -3, True])
+def test_bad_window(window):
+  with pytest.raises(ValueError, match="sliding window"):
+    decode_attention(*operands(1, 2, 1, 16, 8, jnp.float32), window=window)
+
+
+# The CUDA kernel's wrapper in Pallas's interpreter: its layout, masks and split plan.
+INTERPRET = [  # b, hq, hkv, t, d, window, k_splits
+  (3, 8, 2, 128, 64, None, None),
+  (2, 12, 2, 256, 16, 9, 4),
+  (1, 4, 4, 16, 32, None, 1),
+  (2, 6, 1, 512, 64, 300, 8),
+]
+
+
+@pytest.mark.parametrize("b, hq, hkv, t, d, window, k_splits", INTERPRET)
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_kernel_wrapper_in_the_interpreter(b, hq, hkv, t, d, window, k_splits, dtype):
+  q, k, v, pos = operands(b, hq, hkv, t, d, dtype)
+  out = kernel.decode_attention(q, k, v, pos, window=window, k_splits=k_splits, interpret=True)
+  assert out.shape == (b, hq * d) and out.dtype == dtype
+  assert_close(out, oracle(q, k, v, pos, window), dtype)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+  b=st.integers(1, 64),
+  hkv=st.integers(1, 16),
+  t=st.one_of(st.integers(1, 20000), st.sampled_from([2**i for i in range(4, 15)])),
+)
+def test_plan_is_one_the_kernel_accepts(b, hkv, t):
+  p = kernel.plan(b, hkv, t)
+  if t >= 16 and not t & (t - 1):  # the engine's attend buckets: always served
+    assert isinstance(p, kernel.Plan), p
+  if isinstance(p, str):
+    assert f"cache length {t}" in p
+    return
+  split = t // p.k_splits
+  assert t % p.k_splits == 0 and split >= kernel.MIN_SPLIT and p.k_splits <= kernel.MAX_SPLITS
+  assert p.block_k & (p.block_k - 1) == 0 and split % p.block_k == 0
+  assert p.block_k == min(kernel.BLOCK_K, split)
+
+
+def test_plan_fills_the_gpu_then_stops_splitting():
+  assert kernel.plan(1, 8, 8192).k_splits == 32  # 256 programs
+  assert kernel.plan(16, 8, 8192).k_splits == 2
+  assert kernel.plan(64, 8, 8192).k_splits == 1
+  assert kernel.plan(1, 8, 64).k_splits == 4  # as many as the length allows
+
+
+def _avals(b, hq, hkv, t, d, dt=jnp.bfloat16, kdt=None):
+  sds = jax.ShapeDtypeStruct
+  kv = sds((b, hkv, t, d), kdt or dt)
+  return (sds((b, hq, d), dt), kv, kv, sds((b,), jnp.int32))
+
+
+def test_registry_serves_cuda_with_the_kernel_and_says_why_not():
+  sel = registry.select("decode_attention", "cuda", _avals(8, 32, 8, 1024, 128), {"window": None})
+  assert sel.name == "pallas.decode_attention", sel.declined
+  for avals, why in [
+    (_avals(8, 32, 8, 1000, 128), "cache length 1000"),
+    (_avals(8, 32, 8, 1024, 96), "head dim 96"),
+    (_avals(8, 32, 8, 1024, 128, kdt=jnp.float8_e4m3fn), "must share one of"),
+    (_avals(8, 32, 8, 1024, 128, dt=jnp.float32), "must share one of"),
+  ]:
+    sel = registry.select("decode_attention", "cuda", avals, {"window": None})
+    assert sel.kernel is None and why in sel.declined[0][1], sel.declined
+  assert registry.select("decode_attention", "cpu", _avals(1, 4, 2, 16, 8), {}).kernel is None
+
+
+def test_model_decode_binds_it_and_prefill_does_not():
+  from flax import nnx
+
+  from lrjax.models import LlamaForCausalLM, ModelConfig
+  from lrjax.models.llama import KVCache
+
+  cfg = ModelConfig.tiny(num_layers=2)
+  model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+  cache = KVCache.init(cfg, 2, 32)
+  toks = jnp.zeros((2,), jnp.int32)
+  names = primitive_names(lambda t, c: model.decode(t, c, attend_len=16), toks, cache)
+  assert names.count("decode_attention") == cfg.num_layers
+  names = primitive_names(lambda t, c: model.prefill(t, c), jnp.zeros((2, 5), jnp.int32), cache)
+  assert "decode_attention" not in names
+  # a decode step after a prefill gives the full forward's logits of the next position
+  seq = jax.random.randint(jax.random.key(1), (2, 6), 0, cfg.vocab_size)
+  _, cache = model.prefill(seq[:, :5], cache)
+  step, _ = model.decode(seq[:, 5], cache, attend_len=16)
+  assert_close(step, model(seq)[:, 5], jnp.float32)
