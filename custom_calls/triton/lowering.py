@@ -47,8 +47,20 @@ def _toolchain() -> str | None:
 
 
 def _scale_reason(params) -> str | None:
+  """Why a kernel without the scale's XLA epilogue (prefill, the MLPs) declines."""
   if params.get("has_scale") or any(params.get("scale_mask", ())):
-    return "rank-space scale between the factors: the Triton kernels do not apply one yet"
+    return (
+      "rank-space scale between the factors: applied only by the decode X·U·V and grouped "
+      "kernels (phase 1 in the kernel, the scale and ·V by XLA)"
+    )
+  return None
+
+
+def _persistent_rows_reason(m: int) -> str | None:
+  """Why a scaled decode X·U·V (persistent schedule, pv='xla' only) cannot take ``m`` rows."""
+  limit = policy.values("xuv_decode").persistent_max_m
+  if m > limit:
+    return f"M={m} with a rank-space scale: the persistent schedule serves M <= {limit}"
   return None
 
 
@@ -82,8 +94,6 @@ def _common_checks(x, factors, params) -> str | None:
 
 
 def _xuv_checks(avals, params) -> str | None:
-  if (reason := _scale_reason(params)) is not None:
-    return reason
   x, u, v = avals[:3]
   return _common_checks(x, (u, v), params)
 
@@ -94,10 +104,14 @@ def xuv_decode_supports(avals, params) -> str | None:
   m = _rows(avals[0])
   if m > XUV_DECODE_MAX_M:
     return f"M={m} > {XUV_DECODE_MAX_M}: prefill kernel serves"
+  if params.get("has_scale"):
+    return _persistent_rows_reason(m)
   return None
 
 
 def xuv_prefill_supports(avals, params) -> str | None:
+  if (reason := _scale_reason(params)) is not None:
+    return reason
   if (reason := _xuv_checks(avals, params)) is not None:
     return reason
   n = avals[2].shape[1]
@@ -116,9 +130,14 @@ def _xuv_impl(mod: str, fn: str):
   def load():
     kernel = getattr(importlib.import_module(f"lrjax.custom_calls.triton.{mod}"), fn)
 
-    def impl(*ops, has_bias, inter_dtype, out_dtype):
+    def impl(*ops, has_bias, inter_dtype, out_dtype, has_scale=False, scaled_dtype=None):
       del inter_dtype  # checked equal to the factor dtype in supports
-      return kernel(ops[0], ops[1], ops[2], ops[3] if has_bias else None, out_dtype=out_dtype)
+      bias = ops[3] if has_bias else None
+      if not has_scale:  # only xuv_decode takes a scale (the prefill kernel declines one)
+        return kernel(ops[0], ops[1], ops[2], bias, out_dtype=out_dtype)
+      return kernel(
+        ops[0], ops[1], ops[2], bias, out_dtype=out_dtype, scale=ops[-1], scaled_dtype=scaled_dtype
+      )
 
     return impl
 
@@ -133,12 +152,10 @@ GROUP_MAX_M = 64  # rows the grouped kernel serves with its phase 2 (its registe
 def _group(avals, params):
   from lrjax.lowering.group import members_of
 
-  return avals[0], members_of(avals, params["bias_mask"])
+  return avals[0], members_of(avals, params["bias_mask"], params.get("scale_mask", ()))
 
 
 def xuv_group_supports(avals, params) -> str | None:
-  if (reason := _scale_reason(params)) is not None:
-    return reason
   x, members = _group(avals, params)
   if (
     reason := _common_checks(x, tuple(a for u, v, _ in members for a in (u, v)), params)
@@ -162,11 +179,14 @@ def xuv_group_faster(avals, params) -> str | None:
 
 def _group_impl():
   from lrjax.custom_calls.triton.xuv_decode_group import xuv_decode_group
-  from lrjax.lowering.group import members_of
+  from lrjax.lowering.group import members_with_scales
 
-  def impl(*ops, bias_mask, inter_dtype, out_dtype):
+  def impl(*ops, bias_mask, inter_dtype, out_dtype, scale_mask=()):
     del inter_dtype  # checked equal to the factor dtype in supports
-    members = [(u, v) if b is None else (u, v, b) for u, v, b in members_of(ops, bias_mask)]
+    members = [
+      (u, v, b, s) if s is not None else (u, v) if b is None else (u, v, b)
+      for u, v, b, s in members_with_scales(ops, bias_mask, scale_mask)
+    ]
     return xuv_decode_group(ops[0], members, out_dtype=out_dtype)
 
   return impl

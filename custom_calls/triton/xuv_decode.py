@@ -701,6 +701,8 @@ def _xuv_decode(
   pv: str | None = None,
   pv_plan: planner.PvLaunchPlan | None = None,
   probe: int = 0,
+  scale=None,
+  scaled_dtype=None,
 ):
   """``xuv_decode`` with every schedule option (tests, and the benchmarks through
   benchmarks/kernel_variants.py).
@@ -719,8 +721,22 @@ def _xuv_decode(
   ``pv_plan``: the ·V launch's tiles (pv="launch"; default ``planner.plan_pv_launch``).
   Timing probes (the output is then wrong): ``stages`` (tiled: 1 streams stage 1 alone, 2
   stage 2 alone) and ``probe``, the persistent kernel's PROBE bits.
+  ``scale`` [r] (rank-space, as ``lr_xuv``'s): only with ``pv="xla"`` on the persistent
+  schedule (the default then): the kernel writes P = X·U and XLA applies the scale, rounds to
+  ``scaled_dtype`` (default v's dtype) and multiplies by V, as the reference does.
   """
   x2, lead, (m, k, r, n), out_dtype = unpack_xuv_args(x, u, v, out_dtype)
+  if scale is not None:
+    if tuple(scale.shape) != (r,):
+      raise ValueError(f"scale {scale.shape} must be ({r},), the rank")
+    if pv not in (None, "xla") or persistent is False:
+      raise ValueError("a rank-space scale is applied by XLA after phase 1: pv='xla' only")
+    if m > _t().persistent_max_m or num_sms() <= 0:
+      raise ValueError(
+        f"a rank-space scale needs the persistent schedule (M={m} <= "
+        f"{_t().persistent_max_m} rows and a known SM count)"
+      )
+    persistent, pv = persistent or True, "xla"
   if probe & 4:
     raise ValueError(
       "probe bit 4 (per-CTA clock stamps) writes into the kernel's o_in_ptr "
@@ -816,25 +832,41 @@ def _xuv_decode(
     y = xuv_decode_pv(outs[0], v, bias, m=m, out_dtype=out_dtype, block_sizes=pv_plan, out=pv_out)
     return y.reshape(*lead, n)
   if pv == "xla":
-    from lrjax.lowering.primitives import rank_space_out
+    from lrjax.lowering.primitives import apply_scale, rank_space_out
 
     if p.p16:  # P rounded once in the kernel
       pm = outs[2].reshape(m, r)
     else:  # P's f32 sums: the call's scratch, P alone (chained: the half it worked in),
       # rounded here by XLA in a loop fusion of its own
       pm = outs[0].reshape(m, r).astype(v.dtype)
+    pm = apply_scale(pm, scale, jnp.dtype(scaled_dtype or v.dtype))
     return rank_space_out(pm, v, bias, out_dtype).reshape(*lead, n)
   return outs[1].reshape(*lead, n)
 
 
 def xuv_decode(
-  x, u, v, bias=None, *, out_dtype=None, block_sizes: BlockSizes | None = None, out=None
+  x,
+  u,
+  v,
+  bias=None,
+  *,
+  out_dtype=None,
+  block_sizes: BlockSizes | None = None,
+  out=None,
+  scale=None,
+  scaled_dtype=None,
 ):
-  """y = (x·u)·v (+ bias) for few tokens. x [..., K], u [K, r], v [r, N], bias [N].
+  """y = ((x·u) ⊙ scale)·v (+ bias) for few tokens. x [..., K], u [K, r], v [r, N], bias [N],
+  scale [r] (optional; up to the persistent schedule's rows, phase 1 in the kernel and the
+  scale and ·V by XLA).
 
   ``block_sizes``: the schedule (default ``BlockSizes.get_default``, the tuning table's).
   ``out`` [M, N]: optional buffer the kernel writes into (aliased).
   """
+  if scale is not None:
+    if block_sizes is not None or out is not None:
+      raise ValueError("block_sizes= and out= do not apply with a scale (pv='xla')")
+    return _xuv_decode(x, u, v, bias, out_dtype=out_dtype, scale=scale, scaled_dtype=scaled_dtype)
   if block_sizes is None:
     return _xuv_decode(x, u, v, bias, out_dtype=out_dtype, out=out)
   return _xuv_decode(
@@ -850,8 +882,18 @@ def xuv_decode(
   )
 
 
-def xuv_decode_reference(x, u, v, bias=None, *, out_dtype=None):
-  """f32-accumulating (x·u)·v (+ bias); X·U rounded to v's dtype as the kernel does."""
+def xuv_decode_reference(x, u, v, bias=None, *, out_dtype=None, scale=None, scaled_dtype=None):
+  """f32-accumulating ((x·u) ⊙ scale)·v (+ bias); X·U rounded to v's dtype as the kernel does,
+  the scaled product to ``scaled_dtype`` (default v's dtype)."""
   from lrjax.lowering.primitives import lr_xuv_reference
 
-  return lr_xuv_reference(x, u, v, bias, inter_dtype=v.dtype, out_dtype=out_dtype or x.dtype)
+  return lr_xuv_reference(
+    x,
+    u,
+    v,
+    bias,
+    scale=scale,
+    inter_dtype=v.dtype,
+    out_dtype=out_dtype or x.dtype,
+    scaled_dtype=None if scale is None else (scaled_dtype or v.dtype),
+  )

@@ -431,14 +431,21 @@ def _xuv_decode_group(
     raise ValueError("out= is the kernel's output buffer; with pv='xla' XLA writes y")
   if not 2 <= len(members) <= 3:
     raise ValueError(f"{len(members)} members: the grouped kernel takes 2 or 3")
-  unpacked = []
+  unpacked, scales = [], []
   for i, mem in enumerate(members):
-    if not isinstance(mem, (tuple, list)) or len(mem) not in (2, 3):
-      raise ValueError(f"member {i}: expected (u, v) or (u, v, bias)")
+    if not isinstance(mem, (tuple, list)) or len(mem) not in (2, 3, 4):
+      raise ValueError(f"member {i}: expected (u, v), (u, v, bias) or (u, v, bias, scale)")
     x2, lead, (m, k, r, n), odt = unpack_xuv_args(x, mem[0], mem[1], out_dtype)
-    if len(mem) == 3 and tuple(mem[2].shape) != (n,):
-      raise ValueError(f"member {i}: bias {mem[2].shape} must be ({n},)")
-    unpacked.append((mem[0], mem[1], mem[2] if len(mem) == 3 else None, r, n))
+    b = mem[2] if len(mem) >= 3 else None
+    if b is not None and tuple(b.shape) != (n,):
+      raise ValueError(f"member {i}: bias {b.shape} must be ({n},)")
+    s = mem[3] if len(mem) == 4 else None
+    if s is not None and tuple(s.shape) != (r,):
+      raise ValueError(f"member {i}: scale {s.shape} must be ({r},), the rank")
+    unpacked.append((mem[0], mem[1], b, r, n))
+    scales.append(s)
+  if any(s is not None for s in scales) and pv != "xla":
+    raise ValueError("rank-space scales are applied by XLA after phase 1: pv='xla' only")
   max_m = GROUP_MAX_M if pv == "kernel" else MAX_M
   if m > max_m:
     raise ValueError(f"{m} rows: the grouped kernel serves M <= {max_m} with {pv=}")
@@ -485,11 +492,12 @@ def _xuv_decode_group(
     **meta,
   )
   if pv == "xla":  # P_i's f32 sums side by side in the scratch, each rounded by XLA
-    from lrjax.lowering.primitives import rank_space_out
+    from lrjax.lowering.primitives import apply_scale, rank_space_out
 
     ys, off = [], 0
-    for u, v, b, r, n in unpacked:  # noqa: B007
+    for (u, v, b, r, n), s in zip(unpacked, scales):  # noqa: B007
       pm = outs[0][off : off + m * r].reshape(m, r).astype(v.dtype)
+      pm = apply_scale(pm, s, v.dtype)  # scales are in the factors' dtype (lr_xuv_group)
       ys.append(rank_space_out(pm, v, b, odt).reshape(*lead, n))
       off += m * r
     return ys
@@ -499,10 +507,16 @@ def _xuv_decode_group(
 def xuv_decode_group(
   x, members, *, out_dtype=None, block_sizes: BlockSizes | None = None, out=None
 ):
-  """[(x·u_i)·v_i (+ bias_i)] for 2 or 3 members sharing x (e.g. q/k/v projections), in one
-  launch. x [..., K]; members: [(u_i [K, r_i], v_i [r_i, N_i]) or (u_i, v_i, bias_i [N_i])].
+  """[((x·u_i) ⊙ scale_i)·v_i (+ bias_i)] for 2 or 3 members sharing x (e.g. q/k/v
+  projections), in one launch. x [..., K]; members: [(u_i [K, r_i], v_i [r_i, N_i]),
+  (u_i, v_i, bias_i [N_i] | None) or (u_i, v_i, bias_i | None, scale_i [r_i])].
   ``out``: optional [M, N_i] buffers the kernel writes into (aliased). Returns the list of
-  [..., N_i] outputs. Default blocks: phase 2 in the kernel, up to GROUP_MAX_M rows."""
+  [..., N_i] outputs. Default blocks: phase 2 in the kernel, up to GROUP_MAX_M rows; with a
+  scale, phase 1 alone (pv="xla") and the scales and ·V_i by XLA."""
+  if any(len(mem) == 4 and mem[3] is not None for mem in members):
+    if block_sizes is not None or out is not None:
+      raise ValueError("block_sizes= and out= do not apply with scales (pv='xla')")
+    return _xuv_decode_group(x, members, out_dtype=out_dtype, pv="xla")
   if block_sizes is None:
     return _xuv_decode_group(x, members, out_dtype=out_dtype, out=out)
   return _xuv_decode_group(
@@ -514,4 +528,7 @@ def xuv_decode_group_reference(x, members, *, out_dtype=None):
   """xuv_decode_group's result: each member's ``xuv_decode_reference``."""
   from lrjax.custom_calls.triton.xuv_decode import xuv_decode_reference
 
-  return [xuv_decode_reference(x, *m, out_dtype=out_dtype) for m in members]
+  return [
+    xuv_decode_reference(x, *m[:3], out_dtype=out_dtype, scale=m[3] if len(m) == 4 else None)
+    for m in members
+  ]

@@ -1091,6 +1091,35 @@ def test_fuse_group_emits_one_triton_call_for_qkv():
       assert_close(got, ref, dtype)
 
 
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("sdt", [jnp.bfloat16, jnp.float32])
+def test_svd_form_with_sigma_fuses_into_the_kernels(m, sdt):
+  """((x @ U) * S) @ Vt on the GPU: lr_xuv with a scale lowers to the decode kernel (phase 1,
+  then the scale and ·V by XLA), q/k/v with their own Σ to one grouped call; the results
+  match a float64 oracle that rounds as the reference does (x·U to bf16, ·Σ to bf16)."""
+  import lrjax
+
+  dtype = jnp.bfloat16
+  x = randn((m, 512), dtype)
+  ws = [(*lr_factors(512, r, n, dtype), randn((r,), sdt) + 2.0) for r, n in ((96, 512), (48, 128))]
+
+  def oracle(u, v, s):  # with an f32 Σ the scaled product stays f32, and so does y
+    p = rnd(f64(x) @ f64(u), dtype)
+    return rnd(p * f64(s), jnp.promote_types(dtype, sdt)) @ f64(v)
+
+  def svd(x, ws):
+    return [((x @ u) * s) @ v for u, v, s in ws]
+
+  # a group's scales share the factors' dtype: with an f32 Σ the two stay lr_xuv calls
+  for group, calls in ((True, 1 if sdt == jnp.bfloat16 else 2), (False, 2)):
+    with lrjax.lowering.prefer_kernels():
+      fused = jax.jit(lrjax.fuse(svd, group=group)).lower(x, ws).compile()
+    assert _count_triton_calls(fused.as_text()) == calls, f"{group=}"
+    for got, (u, v, s) in zip(fused(x, ws), ws):
+      assert got.dtype == jnp.promote_types(dtype, sdt)
+      assert_close(got, oracle(u, v, s), dtype)
+
+
 def test_group_above_the_grouped_kernels_rows_is_left_to_xla():
   """Above 64 rows the grouped kernel declines and the group lowers as XLA's reference (no
   Triton call: XLA merges the X·U dots); prefer_kernels() lowers each member as its own

@@ -547,6 +547,83 @@ def test_phase1_alone_hands_xla_the_p_its_launch_returns():
   assert out.strip().endswith("ok")
 
 
+def test_a_rank_space_scale_is_applied_by_xla_after_phase_1():
+  """xuv_decode and xuv_decode_group with a scale (the launch faked: it returns a known P, not
+  run): the call is phase 1 alone (PV off), and y is P rounded to V's dtype, times the scale
+  in the scale's dtype, rounded to scaled_dtype, times V, plus the bias: lr_xuv's reference
+  on that P. Both P forms (f32 sums, p16), an f32 Σ with bf16 factors, ragged shapes; and the
+  schedules that cannot take a scale refuse it by name."""
+  out = run_script(
+    _RAISES
+    + textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    from lrjax.custom_calls.triton import launch, policy, xuv_decode, xuv_decode_group
+    from lrjax.lowering.primitives import apply_scale, rank_space_out
+    xuv_decode.num_sms = xuv_decode_group.num_sms = lambda: 132
+    rng = np.random.default_rng(0)
+    pvs = []
+    def faker(ps):  # ps: the P of each member, f32 [m, r_i]
+      def fake(*args, kernel, out_shape, grid, **kw):
+        # phase 2 in the launch: the decode kernel's PV, the grouped kernel's ·V tiles Q0..Q2
+        pvs.append(kw["PV"] if "PV" in kw else any(kw.get(f"Q{i}", 0) for i in range(3)))
+        scratch = np.zeros(out_shape[0].shape, np.float32)
+        flat = np.concatenate([p.reshape(-1) for p in ps])
+        scratch[:flat.size] = flat
+        rest = [jnp.zeros(o.shape, o.dtype) for o in out_shape[1:]]
+        if len(out_shape) == 3 and out_shape[2].shape[0] == flat.size:  # p16: P rounded
+          rest[1] = jnp.asarray(flat, out_shape[2].dtype)
+        return (jnp.asarray(scratch), *rest)
+      return fake
+    f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+    for m, k, r, n, sdt in ((1, 512, 200, 1000, jnp.bfloat16), (7, 256, 136, 130, jnp.float32),
+                            (16, 4096, 512, 1024, jnp.bfloat16)):
+      pf = rng.standard_normal((m, r)).astype(np.float32)
+      launch.triton_call = faker([pf])
+      x = jnp.zeros((m, k), jnp.bfloat16)
+      u = jnp.zeros((k, r), jnp.bfloat16)
+      v = jnp.asarray(rng.standard_normal((r, n)), jnp.bfloat16)
+      b = jnp.asarray(rng.standard_normal(n), jnp.bfloat16)
+      s = jnp.asarray(rng.uniform(0.5, 4.0, r), sdt)
+      y = xuv_decode.xuv_decode(x, u, v, b, scale=s)
+      assert pvs.pop() is False and not pvs  # phase 1 alone
+      p = apply_scale(jnp.asarray(pf, jnp.bfloat16), s, jnp.bfloat16)
+      want = f64(rank_space_out(p, v, b, jnp.bfloat16))
+      err = np.abs(f64(y) - want).max() / np.abs(want).max()
+      assert y.shape == (m, n) and err < 1e-2, (m, k, r, n, err)
+      # the kernel's other schedules cannot take it
+      raises(ValueError, lambda: xuv_decode._xuv_decode(x, u, v, scale=s, pv="kernel"), "pv='xla'")
+      raises(ValueError, lambda: xuv_decode.xuv_decode(x, u, v, scale=s[:-1]), "the rank")
+    big = policy.values("xuv_decode").persistent_max_m + 1
+    xb = jnp.zeros((big, 64), jnp.bfloat16)
+    raises(ValueError, lambda: xuv_decode.xuv_decode(
+        xb, jnp.zeros((64, 16), jnp.bfloat16), jnp.zeros((16, 32), jnp.bfloat16),
+        scale=jnp.ones(16, jnp.bfloat16)), "persistent schedule")
+    # q/k/v: per-member scales (or none), P_i side by side in the scratch
+    m, k = 5, 512
+    shapes = ((256, 512), (64, 128), (64, 128))
+    ps = [rng.standard_normal((m, r)).astype(np.float32) for r, _ in shapes]
+    launch.triton_call = faker(ps)
+    x = jnp.zeros((m, k), jnp.bfloat16)
+    members, wants = [], []
+    for i, ((r, n), pf) in enumerate(zip(shapes, ps)):
+      v = jnp.asarray(rng.standard_normal((r, n)), jnp.bfloat16)
+      s = None if i == 1 else jnp.asarray(rng.uniform(0.5, 4.0, r), jnp.bfloat16)
+      members.append((jnp.zeros((k, r), jnp.bfloat16), v, None, s))
+      p = apply_scale(jnp.asarray(pf, jnp.bfloat16), s, jnp.bfloat16)
+      wants.append(f64(rank_space_out(p, v, None, jnp.bfloat16)))
+    ys = xuv_decode_group.xuv_decode_group(x, members)
+    assert pvs.pop() is False and not pvs
+    for y, want in zip(ys, wants):
+      assert np.abs(f64(y) - want).max() / np.abs(want).max() < 1e-2
+    raises(ValueError, lambda: xuv_decode_group._xuv_decode_group(x, members, pv="kernel"),
+           "pv='xla'")
+    print("ok")
+  """),
+    interpret=False,
+  )
+  assert out.strip().endswith("ok")
+
+
 def test_a_kernel_with_read_off_reads_a_slice_in_its_source_buffer():
   """launch._read_in_place, on a hand-built module: a kernel that takes READ_OFF and whose
   first operand is a contiguous slice of a 1-D buffer (a chained call's half) gets the whole

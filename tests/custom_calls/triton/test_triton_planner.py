@@ -263,6 +263,41 @@ def test_xuv_supports_decisions(toolchain):
   assert "M=0" in lowering.xuv_decode_supports(avals(0), XUV_PARAMS)
 
 
+def test_a_scale_is_served_by_the_decode_and_grouped_kernels_only(toolchain):
+  """A rank-space scale: the decode X·U·V kernel takes it up to the persistent schedule's rows
+  (phase 1 there, the scale and ·V by XLA), the grouped kernel per member; the prefill and
+  MLP kernels decline it by name."""
+  from lrjax.custom_calls.triton import policy
+
+  scaled = dict(XUV_PARAMS, has_scale=True, scaled_dtype=jnp.dtype(jnp.bfloat16))
+  avals = lambda m, sdt=jnp.bfloat16: [  # noqa: E731
+    _aval((m, 512)),
+    _aval((512, 64)),
+    _aval((64, 256)),
+    _aval((64,), sdt),
+  ]
+  assert lowering.xuv_decode_supports(avals(1), scaled) is None
+  assert lowering.xuv_decode_supports(avals(8, jnp.float32), scaled) is None  # an f32 Σ
+  limit = policy.values("xuv_decode").persistent_max_m
+  assert lowering.xuv_decode_supports(avals(limit), scaled) is None
+  if limit < lowering.XUV_DECODE_MAX_M:
+    assert "persistent" in lowering.xuv_decode_supports(avals(limit + 1), scaled)
+  assert "rank-space scale" in lowering.xuv_prefill_supports(avals(1024), scaled)
+  group = [_aval((4, 512))] + [a for r in (64, 32) for a in (_aval((512, r)), _aval((r, 128)))]
+  group.insert(3, _aval((64,)))  # the first member's scale
+  gparams = dict(
+    bias_mask=(False, False),
+    scale_mask=(True, False),
+    inter_dtype=jnp.dtype(jnp.bfloat16),
+    out_dtype=jnp.dtype(jnp.bfloat16),
+  )
+  assert lowering.xuv_group_supports(group, gparams) is None
+  mparams = dict(_mlp_params(), scale_mask=(False, True, False))
+  mlp = _mlp_avals(1)
+  mlp.insert(5, _aval((64,)))  # up's scale, after up's factors
+  assert "rank-space scale" in lowering.mlp_decode_supports(mlp, mparams)
+
+
 def _mlp_avals(m, gated=True, gate_rank=64):
   d, f, r = 256, 704, 64
   ops = [_aval((m, d))]
