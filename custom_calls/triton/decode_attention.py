@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 # f32 stays on XLA: the kernel's dots run on TF32 tensor cores (4e-4 relative error on an H100)
+PALLAS_MODULE = "jax.experimental.pallas.ops.gpu.decode_attention"
 KERNEL_DTYPES = ("bfloat16", "float16")
 BLOCK_K = 128  # keys per inner step (the Pallas kernel's default for gqa)
 MIN_SPLIT = 16  # the Pallas kernel needs at least 16 keys per split
@@ -81,7 +82,12 @@ def shape_reason(q_shape, k_shape, dtypes) -> str | None:
 def decode_attention(q, k, v, pos, *, window=None, k_splits=None, interpret=False):
   """q [B, Hq, D], k/v [B, Hkv, T, D], pos [B] → [B, Hq·D] (the primitive's semantics).
   ``interpret``: Pallas's interpreter (any platform; tests)."""
-  from jax.experimental.pallas.ops.gpu import decode_attention as pallas_decode
+  import importlib
+  import warnings
+
+  with warnings.catch_warnings():  # jax 0.11 marks the module deprecated on import
+    warnings.simplefilter("ignore", DeprecationWarning)
+    pallas_decode = importlib.import_module(PALLAS_MODULE)
 
   b, hq, d = q.shape
   _, hkv, t, _ = k.shape

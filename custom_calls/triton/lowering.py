@@ -316,7 +316,11 @@ def _kv_attention_impl():
 
 def decode_attention_supports(avals, params) -> str | None:
   del params
-  from lrjax.custom_calls.triton.decode_attention import shape_reason
+  from lrjax.custom_calls.triton.decode_attention import PALLAS_MODULE, shape_reason
+
+  # jax 0.11 deprecates the Pallas Triton backend; a later jax may not have it
+  if importlib.util.find_spec(PALLAS_MODULE) is None:
+    return f"this jax has no {PALLAS_MODULE}"
 
   q, k, v, _ = avals
   return shape_reason(q.shape, k.shape, (_dt(q), _dt(k), _dt(v)))

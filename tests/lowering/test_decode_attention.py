@@ -155,3 +155,16 @@ def test_model_decode_binds_it_and_prefill_does_not():
   _, cache = model.prefill(seq[:, :5], cache)
   step, _ = model.decode(seq[:, 5], cache, attend_len=16)
   assert_close(step, model(seq)[:, 5], jnp.float32)
+
+
+def test_a_jax_without_the_pallas_kernel_falls_back_by_name(monkeypatch):
+  from lrjax.custom_calls.triton import lowering
+
+  real = lowering.importlib.util.find_spec
+  monkeypatch.setattr(
+    lowering.importlib.util,
+    "find_spec",
+    lambda name, *a: None if name == kernel.PALLAS_MODULE else real(name, *a),
+  )
+  sel = registry.select("decode_attention", "cuda", _avals(8, 32, 8, 1024, 128), {"window": None})
+  assert sel.kernel is None and "has no jax.experimental.pallas" in sel.declined[0][1]
