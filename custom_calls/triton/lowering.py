@@ -326,6 +326,14 @@ def decode_attention_supports(avals, params) -> str | None:
   return shape_reason(q.shape, k.shape, (_dt(q), _dt(k), _dt(v)))
 
 
+def decode_attention_faster(avals, params) -> str | None:
+  del avals, params
+  table = policy.current()
+  if table.values("dispatch").decode_attention:
+    return None
+  return table.why("dispatch", "decode_attention")
+
+
 def _decode_attention_impl():
   from lrjax.custom_calls.triton.decode_attention import decode_attention
 
@@ -394,6 +402,7 @@ KERNELS = [
     decode_attention_supports,
     _decode_attention_impl,
     priority=10,
+    faster=decode_attention_faster,
   ),
 ]
 
