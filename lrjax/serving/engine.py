@@ -681,6 +681,8 @@ class Engine:
     attend bucket): a kernel's name, or the XLA reference and why."""
     if self.lowrank_kv:
       return "lr_kv_attention (low-rank KV cache)"
+    if self.plan is not None and self.plan.mesh.size > 1:
+      return f"XLA reference (a model sharded over {self.plan.mesh.size} devices)"
     from lrjax.lowering import registry
 
     c = self.cfg
