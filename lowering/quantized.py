@@ -12,11 +12,13 @@ Operand order (positional operands; everything else is a static param):
     Kp = roundup(K, 8), Np = roundup(N, BW), BW = 16 / 4 / 8 per layout,
     G = ceil(K / group) (1 if per channel).
 
-``lr_xuv_w4a8_p``   x, wu, su, wv, sv[, bias]
-    (wu, su) is U [K -> r] and (wv, sv) is V [r -> N], each packed like ``w`` above.
+``lr_xuv_w4a8_p``   x, wu, su, wv, sv[, bias][, scale]
+    (wu, su) is U [K -> r] and (wv, sv) is V [r -> N], each packed like ``w`` above;
+    scale [r] float32, present iff the optional param ``has_scale`` (absent without one).
     params: r, n, group_u, group_v, layout (shared), has_bias, out_dtype.
-    One kernel computes t = x·U in f32, re-quantizes each row of t to int8 and
-    computes t·V (+ bias): the rank-r intermediate never leaves the handler.
+    One kernel computes t = x·U in f32 (times the scale, in f32), re-quantizes each row
+    of t to int8 and computes t·V (+ bias): the rank-r intermediate never leaves the
+    handler.
 
 Numerics (the C++ kernel and the references below agree; see custom_calls/cpu/w4a8.h):
   per row of x: amax = max|x|, xq = clip(round_half_even(x * (127/amax)), -127, 127),
@@ -32,7 +34,9 @@ Fusion (for the lead's pass). A quantized low-rank layer's plain forward
     y = w4a8_matmul[n=N group=gv layout=L has_bias=True  out_dtype=D] t wv sv b
 
 (``has_bias=False`` and no ``b`` operand when the layer has no bias). When ``t``
-has no other use, the pair is rewritten as::
+has no other use, the pair is rewritten as (a rank-space scale ``t * s`` between them,
+s [r] or a scalar, becomes the ``scale`` operand: the unfused second matmul quantizes the
+same f32 product)::
 
     y = lr_xuv_w4a8[**fused_xuv_params(eqn_t.params, eqn_y.params, has_bias)] x wu su wv sv [b]
 
@@ -193,10 +197,12 @@ def _w4a8_ref_ops(x, w, s, *rest, n, group, layout, has_bias, out_dtype):
 
 
 def _xuv_w4a8_ref_ops(
-  x, wu, su, wv, sv, *rest, r, n, group_u, group_v, layout, has_bias, out_dtype
+  x, wu, su, wv, sv, *rest, r, n, group_u, group_v, layout, has_bias, out_dtype, has_scale=False
 ):
   k = x.shape[-1]
   t = _w4a8_apply(x, wu, su, None, k, r, group_u, layout)  # f32, never rounded
+  if has_scale:
+    t = t * rest[-1]  # f32 [r]
   y = _w4a8_apply(t, wv, sv, rest[0] if has_bias else None, r, n, group_v, layout)
   return y.astype(out_dtype).reshape(x.shape[:-1] + (n,))
 
@@ -216,9 +222,11 @@ def _w4a8_abstract(x, w, s, *rest, n, group, layout, has_bias, out_dtype):
 
 @lr_xuv_w4a8_p.def_abstract_eval
 def _xuv_w4a8_abstract(
-  x, wu, su, wv, sv, *rest, r, n, group_u, group_v, layout, has_bias, out_dtype
+  x, wu, su, wv, sv, *rest, r, n, group_u, group_v, layout, has_bias, out_dtype, has_scale=False
 ):
   _check_x(x, rest[0] if has_bias else None, n)
+  if has_scale:
+    _check_scale(rest[-1], r)
   check_weight("u", x.shape[-1], r, group_u, layout, wu, su)
   check_weight("v", r, n, group_v, layout, wv, sv)
   return jax.core.ShapedArray(x.shape[:-1] + (n,), out_dtype)
@@ -226,6 +234,11 @@ def _xuv_w4a8_abstract(
 
 primitives.register_reference(w4a8_matmul_p, _w4a8_ref_ops)
 primitives.register_reference(lr_xuv_w4a8_p, _xuv_w4a8_ref_ops)
+
+
+def _check_scale(scale, r: int) -> None:
+  if scale.shape != (r,) or jnp.dtype(scale.dtype) != jnp.dtype(jnp.float32):
+    raise ValueError(f"scale {scale.shape} {scale.dtype}: expected float32 [{r}], the rank")
 
 
 def _out_dtype(x, out_dtype):
@@ -266,8 +279,10 @@ def lr_xuv_w4a8(
   group_v: int,
   layout: str,
   out_dtype=None,
+  scale=None,
 ):
-  """y = W4A8(W4A8(x · U) · V) (+ bias) in one kernel; see the module docstring."""
+  """y = W4A8((W4A8(x · U) ⊙ scale) · V) (+ bias) in one kernel; see the module docstring.
+  ``scale``: optional [r] (or a scalar), multiplied into the f32 intermediate in f32."""
   dt = _out_dtype(x, out_dtype)
   if bias is not None:
     bias = jnp.asarray(bias, jnp.float32)
@@ -275,6 +290,10 @@ def lr_xuv_w4a8(
   check_weight("u", x.shape[-1], r, group_u, layout, wu, su)
   check_weight("v", r, n, group_v, layout, wv, sv)
   ops = (x, wu, su, wv, sv) + ((bias,) if bias is not None else ())
+  extra = {}
+  if scale is not None:
+    scale = jnp.broadcast_to(jnp.asarray(scale, jnp.float32), (int(r),))
+    ops, extra = ops + (scale,), {"has_scale": True}
   return lr_xuv_w4a8_p.bind(
     *ops,
     r=int(r),
@@ -284,6 +303,7 @@ def lr_xuv_w4a8(
     layout=layout,
     has_bias=bias is not None,
     out_dtype=dt,
+    **extra,
   )
 
 
@@ -321,11 +341,15 @@ def w4a8_matmul_reference(x, w, scales, bias=None, *, n, group, layout, out_dtyp
 
 
 def lr_xuv_w4a8_reference(
-  x, wu, su, wv, sv, bias=None, *, r, n, group_u, group_v, layout, out_dtype=None
+  x, wu, su, wv, sv, bias=None, *, r, n, group_u, group_v, layout, out_dtype=None, scale=None
 ):
   """Pure-jnp reference of :func:`lr_xuv_w4a8` (also its default lowering)."""
   dt = _out_dtype(x, out_dtype)
   ops = (x, wu, su, wv, sv) + ((jnp.asarray(bias, jnp.float32),) if bias is not None else ())
+  extra = {}
+  if scale is not None:
+    ops += (jnp.broadcast_to(jnp.asarray(scale, jnp.float32), (int(r),)),)
+    extra = {"has_scale": True}
   return _xuv_w4a8_ref_ops(
     *ops,
     r=r,
@@ -335,4 +359,5 @@ def lr_xuv_w4a8_reference(
     layout=layout,
     has_bias=bias is not None,
     out_dtype=dt,
+    **extra,
   )

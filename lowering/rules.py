@@ -1383,8 +1383,10 @@ class W4A8XUVRule:
 
   The rank-r intermediate is then re-quantized inside one kernel instead of making a
   round trip through memory (see lowering/quantized.py for the operand layout). The kernel
-  keeps the intermediate in f32: chains whose first product is rounded to another dtype, or
-  that scale or cast the intermediate, are refused.
+  keeps the intermediate in f32 and can multiply it by a rank-space scale (``t * s``, s a
+  weight [r], [1.., r] or a scalar, the product in f32): that is bound as its ``scale``
+  operand. Chains whose first product is rounded to another dtype, or with any other op or
+  cast on the intermediate, are refused.
   """
 
   name: str = "lr_xuv_w4a8"
@@ -1399,6 +1401,19 @@ class W4A8XUVRule:
       t = e2.invars[0]
       i, e1 = g.producer_eqn(t)
       loc, scope = g.location(j), g.scope(j)
+      scaled = _w4a8_scale(g, e1, q.w4a8_matmul_p) if e1 is not None else None
+      if scaled is not None and not g.single_use(t, j):
+        near.append(
+          NearMiss(self.name, g.path, loc, "the scaled intermediate is used elsewhere", scope)
+        )
+        continue
+      mul_idx, scale_src = (i, scaled[1]) if scaled is not None else (None, None)
+      if scaled is not None:
+        t = scaled[0]
+        i, e1 = g.producer_eqn(t)
+        mul_use = mul_idx
+      else:
+        mul_use = j
       if e1 is not None and e1.primitive is not q.w4a8_matmul_p and _walkable(e1):
         for k, _ in _walk_back_w4a8(g, t, q.w4a8_matmul_p):
           if k not in taken:
@@ -1408,7 +1423,8 @@ class W4A8XUVRule:
                 g.path,
                 loc,
                 f"rank-space op '{_op_label(e1)}' between the quantized factors: "
-                "lr_xuv_w4a8 re-quantizes the f32 intermediate with no scale or cast",
+                "lr_xuv_w4a8 takes only one multiplication by a scale [r] or a scalar, "
+                "in f32",
                 scope,
               )
             )
@@ -1419,7 +1435,7 @@ class W4A8XUVRule:
       if e1.params["has_bias"]:
         near.append(NearMiss(self.name, g.path, loc, "the first factor has a bias", scope))
         continue
-      if not g.single_use(t, j):
+      if not g.single_use(t, mul_use):
         near.append(
           NearMiss(self.name, g.path, loc, "the intermediate x·U is used elsewhere", scope)
         )
@@ -1450,6 +1466,8 @@ class W4A8XUVRule:
         ),
         None,
       )
+      if reason is None and scale_src is not None:
+        reason = g.factor_reason(scale_src, x, "a rank-space scale")
       if reason is not None:
         near.append(NearMiss(self.name, g.path, loc, reason, scope))
         continue
@@ -1457,19 +1475,26 @@ class W4A8XUVRule:
       params = q.fused_xuv_params(e1.params, e2.params, has_bias)
       ops = (e1.invars[0], *e1.invars[1:3], *e2.invars[1:])
 
-      def emit(read, ops=ops, params=params):
-        return q.lr_xuv_w4a8_p.bind(*[read(a) for a in ops], **params)
+      def emit(read, ops=ops, params=params, scale_src=scale_src):
+        vals = [read(a) for a in ops]
+        if scale_src is None:
+          return q.lr_xuv_w4a8_p.bind(*vals, **params)
+        s = jnp.asarray(read(scale_src), jnp.float32)  # as the f32 product converts it
+        s = jnp.broadcast_to(jnp.reshape(s, (-1,)) if s.ndim else s, (params["r"],))
+        return q.lr_xuv_w4a8_p.bind(*vals, s, **params, has_scale=True)
 
       k = e1.invars[0].aval.shape[-1]
       shapes = (
         f"x{list(e1.invars[0].aval.shape)} int4 U[{k},{params['r']}] "
         f"int4 V[{params['r']},{params['n']}] {params['layout']}"
       )
+      if scale_src is not None:
+        shapes = shapes.replace(" int4 V", f" ·s[{params['r']}] int4 V")
       matches.append(
         Match(
           self.name,
           j,
-          frozenset({i, j}),
+          frozenset({i, j} | ({mul_idx} if mul_idx is not None else set())),
           emit,
           g.path,
           loc,
@@ -1482,6 +1507,43 @@ class W4A8XUVRule:
         )
       )
     return matches, near
+
+
+def _w4a8_scale(g: Graph, e, prim):
+  """(t, s) when ``e`` is ``t * s`` in f32 with t a w4a8_matmul's output and s a rank-space
+  scale: a weight or literal of shape (), [r] or [1.., r], read through the broadcast and the
+  f32 convert that ``t * s`` inserts; else None."""
+  if e.primitive.name != "mul" or jnp.dtype(e.outvars[0].aval.dtype) != jnp.float32:
+    return None
+  for t, s in (e.invars, e.invars[::-1]):
+    _, et = g.producer_eqn(t)
+    if et is None or et.primitive is not prim:
+      continue
+    r = t.aval.shape[-1]
+    while True:  # through broadcast_in_dim (keeping the rank dim last) and convert to f32
+      _, es = g.producer_eqn(s)
+      if es is None:
+        break
+      if es.primitive.name == "convert_element_type" and jnp.issubdtype(
+        es.invars[0].aval.dtype, jnp.floating
+      ):
+        s = es.invars[0]
+      elif es.primitive.name == "broadcast_in_dim":
+        src = es.invars[0]
+        dims = es.params["broadcast_dimensions"]
+        nd = len(es.outvars[0].aval.shape)
+        if src.aval.ndim and (dims[-1] != nd - 1 or src.aval.shape[-1] not in (1, r)):
+          return None
+        s = src
+      else:
+        break
+    shape = () if jx.is_literal(s) else tuple(s.aval.shape)
+    if not jx.is_literal(s) and not g.is_weight(s):
+      return None
+    if shape and (shape[-1] != r or any(n != 1 for n in shape[:-1])):
+      return None
+    return t, s
+  return None
 
 
 def _walk_back_w4a8(g: Graph, var, prim):

@@ -98,7 +98,8 @@ def _supports(avals_in: Sequence[Any], params: Mapping[str, Any]) -> str | None:
   return None
 
 
-def _empty_bias():
+def _empty_f32():
+  """An f32 [0] operand: the kernel's "no bias" / "no scale"."""
   import jax.numpy as jnp
 
   return jnp.zeros((0,), jnp.float32)
@@ -110,7 +111,7 @@ def _load_matmul():
   extension()
 
   def impl(x, w, s, *rest, n, group, layout, has_bias, out_dtype):
-    bias = rest[0] if has_bias else _empty_bias()
+    bias = rest[0] if has_bias else _empty_f32()
     out = jax.ShapeDtypeStruct(x.shape[:-1] + (n,), out_dtype)
     return jax.ffi.ffi_call(_TARGETS["w4a8_matmul"], out, vmap_method="broadcast_all")(
       x,
@@ -131,8 +132,11 @@ def _load_xuv():
 
   extension()
 
-  def impl(x, wu, su, wv, sv, *rest, r, n, group_u, group_v, layout, has_bias, out_dtype):
-    bias = rest[0] if has_bias else _empty_bias()
+  def impl(
+    x, wu, su, wv, sv, *rest, r, n, group_u, group_v, layout, has_bias, out_dtype, has_scale=False
+  ):
+    bias = rest[0] if has_bias else _empty_f32()
+    scale = rest[-1] if has_scale else _empty_f32()
     out = jax.ShapeDtypeStruct(x.shape[:-1] + (n,), out_dtype)
     return jax.ffi.ffi_call(_TARGETS["lr_xuv_w4a8"], out, vmap_method="broadcast_all")(
       x,
@@ -141,6 +145,7 @@ def _load_xuv():
       wv,
       sv,
       bias,
+      scale,
       k=np.int64(x.shape[-1]),
       r=np.int64(r),
       n=np.int64(n),

@@ -587,7 +587,7 @@ std::string Matmul(const void* x, DType x_dtype, int64_t M, const Weights& w, co
 
 std::string LowRankMatmul(const void* x, DType x_dtype, int64_t M, const Weights& u,
                           const Weights& v, const float* bias, void* y, DType y_dtype,
-                          int isa_req) {
+                          int isa_req, const float* scale) {
   if (u.layout != v.layout)
     return std::string("u and v layouts differ: ") + LayoutName(u.layout) + " vs " +
            LayoutName(v.layout);
@@ -617,6 +617,10 @@ std::string LowRankMatmul(const void* x, DType x_dtype, int64_t M, const Weights
       StoreRow(a.sa[size_t(m)], acc, nullptr, n, &tf[size_t(m * R + n0)], DType::kF32);
     });
     FixExactRows(a, xb, x_dtype, u, nullptr, tf.data(), DType::kF32);
+    if (scale != nullptr) {  // t ⊙ scale in f32, as the unfused (x·U) * s computes it
+      for (int64_t m = 0; m < rows; ++m)
+        for (int64_t j = 0; j < R; ++j) tf[size_t(m * R + j)] *= scale[j];
+    }
     Prepare(t, rows, Rp, Gv, pairs);
     const int64_t qrows = 16;  // even: row pairs stay within one task
     GetPool().ParallelFor((rows + qrows - 1) / qrows, [&](int64_t task) {

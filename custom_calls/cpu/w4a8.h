@@ -79,11 +79,12 @@ std::string CheckWeights(const Weights& w, int64_t packed_d0, int64_t packed_d1,
 std::string Matmul(const void* x, DType x_dtype, int64_t M, const Weights& w,
                    const float* bias, void* y, DType y_dtype, int isa = -1);
 
-// y [M, N] = w4a8(w4a8(x, U) as f32, re-quantized per row to int8, V) (+ bias).
-// U: K -> R, V: R -> N; both must use the same layout.
+// y [M, N] = w4a8((w4a8(x, U) as f32) ⊙ scale, re-quantized per row to int8, V) (+ bias).
+// U: K -> R, V: R -> N; both must use the same layout. scale: [R] f32 multiplied into each
+// row of the f32 intermediate before its re-quantization, or null for none.
 std::string LowRankMatmul(const void* x, DType x_dtype, int64_t M, const Weights& u,
                           const Weights& v, const float* bias, void* y, DType y_dtype,
-                          int isa = -1);
+                          int isa = -1, const float* scale = nullptr);
 
 // Number of worker threads: env LRJAX_W4A8_THREADS (a positive integer, capped
 // at the hardware threads), default: hardware threads. A malformed value is

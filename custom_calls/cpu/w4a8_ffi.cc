@@ -87,11 +87,13 @@ ffi::Error MakeWeights(const char* name, const char* group_attr, ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
-ffi::Error CheckBias(ffi::Buffer<ffi::F32> bias, int64_t N, const float** out) {
+// An optional f32 vector: [N], or [0] for none (out: null).
+ffi::Error CheckBias(ffi::Buffer<ffi::F32> bias, int64_t N, const float** out,
+                     const char* what = "bias") {
   auto bd = bias.dimensions();
   if (bd.size() != 1 || (bd[0] != 0 && bd[0] != N))
-    return ffi::Error::InvalidArgument("bias shape " + Dims(bd) + " must be (" +
-                                       std::to_string(N) + ",) or (0,) for no bias");
+    return ffi::Error::InvalidArgument(std::string(what) + " shape " + Dims(bd) + " must be (" +
+                                       std::to_string(N) + ",) or (0,) for none");
   *out = bd[0] == 0 ? nullptr : bias.typed_data();
   return ffi::Error::Success();
 }
@@ -123,8 +125,9 @@ ffi::Error W4A8MatmulImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U8> w, ffi::Buffer<
 
 ffi::Error LowRankW4A8Impl(ffi::AnyBuffer x, ffi::Buffer<ffi::U8> wu, ffi::Buffer<ffi::F32> su,
                            ffi::Buffer<ffi::U8> wv, ffi::Buffer<ffi::F32> sv,
-                           ffi::Buffer<ffi::F32> bias, ffi::Result<ffi::AnyBuffer> y, int64_t k,
-                           int64_t r, int64_t n, int64_t group_u, int64_t group_v, int64_t layout) {
+                           ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::F32> scale,
+                           ffi::Result<ffi::AnyBuffer> y, int64_t k, int64_t r, int64_t n,
+                           int64_t group_u, int64_t group_v, int64_t layout) {
   DType xt, yt;
   LRJAX_RETURN_IF_ERROR(CheckAttr("k", k, 1, kMaxDim));
   LRJAX_RETURN_IF_ERROR(CheckAttr("r", r, 1, kMaxDim));
@@ -139,9 +142,11 @@ ffi::Error LowRankW4A8Impl(ffi::AnyBuffer x, ffi::Buffer<ffi::U8> wu, ffi::Buffe
   LRJAX_RETURN_IF_ERROR(MakeWeights("v", "group_v", wv, sv, r, n, group_v, layout, &v));
   const float* b;
   LRJAX_RETURN_IF_ERROR(CheckBias(bias, n, &b));
+  const float* sc;
+  LRJAX_RETURN_IF_ERROR(CheckBias(scale, r, &sc, "rank-space scale"));
   std::string e;
   try {
-    e = LowRankMatmul(x.untyped_data(), xt, M, u, v, b, y->untyped_data(), yt);
+    e = LowRankMatmul(x.untyped_data(), xt, M, u, v, b, y->untyped_data(), yt, -1, sc);
   } catch (const std::exception& ex) {  // e.g. std::bad_alloc: never unwind into XLA
     return ffi::Error::Internal(std::string("lr_xuv_w4a8: ") + ex.what());
   }
@@ -171,6 +176,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LrjaxW4A8Xuv, LowRankW4A8Impl,
                                   .Arg<ffi::Buffer<ffi::U8>>()   // v packed [Np/BW, Rp/8, 4 BW]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v scales [Gv, Np]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // bias [N] or [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale [r] or [0]
                                   .Ret<ffi::AnyBuffer>()       // y [..., N] f32|bf16
                                   .Attr<int64_t>("k")
                                   .Attr<int64_t>("r")

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 import lrjax
-from conftest import randn
+from conftest import assert_close, randn
 from lrjax.lowering import rules
 
 from test_fuse import lr_params, prims
@@ -204,17 +204,44 @@ def _w4a8(x, qw, out_dtype=jnp.float32):
   )
 
 
-def test_w4a8_chain_with_a_scale_or_rounded_intermediate_is_refused_and_reported():
-  """lr_xuv_w4a8 re-quantizes the f32 intermediate as it is: a rank-space Σ between the
-  quantized factors, or a first product rounded to bf16, would be lost. Both stay unfused."""
+def test_w4a8_chain_with_a_scale_fuses_exactly():
+  """A rank-space Σ between the quantized factors (a weight [r] in f32 or bf16, [1, r], or a
+  literal scalar) becomes lr_xuv_w4a8's scale operand: the kernel multiplies the f32
+  intermediate before re-quantizing it, as the unfused second matmul quantizes the same f32
+  product (results within f32 rounding of the chain's, as without a scale)."""
+  from lrjax.custom_calls.cpu import lowering as cpu_lowering
+
   qu, qv = _q(96, 16), _q(16, 80)
-  s = randn((16,))
+  x = randn((3, 96))
+  s32 = randn((16,)) + 2.0
+  for s in (s32, s32.astype(jnp.bfloat16), s32[None, :], 0.5):
+    f = lambda x, s=s: _w4a8(_w4a8(x, qu) * s, qv)  # noqa: E731
+    names = prims(lrjax.fuse(f), x)
+    assert names.count("lr_xuv_w4a8") == 1 and "w4a8_matmul" not in names, names
+    if cpu_lowering.extension_available():  # the C++ kernel applies the scale
+      hlo = jax.jit(lrjax.fuse(f)).lower(x).compile().as_text()
+      assert "lrjax_w4a8_xuv" in hlo and "lrjax_w4a8_matmul" not in hlo
+    assert_close(jax.jit(lrjax.fuse(f))(x), jax.jit(f)(x), jnp.float32)
+    with lrjax.lowering.force_reference():
+      assert_close(jax.jit(lrjax.fuse(f))(x), jax.jit(f)(x), jnp.float32)
+
+
+def test_w4a8_chain_with_another_op_or_rounded_intermediate_is_refused_and_reported():
+  """lr_xuv_w4a8 keeps the intermediate in f32 and multiplies it by at most one scale [r]:
+  a first product rounded to bf16, another op, a scale that varies along the rows or one
+  read from the activation stay unfused, each reported."""
+  qu, qv = _q(96, 16), _q(16, 80)
   x = randn((3, 96))
   plain = lambda x: _w4a8(_w4a8(x, qu), qv)  # noqa: E731
-  scaled = lambda x: _w4a8(_w4a8(x, qu) * s, qv)  # noqa: E731
-  rounded = lambda x: _w4a8(_w4a8(x, qu, jnp.bfloat16), qv)  # noqa: E731
   assert prims(lrjax.fuse(plain), x).count("lr_xuv_w4a8") == 1
-  for f, why in ((scaled, "op 'mul' between the quantized factors"), (rounded, "rounded to")):
+  rows = randn((3, 16))
+  cases = (
+    (lambda x: _w4a8(jnp.tanh(_w4a8(x, qu)), qv), "op 'tanh' between the quantized factors"),
+    (lambda x: _w4a8(_w4a8(x, qu, jnp.bfloat16), qv), "rounded to"),
+    (lambda x: _w4a8(_w4a8(x, qu) * rows, qv), "op 'mul' between the quantized factors"),
+    (lambda x: _w4a8(_w4a8(x, qu) * x[0, :16], qv), "derived from the chain's input"),
+  )
+  for f, why in cases:
     assert "lr_xuv_w4a8" not in prims(lrjax.fuse(f), x)
     assert any(why in r for r in _reasons(f, x)), _reasons(f, x)
     np.testing.assert_array_equal(jax.jit(lrjax.fuse(f))(x), jax.jit(f)(x))

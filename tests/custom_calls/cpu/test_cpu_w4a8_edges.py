@@ -169,10 +169,15 @@ def test_ffi_xuv_attributes_are_range_checked(rng, attr, value):
   )
   x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
   ok = dict(k=64, r=16, n=24, group_u=32, group_v=0, layout=0)
-  b = jnp.zeros((0,), jnp.float32)
-  assert call(x, wu, su, wv, sv, b, **{a: np.int64(v) for a, v in ok.items()}).shape == (3, 24)
+  b = jnp.zeros((0,), jnp.float32)  # no bias, no scale
+  ok = {a: np.int64(v) for a, v in ok.items()}
+  assert call(x, wu, su, wv, sv, b, b, **ok).shape == (3, 24)
   with pytest.raises(Exception, match=f"attribute {attr}={value} is outside"):
-    jax.block_until_ready(call(x, wu, su, wv, sv, b, **{a: np.int64(v) for a, v in attrs.items()}))
+    jax.block_until_ready(
+      call(x, wu, su, wv, sv, b, b, **{a: np.int64(v) for a, v in attrs.items()})
+    )
+  with pytest.raises(Exception, match=r"rank-space scale shape \(15,\) must be \(16,\)"):
+    jax.block_until_ready(call(x, wu, su, wv, sv, b, jnp.ones((15,), jnp.float32), **ok))
 
 
 _THREADS_SCRIPT = textwrap.dedent(
