@@ -47,11 +47,11 @@ def _toolchain() -> str | None:
 
 
 def _scale_reason(params) -> str | None:
-  """Why a kernel without the scale's XLA epilogue (prefill, the MLPs) declines."""
+  """Why a kernel without the scale's XLA epilogue (the prefill kernels) declines."""
   if params.get("has_scale") or any(params.get("scale_mask", ())):
     return (
-      "rank-space scale between the factors: applied only by the decode X·U·V and grouped "
-      "kernels (phase 1 in the kernel, the scale and ·V by XLA)"
+      "rank-space scale between the factors: applied only by the decode kernels (phase 1 in "
+      "the kernel, the scale and ·V by XLA; the MLP as its composed calls)"
     )
   return None
 
@@ -198,9 +198,7 @@ def _group_impl():
 def _mlp_checks(avals, params) -> str | None:
   from lrjax.lowering.primitives import mlp_operands
 
-  if (reason := _scale_reason(params)) is not None:
-    return reason
-  d = mlp_operands(avals, params["gated"], params["bias_mask"])
+  d = mlp_operands(avals, params["gated"], params["bias_mask"], params.get("scale_mask", ()))
   if params["act"] not in ("silu", "gelu_tanh", "gelu", "relu"):
     return f"activation {params['act']!r} has no Triton epilogue"
   factors = [d["up"][0], d["up"][1], d["down"][0], d["down"][1]]
@@ -221,10 +219,14 @@ def mlp_decode_supports(avals, params) -> str | None:
   m = _rows(avals[0])
   if m > MLP_DECODE_MAX_M:
     return f"M={m} > {MLP_DECODE_MAX_M}: prefill kernel serves"
+  if any(params.get("scale_mask", ())):  # composed: down's scale needs xuv_decode's schedule
+    return _persistent_rows_reason(m)
   return None
 
 
 def mlp_prefill_supports(avals, params) -> str | None:
+  if (reason := _scale_reason(params)) is not None:
+    return reason
   return _mlp_checks(avals, params)
 
 
@@ -240,17 +242,21 @@ def _mlp_impl(mod: str, fn: str):
   def load():
     kernel = getattr(importlib.import_module(f"lrjax.custom_calls.triton.{mod}"), fn)
 
-    def impl(*ops, gated, act, bias_mask, inter_dtype, out_dtype):
+    def impl(*ops, gated, act, bias_mask, inter_dtype, out_dtype, scale_mask=()):
       del inter_dtype
       from lrjax.lowering.primitives import mlp_operands
 
-      d = mlp_operands(ops, gated, bias_mask)
-      proj = lambda p: (p[0], p[1]) if p[2] is None else p
-      return kernel(
+      d = mlp_operands(ops, gated, bias_mask, scale_mask)
+      fn, proj = kernel, lambda p, name: (p[0], p[1]) if p[2] is None else p
+      if any(scale_mask):  # only mlp_decode is asked (the prefill kernel declines scales)
+        from lrjax.custom_calls.triton.mlp_decode import mlp_decode_scaled
+
+        fn, proj = mlp_decode_scaled, lambda p, name: (*p, d["scales"][name])
+      return fn(
         d["x"],
-        proj(d["up"]),
-        proj(d["down"]),
-        proj(d["gate"]) if gated else None,
+        proj(d["up"], "up"),
+        proj(d["down"], "down"),
+        proj(d["gate"], "gate") if gated else None,
         act=act,
         out_dtype=out_dtype,
       )

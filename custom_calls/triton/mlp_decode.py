@@ -1229,13 +1229,17 @@ def _composed(x2, up, down, gate, act, out_dtype, out, group=True):
   act(X·Ug·Vg + bg) ⊙ (X·Uu·Vu + bu) in f32 from the calls' outputs in the factors' dtype,
   rounded once to it, then ·Ud·Vd + bd (into ``out``, if given). ``group``: X·Ug and X·Uu in
   one grouped launch (phase 1 alone, ``pv="xla"``; on these tiles if a GroupDecodePlan),
-  else one call each."""
+  else one call each. A projection given as (u, v, bias | None, scale) carries a rank-space
+  scale, applied as xuv_decode and the grouped kernel apply one."""
   from lrjax.custom_calls.triton.xuv_decode import xuv_decode
   from lrjax.custom_calls.triton.xuv_decode_group import _xuv_decode_group
   from lrjax.lowering.primitives import ACTIVATIONS
 
   def xuv(a, p, odt, o=None):
-    return xuv_decode(a, p[0], p[1], p[2] if len(p) == 3 else None, out_dtype=odt, out=o)
+    b = p[2] if len(p) >= 3 else None
+    if len(p) == 4 and p[3] is not None:  # a rank-space scale: phase 1, then XLA
+      return xuv_decode(a, p[0], p[1], b, out_dtype=odt, scale=p[3])
+    return xuv_decode(a, p[0], p[1], b, out_dtype=odt, out=o)
 
   f32, fn, dt = jnp.float32, ACTIVATIONS[act], up[1].dtype
   if gate is None:
@@ -1412,6 +1416,25 @@ def mlp_decode(
   return _mlp_decode(
     x, up, down, gate, act=act, out_dtype=out_dtype, block_sizes=block_sizes, out=out
   )
+
+
+def mlp_decode_scaled(x, up, down, gate=None, *, act="silu", out_dtype=None):
+  """``mlp_decode`` with rank-space scales: each projection (u, v, bias | None, scale | None).
+  Runs the composed schedule (the grouped launch for gate and up, a decode call for down),
+  where the scales are applied after phase 1 by XLA; the fused kernel takes none."""
+  from lrjax.custom_calls.triton._common import ACT_CODES
+
+  if act not in ACT_CODES:
+    raise ValueError(f"{act=} is not supported; expected one of {sorted(ACT_CODES)}")
+  projs = ((gate,) if gate is not None else ()) + (up, down)
+  if any(not isinstance(p, (tuple, list)) or len(p) != 4 for p in projs):
+    raise ValueError("each projection must be (u, v, bias | None, scale | None)")
+  lead, d_out = x.shape[:-1], down[1].shape[1]
+  x2 = x.reshape(-1, x.shape[-1])
+  if x2.shape[0] > MAX_M:
+    raise ValueError(f"{x2.shape[0]} rows: the decode MLP serves M <= {MAX_M}")
+  out_dtype = jnp.dtype(out_dtype or x.dtype)
+  return _composed(x2, up, down, gate, act, out_dtype, None).reshape(*lead, d_out)
 
 
 def mlp_decode_reference(x, up, down, gate=None, *, act="silu", out_dtype=None):

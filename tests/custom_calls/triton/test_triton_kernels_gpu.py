@@ -1120,6 +1120,34 @@ def test_svd_form_with_sigma_fuses_into_the_kernels(m, sdt):
       assert_close(got, oracle(u, v, s), dtype)
 
 
+@pytest.mark.parametrize("m", [1, 8])
+def test_svd_form_mlp_runs_as_its_composed_calls(m):
+  """A SwiGLU MLP with Σ between each projection's factors: lr_mlp with scales, served by
+  the grouped gate/up launch and the down call (2 Triton calls), equal to the reference."""
+  import lrjax
+
+  dtype = jnp.bfloat16
+  d, f = 512, 1408
+  ranks = {"g": 128, "u": 128, "d": 96}
+  shapes = {"g": (d, f), "u": (d, f), "d": (f, d)}
+  p = {
+    k: (*lr_factors(shapes[k][0], r, shapes[k][1], dtype), randn((r,), dtype) + 2.0)
+    for k, r in ranks.items()
+  }
+
+  def mlp(x, p):
+    proj = lambda a, w: ((a @ w[0]) * w[2]) @ w[1]  # noqa: E731
+    return proj(jax.nn.silu(proj(x, p["g"])) * proj(x, p["u"]), p["d"])
+
+  x = randn((m, d), dtype)
+  with lrjax.lowering.prefer_kernels():
+    fused = jax.jit(lrjax.fuse(mlp)).lower(x, p).compile()
+  assert _count_triton_calls(fused.as_text()) == 2
+  with lrjax.lowering.force_reference():
+    want = jax.jit(lrjax.fuse(mlp))(x, p)
+  assert_close(fused(x, p), want, dtype, factor=2.0)
+
+
 def test_group_above_the_grouped_kernels_rows_is_left_to_xla():
   """Above 64 rows the grouped kernel declines and the group lowers as XLA's reference (no
   Triton call: XLA merges the X·U dots); prefer_kernels() lowers each member as its own

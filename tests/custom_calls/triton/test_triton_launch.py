@@ -624,6 +624,65 @@ def test_a_rank_space_scale_is_applied_by_xla_after_phase_1():
   assert out.strip().endswith("ok")
 
 
+def test_a_scaled_mlp_runs_as_its_composed_calls():
+  """lr_mlp with rank-space scales through the CUDA lowering's impl (the launches faked: each
+  phase-1 launch returns the exact f32 X·U of its members, computed here): the gate/up
+  group and the down call apply each projection's scale after phase 1, and the result is
+  lr_mlp's reference within bf16 rounding. Gated (gate unscaled) and non-gated, scales on
+  up and down."""
+  out = run_script(
+    STUB
+    + textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    from lrjax.custom_calls.triton import launch, lowering, mlp_decode, xuv_decode
+    from lrjax.custom_calls.triton import xuv_decode_group
+    from lrjax.lowering.primitives import _mlp_flatten, lr_mlp_reference
+    xuv_decode.num_sms = xuv_decode_group.num_sms = lambda: 132
+    def fake(*args, kernel, out_shape, grid, **kw):
+      x = np.asarray(args[0], np.float32)
+      scratch = np.zeros(out_shape[0].shape, np.float32)
+      if kernel.__name__ == "_xuv_decode_group_kernel":
+        assert not any(kw[f"Q{i}"] for i in range(3))  # phase 1 alone
+        off = 0
+        for i in range(3):
+          if kw[f"A{i}"]:
+            p = x @ np.asarray(args[1 + 3 * i], np.float32)
+            scratch[off:off + p.size] = p.reshape(-1)
+            off += p.size
+        return (jnp.asarray(scratch), *[jnp.zeros(o.shape, o.dtype) for o in out_shape[1:]])
+      assert kernel.__name__ == "_xuv_decode_persistent_kernel" and not kw["PV"], kernel
+      p = (x @ np.asarray(args[1], np.float32)).reshape(-1)
+      scratch[:p.size] = p
+      p16 = jnp.asarray(p, out_shape[2].dtype) if out_shape[2].shape == p.shape else (
+          jnp.zeros(out_shape[2].shape, out_shape[2].dtype))
+      return (jnp.asarray(scratch), jnp.zeros(out_shape[1].shape, out_shape[1].dtype), p16)
+    launch.triton_call = fake
+    impl = lowering._mlp_impl("mlp_decode", "mlp_decode")()
+    rng = np.random.default_rng(0)
+    bf = jnp.bfloat16
+    r = lambda *s, scale=1.0: jnp.asarray(rng.standard_normal(s) * scale, bf)
+    m, d, f, rk, rd = 3, 256, 512, 64, 48
+    x = r(m, d)
+    for gated in (True, False):
+      gate = (r(d, rk, scale=d**-0.5), r(rk, f, scale=rk**-0.5), None, None)
+      up = (r(d, rk, scale=d**-0.5), r(rk, f, scale=rk**-0.5), r(f), r(rk) + 2)
+      down = (r(f, rd, scale=f**-0.5), r(rd, d, scale=rd**-0.5), None, r(rd) + 2)
+      projs = ((gate,) if gated else ()) + (up, down)
+      flat, bmask, smask = _mlp_flatten(projs)
+      params = dict(gated=gated, act="silu", bias_mask=bmask, inter_dtype=jnp.dtype(bf),
+                    out_dtype=jnp.dtype(bf), scale_mask=smask)
+      y = impl(x, *flat, **params)
+      want = lr_mlp_reference(x, up, down, gate if gated else None, act="silu")
+      f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+      err = np.linalg.norm(f64(y) - f64(want)) / np.linalg.norm(f64(want))
+      assert y.shape == (m, d) and err < 2e-2, (gated, err)
+    print("ok")
+  """),
+    interpret=False,
+  )
+  assert out.strip().endswith("ok")
+
+
 def test_a_kernel_with_read_off_reads_a_slice_in_its_source_buffer():
   """launch._read_in_place, on a hand-built module: a kernel that takes READ_OFF and whose
   first operand is a contiguous slice of a 1-D buffer (a chained call's half) gets the whole

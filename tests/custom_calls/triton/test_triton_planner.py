@@ -263,10 +263,10 @@ def test_xuv_supports_decisions(toolchain):
   assert "M=0" in lowering.xuv_decode_supports(avals(0), XUV_PARAMS)
 
 
-def test_a_scale_is_served_by_the_decode_and_grouped_kernels_only(toolchain):
+def test_a_scale_is_served_by_the_decode_kernels_only(toolchain):
   """A rank-space scale: the decode X·U·V kernel takes it up to the persistent schedule's rows
-  (phase 1 there, the scale and ·V by XLA), the grouped kernel per member; the prefill and
-  MLP kernels decline it by name."""
+  (phase 1 there, the scale and ·V by XLA), the grouped kernel per member, the decode MLP as
+  its composed calls; the prefill kernels decline it by name."""
   from lrjax.custom_calls.triton import policy
 
   scaled = dict(XUV_PARAMS, has_scale=True, scaled_dtype=jnp.dtype(jnp.bfloat16))
@@ -293,9 +293,11 @@ def test_a_scale_is_served_by_the_decode_and_grouped_kernels_only(toolchain):
   )
   assert lowering.xuv_group_supports(group, gparams) is None
   mparams = dict(_mlp_params(), scale_mask=(False, True, False))
-  mlp = _mlp_avals(1)
-  mlp.insert(5, _aval((64,)))  # up's scale, after up's factors
-  assert "rank-space scale" in lowering.mlp_decode_supports(mlp, mparams)
+  mlp = lambda m: _mlp_avals(m)[:5] + [_aval((64,))] + _mlp_avals(m)[5:]  # noqa: E731  up's scale
+  assert lowering.mlp_decode_supports(mlp(1), mparams) is None  # the composed calls
+  if limit < lowering.MLP_DECODE_MAX_M:
+    assert "persistent" in lowering.mlp_decode_supports(mlp(limit + 1), mparams)
+  assert "rank-space scale" in lowering.mlp_prefill_supports(mlp(1024), mparams)
 
 
 def _mlp_avals(m, gated=True, gate_rank=64):
