@@ -1,0 +1,81 @@
+"""benchmarks/model_step_peer.py's bookkeeping on CPU: the records built from the two sides'
+JSON (ratios, the step with XLA's attention, the profile), and a results file that keeps the
+records of other cards (and converts the one-run form it had before)."""
+
+import json
+
+
+def _side(device, kinds, ms, profile=False):
+  recs = {}
+  for kind in kinds:
+    for b in (1, 8):
+      recs[f"{kind}/{b}"] = {"ms": ms[kind] * b}
+      if profile and kind != "dense":
+        recs[f"{kind}/{b}"]["profile"] = {"span_ms": ms[kind] * b}
+  return {"device": device, "jax": "0", "torch": "0", "argv": ["--side"], "records": recs}
+
+
+def _torch(device, ms):
+  recs = {}
+  for kind in ("dense", "lowrank"):
+    for b in (1, 8):
+      recs[f"{kind}/{b}"] = {"eager": {"ms": ms[kind] * b + 1}, "compile": {"ms": ms[kind] * b}}
+  return {"device": device, "jax": "0", "torch": "0", "argv": ["--side"], "records": recs}
+
+
+def _merge(load_benchmark, tmp_path, device, out, lj, pt):
+  mod = load_benchmark("model_step_peer")
+  t, l = tmp_path / f"t_{device}.json", tmp_path / f"l_{device}.json"
+  t.write_text(json.dumps(pt))
+  l.write_text(json.dumps(lj))
+  args = ["--model", "tiny", "--batch", "1", "8", "--ctx", "64", "--max-len", "128"]
+  assert mod.main(args + ["--steps", "4", "--merge", str(t), str(l), "--out", str(out)]) == 0
+  return json.loads(out.read_text())
+
+
+def test_records_ratios_and_cards_kept(load_benchmark, tmp_path):
+  out = tmp_path / "peer.json"
+  kinds = ("dense", "lowrank", "lowrank_xla_attention")
+  ms = {"dense": 6.0, "lowrank": 4.0, "lowrank_xla_attention": 4.5}
+  tms = {"dense": 6.0, "lowrank": 5.0}
+  # the one-run form an older script wrote: converted, its card's records kept
+  old = {"meta": {"device": "NVIDIA H200"}, "records": [{"device": "NVIDIA H200", "ctx": 64}]}
+  out.write_text(json.dumps(old))
+  doc = _merge(
+    load_benchmark,
+    tmp_path,
+    "H100",
+    out,
+    _side("NVIDIA H100 80GB HBM3", kinds, ms, profile=True),
+    _torch("NVIDIA H100 80GB HBM3", tms),
+  )
+  assert set(doc["runs"]) == {"NVIDIA H200", "NVIDIA H100 80GB HBM3"}
+  h100 = [r for r in doc["records"] if r["device"].startswith("NVIDIA H100")]
+  assert [r["batch"] for r in h100] == [1, 8] and len(doc["records"]) == 3
+  r1 = h100[0]
+  assert r1["lrjax_ms"] == 4.0 and r1["lrjax_xla_attention_ms"] == 4.5
+  assert r1["torch_dense_ms"] == 6.0 and r1["speedup_vs_torch_dense"] == 1.5
+  assert r1["speedup_vs_torch_lowrank"] == 5.0 / 4.0
+  assert set(r1["profile"]) == {"lowrank", "lowrank_xla_attention"}
+  assert r1["hbm_bps"] == 3.35e12 and 0 < r1["hbm_roofline_frac"]
+  # a second run on the same card and context replaces that card's records only
+  doc = _merge(
+    load_benchmark,
+    tmp_path,
+    "H100b",
+    out,
+    _side("NVIDIA H100 80GB HBM3", kinds[:2], ms),
+    _torch("NVIDIA H100 80GB HBM3", tms),
+  )
+  h100 = [r for r in doc["records"] if r["device"].startswith("NVIDIA H100")]
+  assert len(h100) == 2 and len(doc["records"]) == 3
+  assert h100[0]["lrjax_xla_attention_ms"] is None and h100[0]["profile"] == {}
+
+
+def test_kernel_classes_of_a_profile(load_benchmark):
+  mod = load_benchmark("model_step_peer")
+  assert mod.kernel_class("mha_forward") == "attention kernel"
+  assert mod.kernel_class("_xuv_decode_group_kernel_9b28") == "GEMM-like"
+  assert mod.kernel_class("gemm_fusion_dot_1") == "GEMM-like"
+  assert mod.kernel_class("memcpy32_post") == "memsets/copies"
+  assert mod.kernel_class("input_reduce_fusion_81") == mod.OTHER
