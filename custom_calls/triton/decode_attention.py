@@ -107,3 +107,10 @@ def decode_attention(q, k, v, pos, *, window=None, k_splits=None, interpret=Fals
     interpret=interpret,
   )
   return o.reshape(b, hq * d).astype(q.dtype)
+
+
+def decode_attention_reference(q, k, v, pos, *, window=None):
+  """The primitive's XLA reference (lowering/decode_attention.py): the models' attention."""
+  from lrjax.lowering.decode_attention import decode_attention_reference as ref
+
+  return ref(q, k, v, pos, window=window)

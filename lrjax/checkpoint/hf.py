@@ -156,6 +156,20 @@ def _one_line(e: BaseException) -> str:
   return s[0][:300] if s else type(e).__name__
 
 
+def _json_object(path: str) -> dict:
+  """The JSON object in file ``path``; a one-line ValueError naming the file otherwise."""
+  try:
+    with open(path, encoding="utf-8") as fh:
+      out = json.load(fh)
+  except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    raise ValueError(f"{path}: not valid JSON ({_one_line(e)})") from None
+  except IsADirectoryError:
+    raise ValueError(f"{path}: is a directory, expected a JSON file") from None
+  if not isinstance(out, dict):
+    raise ValueError(f"{path}: expected a JSON object, got {type(out).__name__}")
+  return out
+
+
 def _dtype_from(cfg_json: dict, dtype, cfg_path: str):
   if dtype is not None:
     return jnp.dtype(dtype)
@@ -184,15 +198,7 @@ def read_hf_config(path: str | os.PathLike) -> tuple[str, dict]:
   if not os.path.exists(cfg_path):
     raise FileNotFoundError(f"{cfg_path} does not exist; expected an HF checkpoint directory")
   confined(path, "config.json", cfg_path)
-  try:
-    with open(cfg_path, encoding="utf-8") as fh:
-      cfg_json = json.load(fh)
-  except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-    raise ValueError(f"{cfg_path}: not valid JSON ({_one_line(e)})") from None
-  except IsADirectoryError:
-    raise ValueError(f"{cfg_path}: is a directory, expected a JSON file") from None
-  if not isinstance(cfg_json, dict):
-    raise ValueError(f"{cfg_path}: expected a JSON object, got {type(cfg_json).__name__}")
+  cfg_json = _json_object(cfg_path)
   return cfg_path, cfg_json
 
 
@@ -220,14 +226,8 @@ def read_export_record(path: str | os.PathLike) -> dict | None:
   if not os.path.lexists(rp):
     return None
   confined(path, EXPORT_NAME, rp)
-  try:
-    with open(rp, encoding="utf-8") as fh:
-      rec = json.load(fh)
-  except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-    raise ValueError(f"{rp}: not valid JSON ({_one_line(e)})") from None
-  except IsADirectoryError:
-    raise ValueError(f"{rp}: is a directory, expected a JSON file") from None
-  if not isinstance(rec, dict) or rec.get("format") != EXPORT_FORMAT:
+  rec = _json_object(rp)
+  if rec.get("format") != EXPORT_FORMAT:
     raise ValueError(f"{rp}: expected an object with format {EXPORT_FORMAT!r}")
   ver = rec.get("format_version")
   if not isinstance(ver, int) or isinstance(ver, bool) or not 1 <= ver <= EXPORT_VERSION:

@@ -24,24 +24,13 @@ from pathlib import Path
 import numpy as np
 
 from lrjax.models.families import Family
+from lrjax.text import TEXT_FILES  # what an export carries from its source, when present
 
 FORMATS = ("hf-lowrank", "hf-dense")
 DEFAULT_FORMAT = "hf-lowrank"
 MODELING_FILE = "modeling_lrjax_lowrank.py"
 MODEL_TYPE_PREFIX = "lrjax_lowrank_"
-# Tokenizer and generation files an export carries from its source, when present.
-TEXT_FILES = (
-  "tokenizer.json",
-  "tokenizer_config.json",
-  "special_tokens_map.json",
-  "chat_template.jinja",
-  "chat_template.json",
-  "generation_config.json",
-  "tokenizer.model",
-  "vocab.json",
-  "merges.txt",
-  "added_tokens.json",
-)
+
 _CAUSAL_LM = "ForCausalLM"
 # files an export writes itself (with its *.safetensors)
 _EXPORT_OWN = frozenset(

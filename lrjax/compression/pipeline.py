@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from lrjax.models.llama import MLP_PROJS
+from lrjax.models.llama import PROJ_NAMES as ALL_PROJS
 from lrjax.compression.factorize import (
   budget_rank,
   check_rank,
@@ -39,8 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("lrjax.compression")
 
 METHODS = ("whiten", "svd")
-MLP_PROJS = ("gate_proj", "up_proj", "down_proj")
-ALL_PROJS = ("q_proj", "k_proj", "v_proj", "o_proj") + MLP_PROJS
+
 # Projection → input group (as yielded by ``lrjax.models.layer_inputs``).
 PROJ_GROUP = {
   "q_proj": "qkv",

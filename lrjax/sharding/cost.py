@@ -28,6 +28,8 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 
+from lrjax.models.llama import PROJ_NAMES as PROJS
+from lrjax.models.llama import proj_axes
 from lrjax.sharding.rules import (
   CACHE,
   STRATEGIES,
@@ -37,16 +39,6 @@ TABLE_PATH = os.path.join(os.path.dirname(__file__), "interconnect.json")
 DEFAULT_BATCH = 8
 DEFAULT_CTX = 1024
 _COST = {"all-reduce": 2.0, "all-gather": 1.0, "reduce-scatter": 1.0}
-PROJS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_AXES = {
-  "q_proj": ("embed", "heads"),
-  "k_proj": ("embed", "kv_heads"),
-  "v_proj": ("embed", "kv_heads"),
-  "o_proj": ("heads", "embed"),
-  "gate_proj": ("embed", "mlp"),
-  "up_proj": ("embed", "mlp"),
-  "down_proj": ("mlp", "embed"),
-}
 
 
 # ----------------------------------------------------------------------------- the data table
@@ -121,7 +113,7 @@ def param_inventory(cfg, ranks: Sequence[Mapping[str, int]] | None, heads=None) 
         out.append(ParamShape(f"{pre}.attn.{norm}.weight", (None,), (cfg.head_dim,)))
     for name in PROJS:
       k, n = shapes[name]
-      ax_in, ax_out = _AXES[name]
+      ax_in, ax_out = proj_axes(name)
       p = f"{pre}.{'attn' if name in ('q_proj', 'k_proj', 'v_proj', 'o_proj') else 'mlp'}.{name}"
       r = r_i.get(name)
       if r is None:
