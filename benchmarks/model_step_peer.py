@@ -21,10 +21,11 @@ time (or run them yourself: ``--side torch --side-out t.json``, ``--side lrjax -
 l.json``, then ``--merge t.json l.json --out ...``; a side writes after every record).
 Records: device, model, batch, ctx, ratio, lrjax_ms, lrjax_dense_ms, lrjax_xla_attention_ms (the
 low-rank step with the model's attention left to XLA instead of the decode-attention kernel),
+lrjax_variants_ms (every ``--kinds`` step timed, e.g. with XLA's command buffers off or wider),
 torch_dense_ms, torch_lowrank_ms, the ratios, bytes a step must read and hbm_roofline_frac (those
 bytes over the card's HBM bandwidth, divided by the step); with ``--profile``, each low-rank
-step's kernel time per class (GEMM-like, attention, XLA fusions, memsets/copies, idle gaps) and
-launches. ``--out`` keeps the records of other devices and contexts already in it.
+step's kernel time per class (GEMM-like, attention, XLA fusions, memsets/copies, idle gaps),
+launches, and every kernel's launches and time a step (a profile runs without command buffers). ``--out`` keeps the records of other devices and contexts already in it.
 ``--model tiny --device cpu`` checks the script on a CPU (no CUDA graphs there; nothing it
 prints is a performance number).
 """
@@ -112,6 +113,28 @@ CLASSES = (
 OTHER = "XLA fusions (norms, rope, residuals, cache writes, XLA's attention)"
 
 
+# lrjax's step variants (--kinds): dense (XLA), low-rank fused, the same with the model's
+# attention left to XLA, and with XLA's command buffers (CUDA graphs) off / as wide as XLA
+# takes them (its default captures runs of >= 5 fusions, GEMMs and custom calls; the whole
+# capture adds the step's loop and conditionals, from runs of one).
+LRJAX_KINDS = (
+  "dense",
+  "lowrank",
+  "lowrank_xla_attention",
+  "lowrank_cmdbuf_off",
+  "lowrank_cmdbuf_whole",
+)
+COMPILER_OPTIONS = {
+  "lowrank_cmdbuf_off": {"xla_gpu_enable_command_buffer": ""},
+  "lowrank_cmdbuf_whole": {
+    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
+    "xla_gpu_graph_min_graph_size": 1,
+  },
+}
+# profiled kinds (a profile runs without command buffers, so theirs would not differ)
+PROFILED = ("lowrank", "lowrank_xla_attention")
+
+
 def kernel_class(name: str) -> str:
   low = name.lower()
   for cls, marks in CLASSES:
@@ -135,23 +158,27 @@ def attribute(fn, fn_args, steps: int, top: int = 12) -> dict:
     events = sorted(device_kernel_events(d))
   span = (max(e for _, e, _ in events) - events[0][0]) / steps / 1e6
   busy = busy_ns(events) / steps / 1e6
-  ms, launches, names = {}, {}, {}
+  ms, launches, names, counts = {}, {}, {}, {}
   for st, en, name in events:
     c = kernel_class(name)
     ms[c] = ms.get(c, 0.0) + (en - st) / steps / 1e6
     launches[c] = launches.get(c, 0) + 1 / steps
     key = name[:60]
     names[key] = names.get(key, 0.0) + (en - st) / steps / 1e3
+    counts[key] = counts.get(key, 0) + 1 / steps
   classes = {
     c: {"ms": ms[c], "frac_of_span": ms[c] / span, "launches": launches[c]} for c in sorted(ms)
   }
   classes["gaps (GPU idle)"] = {"ms": span - busy, "frac_of_span": (span - busy) / span}
+  ranked = sorted(names.items(), key=lambda kv: -kv[1])
   return {
     "span_ms": span,
     "busy_ms": busy,
     "launches_per_step": sum(launches.values()),
     "classes": classes,
-    "top_kernels_us": dict(sorted(names.items(), key=lambda kv: -kv[1])[:top]),
+    "top_kernels_us": dict(ranked[:top]),
+    # every kernel: [launches a step, µs a step] (XLA names a reused kernel once)
+    "kernels": {k: [counts[k], us] for k, us in ranked},
   }
 
 
@@ -187,25 +214,34 @@ def run_lrjax(args, ranks) -> dict:
   dtype = jnp.bfloat16
   out = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "records": {}}
   out["argv"] = sys.argv[1:]
-  for kind in ("dense", "lowrank", "lowrank_xla_attention"):
+  built = None
+  # the attention kernel is unregistered last: kinds run in LRJAX_KINDS' order
+  for kind in sorted(
+    args.kinds, key=lambda k: (k == "lowrank_xla_attention", LRJAX_KINDS.index(k))
+  ):
     if kind == "lowrank_xla_attention":  # the same step with the model's attention left to XLA
       from lrjax.lowering import registry
 
       registry.load_platform("cuda")
       registry.unregister("decode_attention", "cuda", "pallas.decode_attention")
-    t0 = time.perf_counter()
-    model = LlamaForCausalLM(
-      cfg,
-      ranks=None if kind == "dense" else [ranks] * cfg.num_layers,
-      dtype=dtype,
-      param_dtype=dtype,
-      scan_layers=False,
-      rngs=nnx.Rngs(0),
-    )
-    print(f"lrjax: built {kind} in {time.perf_counter() - t0:.1f} s", flush=True)
-    gdef, state = nnx.split(model)
-    decode = functools.partial(type(model).decode, attend_len=args.ctx)
-    if kind != "dense":
+    lowrank = kind != "dense"
+    if built is None or built[0] != lowrank:
+      built = None  # one model on the GPU at a time
+      t0 = time.perf_counter()
+      model = LlamaForCausalLM(
+        cfg,
+        ranks=[ranks] * cfg.num_layers if lowrank else None,
+        dtype=dtype,
+        param_dtype=dtype,
+        scan_layers=False,
+        rngs=nnx.Rngs(0),
+      )
+      print(f"lrjax: built {kind} in {time.perf_counter() - t0:.1f} s", flush=True)
+      built = (lowrank, *nnx.split(model))
+      del model
+    _, gdef, state = built
+    decode = functools.partial(LlamaForCausalLM.decode, attend_len=args.ctx)
+    if lowrank:
       decode = lrjax.fuse(decode)
     steps = args.steps
 
@@ -219,7 +255,7 @@ def run_lrjax(args, ranks) -> dict:
 
       return jax.lax.fori_loop(0, steps, body, (cache, tokens))
 
-    fn = jax.jit(run, donate_argnums=(1,))
+    fn = jax.jit(run, donate_argnums=(1,), compiler_options=COMPILER_OPTIONS.get(kind))
     for batch in args.batch:
       start = args.ctx - steps  # every step's position stays inside the attended ctx
 
@@ -249,7 +285,7 @@ def run_lrjax(args, ranks) -> dict:
       times.sort()
       ms = times[len(times) // 2] * 1e3
       out["records"][f"{kind}/{batch}"] = {"ms": ms, "all_ms": [t * 1e3 for t in times]}
-      if args.profile and kind != "dense":
+      if args.profile and kind in PROFILED:
         out["records"][f"{kind}/{batch}"]["profile"] = attribute(
           fn, (state, reset(None), toks), steps
         )
@@ -258,7 +294,6 @@ def run_lrjax(args, ranks) -> dict:
         f"lrjax {kind:8s} batch {batch:3d}: {ms:.3f} ms (compile {compile_s:.1f} s)", flush=True
       )
       del base
-    del model, state
   return out
 
 
@@ -444,6 +479,9 @@ def build_records(args, ranks, lj, pt) -> list[dict]:
       "lrjax_ms": lr_ms,
       "lrjax_dense_ms": lj["records"][key("dense")]["ms"],
       "lrjax_xla_attention_ms": lj["records"].get(key("lowrank_xla_attention"), {}).get("ms"),
+      "lrjax_variants_ms": {
+        k: lj["records"][key(k)]["ms"] for k in LRJAX_KINDS if key(k) in lj["records"]
+      },
       "profile": {
         k: lj["records"][key(k)]["profile"]
         for k in ("lowrank", "lowrank_xla_attention")
@@ -488,6 +526,13 @@ def main(argv=None):
   ap.add_argument("--ranks-json", help=argparse.SUPPRESS)
   ap.add_argument(
     "--profile", action="store_true", help="attribute lrjax's low-rank step per kernel class"
+  )
+  ap.add_argument(
+    "--kinds",
+    nargs="+",
+    choices=LRJAX_KINDS,
+    default=list(LRJAX_KINDS[:3]),
+    help="lrjax's step variants to time (dense and lowrank are needed for a record)",
   )
   args = ap.parse_args(argv)
   if not 0.0 < args.ratio < 1.0:

@@ -1,15 +1,19 @@
 """``decode_attention``: one decode step of softmax attention over a (dense) KV cache.
 
   q    [B, Hq, D]        the new token's queries, RoPE already applied
-  k, v [B, Hkv, T, D]    the cache in its own layout (lrjax.models.llama.KVCache), the new key
-                         and value already written; T is the attended length
+  k, v [B, Hkv, T, D]    the cache buffers in their own layout (lrjax.models.llama.KVCache),
+                         the new key and value already written
   pos  [B] int32         key t is visible to row b iff t <= pos[b] (and pos[b] - t < window)
+  length (static)        keys at or past ``length`` (default T) are never visible: every
+                         pos[b] < length. The model's ``attend_len``.
   → [B, Hq·D] in q's dtype; query head j attends with KV head j // (Hq / Hkv).
 
-The reference is the model's own attention (XLA's reduce and select fusions over all T keys).
-On NVIDIA GPUs a flash-decoding kernel serves it (custom_calls/triton/decode_attention.py):
-the cache is split along T over many programs, each reads only the filled part of its split,
-and the splits' partial softmaxes are merged.
+The reference is the model's own attention (XLA's reduce and select fusions over the first
+``length`` keys). On NVIDIA GPUs a flash-decoding kernel serves it
+(custom_calls/triton/decode_attention.py): the cache is split along T over many programs,
+each reads only the filled part of its split, and the splits' partial softmaxes are merged.
+The kernel reads the whole buffers in place; slicing them to ``length`` first would copy
+them (XLA cannot pass a strided slice to a custom call).
 """
 
 from __future__ import annotations
@@ -43,13 +47,26 @@ def _check(q, k, v, pos):
     raise ValueError(f"{pos.shape=} {pos.dtype=}: expected [{b}] integer positions")
 
 
-def decode_attention(q, k, v, pos, *, window=None):
+def _check_length(length, t: int) -> int | None:
+  if length is None:
+    return None
+  if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= t:
+    raise ValueError(f"{length=}: expected a Python int in [1, {t}] (the cache length), or None")
+  return None if length == t else length
+
+
+def decode_attention(q, k, v, pos, *, window=None, length=None):
   """Decode attention over a KV cache (see the module docstring)."""
   _check(q, k, v, pos)
   if window is not None and (isinstance(window, bool) or int(window) < 1):
     raise ValueError(f"{window=}: expected a sliding window of >= 1 keys, or None")
   return decode_attention_p.bind(
-    q, k, v, jnp.asarray(pos, jnp.int32), window=None if window is None else int(window)
+    q,
+    k,
+    v,
+    jnp.asarray(pos, jnp.int32),
+    window=None if window is None else int(window),
+    length=_check_length(length, k.shape[2]),
   )
 
 
@@ -76,22 +93,26 @@ def attend(q, k, v, mask, heads_first: bool = False):
   return o.reshape(b, s, h * d)
 
 
-def _reference(q, k, v, pos, *, window):
-  """The models' attention of the one query over all T keys, masked."""
+def _reference(q, k, v, pos, *, window, length=None):
+  """The models' attention of the one query over the first ``length`` keys, masked."""
+  if length is not None:
+    k, v = k[:, :, :length], v[:, :, :length]
   mask = visible(pos, k.shape[2], window)[:, None]
   dt = q.dtype
   return attend(q[:, None], k.astype(dt), v.astype(dt), mask, heads_first=True)[:, 0]
 
 
-def decode_attention_reference(q, k, v, pos, *, window=None):
+def decode_attention_reference(q, k, v, pos, *, window=None, length=None):
   """Pure-jnp reference of :func:`decode_attention` (also its default lowering)."""
   _check(q, k, v, pos)
-  return _reference(q, k, v, jnp.asarray(pos, jnp.int32), window=window)
+  length = _check_length(length, k.shape[2])
+  return _reference(q, k, v, jnp.asarray(pos, jnp.int32), window=window, length=length)
 
 
 @decode_attention_p.def_abstract_eval
-def _abstract(q, k, v, pos, *, window):
+def _abstract(q, k, v, pos, *, window, length):
   _check(q, k, v, pos)
+  _check_length(length, k.shape[2])
   return jax.core.ShapedArray((q.shape[0], q.shape[1] * q.shape[2]), q.dtype)
 
 

@@ -10,7 +10,10 @@ partial results are merged in f32. It takes the cache as [B, T, Hkv, D] and tran
 [B, Hkv, T, D] itself; ours is already in that layout, and XLA removes the two transposes.
 
 The split count trades parallelism (B·Hkv·k_splits programs against the GPU's SMs) for the
-merge's extra traffic; :func:`plan` picks it.
+merge's extra traffic; :func:`plan` picks it for the attended ``length`` keys. A cache buffer
+longer than ``length`` is passed whole (a slice would be a copy) and split into the same
+split size throughout; the splits past a row's last key return at once. Where that would
+take more than ``MAX_BUFFER_SPLITS`` splits, the first ``length`` keys are sliced (copied).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ BLOCK_K = 128  # keys per inner step (the Pallas kernel's default for gqa)
 MIN_SPLIT = 16  # the Pallas kernel needs at least 16 keys per split
 TARGET_PROGRAMS = 256  # about two programs per SM on an H100 (132 SMs) or H200 (132)
 MAX_SPLITS = 32
+MAX_BUFFER_SPLITS = 128  # splits over a whole buffer (most of them past every row's last key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +70,16 @@ def plan(b: int, hkv: int, t: int, k_splits: int | None = None) -> Plan | str:
   return options[-1]
 
 
-def shape_reason(q_shape, k_shape, dtypes) -> str | None:
+def buffer_plan(p: Plan, t: int, length: int) -> Plan | None:
+  """``p``, planned for the first ``length`` keys, stretched over a whole buffer of ``t`` keys
+  in splits of the same size; None where that does not divide or takes too many splits."""
+  split = length // p.k_splits
+  if t % split or t // split > MAX_BUFFER_SPLITS:
+    return None
+  return Plan(t // split, p.block_k)
+
+
+def shape_reason(q_shape, k_shape, dtypes, length: int | None = None) -> str | None:
   """Why the kernel cannot take these operands (None: it can)."""
   b, _, d = q_shape
   _, hkv, t, _ = k_shape
@@ -74,13 +87,14 @@ def shape_reason(q_shape, k_shape, dtypes) -> str | None:
     return f"dtypes {dtypes}: q, k and v must share one of {KERNEL_DTYPES}"
   if not _pow2(d) or not 16 <= d <= 256:
     return f"head dim {d} is not a power of two in [16, 256]"
-  p = plan(b, hkv, t)
+  p = plan(b, hkv, t if length is None else length)
   return p if isinstance(p, str) else None
 
 
-@functools.partial(jax.jit, static_argnames=("window", "k_splits", "interpret"))
-def decode_attention(q, k, v, pos, *, window=None, k_splits=None, interpret=False):
+@functools.partial(jax.jit, static_argnames=("window", "length", "k_splits", "interpret"))
+def decode_attention(q, k, v, pos, *, window=None, length=None, k_splits=None, interpret=False):
   """q [B, Hq, D], k/v [B, Hkv, T, D], pos [B] → [B, Hq·D] (the primitive's semantics).
+  ``k_splits``: splits of the first ``length`` keys (default: :func:`plan`'s).
   ``interpret``: Pallas's interpreter (any platform; tests)."""
   import importlib
   import warnings
@@ -91,9 +105,16 @@ def decode_attention(q, k, v, pos, *, window=None, k_splits=None, interpret=Fals
 
   b, hq, d = q.shape
   _, hkv, t, _ = k.shape
-  p = plan(b, hkv, t, k_splits)
+  length = t if length is None else length
+  p = plan(b, hkv, length, k_splits)
   if isinstance(p, str):
     raise ValueError(p)
+  if length < t:
+    whole = buffer_plan(p, t, length)
+    if whole is None:
+      k, v = k[:, :, :length], v[:, :, :length]
+    else:
+      p = whole
   pos = pos.astype(jnp.int32)
   start = None if window is None else jnp.maximum(pos - (window - 1), 0)
   o = pallas_decode.gqa(
@@ -109,8 +130,8 @@ def decode_attention(q, k, v, pos, *, window=None, k_splits=None, interpret=Fals
   return o.reshape(b, hq * d).astype(q.dtype)
 
 
-def decode_attention_reference(q, k, v, pos, *, window=None):
+def decode_attention_reference(q, k, v, pos, *, window=None, length=None):
   """The primitive's XLA reference (lowering/decode_attention.py): the models' attention."""
   from lrjax.lowering.decode_attention import decode_attention_reference as ref
 
-  return ref(q, k, v, pos, window=window)
+  return ref(q, k, v, pos, window=window, length=length)

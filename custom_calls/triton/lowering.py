@@ -321,7 +321,6 @@ def _kv_attention_impl():
 
 
 def decode_attention_supports(avals, params) -> str | None:
-  del params
   from lrjax.custom_calls.triton.decode_attention import PALLAS_MODULE, shape_reason
 
   # jax 0.11 deprecates the Pallas Triton backend; a later jax may not have it
@@ -329,7 +328,7 @@ def decode_attention_supports(avals, params) -> str | None:
     return f"this jax has no {PALLAS_MODULE}"
 
   q, k, v, _ = avals
-  return shape_reason(q.shape, k.shape, (_dt(q), _dt(k), _dt(v)))
+  return shape_reason(q.shape, k.shape, (_dt(q), _dt(k), _dt(v)), params.get("length"))
 
 
 def decode_attention_faster(avals, params) -> str | None:

@@ -687,10 +687,12 @@ class Engine:
 
     c = self.cfg
     q = jax.ShapeDtypeStruct((self.max_slots, c.num_heads, c.head_dim), self._compute_dtype)
-    kshape = (self.max_slots, c.num_kv_heads, self.attend_buckets[-1], c.head_dim)
+    kshape = (self.max_slots, c.num_kv_heads, self.max_len, c.head_dim)
     k = jax.ShapeDtypeStruct(kshape, self._cache_dtype)
     pos = jax.ShapeDtypeStruct((self.max_slots,), jnp.int32)
-    sel = registry.select("decode_attention", plat, (q, k, k, pos), {"window": c.sliding_window})
+    length = self.attend_buckets[-1]
+    params = {"window": c.sliding_window, "length": None if length == self.max_len else length}
+    sel = registry.select("decode_attention", plat, (q, k, k, pos), params)
     if sel.kernel is not None:
       return sel.kernel.name
     return "XLA reference" + (

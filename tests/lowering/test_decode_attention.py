@@ -66,6 +66,33 @@ def test_bad_operands_name_what_was_expected(args, match):
     decode_attention(q, k, v, pos)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("window", [None, 3])
+def test_length_bounds_the_keys_without_slicing_the_buffers(dtype, window):
+  """Keys past ``length`` (random here, never zeros) are never read; the primitive takes the
+  whole buffers and the reference slices them itself."""
+  q, k, v, pos = operands(3, 8, 2, 24, 16, dtype)
+  pos = jnp.asarray([0, 5, 9], jnp.int32)
+  fn = lambda *a: decode_attention(*a, window=window, length=10)  # noqa: E731
+  want = oracle(q, k[:, :, :10], v[:, :, :10], pos, window)
+  assert_close(jax.jit(fn)(q, k, v, pos), want, dtype)
+  assert_close(decode_attention_reference(q, k, v, pos, window=window, length=10), want, dtype)
+  jaxpr = jax.make_jaxpr(fn)(q, k, v, pos)
+  (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "decode_attention"]
+  assert eqn.params["length"] == 10 and eqn.invars[1].aval.shape == k.shape
+  batched = jax.vmap(fn)(q[None], k[None], v[None], pos[None])
+  assert_close(batched[0], want, dtype)
+  # the whole length is the default
+  eqn = jax.make_jaxpr(lambda *a: decode_attention(*a, length=24))(q, k, v, pos).jaxpr.eqns[-1]
+  assert eqn.params["length"] is None
+
+
+@pytest.mark.parametrize("length", [0, 25, 3.0, True])
+def test_bad_length(length):
+  with pytest.raises(ValueError, match=r"expected a Python int in \[1, 24\]"):
+    decode_attention(*operands(1, 2, 1, 24, 8, jnp.float32), length=length)
+
+
 @pytest.mark.parametrize("window", [0, -3, True])
 def test_bad_window(window):
   with pytest.raises(ValueError, match="sliding window"):
@@ -88,6 +115,50 @@ def test_kernel_wrapper_in_the_interpreter(b, hq, hkv, t, d, window, k_splits, d
   out = kernel.decode_attention(q, k, v, pos, window=window, k_splits=k_splits, interpret=True)
   assert out.shape == (b, hq * d) and out.dtype == dtype
   assert_close(out, oracle(q, k, v, pos, window), dtype)
+
+
+# (b, hq, hkv, buffer, length, window): the buffer read whole, split alike past ``length``
+# (256 = 16 splits of 16 keys), then sliced: 200 keys do not divide into splits of 16, and
+# 4096 would take 256 splits
+BUFFERS = [(2, 4, 2, 256, 64, None), (2, 4, 2, 256, 64, 7), (2, 4, 1, 200, 64, None),
+           (1, 2, 1, 4096, 16, None)]  # fmt: skip
+
+
+@pytest.mark.parametrize("b, hq, hkv, t, length, window", BUFFERS)
+def test_kernel_wrapper_bounded_by_length_in_the_interpreter(b, hq, hkv, t, length, window):
+  dtype = jnp.bfloat16
+  q, k, v, _ = operands(b, hq, hkv, t, 32, dtype)
+  pos = jnp.asarray([0, length - 1][-b:], jnp.int32)
+  p = kernel.plan(b, hkv, length)
+  whole = kernel.buffer_plan(p, t, length)
+  assert (whole is not None) == (t == 256)
+  out = kernel.decode_attention(q, k, v, pos, window=window, length=length, interpret=True)
+  assert_close(out, oracle(q, k[:, :, :length], v[:, :, :length], pos, window), dtype)
+  # the whole-buffer path takes the buffers as they are; the sliced one copies a slice
+  names = primitive_names(
+    lambda *a: kernel.decode_attention(*a, length=length, interpret=True), q, k, v, pos
+  )
+  assert ("slice" in names) == (whole is None), names
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+  b=st.integers(1, 64),
+  hkv=st.integers(1, 16),
+  t=st.sampled_from([2**i for i in range(4, 15)] + [100, 1000, 3000]),
+  length_log=st.integers(4, 14),
+)
+def test_buffer_plan_splits_alike_or_declines(b, hkv, t, length_log):
+  length = 2**length_log
+  if length > t:
+    return
+  p = kernel.plan(b, hkv, length)
+  whole = kernel.buffer_plan(p, t, length)
+  if whole is None:
+    assert t % (length // p.k_splits) or t // (length // p.k_splits) > kernel.MAX_BUFFER_SPLITS
+    return
+  assert t // whole.k_splits == length // p.k_splits  # the same split size
+  assert whole.block_k == p.block_k and whole.k_splits <= kernel.MAX_BUFFER_SPLITS
 
 
 @settings(max_examples=300, deadline=None)
@@ -134,6 +205,9 @@ def test_registry_serves_cuda_with_the_kernel_and_says_why_not():
     sel = registry.select("decode_attention", "cuda", avals, {"window": None})
     assert sel.kernel is None and why in sel.declined[0][1], sel.declined
   assert registry.select("decode_attention", "cpu", _avals(1, 4, 2, 16, 8), {}).kernel is None
+  # a length bound is planned by its own length: a 1000-key buffer attended to 512 serves
+  sel = registry.select("decode_attention", "cuda", _avals(8, 32, 8, 1000, 128), {"length": 512})
+  assert sel.name == "pallas.decode_attention", sel.declined
 
 
 def test_model_decode_binds_it_and_prefill_does_not():

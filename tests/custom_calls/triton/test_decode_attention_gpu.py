@@ -70,6 +70,24 @@ def test_rows_at_every_fill_level():
   assert_close(out, oracle(q, k, v, pos), jnp.bfloat16)
 
 
+@pytest.mark.parametrize("t, length", [(2048, 1024), (8192, 512), (4096, 16)])
+def test_length_bound_reads_the_buffers_in_place(t, length):
+  """A buffer longer than the attended length: passed whole (no copy in the compiled HLO)
+  where the split plan stretches over it, sliced where it would take too many splits; keys
+  past ``length`` hold huge values that reading them would show."""
+  q, k, v, _ = operands(4, 32, 8, t, 128, jnp.bfloat16)
+  pos = jnp.asarray([0, 1, length // 2, length - 1], jnp.int32)
+  past = jnp.arange(t)[None, None, :, None] >= length
+  k, v = jnp.where(past, 3e4, k).astype(k.dtype), jnp.where(past, -3e4, v).astype(v.dtype)
+  fn = jax.jit(lambda *a: decode_attention(*a, length=length))
+  whole = kernel.buffer_plan(kernel.plan(4, 8, length), t, length) is not None
+  hlo = fn.lower(q, k, v, pos).compile().as_text()
+  copied = f"bf16[4,8,{length},128]" in hlo  # a [B, Hkv, length, D] slice of the buffer
+  assert copied != whole, f"{whole=} but {copied=}"
+  out = fn(q, k, v, pos)
+  assert_close(out, oracle(q, k[:, :, :length], v[:, :, :length], pos), jnp.bfloat16)
+
+
 def test_model_decode_on_the_gpu_matches_the_reference():
   from flax import nnx
 
