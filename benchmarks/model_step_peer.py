@@ -25,7 +25,8 @@ lrjax_variants_ms (every ``--kinds`` step timed, e.g. with XLA's command buffers
 torch_dense_ms, torch_lowrank_ms, the ratios, bytes a step must read and hbm_roofline_frac (those
 bytes over the card's HBM bandwidth, divided by the step); with ``--profile``, each low-rank
 step's kernel time per class (GEMM-like, attention, XLA fusions, memsets/copies, idle gaps),
-launches, and every kernel's launches and time a step (a profile runs without command buffers). ``--out`` keeps the records of other devices and contexts already in it.
+launches, and every kernel's launches and time a step (a profile runs without command buffers).
+``--out`` keeps the records of other devices and contexts already in it.
 ``--model tiny --device cpu`` checks the script on a CPU (no CUDA graphs there; nothing it
 prints is a performance number).
 """

@@ -297,9 +297,8 @@ class DecoderLayer(nnx.Module):
       kv = tuple(write_kv(c, n, write_pos, heads_first=True) for c, n in zip(kv, (k, v)))
     if kv is not None and attend_cache and q.shape[1] == 1:  # one decode step: the primitive
       t = mask.shape[-1]  # the first ``attend_len`` positions (the buffers are not sliced)
-      a = decode_attention(
-        q[:, 0], *kv, write_pos, window=self.attn.cfg.sliding_window, length=t
-      )[:, None]
+      window = self.attn.cfg.sliding_window
+      a = decode_attention(q[:, 0], *kv, write_pos, window=window, length=t)[:, None]
     elif kv is not None and attend_cache:
       t = mask.shape[-1]
       a = attend(
