@@ -681,15 +681,22 @@ class Engine:
     attend bucket): a kernel's name, or the XLA reference and why."""
     if self.lowrank_kv:
       return "lr_kv_attention (low-rank KV cache)"
-    if self.plan is not None and self.plan.mesh.size > 1:
-      return f"XLA reference (a model sharded over {self.plan.mesh.size} devices)"
-    from lrjax.lowering import registry
+    from lrjax.sharding.split import STRATEGY as SPLIT
 
     c = self.cfg
-    q = jax.ShapeDtypeStruct((self.max_slots, c.num_heads, c.head_dim), self._compute_dtype)
-    kshape = (self.max_slots, c.num_kv_heads, self.max_len, c.head_dim)
+    rows, heads, kv_heads = self.max_slots, c.num_heads, c.num_kv_heads
+    if self.plan is not None and self.plan.mesh.size > 1:
+      if self.plan.strategy != SPLIT:  # XLA partitions the reference of a GSPMD program
+        return f"XLA reference (a model sharded over {self.plan.mesh.size} devices)"
+      # lowrank_split's per-device program binds it on each device's rows and heads
+      tp = self.plan.mesh.shape["tp"]
+      rows, heads, kv_heads = rows // self.plan.mesh.shape["data"], heads // tp, kv_heads // tp
+    from lrjax.lowering import registry
+
+    q = jax.ShapeDtypeStruct((rows, heads, c.head_dim), self._compute_dtype)
+    kshape = (rows, kv_heads, self.max_len, c.head_dim)
     k = jax.ShapeDtypeStruct(kshape, self._cache_dtype)
-    pos = jax.ShapeDtypeStruct((self.max_slots,), jnp.int32)
+    pos = jax.ShapeDtypeStruct((rows,), jnp.int32)
     length = self.attend_buckets[-1]
     params = {"window": c.sliding_window, "length": None if length == self.max_len else length}
     sel = registry.select("decode_attention", plat, (q, k, k, pos), params)

@@ -22,8 +22,9 @@ so the norm's reduction rides in the same collective as the projection's partial
 :func:`install` gives each decoder layer of a model this program as its ``__call__`` (the layer
 becomes a :class:`SplitDecoderLayer`; params, their paths and checkpoints are unchanged), which
 :func:`lrjax.sharding.shard` does for ``lowrank_split``. The program binds ``lr_mlp_rank`` on
-local shapes (``lrjax.fuse`` leaves shard_map bodies to lrjax.sharding); every other product is
-an XLA GEMM, since a collective sits between the two factors of every pair.
+local shapes (``lrjax.fuse`` leaves shard_map bodies to lrjax.sharding), and a decode step's
+``decode_attention`` on the local heads; every other product is an XLA GEMM, since a
+collective sits between the two factors of every pair.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from lrjax.lowering.decode_attention import decode_attention
 from lrjax.models.llama import DecoderLayer, apply_rope, attend, write_kv
 from lrjax.sharding.rules import param_spec
 
@@ -256,7 +258,12 @@ def _local_layer(a, h, positions, inv_freq, mask, kv=None, write_pos=None, *, st
   # attention on the local heads (as DecoderLayer.__call__)
   if kv is not None:
     kv = tuple(write_kv(c, nw, write_pos, heads_first=True) for c, nw in zip(kv, (k, v)))
-  if kv is not None and static["attend_cache"]:
+  if kv is not None and static["attend_cache"] and s == 1:  # one decode step: the primitive
+    t_len = mask.shape[-1]  # on the local KV heads; the buffers are not sliced
+    att = decode_attention(
+      q[:, 0], *kv, write_pos, window=cfg.sliding_window, length=t_len
+    )[:, None]
+  elif kv is not None and static["attend_cache"]:
     t_len = mask.shape[-1]
     att = attend(
       q,

@@ -54,6 +54,12 @@ def test_logits_equal_one_device(run):
       assert r.get("layer_class", "SplitDecoderLayer") == "SplitDecoderLayer"
   # prefill into the KV cache (split on KV heads) and decode steps
   assert run["decode_rel_err"] < F32_TOL, run["seed"]
+  # each layer's decode attention on the device's heads at TP 4 (16 query and 8 KV heads of
+  # 8): q [2, 4, 8], the cache buffers whole (12 positions), the attended length a bound
+  want = [[[2, 16 // 4, 8], [2, 8 // 4, 12, 8]]] * 2
+  got = [[ops[0], ops[1]] for ops, _ in run["split_decode_attention"]]
+  assert got == want, run["split_decode_attention"]
+  assert {length for _, length in run["split_decode_attention"]} == {8}
   # bf16: no less accurate than the one-device bf16 model, against f32 on the same weights
   b = run["bf16"]
   assert b["split_err"] <= max(1.25 * b["single_err"], tolerance("bfloat16")), (b, run["seed"])
@@ -154,6 +160,10 @@ def test_serving_engine_and_cli(run):
   assert sv["lowrank_split_4_False"] == single, run["seed"]
   assert sv["lowrank_split_2_True"] == single, run["seed"]  # rank-space KV cache
   assert sv["plan_lowrank_split_4_False"] == "lowrank_split"
+  # the per-device program's attention is judged by the kernel (which declines the tiny f32
+  # model's dtypes), not refused for being sharded
+  assert "pallas.decode_attention: dtypes" in sv["attention_lowrank_split_4_False"], sv
+  assert sv["attention_lowrank_split_2_True"] == "lr_kv_attention (low-rank KV cache)"
   assert sv["up_u_spec"] == ["tp", "None"] and sv["up_u_shard"][0] == 64 // 4  # split on K
   rc, text = sv["cli_auto"]
   assert rc == 0 and "tp=8" in text and ",".join(map(str, single[0])) in text, text

@@ -157,16 +157,37 @@ def part_numerics():
       )
     lg, cache = nnx.jit(lambda mm, t, c: mm.prefill(t, c))(m, tok[:, :5], cache)
     outs = [lg]
-    dec = nnx.jit(lambda mm, t, c: mm.decode(t, c))
-    for i in range(3):
+    for i in range(3):  # the last step attends to the first 8 of the 12 positions
+      attend_len = 8 if i == 2 else None
+      dec = nnx.jit(lambda mm, t, c, n=attend_len: mm.decode(t, c, attend_len=n))
       lg, cache = dec(m, tok[:, 5 + i % 2], cache)
       outs.append(lg)
-    return [np.asarray(o, np.float64) for o in outs]
+    return [np.asarray(o, np.float64) for o in outs], cache
 
-  single = steps(make(cfg, ranks_of(cfg)))
-  split = steps(S.shard(make(cfg, ranks_of(cfg)), S.make_mesh(4), "lowrank_split"))
+  single, _ = steps(make(cfg, ranks_of(cfg)))
+  m = S.shard(make(cfg, ranks_of(cfg)), S.make_mesh(4), "lowrank_split")
+  split, cache = steps(m)
   out["decode_rel_err"] = max(rel(a, b) for a, b in zip(split, single))
+  # the split program's decode step binds decode_attention on each device's KV heads
+  jaxpr = jax.make_jaxpr(lambda t, c: m.decode(t, c, attend_len=8))(tok[:, 0], cache)
+  out["split_decode_attention"] = [
+    [[list(v.aval.shape) for v in e.invars], e.params["length"]]
+    for e in eqns(jaxpr.jaxpr)
+    if e.primitive.name == "decode_attention"
+  ]
   out["numerics"] = recs
+
+
+def eqns(jaxpr):
+  """Every equation of ``jaxpr`` and of the jaxprs in its equations' params."""
+  for e in jaxpr.eqns:
+    yield e
+    for v in e.params.values():
+      for sub in v if isinstance(v, (tuple, list)) else (v,):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          yield from eqns(sub.jaxpr)
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          yield from eqns(sub)
 
 
 def colls(text):
@@ -254,6 +275,8 @@ def part_serving():
     eng = load_engine(ckpt, tp=tp, strategy=strategy, lowrank_kv=lowrank_kv, **kw)
     res[f"{strategy}_{tp}_{lowrank_kv}"] = [r.tokens for r in eng.generate(reqs())]
     res[f"plan_{strategy}_{tp}_{lowrank_kv}"] = eng.plan.strategy
+    # what would serve its decode attention on a GPU: judged on the local heads
+    res[f"attention_{strategy}_{tp}_{lowrank_kv}"] = eng._attention_lowering("cuda")
   m = load_model(ckpt, tp=4, strategy="lowrank_split")
   u = m.layers[0].mlp.up_proj.u[...]
   res["up_u_spec"] = [str(a) for a in u.sharding.spec]
