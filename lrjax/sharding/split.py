@@ -260,9 +260,8 @@ def _local_layer(a, h, positions, inv_freq, mask, kv=None, write_pos=None, *, st
     kv = tuple(write_kv(c, nw, write_pos, heads_first=True) for c, nw in zip(kv, (k, v)))
   if kv is not None and static["attend_cache"] and s == 1:  # one decode step: the primitive
     t_len = mask.shape[-1]  # on the local KV heads; the buffers are not sliced
-    att = decode_attention(
-      q[:, 0], *kv, write_pos, window=cfg.sliding_window, length=t_len
-    )[:, None]
+    att = decode_attention(q[:, 0], *kv, write_pos, window=cfg.sliding_window, length=t_len)
+    att = att[:, None]
   elif kv is not None and static["attend_cache"]:
     t_len = mask.shape[-1]
     att = attend(
