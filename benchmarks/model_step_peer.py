@@ -115,15 +115,17 @@ OTHER = "XLA fusions (norms, rope, residuals, cache writes, XLA's attention)"
 
 
 # lrjax's step variants (--kinds): dense (XLA), low-rank fused, the same with the model's
-# attention left to XLA, and with XLA's command buffers (CUDA graphs) off / as wide as XLA
-# takes them (its default captures runs of >= 5 fusions, GEMMs and custom calls; the whole
-# capture adds the step's loop and conditionals, from runs of one).
+# attention left to XLA, with XLA's command buffers (CUDA graphs) off / as wide as XLA takes
+# them (its default captures runs of >= 5 fusions, GEMMs and custom calls; the whole capture
+# adds the step's loop and conditionals, from runs of one), and with the attention kernel
+# given a copied slice of each cache buffer instead of the whole buffer.
 LRJAX_KINDS = (
   "dense",
   "lowrank",
   "lowrank_xla_attention",
   "lowrank_cmdbuf_off",
   "lowrank_cmdbuf_whole",
+  "lowrank_sliced_cache",
 )
 COMPILER_OPTIONS = {
   "lowrank_cmdbuf_off": {"xla_gpu_enable_command_buffer": ""},
@@ -133,7 +135,7 @@ COMPILER_OPTIONS = {
   },
 }
 # profiled kinds (a profile runs without command buffers, so theirs would not differ)
-PROFILED = ("lowrank", "lowrank_xla_attention")
+PROFILED = ("lowrank", "lowrank_xla_attention", "lowrank_sliced_cache")
 
 
 def kernel_class(name: str) -> str:
@@ -225,6 +227,11 @@ def run_lrjax(args, ranks) -> dict:
 
       registry.load_platform("cuda")
       registry.unregister("decode_attention", "cuda", "pallas.decode_attention")
+    if kind == "lowrank_sliced_cache":
+      from lrjax.custom_calls.triton import decode_attention as attention_kernel
+
+      saved_splits, attention_kernel.MAX_BUFFER_SPLITS = attention_kernel.MAX_BUFFER_SPLITS, 0
+      attention_kernel.decode_attention.clear_cache()  # traced again under the new bound
     lowrank = kind != "dense"
     if built is None or built[0] != lowrank:
       built = None  # one model on the GPU at a time
@@ -295,6 +302,9 @@ def run_lrjax(args, ranks) -> dict:
         f"lrjax {kind:8s} batch {batch:3d}: {ms:.3f} ms (compile {compile_s:.1f} s)", flush=True
       )
       del base
+    if kind == "lowrank_sliced_cache":
+      attention_kernel.MAX_BUFFER_SPLITS = saved_splits
+      attention_kernel.decode_attention.clear_cache()
   return out
 
 
