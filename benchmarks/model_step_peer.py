@@ -495,7 +495,7 @@ def build_records(args, ranks, lj, pt) -> list[dict]:
       },
       "profile": {
         k: lj["records"][key(k)]["profile"]
-        for k in ("lowrank", "lowrank_xla_attention")
+        for k in PROFILED
         if "profile" in lj["records"].get(key(k), {})
       },
       "torch_dense_ms": best["dense"],

@@ -21,6 +21,7 @@ import os
 import sys
 from collections.abc import Callable
 
+from lrjax.files import one_line
 from lrjax import __version__
 
 # Modules that register further subcommands (skipped with a note if not importable).
@@ -220,8 +221,7 @@ def _no_verify_arg(p: argparse.ArgumentParser):
 
 
 def _one_line(e: BaseException) -> str:
-  lines = str(e).strip().splitlines()
-  return lines[0][:500] if lines else type(e).__name__
+  return one_line(e, limit=500)
 
 
 @contextlib.contextmanager

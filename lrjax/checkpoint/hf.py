@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
+from lrjax.files import one_line, read_json_object
 from lrjax.checkpoint import hf_export
 from lrjax.checkpoint.atomic import atomic_dir, resolve
 from lrjax.checkpoint.placement import logical_sharding, param_axes, param_key, pick
@@ -151,25 +152,6 @@ def digest(path: str | os.PathLike, progress: bool = False) -> str:
   return "sha256:" + h.hexdigest()
 
 
-def _one_line(e: BaseException) -> str:
-  s = str(e).strip().splitlines()
-  return s[0][:300] if s else type(e).__name__
-
-
-def _json_object(path: str) -> dict:
-  """The JSON object in file ``path``; a one-line ValueError naming the file otherwise."""
-  try:
-    with open(path, encoding="utf-8") as fh:
-      out = json.load(fh)
-  except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-    raise ValueError(f"{path}: not valid JSON ({_one_line(e)})") from None
-  except IsADirectoryError:
-    raise ValueError(f"{path}: is a directory, expected a JSON file") from None
-  if not isinstance(out, dict):
-    raise ValueError(f"{path}: expected a JSON object, got {type(out).__name__}")
-  return out
-
-
 def _dtype_from(cfg_json: dict, dtype, cfg_path: str):
   if dtype is not None:
     return jnp.dtype(dtype)
@@ -198,7 +180,7 @@ def read_hf_config(path: str | os.PathLike) -> tuple[str, dict]:
   if not os.path.exists(cfg_path):
     raise FileNotFoundError(f"{cfg_path} does not exist; expected an HF checkpoint directory")
   confined(path, "config.json", cfg_path)
-  cfg_json = _json_object(cfg_path)
+  cfg_json = read_json_object(cfg_path)
   return cfg_path, cfg_json
 
 
@@ -226,7 +208,7 @@ def read_export_record(path: str | os.PathLike) -> dict | None:
   if not os.path.lexists(rp):
     return None
   confined(path, EXPORT_NAME, rp)
-  rec = _json_object(rp)
+  rec = read_json_object(rp)
   if rec.get("format") != EXPORT_FORMAT:
     raise ValueError(f"{rp}: expected an object with format {EXPORT_FORMAT!r}")
   ver = rec.get("format_version")
@@ -249,7 +231,7 @@ def is_export(path: str | os.PathLike) -> str | None:
   try:
     rec = read_export_record(path)
   except (OSError, ValueError) as e:
-    return f"is not an lrjax export ({_one_line(e)})"
+    return f"is not an lrjax export ({one_line(e)})"
   return None if rec is not None else f"is not an lrjax export (no {EXPORT_NAME})"
 
 
@@ -298,7 +280,7 @@ def load_hf(
   try:
     cfg = ModelConfig.from_hf_config(cfg_json)
   except (ValueError, TypeError) as e:
-    raise ValueError(f"{cfg_path}: {_one_line(e)}") from None
+    raise ValueError(f"{cfg_path}: {one_line(e)}") from None
   dt = _dtype_from(cfg_json, dtype, cfg_path)
   ranks = heads = None
   if LOWRANK_KEY in cfg_json:
@@ -323,7 +305,7 @@ def load_hf(
     gdef, flat = abstract_split(cfg, ranks, dt, heads)
   except (ValueError, TypeError, KeyError) as e:
     raise ValueError(
-      f"{cfg_path}: {LOWRANK_KEY} ranks/heads do not fit the model ({_one_line(e)})"
+      f"{cfg_path}: {LOWRANK_KEY} ranks/heads do not fit the model ({one_line(e)})"
     ) from None
   names = _param_names(flat, fam)
   if shardings is None and mesh is not None:
@@ -428,7 +410,7 @@ def export_hf(
     _param_names(flat, fam)
   except ValueError as e:
     raise ValueError(
-      f"{_one_line(e)}: an HF export holds float weights of transformers' layout only "
+      f"{one_line(e)}: an HF export holds float weights of transformers' layout only "
       "(a quantized model cannot be exported; export the checkpoint it was quantized from)"
     ) from None
   ranks = model.layer_ranks()

@@ -34,6 +34,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
 
+from lrjax.files import one_line, read_json_object
 from lrjax.checkpoint import quantized as quantized_ckpt
 from lrjax.checkpoint.atomic import atomic_dir, resolve
 from lrjax.checkpoint.hf import abstract_model, abstract_split
@@ -82,7 +83,7 @@ def is_checkpoint(path: str | os.PathLike) -> str | None:
   try:
     read_metadata(path)
   except (OSError, ValueError) as e:
-    return f"is not an lrjax checkpoint ({_one_line(e)})"
+    return f"is not an lrjax checkpoint ({one_line(e)})"
   return None
 
 
@@ -157,11 +158,6 @@ def save(
 
 
 # ---- metadata ---------------------------------------------------------------------------------
-def _one_line(e: BaseException) -> str:
-  s = str(e).strip().splitlines()
-  return s[0][:300] if s else type(e).__name__
-
-
 def _is_int(v) -> bool:
   return isinstance(v, int) and not isinstance(v, bool)
 
@@ -208,13 +204,7 @@ def read_metadata(path: str | os.PathLike) -> dict:
       f"{mp} does not exist; {path} is not an lrjax checkpoint "
       "(for an HF directory use lrjax.models.from_hf)"
     )
-  try:
-    with open(mp, encoding="utf-8") as fh:
-      meta = json.load(fh)
-  except (UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise ValueError(f"{mp}: not valid JSON ({_one_line(e)}); the checkpoint is corrupt") from None
-  if not isinstance(meta, dict):
-    raise ValueError(f"{mp}: expected a JSON object, got {type(meta).__name__}")
+  meta = read_json_object(mp, hint="the checkpoint is corrupt")
   fmt, ver = meta.get("format"), meta.get("format_version")
   if fmt != FORMAT or not _is_int(ver) or not 1 <= ver <= FORMAT_VERSION:
     raise ValueError(
@@ -229,7 +219,7 @@ def read_metadata(path: str | os.PathLike) -> dict:
   try:
     cfg = ModelConfig.from_dict(meta["config"])
   except (ValueError, TypeError) as e:
-    raise ValueError(f"{mp}: 'config': {_one_line(e)}") from None
+    raise ValueError(f"{mp}: 'config': {one_line(e)}") from None
   _check_layer_dicts(mp, "ranks", meta["ranks"], cfg.num_layers, optional=False)
   _check_layer_dicts(mp, "heads", meta.get("heads"), cfg.num_layers, optional=True)
   if not isinstance(meta["params"], dict):
@@ -253,7 +243,7 @@ def _stored(state_dir: str, ckptr: ocp.Checkpointer) -> dict[str, tuple[tuple, n
     return {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in dict(tree).items()}
   except Exception as e:
     raise ValueError(
-      f"{state_dir}: the array index cannot be read ({_one_line(e)}); the checkpoint is corrupt"
+      f"{state_dir}: the array index cannot be read ({one_line(e)}); the checkpoint is corrupt"
     ) from None
 
 
@@ -274,9 +264,9 @@ def _locate(state_dir: str, target: dict, err: Exception) -> ValueError:
       )
     except Exception as e:
       return ValueError(
-        f"{state_dir}: array {k!r} cannot be read ({_one_line(e)}); the checkpoint is corrupt"
+        f"{state_dir}: array {k!r} cannot be read ({one_line(e)}); the checkpoint is corrupt"
       )
-  return ValueError(f"{state_dir}: restoring failed ({_one_line(err)}); the checkpoint is corrupt")
+  return ValueError(f"{state_dir}: restoring failed ({one_line(err)}); the checkpoint is corrupt")
 
 
 def load(
@@ -316,7 +306,7 @@ def load(
       flat = tuple(nnx.to_flat_state(state))
   except (ValueError, TypeError, KeyError) as e:
     raise ValueError(
-      f"{mp}: config, ranks and heads do not build a model ({_one_line(e)})"
+      f"{mp}: config, ranks and heads do not build a model ({one_line(e)})"
     ) from None
   keys = [param_key(p) for p, _ in flat]
   if set(keys) != set(params):

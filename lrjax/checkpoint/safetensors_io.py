@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
+from lrjax.files import one_line, read_json_object
 from lrjax.checkpoint.atomic import resolve
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -35,11 +36,6 @@ DTYPES = {
 }
 TAGS = {v: k for k, v in DTYPES.items()}
 _MAX_HEADER = 100 << 20
-
-
-def _one_line(e: BaseException) -> str:
-  s = str(e).strip().splitlines()
-  return s[0][:300] if s else type(e).__name__
 
 
 def _is_int(v) -> bool:
@@ -96,7 +92,7 @@ def read_header(path: str) -> dict:
       header = json.loads(fh.read(n))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
       raise ValueError(  # noqa: B904
-        f"{path}: header is not valid JSON ({_one_line(e)}); the file is corrupt"
+        f"{path}: header is not valid JSON ({one_line(e)}); the file is corrupt"
       )
   if not isinstance(header, dict):
     raise ValueError(f"{path}: header is a JSON {type(header).__name__}, expected an object")
@@ -148,12 +144,7 @@ class SafetensorsDir:
     single = os.path.join(self.path, SINGLE_NAME)
     if os.path.lexists(index):
       confined(self.path, INDEX_NAME, index)
-      try:
-        with open(index, encoding="utf-8") as fh:
-          idx = json.load(fh)
-      except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise ValueError(f"{index}: not valid JSON ({_one_line(e)})") from None
-      weight_map = idx.get("weight_map") if isinstance(idx, dict) else None
+      weight_map = read_json_object(index).get("weight_map")
       if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
       ):
@@ -211,7 +202,7 @@ class SafetensorsDir:
       with safe_open(fp, framework="numpy") as h:
         return h.get_tensor(name)
     except Exception as e:
-      raise ValueError(f"{fp}: tensor {name!r} cannot be read ({_one_line(e)})") from None
+      raise ValueError(f"{fp}: tensor {name!r} cannot be read ({one_line(e)})") from None
 
   def file_of(self, name: str) -> str:
     """The file (relative to the directory) that holds tensor ``name``."""

@@ -8,12 +8,12 @@ is checked by type and range, and errors name the key.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from collections.abc import Mapping
 from typing import Any
 
+from lrjax.files import read_json_object
 from lrjax.models.families import FAMILIES, get_family
 from lrjax.models.families.base import hf_bool, hf_float, hf_int, is_int, is_number
 
@@ -146,13 +146,7 @@ class ModelConfig:
       p = os.path.expanduser(os.fspath(cfg))
       if os.path.isdir(p):
         p = os.path.join(p, "config.json")
-      try:
-        with open(p, encoding="utf-8") as fh:
-          d = json.load(fh)
-      except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise ValueError(f"{p}: not valid JSON ({str(e).splitlines()[0]})") from None
-      if not isinstance(d, Mapping):
-        raise ValueError(f"{p}: expected a JSON object, got {type(d).__name__}")
+      d = read_json_object(p)
       try:
         return cls.from_hf_config(d)
       except ValueError as e:

@@ -10,11 +10,11 @@ applied as transformers applies them.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
+from lrjax.files import read_json_object
 
 log = logging.getLogger("lrjax.text")
 
@@ -36,15 +36,8 @@ SPECIAL_NAMES = (
 
 
 def read_json(path: str | os.PathLike) -> dict:
-  """A JSON object from ``path``; a one-line ValueError naming the file when it is not one."""
-  try:
-    with open(path, encoding="utf-8") as fh:
-      out = json.load(fh)
-  except json.JSONDecodeError as e:
-    raise ValueError(f"{path}: not valid JSON ({e}); restore the file from the model") from None
-  if not isinstance(out, dict):
-    raise ValueError(f"{path}: expected a JSON object, got {type(out).__name__}")
-  return out
+  """A JSON object from a model directory's file; a one-line ValueError naming it otherwise."""
+  return read_json_object(path, hint="restore the file from the model")
 
 
 def _token_str(v: Any) -> str | None:
