@@ -21,8 +21,8 @@ import os
 import sys
 from collections.abc import Callable
 
-from lrjax.files import one_line
 from lrjax import __version__
+from lrjax.files import one_line
 
 # Modules that register further subcommands (skipped with a note if not importable).
 EXTENSIONS: tuple[str, ...] = ("lrjax.serving.cli", "lrjax.bench_cli", "lrjax.evaluate_cli")

@@ -30,7 +30,6 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from lrjax.files import one_line, read_json_object
 from lrjax.checkpoint import hf_export
 from lrjax.checkpoint.atomic import atomic_dir, resolve
 from lrjax.checkpoint.placement import logical_sharding, param_axes, param_key, pick
@@ -42,6 +41,7 @@ from lrjax.checkpoint.safetensors_io import (
   plan_shards,
   write_safetensors,
 )
+from lrjax.files import one_line, read_json_object
 from lrjax.models.config import ModelConfig
 from lrjax.models.families import Family, get_family
 from lrjax.models.llama import LlamaForCausalLM

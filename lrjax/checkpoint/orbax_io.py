@@ -34,11 +34,11 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
 
-from lrjax.files import one_line, read_json_object
 from lrjax.checkpoint import quantized as quantized_ckpt
 from lrjax.checkpoint.atomic import atomic_dir, resolve
 from lrjax.checkpoint.hf import abstract_model, abstract_split
 from lrjax.checkpoint.placement import Shardings, logical_sharding, param_axes, param_key, pick
+from lrjax.files import one_line, read_json_object
 from lrjax.models.config import ModelConfig
 from lrjax.models.llama import LlamaForCausalLM
 

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-from lrjax.files import one_line, read_json_object
 from lrjax.checkpoint.atomic import resolve
+from lrjax.files import one_line, read_json_object
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

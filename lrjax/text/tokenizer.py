@@ -14,6 +14,7 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
+
 from lrjax.files import read_json_object
 
 log = logging.getLogger("lrjax.text")
