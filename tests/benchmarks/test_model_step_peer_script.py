@@ -4,6 +4,8 @@ records of other cards (and converts the one-run form it had before)."""
 
 import json
 
+import pytest
+
 
 def _side(device, kinds, ms, profile=False):
   recs = {}
@@ -57,6 +59,7 @@ def test_records_ratios_and_cards_kept(load_benchmark, tmp_path):
   assert r1["torch_dense_ms"] == 6.0 and r1["speedup_vs_torch_dense"] == 1.5
   assert r1["speedup_vs_torch_lowrank"] == 5.0 / 4.0
   assert set(r1["profile"]) == {"lowrank", "lowrank_xla_attention"}
+  assert r1["lrjax_variants_ms"] == ms  # every variant timed, by name
   assert r1["hbm_bps"] == 3.35e12 and 0 < r1["hbm_roofline_frac"]
   # a second run on the same card and context replaces that card's records only
   doc = _merge(
@@ -70,6 +73,15 @@ def test_records_ratios_and_cards_kept(load_benchmark, tmp_path):
   h100 = [r for r in doc["records"] if r["device"].startswith("NVIDIA H100")]
   assert len(h100) == 2 and len(doc["records"]) == 3
   assert h100[0]["lrjax_xla_attention_ms"] is None and h100[0]["profile"] == {}
+
+
+def test_variants_and_their_compiler_options(load_benchmark):
+  mod = load_benchmark("model_step_peer")
+  assert set(mod.COMPILER_OPTIONS) <= set(mod.LRJAX_KINDS)
+  assert set(mod.PROFILED) <= set(mod.LRJAX_KINDS)
+  assert mod.COMPILER_OPTIONS["lowrank_cmdbuf_off"] == {"xla_gpu_enable_command_buffer": ""}
+  with pytest.raises(SystemExit):  # a variant name it does not know
+    mod.main(["--model", "tiny", "--kinds", "lowrank_fast", "--side", "lrjax"])
 
 
 def test_kernel_classes_of_a_profile(load_benchmark):
