@@ -220,10 +220,6 @@ def _no_verify_arg(p: argparse.ArgumentParser):
   )
 
 
-def _one_line(e: BaseException) -> str:
-  return one_line(e, limit=500)
-
-
 @contextlib.contextmanager
 def _reserved(command: str, check: Callable[[], tuple], *, overwrite: bool, replaceable):
   # Runs check() -> (out, inputs, src), then holds out's write lock for the block. Yields
@@ -239,7 +235,7 @@ def _reserved(command: str, check: Callable[[], tuple], *, overwrite: bool, repl
     )
   except (ValueError, OSError) as e:
     stack.close()
-    print(f"lrjax {command}: error: {_one_line(e)}", file=sys.stderr)
+    print(f"lrjax {command}: error: {one_line(e, limit=500)}", file=sys.stderr)
     yield None, None
     return
   with stack:
@@ -455,8 +451,7 @@ def main(argv: list[str] | None = None) -> int:
   try:
     return int(args._run(args) or 0)
   except (ValueError, OSError, TypeError) as e:
-    lines = str(e).strip().splitlines() or [type(e).__name__]
-    print(f"lrjax {args.command}: error: {lines[0]}", file=sys.stderr)
+    print(f"lrjax {args.command}: error: {one_line(e, limit=None)}", file=sys.stderr)
     return 1
 
 

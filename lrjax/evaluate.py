@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from lrjax.files import one_line
+
 log = logging.getLogger("lrjax.evaluate")
 
 EVAL_FORMAT = "lrjax-eval"
@@ -192,7 +194,7 @@ def tokenizer_encoder(path: str | os.PathLike) -> Callable[[str], list[int]] | N
   try:
     backend = Backend.from_file(tj)
   except Exception as e:  # the Rust library raises its own exception type
-    raise ValueError(f"{tj}: not a tokenizers file ({one_line(e)})") from None
+    raise ValueError(f"{tj}: not a tokenizers file ({one_line(e, limit=500)})") from None
   return lambda text: list(backend.encode(text).ids)
 
 
@@ -291,11 +293,6 @@ def write_json(p: Path, obj: dict) -> None:
   except BaseException:
     tmp.unlink(missing_ok=True)
     raise
-
-
-def one_line(e: BaseException) -> str:
-  lines = str(e).strip().splitlines()
-  return lines[0][:500] if lines else type(e).__name__
 
 
 def _count(n: int) -> str:

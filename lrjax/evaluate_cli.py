@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from lrjax.cli import subcommand
+from lrjax.files import one_line
 
 DEFAULT_SEQ_LEN = 2048  # lrjax.evaluate.DEFAULT_SEQ_LEN
 
@@ -157,7 +158,7 @@ def _run(a) -> int:
           "tokenizer, or pass --tokenizer DIR to use one for all"
         )
   except (ValueError, OSError) as e:
-    print(f"lrjax eval: error: {ev.one_line(e)}", file=sys.stderr)
+    print(f"lrjax eval: error: {one_line(e, limit=500)}", file=sys.stderr)
     return 2
   ids = np.asarray(ids, np.int64)
   print(f"{text_path.name}: {len(text)} characters, {len(ids)} tokens ({first_dir})")
@@ -177,7 +178,7 @@ def _run(a) -> int:
         desc=os.path.basename(os.path.normpath(src.path)) or src.path,
       )  # fmt: skip
     except (ValueError, OSError) as e:
-      print(f"lrjax eval: error: {src.path}: {ev.one_line(e)}", file=sys.stderr)
+      print(f"lrjax eval: error: {src.path}: {one_line(e, limit=500)}", file=sys.stderr)
       return 2
     desc = ev.describe(model, meta)
     del model

@@ -6,8 +6,9 @@ import json
 import os
 
 
-def one_line(e: BaseException, limit: int = 300) -> str:
-  """The first line of ``e``'s message (at most ``limit`` characters), else its type's name."""
+def one_line(e: BaseException, limit: int | None = 300) -> str:
+  """The first line of ``e``'s message (at most ``limit`` characters; None: all of it), else
+  its type's name."""
   lines = str(e).strip().splitlines()
   return lines[0][:limit] if lines else type(e).__name__
 

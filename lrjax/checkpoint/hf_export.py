@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lrjax.files import one_line
 from lrjax.models.families import Family
 from lrjax.text import TEXT_FILES  # what an export carries from its source, when present
 
@@ -175,8 +176,7 @@ def _tokenizer_size(path: Path) -> int:
   try:
     tok = Tokenizer.from_file(os.fspath(path))
   except Exception as e:  # the Rust library raises its own exception type
-    lines = str(e).strip().splitlines()
-    raise ValueError(f"{path}: not a tokenizers file ({lines[0] if lines else e})") from None
+    raise ValueError(f"{path}: not a tokenizers file ({one_line(e, limit=None)})") from None
   return tok.get_vocab_size(with_added_tokens=True)
 
 
