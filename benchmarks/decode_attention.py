@@ -35,8 +35,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from model_step_peer import hbm_bps  # noqa: E402
-from results_io import write_json  # noqa: E402
+from results_io import hbm_bps, write_json  # noqa: E402
 
 from lrjax.bench import machine, versions  # noqa: E402
 from lrjax.custom_calls.triton import decode_attention as kernel  # noqa: E402

@@ -19,8 +19,9 @@ host wall-clock around each jit instead (the only timing off a GPU).
 
 For every shape: lrjax's kernel (lrjax.lowering.lr_xuv / lr_mlp / lr_kv_attention lowered to
 its Triton kernel, under prefer_kernels), XLA's unfused low-rank chain, XLA's dense layer, and the
-roofline floor (max of HBM bytes / BW and FLOPs / peak at the H200's 4.3 TB/s and 790
-TFLOP/s; this run's own copy and 8192^3 product are measured too and stored in "meta").
+roofline floor (max of HBM bytes / BW and FLOPs / peak: the card's HBM rate, H200 4.3 TB/s or
+H100 3.35 TB/s, and 790 TFLOP/s; this run's own copy and 8192^3 product are measured too and
+stored in "meta").
 ``default_lowering`` / ``default_us`` record what lrjax does without prefer_kernels: the
 tuning table (custom_calls/triton/tuning/) may leave the shape to XLA. ``--variants SPEC,,SPEC``
 also times kernel variants beside each default record (benchmarks/kernel_variants.py).
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
+import functools
 import glob
 import json
 import math
@@ -50,12 +52,20 @@ import numpy as np
 import kernel_variants
 import lrjax
 from lrjax.custom_calls.triton import launch_modes, planner
-from results_io import write_json
+from results_io import roofline_bps, write_json
 
 DT = jnp.bfloat16
-# The roofline the targets are stated against (the H200's measured copy rate and bf16 product
-# rate). This run's own ceilings go into "meta".
-BW_ROOF, PEAK_ROOF = planner.H200.hbm_bw, planner.H200.peak_flops
+# The roofline fractions are stated against the card's HBM rate (results_io.HBM_BPS) and the
+# H200's measured bf16 product rate (the H100's GH100 measures the same). This run's own
+# measured ceilings go into "meta".
+PEAK_ROOF = planner.H200.peak_flops
+
+
+@functools.cache
+def bw_roof() -> float:
+  return roofline_bps(jax.devices()[0].device_kind)
+
+
 VERBOSE = False
 
 
@@ -403,7 +413,7 @@ def xuv_record(m, k, r, n, bw, peak, kernel="auto", reps=None, baselines=None):
   del lr_layers
   bytes_ = planner.hbm_bytes_xuv(m, k, r, n)
   flops = planner.flops_xuv(m, k, r, n)
-  floor = max(bytes_ / BW_ROOF, flops / PEAK_ROOF) * 1e6
+  floor = max(bytes_ / bw_roof(), flops / PEAK_ROOF) * 1e6
   return dict(
     op="xuv",
     variant=kernel,
@@ -418,8 +428,8 @@ def xuv_record(m, k, r, n, bw, peak, kernel="auto", reps=None, baselines=None):
     default_lowering=low,
     default_us=t_def,
     floor_us=floor,
-    hbm_floor_us=bytes_ / BW_ROOF * 1e6,
-    hbm_roofline_frac=bytes_ / BW_ROOF * 1e6 / t_ours,
+    hbm_floor_us=bytes_ / bw_roof() * 1e6,
+    hbm_roofline_frac=bytes_ / bw_roof() * 1e6 / t_ours,
     tflops=flops / t_ours / 1e6,
     speedup_vs_xla=t_xla / t_ours,
     layers=nl,
@@ -498,9 +508,9 @@ def group_record(m, k, members, bw, peak, kernel="group", baselines=None):
     xla_dense_us=t_dense,
     default_lowering="triton",
     default_us=t_ours,
-    floor_us=max(bytes_ / BW_ROOF, flops / PEAK_ROOF) * 1e6,
-    hbm_floor_us=bytes_ / BW_ROOF * 1e6,
-    hbm_roofline_frac=bytes_ / BW_ROOF * 1e6 / t_ours,
+    floor_us=max(bytes_ / bw_roof(), flops / PEAK_ROOF) * 1e6,
+    hbm_floor_us=bytes_ / bw_roof() * 1e6,
+    hbm_roofline_frac=bytes_ / bw_roof() * 1e6 / t_ours,
     tflops=flops / t_ours / 1e6,
     speedup_vs_xla=t_xla / t_ours,
     layers=nl,
@@ -570,7 +580,7 @@ def mlp_record(m, d, f, r, bw, peak, kernel="auto", reps=None, baselines=None):
     t_dense = baselines["xla_dense_us"]
   bytes_ = planner.hbm_bytes_mlp(m, d, f, r)
   flops = planner.flops_mlp(m, d, f, r)
-  floor = max(bytes_ / BW_ROOF, flops / PEAK_ROOF) * 1e6
+  floor = max(bytes_ / bw_roof(), flops / PEAK_ROOF) * 1e6
   return dict(
     op="mlp_swiglu",
     variant=kernel,
@@ -585,8 +595,8 @@ def mlp_record(m, d, f, r, bw, peak, kernel="auto", reps=None, baselines=None):
     floor_us=floor,
     default_lowering=low,
     default_us=t_def,
-    hbm_floor_us=bytes_ / BW_ROOF * 1e6,
-    hbm_roofline_frac=bytes_ / BW_ROOF * 1e6 / t_ours,
+    hbm_floor_us=bytes_ / bw_roof() * 1e6,
+    hbm_roofline_frac=bytes_ / bw_roof() * 1e6 / t_ours,
     tflops=flops / t_ours / 1e6,
     speedup_vs_xla=t_xla / t_ours,
     temp_bytes_ours=mem_ours.temp_size_in_bytes,
@@ -668,7 +678,7 @@ def kv_attention_record(b, t, r, hq=32, hkv=8, d=128, kernel="auto", baselines=N
     del dense
   bytes_ = 2 * (b * t * 2 * r + 2 * r * hkv * d + b * hq * d * 2)
   flops = 2 * b * t * hkv * d * r + 2 * 2 * b * hq * t * d + 2 * b * hq * t * r
-  floor = max(bytes_ / BW_ROOF, flops / PEAK_ROOF) * 1e6
+  floor = max(bytes_ / bw_roof(), flops / PEAK_ROOF) * 1e6
   return dict(
     op="kv_attention",
     variant=kernel,
@@ -684,8 +694,8 @@ def kv_attention_record(b, t, r, hq=32, hkv=8, d=128, kernel="auto", baselines=N
     floor_us=floor,
     default_lowering=low,
     default_us=t_def,
-    hbm_floor_us=bytes_ / BW_ROOF * 1e6,
-    hbm_roofline_frac=bytes_ / BW_ROOF * 1e6 / t_ours,
+    hbm_floor_us=bytes_ / bw_roof() * 1e6,
+    hbm_roofline_frac=bytes_ / bw_roof() * 1e6 / t_ours,
     tflops=flops / t_ours / 1e6,
     roofline_frac=floor / t_ours,
     speedup_vs_xla=t_xla / t_ours,
@@ -1081,7 +1091,7 @@ def main():
     measured_hbm_bw=bw,
     measured_read_bw=read_bw,
     measured_bf16_flops=peak,
-    roofline_hbm_bw=BW_ROOF,
+    roofline_hbm_bw=bw_roof(),
     roofline_bf16_flops=PEAK_ROOF,
     timing=TIMING,
     method=(

@@ -46,7 +46,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from results_io import write_json  # noqa: E402
+from results_io import hbm_bps, write_json  # noqa: E402
 
 MODELS = {
   # Llama-3-8B: hidden, heads, kv heads, head dim, MLP, vocab, layers
@@ -54,9 +54,6 @@ MODELS = {
   "1b": dict(hidden=2048, heads=32, kv_heads=8, head_dim=64, mlp=8192, vocab=128256, layers=16),
   "tiny": dict(hidden=64, heads=4, kv_heads=2, head_dim=16, mlp=128, vocab=256, layers=2),
 }
-# HBM bandwidth (bytes/s) by device name substring: the H200's measured copy rate, the H100's
-# datasheet rate (DESIGN.md, "Measuring").
-HBM_BPS = {"H200": 4.3e12, "H100": 3.35e12}
 PROJS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -91,13 +88,6 @@ def step_bytes(m: dict, ranks: dict | None, batch: int, ctx: int, elem: int = 2)
   w = w * m["layers"] + m["vocab"] * m["hidden"] + (2 * m["layers"] + 1) * m["hidden"]
   kv = 2 * m["layers"] * batch * m["kv_heads"] * ctx * m["head_dim"]
   return (w + kv) * elem
-
-
-def hbm_bps(device_name: str) -> float | None:
-  for key, bps in HBM_BPS.items():
-    if key in device_name:
-      return bps
-  return None
 
 
 # ---------------------------------------------------------------------------------------- lrjax

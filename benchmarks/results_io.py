@@ -1,8 +1,26 @@
-"""The benchmark scripts' results files: written whole or not at all."""
+"""The benchmark scripts' results files (written whole or not at all) and the cards' HBM
+rooflines they state fractions of."""
 
 import json
 import math
 import os
+
+# HBM bandwidth (bytes/s) by device name substring: the H200's measured copy rate, the H100
+# SXM's datasheet rate (DESIGN.md, "Measuring"). Other H100s (PCIe, NVL) have other rates.
+HBM_BPS = {"H200": 4.3e12, "H100 80GB HBM3": 3.35e12}
+
+
+def hbm_bps(device_name: str) -> float | None:
+  """The HBM roofline of the card named ``device_name`` (None: not a card listed above)."""
+  for key, bps in HBM_BPS.items():
+    if key in device_name:
+      return bps
+  return None
+
+
+def roofline_bps(device_name: str) -> float:
+  """:func:`hbm_bps`, or the H200's for a device not listed (a fraction still gets stated)."""
+  return hbm_bps(device_name) or HBM_BPS["H200"]
 
 
 def _strict(obj):

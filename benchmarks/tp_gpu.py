@@ -74,9 +74,7 @@ from lrjax.sharding.analysis import compressed_ranks
 
 from decode_timing import greedy_loop, median_step, time_loop
 from policy_tables import op_ab_pair
-from results_io import write_json
-
-HBM_BPS = 4.3e12
+from results_io import roofline_bps, write_json
 
 
 LOWRANK = ("naive_tp", "lowrank_tp", "lowrank_split", "lowrank_megatron")
@@ -262,6 +260,7 @@ def time_decode(model, plan, args, dtype):
     )
   w_bytes = device_bytes(state)
   kv_bytes = device_bytes(cache)
+  bps = roofline_bps(jax.devices()[0].device_kind)
   return {
     "step_ms": step * 1e3,
     "tokens_per_s": args.batch / step,
@@ -269,8 +268,8 @@ def time_decode(model, plan, args, dtype):
     "compile_s": compile_s,
     "device0_weight_bytes": w_bytes,
     "device0_kv_bytes": kv_bytes,
-    "roofline_step_ms": (w_bytes + kv_bytes) / HBM_BPS * 1e3,
-    "roofline_fraction": (w_bytes + kv_bytes) / HBM_BPS / step,
+    "roofline_step_ms": (w_bytes + kv_bytes) / bps * 1e3,
+    "roofline_fraction": (w_bytes + kv_bytes) / bps / step,
     **kernels,
   }
 
@@ -682,7 +681,8 @@ def main():
   }
   out = {
     "benchmark": "tp_gpu",
-    "roofline": f"device-0 bytes (weights + KV cache) / {HBM_BPS / 1e12} TB/s per step",
+    "roofline": "device-0 bytes (weights + KV cache) / "
+    f"{roofline_bps(jax.devices()[0].device_kind) / 1e12} TB/s per step",
     "runs": [],
     "models": {},
     "ranks": {},

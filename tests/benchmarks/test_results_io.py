@@ -32,3 +32,11 @@ def test_non_finite_numbers_are_written_as_null(rio, tmp_path):
   text = path.read_text()
   assert "Infinity" not in text and "NaN" not in text
   assert json.loads(text) == dict(records=[dict(us=-1.5, spread=None), [None, 2.0]])
+
+
+def test_rooflines_by_card(rio):
+  assert rio.hbm_bps("NVIDIA H100 80GB HBM3") == 3.35e12
+  assert rio.hbm_bps("NVIDIA H200") == 4.3e12
+  assert rio.hbm_bps("NVIDIA H100 PCIe") is None  # another H100, another rate
+  assert rio.hbm_bps("cpu") is None
+  assert rio.roofline_bps("NVIDIA A100-SXM4-80GB") == rio.HBM_BPS["H200"]
