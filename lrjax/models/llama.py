@@ -193,25 +193,18 @@ def write_kv(buf, new, write_pos, heads_first: bool = False):
   return at.set(new.astype(buf.dtype), mode="drop")
 
 
+def _add_projs(module, names, cfg, ranks, heads, **kw):
+  """``module.<name>`` for each projection name: dense, or low-rank at ``ranks[name]``."""
+  for name in names:
+    setattr(module, name, make_proj(cfg, name, ranks.get(name), heads=heads.get(name, 1), **kw))
+
+
 class Attention(nnx.Module):
   def __init__(
     self, cfg: ModelConfig, ranks: LayerRanks, heads: LayerRanks, *, dtype, param_dtype, rngs
   ):
     self.cfg = cfg
-    for name in ATTN_PROJS:
-      setattr(
-        self,
-        name,
-        make_proj(
-          cfg,
-          name,
-          ranks.get(name),
-          heads=heads.get(name, 1),
-          dtype=dtype,
-          param_dtype=param_dtype,
-          rngs=rngs,
-        ),
-      )
+    _add_projs(self, ATTN_PROJS, cfg, ranks, heads, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     if cfg.qk_norm:
       kw = dict(axes=(None,), dtype=dtype, param_dtype=param_dtype)
       self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **kw)
@@ -235,20 +228,7 @@ class MLP(nnx.Module):
   def __init__(
     self, cfg: ModelConfig, ranks: LayerRanks, heads: LayerRanks, *, dtype, param_dtype, rngs
   ):
-    for name in MLP_PROJS:
-      setattr(
-        self,
-        name,
-        make_proj(
-          cfg,
-          name,
-          ranks.get(name),
-          heads=heads.get(name, 1),
-          dtype=dtype,
-          param_dtype=param_dtype,
-          rngs=rngs,
-        ),
-      )
+    _add_projs(self, MLP_PROJS, cfg, ranks, heads, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
   def __call__(self, x):
     return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
