@@ -10,6 +10,8 @@ counted, not failed.
       # -> benchmarks/results/serve_prefill_cpu.json
   python benchmarks/serve_prefill.py --preset 8b --baseline-commit 06bcd4c \
       --out benchmarks/results/serve_prefill_gpu.json            # one GPU, a few minutes
+  python benchmarks/serve_prefill.py --baseline-commit 06bcd4c --save-baseline .cache/bl
+      # then, on a machine whose copy of the tree has no git history: --baseline-dir .cache/bl
 
 TTFT is the engine's (submit → first token read on the host). ``--baseline-commit`` also runs
 the engines of earlier commits (there: one prompt per prefill call, logits at every position;
@@ -200,6 +202,9 @@ def main(argv=None) -> int:
   ap.add_argument("--out", default=os.path.join(HERE, "results", "serve_prefill_cpu.json"))
   a = ap.parse_args(argv)
   extra_variants = [parse_variant(v) for v in a.variant]
+  names = [*a.policy, *(n for n, _ in extra_variants)]
+  if len(set(names)) < len(names):
+    raise SystemExit(f"--policy and --variant names must differ: {names}")
   if a.save_baseline:
     os.makedirs(a.save_baseline, exist_ok=True)
     for c in a.baseline_commit:

@@ -45,6 +45,11 @@ def test_saved_baseline_is_the_commits_engine(tmp_path):
   assert engine.__name__ == "Engine" and engine.__module__ == f"lrjax.serving._engine_{head}"
 
 
+def test_variant_names_must_differ_from_the_policies():
+  with pytest.raises(SystemExit, match="must differ"):
+    serve_prefill.main(["--policy", "batched", "--variant", "batched:prefill_tokens=8192"])
+
+
 def test_missing_baseline_file_names_the_fix(tmp_path):
   with pytest.raises(SystemExit, match="--save-baseline"):
     serve_prefill.baseline_source("abc1234", str(tmp_path))
