@@ -26,6 +26,10 @@ stored in "meta").
 tuning table (custom_calls/triton/tuning/) may leave the shape to XLA. ``--variants SPEC,,SPEC``
 also times kernel variants beside each default record (benchmarks/kernel_variants.py).
 
+``--append`` adds a run's records to ``--out`` (of the same card); ``--resume`` also skips the
+points already there, so a sweep longer than one sitting completes over several runs of the
+same command.
+
 ``--emit-policy RESULTS`` rewrites the card's tuning table from this sweep's results, its
 grouped-kernel run beside it and tp_gpu.py's model steps (benchmarks/policy_tables.py).
 """
@@ -783,14 +787,41 @@ KV_ATTENTION_SHAPES = (
 )
 
 
-def suite(name, bw, peak, args, recs):
+def record_key(rec: dict) -> tuple:
+  """What makes a record one point of a sweep: (op, variant, M, K, r, N)."""
+  return rec["op"], rec["variant"], rec["M"], rec["K"], rec["r"], rec["N"]
+
+
+def earlier_runs(out: str, machine: str) -> tuple[list, list, str | None]:
+  """(records, runs, note) already in ``out`` (none if it does not exist), for a run that adds
+  to it; SystemExit if they were measured on another card than ``machine``."""
+  if not os.path.exists(out):
+    return [], [], None
+  with open(out) as fh:
+    old = json.load(fh)
+  card, theirs = machine.split(" (")[0], old["meta"]["machine"].split(" (")[0]
+  if card != theirs:
+    raise SystemExit(
+      f"{out} holds records of {theirs}; this is {card}: write its records to a file of its "
+      "own (gpu_lowrank_<card>.json)"
+    )
+  return old["records"], old["meta"].get("runs", []), old["meta"].get("note")
+
+
+def suite(name, bw, peak, args, recs, done=frozenset()):
   """Times the records of suite ``name`` into ``recs``: each default record, then each of
-  ``args.variants`` (kernel_variants specs of the suite's op) beside it."""
+  ``args.variants`` (kernel_variants specs of the suite's op) beside it. A point whose every
+  record is in ``done`` (their :func:`record_key`, ``--resume``) is skipped."""
   variants = [v for v in (args.variants or "").split(",,") if v]
   ms = [m for m in DECODE_M if args.min_m <= m <= args.max_m]
 
+  def todo(op, m, k, r, n, names):
+    return not all((op, v, m, k, r, n) in done for v in names)
+
   def xuv_points(points):
     for m, k, r, n, kw in points:
+      if not todo("xuv", m, k, r, n, ["auto", *variants]):
+        continue
       base = xuv_record(m, k, r, n, bw, peak, **kw)
       recs.append(base)
       for v in variants:
@@ -807,14 +838,17 @@ def suite(name, bw, peak, args, recs):
     for label, tokens in MLP_TOKENS:
       d, f, r = MLP_SHAPES[label]
       for m in tokens if args.mlp_models is None or label in args.mlp_models else ():
-        if args.min_m <= m <= args.max_m:
+        if args.min_m <= m <= args.max_m and todo("mlp_swiglu", m, d, r, f, ["auto", *variants]):
           base = dict(mlp_record(m, d, f, r, bw, peak), model=label)
           recs.append(base)
           for v in variants:
             recs.append(dict(mlp_record(m, d, f, r, bw, peak, v, baselines=base), model=label))
   if name == "decode_group":  # the grouped q/k/v kernel, then one decode call per member
     for k, members in GROUP_SHAPES:
+      r_all, n_all = sum(r for r, _ in members), sum(n for _, n in members)
       for m in (m for m in ms if m <= 64):
+        if not todo("xuv_group", m, k, r_all, n_all, ["group", "separate", *variants]):
+          continue
         base = group_record(m, k, list(members), bw, peak)
         recs.append(base)
         recs.append(group_record(m, k, list(members), bw, peak, "separate", baselines=base))
@@ -822,6 +856,9 @@ def suite(name, bw, peak, args, recs):
           recs.append(group_record(m, k, list(members), bw, peak, v, baselines=base))
   if name == "kv_attention":  # decode attention over a low-rank KV cache
     for b, t, r in KV_ATTENTION_SHAPES:
+      # N: the query heads' width at kv_attention_record's default heads (32 × 128)
+      if not todo("kv_attention", b, t, r, 32 * 128, ["auto", *variants]):
+        continue
       base = kv_attention_record(b, t, r)
       recs.append(base)
       for v in variants:
@@ -1041,6 +1078,12 @@ def main():
     "a shape measured again replaces its old record",
   )
   ap.add_argument(
+    "--resume",
+    action="store_true",
+    help="--append, and skip the points whose records --out already holds: a sweep longer "
+    "than one sitting, run again until it is complete",
+  )
+  ap.add_argument(
     "--max-m", type=int, default=1 << 30, help="only shapes of at most this many rows"
   )
   ap.add_argument("--min-m", type=int, default=0, help="only shapes of at least this many rows")
@@ -1111,13 +1154,11 @@ def main():
   )
   os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
 
-  prior, runs = [], []
-  if args.append and os.path.exists(args.out):
-    with open(args.out) as fh:
-      old = json.load(fh)
-    prior, runs = old["records"], old["meta"].get("runs", [])
-    if "note" in old["meta"]:  # what was written about the earlier runs stays with them
-      meta["note"] = old["meta"]["note"]
+  prior, runs, note = (
+    earlier_runs(args.out, meta["machine"]) if args.append or args.resume else ([], [], None)
+  )
+  if note:  # what was written about the earlier runs stays with them
+    meta["note"] = note
   from lrjax.custom_calls.triton import launch
 
   run = dict(
@@ -1139,15 +1180,17 @@ def main():
   class Records(list):  # rewrites the JSON after every record (a killed run keeps its data)
     def append(self, rec):
       nonlocal prior
-      key = lambda r: (r["op"], r["variant"], r["M"], r["K"], r["r"], r["N"])
-      prior = [p for p in prior if key(p) != key(rec)]  # a re-measured shape replaces its record
+      prior = [p for p in prior if record_key(p) != record_key(rec)]  # re-measured: replaced
       super().append(dict(rec, run=run["index"]))
       _print(rec)
       allrecs = prior + list(self)
       write_json(args.out, dict(meta=meta, records=allrecs))
 
   recs = Records()
-  suite(args.suite, bw, peak, args, recs)
+  done = frozenset(map(record_key, prior)) if args.resume else frozenset()
+  if done:
+    print(f"resuming: {len(done)} records already in {args.out}")
+  suite(args.suite, bw, peak, args, recs, done)
   png = plot(args.out)
   print(
     f"wrote {len(recs)} records to {args.out}; "

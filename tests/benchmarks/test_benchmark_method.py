@@ -1,5 +1,6 @@
 """CPU tests of the GPU benchmark's timing method (benchmarks/gpu_lowrank.py)."""
 
+import json
 import os
 
 import pytest
@@ -164,6 +165,79 @@ def test_variants_are_timed_beside_each_default_record(bench, monkeypatch):
   assert len(recs) == shapes * 3 and len(calls) == shapes * 3
   assert [c[2:] for c in calls[:3]] == [("auto", False), ("persistent", True), ("pv_xla", True)]
   assert {c[0] for c in calls} == {64}
+
+
+def test_resume_skips_the_points_already_measured(bench, monkeypatch):
+  """--resume: a point whose default and variant records are all in --out is not timed again;
+  a point missing one of them is timed whole."""
+  import argparse
+
+  calls = []
+
+  def fake(m, k, r, n, bw, peak, kernel="auto", reps=None, baselines=None):
+    calls.append((m, k, r, n, kernel))
+    return dict(op="xuv", variant=kernel, M=m, K=k, r=r, N=n)
+
+  monkeypatch.setattr(bench, "xuv_record", fake)
+  args = argparse.Namespace(extra=[], variants="persistent", min_m=1, max_m=2)
+  (k, r, n), (k2, r2, n2) = bench.XUV_ATTN_SHAPES[:2]
+  done = {("xuv", v, 1, k, r, n) for v in ("auto", "persistent")}
+  done.add(("xuv", "auto", 2, k, r, n))  # its variant is missing: M = 2 is timed again
+  recs = bench.suite("decode_attn", 1.0, 1.0, args, [], frozenset(done))
+  assert (1, k, r, n, "auto") not in calls and (1, k, r, n, "persistent") not in calls
+  assert calls[:2] == [(2, k, r, n, "auto"), (2, k, r, n, "persistent")]
+  assert (1, k2, r2, n2, "auto") in calls
+  assert len(recs) == len(calls) == 2 * (2 * len(bench.XUV_ATTN_SHAPES) - 1)
+  assert {bench.record_key(rec) for rec in recs}.isdisjoint(done - {("xuv", "auto", 2, k, r, n)})
+
+
+def test_a_run_adds_only_to_its_own_cards_results(bench, tmp_path):
+  out = tmp_path / "gpu_lowrank_h200.json"
+  assert bench.earlier_runs(str(out), "NVIDIA H100 80GB HBM3 (16 CPU cores, x86_64)") == (
+    [],
+    [],
+    None,
+  )
+  recs = [dict(op="xuv", variant="auto", M=1, K=8, r=2, N=8)]
+  meta = dict(machine="NVIDIA H200 (16 CPU cores, x86_64)", runs=[dict(index=0)], note="n")
+  out.write_text(json.dumps(dict(meta=meta, records=recs)))
+  assert bench.earlier_runs(str(out), "NVIDIA H200 (32 CPU cores, x86_64)") == (
+    recs,
+    [dict(index=0)],
+    "n",
+  )
+  with pytest.raises(SystemExit, match="holds records of NVIDIA H200; this is NVIDIA H100"):
+    bench.earlier_runs(str(out), "NVIDIA H100 80GB HBM3 (16 CPU cores, x86_64)")
+
+
+def test_resume_covers_every_suites_points(bench, monkeypatch):
+  """Every suite's points are skipped when --out holds them: a complete sweep times nothing."""
+  import argparse
+
+  timed = []
+
+  def fake(op):
+    def record(*a, kernel=None, **kw):
+      timed.append(op)
+      raise AssertionError(f"{op} timed again")
+
+    return record
+
+  for fn in ("xuv_record", "mlp_record", "group_record", "kv_attention_record"):
+    monkeypatch.setattr(bench, fn, fake(fn))
+  args = argparse.Namespace(extra=[], variants=None, min_m=1, max_m=16, mlp_models=None)
+  ms = [m for m in bench.DECODE_M if m <= 16]
+  done = {("xuv", "auto", m, *s) for s in bench.XUV_ATTN_SHAPES for m in ms}
+  for label, tokens in bench.MLP_TOKENS:
+    d, f, r = bench.MLP_SHAPES[label]
+    done |= {("mlp_swiglu", "auto", m, d, r, f) for m in tokens}
+  for k, members in bench.GROUP_SHAPES:
+    rs, ns = sum(r for r, _ in members), sum(n for _, n in members)
+    done |= {("xuv_group", v, m, k, rs, ns) for v in ("group", "separate") for m in ms}
+  done |= {("kv_attention", "auto", b, t, r, 32 * 128) for b, t, r in bench.KV_ATTENTION_SHAPES}
+  for suite in ("decode_attn", "mlp", "decode_group", "kv_attention"):
+    assert bench.suite(suite, 1.0, 1.0, args, [], frozenset(done)) == []
+  assert timed == []
 
 
 def test_attention_suite_extends_the_policy_to_its_shapes(bench, monkeypatch):
