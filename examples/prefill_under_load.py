@@ -5,7 +5,7 @@ request run alone.
 
   python examples/prefill_under_load.py [--requests 32]
 
-A small random low-rank model in f32 on whatever device jax has. docs/serving.md has the
+A tiny random low-rank model in f32 on whatever device jax has. docs/serving.md has the
 measured numbers (a 2-core CPU and one H100 at Llama-3-8B shapes).
 """
 
@@ -23,15 +23,7 @@ from lrjax.sharding.analysis import compressed_ranks
 
 
 def small_model():
-  cfg = ModelConfig(
-    vocab_size=2048,
-    hidden_size=256,
-    intermediate_size=704,
-    num_layers=4,
-    num_heads=8,
-    num_kv_heads=4,
-    head_dim=32,
-  )
+  cfg = ModelConfig.tiny()  # hidden 64, 2 layers, 4 / 2 heads, vocab 256
   ranks = [compressed_ranks(cfg, 0.4, multiple=16)] * cfg.num_layers  # 40 % of params removed
   f32 = jnp.float32
   return LlamaForCausalLM(cfg, ranks=ranks, dtype=f32, param_dtype=f32, rngs=nnx.Rngs(0))
