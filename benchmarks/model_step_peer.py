@@ -136,7 +136,7 @@ def kernel_class(name: str) -> str:
   return OTHER
 
 
-def attribute(fn, fn_args, steps: int, top: int = 12) -> dict:
+def attribute(fn, fn_args, steps: int) -> dict:
   """One profiled call of the ``steps``-step decode loop: per step, the kernel time of each
   class (ms and its fraction of the step's device span), launches, and the idle gaps."""
   import tempfile
@@ -169,7 +169,6 @@ def attribute(fn, fn_args, steps: int, top: int = 12) -> dict:
     "busy_ms": busy,
     "launches_per_step": sum(launches.values()),
     "classes": classes,
-    "top_kernels_us": dict(ranked[:top]),
     # every kernel: [launches a step, µs a step] (XLA names a reused kernel once)
     "kernels": {k: [counts[k], us] for k, us in ranked},
   }

@@ -35,6 +35,9 @@ def main():
   ap.add_argument("--prompt-len", type=int, default=64)
   ap.add_argument("--new-tokens", type=int, default=8)
   a = ap.parse_args()
+  for flag in ("requests", "prompt_len", "new_tokens"):
+    if getattr(a, flag) < 1:
+      ap.error(f"--{flag.replace('_', '-')} must be at least 1")
   model = small_model()
   rng = np.random.default_rng(0)
   prompts = [

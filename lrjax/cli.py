@@ -266,7 +266,10 @@ def _check_convert(a) -> tuple:
     raise ValueError("--group applies with --quantize w4a8")
   calibrated = bool(a.calib or getattr(a, "calib_text", None))
   if a.method == "whiten" and not calibrated:
-    raise ValueError("--method whiten needs calibration tokens (--calib FILE); or use --method svd")
+    raise ValueError(
+      "--method whiten needs calibration tokens (--calib-text FILE for text, --calib FILE for "
+      "token ids); or use --method svd"
+    )
   if a.lora_steps and not (a.lora_tokens or calibrated):
     raise ValueError("--lora-steps > 0 needs --lora-tokens FILE or --calib FILE")
   src = _existing_dir(a.hf or a.orbax, "--hf" if a.hf else "--orbax")

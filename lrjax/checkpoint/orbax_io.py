@@ -199,6 +199,8 @@ def read_metadata(path: str | os.PathLike) -> dict:
   """Read and validate ``path/lrjax_metadata.json`` (errors name the file and the entry)."""
   path = resolve(path, "checkpoint path")
   mp = os.path.join(path, METADATA_NAME)
+  if os.path.isfile(path):
+    raise NotADirectoryError(f"{path} is a file; expected an lrjax checkpoint directory")
   if not os.path.isfile(mp):
     raise FileNotFoundError(
       f"{mp} does not exist; {path} is not an lrjax checkpoint "

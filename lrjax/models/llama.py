@@ -193,6 +193,24 @@ def write_kv(buf, new, write_pos, heads_first: bool = False):
   return at.set(new.astype(buf.dtype), mode="drop")
 
 
+def cached_attention(q, k, v, mask, kv, write_pos, attend_cache, *, window=None):
+  """(attention [B,S,H·D], kv) of roped q [B,S,H,D] and new k, v [B,S,KV,D] (see
+  :meth:`DecoderLayer.__call__` for ``mask``, ``kv``, ``write_pos`` and ``attend_cache``): the
+  new keys and values written into the cache buffers, then attention over the cache's first
+  ``mask.shape[-1]`` positions (one decode step: the ``decode_attention`` primitive on the
+  whole buffers), or over this call's keys alone."""
+  if kv is None:
+    return attend(q, k, v, mask), None
+  kv = tuple(write_kv(c, n, write_pos, heads_first=True) for c, n in zip(kv, (k, v)))
+  if not attend_cache:
+    return attend(q, k, v, mask), kv
+  t = mask.shape[-1]  # the attended positions (the model's attend_len)
+  if q.shape[1] == 1:  # one decode step: the primitive reads the buffers unsliced
+    return decode_attention(q[:, 0], *kv, write_pos, window=window, length=t)[:, None], kv
+  kt, vt = (c[:, :, :t].astype(q.dtype) for c in kv)
+  return attend(q, kt, vt, mask, heads_first=True), kv
+
+
 def _add_projs(module, names, cfg, ranks, heads, **kw):
   """``module.<name>`` for each projection name: dense, or low-rank at ``ranks[name]``."""
   for name in names:
@@ -273,19 +291,9 @@ class DecoderLayer(nnx.Module):
     """
     x = self.input_layernorm(h)
     q, k, v = self.attn.qkv(x, positions, inv_freq)
-    if kv is not None:
-      kv = tuple(write_kv(c, n, write_pos, heads_first=True) for c, n in zip(kv, (k, v)))
-    if kv is not None and attend_cache and q.shape[1] == 1:  # one decode step: the primitive
-      t = mask.shape[-1]  # the first ``attend_len`` positions (the buffers are not sliced)
-      window = self.attn.cfg.sliding_window
-      a = decode_attention(q[:, 0], *kv, write_pos, window=window, length=t)[:, None]
-    elif kv is not None and attend_cache:
-      t = mask.shape[-1]
-      a = attend(
-        q, kv[0][:, :, :t].astype(q.dtype), kv[1][:, :, :t].astype(q.dtype), mask, heads_first=True
-      )
-    else:
-      a = attend(q, k, v, mask)
+    a, kv = cached_attention(
+      q, k, v, mask, kv, write_pos, attend_cache, window=self.attn.cfg.sliding_window
+    )
     h = h + self.attn.o_proj(a)
     x2 = self.post_attention_layernorm(h)
     if taps is not None:

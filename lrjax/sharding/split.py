@@ -38,8 +38,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from lrjax.lowering.decode_attention import decode_attention
-from lrjax.models.llama import DecoderLayer, apply_rope, attend, write_kv
+from lrjax.models.llama import DecoderLayer, apply_rope, cached_attention
 from lrjax.sharding.rules import param_spec
 
 log = logging.getLogger("lrjax.sharding")
@@ -256,23 +255,9 @@ def _local_layer(a, h, positions, inv_freq, mask, kv=None, write_pos=None, *, st
   q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
 
   # attention on the local heads (as DecoderLayer.__call__)
-  if kv is not None:
-    kv = tuple(write_kv(c, nw, write_pos, heads_first=True) for c, nw in zip(kv, (k, v)))
-  if kv is not None and static["attend_cache"] and s == 1:  # one decode step: the primitive
-    t_len = mask.shape[-1]  # on the local KV heads; the buffers are not sliced
-    att = decode_attention(q[:, 0], *kv, write_pos, window=cfg.sliding_window, length=t_len)
-    att = att[:, None]
-  elif kv is not None and static["attend_cache"]:
-    t_len = mask.shape[-1]
-    att = attend(
-      q,
-      kv[0][:, :, :t_len].astype(q.dtype),
-      kv[1][:, :, :t_len].astype(q.dtype),
-      mask,
-      heads_first=True,
-    )
-  else:
-    att = attend(q, k, v, mask)
+  att, kv = cached_attention(
+    q, k, v, mask, kv, write_pos, static["attend_cache"], window=cfg.sliding_window
+  )
 
   # ② o's rank-space partial sums
   st_o = dict(projs["o_proj"], x_dtype=att.dtype)

@@ -316,3 +316,11 @@ def test_load_rejects_non_lrjax_dir_and_bad_metadata(tmp_path):
   meta_p.write_text(json.dumps(meta))
   with pytest.raises(ValueError, match="version=99 is not readable"):
     checkpoint.load(tmp_path / "ck")
+
+
+def test_a_file_given_as_a_checkpoint_is_named_as_one(tmp_path):
+  f = tmp_path / "weights.bin"
+  f.write_bytes(b"\0")
+  with pytest.raises(NotADirectoryError, match="weights.bin is a file; expected an lrjax"):
+    checkpoint.load(f)
+  assert "is a file" in checkpoint.is_checkpoint(f)

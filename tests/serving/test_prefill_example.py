@@ -17,3 +17,9 @@ def test_prefill_example_runs_and_outputs_agree():
   lines = p.stdout.splitlines()
   assert sum("TTFT p50" in line for line in lines) == 2
   assert lines[-1].endswith("against requests run alone: True")
+
+
+def test_prefill_example_refuses_no_requests():
+  cmd = [sys.executable, os.path.join(REPO, "examples", "prefill_under_load.py"), "--requests", "0"]
+  p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+  assert p.returncode == 2 and "--requests must be at least 1" in p.stderr
