@@ -1,5 +1,6 @@
-"""Decode attention over a dense KV cache on one GPU: the Pallas flash-decoding kernel that
-serves ``decode_attention`` against XLA's lowering of the model's attention and cuDNN's.
+"""Decode attention over a dense KV cache on one GPU: lrjax's one-launch kernel that serves
+``decode_attention``, against jax's Pallas flash-decoding kernel (its second choice), XLA's
+lowering of the model's attention and cuDNN's.
 
   python benchmarks/decode_attention.py --out benchmarks/results/decode_attention.json
 
@@ -7,8 +8,9 @@ Llama-3-8B heads (32 query, 8 KV, head dim 128), bf16, a cache of ``--ctx`` posi
 filled (each row at position ctx - 1), per batch size:
 
   xla     the reference (the model's einsum/softmax attention, what XLA runs without lrjax);
-  pallas  lrjax's lowering (jax's Pallas kernel), at its planned split count and at each of
-          ``--splits`` (the sweep that justifies the plan);
+  lrjax   lrjax's kernel (custom_calls/triton/decode_attention.py) at its planned splits;
+  pallas  jax's Pallas kernel with XLA's merge of its splits, at its planned split count and
+          at each of ``--splits`` (the sweep that justified that plan);
   cudnn   ``jax.nn.dot_product_attention(implementation="cudnn")`` on the cache transposed to
           its [B, T, H, D] layout once, outside the timing (its best case).
 
@@ -38,7 +40,8 @@ sys.path.insert(0, HERE)
 from results_io import hbm_bps, write_json  # noqa: E402
 
 from lrjax.bench import machine, versions  # noqa: E402
-from lrjax.custom_calls.triton import decode_attention as kernel  # noqa: E402
+from lrjax.custom_calls.triton import decode_attention as ours  # noqa: E402
+from lrjax.custom_calls.triton import decode_attention_pallas as kernel  # noqa: E402
 from lrjax.lowering.decode_attention import decode_attention_reference  # noqa: E402
 
 
@@ -104,6 +107,9 @@ def main(argv=None) -> int:
       nbytes = 2 * b * hkv * t * d * 2
       rec = {"device": dev, "batch": b, "ctx": t, "heads": [hq, hkv, d], "read_bytes": nbytes}
       rec["xla_ms"] = time_ms(decode_attention_reference, (q, k, v, pos), a.inner, a.reps)
+      mine = ours.launch_plan(b, hq, hkv, t, d, t, None, ours.BlockSizes())
+      rec["lrjax_plan_splits"] = mine["meta"]["S"]
+      rec["lrjax_ms"] = time_ms(ours.decode_attention, (q, k, v, pos), a.inner, a.reps)
       plan = kernel.plan(b, hkv, t)
       rec["pallas_plan_splits"] = plan.k_splits
       rec["pallas_ms"] = time_ms(kernel.decode_attention, (q, k, v, pos), a.inner, a.reps)
@@ -121,16 +127,20 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 - cuDNN's attention may not take this shape
           rec["cudnn_ms"] = None
           rec["cudnn_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-      for name in ("xla", "pallas", "cudnn"):
+      for name in ("xla", "lrjax", "pallas", "cudnn"):
         ms = rec.get(f"{name}_ms")
         if ms:
           rec[f"{name}_read_gbs"] = nbytes / (ms * 1e-3) / 1e9
           rec[f"{name}_hbm_roofline_frac"] = nbytes / bps / (ms * 1e-3) if bps else None
       rec["pallas_speedup_vs_xla"] = rec["xla_ms"] / rec["pallas_ms"]
+      rec["lrjax_speedup_vs_xla"] = rec["xla_ms"] / rec["lrjax_ms"]
+      rec["lrjax_speedup_vs_pallas"] = rec["pallas_ms"] / rec["lrjax_ms"]
       records.append(rec)
       cud = rec.get("cudnn_ms")
       print(
-        f"b={b:3d} ctx={t:5d}: xla {rec['xla_ms'] * 1e3:8.1f} us  pallas "
+        f"b={b:3d} ctx={t:5d}: xla {rec['xla_ms'] * 1e3:8.1f} us  lrjax "
+        f"{rec['lrjax_ms'] * 1e3:8.1f} us (S={rec['lrjax_plan_splits']}, "
+        f"{rec.get('lrjax_hbm_roofline_frac') or 0:.2f} of HBM)  pallas "
         f"{rec['pallas_ms'] * 1e3:8.1f} us (ks={plan.k_splits}, "
         f"{rec.get('pallas_hbm_roofline_frac') or 0:.2f} of HBM)  cudnn "
         f"{'-' if not cud else f'{cud * 1e3:.1f} us'}  sweep "

@@ -34,6 +34,7 @@ prints is a performance number).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import json
@@ -104,19 +105,29 @@ CLASSES = (
 OTHER = "XLA fusions (norms, rope, residuals, cache writes, XLA's attention)"
 
 
-# lrjax's step variants (--kinds): dense (XLA), low-rank fused, the same with the model's
-# attention left to XLA, with XLA's command buffers (CUDA graphs) off / as wide as XLA takes
-# them (its default captures runs of >= 5 fusions, GEMMs and custom calls; the whole capture
-# adds the step's loop and conditionals, from runs of one), and with the attention kernel
-# given a copied slice of each cache buffer instead of the whole buffer.
+# lrjax's step variants (--kinds): dense (XLA), low-rank fused (the default lowerings), the
+# same with the model's attention through jax's Pallas kernel or lrjax's Triton kernel alone,
+# or left to XLA, with XLA's command buffers (CUDA graphs) off / as wide as XLA takes them
+# (its default captures runs of >= 5 fusions, GEMMs and custom calls; the whole capture adds
+# the step's loop and conditionals, from runs of one), and with the Pallas kernel given a
+# copied slice of each cache buffer instead of the whole buffer.
 LRJAX_KINDS = (
   "dense",
   "lowrank",
   "lowrank_xla_attention",
+  "lowrank_pallas_attention",
+  "lowrank_lrjax_attention",
   "lowrank_cmdbuf_off",
   "lowrank_cmdbuf_whole",
   "lowrank_sliced_cache",
 )
+# the decode_attention lowerings a kind goes without
+WITHOUT = {
+  "lowrank_pallas_attention": ("triton.decode_attention",),
+  "lowrank_lrjax_attention": ("pallas.decode_attention",),
+  "lowrank_sliced_cache": ("triton.decode_attention",),
+  "lowrank_xla_attention": ("triton.decode_attention", "pallas.decode_attention"),
+}
 COMPILER_OPTIONS = {
   "lowrank_cmdbuf_off": {"xla_gpu_enable_command_buffer": ""},
   "lowrank_cmdbuf_whole": {
@@ -125,7 +136,13 @@ COMPILER_OPTIONS = {
   },
 }
 # profiled kinds (a profile runs without command buffers, so theirs would not differ)
-PROFILED = ("lowrank", "lowrank_xla_attention", "lowrank_sliced_cache")
+PROFILED = (
+  "lowrank",
+  "lowrank_xla_attention",
+  "lowrank_pallas_attention",
+  "lowrank_lrjax_attention",
+  "lowrank_sliced_cache",
+)
 
 
 def kernel_class(name: str) -> str:
@@ -184,11 +201,8 @@ def _save(args, out) -> None:
 def run_lrjax(args, ranks) -> dict:
   import jax
   import jax.numpy as jnp
-  from flax import nnx
 
-  import lrjax
-  from lrjax.models import LlamaForCausalLM, ModelConfig
-  from lrjax.models.llama import KVCache
+  from lrjax.models import ModelConfig
 
   m = MODELS[args.model]
   cfg = ModelConfig(
@@ -207,94 +221,120 @@ def run_lrjax(args, ranks) -> dict:
   out = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "records": {}}
   out["argv"] = sys.argv[1:]
   built = None
-  # the attention kernel is unregistered last: kinds run in LRJAX_KINDS' order
-  for kind in sorted(
-    args.kinds, key=lambda k: (k == "lowrank_xla_attention", LRJAX_KINDS.index(k))
-  ):
-    if kind == "lowrank_xla_attention":  # the same step with the model's attention left to XLA
-      from lrjax.lowering import registry
-
-      registry.load_platform("cuda")
-      registry.unregister("decode_attention", "cuda", "pallas.decode_attention")
-    if kind == "lowrank_sliced_cache":
-      from lrjax.custom_calls.triton import decode_attention as attention_kernel
-
-      saved_splits, attention_kernel.MAX_BUFFER_SPLITS = attention_kernel.MAX_BUFFER_SPLITS, 0
-      attention_kernel.decode_attention.clear_cache()  # traced again under the new bound
-    lowrank = kind != "dense"
-    if built is None or built[0] != lowrank:
-      built = None  # one model on the GPU at a time
-      t0 = time.perf_counter()
-      model = LlamaForCausalLM(
-        cfg,
-        ranks=[ranks] * cfg.num_layers if lowrank else None,
-        dtype=dtype,
-        param_dtype=dtype,
-        scan_layers=False,
-        rngs=nnx.Rngs(0),
-      )
-      print(f"lrjax: built {kind} in {time.perf_counter() - t0:.1f} s", flush=True)
-      built = (lowrank, *nnx.split(model))
-      del model
-    _, gdef, state = built
-    decode = functools.partial(LlamaForCausalLM.decode, attend_len=args.ctx)
-    if lowrank:
-      decode = lrjax.fuse(decode)
-    steps = args.steps
-
-    def run(state, cache, tokens, decode=decode):
-      model = nnx.merge(gdef, state)
-
-      def body(_, carry):
-        cache, tok = carry
-        logits, cache = decode(model, tok, cache)
-        return cache, jnp.argmax(logits, -1).astype(jnp.int32)
-
-      return jax.lax.fori_loop(0, steps, body, (cache, tokens))
-
-    fn = jax.jit(run, donate_argnums=(1,), compiler_options=COMPILER_OPTIONS.get(kind))
-    for batch in args.batch:
-      start = args.ctx - steps  # every step's position stays inside the attended ctx
-
-      def fresh(batch=batch, start=start):
-        c = KVCache.init(cfg, batch, args.max_len, dtype)
-        k = tuple(jax.random.normal(jax.random.key(i), a.shape, dtype) for i, a in enumerate(c.k))
-        return KVCache(k, k, jnp.full((batch,), start, jnp.int32))
-
-      base = fresh()
-      reset = lambda c, base=base: KVCache(  # noqa: E731
-        tuple(jnp.copy(a) for a in base.k), tuple(jnp.copy(a) for a in base.v), jnp.copy(base.pos)
-      )
-      toks = jnp.ones((batch,), jnp.int32)
-      t0 = time.perf_counter()
-      for _ in range(2):
-        _, toks = fn(state, reset(None), toks)
-      toks.block_until_ready()
-      compile_s = time.perf_counter() - t0
-      times = []
-      for _ in range(args.reps):
-        c = reset(None)
-        jax.block_until_ready(c)
-        t0 = time.perf_counter()
-        _, toks = fn(state, c, toks)
-        toks.block_until_ready()
-        times.append((time.perf_counter() - t0) / steps)
-      times.sort()
-      ms = times[len(times) // 2] * 1e3
-      out["records"][f"{kind}/{batch}"] = {"ms": ms, "all_ms": [t * 1e3 for t in times]}
-      if args.profile and kind in PROFILED:
-        out["records"][f"{kind}/{batch}"]["profile"] = attribute(
-          fn, (state, reset(None), toks), steps
-        )
-      _save(args, out)
-      print(
-        f"lrjax {kind:8s} batch {batch:3d}: {ms:.3f} ms (compile {compile_s:.1f} s)", flush=True
-      )
-      del base
-    if kind == "lowrank_sliced_cache":
-      attention_kernel.MAX_BUFFER_SPLITS = saved_splits
-      attention_kernel.decode_attention.clear_cache()
+  for kind in args.kinds:
+    with _attention_lowerings(kind):
+      built = _time_kind(args, cfg, ranks, dtype, kind, built, out)
   return out
+
+
+@contextlib.contextmanager
+def _attention_lowerings(kind):
+  """The decode_attention lowerings ``kind`` goes without (``WITHOUT``) removed for its run,
+  and for ``lowrank_sliced_cache`` the Pallas kernel's whole-buffer plan off."""
+  from lrjax.lowering import registry
+
+  registry.load_platform("cuda")
+  gone = [
+    k for k in registry.candidates("decode_attention", "cuda") if k.name in WITHOUT.get(kind, ())
+  ]
+  for k in gone:
+    registry.unregister("decode_attention", "cuda", k.name)
+  pallas = None
+  if kind == "lowrank_sliced_cache":
+    from lrjax.custom_calls.triton import decode_attention_pallas as pallas
+
+    saved_splits, pallas.MAX_BUFFER_SPLITS = pallas.MAX_BUFFER_SPLITS, 0
+    pallas.decode_attention.clear_cache()  # traced again under the new bound
+  try:
+    yield
+  finally:
+    for k in gone:
+      registry.register(k)
+    if pallas is not None:
+      pallas.MAX_BUFFER_SPLITS = saved_splits
+      pallas.decode_attention.clear_cache()
+
+
+def _time_kind(args, cfg, ranks, dtype, kind, built, out):
+  """Times lrjax's step ``kind`` at every batch into ``out["records"]``; returns the model
+  built (reused by the next low-rank kind)."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  import lrjax
+  from lrjax.models import LlamaForCausalLM
+  from lrjax.models.llama import KVCache
+
+  lowrank = kind != "dense"
+  if built is None or built[0] != lowrank:
+    built = None  # one model on the GPU at a time
+    t0 = time.perf_counter()
+    model = LlamaForCausalLM(
+      cfg,
+      ranks=[ranks] * cfg.num_layers if lowrank else None,
+      dtype=dtype,
+      param_dtype=dtype,
+      scan_layers=False,
+      rngs=nnx.Rngs(0),
+    )
+    print(f"lrjax: built {kind} in {time.perf_counter() - t0:.1f} s", flush=True)
+    built = (lowrank, *nnx.split(model))
+    del model
+  _, gdef, state = built
+  decode = functools.partial(LlamaForCausalLM.decode, attend_len=args.ctx)
+  if lowrank:
+    decode = lrjax.fuse(decode)
+  steps = args.steps
+
+  def run(state, cache, tokens, decode=decode):
+    model = nnx.merge(gdef, state)
+
+    def body(_, carry):
+      cache, tok = carry
+      logits, cache = decode(model, tok, cache)
+      return cache, jnp.argmax(logits, -1).astype(jnp.int32)
+
+    return jax.lax.fori_loop(0, steps, body, (cache, tokens))
+
+  fn = jax.jit(run, donate_argnums=(1,), compiler_options=COMPILER_OPTIONS.get(kind))
+  for batch in args.batch:
+    start = args.ctx - steps  # every step's position stays inside the attended ctx
+
+    def fresh(batch=batch, start=start):
+      c = KVCache.init(cfg, batch, args.max_len, dtype)
+      k = tuple(jax.random.normal(jax.random.key(i), a.shape, dtype) for i, a in enumerate(c.k))
+      return KVCache(k, k, jnp.full((batch,), start, jnp.int32))
+
+    base = fresh()
+    reset = lambda c, base=base: KVCache(  # noqa: E731
+      tuple(jnp.copy(a) for a in base.k), tuple(jnp.copy(a) for a in base.v), jnp.copy(base.pos)
+    )
+    toks = jnp.ones((batch,), jnp.int32)
+    t0 = time.perf_counter()
+    for _ in range(2):
+      _, toks = fn(state, reset(None), toks)
+    toks.block_until_ready()
+    compile_s = time.perf_counter() - t0
+    times = []
+    for _ in range(args.reps):
+      c = reset(None)
+      jax.block_until_ready(c)
+      t0 = time.perf_counter()
+      _, toks = fn(state, c, toks)
+      toks.block_until_ready()
+      times.append((time.perf_counter() - t0) / steps)
+    times.sort()
+    ms = times[len(times) // 2] * 1e3
+    out["records"][f"{kind}/{batch}"] = {"ms": ms, "all_ms": [t * 1e3 for t in times]}
+    if args.profile and kind in PROFILED:
+      out["records"][f"{kind}/{batch}"]["profile"] = attribute(
+        fn, (state, reset(None), toks), steps
+      )
+    _save(args, out)
+    print(f"lrjax {kind:8s} batch {batch:3d}: {ms:.3f} ms (compile {compile_s:.1f} s)", flush=True)
+    del base
+  return built
 
 
 # ---------------------------------------------------------------------------------------- torch

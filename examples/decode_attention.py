@@ -4,7 +4,8 @@ on this machine, and its result against the reference.
   python examples/decode_attention.py
 
 On an NVIDIA GPU the registry lowers it to jax's Pallas flash-decoding kernel (bf16/f16, cache
-lengths it can split); elsewhere XLA runs the reference. docs/kernels.md has the H100 timings.
+lengths it can split) or, for other lengths, to lrjax's Triton kernel; elsewhere XLA runs the
+reference. docs/kernels.md has the H100 timings.
 """
 
 import jax

@@ -1,19 +1,25 @@
 """Decode attention over a dense KV cache on NVIDIA GPUs: ``decode_attention``
-(lowering/decode_attention.py) as jax's Pallas flash-decoding kernel
-(``jax.experimental.pallas.ops.gpu.decode_attention.gqa``), not one of our own.
+(lowering/decode_attention.py) as two Triton launches, flash decoding and the merge of its
+splits. The second choice of the CUDA lowering: it serves the cache lengths that jax's Pallas
+kernel (decode_attention_pallas.py) declines, any length where that one needs the length to
+split into powers of two.
 
-That kernel splits the keys of each (row, KV head) into ``k_splits`` programs; a program loads
-the G query heads of its KV head once (padded to 16 rows for the tensor cores), walks its
-split in blocks of ``block_k`` keys with an online softmax and stops at the row's last
-visible key, so a short sequence in a long cache reads only its own length. The splits'
-partial results are merged in f32. It takes the cache as [B, T, Hkv, D] and transposes it to
-[B, Hkv, T, D] itself; ours is already in that layout, and XLA removes the two transposes.
+1. One program per (row b, KV head h, split s of the attended keys). It loads the G = Hq/Hkv
+   query heads of its KV head (padded to 16 rows for the tensor cores) and walks its split's
+   keys in blocks of ``block_n`` with an online softmax, from the first visible key (the
+   sliding window's start) to the row's last (pos[b]): keys past a row's position are never
+   read, so a short sequence in a long cache costs only its own length. It writes its
+   (max, sum, p·V) in f32. A split with no visible key returns at once.
+2. One program per (b, h) merges the splits that ran (known from pos[b]): every split's max
+   and sum in one load, then each split's p·V rows weighted in turn, and writes the G output
+   rows.
 
-The split count trades parallelism (B·Hkv·k_splits programs against the GPU's SMs) for the
-merge's extra traffic; :func:`plan` picks it for the attended ``length`` keys. A cache buffer
-longer than ``length`` is passed whole (a slice would be a copy) and split into the same
-split size throughout; the splits past a row's last key return at once. Where that would
-take more than ``MAX_BUFFER_SPLITS`` splits, the first ``length`` keys are sliced (copied).
+The split count is the Pallas kernel's rule: the fewest splits, in powers of two, that give
+``TARGET_PROGRAMS`` programs. Two launches against the Pallas kernel's one plus four XLA
+fusions that merge its splits, yet no faster in the Llama-3-8B decode step on an H100 (within
+1 % at batch 1, 8 and 16; the Pallas kernel is faster alone at batch 1:
+benchmarks/results/decode_attention_ab_h100.json, model_step_attention_ab_h100.json), so
+it is not the first choice.
 """
 
 from __future__ import annotations
@@ -23,111 +29,227 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import triton
+import triton.language as tl
 
-# f32 stays on XLA: the kernel's dots run on TF32 tensor cores (4e-4 relative error on an H100)
-PALLAS_MODULE = "jax.experimental.pallas.ops.gpu.decode_attention"
-KERNEL_DTYPES = ("bfloat16", "float16")
-BLOCK_K = 128  # keys per inner step (the Pallas kernel's default for gqa)
-MIN_SPLIT = 16  # the Pallas kernel needs at least 16 keys per split
-TARGET_PROGRAMS = 256  # about two programs per SM on an H100 (132 SMs) or H200 (132)
-MAX_SPLITS = 32
-MAX_BUFFER_SPLITS = 128  # splits over a whole buffer (most of them past every row's last key)
+from lrjax.custom_calls.triton import launch, planner
+from lrjax.custom_calls.triton.lowering import decode_attention_shape_reason
+
+TARGET_PROGRAMS = 256  # about two programs per SM on an H100 or H200 (132 SMs)
+MAX_SPLITS = 64
+MIN_CHUNK = 16  # keys per split at least (one key block of the tensor cores' 16)
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
-  k_splits: int
-  block_k: int
+class BlockSizes:
+  block_n: int = 64  # keys per inner step, at most (a split of fewer keys takes its length)
+  num_warps: int = 4
+  num_stages: int = 2
+  splits: int = 0  # splits of the attended keys; 0: :func:`plan_splits`
 
 
-def _pow2(n: int) -> bool:
-  return n > 0 and not n & (n - 1)
+def plan_splits(b: int, hkv: int, length: int) -> int:
+  """The fewest splits, a power of two up to ``MAX_SPLITS``, giving ``TARGET_PROGRAMS``
+  programs, with at least ``MIN_CHUNK`` keys each."""
+  s = 1
+  while b * hkv * s < TARGET_PROGRAMS and 2 * s <= MAX_SPLITS and 2 * s * MIN_CHUNK <= length:
+    s *= 2
+  return s
 
 
-def plan(b: int, hkv: int, t: int, k_splits: int | None = None) -> Plan | str:
-  """The split count and key block for a [b, hkv, t, .] cache, or why none fits.
-
-  Default split count: the smallest power of two that gives ``TARGET_PROGRAMS`` programs,
-  at most ``MAX_SPLITS``, among those the kernel accepts (t divisible into splits of >= 16
-  keys, a power-of-two block of keys dividing each split)."""
-  options = []
-  for ks in (k_splits,) if k_splits is not None else [2**i for i in range(6)]:
-    if ks > MAX_SPLITS or t % ks:
-      continue
-    split = t // ks
-    bk = min(BLOCK_K, split)
-    if split >= MIN_SPLIT and _pow2(bk) and split % bk == 0:
-      options.append(Plan(ks, bk))
-  if not options:
-    why = f"k_splits={k_splits}" if k_splits is not None else "any split count up to 32"
-    return (
-      f"cache length {t} does not divide into {why} with >= {MIN_SPLIT} keys per split and a "
-      "power-of-two key block (the engine's attend buckets, powers of two >= 128, always do)"
+@triton.jit
+def _decode_attention_kernel(
+  q_ptr,  # [B, HQ, D]
+  k_ptr,
+  v_ptr,  # [B, HKV, T, D]
+  pos_ptr,  # [B] i32
+  part_ptr,  # f32: each split's p·V rows [NROWS, D], then their maxima and sums [NROWS] each
+  T: tl.constexpr,
+  LEN: tl.constexpr,  # attended keys: those at or past LEN are never visible
+  HQ: tl.constexpr,
+  HKV: tl.constexpr,
+  D: tl.constexpr,
+  G: tl.constexpr,
+  GP: tl.constexpr,
+  S: tl.constexpr,
+  SP: tl.constexpr,
+  CHUNK: tl.constexpr,
+  WINDOW: tl.constexpr,
+  SCALE: tl.constexpr,
+  BLOCK_N: tl.constexpr,
+  NROWS: tl.constexpr,  # B * HKV * S * G
+):
+  pid = tl.program_id(0)
+  bh = pid // S
+  s = pid % S
+  b = bh // HKV
+  h = bh % HKV
+  pos = tl.load(pos_ptr + b)
+  end = tl.minimum(pos + 1, LEN)  # visible keys [first, end)
+  first = 0
+  if WINDOW > 0:
+    first = tl.maximum(pos - WINDOW + 1, 0)
+  lo = tl.maximum(s * CHUNK, first)
+  hi = tl.minimum(s * CHUNK + CHUNK, end)
+  if lo < hi:
+    offs_g = tl.arange(0, GP)
+    g_mask = offs_g < G
+    offs_d = tl.arange(0, D)
+    q = tl.load(
+      q_ptr + (b * HQ + h * G + offs_g)[:, None] * D + offs_d[None, :],
+      mask=g_mask[:, None],
+      other=0.0,
     )
-  for p in options:
-    if b * hkv * p.k_splits >= TARGET_PROGRAMS:
-      return p
-  return options[-1]
+    kv_ptr = (b * HKV + h).to(tl.int64) * T * D
+    m_i = tl.full([GP], -1.0e30, tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+      offs_t = start + tl.arange(0, BLOCK_N)
+      t_mask = offs_t < hi
+      rows = kv_ptr + offs_t[:, None] * D + offs_d[None, :]
+      k = tl.load(k_ptr + rows, mask=t_mask[:, None], other=0.0)
+      sc = tl.dot(q, tl.trans(k)) * SCALE
+      sc = tl.where(t_mask[None, :], sc, -1.0e30)
+      m_new = tl.maximum(m_i, tl.max(sc, 1))
+      alpha = tl.exp(m_i - m_new)
+      p = tl.exp(sc - m_new[:, None])
+      l_i = l_i * alpha + tl.sum(p, 1)
+      v = tl.load(v_ptr + rows, mask=t_mask[:, None], other=0.0)
+      acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+      m_i = m_new
+    row = (bh * S + s) * G + offs_g  # this split's G rows of the partials
+    tl.store(part_ptr + row[:, None] * D + offs_d[None, :], acc, mask=g_mask[:, None])
+    tl.store(part_ptr + NROWS * D + row, m_i, mask=g_mask)
+    tl.store(part_ptr + NROWS * D + NROWS + row, l_i, mask=g_mask)
 
 
-def buffer_plan(p: Plan, t: int, length: int) -> Plan | None:
-  """``p``, planned for the first ``length`` keys, stretched over a whole buffer of ``t`` keys
-  in splits of the same size; None where that does not divide or takes too many splits."""
-  split = length // p.k_splits
-  if t % split or t // split > MAX_BUFFER_SPLITS:
-    return None
-  return Plan(t // split, p.block_k)
+@triton.jit
+def _merge_kernel(
+  part_ptr,  # as written by _decode_attention_kernel
+  pos_ptr,
+  o_ptr,  # [B, HQ * D]
+  T: tl.constexpr,
+  LEN: tl.constexpr,
+  HQ: tl.constexpr,
+  HKV: tl.constexpr,
+  D: tl.constexpr,
+  G: tl.constexpr,
+  GP: tl.constexpr,
+  S: tl.constexpr,
+  SP: tl.constexpr,  # S rounded up to a power of two
+  CHUNK: tl.constexpr,
+  WINDOW: tl.constexpr,
+  SCALE: tl.constexpr,
+  BLOCK_N: tl.constexpr,
+  NROWS: tl.constexpr,
+):
+  bh = tl.program_id(0)
+  b = bh // HKV
+  h = bh % HKV
+  pos = tl.load(pos_ptr + b)
+  end = tl.minimum(pos + 1, LEN)
+  first = 0
+  if WINDOW > 0:
+    first = tl.maximum(pos - WINDOW + 1, 0)
+  s_lo = first // CHUNK  # the splits that ran: those holding a visible key
+  s_hi = (end + CHUNK - 1) // CHUNK
+  offs_s = tl.arange(0, SP)
+  offs_g = tl.arange(0, GP)
+  offs_d = tl.arange(0, D)
+  g_mask = offs_g < G
+  ran = (offs_s >= s_lo) & (offs_s < s_hi)
+  rows = (bh * S + offs_s)[:, None] * G + offs_g[None, :]  # [SP, GP]
+  both = ran[:, None] & g_mask[None, :]
+  m = tl.load(part_ptr + NROWS * D + rows, mask=both, other=-1.0e30)
+  l = tl.load(part_ptr + NROWS * D + NROWS + rows, mask=both, other=0.0)
+  mx = tl.max(m, 0)
+  w = tl.where(both, tl.exp(m - mx[None, :]), 0.0)  # [SP, GP]
+  den = tl.sum(w * l, 0)
+  out = tl.zeros([GP, D], tl.float32)
+  for j in tl.static_range(S):
+    valid = (j >= s_lo) & (j < s_hi)
+    r = (bh * S + j) * G + offs_g
+    mj = tl.load(part_ptr + NROWS * D + r, mask=g_mask & valid, other=-1.0e30)
+    aj = tl.load(
+      part_ptr + r[:, None] * D + offs_d[None, :], mask=(g_mask & valid)[:, None], other=0.0
+    )
+    out += aj * tl.exp(mj - mx)[:, None]
+  out = out / tl.where(g_mask, den, 1.0)[:, None]
+  tl.store(
+    o_ptr + (b * HQ + h * G + offs_g)[:, None] * D + offs_d[None, :],
+    out.to(o_ptr.dtype.element_ty),
+    mask=g_mask[:, None],
+  )
 
 
-def shape_reason(q_shape, k_shape, dtypes, length: int | None = None) -> str | None:
-  """Why the kernel cannot take these operands (None: it can)."""
-  b, _, d = q_shape
-  _, hkv, t, _ = k_shape
-  if any(dt not in KERNEL_DTYPES for dt in dtypes) or len(set(dtypes)) != 1:
-    return f"dtypes {dtypes}: q, k and v must share one of {KERNEL_DTYPES}"
-  if not _pow2(d) or not 16 <= d <= 256:
-    return f"head dim {d} is not a power of two in [16, 256]"
-  p = plan(b, hkv, t if length is None else length)
-  return p if isinstance(p, str) else None
+def launch_plan(
+  b: int, hq: int, hkv: int, t: int, d: int, length: int, window, bs: BlockSizes
+) -> dict:
+  """Grids and constexprs of one call (shared by the wrapper and the tests)."""
+  splits = bs.splits or plan_splits(b, hkv, length)
+  chunk = planner.cdiv(length, min(splits, length))
+  block_n = min(bs.block_n, max(16, planner.next_pow2(chunk)))
+  chunk = planner.round_up(chunk, block_n)
+  splits = planner.cdiv(length, chunk)
+  g = hq // hkv
+  meta = dict(
+    T=t,
+    LEN=length,
+    HQ=hq,
+    HKV=hkv,
+    D=d,
+    G=g,
+    GP=max(16, planner.next_pow2(g)),
+    S=splits,
+    SP=max(2, planner.next_pow2(splits)),
+    CHUNK=chunk,
+    WINDOW=0 if window is None else int(window),
+    SCALE=float(d) ** -0.5,
+    BLOCK_N=block_n,
+    NROWS=b * hkv * splits * g,
+  )
+  return dict(grid=(b * hkv * splits,), merge_grid=(b * hkv,), meta=meta,
+              part=b * hkv * splits * g * (d + 2))  # fmt: skip
 
 
-@functools.partial(jax.jit, static_argnames=("window", "length", "k_splits", "interpret"))
-def decode_attention(q, k, v, pos, *, window=None, length=None, k_splits=None, interpret=False):
-  """q [B, Hq, D], k/v [B, Hkv, T, D], pos [B] → [B, Hq·D] (the primitive's semantics).
-  ``k_splits``: splits of the first ``length`` keys (default: :func:`plan`'s).
-  ``interpret``: Pallas's interpreter (any platform; tests)."""
-  import importlib
-  import warnings
-
-  with warnings.catch_warnings():  # jax 0.11 marks the module deprecated on import
-    warnings.simplefilter("ignore", DeprecationWarning)
-    pallas_decode = importlib.import_module(PALLAS_MODULE)
-
+@functools.partial(jax.jit, static_argnames=("window", "length", "block_sizes"))
+def decode_attention(q, k, v, pos, *, window=None, length=None, block_sizes=None):
+  """q [B, Hq, D], k/v [B, Hkv, T, D], pos [B] → [B, Hq·D] (the primitive's semantics), as
+  two Triton launches (module docstring)."""
   b, hq, d = q.shape
   _, hkv, t, _ = k.shape
   length = t if length is None else length
-  p = plan(b, hkv, length, k_splits)
-  if isinstance(p, str):
-    raise ValueError(p)
-  if length < t:
-    whole = buffer_plan(p, t, length)
-    if whole is None:
-      k, v = k[:, :, :length], v[:, :, :length]
-    else:
-      p = whole
-  pos = pos.astype(jnp.int32)
-  start = None if window is None else jnp.maximum(pos - (window - 1), 0)
-  o = pallas_decode.gqa(
+  reason = decode_attention_shape_reason(q.shape, (q.dtype.name, k.dtype.name, v.dtype.name))
+  if reason is not None:
+    raise ValueError(reason)
+  bs = block_sizes or BlockSizes()
+  plan = launch_plan(b, hq, hkv, t, d, length, window, bs)
+  pos = jnp.asarray(pos, jnp.int32)
+  part = launch.triton_call(
     q,
-    k.swapaxes(1, 2),  # gqa swaps back: XLA cancels the pair
-    v.swapaxes(1, 2),
-    start_idx=start,
-    kv_seq_len=pos + 1,
-    k_splits=p.k_splits,
-    block_k=p.block_k,
-    interpret=interpret,
+    k,
+    v,
+    pos,
+    kernel=_decode_attention_kernel,
+    out_shape=jax.ShapeDtypeStruct((plan["part"],), jnp.float32),
+    grid=plan["grid"],
+    num_warps=bs.num_warps,
+    num_stages=bs.num_stages,
+    name="lrjax_decode_attention",
+    **plan["meta"],
   )
-  return o.reshape(b, hq * d).astype(q.dtype)
+  return launch.triton_call(
+    part,
+    pos,
+    kernel=_merge_kernel,
+    out_shape=jax.ShapeDtypeStruct((b, hq * d), q.dtype),
+    grid=plan["merge_grid"],
+    num_warps=4,
+    num_stages=1,
+    name="lrjax_decode_attention_merge",
+    **plan["meta"],
+  )
 
 
 def decode_attention_reference(q, k, v, pos, *, window=None, length=None):

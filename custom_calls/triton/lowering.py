@@ -1,5 +1,6 @@
 """CUDA lowerings of lr_xuv, lr_mlp, lr_xuv_group and lr_kv_attention (Triton kernels called
-through jax-triton), and of decode_attention (jax's Pallas flash-decoding kernel).
+through jax-triton), and of decode_attention: jax's Pallas flash-decoding kernel, and lrjax's
+Triton kernel for the cache lengths the Pallas kernel declines.
 
 Light module: it imports neither triton nor jax_triton. ``load()`` imports the kernel
 module only when the registry selects the kernel for a CUDA lowering, so CPU installs
@@ -320,8 +321,27 @@ def _kv_attention_impl():
   return impl
 
 
+DECODE_ATTENTION_DTYPES = ("bfloat16", "float16")  # f32 stays on XLA (the dots would be TF32)
+
+
+def decode_attention_shape_reason(q_shape, dtypes) -> str | None:
+  """Why lrjax's decode-attention kernel cannot take these operands (None: it can)."""
+  d = q_shape[2]
+  if any(dt not in DECODE_ATTENTION_DTYPES for dt in dtypes) or len(set(dtypes)) != 1:
+    return f"dtypes {dtypes}: q, k and v must share one of {DECODE_ATTENTION_DTYPES}"
+  if d < 16 or d > 256 or d & (d - 1):
+    return f"head dim {d} is not a power of two in [16, 256]"
+  return None
+
+
 def decode_attention_supports(avals, params) -> str | None:
-  from lrjax.custom_calls.triton.decode_attention import PALLAS_MODULE, shape_reason
+  del params
+  q, k, v, _ = avals
+  return _toolchain() or decode_attention_shape_reason(q.shape, (_dt(q), _dt(k), _dt(v)))
+
+
+def pallas_decode_attention_supports(avals, params) -> str | None:
+  from lrjax.custom_calls.triton.decode_attention_pallas import PALLAS_MODULE, shape_reason
 
   # jax 0.11 deprecates the Pallas Triton backend; a later jax may not have it
   if importlib.util.find_spec(PALLAS_MODULE) is None:
@@ -341,6 +361,12 @@ def decode_attention_faster(avals, params) -> str | None:
 
 def _decode_attention_impl():
   from lrjax.custom_calls.triton.decode_attention import decode_attention
+
+  return decode_attention
+
+
+def _pallas_decode_attention_impl():
+  from lrjax.custom_calls.triton.decode_attention_pallas import decode_attention
 
   return decode_attention
 
@@ -404,6 +430,15 @@ KERNELS = [
     "decode_attention",
     "cuda",
     "pallas.decode_attention",
+    pallas_decode_attention_supports,
+    _pallas_decode_attention_impl,
+    priority=20,
+    faster=decode_attention_faster,
+  ),
+  KernelLowering(
+    "decode_attention",
+    "cuda",
+    "triton.decode_attention",
     decode_attention_supports,
     _decode_attention_impl,
     priority=10,

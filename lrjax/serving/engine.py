@@ -702,9 +702,8 @@ class Engine:
     sel = registry.select("decode_attention", plat, (q, k, k, pos), params)
     if sel.kernel is not None:
       return sel.kernel.name
-    return "XLA reference" + (
-      f" ({sel.declined[0][0]}: {sel.declined[0][1]})" if sel.declined else ""
-    )
+    why = "; ".join(f"{name}: {reason}" for name, reason in sel.declined)
+    return "XLA reference" + (f" ({why})" if why else "")
 
   def warmup(self) -> int:
     """Compile every step this engine can take (each of :meth:`prefill_variants`, a decode per

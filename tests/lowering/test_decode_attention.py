@@ -1,6 +1,8 @@
-"""decode_attention: the primitive against a float64 oracle, the CUDA kernel's wrapper (jax's
-Pallas flash-decoding kernel, run in Pallas's interpreter here) against the primitive, its
-split plan, the registry's choice per platform, and the model's decode step binding it."""
+"""decode_attention: the primitive against a float64 oracle, the second CUDA lowering's wrapper
+(jax's Pallas flash-decoding kernel, run in Pallas's interpreter here) against the primitive,
+its split plan, the registry's choice per platform, and the model's decode step binding it.
+lrjax's own kernel runs in Triton's interpreter in
+tests/custom_calls/triton/test_triton_interpret.py and on a GPU in test_decode_attention_gpu.py."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +12,8 @@ from hypothesis import given, settings, strategies as st
 from conftest import assert_close, primitive_names
 from conftest import decode_attention_f64 as oracle
 from conftest import decode_attention_operands as operands
-from lrjax.custom_calls.triton import decode_attention as kernel
+from lrjax.custom_calls.triton import decode_attention_pallas as kernel
+from lrjax.custom_calls.triton import lowering as cuda_lowering
 from lrjax.lowering import registry
 from lrjax.lowering.decode_attention import decode_attention, decode_attention_reference
 
@@ -193,21 +196,34 @@ def _avals(b, hq, hkv, t, d, dt=jnp.bfloat16, kdt=None):
   return (sds((b, hq, d), dt), kv, kv, sds((b,), jnp.int32))
 
 
-def test_registry_serves_cuda_with_the_kernel_and_says_why_not():
+def test_registry_serves_cuda_with_the_kernels_and_says_why_not(monkeypatch):
+  """jax's Pallas kernel first; lrjax's kernel (where jax-triton is installed) for the cache
+  lengths the Pallas kernel declines; each names the operands it declines."""
+  monkeypatch.setattr(cuda_lowering, "_toolchain", lambda: None)
   sel = registry.select("decode_attention", "cuda", _avals(8, 32, 8, 1024, 128), {"window": None})
   assert sel.name == "pallas.decode_attention", sel.declined
+  sel = registry.select("decode_attention", "cuda", _avals(8, 32, 8, 1000, 128), {"window": None})
+  assert sel.name == "triton.decode_attention", sel.declined
+  assert "cache length 1000" in dict(sel.declined)["pallas.decode_attention"], sel.declined
   for avals, why in [
-    (_avals(8, 32, 8, 1000, 128), "cache length 1000"),
     (_avals(8, 32, 8, 1024, 96), "head dim 96"),
     (_avals(8, 32, 8, 1024, 128, kdt=jnp.float8_e4m3fn), "must share one of"),
     (_avals(8, 32, 8, 1024, 128, dt=jnp.float32), "must share one of"),
   ]:
     sel = registry.select("decode_attention", "cuda", avals, {"window": None})
-    assert sel.kernel is None and why in sel.declined[0][1], sel.declined
+    assert sel.kernel is None and all(why in r for _, r in sel.declined), sel.declined
   assert registry.select("decode_attention", "cpu", _avals(1, 4, 2, 16, 8), {}).kernel is None
   # a length bound is planned by its own length: a 1000-key buffer attended to 512 serves
   sel = registry.select("decode_attention", "cuda", _avals(8, 32, 8, 1000, 128), {"length": 512})
   assert sel.name == "pallas.decode_attention", sel.declined
+
+
+def test_without_jax_triton_other_cache_lengths_stay_on_xla(monkeypatch):
+  monkeypatch.setattr(cuda_lowering, "_toolchain", lambda: "jax-triton/triton not installed")
+  sel = registry.select("decode_attention", "cuda", _avals(8, 32, 8, 1024, 128), {"window": None})
+  assert sel.name == "pallas.decode_attention", sel.declined
+  sel = registry.select("decode_attention", "cuda", _avals(8, 32, 8, 1000, 128), {"window": None})
+  assert sel.kernel is None and "not installed" in sel.declined[-1][1], sel.declined
 
 
 def test_model_decode_binds_it_and_prefill_does_not():
@@ -232,11 +248,10 @@ def test_model_decode_binds_it_and_prefill_does_not():
 
 
 def test_a_jax_without_the_pallas_kernel_falls_back_by_name(monkeypatch):
-  from lrjax.custom_calls.triton import lowering
-
-  real = lowering.importlib.util.find_spec
+  monkeypatch.setattr(cuda_lowering, "_toolchain", lambda: "jax-triton/triton not installed")
+  real = cuda_lowering.importlib.util.find_spec
   monkeypatch.setattr(
-    lowering.importlib.util,
+    cuda_lowering.importlib.util,
     "find_spec",
     lambda name, *a: None if name == kernel.PALLAS_MODULE else real(name, *a),
   )

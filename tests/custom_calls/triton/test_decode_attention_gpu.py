@@ -1,6 +1,11 @@
-"""GPU tests of decode_attention's CUDA lowering (jax's Pallas flash-decoding kernel): compiled
-on the GPU, against a float64 host oracle on fresh random inputs, and bound in the model's
-decode step (``pytest -m gpu`` on a CUDA machine)."""
+"""GPU tests of decode_attention's CUDA lowerings, jax's Pallas flash-decoding kernel (the first
+choice) and lrjax's Triton kernel (the cache lengths the first declines): compiled on the GPU,
+against a float64 host oracle on fresh random inputs, and bound in the model's decode step
+(``pytest -m gpu`` on a CUDA machine)."""
+
+import contextlib
+import importlib
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -10,12 +15,14 @@ import pytest
 from conftest import assert_close, rel_err, tolerance
 from conftest import decode_attention_f64 as oracle
 from conftest import decode_attention_operands as operands
-from lrjax.custom_calls.triton import decode_attention as kernel
-from lrjax.lowering import force_reference
+from lrjax.custom_calls.triton import decode_attention_pallas as kernel
+from lrjax.lowering import force_reference, registry
 from lrjax.lowering.decode_attention import decode_attention
 
 
 def _gpu_reason():
+  if importlib.util.find_spec("jax_triton") is None:
+    return "jax-triton is not installed (pip install 'lrjax[cuda]')"
   try:
     return None if jax.devices("gpu") else "no GPU"
   except RuntimeError as e:
@@ -38,19 +45,104 @@ SHAPES = [  # b, hq, hkv, t, d
 ]
 
 
+@contextlib.contextmanager
+def _only(which: str):
+  """The registry with one decode_attention kernel: "pallas" or "lrjax" (the other removed)."""
+  registry.load_platform("cuda")
+  other = "triton" if which == "pallas" else "pallas"
+  gone = [k for k in registry.candidates("decode_attention", "cuda") if k.name.startswith(other)]
+  for k in gone:
+    registry.unregister("decode_attention", "cuda", k.name)
+  try:
+    yield which
+  finally:
+    for k in gone:
+      registry.register(k)
+
+
+@pytest.fixture(params=["pallas", "lrjax"])
+def served_by(request):
+  with _only(request.param) as which:
+    yield which
+
+
+@pytest.fixture
+def pallas_only():
+  with _only("pallas"):
+    yield
+
+
+def _lowered_by(fn, *args) -> str:
+  """Which lowering serves the decode_attention calls of ``fn``: the registry's choice for
+  their operands where the lowered program calls a kernel, else "xla"."""
+  calls = []
+
+  def spy(q, k, v, pos, **params):
+    avals = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (q, k, v, pos))
+    sel = registry.select("decode_attention", "cuda", avals, params)
+    calls.append("xla" if sel.kernel is None else sel.name.split(".")[0])
+
+  prim = importlib.import_module("lrjax.lowering.decode_attention")
+  real = prim.decode_attention_p.bind
+
+  def bind(*a, **params):
+    spy(*a, **params)
+    return real(*a, **params)
+
+  prim.decode_attention_p.bind = bind
+  try:
+    text = fn.lower(*args).as_text()
+  finally:
+    prim.decode_attention_p.bind = real
+  assert calls and len(set(calls)) == 1, calls
+  assert ("custom_call" in text) == (calls[0] != "xla"), calls
+  return {"triton": "lrjax"}.get(calls[0], calls[0])
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("window", [None, 100])
-def test_kernel_matches_oracle(shape, dtype, window):
-  """bf16 and f16 through the kernel; f32 through XLA (the kernel declines it)."""
+def test_kernels_match_oracle(shape, dtype, window, served_by):
+  """bf16 and f16 through each kernel; f32 through XLA (both decline it)."""
   q, k, v, pos = operands(*shape, dtype)
   fn = jax.jit(lambda *a: decode_attention(*a, window=window))
-  lowered = "triton" in fn.lower(q, k, v, pos).as_text().lower()
-  assert lowered == (dtype != jnp.float32), "kernel chosen for f32 or not chosen for 16 bits"
+  assert _lowered_by(fn, q, k, v, pos) == ("xla" if dtype == jnp.float32 else served_by)
   # XLA's f32 dots run on TF32 unless asked for full precision
-  with jax.default_matmul_precision("highest"):  # no effect on the 16-bit kernel
+  with jax.default_matmul_precision("highest"):  # no effect on the 16-bit kernels
     out = fn(q, k, v, pos)
   assert_close(out, oracle(q, k, v, pos, window), dtype)
+
+
+def test_a_length_the_pallas_kernel_declines_goes_to_lrjax_kernel():
+  q, k, v, pos = operands(3, 28, 4, 1000, 128, jnp.bfloat16)
+  fn = jax.jit(decode_attention)
+  assert _lowered_by(fn, q, k, v, pos) == "lrjax"
+  assert_close(fn(q, k, v, pos), oracle(q, k, v, pos), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 7, 16, 64])
+@pytest.mark.parametrize("block_n", [16, 64, 128])
+def test_lrjax_kernel_at_every_split_count(splits, block_n):
+  """Ragged chunks (2000 keys), empty trailing splits (rows short of the length), a window
+  that skips leading splits; the merge reads only the splits that ran."""
+  from lrjax.custom_calls.triton import decode_attention as ours
+
+  q, k, v, _ = operands(4, 32, 8, 2048, 128, jnp.bfloat16)
+  pos = jnp.asarray([0, 17, 1500, 1999], jnp.int32)
+  bs = ours.BlockSizes(block_n=block_n, splits=splits)
+  for window in (None, 333):
+    out = ours.decode_attention(q, k, v, pos, window=window, length=2000, block_sizes=bs)
+    ref = oracle(q, k[:, :, :2000], v[:, :, :2000], pos, window)
+    assert_close(out, ref, jnp.bfloat16)
+
+
+def test_lrjax_kernel_called_three_times_in_one_step():
+  """Calls in one jit, each on its own partials, each merged right."""
+  q, k, v, pos = operands(8, 32, 8, 1024, 128, jnp.bfloat16)
+  fn = jax.jit(lambda q, k, v, p: [decode_attention(q * s, k, v, p) for s in (1.0, 0.5, 2.0)])
+  outs = fn(q, k, v, pos)
+  for s, out in zip((1.0, 0.5, 2.0), outs):
+    assert_close(out, oracle((q * s).astype(q.dtype), k, v, pos), jnp.bfloat16)
 
 
 @pytest.mark.parametrize("k_splits", [1, 2, 4, 8, 16, 32])
@@ -60,7 +152,7 @@ def test_every_split_count(k_splits):
   assert_close(out, oracle(q, k, v, pos), jnp.bfloat16)
 
 
-def test_rows_at_every_fill_level():
+def test_rows_at_every_fill_level(served_by):
   """Rows from an empty cache (pos 0) to a full one, with keys past pos set to huge values
   that a kernel reading past the row's last key would not survive."""
   t = 512
@@ -73,10 +165,10 @@ def test_rows_at_every_fill_level():
 
 
 @pytest.mark.parametrize("t, length", [(2048, 1024), (8192, 512), (4096, 16)])
-def test_length_bound_reads_the_buffers_in_place(t, length):
-  """A buffer longer than the attended length: passed whole (no copy in the compiled HLO)
-  where the split plan stretches over it, sliced where it would take too many splits; keys
-  past ``length`` hold huge values that reading them would show."""
+def test_length_bound_reads_the_buffers_in_place(t, length, pallas_only):
+  """Pallas: a buffer longer than the attended length: passed whole (no copy in the compiled
+  HLO) where the split plan stretches over it, sliced where it would take too many splits;
+  keys past ``length`` hold huge values that reading them would show."""
   q, k, v, _ = operands(4, 32, 8, t, 128, jnp.bfloat16)
   pos = jnp.asarray([0, 1, length // 2, length - 1], jnp.int32)
   past = jnp.arange(t)[None, None, :, None] >= length
@@ -87,6 +179,22 @@ def test_length_bound_reads_the_buffers_in_place(t, length):
   copied = f"bf16[4,8,{length},128]" in hlo  # a [B, Hkv, length, D] slice of the buffer
   assert copied != whole, f"{whole=} but {copied=}"
   out = fn(q, k, v, pos)
+  assert_close(out, oracle(q, k[:, :, :length], v[:, :, :length], pos), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("t, length", [(2048, 1024), (8192, 512), (4096, 16), (1000, 999)])
+def test_lrjax_kernel_reads_the_buffers_in_place(t, length):
+  """lrjax's kernel takes any buffer whole (no [B, Hkv, length, D] copy in the compiled HLO)
+  and never reads a key at or past ``length``, which holds a huge value here."""
+  q, k, v, _ = operands(4, 32, 8, t, 128, jnp.bfloat16)
+  pos = jnp.asarray([0, 1, length // 2, length - 1], jnp.int32)
+  past = jnp.arange(t)[None, None, :, None] >= length
+  k, v = jnp.where(past, 3e4, k).astype(k.dtype), jnp.where(past, -3e4, v).astype(v.dtype)
+  fn = jax.jit(lambda *a: decode_attention(*a, length=length))
+  with _only("lrjax"):
+    assert _lowered_by(fn, q, k, v, pos) == "lrjax"
+    assert f"bf16[4,8,{length},128]" not in fn.lower(q, k, v, pos).compile().as_text()
+    out = fn(q, k, v, pos)
   assert_close(out, oracle(q, k[:, :, :length], v[:, :, :length], pos), jnp.bfloat16)
 
 
@@ -109,7 +217,7 @@ def test_model_decode_on_the_gpu_matches_the_reference():
     if reference:
       with force_reference(), jax.default_matmul_precision("highest"):
         return step(toks, cache)
-    assert "triton" in step.lower(toks, cache).as_text().lower()
+    assert _lowered_by(step, toks, cache) == "pallas"
     return step(toks, cache)
 
   truth = np.asarray(decode(jnp.float32, True), np.float64)

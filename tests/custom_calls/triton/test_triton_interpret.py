@@ -531,3 +531,60 @@ def test_resident_stage_c_refuses_a_chunk_too_large_for_registers():
   """),
     interpret=False,
   )
+
+
+# lrjax's decode attention: every split of a (row, KV head) writes its partial softmax, then
+# one program a (row, KV head) merges them. Poisoned partials and output: the merge must read
+# only the splits that ran, and every output element must be written.
+_DECODE_ATTENTION = textwrap.dedent("""
+  from lrjax.custom_calls.triton import decode_attention as da
+
+  def oracle(q, k, v, pos, length, window):
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    out = np.zeros((b, hq, d))
+    for i in range(b):
+      p = min(int(pos[i]), length - 1)
+      lo = 0 if window is None else max(0, p - window + 1)
+      for j in range(hq):
+        kh = j // (hq // hkv)
+        s = f64(k[i, kh, lo:p + 1]) @ f64(q[i, j]) / np.sqrt(d)
+        w = np.exp(s - s.max())
+        out[i, j] = (w / w.sum()) @ f64(v[i, kh, lo:p + 1])
+    return out.reshape(b, hq * d)
+
+  for (b, hq, hkv, t, d, length, window, positions, fields) in CASES:
+    q, k, v = rand(b, hq, d), rand(b, hkv, t, d), rand(b, hkv, t, d)
+    pos = np.asarray(positions, np.int32)
+    bs = dataclasses.replace(da.BlockSizes(), **fields)
+    plan = da.launch_plan(b, hq, hkv, t, d, length, window, bs)
+    meta = plan["meta"]
+    part = np.full(plan["part"], np.nan, np.float32)
+    out = np.full((b, hq * d), np.nan, np.float16)
+    da._decode_attention_kernel[plan["grid"]](T(q), T(k), T(v), T(pos), T(part), **meta)
+    da._merge_kernel[plan["merge_grid"]](T(part), T(pos), T(out), **meta)
+    err = check(out, oracle(q, k, v, pos, length, window), 4e-3, (b, hq, hkv, t, length, window))
+    print(b, hq, hkv, t, d, length, window, meta["S"], meta["CHUNK"], meta["BLOCK_N"], f"{err:.1e}")
+  print("ok")
+""")
+
+
+def test_decode_attention_kernels_merge_the_splits_that_ran():
+  """lrjax's decode attention against an f64 oracle: G of 1, 4 and 7 query heads a KV head,
+  head dims 16-128, ragged lengths and chunks (the last block of a split masked), sliding
+  windows that start mid-split (splits before the window never run), rows at position 0 and
+  at the last attended key, a cache longer than the attended length, and one split or many."""
+  cases = [  # b, hq, hkv, t, d, length, window, positions, BlockSizes fields
+    (1, 32, 8, 256, 64, 256, None, [255], {}),
+    (3, 28, 4, 300, 32, 300, None, [0, 137, 299], {"block_n": 32}),
+    (2, 8, 8, 512, 16, 200, 50, [199, 120], {"splits": 5, "block_n": 16}),
+    (2, 12, 3, 1024, 128, 1000, 300, [999, 640], {"splits": 7}),
+    (2, 4, 1, 64, 32, 64, None, [63, 5], {"splits": 1}),
+    (1, 2, 2, 100, 16, 37, 1, [36], {"splits": 3, "block_n": 16}),
+  ]
+  out = _interpret(f"CASES = {cases!r}\n" + _PRELUDE + _DECODE_ATTENTION)
+  rows = [ln.split() for ln in out.splitlines() if ln != "ok"]
+  for row in rows:  # the splits of ``length`` keys: whole blocks, the last one ragged
+    length, splits, chunk, block = int(row[5]), int(row[7]), int(row[8]), int(row[9])
+    assert chunk % block == 0 and splits == -(-length // chunk), row
+  assert [int(r[7]) for r in rows] == [16, 10, 5, 6, 1, 3], rows  # one split to many
