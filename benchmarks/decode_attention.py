@@ -8,7 +8,8 @@ Llama-3-8B heads (32 query, 8 KV, head dim 128), bf16, a cache of ``--ctx`` posi
 filled (each row at position ctx - 1), per batch size:
 
   xla     the reference (the model's einsum/softmax attention, what XLA runs without lrjax);
-  lrjax   lrjax's kernel (custom_calls/triton/decode_attention.py) at its planned splits;
+  lrjax   lrjax's kernel (custom_calls/triton/decode_attention.py) at its planned splits, with
+          its measured merge ("walk") and with the merge of every split at once ("tile");
   pallas  jax's Pallas kernel with XLA's merge of its splits, at its planned split count and
           at each of ``--splits`` (the sweep that justified that plan);
   cudnn   ``jax.nn.dot_product_attention(implementation="cudnn")`` on the cache transposed to
@@ -110,6 +111,9 @@ def main(argv=None) -> int:
       mine = ours.launch_plan(b, hq, hkv, t, d, t, None, ours.BlockSizes())
       rec["lrjax_plan_splits"] = mine["meta"]["S"]
       rec["lrjax_ms"] = time_ms(ours.decode_attention, (q, k, v, pos), a.inner, a.reps)
+      tile = ours.BlockSizes(merge="tile")
+      fn = lambda q, k, v, p: ours.decode_attention(q, k, v, p, block_sizes=tile)  # noqa: E731
+      rec["lrjax_tile_merge_ms"] = time_ms(fn, (q, k, v, pos), a.inner, a.reps)
       plan = kernel.plan(b, hkv, t)
       rec["pallas_plan_splits"] = plan.k_splits
       rec["pallas_ms"] = time_ms(kernel.decode_attention, (q, k, v, pos), a.inner, a.reps)
@@ -127,7 +131,7 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 - cuDNN's attention may not take this shape
           rec["cudnn_ms"] = None
           rec["cudnn_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-      for name in ("xla", "lrjax", "pallas", "cudnn"):
+      for name in ("xla", "lrjax", "lrjax_tile_merge", "pallas", "cudnn"):
         ms = rec.get(f"{name}_ms")
         if ms:
           rec[f"{name}_read_gbs"] = nbytes / (ms * 1e-3) / 1e9
@@ -140,7 +144,8 @@ def main(argv=None) -> int:
       print(
         f"b={b:3d} ctx={t:5d}: xla {rec['xla_ms'] * 1e3:8.1f} us  lrjax "
         f"{rec['lrjax_ms'] * 1e3:8.1f} us (S={rec['lrjax_plan_splits']}, "
-        f"{rec.get('lrjax_hbm_roofline_frac') or 0:.2f} of HBM)  pallas "
+        f"{rec.get('lrjax_hbm_roofline_frac') or 0:.2f} of HBM; tile merge "
+        f"{rec['lrjax_tile_merge_ms'] * 1e3:.1f} us)  pallas "
         f"{rec['pallas_ms'] * 1e3:8.1f} us (ks={plan.k_splits}, "
         f"{rec.get('pallas_hbm_roofline_frac') or 0:.2f} of HBM)  cudnn "
         f"{'-' if not cud else f'{cud * 1e3:.1f} us'}  sweep "

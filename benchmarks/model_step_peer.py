@@ -117,6 +117,7 @@ LRJAX_KINDS = (
   "lowrank_xla_attention",
   "lowrank_pallas_attention",
   "lowrank_lrjax_attention",
+  "lowrank_lrjax_attention_tile_merge",
   "lowrank_cmdbuf_off",
   "lowrank_cmdbuf_whole",
   "lowrank_sliced_cache",
@@ -125,6 +126,7 @@ LRJAX_KINDS = (
 WITHOUT = {
   "lowrank_pallas_attention": ("triton.decode_attention",),
   "lowrank_lrjax_attention": ("pallas.decode_attention",),
+  "lowrank_lrjax_attention_tile_merge": ("pallas.decode_attention",),
   "lowrank_sliced_cache": ("triton.decode_attention",),
   "lowrank_xla_attention": ("triton.decode_attention", "pallas.decode_attention"),
 }
@@ -141,6 +143,7 @@ PROFILED = (
   "lowrank_xla_attention",
   "lowrank_pallas_attention",
   "lowrank_lrjax_attention",
+  "lowrank_lrjax_attention_tile_merge",
   "lowrank_sliced_cache",
 )
 
@@ -229,8 +232,9 @@ def run_lrjax(args, ranks) -> dict:
 
 @contextlib.contextmanager
 def _attention_lowerings(kind):
-  """The decode_attention lowerings ``kind`` goes without (``WITHOUT``) removed for its run,
-  and for ``lowrank_sliced_cache`` the Pallas kernel's whole-buffer plan off."""
+  """The decode_attention lowerings ``kind`` goes without (``WITHOUT``) removed for its run;
+  for ``lowrank_sliced_cache`` the Pallas kernel's whole-buffer plan off, and lrjax's tile
+  merge on for ``lowrank_lrjax_attention_tile_merge``."""
   from lrjax.lowering import registry
 
   registry.load_platform("cuda")
@@ -239,7 +243,12 @@ def _attention_lowerings(kind):
   ]
   for k in gone:
     registry.unregister("decode_attention", "cuda", k.name)
-  pallas = None
+  pallas = ours = None
+  if kind == "lowrank_lrjax_attention_tile_merge":
+    from lrjax.custom_calls.triton import decode_attention as ours
+
+    saved_merge, ours.MERGE = ours.MERGE, "tile"
+    ours.decode_attention.clear_cache()
   if kind == "lowrank_sliced_cache":
     from lrjax.custom_calls.triton import decode_attention_pallas as pallas
 
@@ -253,6 +262,9 @@ def _attention_lowerings(kind):
     if pallas is not None:
       pallas.MAX_BUFFER_SPLITS = saved_splits
       pallas.decode_attention.clear_cache()
+    if ours is not None:
+      ours.MERGE = saved_merge
+      ours.decode_attention.clear_cache()
 
 
 def _time_kind(args, cfg, ranks, dtype, kind, built, out):

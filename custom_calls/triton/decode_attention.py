@@ -46,6 +46,14 @@ class BlockSizes:
   num_warps: int = 4
   num_stages: int = 2
   splits: int = 0  # splits of the attended keys; 0: :func:`plan_splits`
+  merge: str = ""  # "walk" (the splits one after another) or "tile"; "": MERGE
+
+
+MERGES = ("walk", "tile")
+# the merge launch: "walk" measured (docs/kernels.md); "tile" loads every split's rows at once
+# ([splits, G, columns] tiles, a program per block of columns), runs in Triton's interpreter
+# and has not yet been timed on a GPU
+MERGE = "walk"
 
 
 def plan_splits(b: int, hkv: int, length: int) -> int:
@@ -78,6 +86,8 @@ def _decode_attention_kernel(
   SCALE: tl.constexpr,
   BLOCK_N: tl.constexpr,
   NROWS: tl.constexpr,  # B * HKV * S * G
+  GM: tl.constexpr,
+  BLOCK_D: tl.constexpr,  # (the tile merge's)
 ):
   pid = tl.program_id(0)
   bh = pid // S
@@ -143,6 +153,8 @@ def _merge_kernel(
   SCALE: tl.constexpr,
   BLOCK_N: tl.constexpr,
   NROWS: tl.constexpr,
+  GM: tl.constexpr,
+  BLOCK_D: tl.constexpr,
 ):
   bh = tl.program_id(0)
   b = bh // HKV
@@ -183,6 +195,61 @@ def _merge_kernel(
   )
 
 
+@triton.jit
+def _merge_tile_kernel(
+  part_ptr,  # as written by _decode_attention_kernel
+  pos_ptr,
+  o_ptr,  # [B, HQ * D]
+  T: tl.constexpr,
+  LEN: tl.constexpr,
+  HQ: tl.constexpr,
+  HKV: tl.constexpr,
+  D: tl.constexpr,
+  G: tl.constexpr,
+  GP: tl.constexpr,
+  S: tl.constexpr,
+  SP: tl.constexpr,  # S rounded up to a power of two
+  CHUNK: tl.constexpr,
+  WINDOW: tl.constexpr,
+  SCALE: tl.constexpr,
+  BLOCK_N: tl.constexpr,
+  NROWS: tl.constexpr,
+  GM: tl.constexpr,  # G rounded up to a power of two
+  BLOCK_D: tl.constexpr,  # output columns a program
+):
+  bh = tl.program_id(0)
+  b = bh // HKV
+  h = bh % HKV
+  pos = tl.load(pos_ptr + b)
+  end = tl.minimum(pos + 1, LEN)
+  first = 0
+  if WINDOW > 0:
+    first = tl.maximum(pos - WINDOW + 1, 0)
+  s_lo = first // CHUNK  # the splits that ran: those holding a visible key
+  s_hi = (end + CHUNK - 1) // CHUNK
+  offs_s = tl.arange(0, SP)
+  offs_g = tl.arange(0, GM)
+  offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+  ran = (offs_s >= s_lo) & (offs_s < s_hi)
+  both = ran[:, None] & (offs_g < G)[None, :]  # [SP, GM]
+  rows = (bh * S + offs_s)[:, None] * G + offs_g[None, :]
+  m = tl.load(part_ptr + NROWS * D + rows, mask=both, other=-1.0e30)
+  l = tl.load(part_ptr + NROWS * D + NROWS + rows, mask=both, other=0.0)
+  mx = tl.max(m, 0)
+  w = tl.where(both, tl.exp(m - mx[None, :]), 0.0)  # every split's weight, [SP, GM]
+  den = tl.sum(w * l, 0)
+  # every split's p·V rows at once: [SP, GM, BLOCK_D]
+  acc = tl.load(
+    part_ptr + rows[:, :, None] * D + offs_d[None, None, :], mask=both[:, :, None], other=0.0
+  )
+  out = tl.sum(acc * w[:, :, None], 0) / tl.where(offs_g < G, den, 1.0)[:, None]
+  tl.store(
+    o_ptr + (b * HQ + h * G + offs_g)[:, None] * D + offs_d[None, :],
+    out.to(o_ptr.dtype.element_ty),
+    mask=(offs_g < G)[:, None],
+  )
+
+
 def launch_plan(
   b: int, hq: int, hkv: int, t: int, d: int, length: int, window, bs: BlockSizes
 ) -> dict:
@@ -208,8 +275,15 @@ def launch_plan(
     SCALE=float(d) ** -0.5,
     BLOCK_N=block_n,
     NROWS=b * hkv * splits * g,
+    GM=planner.next_pow2(g),
+    BLOCK_D=min(d, max(16, 4096 // (max(2, planner.next_pow2(splits)) * planner.next_pow2(g)))),
   )
-  return dict(grid=(b * hkv * splits,), merge_grid=(b * hkv,), meta=meta,
+  merge = bs.merge or MERGE
+  if merge not in MERGES:
+    raise ValueError(f"merge={merge!r}: expected one of {MERGES}")
+  tile = merge == "tile"
+  return dict(grid=(b * hkv * splits,), merge=merge,
+              merge_grid=(b * hkv, d // meta["BLOCK_D"]) if tile else (b * hkv,), meta=meta,
               part=b * hkv * splits * g * (d + 2))  # fmt: skip
 
 
@@ -242,7 +316,7 @@ def decode_attention(q, k, v, pos, *, window=None, length=None, block_sizes=None
   return launch.triton_call(
     part,
     pos,
-    kernel=_merge_kernel,
+    kernel=_merge_tile_kernel if plan["merge"] == "tile" else _merge_kernel,
     out_shape=jax.ShapeDtypeStruct((b, hq * d), q.dtype),
     grid=plan["merge_grid"],
     num_warps=4,

@@ -120,16 +120,17 @@ def test_a_length_the_pallas_kernel_declines_goes_to_lrjax_kernel():
   assert_close(fn(q, k, v, pos), oracle(q, k, v, pos), jnp.bfloat16)
 
 
+@pytest.mark.parametrize("merge", ["walk", "tile"])
 @pytest.mark.parametrize("splits", [1, 2, 3, 7, 16, 64])
 @pytest.mark.parametrize("block_n", [16, 64, 128])
-def test_lrjax_kernel_at_every_split_count(splits, block_n):
+def test_lrjax_kernel_at_every_split_count(splits, block_n, merge):
   """Ragged chunks (2000 keys), empty trailing splits (rows short of the length), a window
   that skips leading splits; the merge reads only the splits that ran."""
   from lrjax.custom_calls.triton import decode_attention as ours
 
   q, k, v, _ = operands(4, 32, 8, 2048, 128, jnp.bfloat16)
   pos = jnp.asarray([0, 17, 1500, 1999], jnp.int32)
-  bs = ours.BlockSizes(block_n=block_n, splits=splits)
+  bs = ours.BlockSizes(block_n=block_n, splits=splits, merge=merge)
   for window in (None, 333):
     out = ours.decode_attention(q, k, v, pos, window=window, length=2000, block_sizes=bs)
     ref = oracle(q, k[:, :, :2000], v[:, :, :2000], pos, window)

@@ -534,8 +534,9 @@ def test_resident_stage_c_refuses_a_chunk_too_large_for_registers():
 
 
 # lrjax's decode attention: every split of a (row, KV head) writes its partial softmax, then
-# one program a (row, KV head) merges them. Poisoned partials and output: the merge must read
-# only the splits that ran, and every output element must be written.
+# the merge launch combines them (both merges: the splits in turn, or all in one tile).
+# Poisoned partials and output: the merge must read only the splits that ran, and every
+# output element must be written.
 _DECODE_ATTENTION = textwrap.dedent("""
   from lrjax.custom_calls.triton import decode_attention as da
 
@@ -556,14 +557,15 @@ _DECODE_ATTENTION = textwrap.dedent("""
   for (b, hq, hkv, t, d, length, window, positions, fields) in CASES:
     q, k, v = rand(b, hq, d), rand(b, hkv, t, d), rand(b, hkv, t, d)
     pos = np.asarray(positions, np.int32)
-    bs = dataclasses.replace(da.BlockSizes(), **fields)
-    plan = da.launch_plan(b, hq, hkv, t, d, length, window, bs)
-    meta = plan["meta"]
-    part = np.full(plan["part"], np.nan, np.float32)
-    out = np.full((b, hq * d), np.nan, np.float16)
-    da._decode_attention_kernel[plan["grid"]](T(q), T(k), T(v), T(pos), T(part), **meta)
-    da._merge_kernel[plan["merge_grid"]](T(part), T(pos), T(out), **meta)
-    err = check(out, oracle(q, k, v, pos, length, window), 4e-3, (b, hq, hkv, t, length, window))
+    for merge, kernel in (("walk", da._merge_kernel), ("tile", da._merge_tile_kernel)):
+      bs = dataclasses.replace(da.BlockSizes(), merge=merge, **fields)
+      plan = da.launch_plan(b, hq, hkv, t, d, length, window, bs)
+      meta = plan["meta"]
+      part = np.full(plan["part"], np.nan, np.float32)
+      out = np.full((b, hq * d), np.nan, np.float16)
+      da._decode_attention_kernel[plan["grid"]](T(q), T(k), T(v), T(pos), T(part), **meta)
+      kernel[plan["merge_grid"]](T(part), T(pos), T(out), **meta)
+      err = check(out, oracle(q, k, v, pos, length, window), 4e-3, (merge, b, hq, hkv, t, length))
     print(b, hq, hkv, t, d, length, window, meta["S"], meta["CHUNK"], meta["BLOCK_N"], f"{err:.1e}")
   print("ok")
 """)
