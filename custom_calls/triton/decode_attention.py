@@ -14,10 +14,10 @@ split into powers of two.
    and sum in one load, then each split's p·V rows weighted in turn, and writes the G output
    rows.
 
-The split count is the Pallas kernel's rule: the fewest splits, in powers of two, that give
-``TARGET_PROGRAMS`` programs. Two launches against the Pallas kernel's one plus four XLA
+The split count follows the Pallas kernel's rule: the fewest splits, in powers of two, that
+give ``TARGET_PROGRAMS`` programs. Two launches against the Pallas kernel's one plus four XLA
 fusions that merge its splits, yet no faster in the Llama-3-8B decode step on an H100 (within
-1 % at batch 1, 8 and 16; the Pallas kernel is faster alone at batch 1:
+1 % at batch 1, 8 and 16; the Pallas kernel with its merge is faster alone at batch 1:
 benchmarks/results/decode_attention_ab_h100.json, model_step_attention_ab_h100.json), so
 it is not the first choice.
 """
@@ -42,11 +42,17 @@ MIN_CHUNK = 16  # keys per split at least (one key block of the tensor cores' 16
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  block_n: int = 64  # keys per inner step, at most (a split of fewer keys takes its length)
+  block_n: int = 64  # keys per inner step, at most (a shorter split: its length, a power of 2)
   num_warps: int = 4
   num_stages: int = 2
   splits: int = 0  # splits of the attended keys; 0: :func:`plan_splits`
   merge: str = ""  # "walk" (the splits one after another) or "tile"; "": MERGE
+
+  @classmethod
+  def get_default(cls) -> BlockSizes:
+    """The defaults: the tuning tables hold no tiles of this kernel (it is measured against
+    the Pallas kernel only, at these blocks)."""
+    return cls()
 
 
 MERGES = ("walk", "tile")
@@ -297,7 +303,7 @@ def decode_attention(q, k, v, pos, *, window=None, length=None, block_sizes=None
   reason = decode_attention_shape_reason(q.shape, (q.dtype.name, k.dtype.name, v.dtype.name))
   if reason is not None:
     raise ValueError(reason)
-  bs = block_sizes or BlockSizes()
+  bs = block_sizes or BlockSizes.get_default()
   plan = launch_plan(b, hq, hkv, t, d, length, window, bs)
   pos = jnp.asarray(pos, jnp.int32)
   part = launch.triton_call(
