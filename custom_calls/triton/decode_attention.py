@@ -141,6 +141,17 @@ def _decode_attention_kernel(
 
 
 @triton.jit
+def _splits_that_ran(pos_ptr, b, LEN: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr):
+  """[s_lo, s_hi): the splits of row b holding a visible key, the ones the first launch ran."""
+  pos = tl.load(pos_ptr + b)
+  end = tl.minimum(pos + 1, LEN)
+  first = 0
+  if WINDOW > 0:
+    first = tl.maximum(pos - WINDOW + 1, 0)
+  return first // CHUNK, (end + CHUNK - 1) // CHUNK
+
+
+@triton.jit
 def _merge_kernel(
   part_ptr,  # as written by _decode_attention_kernel
   pos_ptr,
@@ -165,13 +176,7 @@ def _merge_kernel(
   bh = tl.program_id(0)
   b = bh // HKV
   h = bh % HKV
-  pos = tl.load(pos_ptr + b)
-  end = tl.minimum(pos + 1, LEN)
-  first = 0
-  if WINDOW > 0:
-    first = tl.maximum(pos - WINDOW + 1, 0)
-  s_lo = first // CHUNK  # the splits that ran: those holding a visible key
-  s_hi = (end + CHUNK - 1) // CHUNK
+  s_lo, s_hi = _splits_that_ran(pos_ptr, b, LEN, WINDOW, CHUNK)
   offs_s = tl.arange(0, SP)
   offs_g = tl.arange(0, GP)
   offs_d = tl.arange(0, D)
@@ -226,13 +231,7 @@ def _merge_tile_kernel(
   bh = tl.program_id(0)
   b = bh // HKV
   h = bh % HKV
-  pos = tl.load(pos_ptr + b)
-  end = tl.minimum(pos + 1, LEN)
-  first = 0
-  if WINDOW > 0:
-    first = tl.maximum(pos - WINDOW + 1, 0)
-  s_lo = first // CHUNK  # the splits that ran: those holding a visible key
-  s_hi = (end + CHUNK - 1) // CHUNK
+  s_lo, s_hi = _splits_that_ran(pos_ptr, b, LEN, WINDOW, CHUNK)
   offs_s = tl.arange(0, SP)
   offs_g = tl.arange(0, GM)
   offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
