@@ -63,9 +63,9 @@ def install_jax_triton_stub() -> None:
 
 def _pointer(name: str) -> str:
   """The element type of a kernel's pointer argument, by the kernels' naming."""
-  if name.startswith(("scratch", "s_in", "sacc")):
+  if name.startswith(("scratch", "s_in", "sacc", "part")):
     return "*fp32"
-  return "*i32" if name.startswith(("sched", "flag")) else "*bf16"
+  return "*i32" if name.startswith(("sched", "flag", "pos")) else "*bf16"
 
 
 def compile_for_sm90(kernel, meta: dict, warps: int, stages: int):
@@ -205,6 +205,7 @@ def planned():
   prefill at 1024 and 4096 tokens."""
   install_jax_triton_stub()
   from lrjax.custom_calls.triton import (
+    decode_attention,
     mlp_decode,
     mlp_prefill,
     planner,
@@ -275,6 +276,22 @@ def planned():
         pp.warps,
         pp.stages,
       )
+  for b, t in ((1, 1024), (1, 8192), (16, 1024), (64, 4096)):  # decode attention, Llama-3-8B
+    for merge in decode_attention.MERGES:
+      bs = decode_attention.BlockSizes(merge=merge)
+      plan = decode_attention.launch_plan(b, 32, 8, t, 128, t, None, bs)
+      if merge == decode_attention.MERGE:
+        yield (
+          f"decode attention B={b} T={t}",
+          decode_attention._decode_attention_kernel,
+          plan["meta"],
+          bs.num_warps,
+          bs.num_stages,
+        )
+      kernel = (
+        decode_attention._merge_tile_kernel if merge == "tile" else decode_attention._merge_kernel
+      )
+      yield f"decode attention merge {merge} B={b} T={t}", kernel, plan["meta"], 4, 1
   for m in (1024, 4096):
     for k, r, n in PREFILL_XUV_SHAPES:
       bs = xuv_prefill.BlockSizes.get_default(m, k, r, n)

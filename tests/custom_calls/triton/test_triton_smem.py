@@ -36,10 +36,11 @@ def test_planned_tiles_fit_a_cta_of_the_h200():
   grouped q/k/v kernel at 1-64 rows (its phase 1 alone at 64 and 128, also on one_branch
   plans), the persistent X·U·V kernel (with phase 2, or phase 1
   alone from 64 rows) and the tiled and persistent SwiGLU kernels at 1-128 rows, the ·V
-  launch at 32-128 rows, the two prefill kernels at 1024 and 4096 tokens; each on its
-  default tiles."""
+  launch at 32-128 rows, the two prefill kernels at 1024 and 4096 tokens, lrjax's decode
+  attention and both its merges at batch 1-64 and 1024-8192 keys; each on its default
+  tiles."""
   out = run_script(_CHECK, interpret=False)
-  assert int(out.split()[-2]) == 106, out  # every configuration was compiled
+  assert int(out.split()[-2]) == 118, out  # every configuration was compiled
 
 
 _RESIDENT = STUB + textwrap.dedent("""
