@@ -1,4 +1,5 @@
-"""A greedy decode loop inside one jit, timed on the host (shared by tp_gpu.py, lowrank_kv.py).
+"""A greedy decode loop inside one jit, timed on the host (shared by tp_gpu.py, lowrank_kv.py;
+model_step_peer.py uses the loop).
 
 ``steps`` decode steps run in a ``fori_loop``, so one dispatch and one host sync cover them all;
 the cache is donated. The first two calls compile (the second for the committed sharding of the
@@ -13,9 +14,10 @@ import numpy as np
 from flax import nnx
 
 
-def greedy_loop(gdef, decode, steps, cache_shardings):
+def greedy_loop(gdef, decode, steps, cache_shardings=None, compiler_options=None):
   """jit(state, cache, tokens) -> (cache, tokens) running ``decode(model, tokens, cache)``
-  ``steps`` times with argmax sampling."""
+  ``steps`` times with argmax sampling; the cache comes out with ``cache_shardings`` where
+  given, and XLA compiles it with ``compiler_options``."""
 
   def run(state, cache, tokens):
     model = nnx.merge(gdef, state)
@@ -27,7 +29,8 @@ def greedy_loop(gdef, decode, steps, cache_shardings):
 
     return jax.lax.fori_loop(0, steps, body, (cache, tokens))
 
-  return jax.jit(run, donate_argnums=(1,), out_shardings=(cache_shardings, None))
+  kw = {} if cache_shardings is None else {"out_shardings": (cache_shardings, None)}
+  return jax.jit(run, donate_argnums=(1,), compiler_options=compiler_options, **kw)
 
 
 def time_loop(fn, state, cache, tokens, reset, reps):

@@ -274,6 +274,8 @@ def _time_kind(args, cfg, ranks, dtype, kind, built, out):
   import jax.numpy as jnp
   from flax import nnx
 
+  from decode_timing import greedy_loop
+
   import lrjax
   from lrjax.models import LlamaForCausalLM
   from lrjax.models.llama import KVCache
@@ -298,18 +300,7 @@ def _time_kind(args, cfg, ranks, dtype, kind, built, out):
   if lowrank:
     decode = lrjax.fuse(decode)
   steps = args.steps
-
-  def run(state, cache, tokens, decode=decode):
-    model = nnx.merge(gdef, state)
-
-    def body(_, carry):
-      cache, tok = carry
-      logits, cache = decode(model, tok, cache)
-      return cache, jnp.argmax(logits, -1).astype(jnp.int32)
-
-    return jax.lax.fori_loop(0, steps, body, (cache, tokens))
-
-  fn = jax.jit(run, donate_argnums=(1,), compiler_options=COMPILER_OPTIONS.get(kind))
+  fn = greedy_loop(gdef, decode, steps, compiler_options=COMPILER_OPTIONS.get(kind))
   for batch in args.batch:
     start = args.ctx - steps  # every step's position stays inside the attended ctx
 
