@@ -28,7 +28,6 @@ import jax.numpy as jnp
 
 # f32 stays on XLA: the kernel's dots run on TF32 tensor cores (4e-4 relative error on an H100)
 PALLAS_MODULE = "jax.experimental.pallas.ops.gpu.decode_attention"
-KERNEL_DTYPES = ("bfloat16", "float16")
 BLOCK_K = 128  # keys per inner step (the Pallas kernel's default for gqa)
 MIN_SPLIT = 16  # the Pallas kernel needs at least 16 keys per split
 TARGET_PROGRAMS = 256  # about two programs per SM on an H100 (132 SMs) or H200 (132)
@@ -83,12 +82,12 @@ def buffer_plan(p: Plan, t: int, length: int) -> Plan | None:
 
 def shape_reason(q_shape, k_shape, dtypes, length: int | None = None) -> str | None:
   """Why the kernel cannot take these operands (None: it can)."""
-  b, _, d = q_shape
-  _, hkv, t, _ = k_shape
-  if any(dt not in KERNEL_DTYPES for dt in dtypes) or len(set(dtypes)) != 1:
-    return f"dtypes {dtypes}: q, k and v must share one of {KERNEL_DTYPES}"
-  if not _pow2(d) or not 16 <= d <= 256:
-    return f"head dim {d} is not a power of two in [16, 256]"
+  from lrjax.custom_calls.triton.lowering import decode_attention_shape_reason
+
+  reason = decode_attention_shape_reason(q_shape, dtypes)  # the same dtypes and head dims
+  if reason is not None:
+    return reason
+  b, hkv, t = q_shape[0], k_shape[1], k_shape[2]
   p = plan(b, hkv, t if length is None else length)
   return p if isinstance(p, str) else None
 

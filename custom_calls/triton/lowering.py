@@ -321,14 +321,12 @@ def _kv_attention_impl():
   return impl
 
 
-DECODE_ATTENTION_DTYPES = ("bfloat16", "float16")  # f32 stays on XLA (the dots would be TF32)
-
-
 def decode_attention_shape_reason(q_shape, dtypes) -> str | None:
   """Why lrjax's decode-attention kernel cannot take these operands (None: it can)."""
   d = q_shape[2]
-  if any(dt not in DECODE_ATTENTION_DTYPES for dt in dtypes) or len(set(dtypes)) != 1:
-    return f"dtypes {dtypes}: q, k and v must share one of {DECODE_ATTENTION_DTYPES}"
+  # f32 stays on XLA (the kernels' dots would run on TF32)
+  if any(dt not in _KERNEL_DTYPES for dt in dtypes) or len(set(dtypes)) != 1:
+    return f"dtypes {dtypes}: q, k and v must share one of {_KERNEL_DTYPES}"
   if d < 16 or d > 256 or d & (d - 1):
     return f"head dim {d} is not a power of two in [16, 256]"
   return None
