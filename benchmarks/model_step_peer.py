@@ -95,7 +95,11 @@ def step_bytes(m: dict, ranks: dict | None, batch: int, ctx: int, elem: int = 2)
 
 # Kernel classes of a step's profile, by kernel name (first match wins).
 CLASSES = (
-  ("attention kernel", ("mha_forward", "decode_attention", "kv_attention")),
+  # lrjax's decode attention: a flash-decoding launch, then a merge launch (walk or tile)
+  (
+    "attention kernel",
+    ("mha_forward", "decode_attention", "kv_attention", "_merge_kernel", "_merge_tile_kernel"),
+  ),
   ("memsets/copies", ("memset", "memcpy", "copy")),
   (
     "GEMM-like",
@@ -171,26 +175,34 @@ def attribute(fn, fn_args, steps: int) -> dict:
     events = sorted(device_kernel_events(d))
   span = (max(e for _, e, _ in events) - events[0][0]) / steps / 1e6
   busy = busy_ns(events) / steps / 1e6
-  ms, launches, names, counts = {}, {}, {}, {}
+  names, counts = {}, {}
   for st, en, name in events:
-    c = kernel_class(name)
-    ms[c] = ms.get(c, 0.0) + (en - st) / steps / 1e6
-    launches[c] = launches.get(c, 0) + 1 / steps
     key = name[:60]
     names[key] = names.get(key, 0.0) + (en - st) / steps / 1e3
     counts[key] = counts.get(key, 0) + 1 / steps
+  ranked = sorted(names.items(), key=lambda kv: -kv[1])
+  # every kernel: [launches a step, µs a step] (XLA names a reused kernel once)
+  kernels = {k: [counts[k], us] for k, us in ranked}
+  return classify({"span_ms": span, "busy_ms": busy, "kernels": kernels})
+
+
+def classify(profile: dict) -> dict:
+  """``profile`` with its per-class times (``classes``, ``launches_per_step``) computed from
+  its kernel list, so that a profile measured earlier is read with the current classes."""
+  span, busy = profile["span_ms"], profile["busy_ms"]
+  ms, launches = {}, {}
+  for name, (count, us) in profile["kernels"].items():
+    c = kernel_class(name)
+    ms[c] = ms.get(c, 0.0) + us / 1e3
+    launches[c] = launches.get(c, 0) + count
   classes = {
     c: {"ms": ms[c], "frac_of_span": ms[c] / span, "launches": launches[c]} for c in sorted(ms)
   }
   classes["gaps (GPU idle)"] = {"ms": span - busy, "frac_of_span": (span - busy) / span}
-  ranked = sorted(names.items(), key=lambda kv: -kv[1])
   return {
-    "span_ms": span,
-    "busy_ms": busy,
+    **profile,
     "launches_per_step": sum(launches.values()),
     "classes": classes,
-    # every kernel: [launches a step, µs a step] (XLA names a reused kernel once)
-    "kernels": {k: [counts[k], us] for k, us in ranked},
   }
 
 
@@ -526,7 +538,7 @@ def build_records(args, ranks, lj, pt) -> list[dict]:
         k: lj["records"][key(k)]["ms"] for k in LRJAX_KINDS if key(k) in lj["records"]
       },
       "profile": {
-        k: lj["records"][key(k)]["profile"]
+        k: classify(lj["records"][key(k)]["profile"])
         for k in PROFILED
         if "profile" in lj["records"].get(key(k), {})
       },

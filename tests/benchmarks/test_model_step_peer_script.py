@@ -13,7 +13,12 @@ def _side(device, kinds, ms, profile=False):
     for b in (1, 8):
       recs[f"{kind}/{b}"] = {"ms": ms[kind] * b}
       if profile and kind != "dense":
-        recs[f"{kind}/{b}"]["profile"] = {"span_ms": ms[kind] * b}
+        span = ms[kind] * b
+        recs[f"{kind}/{b}"]["profile"] = {
+          "span_ms": span,
+          "busy_ms": 0.9 * span,
+          "kernels": {"_mlp_decode_kernel_b4a0": [1.0, 900.0 * span]},
+        }
   return {"device": device, "jax": "0", "torch": "0", "argv": ["--side"], "records": recs}
 
 
@@ -59,6 +64,9 @@ def test_records_ratios_and_cards_kept(load_benchmark, tmp_path):
   assert r1["torch_dense_ms"] == 6.0 and r1["speedup_vs_torch_dense"] == 1.5
   assert r1["speedup_vs_torch_lowrank"] == 5.0 / 4.0
   assert set(r1["profile"]) == {"lowrank", "lowrank_xla_attention"}
+  classes = r1["profile"]["lowrank"]["classes"]  # computed from the side's kernel list
+  assert classes["GEMM-like"]["ms"] == pytest.approx(0.9 * 4.0)
+  assert classes["gaps (GPU idle)"]["frac_of_span"] == pytest.approx(0.1)
   assert r1["lrjax_variants_ms"] == ms  # every variant timed, by name
   assert r1["hbm_bps"] == 3.35e12 and 0 < r1["hbm_roofline_frac"]
   # a second run on the same card and context replaces that card's records only
@@ -91,3 +99,32 @@ def test_kernel_classes_of_a_profile(load_benchmark):
   assert mod.kernel_class("gemm_fusion_dot_1") == "GEMM-like"
   assert mod.kernel_class("memcpy32_post") == "memsets/copies"
   assert mod.kernel_class("input_reduce_fusion_81") == mod.OTHER
+  # lrjax's decode attention is two launches; both are the attention's
+  assert mod.kernel_class("_decode_attention_kernel_31e8") == "attention kernel"
+  assert mod.kernel_class("_merge_kernel_0a1b") == "attention kernel"
+  assert mod.kernel_class("_merge_tile_kernel_cc6b") == "attention kernel"
+
+
+def test_a_stored_profile_is_reclassified_from_its_kernel_list(load_benchmark):
+  mod = load_benchmark("model_step_peer")
+  stored = {
+    "span_ms": 1.0,
+    "busy_ms": 0.9,
+    "kernels": {  # [launches a step, µs a step]
+      "_mlp_decode_kernel_b4a0": [2.0, 500.0],
+      "_decode_attention_kernel_31e8": [1.0, 100.0],
+      "_merge_tile_kernel_cc6b": [1.0, 50.0],
+      "input_reduce_fusion_48": [3.0, 250.0],
+    },
+    "classes": {"stale": {"ms": 9.0}},
+  }
+  got = mod.classify(stored)
+  assert got["kernels"] == stored["kernels"]
+  assert set(got["classes"]) == {"GEMM-like", "attention kernel", mod.OTHER, "gaps (GPU idle)"}
+  assert got["classes"]["attention kernel"]["ms"] == pytest.approx(0.15)
+  assert got["classes"]["attention kernel"]["launches"] == 2.0
+  assert got["classes"][mod.OTHER]["frac_of_span"] == pytest.approx(0.25)
+  assert got["classes"]["gaps (GPU idle)"]["ms"] == pytest.approx(0.1)
+  assert got["launches_per_step"] == 7.0
+  busy = sum(c["ms"] for n, c in got["classes"].items() if n != "gaps (GPU idle)")
+  assert busy == pytest.approx(stored["busy_ms"])
