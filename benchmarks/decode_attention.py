@@ -1,6 +1,7 @@
-"""Decode attention over a dense KV cache on one GPU: lrjax's one-launch kernel that serves
-``decode_attention``, against jax's Pallas flash-decoding kernel (its second choice), XLA's
-lowering of the model's attention and cuDNN's.
+"""Decode attention over a dense KV cache on one GPU: the two kernels that serve
+``decode_attention`` on CUDA, jax's Pallas flash-decoding kernel (the first choice) and
+lrjax's two-launch kernel (the second), against XLA's lowering of the model's attention and
+cuDNN's.
 
   python benchmarks/decode_attention.py --out benchmarks/results/decode_attention.json
 
@@ -9,7 +10,8 @@ filled (each row at position ctx - 1), per batch size:
 
   xla     the reference (the model's einsum/softmax attention, what XLA runs without lrjax);
   lrjax   lrjax's kernel (custom_calls/triton/decode_attention.py) at its planned splits, with
-          its measured merge ("walk") and with the merge of every split at once ("tile");
+          the merge it picks for them (``lrjax_merge``), then with each merge forced: "walk"
+          (the splits one after another) and "tile" (every split's rows at once);
   pallas  jax's Pallas kernel with XLA's merge of its splits, at its planned split count and
           at each of ``--splits`` (the sweep that justified that plan);
   cudnn   ``jax.nn.dot_product_attention(implementation="cudnn")`` on the cache transposed to
@@ -109,11 +111,12 @@ def main(argv=None) -> int:
       rec = {"device": dev, "batch": b, "ctx": t, "heads": [hq, hkv, d], "read_bytes": nbytes}
       rec["xla_ms"] = time_ms(decode_attention_reference, (q, k, v, pos), a.inner, a.reps)
       mine = ours.launch_plan(b, hq, hkv, t, d, t, None, ours.BlockSizes())
-      rec["lrjax_plan_splits"] = mine["meta"]["S"]
+      rec["lrjax_plan_splits"], rec["lrjax_merge"] = mine["meta"]["S"], mine["merge"]
       rec["lrjax_ms"] = time_ms(ours.decode_attention, (q, k, v, pos), a.inner, a.reps)
-      tile = ours.BlockSizes(merge="tile")
-      fn = lambda q, k, v, p: ours.decode_attention(q, k, v, p, block_sizes=tile)  # noqa: E731
-      rec["lrjax_tile_merge_ms"] = time_ms(fn, (q, k, v, pos), a.inner, a.reps)
+      for merge in ours.MERGES:  # each merge at every split count
+        bs = ours.BlockSizes(merge=merge)
+        fn = lambda q, k, v, p, bs=bs: ours.decode_attention(q, k, v, p, block_sizes=bs)  # noqa: E731
+        rec[f"lrjax_{merge}_merge_ms"] = time_ms(fn, (q, k, v, pos), a.inner, a.reps)
       plan = kernel.plan(b, hkv, t)
       rec["pallas_plan_splits"] = plan.k_splits
       rec["pallas_ms"] = time_ms(kernel.decode_attention, (q, k, v, pos), a.inner, a.reps)
@@ -131,7 +134,7 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 - cuDNN's attention may not take this shape
           rec["cudnn_ms"] = None
           rec["cudnn_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-      for name in ("xla", "lrjax", "lrjax_tile_merge", "pallas", "cudnn"):
+      for name in ("xla", "lrjax", "lrjax_walk_merge", "lrjax_tile_merge", "pallas", "cudnn"):
         ms = rec.get(f"{name}_ms")
         if ms:
           rec[f"{name}_read_gbs"] = nbytes / (ms * 1e-3) / 1e9
@@ -144,8 +147,9 @@ def main(argv=None) -> int:
       print(
         f"b={b:3d} ctx={t:5d}: xla {rec['xla_ms'] * 1e3:8.1f} us  lrjax "
         f"{rec['lrjax_ms'] * 1e3:8.1f} us (S={rec['lrjax_plan_splits']}, "
-        f"{rec.get('lrjax_hbm_roofline_frac') or 0:.2f} of HBM; tile merge "
-        f"{rec['lrjax_tile_merge_ms'] * 1e3:.1f} us)  pallas "
+        f"{rec['lrjax_merge']} merge, {rec.get('lrjax_hbm_roofline_frac') or 0:.2f} of HBM; "
+        f"walk {rec['lrjax_walk_merge_ms'] * 1e3:.1f}, tile {rec['lrjax_tile_merge_ms'] * 1e3:.1f}"
+        " us)  pallas "
         f"{rec['pallas_ms'] * 1e3:8.1f} us (ks={plan.k_splits}, "
         f"{rec.get('pallas_hbm_roofline_frac') or 0:.2f} of HBM)  cudnn "
         f"{'-' if not cud else f'{cud * 1e3:.1f} us'}  sweep "

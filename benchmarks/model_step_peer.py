@@ -110,11 +110,12 @@ OTHER = "XLA fusions (norms, rope, residuals, cache writes, XLA's attention)"
 
 
 # lrjax's step variants (--kinds): dense (XLA), low-rank fused (the default lowerings), the
-# same with the model's attention through jax's Pallas kernel or lrjax's Triton kernel alone,
-# or left to XLA, with XLA's command buffers (CUDA graphs) off / as wide as XLA takes them
-# (its default captures runs of >= 5 fusions, GEMMs and custom calls; the whole capture adds
-# the step's loop and conditionals, from runs of one), and with the Pallas kernel given a
-# copied slice of each cache buffer instead of the whole buffer.
+# same with the model's attention through jax's Pallas kernel or lrjax's Triton kernel alone
+# (its merge chosen by the split count, or the tile / walk merge at every count), or left to
+# XLA, with XLA's command buffers (CUDA graphs) off / as wide as XLA takes them (its default
+# captures runs of >= 5 fusions, GEMMs and custom calls; the whole capture adds the step's
+# loop and conditionals, from runs of one), and with the Pallas kernel given a copied slice
+# of each cache buffer instead of the whole buffer.
 LRJAX_KINDS = (
   "dense",
   "lowrank",
@@ -122,6 +123,7 @@ LRJAX_KINDS = (
   "lowrank_pallas_attention",
   "lowrank_lrjax_attention",
   "lowrank_lrjax_attention_tile_merge",
+  "lowrank_lrjax_attention_walk_merge",
   "lowrank_cmdbuf_off",
   "lowrank_cmdbuf_whole",
   "lowrank_sliced_cache",
@@ -131,6 +133,7 @@ WITHOUT = {
   "lowrank_pallas_attention": ("triton.decode_attention",),
   "lowrank_lrjax_attention": ("pallas.decode_attention",),
   "lowrank_lrjax_attention_tile_merge": ("pallas.decode_attention",),
+  "lowrank_lrjax_attention_walk_merge": ("pallas.decode_attention",),
   "lowrank_sliced_cache": ("triton.decode_attention",),
   "lowrank_xla_attention": ("triton.decode_attention", "pallas.decode_attention"),
 }
@@ -148,8 +151,11 @@ PROFILED = (
   "lowrank_pallas_attention",
   "lowrank_lrjax_attention",
   "lowrank_lrjax_attention_tile_merge",
+  "lowrank_lrjax_attention_walk_merge",
   "lowrank_sliced_cache",
 )
+# lrjax's attention kernel's merge, forced for a kind
+MERGE = {"lowrank_lrjax_attention_tile_merge": "tile", "lowrank_lrjax_attention_walk_merge": "walk"}
 
 
 def kernel_class(name: str) -> str:
@@ -245,8 +251,8 @@ def run_lrjax(args, ranks) -> dict:
 @contextlib.contextmanager
 def _attention_lowerings(kind):
   """The decode_attention lowerings ``kind`` goes without (``WITHOUT``) removed for its run;
-  for ``lowrank_sliced_cache`` the Pallas kernel's whole-buffer plan off, and lrjax's tile
-  merge on for ``lowrank_lrjax_attention_tile_merge``."""
+  for ``lowrank_sliced_cache`` the Pallas kernel's whole-buffer plan off, and lrjax's merge
+  forced for the kinds in ``MERGE``."""
   from lrjax.lowering import registry
 
   registry.load_platform("cuda")
@@ -256,10 +262,10 @@ def _attention_lowerings(kind):
   for k in gone:
     registry.unregister("decode_attention", "cuda", k.name)
   pallas = ours = None
-  if kind == "lowrank_lrjax_attention_tile_merge":
+  if kind in MERGE:
     from lrjax.custom_calls.triton import decode_attention as ours
 
-    saved_merge, ours.MERGE = ours.MERGE, "tile"
+    saved_merge, ours.MERGE = ours.MERGE, MERGE[kind]
     ours.decode_attention.clear_cache()
   if kind == "lowrank_sliced_cache":
     from lrjax.custom_calls.triton import decode_attention_pallas as pallas

@@ -10,16 +10,15 @@ split into powers of two.
    sliding window's start) to the row's last (pos[b]): keys past a row's position are never
    read, so a short sequence in a long cache costs only its own length. It writes its
    (max, sum, p·V) in f32. A split with no visible key returns at once.
-2. One program per (b, h) merges the splits that ran (known from pos[b]): every split's max
-   and sum in one load, then each split's p·V rows weighted in turn, and writes the G output
-   rows.
+2. The merge of the splits that ran (known from pos[b]), as one of two launches (``merge_for``
+   picks by the split count): "walk", one program per (b, h) loading every split's max and
+   sum, then weighting each split's p·V rows in turn; "tile", a program per (b, h, block of
+   columns) loading every split's rows at once. Either writes the G output rows.
 
 The split count follows the Pallas kernel's rule: the fewest splits, in powers of two, that
 give ``TARGET_PROGRAMS`` programs. Two launches against the Pallas kernel's one plus four XLA
-fusions that merge its splits, yet no faster in the Llama-3-8B decode step on an H100 (within
-1 % at batch 1, 8 and 16; the Pallas kernel with its merge is faster alone at batch 1:
-benchmarks/results/decode_attention_ab_h100.json, model_step_attention_ab_h100.json), so
-it is not the first choice.
+fusions that merge its splits; in the Llama-3-8B decode step it is within 2 % of the Pallas
+kernel on an H100 and an H200 (docs/kernels.md), so it is not the first choice.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from lrjax.custom_calls.triton import launch, planner
+from lrjax.custom_calls.triton import launch, planner, policy
 from lrjax.custom_calls.triton.lowering import decode_attention_shape_reason
 
 TARGET_PROGRAMS = 256  # about two programs per SM on an H100 or H200 (132 SMs)
@@ -46,7 +45,7 @@ class BlockSizes:
   num_warps: int = 4
   num_stages: int = 2
   splits: int = 0  # splits of the attended keys; 0: :func:`plan_splits`
-  merge: str = ""  # "walk" (the splits one after another) or "tile"; "": MERGE
+  merge: str = ""  # "walk" (the splits one after another) or "tile"; "": merge_for(splits)
 
   @classmethod
   def get_default(cls) -> BlockSizes:
@@ -56,10 +55,19 @@ class BlockSizes:
 
 
 MERGES = ("walk", "tile")
-# the merge launch: "walk" measured (docs/kernels.md); "tile" loads every split's rows at once
-# ([splits, G, columns] tiles, a program per block of columns), runs in Triton's interpreter
-# and has not yet been timed on a GPU
-MERGE = "walk"
+# the merge launch, when BlockSizes.merge is "": MERGE if set, else by the split count
+# (merge_for). "walk" merges a (row, KV head)'s splits one after another; "tile" loads every
+# split's rows at once ([splits, G, columns] tiles, a program per block of columns)
+MERGE = ""
+
+
+def merge_for(splits: int) -> str:
+  """The merge of ``splits`` splits: "tile" from the tuning table's
+  ``decode_attention.tile_merge_min_splits`` (the tile merge measured faster at 32 splits,
+  the walk at 2 and 4; docs/kernels.md), else "walk"."""
+  if MERGE:
+    return MERGE
+  return "tile" if splits >= policy.values("decode_attention").tile_merge_min_splits else "walk"
 
 
 def plan_splits(b: int, hkv: int, length: int) -> int:
@@ -283,7 +291,7 @@ def launch_plan(
     GM=planner.next_pow2(g),
     BLOCK_D=min(d, max(16, 4096 // (max(2, planner.next_pow2(splits)) * planner.next_pow2(g)))),
   )
-  merge = bs.merge or MERGE
+  merge = bs.merge or merge_for(splits)
   if merge not in MERGES:
     raise ValueError(f"merge={merge!r}: expected one of {MERGES}")
   tile = merge == "tile"

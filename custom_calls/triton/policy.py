@@ -7,7 +7,8 @@ A table holds what was measured on one card:
   registry asks :func:`verdict` before it lowers a primitive with a Triton kernel; where the
   kernel measured slower than XLA around the call's shape, XLA lowers the reference instead.
 - ``thresholds``: the measured switches of the kernels and the planner (which schedule, which
-  tiles), by section (``dispatch``, ``planner``, ``xuv_decode``, ``mlp_decode``), each with
+  tiles), by section (``dispatch``, ``planner``, ``xuv_decode``, ``mlp_decode``,
+  ``decode_attention``), each with
   its value and a one-line reason.
 - ``tiles``: tuned block sizes by shape class, per kernel (``BlockSizes.get_default``).
 
@@ -37,7 +38,7 @@ from collections.abc import Iterator, Mapping
 TUNING_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning")
 DEFAULT_DEVICE = "NVIDIA H200"  # the table of a device that is not a GPU, or of no known family
 OPS = ("xuv", "xuv_group", "mlp_swiglu")  # the ops the records time (op names of tp_gpu.py)
-SECTIONS = ("dispatch", "planner", "xuv_decode", "mlp_decode")
+SECTIONS = ("dispatch", "planner", "xuv_decode", "mlp_decode", "decode_attention")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # compared and hashed by identity

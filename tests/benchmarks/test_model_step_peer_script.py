@@ -87,6 +87,9 @@ def test_variants_and_their_compiler_options(load_benchmark):
   mod = load_benchmark("model_step_peer")
   assert set(mod.COMPILER_OPTIONS) <= set(mod.LRJAX_KINDS)
   assert set(mod.PROFILED) <= set(mod.LRJAX_KINDS)
+  # a kind that forces lrjax's merge runs lrjax's attention kernel alone
+  assert set(mod.MERGE) <= set(mod.LRJAX_KINDS) and set(mod.MERGE.values()) == {"walk", "tile"}
+  assert all(mod.WITHOUT[k] == ("pallas.decode_attention",) for k in mod.MERGE)
   assert mod.COMPILER_OPTIONS["lowrank_cmdbuf_off"] == {"xla_gpu_enable_command_buffer": ""}
   with pytest.raises(SystemExit):  # a variant name it does not know
     mod.main(["--model", "tiny", "--kinds", "lowrank_fast", "--side", "lrjax"])

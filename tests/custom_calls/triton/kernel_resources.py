@@ -280,7 +280,7 @@ def planned():
     for merge in decode_attention.MERGES:
       bs = decode_attention.BlockSizes(merge=merge)
       plan = decode_attention.launch_plan(b, 32, 8, t, 128, t, None, bs)
-      if merge == decode_attention.MERGE:
+      if merge == decode_attention.MERGES[0]:  # the flash-decoding launch, once
         yield (
           f"decode attention B={b} T={t}",
           decode_attention._decode_attention_kernel,

@@ -590,3 +590,42 @@ def test_decode_attention_kernels_merge_the_splits_that_ran():
     length, splits, chunk, block = int(row[5]), int(row[7]), int(row[8]), int(row[9])
     assert chunk % block == 0 and splits == -(-length // chunk), row
   assert [int(r[7]) for r in rows] == [16, 10, 5, 6, 1, 3], rows  # one split to many
+
+
+def test_decode_attention_merge_follows_the_split_count_and_the_table():
+  """The merge lrjax's decode attention launches: the tuning table's tile merge from
+  ``tile_merge_min_splits`` splits (Llama-3-8B heads: 32 splits at batch 1, 4 at batch 8, 2 at
+  batch 16), the walk merge below; a table with another threshold moves the switch; MERGE or
+  BlockSizes.merge force one; an unknown merge is refused."""
+  script = STUB + textwrap.dedent("""
+    import dataclasses
+    from lrjax.custom_calls.triton import decode_attention as da, policy
+
+    def merges(**fields):
+      bs = da.BlockSizes(**fields)
+      return [(p["meta"]["S"], p["merge"]) for p in
+              (da.launch_plan(b, 32, 8, 1024, 128, 1024, None, bs) for b in (1, 8, 16))]
+
+    print(policy.values("decode_attention").tile_merge_min_splits)
+    print(merges())
+    with policy.use(policy.current().with_values("decode_attention", tile_merge_min_splits=4)):
+      print(merges())
+    print(merges(merge="walk"), merges(merge="tile"))
+    da.MERGE = "walk"
+    print(merges())
+    try:
+      merges(merge="zigzag")
+    except ValueError as e:
+      print(e)
+    print("ok")
+  """)
+  lines = run_script(script, interpret=True).splitlines()
+  threshold = int(lines[0])
+  default = eval(lines[1])  # noqa: S307 - our own script's printed list
+  assert [s for s, _ in default] == [32, 4, 2]
+  assert default == [(s, "tile" if s >= threshold else "walk") for s in (32, 4, 2)]
+  assert default[0][1] == "tile" and default[2][1] == "walk"
+  assert eval(lines[2]) == [(32, "tile"), (4, "tile"), (2, "walk")]  # noqa: S307
+  assert lines[3] == f"{[(s, 'walk') for s in (32, 4, 2)]} {[(s, 'tile') for s in (32, 4, 2)]}"
+  assert eval(lines[4]) == [(32, "walk"), (4, "walk"), (2, "walk")]  # noqa: S307
+  assert "merge='zigzag'" in lines[5] and "walk" in lines[5]
