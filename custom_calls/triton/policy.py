@@ -8,8 +8,7 @@ A table holds what was measured on one card:
   kernel measured slower than XLA around the call's shape, XLA lowers the reference instead.
 - ``thresholds``: the measured switches of the kernels and the planner (which schedule, which
   tiles), by section (``dispatch``, ``planner``, ``xuv_decode``, ``mlp_decode``,
-  ``decode_attention``), each with
-  its value and a one-line reason.
+  ``decode_attention``), each with its value and a one-line reason.
 - ``tiles``: tuned block sizes by shape class, per kernel (``BlockSizes.get_default``).
 
 The table is chosen by the device's name (``jax.devices()[0].device_kind``). A GPU without a
