@@ -15,7 +15,12 @@ filled (each row at position ctx - 1), per batch size:
   pallas  jax's Pallas kernel with XLA's merge of its splits, at its planned split count and
           at each of ``--splits`` (the sweep that justified that plan);
   cudnn   ``jax.nn.dot_product_attention(implementation="cudnn")`` on the cache transposed to
-          its [B, T, H, D] layout once, outside the timing (its best case).
+          its [B, T, H, D] layout once, outside the timing (its best case);
+  append  (``--append``) the new token's RoPE and cache write with the attention, as a decode
+          step runs them: the models' ops around the ``decode_attention`` primitive
+          (``append_unfused``: XLA's fusions and the primitive's kernel) against lrjax's
+          decode_attention_append (``append_lrjax``), the caches carried through the
+          ``--inner`` calls and donated, so both update them in place.
 
 Each is jitted alone and timed as the median of ``--reps`` calls of ``--inner`` back-to-back
 applications (host timer around block_until_ready, divided by ``--inner``). ``read_gbs``: the
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import sys
@@ -45,7 +51,7 @@ from results_io import hbm_bps, write_json  # noqa: E402
 from lrjax.bench import machine, versions  # noqa: E402
 from lrjax.custom_calls.triton import decode_attention as ours  # noqa: E402
 from lrjax.custom_calls.triton import decode_attention_pallas as kernel  # noqa: E402
-from lrjax.lowering.decode_attention import decode_attention_reference  # noqa: E402
+from lrjax.lowering.decode_attention import decode_attention_reference, rope_tables  # noqa: E402
 
 
 def time_ms(fn, args, inner: int, reps: int) -> float:
@@ -63,6 +69,32 @@ def time_ms(fn, args, inner: int, reps: int) -> float:
   for _ in range(reps):
     t0 = time.perf_counter()
     jax.block_until_ready(many(*args))
+    times.append((time.perf_counter() - t0) / inner)
+  return float(np.median(times) * 1e3)
+
+
+def time_append_ms(fn, ops, inner: int, reps: int) -> float:
+  """Median ms of one ``fn(q, k_new, v_new, k_cache, v_cache, pos, cos, sin)`` -> (out, k_cache,
+  v_cache) call, ``inner`` chained in one jit with the caches carried and donated (updated in
+  place, as a decode loop runs them)."""
+  q, kn, vn, kc, vc, pos, cos, sin = ops
+
+  @functools.partial(jax.jit, donate_argnums=(1, 2))
+  def many(q, kc, vc):
+    def body(_, c):
+      q, kc, vc = c
+      out, kc, vc = fn(q, kn, vn, kc, vc, pos, cos, sin)
+      return out.reshape(q.shape).astype(q.dtype), kc, vc
+
+    return jax.lax.fori_loop(0, inner, body, (q, kc, vc))
+
+  carry = many(q, jnp.copy(kc), jnp.copy(vc))
+  jax.block_until_ready(carry)
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    carry = many(*carry)
+    jax.block_until_ready(carry)
     times.append((time.perf_counter() - t0) / inner)
   return float(np.median(times) * 1e3)
 
@@ -93,6 +125,12 @@ def main(argv=None) -> int:
   ap.add_argument("--inner", type=int, default=50)
   ap.add_argument("--reps", type=int, default=15)
   ap.add_argument("--no-cudnn", action="store_true")
+  ap.add_argument(
+    "--append",
+    action="store_true",
+    help="also time RoPE + cache write + attention: the models' ops (append_unfused) against "
+    "lrjax's decode_attention_append (append_lrjax)",
+  )
   ap.add_argument("--out", help="results JSON (records of other devices in it are kept)")
   a = ap.parse_args(argv)
   hq, hkv, d = a.heads
@@ -117,6 +155,17 @@ def main(argv=None) -> int:
         bs = ours.BlockSizes(merge=merge)
         fn = lambda q, k, v, p, bs=bs: ours.decode_attention(q, k, v, p, block_sizes=bs)  # noqa: E731
         rec[f"lrjax_{merge}_merge_ms"] = time_ms(fn, (q, k, v, pos), a.inner, a.reps)
+      if a.append:  # RoPE and the cache write too, as one decode step's attention runs them
+        from lrjax.custom_calls.triton import decode_attention_append as dap
+
+        kn, vn = (jax.random.normal(kk, (b, hkv, d), jnp.bfloat16) for kk in keys[1:])
+        inv = 1.0 / (500000.0 ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+        ops = (q, kn, vn, k, v, pos, *rope_tables(pos, inv, jnp.bfloat16))
+        for name, fn in (
+          ("append_unfused", dap.decode_attention_append_reference),
+          ("append_lrjax", dap.decode_attention_append),
+        ):
+          rec[f"{name}_ms"] = time_append_ms(fn, ops, a.inner, a.reps)
       plan = kernel.plan(b, hkv, t)
       rec["pallas_plan_splits"] = plan.k_splits
       rec["pallas_ms"] = time_ms(kernel.decode_attention, (q, k, v, pos), a.inner, a.reps)
@@ -134,7 +183,8 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 - cuDNN's attention may not take this shape
           rec["cudnn_ms"] = None
           rec["cudnn_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-      for name in ("xla", "lrjax", "lrjax_walk_merge", "lrjax_tile_merge", "pallas", "cudnn"):
+      names = ("xla", "lrjax", "lrjax_walk_merge", "lrjax_tile_merge", "pallas", "cudnn")
+      for name in names + ("append_unfused", "append_lrjax"):
         ms = rec.get(f"{name}_ms")
         if ms:
           rec[f"{name}_read_gbs"] = nbytes / (ms * 1e-3) / 1e9
@@ -152,7 +202,14 @@ def main(argv=None) -> int:
         " us)  pallas "
         f"{rec['pallas_ms'] * 1e3:8.1f} us (ks={plan.k_splits}, "
         f"{rec.get('pallas_hbm_roofline_frac') or 0:.2f} of HBM)  cudnn "
-        f"{'-' if not cud else f'{cud * 1e3:.1f} us'}  sweep "
+        f"{'-' if not cud else f'{cud * 1e3:.1f} us'}  "
+        + (
+          f"append: unfused {rec['append_unfused_ms'] * 1e3:.1f} us, lrjax "
+          f"{rec['append_lrjax_ms'] * 1e3:.1f} us  "
+          if a.append
+          else ""
+        )
+        + "sweep "
         + " ".join(f"{ks}:{ms * 1e3:.1f}" for ks, ms in sweep.items()),
         flush=True,
       )

@@ -115,7 +115,9 @@ OTHER = "XLA fusions (norms, rope, residuals, cache writes, XLA's attention)"
 # XLA, with XLA's command buffers (CUDA graphs) off / as wide as XLA takes them (its default
 # captures runs of >= 5 fusions, GEMMs and custom calls; the whole capture adds the step's
 # loop and conditionals, from runs of one), and with the Pallas kernel given a copied slice
-# of each cache buffer instead of the whole buffer.
+# of each cache buffer instead of the whole buffer; and with RoPE and the cache writes in
+# lrjax's attention launches (decode_attention_append's kernel, chosen only once verified on
+# a GPU: this kind chooses it).
 LRJAX_KINDS = (
   "dense",
   "lowrank",
@@ -127,6 +129,7 @@ LRJAX_KINDS = (
   "lowrank_cmdbuf_off",
   "lowrank_cmdbuf_whole",
   "lowrank_sliced_cache",
+  "lowrank_append_attention",
 )
 # the decode_attention lowerings a kind goes without
 WITHOUT = {
@@ -153,6 +156,7 @@ PROFILED = (
   "lowrank_lrjax_attention_tile_merge",
   "lowrank_lrjax_attention_walk_merge",
   "lowrank_sliced_cache",
+  "lowrank_append_attention",
 )
 # lrjax's attention kernel's merge, forced for a kind
 MERGE = {"lowrank_lrjax_attention_tile_merge": "tile", "lowrank_lrjax_attention_walk_merge": "walk"}
@@ -251,8 +255,9 @@ def run_lrjax(args, ranks) -> dict:
 @contextlib.contextmanager
 def _attention_lowerings(kind):
   """The decode_attention lowerings ``kind`` goes without (``WITHOUT``) removed for its run;
-  for ``lowrank_sliced_cache`` the Pallas kernel's whole-buffer plan off, and lrjax's merge
-  forced for the kinds in ``MERGE``."""
+  for ``lowrank_sliced_cache`` the Pallas kernel's whole-buffer plan off, lrjax's merge
+  forced for the kinds in ``MERGE``, and decode_attention_append's kernel chosen for
+  ``lowrank_append_attention``."""
   from lrjax.lowering import registry
 
   registry.load_platform("cuda")
@@ -265,8 +270,12 @@ def _attention_lowerings(kind):
   if kind in MERGE:
     from lrjax.custom_calls.triton import decode_attention as ours
 
-    saved_merge, ours.MERGE = ours.MERGE, MERGE[kind]
-    ours.decode_attention.clear_cache()
+    saved_merge, ours.MERGE = ours.MERGE, MERGE[kind]  # read when the step is traced
+  append = None
+  if kind == "lowrank_append_attention":
+    from lrjax.custom_calls.triton import lowering as append
+
+    saved_verified, append.APPEND_GPU_VERIFIED = append.APPEND_GPU_VERIFIED, True
   if kind == "lowrank_sliced_cache":
     from lrjax.custom_calls.triton import decode_attention_pallas as pallas
 
@@ -282,7 +291,8 @@ def _attention_lowerings(kind):
       pallas.decode_attention.clear_cache()
     if ours is not None:
       ours.MERGE = saved_merge
-      ours.decode_attention.clear_cache()
+    if append is not None:
+      append.APPEND_GPU_VERIFIED = saved_verified
 
 
 def _time_kind(args, cfg, ranks, dtype, kind, built, out):

@@ -18,7 +18,12 @@ from lrjax.lowering.primitives import (
 from lrjax.lowering.group import lr_xuv_group
 from lrjax.lowering.batched import lr_xuv_batched, lr_xuv_batched_reference
 from lrjax.lowering.kv_attention import lr_kv_attention, lr_kv_attention_reference
-from lrjax.lowering.decode_attention import decode_attention, decode_attention_reference
+from lrjax.lowering.decode_attention import (
+  decode_attention,
+  decode_attention_append,
+  decode_attention_append_reference,
+  decode_attention_reference,
+)
 from lrjax.lowering.registry import KernelLowering, force_reference, prefer_kernels
 from lrjax.lowering.rules import DEFAULT_RULES, MLPRule, XUVRule
 from lrjax.lowering.fuse import fuse
@@ -32,6 +37,8 @@ __all__ = [
   "MLPRule",
   "XUVRule",
   "decode_attention",
+  "decode_attention_append",
+  "decode_attention_append_reference",
   "decode_attention_reference",
   "explain",
   "force_reference",

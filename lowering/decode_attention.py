@@ -18,6 +18,8 @@ them (XLA cannot pass a strided slice to a custom call).
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 
 import jax
@@ -27,6 +29,7 @@ from jax.interpreters import batching
 
 from lrjax.lowering import primitives
 
+_log = logging.getLogger("lrjax.lowering")
 decode_attention_p = Primitive("decode_attention")
 
 
@@ -125,3 +128,134 @@ def _batch(args, dims, **params):
 
 
 batching.primitive_batchers[decode_attention_p] = _batch
+
+
+# ----------------------------------------------------------------- decode_attention_append
+
+decode_attention_append_p = Primitive("decode_attention_append")
+decode_attention_append_p.multiple_results = True
+
+
+def rope_tables(pos, inv_freq, dtype):
+  """cos, sin [B, D] at positions ``pos`` [B] for ``inv_freq`` [D/2], in ``dtype``: the models'
+  rotate-half tables (lrjax.models.llama.apply_rope) for one token a row."""
+  ang = jnp.asarray(pos).astype(jnp.float32)[:, None] * inv_freq
+  ang = jnp.concatenate([ang, ang], axis=-1)
+  return jnp.cos(ang).astype(dtype), jnp.sin(ang).astype(dtype)
+
+
+def rope(x, cos, sin):
+  """Rotate-half RoPE of x [..., D] with cos, sin broadcast to it, in x's dtype."""
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
+
+
+def _append_check(q, k_new, v_new, k_cache, v_cache, pos, cos, sin):
+  _check(q, k_cache, v_cache, pos)
+  b, _, d = q.shape
+  want = (b, k_cache.shape[1], d)
+  if k_new.shape != want or v_new.shape != want:
+    raise ValueError(f"{k_new.shape=} {v_new.shape=}: expected [B, Hkv, D] = {list(want)}")
+  if cos.shape != (b, d) or sin.shape != (b, d) or d % 2:
+    raise ValueError(f"{cos.shape=} {sin.shape=}: expected [B, D] = [{b}, {d}] with D even")
+
+
+def decode_attention_append(
+  q, k_new, v_new, k_cache, v_cache, pos, cos, sin, *, window=None, length=None
+):
+  """One decode step's attention with the new token's RoPE and cache write:
+
+    q [B, Hq, D] and k_new, v_new [B, Hkv, D]   the new token's, before RoPE
+    k_cache, v_cache [B, Hkv, T, D]             the cache buffers, the new row not yet written
+    pos [B] int32; cos, sin [B, D]              its positions and RoPE's tables there, in q's
+                                                dtype (:func:`rope_tables`)
+    → (out [B, Hq·D], k_cache with rope(k_new) at pos, v_cache with v_new at pos)
+
+  Its reference is the models' ops one after another (:func:`decode_attention_append_reference`);
+  on NVIDIA GPUs a kernel may do the RoPE and the writes inside the attention's own launch
+  (custom_calls/triton/decode_attention_append.py)."""
+  _append_check(q, k_new, v_new, k_cache, v_cache, pos, cos, sin)
+  if window is not None and (isinstance(window, bool) or int(window) < 1):
+    raise ValueError(f"{window=}: expected a sliding window of >= 1 keys, or None")
+  return tuple(
+    decode_attention_append_p.bind(
+      q,
+      k_new,
+      v_new,
+      k_cache,
+      v_cache,
+      jnp.asarray(pos, jnp.int32),
+      cos,
+      sin,
+      window=None if window is None else int(window),
+      length=_check_length(length, k_cache.shape[2]),
+    )
+  )
+
+
+def decode_attention_append_reference(
+  q, k_new, v_new, k_cache, v_cache, pos, cos, sin, *, window=None, length=None
+):
+  """What a model's decode step runs without the fused op: RoPE of q and k_new, the cache
+  writes (positions past T dropped), the ``decode_attention`` primitive."""
+  _append_check(q, k_new, v_new, k_cache, v_cache, pos, cos, sin)
+  pos = jnp.asarray(pos, jnp.int32)
+  length = _check_length(length, k_cache.shape[2])
+  return _append_reference(
+    q, k_new, v_new, k_cache, v_cache, pos, cos, sin, window=window, length=length
+  )
+
+
+def _append_reference(q, k_new, v_new, k_cache, v_cache, pos, cos, sin, *, window, length):
+  q = rope(q, cos[:, None], sin[:, None])
+  k_new = rope(k_new, cos[:, None], sin[:, None])
+  rows = jnp.arange(q.shape[0])
+  k_cache = k_cache.at[rows, :, pos].set(k_new.astype(k_cache.dtype), mode="drop")
+  v_cache = v_cache.at[rows, :, pos].set(v_new.astype(v_cache.dtype), mode="drop")
+  out = decode_attention(q, k_cache, v_cache, pos, window=window, length=length)
+  return out, k_cache, v_cache
+
+
+@decode_attention_append_p.def_abstract_eval
+def _append_abstract(q, k_new, v_new, k_cache, v_cache, pos, cos, sin, *, window, length):
+  _append_check(q, k_new, v_new, k_cache, v_cache, pos, cos, sin)
+  out = jax.core.ShapedArray((q.shape[0], q.shape[1] * q.shape[2]), q.dtype)
+  return (
+    out,
+    jax.core.ShapedArray(k_cache.shape, k_cache.dtype),
+    jax.core.ShapedArray(v_cache.shape, v_cache.dtype),
+  )
+
+
+def _append_impl(*args, **params):
+  if jax.config.jax_disable_jit:  # eager: the reference, op by op
+    return _append_reference(*args, **params)
+  return jax.jit(functools.partial(decode_attention_append_p.bind, **params))(*args)
+
+
+def _append_batch(args, dims, **params):
+  """Every operand is per sequence: vmap runs the reference."""
+  outs = jax.vmap(lambda *a: _append_reference(*a, **params), in_axes=dims)(*args)
+  return outs, [0, 0, 0]
+
+
+def _append_lowering(ctx, *args, **params):
+  """A kernel where one serves these operands on one device, else the reference's ops."""
+  from jax.interpreters import mlir
+
+  from lrjax.lowering import partitioning, registry
+
+  fn = _append_reference
+  platforms = tuple(ctx.module_context.platforms)
+  if len(platforms) == 1 and partitioning.single_device(ctx):
+    sel = registry.select(decode_attention_append_p.name, platforms[0], ctx.avals_in, params)
+    for name, reason in sel.declined:
+      _log.debug("decode_attention_append on %s: %s declined: %s", platforms[0], name, reason)
+    if sel.kernel is not None:
+      fn = sel.kernel.load()
+  return mlir.lower_fun(functools.partial(fn, **params), multiple_results=True)(ctx, *args)
+
+
+decode_attention_append_p.def_impl(_append_impl)
+batching.primitive_batchers[decode_attention_append_p] = _append_batch
+primitives.register_lowering(decode_attention_append_p, _append_lowering)

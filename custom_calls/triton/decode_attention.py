@@ -24,7 +24,6 @@ kernel on an H100 and an H200 (docs/kernels.md), so it is not the first choice.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -108,44 +107,98 @@ def _decode_attention_kernel(
   s = pid % S
   b = bh // HKV
   h = bh % HKV
+  lo, hi = _split_range(pos_ptr, b, s, LEN, WINDOW, CHUNK)
+  if lo < hi:
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, D)
+    q = tl.load(
+      q_ptr + (b * HQ + h * G + offs_g)[:, None] * D + offs_d[None, :],
+      mask=(offs_g < G)[:, None],
+      other=0.0,
+    )
+    kv_off = (b * HKV + h).to(tl.int64) * T * D
+    acc, m_i, l_i = _attend_split(
+      q, k_ptr + kv_off, v_ptr + kv_off, lo, hi, q, q, -1, D, GP, SCALE, BLOCK_N, False
+    )
+    _store_partials(part_ptr, acc, m_i, l_i, bh, s, S, G, GP, D, NROWS)
+
+
+@triton.jit
+def _split_range(pos_ptr, b, s, LEN: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr):
+  """[lo, hi): the keys of split s visible to row b (empty where lo >= hi)."""
   pos = tl.load(pos_ptr + b)
   end = tl.minimum(pos + 1, LEN)  # visible keys [first, end)
   first = 0
   if WINDOW > 0:
     first = tl.maximum(pos - WINDOW + 1, 0)
-  lo = tl.maximum(s * CHUNK, first)
-  hi = tl.minimum(s * CHUNK + CHUNK, end)
-  if lo < hi:
-    offs_g = tl.arange(0, GP)
-    g_mask = offs_g < G
-    offs_d = tl.arange(0, D)
-    q = tl.load(
-      q_ptr + (b * HQ + h * G + offs_g)[:, None] * D + offs_d[None, :],
-      mask=g_mask[:, None],
-      other=0.0,
-    )
-    kv_ptr = (b * HKV + h).to(tl.int64) * T * D
-    m_i = tl.full([GP], -1.0e30, tl.float32)
-    l_i = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, D], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-      offs_t = start + tl.arange(0, BLOCK_N)
-      t_mask = offs_t < hi
-      rows = kv_ptr + offs_t[:, None] * D + offs_d[None, :]
-      k = tl.load(k_ptr + rows, mask=t_mask[:, None], other=0.0)
-      sc = tl.dot(q, tl.trans(k)) * SCALE
-      sc = tl.where(t_mask[None, :], sc, -1.0e30)
-      m_new = tl.maximum(m_i, tl.max(sc, 1))
-      alpha = tl.exp(m_i - m_new)
-      p = tl.exp(sc - m_new[:, None])
-      l_i = l_i * alpha + tl.sum(p, 1)
-      v = tl.load(v_ptr + rows, mask=t_mask[:, None], other=0.0)
-      acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-      m_i = m_new
-    row = (bh * S + s) * G + offs_g  # this split's G rows of the partials
-    tl.store(part_ptr + row[:, None] * D + offs_d[None, :], acc, mask=g_mask[:, None])
-    tl.store(part_ptr + NROWS * D + row, m_i, mask=g_mask)
-    tl.store(part_ptr + NROWS * D + NROWS + row, l_i, mask=g_mask)
+  return tl.maximum(s * CHUNK, first), tl.minimum(s * CHUNK + CHUNK, end)
+
+
+@triton.jit
+def _attend_split(
+  q,  # [GP, D] the KV head's query rows
+  k_ptr,
+  v_ptr,  # the (row, KV head)'s cache rows [T, D]
+  lo,
+  hi,
+  k_new,
+  v_new,  # [D] rows standing in for cache row ``w`` (read only if SPLICE)
+  w,
+  D: tl.constexpr,
+  GP: tl.constexpr,
+  SCALE: tl.constexpr,
+  BLOCK_N: tl.constexpr,
+  SPLICE: tl.constexpr,
+):
+  """Online softmax of q over keys [lo, hi) in blocks of BLOCK_N: (p·V [GP, D], max, sum) in
+  f32. With SPLICE, key and value ``w`` are taken from k_new / v_new, not from the cache."""
+  offs_d = tl.arange(0, D)
+  m_i = tl.full([GP], -1.0e30, tl.float32)
+  l_i = tl.zeros([GP], tl.float32)
+  acc = tl.zeros([GP, D], tl.float32)
+  for start in range(lo, hi, BLOCK_N):
+    offs_t = start + tl.arange(0, BLOCK_N)
+    t_mask = offs_t < hi
+    rows = offs_t[:, None] * D + offs_d[None, :]
+    k = tl.load(k_ptr + rows, mask=t_mask[:, None], other=0.0)
+    if SPLICE:
+      k = tl.where((offs_t == w)[:, None], k_new[None, :], k)
+    sc = tl.dot(q, tl.trans(k)) * SCALE
+    sc = tl.where(t_mask[None, :], sc, -1.0e30)
+    m_new = tl.maximum(m_i, tl.max(sc, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(sc - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptr + rows, mask=t_mask[:, None], other=0.0)
+    if SPLICE:
+      v = tl.where((offs_t == w)[:, None], v_new[None, :], v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    m_i = m_new
+  return acc, m_i, l_i
+
+
+@triton.jit
+def _store_partials(
+  part_ptr,
+  acc,
+  m_i,
+  l_i,
+  bh,
+  s,
+  S: tl.constexpr,
+  G: tl.constexpr,
+  GP: tl.constexpr,
+  D: tl.constexpr,
+  NROWS: tl.constexpr,
+):
+  """Split s's G rows of the partials: p·V [G, D], then the maxima and sums."""
+  offs_g = tl.arange(0, GP)
+  offs_d = tl.arange(0, D)
+  g_mask = offs_g < G
+  row = (bh * S + s) * G + offs_g
+  tl.store(part_ptr + row[:, None] * D + offs_d[None, :], acc, mask=g_mask[:, None])
+  tl.store(part_ptr + NROWS * D + row, m_i, mask=g_mask)
+  tl.store(part_ptr + NROWS * D + NROWS + row, l_i, mask=g_mask)
 
 
 @triton.jit
@@ -300,7 +353,6 @@ def launch_plan(
               part=b * hkv * splits * g * (d + 2))  # fmt: skip
 
 
-@functools.partial(jax.jit, static_argnames=("window", "length", "block_sizes"))
 def decode_attention(q, k, v, pos, *, window=None, length=None, block_sizes=None):
   """q [B, Hq, D], k/v [B, Hkv, T, D], pos [B] → [B, Hq·D] (the primitive's semantics), as
   two Triton launches (module docstring)."""

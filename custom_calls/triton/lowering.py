@@ -349,6 +349,22 @@ def pallas_decode_attention_supports(avals, params) -> str | None:
   return shape_reason(q.shape, k.shape, (_dt(q), _dt(k), _dt(v)), params.get("length"))
 
 
+# decode_attention_append's kernel is not chosen until it has passed its GPU tests
+APPEND_GPU_VERIFIED = False
+
+
+def decode_attention_append_supports(avals, params) -> str | None:
+  del params
+  q, kn, vn, kc, vc, _, cos, _ = avals
+  dts = (_dt(q), _dt(kc), _dt(vc))
+  reason = _toolchain() or decode_attention_shape_reason(q.shape, dts)
+  if reason is None and len({*dts, _dt(kn), _dt(vn), _dt(cos)}) > 1:
+    reason = f"q, k_new, v_new, the caches and cos/sin must share one dtype, got {dts}"
+  if reason is None and not APPEND_GPU_VERIFIED:
+    reason = "its kernel has not yet run on a GPU (lowering.APPEND_GPU_VERIFIED)"
+  return reason
+
+
 def decode_attention_faster(avals, params) -> str | None:
   del avals, params
   table = policy.current()
@@ -361,6 +377,12 @@ def _decode_attention_impl():
   from lrjax.custom_calls.triton.decode_attention import decode_attention
 
   return decode_attention
+
+
+def _decode_attention_append_impl():
+  from lrjax.custom_calls.triton.decode_attention_append import decode_attention_append
+
+  return decode_attention_append
 
 
 def _pallas_decode_attention_impl():
@@ -439,6 +461,15 @@ KERNELS = [
     "triton.decode_attention",
     decode_attention_supports,
     _decode_attention_impl,
+    priority=10,
+    faster=decode_attention_faster,
+  ),
+  KernelLowering(
+    "decode_attention_append",
+    "cuda",
+    "triton.decode_attention_append",
+    decode_attention_append_supports,
+    _decode_attention_append_impl,
     priority=10,
     faster=decode_attention_faster,
   ),

@@ -17,7 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lrjax.lowering.decode_attention import attend, decode_attention
+from lrjax.lowering.decode_attention import (
+  attend,
+  decode_attention,
+  decode_attention_append,
+  rope_tables,
+)
 from lrjax.models.config import ModelConfig
 from lrjax.nn.linear import Linear, LowRankLinear, param
 
@@ -211,6 +216,22 @@ def cached_attention(q, k, v, mask, kv, write_pos, attend_cache, *, window=None)
   return attend(q, kt, vt, mask, heads_first=True), kv
 
 
+def rope_and_attend(q, k, v, positions, inv_freq, mask, kv, write_pos, attend_cache, *,
+                    window=None):  # fmt: skip
+  """:func:`cached_attention` of q [B,S,H,D] and new k, v [B,S,KV,D] before RoPE, which is
+  applied at ``positions`` [B,S]. One decode step over the cache (S = 1) binds the
+  ``decode_attention_append`` primitive: RoPE, the cache writes and the attention, which a GPU
+  kernel may run in the attention's own launches; its reference is the same ops as below."""
+  if kv is not None and attend_cache and q.shape[1] == 1 and k.dtype == q.dtype:
+    cos, sin = rope_tables(positions[:, 0], inv_freq, q.dtype)
+    out, kc, vc = decode_attention_append(
+      q[:, 0], k[:, 0], v[:, 0], *kv, write_pos, cos, sin, window=window, length=mask.shape[-1]
+    )
+    return out[:, None], (kc, vc)
+  q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+  return cached_attention(q, k, v, mask, kv, write_pos, attend_cache, window=window)
+
+
 def _add_projs(module, names, cfg, ranks, heads, **kw):
   """``module.<name>`` for each projection name: dense, or low-rank at ``ranks[name]``."""
   for name in names:
@@ -230,8 +251,9 @@ class Attention(nnx.Module):
     else:
       self.q_norm = self.k_norm = None
 
-  def qkv(self, x, positions, inv_freq):
-    """x [B,S,E] → roped q [B,S,H,D], k [B,S,KV,D], v [B,S,KV,D]."""
+  def qkv(self, x, positions, inv_freq, rope: bool = True):
+    """x [B,S,E] → q [B,S,H,D], k [B,S,KV,D], v [B,S,KV,D]; q and k roped unless ``rope`` is
+    False."""
     c = self.cfg
     b, s, _ = x.shape
     q = self.q_proj(x).reshape(b, s, c.num_heads, c.head_dim)
@@ -239,6 +261,8 @@ class Attention(nnx.Module):
     v = self.v_proj(x).reshape(b, s, c.num_kv_heads, c.head_dim)
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
+    if not rope:
+      return q, k, v
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
@@ -290,10 +314,11 @@ class DecoderLayer(nnx.Module):
     a dict, receives the projection inputs.
     """
     x = self.input_layernorm(h)
-    q, k, v = self.attn.qkv(x, positions, inv_freq)
-    a, kv = cached_attention(
-      q, k, v, mask, kv, write_pos, attend_cache, window=self.attn.cfg.sliding_window
-    )
+    q, k, v = self.attn.qkv(x, positions, inv_freq, rope=False)
+    a, kv = rope_and_attend(
+      q, k, v, positions, inv_freq, mask, kv, write_pos, attend_cache,
+      window=self.attn.cfg.sliding_window,
+    )  # fmt: skip
     h = h + self.attn.o_proj(a)
     x2 = self.post_attention_layernorm(h)
     if taps is not None:

@@ -699,10 +699,21 @@ class Engine:
     pos = jax.ShapeDtypeStruct((rows,), jnp.int32)
     length = self.attend_buckets[-1]
     params = {"window": c.sliding_window, "length": None if length == self.max_len else length}
+    declined = []
+    if self.plan is None or self.plan.mesh.size == 1:  # one device: RoPE and the writes too
+      new = jax.ShapeDtypeStruct((rows, kv_heads, c.head_dim), self._compute_dtype)
+      tab = jax.ShapeDtypeStruct((rows, c.head_dim), self._compute_dtype)
+      avals = (q, new, new, k, k, pos, tab, tab)
+      sel = registry.select("decode_attention_append", plat, avals, params)
+      if sel.kernel is not None:
+        return sel.kernel.name
+      declined += sel.declined
     sel = registry.select("decode_attention", plat, (q, k, k, pos), params)
     if sel.kernel is not None:
-      return sel.kernel.name
-    why = "; ".join(f"{name}: {reason}" for name, reason in sel.declined)
+      return sel.kernel.name + (
+        f" (RoPE and cache writes by XLA: {declined[0][1]})" if declined else ""
+      )
+    why = "; ".join(f"{name}: {reason}" for name, reason in declined + list(sel.declined))
     return "XLA reference" + (f" ({why})" if why else "")
 
   def warmup(self) -> int:

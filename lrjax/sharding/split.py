@@ -38,7 +38,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from lrjax.models.llama import DecoderLayer, apply_rope, cached_attention
+from lrjax.models.llama import DecoderLayer, rope_and_attend
 from lrjax.sharding.rules import param_spec
 
 log = logging.getLogger("lrjax.sharding")
@@ -252,12 +252,11 @@ def _local_layer(a, h, positions, inv_freq, mask, kv=None, write_pos=None, *, st
     eps_qk, dt_qk = static["qk_norm"]
     q = _rmsnorm(q, a["attn.q_norm.weight"], eps_qk, dt_qk)
     k = _rmsnorm(k, a["attn.k_norm.weight"], eps_qk, dt_qk)
-  q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-
-  # attention on the local heads (as DecoderLayer.__call__)
-  att, kv = cached_attention(
-    q, k, v, mask, kv, write_pos, static["attend_cache"], window=cfg.sliding_window
-  )
+  # RoPE and attention on the local heads (as DecoderLayer.__call__)
+  att, kv = rope_and_attend(
+    q, k, v, positions, inv_freq, mask, kv, write_pos, static["attend_cache"],
+    window=cfg.sliding_window,
+  )  # fmt: skip
 
   # ② o's rank-space partial sums
   st_o = dict(projs["o_proj"], x_dtype=att.dtype)

@@ -6,6 +6,7 @@ tests/custom_calls/triton/test_triton_interpret.py and on a GPU in test_decode_a
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -237,9 +238,10 @@ def test_model_decode_binds_it_and_prefill_does_not():
   cache = KVCache.init(cfg, 2, 32)
   toks = jnp.zeros((2,), jnp.int32)
   names = primitive_names(lambda t, c: model.decode(t, c, attend_len=16), toks, cache)
-  assert names.count("decode_attention") == cfg.num_layers
-  names = primitive_names(lambda t, c: model.prefill(t, c), jnp.zeros((2, 5), jnp.int32), cache)
+  assert names.count("decode_attention_append") == cfg.num_layers  # RoPE + writes + attention
   assert "decode_attention" not in names
+  names = primitive_names(lambda t, c: model.prefill(t, c), jnp.zeros((2, 5), jnp.int32), cache)
+  assert "decode_attention" not in names and "decode_attention_append" not in names
   # a decode step after a prefill gives the full forward's logits of the next position
   seq = jax.random.randint(jax.random.key(1), (2, 6), 0, cfg.vocab_size)
   _, cache = model.prefill(seq[:, :5], cache)
@@ -257,3 +259,103 @@ def test_a_jax_without_the_pallas_kernel_falls_back_by_name(monkeypatch):
   )
   sel = registry.select("decode_attention", "cuda", _avals(8, 32, 8, 1024, 128), {"window": None})
   assert sel.kernel is None and "has no jax.experimental.pallas" in sel.declined[0][1]
+
+
+def _append_operands(b, hq, hkv, t, d, dtype):
+  from lrjax.lowering.decode_attention import rope_tables
+
+  q, kc, vc, pos = operands(b, hq, hkv, t, d, dtype)
+  kn = jax.random.normal(jax.random.key(1), (b, hkv, d), dtype)
+  vn = jax.random.normal(jax.random.key(2), (b, hkv, d), dtype)
+  inv = 1.0 / (10000.0 ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+  return (q, kn, vn, kc, vc, pos, *rope_tables(pos, inv, dtype))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("window, length", [(None, None), (5, 24)])
+def test_append_primitive_is_rope_writes_and_attention(dtype, window, length):
+  """decode_attention_append: the new rows written at each row's position (RoPE applied to
+  the key), every other row unchanged, and the attention equal to decode_attention over the
+  written caches with the roped queries; jitted and under vmap."""
+  from lrjax.lowering.decode_attention import (
+    decode_attention_append,
+    decode_attention_append_reference,
+    rope,
+  )
+
+  ops = _append_operands(3, 8, 2, 32, 16, dtype)
+  q, kn, vn, kc, vc, pos, cos, sin = ops
+  pos = jnp.asarray([0, 11, 23], jnp.int32)
+  ops = (q, kn, vn, kc, vc, pos, cos, sin)
+  out, k2, v2 = jax.jit(lambda *a: decode_attention_append(*a, window=window, length=length))(*ops)
+  rows = np.arange(3)
+  want_k = np.array(kc)
+  want_k[rows, :, np.asarray(pos)] = np.asarray(rope(kn, cos[:, None], sin[:, None]))
+  want_v = np.array(vc)
+  want_v[rows, :, np.asarray(pos)] = np.asarray(vn)
+  written = np.zeros(kc.shape, bool)
+  written[rows, :, np.asarray(pos)] = True
+  for got, want in ((k2, want_k), (v2, want_v)):
+    got = np.asarray(got)
+    assert np.array_equal(got[~written], want[~written])  # every other row untouched
+    # the new rows: RoPE compiled may contract x·cos + y·sin (an f32 ulp)
+    np.testing.assert_allclose(got[written], want[written], rtol=1e-6, atol=1e-6)
+  qr = rope(q, cos[:, None], sin[:, None])
+  want = decode_attention_reference(qr, k2, v2, pos, window=window, length=length)
+  assert_close(out, oracle(qr, k2[:, :, : length or 32], v2[:, :, : length or 32], pos, window),
+               dtype)  # fmt: skip
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
+                             rtol=1e-6, atol=1e-6)  # fmt: skip
+  ref = decode_attention_append_reference(*ops, window=window, length=length)
+  for g, w in zip((out, k2, v2), ref):
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), 1e-6, 1e-6)
+  # vmap over a leading axis of every operand: the reference per slice
+  stacked = tuple(jnp.stack([a, a]) for a in ops)
+  vout = jax.vmap(lambda *a: decode_attention_append(*a, window=window, length=length))(*stacked)
+  assert all(v.shape == (2, *g.shape) for v, g in zip(vout, (out, k2, v2)))
+  np.testing.assert_allclose(np.asarray(vout[0][1], np.float32), np.asarray(out, np.float32),
+                             rtol=1e-6, atol=1e-6)  # fmt: skip
+
+
+def test_append_primitive_refuses_operands_of_the_wrong_shape():
+  from lrjax.lowering.decode_attention import decode_attention_append
+
+  q, kn, vn, kc, vc, pos, cos, sin = _append_operands(2, 4, 2, 16, 8, jnp.float32)
+  with pytest.raises(ValueError, match=r"k_new.shape=.*expected \[B, Hkv, D\]"):
+    decode_attention_append(q, kn[:, :1], vn, kc, vc, pos, cos, sin)
+  with pytest.raises(ValueError, match=r"cos.shape=.*expected \[B, D\]"):
+    decode_attention_append(q, kn, vn, kc, vc, pos, cos[:, :4], sin)
+  with pytest.raises(ValueError, match="window"):
+    decode_attention_append(q, kn, vn, kc, vc, pos, cos, sin, window=0)
+  with pytest.raises(ValueError, match="length"):
+    decode_attention_append(q, kn, vn, kc, vc, pos, cos, sin, length=17)
+
+
+def test_append_kernel_waits_for_its_gpu_run_and_says_so(monkeypatch):
+  """On CUDA the append kernel declines, naming why, until it is marked verified on a GPU;
+  then it serves bf16 operands of a head dim it takes and declines others by name."""
+  monkeypatch.setattr(cuda_lowering, "_toolchain", lambda: None)
+  sds = jax.ShapeDtypeStruct
+  b, hq, hkv, t, d = 8, 32, 8, 1024, 128
+
+  def avals(dt=jnp.bfloat16, d=d, tab=None):
+    new, kv = sds((b, hkv, d), dt), sds((b, hkv, t, d), dt)
+    return (sds((b, hq, d), dt), new, new, kv, kv, sds((b,), jnp.int32),
+            sds((b, d), tab or dt), sds((b, d), tab or dt))  # fmt: skip
+
+  sel = registry.select("decode_attention_append", "cuda", avals(), {"window": None})
+  assert (
+    sel.kernel is None
+    and "not yet run on a GPU" in dict(sel.declined)["triton.decode_attention_append"]
+  )
+  monkeypatch.setattr(cuda_lowering, "APPEND_GPU_VERIFIED", True)
+  sel = registry.select("decode_attention_append", "cuda", avals(), {"window": None})
+  assert sel.name == "triton.decode_attention_append", sel.declined
+  for bad, why in [
+    (avals(d=96), "head dim 96"),
+    (avals(dt=jnp.float32), "must share one of"),
+    (avals(tab=jnp.float32), "must share one dtype"),
+  ]:
+    sel = registry.select("decode_attention_append", "cuda", bad, {"window": None})
+    assert sel.kernel is None and why in sel.declined[0][1], sel.declined
+  assert not registry.candidates("decode_attention_append", "cpu")

@@ -249,8 +249,9 @@ def test_compression_record_keeps_graphdef_hashable():
 
 @pytest.mark.parametrize("attend_len", [None, 8])
 def test_decode_reads_each_layer_cache_where_it_lies(attend_len):
-  """One buffer per layer: a decode step writes each buffer in place (scatter) and attention
-  (one decode_attention a layer, over k and v) reads it directly; a stacked [layers, ...] cache
+  """One buffer per layer: a decode step hands each layer's k and v buffers to one
+  decode_attention_append (RoPE, the writes in place, attention), whose reference writes them
+  with a scatter each and reads them with one decode_attention; a stacked [layers, ...] cache
   was sliced per layer, and XLA:GPU copied every slice (two memcpys a layer). An
   ``attend_len`` shorter than the cache bounds the keys without slicing the buffers."""
   cfg = CONFIGS["gqa"]
@@ -265,4 +266,18 @@ def test_decode_reads_each_layer_cache_where_it_lies(attend_len):
     for e in jaxpr.jaxpr.eqns
     if any(getattr(v, "aval", None) is not None and v.aval.shape == buf for v in e.invars)
   )
-  assert readers == {"scatter": 2 * cfg.num_layers, "decode_attention": cfg.num_layers}
+  assert readers == {"decode_attention_append": cfg.num_layers}
+  from lrjax.lowering.decode_attention import decode_attention_append_reference
+
+  q = jnp.zeros((2, cfg.num_heads, cfg.head_dim))
+  new = jnp.zeros((2, cfg.num_kv_heads, cfg.head_dim))
+  tab = jnp.zeros((2, cfg.head_dim))
+  ref = jax.make_jaxpr(lambda *a: decode_attention_append_reference(*a, length=attend_len))(
+    q, new, new, cache.k[0], cache.v[0], cache.pos, tab, tab
+  )
+  inner = collections.Counter(
+    str(e.primitive)
+    for e in ref.jaxpr.eqns
+    if any(getattr(v, "aval", None) is not None and v.aval.shape == buf for v in e.invars)
+  )
+  assert inner == {"scatter": 2, "decode_attention": 1}

@@ -54,8 +54,9 @@ def test_logits_equal_one_device(run):
       assert r.get("layer_class", "SplitDecoderLayer") == "SplitDecoderLayer"
   # prefill into the KV cache (split on KV heads) and decode steps
   assert run["decode_rel_err"] < F32_TOL, run["seed"]
-  # each layer's decode attention on the device's heads at TP 4 (16 query and 8 KV heads of
-  # 8): q [2, 4, 8], the cache buffers whole (12 positions), the attended length a bound
+  # each layer's decode attention (with RoPE and the cache writes) on the device's heads at
+  # TP 4 (16 query and 8 KV heads of 8): q [2, 4, 8], the cache buffers whole (12
+  # positions), the attended length a bound
   want = [[[2, 16 // 4, 8], [2, 8 // 4, 12, 8]]] * 2
   got = [[ops[0], ops[1]] for ops, _ in run["split_decode_attention"]]
   assert got == want, run["split_decode_attention"]

@@ -168,12 +168,13 @@ def part_numerics():
   m = S.shard(make(cfg, ranks_of(cfg)), S.make_mesh(4), "lowrank_split")
   split, cache = steps(m)
   out["decode_rel_err"] = max(rel(a, b) for a, b in zip(split, single))
-  # the split program's decode step binds decode_attention on each device's KV heads
+  # the split program's decode step binds decode_attention_append (RoPE, cache writes and
+  # attention) on each device's KV heads: its q and its k cache buffer
   jaxpr = jax.make_jaxpr(lambda t, c: m.decode(t, c, attend_len=8))(tok[:, 0], cache)
   out["split_decode_attention"] = [
-    [[list(v.aval.shape) for v in e.invars], e.params["length"]]
+    [[list(e.invars[i].aval.shape) for i in (0, 3)], e.params["length"]]
     for e in eqns(jaxpr.jaxpr)
-    if e.primitive.name == "decode_attention"
+    if e.primitive.name == "decode_attention_append"
   ]
   out["numerics"] = recs
 

@@ -206,6 +206,7 @@ def planned():
   install_jax_triton_stub()
   from lrjax.custom_calls.triton import (
     decode_attention,
+    decode_attention_append,
     mlp_decode,
     mlp_prefill,
     planner,
@@ -280,14 +281,18 @@ def planned():
     for merge in decode_attention.MERGES:
       bs = decode_attention.BlockSizes(merge=merge)
       plan = decode_attention.launch_plan(b, 32, 8, t, 128, t, None, bs)
-      if merge == decode_attention.MERGES[0]:  # the flash-decoding launch, once
-        yield (
-          f"decode attention B={b} T={t}",
-          decode_attention._decode_attention_kernel,
-          plan["meta"],
-          bs.num_warps,
-          bs.num_stages,
-        )
+      if merge == decode_attention.MERGES[0]:  # the flash-decoding launches, once
+        for label, kernel in (
+          ("", decode_attention._decode_attention_kernel),
+          (" append", decode_attention_append._decode_attention_append_kernel),
+        ):
+          yield (
+            f"decode attention{label} B={b} T={t}",
+            kernel,
+            plan["meta"],
+            bs.num_warps,
+            bs.num_stages,
+          )
       kernel = (
         decode_attention._merge_tile_kernel if merge == "tile" else decode_attention._merge_kernel
       )

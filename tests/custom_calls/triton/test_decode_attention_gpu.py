@@ -225,3 +225,102 @@ def test_model_decode_on_the_gpu_matches_the_reference():
   kernel_err = rel_err(decode(jnp.bfloat16, False), truth)
   xla_err = rel_err(decode(jnp.bfloat16, True), truth)
   assert kernel_err <= max(1.5 * xla_err, tolerance(jnp.bfloat16)), (kernel_err, xla_err)
+
+
+def _append_operands(b, hq, hkv, t, d, dtype, seed=0):
+  from lrjax.lowering.decode_attention import rope_tables
+
+  q, kc, vc, pos = operands(b, hq, hkv, t, d, dtype)
+  ks = jax.random.split(jax.random.key(seed + 7), 2)
+  kn = jax.random.normal(ks[0], (b, hkv, d), dtype)
+  vn = jax.random.normal(ks[1], (b, hkv, d), dtype)
+  inv = 1.0 / (500000.0 ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+  cos, sin = rope_tables(pos, inv, dtype)
+  return q, kn, vn, kc, vc, pos, cos, sin
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("window", [None, 100])
+def test_append_kernel_matches_its_reference(shape, window):
+  """decode_attention_append on the GPU against its XLA reference (RoPE, cache write, the
+  models' attention): the attention within bf16's tolerance, the written rows bit for bit,
+  every other cache row unchanged."""
+  from lrjax.custom_calls.triton import decode_attention_append as dap
+
+  ops = _append_operands(*shape, jnp.bfloat16)
+  out, kc, vc = dap.decode_attention_append(*ops, window=window)
+  ref, kr, vr = dap.decode_attention_append_reference(*ops, window=window)
+  assert_close(out, np.asarray(ref, np.float64), jnp.bfloat16)
+  assert np.array_equal(np.asarray(kc), np.asarray(kr))
+  assert np.array_equal(np.asarray(vc), np.asarray(vr))
+
+
+@pytest.mark.parametrize("merge", ["walk", "tile"])
+@pytest.mark.parametrize("splits", [1, 3, 16, 64])
+def test_append_kernel_with_the_caches_donated_in_a_loop(merge, splits):
+  """Eight steps in one jit, the caches carried (updated in place, as a decode loop donates
+  them), each step's new row at the next position of each row, at the split boundaries the
+  kernel cuts: the same outputs and caches as the reference's loop."""
+  from lrjax.custom_calls.triton import decode_attention as ours
+  from lrjax.custom_calls.triton import decode_attention_append as dap
+
+  q, kn, vn, kc, vc, pos, cos, sin = _append_operands(3, 32, 8, 1024, 128, jnp.bfloat16)
+  pos = jnp.asarray([0, 511, 1000], jnp.int32)
+  bs = ours.BlockSizes(splits=splits, merge=merge)
+
+  def loop(fn):
+    def body(i, carry):
+      kc, vc, acc = carry
+      out, kc, vc = fn(q * (i + 1), kn * (i + 1), vn, kc, vc, pos + i, cos, sin)
+      return kc, vc, acc + out.astype(jnp.float32)
+
+    init = (kc, vc, jnp.zeros((3, 32 * 128), jnp.float32))
+    return jax.jit(lambda *c: jax.lax.fori_loop(0, 8, body, c), donate_argnums=(0, 1))(*init)
+
+  got = loop(lambda *a: dap.decode_attention_append(*a, length=1016, block_sizes=bs))
+  want = loop(lambda *a: dap.decode_attention_append_reference(*a, length=1016))
+  assert rel_err(got[2], want[2]) < 2 * tolerance(jnp.bfloat16)
+  assert np.array_equal(np.asarray(got[0]), np.asarray(want[0]))
+  assert np.array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+def test_model_decode_with_the_append_kernel(monkeypatch):
+  """The model's decode step with RoPE and the cache writes in lrjax's attention launches
+  (decode_attention_append's kernel, enabled here): as close to the f32 model as with XLA's
+  attention, the same caches as the reference path's, the kernel in the program, and no copy
+  of a cache buffer in the compiled step (the caches donated and updated in place)."""
+  from flax import nnx
+
+  from lrjax.custom_calls.triton import lowering as cuda_lowering
+  from lrjax.models import LlamaForCausalLM, ModelConfig
+  from lrjax.models.llama import KVCache
+
+  cfg = ModelConfig.tiny(num_layers=2)
+  seq = jax.random.randint(jax.random.key(0), (4, 40), 0, cfg.vocab_size)
+  toks = jnp.asarray(np.arange(4), jnp.int32)
+
+  def decode(dtype, reference):
+    model = LlamaForCausalLM(cfg, dtype=dtype, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    _, cache = model.prefill(seq, KVCache.init(cfg, 4, 128, dtype))
+    step = jax.jit(lambda t, c: model.decode(t, c, attend_len=64), donate_argnums=1)
+    if reference:
+      with force_reference(), jax.default_matmul_precision("highest"):
+        return step(toks, cache)
+    lowered = step.lower(toks, cache)
+    assert "lrjax_decode_attention_append" in lowered.as_text()
+    buf = "{}[{}]".format(
+      {"bfloat16": "bf16"}[cache.k[0].dtype.name], ",".join(map(str, cache.k[0].shape))
+    )
+    copies = [ln for ln in lowered.compile().as_text().splitlines() if " copy(" in ln and buf in ln]
+    assert not copies, copies
+    return step(toks, cache)
+
+  truth_logits, truth_cache = decode(jnp.float32, True)
+  monkeypatch.setattr(cuda_lowering, "APPEND_GPU_VERIFIED", True)
+  logits, cache = decode(jnp.bfloat16, False)
+  ref_logits, ref_cache = decode(jnp.bfloat16, True)
+  truth = np.asarray(truth_logits, np.float64)
+  kernel_err, xla_err = rel_err(logits, truth), rel_err(ref_logits, truth)
+  assert kernel_err <= max(1.5 * xla_err, tolerance(jnp.bfloat16)), (kernel_err, xla_err)
+  for got, want in zip(cache.k + cache.v, ref_cache.k + ref_cache.v):
+    assert_close(got, np.asarray(want, np.float64), jnp.bfloat16)

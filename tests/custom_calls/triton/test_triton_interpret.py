@@ -629,3 +629,128 @@ def test_decode_attention_merge_follows_the_split_count_and_the_table():
   assert lines[3] == f"{[(s, 'walk') for s in (32, 4, 2)]} {[(s, 'tile') for s in (32, 4, 2)]}"
   assert eval(lines[4]) == [(32, "walk"), (4, "walk"), (2, "walk")]  # noqa: S307
   assert "merge='zigzag'" in lines[5] and "walk" in lines[5]
+
+
+_DECODE_ATTENTION_APPEND = textwrap.dedent("""
+  from lrjax.custom_calls.triton import decode_attention as da
+  from lrjax.custom_calls.triton import decode_attention_append as dap
+
+  def rope16(x, cos, sin):  # the models' rotate-half RoPE, rounded to f16 after each operation
+    h = x.shape[-1] // 2
+    turned = np.concatenate([-x[..., h:], x[..., :h]], axis=-1)
+    return (x * cos + turned * sin).astype(np.float16)
+
+  def oracle(q, kc, vc, pos, length, window):
+    b, hq, d = q.shape
+    hkv = kc.shape[1]
+    out = np.zeros((b, hq, d))
+    for i in range(b):
+      p = min(int(pos[i]), length - 1)
+      lo = 0 if window is None else max(0, p - window + 1)
+      for j in range(hq):
+        kh = j // (hq // hkv)
+        s = f64(kc[i, kh, lo:p + 1]) @ f64(q[i, j]) / np.sqrt(d)
+        w = np.exp(s - s.max())
+        out[i, j] = (w / w.sum()) @ f64(vc[i, kh, lo:p + 1])
+    return out.reshape(b, hq * d)
+
+  for (b, hq, hkv, t, d, length, window, positions, fields) in CASES:
+    q, kn, vn = rand(b, hq, d), rand(b, hkv, d), rand(b, hkv, d)
+    kc, vc = rand(b, hkv, t, d), rand(b, hkv, t, d)
+    pos = np.asarray(positions, np.int32)
+    inv = (10000.0 ** (-np.arange(0, d, 2) / d)).astype(np.float32)
+    ang = pos[:, None].astype(np.float32) * inv
+    ang = np.concatenate([ang, ang], axis=-1)
+    cos, sin = np.cos(ang).astype(np.float16), np.sin(ang).astype(np.float16)
+    want_k, want_v = kc.copy(), vc.copy()
+    for i in range(b):
+      want_k[i, :, pos[i]] = rope16(kn[i], cos[i], sin[i])
+      want_v[i, :, pos[i]] = vn[i]
+    want = oracle(rope16(q, cos[:, None], sin[:, None]), want_k, want_v, pos, length, window)
+    for merge, kernel in (("walk", da._merge_kernel), ("tile", da._merge_tile_kernel)):
+      bs = dataclasses.replace(da.BlockSizes(), merge=merge, **fields)
+      plan = da.launch_plan(b, hq, hkv, t, d, length, window, bs)
+      meta = plan["meta"]
+      # the caches read from one copy and written to another (on a GPU they alias): the
+      # attention must take the new rows from registers, never from a write it may not see
+      kin, vin, kout, vout = kc.copy(), vc.copy(), kc.copy(), vc.copy()
+      part = np.full(plan["part"], np.nan, np.float32)
+      out = np.full((b, hq * d), np.nan, np.float16)
+      dap._decode_attention_append_kernel[plan["grid"]](
+        T(q), T(kn), T(vn), T(kin), T(vin), T(pos), T(cos), T(sin), T(part), T(kout), T(vout),
+        **meta)
+      kernel[plan["merge_grid"]](T(part), T(pos), T(out), **meta)
+      err = check(out, want, 4e-3, (merge, b, hq, hkv, t, length))
+      # the new rows written bit for bit as the reference rounds them; no other row touched
+      assert np.array_equal(kout, want_k) and np.array_equal(vout, want_v), (merge, b, t)
+      assert np.array_equal(kin, kc) and np.array_equal(vin, vc)
+    print(b, hq, hkv, t, d, length, window, meta["S"], f"{err:.1e}")
+  print("ok")
+""")
+
+
+def test_decode_attention_append_ropes_writes_and_attends():
+  """decode_attention_append's launch against an f16-rounded RoPE and an f64 oracle: the new
+  key and value written at each row's position bit for bit (every other cache row unchanged),
+  and the attention over the cache with them, for one split or many, the new key first or last
+  in its split, windows, a cache longer than the attended length, G of 1, 4 and 7."""
+  cases = [  # b, hq, hkv, t, d, length, window, positions, BlockSizes fields
+    (1, 32, 8, 256, 64, 256, None, [255], {}),
+    (3, 28, 4, 300, 32, 300, None, [0, 137, 299], {"block_n": 32}),
+    (2, 8, 8, 512, 16, 200, 50, [199, 144], {"splits": 5, "block_n": 16}),
+    (2, 4, 1, 64, 32, 64, None, [63, 5], {"splits": 1}),
+  ]
+  out = _interpret(f"CASES = {cases!r}\n" + _PRELUDE + _DECODE_ATTENTION_APPEND)
+  rows = [ln.split() for ln in out.splitlines() if ln != "ok"]
+  assert [int(r[7]) for r in rows] == [16, 10, 5, 1], rows  # one split to many
+
+
+def test_decode_attention_append_reference_is_the_models_decode_attention():
+  """The append op's XLA reference equals what a Llama decode step does today (apply_rope on
+  q and k, write_kv into each cache buffer, the decode_attention primitive): bit for bit op by
+  op, within an f32 ulp compiled, in f32 and bf16, with a window and an attended length short
+  of the cache; cos/sin of the wrong shape are refused."""
+  script = STUB + textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    from lrjax.custom_calls.triton import decode_attention_append as dap
+    from lrjax.lowering.decode_attention import decode_attention, rope_tables
+    from lrjax.models.llama import apply_rope, write_kv
+
+    b, hq, hkv, t, d = 3, 8, 2, 64, 32
+    inv = jnp.asarray(1.0 / (10000.0 ** (np.arange(0, d, 2) / d)), jnp.float32)
+    for dtype in (jnp.float32, jnp.bfloat16):
+      ks = jax.random.split(jax.random.key(0), 5)
+      q = jax.random.normal(ks[0], (b, hq, d), dtype)
+      kn, vn = (jax.random.normal(k, (b, hkv, d), dtype) for k in ks[1:3])
+      kc, vc = (jax.random.normal(k, (b, hkv, t, d), dtype) for k in ks[3:5])
+      pos = jnp.asarray([0, 20, 47], jnp.int32)
+      for window, length in ((None, None), (9, 48)):
+        def model(q, kn, vn, kc, vc, pos):
+          qr = apply_rope(q[:, None], pos[:, None], inv)[:, 0]
+          kr = apply_rope(kn[:, None], pos[:, None], inv)
+          kc = write_kv(kc, kr, pos, heads_first=True)
+          vc = write_kv(vc, vn[:, None], pos, heads_first=True)
+          return decode_attention(qr, kc, vc, pos, window=window, length=length), kc, vc
+
+        def op(q, kn, vn, kc, vc, pos):
+          cos, sin = rope_tables(pos, inv, dtype)
+          return dap.decode_attention_append_reference(
+            q, kn, vn, kc, vc, pos, cos, sin, window=window, length=length)
+
+        # op by op, bit for bit; compiled, XLA may contract x·cos + y·sin differently in the
+        # two programs (an f32 ulp)
+        want, got = model(q, kn, vn, kc, vc, pos), op(q, kn, vn, kc, vc, pos)
+        for g, w in zip(got, want):
+          assert g.dtype == w.dtype and np.array_equal(np.asarray(g), np.asarray(w)), dtype
+        want, got = jax.jit(model)(q, kn, vn, kc, vc, pos), jax.jit(op)(q, kn, vn, kc, vc, pos)
+        for g, w in zip(got, want):
+          g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+          assert np.abs(g - w).max() <= 1e-6 * np.abs(w).max(), dtype
+    try:
+      dap.decode_attention_append_reference(q, kn, vn, kc, vc, pos, q, q)
+    except ValueError as e:
+      print(e)
+    print("ok")
+  """)
+  out = run_script(script, interpret=True).splitlines()
+  assert "cos.shape" in out[0] and "expected [B, D]" in out[0], out
