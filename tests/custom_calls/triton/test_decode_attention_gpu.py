@@ -199,9 +199,10 @@ def test_lrjax_kernel_reads_the_buffers_in_place(t, length):
   assert_close(out, oracle(q, k[:, :, :length], v[:, :, :length], pos), jnp.bfloat16)
 
 
-def test_model_decode_on_the_gpu_matches_the_reference():
-  """A bf16 model's decode step with the kernel is as close to the f32 model as with XLA's
-  attention (both round q·k, the softmax and p·v to bf16, differently)."""
+def _tiny_decode(dtype, reference, check=None):
+  """(logits, cache) of one decode step of a 2-layer tiny Llama after a 40-token prefill
+  (attend_len 64 of a 128 cache, the cache donated): under force_reference (matmuls at full
+  precision) or the kernels, ``check(step, toks, cache)`` first."""
   from flax import nnx
 
   from lrjax.models import LlamaForCausalLM, ModelConfig
@@ -210,20 +211,27 @@ def test_model_decode_on_the_gpu_matches_the_reference():
   cfg = ModelConfig.tiny(num_layers=2)
   seq = jax.random.randint(jax.random.key(0), (4, 40), 0, cfg.vocab_size)
   toks = jnp.asarray(np.arange(4), jnp.int32)
+  model = LlamaForCausalLM(cfg, dtype=dtype, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+  _, cache = model.prefill(seq, KVCache.init(cfg, 4, 128, dtype))
+  step = jax.jit(lambda t, c: model.decode(t, c, attend_len=64), donate_argnums=1)
+  if reference:
+    with force_reference(), jax.default_matmul_precision("highest"):
+      return step(toks, cache)
+  if check is not None:
+    check(step, toks, cache)
+  return step(toks, cache)
 
-  def decode(dtype, reference):
-    model = LlamaForCausalLM(cfg, dtype=dtype, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
-    _, cache = model.prefill(seq, KVCache.init(cfg, 4, 128, dtype))
-    step = jax.jit(lambda t, c: model.decode(t, c, attend_len=64)[0])
-    if reference:
-      with force_reference(), jax.default_matmul_precision("highest"):
-        return step(toks, cache)
+
+def test_model_decode_on_the_gpu_matches_the_reference():
+  """A bf16 model's decode step with the kernel is as close to the f32 model as with XLA's
+  attention (both round q·k, the softmax and p·v to bf16, differently)."""
+
+  def check(step, toks, cache):
     assert _lowered_by(step, toks, cache) == "pallas"
-    return step(toks, cache)
 
-  truth = np.asarray(decode(jnp.float32, True), np.float64)
-  kernel_err = rel_err(decode(jnp.bfloat16, False), truth)
-  xla_err = rel_err(decode(jnp.bfloat16, True), truth)
+  truth = np.asarray(_tiny_decode(jnp.float32, True)[0], np.float64)
+  kernel_err = rel_err(_tiny_decode(jnp.bfloat16, False, check)[0], truth)
+  xla_err = rel_err(_tiny_decode(jnp.bfloat16, True)[0], truth)
   assert kernel_err <= max(1.5 * xla_err, tolerance(jnp.bfloat16)), (kernel_err, xla_err)
 
 
@@ -289,37 +297,19 @@ def test_model_decode_with_the_append_kernel(monkeypatch):
   (decode_attention_append's kernel, enabled here): as close to the f32 model as with XLA's
   attention, the same caches as the reference path's, the kernel in the program, and no copy
   of a cache buffer in the compiled step (the caches donated and updated in place)."""
-  from flax import nnx
-
   from lrjax.custom_calls.triton import lowering as cuda_lowering
-  from lrjax.models import LlamaForCausalLM, ModelConfig
-  from lrjax.models.llama import KVCache
 
-  cfg = ModelConfig.tiny(num_layers=2)
-  seq = jax.random.randint(jax.random.key(0), (4, 40), 0, cfg.vocab_size)
-  toks = jnp.asarray(np.arange(4), jnp.int32)
-
-  def decode(dtype, reference):
-    model = LlamaForCausalLM(cfg, dtype=dtype, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
-    _, cache = model.prefill(seq, KVCache.init(cfg, 4, 128, dtype))
-    step = jax.jit(lambda t, c: model.decode(t, c, attend_len=64), donate_argnums=1)
-    if reference:
-      with force_reference(), jax.default_matmul_precision("highest"):
-        return step(toks, cache)
+  def check(step, toks, cache):
     lowered = step.lower(toks, cache)
     assert "lrjax_decode_attention_append" in lowered.as_text()
-    buf = "{}[{}]".format(
-      {"bfloat16": "bf16"}[cache.k[0].dtype.name], ",".join(map(str, cache.k[0].shape))
-    )
+    buf = "bf16[{}]".format(",".join(map(str, cache.k[0].shape)))
     copies = [ln for ln in lowered.compile().as_text().splitlines() if " copy(" in ln and buf in ln]
     assert not copies, copies
-    return step(toks, cache)
 
-  truth_logits, truth_cache = decode(jnp.float32, True)
+  truth = np.asarray(_tiny_decode(jnp.float32, True)[0], np.float64)
   monkeypatch.setattr(cuda_lowering, "APPEND_GPU_VERIFIED", True)
-  logits, cache = decode(jnp.bfloat16, False)
-  ref_logits, ref_cache = decode(jnp.bfloat16, True)
-  truth = np.asarray(truth_logits, np.float64)
+  logits, cache = _tiny_decode(jnp.bfloat16, False, check)
+  ref_logits, ref_cache = _tiny_decode(jnp.bfloat16, True)
   kernel_err, xla_err = rel_err(logits, truth), rel_err(ref_logits, truth)
   assert kernel_err <= max(1.5 * xla_err, tolerance(jnp.bfloat16)), (kernel_err, xla_err)
   for got, want in zip(cache.k + cache.v, ref_cache.k + ref_cache.v):

@@ -533,13 +533,8 @@ def test_resident_stage_c_refuses_a_chunk_too_large_for_registers():
   )
 
 
-# lrjax's decode attention: every split of a (row, KV head) writes its partial softmax, then
-# the merge launch combines them (both merges: the splits in turn, or all in one tile).
-# Poisoned partials and output: the merge must read only the splits that ran, and every
-# output element must be written.
-_DECODE_ATTENTION = textwrap.dedent("""
-  from lrjax.custom_calls.triton import decode_attention as da
-
+# decode attention of the query rows over keys [0, pos] (in the window, before ``length``), f64
+_ATTENTION_ORACLE = textwrap.dedent("""
   def oracle(q, k, v, pos, length, window):
     b, hq, d = q.shape
     hkv = k.shape[1]
@@ -553,6 +548,14 @@ _DECODE_ATTENTION = textwrap.dedent("""
         w = np.exp(s - s.max())
         out[i, j] = (w / w.sum()) @ f64(v[i, kh, lo:p + 1])
     return out.reshape(b, hq * d)
+""")
+
+# lrjax's decode attention: every split of a (row, KV head) writes its partial softmax, then
+# the merge launch combines them (both merges: the splits in turn, or all in one tile).
+# Poisoned partials and output: the merge must read only the splits that ran, and every
+# output element must be written.
+_DECODE_ATTENTION = _ATTENTION_ORACLE + textwrap.dedent("""
+  from lrjax.custom_calls.triton import decode_attention as da
 
   for (b, hq, hkv, t, d, length, window, positions, fields) in CASES:
     q, k, v = rand(b, hq, d), rand(b, hkv, t, d), rand(b, hkv, t, d)
@@ -631,7 +634,7 @@ def test_decode_attention_merge_follows_the_split_count_and_the_table():
   assert "merge='zigzag'" in lines[5] and "walk" in lines[5]
 
 
-_DECODE_ATTENTION_APPEND = textwrap.dedent("""
+_DECODE_ATTENTION_APPEND = _ATTENTION_ORACLE + textwrap.dedent("""
   from lrjax.custom_calls.triton import decode_attention as da
   from lrjax.custom_calls.triton import decode_attention_append as dap
 
@@ -639,20 +642,6 @@ _DECODE_ATTENTION_APPEND = textwrap.dedent("""
     h = x.shape[-1] // 2
     turned = np.concatenate([-x[..., h:], x[..., :h]], axis=-1)
     return (x * cos + turned * sin).astype(np.float16)
-
-  def oracle(q, kc, vc, pos, length, window):
-    b, hq, d = q.shape
-    hkv = kc.shape[1]
-    out = np.zeros((b, hq, d))
-    for i in range(b):
-      p = min(int(pos[i]), length - 1)
-      lo = 0 if window is None else max(0, p - window + 1)
-      for j in range(hq):
-        kh = j // (hq // hkv)
-        s = f64(kc[i, kh, lo:p + 1]) @ f64(q[i, j]) / np.sqrt(d)
-        w = np.exp(s - s.max())
-        out[i, j] = (w / w.sum()) @ f64(vc[i, kh, lo:p + 1])
-    return out.reshape(b, hq * d)
 
   for (b, hq, hkv, t, d, length, window, positions, fields) in CASES:
     q, kn, vn = rand(b, hq, d), rand(b, hkv, d), rand(b, hkv, d)
