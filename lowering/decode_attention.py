@@ -25,7 +25,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.extend.core import Primitive
-from jax.interpreters import batching
+from jax.interpreters import ad, batching
 
 from lrjax.lowering import primitives
 
@@ -233,6 +233,14 @@ def _append_impl(*args, **params):
   return jax.jit(functools.partial(decode_attention_append_p.bind, **params))(*args)
 
 
+def _append_jvp(primals, tangents, **params):
+  """The reference's derivative (the kernel has none of its own)."""
+  tangents = [ad.instantiate_zeros(t) for t in tangents]
+  outs = decode_attention_append_p.bind(*primals, **params)
+  _, t_out = jax.jvp(functools.partial(_append_reference, **params), primals, tuple(tangents))
+  return outs, list(t_out)
+
+
 def _append_batch(args, dims, **params):
   """Every operand is per sequence: vmap runs the reference."""
   outs = jax.vmap(lambda *a: _append_reference(*a, **params), in_axes=dims)(*args)
@@ -257,5 +265,6 @@ def _append_lowering(ctx, *args, **params):
 
 
 decode_attention_append_p.def_impl(_append_impl)
+ad.primitive_jvps[decode_attention_append_p] = _append_jvp
 batching.primitive_batchers[decode_attention_append_p] = _append_batch
 primitives.register_lowering(decode_attention_append_p, _append_lowering)

@@ -21,6 +21,7 @@ from lrjax.lowering.decode_attention import (
   attend,
   decode_attention,
   decode_attention_append,
+  rope,
   rope_tables,
 )
 from lrjax.models.config import ModelConfig
@@ -152,9 +153,7 @@ def apply_rope(x, positions, inv_freq):
   """Rotate-half RoPE. x [B, S, H, D], positions [B, S] int, inv_freq [D/2] f32."""
   ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, S, D/2]
   ang = jnp.concatenate([ang, ang], axis=-1)[:, :, None, :]  # [B, S, 1, D]
-  cos, sin = jnp.cos(ang).astype(x.dtype), jnp.sin(ang).astype(x.dtype)
-  x1, x2 = jnp.split(x, 2, axis=-1)
-  return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
+  return rope(x, jnp.cos(ang).astype(x.dtype), jnp.sin(ang).astype(x.dtype))
 
 
 @jax.tree_util.register_dataclass

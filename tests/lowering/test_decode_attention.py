@@ -359,3 +359,30 @@ def test_append_kernel_waits_for_its_gpu_run_and_says_so(monkeypatch):
     sel = registry.select("decode_attention_append", "cuda", bad, {"window": None})
     assert sel.kernel is None and why in sel.declined[0][1], sel.declined
   assert not registry.candidates("decode_attention_append", "cpu")
+
+
+def test_append_primitive_differentiates_as_its_reference():
+  from lrjax.lowering.decode_attention import (
+    decode_attention_append,
+    decode_attention_append_reference,
+  )
+
+  ops = _append_operands(2, 4, 2, 16, 8, jnp.float32)
+  floats = [0, 1, 2, 3, 4, 6, 7]  # every operand but pos
+
+  def f(fn):
+    def g(*fl):
+      args = list(ops)
+      for i, a in zip(floats, fl):
+        args[i] = a
+      out, kc, vc = fn(*args, window=5)
+      return out.sum() + (kc * kc).sum() + vc.sum()
+
+    return g
+
+  primals = [ops[i] for i in floats]
+  got = jax.grad(f(decode_attention_append), argnums=tuple(range(7)))(*primals)
+  want = jax.grad(f(decode_attention_append_reference), argnums=tuple(range(7)))(*primals)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+  assert float(jnp.abs(got[0]).sum()) > 0  # q reaches the output
