@@ -1,17 +1,26 @@
-"""Decode attention over a KV cache: the primitive every model decode step binds, what serves it
-on this machine, and its result against the reference.
+"""Decode attention over a KV cache: the primitives a model's decode step binds, what serves
+them on this machine, and their results against the references.
 
   python examples/decode_attention.py
 
-On an NVIDIA GPU the registry lowers it to jax's Pallas flash-decoding kernel (bf16/f16, cache
-lengths it can split) or, for other lengths, to lrjax's Triton kernel; elsewhere XLA runs the
-reference. docs/kernels.md has the H100 timings.
+``decode_attention``: on an NVIDIA GPU the registry lowers it to jax's Pallas flash-decoding
+kernel (bf16/f16, cache lengths it can split) or, for other lengths, to lrjax's Triton kernel;
+elsewhere XLA runs the reference. ``decode_attention_append`` (what a model's decode step
+binds): the new token's RoPE and cache writes, then ``decode_attention``; its CUDA kernel does
+all three in the attention's launches once verified on a GPU. docs/kernels.md has the timings.
 """
 
 import jax
 import jax.numpy as jnp
 
-from lrjax.lowering import decode_attention, decode_attention_reference, registry
+from lrjax.lowering import (
+  decode_attention,
+  decode_attention_append,
+  decode_attention_append_reference,
+  decode_attention_reference,
+  registry,
+)
+from lrjax.lowering.decode_attention import rope_tables
 
 
 def main():
@@ -41,6 +50,22 @@ def main():
   ref = decode_attention_reference(q, k[:, :, :512], v[:, :, :512], pos)
   err = jnp.linalg.norm((out - ref).astype(jnp.float32)) / jnp.linalg.norm(ref.astype(jnp.float32))
   print(f"bounded by length=512 of {t}: relative difference {float(err):.1e}")
+
+  # A decode step's whole attention: q and the new key before RoPE, the new value, the cache
+  # without them; back come the output and the cache with the new rows written.
+  kn, vn = (jax.random.normal(key, (b, hkv, d), dtype) for key in jax.random.split(kq, 2))
+  inv_freq = 1.0 / (500000.0 ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+  cos, sin = rope_tables(pos, inv_freq, dtype)
+  ops = (q, kn, vn, k, v, pos, cos, sin)
+  sel = registry.select("decode_attention_append", platform, ops, {"window": None})
+  print(f"on {platform}: decode_attention_append -> {sel.name}")
+  for name, why in sel.declined:
+    print(f"  {name} declined: {why}")
+  out, k2, _ = jax.jit(lambda *a: decode_attention_append(*a, length=512))(*ops)
+  ref, kr, _ = decode_attention_append_reference(*ops, length=512)
+  err = jnp.linalg.norm((out - ref).astype(jnp.float32)) / jnp.linalg.norm(ref.astype(jnp.float32))
+  rows = int(jnp.sum(jnp.any(k2 != k, axis=-1)))
+  print(f"append: relative difference {float(err):.1e}; {rows} key rows written (a row a KV head)")
 
 
 if __name__ == "__main__":
