@@ -78,7 +78,9 @@ def test_vmap_and_grads():
     [lr_mlp_rank_reference(pus[i], (vus[i], up[1]), ud, pg=pg, gate=gate) for i in range(3)]
   )
   assert_close(out, want, jnp.float32)
-  check_grads(lambda pg, pu, u: lr_mlp_rank(pu, up, u, pg=pg, gate=gate), (pg, pu, ud), 1)
+  # central differences at 1e-3, not check_grads' f32 default of 1e-4, whose rounding error
+  # on fresh random operands failed about 1 run in 100 (0 in 300 at 1e-3)
+  check_grads(lambda pg, pu, u: lr_mlp_rank(pu, up, u, pg=pg, gate=gate), (pg, pu, ud), 1, eps=1e-3)
 
 
 def test_kernel_lowering_is_selected_on_one_device():
