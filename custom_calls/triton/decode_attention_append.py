@@ -25,7 +25,6 @@ registry declines it until then (lowering.APPEND_GPU_VERIFIED; docs/kernels.md).
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import triton
