@@ -18,18 +18,14 @@ them (XLA cannot pass a strided slice to a custom call).
 
 from __future__ import annotations
 
-import functools
-import logging
 import math
 
 import jax
 import jax.numpy as jnp
 from jax.extend.core import Primitive
-from jax.interpreters import ad, batching
 
 from lrjax.lowering import primitives
 
-_log = logging.getLogger("lrjax.lowering")
 decode_attention_p = Primitive("decode_attention")
 
 
@@ -119,15 +115,12 @@ def _abstract(q, k, v, pos, *, window, length):
   return jax.core.ShapedArray((q.shape[0], q.shape[1] * q.shape[2]), q.dtype)
 
 
-primitives.register_reference(decode_attention_p, _reference)
-
-
 def _batch(args, dims, **params):
   """Every operand is per sequence: vmap runs the reference."""
   return jax.vmap(lambda *a: _reference(*a, **params), in_axes=dims)(*args), 0
 
 
-batching.primitive_batchers[decode_attention_p] = _batch
+primitives.register_reference(decode_attention_p, _reference, batch=_batch)
 
 
 # ----------------------------------------------------------------- decode_attention_append
@@ -227,44 +220,12 @@ def _append_abstract(q, k_new, v_new, k_cache, v_cache, pos, cos, sin, *, window
   )
 
 
-def _append_impl(*args, **params):
-  if jax.config.jax_disable_jit:  # eager: the reference, op by op
-    return _append_reference(*args, **params)
-  return jax.jit(functools.partial(decode_attention_append_p.bind, **params))(*args)
-
-
-def _append_jvp(primals, tangents, **params):
-  """The reference's derivative (the kernel has none of its own)."""
-  tangents = [ad.instantiate_zeros(t) for t in tangents]
-  outs = decode_attention_append_p.bind(*primals, **params)
-  _, t_out = jax.jvp(functools.partial(_append_reference, **params), primals, tuple(tangents))
-  return outs, list(t_out)
-
-
 def _append_batch(args, dims, **params):
   """Every operand is per sequence: vmap runs the reference."""
   outs = jax.vmap(lambda *a: _append_reference(*a, **params), in_axes=dims)(*args)
   return outs, [0, 0, 0]
 
 
-def _append_lowering(ctx, *args, **params):
-  """A kernel where one serves these operands on one device, else the reference's ops."""
-  from jax.interpreters import mlir
-
-  from lrjax.lowering import partitioning, registry
-
-  fn = _append_reference
-  platforms = tuple(ctx.module_context.platforms)
-  if len(platforms) == 1 and partitioning.single_device(ctx):
-    sel = registry.select(decode_attention_append_p.name, platforms[0], ctx.avals_in, params)
-    for name, reason in sel.declined:
-      _log.debug("decode_attention_append on %s: %s declined: %s", platforms[0], name, reason)
-    if sel.kernel is not None:
-      fn = sel.kernel.load()
-  return mlir.lower_fun(functools.partial(fn, **params), multiple_results=True)(ctx, *args)
-
-
-decode_attention_append_p.def_impl(_append_impl)
-ad.primitive_jvps[decode_attention_append_p] = _append_jvp
-batching.primitive_batchers[decode_attention_append_p] = _append_batch
-primitives.register_lowering(decode_attention_append_p, _append_lowering)
+# a kernel runs on one device or on a per-device program's local shards, else the reference
+# (partitioning.LOCAL_ONLY)
+primitives.register_reference(decode_attention_append_p, _append_reference, batch=_append_batch)

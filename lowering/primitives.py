@@ -405,10 +405,11 @@ def _lowering(prim):
         from lrjax.lowering import partitioning
 
         impl = partitioning.wrap(ctx, prim.name, sel.kernel.load(), params)
-        return mlir.lower_fun(impl, multiple_results=False)(ctx, *args)
+        return mlir.lower_fun(impl, multiple_results=prim.multiple_results)(ctx, *args)
     else:
       log.debug("%s: multi-platform lowering %s uses the reference", prim.name, platforms)
-    return mlir.lower_fun(functools.partial(fn, **params), multiple_results=False)(ctx, *args)
+    impl = functools.partial(fn, **params)
+    return mlir.lower_fun(impl, multiple_results=prim.multiple_results)(ctx, *args)
 
   return rule
 
@@ -435,10 +436,13 @@ def reference_for(prim) -> Any:
   return REFERENCES[prim]
 
 
-def register_reference(prim, ref) -> None:
-  """Gives another primitive (e.g. a quantized one) the same jvp/vmap/lowering rules."""
+def register_reference(prim, ref, batch=None) -> None:
+  """Gives another primitive (e.g. a quantized one) the same jvp/vmap/lowering rules: its
+  reference's derivative, the registry's kernel or the reference at lowering (one result or
+  several, as ``prim.multiple_results`` says), and ``batch`` for vmap (default: the activation
+  batched as one more leading dim, else the reference vmapped)."""
   REFERENCES[prim] = ref
   prim.def_impl(_impl(prim))
   ad.primitive_jvps[prim] = _jvp(prim)
-  batching.primitive_batchers[prim] = _batch(prim)
+  batching.primitive_batchers[prim] = batch or _batch(prim)
   register_lowering(prim, _lowering(prim))

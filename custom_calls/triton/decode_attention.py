@@ -124,13 +124,19 @@ def _decode_attention_kernel(
 
 
 @triton.jit
-def _split_range(pos_ptr, b, s, LEN: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr):
-  """[lo, hi): the keys of split s visible to row b (empty where lo >= hi)."""
+def _visible(pos_ptr, b, LEN: tl.constexpr, WINDOW: tl.constexpr):
+  """[first, end): the keys visible to row b (causal, inside the window, before LEN)."""
   pos = tl.load(pos_ptr + b)
-  end = tl.minimum(pos + 1, LEN)  # visible keys [first, end)
   first = 0
   if WINDOW > 0:
     first = tl.maximum(pos - WINDOW + 1, 0)
+  return first, tl.minimum(pos + 1, LEN)
+
+
+@triton.jit
+def _split_range(pos_ptr, b, s, LEN: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr):
+  """[lo, hi): the keys of split s visible to row b (empty where lo >= hi)."""
+  first, end = _visible(pos_ptr, b, LEN, WINDOW)
   return tl.maximum(s * CHUNK, first), tl.minimum(s * CHUNK + CHUNK, end)
 
 
@@ -204,11 +210,7 @@ def _store_partials(
 @triton.jit
 def _splits_that_ran(pos_ptr, b, LEN: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr):
   """[s_lo, s_hi): the splits of row b holding a visible key, the ones the first launch ran."""
-  pos = tl.load(pos_ptr + b)
-  end = tl.minimum(pos + 1, LEN)
-  first = 0
-  if WINDOW > 0:
-    first = tl.maximum(pos - WINDOW + 1, 0)
+  first, end = _visible(pos_ptr, b, LEN, WINDOW)
   return first // CHUNK, (end + CHUNK - 1) // CHUNK
 
 

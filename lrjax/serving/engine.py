@@ -699,15 +699,15 @@ class Engine:
     pos = jax.ShapeDtypeStruct((rows,), jnp.int32)
     length = self.attend_buckets[-1]
     params = {"window": c.sliding_window, "length": None if length == self.max_len else length}
-    declined = []
-    if self.plan is None or self.plan.mesh.size == 1:  # one device: RoPE and the writes too
-      new = jax.ShapeDtypeStruct((rows, kv_heads, c.head_dim), self._compute_dtype)
-      tab = jax.ShapeDtypeStruct((rows, c.head_dim), self._compute_dtype)
-      avals = (q, new, new, k, k, pos, tab, tab)
-      sel = registry.select("decode_attention_append", plat, avals, params)
-      if sel.kernel is not None:
-        return sel.kernel.name
-      declined += sel.declined
+    # the step binds decode_attention_append (RoPE, cache writes, attention); where its kernel
+    # declines, its reference binds decode_attention
+    new = jax.ShapeDtypeStruct((rows, kv_heads, c.head_dim), self._compute_dtype)
+    tab = jax.ShapeDtypeStruct((rows, c.head_dim), self._compute_dtype)
+    avals = (q, new, new, k, k, pos, tab, tab)
+    sel = registry.select("decode_attention_append", plat, avals, params)
+    if sel.kernel is not None:
+      return sel.kernel.name
+    declined = list(sel.declined)
     sel = registry.select("decode_attention", plat, (q, k, k, pos), params)
     if sel.kernel is not None:
       return sel.kernel.name + (
