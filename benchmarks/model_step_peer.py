@@ -117,7 +117,9 @@ OTHER = "XLA fusions (norms, rope, residuals, cache writes, XLA's attention)"
 # loop and conditionals, from runs of one), and with the Pallas kernel given a copied slice
 # of each cache buffer instead of the whole buffer; and with RoPE and the cache writes in
 # lrjax's attention launches (decode_attention_append's kernel, chosen only once verified on
-# a GPU: this kind chooses it).
+# a GPU: the ``lowrank_append_*`` kinds choose it); and with XLA's experimental Triton fusions
+# (priority fusion making Triton fusions first, as of normalizations; or every fusion
+# re-emitted by Triton's block-level emitter).
 LRJAX_KINDS = (
   "dense",
   "lowrank",
@@ -130,6 +132,9 @@ LRJAX_KINDS = (
   "lowrank_cmdbuf_whole",
   "lowrank_sliced_cache",
   "lowrank_append_attention",
+  "lowrank_xla_triton_norms",
+  "lowrank_append_xla_triton_norms",
+  "lowrank_xla_block_level_fusions",
 )
 # the decode_attention lowerings a kind goes without
 WITHOUT = {
@@ -140,7 +145,14 @@ WITHOUT = {
   "lowrank_sliced_cache": ("triton.decode_attention",),
   "lowrank_xla_attention": ("triton.decode_attention", "pallas.decode_attention"),
 }
+# XLA's priority fusion making Triton fusions first where it can (normalizations among them)
+TRITON_NORMS = {"xla_gpu_experimental_enable_triton_heroless_priority_fusion": True}
 COMPILER_OPTIONS = {
+  "lowrank_xla_triton_norms": TRITON_NORMS,
+  "lowrank_append_xla_triton_norms": TRITON_NORMS,
+  "lowrank_xla_block_level_fusions": {
+    "xla_gpu_experimental_enable_fusion_block_level_rewriter": True
+  },
   "lowrank_cmdbuf_off": {"xla_gpu_enable_command_buffer": ""},
   "lowrank_cmdbuf_whole": {
     "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
@@ -157,6 +169,9 @@ PROFILED = (
   "lowrank_lrjax_attention_walk_merge",
   "lowrank_sliced_cache",
   "lowrank_append_attention",
+  "lowrank_xla_triton_norms",
+  "lowrank_append_xla_triton_norms",
+  "lowrank_xla_block_level_fusions",
 )
 # lrjax's attention kernel's merge, forced for a kind
 MERGE = {"lowrank_lrjax_attention_tile_merge": "tile", "lowrank_lrjax_attention_walk_merge": "walk"}
@@ -248,7 +263,14 @@ def run_lrjax(args, ranks) -> dict:
   built = None
   for kind in args.kinds:
     with _attention_lowerings(kind):
-      built = _time_kind(args, cfg, ranks, dtype, kind, built, out)
+      try:
+        built = _time_kind(args, cfg, ranks, dtype, kind, built, out)
+      except Exception as e:  # e.g. a compiler option this XLA lacks: the other kinds still run
+        if kind in ("dense", "lowrank"):
+          raise
+        print(f"lrjax {kind}: failed, {type(e).__name__}: {e}", flush=True)
+        out.setdefault("failed", {})[kind] = f"{type(e).__name__}: {e}"[:2000]
+        _save(args, out)
   return out
 
 
@@ -257,7 +279,7 @@ def _attention_lowerings(kind):
   """The decode_attention lowerings ``kind`` goes without (``WITHOUT``) removed for its run;
   for ``lowrank_sliced_cache`` the Pallas kernel's whole-buffer plan off, lrjax's merge
   forced for the kinds in ``MERGE``, and decode_attention_append's kernel chosen for
-  ``lowrank_append_attention``."""
+  the ``lowrank_append_*`` kinds."""
   from lrjax.lowering import registry
 
   registry.load_platform("cuda")
@@ -272,7 +294,7 @@ def _attention_lowerings(kind):
 
     saved_merge, ours.MERGE = ours.MERGE, MERGE[kind]  # read when the step is traced
   append = None
-  if kind == "lowrank_append_attention":
+  if kind.startswith("lowrank_append"):
     from lrjax.custom_calls.triton import lowering as append
 
     saved_verified, append.APPEND_GPU_VERIFIED = append.APPEND_GPU_VERIFIED, True
