@@ -119,7 +119,9 @@ OTHER = "XLA fusions (norms, rope, residuals, cache writes, XLA's attention)"
 # lrjax's attention launches (decode_attention_append's kernel, chosen only once verified on
 # a GPU: the ``lowrank_append_*`` kinds choose it); and with XLA's experimental Triton fusions
 # (priority fusion making Triton fusions first, as of normalizations; or every fusion
-# re-emitted by Triton's block-level emitter).
+# re-emitted by Triton's block-level emitter); and with the layers' norms in the grouped q/k/v
+# and SwiGLU kernels' loads (lr_normed's kernels, chosen only once verified on a GPU: the
+# ``*_norm_prologue`` kinds choose them).
 LRJAX_KINDS = (
   "dense",
   "lowrank",
@@ -135,6 +137,8 @@ LRJAX_KINDS = (
   "lowrank_xla_triton_norms",
   "lowrank_append_xla_triton_norms",
   "lowrank_xla_block_level_fusions",
+  "lowrank_norm_prologue",
+  "lowrank_append_norm_prologue",
 )
 # the decode_attention lowerings a kind goes without
 WITHOUT = {
@@ -172,6 +176,8 @@ PROFILED = (
   "lowrank_xla_triton_norms",
   "lowrank_append_xla_triton_norms",
   "lowrank_xla_block_level_fusions",
+  "lowrank_norm_prologue",
+  "lowrank_append_norm_prologue",
 )
 # lrjax's attention kernel's merge, forced for a kind
 MERGE = {"lowrank_lrjax_attention_tile_merge": "tile", "lowrank_lrjax_attention_walk_merge": "walk"}
@@ -278,8 +284,8 @@ def run_lrjax(args, ranks) -> dict:
 def _attention_lowerings(kind):
   """The decode_attention lowerings ``kind`` goes without (``WITHOUT``) removed for its run;
   for ``lowrank_sliced_cache`` the Pallas kernel's whole-buffer plan off, lrjax's merge
-  forced for the kinds in ``MERGE``, and decode_attention_append's kernel chosen for
-  the ``lowrank_append_*`` kinds."""
+  forced for the kinds in ``MERGE``, decode_attention_append's kernel chosen for the
+  ``lowrank_append_*`` kinds and lr_normed's for the ``*_norm_prologue`` kinds."""
   from lrjax.lowering import registry
 
   registry.load_platform("cuda")
@@ -293,11 +299,11 @@ def _attention_lowerings(kind):
     from lrjax.custom_calls.triton import decode_attention as ours
 
     saved_merge, ours.MERGE = ours.MERGE, MERGE[kind]  # read when the step is traced
-  append = None
-  if kind.startswith("lowrank_append"):
-    from lrjax.custom_calls.triton import lowering as append
+  from lrjax.custom_calls.triton import lowering as cuda
 
-    saved_verified, append.APPEND_GPU_VERIFIED = append.APPEND_GPU_VERIFIED, True
+  verified = (cuda.APPEND_GPU_VERIFIED, cuda.NORM_GPU_VERIFIED)
+  cuda.APPEND_GPU_VERIFIED |= kind.startswith("lowrank_append")
+  cuda.NORM_GPU_VERIFIED |= kind.endswith("norm_prologue")
   if kind == "lowrank_sliced_cache":
     from lrjax.custom_calls.triton import decode_attention_pallas as pallas
 
@@ -313,8 +319,7 @@ def _attention_lowerings(kind):
       pallas.decode_attention.clear_cache()
     if ours is not None:
       ours.MERGE = saved_merge
-    if append is not None:
-      append.APPEND_GPU_VERIFIED = saved_verified
+    cuda.APPEND_GPU_VERIFIED, cuda.NORM_GPU_VERIFIED = verified
 
 
 def _time_kind(args, cfg, ranks, dtype, kind, built, out):

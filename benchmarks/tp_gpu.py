@@ -115,14 +115,19 @@ def device_bytes(tree) -> int:
 
 
 def fused_ops(gdef, state, cache, toks, group=True):
-  """lr_xuv / lr_mlp / lr_xuv_group equations lrjax.fuse puts into one decode step."""
+  """lr_xuv / lr_mlp / lr_xuv_group equations lrjax.fuse puts into one decode step (an op with
+  its norm folded in, inside an lr_normed, counted too), and the lr_normed among them."""
 
   def step(state, cache, toks):
     model = nnx.merge(gdef, state)
     return lrjax.fuse(type(model).decode, group=group)(model, toks, cache)
 
   text = str(jax.make_jaxpr(step)(state, cache, toks))
-  return {p: text.count(f" {p}[") for p in ("lr_xuv", "lr_mlp", "lr_xuv_group")}
+  ops = {
+    p: text.count(f" {p}[") + len(re.findall(rf"\binner={p}\b", text))
+    for p in ("lr_xuv", "lr_mlp", "lr_xuv_group")
+  }
+  return dict(ops, lr_normed=text.count(" lr_normed["))
 
 
 @contextlib.contextmanager

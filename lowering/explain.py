@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any
 from collections.abc import Callable, Mapping, Sequence
 
+from lrjax.lowering import _jaxpr as jx
 from lrjax.lowering import registry
 from lrjax.lowering import rules as rules_lib
 from lrjax.lowering.fuse import analyze
@@ -97,6 +98,7 @@ class ExplainReport:
   near_misses: list[dict]
   unmatched_rules: list[str]
   groups: list[dict] = dataclasses.field(default_factory=list)  # lr_xuv_group bindings
+  norms: list[dict] = dataclasses.field(default_factory=list)  # rms_norms folded (lr_normed)
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -123,6 +125,11 @@ class ExplainReport:
         f"        kernels: {ks} (as its members under SPMD and on platforms "
         "without a grouped kernel; a declined grouped kernel leaves XLA's reference)"
       )
+    for n in self.norms:
+      lines.append(f"  NORM  rms_norm folded into {n['into']} {n['shapes']}")
+      lines.append(f"        at {n['location']}  [{n['path']}]")
+      ks = ", ".join(f"{p}: {_kernel_note(v)}" for p, v in n["kernels"].items())
+      lines.append(f"        kernels: {ks}")
     for n in self.near_misses:
       lines.append(f"  MISS  {n['pattern']:<20} {n['reason']}")
       lines.append(f"        at {n['location']}  [{_where(n)}]")
@@ -163,14 +170,7 @@ def explain(
   ]
   groups = []
   for g in analysis.groups:
-    avals = (g[0].avals_in[0],) + tuple(a for m in g for a in m.avals_in[1:])
-    params = dict(
-      bias_mask=tuple(m.params["has_bias"] for m in g),
-      inter_dtype=g[0].params["inter_dtype"],
-      out_dtype=g[0].params["out_dtype"],
-    )
-    if any(m.params.get("has_scale", False) for m in g):
-      params["scale_mask"] = tuple(m.params.get("has_scale", False) for m in g)
+    avals, params = _group_call(g)
     groups.append(
       dict(
         members=[m.location for m in g],
@@ -179,7 +179,36 @@ def explain(
         kernels=kernels_for("lr_xuv_group", avals, params),
       )
     )
+  norms = []
+  for eqn, m, group in analysis.norms:
+    avals, params = _group_call(group) if group else (m.avals_in, m.params)
+    into = "lr_xuv_group" if group else m.primitive.name
+    normed = dict(eps=eqn.params["eps"], inner=into, inner_params=tuple(sorted(params.items())))
+    norms.append(
+      dict(
+        location=jx.location(eqn),
+        path=m.path,
+        into=into,
+        shapes=f"x{list(eqn.invars[0].aval.shape)} {eqn.invars[0].aval.dtype} eps {normed['eps']}",
+        kernels=kernels_for(
+          "lr_normed", (eqn.invars[0].aval, eqn.invars[1].aval) + tuple(avals[1:]), normed
+        ),
+      )
+    )
   near = [dataclasses.asdict(n) for n in analysis.near_misses]
   used = {m.rule or m.pattern for m in analysis.matches}
   unmatched = [rules_lib.rule_label(r) for r in rules if rules_lib.rule_label(r) not in used]
-  return ExplainReport(matches, near, unmatched, groups)
+  return ExplainReport(matches, near, unmatched, groups, norms)
+
+
+def _group_call(g) -> tuple:
+  """(avals, params) of the lr_xuv_group that lrjax.fuse binds for the matches ``g``."""
+  avals = (g[0].avals_in[0],) + tuple(a for m in g for a in m.avals_in[1:])
+  params = dict(
+    bias_mask=tuple(m.params["has_bias"] for m in g),
+    inter_dtype=g[0].params["inter_dtype"],
+    out_dtype=g[0].params["out_dtype"],
+  )
+  if any(m.params.get("has_scale", False) for m in g):
+    params["scale_mask"] = tuple(m.params.get("has_scale", False) for m in g)
+  return avals, params

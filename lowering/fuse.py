@@ -5,9 +5,10 @@ to a jaxpr, finds X·U·V chains and low-rank MLPs (``lowering/rules.py``) at ev
 nesting level (jit, closed_call, custom_jvp/vjp, checkpoint, scan, cond, while, and
 ``shard_map`` bodies on their per-device shapes), and evaluates the jaxpr with the matches
 replaced by ``lr_xuv`` / ``lr_xuv_batched`` / ``lr_mlp``; 2-3 ``lr_xuv`` that read the same
-input are bound as one ``lr_xuv_group``. Nested jaxprs are re-traced with their rewrites and
-re-bound with their original params, so shardings, donation and names of jitted
-sub-functions are kept.
+input are bound as one ``lr_xuv_group``. An ``rms_norm`` (lowering/rms_norm.py) whose output
+only an ``lr_xuv_group`` or ``lr_mlp`` reads is folded into it (``lr_normed``). Nested jaxprs
+are re-traced with their rewrites and re-bound with their original params, so shardings,
+donation and names of jitted sub-functions are kept.
 
 Use it under a transformation that caches tracing (``jax.jit``, ``nnx.jit``);
 eagerly it re-traces on every call.
@@ -26,7 +27,8 @@ import jax
 from lrjax.lowering import _jaxpr as jx
 from lrjax.lowering import rules as rules_lib
 from lrjax.lowering.group import MAX_MEMBERS, lr_xuv_group_p
-from lrjax.lowering.primitives import lr_xuv_p
+from lrjax.lowering.primitives import lr_mlp_p, lr_xuv_p
+from lrjax.lowering.rms_norm import lr_normed_p, rms_norm_p
 
 log = logging.getLogger("lrjax.lowering")
 
@@ -41,6 +43,7 @@ class Plan:
   # first root -> ((Match, ...), weight-view eqns to evaluate before the group)
   groups: dict = dataclasses.field(default_factory=dict)
   grouped: frozenset = frozenset()  # the other members' roots (emitted with their group)
+  normed: dict = dataclasses.field(default_factory=dict)  # root -> rms_norm eqn folded into it
 
   @property
   def empty(self) -> bool:
@@ -53,6 +56,7 @@ class Analysis:
   near_misses: list
   rules: tuple
   groups: list = dataclasses.field(default_factory=list)  # tuples of lr_xuv matches
+  norms: list = dataclasses.field(default_factory=list)  # (rms_norm eqn, Match, its group)
 
 
 def _eqn_label(e) -> str:
@@ -176,17 +180,41 @@ def build_plan(
         subs.setdefault(i, []).append((s, p))
   groups = xuv_groups(jaxpr, matches, absorbed, g) if group else []
   analysis.groups += [members for members, _ in groups]
+  normed = {}
+  for members in [ms for ms, _ in groups] + [(m,) for m in matches if m.primitive is lr_mlp_p]:
+    i = foldable_norm(g, members[0].x, members)
+    if i is not None:
+      normed[members[0].root] = i
+      analysis.norms.append((g.eqns[i], members[0], members if len(members) > 1 else None))
   return Plan(
     roots,
     absorbed,
     subs,
     {members[0].root: (members, hoist) for members, hoist in groups},
     frozenset(m.root for members, _ in groups for m in members[1:]),
+    normed,
   )
 
 
-def emit_group(jaxpr, members, read, env) -> None:
-  """Binds one lr_xuv_group for ``members`` and sets each member's root output."""
+def foldable_norm(g, x, consumers) -> int | None:
+  """The index of the ``rms_norm`` eqn whose output ``x`` only the eqns of the matches
+  ``consumers`` read (one group or one MLP), in x's own dtype; else None."""
+  if x is None or jx.is_literal(x):
+    return None
+  i, e = g.producer_eqn(x)
+  if e is None or e.primitive is not rms_norm_p or e.invars[0].aval.dtype != x.aval.dtype:
+    return None
+  mine = set().union(*({m.root} | set(m.absorbed) for m in consumers))
+  if any(u not in mine for u, _ in g.uses.get(x, [])):
+    return None
+  return i
+
+
+def emit_group(jaxpr, members, read, env, norm=None) -> None:
+  """Binds one lr_xuv_group for ``members`` (with the rms_norm eqn ``norm`` folded in: one
+  lr_normed) and sets each member's root output."""
+  if norm is not None:  # the norm's output is never computed
+    read = skipping(read, norm.outvars[0])
   ops, mask, smask = [read(members[0].x)], [], []
   for m in members:
     ops += m.operands(read)[1:]
@@ -196,9 +224,31 @@ def emit_group(jaxpr, members, read, env) -> None:
   params = dict(bias_mask=tuple(mask), inter_dtype=p["inter_dtype"], out_dtype=p["out_dtype"])
   if any(smask):
     params["scale_mask"] = tuple(smask)
-  outs = lr_xuv_group_p.bind(*ops, **params)
+  if norm is None:
+    outs = lr_xuv_group_p.bind(*ops, **params)
+  else:
+    outs = bind_normed(norm, read, lr_xuv_group_p, ops, params)
   for m, y in zip(members, outs):
     env[jaxpr.eqns[m.root].outvars[0]] = y
+
+
+def skipping(read, var):
+  """``read`` that gives None for ``var`` (the output of a norm folded into its reader)."""
+  return lambda a: None if a is var else read(a)
+
+
+def bind_normed(norm, read, prim, ops, params):
+  """``prim``(*ops, **params) with the rms_norm eqn ``norm`` (whose output ops[0] stands
+  for) folded in: lr_normed's results (one list)."""
+  x, w = (read(a) for a in norm.invars)
+  return lr_normed_p.bind(
+    x,
+    w,
+    *ops[1:],
+    eps=norm.params["eps"],
+    inner=prim.name,
+    inner_params=tuple(sorted(params.items())),
+  )
 
 
 def run_plan(jaxpr, consts, plan: Plan, *args):
@@ -210,18 +260,24 @@ def run_plan(jaxpr, consts, plan: Plan, *args):
 
   env.update(zip(jaxpr.constvars, consts))
   env.update(zip(jaxpr.invars, args))
+  folded = frozenset(plan.normed.values())
   for i, e in enumerate(jaxpr.eqns):
-    if i in plan.absorbed or i in plan.grouped:
+    if i in plan.absorbed or i in plan.grouped or i in folded:
       continue
+    norm = jaxpr.eqns[plan.normed[i]] if i in plan.normed else None
     if i in plan.groups:
       members, hoist = plan.groups[i]
       for k in hoist:  # weight views the later members read, evaluated early
         h = jaxpr.eqns[k]
         if not all(o in env for o in h.outvars):
           env.update(zip(h.outvars, jx.bind_eqn(h, [read(a) for a in h.invars])))
-      emit_group(jaxpr, members, read, env)
+      emit_group(jaxpr, members, read, env, norm)
       continue
     m = plan.roots.get(i)
+    if m is not None and norm is not None:  # an lr_mlp whose input norm folds into it
+      ops = m.operands(skipping(read, norm.outvars[0]))
+      (env[e.outvars[0]],) = bind_normed(norm, read, m.primitive, ops, m.params)
+      continue
     if m is not None:
       env[e.outvars[0]] = m.emit(read)
       continue

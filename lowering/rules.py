@@ -288,9 +288,12 @@ class Match:
   avals_in: tuple
   params: dict
   shapes: str
-  x: Any = None  # lr_xuv matches that may be grouped: the input var, the vars ``operands``
-  reads: tuple = ()  # reads, and ``operands(read)``, the bound operands (fuse(group=True)
-  operands: Callable[[Callable], list] | None = None  # groups matches that share ``x``)
+  # lr_xuv matches that may be grouped, and lr_mlp matches: the input var, the vars
+  # ``operands`` reads, and ``operands(read)``, the bound operands (fuse(group=True) groups
+  # lr_xuv matches that share ``x``; an rms_norm that computes ``x`` may fold into them)
+  x: Any = None
+  reads: tuple = ()
+  operands: Callable[[Callable], list] | None = None
   rule: str = ""  # label of the rule that made it
   scope: str = ""  # the jax.named_scope / module name stack of the root eqn
 
@@ -1343,11 +1346,14 @@ class MLPRule:
         avals.append(jax.core.ShapedArray((m.r,), _aval(m.scale).dtype))
     operands = [XUVRule.factor_operands(m) for m in projs]
 
-    def emit(read):
+    def bound_operands(read):
       ops = [read(x)]
       for fn in operands:
         ops += fn(read)
-      return lr_mlp_p.bind(*ops, **params)
+      return ops
+
+    def emit(read):
+      return lr_mlp_p.bind(*bound_operands(read), **params)
 
     ranks = "/".join(str(m.r) for m in projs)
     shapes = (
@@ -1368,7 +1374,9 @@ class MLPRule:
       tuple(avals),
       params,
       shapes,
+      x=x,
       reads=(x,) + reads,
+      operands=bound_operands,
       rule=self.label,
       scope=g.scope(down.root),
     )

@@ -53,12 +53,15 @@ def randn(shape, dtype=jnp.float32, scale=1.0, key=None):
 
 def primitive_names(fn, *args) -> list[str]:
   """Names of every primitive in the jaxpr of fn(*args), nested jaxprs included (walked here,
-  independently of the pass's own walker)."""
+  independently of the pass's own walker); an lr_normed is listed as itself and as the op
+  it folds its norm into."""
   out = []
 
   def walk(j):
     for e in j.eqns:
       out.append(e.primitive.name)
+      if e.primitive.name == "lr_normed":
+        out.append(e.params["inner"])
       for v in e.params.values():
         for s in v if isinstance(v, (tuple, list)) else (v,):
           if isinstance(s, jax.extend.core.ClosedJaxpr):

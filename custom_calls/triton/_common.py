@@ -76,6 +76,28 @@ def unpack_mlp_args(x, up, down, gate, act):
   return x2, lead, (d, r, f, rd, d_out), bias_mask, ops
 
 
+def norm_operands(norm, k: int):
+  """(weight | None, eps) of a kernel's ``norm=`` argument: None, or (weight [K], eps >= 0)."""
+  if norm is None:
+    return None, 0.0
+  w, eps = norm
+  if tuple(w.shape) != (k,):
+    raise ValueError(f"norm weight {tuple(w.shape)}: expected ({k},), x's last axis")
+  if not float(eps) >= 0:
+    raise ValueError(f"norm eps={eps}: expected >= 0")
+  return w, float(eps)
+
+
+def normed_reference(x, norm):
+  """x, or with ``norm`` = (weight, eps) rms_norm(x, weight, eps) in x's dtype: what a
+  kernel's norm prologue computes."""
+  if norm is None:
+    return x
+  from lrjax.lowering.rms_norm import rms_norm_reference
+
+  return rms_norm_reference(x, norm[0], eps=float(norm[1]), dtype=x.dtype)
+
+
 def num_sms() -> int:
   """SMs of the first local GPU (the persistent grids; every CTA must be resident at once);
   0 when the runtime does not say or no GPU is attached (e.g. compiling ahead of time)."""
@@ -106,6 +128,30 @@ def k_masks(m_mask, n_mask, kk, K: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def row_rstd(x_ptr, offs_m, m_mask, K: tl.constexpr, BK: tl.constexpr, EPS: tl.constexpr):
+  """[BM] f32 1 / sqrt(mean(x², -1) + EPS) of rows offs_m of X [*, K] (row-major): the
+  statistics of rms_norm (lowering/rms_norm.py), summed in f32."""
+  acc = tl.zeros([offs_m.shape[0], BK], tl.float32)
+  for k0 in range(0, K, BK):
+    kk = k0 + tl.arange(0, BK)
+    a = tl.load(
+      x_ptr + offs_m[:, None] * K + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < K), other=0.0
+    ).to(tl.float32)
+    acc += a * a
+  mean = tl.math.div_rn(tl.sum(acc, axis=1), tl.full([offs_m.shape[0]], K, tl.float32))
+  return tl.math.rsqrt(mean + EPS)
+
+
+@triton.jit
+def norm_tile(a, rs, g_ptr, kk, k_mask):
+  """rms_norm of a loaded X tile a [BM, BK] (columns kk): x · rs rounded to a's dtype, times
+  the weight g[kk] in a's dtype, each product rounded once as XLA's ops round it."""
+  y = (a.to(tl.float32) * rs[:, None]).to(a.dtype)
+  g = tl.load(g_ptr + kk, mask=k_mask, other=0.0).to(a.dtype)
+  return (y.to(tl.float32) * g.to(tl.float32)[None, :]).to(a.dtype)
+
+
+@triton.jit
 def mm_acc(
   acc,  # [BM, BN] f32 accumulator
   a_ptr,  # A [*, LDA] row-major, rows offs_m
@@ -122,8 +168,12 @@ def mm_acc(
   BK: tl.constexpr,
   EVEN_K: tl.constexpr,
   A_CG: tl.constexpr,
+  NORM: tl.constexpr = False,
+  rs=None,  # with NORM: [BM] row statistics (row_rstd) and the norm weight g [K]
+  g_ptr=None,
 ):
-  """acc += A[offs_m, k_start:k_end] @ B[k_start:k_end, offs_n], software-pipelined."""
+  """acc += A[offs_m, k_start:k_end] @ B[k_start:k_end, offs_n], software-pipelined; with
+  NORM, A's rows rms-normalised as they load (norm_tile)."""
   offs_k = tl.arange(0, BK)
   for k0 in range(k_start, k_end, BK):
     kk = k0 + offs_k
@@ -134,6 +184,8 @@ def mm_acc(
       a = tl.load(a_ptrs, mask=a_m, other=0.0, cache_modifier=".cg")
     else:
       a = tl.load(a_ptrs, mask=a_m, other=0.0)
+    if NORM:
+      a = norm_tile(a, rs, g_ptr, kk, kk < K)
     b = tl.load(b_ptrs, mask=b_m, other=0.0)
     acc = tl.dot(a.to(b.dtype), b, acc)
   return acc
@@ -160,8 +212,13 @@ def mm_acc2(
   EVEN_K: tl.constexpr,
   A_CG: tl.constexpr,
   SHARED_A: tl.constexpr,
+  NORM: tl.constexpr = False,
+  rs=None,  # with NORM (SHARED_A only): as mm_acc's
+  g_ptr=None,
 ):
-  """acc1 += A1 @ B1 and acc2 += A2 @ B2 in one pass (SHARED_A: A1 is A2, loaded once)."""
+  """acc1 += A1 @ B1 and acc2 += A2 @ B2 in one pass (SHARED_A: A1 is A2, loaded once, and
+  with NORM rms-normalised as it loads)."""
+  tl.static_assert(SHARED_A or not NORM, "NORM applies to a shared A")
   offs_k = tl.arange(0, BK)
   for k0 in range(k_start, k_end, BK):
     kk = k0 + offs_k
@@ -172,6 +229,8 @@ def mm_acc2(
       a1 = tl.load(a1_ptr + a_off, mask=a_m, other=0.0, cache_modifier=".cg")
     else:
       a1 = tl.load(a1_ptr + a_off, mask=a_m, other=0.0)
+    if NORM:
+      a1 = norm_tile(a1, rs, g_ptr, kk, kk < K)
     if SHARED_A:
       a2 = a1
     elif A_CG:
@@ -537,6 +596,9 @@ def xu_tile(
   SPLIT_K: tl.constexpr,
   P_STORE: tl.constexpr = False,
   SIGNAL: tl.constexpr = True,
+  NORM: tl.constexpr = False,
+  rs=None,  # with NORM: X's rows rms-normalised as they load (mm_acc)
+  g_ptr=None,
 ):
   """One split-K tile of P = X·U (the decode X·U·V kernels' phase 1): f32 atomics into P,
   then its r-chunk's counter (release). P16: the last of the column block's SPLIT_K tiles
@@ -567,6 +629,9 @@ def xu_tile(
       BLOCK_K,
       EVEN_K,
       False,
+      NORM,
+      rs,
+      g_ptr,
     )
     if P_STORE:
       tl.store(

@@ -1,6 +1,6 @@
-"""CUDA lowerings of lr_xuv, lr_mlp, lr_xuv_group and lr_kv_attention (Triton kernels called
-through jax-triton), and of decode_attention: jax's Pallas flash-decoding kernel, and lrjax's
-Triton kernel for the cache lengths the Pallas kernel declines.
+"""CUDA lowerings of lr_xuv, lr_mlp, lr_xuv_group, lr_normed and lr_kv_attention (Triton kernels
+called through jax-triton), and of decode_attention: jax's Pallas flash-decoding kernel, and
+lrjax's Triton kernel for the cache lengths the Pallas kernel declines.
 
 Light module: it imports neither triton nor jax_triton. ``load()`` imports the kernel
 module only when the registry selects the kernel for a CUDA lowering, so CPU installs
@@ -182,13 +182,13 @@ def _group_impl():
   from lrjax.custom_calls.triton.xuv_decode_group import xuv_decode_group
   from lrjax.lowering.group import members_with_scales
 
-  def impl(*ops, bias_mask, inter_dtype, out_dtype, scale_mask=()):
+  def impl(*ops, bias_mask, inter_dtype, out_dtype, scale_mask=(), norm=None):
     del inter_dtype  # checked equal to the factor dtype in supports
     members = [
       (u, v, b, s) if s is not None else (u, v) if b is None else (u, v, b)
       for u, v, b, s in members_with_scales(ops, bias_mask, scale_mask)
     ]
-    return xuv_decode_group(ops[0], members, out_dtype=out_dtype)
+    return xuv_decode_group(ops[0], members, out_dtype=out_dtype, norm=norm)
 
   return impl
 
@@ -242,29 +242,96 @@ def mlp_faster(avals, params) -> str | None:
 def _mlp_impl(mod: str, fn: str):
   def load():
     kernel = getattr(importlib.import_module(f"lrjax.custom_calls.triton.{mod}"), fn)
+    takes_norm = fn == "mlp_decode"  # the prefill kernel and the scaled schedule take none
 
-    def impl(*ops, gated, act, bias_mask, inter_dtype, out_dtype, scale_mask=()):
+    def impl(*ops, gated, act, bias_mask, inter_dtype, out_dtype, scale_mask=(), norm=None):
       del inter_dtype
+      from lrjax.custom_calls.triton._common import normed_reference
       from lrjax.lowering.primitives import mlp_operands
 
       d = mlp_operands(ops, gated, bias_mask, scale_mask)
       fn, proj = kernel, lambda p, name: (p[0], p[1]) if p[2] is None else p
+      x, kw = d["x"], {"norm": norm} if norm is not None else {}
       if any(scale_mask):  # only mlp_decode is asked (the prefill kernel declines scales)
         from lrjax.custom_calls.triton.mlp_decode import mlp_decode_scaled
 
         fn, proj = mlp_decode_scaled, lambda p, name: (*p, d["scales"][name])
+      if kw and (not takes_norm or any(scale_mask)):  # XLA normalises x first
+        x, kw = normed_reference(x, norm), {}
       return fn(
-        d["x"],
+        x,
         proj(d["up"], "up"),
         proj(d["down"], "down"),
         proj(d["gate"], "gate") if gated else None,
         act=act,
         out_dtype=out_dtype,
+        **kw,
       )
 
     return impl
 
   return load
+
+
+# ---------------------------------------------------------------- lr_normed
+
+# kernels that apply an rms_norm as they load X (their impls take norm=(weight, eps))
+NORM_KERNELS = ("triton.xuv_decode_group", "triton.mlp_decode")
+# lr_normed's kernels are not chosen until their norm prologue has passed its GPU tests
+NORM_GPU_VERIFIED = False
+
+
+def _normed_inner(avals, params):
+  """(kernel, declined, avals, params) of the op an lr_normed call folds its norm into: the
+  first CUDA kernel that serves it (None: none does), with each one passed over and why."""
+  from lrjax import custom_calls
+  from lrjax.lowering import registry
+
+  inner, ip = params["inner"], dict(params["inner_params"])
+  inner_avals = (avals[0],) + tuple(avals[2:])
+  kernels = registry.candidates(inner, "cuda", load=False) or sorted(
+    (k for k in custom_calls.kernel_catalog().get("cuda", ()) if k.primitive == inner),
+    key=lambda k: -k.priority,
+  )
+  declined = []
+  for k in kernels:
+    reason = k.supports(inner_avals, ip)
+    if reason is None:
+      return k, declined, inner_avals, ip
+    declined.append((k.name, reason))
+  return None, declined, inner_avals, ip
+
+
+def normed_supports(avals, params) -> str | None:
+  kernel, declined, _, _ = _normed_inner(avals, params)
+  if kernel is None:
+    why = "; ".join(f"{n}: {r}" for n, r in declined) or "no kernel"
+    return f"no kernel serves {params['inner']} ({why}), so the norm stays XLA's"
+  if kernel.name not in NORM_KERNELS:
+    return f"{kernel.name} serves {params['inner']} and has no norm prologue"
+  if not NORM_GPU_VERIFIED:
+    return "its norm prologue has not yet run on a GPU (lowering.NORM_GPU_VERIFIED)"
+  return None
+
+
+def normed_faster(avals, params) -> str | None:
+  """The verdict of the kernel that would serve the op: measured slower than XLA there, it
+  leaves the op (and so the norm) to XLA."""
+  kernel, _, inner_avals, ip = _normed_inner(avals, params)
+  if kernel is None or kernel.faster is None:
+    return None
+  return kernel.faster(inner_avals, ip)
+
+
+def _normed_impl():
+  def impl(x, w, *ops, eps, inner, inner_params):
+    params = dict(eps=eps, inner=inner, inner_params=inner_params)
+    avals = [getattr(a, "aval", a) for a in (x, w, *ops)]
+    kernel, _, _, ip = _normed_inner(avals, params)
+    out = kernel.load()(x, *ops, norm=(w, eps), **ip)
+    return list(out) if inner == "lr_xuv_group" else [out]
+
+  return impl
 
 
 KV_MAX_RV = 1024  # the kernel's value-rank accumulator [16+, r_v] lives in registers
@@ -436,6 +503,15 @@ KERNELS = [
     _group_impl,
     priority=20,
     faster=xuv_group_faster,
+  ),
+  KernelLowering(
+    "lr_normed",
+    "cuda",
+    "triton.normed",
+    normed_supports,
+    _normed_impl,
+    priority=20,
+    faster=normed_faster,
   ),
   KernelLowering(
     "lr_kv_attention",

@@ -59,9 +59,12 @@ from lrjax.custom_calls.triton._common import (
   leave_chain,
   mm_acc,
   mm_acc2,
+  norm_operands,
+  normed_reference,
   num_sms,
   prefetch_l2,
   round_once,
+  row_rstd,
   signal,
   splitr_finish,
   splitr_out_tile,
@@ -222,6 +225,9 @@ def _up_tile(
   pu16_ptr,
   rb_cnt_ptr,
   SPLIT_K: tl.constexpr,
+  NORM: tl.constexpr = False,
+  rs=None,  # with NORM: X's rows rms-normalised as they load (_common.mm_acc)
+  g_ptr=None,
 ):
   """One split-K tile of Pg = X·Ug and Pu = X·Uu (X loaded once per K step): f32 atomics
   into Pg/Pu, then this rank chunk's counter. P16: the column block's last tile
@@ -257,6 +263,9 @@ def _up_tile(
         EVEN_D,
         False,
         True,
+        NORM,
+        rs,
+        g_ptr,
       )
       tl.atomic_add(pg_ptr + out_off, acc_g, mask=out_mask, sem="relaxed")
     else:
@@ -276,6 +285,9 @@ def _up_tile(
         BLOCK_K,
         EVEN_D,
         False,
+        NORM,
+        rs,
+        g_ptr,
       )
     tl.atomic_add(pu_ptr + out_off, acc_u, mask=out_mask, sem="relaxed")
   if P16:
@@ -556,6 +568,7 @@ def _mlp_decode_kernel(
   bd_ptr,  # [F, RD], [RD, DO], [DO] down factors
   o_in_ptr,  # [M, DO] caller's output buffer aliased to o_ptr, or the zeroed scratch
   # aliased to scratch_ptr (xla_zeroing), else x; never read
+  g_ptr,  # [D] the norm's weight with NORM (else x, never read)
   M,  # rows (runtime: one compile serves every M <= BLOCK_M)
   clear_off,
   clear_n,  # the scratch chain (launch.py): the half of scratch_ptr this call
@@ -604,6 +617,8 @@ def _mlp_decode_kernel(
   COLS_F: tl.constexpr,  # D_ff columns per stage-B slice (<= BLOCK_F; the rest masked)
   H_INLINE: tl.constexpr,  # PARK_H: each stage-B CTA then runs stage-H tiles of its own
   # split (no stage-H CTAs of their own)
+  NORM: tl.constexpr,  # X is rms-normalised (weight g, epsilon EPS) as stage A loads it
+  EPS: tl.constexpr,
   PREFETCH: tl.constexpr = 0,
   PREFETCH_H: tl.constexpr = 0,  # Variant.prefetch{,_h,_c}
   PREFETCH_C: tl.constexpr = 0,
@@ -644,7 +659,12 @@ def _mlp_decode_kernel(
   offs_m = tl.arange(0, BLOCK_M)
   m_mask = offs_m < M
   if pid < n_a:
-    # ---- stage A: split-K X·Ug and X·Uu, X loaded once per K tile
+    # ---- stage A: split-K X·Ug and X·Uu, X loaded once per K tile (with NORM, normalised
+    # as it loads, each CTA having first summed its rows' squares)
+    if NORM:
+      rs = row_rstd(x_ptr, offs_m, m_mask, D, BLOCK_K, EPS)
+    else:
+      rs = tl.zeros([BLOCK_M], tl.float32)
     _up_tile(
       pid // SPLIT_K,
       (pid % SPLIT_K) * K_PER,
@@ -672,6 +692,9 @@ def _mlp_decode_kernel(
       pu16_ptr,
       rb_cnt_ptr,
       SPLIT_K,
+      NORM,
+      rs,
+      g_ptr,
     )
   elif pid < n_a + n_b:
     # ---- stage B: one slice of the intermediate dim, projected straight into rank space
@@ -1151,6 +1174,8 @@ def launch_plan(
     C_RESIDENT=int(vt.c_resident),
     RD_PER_P2=rd_per_p2 if vt.c_resident else 16,  # read by c_resident alone
     TRACE=0,
+    NORM=0,  # the wrapper's norm= sets NORM and EPS
+    EPS=0.0,
   )  # jax-triton passes no constexpr default (a missing one is None)
   scratch = (
     m * (2 * r + rd + d_out)
@@ -1224,13 +1249,14 @@ def persistent_launch_plan(
   return dict(grid=p.programs, n_nb=n_nb, scratch=scratch, meta=meta, p16=2 * m * r if p.p16 else 1)
 
 
-def _composed(x2, up, down, gate, act, out_dtype, out, group=True):
+def _composed(x2, up, down, gate, act, out_dtype, out, group=True, norm=None):
   """The MLP as X·U·V decode calls and XLA's activation fusion (``compose=True``):
   act(X·Ug·Vg + bg) ⊙ (X·Uu·Vu + bu) in f32 from the calls' outputs in the factors' dtype,
   rounded once to it, then ·Ud·Vd + bd (into ``out``, if given). ``group``: X·Ug and X·Uu in
   one grouped launch (phase 1 alone, ``pv="xla"``; on these tiles if a GroupDecodePlan),
   else one call each. A projection given as (u, v, bias | None, scale) carries a rank-space
-  scale, applied as xuv_decode and the grouped kernel apply one."""
+  scale, applied as xuv_decode and the grouped kernel apply one. ``norm``: (weight, eps), X
+  rms-normalised by the grouped launch (by XLA first without one)."""
   from lrjax.custom_calls.triton.xuv_decode import xuv_decode
   from lrjax.custom_calls.triton.xuv_decode_group import _xuv_decode_group
   from lrjax.lowering.primitives import ACTIVATIONS
@@ -1242,12 +1268,14 @@ def _composed(x2, up, down, gate, act, out_dtype, out, group=True):
     return xuv_decode(a, p[0], p[1], b, out_dtype=odt, out=o)
 
   f32, fn, dt = jnp.float32, ACTIVATIONS[act], up[1].dtype
+  if gate is None or not group:
+    x2, norm = normed_reference(x2, norm), None
   if gate is None:
     h = fn(xuv(x2, up, dt).astype(f32))
   else:
     plan = group if isinstance(group, planner.GroupDecodePlan) else None
     yg, yu = (
-      _xuv_decode_group(x2, [gate, up], out_dtype=dt, pv="xla", plan=plan)
+      _xuv_decode_group(x2, [gate, up], out_dtype=dt, pv="xla", plan=plan, norm=norm)
       if group
       else (xuv(x2, gate, dt), xuv(x2, up, dt))
     )
@@ -1272,9 +1300,14 @@ def _mlp_decode(
   phases: int = 7,
   s_flush: str = "atomic",
   compose_group: bool | planner.GroupDecodePlan = True,
+  norm=None,
 ):
   """``mlp_decode`` with every schedule option (tests, and the benchmarks through
   benchmarks/kernel_variants.py).
+
+  ``norm``: (weight [D], eps): x is rms_norm(x, weight, eps) (lowering/rms_norm.py), applied
+  as stage A (the composed schedule's grouped launch) loads it; the persistent schedule has
+  it applied by XLA first.
 
   ``compose``: X·U·V decode calls and an XLA fusion instead of the fused kernel (module
   docstring); default: from the table's ``compose_min_m`` rows, unless an option of the fused
@@ -1295,6 +1328,7 @@ def _mlp_decode(
   x2, lead, (d, r, f, rd, d_out), bias_mask, ops = unpack_mlp_args(x, up, down, gate, act)
   m = x2.shape[0]
   out_dtype = jnp.dtype(out_dtype or x.dtype)
+  w, eps = norm_operands(norm, d)
   fused_asked = (
     block_sizes is not None
     or persistent is not False
@@ -1315,8 +1349,13 @@ def _mlp_decode(
     if m > MAX_M:
       raise ValueError(f"{m} rows: the decode MLP serves M <= {MAX_M}")
     check_out(out, (m, d_out), out_dtype)
-    return _composed(x2, up, down, gate, act, out_dtype, out, compose_group).reshape(*lead, d_out)
+    return _composed(x2, up, down, gate, act, out_dtype, out, compose_group, norm).reshape(
+      *lead, d_out
+    )
   if persistent:
+    if norm is not None:  # no prologue in the persistent schedule: XLA normalises x
+      x2, w = normed_reference(x2, norm), None
+      ops = (x2,) + tuple(ops[1:])
     if block_sizes is not None or variant is not None:
       raise ValueError(
         "block_sizes= and variant= apply to the tiled schedule (persistent=False); "
@@ -1362,6 +1401,7 @@ def _mlp_decode(
           "park_h=True stage H projects h (pass park_h=False blocks)"
         )
       plan["meta"]["S_FLUSH"] = S_FLUSH_CODES[s_flush]
+    plan["meta"].update(NORM=int(w is not None), EPS=eps)
     kernel, warps, stages = _mlp_decode_kernel, bs.num_warps, bs.num_stages
   check_out(out, (m, d_out), out_dtype)
   if xla_zeroing is None:
@@ -1376,6 +1416,7 @@ def _mlp_decode(
   outs = launch.triton_call(
     *ops,
     eleventh,
+    *(() if persistent else (w if w is not None else x2,)),  # the tiled kernel's g_ptr
     m,
     *launch.UNCHAINED,
     kernel=kernel,
@@ -1405,16 +1446,18 @@ def mlp_decode(
   out_dtype=None,
   block_sizes: BlockSizes | None = None,
   out=None,
+  norm=None,
 ):
   """Low-rank (Swi)GLU MLP for few tokens; ``up``/``down``/``gate`` are (u, v) or (u, v, bias).
 
   x [..., D]; up (u [D, r], v [r, F]); gate like up (None: not gated); down (u [F, r_d],
   v [r_d, D_out]). ``block_sizes``: the fused kernel's blocks (default: the table's, and from
   ``compose_min_m`` rows X·U·V decode calls instead of the fused kernel). ``out`` [M, D_out]:
-  optional buffer the kernel writes into (aliased).
+  optional buffer the kernel writes into (aliased). ``norm``: (weight [D], eps), x
+  rms-normalised as the kernel loads it (lowering/rms_norm.py).
   """
   return _mlp_decode(
-    x, up, down, gate, act=act, out_dtype=out_dtype, block_sizes=block_sizes, out=out
+    x, up, down, gate, act=act, out_dtype=out_dtype, block_sizes=block_sizes, out=out, norm=norm
   )
 
 
@@ -1437,11 +1480,13 @@ def mlp_decode_scaled(x, up, down, gate=None, *, act="silu", out_dtype=None):
   return _composed(x2, up, down, gate, act, out_dtype, None).reshape(*lead, d_out)
 
 
-def mlp_decode_reference(x, up, down, gate=None, *, act="silu", out_dtype=None):
-  """f32-accumulating low-rank MLP with the kernel's roundings (X·U and h to the factor dtype)."""
+def mlp_decode_reference(x, up, down, gate=None, *, act="silu", out_dtype=None, norm=None):
+  """f32-accumulating low-rank MLP with the kernel's roundings (X·U and h to the factor dtype),
+  of rms_norm(x) with ``norm`` = (weight, eps)."""
   from lrjax.lowering.primitives import ACTIVATIONS
 
   out_dtype = jnp.dtype(out_dtype or x.dtype)
+  x = normed_reference(x, norm)
   f32 = jnp.float32
 
   def xuv(a, p):

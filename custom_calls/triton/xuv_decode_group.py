@@ -27,9 +27,12 @@ from lrjax.custom_calls.triton._common import (
   check_out,
   join_chain,
   leave_chain,
+  norm_operands,
+  normed_reference,
   num_sms,
   prefetch_l2,
   pv_tile,
+  row_rstd,
   unpack_xuv_args,
   xu_tile,
 )
@@ -71,8 +74,12 @@ def _group_phase1(
   BLOCK_K: tl.constexpr,
   BLOCK_R: tl.constexpr,
   COLS_R: tl.constexpr,
+  NORM: tl.constexpr,
+  rs,
+  g_ptr,
 ):
-  """Phase-1 tile t of one member of the group (its r-blocks form one chunk)."""
+  """Phase-1 tile t of one member of the group (its r-blocks form one chunk); with NORM, X
+  rms-normalised as it loads."""
   xu_tile(
     t // SPLIT,
     (t % SPLIT) * K_PER,
@@ -95,6 +102,11 @@ def _group_phase1(
     p_ptr,
     flag_ptr,
     SPLIT,
+    False,
+    True,
+    NORM,
+    rs,
+    g_ptr,
   )
 
 
@@ -161,6 +173,7 @@ def _xuv_decode_group_kernel(
   u2_ptr,
   v2_ptr,
   b2_ptr,  # members
+  g_ptr,  # [K] the norm's weight with NORM (else x, never read)
   s_in_ptr,  # the zeroed scratch, aliased to scratch_ptr; never read
   o0_in_ptr,
   o1_in_ptr,
@@ -216,12 +229,15 @@ def _xuv_decode_group_kernel(
   PREFETCH: tl.constexpr,
   ONE: tl.constexpr,  # every member's phase-1 tiles and rank alike: one phase-1 call site,
   # its U_i chosen at run time (one pipeline in shared memory, not one a member)
+  NORM: tl.constexpr,  # X is rms-normalised (weight g, epsilon EPS) as phase 1 loads it
+  EPS: tl.constexpr,
   WORK_OFF: tl.constexpr = 0,  # as in _xuv_decode_kernel
   PDL: tl.constexpr = 0,  # as in _xuv_decode_kernel
 ):
   """Several X·U_i·V_i sharing X, one persistent launch: phase 1 streams every U_i
   (split-K tiles of all members, one after another), phase 2 every V_i (each tile waits
-  only for its own member's X·U_i). The persistent kernel's dataflow, per member."""
+  only for its own member's X·U_i). The persistent kernel's dataflow, per member. With NORM
+  every CTA first sums its rows' squares (X is a few KB to a few hundred KB, read from L2)."""
   pid = tl.program_id(0)
   chain_ptr = scratch_ptr
   scratch_ptr = join_chain(scratch_ptr, WORK_OFF, PDL)
@@ -231,6 +247,10 @@ def _xuv_decode_group_kernel(
   flag_ptr = (p2_ptr + M * R2).to(tl.pointer_type(tl.int32))
   offs_m = tl.arange(0, BLOCK_M)
   m_mask = offs_m < M
+  if NORM:
+    rs = row_rstd(x_ptr, offs_m, m_mask, K, BLOCK_K, EPS)
+  else:
+    rs = tl.zeros([BLOCK_M], tl.float32)
   if ONE:  # phase 1, never waiting; member j's tiles are t in [j * A0, (j + 1) * A0)
     for t in range(pid, A0 + A1 + A2, PROGRAMS):
       j = t // A0
@@ -250,12 +270,31 @@ def _xuv_decode_group_kernel(
         BLOCK_K,
         BR0,
         CR0,
+        NORM,
+        rs,
+        g_ptr,
       )
   else:
     for t in range(pid, A0 + A1 + A2, PROGRAMS):  # phase 1: never waits
       if t < A0:
         _group_phase1(
-          t, x_ptr, u0_ptr, p0_ptr, flag_ptr, offs_m, m_mask, K, R0, KP0, S0, BLOCK_K, BR0, CR0
+          t,
+          x_ptr,
+          u0_ptr,
+          p0_ptr,
+          flag_ptr,
+          offs_m,
+          m_mask,
+          K,
+          R0,
+          KP0,
+          S0,
+          BLOCK_K,
+          BR0,
+          CR0,
+          NORM,
+          rs,
+          g_ptr,
         )
       elif t < A0 + A1:
         _group_phase1(
@@ -273,6 +312,9 @@ def _xuv_decode_group_kernel(
           BLOCK_K,
           BR1,
           CR1,
+          NORM,
+          rs,
+          g_ptr,
         )
       else:
         _group_phase1(
@@ -290,6 +332,9 @@ def _xuv_decode_group_kernel(
           BLOCK_K,
           BR2,
           CR2,
+          NORM,
+          rs,
+          g_ptr,
         )
   if PREFETCH > 0:  # the first V rows of this CTA's first phase-2 tile, while it waits
     if pid < Q0:
@@ -388,6 +433,8 @@ def launch_plan(m: int, k: int, members, p: planner.GroupDecodePlan, phase2: boo
     PROGRAMS=p.programs,
     PREFETCH=p.prefetch if phase2 else 0,
     ONE=int(p.one_branch),
+    NORM=0,  # the wrapper's norm= sets NORM and EPS
+    EPS=0.0,
   )
   for i, (r, n, has_bias) in enumerate(full):
     j = min(i, g - 1)
@@ -420,11 +467,13 @@ def _xuv_decode_group(
   out=None,
   plan: planner.GroupDecodePlan | None = None,
   pv: str = "kernel",
+  norm=None,
 ):
   """``xuv_decode_group`` on a given plan and ``pv``: "kernel" (each V_i applied in the same
   launch, up to GROUP_MAX_M rows) or "xla" (phase 1 alone, up to MAX_M rows: every P_i in one
   launch, then XLA rounds each and its GEMM applies V_i; default plan
-  ``planner.plan_decode_group_phase1``)."""
+  ``planner.plan_decode_group_phase1``). ``norm``: (weight [K], eps), X rms-normalised in
+  phase 1's loads."""
   if pv not in ("kernel", "xla"):
     raise ValueError(f"{pv=} must be 'kernel' or 'xla'")
   if pv == "xla" and out is not None:
@@ -465,16 +514,19 @@ def _xuv_decode_group(
     m, k, [(r, n, b is not None) for *_, b, r, n in unpacked], p, phase2=pv == "kernel"
   )
   meta, scratch = lp["meta"], lp["scratch"]
-  aliases, outs_in = {10: 0}, [x2] * 3
+  w, eps = norm_operands(norm, k)
+  meta.update(NORM=int(w is not None), EPS=eps)
+  aliases, outs_in = {11: 0}, [x2] * 3
   if out is not None:
     if len(out) != g:
       raise ValueError(f"{len(out)} out= buffers for {g} members")
     for i, (o, (*_, n)) in enumerate(zip(out, unpacked)):
       check_out(o, (m, n), odt)
-      outs_in[i], aliases[11 + i] = o, 1 + i
+      outs_in[i], aliases[12 + i] = o, 1 + i
   outs = launch.triton_call(
     x2,
     *ops,
+    w if w is not None else x2,
     jnp.zeros((scratch,), jnp.float32),
     *outs_in,
     m,
@@ -505,29 +557,32 @@ def _xuv_decode_group(
 
 
 def xuv_decode_group(
-  x, members, *, out_dtype=None, block_sizes: BlockSizes | None = None, out=None
+  x, members, *, out_dtype=None, block_sizes: BlockSizes | None = None, out=None, norm=None
 ):
   """[((x·u_i) ⊙ scale_i)·v_i (+ bias_i)] for 2 or 3 members sharing x (e.g. q/k/v
   projections), in one launch. x [..., K]; members: [(u_i [K, r_i], v_i [r_i, N_i]),
   (u_i, v_i, bias_i [N_i] | None) or (u_i, v_i, bias_i | None, scale_i [r_i])].
-  ``out``: optional [M, N_i] buffers the kernel writes into (aliased). Returns the list of
-  [..., N_i] outputs. Default blocks: phase 2 in the kernel, up to GROUP_MAX_M rows; with a
-  scale, phase 1 alone (pv="xla") and the scales and ·V_i by XLA."""
+  ``out``: optional [M, N_i] buffers the kernel writes into (aliased). ``norm``: (weight
+  [K], eps): x is rms_norm(x, weight, eps) (lowering/rms_norm.py), applied as phase 1 loads
+  it. Returns the list of [..., N_i] outputs. Default blocks: phase 2 in the kernel, up to
+  GROUP_MAX_M rows; with a scale, phase 1 alone (pv="xla") and the scales and ·V_i by XLA."""
   if any(len(mem) == 4 and mem[3] is not None for mem in members):
     if block_sizes is not None or out is not None:
       raise ValueError("block_sizes= and out= do not apply with scales (pv='xla')")
-    return _xuv_decode_group(x, members, out_dtype=out_dtype, pv="xla")
+    return _xuv_decode_group(x, members, out_dtype=out_dtype, pv="xla", norm=norm)
   if block_sizes is None:
-    return _xuv_decode_group(x, members, out_dtype=out_dtype, out=out)
+    return _xuv_decode_group(x, members, out_dtype=out_dtype, out=out, norm=norm)
   return _xuv_decode_group(
-    x, members, out_dtype=out_dtype, out=out, plan=block_sizes.plan, pv=block_sizes.pv
+    x, members, out_dtype=out_dtype, out=out, plan=block_sizes.plan, pv=block_sizes.pv, norm=norm
   )
 
 
-def xuv_decode_group_reference(x, members, *, out_dtype=None):
-  """xuv_decode_group's result: each member's ``xuv_decode_reference``."""
+def xuv_decode_group_reference(x, members, *, out_dtype=None, norm=None):
+  """xuv_decode_group's result: each member's ``xuv_decode_reference`` (of the normalised
+  x with ``norm``)."""
   from lrjax.custom_calls.triton.xuv_decode import xuv_decode_reference
 
+  x = normed_reference(x, norm)
   return [
     xuv_decode_reference(x, *m[:3], out_dtype=out_dtype, scale=m[3] if len(m) == 4 else None)
     for m in members

@@ -24,6 +24,7 @@ from lrjax.lowering.decode_attention import (
   rope,
   rope_tables,
 )
+from lrjax.lowering.rms_norm import rms_norm
 from lrjax.models.config import ModelConfig
 from lrjax.nn.linear import Linear, LowRankLinear, param
 
@@ -100,10 +101,8 @@ class RMSNorm(nnx.Module):
     self.weight = param(jnp.ones((dim,), param_dtype), axes)
 
   def __call__(self, x):
-    dt = self.dtype or x.dtype
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return self.weight[...].astype(dt) * y.astype(dt)
+    # one primitive, so that lrjax.fuse can fold it into the projections that read it
+    return rms_norm(x, self.weight[...], eps=self.eps, dtype=self.dtype or x.dtype)
 
 
 class Embed(nnx.Module):

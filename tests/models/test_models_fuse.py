@@ -11,9 +11,11 @@ from lrjax.lowering import fuse
 from lrjax.models import PROJ_NAMES, LlamaForCausalLM, ModelConfig
 
 
-def _count(jaxpr, counts):
+def _count(jaxpr, counts):  # an lr_normed counts as itself and as the op it folds into
   for eqn in jaxpr.eqns:
-    counts[eqn.primitive.name] = counts.get(eqn.primitive.name, 0) + 1
+    names = [eqn.primitive.name] + ([eqn.params["inner"]] if "inner" in eqn.params else [])
+    for name in names:
+      counts[name] = counts.get(name, 0) + 1
     for sub in jax.extend.core.jaxprs_in_params(eqn.params):
       _count(sub, counts)
   return counts
@@ -39,6 +41,8 @@ def test_fuse_rewrites_every_projection(scan):
   assert counts.get("lr_mlp", 0) == per_trace
   assert counts.get("lr_xuv_group", 0) == per_trace  # q, k, v share the normed input
   assert counts.get("lr_xuv", 0) == per_trace  # o
+  # both norms of a layer fold into the ops that read them; the final norm stays
+  assert counts.get("lr_normed", 0) == 2 * per_trace and counts.get("rms_norm", 0) == 1
   ungrouped = _count(jax.make_jaxpr(fuse(fwd, group=False))(state, tok).jaxpr, {})
   assert ungrouped.get("lr_xuv", 0) == 4 * per_trace and "lr_xuv_group" not in ungrouped
   assert_close(jax.jit(fuse(fwd))(state, tok), jax.jit(fwd)(state, tok), jnp.float32)

@@ -318,3 +318,25 @@ def planned():
         bs.num_warps,
         bs.num_stages,
       )
+  for m in (1, 16):  # the norm prologue (NORM): Llama-3-8B's q/k/v and SwiGLU
+    k, members = GROUP_SHAPES[1]
+    p = planner.plan_decode_group(m, k, members)
+    plan = xuv_decode_group.launch_plan(m, k, [(r, n, False) for r, n in members], p)
+    meta = dict(plan["meta"], NORM=1, EPS=1e-5)
+    yield (
+      f"group norm M={m} K={k}",
+      xuv_decode_group._xuv_decode_group_kernel,
+      meta,
+      p.warps,
+      p.stages,
+    )
+    d, f, r = MLP_SHAPES[0]
+    bs = mlp_decode.BlockSizes.get_default(m, d, f, r, d)
+    meta = dict(mlp_decode.launch_plan(m, d, r, f, r, d, bs=bs, **kw)["meta"], NORM=1, EPS=1e-5)
+    yield (
+      f"mlp decode norm T={m} D={d}",
+      mlp_decode._mlp_decode_kernel,
+      meta,
+      bs.num_warps,
+      bs.num_stages,
+    )

@@ -177,7 +177,7 @@ _WHOLE = textwrap.dedent("""
     outs3 = outs + [np.full_like(outs[-1], np.nan)] * (3 - len(members))
     scratch, chain, work = chained(plan["scratch"])
     xuv_decode_group._xuv_decode_group_kernel[(1,)](
-        T(x), *map(T, ops), T(scratch), T(x), T(x), T(x), m, *chain, T(scratch),
+        T(x), *map(T, ops), T(x), T(scratch), T(x), T(x), T(x), m, *chain, T(scratch),
         *map(T, outs3), **plan["meta"], **work)
     check_cleared(scratch, chain)
     for i, (out, ref) in enumerate(zip(outs, refs)):
@@ -216,7 +216,8 @@ _MLP = textwrap.dedent("""
     scratch, chain, work = chained(plan["scratch"])
     out = np.full((m, d), np.nan, np.float16)
     p16 = np.full(plan["p16"], np.nan, np.float16)
-    kernel[(plan["grid"],)](T(x), *map(T, gate + up + down), T(x), m, *chain, T(scratch),
+    g = (T(x),) if kernel is mlp_decode._mlp_decode_kernel else ()  # its norm weight, unread
+    kernel[(plan["grid"],)](T(x), *map(T, gate + up + down), T(x), *g, m, *chain, T(scratch),
                             T(out), T(p16), **plan["meta"], **work)
     check_cleared(scratch, chain)
     return check(out, mlp_ref(x, gate, up, down, bias), 1e-2, (m, d, f, r))
@@ -281,6 +282,88 @@ _PREFILL = textwrap.dedent("""
     print("prefill", m, k, r, n, plan["n_mb"], plan["ring_rows"], f"{err:.1e}")
   print("ok")
 """)
+
+
+# The norm prologue (NORM): the grouped kernel on one program and the tiled SwiGLU kernel
+# load X through rms_norm (lowering/rms_norm.py) with the norm weight g; the reference
+# rounds as the model does (x·rs to f16, then ·g to f16). Each case also checks that the
+# un-normalised result would fail, so the test sees the prologue.
+_NORM = textwrap.dedent("""
+  from lrjax.custom_calls.triton import mlp_decode
+
+  def normed(x, g, eps):
+    x32 = x.astype(np.float32)
+    ms = (x32 * x32).sum(-1, keepdims=True, dtype=np.float32) / np.float32(x.shape[-1])
+    y = (x32 / np.sqrt(ms + np.float32(eps))).astype(np.float16)
+    return (y.astype(np.float32) * g.astype(np.float32)).astype(np.float16)
+
+  def check_normed(out, ref, raw, tol, what):
+    err = check(out, ref, tol, what)
+    assert np.abs(raw - ref).max() / np.abs(ref).max() > 10 * tol, (what, "x barely changed")
+    return err
+
+  for (m, k, members, eps) in GROUPS:
+    p = dataclasses.replace(planner.plan_decode_group(m, k, [(r, n) for r, n, _ in members],
+                                                      programs=1), prefetch=0)
+    plan = xuv_decode_group.launch_plan(m, k, members, p)
+    plan["meta"].update(NORM=1, EPS=eps)
+    x, g = rand(m, k, scale=3.0), rand(k)
+    xn = normed(x, g, eps)
+    ops, outs, refs, raws = [], [], [], []
+    for r, n, bias in members:
+      u, v, b = factors(k, r, n, bias)
+      ops += [u, v, b]
+      outs.append(np.full((m, n), np.nan, np.float16))
+      refs.append(xuv_ref(xn, u, v, b, bias))
+      raws.append(xuv_ref(x, u, v, b, bias))
+    ops += ops[-3:] * (3 - len(members))
+    outs3 = outs + [np.full_like(outs[-1], np.nan)] * (3 - len(members))
+    scratch, chain, work = chained(plan["scratch"])
+    xuv_decode_group._xuv_decode_group_kernel[(1,)](
+        T(x), *map(T, ops), T(g), T(scratch), T(x), T(x), T(x), m, *chain, T(scratch),
+        *map(T, outs3), **plan["meta"], **work)
+    for i, (out, ref, raw) in enumerate(zip(outs, refs, raws)):
+      err = check_normed(out, ref, raw, 5e-3, (m, k, members, i))
+    print("group", m, k, members, eps, f"{err:.1e}")
+  for (m, d, f, r, eps, fields) in MLPS:
+    bs = dataclasses.replace(mlp_decode.BlockSizes.get_default(m, d, f, r, d), **fields)
+    plan = mlp_decode.launch_plan(m, d, r, f, r, d, gated=True, act="silu",
+                                  bias_mask=(False,) * 3, bs=bs)
+    plan["meta"].update(NORM=1, EPS=eps)
+    x, g = rand(m, d, scale=3.0), rand(d)
+    gate, up, down = (factors(d, r, f, False), factors(d, r, f, False),
+                      factors(f, r, d, False))
+    scratch, chain, work = chained(plan["scratch"])
+    out = np.full((m, d), np.nan, np.float16)
+    p16 = np.full(plan["p16"], np.nan, np.float16)
+    mlp_decode._mlp_decode_kernel[(plan["grid"],)](
+        T(x), *map(T, gate + up + down), T(x), T(g), m, *chain, T(scratch), T(out), T(p16),
+        **plan["meta"], **work)
+
+    def ref(a):  # the kernel's roundings: X·U, h and h·Ud
+      gg, uu = xuv_ref(a, *gate, False), xuv_ref(a, *up, False)
+      return xuv_ref(r16(gg / (1 + np.exp(-gg)) * uu), *down, False)
+
+    err = check_normed(out, ref(normed(x, g, eps)), ref(x), 1e-2, (m, d, f, r))
+    print("mlp", m, d, f, r, eps, bs.p16, bs.park_h, f"{err:.1e}")
+  print("ok")
+""")
+
+
+def test_norm_prologue_of_the_grouped_and_swiglu_kernels():
+  """rms_norm(X) as the grouped q/k/v and the tiled SwiGLU decode kernels load X: ragged K
+  and D (the statistics' last step masked), rows past M, epsilons small and large."""
+  groups = [  # (M, K, [(r_i, N_i, bias_i)], eps)
+    (8, 1000, [(136, 520, True), (72, 130, False), (72, 130, True)], 1e-5),
+    (1, 200, [(96, 300, False), (40, 64, True)], 1e-6),
+    (3, 256, [(64, 128, False), (64, 128, False), (64, 64, False)], 0.5),
+  ]
+  mlps = [  # (M, D, F, r, eps, block fields replaced)
+    (1, 200, 520, 72, 1e-5, {}),
+    (5, 256, 1000, 96, 1e-6, {"p16": True}),
+    (20, 320, 700, 136, 0.5, {"park_h": True, "h_splits": 3}),
+  ]
+  _interpret(f"GROUPS = {groups!r}\nMLPS = {mlps!r}\n" + _PRELUDE + _NORM)
 
 
 def _interpret(script: str) -> str:
@@ -349,7 +432,8 @@ def test_grouped_phase1_alone_leaves_every_members_p():
       scratch = np.zeros(plan["scratch"], np.float32)
       outs = [np.full((1,), np.nan, np.float16) for _ in range(3)]  # never written
       xuv_decode_group._xuv_decode_group_kernel[(p.programs,)](
-          T(x), *map(T, ops), T(scratch), T(x), T(x), T(x), m, 0, 0, T(scratch), *map(T, outs),
+          T(x), *map(T, ops), T(x), T(scratch), T(x), T(x), T(x), m, 0, 0, T(scratch),
+          *map(T, outs),
           **plan["meta"])
       off = 0
       for i, u in enumerate(us):
