@@ -182,10 +182,15 @@ def build_plan(
   analysis.groups += [members for members, _ in groups]
   normed = {}
   for members in [ms for ms, _ in groups] + [(m,) for m in matches if m.primitive is lr_mlp_p]:
-    i = foldable_norm(g, members[0].x, members)
+    i, why = foldable_norm(g, members[0].x, members)
     if i is not None:
       normed[members[0].root] = i
       analysis.norms.append((g.eqns[i], members[0], members if len(members) > 1 else None))
+    elif why is not None:
+      j = g.producer_eqn(members[0].x)[0]
+      analysis.near_misses.append(
+        rules_lib.NearMiss("rms_norm", g.path, g.location(j), why, g.scope(j))
+      )
   return Plan(
     roots,
     absorbed,
@@ -196,18 +201,29 @@ def build_plan(
   )
 
 
-def foldable_norm(g, x, consumers) -> int | None:
-  """The index of the ``rms_norm`` eqn whose output ``x`` only the eqns of the matches
-  ``consumers`` read (one group or one MLP), in x's own dtype; else None."""
+def foldable_norm(g, x, consumers) -> tuple[int | None, str | None]:
+  """(the index of the ``rms_norm`` eqn that computes ``x``, None) where it folds into the
+  matches ``consumers`` (one group or one MLP): only they read x, in its input's dtype; else
+  (None, why it does not fold), or (None, None) where no rms_norm computes x."""
   if x is None or jx.is_literal(x):
-    return None
+    return None, None
   i, e = g.producer_eqn(x)
-  if e is None or e.primitive is not rms_norm_p or e.invars[0].aval.dtype != x.aval.dtype:
-    return None
+  if e is None or e.primitive is not rms_norm_p:
+    return None, None
+  if e.invars[0].aval.dtype != x.aval.dtype:
+    return None, (
+      f"the norm casts {e.invars[0].aval.dtype} to {x.aval.dtype}; the kernels normalise in "
+      "their input's dtype, so XLA keeps it"
+    )
   mine = set().union(*({m.root} | set(m.absorbed) for m in consumers))
-  if any(u not in mine for u, _ in g.uses.get(x, [])):
-    return None
-  return i
+  others = [u for u, _ in g.uses.get(x, []) if u not in mine]
+  if others:
+    u = others[0]
+    where = (
+      "a function output" if u == "out" else f"'{g.eqns[u].primitive.name}' at {g.location(u)}"
+    )
+    return None, f"its output is also read by {where}; a norm folds only into its one reader"
+  return i, None
 
 
 def emit_group(jaxpr, members, read, env, norm=None) -> None:

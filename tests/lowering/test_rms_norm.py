@@ -126,6 +126,26 @@ def test_fuse_leaves_a_norm_that_another_op_reads():
   assert inners == [] and "lr_xuv_group" in names, names
 
 
+def test_explain_says_why_a_norm_stays():
+  x, w1, _, qkv, _ = _operands()
+
+  def read_twice(x, w1, qkv):  # the normalised x is also an output
+    h = rms_norm(x, w1, eps=1e-5)
+    return [h @ u @ v for u, v in qkv] + [h]
+
+  def cast(x, w1, qkv):
+    h = rms_norm(x, w1, eps=1e-5, dtype=jnp.bfloat16)
+    return [h @ u.astype(jnp.bfloat16) @ v.astype(jnp.bfloat16) for u, v in qkv]
+
+  for fn, why in (
+    (read_twice, "also read by a function output"),
+    (cast, "the norm casts float32 to bfloat16"),
+  ):
+    rep = lrjax.explain(fn, x, w1, qkv)
+    misses = [n for n in rep.near_misses if n["pattern"] == "rms_norm"]
+    assert not rep.norms and len(misses) == 1 and why in misses[0]["reason"], misses
+
+
 def test_lr_normed_is_the_norm_then_its_op():
   x, w1, _, qkv, _ = _operands()
   from lrjax.lowering.group import lr_xuv_group
