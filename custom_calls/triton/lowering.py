@@ -328,8 +328,10 @@ def _normed_impl():
     params = dict(eps=eps, inner=inner, inner_params=inner_params)
     avals = [getattr(a, "aval", a) for a in (x, w, *ops)]
     kernel, _, _, ip = _normed_inner(avals, params)
+    from lrjax.lowering.rms_norm import inner_primitive
+
     out = kernel.load()(x, *ops, norm=(w, eps), **ip)
-    return list(out) if inner == "lr_xuv_group" else [out]
+    return list(out) if inner_primitive(inner).multiple_results else [out]
 
   return impl
 

@@ -1,24 +1,15 @@
 """The low-rank model's plain-jnp forward is rewritten by lrjax.fuse into lr_xuv / lr_mlp."""
 
+import collections
+
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 import pytest
-from conftest import assert_close, fresh_key
+from conftest import assert_close, fresh_key, primitive_names
 from flax import nnx
 
 from lrjax.lowering import fuse
 from lrjax.models import PROJ_NAMES, LlamaForCausalLM, ModelConfig
-
-
-def _count(jaxpr, counts):  # an lr_normed counts as itself and as the op it folds into
-  for eqn in jaxpr.eqns:
-    names = [eqn.primitive.name] + ([eqn.params["inner"]] if "inner" in eqn.params else [])
-    for name in names:
-      counts[name] = counts.get(name, 0) + 1
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      _count(sub, counts)
-  return counts
 
 
 @pytest.mark.parametrize("scan", [True, False])
@@ -36,13 +27,13 @@ def test_fuse_rewrites_every_projection(scan):
   def fwd(state, tok):
     return nnx.merge(graphdef, state)(tok)
 
-  counts = _count(jax.make_jaxpr(fuse(fwd))(state, tok).jaxpr, {})
+  counts = collections.Counter(primitive_names(fuse(fwd), state, tok))
   per_trace = 1 if scan else cfg.num_layers  # scan traces the layer body once
   assert counts.get("lr_mlp", 0) == per_trace
   assert counts.get("lr_xuv_group", 0) == per_trace  # q, k, v share the normed input
   assert counts.get("lr_xuv", 0) == per_trace  # o
   # both norms of a layer fold into the ops that read them; the final norm stays
   assert counts.get("lr_normed", 0) == 2 * per_trace and counts.get("rms_norm", 0) == 1
-  ungrouped = _count(jax.make_jaxpr(fuse(fwd, group=False))(state, tok).jaxpr, {})
+  ungrouped = collections.Counter(primitive_names(fuse(fwd, group=False), state, tok))
   assert ungrouped.get("lr_xuv", 0) == 4 * per_trace and "lr_xuv_group" not in ungrouped
   assert_close(jax.jit(fuse(fwd))(state, tok), jax.jit(fwd)(state, tok), jnp.float32)
