@@ -121,7 +121,8 @@ OTHER = "XLA fusions (norms, rope, residuals, cache writes, XLA's attention)"
 # (priority fusion making Triton fusions first, as of normalizations; or every fusion
 # re-emitted by Triton's block-level emitter); and with the layers' norms in the grouped q/k/v
 # and SwiGLU kernels' loads (lr_normed's kernels, chosen only once verified on a GPU: the
-# ``*_norm_prologue`` kinds choose them).
+# ``*_norm_*`` kinds choose them), and with the residual adds in the o_proj and SwiGLU kernels'
+# stores (lr_residual's kernels, likewise: the ``*_residual*`` kinds).
 LRJAX_KINDS = (
   "dense",
   "lowrank",
@@ -139,7 +140,21 @@ LRJAX_KINDS = (
   "lowrank_xla_block_level_fusions",
   "lowrank_norm_prologue",
   "lowrank_append_norm_prologue",
+  "lowrank_residual_epilogue",
+  "lowrank_norm_residual",
+  "lowrank_append_norm_residual",
 )
+# the kernels a kind chooses before they are marked verified on a GPU (custom_calls/triton/
+# lowering.py's *_GPU_VERIFIED): decode_attention_append's, lr_normed's, lr_residual's
+UNVERIFIED = {
+  "lowrank_append_attention": ("APPEND",),
+  "lowrank_append_xla_triton_norms": ("APPEND",),
+  "lowrank_norm_prologue": ("NORM",),
+  "lowrank_append_norm_prologue": ("APPEND", "NORM"),
+  "lowrank_residual_epilogue": ("RESIDUAL",),
+  "lowrank_norm_residual": ("NORM", "RESIDUAL"),
+  "lowrank_append_norm_residual": ("APPEND", "NORM", "RESIDUAL"),
+}
 # the decode_attention lowerings a kind goes without
 WITHOUT = {
   "lowrank_pallas_attention": ("triton.decode_attention",),
@@ -178,6 +193,9 @@ PROFILED = (
   "lowrank_xla_block_level_fusions",
   "lowrank_norm_prologue",
   "lowrank_append_norm_prologue",
+  "lowrank_residual_epilogue",
+  "lowrank_norm_residual",
+  "lowrank_append_norm_residual",
 )
 # lrjax's attention kernel's merge, forced for a kind
 MERGE = {"lowrank_lrjax_attention_tile_merge": "tile", "lowrank_lrjax_attention_walk_merge": "walk"}
@@ -284,8 +302,7 @@ def run_lrjax(args, ranks) -> dict:
 def _attention_lowerings(kind):
   """The decode_attention lowerings ``kind`` goes without (``WITHOUT``) removed for its run;
   for ``lowrank_sliced_cache`` the Pallas kernel's whole-buffer plan off, lrjax's merge
-  forced for the kinds in ``MERGE``, decode_attention_append's kernel chosen for the
-  ``lowrank_append_*`` kinds and lr_normed's for the ``*_norm_prologue`` kinds."""
+  forced for the kinds in ``MERGE``, and the kernels in ``UNVERIFIED`` chosen."""
   from lrjax.lowering import registry
 
   registry.load_platform("cuda")
@@ -301,9 +318,10 @@ def _attention_lowerings(kind):
     saved_merge, ours.MERGE = ours.MERGE, MERGE[kind]  # read when the step is traced
   from lrjax.custom_calls.triton import lowering as cuda
 
-  verified = (cuda.APPEND_GPU_VERIFIED, cuda.NORM_GPU_VERIFIED)
-  cuda.APPEND_GPU_VERIFIED |= kind.startswith("lowrank_append")
-  cuda.NORM_GPU_VERIFIED |= kind.endswith("norm_prologue")
+  flags = [f"{name}_GPU_VERIFIED" for name in ("APPEND", "NORM", "RESIDUAL")]
+  verified = {f: getattr(cuda, f) for f in flags}
+  for name in UNVERIFIED.get(kind, ()):
+    setattr(cuda, f"{name}_GPU_VERIFIED", True)
   if kind == "lowrank_sliced_cache":
     from lrjax.custom_calls.triton import decode_attention_pallas as pallas
 
@@ -319,7 +337,8 @@ def _attention_lowerings(kind):
       pallas.decode_attention.clear_cache()
     if ours is not None:
       ours.MERGE = saved_merge
-    cuda.APPEND_GPU_VERIFIED, cuda.NORM_GPU_VERIFIED = verified
+    for f, v in verified.items():
+      setattr(cuda, f, v)
 
 
 def _time_kind(args, cfg, ranks, dtype, kind, built, out):
@@ -553,6 +572,22 @@ def child(side: str, args, ranks) -> dict:
     return json.load(open(fh.name))
 
 
+def merge_sides(paths, ap):
+  """(torch side, lrjax side) from --merge's JSONs: the torch one, then lrjax ones whose
+  records are merged (a later file's record of a kind and batch replaces an earlier one)."""
+  if len(paths) < 2:
+    ap.error("--merge needs the torch JSON and at least one lrjax JSON")
+  pt, *ljs = (json.load(open(f)) for f in paths)
+  lj = dict(ljs[0], records={})
+  for side in ljs:
+    if side["device"] != lj["device"]:
+      ap.error(f"--merge: lrjax JSONs of two cards ({lj['device']}, {side['device']})")
+    lj["records"].update(side["records"])
+  if len(ljs) > 1:
+    lj["argv"] = [side.get("argv") for side in ljs]
+  return pt, lj
+
+
 def build_records(args, ranks, lj, pt) -> list[dict]:
   m = MODELS[args.model]
   bps = hbm_bps(pt["device"])
@@ -615,9 +650,10 @@ def main(argv=None):
   ap.add_argument("--out", help="results JSON")
   ap.add_argument(
     "--merge",
-    nargs=2,
-    metavar=("TORCH_JSON", "LRJAX_JSON"),
-    help="build --out from two sides run separately (--side torch|lrjax --side-out F)",
+    nargs="+",
+    metavar="JSON",
+    help="build --out from the sides run separately (--side torch|lrjax --side-out F): the "
+    "torch JSON, then one or more lrjax JSONs of the same card (e.g. one per batch), merged",
   )
   ap.add_argument("--side", choices=("lrjax", "torch"), help="run one side only")
   ap.add_argument("--side-out", metavar="JSON", help="where --side writes (after each record)")
@@ -648,7 +684,7 @@ def main(argv=None):
     return 0
   t0 = time.perf_counter()
   if args.merge:
-    pt, lj = (json.load(open(f)) for f in args.merge)
+    pt, lj = merge_sides(args.merge, ap)
   else:
     pt = child("torch", args, ranks)
     lj = child("lrjax", args, ranks)

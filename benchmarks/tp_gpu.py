@@ -116,18 +116,23 @@ def device_bytes(tree) -> int:
 
 def fused_ops(gdef, state, cache, toks, group=True):
   """lr_xuv / lr_mlp / lr_xuv_group equations lrjax.fuse puts into one decode step (an op with
-  its norm folded in, inside an lr_normed, counted too), and the lr_normed among them."""
+  its norm or residual add folded in, inside an lr_normed or lr_residual, counted too), and
+  the lr_normed and lr_residual among them."""
 
   def step(state, cache, toks):
     model = nnx.merge(gdef, state)
     return lrjax.fuse(type(model).decode, group=group)(model, toks, cache)
 
   text = str(jax.make_jaxpr(step)(state, cache, toks))
-  ops = {
-    p: text.count(f" {p}[") + len(re.findall(rf"\binner={p}\b", text))
-    for p in ("lr_xuv", "lr_mlp", "lr_xuv_group")
-  }
-  return dict(ops, lr_normed=text.count(" lr_normed["))
+
+  def count(p):  # bound, an lr_normed's / lr_residual's inner op, or one nested in both
+    return (
+      text.count(f" {p}[")
+      + len(re.findall(rf"\binner={p}\b", text))
+      + text.count(f"('inner', '{p}')")
+    )
+
+  return {p: count(p) for p in ("lr_xuv", "lr_mlp", "lr_xuv_group", "lr_normed", "lr_residual")}
 
 
 @contextlib.contextmanager

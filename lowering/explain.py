@@ -99,6 +99,7 @@ class ExplainReport:
   unmatched_rules: list[str]
   groups: list[dict] = dataclasses.field(default_factory=list)  # lr_xuv_group bindings
   norms: list[dict] = dataclasses.field(default_factory=list)  # rms_norms folded (lr_normed)
+  residuals: list[dict] = dataclasses.field(default_factory=list)  # adds folded (lr_residual)
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -129,6 +130,11 @@ class ExplainReport:
       lines.append(f"  NORM  rms_norm folded into {n['into']} {n['shapes']}")
       lines.append(f"        at {n['location']}  [{n['path']}]")
       ks = ", ".join(f"{p}: {_kernel_note(v)}" for p, v in n["kernels"].items())
+      lines.append(f"        kernels: {ks}")
+    for r in self.residuals:
+      lines.append(f"  ADD   residual add folded into {r['into']} {r['shapes']}")
+      lines.append(f"        at {r['location']}  [{r['path']}]")
+      ks = ", ".join(f"{p}: {_kernel_note(v)}" for p, v in r["kernels"].items())
       lines.append(f"        kernels: {ks}")
     for n in self.near_misses:
       lines.append(f"  MISS  {n['pattern']:<20} {n['reason']}")
@@ -195,10 +201,31 @@ def explain(
         ),
       )
     )
+  residuals = []
+  for eqn, m, norm in analysis.residuals:
+    avals, inner, params = m.avals_in, m.primitive.name, m.params
+    if norm is not None:  # the MLP's norm folded in too
+      avals = (norm.invars[0].aval, norm.invars[1].aval) + tuple(avals[1:])
+      params = dict(eps=norm.params["eps"], inner=inner, inner_params=tuple(sorted(params.items())))
+      inner = "lr_normed"
+    r = eqn.outvars[0].aval
+    residuals.append(
+      dict(
+        location=jx.location(eqn),
+        path=m.path,
+        into=inner if norm is None else f"lr_normed({m.primitive.name})",
+        shapes=f"{list(r.shape)} {r.dtype}",
+        kernels=kernels_for(
+          "lr_residual",
+          (r,) + tuple(avals),
+          dict(inner=inner, inner_params=tuple(sorted(params.items()))),
+        ),
+      )
+    )
   near = [dataclasses.asdict(n) for n in analysis.near_misses]
   used = {m.rule or m.pattern for m in analysis.matches}
   unmatched = [rules_lib.rule_label(r) for r in rules if rules_lib.rule_label(r) not in used]
-  return ExplainReport(matches, near, unmatched, groups, norms)
+  return ExplainReport(matches, near, unmatched, groups, norms, residuals)
 
 
 def _group_call(g) -> tuple:

@@ -6,7 +6,9 @@ nesting level (jit, closed_call, custom_jvp/vjp, checkpoint, scan, cond, while, 
 ``shard_map`` bodies on their per-device shapes), and evaluates the jaxpr with the matches
 replaced by ``lr_xuv`` / ``lr_xuv_batched`` / ``lr_mlp``; 2-3 ``lr_xuv`` that read the same
 input are bound as one ``lr_xuv_group``. An ``rms_norm`` (lowering/rms_norm.py) whose output
-only an ``lr_xuv_group`` or ``lr_mlp`` reads is folded into it (``lr_normed``). Nested jaxprs
+only an ``lr_xuv_group`` or ``lr_mlp`` reads is folded into it (``lr_normed``), and so is the
+``add`` of a residual to the output of an ``lr_xuv`` or ``lr_mlp`` (the output's one reader, a
+residual of its shape and dtype: ``lr_residual``, lowering/residual.py). Nested jaxprs
 are re-traced with their rewrites and re-bound with their original params, so shardings,
 donation and names of jitted sub-functions are kept.
 
@@ -28,6 +30,7 @@ from lrjax.lowering import _jaxpr as jx
 from lrjax.lowering import rules as rules_lib
 from lrjax.lowering.group import MAX_MEMBERS, lr_xuv_group_p
 from lrjax.lowering.primitives import lr_mlp_p, lr_xuv_p
+from lrjax.lowering.residual import lr_residual_p
 from lrjax.lowering.rms_norm import lr_normed_p, rms_norm_p
 
 log = logging.getLogger("lrjax.lowering")
@@ -44,6 +47,8 @@ class Plan:
   groups: dict = dataclasses.field(default_factory=dict)
   grouped: frozenset = frozenset()  # the other members' roots (emitted with their group)
   normed: dict = dataclasses.field(default_factory=dict)  # root -> rms_norm eqn folded into it
+  # root -> (add eqn folded into it, the residual var it adds)
+  residual: dict = dataclasses.field(default_factory=dict)
 
   @property
   def empty(self) -> bool:
@@ -57,6 +62,7 @@ class Analysis:
   rules: tuple
   groups: list = dataclasses.field(default_factory=list)  # tuples of lr_xuv matches
   norms: list = dataclasses.field(default_factory=list)  # (rms_norm eqn, Match, its group)
+  residuals: list = dataclasses.field(default_factory=list)  # (add eqn, Match, its norm eqn)
 
 
 def _eqn_label(e) -> str:
@@ -191,6 +197,15 @@ def build_plan(
       analysis.near_misses.append(
         rules_lib.NearMiss("rms_norm", g.path, g.location(j), why, g.scope(j))
       )
+  residual = {}
+  in_group = {m.root for members, _ in groups for m in members}
+  skipped = absorbed | frozenset(normed.values())
+  for i, m in sorted(roots.items()):
+    add = None if i in in_group else foldable_residual(g, m, skipped)
+    if add is not None:
+      residual[i] = add
+      norm = g.eqns[normed[i]] if i in normed else None
+      analysis.residuals.append((g.eqns[add[0]], m, norm))
   return Plan(
     roots,
     absorbed,
@@ -198,7 +213,34 @@ def build_plan(
     {members[0].root: (members, hoist) for members, hoist in groups},
     frozenset(m.root for members, _ in groups for m in members[1:]),
     normed,
+    residual,
   )
+
+
+def foldable_residual(g, m, skipped) -> tuple[int, Any] | None:
+  """(the index of the ``add`` eqn, the residual var) where the match ``m`` (an lr_xuv or
+  lr_mlp in the canonical layout) folds that add: it is the op's output's one reader, its
+  other operand has the output's shape and dtype and exists before the op's root (so the
+  rewritten op can read it); else None."""
+  if m.primitive not in (lr_xuv_p, lr_mlp_p) or m.x is None:
+    return None
+  y = g.eqns[m.root].outvars[0]
+  uses = g.uses.get(y, [])
+  if len(uses) != 1 or uses[0][0] == "out":
+    return None
+  k, pos = uses[0]
+  e = g.eqns[k]
+  if e.primitive.name != "add":
+    return None
+  r = e.invars[1 - pos]
+  if jx.is_literal(r) or r is y or e.outvars[0].aval.dtype != y.aval.dtype:
+    return None
+  if r.aval.shape != y.aval.shape or r.aval.dtype != y.aval.dtype:
+    return None
+  j, _ = g.producer_eqn(r)
+  if j is not None and (j >= m.root or j in skipped):
+    return None
+  return k, r
 
 
 def foldable_norm(g, x, consumers) -> tuple[int | None, str | None]:
@@ -253,17 +295,37 @@ def skipping(read, var):
   return lambda a: None if a is var else read(a)
 
 
-def bind_normed(norm, read, prim, ops, params):
-  """``prim``(*ops, **params) with the rms_norm eqn ``norm`` (whose output ops[0] stands
-  for) folded in: lr_normed's results (one list)."""
+def normed_call(norm, read, prim, ops, params) -> tuple:
+  """(lr_normed, operands, params): ``prim``(*ops, **params) with the rms_norm eqn ``norm``
+  (whose output ops[0] stands for) folded in."""
   x, w = (read(a) for a in norm.invars)
-  return lr_normed_p.bind(
-    x,
-    w,
-    *ops[1:],
-    eps=norm.params["eps"],
-    inner=prim.name,
-    inner_params=tuple(sorted(params.items())),
+  inner = dict(eps=norm.params["eps"], inner=prim.name, inner_params=tuple(sorted(params.items())))
+  return lr_normed_p, [x, w, *ops[1:]], inner
+
+
+def bind_normed(norm, read, prim, ops, params):
+  """normed_call's op bound: lr_normed's results (one list)."""
+  p, ops, params = normed_call(norm, read, prim, ops, params)
+  return p.bind(*ops, **params)
+
+
+def emit_root(jaxpr, m, read, env, norm=None, residual=None) -> None:
+  """Binds the match ``m`` (with the rms_norm eqn ``norm`` folded in: lr_normed; with the
+  (add eqn, residual var) ``residual`` folded in: lr_residual) and sets its output."""
+  if norm is None and residual is None:
+    env[jaxpr.eqns[m.root].outvars[0]] = m.emit(read)
+    return
+  if norm is None:
+    prim, ops, params = m.primitive, m.operands(read), m.params
+  else:  # an lr_mlp whose input norm folds into it
+    ops = m.operands(skipping(read, norm.outvars[0]))
+    prim, ops, params = normed_call(norm, read, m.primitive, ops, m.params)
+  if residual is None:
+    (env[jaxpr.eqns[m.root].outvars[0]],) = prim.bind(*ops, **params)
+    return
+  add, r = jaxpr.eqns[residual[0]], residual[1]
+  env[add.outvars[0]] = lr_residual_p.bind(
+    read(r), *ops, inner=prim.name, inner_params=tuple(sorted(params.items()))
   )
 
 
@@ -276,7 +338,7 @@ def run_plan(jaxpr, consts, plan: Plan, *args):
 
   env.update(zip(jaxpr.constvars, consts))
   env.update(zip(jaxpr.invars, args))
-  folded = frozenset(plan.normed.values())
+  folded = frozenset(plan.normed.values()) | {k for k, _ in plan.residual.values()}
   for i, e in enumerate(jaxpr.eqns):
     if i in plan.absorbed or i in plan.grouped or i in folded:
       continue
@@ -290,12 +352,8 @@ def run_plan(jaxpr, consts, plan: Plan, *args):
       emit_group(jaxpr, members, read, env, norm)
       continue
     m = plan.roots.get(i)
-    if m is not None and norm is not None:  # an lr_mlp whose input norm folds into it
-      ops = m.operands(skipping(read, norm.outvars[0]))
-      (env[e.outvars[0]],) = bind_normed(norm, read, m.primitive, ops, m.params)
-      continue
     if m is not None:
-      env[e.outvars[0]] = m.emit(read)
+      emit_root(jaxpr, m, read, env, norm, plan.residual.get(i))
       continue
     invals = [read(a) for a in e.invars]
     params = e.params

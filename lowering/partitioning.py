@@ -458,7 +458,13 @@ def manual_program(ctx) -> bool:
 
 # Primitives that only a per-device program binds on local shapes (lrjax.sharding): under SPMD
 # with sharded operands their reference lowers instead, for XLA to partition.
-LOCAL_ONLY = ("lr_mlp_rank", "decode_attention", "decode_attention_append", "lr_normed")
+LOCAL_ONLY = (
+  "lr_mlp_rank",
+  "decode_attention",
+  "decode_attention_append",
+  "lr_normed",
+  "lr_residual",
+)
 
 
 def wrap(ctx, prim_name: str, kernel_fn, params: dict):

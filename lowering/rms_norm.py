@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
 
-from lrjax.lowering import primitives
+from lrjax.lowering import _jaxpr, primitives
 
 rms_norm_p = Primitive("rms_norm")
 lr_normed_p = Primitive("lr_normed")
@@ -105,5 +105,7 @@ def _normed_batch(args, dims, **params):
 
 
 # a kernel serves on one device or on a per-device program's local shards, else the reference
-# (partitioning.LOCAL_ONLY)
+# (partitioning.LOCAL_ONLY), whose inner op may be a kernel run on local shards: it needs the
+# device assignment at lowering
 primitives.register_reference(lr_normed_p, lr_normed_reference, batch=_normed_batch)
+_jaxpr.require_devices_during_lowering(lr_normed_p)

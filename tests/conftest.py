@@ -53,15 +53,20 @@ def randn(shape, dtype=jnp.float32, scale=1.0, key=None):
 
 def primitive_names(fn, *args) -> list[str]:
   """Names of every primitive in the jaxpr of fn(*args), nested jaxprs included (walked here,
-  independently of the pass's own walker); an lr_normed is listed as itself and as the op
-  it folds its norm into."""
+  independently of the pass's own walker); an lr_normed or lr_residual is listed as itself
+  and as the op it folds its norm or add into (and that op's inner op)."""
   out = []
+
+  def inner(params):
+    out.append(params["inner"])
+    if params["inner"] in ("lr_normed", "lr_residual"):
+      inner(dict(params["inner_params"]))
 
   def walk(j):
     for e in j.eqns:
       out.append(e.primitive.name)
-      if e.primitive.name == "lr_normed":
-        out.append(e.params["inner"])
+      if e.primitive.name in ("lr_normed", "lr_residual"):
+        inner(e.params)
       for v in e.params.values():
         for s in v if isinstance(v, (tuple, list)) else (v,):
           if isinstance(s, jax.extend.core.ClosedJaxpr):

@@ -88,6 +88,32 @@ def norm_operands(norm, k: int):
   return w, float(eps)
 
 
+# a kernel's HAS_BIAS (HAS_BD) constexpr that makes its bias operand an [M, N] residual added
+# to the output (store_out): the add of the layer's residual stream, without a launch of its own
+RESIDUAL = tl.constexpr(2)
+
+
+def residual_operand(residual, bias, lead, n: int, dtype):
+  """(the epilogue operand or None, the kernel's HAS_BIAS) for a kernel's ``bias`` and
+  ``residual=`` (x's leading dims + [N] in the output dtype): the residual takes the bias's
+  operand, so a call takes one of them."""
+  if residual is None:
+    return bias, bias is not None
+  if bias is not None:
+    raise ValueError("bias= and residual= share the kernel's epilogue operand: pass one")
+  if tuple(residual.shape) != (*lead, n) or residual.dtype != dtype:
+    raise ValueError(
+      f"residual {tuple(residual.shape)} {residual.dtype}: expected {(*lead, n)} {dtype} "
+      "(the output's shape and dtype)"
+    )
+  return residual.reshape(-1, n), RESIDUAL.value
+
+
+def residual_reference(y, residual):
+  """y, or ``residual + y`` as XLA adds them (y rounded to its dtype first)."""
+  return y if residual is None else residual + y
+
+
 def normed_reference(x, norm):
   """x, or with ``norm`` = (weight, eps) rms_norm(x, weight, eps) in x's dtype: what a
   kernel's norm prologue computes."""
@@ -480,13 +506,18 @@ def store_out(
   b_ptr,
   o_ptr,
   off,
-  mask,  # bias [N]; output and the tile's offsets and mask in it
+  mask,  # bias [N] (or the residual [M, N]); output and the tile's offsets and mask in it
   offs_n,
   n_mask,
-  HAS_BIAS: tl.constexpr,
+  HAS_BIAS: tl.constexpr,  # 0: none, 1: bias, RESIDUAL: b_ptr is a residual [M, N]
 ):
-  """o[off] = acc (+ bias[offs_n]) in o's dtype: a Y = A·V tile's epilogue."""
-  if HAS_BIAS:
+  """o[off] = acc (+ bias[offs_n]) in o's dtype: a Y = A·V tile's epilogue. With a residual
+  the tile is rounded to o's dtype first, then added to the residual in f32 and rounded
+  again: what XLA computes for ``residual + y``."""
+  if HAS_BIAS == RESIDUAL:
+    y = acc.to(o_ptr.dtype.element_ty).to(tl.float32)
+    acc = y + tl.load(b_ptr + off, mask=mask, other=0.0).to(tl.float32)
+  elif HAS_BIAS:
     acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
   tl.store(o_ptr + off, acc.to(o_ptr.dtype.element_ty), mask=mask)
 

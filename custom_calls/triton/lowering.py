@@ -1,6 +1,7 @@
-"""CUDA lowerings of lr_xuv, lr_mlp, lr_xuv_group, lr_normed and lr_kv_attention (Triton kernels
-called through jax-triton), and of decode_attention: jax's Pallas flash-decoding kernel, and
-lrjax's Triton kernel for the cache lengths the Pallas kernel declines.
+"""CUDA lowerings of lr_xuv, lr_mlp, lr_xuv_group, lr_normed, lr_residual and lr_kv_attention
+(Triton kernels called through jax-triton), and of decode_attention: jax's Pallas
+flash-decoding kernel, and lrjax's Triton kernel for the cache lengths the Pallas kernel
+declines.
 
 Light module: it imports neither triton nor jax_triton. ``load()`` imports the kernel
 module only when the registry selects the kernel for a CUDA lowering, so CPU installs
@@ -11,6 +12,7 @@ tuning table, policy.py); the registry then lowers the XLA reference.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import logging
@@ -131,14 +133,16 @@ def _xuv_impl(mod: str, fn: str):
   def load():
     kernel = getattr(importlib.import_module(f"lrjax.custom_calls.triton.{mod}"), fn)
 
-    def impl(*ops, has_bias, inter_dtype, out_dtype, has_scale=False, scaled_dtype=None):
+    def impl(
+      *ops, has_bias, inter_dtype, out_dtype, has_scale=False, scaled_dtype=None, residual=None
+    ):
       del inter_dtype  # checked equal to the factor dtype in supports
       bias = ops[3] if has_bias else None
-      if not has_scale:  # only xuv_decode takes a scale (the prefill kernel declines one)
-        return kernel(ops[0], ops[1], ops[2], bias, out_dtype=out_dtype)
-      return kernel(
-        ops[0], ops[1], ops[2], bias, out_dtype=out_dtype, scale=ops[-1], scaled_dtype=scaled_dtype
-      )
+      # only xuv_decode takes a scale or a residual (the prefill kernel declines them)
+      kw = {} if residual is None else {"residual": residual}
+      if has_scale:
+        kw.update(scale=ops[-1], scaled_dtype=scaled_dtype)
+      return kernel(ops[0], ops[1], ops[2], bias, out_dtype=out_dtype, **kw)
 
     return impl
 
@@ -244,7 +248,9 @@ def _mlp_impl(mod: str, fn: str):
     kernel = getattr(importlib.import_module(f"lrjax.custom_calls.triton.{mod}"), fn)
     takes_norm = fn == "mlp_decode"  # the prefill kernel and the scaled schedule take none
 
-    def impl(*ops, gated, act, bias_mask, inter_dtype, out_dtype, scale_mask=(), norm=None):
+    def impl(
+      *ops, gated, act, bias_mask, inter_dtype, out_dtype, scale_mask=(), norm=None, residual=None
+    ):
       del inter_dtype
       from lrjax.custom_calls.triton._common import normed_reference
       from lrjax.lowering.primitives import mlp_operands
@@ -258,6 +264,8 @@ def _mlp_impl(mod: str, fn: str):
         fn, proj = mlp_decode_scaled, lambda p, name: (*p, d["scales"][name])
       if kw and (not takes_norm or any(scale_mask)):  # XLA normalises x first
         x, kw = normed_reference(x, norm), {}
+      if residual is not None:  # only mlp_decode is asked (triton.residual's supports)
+        kw["residual"] = residual
       return fn(
         x,
         proj(d["up"], "up"),
@@ -281,14 +289,12 @@ NORM_KERNELS = ("triton.xuv_decode_group", "triton.mlp_decode")
 NORM_GPU_VERIFIED = False
 
 
-def _normed_inner(avals, params):
-  """(kernel, declined, avals, params) of the op an lr_normed call folds its norm into: the
-  first CUDA kernel that serves it (None: none does), with each one passed over and why."""
+def _first_kernel(inner, inner_avals, ip):
+  """(kernel, declined) for the op ``inner`` on these avals and params: the first CUDA kernel
+  that serves it (None: none does), with each one passed over and why."""
   from lrjax import custom_calls
   from lrjax.lowering import registry
 
-  inner, ip = params["inner"], dict(params["inner_params"])
-  inner_avals = (avals[0],) + tuple(avals[2:])
   kernels = registry.candidates(inner, "cuda", load=False) or sorted(
     (k for k in custom_calls.kernel_catalog().get("cuda", ()) if k.primitive == inner),
     key=lambda k: -k.priority,
@@ -297,9 +303,17 @@ def _normed_inner(avals, params):
   for k in kernels:
     reason = k.supports(inner_avals, ip)
     if reason is None:
-      return k, declined, inner_avals, ip
+      return k, declined
     declined.append((k.name, reason))
-  return None, declined, inner_avals, ip
+  return None, declined
+
+
+def _normed_inner(avals, params):
+  """(kernel, declined, avals, params) of the op an lr_normed call folds its norm into
+  (``_first_kernel``'s)."""
+  ip = dict(params["inner_params"])
+  inner_avals = (avals[0],) + tuple(avals[2:])
+  return *_first_kernel(params["inner"], inner_avals, ip), inner_avals, ip
 
 
 def normed_supports(avals, params) -> str | None:
@@ -332,6 +346,82 @@ def _normed_impl():
 
     out = kernel.load()(x, *ops, norm=(w, eps), **ip)
     return list(out) if inner_primitive(inner).multiple_results else [out]
+
+  return impl
+
+
+# ---------------------------------------------------------------- lr_residual
+
+# kernels that add a residual as they store their output (their impls take residual=)
+RESIDUAL_KERNELS = ("triton.xuv_decode", "triton.mlp_decode")
+# lr_residual's kernels are not chosen until their residual epilogue has passed its GPU tests
+RESIDUAL_GPU_VERIFIED = False
+
+
+@dataclasses.dataclass(frozen=True)
+class _ResidualTarget:
+  """What serves an lr_residual call's inner op on CUDA."""
+
+  kernel: KernelLowering | None  # the kernel that serves the op (None: XLA)
+  reason: str | None  # why it cannot add the residual (None: it can)
+  avals: tuple  # the op's avals and params, as that kernel takes them
+  params: dict
+  eps: float | None = None  # through an lr_normed: its eps...
+  norm_in_kernel: bool = False  # ...and whether the kernel applies the norm (else XLA first)
+
+
+def _residual_target(avals, params) -> _ResidualTarget:
+  """The kernel that would serve an lr_residual call's inner op (through an lr_normed: the
+  op its norm folds into) and whether it can add the residual."""
+  inner, ip = params["inner"], dict(params["inner_params"])
+  inner_avals, eps, in_kernel = tuple(avals[1:]), None, False
+  if inner == "lr_normed":
+    in_kernel = normed_supports(inner_avals, ip) is None
+    inner, eps = ip["inner"], ip["eps"]
+    kernel, declined, inner_avals, ip = _normed_inner(inner_avals, ip)
+  else:
+    kernel, declined = _first_kernel(inner, inner_avals, ip)
+
+  def target(reason):
+    return _ResidualTarget(kernel, reason, inner_avals, ip, eps, in_kernel)
+
+  if kernel is None:
+    why = "; ".join(f"{n}: {r}" for n, r in declined) or "no kernel"
+    return target(f"no kernel serves {inner} ({why}), so the add stays XLA's")
+  if kernel.name not in RESIDUAL_KERNELS:
+    return target(f"{kernel.name} serves {inner} and has no residual epilogue")
+  if ip.get("has_bias") or (inner == "lr_mlp" and ip["bias_mask"][-1]):
+    return target("the op's output bias takes the kernel's epilogue operand")
+  if not RESIDUAL_GPU_VERIFIED:
+    return target("its residual epilogue has not yet run on a GPU (lowering.RESIDUAL_GPU_VERIFIED)")
+  return target(None)
+
+
+def residual_supports(avals, params) -> str | None:
+  return _residual_target(avals, params).reason
+
+
+def residual_faster(avals, params) -> str | None:
+  """The verdict of the kernel that would serve the op (as normed_faster)."""
+  t = _residual_target(avals, params)
+  if t.kernel is None or t.kernel.faster is None:
+    return None
+  return t.kernel.faster(t.avals, t.params)
+
+
+def _residual_impl():
+  def impl(r, *ops, inner, inner_params):
+    params = dict(inner=inner, inner_params=inner_params)
+    t = _residual_target([getattr(a, "aval", a) for a in (r, *ops)], params)
+    kernel = t.kernel.load()
+    if t.eps is None:
+      return kernel(*ops, residual=r, **t.params)
+    x, w, rest = ops[0], ops[1], ops[2:]  # lr_normed's: x, the norm weight, the op's operands
+    if t.norm_in_kernel:
+      return kernel(x, *rest, norm=(w, t.eps), residual=r, **t.params)
+    from lrjax.custom_calls.triton._common import normed_reference
+
+    return kernel(normed_reference(x, (w, t.eps)), *rest, residual=r, **t.params)
 
   return impl
 
@@ -514,6 +604,15 @@ KERNELS = [
     _normed_impl,
     priority=20,
     faster=normed_faster,
+  ),
+  KernelLowering(
+    "lr_residual",
+    "cuda",
+    "triton.residual",
+    residual_supports,
+    _residual_impl,
+    priority=20,
+    faster=residual_faster,
   ),
   KernelLowering(
     "lr_kv_attention",

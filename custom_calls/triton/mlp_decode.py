@@ -62,6 +62,8 @@ from lrjax.custom_calls.triton._common import (
   norm_operands,
   normed_reference,
   num_sms,
+  residual_operand,
+  residual_reference,
   prefetch_l2,
   round_once,
   row_rstd,
@@ -1249,23 +1251,24 @@ def persistent_launch_plan(
   return dict(grid=p.programs, n_nb=n_nb, scratch=scratch, meta=meta, p16=2 * m * r if p.p16 else 1)
 
 
-def _composed(x2, up, down, gate, act, out_dtype, out, group=True, norm=None):
+def _composed(x2, up, down, gate, act, out_dtype, out, group=True, norm=None, residual=None):
   """The MLP as X·U·V decode calls and XLA's activation fusion (``compose=True``):
   act(X·Ug·Vg + bg) ⊙ (X·Uu·Vu + bu) in f32 from the calls' outputs in the factors' dtype,
   rounded once to it, then ·Ud·Vd + bd (into ``out``, if given). ``group``: X·Ug and X·Uu in
   one grouped launch (phase 1 alone, ``pv="xla"``; on these tiles if a GroupDecodePlan),
   else one call each. A projection given as (u, v, bias | None, scale) carries a rank-space
   scale, applied as xuv_decode and the grouped kernel apply one. ``norm``: (weight, eps), X
-  rms-normalised by the grouped launch (by XLA first without one)."""
+  rms-normalised by the grouped launch (by XLA first without one). ``residual`` [M, D_out]:
+  added by the down call as it stores y."""
   from lrjax.custom_calls.triton.xuv_decode import xuv_decode
   from lrjax.custom_calls.triton.xuv_decode_group import _xuv_decode_group
   from lrjax.lowering.primitives import ACTIVATIONS
 
-  def xuv(a, p, odt, o=None):
+  def xuv(a, p, odt, o=None, res=None):
     b = p[2] if len(p) >= 3 else None
     if len(p) == 4 and p[3] is not None:  # a rank-space scale: phase 1, then XLA
-      return xuv_decode(a, p[0], p[1], b, out_dtype=odt, scale=p[3])
-    return xuv_decode(a, p[0], p[1], b, out_dtype=odt, out=o)
+      return xuv_decode(a, p[0], p[1], b, out_dtype=odt, scale=p[3], residual=res)
+    return xuv_decode(a, p[0], p[1], b, out_dtype=odt, out=o, residual=res)
 
   f32, fn, dt = jnp.float32, ACTIVATIONS[act], up[1].dtype
   if gate is None or not group:
@@ -1280,7 +1283,7 @@ def _composed(x2, up, down, gate, act, out_dtype, out, group=True, norm=None):
       else (xuv(x2, gate, dt), xuv(x2, up, dt))
     )
     h = fn(yg.astype(f32)) * yu.astype(f32)
-  return xuv(h.astype(down[0].dtype), down, out_dtype, out)
+  return xuv(h.astype(down[0].dtype), down, out_dtype, out, residual)
 
 
 def _mlp_decode(
@@ -1301,6 +1304,7 @@ def _mlp_decode(
   s_flush: str = "atomic",
   compose_group: bool | planner.GroupDecodePlan = True,
   norm=None,
+  residual=None,
 ):
   """``mlp_decode`` with every schedule option (tests, and the benchmarks through
   benchmarks/kernel_variants.py).
@@ -1308,6 +1312,8 @@ def _mlp_decode(
   ``norm``: (weight [D], eps): x is rms_norm(x, weight, eps) (lowering/rms_norm.py), applied
   as stage A (the composed schedule's grouped launch) loads it; the persistent schedule has
   it applied by XLA first.
+  ``residual`` [..., D_out] (out_dtype; down has no bias): y + residual, added as stage C (the
+  composed schedule's down call) stores y.
 
   ``compose``: X·U·V decode calls and an XLA fusion instead of the fused kernel (module
   docstring); default: from the table's ``compose_min_m`` rows, unless an option of the fused
@@ -1329,6 +1335,9 @@ def _mlp_decode(
   m = x2.shape[0]
   out_dtype = jnp.dtype(out_dtype or x.dtype)
   w, eps = norm_operands(norm, d)
+  bd, has_bd = residual_operand(residual, ops[9] if bias_mask[-1] else None, lead, d_out, out_dtype)
+  if residual is not None:  # stage C's bias operand carries the residual
+    ops, bias_mask = ops[:9] + (bd,), bias_mask[:-1] + (has_bd,)
   fused_asked = (
     block_sizes is not None
     or persistent is not False
@@ -1349,7 +1358,8 @@ def _mlp_decode(
     if m > MAX_M:
       raise ValueError(f"{m} rows: the decode MLP serves M <= {MAX_M}")
     check_out(out, (m, d_out), out_dtype)
-    return _composed(x2, up, down, gate, act, out_dtype, out, compose_group, norm).reshape(
+    r2 = None if residual is None else bd
+    return _composed(x2, up, down, gate, act, out_dtype, out, compose_group, norm, r2).reshape(
       *lead, d_out
     )
   if persistent:
@@ -1447,6 +1457,7 @@ def mlp_decode(
   block_sizes: BlockSizes | None = None,
   out=None,
   norm=None,
+  residual=None,
 ):
   """Low-rank (Swi)GLU MLP for few tokens; ``up``/``down``/``gate`` are (u, v) or (u, v, bias).
 
@@ -1454,10 +1465,20 @@ def mlp_decode(
   v [r_d, D_out]). ``block_sizes``: the fused kernel's blocks (default: the table's, and from
   ``compose_min_m`` rows X·U·V decode calls instead of the fused kernel). ``out`` [M, D_out]:
   optional buffer the kernel writes into (aliased). ``norm``: (weight [D], eps), x
-  rms-normalised as the kernel loads it (lowering/rms_norm.py).
+  rms-normalised as the kernel loads it (lowering/rms_norm.py). ``residual`` [..., D_out] in
+  the output dtype (down without a bias): y + residual, added as y is stored.
   """
   return _mlp_decode(
-    x, up, down, gate, act=act, out_dtype=out_dtype, block_sizes=block_sizes, out=out, norm=norm
+    x,
+    up,
+    down,
+    gate,
+    act=act,
+    out_dtype=out_dtype,
+    block_sizes=block_sizes,
+    out=out,
+    norm=norm,
+    residual=residual,
   )
 
 
@@ -1480,9 +1501,11 @@ def mlp_decode_scaled(x, up, down, gate=None, *, act="silu", out_dtype=None):
   return _composed(x2, up, down, gate, act, out_dtype, None).reshape(*lead, d_out)
 
 
-def mlp_decode_reference(x, up, down, gate=None, *, act="silu", out_dtype=None, norm=None):
+def mlp_decode_reference(
+  x, up, down, gate=None, *, act="silu", out_dtype=None, norm=None, residual=None
+):
   """f32-accumulating low-rank MLP with the kernel's roundings (X·U and h to the factor dtype),
-  of rms_norm(x) with ``norm`` = (weight, eps)."""
+  of rms_norm(x) with ``norm`` = (weight, eps), plus ``residual`` (rounded to out_dtype first)."""
   from lrjax.lowering.primitives import ACTIVATIONS
 
   out_dtype = jnp.dtype(out_dtype or x.dtype)
@@ -1496,4 +1519,4 @@ def mlp_decode_reference(x, up, down, gate=None, *, act="silu", out_dtype=None, 
 
   fn = ACTIVATIONS[act]
   h = fn(xuv(x, gate)) * xuv(x, up) if gate is not None else fn(xuv(x, up))
-  return xuv(h.astype(down[0].dtype), down).astype(out_dtype)
+  return residual_reference(xuv(h.astype(down[0].dtype), down).astype(out_dtype), residual)

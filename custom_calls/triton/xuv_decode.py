@@ -53,6 +53,8 @@ from lrjax.custom_calls.triton._common import (
   num_sms,
   prefetch_l2,
   pv_tile,
+  residual_operand,
+  residual_reference,
   signal,
   stamp,
   store_out,
@@ -703,6 +705,7 @@ def _xuv_decode(
   probe: int = 0,
   scale=None,
   scaled_dtype=None,
+  residual=None,
 ):
   """``xuv_decode`` with every schedule option (tests, and the benchmarks through
   benchmarks/kernel_variants.py).
@@ -724,8 +727,10 @@ def _xuv_decode(
   ``scale`` [r] (rank-space, as ``lr_xuv``'s): only with ``pv="xla"`` on the persistent
   schedule (the default then): the kernel writes P = X·U and XLA applies the scale, rounds to
   ``scaled_dtype`` (default v's dtype) and multiplies by V, as the reference does.
+  ``residual`` [..., N] (out_dtype; no bias): y + residual, added where y is stored.
   """
   x2, lead, (m, k, r, n), out_dtype = unpack_xuv_args(x, u, v, out_dtype)
+  b, has_b = residual_operand(residual, bias, lead, n, out_dtype)
   if scale is not None:
     if tuple(scale.shape) != (r,):
       raise ValueError(f"scale {scale.shape} must be ({r},), the rank")
@@ -760,7 +765,7 @@ def _xuv_decode(
   if xla_zeroing and out is not None:
     raise ValueError("out= and xla_zeroing=True cannot be combined")
   check_out(out, (m, n), out_dtype)
-  b = bias if bias is not None else v  # never read without HAS_BIAS
+  b = b if has_b else v  # never read without HAS_BIAS
   if persistent:
     if block_sizes is not None or stages != 3:
       raise ValueError(
@@ -787,7 +792,7 @@ def _xuv_decode(
       raise ValueError("pv='launch' reads phase 1's f32 P; the plan's p16 must be off")
     if p.block_m < m:
       raise ValueError(f"{p.block_m=} must cover the {m} rows")
-    plan = persistent_launch_plan(m, k, r, n, bias is not None, p, pv == "kernel", probe)
+    plan = persistent_launch_plan(m, k, r, n, has_b, p, pv == "kernel", probe)
     kernel, warps, num_stages = _xuv_decode_persistent_kernel, p.warps, p.stages
   else:
     if pv in ("xla", "launch") or probe:
@@ -798,7 +803,7 @@ def _xuv_decode(
       raise ValueError(f"{bs.block_m=} must cover the {m} rows; use xuv_prefill for large M")
     if stages not in (1, 2, 3):
       raise ValueError(f"{stages=} must be 1, 2 or 3")
-    plan = launch_plan(m, k, r, n, bias is not None, bs, stages)
+    plan = launch_plan(m, k, r, n, has_b, bs, stages)
     kernel, warps, num_stages = _xuv_decode_kernel, bs.num_warps, bs.num_stages
   scratch = plan["scratch"]
   if xla_zeroing:  # the 5th operand is then the zeroed scratch, aliased to output 0
@@ -829,7 +834,16 @@ def _xuv_decode(
     **plan["meta"],
   )
   if pv == "launch":  # ·V in a launch of its own, reading P's f32 sums where phase 1 left them
-    y = xuv_decode_pv(outs[0], v, bias, m=m, out_dtype=out_dtype, block_sizes=pv_plan, out=pv_out)
+    y = xuv_decode_pv(
+      outs[0],
+      v,
+      bias,
+      m=m,
+      out_dtype=out_dtype,
+      block_sizes=pv_plan,
+      out=pv_out,
+      residual=None if residual is None else b,  # [M, N]
+    )
     return y.reshape(*lead, n)
   if pv == "xla":
     from lrjax.lowering.primitives import apply_scale, rank_space_out
@@ -840,7 +854,8 @@ def _xuv_decode(
       # rounded here by XLA in a loop fusion of its own
       pm = outs[0].reshape(m, r).astype(v.dtype)
     pm = apply_scale(pm, scale, jnp.dtype(scaled_dtype or v.dtype))
-    return rank_space_out(pm, v, bias, out_dtype).reshape(*lead, n)
+    y = rank_space_out(pm, v, bias, out_dtype).reshape(*lead, n)
+    return residual_reference(y, residual)
   return outs[1].reshape(*lead, n)
 
 
@@ -855,39 +870,45 @@ def xuv_decode(
   out=None,
   scale=None,
   scaled_dtype=None,
+  residual=None,
 ):
-  """y = ((x·u) ⊙ scale)·v (+ bias) for few tokens. x [..., K], u [K, r], v [r, N], bias [N],
-  scale [r] (optional; up to the persistent schedule's rows, phase 1 in the kernel and the
-  scale and ·V by XLA).
+  """y = ((x·u) ⊙ scale)·v (+ bias) (+ residual) for few tokens. x [..., K], u [K, r],
+  v [r, N], bias [N], scale [r] (optional; up to the persistent schedule's rows, phase 1 in
+  the kernel and the scale and ·V by XLA), residual [..., N] in the output dtype (optional, no
+  bias with it; added as each output tile is stored: y rounded, then residual + y as XLA
+  adds them).
 
   ``block_sizes``: the schedule (default ``BlockSizes.get_default``, the tuning table's).
   ``out`` [M, N]: optional buffer the kernel writes into (aliased).
   """
+  kw = dict(out_dtype=out_dtype, residual=residual)
   if scale is not None:
     if block_sizes is not None or out is not None:
       raise ValueError("block_sizes= and out= do not apply with a scale (pv='xla')")
-    return _xuv_decode(x, u, v, bias, out_dtype=out_dtype, scale=scale, scaled_dtype=scaled_dtype)
+    return _xuv_decode(x, u, v, bias, scale=scale, scaled_dtype=scaled_dtype, **kw)
   if block_sizes is None:
-    return _xuv_decode(x, u, v, bias, out_dtype=out_dtype, out=out)
+    return _xuv_decode(x, u, v, bias, out=out, **kw)
   return _xuv_decode(
     x,
     u,
     v,
     bias,
-    out_dtype=out_dtype,
     out=out,
     persistent=block_sizes.plan,
     pv=block_sizes.pv,
     pv_plan=block_sizes.pv_plan,
+    **kw,
   )
 
 
-def xuv_decode_reference(x, u, v, bias=None, *, out_dtype=None, scale=None, scaled_dtype=None):
-  """f32-accumulating ((x·u) ⊙ scale)·v (+ bias); X·U rounded to v's dtype as the kernel does,
-  the scaled product to ``scaled_dtype`` (default v's dtype)."""
+def xuv_decode_reference(
+  x, u, v, bias=None, *, out_dtype=None, scale=None, scaled_dtype=None, residual=None
+):
+  """f32-accumulating ((x·u) ⊙ scale)·v (+ bias) (+ residual); X·U rounded to v's dtype as
+  the kernel does, the scaled product to ``scaled_dtype`` (default v's dtype)."""
   from lrjax.lowering.primitives import lr_xuv_reference
 
-  return lr_xuv_reference(
+  y = lr_xuv_reference(
     x,
     u,
     v,
@@ -897,3 +918,4 @@ def xuv_decode_reference(x, u, v, bias=None, *, out_dtype=None, scale=None, scal
     out_dtype=out_dtype or x.dtype,
     scaled_dtype=None if scale is None else (scaled_dtype or v.dtype),
   )
+  return residual_reference(y, residual)

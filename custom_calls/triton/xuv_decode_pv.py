@@ -21,7 +21,13 @@ import triton
 import triton.language as tl
 
 from lrjax.custom_calls.triton import launch, planner
-from lrjax.custom_calls.triton._common import check_out, mm_acc, store_out
+from lrjax.custom_calls.triton._common import (
+  check_out,
+  mm_acc,
+  residual_operand,
+  residual_reference,
+  store_out,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +44,7 @@ class BlockSizes(planner.PvLaunchPlan):
 def _xuv_decode_pv_kernel(
   scratch_ptr,  # f32 P [M, R] at READ_OFF floats: phase 1's scratch (or the chain's buffer)
   v_ptr,  # [R, N] second factor
-  b_ptr,  # [N] bias (read only if HAS_BIAS)
+  b_ptr,  # [N] bias, or [M, N] residual (read only if HAS_BIAS; _common.store_out)
   o_in_ptr,  # the caller's output buffer aliased to o_ptr, else V; never read
   M,
   o_ptr,  # [M, N] output
@@ -52,9 +58,9 @@ def _xuv_decode_pv_kernel(
   READ_OFF: tl.constexpr = 0,  # where P starts in scratch_ptr (launch._read_in_place sets it)
   PDL: tl.constexpr = 0,  # launched as a programmatic dependent: wait for phase 1 first
 ):
-  """Y = P·V (+ bias): one [BLOCK_M, BLOCK_N] output tile a CTA, P's f32 sums rounded to V's
-  dtype as they are loaded (XLA's own lowering rounds X·U once too), f32 accumulation over
-  all of r."""
+  """Y = P·V (+ bias or residual): one [BLOCK_M, BLOCK_N] output tile a CTA, P's f32 sums
+  rounded to V's dtype as they are loaded (XLA's own lowering rounds X·U once too), f32
+  accumulation over all of r."""
   offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
   offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
   m_mask = offs_m < M
@@ -104,8 +110,11 @@ def launch_meta(r: int, n: int, has_bias: bool, p: planner.PvLaunchPlan) -> dict
   )
 
 
-def _launch(p_f32, v, bias, m: int, out_dtype, block_sizes: planner.PvLaunchPlan | None, out):
+def _launch(
+  p_f32, v, bias, m: int, out_dtype, block_sizes: planner.PvLaunchPlan | None, out, residual
+):
   r, n = v.shape
+  b, has_b = residual_operand(residual, bias, (m,), n, out_dtype)
   if p_f32.dtype != jnp.float32 or p_f32.shape != (m * r,):
     raise ValueError(f"P must be phase 1's f32 [{m * r}] sums, got {p_f32.dtype}{p_f32.shape}")
   check_out(out, (m, n), out_dtype)
@@ -113,7 +122,7 @@ def _launch(p_f32, v, bias, m: int, out_dtype, block_sizes: planner.PvLaunchPlan
   return launch.triton_call(
     p_f32,
     v,
-    bias if bias is not None else v,
+    b if has_b else v,
     v if out is None else out,
     m,
     kernel=_xuv_decode_pv_kernel,
@@ -123,7 +132,7 @@ def _launch(p_f32, v, bias, m: int, out_dtype, block_sizes: planner.PvLaunchPlan
     num_stages=p.stages,
     input_output_aliases=None if out is None else {3: 0},
     name="lrjax_xuv_pv",
-    **launch_meta(r, n, bias is not None, p),
+    **launch_meta(r, n, has_b, p),
   )
 
 
@@ -136,18 +145,19 @@ def xuv_decode_pv(
   out_dtype=None,
   block_sizes: planner.PvLaunchPlan | None = None,
   out=None,
+  residual=None,
 ):
-  """y [m, N] = P·V (+ bias). p: phase 1's f32 sums, flat [m·r] (a slice of a chained scratch
-  is read in place); v [r, N], bias [N]. ``out`` [m, N]: optional buffer the kernel writes
-  into (aliased)."""
-  return _launch(p, v, bias, m, jnp.dtype(out_dtype or v.dtype), block_sizes, out)
+  """y [m, N] = P·V (+ bias) (+ residual). p: phase 1's f32 sums, flat [m·r] (a slice of a
+  chained scratch is read in place); v [r, N], bias [N], residual [m, N] in the output dtype
+  (no bias with it). ``out`` [m, N]: optional buffer the kernel writes into (aliased)."""
+  return _launch(p, v, bias, m, jnp.dtype(out_dtype or v.dtype), block_sizes, out, residual)
 
 
-def xuv_decode_pv_reference(p, v, bias=None, *, m: int, out_dtype=None):
-  """P rounded once to V's dtype, times V in f32 (+ bias)."""
+def xuv_decode_pv_reference(p, v, bias=None, *, m: int, out_dtype=None, residual=None):
+  """P rounded once to V's dtype, times V in f32 (+ bias) (+ residual)."""
   r = v.shape[0]
   pm = p.reshape(m, r).astype(v.dtype)
   y = jnp.matmul(pm, v, preferred_element_type=jnp.float32)
   if bias is not None:
     y = y + bias.astype(jnp.float32)
-  return y.astype(out_dtype or v.dtype)
+  return residual_reference(y.astype(out_dtype or v.dtype), residual)

@@ -131,3 +131,27 @@ def test_a_stored_profile_is_reclassified_from_its_kernel_list(load_benchmark):
   assert got["launches_per_step"] == 7.0
   busy = sum(c["ms"] for n, c in got["classes"].items() if n != "gaps (GPU idle)")
   assert busy == pytest.approx(stored["busy_ms"])
+
+
+def test_lrjax_sides_of_several_calls_merge(load_benchmark, tmp_path):
+  """--merge TORCH LRJAX LRJAX...: the lrjax records of several calls (here one per batch) are
+  merged into one side; JSONs of two cards are refused."""
+  mod = load_benchmark("model_step_peer")
+  ms = {"dense": 6.0, "lowrank": 4.0}
+  lj = _side("NVIDIA H200", ("dense", "lowrank"), ms)
+  files = []
+  for b in (1, 8):
+    part = dict(lj, records={k: v for k, v in lj["records"].items() if k.endswith(f"/{b}")})
+    files.append(tmp_path / f"l{b}.json")
+    files[-1].write_text(json.dumps(part))
+  t = tmp_path / "t.json"
+  t.write_text(json.dumps(_torch("NVIDIA H200", {"dense": 6.0, "lowrank": 5.0})))
+  out = tmp_path / "peer.json"
+  args = ["--model", "tiny", "--batch", "1", "8", "--ctx", "64", "--max-len", "128", "--steps", "4"]
+  assert mod.main(args + ["--merge", str(t), *map(str, files), "--out", str(out)]) == 0
+  recs = json.loads(out.read_text())["records"]
+  assert [(r["batch"], r["lrjax_ms"]) for r in recs] == [(1, 4.0), (8, 32.0)]
+  other = tmp_path / "l_h100.json"
+  other.write_text(json.dumps(dict(json.loads(files[1].read_text()), device="NVIDIA H100")))
+  with pytest.raises(SystemExit):
+    mod.main(args + ["--merge", str(t), str(files[0]), str(other), "--out", str(out)])

@@ -211,14 +211,24 @@ def test_refuses_activation_times_activation():
   assert any("activation × activation" in n["reason"] for n in rep.near_misses)
 
 
+def _xuv_calls(fn, *args) -> list[tuple[dict, bool]]:
+  """(params, inside an lr_residual) of each lr_xuv that fuse(fn) binds at the top level."""
+  out = []
+  for e in jax.make_jaxpr(lrjax.fuse(fn))(*args).jaxpr.eqns:
+    if e.primitive.name == "lr_xuv":
+      out.append((e.params, False))
+    elif e.primitive.name == "lr_residual" and e.params["inner"] == "lr_xuv":
+      out.append((dict(e.params["inner_params"]), True))
+  return out
+
+
 def test_refuses_integer_and_residual_bias():
   u, v = lr_params()
   x = randn((2, 5, 64))
   res = randn((2, 5, 96))
-  f = lambda x: x @ u @ v + res  # a residual, not a bias
-  jaxpr = jax.make_jaxpr(lrjax.fuse(f))(x)
-  (e,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "lr_xuv"]
-  assert e.params["has_bias"] is False
+  f = lambda x: x @ u @ v + res  # a residual, not a bias: the add folds as one (lr_residual)
+  ((params, residual),) = _xuv_calls(f, x)
+  assert params["has_bias"] is False and residual
   assert_close(lrjax.fuse(f)(x), f(x), jnp.float32)
   ui, vi = jnp.ones((64, 8), jnp.int32), jnp.ones((8, 96), jnp.int32)
   g = lambda x: x @ ui @ vi
@@ -232,14 +242,13 @@ def test_one_token_residual_is_not_taken_for_a_bias():
   w = randn((64, 96))
   x = randn((1, 1, 64))
   f = lambda x: jnp.tanh(x @ w) + x @ u @ v  # noqa: E731
-  jaxpr = jax.make_jaxpr(lrjax.fuse(f))(x)
-  (e,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "lr_xuv"]
-  assert e.params["has_bias"] is False
+  ((params, residual),) = _xuv_calls(f, x)
+  assert params["has_bias"] is False and residual  # a residual add (lr_residual)
   assert_close(lrjax.fuse(f)(x), f(x), jnp.float32)
   b = randn((1, 96))  # a weight of the same shape is still a bias
   g = lambda x: x @ u @ v + b  # noqa: E731
-  (e,) = [e for e in jax.make_jaxpr(lrjax.fuse(g))(x).jaxpr.eqns if e.primitive.name == "lr_xuv"]
-  assert e.params["has_bias"] is True
+  ((params, residual),) = _xuv_calls(g, x)
+  assert params["has_bias"] is True and not residual
 
 
 def test_embedding_rows_at_one_token_are_not_taken_for_a_bias():
@@ -251,10 +260,8 @@ def test_embedding_rows_at_one_token_are_not_taken_for_a_bias():
   toks = jnp.array([[3]], jnp.int32)
   x = randn((1, 1, 64))
   f = lambda x, toks: emb[toks] + x @ u @ v  # a gather of one row  # noqa: E731
-  (e,) = [
-    e for e in jax.make_jaxpr(lrjax.fuse(f))(x, toks).jaxpr.eqns if e.primitive.name == "lr_xuv"
-  ]
-  assert e.params["has_bias"] is False
+  ((params, residual),) = _xuv_calls(f, x, toks)
+  assert params["has_bias"] is False and residual
   assert_close(lrjax.fuse(f)(x, toks), f(x, toks), jnp.float32)
   us, vs = jnp.stack([u, 2 * u]), jnp.stack([v, v / 2])
   g = lambda x, i: x @ us[jnp.array([i])][0] @ vs[jnp.array([i])][0]  # gathers  # noqa: E731

@@ -34,6 +34,8 @@ def test_fuse_rewrites_every_projection(scan):
   assert counts.get("lr_xuv", 0) == per_trace  # o
   # both norms of a layer fold into the ops that read them; the final norm stays
   assert counts.get("lr_normed", 0) == 2 * per_trace and counts.get("rms_norm", 0) == 1
+  # and both residual adds into o_proj and the MLP (h + o(a), h + mlp(norm(h)))
+  assert counts.get("lr_residual", 0) == 2 * per_trace
   ungrouped = collections.Counter(primitive_names(fuse(fwd, group=False), state, tok))
   assert ungrouped.get("lr_xuv", 0) == 4 * per_trace and "lr_xuv_group" not in ungrouped
   assert_close(jax.jit(fuse(fwd))(state, tok), jax.jit(fwd)(state, tok), jnp.float32)

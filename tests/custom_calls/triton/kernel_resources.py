@@ -340,3 +340,26 @@ def planned():
       bs.num_warps,
       bs.num_stages,
     )
+  for m in (1, 16):  # the residual epilogue (RESIDUAL): Llama-3-8B's o_proj and SwiGLU
+    from lrjax.custom_calls.triton._common import RESIDUAL
+
+    _, p, launch = xuv_decode.default_persistent_launch(m, 4096, 1216, 4096, RESIDUAL.value, None)
+    yield (
+      f"xuv decode residual M={m} 4096->1216->4096",
+      xuv_decode._xuv_decode_persistent_kernel,
+      launch["meta"],
+      p.warps,
+      p.stages,
+    )
+    d, f, r = MLP_SHAPES[0]
+    bs = mlp_decode.BlockSizes.get_default(m, d, f, r, d)
+    plan = mlp_decode.launch_plan(
+      m, d, r, f, r, d, bs=bs, **dict(kw, bias_mask=(False, False, RESIDUAL.value))
+    )
+    yield (
+      f"mlp decode norm residual T={m} D={d}",
+      mlp_decode._mlp_decode_kernel,
+      dict(plan["meta"], NORM=1, EPS=1e-5),
+      bs.num_warps,
+      bs.num_stages,
+    )

@@ -350,6 +350,129 @@ _NORM = textwrap.dedent("""
 """)
 
 
+# The residual epilogue (HAS_BIAS / HAS_BD = RESIDUAL): the kernel's bias operand is an
+# [M, N] residual added as each output tile is stored. The interpreter runs a grid's programs
+# in order, so a kernel run twice sums its partials in the same order: the output with the
+# residual must be the plain output rounded, plus the residual in f32, rounded (what XLA's
+# add computes), bit for bit. Each case also checks that the residual changed the output.
+_RESIDUAL = textwrap.dedent("""
+  from lrjax.custom_calls.triton import mlp_decode
+  from lrjax.custom_calls.triton._common import RESIDUAL
+
+  def both(launch, m, n, meta, key):  # (plain output, output with the residual, residual)
+    res = rand(m, n, scale=4.0)
+    outs = []
+    for mode, b in ((0, None), (RESIDUAL.value, res)):
+      out = np.full((m, n), np.nan, np.float16)
+      launch(out, b, dict(meta, **{key: mode}))
+      outs.append(out)
+    return outs[0], outs[1], res
+
+  def check_added(plain, got, res, what):
+    assert not np.isnan(plain).any(), (what, "unwritten elements")
+    want = (plain.astype(np.float32) + res.astype(np.float32)).astype(np.float16)
+    assert np.array_equal(got, want), (what, np.abs(f64(got) - f64(want)).max())
+    assert np.abs(f64(got) - f64(plain)).max() > 1.0, (what, "the residual changed nothing")
+
+  for (m, k, r, n, fields) in PERSISTENT:
+    p = dataclasses.replace(planner.plan_decode_persistent(m, k, r, n, programs=1), prefetch=0,
+                            **fields)
+    if p.v_resident:  # one program a tile, phase 1's first (as _WHOLE)
+      p = planner.plan_decode_persistent(m, k, r, n)
+      p = dataclasses.replace(p, programs=planner.cdiv(r, p.cols_r) * planner.cdiv(k, p.k_per)
+                              + planner.cdiv(n, p.cols_n))
+    plan = xuv_decode.persistent_launch_plan(m, k, r, n, False, p)
+    x, (u, v, _) = rand(m, k), factors(k, r, n, False)
+
+    def launch(out, b, meta):
+      scratch, chain, work = chained(plan["scratch"])
+      p16 = np.full(plan["p16"], np.nan, np.float16)
+      xuv_decode._xuv_decode_persistent_kernel[(plan["grid"],)](
+          T(x), T(u), T(v), T(v if b is None else b), T(x), m, *chain, T(scratch), T(out),
+          T(p16), **meta, **work)
+
+    check_added(*both(launch, m, n, plan["meta"], "HAS_BIAS"), ("persistent", m, k, r, n))
+  for (m, k, r, n) in TILED:
+    plan = xuv_decode.launch_plan(m, k, r, n, False,
+                                  xuv_decode.TiledBlockSizes.get_default(m, k, r, n))
+    x, (u, v, _) = rand(m, k), factors(k, r, n, False)
+
+    def launch(out, b, meta):
+      scratch, chain, work = chained(plan["scratch"])
+      p16 = np.full(plan["p16"], np.nan, np.float16)
+      xuv_decode._xuv_decode_kernel[(plan["grid"],)](
+          T(x), T(u), T(v), T(v if b is None else b), T(x), m, *chain, T(scratch), T(out),
+          T(p16), **meta, **work)
+
+    check_added(*both(launch, m, n, plan["meta"], "HAS_BIAS"), ("tiled", m, k, r, n))
+  for (m, r, n) in PV:
+    pp = planner.plan_pv_launch(m, r, n)
+    pf = rng.standard_normal((m * r,)).astype(np.float32)
+    _, v, _ = factors(8, r, n, False)
+    grid = (planner.cdiv(n, pp.block_n), planner.cdiv(m, pp.block_m))
+
+    def launch(out, b, meta):
+      xuv_decode_pv._xuv_decode_pv_kernel[grid](T(pf), T(v), T(v if b is None else b), T(v),
+                                                m, T(out), **meta, READ_OFF=0, PDL=0)
+
+    check_added(*both(launch, m, n, xuv_decode_pv.launch_meta(r, n, False, pp), "HAS_BIAS"),
+                ("pv", m, r, n))
+  for (m, d, f, r, persistent, fields) in MLPS:
+    kw = dict(gated=True, act="silu", bias_mask=(False,) * 3)
+    if persistent:
+      pl = dataclasses.replace(planner.plan_mlp_decode_persistent(m, d, f, r, r, d, True,
+                                                                   programs=1),
+                               prefetch=0, prefetch_c=0, **fields)
+      plan = mlp_decode.persistent_launch_plan(m, d, r, f, r, d, p=pl, **kw)
+      kernel, g = mlp_decode._mlp_decode_persistent_kernel, ()
+    else:
+      names = {f.name for f in dataclasses.fields(mlp_decode.Variant)}
+      var = mlp_decode.Variant(**{a: b for a, b in fields.items() if a in names})
+      bs = dataclasses.replace(mlp_decode.BlockSizes.get_default(m, d, f, r, d),
+                               **{a: b for a, b in fields.items() if a not in names})
+      plan = mlp_decode.launch_plan(m, d, r, f, r, d, bs=bs, variant=var, **kw)
+      kernel = mlp_decode._mlp_decode_kernel
+    x = rand(m, d)
+    g = () if persistent else (T(x),)  # the tiled kernel's norm weight, unread
+    gate, up, (ud, vd, _) = factors(d, r, f, False), factors(d, r, f, False), factors(f, r, d,
+                                                                                      False)
+
+    def launch(out, b, meta):
+      scratch, chain, work = chained(plan["scratch"])
+      p16 = np.full(plan["p16"], np.nan, np.float16)
+      kernel[(plan["grid"],)](T(x), *map(T, gate + up), T(ud), T(vd),
+                              T(vd if b is None else b), T(x), *g, m, *chain, T(scratch),
+                              T(out), T(p16), **meta, **work)
+
+    check_added(*both(launch, m, d, plan["meta"], "HAS_BD"), ("mlp", m, d, f, r, fields))
+  print("ok")
+""")
+
+
+def test_residual_epilogue_of_the_decode_kernels():
+  """y + residual as the decode X·U·V kernels (persistent, tiled, the ·V launch) and the
+  fused SwiGLU kernels (tiled, persistent) store y: bit for bit XLA's add of the rounded y,
+  with r-chunks and split-r stage C (the residual added once, by the last arrival)."""
+  persistent = [  # (M, K, r, N, plan fields replaced)
+    (1, 200, 72, 130, {}),
+    (3, 640, 1100, 300, {"cols_n": 48, "block_n": 64, "r_chunks": 3, "p16": True}),
+    (3, 1000, 200, 300, {"v_resident": True}),
+  ]
+  tiled = [(5, 300, 200, 260)]
+  pv = [(1, 72, 130), (77, 136, 200)]
+  mlps = [  # (M, D, F, r, persistent, fields)
+    (1, 200, 520, 72, False, {}),
+    (7, 320, 700, 136, False, {"c_chunks": 2}),
+    (20, 320, 700, 136, False, {"park_h": True, "c_resident": True, "block_n": 64}),
+    (3, 320, 700, 136, True, {"c_chunks": 3, "cols_n": 48, "block_n": 64}),
+  ]
+  _interpret(
+    f"PERSISTENT = {persistent!r}\nTILED = {tiled!r}\nPV = {pv!r}\nMLPS = {mlps!r}\n"
+    + _PRELUDE
+    + _RESIDUAL
+  )
+
+
 def test_norm_prologue_of_the_grouped_and_swiglu_kernels():
   """rms_norm(X) as the grouped q/k/v and the tiled SwiGLU decode kernels load X: ragged K
   and D (the statistics' last step masked), rows past M, epsilons small and large."""
