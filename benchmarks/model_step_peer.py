@@ -572,20 +572,37 @@ def child(side: str, args, ranks) -> dict:
     return json.load(open(fh.name))
 
 
+def side_of(doc) -> str | None:
+  """ "lrjax" or "torch": which side wrote a --side JSON (an lrjax record is {"ms": ...}, a
+  torch one a time per variant); None for one without records."""
+  recs = list(doc.get("records", {}).values())
+  if not recs:
+    return None
+  return "lrjax" if all("ms" in r for r in recs) else "torch"
+
+
 def merge_sides(paths, ap):
-  """(torch side, lrjax side) from --merge's JSONs: the torch one, then lrjax ones whose
-  records are merged (a later file's record of a kind and batch replaces an earlier one)."""
-  if len(paths) < 2:
-    ap.error("--merge needs the torch JSON and at least one lrjax JSON")
-  pt, *ljs = (json.load(open(f)) for f in paths)
-  lj = dict(ljs[0], records={})
-  for side in ljs:
-    if side["device"] != lj["device"]:
-      ap.error(f"--merge: lrjax JSONs of two cards ({lj['device']}, {side['device']})")
-    lj["records"].update(side["records"])
-  if len(ljs) > 1:
-    lj["argv"] = [side.get("argv") for side in ljs]
-  return pt, lj
+  """(torch side, lrjax side) from --merge's JSONs: each side's records merged (a later
+  file's record of a kind and batch replaces an earlier one's), all of one card."""
+  sides: dict = {"torch": [], "lrjax": []}
+  for f in paths:
+    doc = json.load(open(f))
+    if side_of(doc) is None:
+      ap.error(f"--merge: {f} holds no records")
+    sides[side_of(doc)].append(doc)
+  if not sides["torch"] or not sides["lrjax"]:
+    ap.error("--merge needs at least one JSON of each side (--side torch, --side lrjax)")
+  merged = []
+  for docs in (sides["torch"], sides["lrjax"]):
+    out = dict(docs[0], records={})
+    for doc in docs:
+      if doc["device"] != out["device"]:
+        ap.error(f"--merge: JSONs of two cards ({out['device']}, {doc['device']})")
+      out["records"].update(doc["records"])
+    if len(docs) > 1:
+      out["argv"] = [doc.get("argv") for doc in docs]
+    merged.append(out)
+  return tuple(merged)
 
 
 def build_records(args, ranks, lj, pt) -> list[dict]:
@@ -652,8 +669,8 @@ def main(argv=None):
     "--merge",
     nargs="+",
     metavar="JSON",
-    help="build --out from the sides run separately (--side torch|lrjax --side-out F): the "
-    "torch JSON, then one or more lrjax JSONs of the same card (e.g. one per batch), merged",
+    help="build --out from the sides run separately (--side torch|lrjax --side-out F): their "
+    "JSONs in any order, several of a side (e.g. one per batch) merged; one card",
   )
   ap.add_argument("--side", choices=("lrjax", "torch"), help="run one side only")
   ap.add_argument("--side-out", metavar="JSON", help="where --side writes (after each record)")

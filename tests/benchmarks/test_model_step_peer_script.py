@@ -133,9 +133,9 @@ def test_a_stored_profile_is_reclassified_from_its_kernel_list(load_benchmark):
   assert busy == pytest.approx(stored["busy_ms"])
 
 
-def test_lrjax_sides_of_several_calls_merge(load_benchmark, tmp_path):
-  """--merge TORCH LRJAX LRJAX...: the lrjax records of several calls (here one per batch) are
-  merged into one side; JSONs of two cards are refused."""
+def test_sides_of_several_calls_merge(load_benchmark, tmp_path):
+  """--merge with JSONs of several calls (here the lrjax side one per batch), in any order:
+  each side's records merged; JSONs of two cards, or of one side only, are refused."""
   mod = load_benchmark("model_step_peer")
   ms = {"dense": 6.0, "lowrank": 4.0}
   lj = _side("NVIDIA H200", ("dense", "lowrank"), ms)
@@ -148,10 +148,12 @@ def test_lrjax_sides_of_several_calls_merge(load_benchmark, tmp_path):
   t.write_text(json.dumps(_torch("NVIDIA H200", {"dense": 6.0, "lowrank": 5.0})))
   out = tmp_path / "peer.json"
   args = ["--model", "tiny", "--batch", "1", "8", "--ctx", "64", "--max-len", "128", "--steps", "4"]
-  assert mod.main(args + ["--merge", str(t), *map(str, files), "--out", str(out)]) == 0
+  assert mod.main(args + ["--merge", str(files[0]), str(t), str(files[1]), "--out", str(out)]) == 0
   recs = json.loads(out.read_text())["records"]
   assert [(r["batch"], r["lrjax_ms"]) for r in recs] == [(1, 4.0), (8, 32.0)]
+  assert [r["torch_dense_ms"] for r in recs] == [6.0, 48.0]
   other = tmp_path / "l_h100.json"
   other.write_text(json.dumps(dict(json.loads(files[1].read_text()), device="NVIDIA H100")))
-  with pytest.raises(SystemExit):
-    mod.main(args + ["--merge", str(t), str(files[0]), str(other), "--out", str(out)])
+  for bad in ([t, files[0], other], [files[0], files[1]]):
+    with pytest.raises(SystemExit):
+      mod.main(args + ["--merge", *map(str, bad), "--out", str(out)])
