@@ -2,9 +2,9 @@
 
 Programs come from a small grammar: chains of layers (low-rank X·U·V with random rank-space
 ops between the factors: casts, scales of every kind, nonlinearities, reuse of the
-intermediate; biases; transposed and einsum layouts), low-rank MLPs with exact, clipped and
-rescaled activations, per-head factors, dense layers, high-rank chains and factors taken from
-the activation itself, in f32 or bf16, optionally under ``jax.vmap``.
+intermediate; biases; residual adds; transposed and einsum layouts), low-rank MLPs with exact,
+clipped and rescaled activations, per-head factors, dense layers, high-rank chains and factors
+taken from the activation itself, in f32 or bf16, optionally under ``jax.vmap``.
 
 Properties, per program:
 * the fused function's outputs equal the unfused function's: bitwise where the primitives'
@@ -242,6 +242,9 @@ class Builder:
     dt = self.dt
 
     def xuv(h, p):
+      # the residual taken before the chain, as a block's stream is (lrjax.fuse may then fold
+      # the add into the op: lr_residual)
+      res = h[..., : lay.n] if lay.residual and h.shape[-1] >= lay.n else None
       with jax.named_scope(name):
         t = xu(h, p)
         for op in ops:
@@ -253,8 +256,7 @@ class Builder:
           y = y + p[b]
         if lay.reuse:  # the intermediate is also used elsewhere
           y = y + jnp.sum(t).astype(dt)
-      out = h[..., : lay.n] + y if lay.residual and h.shape[-1] >= lay.n else y
-      return out
+      return y if res is None else res + y
 
     return xuv, lay.n
 
