@@ -13,7 +13,7 @@ import pytest
 
 from conftest import assert_close, randn, rel_err, tolerance
 from test_decode_attention_gpu import _REASON
-from test_rms_norm_gpu import _lowrank_decode, _normed, _norm_operands
+from test_rms_norm_gpu import _lowrank_decode, _normed, _norm_operands, swiglu_schedule
 from test_triton_kernels_gpu import lr_factors, mlp_params, mlp_ref, poisoned, rnd, xuv_ref
 from lrjax.custom_calls.triton import planner
 
@@ -87,12 +87,7 @@ def test_swiglu_kernels_add_the_residual_as_they_store_y(kind, shape, norm):
   x = randn((m, d), dtype)
   res = randn((m, d), dtype, 4.0)
   w, eps = _norm_operands(d, 1e-5)
-  kw = dict(compose=kind == "compose", persistent=kind == "persistent")
-  if kind in ("decode_p16", "decode_park_h"):
-    bs = mlp_decode.BlockSizes.get_default(m, d, f, r, d)
-    kw["block_sizes"] = dataclasses.replace(
-      bs, **({"p16": True} if kind == "decode_p16" else {"park_h": True, "h_splits": 3})
-    )
+  kw = swiglu_schedule(kind, m, d, f, r)
 
   def run(x, g, u, dn, w, o, res):
     nm = (w, eps) if norm else None

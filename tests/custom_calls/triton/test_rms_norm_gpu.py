@@ -70,18 +70,27 @@ def test_swiglu_kernels_normalise_x_as_they_load_it(kind, shape, eps):
   gate, up, down = mlp_params(d, f, r, rd, d, dtype, True, False)
   x = randn((m, d), dtype)
   w, eps = _norm_operands(d, eps)
-  kw = dict(compose=kind == "compose", persistent=kind == "persistent")
-  if kind in ("decode_p16", "decode_park_h"):
-    bs = mlp_decode.BlockSizes.get_default(m, d, f, r, d)
-    kw["block_sizes"] = dataclasses.replace(
-      bs, **({"p16": True} if kind == "decode_p16" else {"park_h": True, "h_splits": 3})
-    )
+  kw = swiglu_schedule(kind, m, d, f, r)
 
   def run(x, g, u, dn, w, o):
     return mlp_decode._mlp_decode(x, u, dn, g, norm=(w, eps), out=o, **kw)
 
   out = jax.jit(run)(x, gate, up, down, w, None if kind == "compose" else poisoned((m, d), dtype))
   assert_close(out, mlp_ref(_normed(x, w, eps), gate, up, down, "silu", dtype), dtype)
+
+
+def swiglu_schedule(kind, m, d, f, r) -> dict:
+  """_mlp_decode's schedule options for ``kind``: decode (the tiled kernel on the table's
+  blocks), decode_p16, decode_park_h, compose or persistent."""
+  from lrjax.custom_calls.triton import mlp_decode
+
+  kw = dict(compose=kind == "compose", persistent=kind == "persistent")
+  if kind in ("decode_p16", "decode_park_h"):
+    bs = mlp_decode.BlockSizes.get_default(m, d, f, r, d)
+    kw["block_sizes"] = dataclasses.replace(
+      bs, **({"p16": True} if kind == "decode_p16" else {"park_h": True, "h_splits": 3})
+    )
+  return kw
 
 
 def _lowrank_decode(mode: str, check=None):

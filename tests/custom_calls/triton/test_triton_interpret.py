@@ -368,6 +368,17 @@ _RESIDUAL = textwrap.dedent("""
       outs.append(out)
     return outs[0], outs[1], res
 
+  def xuv_launch(kernel, plan, m, k, r, n):  # launch(out, residual | None, meta), one input
+    x, (u, v, _) = rand(m, k), factors(k, r, n, False)
+
+    def launch(out, b, meta):
+      scratch, chain, work = chained(plan["scratch"])
+      p16 = np.full(plan["p16"], np.nan, np.float16)
+      kernel[(plan["grid"],)](T(x), T(u), T(v), T(v if b is None else b), T(x), m, *chain,
+                              T(scratch), T(out), T(p16), **meta, **work)
+
+    return launch
+
   def check_added(plain, got, res, what):
     assert not np.isnan(plain).any(), (what, "unwritten elements")
     want = (plain.astype(np.float32) + res.astype(np.float32)).astype(np.float16)
@@ -382,28 +393,12 @@ _RESIDUAL = textwrap.dedent("""
       p = dataclasses.replace(p, programs=planner.cdiv(r, p.cols_r) * planner.cdiv(k, p.k_per)
                               + planner.cdiv(n, p.cols_n))
     plan = xuv_decode.persistent_launch_plan(m, k, r, n, False, p)
-    x, (u, v, _) = rand(m, k), factors(k, r, n, False)
-
-    def launch(out, b, meta):
-      scratch, chain, work = chained(plan["scratch"])
-      p16 = np.full(plan["p16"], np.nan, np.float16)
-      xuv_decode._xuv_decode_persistent_kernel[(plan["grid"],)](
-          T(x), T(u), T(v), T(v if b is None else b), T(x), m, *chain, T(scratch), T(out),
-          T(p16), **meta, **work)
-
+    launch = xuv_launch(xuv_decode._xuv_decode_persistent_kernel, plan, m, k, r, n)
     check_added(*both(launch, m, n, plan["meta"], "HAS_BIAS"), ("persistent", m, k, r, n))
   for (m, k, r, n) in TILED:
     plan = xuv_decode.launch_plan(m, k, r, n, False,
                                   xuv_decode.TiledBlockSizes.get_default(m, k, r, n))
-    x, (u, v, _) = rand(m, k), factors(k, r, n, False)
-
-    def launch(out, b, meta):
-      scratch, chain, work = chained(plan["scratch"])
-      p16 = np.full(plan["p16"], np.nan, np.float16)
-      xuv_decode._xuv_decode_kernel[(plan["grid"],)](
-          T(x), T(u), T(v), T(v if b is None else b), T(x), m, *chain, T(scratch), T(out),
-          T(p16), **meta, **work)
-
+    launch = xuv_launch(xuv_decode._xuv_decode_kernel, plan, m, k, r, n)
     check_added(*both(launch, m, n, plan["meta"], "HAS_BIAS"), ("tiled", m, k, r, n))
   for (m, r, n) in PV:
     pp = planner.plan_pv_launch(m, r, n)
