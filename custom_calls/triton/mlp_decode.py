@@ -1482,10 +1482,11 @@ def mlp_decode(
   )
 
 
-def mlp_decode_scaled(x, up, down, gate=None, *, act="silu", out_dtype=None):
+def mlp_decode_scaled(x, up, down, gate=None, *, act="silu", out_dtype=None, residual=None):
   """``mlp_decode`` with rank-space scales: each projection (u, v, bias | None, scale | None).
   Runs the composed schedule (the grouped launch for gate and up, a decode call for down),
-  where the scales are applied after phase 1 by XLA; the fused kernel takes none."""
+  where the scales are applied after phase 1 by XLA; the fused kernel takes none.
+  ``residual`` (as mlp_decode's) is added by the down call."""
   from lrjax.custom_calls.triton._common import ACT_CODES
 
   if act not in ACT_CODES:
@@ -1498,7 +1499,8 @@ def mlp_decode_scaled(x, up, down, gate=None, *, act="silu", out_dtype=None):
   if x2.shape[0] > MAX_M:
     raise ValueError(f"{x2.shape[0]} rows: the decode MLP serves M <= {MAX_M}")
   out_dtype = jnp.dtype(out_dtype or x.dtype)
-  return _composed(x2, up, down, gate, act, out_dtype, None).reshape(*lead, d_out)
+  r2, _ = residual_operand(residual, None, lead, d_out, out_dtype)  # [M, D_out] or None
+  return _composed(x2, up, down, gate, act, out_dtype, None, residual=r2).reshape(*lead, d_out)
 
 
 def mlp_decode_reference(

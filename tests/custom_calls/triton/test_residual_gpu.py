@@ -124,3 +124,35 @@ def test_model_decode_with_its_residual_adds_in_the_kernels(monkeypatch):
   assert seen["adds"] == 0, seen
   kernel_err, xla_err = rel_err(got, truth), rel_err(xla, truth)
   assert kernel_err <= max(1.5 * xla_err, tolerance(jnp.bfloat16)), (kernel_err, xla_err)
+
+
+def test_rank_space_scaled_ops_add_the_residual():
+  """With a rank-space scale (phase 1 in the kernel, the scale and ·V by XLA; the MLP as its
+  composed calls) the residual is added by XLA or by the down call: the output is the same
+  call's without it, plus the residual."""
+  from lrjax.custom_calls.triton import mlp_decode, xuv_decode
+
+  dtype = jnp.bfloat16
+  m, k, r, n = 4, 1024, 256, 512
+  x = randn((m, k), dtype)
+  u, v = lr_factors(k, r, n, dtype)
+  s = 1.0 + randn((r,), dtype, 0.3)
+  res = randn((m, n), dtype, 4.0)
+  plain, got = jax.jit(
+    lambda x, res: (
+      xuv_decode.xuv_decode(x, u, v, scale=s),
+      xuv_decode.xuv_decode(x, u, v, scale=s, residual=res),
+    )
+  )(x, res)
+  assert_close(got, _with_residual(np.asarray(plain, np.float64), res, dtype), dtype)
+  gate, up, down = mlp_params(k, 1000, 136, 96, k, dtype, True, False)
+  sc = [1.0 + randn((p[0].shape[1],), dtype, 0.3) for p in (gate, up, down)]
+  gate, up, down = ((*p, None, c) for p, c in zip((gate, up, down), sc))
+  res = randn((m, k), dtype, 4.0)
+  plain, got = jax.jit(
+    lambda x, res: (
+      mlp_decode.mlp_decode_scaled(x, up, down, gate),
+      mlp_decode.mlp_decode_scaled(x, up, down, gate, residual=res),
+    )
+  )(x, res)
+  assert_close(got, _with_residual(np.asarray(plain, np.float64), res, dtype), dtype)
