@@ -57,6 +57,22 @@ def test_fuse_folds_both_residual_adds_of_a_block(dtype):
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # the same ops on the CPU
 
 
+def test_a_folded_block_differentiates_and_vmaps_as_the_unfolded_one():
+  h, w1, w2, o, mlp = _operands()
+
+  def loss(block, h, o, mlp):
+    return jnp.sum(jnp.sin(block(h, w1, w2, o, mlp)))
+
+  want = jax.grad(loss, (1, 2, 3))(_block, h, o, mlp)
+  got = jax.jit(jax.grad(loss, (1, 2, 3)), static_argnums=0)(lrjax.fuse(_block), h, o, mlp)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  hs = jnp.stack([h, -2 * h])
+  got = jax.vmap(lambda h: lrjax.fuse(_block)(h, w1, w2, o, mlp))(hs)
+  want = jax.vmap(lambda h: _block(h, w1, w2, o, mlp))(hs)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_fuse_leaves_an_add_it_cannot_fold():
   h, _, _, (u, v), _ = _operands()
   w = randn((64, 64))
