@@ -120,9 +120,9 @@ OTHER = "XLA fusions (norms, rope, residuals, cache writes, XLA's attention)"
 # a GPU: the ``lowrank_append_*`` kinds choose it); and with XLA's experimental Triton fusions
 # (priority fusion making Triton fusions first, as of normalizations; or every fusion
 # re-emitted by Triton's block-level emitter); and with the layers' norms in the grouped q/k/v
-# and SwiGLU kernels' loads (lr_normed's kernels, chosen only once verified on a GPU: the
-# ``*_norm_*`` kinds choose them), and with the residual adds in the o_proj and SwiGLU kernels'
-# stores (lr_residual's kernels, likewise: the ``*_residual*`` kinds).
+# and SwiGLU kernels' loads (lr_normed's kernels, off in the tuning table: the ``*_norm_*``
+# kinds choose them), and with the residual adds in the o_proj and SwiGLU kernels' stores
+# (lr_residual's kernels, likewise: the ``*_residual*`` kinds).
 LRJAX_KINDS = (
   "dense",
   "lowrank",
@@ -144,9 +144,10 @@ LRJAX_KINDS = (
   "lowrank_norm_residual",
   "lowrank_append_norm_residual",
 )
-# the kernels a kind chooses before they are marked verified on a GPU (custom_calls/triton/
-# lowering.py's *_GPU_VERIFIED): decode_attention_append's, lr_normed's, lr_residual's
-UNVERIFIED = {
+# the kernels a kind chooses that the default lowering does not: decode_attention_append's
+# (not verified on a GPU: custom_calls/triton/lowering.py's APPEND_GPU_VERIFIED), lr_normed's
+# and lr_residual's (off in the tuning table: dispatch.norm_prologue, .residual_epilogue)
+CHOSEN = {
   "lowrank_append_attention": ("APPEND",),
   "lowrank_append_xla_triton_norms": ("APPEND",),
   "lowrank_norm_prologue": ("NORM",),
@@ -302,7 +303,7 @@ def run_lrjax(args, ranks) -> dict:
 def _attention_lowerings(kind):
   """The decode_attention lowerings ``kind`` goes without (``WITHOUT``) removed for its run;
   for ``lowrank_sliced_cache`` the Pallas kernel's whole-buffer plan off, lrjax's merge
-  forced for the kinds in ``MERGE``, and the kernels in ``UNVERIFIED`` chosen."""
+  forced for the kinds in ``MERGE``, and the kernels in ``CHOSEN`` chosen."""
   from lrjax.lowering import registry
 
   registry.load_platform("cuda")
@@ -317,11 +318,18 @@ def _attention_lowerings(kind):
 
     saved_merge, ours.MERGE = ours.MERGE, MERGE[kind]  # read when the step is traced
   from lrjax.custom_calls.triton import lowering as cuda
+  from lrjax.custom_calls.triton import policy
 
+  chosen = CHOSEN.get(kind, ())
   flags = [f"{name}_GPU_VERIFIED" for name in ("APPEND", "NORM", "RESIDUAL")]
   verified = {f: getattr(cuda, f) for f in flags}
-  for name in UNVERIFIED.get(kind, ()):
+  for name in chosen:
     setattr(cuda, f"{name}_GPU_VERIFIED", True)
+  switches = {"norm_prologue": "NORM", "residual_epilogue": "RESIDUAL"}
+  on = {k: True for k, name in switches.items() if name in chosen}
+  stack = contextlib.ExitStack()
+  if on:  # the kind's kernels switched on in this device's table, for its run
+    stack.enter_context(policy.use(policy.current().with_values("dispatch", **on)))
   if kind == "lowrank_sliced_cache":
     from lrjax.custom_calls.triton import decode_attention_pallas as pallas
 
@@ -339,6 +347,7 @@ def _attention_lowerings(kind):
       ours.MERGE = saved_merge
     for f, v in verified.items():
       setattr(cuda, f, v)
+    stack.close()
 
 
 def _time_kind(args, cfg, ranks, dtype, kind, built, out):

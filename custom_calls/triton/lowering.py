@@ -285,8 +285,9 @@ def _mlp_impl(mod: str, fn: str):
 
 # kernels that apply an rms_norm as they load X (their impls take norm=(weight, eps))
 NORM_KERNELS = ("triton.xuv_decode_group", "triton.mlp_decode")
-# lr_normed's kernels are not chosen until their norm prologue has passed its GPU tests
-NORM_GPU_VERIFIED = False
+# lr_normed's kernels are not chosen until their norm prologue has passed its GPU tests (it
+# has, on an H100); then the tuning table's dispatch.norm_prologue decides
+NORM_GPU_VERIFIED = True
 
 
 def _first_kernel(inner, inner_avals, ip):
@@ -329,8 +330,11 @@ def normed_supports(avals, params) -> str | None:
 
 
 def normed_faster(avals, params) -> str | None:
-  """The verdict of the kernel that would serve the op: measured slower than XLA there, it
-  leaves the op (and so the norm) to XLA."""
+  """The tuning table's ``dispatch.norm_prologue``, then the verdict of the kernel that would
+  serve the op: measured slower than XLA there, it leaves the op (and so the norm) to XLA."""
+  table = policy.current()
+  if not table.values("dispatch").norm_prologue:
+    return table.why("dispatch", "norm_prologue")
   kernel, _, inner_avals, ip = _normed_inner(avals, params)
   if kernel is None or kernel.faster is None:
     return None
@@ -355,7 +359,8 @@ def _normed_impl():
 # kernels that add a residual as they store their output (their impls take residual=)
 RESIDUAL_KERNELS = ("triton.xuv_decode", "triton.mlp_decode")
 # lr_residual's kernels are not chosen until their residual epilogue has passed its GPU tests
-RESIDUAL_GPU_VERIFIED = False
+# (it has, on an H100); then the tuning table's dispatch.residual_epilogue decides
+RESIDUAL_GPU_VERIFIED = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -375,8 +380,12 @@ def _residual_target(avals, params) -> _ResidualTarget:
   op its norm folds into) and whether it can add the residual."""
   inner, ip = params["inner"], dict(params["inner_params"])
   inner_avals, eps, in_kernel = tuple(avals[1:]), None, False
-  if inner == "lr_normed":
-    in_kernel = normed_supports(inner_avals, ip) is None
+  if inner == "lr_normed":  # the norm in the kernel where lr_normed's kernel would serve
+    from lrjax.lowering import registry
+
+    in_kernel = normed_supports(inner_avals, ip) is None and (
+      registry.kernels_preferred() or normed_faster(inner_avals, ip) is None
+    )
     inner, eps = ip["inner"], ip["eps"]
     kernel, declined, inner_avals, ip = _normed_inner(inner_avals, ip)
   else:
@@ -402,7 +411,11 @@ def residual_supports(avals, params) -> str | None:
 
 
 def residual_faster(avals, params) -> str | None:
-  """The verdict of the kernel that would serve the op (as normed_faster)."""
+  """The tuning table's ``dispatch.residual_epilogue``, then the verdict of the kernel that
+  would serve the op (as normed_faster)."""
+  table = policy.current()
+  if not table.values("dispatch").residual_epilogue:
+    return table.why("dispatch", "residual_epilogue")
   t = _residual_target(avals, params)
   if t.kernel is None or t.kernel.faster is None:
     return None

@@ -140,12 +140,16 @@ def test_explain_names_the_folded_adds():
   assert cuda["kernel"] == "reference" and cuda["declined"], cuda
 
 
-def test_residual_kernel_waits_for_its_gpu_run_and_says_so(monkeypatch):
-  """On CUDA lr_residual's kernel declines, naming why, until marked verified on a GPU; then it
-  serves where the decode X·U·V or SwiGLU kernel serves the op (an MLP's folded norm applied by
-  the kernel once that is verified too, else by XLA first), and declines where XLA lowers the
-  op or the op's bias takes the epilogue."""
+def test_residual_kernel_serves_where_verified_and_the_table_says(monkeypatch):
+  """On CUDA lr_residual's kernel declines, naming why, unless marked verified on a GPU and
+  switched on by the tuning table (``dispatch.residual_epilogue``: off, no launch saved while
+  the norm stays with XLA); then it serves where the decode X·U·V or SwiGLU kernel serves the
+  op (an MLP's folded norm applied by the kernel where that is switched on too, else by XLA
+  first), and declines where XLA lowers the op or the op's bias takes the epilogue."""
+  from lrjax.custom_calls.triton import policy
+
   monkeypatch.setattr(cuda_lowering, "_toolchain", lambda: None)
+  on = policy.current().with_values("dispatch", residual_epilogue=True)
   sds, bf = jax.ShapeDtypeStruct, jnp.bfloat16
 
   def xuv(m, dt=bf, bias=False):
@@ -170,19 +174,24 @@ def test_residual_kernel_waits_for_its_gpu_run_and_says_so(monkeypatch):
     return avals, dict(inner="lr_normed", inner_params=tuple(sorted(normed.items())))
 
   sel = registry.select("lr_residual", "cuda", *xuv(1))
-  assert sel.kernel is None and "not yet run on a GPU" in dict(sel.declined)["triton.residual"]
+  assert sel.kernel is None and "saves launches only" in dict(sel.declined)["triton.residual"]
+  with policy.use(on):
+    assert registry.select("lr_residual", "cuda", *xuv(1)).name == "triton.residual"
+    monkeypatch.setattr(cuda_lowering, "RESIDUAL_GPU_VERIFIED", False)
+    sel = registry.select("lr_residual", "cuda", *xuv(1))
+    assert sel.kernel is None and "not yet run on a GPU" in dict(sel.declined)["triton.residual"]
   monkeypatch.setattr(cuda_lowering, "RESIDUAL_GPU_VERIFIED", True)
-  assert registry.select("lr_residual", "cuda", *xuv(1)).name == "triton.residual"
-  t = cuda_lowering._residual_target(*mlp(1))
+  t = cuda_lowering._residual_target(*mlp(1))  # the table keeps the norm prologue off
   assert t.reason is None and t.kernel.name == "triton.mlp_decode" and not t.norm_in_kernel
-  monkeypatch.setattr(cuda_lowering, "NORM_GPU_VERIFIED", True)
-  assert cuda_lowering._residual_target(*mlp(1)).norm_in_kernel
-  assert registry.select("lr_residual", "cuda", *mlp(16)).name == "triton.residual"
+  with policy.use(on.with_values("dispatch", norm_prologue=True)):
+    assert cuda_lowering._residual_target(*mlp(1)).norm_in_kernel
+    assert registry.select("lr_residual", "cuda", *mlp(16)).name == "triton.residual"
   for args, why in (
     (xuv(1, jnp.float32), "f32 stays on XLA"),
     (xuv(1, bias=True), "bias takes the kernel's epilogue operand"),
     (xuv(4096), "triton.xuv_prefill serves lr_xuv and has no residual epilogue"),
   ):
-    sel = registry.select("lr_residual", "cuda", *args)
+    with policy.use(on):
+      sel = registry.select("lr_residual", "cuda", *args)
     assert sel.kernel is None and why in sel.declined[0][1], sel.declined
   assert not registry.candidates("lr_residual", "cpu")

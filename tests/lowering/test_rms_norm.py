@@ -188,10 +188,13 @@ def test_explain_names_the_folded_norms():
   assert cuda["kernel"] == "reference" and cuda["declined"], cuda
 
 
-def test_normed_kernel_waits_for_its_gpu_run_and_says_so(monkeypatch):
-  """On CUDA lr_normed's kernel declines, naming why, until marked verified on a GPU; then it
+def test_normed_kernel_serves_where_verified_and_the_table_says(monkeypatch):
+  """On CUDA lr_normed's kernel declines, naming why, unless marked verified on a GPU and
+  switched on by the tuning table (``dispatch.norm_prologue``: off, measured slower); then it
   serves where the grouped or SwiGLU decode kernel serves the op, and declines (naming the op's
   own reasons) where XLA lowers it."""
+  from lrjax.custom_calls.triton import policy
+
   monkeypatch.setattr(cuda_lowering, "_toolchain", lambda: None)
   sds = jax.ShapeDtypeStruct
   bf = jnp.bfloat16
@@ -209,19 +212,23 @@ def test_normed_kernel_waits_for_its_gpu_run_and_says_so(monkeypatch):
     ),
   )
   sel = registry.select("lr_normed", "cuda", avals(1), params)
-  assert sel.kernel is None and "not yet run on a GPU" in dict(sel.declined)["triton.normed"]
-  monkeypatch.setattr(cuda_lowering, "NORM_GPU_VERIFIED", True)
-  assert registry.select("lr_normed", "cuda", avals(1), params).name == "triton.normed"
-  sel = registry.select("lr_normed", "cuda", avals(1, jnp.float32), params)
-  assert sel.kernel is None and "f32 stays on XLA" in sel.declined[0][1], sel.declined
-  sel = registry.select("lr_normed", "cuda", avals(200), params)  # above the grouped kernel
-  assert sel.kernel is None and "the grouped kernel serves decode rows" in sel.declined[0][1]
-  # where the table measured the op's kernel slower than XLA, the norm stays with XLA too
-  (group,) = [k for k in registry.candidates("lr_xuv_group", "cuda") if "group" in k.name]
-  registry.register(dataclasses.replace(group, faster=lambda a, p: "measured slower here"))
-  try:
+  assert sel.kernel is None and "is slower" in dict(sel.declined)["triton.normed"], sel
+  with policy.use(policy.current().with_values("dispatch", norm_prologue=True)):
+    assert registry.select("lr_normed", "cuda", avals(1), params).name == "triton.normed"
+    monkeypatch.setattr(cuda_lowering, "NORM_GPU_VERIFIED", False)
     sel = registry.select("lr_normed", "cuda", avals(1), params)
-    assert sel.kernel is None and sel.declined == (("triton.normed", "measured slower here"),)
-  finally:
-    registry.register(group)
+    assert sel.kernel is None and "not yet run on a GPU" in dict(sel.declined)["triton.normed"]
+    monkeypatch.setattr(cuda_lowering, "NORM_GPU_VERIFIED", True)
+    sel = registry.select("lr_normed", "cuda", avals(1, jnp.float32), params)
+    assert sel.kernel is None and "f32 stays on XLA" in sel.declined[0][1], sel.declined
+    sel = registry.select("lr_normed", "cuda", avals(200), params)  # above the grouped kernel
+    assert sel.kernel is None and "the grouped kernel serves decode rows" in sel.declined[0][1]
+    # where the table measured the op's kernel slower than XLA, the norm stays with XLA too
+    (group,) = [k for k in registry.candidates("lr_xuv_group", "cuda") if "group" in k.name]
+    registry.register(dataclasses.replace(group, faster=lambda a, p: "measured slower here"))
+    try:
+      sel = registry.select("lr_normed", "cuda", avals(1), params)
+      assert sel.kernel is None and sel.declined == (("triton.normed", "measured slower here"),)
+    finally:
+      registry.register(group)
   assert not registry.candidates("lr_normed", "cpu")

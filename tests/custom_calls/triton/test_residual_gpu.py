@@ -101,7 +101,7 @@ def test_swiglu_kernels_add_the_residual_as_they_store_y(kind, shape, norm):
 
 def test_model_decode_with_its_residual_adds_in_the_kernels(monkeypatch):
   """The low-rank model's decode step with both residual adds of each layer folded into the
-  o_proj and SwiGLU kernels (enabled here, with the norms' prologue): no add of the hidden
+  o_proj and SwiGLU kernels (prefer_kernels: with the norms' prologue): no add of the hidden
   state left to XLA (four with XLA's lowering: two layers, two adds), and logits as close to
   the f32 model's as XLA's."""
   from lrjax.custom_calls.triton import lowering as cuda_lowering
@@ -117,6 +117,7 @@ def test_model_decode_with_its_residual_adds_in_the_kernels(monkeypatch):
   truth = np.asarray(_lowrank_decode("f32"), np.float64)
   xla = _lowrank_decode("xla")
   monkeypatch.setattr(cuda_lowering, "NORM_GPU_VERIFIED", True)
+  monkeypatch.setattr(cuda_lowering, "RESIDUAL_GPU_VERIFIED", False)
   _lowrank_decode("kernels", count)
   assert seen["adds"] == 4, seen  # the count sees the adds where XLA does them
   monkeypatch.setattr(cuda_lowering, "RESIDUAL_GPU_VERIFIED", True)
