@@ -327,16 +327,16 @@ def _attention_lowerings(kind):
     setattr(cuda, f"{name}_GPU_VERIFIED", True)
   switches = {"norm_prologue": "NORM", "residual_epilogue": "RESIDUAL"}
   on = {k: True for k, name in switches.items() if name in chosen}
-  stack = contextlib.ExitStack()
-  if on:  # the kind's kernels switched on in this device's table, for its run
-    stack.enter_context(policy.use(policy.current().with_values("dispatch", **on)))
   if kind == "lowrank_sliced_cache":
     from lrjax.custom_calls.triton import decode_attention_pallas as pallas
 
     saved_splits, pallas.MAX_BUFFER_SPLITS = pallas.MAX_BUFFER_SPLITS, 0
     pallas.decode_attention.clear_cache()  # traced again under the new bound
   try:
-    yield
+    with contextlib.ExitStack() as stack:
+      if on:  # the kind's kernels switched on in this device's table, for its run
+        stack.enter_context(policy.use(policy.current().with_values("dispatch", **on)))
+      yield
   finally:
     for k in gone:
       registry.register(k)
@@ -347,7 +347,6 @@ def _attention_lowerings(kind):
       ours.MERGE = saved_merge
     for f, v in verified.items():
       setattr(cuda, f, v)
-    stack.close()
 
 
 def _time_kind(args, cfg, ranks, dtype, kind, built, out):

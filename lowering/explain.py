@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from lrjax.lowering import _jaxpr as jx
 from lrjax.lowering import registry
 from lrjax.lowering import rules as rules_lib
-from lrjax.lowering.fuse import analyze
+from lrjax.lowering.fuse import analyze, normed_call
 
 REPORT_PLATFORMS = ("cpu", "cuda", "neuron")
 
@@ -203,11 +203,10 @@ def explain(
     )
   residuals = []
   for eqn, m, norm in analysis.residuals:
-    avals, inner, params = m.avals_in, m.primitive.name, m.params
-    if norm is not None:  # the MLP's norm folded in too
-      avals = (norm.invars[0].aval, norm.invars[1].aval) + tuple(avals[1:])
-      params = dict(eps=norm.params["eps"], inner=inner, inner_params=tuple(sorted(params.items())))
-      inner = "lr_normed"
+    prim, avals, params = m.primitive, m.avals_in, m.params
+    if norm is not None:  # the MLP's norm folded in too: the lr_normed fuse binds, on avals
+      prim, avals, params = normed_call(norm, lambda a: a.aval, prim, avals, params)
+    inner = prim.name
     r = eqn.outvars[0].aval
     residuals.append(
       dict(

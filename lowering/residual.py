@@ -21,8 +21,6 @@ from lrjax.lowering import _jaxpr, primitives
 
 lr_residual_p = Primitive("lr_residual")
 
-INNERS = ("lr_xuv", "lr_mlp", "lr_normed")
-
 
 def inner_primitive(name: str):
   """The primitive whose output ``lr_residual`` adds the residual to."""

@@ -317,28 +317,38 @@ def _normed_inner(avals, params):
   return *_first_kernel(params["inner"], inner_avals, ip), inner_avals, ip
 
 
-def normed_supports(avals, params) -> str | None:
-  kernel, declined, _, _ = _normed_inner(avals, params)
+def _normed_reason(kernel, declined, inner: str) -> str | None:
+  """Why lr_normed's kernel cannot serve where ``kernel`` (``_normed_inner``'s) serves the op
+  ``inner`` (None: it can)."""
   if kernel is None:
     why = "; ".join(f"{n}: {r}" for n, r in declined) or "no kernel"
-    return f"no kernel serves {params['inner']} ({why}), so the norm stays XLA's"
+    return f"no kernel serves {inner} ({why}), so the norm stays XLA's"
   if kernel.name not in NORM_KERNELS:
-    return f"{kernel.name} serves {params['inner']} and has no norm prologue"
+    return f"{kernel.name} serves {inner} and has no norm prologue"
   if not NORM_GPU_VERIFIED:
     return "its norm prologue has not yet run on a GPU (lowering.NORM_GPU_VERIFIED)"
   return None
 
 
-def normed_faster(avals, params) -> str | None:
-  """The tuning table's ``dispatch.norm_prologue``, then the verdict of the kernel that would
+def _normed_verdict(kernel, inner_avals, ip) -> str | None:
+  """The tuning table's ``dispatch.norm_prologue``, then the verdict of ``kernel``, which would
   serve the op: measured slower than XLA there, it leaves the op (and so the norm) to XLA."""
   table = policy.current()
   if not table.values("dispatch").norm_prologue:
     return table.why("dispatch", "norm_prologue")
-  kernel, _, inner_avals, ip = _normed_inner(avals, params)
   if kernel is None or kernel.faster is None:
     return None
   return kernel.faster(inner_avals, ip)
+
+
+def normed_supports(avals, params) -> str | None:
+  kernel, declined, _, _ = _normed_inner(avals, params)
+  return _normed_reason(kernel, declined, params["inner"])
+
+
+def normed_faster(avals, params) -> str | None:
+  kernel, _, inner_avals, ip = _normed_inner(avals, params)
+  return _normed_verdict(kernel, inner_avals, ip)
 
 
 def _normed_impl():
@@ -383,11 +393,11 @@ def _residual_target(avals, params) -> _ResidualTarget:
   if inner == "lr_normed":  # the norm in the kernel where lr_normed's kernel would serve
     from lrjax.lowering import registry
 
-    in_kernel = normed_supports(inner_avals, ip) is None and (
-      registry.kernels_preferred() or normed_faster(inner_avals, ip) is None
-    )
     inner, eps = ip["inner"], ip["eps"]
     kernel, declined, inner_avals, ip = _normed_inner(inner_avals, ip)
+    in_kernel = _normed_reason(kernel, declined, inner) is None and (
+      registry.kernels_preferred() or _normed_verdict(kernel, inner_avals, ip) is None
+    )
   else:
     kernel, declined = _first_kernel(inner, inner_avals, ip)
 
