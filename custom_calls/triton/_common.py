@@ -101,6 +101,7 @@ def residual_operand(residual, bias, lead, n: int, dtype):
     return bias, bias is not None
   if bias is not None:
     raise ValueError("bias= and residual= share the kernel's epilogue operand: pass one")
+  dtype = jnp.dtype(dtype)
   if tuple(residual.shape) != (*lead, n) or residual.dtype != dtype:
     raise ValueError(
       f"residual {tuple(residual.shape)} {residual.dtype}: expected {(*lead, n)} {dtype} "

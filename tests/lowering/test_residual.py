@@ -195,3 +195,21 @@ def test_residual_kernel_serves_where_verified_and_the_table_says(monkeypatch):
       sel = registry.select("lr_residual", "cuda", *args)
     assert sel.kernel is None and why in sel.declined[0][1], sel.declined
   assert not registry.candidates("lr_residual", "cpu")
+
+
+def test_kernel_wrappers_refuse_a_residual_they_cannot_add():
+  """The kernels' residual= names what was expected: the output's shape and dtype, and no
+  bias with it (both take the kernel's one epilogue operand)."""
+  pytest.importorskip("triton")
+  from lrjax.custom_calls.triton._common import RESIDUAL, residual_operand
+
+  r = jnp.zeros((2, 3, 8), jnp.bfloat16)
+  b, mode = residual_operand(r, None, (2, 3), 8, jnp.bfloat16)
+  assert b.shape == (6, 8) and mode == RESIDUAL.value
+  assert residual_operand(None, None, (2, 3), 8, jnp.bfloat16) == (None, False)
+  with pytest.raises(ValueError, match="bias= and residual= share"):
+    residual_operand(r, jnp.zeros((8,), jnp.bfloat16), (2, 3), 8, jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"residual \(2, 3, 8\) bfloat16: expected \(2, 3, 16\)"):
+    residual_operand(r, None, (2, 3), 16, jnp.bfloat16)
+  with pytest.raises(ValueError, match="expected .* float32"):
+    residual_operand(r, None, (2, 3), 8, jnp.float32)
