@@ -117,7 +117,7 @@ def residual_reference(y, residual):
 
 def normed_reference(x, norm):
   """x, or with ``norm`` = (weight, eps) rms_norm(x, weight, eps) in x's dtype: what a
-  kernel's norm prologue computes."""
+  kernel's norm= computes (within its tolerance: norm_tile)."""
   if norm is None:
     return x
   from lrjax.lowering.rms_norm import rms_norm_reference
@@ -155,27 +155,20 @@ def k_masks(m_mask, n_mask, kk, K: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def row_rstd(x_ptr, offs_m, m_mask, K: tl.constexpr, BK: tl.constexpr, EPS: tl.constexpr):
-  """[BM] f32 1 / sqrt(mean(x², -1) + EPS) of rows offs_m of X [*, K] (row-major): the
-  statistics of rms_norm (lowering/rms_norm.py), summed in f32."""
-  acc = tl.zeros([offs_m.shape[0], BK], tl.float32)
-  for k0 in range(0, K, BK):
-    kk = k0 + tl.arange(0, BK)
-    a = tl.load(
-      x_ptr + offs_m[:, None] * K + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < K), other=0.0
-    ).to(tl.float32)
-    acc += a * a
-  mean = tl.math.div_rn(tl.sum(acc, axis=1), tl.full([offs_m.shape[0]], K, tl.float32))
-  return tl.math.rsqrt(mean + EPS)
+def norm_tile(a, g_ptr, kk, k_mask):
+  """X·g of a loaded X tile a [BM, BK] (columns kk) and the norm weight g[kk], both in a's
+  dtype, the product rounded once to it: rms_norm's input to a GEMM before its per-row scale
+  (``row_scale``), which the consumer of the product applies."""
+  g = tl.load(g_ptr + kk, mask=k_mask, other=0.0).to(a.dtype)
+  return (a.to(tl.float32) * g.to(tl.float32)[None, :]).to(a.dtype)
 
 
 @triton.jit
-def norm_tile(a, rs, g_ptr, kk, k_mask):
-  """rms_norm of a loaded X tile a [BM, BK] (columns kk): x · rs rounded to a's dtype, times
-  the weight g[kk] in a's dtype, each product rounded once as XLA's ops round it."""
-  y = (a.to(tl.float32) * rs[:, None]).to(a.dtype)
-  g = tl.load(g_ptr + kk, mask=k_mask, other=0.0).to(a.dtype)
-  return (y.to(tl.float32) * g.to(tl.float32)[None, :]).to(a.dtype)
+def row_scale(sq_ptr, offs_m, m_mask, K: tl.constexpr, EPS: tl.constexpr):
+  """[BM] f32 1 / sqrt(mean(x², -1) + EPS) of rows offs_m from their f32 sums of squares at
+  sq_ptr (complete once the wait on their producers has ended; read past L1)."""
+  ss = tl.load(sq_ptr + offs_m, mask=m_mask, other=0.0, cache_modifier=".cg")
+  return tl.math.rsqrt(tl.math.div_rn(ss, tl.full([offs_m.shape[0]], K, tl.float32)) + EPS)
 
 
 @triton.jit
@@ -196,12 +189,15 @@ def mm_acc(
   EVEN_K: tl.constexpr,
   A_CG: tl.constexpr,
   NORM: tl.constexpr = False,
-  rs=None,  # with NORM: [BM] row statistics (row_rstd) and the norm weight g [K]
-  g_ptr=None,
+  g_ptr=None,  # with NORM: the norm weight g [K], and where add_sq (a runtime bool) holds,
+  sq_ptr=None,  # [M] f32 the tile's squares of A are added to (row_scale reads the sums)
+  add_sq=False,
 ):
   """acc += A[offs_m, k_start:k_end] @ B[k_start:k_end, offs_n], software-pipelined; with
-  NORM, A's rows rms-normalised as they load (norm_tile)."""
+  NORM, A·g (norm_tile) instead of A, and with add_sq the rows' sums of squares of this
+  K range added to sq_ptr."""
   offs_k = tl.arange(0, BK)
+  sq = tl.zeros([offs_m.shape[0], BK], tl.float32)
   for k0 in range(k_start, k_end, BK):
     kk = k0 + offs_k
     a_ptrs = a_ptr + offs_m[:, None] * LDA + kk[None, :]
@@ -212,9 +208,13 @@ def mm_acc(
     else:
       a = tl.load(a_ptrs, mask=a_m, other=0.0)
     if NORM:
-      a = norm_tile(a, rs, g_ptr, kk, kk < K)
+      sq += a.to(tl.float32) * a.to(tl.float32)
+      a = norm_tile(a, g_ptr, kk, kk < K)
     b = tl.load(b_ptrs, mask=b_m, other=0.0)
     acc = tl.dot(a.to(b.dtype), b, acc)
+  if NORM:
+    if add_sq:
+      tl.atomic_add(sq_ptr + offs_m, tl.sum(sq, axis=1), mask=m_mask, sem="relaxed")
   return acc
 
 
@@ -240,13 +240,15 @@ def mm_acc2(
   A_CG: tl.constexpr,
   SHARED_A: tl.constexpr,
   NORM: tl.constexpr = False,
-  rs=None,  # with NORM (SHARED_A only): as mm_acc's
-  g_ptr=None,
+  g_ptr=None,  # with NORM (SHARED_A only): as mm_acc's
+  sq_ptr=None,
+  add_sq=False,
 ):
   """acc1 += A1 @ B1 and acc2 += A2 @ B2 in one pass (SHARED_A: A1 is A2, loaded once, and
-  with NORM rms-normalised as it loads)."""
+  with NORM taken as mm_acc takes it)."""
   tl.static_assert(SHARED_A or not NORM, "NORM applies to a shared A")
   offs_k = tl.arange(0, BK)
+  sq = tl.zeros([offs_m.shape[0], BK], tl.float32)
   for k0 in range(k_start, k_end, BK):
     kk = k0 + offs_k
     a_off = offs_m[:, None] * LDA + kk[None, :]
@@ -257,7 +259,8 @@ def mm_acc2(
     else:
       a1 = tl.load(a1_ptr + a_off, mask=a_m, other=0.0)
     if NORM:
-      a1 = norm_tile(a1, rs, g_ptr, kk, kk < K)
+      sq += a1.to(tl.float32) * a1.to(tl.float32)
+      a1 = norm_tile(a1, g_ptr, kk, kk < K)
     if SHARED_A:
       a2 = a1
     elif A_CG:
@@ -268,6 +271,9 @@ def mm_acc2(
     b2 = tl.load(b2_ptr + b_off, mask=b_m, other=0.0)
     acc1 = tl.dot(a1.to(b1.dtype), b1, acc1)
     acc2 = tl.dot(a2.to(b2.dtype), b2, acc2)
+  if NORM:
+    if add_sq:
+      tl.atomic_add(sq_ptr + offs_m, tl.sum(sq, axis=1), mask=m_mask, sem="relaxed")
   return acc1, acc2
 
 
@@ -430,6 +436,8 @@ def splitr_out_tile(
   BLOCK_KV: tl.constexpr,
   EVEN_R: tl.constexpr,
   COLS_N: tl.constexpr,
+  ROW_SCALE: tl.constexpr = False,
+  rs=None,  # with ROW_SCALE: [BM] f32 factors of the product's rows (row_scale)
 ):
   """One chunk of a split-r O = A·V: f32 atomics into acc; the last chunk to arrive for a
   column block (``last_arrival``) adds the bias and writes the output: one launch.
@@ -459,6 +467,8 @@ def splitr_out_tile(
     EVEN_R,
     True,
   )
+  if ROW_SCALE:
+    acc = acc * rs[:, None]
   splitr_finish(
     acc, nb, b_ptr, acc_ptr, sem_ptr, o_ptr, offs_m, m_mask, offs_n, n_mask, N, N_CHUNKS, HAS_BIAS
   )
@@ -629,8 +639,8 @@ def xu_tile(
   P_STORE: tl.constexpr = False,
   SIGNAL: tl.constexpr = True,
   NORM: tl.constexpr = False,
-  rs=None,  # with NORM: X's rows rms-normalised as they load (mm_acc)
-  g_ptr=None,
+  g_ptr=None,  # with NORM: X·g streamed (mm_acc); r-block 0's tiles add X's squares to sq_ptr
+  sq_ptr=None,
 ):
   """One split-K tile of P = X·U (the decode X·U·V kernels' phase 1): f32 atomics into P,
   then its r-chunk's counter (release). P16: the last of the column block's SPLIT_K tiles
@@ -662,8 +672,9 @@ def xu_tile(
       EVEN_K,
       False,
       NORM,
-      rs,
       g_ptr,
+      sq_ptr,
+      rb == 0,
     )
     if P_STORE:
       tl.store(

@@ -283,10 +283,10 @@ def _mlp_impl(mod: str, fn: str):
 
 # ---------------------------------------------------------------- lr_normed
 
-# kernels that apply an rms_norm as they load X (their impls take norm=(weight, eps))
+# kernels that apply an rms_norm to X in their GEMMs (their impls take norm=(weight, eps))
 NORM_KERNELS = ("triton.xuv_decode_group", "triton.mlp_decode")
-# lr_normed's kernels are not chosen until their norm prologue has passed its GPU tests (it
-# has, on an H100); then the tuning table's dispatch.norm_prologue decides
+# lr_normed's kernels are not chosen until their norm has passed its GPU tests; then the
+# tuning table's dispatch.norm_in_kernels decides
 NORM_GPU_VERIFIED = True
 
 
@@ -324,18 +324,18 @@ def _normed_reason(kernel, declined, inner: str) -> str | None:
     why = "; ".join(f"{n}: {r}" for n, r in declined) or "no kernel"
     return f"no kernel serves {inner} ({why}), so the norm stays XLA's"
   if kernel.name not in NORM_KERNELS:
-    return f"{kernel.name} serves {inner} and has no norm prologue"
+    return f"{kernel.name} serves {inner} and takes no norm"
   if not NORM_GPU_VERIFIED:
-    return "its norm prologue has not yet run on a GPU (lowering.NORM_GPU_VERIFIED)"
+    return "its norm has not yet passed its GPU tests (lowering.NORM_GPU_VERIFIED)"
   return None
 
 
 def _normed_verdict(kernel, inner_avals, ip) -> str | None:
-  """The tuning table's ``dispatch.norm_prologue``, then the verdict of ``kernel``, which would
+  """The tuning table's ``dispatch.norm_in_kernels``, then the verdict of ``kernel``, which would
   serve the op: measured slower than XLA there, it leaves the op (and so the norm) to XLA."""
   table = policy.current()
-  if not table.values("dispatch").norm_prologue:
-    return table.why("dispatch", "norm_prologue")
+  if not table.values("dispatch").norm_in_kernels:
+    return table.why("dispatch", "norm_in_kernels")
   if kernel is None or kernel.faster is None:
     return None
   return kernel.faster(inner_avals, ip)

@@ -66,7 +66,7 @@ from lrjax.custom_calls.triton._common import (
   residual_operand,
   residual_reference,
   round_once,
-  row_rstd,
+  row_scale,
   signal,
   splitr_finish,
   splitr_out_tile,
@@ -228,8 +228,8 @@ def _up_tile(
   rb_cnt_ptr,
   SPLIT_K: tl.constexpr,
   NORM: tl.constexpr = False,
-  rs=None,  # with NORM: X's rows rms-normalised as they load (_common.mm_acc)
-  g_ptr=None,
+  g_ptr=None,  # with NORM: X·g streamed (_common.mm_acc); r-block 0's tiles add X's squares
+  sq_ptr=None,  # to sq_ptr [M]
 ):
   """One split-K tile of Pg = X·Ug and Pu = X·Uu (X loaded once per K step): f32 atomics
   into Pg/Pu, then this rank chunk's counter. P16: the column block's last tile
@@ -266,8 +266,9 @@ def _up_tile(
         False,
         True,
         NORM,
-        rs,
         g_ptr,
+        sq_ptr,
+        rb == 0,
       )
       tl.atomic_add(pg_ptr + out_off, acc_g, mask=out_mask, sem="relaxed")
     else:
@@ -288,8 +289,9 @@ def _up_tile(
         EVEN_D,
         False,
         NORM,
-        rs,
         g_ptr,
+        sq_ptr,
+        rb == 0,
       )
     tl.atomic_add(pu_ptr + out_off, acc_u, mask=out_mask, sem="relaxed")
   if P16:
@@ -387,6 +389,10 @@ def _down_slice(
   SLICES_PER_SPLIT: tl.constexpr,
   trace_ptr,
   TRACE: tl.constexpr,
+  NORM: tl.constexpr = False,  # Pg/Pu are (X·g)·U: rows scaled by row_scale(sq_ptr) first
+  sq_ptr=None,
+  D: tl.constexpr = 1,
+  EPS: tl.constexpr = 0.0,
 ):
   """One COLS_F-wide slice h of the intermediate, consuming Pg/Pu chunk by chunk as they
   complete, projected straight into S (the down factor's rank space); then the counter.
@@ -451,6 +457,9 @@ def _down_slice(
           True,
         )
   if STREAM:
+    if NORM:  # every chunk is in, r-block 0's tiles (and their squares) among them
+      rs = row_scale(sq_ptr, offs_m, m_mask, D, EPS)[:, None]
+      acc_g, acc_u = acc_g * rs, acc_u * rs
     h = swiglu_epilogue(
       acc_g, acc_u, bg_ptr, bu_ptr, offs_f, f_mask, GATED, ACT, HAS_BG, HAS_BU
     ).to(ud_ptr.dtype.element_ty)
@@ -579,7 +588,8 @@ def _mlp_decode_kernel(
   # output accumulator [M, DO], then (i32) A_CHUNKS stage-A counters,
   # the counter stage C waits on (stage-B slices or, PARK_H, stage-H
   # tiles), ceil(DO/BLOCK_N) stage-C semaphores, with P16 one stage-A
-  # counter per column block of Pg/Pu, with PARK_H one per stage-H split
+  # counter per column block of Pg/Pu, with PARK_H one per stage-H split,
+  # then (f32, NORM) the sums of X's squares [M]
   o_ptr,  # [M, DO] output
   p16_ptr,  # in the factors' dtype: Pg, Pu [2, M, R] rounded once (P16), then h [M, F]
   # (PARK_H); else unused
@@ -619,7 +629,7 @@ def _mlp_decode_kernel(
   COLS_F: tl.constexpr,  # D_ff columns per stage-B slice (<= BLOCK_F; the rest masked)
   H_INLINE: tl.constexpr,  # PARK_H: each stage-B CTA then runs stage-H tiles of its own
   # split (no stage-H CTAs of their own)
-  NORM: tl.constexpr,  # X is rms-normalised (weight g, epsilon EPS) as stage A loads it
+  NORM: tl.constexpr,  # rms_norm of X (weight g, epsilon EPS): stage A streams X·g, B scales rows
   EPS: tl.constexpr,
   PREFETCH: tl.constexpr = 0,
   PREFETCH_H: tl.constexpr = 0,  # Variant.prefetch{,_h,_c}
@@ -653,6 +663,9 @@ def _mlp_decode_kernel(
   if P16:
     h_ptr = p16_ptr + 2 * M * R
     h_cnt_ptr = rb_cnt_ptr + n_r
+  sq_ptr = h_cnt_ptr.to(tl.pointer_type(tl.float32))  # NORM: [M] X's squares, summed
+  if PARK_H:
+    sq_ptr = (h_cnt_ptr + H_SPLITS).to(tl.pointer_type(tl.float32))
   n_cb = (RD + BLOCK_H - 1) // BLOCK_H
   n_h = 0  # stage-H tiles (stage C waits for them all)
   if PARK_H:
@@ -661,12 +674,8 @@ def _mlp_decode_kernel(
   offs_m = tl.arange(0, BLOCK_M)
   m_mask = offs_m < M
   if pid < n_a:
-    # ---- stage A: split-K X·Ug and X·Uu, X loaded once per K tile (with NORM, normalised
-    # as it loads, each CTA having first summed its rows' squares)
-    if NORM:
-      rs = row_rstd(x_ptr, offs_m, m_mask, D, BLOCK_K, EPS)
-    else:
-      rs = tl.zeros([BLOCK_M], tl.float32)
+    # ---- stage A: split-K X·Ug and X·Uu, X loaded once per K tile (with NORM, X·g; the
+    # r-block-0 tiles sum X's squares from the same loads, stage B applies the row scale)
     _up_tile(
       pid // SPLIT_K,
       (pid % SPLIT_K) * K_PER,
@@ -695,8 +704,8 @@ def _mlp_decode_kernel(
       rb_cnt_ptr,
       SPLIT_K,
       NORM,
-      rs,
       g_ptr,
+      sq_ptr,
     )
   elif pid < n_a + n_b:
     # ---- stage B: one slice of the intermediate dim, projected straight into rank space
@@ -742,6 +751,10 @@ def _mlp_decode_kernel(
       F_PER // COLS_F,
       o_in_ptr,
       TRACE,
+      NORM,
+      sq_ptr,
+      D,
+      EPS,
     )
     if H_INLINE:
       # the split's slices share its n_cb tiles (the last split may have fewer slices):
@@ -1186,6 +1199,7 @@ def launch_plan(
     + n_nb
     + (n_rb if bs.p16 else 0)
     + (h_splits if bs.park_h else 0)
+    + m  # the sums of X's squares (NORM)
   )
   p16 = (2 * m * r if bs.p16 else 0) + (m * f if bs.park_h else 0)
   grid = n_a + n_b + (0 if vt.h_inline else n_h) + n_nb * c_chunks
@@ -1363,7 +1377,7 @@ def _mlp_decode(
       *lead, d_out
     )
   if persistent:
-    if norm is not None:  # no prologue in the persistent schedule: XLA normalises x
+    if norm is not None:  # the persistent schedule takes no norm: XLA normalises x
       x2, w = normed_reference(x2, norm), None
       ops = (x2,) + tuple(ops[1:])
     if block_sizes is not None or variant is not None:
@@ -1465,7 +1479,7 @@ def mlp_decode(
   v [r_d, D_out]). ``block_sizes``: the fused kernel's blocks (default: the table's, and from
   ``compose_min_m`` rows X·U·V decode calls instead of the fused kernel). ``out`` [M, D_out]:
   optional buffer the kernel writes into (aliased). ``norm``: (weight [D], eps), x
-  rms-normalised as the kernel loads it (lowering/rms_norm.py). ``residual`` [..., D_out] in
+  rms-normalised in the kernel (lowering/rms_norm.py). ``residual`` [..., D_out] in
   the output dtype (down without a bias): y + residual, added as y is stored.
   """
   return _mlp_decode(

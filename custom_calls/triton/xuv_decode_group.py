@@ -31,8 +31,9 @@ from lrjax.custom_calls.triton._common import (
   normed_reference,
   num_sms,
   prefetch_l2,
-  pv_tile,
-  row_rstd,
+  row_scale,
+  splitr_out_tile,
+  wait_at_least,
   unpack_xuv_args,
   xu_tile,
 )
@@ -75,11 +76,11 @@ def _group_phase1(
   BLOCK_R: tl.constexpr,
   COLS_R: tl.constexpr,
   NORM: tl.constexpr,
-  rs,
   g_ptr,
+  sq_ptr,
 ):
-  """Phase-1 tile t of one member of the group (its r-blocks form one chunk); with NORM, X
-  rms-normalised as it loads."""
+  """Phase-1 tile t of one member of the group (its r-blocks form one chunk); with NORM,
+  X·g streamed, and r-block 0's tiles add X's squares to the member's sq_ptr."""
   xu_tile(
     t // SPLIT,
     (t % SPLIT) * K_PER,
@@ -105,8 +106,8 @@ def _group_phase1(
     False,
     True,
     NORM,
-    rs,
     g_ptr,
+    sq_ptr,
   )
 
 
@@ -129,35 +130,41 @@ def _group_phase2(
   COLS_R: tl.constexpr,
   COLS_N: tl.constexpr,
   EVEN_R: tl.constexpr,
+  NORM: tl.constexpr,
+  sq_ptr,
+  K: tl.constexpr,
+  EPS: tl.constexpr,
 ):
-  """Phase-2 tile q of one member: waits for its whole X·U, then one column block of ·V."""
-  pv_tile(
+  """Phase-2 tile q (a column block of ·V) of one member, once its whole X·U is in (every
+  split-K tile of its r-blocks signalled); with NORM, each row times rms_norm's scale."""
+  n_rb = (R + COLS_R - 1) // COLS_R
+  wait_at_least(flag_ptr, n_rb * SPLIT)
+  offs_m = tl.arange(0, BLOCK_M)
+  rs = tl.zeros([BLOCK_M], tl.float32)
+  if NORM:
+    rs = row_scale(sq_ptr, offs_m, offs_m < M, K, EPS)
+  splitr_out_tile(
     q,
-    (N + COLS_N - 1) // COLS_N,
-    (R + COLS_R - 1) // COLS_R,
+    0,
     p_ptr,
     v_ptr,
     b_ptr,
     p_ptr,
     flag_ptr,
-    flag_ptr,
     o_ptr,
     M,
     R,
     N,
-    HAS_BIAS,
-    SPLIT,
+    n_rb * COLS_R,
     1,
-    (R + COLS_R - 1) // COLS_R,
+    HAS_BIAS,
     BLOCK_M,
     BLOCK_N,
     BLOCK_KV,
     EVEN_R,
-    COLS_R,
     COLS_N,
-    False,
-    o_ptr,
-    False,
+    NORM,
+    rs,
   )
 
 
@@ -181,7 +188,8 @@ def _xuv_decode_group_kernel(
   M,
   clear_off,
   clear_n,  # as in _xuv_decode_kernel
-  scratch_ptr,  # f32: P_0 [M, R0], P_1 [M, R1], P_2 [M, R2], then (i32) one flag a member
+  scratch_ptr,  # f32: P_0 [M, R0], P_1 [M, R1], P_2 [M, R2], then (i32) one flag a member,
+  # then (f32, NORM) each member's sums of X's squares [3, M]
   o0_ptr,
   o1_ptr,
   o2_ptr,  # [M, N_i] outputs (o2 unused with two members)
@@ -237,7 +245,8 @@ def _xuv_decode_group_kernel(
   """Several X·U_i·V_i sharing X, one persistent launch: phase 1 streams every U_i
   (split-K tiles of all members, one after another), phase 2 every V_i (each tile waits
   only for its own member's X·U_i). The persistent kernel's dataflow, per member. With NORM
-  every CTA first sums its rows' squares (X is a few KB to a few hundred KB, read from L2)."""
+  phase 1 streams X·g and its r-block-0 tiles sum X's squares in the same loads; phase 2
+  scales each row of P_i·V_i by rms_norm's 1/rms once its member is in."""
   pid = tl.program_id(0)
   chain_ptr = scratch_ptr
   scratch_ptr = join_chain(scratch_ptr, WORK_OFF, PDL)
@@ -245,12 +254,9 @@ def _xuv_decode_group_kernel(
   p1_ptr = p0_ptr + M * R0
   p2_ptr = p1_ptr + M * R1
   flag_ptr = (p2_ptr + M * R2).to(tl.pointer_type(tl.int32))
+  sq_ptr = (flag_ptr + 3).to(tl.pointer_type(tl.float32))  # NORM: [3, M] X's squares, summed
   offs_m = tl.arange(0, BLOCK_M)
   m_mask = offs_m < M
-  if NORM:
-    rs = row_rstd(x_ptr, offs_m, m_mask, K, BLOCK_K, EPS)
-  else:
-    rs = tl.zeros([BLOCK_M], tl.float32)
   if ONE:  # phase 1, never waiting; member j's tiles are t in [j * A0, (j + 1) * A0)
     for t in range(pid, A0 + A1 + A2, PROGRAMS):
       j = t // A0
@@ -271,8 +277,8 @@ def _xuv_decode_group_kernel(
         BR0,
         CR0,
         NORM,
-        rs,
         g_ptr,
+        sq_ptr + j * M,
       )
   else:
     for t in range(pid, A0 + A1 + A2, PROGRAMS):  # phase 1: never waits
@@ -293,8 +299,8 @@ def _xuv_decode_group_kernel(
           BR0,
           CR0,
           NORM,
-          rs,
           g_ptr,
+          sq_ptr,
         )
       elif t < A0 + A1:
         _group_phase1(
@@ -313,8 +319,8 @@ def _xuv_decode_group_kernel(
           BR1,
           CR1,
           NORM,
-          rs,
           g_ptr,
+          sq_ptr + M,
         )
       else:
         _group_phase1(
@@ -333,8 +339,8 @@ def _xuv_decode_group_kernel(
           BR2,
           CR2,
           NORM,
-          rs,
           g_ptr,
+          sq_ptr + 2 * M,
         )
   if PREFETCH > 0:  # the first V rows of this CTA's first phase-2 tile, while it waits
     if pid < Q0:
@@ -363,6 +369,10 @@ def _xuv_decode_group_kernel(
         CR0,
         CN0,
         E0,
+        NORM,
+        sq_ptr,
+        K,
+        EPS,
       )
     elif q < Q0 + Q1:
       _group_phase2(
@@ -383,6 +393,10 @@ def _xuv_decode_group_kernel(
         CR1,
         CN1,
         E1,
+        NORM,
+        sq_ptr + M,
+        K,
+        EPS,
       )
     else:
       _group_phase2(
@@ -403,6 +417,10 @@ def _xuv_decode_group_kernel(
         CR2,
         CN2,
         E2,
+        NORM,
+        sq_ptr + 2 * M,
+        K,
+        EPS,
       )
   leave_chain(chain_ptr, clear_off, clear_n)
 
@@ -456,7 +474,7 @@ def launch_plan(m: int, k: int, members, p: planner.GroupDecodePlan, phase2: boo
         f"E{i}": r % r_per == 0 and r_per % 64 == 0,
       }
     )
-  return dict(meta=meta, scratch=m * sum(r for r, *_ in full) + 3)
+  return dict(meta=meta, scratch=m * sum(r for r, *_ in full) + 3 + 3 * m)
 
 
 def _xuv_decode_group(
@@ -472,8 +490,8 @@ def _xuv_decode_group(
   """``xuv_decode_group`` on a given plan and ``pv``: "kernel" (each V_i applied in the same
   launch, up to GROUP_MAX_M rows) or "xla" (phase 1 alone, up to MAX_M rows: every P_i in one
   launch, then XLA rounds each and its GEMM applies V_i; default plan
-  ``planner.plan_decode_group_phase1``). ``norm``: (weight [K], eps), X rms-normalised in
-  phase 1's loads."""
+  ``planner.plan_decode_group_phase1``). ``norm``: (weight [K], eps), rms_norm of X (as
+  xuv_decode_group)."""
   if pv not in ("kernel", "xla"):
     raise ValueError(f"{pv=} must be 'kernel' or 'xla'")
   if pv == "xla" and out is not None:
@@ -547,8 +565,13 @@ def _xuv_decode_group(
     from lrjax.lowering.primitives import apply_scale, rank_space_out
 
     ys, off = [], 0
-    for (u, v, b, r, n), s in zip(unpacked, scales):  # noqa: B007
-      pm = outs[0][off : off + m * r].reshape(m, r).astype(v.dtype)
+    sq_off = m * sum(r for *_, r, _ in full) + 3  # NORM: each member's sums of squares
+    for i, ((u, v, b, r, n), s) in enumerate(zip(unpacked, scales)):  # noqa: B007
+      pm = outs[0][off : off + m * r].reshape(m, r)
+      if w is not None:  # rms_norm's row scale, as phase 2 applies it
+        ss = outs[0][sq_off + i * m : sq_off + (i + 1) * m]
+        pm = pm * jax.lax.rsqrt(ss / k + eps)[:, None]
+      pm = pm.astype(v.dtype)
       pm = apply_scale(pm, s, v.dtype)  # scales are in the factors' dtype (lr_xuv_group)
       ys.append(rank_space_out(pm, v, b, odt).reshape(*lead, n))
       off += m * r
@@ -563,9 +586,10 @@ def xuv_decode_group(
   projections), in one launch. x [..., K]; members: [(u_i [K, r_i], v_i [r_i, N_i]),
   (u_i, v_i, bias_i [N_i] | None) or (u_i, v_i, bias_i | None, scale_i [r_i])].
   ``out``: optional [M, N_i] buffers the kernel writes into (aliased). ``norm``: (weight
-  [K], eps): x is rms_norm(x, weight, eps) (lowering/rms_norm.py), applied as phase 1 loads
-  it. Returns the list of [..., N_i] outputs. Default blocks: phase 2 in the kernel, up to
-  GROUP_MAX_M rows; with a scale, phase 1 alone (pv="xla") and the scales and ·V_i by XLA."""
+  [K], eps): x is rms_norm(x, weight, eps) (lowering/rms_norm.py): phase 1 streams x·g and
+  sums x's squares, P_i's rows are scaled after. Returns the list of [..., N_i] outputs.
+  Default blocks: phase 2 in the kernel, up to GROUP_MAX_M rows; with a scale, phase 1 alone
+  (pv="xla") and the scales and ·V_i by XLA."""
   if any(len(mem) == 4 and mem[3] is not None for mem in members):
     if block_sizes is not None or out is not None:
       raise ValueError("block_sizes= and out= do not apply with scales (pv='xla')")

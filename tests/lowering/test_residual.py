@@ -181,9 +181,9 @@ def test_residual_kernel_serves_where_verified_and_the_table_says(monkeypatch):
     sel = registry.select("lr_residual", "cuda", *xuv(1))
     assert sel.kernel is None and "not yet run on a GPU" in dict(sel.declined)["triton.residual"]
   monkeypatch.setattr(cuda_lowering, "RESIDUAL_GPU_VERIFIED", True)
-  t = cuda_lowering._residual_target(*mlp(1))  # the table keeps the norm prologue off
+  t = cuda_lowering._residual_target(*mlp(1))  # the table keeps the norm in XLA
   assert t.reason is None and t.kernel.name == "triton.mlp_decode" and not t.norm_in_kernel
-  with policy.use(on.with_values("dispatch", norm_prologue=True)):
+  with policy.use(on.with_values("dispatch", norm_in_kernels=True)):
     assert cuda_lowering._residual_target(*mlp(1)).norm_in_kernel
     assert registry.select("lr_residual", "cuda", *mlp(16)).name == "triton.residual"
   for args, why in (

@@ -190,7 +190,7 @@ def test_explain_names_the_folded_norms():
 
 def test_normed_kernel_serves_where_verified_and_the_table_says(monkeypatch):
   """On CUDA lr_normed's kernel declines, naming why, unless marked verified on a GPU and
-  switched on by the tuning table (``dispatch.norm_prologue``: off, measured slower); then it
+  switched on by the tuning table (``dispatch.norm_in_kernels``: off, measured slower); then it
   serves where the grouped or SwiGLU decode kernel serves the op, and declines (naming the op's
   own reasons) where XLA lowers it."""
   from lrjax.custom_calls.triton import policy
@@ -213,7 +213,7 @@ def test_normed_kernel_serves_where_verified_and_the_table_says(monkeypatch):
   )
   sel = registry.select("lr_normed", "cuda", avals(1), params)
   assert sel.kernel is None and "is slower" in dict(sel.declined)["triton.normed"], sel
-  with policy.use(policy.current().with_values("dispatch", norm_prologue=True)):
+  with policy.use(policy.current().with_values("dispatch", norm_in_kernels=True)):
     assert registry.select("lr_normed", "cuda", avals(1), params).name == "triton.normed"
     monkeypatch.setattr(cuda_lowering, "NORM_GPU_VERIFIED", False)
     sel = registry.select("lr_normed", "cuda", avals(1), params)

@@ -318,7 +318,7 @@ def planned():
         bs.num_warps,
         bs.num_stages,
       )
-  for m in (1, 16):  # the norm prologue (NORM): Llama-3-8B's q/k/v and SwiGLU
+  for m in (1, 16):  # the norm in the kernels (NORM): Llama-3-8B's q/k/v and SwiGLU
     k, members = GROUP_SHAPES[1]
     p = planner.plan_decode_group(m, k, members)
     plan = xuv_decode_group.launch_plan(m, k, [(r, n, False) for r, n in members], p)

@@ -101,7 +101,7 @@ def test_swiglu_kernels_add_the_residual_as_they_store_y(kind, shape, norm):
 
 def test_model_decode_with_its_residual_adds_in_the_kernels(monkeypatch):
   """The low-rank model's decode step with both residual adds of each layer folded into the
-  o_proj and SwiGLU kernels (prefer_kernels: with the norms' prologue): no add of the hidden
+  o_proj and SwiGLU kernels (prefer_kernels: with the norms in the kernels): no add of the hidden
   state left to XLA (four with XLA's lowering: two layers, two adds), and logits as close to
   the f32 model's as XLA's."""
   from lrjax.custom_calls.triton import lowering as cuda_lowering

@@ -1,4 +1,4 @@
-"""GPU tests of the norm prologue (lowering/rms_norm.py's ``lr_normed`` on CUDA): the grouped
+"""GPU tests of the norm in the kernels (lowering/rms_norm.py's ``lr_normed`` on CUDA): the grouped
 q/k/v and SwiGLU decode kernels given ``norm=(weight, eps)`` against a float64 host reference
 of the normalised input (rounded as the model rounds it), with every schedule that takes the
 norm, and the model's decode step with its norms folded in (``pytest -m gpu``)."""
@@ -38,7 +38,7 @@ def _norm_operands(k, eps):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("case", [c for c in GROUP_CASES if c[0] <= 64])
 @pytest.mark.parametrize("pv", ["kernel", "xla"])
-def test_grouped_kernel_normalises_x_as_it_loads_it(case, dtype, pv, eps):
+def test_grouped_kernel_normalises_x(case, dtype, pv, eps):
   from lrjax.custom_calls.triton import xuv_decode_group
 
   m, k, mem, _ = case
@@ -60,7 +60,7 @@ def test_grouped_kernel_normalises_x_as_it_loads_it(case, dtype, pv, eps):
                                    (16, 4096, 2816, 256, 256), (64, 320, 1000, 200, 72),
                                    (100, 4096, 1400, 256, 192)])  # fmt: skip
 @pytest.mark.parametrize("kind", ["decode", "decode_p16", "decode_park_h", "compose", "persistent"])
-def test_swiglu_kernels_normalise_x_as_they_load_it(kind, shape, eps):
+def test_swiglu_kernels_normalise_x(kind, shape, eps):
   from lrjax.custom_calls.triton import mlp_decode
 
   dtype = jnp.bfloat16

@@ -284,10 +284,10 @@ _PREFILL = textwrap.dedent("""
 """)
 
 
-# The norm prologue (NORM): the grouped kernel on one program and the tiled SwiGLU kernel
-# load X through rms_norm (lowering/rms_norm.py) with the norm weight g; the reference
-# rounds as the model does (x·rs to f16, then ·g to f16). Each case also checks that the
-# un-normalised result would fail, so the test sees the prologue.
+# The norm in the kernels (NORM): the grouped kernel on one program and the tiled SwiGLU
+# kernel stream X·g and scale P's rows by rms_norm's 1/rms (lowering/rms_norm.py); the
+# reference rounds as the model does (x·rs to f16, then ·g to f16). Each case also checks
+# that the un-normalised result would fail, so the test sees the norm.
 _NORM = textwrap.dedent("""
   from lrjax.custom_calls.triton import mlp_decode
 
@@ -468,7 +468,7 @@ def test_residual_epilogue_of_the_decode_kernels():
   )
 
 
-def test_norm_prologue_of_the_grouped_and_swiglu_kernels():
+def test_norm_of_the_grouped_and_swiglu_kernels():
   """rms_norm(X) as the grouped q/k/v and the tiled SwiGLU decode kernels load X: ragged K
   and D (the statistics' last step masked), rows past M, epsilons small and large."""
   groups = [  # (M, K, [(r_i, N_i, bias_i)], eps)

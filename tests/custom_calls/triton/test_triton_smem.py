@@ -38,7 +38,7 @@ def test_planned_tiles_fit_a_cta_of_the_h200():
   alone from 64 rows) and the tiled and persistent SwiGLU kernels at 1-128 rows, the ·V
   launch at 32-128 rows, the two prefill kernels at 1024 and 4096 tokens, lrjax's decode
   attention (and its RoPE-and-append launch) and both its merges at batch 1-64 and 1024-8192
-  keys; the norm prologue and the residual epilogue at Llama-3-8B's shapes; each on its
+  keys; the norm in the kernels and the residual epilogue at Llama-3-8B's shapes; each on its
   default tiles."""
   out = run_script(_CHECK, interpret=False)
   assert int(out.split()[-2]) == 130, out  # every configuration was compiled
