@@ -143,10 +143,12 @@ LRJAX_KINDS = (
   "lowrank_residual_epilogue",
   "lowrank_norm_residual",
   "lowrank_append_norm_residual",
+  "lowrank_xla_norms",
 )
-# the kernels a kind chooses that the default lowering does not: decode_attention_append's
-# (not verified on a GPU: custom_calls/triton/lowering.py's APPEND_GPU_VERIFIED), lr_normed's
-# and lr_residual's (off in the tuning table: dispatch.norm_in_kernels, .residual_epilogue)
+# the gated kernels a kind switches on for its run (whatever the card's table and the GPU
+# flags say): decode_attention_append's (custom_calls/triton/lowering.py's
+# APPEND_GPU_VERIFIED), lr_normed's and lr_residual's (dispatch.norm_in_kernels,
+# .residual_epilogue)
 CHOSEN = {
   "lowrank_append_attention": ("APPEND",),
   "lowrank_append_xla_triton_norms": ("APPEND",),
@@ -156,6 +158,8 @@ CHOSEN = {
   "lowrank_norm_residual": ("NORM", "RESIDUAL"),
   "lowrank_append_norm_residual": ("APPEND", "NORM", "RESIDUAL"),
 }
+# the table's gated kernels a kind switches off: the layers' norms and residual adds in XLA
+SWITCHED_OFF = {"lowrank_xla_norms": ("NORM", "RESIDUAL")}
 # the decode_attention lowerings a kind goes without
 WITHOUT = {
   "lowrank_pallas_attention": ("triton.decode_attention",),
@@ -197,6 +201,7 @@ PROFILED = (
   "lowrank_residual_epilogue",
   "lowrank_norm_residual",
   "lowrank_append_norm_residual",
+  "lowrank_xla_norms",
 )
 # lrjax's attention kernel's merge, forced for a kind
 MERGE = {"lowrank_lrjax_attention_tile_merge": "tile", "lowrank_lrjax_attention_walk_merge": "walk"}
@@ -327,6 +332,7 @@ def _attention_lowerings(kind):
     setattr(cuda, f"{name}_GPU_VERIFIED", True)
   switches = {"norm_in_kernels": "NORM", "residual_epilogue": "RESIDUAL"}
   on = {k: True for k, name in switches.items() if name in chosen}
+  on.update({k: False for k, name in switches.items() if name in SWITCHED_OFF.get(kind, ())})
   if kind == "lowrank_sliced_cache":
     from lrjax.custom_calls.triton import decode_attention_pallas as pallas
 
@@ -334,7 +340,7 @@ def _attention_lowerings(kind):
     pallas.decode_attention.clear_cache()  # traced again under the new bound
   try:
     with contextlib.ExitStack() as stack:
-      if on:  # the kind's kernels switched on in this device's table, for its run
+      if on:  # the kind's kernels switched on (or off) in this device's table, for its run
         stack.enter_context(policy.use(policy.current().with_values("dispatch", **on)))
       yield
   finally:

@@ -17,10 +17,15 @@ buffers (aliased in place), and every program takes that key and value from regi
 than from the cache, so no program waits for another's write. The merge launch is
 decode_attention.py's.
 
-RoPE is computed in q's dtype one operation at a time, as the models' XLA code rounds it
-(x·cos, rotate_half(x)·sin, their sum), so the written key equals the reference's. Checked in
-Triton's interpreter and compiled for sm_90 in the CPU suite; **not yet run on a GPU**, so the
-registry declines it until then (lowering.APPEND_GPU_VERIFIED; docs/kernels.md).
+RoPE is computed in q's dtype one operation at a time, as XLA rounds the models' code on the
+CPU and on the GPU (x·cos, rotate_half(x)·sin, their sum), so the written key equals the
+reference's. The kernel is compiled without floating-point contraction (``COMPILE_OPTIONS``):
+with it, Triton fuses the second product into the sum (a bf16 FMA that skips the product's
+rounding), and on an H200 the written key rows differed from XLA's in about a fifth of their
+elements. Checked in Triton's interpreter, and in the sm_90 PTX (each product and the sum
+rounded, no FMA: tests/custom_calls/triton/test_triton_rounding.py); **not yet run on a GPU
+so compiled**, so the registry declines it until then (lowering.APPEND_GPU_VERIFIED;
+docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -41,6 +46,11 @@ def decode_attention_append_reference(q, k_new, v_new, k_cache, v_cache, pos, co
   from lrjax.lowering.decode_attention import decode_attention_append_reference as ref
 
   return ref(q, k_new, v_new, k_cache, v_cache, pos, cos, sin, **kw)
+
+
+# no floating-point contraction: RoPE's products are rounded before their sum, as XLA rounds
+# them (with contraction Triton fuses the second product into the add: one bf16 FMA)
+COMPILE_OPTIONS = dict(enable_fp_fusion=False)
 
 
 @triton.jit
@@ -155,6 +165,7 @@ def decode_attention_append(
     num_warps=bs.num_warps,
     num_stages=bs.num_stages,
     name="lrjax_decode_attention_append",
+    **COMPILE_OPTIONS,
     **plan["meta"],
   )
   out = launch.triton_call(

@@ -142,8 +142,8 @@ def test_explain_names_the_folded_adds():
 
 def test_residual_kernel_serves_where_verified_and_the_table_says(monkeypatch):
   """On CUDA lr_residual's kernel declines, naming why, unless marked verified on a GPU and
-  switched on by the tuning table (``dispatch.residual_epilogue``: off, not yet measured
-  faster); then it serves where the decode X·U·V or SwiGLU kernel serves the
+  switched on by the tuning table (``dispatch.residual_epilogue``: on, measured faster);
+  then it serves where the decode X·U·V or SwiGLU kernel serves the
   op (an MLP's folded norm applied by the kernel where that is switched on too, else by XLA
   first), and declines where XLA lowers the op or the op's bias takes the epilogue."""
   from lrjax.custom_calls.triton import policy
@@ -173,15 +173,19 @@ def test_residual_kernel_serves_where_verified_and_the_table_says(monkeypatch):
     avals = (sds((m, 4096), bf), sds((m, 4096), bf), sds((4096,), bf), *ops)
     return avals, dict(inner="lr_normed", inner_params=tuple(sorted(normed.items())))
 
-  sel = registry.select("lr_residual", "cuda", *xuv(1))
-  assert sel.kernel is None and "not yet measured" in dict(sel.declined)["triton.residual"]
+  off = policy.current().with_values("dispatch", residual_epilogue=False)
+  with policy.use(off):
+    sel = registry.select("lr_residual", "cuda", *xuv(1))
+  assert sel.kernel is None, sel
+  assert dict(sel.declined)["triton.residual"] == off.why("dispatch", "residual_epilogue")
   with policy.use(on):
     assert registry.select("lr_residual", "cuda", *xuv(1)).name == "triton.residual"
     monkeypatch.setattr(cuda_lowering, "RESIDUAL_GPU_VERIFIED", False)
     sel = registry.select("lr_residual", "cuda", *xuv(1))
     assert sel.kernel is None and "not yet run on a GPU" in dict(sel.declined)["triton.residual"]
   monkeypatch.setattr(cuda_lowering, "RESIDUAL_GPU_VERIFIED", True)
-  t = cuda_lowering._residual_target(*mlp(1))  # the table keeps the norm in XLA
+  with policy.use(on.with_values("dispatch", norm_in_kernels=False)):  # the norm in XLA
+    t = cuda_lowering._residual_target(*mlp(1))
   assert t.reason is None and t.kernel.name == "triton.mlp_decode" and not t.norm_in_kernel
   with policy.use(on.with_values("dispatch", norm_in_kernels=True)):
     assert cuda_lowering._residual_target(*mlp(1)).norm_in_kernel

@@ -363,3 +363,30 @@ def planned():
       bs.num_warps,
       bs.num_stages,
     )
+
+
+def rope_bf16_ops(**options) -> list[str]:
+  """The bf16 mul/add/fma instructions of decode_attention_append's RoPE (``_rope_rows`` on
+  one row of 128) compiled for sm_90 with these compile options."""
+  import re
+
+  import triton
+  import triton.language as tl
+  from triton.backends.compiler import GPUTarget
+  from triton.compiler import ASTSource
+
+  from lrjax.custom_calls.triton import decode_attention_append as dap
+
+  @triton.jit
+  def rope(x_ptr, cos_ptr, sin_ptr, o_ptr, D: tl.constexpr):
+    offs = tl.arange(0, D)
+    row = tl.arange(0, 1)
+    cos, sin = tl.load(cos_ptr + offs), tl.load(sin_ptr + offs)
+    y = dap._rope_rows(x_ptr, row, offs, cos, sin, D, True)
+    tl.store(o_ptr + row[:, None] * D + offs[None, :], y)
+
+  sig = {n: "*bf16" for n in ("x_ptr", "cos_ptr", "sin_ptr", "o_ptr")} | {"D": "constexpr"}
+  src = ASTSource(fn=rope, signature=sig, constexprs={"D": 128})
+  opts = dict(num_warps=4, num_stages=1, **options)
+  ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+  return sorted(set(re.findall(r"\b(?:fma|mul|add)\.[a-z.]*bf16\b", ptx)))
