@@ -120,9 +120,9 @@ OTHER = "XLA fusions (norms, rope, residuals, cache writes, XLA's attention)"
 # a GPU: the ``lowrank_append_*`` kinds choose it); and with XLA's experimental Triton fusions
 # (priority fusion making Triton fusions first, as of normalizations; or every fusion
 # re-emitted by Triton's block-level emitter); and with the layers' norms in the grouped q/k/v
-# and SwiGLU kernels' loads (lr_normed's kernels, off in the tuning table: the ``*_norm_*``
-# kinds choose them), and with the residual adds in the o_proj and SwiGLU kernels' stores
-# (lr_residual's kernels, likewise: the ``*_residual*`` kinds).
+# and SwiGLU kernels (lr_normed's kernels: the ``*_norm*`` kinds choose them) and the
+# residual adds in the o_proj and SwiGLU kernels' stores (lr_residual's: the ``*_residual*``
+# kinds), or with both left to XLA (``lowrank_xla_norms``).
 LRJAX_KINDS = (
   "dense",
   "lowrank",
@@ -183,25 +183,10 @@ COMPILER_OPTIONS = {
     "xla_gpu_graph_min_graph_size": 1,
   },
 }
-# profiled kinds (a profile runs without command buffers, so theirs would not differ)
-PROFILED = (
-  "lowrank",
-  "lowrank_xla_attention",
-  "lowrank_pallas_attention",
-  "lowrank_lrjax_attention",
-  "lowrank_lrjax_attention_tile_merge",
-  "lowrank_lrjax_attention_walk_merge",
-  "lowrank_sliced_cache",
-  "lowrank_append_attention",
-  "lowrank_xla_triton_norms",
-  "lowrank_append_xla_triton_norms",
-  "lowrank_xla_block_level_fusions",
-  "lowrank_norm",
-  "lowrank_append_norm",
-  "lowrank_residual_epilogue",
-  "lowrank_norm_residual",
-  "lowrank_append_norm_residual",
-  "lowrank_xla_norms",
+# profiled kinds: the low-rank ones but the command-buffer variants (a profile runs without
+# command buffers, so theirs would not differ)
+PROFILED = tuple(
+  k for k in LRJAX_KINDS if k != "dense" and k not in ("lowrank_cmdbuf_off", "lowrank_cmdbuf_whole")
 )
 # lrjax's attention kernel's merge, forced for a kind
 MERGE = {"lowrank_lrjax_attention_tile_merge": "tile", "lowrank_lrjax_attention_walk_merge": "walk"}

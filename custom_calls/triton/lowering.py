@@ -330,12 +330,13 @@ def _normed_reason(kernel, declined, inner: str) -> str | None:
   return None
 
 
-def _normed_verdict(kernel, inner_avals, ip) -> str | None:
-  """The tuning table's ``dispatch.norm_in_kernels``, then the verdict of ``kernel``, which would
-  serve the op: measured slower than XLA there, it leaves the op (and so the norm) to XLA."""
+def _gated_verdict(switch: str, kernel, inner_avals, ip) -> str | None:
+  """The tuning table's ``dispatch.<switch>``, then the verdict of ``kernel``, which would
+  serve the op: measured slower than XLA there, it leaves the op (and what is folded into
+  it) to XLA."""
   table = policy.current()
-  if not table.values("dispatch").norm_in_kernels:
-    return table.why("dispatch", "norm_in_kernels")
+  if not getattr(table.values("dispatch"), switch):
+    return table.why("dispatch", switch)
   if kernel is None or kernel.faster is None:
     return None
   return kernel.faster(inner_avals, ip)
@@ -348,7 +349,7 @@ def normed_supports(avals, params) -> str | None:
 
 def normed_faster(avals, params) -> str | None:
   kernel, _, inner_avals, ip = _normed_inner(avals, params)
-  return _normed_verdict(kernel, inner_avals, ip)
+  return _gated_verdict("norm_in_kernels", kernel, inner_avals, ip)
 
 
 def _normed_impl():
@@ -396,7 +397,8 @@ def _residual_target(avals, params) -> _ResidualTarget:
     inner, eps = ip["inner"], ip["eps"]
     kernel, declined, inner_avals, ip = _normed_inner(inner_avals, ip)
     in_kernel = _normed_reason(kernel, declined, inner) is None and (
-      registry.kernels_preferred() or _normed_verdict(kernel, inner_avals, ip) is None
+      registry.kernels_preferred()
+      or _gated_verdict("norm_in_kernels", kernel, inner_avals, ip) is None
     )
   else:
     kernel, declined = _first_kernel(inner, inner_avals, ip)
@@ -421,15 +423,8 @@ def residual_supports(avals, params) -> str | None:
 
 
 def residual_faster(avals, params) -> str | None:
-  """The tuning table's ``dispatch.residual_epilogue``, then the verdict of the kernel that
-  would serve the op (as normed_faster)."""
-  table = policy.current()
-  if not table.values("dispatch").residual_epilogue:
-    return table.why("dispatch", "residual_epilogue")
   t = _residual_target(avals, params)
-  if t.kernel is None or t.kernel.faster is None:
-    return None
-  return t.kernel.faster(t.avals, t.params)
+  return _gated_verdict("residual_epilogue", t.kernel, t.avals, t.params)
 
 
 def _residual_impl():
