@@ -13,7 +13,7 @@ import pytest
 
 from conftest import assert_close, randn, rel_err, tolerance
 from test_decode_attention_gpu import _REASON
-from test_rms_norm_gpu import _lowrank_decode, _normed, _norm_operands, swiglu_schedule
+from test_rms_norm_gpu import SWIGLU_KINDS, _lowrank_decode, _normed, _norm_operands, swiglu_case
 from test_triton_kernels_gpu import lr_factors, mlp_params, mlp_ref, poisoned, rnd, xuv_ref
 from lrjax.custom_calls.triton import planner
 
@@ -75,19 +75,15 @@ def test_xuv_decode_adds_the_residual_as_it_stores_y(kind, shape, dtype):
     (100, 4096, 1400, 256, 192),
   ],
 )
-@pytest.mark.parametrize("kind", ["decode", "decode_p16", "decode_park_h", "compose", "persistent"])
+@pytest.mark.parametrize("kind", SWIGLU_KINDS)
 def test_swiglu_kernels_add_the_residual_as_they_store_y(kind, shape, norm):
   from lrjax.custom_calls.triton import mlp_decode
 
   dtype = jnp.bfloat16
-  m, d, f, r, rd = shape
-  if kind == "persistent" and m > mlp_decode.PERSISTENT_MAX_M:
-    pytest.skip(f"persistent schedule serves M <= {mlp_decode.PERSISTENT_MAX_M}")
-  gate, up, down = mlp_params(d, f, r, rd, d, dtype, True, False)
-  x = randn((m, d), dtype)
+  m, d = shape[:2]
+  gate, up, down, x, kw = swiglu_case(kind, shape, dtype)
   res = randn((m, d), dtype, 4.0)
   w, eps = _norm_operands(d, 1e-5)
-  kw = swiglu_schedule(kind, m, d, f, r)
 
   def run(x, g, u, dn, w, o, res):
     nm = (w, eps) if norm else None

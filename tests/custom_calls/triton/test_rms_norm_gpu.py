@@ -23,6 +23,7 @@ pytestmark = [
 ]
 
 EPS = (1e-5, 0.25)
+SWIGLU_KINDS = ["decode", "decode_p16", "decode_park_h", "compose", "persistent"]
 
 
 def _normed(x, w, eps):
@@ -59,24 +60,32 @@ def test_grouped_kernel_normalises_x(case, dtype, pv, eps):
 @pytest.mark.parametrize("shape", [(1, 200, 520, 72, 40), (5, 512, 1000, 96, 136),
                                    (16, 4096, 2816, 256, 256), (64, 320, 1000, 200, 72),
                                    (100, 4096, 1400, 256, 192)])  # fmt: skip
-@pytest.mark.parametrize("kind", ["decode", "decode_p16", "decode_park_h", "compose", "persistent"])
+@pytest.mark.parametrize("kind", SWIGLU_KINDS)
 def test_swiglu_kernels_normalise_x(kind, shape, eps):
   from lrjax.custom_calls.triton import mlp_decode
 
   dtype = jnp.bfloat16
-  m, d, f, r, rd = shape
-  if kind == "persistent" and m > mlp_decode.PERSISTENT_MAX_M:
-    pytest.skip(f"persistent schedule serves M <= {mlp_decode.PERSISTENT_MAX_M}")
-  gate, up, down = mlp_params(d, f, r, rd, d, dtype, True, False)
-  x = randn((m, d), dtype)
+  m, d = shape[:2]
+  gate, up, down, x, kw = swiglu_case(kind, shape, dtype)
   w, eps = _norm_operands(d, eps)
-  kw = swiglu_schedule(kind, m, d, f, r)
 
   def run(x, g, u, dn, w, o):
     return mlp_decode._mlp_decode(x, u, dn, g, norm=(w, eps), out=o, **kw)
 
   out = jax.jit(run)(x, gate, up, down, w, None if kind == "compose" else poisoned((m, d), dtype))
   assert_close(out, mlp_ref(_normed(x, w, eps), gate, up, down, "silu", dtype), dtype)
+
+
+def swiglu_case(kind, shape, dtype):
+  """(gate, up, down, x, _mlp_decode's schedule options) of a gated SwiGLU test case ``shape``
+  = (M, D, F, r, r_down) on schedule ``kind``; skips where the schedule does not serve M."""
+  from lrjax.custom_calls.triton import mlp_decode
+
+  m, d, f, r, rd = shape
+  if kind == "persistent" and m > mlp_decode.PERSISTENT_MAX_M:
+    pytest.skip(f"persistent schedule serves M <= {mlp_decode.PERSISTENT_MAX_M}")
+  gate, up, down = mlp_params(d, f, r, rd, d, dtype, True, False)
+  return gate, up, down, randn((m, d), dtype), swiglu_schedule(kind, m, d, f, r)
 
 
 def swiglu_schedule(kind, m, d, f, r) -> dict:
