@@ -282,10 +282,10 @@ def emit_group(jaxpr, members, read, env, norm=None) -> None:
   params = dict(bias_mask=tuple(mask), inter_dtype=p["inter_dtype"], out_dtype=p["out_dtype"])
   if any(smask):
     params["scale_mask"] = tuple(smask)
-  if norm is None:
-    outs = lr_xuv_group_p.bind(*ops, **params)
-  else:
-    outs = bind_normed(norm, read, lr_xuv_group_p, ops, params)
+  prim = lr_xuv_group_p
+  if norm is not None:  # lr_normed around the group
+    prim, ops, params = normed_call(norm, read, prim, ops, params)
+  outs = prim.bind(*ops, **params)
   for m, y in zip(members, outs):
     env[jaxpr.eqns[m.root].outvars[0]] = y
 
@@ -301,12 +301,6 @@ def normed_call(norm, read, prim, ops, params) -> tuple:
   x, w = (read(a) for a in norm.invars)
   inner = dict(eps=norm.params["eps"], inner=prim.name, inner_params=tuple(sorted(params.items())))
   return lr_normed_p, [x, w, *ops[1:]], inner
-
-
-def bind_normed(norm, read, prim, ops, params):
-  """normed_call's op bound: lr_normed's results (one list)."""
-  p, ops, params = normed_call(norm, read, prim, ops, params)
-  return p.bind(*ops, **params)
 
 
 def emit_root(jaxpr, m, read, env, norm=None, residual=None) -> None:
