@@ -98,7 +98,7 @@ def test_flipped_bytes_are_detected_or_harmless(tmp_path, ck):
 
 def test_truncated_data_file_is_detected(ck):
   d, _ = ck
-  for f in data_files(d)[:2]:
+  for f in data_files(d):  # every one: a file's tail may hold no array the load reads
     data = open(f, "rb").read()
     open(f, "wb").write(data[: len(data) // 2])
   with pytest.raises(ValueError, match=r"array '[\w.]+' .*corrupt") as e:
