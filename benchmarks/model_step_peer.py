@@ -116,13 +116,17 @@ OTHER = "XLA fusions (norms, rope, residuals, cache writes, XLA's attention)"
 # captures runs of >= 5 fusions, GEMMs and custom calls; the whole capture adds the step's
 # loop and conditionals, from runs of one), and with the Pallas kernel given a copied slice
 # of each cache buffer instead of the whole buffer; and with RoPE and the cache writes in
-# lrjax's attention launches (decode_attention_append's kernel, chosen only once verified on
-# a GPU: the ``lowrank_append_*`` kinds choose it); and with XLA's experimental Triton fusions
-# (priority fusion making Triton fusions first, as of normalizations; or every fusion
+# lrjax's attention launches (decode_attention_append's kernel: the ``lowrank_append_*``
+# kinds choose it; the table's default since it measured faster); and with XLA's experimental
+# Triton fusions (priority fusion making Triton fusions first, as of normalizations; or every fusion
 # re-emitted by Triton's block-level emitter); and with the layers' norms in the grouped q/k/v
 # and SwiGLU kernels (lr_normed's kernels: the ``*_norm*`` kinds choose them) and the
 # residual adds in the o_proj and SwiGLU kernels' stores (lr_residual's: the ``*_residual*``
-# kinds), or with both left to XLA (``lowrank_xla_norms``).
+# kinds), or with them, RoPE and the cache writes left to XLA (``lowrank_xla_norms``); and
+# with the attention kernels' splits bounded to a number of keys (the ``*_split_keys<n>``
+# kinds: at ctx 1024 in a 2048 cache, the default plan's splits past the filled half return
+# at once); and with the append kernel attending the new key apart from its cache loop
+# (``lowrank_append_apart``: decode_attention_append.NEW_KEY_APART).
 LRJAX_KINDS = (
   "dense",
   "lowrank",
@@ -144,11 +148,15 @@ LRJAX_KINDS = (
   "lowrank_norm_residual",
   "lowrank_append_norm_residual",
   "lowrank_xla_norms",
+  "lowrank_split_keys256",
+  "lowrank_append_split_keys256",
+  "lowrank_append_split_keys128",
+  "lowrank_append_apart",
 )
-# the gated kernels a kind switches on for its run (whatever the card's table and the GPU
+# the gated kernels a kind runs with, the others off (whatever the card's table and the GPU
 # flags say): decode_attention_append's (custom_calls/triton/lowering.py's
-# APPEND_GPU_VERIFIED), lr_normed's and lr_residual's (dispatch.norm_in_kernels,
-# .residual_epilogue)
+# APPEND_GPU_VERIFIED, dispatch.attention_append), lr_normed's and lr_residual's
+# (dispatch.norm_in_kernels, .residual_epilogue); a kind not here runs with the table's choice
 CHOSEN = {
   "lowrank_append_attention": ("APPEND",),
   "lowrank_append_xla_triton_norms": ("APPEND",),
@@ -157,9 +165,13 @@ CHOSEN = {
   "lowrank_residual_epilogue": ("RESIDUAL",),
   "lowrank_norm_residual": ("NORM", "RESIDUAL"),
   "lowrank_append_norm_residual": ("APPEND", "NORM", "RESIDUAL"),
+  "lowrank_xla_norms": (),  # norms, residual adds, RoPE and cache writes by XLA
+  "lowrank_append_split_keys256": ("APPEND", "NORM", "RESIDUAL"),
+  "lowrank_append_split_keys128": ("APPEND", "NORM", "RESIDUAL"),
+  "lowrank_append_apart": ("APPEND", "NORM", "RESIDUAL"),
 }
-# the table's gated kernels a kind switches off: the layers' norms and residual adds in XLA
-SWITCHED_OFF = {"lowrank_xla_norms": ("NORM", "RESIDUAL")}
+# the table's decode_attention.max_split_keys a kind runs with
+SPLIT_KEYS = {k: int(k.rsplit("split_keys", 1)[1]) for k in LRJAX_KINDS if "_split_keys" in k}
 # the decode_attention lowerings a kind goes without
 WITHOUT = {
   "lowrank_pallas_attention": ("triton.decode_attention",),
@@ -315,27 +327,41 @@ def _attention_lowerings(kind):
   verified = {f: getattr(cuda, f) for f in flags}
   for name in chosen:
     setattr(cuda, f"{name}_GPU_VERIFIED", True)
-  switches = {"norm_in_kernels": "NORM", "residual_epilogue": "RESIDUAL"}
-  on = {k: True for k, name in switches.items() if name in chosen}
-  on.update({k: False for k, name in switches.items() if name in SWITCHED_OFF.get(kind, ())})
-  if kind == "lowrank_sliced_cache":
+  switches = {
+    "attention_append": "APPEND",
+    "norm_in_kernels": "NORM",
+    "residual_epilogue": "RESIDUAL",
+  }
+  table = policy.current()
+  if kind in CHOSEN:  # the kind's kernels switched on, the others off, for its run
+    table = table.with_values("dispatch", **{k: n in chosen for k, n in switches.items()})
+  if kind in SPLIT_KEYS:
+    table = table.with_values("decode_attention", max_split_keys=SPLIT_KEYS[kind])
+  saved_splits = saved_apart = None
+  if kind == "lowrank_append_apart":
+    from lrjax.custom_calls.triton import decode_attention_append as dap
+
+    saved_apart, dap.NEW_KEY_APART = dap.NEW_KEY_APART, True  # read when the step is traced
+  if kind == "lowrank_sliced_cache" or kind in SPLIT_KEYS:
     from lrjax.custom_calls.triton import decode_attention_pallas as pallas
 
-    saved_splits, pallas.MAX_BUFFER_SPLITS = pallas.MAX_BUFFER_SPLITS, 0
-    pallas.decode_attention.clear_cache()  # traced again under the new bound
+    if kind == "lowrank_sliced_cache":
+      saved_splits, pallas.MAX_BUFFER_SPLITS = pallas.MAX_BUFFER_SPLITS, 0
+    pallas.decode_attention.clear_cache()  # traced again under the new plan
   try:
-    with contextlib.ExitStack() as stack:
-      if on:  # the kind's kernels switched on (or off) in this device's table, for its run
-        stack.enter_context(policy.use(policy.current().with_values("dispatch", **on)))
+    with policy.use(table):
       yield
   finally:
     for k in gone:
       registry.register(k)
     if pallas is not None:
-      pallas.MAX_BUFFER_SPLITS = saved_splits
+      if saved_splits is not None:
+        pallas.MAX_BUFFER_SPLITS = saved_splits
       pallas.decode_attention.clear_cache()
     if ours is not None:
       ours.MERGE = saved_merge
+    if saved_apart is not None:
+      dap.NEW_KEY_APART = saved_apart
     for f, v in verified.items():
       setattr(cuda, f, v)
 
@@ -610,12 +636,12 @@ def build_records(args, ranks, lj, pt) -> list[dict]:
   recs = []
   for batch in args.batch:
     key = lambda kind, b=batch: f"{kind}/{b}"  # noqa: E731
-    need = [(pt, "dense"), (pt, "lowrank"), (lj, "lowrank")]  # lrjax's dense step: optional
+    need = [(pt, "dense"), (pt, "lowrank"), (lj, args.lrjax_kind)]  # lrjax's dense: optional
     if not all(key(k) in side["records"] for side, k in need):
       print(f"batch {batch}: not measured on both sides, left out")
       continue
     best = {k: min(v["ms"] for v in pt["records"][key(k)].values()) for k in ("dense", "lowrank")}
-    lr_ms = lj["records"][key("lowrank")]["ms"]
+    lr_ms = lj["records"][key(args.lrjax_kind)]["ms"]
     nbytes = step_bytes(m, ranks, batch, args.ctx)
     rec = {
       "device": pt["device"],
@@ -627,6 +653,7 @@ def build_records(args, ranks, lj, pt) -> list[dict]:
       "ratio": args.ratio,
       "ranks": ranks,
       "lrjax_ms": lr_ms,
+      "lrjax_kind": args.lrjax_kind,
       "lrjax_dense_ms": lj["records"].get(key("dense"), {}).get("ms"),
       "lrjax_xla_attention_ms": lj["records"].get(key("lowrank_xla_attention"), {}).get("ms"),
       "lrjax_variants_ms": {
@@ -671,6 +698,14 @@ def main(argv=None):
     metavar="JSON",
     help="build --out from the sides run separately (--side torch|lrjax --side-out F): their "
     "JSONs in any order, several of a side (e.g. one per batch) merged; one card",
+  )
+  ap.add_argument(
+    "--lrjax-kind",
+    choices=LRJAX_KINDS,
+    default="lowrank",
+    help="the kind that stands for lrjax's step in a record (lrjax_ms, the ratios, the roofline):"
+    " with --merge, the kind whose choices are now the defaults when the sides were run before"
+    " a default changed",
   )
   ap.add_argument("--side", choices=("lrjax", "torch"), help="run one side only")
   ap.add_argument("--side-out", metavar="JSON", help="where --side writes (after each record)")

@@ -254,3 +254,18 @@ def chat_text():
   from lrjax import text
 
   return text.load_text(CHAT)
+
+
+def split_plan_violations(splits, b, hkv, t, max_keys, target, most, min_keys) -> str:
+  """What is wrong with ``splits`` as a decode attention kernel's split count: the fewest
+  powers of two giving ``target`` programs (b·hkv·splits) and at most ``max_keys`` keys a split
+  (0: no bound), short of the caps (``most`` splits, ``min_keys`` keys a split); "" if
+  nothing."""
+  wants_more = b * hkv * splits < target or (max_keys and t > splits * max_keys)
+  capped = 2 * splits > most or t // (2 * splits) < min_keys
+  half = splits // 2
+  if wants_more and not capped:
+    return f"{splits} splits: too few"
+  if half and b * hkv * half >= target and not (max_keys and t > half * max_keys):
+    return f"{splits} splits: {half} would do"
+  return ""

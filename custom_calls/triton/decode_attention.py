@@ -71,9 +71,15 @@ def merge_for(splits: int) -> str:
 
 def plan_splits(b: int, hkv: int, length: int) -> int:
   """The fewest splits, a power of two up to ``MAX_SPLITS``, giving ``TARGET_PROGRAMS``
-  programs, with at least ``MIN_CHUNK`` keys each."""
+  programs and at most the tuning table's ``decode_attention.max_split_keys`` keys a split
+  (0: no bound), with at least ``MIN_CHUNK`` keys each."""
+  max_keys = policy.values("decode_attention").max_split_keys
   s = 1
-  while b * hkv * s < TARGET_PROGRAMS and 2 * s <= MAX_SPLITS and 2 * s * MIN_CHUNK <= length:
+  while (
+    (b * hkv * s < TARGET_PROGRAMS or (max_keys and length > s * max_keys))
+    and 2 * s <= MAX_SPLITS
+    and 2 * s * MIN_CHUNK <= length
+  ):
     s *= 2
   return s
 

@@ -22,10 +22,11 @@ CPU and on the GPU (x·cos, rotate_half(x)·sin, their sum), so the written key 
 reference's. The kernel is compiled without floating-point contraction (``COMPILE_OPTIONS``):
 with it, Triton fuses the second product into the sum (a bf16 FMA that skips the product's
 rounding), and on an H200 the written key rows differed from XLA's in about a fifth of their
-elements. Checked in Triton's interpreter, and in the sm_90 PTX (each product and the sum
-rounded, no FMA: tests/custom_calls/triton/test_triton_rounding.py); **not yet run on a GPU
-so compiled**, so the registry declines it until then (lowering.APPEND_GPU_VERIFIED;
-docs/kernels.md).
+elements. Checked in Triton's interpreter, in the sm_90 PTX (each product and the sum
+rounded, no FMA: tests/custom_calls/triton/test_triton_rounding.py), and so compiled on an
+H100 (test_decode_attention_gpu.py -k append: the written rows equal XLA's bit for bit).
+The registry serves it where the tuning table's ``dispatch.attention_append`` is on
+(docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -51,6 +52,15 @@ def decode_attention_append_reference(q, k_new, v_new, k_cache, v_cache, pos, co
 # no floating-point contraction: RoPE's products are rounded before their sum, as XLA rounds
 # them (with contraction Triton fuses the second product into the add: one bf16 FMA)
 COMPILE_OPTIONS = dict(enable_fp_fusion=False)
+
+# How the program holding the new position attends the new key and value. False ("splice"):
+# they replace that row of the K and V tiles in its cache loop, which takes the tiles through
+# registers and back to shared memory (sm_90 build at batch 16: 168 registers and 54 KB of
+# shared memory against the plain kernel's 128 and 38 KB). True ("apart"): the loop reads the
+# cache's keys before the new one, the plain kernel's loop, and the new key joins the online
+# softmax after it. The splice passed its GPU tests; "apart" passed the interpreter's and is
+# not yet run on a GPU, so it is not the default.
+NEW_KEY_APART = False
 
 
 @triton.jit
@@ -97,6 +107,7 @@ def _decode_attention_append_kernel(
   NROWS: tl.constexpr,
   GM: tl.constexpr,
   BLOCK_D: tl.constexpr,
+  APART: tl.constexpr,  # NEW_KEY_APART
 ):
   pid = tl.program_id(0)
   bh = pid // S
@@ -119,17 +130,52 @@ def _decode_attention_append_kernel(
   if lo < hi:
     offs_g = tl.arange(0, GP)
     q = _rope_rows(q_ptr, b * HQ + h * G + offs_g, offs_d, cos, sin, D, (offs_g < G)[:, None])
-    acc, m_i, l_i = da._attend_split(
-      q, kc_ptr + kv_off, vc_ptr + kv_off, lo, hi, k_new, v_new, w, D, GP, SCALE, BLOCK_N, True
-    )
+    if APART:
+      holds = (w >= lo) & (w < hi)  # the new key is its row's last visible one: w == hi - 1
+      acc, m_i, l_i = da._attend_split(
+        q, kc_ptr + kv_off, vc_ptr + kv_off, lo, tl.where(holds, w, hi), q, q, -1, D, GP,
+        SCALE, BLOCK_N, False,
+      )  # fmt: skip
+      if holds:
+        acc, m_i, l_i = _join_new_key(q, k_new, v_new, acc, m_i, l_i, SCALE)
+    else:
+      acc, m_i, l_i = da._attend_split(
+        q, kc_ptr + kv_off, vc_ptr + kv_off, lo, hi, k_new, v_new, w, D, GP, SCALE, BLOCK_N, True
+      )
     da._store_partials(part_ptr, acc, m_i, l_i, bh, s, S, G, GP, D, NROWS)
 
 
+@triton.jit
+def _join_new_key(q, k_new, v_new, acc, m_i, l_i, SCALE: tl.constexpr):
+  """The online softmax state (acc [GP, D], max, sum) with one more key and value [D]: its
+  score from q [GP, D] in f32, its weight rounded to the value's dtype as the loop's p·V
+  rounds it."""
+  sc = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * SCALE
+  m_new = tl.maximum(m_i, sc)
+  alpha = tl.exp(m_i - m_new)
+  p = tl.exp(sc - m_new)
+  pv = p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
+  return acc * alpha[:, None] + pv, m_new, l_i * alpha + p
+
+
 def decode_attention_append(
-  q, k_new, v_new, k_cache, v_cache, pos, cos, sin, *, window=None, length=None, block_sizes=None
+  q,
+  k_new,
+  v_new,
+  k_cache,
+  v_cache,
+  pos,
+  cos,
+  sin,
+  *,
+  window=None,
+  length=None,
+  block_sizes=None,
+  new_key_apart=None,
 ):
   """(out [B, Hq·D], k_cache, v_cache) as :func:`decode_attention_append_reference`, in two
-  Triton launches with the caches updated in place (module docstring)."""
+  Triton launches with the caches updated in place (module docstring). ``new_key_apart``:
+  how the new key is attended (None: ``NEW_KEY_APART``)."""
   from lrjax.lowering.decode_attention import _append_check
 
   _append_check(q, k_new, v_new, k_cache, v_cache, pos, cos, sin)
@@ -165,6 +211,7 @@ def decode_attention_append(
     num_warps=bs.num_warps,
     num_stages=bs.num_stages,
     name="lrjax_decode_attention_append",
+    APART=NEW_KEY_APART if new_key_apart is None else bool(new_key_apart),
     **COMPILE_OPTIONS,
     **plan["meta"],
   )

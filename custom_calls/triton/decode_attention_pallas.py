@@ -48,9 +48,12 @@ def _pow2(n: int) -> bool:
 def plan(b: int, hkv: int, t: int, k_splits: int | None = None) -> Plan | str:
   """The split count and key block for a [b, hkv, t, .] cache, or why none fits.
 
-  Default split count: the smallest power of two that gives ``TARGET_PROGRAMS`` programs,
+  Default split count: the smallest power of two that gives ``TARGET_PROGRAMS`` programs and
+  at most the tuning table's ``decode_attention.max_split_keys`` keys a split (0: no bound),
   at most ``MAX_SPLITS``, among those the kernel accepts (t divisible into splits of >= 16
   keys, a power-of-two block of keys dividing each split)."""
+  from lrjax.custom_calls.triton import policy
+
   options = []
   for ks in (k_splits,) if k_splits is not None else [2**i for i in range(6)]:
     if ks > MAX_SPLITS or t % ks:
@@ -65,8 +68,9 @@ def plan(b: int, hkv: int, t: int, k_splits: int | None = None) -> Plan | str:
       f"cache length {t} does not divide into {why} with >= {MIN_SPLIT} keys per split and a "
       "power-of-two key block (the engine's attend buckets, powers of two >= 128, always do)"
     )
+  max_keys = policy.values("decode_attention").max_split_keys
   for p in options:
-    if b * hkv * p.k_splits >= TARGET_PROGRAMS:
+    if b * hkv * p.k_splits >= TARGET_PROGRAMS and (not max_keys or t <= p.k_splits * max_keys):
       return p
   return options[-1]
 

@@ -526,8 +526,9 @@ def pallas_decode_attention_supports(avals, params) -> str | None:
   return shape_reason(q.shape, k.shape, (_dt(q), _dt(k), _dt(v)), params.get("length"))
 
 
-# decode_attention_append's kernel is not chosen until it has passed its GPU tests
-APPEND_GPU_VERIFIED = False
+# decode_attention_append's kernel passed its GPU tests on an H100 (test_decode_attention_gpu.py
+# -k append, compiled without FP contraction); False declines it
+APPEND_GPU_VERIFIED = True
 
 
 def decode_attention_append_supports(avals, params) -> str | None:
@@ -548,6 +549,16 @@ def decode_attention_faster(avals, params) -> str | None:
   if table.values("dispatch").decode_attention:
     return None
   return table.why("dispatch", "decode_attention")
+
+
+def decode_attention_append_faster(avals, params) -> str | None:
+  """The attention kernels' switch (``dispatch.decode_attention``), then the table's
+  ``dispatch.attention_append``: RoPE and the cache writes in the attention's launches."""
+  reason = decode_attention_faster(avals, params)
+  table = policy.current()
+  if reason is None and not table.values("dispatch").attention_append:
+    reason = table.why("dispatch", "attention_append")
+  return reason
 
 
 def _decode_attention_impl():
@@ -666,7 +677,7 @@ KERNELS = [
     decode_attention_append_supports,
     _decode_attention_append_impl,
     priority=10,
-    faster=decode_attention_faster,
+    faster=decode_attention_append_faster,
   ),
 ]
 

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from conftest import assert_close, primitive_names
+from conftest import assert_close, primitive_names, split_plan_violations
 from conftest import decode_attention_f64 as oracle
 from conftest import decode_attention_operands as operands
 from lrjax.custom_calls.triton import decode_attention_pallas as kernel
+from lrjax.custom_calls.triton import policy
 from lrjax.custom_calls.triton import lowering as cuda_lowering
 from lrjax.lowering import registry
 from lrjax.lowering.decode_attention import decode_attention, decode_attention_reference
@@ -184,11 +185,35 @@ def test_plan_is_one_the_kernel_accepts(b, hkv, t):
   assert p.block_k == min(kernel.BLOCK_K, split)
 
 
+def _max_split_keys(n):
+  return policy.use(policy.current().with_values("decode_attention", max_split_keys=n))
+
+
 def test_plan_fills_the_gpu_then_stops_splitting():
-  assert kernel.plan(1, 8, 8192).k_splits == 32  # 256 programs
-  assert kernel.plan(16, 8, 8192).k_splits == 2
-  assert kernel.plan(64, 8, 8192).k_splits == 1
-  assert kernel.plan(1, 8, 64).k_splits == 4  # as many as the length allows
+  with _max_split_keys(0):
+    assert kernel.plan(1, 8, 8192).k_splits == 32  # 256 programs
+    assert kernel.plan(16, 8, 8192).k_splits == 2
+    assert kernel.plan(64, 8, 8192).k_splits == 1
+    assert kernel.plan(1, 8, 64).k_splits == 4  # as many as the length allows
+  with _max_split_keys(256):
+    assert kernel.plan(16, 8, 2048).k_splits == 8  # 256 keys a split, 1024 programs
+    assert kernel.plan(64, 8, 8192).k_splits == 32
+    assert kernel.plan(1, 8, 8192).k_splits == 32
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+  b=st.integers(1, 64),
+  hkv=st.integers(1, 16),
+  t_log=st.integers(4, 16),
+  max_keys=st.sampled_from([0, 16, 64, 128, 256, 1024]),
+)
+def test_split_plan_is_the_fewest_meeting_both_bounds(b, hkv, t_log, max_keys):
+  t = 2**t_log
+  with _max_split_keys(max_keys):
+    splits = kernel.plan(b, hkv, t).k_splits
+  bounds = (kernel.TARGET_PROGRAMS, kernel.MAX_SPLITS, kernel.MIN_SPLIT)
+  assert not split_plan_violations(splits, b, hkv, t, max_keys, *bounds)
 
 
 def _avals(b, hq, hkv, t, d, dt=jnp.bfloat16, kdt=None):
@@ -331,9 +356,10 @@ def test_append_primitive_refuses_operands_of_the_wrong_shape():
     decode_attention_append(q, kn, vn, kc, vc, pos, cos, sin, length=17)
 
 
-def test_append_kernel_waits_for_its_gpu_run_and_says_so(monkeypatch):
-  """On CUDA the append kernel declines, naming why, until it is marked verified on a GPU;
-  then it serves bf16 operands of a head dim it takes and declines others by name."""
+def test_append_kernel_is_gated_by_its_gpu_run_and_the_table(monkeypatch):
+  """On CUDA the append kernel declines, naming why, where it is not marked verified on a GPU
+  or the tuning table switches it off; else it serves bf16 operands of a head dim it takes
+  and declines others by name."""
   monkeypatch.setattr(cuda_lowering, "_toolchain", lambda: None)
   sds = jax.ShapeDtypeStruct
   b, hq, hkv, t, d = 8, 32, 8, 1024, 128
@@ -343,6 +369,7 @@ def test_append_kernel_waits_for_its_gpu_run_and_says_so(monkeypatch):
     return (sds((b, hq, d), dt), new, new, kv, kv, sds((b,), jnp.int32),
             sds((b, d), tab or dt), sds((b, d), tab or dt))  # fmt: skip
 
+  monkeypatch.setattr(cuda_lowering, "APPEND_GPU_VERIFIED", False)
   sel = registry.select("decode_attention_append", "cuda", avals(), {"window": None})
   assert (
     sel.kernel is None
@@ -351,6 +378,14 @@ def test_append_kernel_waits_for_its_gpu_run_and_says_so(monkeypatch):
   monkeypatch.setattr(cuda_lowering, "APPEND_GPU_VERIFIED", True)
   sel = registry.select("decode_attention_append", "cuda", avals(), {"window": None})
   assert sel.name == "triton.decode_attention_append", sel.declined
+  # the table's switch off: declined with its reason (the reference's attention serves)
+  off = policy.current().with_values("dispatch", attention_append=False)
+  with policy.use(off):
+    sel = registry.select("decode_attention_append", "cuda", avals(), {"window": None})
+  assert sel.kernel is None
+  assert dict(sel.declined)["triton.decode_attention_append"] == off.why(
+    "dispatch", "attention_append"
+  )
   for bad, why in [
     (avals(d=96), "head dim 96"),
     (avals(dt=jnp.float32), "must share one of"),

@@ -282,14 +282,16 @@ def planned():
       bs = decode_attention.BlockSizes(merge=merge)
       plan = decode_attention.launch_plan(b, 32, 8, t, 128, t, None, bs)
       if merge == decode_attention.MERGES[0]:  # the flash-decoding launches, once
-        for label, kernel in (
-          ("", decode_attention._decode_attention_kernel),
-          (" append", decode_attention_append._decode_attention_append_kernel),
+        append = decode_attention_append._decode_attention_append_kernel
+        for label, kernel, extra in (
+          ("", decode_attention._decode_attention_kernel, {}),
+          (" append", append, {"APART": False}),
+          (" append apart", append, {"APART": True}),
         ):
           yield (
             f"decode attention{label} B={b} T={t}",
             kernel,
-            plan["meta"],
+            {**plan["meta"], **extra},
             bs.num_warps,
             bs.num_stages,
           )

@@ -265,14 +265,16 @@ def _bf16_mismatch(got, want) -> str:
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("window", [None, 100])
-def test_append_kernel_matches_its_reference(shape, window):
+@pytest.mark.parametrize("apart", [False, True])
+def test_append_kernel_matches_its_reference(shape, window, apart):
   """decode_attention_append on the GPU against its XLA reference (RoPE, cache write, the
   models' attention): the attention within bf16's tolerance, the written rows bit for bit,
-  every other cache row unchanged."""
+  every other cache row unchanged; the new key spliced into the cache loop or attended apart
+  (NEW_KEY_APART)."""
   from lrjax.custom_calls.triton import decode_attention_append as dap
 
   ops = _append_operands(*shape, jnp.bfloat16)
-  out, kc, vc = dap.decode_attention_append(*ops, window=window)
+  out, kc, vc = dap.decode_attention_append(*ops, window=window, new_key_apart=apart)
   ref, kr, vr = dap.decode_attention_append_reference(*ops, window=window)
   assert_close(out, np.asarray(ref, np.float64), jnp.bfloat16)
   for got, want in ((kc, kr), (vc, vr)):
@@ -282,7 +284,8 @@ def test_append_kernel_matches_its_reference(shape, window):
 
 @pytest.mark.parametrize("merge", ["walk", "tile"])
 @pytest.mark.parametrize("splits", [1, 3, 16, 64])
-def test_append_kernel_with_the_caches_donated_in_a_loop(merge, splits):
+@pytest.mark.parametrize("apart", [False, True])
+def test_append_kernel_with_the_caches_donated_in_a_loop(merge, splits, apart):
   """Eight steps in one jit, the caches carried (updated in place, as a decode loop donates
   them), each step's new row at the next position of each row, at the split boundaries the
   kernel cuts: the same outputs and caches as the reference's loop."""
@@ -299,10 +302,12 @@ def test_append_kernel_with_the_caches_donated_in_a_loop(merge, splits):
       out, kc, vc = fn(q * (i + 1), kn * (i + 1), vn, kc, vc, pos + i, cos, sin)
       return kc, vc, acc + out.astype(jnp.float32)
 
-    init = (kc, vc, jnp.zeros((3, 32 * 128), jnp.float32))
+    init = (jnp.copy(kc), jnp.copy(vc), jnp.zeros((3, 32 * 128), jnp.float32))  # donated
     return jax.jit(lambda *c: jax.lax.fori_loop(0, 8, body, c), donate_argnums=(0, 1))(*init)
 
-  got = loop(lambda *a: dap.decode_attention_append(*a, length=1016, block_sizes=bs))
+  got = loop(
+    lambda *a: dap.decode_attention_append(*a, length=1016, block_sizes=bs, new_key_apart=apart)
+  )
   want = loop(lambda *a: dap.decode_attention_append_reference(*a, length=1016))
   assert rel_err(got[2], want[2]) < 2 * tolerance(jnp.bfloat16)
   for g, w in zip(got[:2], want[:2]):
@@ -318,8 +323,30 @@ def test_model_decode_with_the_append_kernel(monkeypatch):
   from lrjax.custom_calls.triton import lowering as cuda_lowering
 
   def check(step, toks, cache):
-    lowered = step.lower(toks, cache)
-    assert "lrjax_decode_attention_append" in lowered.as_text()
+    # the registry serves each append call with the kernel, and no reference lowering binds
+    # the plain decode_attention primitive (as the declined path would)
+    prims = importlib.import_module("lrjax.lowering.decode_attention")
+    chosen, plain = [], []
+    real_append, real_plain = prims.decode_attention_append_p.bind, prims.decode_attention_p.bind
+
+    def append(*a, **params):
+      avals = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in a)
+      chosen.append(registry.select("decode_attention_append", "cuda", avals, params).name)
+      return real_append(*a, **params)
+
+    def plain_bind(*a, **params):
+      plain.append(a[0].shape)
+      return real_plain(*a, **params)
+
+    prims.decode_attention_append_p.bind = append
+    prims.decode_attention_p.bind = plain_bind
+    try:
+      lowered = step.lower(toks, cache)
+    finally:
+      prims.decode_attention_append_p.bind = real_append
+      prims.decode_attention_p.bind = real_plain
+    assert chosen == ["triton.decode_attention_append"] * 2 and not plain, (chosen, plain)
+    assert "custom_call" in lowered.as_text()
     buf = "bf16[{}]".format(",".join(map(str, cache.k[0].shape)))
     copies = [ln for ln in lowered.compile().as_text().splitlines() if " copy(" in ln and buf in ln]
     assert not copies, copies

@@ -20,6 +20,7 @@ import importlib.util
 import textwrap
 
 import pytest
+from conftest import split_plan_violations
 from triton_offline import STUB, run_script
 
 pytestmark = pytest.mark.skipif(
@@ -762,7 +763,9 @@ _DECODE_ATTENTION = _ATTENTION_ORACLE + textwrap.dedent("""
   for (b, hq, hkv, t, d, length, window, positions, fields) in CASES:
     q, k, v = rand(b, hq, d), rand(b, hkv, t, d), rand(b, hkv, t, d)
     pos = np.asarray(positions, np.int32)
-    for merge, kernel in (("walk", da._merge_kernel), ("tile", da._merge_tile_kernel)):
+    # the new key spliced into the cache loop's tiles (walk merge) or attended apart (tile)
+    for merge, kernel, apart in (("walk", da._merge_kernel, False),
+                                 ("tile", da._merge_tile_kernel, True)):
       bs = dataclasses.replace(da.BlockSizes(), merge=merge, **fields)
       plan = da.launch_plan(b, hq, hkv, t, d, length, window, bs)
       meta = plan["meta"]
@@ -836,6 +839,29 @@ def test_decode_attention_merge_follows_the_split_count_and_the_table():
   assert "merge='zigzag'" in lines[5] and "walk" in lines[5]
 
 
+def test_decode_attention_split_plan_is_the_fewest_meeting_both_bounds():
+  """lrjax's kernel's split count: the fewest powers of two giving TARGET_PROGRAMS programs and
+  at most the table's decode_attention.max_split_keys keys a split, short of its caps."""
+  script = STUB + textwrap.dedent("""
+    import itertools
+    from lrjax.custom_calls.triton import decode_attention as da, policy
+
+    print(da.TARGET_PROGRAMS, da.MAX_SPLITS, da.MIN_CHUNK)
+    for mk in (0, 16, 128, 256, 1024):
+      with policy.use(policy.current().with_values("decode_attention", max_split_keys=mk)):
+        for b, hkv, t in itertools.product((1, 3, 8, 16, 64), (1, 8), (16, 100, 1024, 2048, 65536)):
+          print(b, hkv, t, mk, da.plan_splits(b, hkv, t))
+    print("ok")
+  """)
+  lines = run_script(script, interpret=True).splitlines()[:-1]
+  bounds = tuple(int(x) for x in lines[0].split())
+  rows = [tuple(int(x) for x in line.split()) for line in lines[1:]]
+  assert len(rows) == 5 * 5 * 2 * 5
+  bad = [(r, why) for r in rows if (why := split_plan_violations(r[4], *r[:4], *bounds))]
+  assert not bad, bad
+  assert (16, 8, 2048, 256, 8) in rows and (16, 8, 2048, 0, 2) in rows
+
+
 _DECODE_ATTENTION_APPEND = _ATTENTION_ORACLE + textwrap.dedent("""
   from lrjax.custom_calls.triton import decode_attention as da
   from lrjax.custom_calls.triton import decode_attention_append as dap
@@ -858,7 +884,9 @@ _DECODE_ATTENTION_APPEND = _ATTENTION_ORACLE + textwrap.dedent("""
       want_k[i, :, pos[i]] = rope16(kn[i], cos[i], sin[i])
       want_v[i, :, pos[i]] = vn[i]
     want = oracle(rope16(q, cos[:, None], sin[:, None]), want_k, want_v, pos, length, window)
-    for merge, kernel in (("walk", da._merge_kernel), ("tile", da._merge_tile_kernel)):
+    # the new key spliced into the cache loop's tiles (walk merge) or attended apart (tile)
+    for merge, kernel, apart in (("walk", da._merge_kernel, False),
+                                 ("tile", da._merge_tile_kernel, True)):
       bs = dataclasses.replace(da.BlockSizes(), merge=merge, **fields)
       plan = da.launch_plan(b, hq, hkv, t, d, length, window, bs)
       meta = plan["meta"]
@@ -869,9 +897,9 @@ _DECODE_ATTENTION_APPEND = _ATTENTION_ORACLE + textwrap.dedent("""
       out = np.full((b, hq * d), np.nan, np.float16)
       dap._decode_attention_append_kernel[plan["grid"]](
         T(q), T(kn), T(vn), T(kin), T(vin), T(pos), T(cos), T(sin), T(part), T(kout), T(vout),
-        **meta)
+        APART=apart, **meta)
       kernel[plan["merge_grid"]](T(part), T(pos), T(out), **meta)
-      err = check(out, want, 4e-3, (merge, b, hq, hkv, t, length))
+      err = check(out, want, 4e-3, (merge, apart, b, hq, hkv, t, length))
       # the new rows written bit for bit as the reference rounds them; no other row touched
       assert np.array_equal(kout, want_k) and np.array_equal(vout, want_v), (merge, b, t)
       assert np.array_equal(kin, kc) and np.array_equal(vin, vc)
@@ -884,7 +912,8 @@ def test_decode_attention_append_ropes_writes_and_attends():
   """decode_attention_append's launch against an f16-rounded RoPE and an f64 oracle: the new
   key and value written at each row's position bit for bit (every other cache row unchanged),
   and the attention over the cache with them, for one split or many, the new key first or last
-  in its split, windows, a cache longer than the attended length, G of 1, 4 and 7."""
+  in its split, windows, a cache longer than the attended length, G of 1, 4 and 7; the new key
+  spliced into the loop's tiles and attended apart (NEW_KEY_APART)."""
   cases = [  # b, hq, hkv, t, d, length, window, positions, BlockSizes fields
     (1, 32, 8, 256, 64, 256, None, [255], {}),
     (3, 28, 4, 300, 32, 300, None, [0, 137, 299], {"block_n": 32}),

@@ -41,7 +41,7 @@ def test_planned_tiles_fit_a_cta_of_the_h200():
   keys; the norm in the kernels and the residual epilogue at Llama-3-8B's shapes; each on its
   default tiles."""
   out = run_script(_CHECK, interpret=False)
-  assert int(out.split()[-2]) == 130, out  # every configuration was compiled
+  assert int(out.split()[-2]) == 134, out  # every configuration was compiled
 
 
 _RESIDENT = STUB + textwrap.dedent("""
@@ -245,3 +245,32 @@ def test_swiglu_decode_parks_h_where_it_measured_faster():
   plan refuses slices wider than their block, ``h_inline`` without parked h, and ``h_inline``
   splits of more CTAs than the GPU holds at once (they wait for each other)."""
   run_script(_PARK_RULE, interpret=False)
+
+
+def test_append_kernel_apart_keeps_the_plain_kernels_shared_memory():
+  """decode_attention_append with the new key attended apart (APART) compiles to the plain
+  flash-decoding kernel's shared memory (its cache loop is that kernel's); spliced into the
+  loop's tiles it asks for more (the tiles go through registers and back)."""
+  out = run_script(
+    STUB
+    + textwrap.dedent("""
+    from lrjax.custom_calls.triton import decode_attention as da
+    from lrjax.custom_calls.triton import decode_attention_append as dap
+
+    for b in (1, 16):
+      bs = da.BlockSizes()
+      meta = da.launch_plan(b, 32, 8, 2048, 128, 2048, None, bs)["meta"]
+      got = [kernel_resources.compile_sm90(k, {**meta, **x}, bs.num_warps, bs.num_stages,
+                                           ptxas=False)["shared"]
+             for k, x in ((da._decode_attention_kernel, {}),
+                          (dap._decode_attention_append_kernel, {"APART": True}),
+                          (dap._decode_attention_append_kernel, {"APART": False}))]
+      print(b, *got)
+    print("ok")
+    """),
+    interpret=False,
+  )
+  rows = [[int(x) for x in ln.split()] for ln in out.splitlines() if ln != "ok"]
+  assert len(rows) == 2, out
+  for _, plain, apart, splice in rows:
+    assert apart == plain < splice, out
