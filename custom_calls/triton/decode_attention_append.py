@@ -158,21 +158,8 @@ def _join_new_key(q, k_new, v_new, acc, m_i, l_i, SCALE: tl.constexpr):
   return acc * alpha[:, None] + pv, m_new, l_i * alpha + p
 
 
-def decode_attention_append(
-  q,
-  k_new,
-  v_new,
-  k_cache,
-  v_cache,
-  pos,
-  cos,
-  sin,
-  *,
-  window=None,
-  length=None,
-  block_sizes=None,
-  new_key_apart=None,
-):
+def decode_attention_append(q, k_new, v_new, k_cache, v_cache, pos, cos, sin, *, window=None,
+                            length=None, block_sizes=None, new_key_apart=None):  # fmt: skip
   """(out [B, Hq·D], k_cache, v_cache) as :func:`decode_attention_append_reference`, in two
   Triton launches with the caches updated in place (module docstring). ``new_key_apart``:
   how the new key is attended (None: ``NEW_KEY_APART``)."""
