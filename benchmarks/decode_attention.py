@@ -19,8 +19,9 @@ filled (each row at position ctx - 1), per batch size:
   append  (``--append``) the new token's RoPE and cache write with the attention, as a decode
           step runs them: the models' ops around the ``decode_attention`` primitive
           (``append_unfused``: XLA's fusions and the primitive's kernel) against lrjax's
-          decode_attention_append (``append_lrjax``), the caches carried through the
-          ``--inner`` calls and donated, so both update them in place.
+          decode_attention_append (``append_lrjax``; ``append_lrjax_apart``: the new key
+          attended apart from the cache loop, NEW_KEY_APART), the caches carried through the
+          ``--inner`` calls and donated, so all update them in place.
 
 Each is jitted alone and timed as the median of ``--reps`` calls of ``--inner`` back-to-back
 applications (host timer around block_until_ready, divided by ``--inner``). ``read_gbs``: the
@@ -161,9 +162,11 @@ def main(argv=None) -> int:
         kn, vn = (jax.random.normal(kk, (b, hkv, d), jnp.bfloat16) for kk in keys[1:])
         inv = 1.0 / (500000.0 ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
         ops = (q, kn, vn, k, v, pos, *rope_tables(pos, inv, jnp.bfloat16))
+        apart = functools.partial(dap.decode_attention_append, new_key_apart=True)
         for name, fn in (
           ("append_unfused", dap.decode_attention_append_reference),
-          ("append_lrjax", dap.decode_attention_append),
+          ("append_lrjax", functools.partial(dap.decode_attention_append, new_key_apart=False)),
+          ("append_lrjax_apart", apart),
         ):
           rec[f"{name}_ms"] = time_append_ms(fn, ops, a.inner, a.reps)
       plan = kernel.plan(b, hkv, t)
@@ -184,7 +187,7 @@ def main(argv=None) -> int:
           rec["cudnn_ms"] = None
           rec["cudnn_error"] = f"{type(e).__name__}: {str(e)[:300]}"
       names = ("xla", "lrjax", "lrjax_walk_merge", "lrjax_tile_merge", "pallas", "cudnn")
-      for name in names + ("append_unfused", "append_lrjax"):
+      for name in names + ("append_unfused", "append_lrjax", "append_lrjax_apart"):
         ms = rec.get(f"{name}_ms")
         if ms:
           rec[f"{name}_read_gbs"] = nbytes / (ms * 1e-3) / 1e9
@@ -205,7 +208,8 @@ def main(argv=None) -> int:
         f"{'-' if not cud else f'{cud * 1e3:.1f} us'}  "
         + (
           f"append: unfused {rec['append_unfused_ms'] * 1e3:.1f} us, lrjax "
-          f"{rec['append_lrjax_ms'] * 1e3:.1f} us  "
+          f"{rec['append_lrjax_ms'] * 1e3:.1f} us, apart "
+          f"{rec['append_lrjax_apart_ms'] * 1e3:.1f} us  "
           if a.append
           else ""
         )
