@@ -19,7 +19,9 @@ row at context ``--ctx``:
 Each side runs in its own subprocess, one after the other, so one framework holds the GPU at a
 time (or run them yourself: ``--side torch --side-out t.json``, ``--side lrjax --side-out
 l.json``, then ``--merge t.json l.json --out ...``; a side writes after every record).
-Records: device, model, batch, ctx, ratio, lrjax_ms, lrjax_dense_ms, lrjax_xla_attention_ms (the
+Records: device, model, batch, ctx, ratio, lrjax_ms (the step of ``--lrjax-kind``, by default
+``lowrank``: lrjax's step as the card's table chooses it), lrjax_kind, lrjax_dense_ms,
+lrjax_xla_attention_ms (the
 low-rank step with the model's attention left to XLA instead of the decode-attention kernel),
 lrjax_variants_ms (every ``--kinds`` step timed, e.g. with XLA's command buffers off or wider),
 torch_dense_ms, torch_lowrank_ms, the ratios, bytes a step must read and hbm_roofline_frac (those

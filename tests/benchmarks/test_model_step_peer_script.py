@@ -157,3 +157,54 @@ def test_sides_of_several_calls_merge(load_benchmark, tmp_path):
   for bad in ([t, files[0], other], [files[0], files[1]]):
     with pytest.raises(SystemExit):
       mod.main(args + ["--merge", *map(str, bad), "--out", str(out)])
+
+
+def test_lrjax_kind_stands_for_the_step(load_benchmark, tmp_path):
+  """--lrjax-kind picks the kind whose time is lrjax_ms (and the ratios, the roofline);
+  the record names it. A kind the lrjax side did not time leaves the batch out."""
+  mod = load_benchmark("model_step_peer")
+  kinds = ("lowrank", "lowrank_append_norm_residual")
+  ms = {"lowrank": 4.0, "lowrank_append_norm_residual": 3.2}
+  t, l = tmp_path / "t.json", tmp_path / "l.json"
+  t.write_text(json.dumps(_torch("NVIDIA H200", {"dense": 6.4, "lowrank": 4.8})))
+  l.write_text(json.dumps(_side("NVIDIA H200", kinds, ms)))
+  args = ["--model", "tiny", "--batch", "1", "8", "--ctx", "64", "--max-len", "128", "--steps", "4"]
+  out = tmp_path / "peer.json"
+  kind = ["--lrjax-kind", "lowrank_append_norm_residual"]
+  assert mod.main(args + kind + ["--merge", str(t), str(l), "--out", str(out)]) == 0
+  r1 = json.loads(out.read_text())["records"][0]
+  assert r1["lrjax_kind"] == "lowrank_append_norm_residual" and r1["lrjax_ms"] == 3.2
+  assert r1["speedup_vs_torch_dense"] == pytest.approx(2.0)
+  assert r1["speedup_vs_torch_lowrank"] == pytest.approx(1.5)
+  assert r1["lrjax_variants_ms"] == ms
+  out2 = tmp_path / "peer2.json"
+  kind = ["--lrjax-kind", "lowrank_xla_norms"]  # not timed on the lrjax side
+  assert mod.main(args + kind + ["--merge", str(t), str(l), "--out", str(out2)]) == 0
+  assert json.loads(out2.read_text())["records"] == []
+
+
+def test_a_kinds_gated_kernels_are_exactly_its_own(load_benchmark):
+  """Within a kind of CHOSEN the table's three switches are on for its kernels and off for
+  the others, their GPU flags set; after it, the table and the flags are as they were."""
+  from lrjax.custom_calls.triton import lowering as cuda
+  from lrjax.custom_calls.triton import policy
+
+  mod = load_benchmark("model_step_peer")
+  names = ("attention_append", "norm_in_kernels", "residual_epilogue")
+
+  def switches():
+    d = policy.current().values("dispatch")
+    return tuple(getattr(d, n) for n in names)
+
+  before = switches(), cuda.NORM_GPU_VERIFIED
+  for kind, want in (
+    ("lowrank_xla_norms", (False, False, False)),
+    ("lowrank_norm_residual", (False, True, True)),
+    ("lowrank_append_attention", (True, False, False)),
+  ):
+    with mod._attention_lowerings(kind):
+      assert switches() == want, kind
+      assert cuda.NORM_GPU_VERIFIED or not want[1]
+  assert (switches(), cuda.NORM_GPU_VERIFIED) == before
+  with mod._attention_lowerings("lowrank"):  # not in CHOSEN: the table's own choice
+    assert switches() == before[0]
