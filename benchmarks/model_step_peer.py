@@ -159,6 +159,7 @@ LRJAX_KINDS = (
 # flags say): decode_attention_append's (custom_calls/triton/lowering.py's
 # APPEND_GPU_VERIFIED, dispatch.attention_append), lr_normed's and lr_residual's
 # (dispatch.norm_in_kernels, .residual_epilogue); a kind not here runs with the table's choice
+ALL_GATED = ("APPEND", "NORM", "RESIDUAL")
 CHOSEN = {
   "lowrank_append_attention": ("APPEND",),
   "lowrank_append_xla_triton_norms": ("APPEND",),
@@ -166,11 +167,11 @@ CHOSEN = {
   "lowrank_append_norm": ("APPEND", "NORM"),
   "lowrank_residual_epilogue": ("RESIDUAL",),
   "lowrank_norm_residual": ("NORM", "RESIDUAL"),
-  "lowrank_append_norm_residual": ("APPEND", "NORM", "RESIDUAL"),
+  "lowrank_append_norm_residual": ALL_GATED,
   "lowrank_xla_norms": (),  # norms, residual adds, RoPE and cache writes by XLA
-  "lowrank_append_split_keys256": ("APPEND", "NORM", "RESIDUAL"),
-  "lowrank_append_split_keys128": ("APPEND", "NORM", "RESIDUAL"),
-  "lowrank_append_apart": ("APPEND", "NORM", "RESIDUAL"),
+  "lowrank_append_split_keys256": ALL_GATED,
+  "lowrank_append_split_keys128": ALL_GATED,
+  "lowrank_append_apart": ALL_GATED,
 }
 # the table's decode_attention.max_split_keys a kind runs with
 SPLIT_KEYS = {k: int(k.rsplit("split_keys", 1)[1]) for k in LRJAX_KINDS if "_split_keys" in k}
@@ -325,7 +326,7 @@ def _attention_lowerings(kind):
   from lrjax.custom_calls.triton import policy
 
   chosen = CHOSEN.get(kind, ())
-  flags = [f"{name}_GPU_VERIFIED" for name in ("APPEND", "NORM", "RESIDUAL")]
+  flags = [f"{name}_GPU_VERIFIED" for name in ALL_GATED]
   verified = {f: getattr(cuda, f) for f in flags}
   for name in chosen:
     setattr(cuda, f"{name}_GPU_VERIFIED", True)

@@ -26,6 +26,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from lrjax.custom_calls.triton import policy
+
 # f32 stays on XLA: the kernel's dots run on TF32 tensor cores (4e-4 relative error on an H100)
 PALLAS_MODULE = "jax.experimental.pallas.ops.gpu.decode_attention"
 BLOCK_K = 128  # keys per inner step (the Pallas kernel's default for gqa)
@@ -52,8 +54,6 @@ def plan(b: int, hkv: int, t: int, k_splits: int | None = None) -> Plan | str:
   at most the tuning table's ``decode_attention.max_split_keys`` keys a split (0: no bound),
   at most ``MAX_SPLITS``, among those the kernel accepts (t divisible into splits of >= 16
   keys, a power-of-two block of keys dividing each split)."""
-  from lrjax.custom_calls.triton import policy
-
   options = []
   for ks in (k_splits,) if k_splits is not None else [2**i for i in range(6)]:
     if ks > MAX_SPLITS or t % ks:

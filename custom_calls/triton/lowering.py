@@ -330,13 +330,19 @@ def _normed_reason(kernel, declined, inner: str) -> str | None:
   return None
 
 
+def _switch_off(switch: str) -> str | None:
+  """Why the current tuning table's ``dispatch.<switch>`` is off (None: it is on)."""
+  table = policy.current()
+  return None if getattr(table.values("dispatch"), switch) else table.why("dispatch", switch)
+
+
 def _gated_verdict(switch: str, kernel, inner_avals, ip) -> str | None:
   """The tuning table's ``dispatch.<switch>``, then the verdict of ``kernel``, which would
   serve the op: measured slower than XLA there, it leaves the op (and what is folded into
   it) to XLA."""
-  table = policy.current()
-  if not getattr(table.values("dispatch"), switch):
-    return table.why("dispatch", switch)
+  reason = _switch_off(switch)
+  if reason is not None:
+    return reason
   if kernel is None or kernel.faster is None:
     return None
   return kernel.faster(inner_avals, ip)
@@ -483,8 +489,7 @@ def kv_attention_supports(avals, params) -> str | None:
 
 def kv_attention_faster(avals, params) -> str | None:
   del avals, params
-  table = policy.current()
-  return None if table.values("dispatch").kv_attention else table.why("dispatch", "kv_attention")
+  return _switch_off("kv_attention")
 
 
 def _kv_attention_impl():
@@ -545,20 +550,13 @@ def decode_attention_append_supports(avals, params) -> str | None:
 
 def decode_attention_faster(avals, params) -> str | None:
   del avals, params
-  table = policy.current()
-  if table.values("dispatch").decode_attention:
-    return None
-  return table.why("dispatch", "decode_attention")
+  return _switch_off("decode_attention")
 
 
 def decode_attention_append_faster(avals, params) -> str | None:
   """The attention kernels' switch (``dispatch.decode_attention``), then the table's
   ``dispatch.attention_append``: RoPE and the cache writes in the attention's launches."""
-  reason = decode_attention_faster(avals, params)
-  table = policy.current()
-  if reason is None and not table.values("dispatch").attention_append:
-    reason = table.why("dispatch", "attention_append")
-  return reason
+  return decode_attention_faster(avals, params) or _switch_off("attention_append")
 
 
 def _decode_attention_impl():
