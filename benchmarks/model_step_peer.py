@@ -127,8 +127,9 @@ OTHER = "XLA fusions (norms, rope, residuals, cache writes, XLA's attention)"
 # kinds), or with them, RoPE and the cache writes left to XLA (``lowrank_xla_norms``); and
 # with the attention kernels' splits bounded to a number of keys (the ``*_split_keys<n>``
 # kinds: at ctx 1024 in a 2048 cache, the default plan's splits past the filled half return
-# at once); and with the append kernel attending the new key apart from its cache loop
-# (``lowrank_append_apart``: decode_attention_append.NEW_KEY_APART).
+# at once); and with the append kernel attending the new key apart from its cache loop (its
+# default) or spliced into the loop's K and V tiles (``lowrank_append_apart`` /
+# ``lowrank_append_splice``: decode_attention_append.NEW_KEY_APART True / False).
 LRJAX_KINDS = (
   "dense",
   "lowrank",
@@ -154,6 +155,7 @@ LRJAX_KINDS = (
   "lowrank_append_split_keys256",
   "lowrank_append_split_keys128",
   "lowrank_append_apart",
+  "lowrank_append_splice",
 )
 # the gated kernels a kind runs with, the others off (whatever the card's table and the GPU
 # flags say): decode_attention_append's (custom_calls/triton/lowering.py's
@@ -172,7 +174,10 @@ CHOSEN = {
   "lowrank_append_split_keys256": ALL_GATED,
   "lowrank_append_split_keys128": ALL_GATED,
   "lowrank_append_apart": ALL_GATED,
+  "lowrank_append_splice": ALL_GATED,
 }
+# decode_attention_append.NEW_KEY_APART a kind runs with
+APART = {"lowrank_append_apart": True, "lowrank_append_splice": False}
 # the table's decode_attention.max_split_keys a kind runs with
 SPLIT_KEYS = {k: int(k.rsplit("split_keys", 1)[1]) for k in LRJAX_KINDS if "_split_keys" in k}
 # the decode_attention lowerings a kind goes without
@@ -341,10 +346,10 @@ def _attention_lowerings(kind):
   if kind in SPLIT_KEYS:
     table = table.with_values("decode_attention", max_split_keys=SPLIT_KEYS[kind])
   saved_splits = saved_apart = None
-  if kind == "lowrank_append_apart":
+  if kind in APART:
     from lrjax.custom_calls.triton import decode_attention_append as dap
 
-    saved_apart, dap.NEW_KEY_APART = dap.NEW_KEY_APART, True  # read when the step is traced
+    saved_apart, dap.NEW_KEY_APART = dap.NEW_KEY_APART, APART[kind]  # read when traced
   if kind == "lowrank_sliced_cache" or kind in SPLIT_KEYS:
     from lrjax.custom_calls.triton import decode_attention_pallas as pallas
 

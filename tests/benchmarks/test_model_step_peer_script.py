@@ -3,6 +3,8 @@ JSON (ratios, the step with XLA's attention, the profile), and a results file th
 records of other cards (and converts the one-run form it had before)."""
 
 import json
+import sys
+import types
 
 import pytest
 
@@ -208,3 +210,22 @@ def test_a_kinds_gated_kernels_are_exactly_its_own(load_benchmark):
   assert (switches(), cuda.NORM_GPU_VERIFIED) == before
   with mod._attention_lowerings("lowrank"):  # not in CHOSEN: the table's own choice
     assert switches() == before[0]
+
+
+def test_the_append_kinds_choose_how_the_new_key_is_attended(load_benchmark, monkeypatch):
+  """lowrank_append_apart / _splice run the append kernel with NEW_KEY_APART True / False,
+  every other kind with the kernel's default; after each, the default is back. (The kernel
+  module stands in: it imports jax-triton.)"""
+  default = object()
+  dap = types.ModuleType("decode_attention_append")
+  dap.NEW_KEY_APART = default
+  monkeypatch.setitem(sys.modules, "lrjax.custom_calls.triton.decode_attention_append", dap)
+  mod = load_benchmark("model_step_peer")
+  for kind, want in (
+    ("lowrank_append_apart", True),
+    ("lowrank_append_splice", False),
+    ("lowrank_append_norm_residual", default),
+  ):
+    with mod._attention_lowerings(kind):
+      assert dap.NEW_KEY_APART is want, kind
+    assert dap.NEW_KEY_APART is default
