@@ -214,6 +214,23 @@ def table_path(card: str) -> str:
   return os.path.join(policy.TUNING_DIR, f"policy_{card}.json")
 
 
+def _check_coverage(results_path: str, records: list, base: dict) -> None:
+  """Refuses a sweep that lacks a kind of call (op and row count) the table it replaces or
+  starts from has measured: the new table would serve those calls from the records of other
+  row counts (decode records for prefill, say)."""
+  have = {(r[0], r[1]) for r in records}
+  missing = sorted({(r[0], r[1]) for r in base.get("records", [])} - have)
+  if missing:
+    shown = ", ".join(f"{op} M={m}" for op, m in missing[:6])
+    more = f" and {len(missing) - 6} more" if len(missing) > 6 else ""
+    raise ValueError(
+      f"{results_path}: no record of {shown}{more}, which the {base.get('device')} table has; "
+      f"complete the sweep first: python benchmarks/gpu_lowrank.py --suite all --resume "
+      f"--out {results_path} (and --suite decode_group into "
+      f"{GROUP_FILE.format(card=card_of(results_path))})"
+    )
+
+
 def emit(results_path: str) -> str:
   """Writes (or rewrites) the table of ``results_path``'s card; returns its path."""
   card = card_of(results_path)
@@ -228,7 +245,9 @@ def emit(results_path: str) -> str:
       base = json.load(fh)
     base["device_kinds"] = []
     print(f"{out}: thresholds and tiles copied from {near.path}; measure them on this card")
-  text = render(build(results_path, base=base))
+  table = build(results_path, base=base)
+  _check_coverage(results_path, table["records"], base)
+  text = render(table)
   policy.load_text(text, out)  # refuses a malformed table before it is written
   with open(out, "w") as fh:
     fh.write(text)

@@ -54,12 +54,14 @@ def test_emit_rewrites_a_stale_table_and_starts_a_new_card_from_the_nearest(
   data["meta"]["machine"] = "NVIDIA H100 80GB HBM3 (16 CPU cores, x86_64)"
   new = tmp_path / "gpu_lowrank_h100.json"
   new.write_text(json.dumps(data))
+  group = os.path.join(REPO, h200.sources["group"])
+  (tmp_path / "gpu_xuv_group_h100.json").write_text(open(group).read())
   out = pt.emit(str(new))
   assert out == str(tmp_path / "policy_h100.json")
   t = policy.load(out)
   assert t.device == "NVIDIA H100 80GB HBM3" and t.thresholds == h200.thresholds
   assert t.tiles == h200.tiles and t.model_ab == ()  # no model steps of this card
-  assert t.records == pt.records_from_results(str(new))[1]  # nor a grouped-kernel run
+  assert t.records == pt.policy_records(str(new))[1] == h200.records  # the same results
 
 
 def test_op_ab_pairs_only_adjacent_runs(pt, tmp_path):
@@ -133,3 +135,18 @@ def test_model_ab_reads_only_steps_under_the_default_launchers(pt, tmp_path):
   recs[2]["triton_launch"] = "xla"  # the last of the repeated runs
   path.write_text(json.dumps(dict(records=recs, models={"m": {"hidden_size": 1024}})))
   assert pt.model_ab_from_results(str(path)) == (("m", 1024, 4, 3.5, 4.0),)
+
+
+def test_emit_refuses_a_sweep_missing_what_the_table_has_measured(pt, tmp_path, monkeypatch):
+  """A sweep stopped part-way (records up to 16 rows) would make a table that serves prefill
+  from decode records: --emit-policy refuses it and names the command that completes it."""
+  h200 = policy.for_device("NVIDIA H200")[0]
+  monkeypatch.setattr(policy, "TUNING_DIR", str(tmp_path))
+  data = json.load(open(os.path.join(REPO, h200.sources["kernels"])))
+  data["meta"]["machine"] = "NVIDIA H100 80GB HBM3 (16 CPU cores, x86_64)"
+  data["records"] = [r for r in data["records"] if r["M"] <= 16]
+  part = tmp_path / "gpu_lowrank_h100.json"
+  part.write_text(json.dumps(data))
+  with pytest.raises(ValueError, match=r"no record of .*M=32.*--suite all --resume"):
+    pt.emit(str(part))
+  assert not (tmp_path / "policy_h100.json").exists()
