@@ -43,6 +43,8 @@ def extension_available() -> bool:
 
 
 THREADS_ENV = "LRJAX_W4A8_THREADS"
+SPIN_ENV = "LRJAX_W4A8_SPIN_US"
+MAX_SPIN_US = 1_000_000  # w4a8.h kMaxSpinUs
 
 
 def check_threads_env() -> int | None:
@@ -66,15 +68,34 @@ def check_threads_env() -> int | None:
   return n
 
 
+def check_spin_env() -> int | None:
+  """The microseconds ``LRJAX_W4A8_SPIN_US`` asks the kernels' threads to spin for the next
+  task before sleeping (None when unset: 200). Raises ValueError for a value that is not an
+  integer from 0 to 1000000."""
+  raw = os.environ.get(SPIN_ENV, "")
+  if raw == "":
+    return None
+  n = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 7 else -1
+  if not 0 <= n <= MAX_SPIN_US:
+    raise ValueError(
+      f"{SPIN_ENV}={raw!r} is not an integer from 0 to {MAX_SPIN_US}; set it to the "
+      "microseconds the W4A8 threads spin for the next task before sleeping (0: sleep at once, "
+      "for a machine whose cores other processes need) or unset it for 200"
+    )
+  return n
+
+
 def extension():
   """The compiled nanobind module, with its handlers registered with XLA.
 
-  Raises ValueError when ``LRJAX_W4A8_THREADS`` is malformed (see :func:`check_threads_env`).
+  Raises ValueError when ``LRJAX_W4A8_THREADS`` or ``LRJAX_W4A8_SPIN_US`` is malformed (see
+  :func:`check_threads_env`, :func:`check_spin_env`).
   """
   global _registered
   import jax
 
   check_threads_env()
+  check_spin_env()
   from lrjax.custom_calls.cpu import _w4a8
 
   with _lock:

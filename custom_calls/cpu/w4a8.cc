@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cfenv>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstdio>
@@ -173,17 +174,38 @@ std::string CheckWeights(const Weights& w, int64_t d0, int64_t d1, int64_t d2, i
 
 // --------------------------------------------------------------- thread pool
 
+int SpinUsFor(const char* env, std::string* warning) {
+  if (env == nullptr || *env == '\0') return kDefaultSpinUs;
+  bool digits = std::strlen(env) <= 7;  // only [0-9]+, at most 7 digits
+  for (const char* c = env; *c; ++c) digits &= *c >= '0' && *c <= '9';
+  const long v = digits ? std::strtol(env, nullptr, 10) : -1;
+  if (v < 0 || v > kMaxSpinUs) {
+    *warning = std::string("LRJAX_W4A8_SPIN_US='") + env + "' is not an integer from 0 to " +
+               std::to_string(kMaxSpinUs) + "; spinning " + std::to_string(kDefaultSpinUs) +
+               " us";
+    return kDefaultSpinUs;
+  }
+  return int(v);
+}
+
 namespace {
+
+int SpinUs() {
+  std::string warning;
+  const int us = SpinUsFor(std::getenv("LRJAX_W4A8_SPIN_US"), &warning);
+  if (!warning.empty()) std::fprintf(stderr, "lrjax W4A8: %s\n", warning.c_str());
+  return us;
+}
 
 class Pool {
  public:
-  explicit Pool(int n) {
+  Pool(int n, int spin_us) : spin_(spin_us) {
     for (int i = 1; i < n; ++i) workers_.emplace_back([this] { Loop(); });
   }
   ~Pool() {
     {
       std::lock_guard<std::mutex> l(mu_);
-      stop_ = true;
+      stop_.store(true);
     }
     cv_.notify_all();
     for (auto& t : workers_) t.join();
@@ -195,7 +217,9 @@ class Pool {
   // that never woke (a busy machine). A call that finds the pool busy (another
   // XLA thread) runs its tasks inline. Workers run under the caller's
   // floating-point environment (rounding, flush-to-zero), so results never
-  // depend on the thread.
+  // depend on the thread. After a job, workers and the caller spin for up to
+  // spin_ (LRJAX_W4A8_SPIN_US) before sleeping: a decode step's calls come
+  // microseconds apart, and waking a sleeping thread costs tens of microseconds.
   void ParallelFor(int64_t n, const std::function<void(int64_t)>& fn) {
     std::unique_lock<std::mutex> busy(job_mu_, std::try_to_lock);
     if (!busy.owns_lock() || workers_.empty() || n <= 1) {
@@ -206,15 +230,20 @@ class Pool {
     job->fn = &fn;
     job->n = n;
     std::fegetenv(&job->env);
+    bool wake;
     {
       std::lock_guard<std::mutex> l(mu_);
       job_ = job;
-      ++gen_;
+      gen_.fetch_add(1);
+      wake = sleepers_ > 0;
     }
-    cv_.notify_all();
+    if (wake) cv_.notify_all();
     Run(*job);
-    std::unique_lock<std::mutex> l(mu_);
-    done_cv_.wait(l, [&] { return job->done.load() == n; });
+    if (!SpinUntil([&] { return job->done.load() == n; })) {
+      std::unique_lock<std::mutex> l(mu_);
+      done_cv_.wait(l, [&] { return job->done.load() == n; });
+    }
+    std::lock_guard<std::mutex> l(mu_);
     job_.reset();
   }
 
@@ -225,6 +254,21 @@ class Pool {
     std::fenv_t env;  // the caller's
     std::atomic<int64_t> next{0}, done{0};
   };
+
+  // Whether `ready` held within spin_.
+  template <typename F>
+  bool SpinUntil(F ready) const {
+    const auto end = std::chrono::steady_clock::now() + spin_;
+    for (int i = 0;; ++i) {
+      if (ready()) return true;
+      if ((i & 63) == 63 && std::chrono::steady_clock::now() > end) return false;
+#if defined(__x86_64__)
+      __builtin_ia32_pause();
+#elif defined(__aarch64__)
+      asm volatile("yield");
+#endif
+    }
+  }
 
   // Claims and runs tasks; `fn` is only called for a claimed index < n, while the
   // caller is still waiting, so it is alive.
@@ -240,12 +284,15 @@ class Pool {
   void Loop() {
     uint64_t seen = 0;
     for (;;) {
+      SpinUntil([&] { return stop_.load() || gen_.load() != seen; });
       std::shared_ptr<Job> job;
       {
         std::unique_lock<std::mutex> l(mu_);
-        cv_.wait(l, [&] { return stop_ || gen_ != seen; });
-        if (stop_) return;
-        seen = gen_;
+        ++sleepers_;
+        cv_.wait(l, [&] { return stop_.load() || gen_.load() != seen; });
+        --sleepers_;
+        if (stop_.load()) return;
+        seen = gen_.load();
         job = job_;
       }
       if (job) {
@@ -258,16 +305,18 @@ class Pool {
     }
   }
 
+  const std::chrono::microseconds spin_;
   std::vector<std::thread> workers_;
   std::mutex job_mu_, mu_;
   std::condition_variable cv_, done_cv_;
-  std::shared_ptr<Job> job_;
-  uint64_t gen_ = 0;
-  bool stop_ = false;
+  std::shared_ptr<Job> job_;  // under mu_
+  std::atomic<uint64_t> gen_{0};  // written under mu_
+  int sleepers_ = 0;  // workers in cv_.wait, under mu_
+  std::atomic<bool> stop_{false};
 };
 
 Pool& GetPool() {
-  static Pool* pool = new Pool(NumThreads());  // leaked: workers outlive static dtors
+  static Pool* pool = new Pool(NumThreads(), SpinUs());  // leaked: workers outlive static dtors
   return *pool;
 }
 

@@ -95,6 +95,12 @@ int NumThreads();
 // capped. Pure, for the tests.
 int ThreadsFor(const char* env, unsigned hw, std::string* warning);
 constexpr int kMaxThreadsUnknownHw = 64;  // cap when the hardware count is unknown
+// Microseconds the pool's threads spin, after a task, for the next one before sleeping: env
+// LRJAX_W4A8_SPIN_US (an integer from 0, sleep at once, to kMaxSpinUs), default
+// kDefaultSpinUs. A malformed value gives the default and sets *warning. Pure, for the tests.
+constexpr int kDefaultSpinUs = 200;
+constexpr int kMaxSpinUs = 1000000;
+int SpinUsFor(const char* env, std::string* warning);
 
 // --- internal: the per-ISA tile kernels ---------------------------------------
 struct TileArgs {

@@ -221,4 +221,9 @@ NB_MODULE(_w4a8, m) {
     return nb::make_tuple(n, warning);
   }, nb::arg("env").none(), nb::arg("hw"),
      "(threads, warning) for an LRJAX_W4A8_THREADS value on a CPU with hw threads.");
+  m.def("spin_us_for", [](std::optional<std::string> env) {
+    std::string warning;
+    const int us = SpinUsFor(env ? env->c_str() : nullptr, &warning);
+    return nb::make_tuple(us, warning);
+  }, nb::arg("env").none(), "(microseconds, warning) for an LRJAX_W4A8_SPIN_US value.");
 }

@@ -307,6 +307,18 @@ void TestThreadsFromEnv() {
         "NumThreads() = %d exceeds the %u hardware threads", NumThreads(), hw);
 }
 
+void TestSpinFromEnv() {
+  std::string w;
+  CHECK(SpinUsFor(nullptr, &w) == kDefaultSpinUs && w.empty(), "unset env: the default spin");
+  CHECK(SpinUsFor("0", &w) == 0 && w.empty(), "LRJAX_W4A8_SPIN_US=0: sleep at once");
+  CHECK(SpinUsFor("1000000", &w) == kMaxSpinUs && w.empty(), "the largest spin");
+  for (const char* bad : {"abc", "-1", "+5", " 5", "1.5", "1000001", "99999999999"}) {
+    w.clear();
+    CHECK(SpinUsFor(bad, &w) == kDefaultSpinUs && w.find("not an integer") != std::string::npos,
+          "LRJAX_W4A8_SPIN_US=%s must be rejected with a warning", bad);
+  }
+}
+
 // The pool's workers run under the calling thread's floating-point environment:
 // with flush-to-zero and denormals-are-zero set by the caller (as XLA does),
 // denormal weight scales read as zero on every thread, not only the caller's.
@@ -364,6 +376,7 @@ int main(int argc, char** argv) {
   }
   TestBadShapes();
   TestThreadsFromEnv();
+  TestSpinFromEnv();
   TestWorkersFollowCallerFpEnv(rng);
   // Dispatch: SelectIsa honours LRJAX_W4A8_ISA and never picks what the CPU lacks.
   for (Layout lay : {Layout::kX86, Layout::kArm4, Layout::kArm8}) {

@@ -234,3 +234,56 @@ def test_thread_count_within_the_hardware_is_honoured(monkeypatch):
   assert cpu_lowering.check_threads_env() == 1
   assert _raw_extension().threads_for("1", 2) == (1, "")
   assert _raw_extension().threads_for(None, 2) == (2, "")
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "+5", "1.5", "1000001"])
+def test_malformed_spin_is_a_clear_error(monkeypatch, value):
+  monkeypatch.setenv("LRJAX_W4A8_SPIN_US", value)
+  with pytest.raises(ValueError, match="LRJAX_W4A8_SPIN_US=.* is not an integer from 0 to"):
+    cpu_lowering.extension()
+  us, warning = _raw_extension().spin_us_for(value)
+  assert us == 200 and "not an integer" in warning
+
+
+def test_spin_setting_is_honoured(monkeypatch):
+  monkeypatch.setenv("LRJAX_W4A8_SPIN_US", "0")
+  assert cpu_lowering.check_spin_env() == 0
+  assert _raw_extension().spin_us_for("0") == (0, "")
+  assert _raw_extension().spin_us_for(None) == (200, "")
+
+
+_SPIN_SCRIPT = textwrap.dedent(
+  """
+  import sys, jax, jax.numpy as jnp, numpy as np
+  from lrjax.lowering import quantized as Q
+  from lrjax.quant import pack
+  rng = np.random.default_rng(0)
+  ws = []
+  for k, n in ((256, 96), (96, 1000)):
+    q, s = pack.quantize_int4(rng.standard_normal((k, n)).astype(np.float32), 32)
+    ws += [jnp.asarray(pack.pack_int4(q, "x86_vnni")), jnp.asarray(pack.pad_scales(s, "x86_vnni"))]
+  x = jnp.asarray(rng.standard_normal((3, 256)), jnp.float32)
+
+  def chain(x):  # calls one after another, each its own parallel GEMMs
+    for _ in range(20):
+      y = Q.lr_xuv_w4a8(x, *ws, r=96, n=1000, group_u=32, group_v=32, layout="x86_vnni")
+      x = x + y[:, :256] * 1e-3
+    return x
+
+  sys.stdout.write(np.asarray(jax.jit(chain)(x)).tobytes().hex())
+  """
+)
+
+
+def test_results_do_not_depend_on_the_pools_spin():
+  """The pool's threads spinning for the next task (the default) or sleeping at once
+  (LRJAX_W4A8_SPIN_US=0), two threads or one: the same bits from a chain of fused calls."""
+  outs = []
+  for spin, threads in (("0", "2"), ("200", "2"), ("100000", "2"), ("0", "1")):
+    env = dict(os.environ, LRJAX_W4A8_SPIN_US=spin, LRJAX_W4A8_THREADS=threads, JAX_PLATFORMS="cpu")
+    p = subprocess.run(
+      [sys.executable, "-c", _SPIN_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    outs.append(p.stdout)
+  assert len(outs[0]) == 3 * 256 * 8 and len(set(outs)) == 1
