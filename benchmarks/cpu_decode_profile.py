@@ -228,6 +228,7 @@ def main():
       versions={"jax": jax.__version__, "lrjax": lrjax.__version__},
       load_average=dict(start=load0, end=os.getloadavg()),
       settings=vars(a),
+      kernel_env={k: v for k, v in sorted(os.environ.items()) if k.startswith("LRJAX_W4A8_")},
       rows=rows,
     ),
   )
