@@ -258,6 +258,7 @@ class Pool {
   // Whether `ready` held within spin_.
   template <typename F>
   bool SpinUntil(F ready) const {
+    if (spin_.count() == 0) return ready();
     const auto end = std::chrono::steady_clock::now() + spin_;
     for (int i = 0;; ++i) {
       if (ready()) return true;
