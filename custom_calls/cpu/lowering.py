@@ -47,17 +47,23 @@ SPIN_ENV = "LRJAX_W4A8_SPIN_US"
 MAX_SPIN_US = 1_000_000  # w4a8.h kMaxSpinUs
 
 
+def _env_int(name: str) -> tuple[str, int | None]:
+  """(the raw value of env ``name``, its integer if it is only ASCII digits, else None), as
+  the kernel reads it (w4a8.cc DigitsValue); ("", None) when unset."""
+  raw = os.environ.get(name, "")
+  return raw, int(raw) if raw.isascii() and raw.isdigit() else None
+
+
 def check_threads_env() -> int | None:
   """The thread count ``LRJAX_W4A8_THREADS`` asks for (None when unset).
 
   Raises ValueError for a value that is not a positive integer; a count above the hardware
   threads is capped by the kernel (logged here).
   """
-  raw = os.environ.get(THREADS_ENV, "")
+  raw, n = _env_int(THREADS_ENV)
   if raw == "":
     return None
-  n = int(raw) if raw.isascii() and raw.isdigit() else 0
-  if n < 1:
+  if n is None or n < 1:
     raise ValueError(
       f"{THREADS_ENV}={raw!r} is not a positive integer; set it to the number of W4A8 "
       f"worker threads (e.g. {os.cpu_count() or 1}) or unset it for one per hardware thread"
@@ -72,11 +78,10 @@ def check_spin_env() -> int | None:
   """The microseconds ``LRJAX_W4A8_SPIN_US`` asks the kernels' threads to spin for the next
   task before sleeping (None when unset: 200). Raises ValueError for a value that is not an
   integer from 0 to 1000000."""
-  raw = os.environ.get(SPIN_ENV, "")
+  raw, n = _env_int(SPIN_ENV)
   if raw == "":
     return None
-  n = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 7 else -1
-  if not 0 <= n <= MAX_SPIN_US:
+  if n is None or n > MAX_SPIN_US:
     raise ValueError(
       f"{SPIN_ENV}={raw!r} is not an integer from 0 to {MAX_SPIN_US}; set it to the "
       "microseconds the W4A8 threads spin for the next task before sleeping (0: sleep at once, "

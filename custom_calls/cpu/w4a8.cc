@@ -174,20 +174,6 @@ std::string CheckWeights(const Weights& w, int64_t d0, int64_t d1, int64_t d2, i
 
 // --------------------------------------------------------------- thread pool
 
-int SpinUsFor(const char* env, std::string* warning) {
-  if (env == nullptr || *env == '\0') return kDefaultSpinUs;
-  bool digits = std::strlen(env) <= 7;  // only [0-9]+, at most 7 digits
-  for (const char* c = env; *c; ++c) digits &= *c >= '0' && *c <= '9';
-  const long v = digits ? std::strtol(env, nullptr, 10) : -1;
-  if (v < 0 || v > kMaxSpinUs) {
-    *warning = std::string("LRJAX_W4A8_SPIN_US='") + env + "' is not an integer from 0 to " +
-               std::to_string(kMaxSpinUs) + "; spinning " + std::to_string(kDefaultSpinUs) +
-               " us";
-    return kDefaultSpinUs;
-  }
-  return int(v);
-}
-
 namespace {
 
 int SpinUs() {
@@ -498,16 +484,26 @@ std::string CheckIsa(Layout layout, int isa, Isa* out) {
 
 }  // namespace
 
+namespace {
+
+// Whether env is only [0-9]+ (no sign, space or suffix) within long long; its value in *v.
+bool DigitsValue(const char* env, long long* v) {
+  bool digits = *env != '\0';
+  for (const char* c = env; *c; ++c) digits &= *c >= '0' && *c <= '9';
+  if (!digits) return false;
+  errno = 0;
+  *v = std::strtoll(env, nullptr, 10);
+  return errno == 0;
+}
+
+}  // namespace
+
 int ThreadsFor(const char* env, unsigned hw, std::string* warning) {
   const int cap = hw == 0 ? kMaxThreadsUnknownHw : int(std::min<unsigned>(hw, 1u << 16));
   const int dflt = hw == 0 ? 1 : cap;
   if (env == nullptr || *env == '\0') return dflt;
-  bool digits = true;  // only [0-9]+: no sign, space or suffix
-  for (const char* c = env; *c; ++c) digits &= *c >= '0' && *c <= '9';
-  char* end = nullptr;
-  errno = 0;
-  const long long v = digits ? std::strtoll(env, &end, 10) : 0;
-  if (!digits || errno != 0 || v < 1) {
+  long long v = 0;
+  if (!DigitsValue(env, &v) || v < 1) {
     *warning = std::string("LRJAX_W4A8_THREADS='") + env +
                "' is not a positive integer; using " + std::to_string(dflt) + " threads";
     return dflt;
@@ -517,6 +513,18 @@ int ThreadsFor(const char* env, unsigned hw, std::string* warning) {
                (hw == 0 ? "default cap of " : "hardware's ") + std::to_string(cap) +
                " threads; using " + std::to_string(cap);
     return cap;
+  }
+  return int(v);
+}
+
+int SpinUsFor(const char* env, std::string* warning) {
+  if (env == nullptr || *env == '\0') return kDefaultSpinUs;
+  long long v = 0;
+  if (!DigitsValue(env, &v) || v > kMaxSpinUs) {
+    *warning = std::string("LRJAX_W4A8_SPIN_US='") + env + "' is not an integer from 0 to " +
+               std::to_string(kMaxSpinUs) + "; spinning " + std::to_string(kDefaultSpinUs) +
+               " us";
+    return kDefaultSpinUs;
   }
   return int(v);
 }

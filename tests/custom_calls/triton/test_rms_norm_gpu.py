@@ -12,7 +12,7 @@ import pytest
 
 from conftest import assert_close, randn, rel_err, tolerance
 from test_decode_attention_gpu import _REASON
-from test_triton_kernels_gpu import GROUP_CASES, _group_inputs, f64, mlp_params, poisoned
+from test_triton_kernels_gpu import ACT, GROUP_CASES, _group_inputs, f64, mlp_params, poisoned
 from test_triton_kernels_gpu import xuv_ref
 from lrjax.custom_calls.triton import planner
 from lrjax.lowering.rms_norm import rms_norm_reference
@@ -85,7 +85,7 @@ def _swiglu_exact(x, w, eps, gate, up, down):
   x = f64(x)
   xn = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * f64(w)
   g, u = (xn @ f64(p[0]) @ f64(p[1]) for p in (gate, up))
-  return (g / (1.0 + np.exp(-g)) * u) @ f64(down[0]) @ f64(down[1])
+  return (ACT["silu"](g) * u) @ f64(down[0]) @ f64(down[1])
 
 
 def swiglu_case(kind, shape, dtype):
