@@ -310,31 +310,30 @@ def run_lrjax(args, ranks) -> dict:
 
 
 @contextlib.contextmanager
+def _patched(module, name, value):
+  """``module.name`` set to ``value`` for the block, restored after."""
+  saved = getattr(module, name)
+  setattr(module, name, value)
+  try:
+    yield
+  finally:
+    setattr(module, name, saved)
+
+
+@contextlib.contextmanager
 def _attention_lowerings(kind):
   """The decode_attention lowerings ``kind`` goes without (``WITHOUT``) removed for its run;
   for ``lowrank_sliced_cache`` the Pallas kernel's whole-buffer plan off, lrjax's merge
-  forced for the kinds in ``MERGE``, and the kernels in ``CHOSEN`` chosen."""
+  forced for the kinds in ``MERGE``, and the kernels in ``CHOSEN`` chosen. Module flags
+  below are read when the step is traced."""
+  import importlib
+
+  from lrjax.custom_calls.triton import lowering as cuda
+  from lrjax.custom_calls.triton import policy
   from lrjax.lowering import registry
 
   registry.load_platform("cuda")
-  gone = [
-    k for k in registry.candidates("decode_attention", "cuda") if k.name in WITHOUT.get(kind, ())
-  ]
-  for k in gone:
-    registry.unregister("decode_attention", "cuda", k.name)
-  pallas = ours = None
-  if kind in MERGE:
-    from lrjax.custom_calls.triton import decode_attention as ours
-
-    saved_merge, ours.MERGE = ours.MERGE, MERGE[kind]  # read when the step is traced
-  from lrjax.custom_calls.triton import lowering as cuda
-  from lrjax.custom_calls.triton import policy
-
   chosen = CHOSEN.get(kind, ())
-  flags = [f"{name}_GPU_VERIFIED" for name in ALL_GATED]
-  verified = {f: getattr(cuda, f) for f in flags}
-  for name in chosen:
-    setattr(cuda, f"{name}_GPU_VERIFIED", True)
   switches = {
     "attention_append": "APPEND",
     "norm_in_kernels": "NORM",
@@ -345,33 +344,29 @@ def _attention_lowerings(kind):
     table = table.with_values("dispatch", **{k: n in chosen for k, n in switches.items()})
   if kind in SPLIT_KEYS:
     table = table.with_values("decode_attention", max_split_keys=SPLIT_KEYS[kind])
-  saved_splits = saved_apart = None
-  if kind in APART:
-    from lrjax.custom_calls.triton import decode_attention_append as dap
-
-    saved_apart, dap.NEW_KEY_APART = dap.NEW_KEY_APART, APART[kind]  # read when traced
-  if kind == "lowrank_sliced_cache" or kind in SPLIT_KEYS:
-    from lrjax.custom_calls.triton import decode_attention_pallas as pallas
-
-    if kind == "lowrank_sliced_cache":
-      saved_splits, pallas.MAX_BUFFER_SPLITS = pallas.MAX_BUFFER_SPLITS, 0
-    pallas.decode_attention.clear_cache()  # traced again under the new plan
-  try:
-    with policy.use(table):
-      yield
-  finally:
-    for k in gone:
-      registry.register(k)
-    if pallas is not None:
-      if saved_splits is not None:
-        pallas.MAX_BUFFER_SPLITS = saved_splits
-      pallas.decode_attention.clear_cache()
-    if ours is not None:
-      ours.MERGE = saved_merge
-    if saved_apart is not None:
-      dap.NEW_KEY_APART = saved_apart
-    for f, v in verified.items():
-      setattr(cuda, f, v)
+  replans = kind == "lowrank_sliced_cache" or kind in SPLIT_KEYS
+  with contextlib.ExitStack() as stack:
+    for k in list(registry.candidates("decode_attention", "cuda")):
+      if k.name in WITHOUT.get(kind, ()):
+        registry.unregister("decode_attention", "cuda", k.name)
+        stack.callback(registry.register, k)
+    for name in chosen:
+      stack.enter_context(_patched(cuda, f"{name}_GPU_VERIFIED", True))
+    kernels = "lrjax.custom_calls.triton."  # imported only where needed: they need jax-triton
+    if kind in MERGE:
+      ours = importlib.import_module(kernels + "decode_attention")
+      stack.enter_context(_patched(ours, "MERGE", MERGE[kind]))
+    if kind in APART:
+      dap = importlib.import_module(kernels + "decode_attention_append")
+      stack.enter_context(_patched(dap, "NEW_KEY_APART", APART[kind]))
+    if replans:
+      pallas = importlib.import_module(kernels + "decode_attention_pallas")
+      if kind == "lowrank_sliced_cache":
+        stack.enter_context(_patched(pallas, "MAX_BUFFER_SPLITS", 0))
+      pallas.decode_attention.clear_cache()  # traced again under the new plan, and after it
+      stack.callback(pallas.decode_attention.clear_cache)
+    stack.enter_context(policy.use(table))
+    yield
 
 
 def _time_kind(args, cfg, ranks, dtype, kind, built, out):
