@@ -1072,6 +1072,12 @@ def main():
     help="only rewrite the card's tuning table (custom_calls/triton/tuning/) from a results file",
   )
   ap.add_argument(
+    "--choice-report",
+    metavar="JSON",
+    help="only report how well the tuning table the card of a results file uses chooses "
+    "on its records",
+  )
+  ap.add_argument(
     "--append",
     action="store_true",
     help="keep the records already in --out (a sweep split over several runs); "
@@ -1115,6 +1121,11 @@ def main():
     import policy_tables
 
     print(f"wrote {policy_tables.emit(args.emit_policy)}")
+    return
+  if args.choice_report:
+    import policy_tables
+
+    print(policy_tables.choice_report(args.choice_report))
     return
   import triton
 

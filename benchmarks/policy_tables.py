@@ -12,6 +12,8 @@ The ``thresholds`` and ``tiles`` are kept from the card's existing table; a card
 starts from the nearest table's, which its own measurements should then replace.
 
   python benchmarks/gpu_lowrank.py --emit-policy benchmarks/results/gpu_lowrank_h200.json
+
+``--choice-report`` tells how well the table a card uses chooses on that card's own records.
 """
 
 from __future__ import annotations
@@ -229,6 +231,44 @@ def _check_coverage(results_path: str, records: list, base: dict) -> None:
       f"--out {results_path} (and --suite decode_group into "
       f"{GROUP_FILE.format(card=card_of(results_path))})"
     )
+
+
+def choice_report(results_path: str, within: float = 0.03) -> str:
+  """How well the tuning table the sweep's card uses (its own, else the nearest) chooses on
+  that card's records: at each default-kernel record, the lowering the table's verdict picks
+  against the faster of the two timed there (kernel forced, XLA's chain; one run). Lists the
+  points where the pick was more than ``within`` slower, with the table's reason."""
+  with open(results_path) as fh:
+    data = json.load(fh)
+  card = data["meta"]["machine"].split(" (")[0]
+  table, stand_in = policy.for_device(card)
+  worse, n = [], 0
+  for r in data["records"]:
+    if r["variant"] != "auto" or r["op"] not in ("xuv", "mlp_swiglu"):
+      continue
+    n += 1
+    why = policy.verdict(r["op"], r["M"], r["K"], r["r"], r["N"], table)
+    chosen = r["xla_lowrank_us"] if why else r["ours_us"]
+    loss = chosen / min(r["ours_us"], r["xla_lowrank_us"]) - 1
+    if loss > within:
+      worse.append((loss, r, why))
+  lines = [
+    f"{results_path} ({card}; table {os.path.basename(table.path)}"
+    f"{', the nearest' if stand_in else ''}): the table's pick is within {within:.0%} of the "
+    f"faster lowering at {n - len(worse)} of {n} points"
+  ]
+  reasons = []  # one line each, the points cite them by number
+  for loss, r, why in sorted(worse, key=lambda x: -x[0]):
+    if why:
+      why = why.removesuffix("; " + policy._OVERRIDE_HINT)
+      reasons += [why] if why not in reasons else []
+    lines.append(
+      f"  {r['op']} M={r['M']} K={r['K']} r={r['r']} N={r['N']}: "
+      f"{f'XLA picked [{reasons.index(why) + 1}]' if why else 'the kernel picked'}, kernel "
+      f"{r['ours_us']:.1f} us, XLA {r['xla_lowrank_us']:.1f} us ({loss:.1%} slower)"
+    )
+  lines += [f"  [{i}] {why}" for i, why in enumerate(reasons, 1)]
+  return "\n".join(lines)
 
 
 def emit(results_path: str) -> str:

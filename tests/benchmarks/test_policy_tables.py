@@ -150,3 +150,30 @@ def test_emit_refuses_a_sweep_missing_what_the_table_has_measured(pt, tmp_path, 
   with pytest.raises(ValueError, match=r"no record of .*M=32.*--suite all --resume"):
     pt.emit(str(part))
   assert not (tmp_path / "policy_h100.json").exists()
+
+
+def test_the_choice_report_counts_the_points_where_the_table_picked_the_slower(pt, tmp_path):
+  """Each record's pick (the table's verdict) is set against the faster of its two timings:
+  a pick made slower than 3 % by the timings is listed with its lowering and, for XLA, the
+  table's reason; the others are counted as within."""
+  h200 = policy.for_device("NVIDIA H200")[0]
+  data = json.load(open(os.path.join(REPO, h200.sources["kernels"])))
+  picks = {}  # whether the table leaves each record's shape to XLA
+  for r in data["records"]:
+    if r["variant"] == "auto" and r["op"] in ("xuv", "mlp_swiglu"):
+      why = policy.verdict(r["op"], r["M"], r["K"], r["r"], r["N"], h200)
+      picks.setdefault(bool(why), r)
+  kernel_pick, xla_pick = picks[False], picks[True]
+  kernel_pick.update(ours_us=20.0, xla_lowrank_us=10.0)  # the kernel picked, 100 % slower
+  xla_pick.update(ours_us=10.0, xla_lowrank_us=10.2)  # XLA picked, 2 % slower: within
+  fair = dict(xla_pick, variant="auto", ours_us=10.0, xla_lowrank_us=15.0)  # 50 % slower
+  other = dict(kernel_pick, variant="unrolled")  # a variant record: not counted
+  data["records"] = [kernel_pick, xla_pick, fair, other]
+  path = tmp_path / "gpu_lowrank_h200.json"
+  path.write_text(json.dumps(data))
+  lines = pt.choice_report(str(path)).splitlines()
+  assert "table policy_h200.json)" in lines[0] and "within 3% of the faster" in lines[0]
+  assert lines[0].endswith("at 1 of 3 points")
+  assert "the kernel picked, kernel 20.0 us, XLA 10.0 us (100.0% slower)" in lines[1]
+  assert "XLA picked [1], kernel 10.0 us, XLA 15.0 us (50.0% slower)" in lines[2]
+  assert lines[3].startswith("  [1] ") and len(lines) == 4
