@@ -346,10 +346,12 @@ def _attention_lowerings(kind):
     table = table.with_values("decode_attention", max_split_keys=SPLIT_KEYS[kind])
   replans = kind == "lowrank_sliced_cache" or kind in SPLIT_KEYS
   with contextlib.ExitStack() as stack:
-    for k in list(registry.candidates("decode_attention", "cuda")):
-      if k.name in WITHOUT.get(kind, ()):
-        registry.unregister("decode_attention", "cuda", k.name)
-        stack.callback(registry.register, k)
+    gone = [
+      k for k in registry.candidates("decode_attention", "cuda") if k.name in WITHOUT.get(kind, ())
+    ]
+    for k in gone:
+      registry.unregister("decode_attention", "cuda", k.name)
+    stack.callback(lambda: [registry.register(k) for k in gone])  # in their order
     for name in chosen:
       stack.enter_context(_patched(cuda, f"{name}_GPU_VERIFIED", True))
     kernels = "lrjax.custom_calls.triton."  # imported only where needed: they need jax-triton

@@ -229,3 +229,19 @@ def test_the_append_kinds_choose_how_the_new_key_is_attended(load_benchmark, mon
     with mod._attention_lowerings(kind):
       assert dap.NEW_KEY_APART is want, kind
     assert dap.NEW_KEY_APART is default
+
+
+def test_a_kind_goes_without_its_attention_lowerings_and_gets_them_back(load_benchmark):
+  """lowrank_pallas_attention runs without lrjax's attention lowering; after it the
+  decode_attention candidates are the same ones, in the same order."""
+  from lrjax.lowering import registry
+
+  mod = load_benchmark("model_step_peer")
+  registry.load_platform("cuda")
+  names = lambda: [k.name for k in registry.candidates("decode_attention", "cuda")]  # noqa: E731
+  before = names()
+  assert "triton.decode_attention" in before
+  with mod._attention_lowerings("lowrank_pallas_attention"):
+    assert "triton.decode_attention" not in names()
+    assert "pallas.decode_attention" in names()
+  assert names() == before
