@@ -5,17 +5,7 @@ import json
 import math
 import os
 
-# HBM bandwidth (bytes/s) by device name substring: the H200's measured copy rate, the H100
-# SXM's datasheet rate (DESIGN.md, "Measuring"). Other H100s (PCIe, NVL) have other rates.
-HBM_BPS = {"H200": 4.3e12, "H100 80GB HBM3": 3.35e12}
-
-
-def hbm_bps(device_name: str) -> float | None:
-  """The HBM roofline of the card named ``device_name`` (None: not a card listed above)."""
-  for key, bps in HBM_BPS.items():
-    if key in device_name:
-      return bps
-  return None
+from lrjax.bench import HBM_BPS, hbm_bps  # the cards' HBM rates (DESIGN.md, "Measuring")
 
 
 def roofline_bps(device_name: str) -> float:

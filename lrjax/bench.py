@@ -9,8 +9,8 @@ an :class:`lrjax.serving.Engine` with ``c`` slots (or ``slots``) is built and wa
 step it will run is compiled and run once), then ``reps`` rounds each submit ``c`` requests of
 ``prompt_len`` random token ids at once and generate ``gen_len`` tokens greedily. Per round:
 
-- TTFT: submit to first token, per request (the engine prefills one request at a time, so the
-  last of ``c`` waits for the others' prefills);
+- TTFT: submit to first token, per request (the engine batches waiting prompts into shared
+  prefill calls, so a request's TTFT includes the prefill of the prompts batched with it);
 - prefill tokens/s: ``c · prompt_len`` over the time to the last first token;
 - decode tokens/s: tokens generated after the last prefill over the time they took;
 - ITL: the gaps between a request's decode tokens (each is one engine step).
@@ -18,7 +18,8 @@ step it will run is compiled and run once), then ``reps`` rounds each submit ``c
 Each metric is the median over rounds (ITL: the median and p90 of all gaps of all rounds).
 ``decode_weight_gbs`` is the weight bytes one decode step reads (every param except the
 embedding table, which a step reads only ``c`` rows of, unless the LM head is tied to it)
-times the decode steps per second.
+times the decode steps per second; ``weight_roofline_frac`` is that rate over the memory
+roofline (:func:`memory_roofline`: a listed GPU's HBM rate, or this CPU's measured read rate).
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ import numpy as np
 log = logging.getLogger("lrjax.bench")
 
 QUANT_SCHEMES = ("w4a8",)
+# HBM bandwidth (bytes/s) by device-name substring: the H200's measured copy rate, the H100
+# SXM's datasheet rate (DESIGN.md, "Measuring"). Other H100s (PCIe, NVL) have other rates and
+# are not listed. The benchmarks' results state fractions of these too.
+HBM_BPS = {"H200": 4.3e12, "H100 80GB HBM3": 3.35e12}
+READ_BYTES = 1 << 30  # the CPU read measurement's array: well past any L3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,6 +210,53 @@ def decode_kernels(model, fuse: bool = True) -> dict[str, int]:
 # ------------------------------------------------------------------ the measurement
 
 
+def hbm_bps(device_name: str) -> float | None:
+  """The HBM roofline of the card named ``device_name`` (None: not a card in HBM_BPS)."""
+  return next((bps for key, bps in HBM_BPS.items() if key in device_name), None)
+
+
+def measure_read_bps(nbytes: int = READ_BYTES, reps: int = 3, threads: int | None = None) -> float:
+  """Bytes/s of a streaming read of this machine's memory: ``np.max`` over an ``nbytes``
+  float32 array split among ``threads`` (every core by default; numpy releases the GIL),
+  the best of ``reps`` timed passes after one that touches the pages."""
+  from concurrent.futures import ThreadPoolExecutor
+
+  if nbytes < 4 or reps < 1:
+    raise ValueError(f"{nbytes=} and {reps=}: expected at least 4 bytes and 1 rep")
+  a = np.ones(nbytes // 4, np.float32)
+  parts = np.array_split(a, max(1, threads or os.cpu_count() or 1))
+  with ThreadPoolExecutor(len(parts)) as ex:
+    best = float("inf")
+    for i in range(reps + 1):
+      t = time.perf_counter()
+      list(ex.map(np.max, parts))
+      if i:
+        best = min(best, time.perf_counter() - t)
+  return a.nbytes / best
+
+
+def memory_roofline(device_kind: str | None = None, gpu: bool | None = None) -> dict:
+  """The decode roofline's memory rate for this process's first device (or ``device_kind``):
+  ``{"bytes_per_s", "source"}``. A GPU listed in ``HBM_BPS`` gets its rate; a CPU its read
+  rate, measured now (:func:`measure_read_bps`, about a second); another GPU None (no fraction
+  is stated)."""
+  if device_kind is None:
+    import jax
+
+    d = jax.devices()[0]
+    device_kind, gpu = d.device_kind, d.platform == "gpu"
+  if gpu:
+    bps = hbm_bps(device_kind)
+    if bps is None:
+      return {"bytes_per_s": None, "source": f"no HBM rate listed for {device_kind}"}
+    return {"bytes_per_s": bps, "source": f"HBM rate of the {device_kind} (lrjax.bench.HBM_BPS)"}
+  threads = os.cpu_count() or 1
+  return {
+    "bytes_per_s": measure_read_bps(threads=threads),
+    "source": f"measured: np.max over {READ_BYTES >> 20} MiB on {threads} threads, best of 3",
+  }
+
+
 def _round(engine, c: int, s: BenchSettings, rng) -> dict:
   from lrjax.serving import Request, SamplingParams
 
@@ -233,9 +286,16 @@ def _round(engine, c: int, s: BenchSettings, rng) -> dict:
   )
 
 
-def run_bench(model, settings: BenchSettings = BenchSettings(), *, info: dict | None = None):
+def run_bench(
+  model,
+  settings: BenchSettings = BenchSettings(),
+  *,
+  info: dict | None = None,
+  roofline: dict | None = None,
+):
   """Measures ``model`` through the engine at each concurrency level; returns a JSON-able dict
-  (levels, settings, machine, versions). See the module docstring for the method."""
+  (levels, settings, machine, versions, memory roofline). See the module docstring for the
+  method. ``roofline``: :func:`memory_roofline`'s dict (default: measured or looked up here)."""
 
   from lrjax.serving import Engine
 
@@ -243,6 +303,8 @@ def run_bench(model, settings: BenchSettings = BenchSettings(), *, info: dict | 
   info = dict(info or {})
   if "decode_weight_bytes" not in info:
     info["param_bytes"], info["decode_weight_bytes"] = weight_bytes(model)
+  roofline = roofline or memory_roofline()
+  bps = roofline["bytes_per_s"]
   max_len = s.prompt_len + s.gen_len + 1
   rng = np.random.default_rng(s.seed)
   levels = []
@@ -266,6 +328,7 @@ def run_bench(model, settings: BenchSettings = BenchSettings(), *, info: dict | 
       decode_tps=decode_tps,
       decode_steps_per_s=steps,
       decode_weight_gbs=steps * info["decode_weight_bytes"] / 1e9,
+      weight_roofline_frac=steps * info["decode_weight_bytes"] / bps if bps else None,
       ttft_ms_median=float(np.median(ttft)) * 1e3,
       ttft_ms_max=float(np.median([max(r["ttft_s"]) for r in rounds])) * 1e3,
       itl_ms_median=float(np.median(itl)) * 1e3,
@@ -293,6 +356,7 @@ def run_bench(model, settings: BenchSettings = BenchSettings(), *, info: dict | 
     "requests; medians over rounds",
     machine=machine(),
     versions=versions(),
+    memory_roofline=roofline,
     levels=levels,
     wall_s=time.perf_counter() - t_start,
   )
@@ -359,15 +423,20 @@ def format_table(result: dict) -> str:
   """A short text table of the levels."""
   head = (
     f"{'conc':>4} {'decode tok/s':>12} {'prefill tok/s':>13} {'TTFT ms':>9} "
-    f"{'TTFT max':>9} {'ITL ms':>8} {'ITL p90':>8} {'weights GB/s':>12}"
+    f"{'TTFT max':>9} {'ITL ms':>8} {'ITL p90':>8} {'weights GB/s':>12} {'roofline':>8}"
   )
   lines = [head]
   for lv in result["levels"]:
+    frac = lv.get("weight_roofline_frac")
     lines.append(
       f"{lv['concurrency']:>4} {lv['decode_tps']:>12.1f} {lv['prefill_tps']:>13.1f} "
       f"{lv['ttft_ms_median']:>9.1f} {lv['ttft_ms_max']:>9.1f} {lv['itl_ms_median']:>8.1f} "
-      f"{lv['itl_ms_p90']:>8.1f} {lv['decode_weight_gbs']:>12.2f}"
+      f"{lv['itl_ms_p90']:>8.1f} {lv['decode_weight_gbs']:>12.2f} "
+      + (f"{frac:>8.0%}" if frac is not None else f"{'-':>8}")
     )
+  roof = result.get("memory_roofline") or {}
+  if roof.get("bytes_per_s"):
+    lines.append(f"roofline: {roof['bytes_per_s'] / 1e9:.1f} GB/s ({roof['source']})")
   return "\n".join(lines)
 
 

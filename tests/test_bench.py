@@ -50,6 +50,14 @@ def test_bench_writes_json_and_table(ckpt, tmp_path, monkeypatch, capsys):
   assert res["model"]["decode_weight_bytes"] == res["model"]["param_bytes"] - 256 * 64 * 4
   assert res["settings"]["prompt_len"] == 8 and res["versions"]["jax"]
   assert res["command"].startswith("lrjax") and res["machine"]["cpu_count"] >= 1
+  roof = res["memory_roofline"]  # this CPU's read rate, measured by the run
+  assert roof["bytes_per_s"] > 1e8 and roof["source"].startswith("measured: np.max over 1024 MiB")
+  for lv in res["levels"]:
+    want = lv["decode_weight_gbs"] * 1e9 / roof["bytes_per_s"]
+    assert lv["weight_roofline_frac"] == pytest.approx(want, rel=1e-9) and want > 0
+  header = next(line for line in out.splitlines() if line.lstrip().startswith("conc"))
+  assert header.split()[-1] == "roofline"
+  assert f"roofline: {roof['bytes_per_s'] / 1e9:.1f} GB/s (measured" in out
   png = tmp_path / "r.png"
   assert (res["plot"] == str(png)) == png.exists()
   if res["plot"] is None:
@@ -121,3 +129,31 @@ def test_bench_settings_validate():
     B.BenchSettings(concurrency=(1, 8), slots=4)
   with pytest.raises(ValueError, match="preset"):
     B.load_model_for_bench(preset="from_dict")
+
+
+def test_memory_roofline_of_gpus_and_of_this_cpu():
+  """A listed card's HBM rate; an unlisted card none (the table shows '-'); a CPU its read rate,
+  which streams a 16 MiB array faster than it could stream 1 MiB a pass (cache or not)."""
+  h100 = B.memory_roofline("NVIDIA H100 80GB HBM3", gpu=True)
+  assert h100["bytes_per_s"] == 3.35e12 and "H100" in h100["source"]
+  assert B.memory_roofline("NVIDIA H200", gpu=True)["bytes_per_s"] == 4.3e12
+  other = B.memory_roofline("NVIDIA A100-SXM4-80GB", gpu=True)
+  assert other == {"bytes_per_s": None, "source": "no HBM rate listed for NVIDIA A100-SXM4-80GB"}
+  bps = B.measure_read_bps(16 << 20, reps=2, threads=2)
+  assert np.isfinite(bps) and bps > 1e8
+  with pytest.raises(ValueError, match="at least 4 bytes and 1 rep"):
+    B.measure_read_bps(16, reps=0)
+  level = dict(
+    concurrency=1, decode_tps=10.0, prefill_tps=100.0, ttft_ms_median=5.0, ttft_ms_max=6.0,
+    itl_ms_median=100.0, itl_ms_p90=110.0, decode_weight_gbs=1.0,
+  )  # fmt: skip
+  table = B.format_table({"levels": [dict(level, weight_roofline_frac=None)]})
+  assert table.splitlines()[1].split()[-1] == "-" and len(table.splitlines()) == 2
+  table = B.format_table(
+    {
+      "levels": [dict(level, weight_roofline_frac=0.25)],
+      "memory_roofline": {"bytes_per_s": 4e9, "source": "measured"},
+    }
+  )
+  assert table.splitlines()[1].split()[-1] == "25%"
+  assert table.splitlines()[2] == "roofline: 4.0 GB/s (measured)"
