@@ -235,26 +235,26 @@ def measure_read_bps(nbytes: int = READ_BYTES, reps: int = 3, threads: int | Non
   return a.nbytes / best
 
 
-def memory_roofline(device_kind: str | None = None, gpu: bool | None = None) -> dict:
-  """The decode roofline's memory rate for this process's first device (or ``device_kind``):
-  ``{"bytes_per_s", "source"}``. A GPU listed in ``HBM_BPS`` gets its rate; a CPU its read
-  rate, measured now (:func:`measure_read_bps`, about a second); another GPU None (no fraction
-  is stated)."""
+def memory_roofline(device_kind: str | None = None, platform: str | None = None) -> dict:
+  """The decode roofline's memory rate for this process's first device (or a device named
+  ``device_kind`` on ``platform``, jax's "cpu" / "gpu" / ...): ``{"bytes_per_s", "source"}``.
+  A GPU listed in ``HBM_BPS`` gets its rate; a CPU its read rate, measured now
+  (:func:`measure_read_bps`, a few seconds); any other device None (no fraction is stated)."""
   if device_kind is None:
     import jax
 
     d = jax.devices()[0]
-    device_kind, gpu = d.device_kind, d.platform == "gpu"
-  if gpu:
-    bps = hbm_bps(device_kind)
-    if bps is None:
-      return {"bytes_per_s": None, "source": f"no HBM rate listed for {device_kind}"}
-    return {"bytes_per_s": bps, "source": f"HBM rate of the {device_kind} (lrjax.bench.HBM_BPS)"}
-  threads = os.cpu_count() or 1
-  return {
-    "bytes_per_s": measure_read_bps(threads=threads),
-    "source": f"measured: np.max over {READ_BYTES >> 20} MiB on {threads} threads, best of 3",
-  }
+    device_kind, platform = d.device_kind, d.platform
+  if platform == "cpu":
+    threads = os.cpu_count() or 1
+    return {
+      "bytes_per_s": measure_read_bps(threads=threads),
+      "source": f"measured: np.max over {READ_BYTES >> 20} MiB on {threads} threads, best of 3",
+    }
+  bps = hbm_bps(device_kind) if platform == "gpu" else None
+  if bps is None:
+    return {"bytes_per_s": None, "source": f"no memory rate listed for {device_kind}"}
+  return {"bytes_per_s": bps, "source": f"HBM rate of the {device_kind} (lrjax.bench.HBM_BPS)"}
 
 
 def _round(engine, c: int, s: BenchSettings, rng) -> dict:

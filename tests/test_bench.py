@@ -132,13 +132,14 @@ def test_bench_settings_validate():
 
 
 def test_memory_roofline_of_gpus_and_of_this_cpu():
-  """A listed card's HBM rate; an unlisted card none (the table shows '-'); a CPU its read rate,
+  """A listed card's HBM rate; another accelerator none (the table shows '-'); a CPU its read rate,
   which streams a 16 MiB array faster than it could stream 1 MiB a pass (cache or not)."""
-  h100 = B.memory_roofline("NVIDIA H100 80GB HBM3", gpu=True)
+  h100 = B.memory_roofline("NVIDIA H100 80GB HBM3", "gpu")
   assert h100["bytes_per_s"] == 3.35e12 and "H100" in h100["source"]
-  assert B.memory_roofline("NVIDIA H200", gpu=True)["bytes_per_s"] == 4.3e12
-  other = B.memory_roofline("NVIDIA A100-SXM4-80GB", gpu=True)
-  assert other == {"bytes_per_s": None, "source": "no HBM rate listed for NVIDIA A100-SXM4-80GB"}
+  assert B.memory_roofline("NVIDIA H200", "gpu")["bytes_per_s"] == 4.3e12
+  other = B.memory_roofline("NVIDIA A100-SXM4-80GB", "gpu")
+  assert other == {"bytes_per_s": None, "source": "no memory rate listed for NVIDIA A100-SXM4-80GB"}
+  assert B.memory_roofline("TPU v5 lite", "tpu")["bytes_per_s"] is None  # not this host's DRAM
   bps = B.measure_read_bps(16 << 20, reps=2, threads=2)
   assert np.isfinite(bps) and bps > 1e8
   with pytest.raises(ValueError, match="at least 4 bytes and 1 rep"):
