@@ -188,3 +188,87 @@ def test_unsupported_dtype_falls_back_with_reason(rng):
   with lrjax.lowering.force_reference():
     ref = jax.jit(f)(x)
   assert_close(jax.jit(f)(x), ref, jnp.float16)
+
+
+# ---- property tests: shapes, groups, dtypes and layouts drawn by hypothesis ----------------
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+FUZZ = settings(
+  max_examples=25,
+  derandomize=True,  # the same cases on every run and machine
+  deadline=None,  # each case compiles
+  suppress_health_check=[HealthCheck.too_slow],
+)
+FUZZ_DTYPES = (jnp.float32, jnp.bfloat16)
+
+
+def _fuzz_x(data, rng, m, k, x_dtype):
+  """[m, k] activations at a drawn scale; row 0 sometimes all zeros or below the quantized range
+  (2^-96: computed in f32 over the dequantized weights)."""
+  scale = data.draw(st.sampled_from((1e-3, 1.0, 1e3)), label="x scale")
+  x = scale * rng.standard_normal((m, k)).astype(np.float32)
+  row0 = data.draw(st.sampled_from(("plain", "zero", "tiny")), label="row 0")
+  if row0 != "plain":
+    x[0] = 0.0 if row0 == "zero" else 1e-31 * np.sign(x[0] + 1e-9)
+  return jnp.asarray(x, x_dtype), row0
+
+
+def _check_rows(y, ref, dtype, row0):
+  assert_close(y, ref, dtype)
+  if row0 != "plain":  # the special row on its own: the whole array's error would hide it
+    assert_close(y[:1], ref[:1], dtype)
+
+
+@FUZZ
+@given(data=st.data())
+def test_matmul_matches_reference_on_drawn_shapes(data):
+  seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
+  rng = np.random.default_rng(seed)
+  layout = data.draw(st.sampled_from(LAYOUTS), label="layout")
+  m, k, n = (
+    data.draw(st.integers(1, hi), label=nm) for nm, hi in (("M", 33), ("K", 300), ("N", 150))
+  )
+  group = data.draw(st.sampled_from((0, 32, 64, 128)), label="group")
+  x_dtype, out_dtype = (data.draw(st.sampled_from(FUZZ_DTYPES), label=nm) for nm in ("x", "out"))
+  _, _, w, s = _weights(rng, k, n, group, layout)
+  b = (
+    jnp.asarray(rng.standard_normal(n), jnp.float32)
+    if data.draw(st.booleans(), label="bias")
+    else None
+  )
+  x, row0 = _fuzz_x(data, rng, m, k, x_dtype)
+  f = lambda x: Q.w4a8_matmul(x, w, s, b, n=n, group=group, layout=layout, out_dtype=out_dtype)
+  y, ref = _kernel_and_reference(f, x)
+  _check_rows(y, ref, out_dtype, row0)
+
+
+@FUZZ
+@given(data=st.data())
+def test_xuv_matches_reference_on_drawn_shapes(data):
+  seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
+  rng = np.random.default_rng(seed)
+  layout = data.draw(st.sampled_from(LAYOUTS), label="layout")
+  m, k, r, n = (
+    data.draw(st.integers(1, hi), label=nm)
+    for nm, hi in (("M", 33), ("K", 300), ("r", 64), ("N", 150))
+  )
+  gu, gv = (data.draw(st.sampled_from((0, 32, 64)), label=nm) for nm in ("group_u", "group_v"))
+  x_dtype, out_dtype = (data.draw(st.sampled_from(FUZZ_DTYPES), label=nm) for nm in ("x", "out"))
+  _, _, wu, su = _weights(rng, k, r, gu, layout)
+  _, _, wv, sv = _weights(rng, r, n, gv, layout)
+  b = (
+    jnp.asarray(rng.standard_normal(n), jnp.float32)
+    if data.draw(st.booleans(), label="bias")
+    else None
+  )
+  scale = None
+  if data.draw(st.booleans(), label="rank-space scale"):
+    scale = jnp.asarray(rng.uniform(0.5, 2.0, r), jnp.float32)
+  x, row0 = _fuzz_x(data, rng, m, k, x_dtype)
+  f = lambda x: Q.lr_xuv_w4a8(
+    x, wu, su, wv, sv, b, r=r, n=n, group_u=gu, group_v=gv, layout=layout, out_dtype=out_dtype,
+    scale=scale,
+  )  # fmt: skip
+  y, ref = _kernel_and_reference(f, x)
+  _check_rows(y, ref, out_dtype, row0)
