@@ -5,6 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import assert_close, randn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import lrjax
 from lrjax.custom_calls.cpu import lowering as cpu_lowering
@@ -191,8 +193,6 @@ def test_unsupported_dtype_falls_back_with_reason(rng):
 
 
 # ---- property tests: shapes, groups, dtypes and layouts drawn by hypothesis ----------------
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 FUZZ = settings(
   max_examples=25,
@@ -220,23 +220,27 @@ def _check_rows(y, ref, dtype, row0):
     assert_close(y[:1], ref[:1], dtype)
 
 
+def _draw_case(data, dims):
+  """(rng, layout, sizes of ``dims`` {name: max}, x dtype, out dtype, bias-or-None draw)."""
+  rng = np.random.default_rng(data.draw(st.integers(0, 2**31 - 1), label="seed"))
+  layout = data.draw(st.sampled_from(LAYOUTS), label="layout")
+  sizes = [data.draw(st.integers(1, hi), label=nm) for nm, hi in dims.items()]
+  x_dtype, out_dtype = (data.draw(st.sampled_from(FUZZ_DTYPES), label=nm) for nm in ("x", "out"))
+
+  def bias(n):
+    with_bias = data.draw(st.booleans(), label="bias")
+    return jnp.asarray(rng.standard_normal(n), jnp.float32) if with_bias else None
+
+  return rng, layout, sizes, x_dtype, out_dtype, bias
+
+
 @FUZZ
 @given(data=st.data())
 def test_matmul_matches_reference_on_drawn_shapes(data):
-  seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
-  rng = np.random.default_rng(seed)
-  layout = data.draw(st.sampled_from(LAYOUTS), label="layout")
-  m, k, n = (
-    data.draw(st.integers(1, hi), label=nm) for nm, hi in (("M", 33), ("K", 300), ("N", 150))
-  )
+  rng, layout, (m, k, n), x_dtype, out_dtype, bias = _draw_case(data, {"M": 33, "K": 300, "N": 150})
   group = data.draw(st.sampled_from((0, 32, 64, 128)), label="group")
-  x_dtype, out_dtype = (data.draw(st.sampled_from(FUZZ_DTYPES), label=nm) for nm in ("x", "out"))
   _, _, w, s = _weights(rng, k, n, group, layout)
-  b = (
-    jnp.asarray(rng.standard_normal(n), jnp.float32)
-    if data.draw(st.booleans(), label="bias")
-    else None
-  )
+  b = bias(n)
   x, row0 = _fuzz_x(data, rng, m, k, x_dtype)
   f = lambda x: Q.w4a8_matmul(x, w, s, b, n=n, group=group, layout=layout, out_dtype=out_dtype)
   y, ref = _kernel_and_reference(f, x)
@@ -246,22 +250,12 @@ def test_matmul_matches_reference_on_drawn_shapes(data):
 @FUZZ
 @given(data=st.data())
 def test_xuv_matches_reference_on_drawn_shapes(data):
-  seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
-  rng = np.random.default_rng(seed)
-  layout = data.draw(st.sampled_from(LAYOUTS), label="layout")
-  m, k, r, n = (
-    data.draw(st.integers(1, hi), label=nm)
-    for nm, hi in (("M", 33), ("K", 300), ("r", 64), ("N", 150))
-  )
+  dims = {"M": 33, "K": 300, "r": 64, "N": 150}
+  rng, layout, (m, k, r, n), x_dtype, out_dtype, bias = _draw_case(data, dims)
   gu, gv = (data.draw(st.sampled_from((0, 32, 64)), label=nm) for nm in ("group_u", "group_v"))
-  x_dtype, out_dtype = (data.draw(st.sampled_from(FUZZ_DTYPES), label=nm) for nm in ("x", "out"))
   _, _, wu, su = _weights(rng, k, r, gu, layout)
   _, _, wv, sv = _weights(rng, r, n, gv, layout)
-  b = (
-    jnp.asarray(rng.standard_normal(n), jnp.float32)
-    if data.draw(st.booleans(), label="bias")
-    else None
-  )
+  b = bias(n)
   scale = None
   if data.draw(st.booleans(), label="rank-space scale"):
     scale = jnp.asarray(rng.uniform(0.5, 2.0, r), jnp.float32)
