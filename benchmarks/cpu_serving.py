@@ -81,6 +81,7 @@ def main():
       str(a.reps),
       "--out",
       path,
+      "--overwrite",  # the earlier run's result for this variant
       "--no-plot",
     ]
     t = time.perf_counter()

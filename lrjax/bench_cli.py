@@ -41,6 +41,10 @@ def _group(text: str) -> int:
   return v
 
 
+def _is_bench(data: dict) -> bool:
+  return data.get("benchmark") == "lrjax_bench"
+
+
 @subcommand("bench", help="time prefill/decode and TTFT/ITL of a checkpoint through the engine")
 def bench(p: argparse.ArgumentParser):
   src = p.add_mutually_exclusive_group(required=True)
@@ -72,12 +76,19 @@ def bench(p: argparse.ArgumentParser):
   p.add_argument("--no-fuse", action="store_true", help="run the steps without lrjax.fuse")
   p.add_argument("--out", metavar="FILE", default="lrjax_bench.json", help="results JSON")
   p.add_argument("--plot", metavar="FILE", help="PNG plot (default: --out with .png)")
+  p.add_argument(
+    "--overwrite",
+    action="store_true",
+    help="replace --out if it holds an earlier bench result, and the plot file",
+  )
   p.add_argument("--no-plot", action="store_true")
 
   def run(a):
     import jax.numpy as jnp
 
     from lrjax import bench as B
+    from lrjax.checkpoint import resolve
+    from lrjax.files import check_out
 
     if a.group is not None and a.quantize is None:
       print("lrjax bench: --group needs --quantize w4a8", file=sys.stderr)
@@ -99,9 +110,14 @@ def bench(p: argparse.ArgumentParser):
       slots=a.slots,
       fuse=not a.no_fuse,
     )
-    out = os.path.abspath(os.path.expanduser(a.out))
-    if not os.path.isdir(os.path.dirname(out)):
-      print(f"lrjax bench: the folder of --out {out} does not exist", file=sys.stderr)
+    inputs = [resolve(x) for x in (a.ckpt, a.hf) if x]
+    try:
+      out = str(check_out(a.out, a.overwrite, inputs, "an lrjax bench result", _is_bench))
+      png = None if a.no_plot else str(resolve(a.plot or os.path.splitext(out)[0] + ".png"))
+      if png and os.path.lexists(png) and not a.overwrite:
+        raise FileExistsError(f"the plot {png} exists; pass --overwrite to replace it or --no-plot")
+    except (OSError, ValueError) as e:
+      print(f"lrjax bench: {e}", file=sys.stderr)
       return 2
     model, info = B.load_model_for_bench(
       ckpt=a.ckpt,
@@ -125,8 +141,7 @@ def bench(p: argparse.ArgumentParser):
     result = B.run_bench(model, settings, info=info)
     result["command"] = " ".join(["lrjax"] + sys.argv[1:]) if sys.argv else "lrjax bench"
     print(B.format_table(result))
-    if not a.no_plot:
-      png = a.plot or os.path.splitext(out)[0] + ".png"
+    if png:
       why = B.plot(result, png)
       result["plot"] = None if why else png
       print(f"no plot: {why}" if why else f"wrote {png}")

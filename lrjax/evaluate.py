@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lrjax.files import check_out as check_out_file
 from lrjax.files import one_line
 
 log = logging.getLogger("lrjax.evaluate")
@@ -247,37 +248,11 @@ def label(desc: dict) -> str:
 
 # ---- JSON output ------------------------------------------------------------------------------
 def check_out(path: str, overwrite: bool, inputs: Sequence[Path]) -> Path:
-  """The resolved ``--out`` file, if it may be written: not an input or inside one, not a
-  directory, and when it exists only with ``overwrite`` and only an earlier eval result."""
-  from lrjax.checkpoint import resolve
-
-  p = resolve(path, "--out")
-  for i in inputs:
-    if p == i or i in p.parents:
-      raise FileExistsError(
-        f"--out {path} is {'an input' if p == i else 'inside an input'} of this command ({i}); "
-        "choose another output path"
-      )
-  if p.is_dir():
-    raise IsADirectoryError(f"--out {path} is a directory; give a file path like results.json")
-  if os.path.lexists(p):
-    if not overwrite:
-      raise FileExistsError(f"--out {path} exists; pass --overwrite to replace it")
-    try:
-      with open(p, encoding="utf-8") as fh:
-        ok = json.load(fh).get("format") == EVAL_FORMAT
-    except (OSError, ValueError, AttributeError):
-      ok = False
-    if not ok:
-      raise FileExistsError(
-        f"--out {path} exists and is not an lrjax eval result; --overwrite replaces only "
-        "that, so remove it yourself or choose another output path"
-      )
-  if not p.parent.is_dir():
-    raise FileNotFoundError(f"--out {path}: directory {p.parent} does not exist")
-  if not os.access(p.parent, os.W_OK):
-    raise PermissionError(f"--out {path}: directory {p.parent} is not writable")
-  return p
+  """The resolved ``--out`` file (:func:`lrjax.files.check_out`), replaceable only when it
+  holds an earlier eval result."""
+  return check_out_file(
+    path, overwrite, inputs, "an lrjax eval result", lambda d: d.get("format") == EVAL_FORMAT
+  )
 
 
 def write_json(p: Path, obj: dict) -> None:

@@ -158,3 +158,30 @@ def test_memory_roofline_of_gpus_and_of_this_cpu():
   )
   assert table.splitlines()[1].split()[-1] == "25%"
   assert table.splitlines()[2] == "roofline: 4.0 GB/s (measured)"
+
+
+def test_bench_replaces_only_its_own_results(ckpt, tmp_path, capsys, monkeypatch):
+  """An existing --out is kept without --overwrite, and a file that is not a bench result is
+  kept with it; an earlier bench result (and its plot) is replaced with --overwrite."""
+  monkeypatch.chdir(tmp_path)
+  run = ["bench", "--ckpt", str(ckpt), "--concurrency", "1", *ARGS[2:]]
+  mine = tmp_path / "mine.json"
+  mine.write_text('{"mine": 1}')
+  assert main([*run, "--out", "mine.json", "--no-plot"]) == 2
+  assert "pass --overwrite" in capsys.readouterr().err
+  assert main([*run, "--out", "mine.json", "--no-plot", "--overwrite"]) == 2
+  assert "is not an lrjax bench result" in capsys.readouterr().err
+  assert mine.read_text() == '{"mine": 1}'
+  assert main([*run, "--out", "r.json", "--no-plot"]) == 0
+  earlier = json.loads((tmp_path / "r.json").read_text())
+  (tmp_path / "r.json").write_text(json.dumps({**earlier, "marker": 1}))
+  assert main([*run, "--out", "r.json", "--overwrite", "--no-plot"]) == 0
+  assert "marker" not in json.loads((tmp_path / "r.json").read_text())  # replaced
+  (tmp_path / "s.png").write_text("a plot")
+  assert main([*run, "--out", "s.json"]) == 2  # the plot beside it exists
+  assert "s.png exists; pass --overwrite" in capsys.readouterr().err
+  assert (tmp_path / "s.png").read_text() == "a plot" and not (tmp_path / "s.json").exists()
+  assert main([*run, "--out", "missing/r.json"]) == 2
+  assert "does not exist" in capsys.readouterr().err
+  assert main([*run, "--out", str(ckpt / "r.json")]) == 2  # inside the input checkpoint
+  assert "inside an input" in capsys.readouterr().err
