@@ -87,7 +87,7 @@ def bench(p: argparse.ArgumentParser):
     import jax.numpy as jnp
 
     from lrjax import bench as B
-    from lrjax.checkpoint import resolve
+    from lrjax.checkpoint import read_checkpoint_arg, resolve
     from lrjax.files import check_out
 
     if a.group is not None and a.quantize is None:
@@ -112,6 +112,8 @@ def bench(p: argparse.ArgumentParser):
     )
     inputs = [resolve(x) for x in (a.ckpt, a.hf) if x]
     try:
+      if a.ckpt is not None:
+        read_checkpoint_arg(a.ckpt, hf_fix=f"pass it as --hf {a.ckpt}")
       out = str(check_out(a.out, a.overwrite, inputs, "an lrjax bench result", _is_bench))
       png = None if a.no_plot else str(resolve(a.plot or os.path.splitext(out)[0] + ".png"))
       if png and os.path.lexists(png) and not a.overwrite:

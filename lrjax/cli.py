@@ -376,8 +376,8 @@ def export(p: argparse.ArgumentParser):
       _positive("--max-shard-gb", a.max_shard_gb)
       if int(a.max_shard_gb * 2**30) < 1:
         raise ValueError(f"--max-shard-gb {a.max_shard_gb!r} is under one byte")
+      meta = checkpoint.read_checkpoint_arg(a.ckpt)
       src = _existing_dir(a.ckpt, "--ckpt")
-      meta = checkpoint.read_metadata(src)
       inputs = [src]
       if a.tokenizer_from:
         tdir = _existing_dir(a.tokenizer_from, "--tokenizer-from")

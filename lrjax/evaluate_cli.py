@@ -91,7 +91,7 @@ def eval_command(p: argparse.ArgumentParser):
 
 def _check(a) -> tuple[list[Source], Path, Path | None, Path | None]:
   from lrjax import evaluate as ev
-  from lrjax.checkpoint import is_checkpoint, resolve
+  from lrjax.checkpoint import read_checkpoint_arg, resolve
 
   models = getattr(a, "models", None) or []
   if not models:
@@ -109,13 +109,10 @@ def _check(a) -> tuple[list[Source], Path, Path | None, Path | None]:
   sources = []
   for kind, path in models:
     r = resolve(path, f"--{kind}")
-    if not r.is_dir():
-      raise FileNotFoundError(f"--{kind} {path}: no such directory")
     if kind == "ckpt":
-      why = is_checkpoint(r)
-      if why:
-        hint = "; it is an HF directory: pass it as --hf" if (r / "config.json").is_file() else ""
-        raise ValueError(f"--ckpt {path} {why}{hint}")
+      read_checkpoint_arg(path, hf_fix=f"pass it as --hf {path}")
+    elif not r.is_dir():
+      raise FileNotFoundError(f"--{kind} {path}: no such directory")
     elif not (r / "config.json").is_file():
       raise FileNotFoundError(f"--hf {path}: no config.json (expected an HF model directory)")
     sources.append(Source(kind, path, r))

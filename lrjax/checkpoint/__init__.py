@@ -37,6 +37,7 @@ from lrjax.checkpoint.orbax_io import (
   array_sha256,
   is_checkpoint,
   load,
+  read_checkpoint_arg,
   read_metadata,
   save,
 )
@@ -62,6 +63,7 @@ __all__ = [
   "read_export_record",
   "read_header",
   "read_hf_config",
+  "read_checkpoint_arg",
   "read_metadata",
   "reserve_output",
   "resolve",

@@ -87,6 +87,26 @@ def is_checkpoint(path: str | os.PathLike) -> str | None:
   return None
 
 
+def read_checkpoint_arg(path: str, flag: str = "--ckpt", hf_fix: str | None = None) -> dict:
+  """A command's checkpoint argument ``flag path``: its metadata, or a one-line error naming
+  the argument and the fix (an HF model directory: ``hf_fix``, else convert it first)."""
+  p = resolve(path, flag)
+  if not p.exists():
+    raise FileNotFoundError(f"{flag} {path}: no such directory")
+  if p.is_dir() and not (p / METADATA_NAME).exists():
+    if (p / "config.json").is_file():
+      fix = hf_fix or f"convert it first: lrjax convert --hf {path} --out DIR --ratio R"
+      raise ValueError(f"{flag} {path} is an HF model directory, not an lrjax checkpoint; {fix}")
+    raise FileNotFoundError(
+      f"{flag} {path} is not an lrjax checkpoint: no {METADATA_NAME} there "
+      "(expected a directory written by lrjax convert)"
+    )
+  try:
+    return read_metadata(p)
+  except (OSError, ValueError) as e:
+    raise type(e)(f"{flag} {path}: {one_line(e)}") from None
+
+
 def save(
   model: LlamaForCausalLM,
   path: str | os.PathLike,

@@ -70,7 +70,7 @@ def _load(a):
     )
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
   from lrjax import text
-  from lrjax.checkpoint import read_metadata
+  from lrjax.checkpoint import read_checkpoint_arg
   from lrjax.serving import load_engine
   from lrjax.serving.engine import fusion_line
 
@@ -78,7 +78,7 @@ def _load(a):
     v = getattr(a, name)
     if v < 1 or (name == "max_len" and v < 2):
       raise ValueError(f"--{name.replace('_', '-')}={v} must be >= {2 if name == 'max_len' else 1}")
-  meta = read_metadata(a.ckpt)  # a clear error before anything is loaded
+  meta = read_checkpoint_arg(a.ckpt)  # a clear error before anything is loaded
   n_pos = meta["config"].get("max_position_embeddings")
   max_len = a.max_len if not n_pos else min(a.max_len, int(n_pos))
   tok, gen = text.load_text(a.ckpt)

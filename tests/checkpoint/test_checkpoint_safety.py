@@ -438,6 +438,40 @@ def test_missing_inputs_fail_before_loading(tmp_path, capsys, no_load):
   assert sorted(os.listdir(tmp_path)) == ["qwen3"]
 
 
+@pytest.mark.parametrize(
+  "command, extra, fix",
+  [
+    ("generate", ["--prompt", "hi"], "lrjax convert --hf"),
+    ("serve", [], "lrjax convert --hf"),
+    ("export", ["--out", "o"], "lrjax convert --hf"),
+    ("bench", ["--out", "r.json"], "pass it as --hf"),
+    ("eval", ["--text", "t.txt"], "pass it as --hf"),
+  ],
+)
+def test_every_command_names_the_fix_for_a_wrong_ckpt(
+  tmp_path, capsys, monkeypatch, no_load, command, extra, fix
+):
+  """Each command's --ckpt: an HF directory, a directory without metadata, a file, a missing
+  path: a one-line error naming the argument (and, for an HF directory, the fix); nothing
+  written."""
+  monkeypatch.chdir(tmp_path)
+  copy_fixture(tmp_path)
+  (tmp_path / "t.txt").write_text("some text")
+  (tmp_path / "empty").mkdir()
+  cases = {
+    "qwen3": ("qwen3 is an HF model directory, not an lrjax checkpoint", fix),
+    "empty": ("--ckpt empty is not an lrjax checkpoint: no lrjax_metadata.json", "convert"),
+    "t.txt": ("--ckpt t.txt:", "is a file"),
+    "nope": ("--ckpt nope: no such directory", ""),
+  }
+  before = sorted(os.listdir(tmp_path))
+  for ckpt, (what, hint) in cases.items():
+    rc, err = _cli(capsys, command, "--ckpt", ckpt, *extra)
+    line = _one_line_error(err)
+    assert rc in (1, 2) and what in line and hint in line, (ckpt, line)
+  assert sorted(os.listdir(tmp_path)) == before
+
+
 @pytest.mark.parametrize("gb", ["0", "-1", "nan", "inf", "1e-12"])
 def test_export_max_shard_gb_must_be_positive(tmp_path, capsys, saved, gb, monkeypatch):
   ck, _ = saved
