@@ -175,7 +175,7 @@ def _bad(root, tmp_path, case):
   if case == "no tokenizer":
     return ["--hf", os.path.join(FIXTURES, "llama3"), "--text", text], "pass --tokenizer DIR"
   if case == "not a checkpoint":
-    return ["--ckpt", root / "llama3", "--text", text], "is an HF model directory, not an lrjax checkpoint; pass it as --hf"
+    return ["--ckpt", root / "llama3", "--text", text], "HF model directory.*pass it as --hf"
   if case == "empty text":
     (tmp_path / "e.txt").write_text("  \n")
     return ["--ckpt", ck, "--text", tmp_path / "e.txt"], "the file is empty"
