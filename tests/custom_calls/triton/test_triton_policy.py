@@ -365,39 +365,41 @@ def test_each_device_gets_its_table_or_the_nearest_with_a_note(tmp_path, monkeyp
   else the default) with a note naming both; a process without a GPU the default table."""
   h200, note = policy.for_device("NVIDIA H200")
   assert h200.device == "NVIDIA H200" and note is None
-  t, note = policy.for_device("NVIDIA H100 80GB HBM3")
-  assert t is h200
-  assert note == (
-    "policy: measured on NVIDIA H200, 2026-11-29; this device NVIDIA H100 80GB HBM3 has no "
-    "table, using the nearest"
+  h100, note = policy.for_device("NVIDIA H100 80GB HBM3")
+  assert h100.device == "NVIDIA H100 80GB HBM3" and note is None
+  assert h100.records != h200.records  # each measured on its own card
+  t, note = policy.for_device("NVIDIA H100 PCIe")  # the H100 family's table
+  assert t is h100 and note == (
+    f"policy: measured on {h100.measured_on}; this device NVIDIA H100 PCIe has no table, "
+    "using the nearest"
   )
+  t, note = policy.for_device("NVIDIA A100-SXM4-80GB")  # no family table: the default
+  assert t is h200 and "A100-SXM4-80GB has no table, using the nearest" in note
   t, note = policy.for_device("cpu", gpu=False)
   assert t is h200 and "no GPU here" in note
-  # a second table: the H100 family's takes the H100 PCIe, the H200 keeps its own
-  with open(h200.path) as fh:
-    data = json.load(fh)
-  data.update(device="NVIDIA H100 80GB HBM3", measured_on="NVIDIA H100 80GB HBM3, 2026-12-01")
+  # without the H100's table, the H100 gets the default one, and says so
   (tmp_path / "policy_h200.json").write_text(open(h200.path).read())
-  (tmp_path / "policy_h100.json").write_text(json.dumps(data))
   monkeypatch.setattr(policy, "TUNING_DIR", str(tmp_path))
   policy.tables.cache_clear()
   try:
-    t, note = policy.for_device("NVIDIA H100 PCIe")
-    assert t.device == "NVIDIA H100 80GB HBM3" and "has no table, using the nearest" in note
-    assert policy.for_device("NVIDIA H100 80GB HBM3") == (policy.tables()[0], None)
-    assert policy.for_device("NVIDIA H200")[0].device == "NVIDIA H200"
-    assert policy.for_device("NVIDIA A100-SXM4-80GB")[0].device == "NVIDIA H200"
+    t, note = policy.for_device("NVIDIA H100 80GB HBM3")
+    assert t.device == "NVIDIA H200" and note == (
+      f"policy: measured on {h200.measured_on}; this device NVIDIA H100 80GB HBM3 has no "
+      "table, using the nearest"
+    )
   finally:
     policy.tables.cache_clear()
 
 
 def test_the_environment_picks_a_table_by_path_or_name(monkeypatch):
   h200 = policy.for_device("NVIDIA H200")[0]
+  cases = ((h200.path, "NVIDIA H200", "LRJAX_TRITON_POLICY"),
+           ("NVIDIA H100 PCIe", "NVIDIA H100 80GB HBM3", "nearest"))  # fmt: skip
   with policy.use(None):  # the process's own choice, not the tests' pinned table
-    for value, want in ((h200.path, "LRJAX_TRITON_POLICY"), ("NVIDIA H100 PCIe", "nearest")):
+    for value, device, want in cases:
       monkeypatch.setenv("LRJAX_TRITON_POLICY", value)
       monkeypatch.setattr(policy, "_chosen", None)
-      assert policy.current().device == "NVIDIA H200" and want in policy.note(), value
+      assert policy.current().device == device and want in policy.note(), value
   monkeypatch.setattr(policy, "_chosen", None)
 
 
