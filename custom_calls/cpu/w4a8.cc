@@ -482,10 +482,6 @@ std::string CheckIsa(Layout layout, int isa, Isa* out) {
   return "";
 }
 
-}  // namespace
-
-namespace {
-
 // Whether env is only [0-9]+ (no sign, space or suffix) within long long; its value in *v.
 bool DigitsValue(const char* env, long long* v) {
   bool digits = *env != '\0';
