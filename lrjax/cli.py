@@ -162,6 +162,7 @@ def convert(p: argparse.ArgumentParser):
     ) as (out, src):
       if out is None:
         return 2
+      _check_ranks(a, src)
       verify = not a.no_verify
       calib = load_tokens(a.calib) if a.calib else None
       if a.calib_text:
@@ -282,6 +283,23 @@ def _check_convert(a) -> tuple:
     inputs.append(_existing_file(f, "--calib-text"))
     a.calib_text[i] = os.path.abspath(os.path.expanduser(f))
   return a.out, inputs, src
+
+
+def _check_ranks(a, src) -> None:
+  """The source's config admits a rank in every projection's budget at --ratio and --block
+  (before any weight is loaded)."""
+  from lrjax import checkpoint
+  from lrjax.compression import plan_ranks
+  from lrjax.models import ModelConfig
+
+  try:
+    if a.hf:
+      cfg = ModelConfig.from_hf_config(checkpoint.read_hf_config(src)[1])
+    else:
+      cfg = ModelConfig.from_dict(checkpoint.read_checkpoint_arg(a.orbax, "--orbax")["config"])
+  except (OSError, ValueError, TypeError, KeyError):
+    return  # loading the source reports what is wrong with it, naming the file
+  plan_ranks(cfg, ratio=a.ratio, block=a.block, mlp_only=a.mlp_only, per_head=a.per_head)
 
 
 def _existing_dir(path: str, what: str):

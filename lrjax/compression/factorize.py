@@ -48,34 +48,47 @@ def lowrank_params(k: int, n: int, rank: int, heads: int = 1) -> int:
   return rank * (k + n // heads)
 
 
+class RankBudgetError(ValueError):
+  """``block`` leaves no block-aligned rank within the ratio budget of some projections."""
+
+
+def _budget_cap(k: int, n: int, ratio: float, heads: int) -> float:
+  """The largest total rank r with r·(k + n/heads) ≤ (1 − ratio)·k·n that can be factorised."""
+  cap = (1.0 - ratio) * k * n / (k + n // heads)
+  return min(cap, heads * min(k, n // heads))
+
+
+def _fitting_block(cap: float, heads: int, below: int) -> int | None:
+  """The largest power-of-two block under ``below`` whose alignment fits within ``cap``."""
+  fits = [b for b in (2**i for i in range(12)) if b < below and math.lcm(b, heads) <= cap + 1e-9]
+  return fits[-1] if fits else None
+
+
 def budget_rank(k: int, n: int, ratio: float, block: int, *, heads: int = 1, name: str = "") -> int:
   """Largest block-aligned rank within the ratio budget (NeuronMM eq. 5 with α = 0).
 
   eq. 5 with α = 0 rounds the number of blocks down, so r·(k + n/heads) ≤ (1 − ratio)·k·n always
   holds. For ``heads`` > 1 the total rank (summed over heads) is a multiple of lcm(block, heads)
-  so every head gets the same rank.
+  so every head gets the same rank. :class:`RankBudgetError` when no such rank is positive.
   """
   ratio = check_ratio(ratio)
   if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block <= 0:
     raise ValueError(f"{block=} must be a positive int (the rank alignment, e.g. 128)")
   if heads <= 0 or n % heads:
     raise ValueError(f"{name}: out features {n=} must split into {heads=} equal heads")
-  step = block * heads // math.gcd(block, heads)
-  cap = (1.0 - ratio) * k * n / (k + n // heads)
-  cap = min(cap, heads * min(k, n // heads))
+  step = math.lcm(block, heads)
+  cap = _budget_cap(k, n, ratio, heads)
   rank = int(math.floor(cap / step + 1e-9)) * step
   if rank <= 0:
-    fits = [
-      b
-      for b in (2**i for i in range(12))
-      if b < block and b * heads // math.gcd(b, heads) <= cap + 1e-9
-    ]
-    fix = f"pass a smaller block (block={fits[-1]} fits)" if fits else "pass a smaller ratio"
-    raise ValueError(
+    fit = _fitting_block(cap, heads, block)
+    fix = f"pass a smaller block (block={fit} fits)" if fit else "pass a smaller ratio"
+    err = RankBudgetError(
       f"{name}: {block=} exceeds the rank budget of a [{k}, {n}] kernel at {ratio=} "
       f"(r·(K + N{'/heads' if heads > 1 else ''}) ≤ (1 − ratio)·K·N allows r ≤ {cap:.1f}"
       f"{f' over {heads} heads' if heads > 1 else ''}); {fix}"
     )
+    err.cap, err.heads, err.block = cap, heads, int(block)
+    raise err
   return rank
 
 

@@ -24,6 +24,8 @@ from tqdm.auto import tqdm
 from lrjax.models.llama import MLP_PROJS
 from lrjax.models.llama import PROJ_NAMES as ALL_PROJS
 from lrjax.compression.factorize import (
+  RankBudgetError,
+  _fitting_block,
   budget_rank,
   check_rank,
   check_ratio,
@@ -81,7 +83,7 @@ def plan_ranks(
   shapes = cfg.proj_shapes()
   names = MLP_PROJS if mlp_only else ALL_PROJS
   heads_of = {"q_proj": cfg.num_heads, "k_proj": cfg.num_kv_heads, "v_proj": cfg.num_kv_heads}
-  plan = []
+  plan, short = [], []  # short: the projections whose budget no block-aligned rank fits
   for i in range(cfg.num_layers):
     layer = {}
     for p in names:
@@ -96,13 +98,29 @@ def plan_ranks(
       if isinstance(override, dict):
         override = override.get(p)
       if override is None:
-        r = budget_rank(k, n, ratio, block, heads=heads, name=where)
+        try:
+          r = budget_rank(k, n, ratio, block, heads=heads, name=where)
+        except RankBudgetError as e:
+          short.append(e)
+          continue
       else:
         r = check_rank(k, n, override, heads=heads, name=where)
         if r % block:
           log.warning("%s: explicit rank %d is not a multiple of block=%d", where, r, block)
       layer[p] = (r, heads)
     plan.append(layer)
+  if len(short) == 1:
+    raise short[0]
+  if short:  # one error for all of them, with a block that fits every one
+    tight = min(short, key=lambda e: e.cap)
+    fits = [_fitting_block(e.cap, e.heads, block) for e in short]
+    fix = (
+      "pass a smaller ratio"
+      if None in fits
+      else f"pass a smaller block (block={min(fits)} fits every one) or a smaller ratio"
+    )
+    msg = str(tight).split("; pass ")[0]
+    raise RankBudgetError(f"{len(short)} projections have no rank within the budget; {msg}; {fix}")
   return plan
 
 

@@ -438,6 +438,19 @@ def test_missing_inputs_fail_before_loading(tmp_path, capsys, no_load):
   assert sorted(os.listdir(tmp_path)) == ["qwen3"]
 
 
+def test_convert_checks_every_rank_budget_before_loading(tmp_path, capsys, no_load):
+  """A --block too large for the model's projections: one error before any weight is loaded,
+  naming a block that then converts."""
+  src = copy_fixture(tmp_path)
+  args = _convert_args(src, tmp_path / "o")
+  args[args.index("--block") + 1] = "128"
+  rc, err = _cli(capsys, *args)
+  line = _one_line_error(err)
+  assert rc in (1, 2) and "projections have no rank within the budget" in line, line
+  assert re.search(r"block=\d+ fits every one", line), line
+  assert sorted(os.listdir(tmp_path)) == ["qwen3"]
+
+
 @pytest.mark.parametrize(
   "command, extra, fix",
   [

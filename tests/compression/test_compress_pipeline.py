@@ -1,5 +1,7 @@
 """Model-level compression: ranks, parameter counts, whitening, per-head GQA, LoRA, errors."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ from lrjax.compression import (
   MLP_PROJS,
   compress,
   param_counts,
+  plan_ranks,
   reconstruct,
 )
 from lrjax.compression.lora import (
@@ -190,6 +193,33 @@ def test_rank_above_min_dims_in_model(rng):
 def test_block_too_large_for_tiny_model(rng):
   with pytest.raises(ValueError, match="pass a smaller block"):
     compress(_model(0), ratio=0.2, calib_tokens=_tokens(rng), progress=False)  # block=128
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_a_block_too_large_for_some_projections_is_one_error_naming_a_block_that_fits_all(
+  per_head,
+):
+  """Every projection whose budget the block misses is counted in one error, and the block it
+  names fits every projection (the plan with it succeeds)."""
+  seen = 0
+  for ratio in (0.1, 0.3, 0.5, 0.8, 0.95):
+    for block in (8, 16, 32, 64, 128):
+      try:
+        plan_ranks(CFG, ratio=ratio, block=block, mlp_only=False, per_head=per_head)
+        continue
+      except ValueError as e:
+        msg = str(e)
+      m = re.search(r"block=(\d+) fits every one", msg)
+      if m is None:
+        assert "pass a smaller ratio" in msg, msg
+        continue
+      assert re.match(r"\d+ projections have no rank within the budget; layer ", msg), msg
+      fit = int(m.group(1))
+      assert fit < block
+      plan = plan_ranks(CFG, ratio=ratio, block=fit, mlp_only=False, per_head=per_head)
+      assert all(r > 0 for layer in plan for r, _ in layer.values())
+      seen += 1
+  assert seen >= 3  # the cases above do reach the combined error
 
 
 def test_nan_inf_calibration_activations(rng):
