@@ -137,8 +137,15 @@ def generate(p: argparse.ArgumentParser):
   def run(a):
     if not (a.prompt or a.chat or a.prompt_ids):
       raise ValueError("give at least one --prompt, --chat or --prompt-ids")
-    engine, tok, gen, _ = _load(a)
     from lrjax.serving import Request, SamplingParams
+
+    given = {k: getattr(a, k) for k in ("temperature", "top_k", "top_p", "max_new_tokens", "seed")}
+    try:  # the flags given, checked before the model is loaded
+      SamplingParams(**{k: v for k, v in given.items() if v is not None})
+    except (TypeError, ValueError) as e:
+      flag = str(e).split("=", 1)
+      raise ValueError(f"--{flag[0].replace('_', '-')} {flag[1]}") from None
+    engine, tok, gen, _ = _load(a)
 
     if (a.prompt or a.chat) and tok is None:
       raise ValueError(f"{a.ckpt} has no tokenizer.json; give --prompt-ids instead of text")

@@ -99,3 +99,28 @@ def test_generate_errors(tmp_path, ckpt, chat_model, capsys):
   )
   assert cli.main(["generate", "--ckpt", ckpt, "--prompt", "hi", "--max-len", "1"]) == 1
   assert "--max-len" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+  "flag, value, want",
+  [
+    ("--max-new-tokens", "0", "--max-new-tokens 0 must be an int >= 1"),
+    ("--temperature", "-1", "--temperature -1.0 must be a finite number >= 0"),
+    ("--top-p", "0", "--top-p 0.0 must be a number in (0, 1]"),
+    ("--top-k", "-2", "--top-k -2 must be an int >= 0"),
+    ("--seed", "-1", "--seed -1 must be an int in [0, 2**64)"),
+  ],
+)
+def test_generate_names_a_bad_sampling_flag_before_loading(
+  ckpt, capsys, monkeypatch, flag, value, want
+):
+  from lrjax.serving import cli as serving_cli
+
+  def no_load(*a, **kw):
+    raise AssertionError("the model was loaded before the flags were checked")
+
+  monkeypatch.setattr(serving_cli, "_load", no_load)
+  assert cli.main(["generate", "--ckpt", ckpt, "--prompt", "hi"] + FLAGS + [flag, value]) == 1
+  err = capsys.readouterr().err
+  assert err.strip().startswith(f"lrjax generate: error: {want}"), err
+  assert len(err.strip().splitlines()) == 1, err
