@@ -292,10 +292,13 @@ def run_bench(
   *,
   info: dict | None = None,
   roofline: dict | None = None,
+  progress: bool = False,
 ):
   """Measures ``model`` through the engine at each concurrency level; returns a JSON-able dict
   (levels, settings, machine, versions, memory roofline). See the module docstring for the
-  method. ``roofline``: :func:`memory_roofline`'s dict (default: measured or looked up here)."""
+  method. ``roofline``: :func:`memory_roofline`'s dict (default: measured or looked up here).
+  ``progress``: a bar on stderr over each level's warm-up and rounds."""
+  from tqdm.auto import tqdm
 
   from lrjax.serving import Engine
 
@@ -309,14 +312,21 @@ def run_bench(
   rng = np.random.default_rng(s.seed)
   levels = []
   t_start = time.perf_counter()
+  bar = tqdm(total=len(s.concurrency) * (1 + s.reps), unit="step", disable=not progress)
   for c in s.concurrency:
     slots = s.slots or c
     t = time.perf_counter()
+    bar.set_description(f"bench c={c}: compile and warm up")
     engine = Engine(model, max_slots=slots, max_len=max_len, buckets=(s.prompt_len,), fuse=s.fuse)
     engine.warmup()
     _round(engine, c, s, rng)  # one untimed round: every path taken once
     warm = time.perf_counter() - t
-    rounds = [_round(engine, c, s, rng) for _ in range(s.reps)]
+    bar.update()
+    rounds = []
+    for i in range(s.reps):
+      bar.set_description(f"bench c={c}: round {i + 1} of {s.reps}")
+      rounds.append(_round(engine, c, s, rng))
+      bar.update()
     ttft = [np.median(r["ttft_s"]) for r in rounds]
     itl = np.asarray([g for r in rounds for g in r["itl_s"]])
     decode_tps = float(np.median([r["decode_tps"] for r in rounds]))
@@ -346,6 +356,7 @@ def run_bench(
     )
     levels.append(lvl)
     del engine
+  bar.close()
   return dict(
     benchmark="lrjax_bench",
     date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

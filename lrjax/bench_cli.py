@@ -140,7 +140,7 @@ def bench(p: argparse.ArgumentParser):
       + f", {info['param_bytes'] / 1e9:.2f} GB of weights"
       + f", decode-step custom calls {info['decode_kernels'] or 'none'}"
     )
-    result = B.run_bench(model, settings, info=info)
+    result = B.run_bench(model, settings, info=info, progress=True)
     result["command"] = " ".join(["lrjax"] + sys.argv[1:]) if sys.argv else "lrjax bench"
     print(B.format_table(result))
     if png:

@@ -197,6 +197,11 @@ def convert(p: argparse.ArgumentParser):
       model = _quantize_for_convert(model, a.quantize, a.group)
       from lrjax.text import carried_files
 
+      from lrjax.bench import weight_bytes
+
+      nb = weight_bytes(model)[0]
+      size = f"{nb / 1e9:.2f} GB" if nb >= 1e9 else f"{nb / 1e6:.1f} MB"
+      print(f"saving {a.out} ({size})", flush=True)
       with carried_files(src) as extra:  # tokenizer, chat template, generation config
         checkpoint.save(model, out, overwrite=a.overwrite, extra_files=extra)
       params = rec.get("params", {})
@@ -205,6 +210,7 @@ def convert(p: argparse.ArgumentParser):
         f" (layer 0) weights {params.get('dense')} → {params.get('compressed')}"
       )
       if a.verify:
+        print(f"verifying {a.out}: reloading it", flush=True)
         _verify(model, checkpoint.load(out))
         print("verified: reloaded checkpoint equals the compressed model bit for bit")
       return 0

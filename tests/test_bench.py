@@ -33,8 +33,11 @@ def test_bench_writes_json_and_table(ckpt, tmp_path, monkeypatch, capsys):
   monkeypatch.chdir(tmp_path)  # relative --ckpt and --out
   rel = os.path.relpath(ckpt, tmp_path)
   assert main(["bench", "--ckpt", rel, *ARGS, "--out", "r.json"]) == 0
-  out = capsys.readouterr().out
+  out, err = capsys.readouterr()
   assert "decode tok/s" in out and "wrote" in out
+  # progress on stderr: each level's warm-up and its rounds
+  for step in ("c=1: compile and warm up", "c=1: round 2 of 2", "c=2: round 1 of 2"):
+    assert f"bench {step}" in err, err
   res = json.loads((tmp_path / "r.json").read_text())
   assert [lv["concurrency"] for lv in res["levels"]] == [1, 2]
   for lv in res["levels"]:

@@ -29,7 +29,7 @@ def calib(tmp_path, rng):
   return p
 
 
-def test_convert_hf_whiten_matches_in_memory(tmp_path, calib):
+def test_convert_hf_whiten_matches_in_memory(tmp_path, calib, capsys):
   src = os.path.join(FIXTURES, "llama3")
   rc = cli.main(
     [
@@ -50,6 +50,10 @@ def test_convert_hf_whiten_matches_in_memory(tmp_path, calib):
     ]
   )
   assert rc == 0
+  out = capsys.readouterr().out  # the steps, in order
+  steps = [f"loading HF checkpoint {src}", "saving ", "wrote ", "verifying ", "verified: "]
+  at = [out.find(step) for step in steps]
+  assert -1 not in at and at == sorted(at), out
   ref = compress(
     from_hf(src), ratio=0.3, calib_tokens=np.load(calib), method="whiten", block=8, progress=False
   )
@@ -115,7 +119,19 @@ def test_convert_errors_are_clear(tmp_path, capsys, calib):
   bad.write_text("1 2 3\n4 5\n")
   assert (
     cli.main(
-      ["convert", "--hf", src, "--out", str(tmp_path / "p"), "--ratio", "0.2", "--calib", str(bad)]
+      [
+        "convert",
+        "--hf",
+        src,
+        "--out",
+        str(tmp_path / "p"),
+        "--ratio",
+        "0.2",
+        "--block",
+        "8",
+        "--calib",
+        str(bad),
+      ]  # fmt: skip
     )
     == 1
   )
