@@ -288,7 +288,7 @@ def serve(p: argparse.ArgumentParser):
       return 2
     engine, tok, gen, summary = _load(a)
     t0 = time.perf_counter()
-    n = engine.warmup()  # every step compiled before the port opens
+    n = engine.warmup(progress=True)  # every step compiled before the port opens
     print(f"lrjax: warmed up {n} steps in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     name = a.model_name or os.path.basename(os.path.normpath(a.ckpt))
     plan = engine.plan

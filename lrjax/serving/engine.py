@@ -716,15 +716,24 @@ class Engine:
     why = "; ".join(f"{name}: {reason}" for name, reason in declined + list(sel.declined))
     return "XLA reference" + (f" ({why})" if why else "")
 
-  def warmup(self) -> int:
+  def warmup(self, progress: bool = False) -> int:
     """Compile every step this engine can take (each of :meth:`prefill_variants`, a decode per
     attend bucket, and a request's small per-admission ops) before serving, so no request waits
     on a compile. Only while idle (the prefills write nothing; the decodes run on free rows).
-    Returns the steps run."""
+    Returns the steps run. ``progress``: a bar on stderr, a step each."""
+    from tqdm.auto import tqdm
+
     if self.busy:
       raise RuntimeError("warmup() needs an idle engine (no active or waiting requests)")
+    variants = self.prefill_variants()
+    total = len(variants) + len(self.attend_buckets) + 1
+    with tqdm(total=total, desc="warm-up (compile)", unit="step", disable=not progress) as bar:
+      done = self._warmup(variants, bar)
+    return done
+
+  def _warmup(self, variants, bar) -> int:
     done = 0
-    for rows, b, window in self.prefill_variants():
+    for rows, b, window in variants:
       t0 = time.perf_counter()
       first, self._tok_dev, self.cache = self._prefill(
         window,
@@ -742,6 +751,7 @@ class Engine:
       )
       first.block_until_ready()
       done += 1
+      bar.update()
       log.info(
         "engine warmup: prefill of %d rows x %d tokens (window %d) in %.1f s",
         rows,
@@ -757,9 +767,11 @@ class Engine:
       nxt = self._tok_dev
       nxt.block_until_ready()
       done += 1
+      bar.update()
       log.info("engine warmup: decode over %d positions in %.1f s", b, time.perf_counter() - t0)
     # one short request through the whole path: the per-admission ops compile too
     self.generate([Request([0], SamplingParams(max_new_tokens=2, temperature=1.0))])
+    bar.update()
     self._reset_positions()
     self._reset_device_state()
     return done

@@ -294,7 +294,7 @@ def test_decode_attends_only_the_context_bucket(model):
   assert [r.tokens for r in lowrank[0]] == [r.tokens for r in lowrank[1]]
 
 
-def test_warmup_compiles_every_step_before_serving(model):
+def test_warmup_compiles_every_step_before_serving(model, capsys):
   from lrjax.serving import engine as engine_mod
 
   rng = np.random.default_rng(random.randrange(1 << 20))
@@ -309,7 +309,9 @@ def test_warmup_compiles_every_step_before_serving(model):
   # and 40 positions
   want = [(r, w, w) for w in (8, 16) for r in (1, 2, 4, 5)] + [(r, 16, 40) for r in (1, 2, 4, 5)]
   assert eng.prefill_variants() == want
-  assert eng.warmup() == 12 + 3
+  assert eng.warmup(progress=True) == 12 + 3
+  bar = capsys.readouterr().err  # a step each, and the one short request
+  assert "warm-up (compile)" in bar and "16/16" in bar, bar
   assert sizes() == (before[0] + 12, before[1] + 3)
   warm = eng.generate(reqs())
   assert sizes() == (before[0] + 12, before[1] + 3)  # nothing left to compile
