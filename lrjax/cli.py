@@ -302,9 +302,16 @@ def _check_ranks(a, src) -> None:
     if a.hf:
       cfg = ModelConfig.from_hf_config(checkpoint.read_hf_config(src)[1])
     else:
-      cfg = ModelConfig.from_dict(checkpoint.read_checkpoint_arg(a.orbax, "--orbax")["config"])
+      meta = checkpoint.read_checkpoint_arg(a.orbax, "--orbax")
+      cfg = ModelConfig.from_dict(meta["config"])
   except (OSError, ValueError, TypeError, KeyError):
     return  # loading the source reports what is wrong with it, naming the file
+  if not a.hf and any(meta.get("ranks") or ()):
+    ratio = (meta.get("compression") or {}).get("ratio")
+    raise ValueError(
+      f"--orbax {a.orbax} is already compressed{f' (ratio {ratio})' if ratio else ''}; "
+      "convert its dense source instead"
+    )
   plan_ranks(cfg, ratio=a.ratio, block=a.block, mlp_only=a.mlp_only, per_head=a.per_head)
 
 

@@ -17,7 +17,7 @@ import textwrap
 import threading
 
 import pytest
-from ckpt_helpers import bit_equal, copy_fixture, random_model, unwritable_dir
+from ckpt_helpers import TINY, bit_equal, copy_fixture, random_model, unwritable_dir
 
 from lrjax import checkpoint, cli
 from lrjax.checkpoint import atomic
@@ -449,6 +449,17 @@ def test_convert_checks_every_rank_budget_before_loading(tmp_path, capsys, no_lo
   assert rc in (1, 2) and "projections have no rank within the budget" in line, line
   assert re.search(r"block=\d+ fits every one", line), line
   assert sorted(os.listdir(tmp_path)) == ["qwen3"]
+
+
+def test_convert_refuses_a_compressed_orbax_source_before_loading(tmp_path, capsys, monkeypatch):
+  ck = tmp_path / "lr"
+  checkpoint.save(random_model(ranks=[{"q_proj": 4}] * TINY.num_layers), ck)
+  monkeypatch.setattr(checkpoint, "load", lambda *a, **kw: pytest.fail("loaded"))
+  rc, err = _cli(capsys, "convert", "--orbax", ck, "--out", tmp_path / "o", "--ratio", "0.3",
+                 "--method", "svd", "--block", "4")  # fmt: skip
+  line = _one_line_error(err)
+  assert rc in (1, 2) and "is already compressed" in line and "dense source" in line, line
+  assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize(
