@@ -167,6 +167,16 @@ def generate(p: argparse.ArgumentParser):
       stop_tokens=tuple(dict.fromkeys(list(gen.eos_ids) + list(a.stop_ids))),
       seed=a.seed,
     )
+    room = min(engine.max_len - len(ids) for _, ids in reqs)
+    if 0 < room < sp.max_new_tokens:
+      n_pos = engine.cfg.max_position_embeddings
+      at_limit = n_pos and engine.max_len >= n_pos
+      more = "the model's position limit" if at_limit else "raise --max-len for more"
+      print(
+        f"lrjax: at most {room} new tokens fit after the longest prompt in the {engine.max_len}"
+        f"-token cache (asked for {sp.max_new_tokens}); {more}",
+        file=sys.stderr,
+      )
     plan = engine.plan
     print(
       f"model {engine.cfg.model_type} layers={engine.cfg.num_layers} "

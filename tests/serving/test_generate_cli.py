@@ -124,3 +124,13 @@ def test_generate_names_a_bad_sampling_flag_before_loading(
   err = capsys.readouterr().err
   assert err.strip().startswith(f"lrjax generate: error: {want}"), err
   assert len(err.strip().splitlines()) == 1, err
+
+
+def test_generate_says_when_the_cache_caps_max_new_tokens(ckpt, capsys):
+  argv = ["generate", "--ckpt", ckpt, "--prompt-ids", "1,2,3,4"] + FLAGS
+  assert cli.main(argv + ["--max-new-tokens", "100"]) == 0
+  err = capsys.readouterr().err
+  assert "at most 60 new tokens fit after the longest prompt in the 64-token cache" in err, err
+  assert "(asked for 100); raise --max-len for more" in err
+  assert cli.main(argv + ["--max-new-tokens", "3"]) == 0
+  assert "at most" not in capsys.readouterr().err
