@@ -292,26 +292,28 @@ def _check_convert(a) -> tuple:
 
 
 def _check_ranks(a, src) -> None:
-  """The source's config admits a rank in every projection's budget at --ratio and --block
-  (before any weight is loaded)."""
+  """The source is dense and its config admits a rank in every projection's budget at --ratio
+  and --block (before any weight is loaded)."""
   from lrjax import checkpoint
+  from lrjax.checkpoint.hf import LOWRANK_KEY
   from lrjax.compression import plan_ranks
   from lrjax.models import ModelConfig
 
   try:
     if a.hf:
-      cfg = ModelConfig.from_hf_config(checkpoint.read_hf_config(src)[1])
+      cfg_json = checkpoint.read_hf_config(src)[1]
+      done = "an lrjax low-rank export" if LOWRANK_KEY in cfg_json else None
+      cfg = None if done else ModelConfig.from_hf_config(cfg_json)
     else:
       meta = checkpoint.read_checkpoint_arg(a.orbax, "--orbax")
+      ratio = (meta.get("compression") or {}).get("ratio")
+      done = any(meta.get("ranks") or ()) and (f"ratio {ratio}" if ratio else "low-rank")
       cfg = ModelConfig.from_dict(meta["config"])
   except (OSError, ValueError, TypeError, KeyError):
     return  # loading the source reports what is wrong with it, naming the file
-  if not a.hf and any(meta.get("ranks") or ()):
-    ratio = (meta.get("compression") or {}).get("ratio")
-    raise ValueError(
-      f"--orbax {a.orbax} is already compressed{f' (ratio {ratio})' if ratio else ''}; "
-      "convert its dense source instead"
-    )
+  if done:
+    flag = f"--hf {a.hf}" if a.hf else f"--orbax {a.orbax}"
+    raise ValueError(f"{flag} is already compressed ({done}); convert its dense source instead")
   plan_ranks(cfg, ratio=a.ratio, block=a.block, mlp_only=a.mlp_only, per_head=a.per_head)
 
 

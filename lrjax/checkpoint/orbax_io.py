@@ -104,7 +104,8 @@ def read_checkpoint_arg(path: str, flag: str = "--ckpt", hf_fix: str | None = No
   try:
     return read_metadata(p)
   except (OSError, ValueError) as e:
-    raise type(e)(f"{flag} {path}: {one_line(e)}") from None
+    kind = FileNotFoundError if isinstance(e, FileNotFoundError) else ValueError
+    raise kind(f"{flag} {path}: {one_line(e)}") from None
 
 
 def save(

@@ -451,14 +451,18 @@ def test_convert_checks_every_rank_budget_before_loading(tmp_path, capsys, no_lo
   assert sorted(os.listdir(tmp_path)) == ["qwen3"]
 
 
-def test_convert_refuses_a_compressed_orbax_source_before_loading(tmp_path, capsys, monkeypatch):
-  ck = tmp_path / "lr"
-  checkpoint.save(random_model(ranks=[{"q_proj": 4}] * TINY.num_layers), ck)
-  monkeypatch.setattr(checkpoint, "load", lambda *a, **kw: pytest.fail("loaded"))
-  rc, err = _cli(capsys, "convert", "--orbax", ck, "--out", tmp_path / "o", "--ratio", "0.3",
-                 "--method", "svd", "--block", "4")  # fmt: skip
-  line = _one_line_error(err)
-  assert rc in (1, 2) and "is already compressed" in line and "dense source" in line, line
+def test_convert_refuses_a_compressed_source_before_loading(tmp_path, capsys, no_load):
+  """A low-rank orbax checkpoint or hf-lowrank export as the source: refused from its metadata
+  or config, naming the fix, before any weight is loaded."""
+  m = random_model(ranks=[{"q_proj": 4}] * TINY.num_layers)
+  checkpoint.save(m, tmp_path / "lr")
+  checkpoint.export_hf(m, tmp_path / "ex")  # hf-lowrank
+  for flag, src, what in (("--orbax", "lr", "(low-rank)"), ("--hf", "ex", "low-rank export")):
+    rc, err = _cli(capsys, "convert", flag, tmp_path / src, "--out", tmp_path / "o",
+                   "--ratio", "0.3", "--method", "svd", "--block", "4")  # fmt: skip
+    line = _one_line_error(err)
+    assert rc in (1, 2) and "is already compressed" in line and what in line, line
+    assert "convert its dense source instead" in line
   assert not (tmp_path / "o").exists()
 
 
