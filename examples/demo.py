@@ -36,7 +36,7 @@ TEXT = os.path.join(REPO, "tests", "fixtures", "text", "corpus.txt")
 def lrjax_cmd() -> list[str]:
   """The installed ``lrjax`` script beside this interpreter, else ``python -m lrjax.cli``."""
   script = os.path.join(os.path.dirname(sys.executable), "lrjax")
-  return [script] if os.path.exists(script) else [sys.executable, "-m", "lrjax.cli"]
+  return [script] if os.path.exists(script) else [sys.executable, "-m", "lrjax"]
 
 
 def run(*args: str, env=None) -> str:

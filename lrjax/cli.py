@@ -485,11 +485,16 @@ def main(argv: list[str] | None = None) -> int:
     format="%(levelname)s %(name)s: %(message)s",
   )
   try:
+    from lrjax import compile_cache
+
+    compile_cache.enable()  # a second run of a command skips XLA's compiles
     return int(args._run(args) or 0)
   except (ValueError, OSError, TypeError) as e:
     print(f"lrjax {args.command}: error: {one_line(e, limit=None)}", file=sys.stderr)
     return 1
 
 
-if __name__ == "__main__":
-  sys.exit(main())
+if __name__ == "__main__":  # python -m lrjax.cli: the subcommands register in lrjax.cli
+  from lrjax.cli import main as _main
+
+  sys.exit(_main())

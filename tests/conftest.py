@@ -5,6 +5,8 @@ import itertools
 import os
 
 os.environ.setdefault("RAYON_NUM_THREADS", "1")  # tokenizers' thread pool
+# the commands the tests run (in process and in subprocesses) keep out of the user's cache
+os.environ.setdefault("LRJAX_COMPILE_CACHE", "off")
 
 import jax
 import jax.numpy as jnp
