@@ -687,7 +687,11 @@ def main():
     "machine": machine(topology=True),
     "versions": versions("triton", "jax-triton"),
     "argv": sys.argv[1:],
-    "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("LRJAX_")},
+    "env": {  # what steers lrjax's choices (the compile cache changes compile time only)
+      k: v
+      for k, v in sorted(os.environ.items())
+      if k.startswith("LRJAX_") and not k.startswith("LRJAX_COMPILE_CACHE")
+    },
   }
   out = {
     "benchmark": "tp_gpu",

@@ -66,8 +66,8 @@ def test_cli_from_another_working_directory(work, capsys):
   np.save(work.parent / "calib.npy", np.arange(32).reshape(2, 16) % 7)
   assert cli.main(["convert", "--orbax", "~/work/out/ck_w", "--out", "ck2", "--ratio", "0.3",
                    "--calib", "~/calib.npy", "--block", "4"]) == 1  # fmt: skip
-  # Got as far as compress (a low-rank input): the checkpoint and the tokens were found.
-  assert "not a dense" in capsys.readouterr().err
+  # Got as far as the source's metadata (a low-rank input): the checkpoint and tokens were found.
+  assert "--orbax ~/work/out/ck_w is already compressed" in capsys.readouterr().err
   # generate loads the relative checkpoint, then rejects a prompt longer than its cache with
   # the engine's one-line error (the warm-up used to die with StopIteration).
   long = ",".join(["1"] * 40)
