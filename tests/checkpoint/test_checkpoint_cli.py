@@ -131,7 +131,7 @@ def test_convert_errors_are_clear(tmp_path, capsys, calib):
         "8",
         "--calib",
         str(bad),
-      ]  # fmt: skip
+      ]
     )
     == 1
   )
