@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import scipy.linalg
@@ -49,7 +50,12 @@ def lowrank_params(k: int, n: int, rank: int, heads: int = 1) -> int:
 
 
 class RankBudgetError(ValueError):
-  """``block`` leaves no block-aligned rank within the ratio budget of some projections."""
+  """``block`` leaves no block-aligned rank within the ratio budget of some projections;
+  ``cap`` is the largest rank the (tightest) budget allows over ``heads`` heads."""
+
+  def __init__(self, msg: str, cap: float, heads: int):
+    super().__init__(msg)
+    self.cap, self.heads = cap, heads
 
 
 def _budget_cap(k: int, n: int, ratio: float, heads: int) -> float:
@@ -82,14 +88,34 @@ def budget_rank(k: int, n: int, ratio: float, block: int, *, heads: int = 1, nam
   if rank <= 0:
     fit = _fitting_block(cap, heads, block)
     fix = f"pass a smaller block (block={fit} fits)" if fit else "pass a smaller ratio"
-    err = RankBudgetError(
+    raise RankBudgetError(
       f"{name}: {block=} exceeds the rank budget of a [{k}, {n}] kernel at {ratio=} "
       f"(r·(K + N{'/heads' if heads > 1 else ''}) ≤ (1 − ratio)·K·N allows r ≤ {cap:.1f}"
-      f"{f' over {heads} heads' if heads > 1 else ''}); {fix}"
+      f"{f' over {heads} heads' if heads > 1 else ''}); {fix}",
+      cap,
+      heads,
     )
-    err.cap, err.heads, err.block = cap, heads, int(block)
-    raise err
   return rank
+
+
+def budget_errors(errors: Sequence[RankBudgetError], block: int) -> RankBudgetError:
+  """One error for the projections ``block`` misses: the tightest one's reason and a block
+  that fits every one (else: a smaller ratio)."""
+  if len(errors) == 1:
+    return errors[0]
+  tight = min(errors, key=lambda e: e.cap)
+  fits = [_fitting_block(e.cap, e.heads, block) for e in errors]
+  fix = (
+    "pass a smaller ratio"
+    if None in fits
+    else f"pass a smaller block (block={min(fits)} fits every one) or a smaller ratio"
+  )
+  why = str(tight).split("; pass ")[0]
+  return RankBudgetError(
+    f"{len(errors)} projections have no rank within the budget; {why}; {fix}",
+    tight.cap,
+    tight.heads,
+  )
 
 
 def check_rank(k: int, n: int, rank: int, *, heads: int = 1, name: str = "") -> int:

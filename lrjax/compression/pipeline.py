@@ -25,7 +25,7 @@ from lrjax.models.llama import MLP_PROJS
 from lrjax.models.llama import PROJ_NAMES as ALL_PROJS
 from lrjax.compression.factorize import (
   RankBudgetError,
-  _fitting_block,
+  budget_errors,
   budget_rank,
   check_rank,
   check_ratio,
@@ -109,18 +109,8 @@ def plan_ranks(
           log.warning("%s: explicit rank %d is not a multiple of block=%d", where, r, block)
       layer[p] = (r, heads)
     plan.append(layer)
-  if len(short) == 1:
-    raise short[0]
   if short:  # one error for all of them, with a block that fits every one
-    tight = min(short, key=lambda e: e.cap)
-    fits = [_fitting_block(e.cap, e.heads, block) for e in short]
-    fix = (
-      "pass a smaller ratio"
-      if None in fits
-      else f"pass a smaller block (block={min(fits)} fits every one) or a smaller ratio"
-    )
-    msg = str(tight).split("; pass ")[0]
-    raise RankBudgetError(f"{len(short)} projections have no rank within the budget; {msg}; {fix}")
+    raise budget_errors(short, block)
   return plan
 
 
