@@ -129,7 +129,10 @@ OTHER = "XLA fusions (norms, rope, residuals, cache writes, XLA's attention)"
 # kinds: at ctx 1024 in a 2048 cache, the default plan's splits past the filled half return
 # at once); and with the append kernel attending the new key apart from its cache loop (its
 # default) or spliced into the loop's K and V tiles (``lowrank_append_apart`` /
-# ``lowrank_append_splice``: decode_attention_append.NEW_KEY_APART True / False).
+# ``lowrank_append_splice``: decode_attention_append.NEW_KEY_APART True / False); and with the
+# kernels launched by lrjax's own launcher (``lowrank_launch_pdl``: LRJAX_TRITON_LAUNCH=pdl)
+# and each kernel letting the next launch start after its wait, its first tile prefetched
+# before it (the ``*_pdl_overlap`` kinds: LRJAX_TRITON_PDL_OVERLAP=1).
 LRJAX_KINDS = (
   "dense",
   "lowrank",
@@ -156,6 +159,9 @@ LRJAX_KINDS = (
   "lowrank_append_split_keys128",
   "lowrank_append_apart",
   "lowrank_append_splice",
+  "lowrank_pdl_overlap",
+  "lowrank_launch_pdl",
+  "lowrank_launch_pdl_overlap",
 )
 # the gated kernels a kind runs with, the others off (whatever the card's table and the GPU
 # flags say): decode_attention_append's (custom_calls/triton/lowering.py's
@@ -188,6 +194,14 @@ WITHOUT = {
   "lowrank_lrjax_attention_walk_merge": ("pallas.decode_attention",),
   "lowrank_sliced_cache": ("triton.decode_attention",),
   "lowrank_xla_attention": ("triton.decode_attention", "pallas.decode_attention"),
+}
+# the environment a kind's kernels are lowered under (launch_modes: the launcher, and
+# whether a kernel launched as a programmatic dependent lets the next launch start after its
+# wait and prefetches its first tile before it)
+ENV = {
+  "lowrank_pdl_overlap": {"LRJAX_TRITON_PDL_OVERLAP": "1"},
+  "lowrank_launch_pdl": {"LRJAX_TRITON_LAUNCH": "pdl"},
+  "lowrank_launch_pdl_overlap": {"LRJAX_TRITON_LAUNCH": "pdl", "LRJAX_TRITON_PDL_OVERLAP": "1"},
 }
 # XLA's priority fusion making Triton fusions first where it can (normalizations among them)
 TRITON_NORMS = {"xla_gpu_experimental_enable_triton_heroless_priority_fusion": True}
@@ -321,6 +335,20 @@ def _patched(module, name, value):
 
 
 @contextlib.contextmanager
+def _env(name, value):
+  """``os.environ[name]`` set to ``value`` for the block, restored after."""
+  saved = os.environ.get(name)
+  os.environ[name] = value
+  try:
+    yield
+  finally:
+    if saved is None:
+      os.environ.pop(name, None)
+    else:
+      os.environ[name] = saved
+
+
+@contextlib.contextmanager
 def _attention_lowerings(kind):
   """The decode_attention lowerings ``kind`` goes without (``WITHOUT``) removed for its run;
   for ``lowrank_sliced_cache`` the Pallas kernel's whole-buffer plan off, lrjax's merge
@@ -346,6 +374,8 @@ def _attention_lowerings(kind):
     table = table.with_values("decode_attention", max_split_keys=SPLIT_KEYS[kind])
   replans = kind == "lowrank_sliced_cache" or kind in SPLIT_KEYS
   with contextlib.ExitStack() as stack:
+    for name, value in ENV.get(kind, {}).items():
+      stack.enter_context(_env(name, value))
     gone = [
       k for k in registry.candidates("decode_attention", "cuda") if k.name in WITHOUT.get(kind, ())
     ]

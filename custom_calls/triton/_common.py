@@ -347,12 +347,37 @@ def join_chain(scratch_ptr, WORK_OFF: tl.constexpr, PDL: tl.constexpr):
   PDL: the kernel was launched as a programmatic dependent (launch.py), so its CTAs may
   start before the kernel ahead of it on the stream has finished. ``gdc_wait`` holds them
   until that kernel has completed and its writes are visible; every load of activations or
-  scratch after it is ordered as in a plain launch. The kernel never calls
-  ``gdc_launch_dependents``: the next PDL launch starts as this one's CTAs exit, which
-  measured better than an early trigger."""
+  scratch after it is ordered as in a plain launch. See ``pdl_join`` for PDL >= 2."""
+  pdl_join(PDL)
+  return scratch_ptr + WORK_OFF
+
+
+@triton.jit
+def pdl_join(PDL: tl.constexpr):
+  """PDL >= 1: wait for the kernel ahead (``gdc_wait``). PDL >= 2 (launch_modes.pdl_overlap):
+  then let the next launch start (``gdc_launch_dependents``), so its CTAs take the SMs this
+  launch's CTAs leave and fetch their weights (``prefetch_ahead``) while this one ends. After
+  the wait, not before: a launch that started early never lets a third start before the
+  kernel it waits for has ended. At PDL 1 the next launch starts as this one's CTAs exit."""
   if PDL:
     tl.extra.cuda.gdc_wait()
-  return scratch_ptr + WORK_OFF
+    if PDL >= 2:
+      tl.extra.cuda.gdc_launch_dependents()
+
+
+AHEAD_ROWS = tl.constexpr(128)  # rows of its first tile a CTA prefetches before its PDL wait
+
+
+@triton.jit
+def prefetch_ahead(ptr, row0, col0, row_end, col_end, LD: tl.constexpr, ON: tl.constexpr):
+  """Before a PDL wait (PDL >= 2): the first AHEAD_ROWS rows of a weight tile [row0, row_end)
+  x [col0, col_end) (at most 256 columns) into L2. Weights never depend on the kernel ahead, so
+  these reads may overlap its end; the tile's loads after the wait then start from L2. A hint:
+  nothing reads what it fetches but the same tile's loads."""
+  if ON:
+    prefetch_l2(
+      ptr, row0, col0, tl.minimum(row_end, row0 + AHEAD_ROWS), col_end, LD, AHEAD_ROWS, 256
+    )
 
 
 @triton.jit

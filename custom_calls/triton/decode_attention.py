@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from lrjax.custom_calls.triton import launch, planner, policy
+from lrjax.custom_calls.triton._common import pdl_join, prefetch_ahead
 from lrjax.custom_calls.triton.lowering import decode_attention_shape_reason
 
 TARGET_PROGRAMS = 256  # about two programs per SM on an H100 or H200 (132 SMs)
@@ -107,12 +108,15 @@ def _decode_attention_kernel(
   NROWS: tl.constexpr,  # B * HKV * S * G
   GM: tl.constexpr,
   BLOCK_D: tl.constexpr,  # (the tile merge's)
+  PDL: tl.constexpr = 0,  # launched as a programmatic dependent (launch.py, _common.pdl_join)
 ):
   pid = tl.program_id(0)
   bh = pid // S
   s = pid % S
   b = bh // HKV
   h = bh % HKV
+  kv_off = (b * HKV + h).to(tl.int64) * T * D
+  prefetch_split(k_ptr + kv_off, v_ptr + kv_off, pos_ptr, b, s, LEN, WINDOW, CHUNK, D, PDL)
   lo, hi = _split_range(pos_ptr, b, s, LEN, WINDOW, CHUNK)
   if lo < hi:
     offs_g = tl.arange(0, GP)
@@ -122,7 +126,6 @@ def _decode_attention_kernel(
       mask=(offs_g < G)[:, None],
       other=0.0,
     )
-    kv_off = (b * HKV + h).to(tl.int64) * T * D
     acc, m_i, l_i = _attend_split(
       q, k_ptr + kv_off, v_ptr + kv_off, lo, hi, q, q, -1, D, GP, SCALE, BLOCK_N, False
     )
@@ -144,6 +147,23 @@ def _split_range(pos_ptr, b, s, LEN: tl.constexpr, WINDOW: tl.constexpr, CHUNK: 
   """[lo, hi): the keys of split s visible to row b (empty where lo >= hi)."""
   first, end = _visible(pos_ptr, b, LEN, WINDOW)
   return tl.maximum(s * CHUNK, first), tl.minimum(s * CHUNK + CHUNK, end)
+
+
+@triton.jit
+def prefetch_split(
+  k_ptr, v_ptr, pos_ptr, b, s, LEN: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr,
+  D: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+  """A flash-decoding program's start under PDL (_common.pdl_join): at PDL >= 2 the first
+  keys and values of its split into L2 before the wait (the cache's rows before the new
+  position were written by earlier steps; ``pos`` read before the wait may be stale, which
+  only misdirects the hint), then the wait."""
+  if PDL >= 2:
+    lo, hi = _split_range(pos_ptr, b, s, LEN, WINDOW, CHUNK)
+    if lo < hi:
+      prefetch_ahead(k_ptr, lo, 0, hi, D, D, True)
+      prefetch_ahead(v_ptr, lo, 0, hi, D, D, True)
+  pdl_join(PDL)
 
 
 @triton.jit
@@ -241,7 +261,9 @@ def _merge_kernel(
   NROWS: tl.constexpr,
   GM: tl.constexpr,
   BLOCK_D: tl.constexpr,
+  PDL: tl.constexpr = 0,  # as in _decode_attention_kernel
 ):
+  pdl_join(PDL)
   bh = tl.program_id(0)
   b = bh // HKV
   h = bh % HKV
@@ -296,7 +318,9 @@ def _merge_tile_kernel(
   NROWS: tl.constexpr,
   GM: tl.constexpr,  # G rounded up to a power of two
   BLOCK_D: tl.constexpr,  # output columns a program
+  PDL: tl.constexpr = 0,  # as in _decode_attention_kernel
 ):
+  pdl_join(PDL)
   bh = tl.program_id(0)
   b = bh // HKV
   h = bh % HKV

@@ -108,12 +108,15 @@ def _decode_attention_append_kernel(
   GM: tl.constexpr,
   BLOCK_D: tl.constexpr,
   APART: tl.constexpr,  # NEW_KEY_APART
+  PDL: tl.constexpr = 0,  # launched as a programmatic dependent (launch.py, _common.pdl_join)
 ):
   pid = tl.program_id(0)
   bh = pid // S
   s = pid % S
   b = bh // HKV
   h = bh % HKV
+  kv_off = (b * HKV + h).to(tl.int64) * T * D
+  da.prefetch_split(kc_ptr + kv_off, vc_ptr + kv_off, pos_ptr, b, s, LEN, WINDOW, CHUNK, D, PDL)
   w = tl.load(pos_ptr + b)
   offs_d = tl.arange(0, D)
   cos = tl.load(cos_ptr + b * D + offs_d)
@@ -121,7 +124,6 @@ def _decode_attention_append_kernel(
   one = tl.arange(0, 1)
   k_new = tl.reshape(_rope_rows(kn_ptr, bh + one, offs_d, cos, sin, D, True), [D])
   v_new = tl.load(vn_ptr + bh * D + offs_d)
-  kv_off = (b * HKV + h).to(tl.int64) * T * D
   # the split holding position w writes the new row (a position past T is dropped)
   if (s == tl.minimum(w // CHUNK, S - 1)) & (w < T):
     tl.store(ko_ptr + kv_off + w * D + offs_d, k_new.to(ko_ptr.dtype.element_ty))

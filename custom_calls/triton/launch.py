@@ -769,7 +769,7 @@ def _lowering(ctx, *array_args, custom_call_target_name, **params):
     results = _xla_call(
       ctx,
       array_args,
-      dict(params, **{PDL: 1}) if PDL in params else params,
+      dict(params, **{PDL: launch_modes.pdl_level()}) if PDL in params else params,
       mode == "xla_triton" and launch_modes.xla_triton_serves(params["fn"].__name__, params),
     )
     if results is not None:
@@ -777,7 +777,7 @@ def _lowering(ctx, *array_args, custom_call_target_name, **params):
   # a launch after a memset (zeroed_outputs) stays plain: the wait covers kernels ahead of it
   pdl = mode == "pdl" and PDL in params and not params["zeroed_outputs"]
   if pdl:
-    params = dict(params, **{PDL: 1})
+    params = dict(params, **{PDL: launch_modes.pdl_level()})
   _ours.active, _ours.kernel = True, None  # _kernel_recorded sets the kernel of this call
   try:
     legacy = _jax_triton_rule(ctx, *array_args, custom_call_target_name=LEGACY_TARGET, **params)

@@ -82,6 +82,23 @@ def chain_scratch() -> bool:
   return os.environ.get("LRJAX_TRITON_SCRATCH_CHAIN", "") in ("", "1")
 
 
+def pdl_overlap() -> bool:
+  """Whether lrjax's kernels launched as programmatic dependents let the next launch start
+  once their own wait ends and fetch their first weight tiles into L2 before it
+  (``LRJAX_TRITON_PDL_OVERLAP=1``, read when a call is lowered; _common.pdl_join). Off
+  unless set."""
+  value = os.environ.get("LRJAX_TRITON_PDL_OVERLAP", "")
+  if value not in ("", "0", "1"):
+    raise ValueError(f"LRJAX_TRITON_PDL_OVERLAP={value!r}: expected 0 or 1")
+  return value == "1"
+
+
+def pdl_level() -> int:
+  """The PDL constexpr of a kernel launched as a programmatic dependent: 2 with
+  ``pdl_overlap``, else 1 (wait only)."""
+  return 2 if pdl_overlap() else 1
+
+
 def _cdiv(a: int, b: int) -> int:
   return -(-a // b)
 

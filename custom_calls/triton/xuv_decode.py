@@ -48,6 +48,7 @@ from lrjax.custom_calls.triton import launch, planner, policy
 from lrjax.custom_calls.triton._common import (
   check_out,
   join_chain,
+  prefetch_ahead,
   k_masks,
   leave_chain,
   num_sms,
@@ -237,6 +238,40 @@ def _xu_stream(
 
 
 @triton.jit
+def _prefetch_first(
+  pid,
+  u_ptr,
+  v_ptr,
+  K: tl.constexpr,
+  R: tl.constexpr,
+  N: tl.constexpr,
+  K_PER: tl.constexpr,
+  SPLIT_K: tl.constexpr,
+  BLOCK_K: tl.constexpr,
+  COLS_R: tl.constexpr,
+  COLS_N: tl.constexpr,
+  PROGRAMS: tl.constexpr,
+  V_RES: tl.constexpr,
+  STREAM_K: tl.constexpr,
+):
+  """The persistent kernel's L2 prefetch before its PDL wait (_common.prefetch_ahead): the
+  first rows of the CTA's first phase-1 tile of U; a V-resident phase-2 CTA, its V tile."""
+  n1 = ((R + COLS_R - 1) // COLS_R) * SPLIT_K
+  if STREAM_K:  # the CTA's first step s of _xu_stream's even split
+    KS: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    s = pid * (((R + COLS_R - 1) // COLS_R) * KS) // PROGRAMS
+    c0 = (s // KS) * COLS_R
+    prefetch_ahead(u_ptr, (s % KS) * BLOCK_K, c0, K, tl.minimum(c0 + COLS_R, R), R, True)
+  elif pid < n1:
+    c0 = (pid // SPLIT_K) * COLS_R
+    k0 = (pid % SPLIT_K) * K_PER
+    prefetch_ahead(u_ptr, k0, c0, tl.minimum(k0 + K_PER, K), tl.minimum(c0 + COLS_R, R), R, True)
+  elif V_RES:
+    c0 = (pid - n1) * COLS_N
+    prefetch_ahead(v_ptr, 0, c0, R, tl.minimum(c0 + COLS_N, N), N, True)
+
+
+@triton.jit
 def _xuv_decode_kernel(
   x_ptr,  # [M, K] activations
   u_ptr,  # [K, R] first factor
@@ -393,6 +428,10 @@ def _xuv_decode_persistent_kernel(
   # scratch chain's other half (leave_chain; 0: all of them)
 ):
   pid = tl.program_id(0)
+  if PDL >= 2:  # before the wait: this CTA's first U tile (V's, for a V-resident CTA)
+    _prefetch_first(
+      pid, u_ptr, v_ptr, K, R, N, K_PER, SPLIT_K, BLOCK_K, COLS_R, COLS_N, PROGRAMS, V_RES, STREAM_K
+    )
   chain_ptr = scratch_ptr
   scratch_ptr = join_chain(scratch_ptr, WORK_OFF, PDL)
   TRACE: tl.constexpr = (PROBE & 4) != 0

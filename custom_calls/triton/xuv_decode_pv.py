@@ -24,6 +24,8 @@ from lrjax.custom_calls.triton import launch, planner
 from lrjax.custom_calls.triton._common import (
   check_out,
   mm_acc,
+  pdl_join,
+  prefetch_ahead,
   residual_operand,
   residual_reference,
   store_out,
@@ -65,8 +67,10 @@ def _xuv_decode_pv_kernel(
   offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
   m_mask = offs_m < M
   n_mask = offs_n < N
-  if PDL:
-    tl.extra.cuda.gdc_wait()
+  if PDL >= 2:  # before the wait: the first rows of this tile's V columns
+    c0 = tl.program_id(0) * BLOCK_N
+    prefetch_ahead(v_ptr, 0, c0, R, tl.minimum(c0 + BLOCK_N, N), N, True)
+  pdl_join(PDL)
   acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
   acc = mm_acc(
     acc,

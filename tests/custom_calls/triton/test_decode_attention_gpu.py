@@ -293,6 +293,24 @@ def test_append_kernel_with_the_caches_donated_in_a_loop(merge, splits, apart):
   """Eight steps in one jit, the caches carried (updated in place, as a decode loop donates
   them), each step's new row at the next position of each row, at the split boundaries the
   kernel cuts: the same outputs and caches as the reference's loop."""
+  _check_append_loop(merge, splits, apart)
+
+
+@pytest.mark.parametrize("launch, overlap", [("pdl", "0"), ("pdl", "1"), ("xla_triton", "1")])
+@pytest.mark.parametrize("merge", ["walk", "tile"])
+def test_append_kernel_loop_launched_as_programmatic_dependents(
+  monkeypatch, launch, overlap, merge
+):
+  """The same loop with the attention's two launches as programmatic dependents (lrjax's
+  launcher: they wait for the kernel ahead first), and with each letting the next launch start
+  after its wait, its split's first keys and values prefetched before it
+  (LRJAX_TRITON_PDL_OVERLAP): the same outputs and caches."""
+  monkeypatch.setenv("LRJAX_TRITON_LAUNCH", launch)
+  monkeypatch.setenv("LRJAX_TRITON_PDL_OVERLAP", overlap)
+  _check_append_loop(merge, 16, True)
+
+
+def _check_append_loop(merge, splits, apart):
   from lrjax.custom_calls.triton import decode_attention as ours
   from lrjax.custom_calls.triton import decode_attention_append as dap
 
@@ -317,6 +335,65 @@ def test_append_kernel_with_the_caches_donated_in_a_loop(merge, splits, apart):
   for g, w in zip(got[:2], want[:2]):
     g, w = np.asarray(g), np.asarray(w)
     assert np.array_equal(g, w), _bf16_mismatch(g, w)
+
+
+def _lowrank_decode(feed=None, steps=4):
+  """Logits [steps, 4, vocab] of fused decode steps (lrjax.fuse, the kernels preferred) of a
+  2-layer low-rank Llama with kernel-sized shapes after a 40-token prefill, each step fed
+  its greedy token or ``feed``'s; the tokens fed; the compiled step's HLO text."""
+  from flax import nnx
+
+  import lrjax
+  from lrjax.models import LlamaForCausalLM, ModelConfig
+  from lrjax.models.llama import KVCache
+
+  cfg = ModelConfig(
+    vocab_size=512, hidden_size=512, intermediate_size=1408, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=128,
+  )  # fmt: skip
+  ranks = dict(q_proj=128, k_proj=64, v_proj=64, o_proj=128, gate_proj=128, up_proj=128,
+               down_proj=128)  # fmt: skip
+  dtype = jnp.bfloat16
+  model = LlamaForCausalLM(cfg, ranks=[ranks] * 2, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
+  seq = jax.random.randint(jax.random.key(0), (4, 40), 0, cfg.vocab_size)
+  logits, cache = model.prefill(seq, KVCache.init(cfg, 4, 128, dtype))
+  decode = lrjax.fuse(lambda t, c: model.decode(t, c, attend_len=64))
+  with lrjax.lowering.prefer_kernels():
+    step = jax.jit(decode, donate_argnums=1).lower(jnp.zeros((4,), jnp.int32), cache).compile()
+  toks = jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
+  fed, out = [], []
+  for i in range(steps):
+    if feed is not None:
+      toks = jnp.asarray(feed[i])
+    fed.append(np.asarray(toks))
+    logits, cache = step(toks, cache)
+    logits = logits.reshape(4, -1)
+    out.append(np.asarray(logits, np.float32))
+    toks = jnp.argmax(logits, -1).astype(jnp.int32)
+  return np.stack(out), np.stack(fed), step.as_text()
+
+
+@pytest.mark.parametrize("launch", ["pdl", "xla_triton"])
+def test_model_decode_with_pdl_overlap(monkeypatch, launch):
+  """A fused low-rank model's decode steps (grouped q/k/v, o_proj and SwiGLU kernels with the
+  norms and residual adds in them, RoPE and the cache writes in the attention's launches)
+  with every kernel letting the next launch start after its wait and prefetching its first
+  tile before it (LRJAX_TRITON_PDL_OVERLAP=1), under lrjax's launcher and XLA's calls: the
+  same logits as without, step after step on the same tokens (within bf16's tolerance: the
+  kernels' split-K sums are f32 atomics, whose order varies from run to run)."""
+  from lrjax.custom_calls.triton import launch_modes
+  from lrjax.custom_calls.triton import lowering as cuda_lowering
+
+  for name in ("APPEND", "NORM", "RESIDUAL"):
+    monkeypatch.setattr(cuda_lowering, f"{name}_GPU_VERIFIED", True)
+  monkeypatch.setenv("LRJAX_TRITON_LAUNCH", launch)
+  want, fed, off = _lowrank_decode()
+  assert launch_modes.count_calls(off) >= 10, off  # 5 a layer: q/k/v, 2 attention, o, MLP
+  monkeypatch.setenv("LRJAX_TRITON_PDL_OVERLAP", "1")
+  got, _, on = _lowrank_decode(feed=fed)
+  if launch == "pdl":  # the PTX lrjax's launcher loads is an attribute of each call
+    assert "launch_dependents" not in off and "launch_dependents" in on
+  assert rel_err(got, want) < tolerance(jnp.bfloat16), rel_err(got, want)
 
 
 def test_model_decode_with_the_append_kernel(monkeypatch):

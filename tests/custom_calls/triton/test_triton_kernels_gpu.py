@@ -723,8 +723,9 @@ def _scratch_sizes(compiled_text):
   ]
 
 
+@pytest.mark.parametrize("overlap", ["0", "1"])
 @pytest.mark.parametrize("mode", ["jaxlib", "lrjax", "pdl", "xla", "xla_triton"])
-def test_launchers_agree(monkeypatch, mode):
+def test_launchers_agree(monkeypatch, mode, overlap):
   """LRJAX_TRITON_LAUNCH: jaxlib's handler, lrjax's (pdl_launch.cc) with plain launches,
   lrjax's with the chained decode kernels as programmatic dependents (they then wait on the
   grid dependency first), XLA's own PTX call (each kernel compiled with every scalar a
@@ -737,7 +738,9 @@ def test_launchers_agree(monkeypatch, mode):
   zeroes before the launch (the handler's memset; a plain launch, so under "pdl" the last two
   stay with jaxlib's handler, and under "xla" both calls that take a memset, the prefill
   kernel's counters among them): each output matches the reference on two runs, and the HLO
-  names the handler each mode promises."""
+  names the handler each mode promises. With LRJAX_TRITON_PDL_OVERLAP=1 each kernel launched
+  as a programmatic dependent lets the next launch start once its own wait is over and
+  prefetches its first tile before it: the same outputs and handlers."""
   import re
 
   import lrjax
@@ -745,6 +748,7 @@ def test_launchers_agree(monkeypatch, mode):
   from lrjax.lowering import lr_xuv_group
 
   monkeypatch.setenv("LRJAX_TRITON_LAUNCH", mode)
+  monkeypatch.setenv("LRJAX_TRITON_PDL_OVERLAP", overlap)
   dtype = jnp.bfloat16
   xuvs = [lr_factors(512, r, n, dtype) for r, n in ((128, 512), (200, 1000), (72, 512))]
   group = [lr_factors(512, r, n, dtype) for r, n in ((96, 512), (48, 130), (48, 130))]

@@ -107,8 +107,9 @@ def test_kernels_for_xlas_ptx_call_take_their_buffers_alone():
     from lrjax.custom_calls.triton import launch
     n, seen = 0, set()
     for name, kernel, meta, warps, stages in kernel_resources.planned():
-      if "PDL" not in [p.name for p in kernel.params] or kernel in seen:
-        continue
+      names = [p.name for p in kernel.params]
+      if "PDL" not in names or kernel in seen or not {"WORK_OFF", "READ_OFF"} & set(names):
+        continue  # (the attention's launches take PDL but no scratch offset)
       seen.add(kernel)
       types, scalars = kernel_resources.xla_args(kernel, 3)
       at = kernel_resources.offset_constexpr(kernel)
@@ -209,6 +210,13 @@ def test_bad_mode_and_missing_library_are_named():
     from lrjax.custom_calls.triton import launch
     os.environ["LRJAX_TRITON_LAUNCH"] = "fast"
     raises(ValueError, launch.launch_mode, "fast", "pdl", "xla_triton")
+    from lrjax.custom_calls.triton import launch_modes
+    for value, level in (("", 1), ("0", 1), ("1", 2)):  # PDL constexpr of a dependent's launch
+      os.environ["LRJAX_TRITON_PDL_OVERLAP"] = value
+      assert launch_modes.pdl_level() == level, (value, launch_modes.pdl_level())
+    os.environ["LRJAX_TRITON_PDL_OVERLAP"] = "yes"
+    raises(ValueError, launch_modes.pdl_overlap, "LRJAX_TRITON_PDL_OVERLAP='yes'", "0 or 1")
+    del os.environ["LRJAX_TRITON_PDL_OVERLAP"]
     os.environ["LRJAX_TRITON_LAUNCH"] = "pdl"
     launch._launcher_paths = lambda: ["/nonexistent/_pdl_launch.so"]
     raises(RuntimeError, launch.launcher, "/nonexistent/_pdl_launch.so",

@@ -274,3 +274,50 @@ def test_append_kernel_apart_keeps_the_plain_kernels_shared_memory():
   assert len(rows) == 2, out
   for _, plain, apart, splice in rows:
     assert apart == plain < splice, out
+
+
+_PDL = STUB + textwrap.dedent("""
+  seen = set()
+  n = 0
+  for name, kernel, meta, warps, stages in kernel_resources.planned():
+    if "PDL" not in kernel.arg_names or kernel.__name__ in seen or name not in CASES:
+      continue
+    seen.add(kernel.__name__)
+    asm = {}
+    for level in (0, 1, 2):
+      c = kernel_resources.compile_for_sm90(kernel, {**meta, "PDL": level}, warps, stages)
+      asm[level] = (c.asm["ptx"], c.metadata.shared)
+    (p0, s0), (p1, s1), (p2, s2) = asm[0], asm[1], asm[2]
+    assert "griddepcontrol" not in p0, name
+    assert "griddepcontrol.wait" in p1 and "launch_dependents" not in p1, name
+    wait, go = p2.index("griddepcontrol.wait"), p2.index("griddepcontrol.launch_dependents")
+    assert wait < go, name  # the next launch may start only once this one's wait is over
+    if CASES[name]:  # its first tile's prefetch comes before the wait, none at PDL 1 before it
+      ahead = p2.find("prefetch.global.L2::evict_last")
+      assert 0 <= ahead < wait, name
+      assert not 0 <= p1.find("prefetch.global.L2::evict_last") < p1.index("griddepcontrol.wait")
+    assert s0 == s1 == s2, (name, s0, s1, s2)  # the same shared memory: the same CTAs an SM
+    n += 1
+  print(n, "ok")
+""")
+
+
+def test_pdl_overlap_waits_then_lets_the_next_launch_start():
+  """Under launch_modes.pdl_overlap (PDL=2) each kernel that may be launched as a
+  programmatic dependent waits for the kernel ahead, then lets the next launch start
+  (``griddepcontrol.wait`` before ``launch_dependents`` in its sm_90 PTX), and the GEMM-like
+  kernels and the attention prefetch their first tile into L2 before the wait; at PDL=1 only
+  the wait, at PDL=0 neither; the shared memory is the same at all three."""
+  cases = {  # name in planned(): whether its first tile is prefetched before the wait
+    "group M=1 K=4096 r=1216/512/512": True,
+    "xuv decode M=1 4096->1024->14336": True,
+    "mlp decode T=1 D=4096 F=14336 r=2560": True,
+    "mlp decode persistent T=1 D=4096 F=14336 r=2560": True,
+    "xuv pv launch M=32 152->4096": True,
+    "decode attention B=1 T=1024": True,
+    "decode attention append B=1 T=1024": True,
+    "decode attention merge walk B=1 T=1024": False,
+    "decode attention merge tile B=1 T=1024": False,
+  }
+  out = run_script(f"CASES = {cases!r}\n" + _PDL, interpret=False)
+  assert int(out.split()[-2]) == len(cases), out  # every case found in planned() and checked
