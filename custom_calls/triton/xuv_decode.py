@@ -48,10 +48,10 @@ from lrjax.custom_calls.triton import launch, planner, policy
 from lrjax.custom_calls.triton._common import (
   check_out,
   join_chain,
-  prefetch_ahead,
   k_masks,
   leave_chain,
   num_sms,
+  prefetch_ahead,
   prefetch_l2,
   pv_tile,
   residual_operand,

@@ -26,16 +26,16 @@ from lrjax.custom_calls.triton import launch, planner
 from lrjax.custom_calls.triton._common import (
   check_out,
   join_chain,
-  prefetch_ahead,
   leave_chain,
   norm_operands,
   normed_reference,
   num_sms,
+  prefetch_ahead,
   prefetch_l2,
   row_scale,
   splitr_out_tile,
-  wait_at_least,
   unpack_xuv_args,
+  wait_at_least,
   xu_tile,
 )
 from lrjax.custom_calls.triton.lowering import GROUP_MAX_M, XUV_DECODE_MAX_M
