@@ -18,7 +18,8 @@ row at context ``--ctx``:
 
 Each side runs in its own subprocess, one after the other, so one framework holds the GPU at a
 time (or run them yourself: ``--side torch --side-out t.json``, ``--side lrjax --side-out
-l.json``, then ``--merge t.json l.json --out ...``; a side writes after every record).
+l.json``, then ``--merge t.json l.json --out ...``; a side writes after every record, and
+``--partial`` keeps a batch whose torch side ran out of time, its torch fields null).
 Records: device, model, batch, ctx, ratio, lrjax_ms (the step of ``--lrjax-kind``, by default
 ``lowrank``: lrjax's step as the card's table chooses it), lrjax_kind, lrjax_dense_ms,
 lrjax_xla_attention_ms (the
@@ -673,9 +674,14 @@ def build_records(args, ranks, lj, pt) -> list[dict]:
     key = lambda kind, b=batch: f"{kind}/{b}"  # noqa: E731
     need = [(pt, "dense"), (pt, "lowrank"), (lj, args.lrjax_kind)]  # lrjax's dense: optional
     if not all(key(k) in side["records"] for side, k in need):
-      print(f"batch {batch}: not measured on both sides, left out")
-      continue
-    best = {k: min(v["ms"] for v in pt["records"][key(k)].values()) for k in ("dense", "lowrank")}
+      if not (args.partial and key(args.lrjax_kind) in lj["records"]):
+        print(f"batch {batch}: not measured on both sides, left out")
+        continue
+      print(f"batch {batch}: a side ran out of time; lrjax's side kept (--partial)")
+    best = {
+      k: min(v["ms"] for v in pt["records"][key(k)].values()) if key(k) in pt["records"] else None
+      for k in ("dense", "lowrank")
+    }
     lr_ms = lj["records"][key(args.lrjax_kind)]["ms"]
     nbytes = step_bytes(m, ranks, batch, args.ctx)
     rec = {
@@ -702,10 +708,11 @@ def build_records(args, ranks, lj, pt) -> list[dict]:
       "torch_dense_ms": best["dense"],
       "torch_lowrank_ms": best["lowrank"],
       "torch_variants_ms": {
-        k: {n: v["ms"] for n, v in pt["records"][key(k)].items()} for k in ("dense", "lowrank")
+        k: {n: v["ms"] for n, v in pt["records"].get(key(k), {}).items()}
+        for k in ("dense", "lowrank")
       },
-      "speedup_vs_torch_dense": best["dense"] / lr_ms,
-      "speedup_vs_torch_lowrank": best["lowrank"] / lr_ms,
+      "speedup_vs_torch_dense": best["dense"] / lr_ms if best["dense"] else None,
+      "speedup_vs_torch_lowrank": best["lowrank"] / lr_ms if best["lowrank"] else None,
       "lowrank_step_bytes": nbytes,
       "dense_step_bytes": step_bytes(m, None, batch, args.ctx),
       "hbm_bps": bps,
@@ -741,6 +748,12 @@ def main(argv=None):
     help="the kind that stands for lrjax's step in a record (lrjax_ms, the ratios, the roofline):"
     " with --merge, the kind whose choices are now the defaults when the sides were run before"
     " a default changed",
+  )
+  ap.add_argument(
+    "--partial",
+    action="store_true",
+    help="with --merge: keep a batch whose torch side is missing (it ran out of time), its "
+    "torch fields null",
   )
   ap.add_argument("--side", choices=("lrjax", "torch"), help="run one side only")
   ap.add_argument("--side-out", metavar="JSON", help="where --side writes (after each record)")
@@ -795,11 +808,13 @@ def main(argv=None):
   )
   for r in recs:
     frac = f"{r['hbm_roofline_frac']:.2f}" if r["hbm_roofline_frac"] else "-"
+    num = lambda v, w, p: f"{v:{w}.{p}f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
     print(
       f"{r['batch']:5d} {r['lrjax_ms']:8.3f} {r['lrjax_xla_attention_ms'] or 0:8.3f} "
       f"{r['lrjax_dense_ms'] or 0:11.3f} "
-      f"{r['torch_dense_ms']:11.3f} {r['torch_lowrank_ms']:9.3f} "
-      f"{r['speedup_vs_torch_dense']:8.2f} {r['speedup_vs_torch_lowrank']:6.2f} {frac:>8}"
+      f"{num(r['torch_dense_ms'], 11, 3)} {num(r['torch_lowrank_ms'], 9, 3)} "
+      f"{num(r['speedup_vs_torch_dense'], 8, 2)} {num(r['speedup_vs_torch_lowrank'], 6, 2)}"
+      f" {frac:>8}"
     )
   if args.out:  # records of other devices (or other contexts) already in --out are kept
     old = json.load(open(args.out)) if os.path.exists(args.out) else {}

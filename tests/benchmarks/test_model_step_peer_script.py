@@ -245,3 +245,47 @@ def test_a_kind_goes_without_its_attention_lowerings_and_gets_them_back(load_ben
     assert "triton.decode_attention" not in names()
     assert "pallas.decode_attention" in names()
   assert names() == before
+
+
+def test_partial_keeps_lrjax_side_of_a_batch_torch_missed(load_benchmark, tmp_path):
+  """A torch side that ran out of time before a batch's compiled low-rank step: without
+  --partial that batch is left out; with it the record keeps lrjax's side, its torch fields
+  and ratios null, and the other batches are whole."""
+  mod = load_benchmark("model_step_peer")
+  pt = _torch("NVIDIA H100", {"dense": 6.0, "lowrank": 5.0})
+  del pt["records"]["lowrank/8"]
+  t, l = tmp_path / "t.json", tmp_path / "l.json"
+  t.write_text(json.dumps(pt))
+  l.write_text(json.dumps(_side("NVIDIA H100", ("lowrank",), {"lowrank": 4.0})))
+  args = ["--model", "tiny", "--batch", "1", "8", "--ctx", "64", "--max-len", "128", "--steps", "4"]
+  merge = ["--merge", str(t), str(l)]
+  out = tmp_path / "peer.json"
+  assert mod.main(args + merge + ["--out", str(out)]) == 0
+  assert [r["batch"] for r in json.loads(out.read_text())["records"]] == [1]
+  assert mod.main(args + merge + ["--partial", "--out", str(out)]) == 0
+  r1, r8 = json.loads(out.read_text())["records"]
+  assert r1["speedup_vs_torch_lowrank"] == 5.0 / 4.0
+  assert r8["lrjax_ms"] == 32.0 and r8["torch_dense_ms"] == 48.0
+  assert r8["torch_lowrank_ms"] is None and r8["speedup_vs_torch_lowrank"] is None
+  assert r8["speedup_vs_torch_dense"] == 1.5
+
+
+def test_a_kinds_environment_is_set_for_its_run_alone(load_benchmark, monkeypatch):
+  """The *_pdl_overlap and launch kinds lower their kernels with LRJAX_TRITON_PDL_OVERLAP /
+  LRJAX_TRITON_LAUNCH set; after the kind, the environment is as it was."""
+  import os
+
+  mod = load_benchmark("model_step_peer")
+  assert set(mod.ENV) <= set(mod.LRJAX_KINDS)
+  monkeypatch.setenv("LRJAX_TRITON_LAUNCH", "xla")
+  monkeypatch.delenv("LRJAX_TRITON_PDL_OVERLAP", raising=False)
+  with mod._attention_lowerings("lowrank_launch_pdl_overlap"):
+    assert os.environ["LRJAX_TRITON_LAUNCH"] == "pdl"
+    assert os.environ["LRJAX_TRITON_PDL_OVERLAP"] == "1"
+  assert os.environ["LRJAX_TRITON_LAUNCH"] == "xla"
+  assert "LRJAX_TRITON_PDL_OVERLAP" not in os.environ
+  with mod._attention_lowerings("lowrank_pdl_overlap"):
+    assert os.environ["LRJAX_TRITON_LAUNCH"] == "xla"
+    assert os.environ["LRJAX_TRITON_PDL_OVERLAP"] == "1"
+  with mod._attention_lowerings("lowrank"):
+    assert "LRJAX_TRITON_PDL_OVERLAP" not in os.environ
