@@ -49,11 +49,12 @@ def cache_bytes(environ=os.environ) -> int:
 
 
 def enable(environ=os.environ) -> str | None:
-  """Points jax's persistent compilation cache at :func:`cache_dir`; returns the directory,
-  or None (switched off, or not writable: then a warning says so and nothing is cached).
-  Before jax is imported this sets jax's own environment variables (those the user set win),
-  so it imports nothing; after, it updates jax's config. Call before the first compile: jax
-  keeps the cache it has once it compiled."""
+  """Points jax's persistent compilation cache at :func:`cache_dir`; returns the directory in
+  effect, or None (switched off, or not writable: then a warning says so and nothing is
+  cached). A setting the user gave jax's own environment variable (``JAX_COMPILATION_CACHE_DIR``
+  and the others) wins. Before jax is imported this sets those variables, so it imports
+  nothing; after, it updates jax's config. Call before the first compile: jax keeps the
+  cache it has once it compiled."""
   path = cache_dir(environ)
   if path is None:
     return None
@@ -72,6 +73,7 @@ def enable(environ=os.environ) -> str | None:
     "jax_compilation_cache_max_size": size,
     "jax_persistent_cache_min_compile_time_secs": MIN_COMPILE_S,
   }
+  settings = {k: v for k, v in settings.items() if k.upper() not in environ}  # the user's win
   if "jax" in sys.modules:
     import jax
 
@@ -79,5 +81,5 @@ def enable(environ=os.environ) -> str | None:
       jax.config.update(k, v)
   else:
     for k, v in settings.items():
-      environ.setdefault(k.upper(), str(v))
-  return path
+      environ[k.upper()] = str(v)
+  return environ.get("JAX_COMPILATION_CACHE_DIR", path)

@@ -44,6 +44,12 @@ def test_enable_sets_jax_config_or_warns(tmp_path, monkeypatch, caplog):
   assert compile_cache.enable({"LRJAX_COMPILE_CACHE": str(afile / "c")}) is None and not seen
   assert "no compilation cache" in caplog.text and "LRJAX_COMPILE_CACHE" in caplog.text
   assert afile.read_text() == "mine"
+  # jax's own variables the user set win, and the directory returned is the one in effect
+  seen.clear()
+  mine = {"LRJAX_COMPILE_CACHE": str(d), "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "j")}
+  assert compile_cache.enable(mine) == str(tmp_path / "j")
+  assert "jax_compilation_cache_dir" not in seen
+  assert seen["jax_persistent_cache_min_compile_time_secs"] == compile_cache.MIN_COMPILE_S
 
 
 def test_before_jax_is_imported_it_sets_jax_environment_variables(tmp_path):
@@ -57,6 +63,10 @@ def test_before_jax_is_imported_it_sets_jax_environment_variables(tmp_path):
   out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
   assert out.returncode == 0, out.stderr
   assert out.stdout.split() == [str(tmp_path / "c"), str(tmp_path / "c"), "0.2"]
+  env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path / "j")  # the user's own setting wins
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.split() == [str(tmp_path / "j"), str(tmp_path / "j"), "0.2"]
 
 
 def test_a_second_run_reads_the_cache_and_prints_the_same(tmp_path, chat_model):
