@@ -381,6 +381,18 @@ def prefetch_ahead(ptr, row0, col0, row_end, col_end, LD: tl.constexpr, ON: tl.c
 
 
 @triton.jit
+def prefetch_splitk_tile(
+  u_ptr, t, K: tl.constexpr, R: tl.constexpr, K_PER: tl.constexpr, SPLIT: tl.constexpr,
+  COLS: tl.constexpr, ON: tl.constexpr,
+):  # fmt: skip
+  """``prefetch_ahead`` of split-K tile ``t`` of U [K, R]: column block t // SPLIT (COLS wide),
+  K rows [k0, k0 + K_PER) with k0 = (t % SPLIT) * K_PER, as the kernels' phase-1 tiles run."""
+  c0 = (t // SPLIT) * COLS
+  k0 = (t % SPLIT) * K_PER
+  prefetch_ahead(u_ptr, k0, c0, tl.minimum(k0 + K_PER, K), tl.minimum(c0 + COLS, R), R, ON)
+
+
+@triton.jit
 def leave_chain(scratch_ptr, clear_off, clear_n, FIRST: tl.constexpr = 0, COUNT: tl.constexpr = 0):
   """A chained kernel's last step: zeroes this program's share of the half the call before it
   used (``clear_n`` floats at ``clear_off``), for the call after it; nothing in this launch

@@ -116,7 +116,7 @@ def _decode_attention_kernel(
   b = bh // HKV
   h = bh % HKV
   kv_off = (b * HKV + h).to(tl.int64) * T * D
-  prefetch_split(k_ptr + kv_off, v_ptr + kv_off, pos_ptr, b, s, LEN, WINDOW, CHUNK, D, PDL)
+  pdl_start_split(k_ptr + kv_off, v_ptr + kv_off, pos_ptr, b, s, LEN, WINDOW, CHUNK, D, PDL)
   lo, hi = _split_range(pos_ptr, b, s, LEN, WINDOW, CHUNK)
   if lo < hi:
     offs_g = tl.arange(0, GP)
@@ -150,7 +150,7 @@ def _split_range(pos_ptr, b, s, LEN: tl.constexpr, WINDOW: tl.constexpr, CHUNK: 
 
 
 @triton.jit
-def prefetch_split(
+def pdl_start_split(
   k_ptr, v_ptr, pos_ptr, b, s, LEN: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr,
   D: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip

@@ -116,7 +116,7 @@ def _decode_attention_append_kernel(
   b = bh // HKV
   h = bh % HKV
   kv_off = (b * HKV + h).to(tl.int64) * T * D
-  da.prefetch_split(kc_ptr + kv_off, vc_ptr + kv_off, pos_ptr, b, s, LEN, WINDOW, CHUNK, D, PDL)
+  da.pdl_start_split(kc_ptr + kv_off, vc_ptr + kv_off, pos_ptr, b, s, LEN, WINDOW, CHUNK, D, PDL)
   w = tl.load(pos_ptr + b)
   offs_d = tl.arange(0, D)
   cos = tl.load(cos_ptr + b * D + offs_d)

@@ -63,6 +63,7 @@ from lrjax.custom_calls.triton._common import (
   normed_reference,
   num_sms,
   prefetch_ahead,
+  prefetch_splitk_tile,
   prefetch_l2,
   residual_operand,
   residual_reference,
@@ -489,21 +490,15 @@ def _prefetch_first(
   GATED: tl.constexpr,
   K_PER: tl.constexpr,
   SPLIT_K: tl.constexpr,
-  BLOCK_R: tl.constexpr,
   COLS_R: tl.constexpr,
   COLS_F: tl.constexpr,  # 0: no stage-B CTAs of their own (the persistent schedule)
 ):
   """The L2 prefetch before the PDL wait (_common.prefetch_ahead): the first rows of the CTA's
-  first stage-A tile of Uu (and Ug) [K_PER rows, COLS_R columns of BLOCK_R-wide blocks], or
-  of its stage-B slice of Vu (and Vg)."""
-  n_a = ((R + BLOCK_R - 1) // BLOCK_R) * SPLIT_K
+  first stage-A tile of Uu (and Ug), or of its stage-B slice of Vu (and Vg)."""
+  n_a = ((R + COLS_R - 1) // COLS_R) * SPLIT_K
   if pid < n_a:
-    c0 = (pid // SPLIT_K) * BLOCK_R
-    k0 = (pid % SPLIT_K) * K_PER
-    k1 = tl.minimum(k0 + K_PER, D)
-    c1 = tl.minimum(c0 + COLS_R, R)
-    prefetch_ahead(uu_ptr, k0, c0, k1, c1, R, True)
-    prefetch_ahead(ug_ptr, k0, c0, k1, c1, R, GATED)
+    prefetch_splitk_tile(uu_ptr, pid, D, R, K_PER, SPLIT_K, COLS_R, True)
+    prefetch_splitk_tile(ug_ptr, pid, D, R, K_PER, SPLIT_K, COLS_R, GATED)
   elif COLS_F > 0:
     if pid < n_a + (F + COLS_F - 1) // COLS_F:
       f0 = (pid - n_a) * COLS_F
@@ -681,7 +676,7 @@ def _mlp_decode_kernel(
   pid = tl.program_id(0)
   if PDL >= 2:  # before the wait: a stage-A CTA's first U rows, a stage-B CTA's V slice's
     _prefetch_first(
-      pid, ug_ptr, uu_ptr, vg_ptr, vu_ptr, D, R, F, GATED, K_PER, SPLIT_K, BLOCK_R, BLOCK_R, COLS_F
+      pid, ug_ptr, uu_ptr, vg_ptr, vu_ptr, D, R, F, GATED, K_PER, SPLIT_K, BLOCK_R, COLS_F
     )
   chain_ptr = scratch_ptr
   scratch_ptr = join_chain(scratch_ptr, WORK_OFF, PDL)
@@ -993,9 +988,7 @@ def _mlp_decode_persistent_kernel(
 ):
   pid = tl.program_id(0)
   if PDL >= 2:  # before the wait: the first U rows of this CTA's first phase-A tile
-    _prefetch_first(
-      pid, ug_ptr, uu_ptr, vg_ptr, vu_ptr, D, R, F, GATED, K_PER, SPLIT_K, COLS_R, COLS_R, 0
-    )
+    _prefetch_first(pid, ug_ptr, uu_ptr, vg_ptr, vu_ptr, D, R, F, GATED, K_PER, SPLIT_K, COLS_R, 0)
   chain_ptr = scratch_ptr
   scratch_ptr = join_chain(scratch_ptr, WORK_OFF, PDL)
   pg_ptr = scratch_ptr

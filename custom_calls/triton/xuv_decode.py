@@ -52,6 +52,7 @@ from lrjax.custom_calls.triton._common import (
   leave_chain,
   num_sms,
   prefetch_ahead,
+  prefetch_splitk_tile,
   prefetch_l2,
   pv_tile,
   residual_operand,
@@ -263,9 +264,7 @@ def _prefetch_first(
     c0 = (s // KS) * COLS_R
     prefetch_ahead(u_ptr, (s % KS) * BLOCK_K, c0, K, tl.minimum(c0 + COLS_R, R), R, True)
   elif pid < n1:
-    c0 = (pid // SPLIT_K) * COLS_R
-    k0 = (pid % SPLIT_K) * K_PER
-    prefetch_ahead(u_ptr, k0, c0, tl.minimum(k0 + K_PER, K), tl.minimum(c0 + COLS_R, R), R, True)
+    prefetch_splitk_tile(u_ptr, pid, K, R, K_PER, SPLIT_K, COLS_R, True)
   elif V_RES:
     c0 = (pid - n1) * COLS_N
     prefetch_ahead(v_ptr, 0, c0, R, tl.minimum(c0 + COLS_N, N), N, True)

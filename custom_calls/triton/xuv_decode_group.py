@@ -30,7 +30,7 @@ from lrjax.custom_calls.triton._common import (
   norm_operands,
   normed_reference,
   num_sms,
-  prefetch_ahead,
+  prefetch_splitk_tile,
   prefetch_l2,
   row_scale,
   splitr_out_tile,
@@ -58,17 +58,6 @@ class BlockSizes:
     """``members``: [(r_i, N_i)]; ``programs``: the CTAs (None: this GPU's SMs)."""
     plan_fn = planner.plan_decode_group if pv == "kernel" else planner.plan_decode_group_phase1
     return cls(pv, plan_fn(m, k, list(members), programs=programs or num_sms()))
-
-
-@triton.jit
-def _prefetch_tile(
-  t, u_ptr, K: tl.constexpr, R: tl.constexpr, K_PER: tl.constexpr, SPLIT: tl.constexpr,
-  COLS_R: tl.constexpr,
-):  # fmt: skip
-  """_common.prefetch_ahead of one member's phase-1 tile t (as _group_phase1 reads it)."""
-  c0 = (t // SPLIT) * COLS_R
-  k0 = (t % SPLIT) * K_PER
-  prefetch_ahead(u_ptr, k0, c0, tl.minimum(k0 + K_PER, K), tl.minimum(c0 + COLS_R, R), R, True)
 
 
 @triton.jit
@@ -262,11 +251,11 @@ def _xuv_decode_group_kernel(
   pid = tl.program_id(0)
   if PDL >= 2:  # before the wait: the first rows of this CTA's first phase-1 tile
     if pid < A0:
-      _prefetch_tile(pid, u0_ptr, K, R0, KP0, S0, CR0)
+      prefetch_splitk_tile(u0_ptr, pid, K, R0, KP0, S0, CR0, True)
     elif pid < A0 + A1:
-      _prefetch_tile(pid - A0, u1_ptr, K, R1, KP1, S1, CR1)
+      prefetch_splitk_tile(u1_ptr, pid - A0, K, R1, KP1, S1, CR1, True)
     elif pid < A0 + A1 + A2:
-      _prefetch_tile(pid - A0 - A1, u2_ptr, K, R2, KP2, S2, CR2)
+      prefetch_splitk_tile(u2_ptr, pid - A0 - A1, K, R2, KP2, S2, CR2, True)
   chain_ptr = scratch_ptr
   scratch_ptr = join_chain(scratch_ptr, WORK_OFF, PDL)
   p0_ptr = scratch_ptr
