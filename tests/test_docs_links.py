@@ -6,6 +6,7 @@ results keep only what the docs cite)."""
 import glob
 import os
 import re
+import subprocess
 
 import pytest
 
@@ -74,3 +75,21 @@ def test_every_results_file_is_cited():
   # a plot sits beside the JSON it draws
   plots = glob.glob(os.path.join(results, "**", "*.png"), recursive=True)
   assert all(os.path.exists(p[: -len(".png")] + ".json") for p in plots), plots
+
+
+def test_no_file_is_labelled_by_a_development_session():
+  """Measurements are labelled by the lease (its UTC start) and call that made them, code and
+  docs by what they do: no tracked file names a numbered development session."""
+  tracked = subprocess.run(
+    ["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=False
+  ).stdout.split()
+  if not tracked:
+    pytest.skip("not a git checkout")
+  label = re.compile(r"\bsessions? \d+", re.IGNORECASE)
+  hits = []
+  for name in tracked:
+    if not name.endswith((".py", ".md", ".json", ".txt", ".toml", ".cc", ".h", ".cfg")):
+      continue
+    with open(os.path.join(REPO, name), encoding="utf-8", errors="replace") as fh:
+      hits += [f"{name}: {m.group(0)}" for m in label.finditer(fh.read())]
+  assert not hits, hits[:10]
