@@ -93,3 +93,16 @@ def test_no_file_is_labelled_by_a_development_session():
     with open(os.path.join(REPO, name), encoding="utf-8", errors="replace") as fh:
       hits += [f"{name}: {m.group(0)}" for m in label.finditer(fh.read())]
   assert not hits, hits[:10]
+
+
+def test_results_files_named_in_results_exist():
+  """A results JSON's notes name other results files that exist, or say they were not kept."""
+  results = os.path.join(REPO, "benchmarks", "results")
+  missing = []
+  for path in glob.glob(os.path.join(results, "**", "*.json"), recursive=True):
+    with open(path, encoding="utf-8") as fh:
+      text = fh.read()
+    for m in re.finditer(r"results/([\w\-./]+\.json)( \(not kept\))?", text):
+      if not m.group(2) and not os.path.exists(os.path.join(results, m.group(1))):
+        missing.append(f"{os.path.relpath(path, results)} names {m.group(1)}")
+  assert not missing, missing
