@@ -26,7 +26,9 @@ lrjax_xla_attention_ms (the
 low-rank step with the model's attention left to XLA instead of the decode-attention kernel),
 lrjax_variants_ms (every ``--kinds`` step timed, e.g. with XLA's command buffers off or wider),
 torch_dense_ms, torch_lowrank_ms, the ratios, bytes a step must read and hbm_roofline_frac (those
-bytes over the card's HBM bandwidth, divided by the step); with ``--profile``, each low-rank
+bytes over the card's HBM bandwidth, divided by the step), targets (``TARGETS``: each met or
+short by what fraction, and the step's time above its HBM floor; ``--annotate F`` recomputes
+them in a results file); with ``--profile``, each low-rank
 step's kernel time per class (GEMM-like, attention, XLA fusions, memsets/copies, idle gaps),
 launches, and every kernel's launches and time a step (a profile runs without command buffers).
 ``--out`` keeps the records of other devices and contexts already in it.
@@ -666,6 +668,41 @@ def merge_sides(paths, ap):
   return tuple(merged)
 
 
+# The decode step's targets (docs/results.md#against-the-targets): (name, record field, the value
+# to reach at batch 1, at other batches; None: no target there)
+TARGETS = (
+  ("vs_torch_dense", "speedup_vs_torch_dense", 1.5, 1.3),
+  ("hbm_roofline", "hbm_roofline_frac", 0.8, None),
+  ("vs_torch_lowrank", "speedup_vs_torch_lowrank", 1.25, 1.25),
+)
+
+
+def targets(rec: dict) -> dict:
+  """Each target of ``rec``'s batch against its measured field: met, or short by what fraction;
+  and the step's time above its HBM floor (bytes over bandwidth), the rest being the profile's."""
+  out = {}
+  for name, field, at_1, other in TARGETS:
+    goal, got = at_1 if rec["batch"] == 1 else other, rec.get(field)
+    if goal is None or got is None:
+      continue
+    out[name] = {"target": goal, "measured": got, "met": got >= goal,
+                 "short_by": max(0.0, 1.0 - got / goal)}  # fmt: skip
+  if rec.get("hbm_bps"):
+    floor = rec["lowrank_step_bytes"] / rec["hbm_bps"] * 1e3
+    out["floor_ms"], out["above_floor_ms"] = floor, rec["lrjax_ms"] - floor
+  return out
+
+
+def annotate(path: str) -> dict:
+  """Recompute the ``targets`` block of every record in a results file (a function of the
+  record's measured fields alone) and write it back."""
+  doc = json.load(open(path))
+  for r in doc["records"]:
+    r["targets"] = targets(r)
+  write_json(path, doc)
+  return doc
+
+
 def build_records(args, ranks, lj, pt) -> list[dict]:
   m = MODELS[args.model]
   bps = hbm_bps(pt["device"])
@@ -718,8 +755,22 @@ def build_records(args, ranks, lj, pt) -> list[dict]:
       "hbm_bps": bps,
       "hbm_roofline_frac": (nbytes / bps) / (lr_ms * 1e-3) if bps else None,
     }
+    rec["targets"] = targets(rec)
     recs.append(rec)
   return recs
+
+
+def print_targets(rec: dict) -> None:
+  tg = rec.get("targets", {})
+  parts = [
+    f"{n} {v['measured']:.2f} (target {v['target']}: "
+    + ("met" if v["met"] else f"{v['short_by']:.1%} short")
+    + ")"
+    for n, v in tg.items()
+    if isinstance(v, dict)
+  ]
+  above = f"; {tg['above_floor_ms']:.2f} ms above the HBM floor" if "above_floor_ms" in tg else ""
+  print(f"{rec['device']} batch {rec['batch']}: " + ", ".join(parts) + above)
 
 
 def main(argv=None):
@@ -755,6 +806,11 @@ def main(argv=None):
     help="with --merge: keep a batch whose torch side is missing (it ran out of time), its "
     "torch fields null",
   )
+  ap.add_argument(
+    "--annotate",
+    metavar="JSON",
+    help="recompute the targets block of every record in a results file, print them, and exit",
+  )
   ap.add_argument("--side", choices=("lrjax", "torch"), help="run one side only")
   ap.add_argument("--side-out", metavar="JSON", help="where --side writes (after each record)")
   ap.add_argument("--ranks-json", help=argparse.SUPPRESS)
@@ -769,6 +825,10 @@ def main(argv=None):
     help="lrjax's step variants to time (lowrank is needed for a record)",
   )
   args = ap.parse_args(argv)
+  if args.annotate:
+    for r in annotate(args.annotate)["records"]:
+      print_targets(r)
+    return 0
   if not 0.0 < args.ratio < 1.0:
     ap.error(f"--ratio {args.ratio} must be in (0, 1)")
   if not 0 < args.steps < args.ctx <= args.max_len:
@@ -816,6 +876,8 @@ def main(argv=None):
       f"{num(r['speedup_vs_torch_dense'], 8, 2)} {num(r['speedup_vs_torch_lowrank'], 6, 2)}"
       f" {frac:>8}"
     )
+  for r in recs:
+    print_targets(r)
   if args.out:  # records of other devices (or other contexts) already in --out are kept
     old = json.load(open(args.out)) if os.path.exists(args.out) else {}
     if "meta" in old:  # one run per file, as written before runs were kept per device

@@ -65,6 +65,7 @@ def test_records_ratios_and_cards_kept(load_benchmark, tmp_path):
   assert r1["lrjax_ms"] == 4.0 and r1["lrjax_xla_attention_ms"] == 4.5
   assert r1["torch_dense_ms"] == 6.0 and r1["speedup_vs_torch_dense"] == 1.5
   assert r1["speedup_vs_torch_lowrank"] == 5.0 / 4.0
+  assert r1["targets"]["vs_torch_dense"]["met"] and r1["targets"]["vs_torch_lowrank"]["met"]
   assert set(r1["profile"]) == {"lowrank", "lowrank_xla_attention"}
   classes = r1["profile"]["lowrank"]["classes"]  # computed from the side's kernel list
   assert classes["GEMM-like"]["ms"] == pytest.approx(0.9 * 4.0)
@@ -289,3 +290,28 @@ def test_a_kinds_environment_is_set_for_its_run_alone(load_benchmark, monkeypatc
     assert os.environ["LRJAX_TRITON_PDL_OVERLAP"] == "1"
   with mod._attention_lowerings("lowrank"):
     assert "LRJAX_TRITON_PDL_OVERLAP" not in os.environ
+
+
+def test_targets_met_or_short_by_how_much(load_benchmark, tmp_path):
+  mod = load_benchmark("model_step_peer")
+  base = {"device": "NVIDIA H100 80GB HBM3", "lowrank_step_bytes": 3.35e9, "hbm_bps": 3.35e12}
+  one = dict(base, batch=1, lrjax_ms=2.0, speedup_vs_torch_dense=1.2,
+             speedup_vs_torch_lowrank=1.25, hbm_roofline_frac=0.5)  # fmt: skip
+  tg = mod.targets(one)
+  assert tg["vs_torch_dense"] == {"target": 1.5, "measured": 1.2, "met": False,
+                                  "short_by": pytest.approx(0.2)}  # fmt: skip
+  assert tg["vs_torch_lowrank"]["met"] and tg["vs_torch_lowrank"]["short_by"] == 0.0
+  assert tg["hbm_roofline"]["short_by"] == pytest.approx(1 - 0.5 / 0.8)
+  assert tg["floor_ms"] == pytest.approx(1.0) and tg["above_floor_ms"] == pytest.approx(1.0)
+  # batch 8: 1.3x the dense step is the target, no roofline target; a missing torch side: none
+  eight = dict(one, batch=8, speedup_vs_torch_dense=1.3, speedup_vs_torch_lowrank=None)
+  tg = mod.targets(eight)
+  assert tg["vs_torch_dense"]["met"] and "hbm_roofline" not in tg
+  assert "vs_torch_lowrank" not in tg
+  # --annotate rewrites every record's block from its fields
+  path = tmp_path / "peer.json"
+  path.write_text(json.dumps({"runs": {}, "records": [one, dict(eight, targets={"stale": 1})]}))
+  assert mod.main(["--annotate", str(path)]) == 0
+  recs = json.loads(path.read_text())["records"]
+  assert recs[0]["targets"]["vs_torch_dense"]["met"] is False
+  assert "stale" not in recs[1]["targets"] and recs[1]["targets"]["vs_torch_dense"]["met"]
