@@ -720,7 +720,8 @@ class Engine:
     """Compile every step this engine can take (each of :meth:`prefill_variants`, a decode per
     attend bucket, and a request's small per-admission ops) before serving, so no request waits
     on a compile. Only while idle (the prefills write nothing; the decodes run on free rows).
-    Returns the steps run. ``progress``: a bar on stderr, a step each."""
+    Returns the steps run, the short request's counted as one. ``progress``: a bar on
+    stderr, a step each."""
     from tqdm.auto import tqdm
 
     if self.busy:
@@ -771,6 +772,7 @@ class Engine:
       log.info("engine warmup: decode over %d positions in %.1f s", b, time.perf_counter() - t0)
     # one short request through the whole path: the per-admission ops compile too
     self.generate([Request([0], SamplingParams(max_new_tokens=2, temperature=1.0))])
+    done += 1
     bar.update()
     self._reset_positions()
     self._reset_device_state()
