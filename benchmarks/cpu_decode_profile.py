@@ -8,6 +8,8 @@ low-rank f32 at ``--ratio``, low-rank W4A8), at batch ``--batch``:
 - matmuls:  the same projections and LM head alone, in one jit, on activations of the step's
             shapes (the W4A8 custom calls for the quantized model; XLA dots otherwise);
 - other:    step - matmuls (attention over the cache, norms, RoPE, cache writes, the argmax);
+- with ``--attention-ab``: the step with the attention in the CPU decode-attention kernel
+            (custom_calls/cpu/decode_attention.py, the default) and left to XLA, alternating;
 - engine:   ``Engine.step()`` wall time with ``--batch`` requests decoding, median over steps;
             engine - step is the host loop (Python, dispatch, the token's copy to the host).
 
@@ -63,10 +65,10 @@ def _median_time(fn, n: int) -> float:
   return float(np.median(ts))
 
 
-def time_step(model, batch: int, max_len: int, steps: int) -> float:
+def time_step(model, batch: int, max_len: int, steps: int, attend: int = 128) -> float:
   gdef, state = nnx.split(model)
-  # as the engine runs it with a short context: attention over the first attend bucket (128)
-  attend = min(128, max_len)
+  # as the engine runs it: attention over the first attend bucket (--attend), rows at its middle
+  attend = min(attend, max_len)
   fused = lrjax.fuse(functools.partial(type(model).decode, attend_len=attend))
 
   def step(state, tokens, cache):
@@ -85,6 +87,35 @@ def time_step(model, batch: int, max_len: int, steps: int) -> float:
     box[0], box[1] = tok, KVCache(c.k, c.v, jnp.full((batch,), attend // 2, jnp.int32))
 
   return _median_time(once, steps)
+
+
+def attention_ab(model, a) -> dict:
+  """The step with the model's attention in the CPU decode-attention kernel and with it left
+  to XLA (``LRJAX_CPU_DECODE_ATTENTION=0``, read when the step is traced), ``--ab-rounds``
+  rounds, alternating; medians."""
+  from lrjax.custom_calls.cpu import decode_attention as cda
+
+  on, off = [], []
+  for _ in range(a.ab_rounds):
+    for env, out in (("1", on), ("0", off)):
+      old = os.environ.get(cda.ENV)
+      os.environ[cda.ENV] = env
+      try:
+        out.append(time_step(model, a.batch, a.max_len, a.steps, a.attend))
+      finally:
+        if old is None:
+          del os.environ[cda.ENV]
+        else:
+          os.environ[cda.ENV] = old
+  on_ms, off_ms = float(np.median(on)) * 1e3, float(np.median(off)) * 1e3
+  print(
+    f"  attention: CPU kernel {on_ms:.2f} ms a step, XLA {off_ms:.2f} ms ({off_ms / on_ms:.2f}x)"
+  )
+  return dict(
+    step_cpu_attention_ms=on_ms,
+    step_xla_attention_ms=off_ms,
+    attention_rounds_ms={"cpu_kernel": [x * 1e3 for x in on], "xla": [x * 1e3 for x in off]},
+  )
 
 
 def projections(model) -> list:
@@ -182,7 +213,14 @@ def main():
   ap.add_argument("--group", type=int, default=128)
   ap.add_argument("--layers", type=int, default=None, help="fewer layers (default: the 16)")
   ap.add_argument("--max-len", type=int, default=256)
+  ap.add_argument("--attend", type=int, default=128, help="the attend bucket (rows at half of it)")
   ap.add_argument("--steps", type=int, default=30)
+  ap.add_argument(
+    "--attention-ab",
+    action="store_true",
+    help="also time the step with the attention left to XLA (LRJAX_CPU_DECODE_ATTENTION=0)",
+  )
+  ap.add_argument("--ab-rounds", type=int, default=3)
   ap.add_argument("--out", default=os.path.join(HERE, "results", "cpu_decode_profile.json"))
   a = ap.parse_args()
   rows = []
@@ -191,7 +229,8 @@ def main():
     t0 = time.perf_counter()
     model = build(v, a.ratio, a.group, a.layers)
     built = time.perf_counter() - t0
-    step = time_step(model, a.batch, a.max_len, a.steps)
+    step = time_step(model, a.batch, a.max_len, a.steps, a.attend)
+    ab = attention_ab(model, a) if a.attention_ab else None
     mm = time_matmuls(model, a.batch, a.steps)
     eng = time_engine(model, a.batch, a.steps)
     kernels = B.decode_kernels(model)
@@ -210,6 +249,8 @@ def main():
       decode_kernels=kernels,
       build_s=built,
     )
+    if ab:
+      row.update(ab)
     rows.append(row)
     print(
       f"{v:14s} B={a.batch}: step {row['step_ms']:.1f} ms = matmuls {row['matmuls_ms']:.1f} + "
@@ -228,7 +269,9 @@ def main():
       versions={"jax": jax.__version__, "lrjax": lrjax.__version__},
       load_average=dict(start=load0, end=os.getloadavg()),
       settings=vars(a),
-      kernel_env={k: v for k, v in sorted(os.environ.items()) if k.startswith("LRJAX_W4A8_")},
+      kernel_env={
+        k: v for k, v in sorted(os.environ.items()) if k.startswith(("LRJAX_W4A8_", "LRJAX_CPU_"))
+      },
       rows=rows,
     ),
   )

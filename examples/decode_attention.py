@@ -5,9 +5,10 @@ them on this machine, and their results against the references.
 
 ``decode_attention``: on an NVIDIA GPU the registry lowers it to jax's Pallas flash-decoding
 kernel (bf16/f16, cache lengths it can split) or, for other lengths, to lrjax's Triton kernel;
-elsewhere XLA runs the reference. ``decode_attention_append`` (what a model's decode step
+on a CPU (f32) to lrjax's C++ kernel, which reads the cache in place; elsewhere XLA runs the
+reference. ``decode_attention_append`` (what a model's decode step
 binds): the new token's RoPE and cache writes, then ``decode_attention``; its CUDA kernel does
-all three in the attention's launches once verified on a GPU. docs/kernels.md has the timings.
+all three in the attention's launches. docs/kernels.md and docs/cpu_w4a8.md have the timings.
 """
 
 import jax
@@ -25,7 +26,8 @@ from lrjax.lowering.decode_attention import rope_tables
 
 def main():
   b, hq, hkv, t, d = 4, 32, 8, 1024, 128  # Llama-3-8B heads, a 1024-position cache
-  dtype = jnp.bfloat16
+  # bf16 on a GPU; f32 on a CPU, the dtype its kernel takes
+  dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
   kq, kk, kv = jax.random.split(jax.random.key(0), 3)
   q = jax.random.normal(kq, (b, hq, d), dtype)
   k = jax.random.normal(kk, (b, hkv, t, d), dtype)  # the cache's layout: [B, Hkv, T, D]

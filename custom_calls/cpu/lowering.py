@@ -4,8 +4,9 @@ Importing this module imports neither the extension nor the primitives module;
 ``load()`` imports ``lrjax.custom_calls.cpu._w4a8``, registers its handlers with
 XLA once and returns ``impl(*operands, **params)`` built on ``jax.ffi.ffi_call``.
 
-Kernels: ``cpu.w4a8_matmul`` (primitive ``w4a8_matmul``) and ``cpu.lr_xuv_w4a8``
-(primitive ``lr_xuv_w4a8``). Runtime CPU dispatch happens inside the extension:
+Kernels: ``cpu.w4a8_matmul`` (primitive ``w4a8_matmul``), ``cpu.lr_xuv_w4a8``
+(primitive ``lr_xuv_w4a8``) and ``cpu.decode_attention`` (primitive ``decode_attention``,
+decode_attention.py). Runtime CPU dispatch happens inside the extension:
 x86 AVX512-VNNI -> AVX-VNNI -> AVX2 -> scalar, aarch64 i8mm -> dotprod -> NEON ->
 scalar; ``LRJAX_W4A8_ISA`` caps it, ``LRJAX_W4A8_THREADS`` sets the thread count (a
 positive integer, capped at the hardware threads; anything else is an error here).
@@ -183,13 +184,33 @@ def _load_xuv():
   return impl
 
 
+def _attention_supports(avals_in, params):
+  from lrjax.custom_calls.cpu import decode_attention
+
+  return decode_attention.supports(avals_in, params)
+
+
+def _load_attention():
+  from lrjax.custom_calls.cpu import decode_attention
+
+  return decode_attention.load()
+
+
 KERNELS = [
   KernelLowering("w4a8_matmul", "cpu", "cpu.w4a8_matmul", _supports, _load_matmul, priority=10),
   KernelLowering("lr_xuv_w4a8", "cpu", "cpu.lr_xuv_w4a8", _supports, _load_xuv, priority=10),
+  KernelLowering(
+    "decode_attention",
+    "cpu",
+    "cpu.decode_attention",
+    _attention_supports,
+    _load_attention,
+    priority=10,
+  ),  # fmt: skip
 ]
 
 
 def register() -> None:
-  """Registers the CPU W4A8 kernels with the lowering registry."""
+  """Registers the CPU kernels with the lowering registry."""
   for k in KERNELS:
     _register_kernel(k)

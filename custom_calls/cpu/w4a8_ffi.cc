@@ -185,6 +185,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LrjaxW4A8Xuv, LowRankW4A8Impl,
                                   .Attr<int64_t>("group_v")
                                   .Attr<int64_t>("layout"));
 
+// decode_attention_ffi.cc
+extern "C" XLA_FFI_Error* LrjaxCpuDecodeAttention(XLA_FFI_CallFrame* call_frame);
+
 namespace {
 
 template <typename T>
@@ -201,6 +204,7 @@ NB_MODULE(_w4a8, m) {
     nb::dict d;
     d["lrjax_w4a8_matmul"] = EncapsulateFfiHandler(LrjaxW4A8Matmul);
     d["lrjax_w4a8_xuv"] = EncapsulateFfiHandler(LrjaxW4A8Xuv);
+    d["lrjax_cpu_decode_attention"] = EncapsulateFfiHandler(LrjaxCpuDecodeAttention);
     return d;
   });
   m.def("cpu_isas", []() {

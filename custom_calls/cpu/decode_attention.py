@@ -1,0 +1,87 @@
+"""Decode attention over the KV cache on the CPU: the ``decode_attention`` primitive
+(lowering/decode_attention.py) as one C++ XLA FFI call (decode_attention.cc), registered by
+the CPU extension as ``lrjax_cpu_decode_attention``.
+
+XLA's lowering of the reference slices the first ``length`` keys of each cache buffer and
+transposes the values before its dots: copies of every layer's attended K and V on each step.
+The kernel reads the buffers in place, only each row's visible keys, on the calling thread
+(no hand-off to a thread pool), in f32: per (row, KV head) the G query heads' scores, the
+softmax as ``jax.nn.softmax`` computes it, then p·V. It serves f32 calls whose attended K and
+V are at most ``MAX_BYTES`` (past that, XLA's threads are not measured against it);
+``LRJAX_CPU_DECODE_ATTENTION=0`` turns it off (for A/B runs).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+TARGET = "lrjax_cpu_decode_attention"
+ENV = "LRJAX_CPU_DECODE_ATTENTION"
+MAX_BYTES = 64 << 20  # attended K and V a call (f32)
+
+
+def decode_attention_reference(q, k, v, pos, *, window=None, length=None):
+  """The op's reference: lowering/decode_attention.py's."""
+  from lrjax.lowering.decode_attention import decode_attention_reference as ref
+
+  return ref(q, k, v, pos, window=window, length=length)
+
+
+def supports(avals_in: Sequence[Any], params: Mapping[str, Any]) -> str | None:
+  """None where the kernel serves the call, else why not."""
+  from lrjax.custom_calls.cpu.lowering import _EXT, extension_available
+
+  if os.environ.get(ENV, "") == "0":
+    return f"off ({ENV}=0)"
+  q, k, v = avals_in[:3]
+  dts = {str(a.dtype) for a in (q, k, v)}
+  if dts != {"float32"}:
+    return f"q, k, v are {sorted(dts)}: the CPU kernel takes float32 (XLA serves the rest)"
+  b, hkv, t, d = k.shape
+  length = params.get("length") or t
+  nbytes = 2 * b * hkv * length * d * 4
+  if nbytes > MAX_BYTES:
+    return f"{nbytes >> 20} MiB of K and V a call, over the kernel's {MAX_BYTES >> 20} MiB"
+  if not extension_available():
+    return f"{_EXT} is not built (pip install lrjax builds it)"
+  return None
+
+
+def load():
+  """impl(q, k, v, pos, *, window, length) -> [B, Hq·D] through the FFI call."""
+  import jax
+
+  from lrjax.custom_calls.cpu.lowering import extension
+
+  extension()
+
+  def impl(q, k, v, pos, *, window, length):
+    b, hq, d = q.shape
+    out = jax.ShapeDtypeStruct((b, hq * d), q.dtype)
+    return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(
+      q,
+      k,
+      v,
+      pos.astype(np.int32),
+      length=np.int64(k.shape[2] if length is None else length),
+      window=np.int64(0 if window is None else window),
+    )
+
+  return impl
+
+
+def decode_attention(q, k, v, pos, *, window=None, length=None):
+  """The kernel called directly (tests, benchmarks): (q, k, v, pos) as the primitive takes
+  them; raises ValueError naming why where it does not serve them."""
+  import jax
+  import jax.numpy as jnp
+
+  avals = [jax.typeof(x) for x in (q, k, v)]
+  reason = supports(avals, {"length": length, "window": window})
+  if reason is not None:
+    raise ValueError(reason)
+  return load()(q, k, v, jnp.asarray(pos), window=window, length=length)
