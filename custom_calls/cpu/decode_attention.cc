@@ -12,8 +12,7 @@ namespace lrjax_cpu {
 
 namespace {
 
-// x·y in eight interleaved partial sums (vectorizable without reassociating flags), then the
-// tail
+// x·y in eight interleaved partial sums (vectorizable without -ffast-math), then the tail
 float Dot(const float* x, const float* y, int64_t n) {
   float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   int64_t d = 0;
