@@ -25,6 +25,7 @@ import functools
 import os
 import sys
 import time
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -98,15 +99,8 @@ def attention_ab(model, a) -> dict:
   on, off = [], []
   for _ in range(a.ab_rounds):
     for env, out in (("1", on), ("0", off)):
-      old = os.environ.get(cda.ENV)
-      os.environ[cda.ENV] = env
-      try:
+      with mock.patch.dict(os.environ, {cda.ENV: env}):
         out.append(time_step(model, a.batch, a.max_len, a.steps, a.attend))
-      finally:
-        if old is None:
-          del os.environ[cda.ENV]
-        else:
-          os.environ[cda.ENV] = old
   on_ms, off_ms = float(np.median(on)) * 1e3, float(np.median(off)) * 1e3
   print(
     f"  attention: CPU kernel {on_ms:.2f} ms a step, XLA {off_ms:.2f} ms ({off_ms / on_ms:.2f}x)"

@@ -58,6 +58,7 @@ def enable(environ=os.environ) -> str | None:
   path = cache_dir(environ)
   if path is None:
     return None
+  path = environ.get("JAX_COMPILATION_CACHE_DIR") or path  # the user's own wins
   size = cache_bytes(environ)
   try:
     os.makedirs(path, exist_ok=True)
@@ -82,4 +83,4 @@ def enable(environ=os.environ) -> str | None:
   else:
     for k, v in settings.items():
       environ[k.upper()] = str(v)
-  return environ.get("JAX_COMPILATION_CACHE_DIR", path)
+  return path

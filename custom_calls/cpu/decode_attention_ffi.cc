@@ -6,17 +6,14 @@
 #include <string>
 
 #include "decode_attention.h"
+#include "ffi_dims.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-std::string Shape(ffi::AnyBuffer::Dimensions d) {
-  std::string s = "(";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + (d.size() == 1 ? ",)" : ")");
-}
+using lrjax_cpu::Dims;
 
 ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                                ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> pos,
@@ -24,21 +21,21 @@ ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), pd = pos.dimensions();
   auto od = out->dimensions();
   if (qd.size() != 3 || kd.size() != 4)
-    return ffi::Error::InvalidArgument("decode_attention: q " + Shape(qd) + " must be [B, Hq, D]" +
-                                       " and k " + Shape(kd) + " [B, Hkv, T, D]");
+    return ffi::Error::InvalidArgument("decode_attention: q " + Dims(qd) + " must be [B, Hq, D]" +
+                                       " and k " + Dims(kd) + " [B, Hkv, T, D]");
   const int64_t B = qd[0], Hq = qd[1], D = qd[2], Hkv = kd[1], T = kd[2];
   if (kd[0] != B || kd[3] != D || Hkv < 1 || Hq % Hkv != 0)
-    return ffi::Error::InvalidArgument("decode_attention: k " + Shape(kd) + " must be [B=" +
+    return ffi::Error::InvalidArgument("decode_attention: k " + Dims(kd) + " must be [B=" +
                                        std::to_string(B) + ", Hkv, T, D=" + std::to_string(D) +
                                        "] with Hkv dividing Hq=" + std::to_string(Hq));
   if (vd.size() != 4 || vd[0] != B || vd[1] != Hkv || vd[2] != T || vd[3] != D)
-    return ffi::Error::InvalidArgument("decode_attention: v " + Shape(vd) + " must equal k's " +
-                                       Shape(kd));
+    return ffi::Error::InvalidArgument("decode_attention: v " + Dims(vd) + " must equal k's " +
+                                       Dims(kd));
   if (pd.size() != 1 || pd[0] != B)
-    return ffi::Error::InvalidArgument("decode_attention: pos " + Shape(pd) + " must be [B=" +
+    return ffi::Error::InvalidArgument("decode_attention: pos " + Dims(pd) + " must be [B=" +
                                        std::to_string(B) + "]");
   if (od.size() != 2 || od[0] != B || od[1] != Hq * D)
-    return ffi::Error::InvalidArgument("decode_attention: output " + Shape(od) + " must be [" +
+    return ffi::Error::InvalidArgument("decode_attention: output " + Dims(od) + " must be [" +
                                        std::to_string(B) + ", " + std::to_string(Hq * D) + "]");
   if (length < 1 || length > T || window < 0)
     return ffi::Error::InvalidArgument("decode_attention: length=" + std::to_string(length) +

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from lrjax.custom_calls.cpu import decode_attention as _attention
 from lrjax.lowering.registry import KernelLowering, register as _register_kernel
 
 log = logging.getLogger("lrjax.custom_calls.cpu")
@@ -184,18 +185,6 @@ def _load_xuv():
   return impl
 
 
-def _attention_supports(avals_in, params):
-  from lrjax.custom_calls.cpu import decode_attention
-
-  return decode_attention.supports(avals_in, params)
-
-
-def _load_attention():
-  from lrjax.custom_calls.cpu import decode_attention
-
-  return decode_attention.load()
-
-
 KERNELS = [
   KernelLowering("w4a8_matmul", "cpu", "cpu.w4a8_matmul", _supports, _load_matmul, priority=10),
   KernelLowering("lr_xuv_w4a8", "cpu", "cpu.lr_xuv_w4a8", _supports, _load_xuv, priority=10),
@@ -203,10 +192,10 @@ KERNELS = [
     "decode_attention",
     "cpu",
     "cpu.decode_attention",
-    _attention_supports,
-    _load_attention,
+    _attention.supports,
+    _attention.load,
     priority=10,
-  ),  # fmt: skip
+  ),
 ]
 
 

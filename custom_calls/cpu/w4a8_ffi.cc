@@ -7,6 +7,7 @@
 #include <optional>
 #include <string>
 
+#include "ffi_dims.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/optional.h"
 #include "nanobind/stl/string.h"
@@ -19,11 +20,7 @@ using namespace lrjax_w4a8;
 
 namespace {
 
-std::string Dims(ffi::AnyBuffer::Dimensions d) {
-  std::string s = "(";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + (d.size() == 1 ? ",)" : ")");
-}
+using lrjax_cpu::Dims;
 
 ffi::Error FloatType(ffi::DataType t, const char* name, DType* out) {
   if (t == ffi::DataType::F32) {
