@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import assert_close, kv_attention_f64, randn
+from conftest import assert_close, assert_grad_close, kv_attention_f64, randn
 from lrjax.lowering import lr_kv_attention, lr_kv_attention_reference
 
 INV = lambda d: 1.0 / (10000.0 ** (np.arange(0, d, 2) / d))
@@ -67,7 +67,7 @@ def test_vmap_and_grad_follow_the_reference():
   g = jax.grad(loss(lr_kv_attention), argnums=(0, 1))(q, vk)
   want = jax.grad(loss(lr_kv_attention_reference), argnums=(0, 1))(q, vk)
   for a, w in zip(g, want):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=1e-5, atol=1e-6)
+    assert_grad_close(a, w)
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import randn
+from conftest import assert_grad_close, randn
 
 import lrjax
 from lrjax.custom_calls.triton import lowering as cuda_lowering
@@ -120,7 +120,7 @@ def test_lr_residual_is_the_op_then_the_add():
     return jnp.sum(jnp.sin(r + lr_xuv(h, u, v)))
 
   for a, b in zip(jax.grad(f, (0, 1))(r, h), jax.grad(g, (0, 1))(r, h)):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert_grad_close(a, b)
   vm = jax.vmap(lambda r, h: lr_residual(r, h, u, v, inner="lr_xuv", inner_params=params))(
     jnp.stack([r, 2 * r]), jnp.stack([h, -h])
   )
