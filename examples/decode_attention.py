@@ -5,10 +5,11 @@ them on this machine, and their results against the references.
 
 ``decode_attention``: on an NVIDIA GPU the registry lowers it to jax's Pallas flash-decoding
 kernel (bf16/f16, cache lengths it can split) or, for other lengths, to lrjax's Triton kernel;
-on a CPU (f32) to lrjax's C++ kernel, which reads the cache in place; elsewhere XLA runs the
-reference. ``decode_attention_append`` (what a model's decode step
-binds): the new token's RoPE and cache writes, then ``decode_attention``; its CUDA kernel does
-all three in the attention's launches. docs/kernels.md and docs/cpu_w4a8.md have the timings.
+on a CPU (f32) to lrjax's C++ kernel, which reads the cache in place (an AVX2 body on x86 with
+AVX2 and FMA, else a portable one); elsewhere XLA runs the reference.
+``decode_attention_append`` (what a model's decode step binds): the new token's RoPE and cache
+writes, then ``decode_attention``; its CUDA kernel does all three in the attention's launches.
+docs/kernels.md and docs/cpu_w4a8.md have the timings.
 """
 
 import jax
@@ -39,6 +40,10 @@ def main():
   print(f"on {platform}: decode_attention -> {sel.name}")
   for name, why in sel.declined:
     print(f"  {name} declined: {why}")
+  if sel.kernel is not None and sel.kernel.name == "cpu.decode_attention":
+    from lrjax.custom_calls.cpu import _w4a8
+
+    print(f"  its body for head dim {d}: {_w4a8.attention_isa(d)}")
 
   out = jax.jit(decode_attention)(q, k, v, pos)
   ref = decode_attention_reference(q, k, v, pos)

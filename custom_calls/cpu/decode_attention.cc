@@ -1,12 +1,17 @@
-// Decode attention over the KV cache (decode_attention.h). Per (row, KV head): the G query
-// heads' scores over the visible keys, each key row read once for all G; the softmax as
-// jax.nn.softmax computes it (scores / sqrt(D), exp(s - max), divided by their sum); then
-// p·V, each value row read once for all G. The scratch is per thread and reused.
+// Decode attention over the KV cache (decode_attention.h). Per (row, KV head), one task on the
+// W4A8 kernels' pool: the G query heads' scores over the visible keys, each key row read once
+// for all G; the softmax as jax.nn.softmax computes it (scores / sqrt(D), exp(s - max), divided
+// by their sum); then p·V, each value row read once for all G. This file holds the portable
+// body and the dispatch; decode_attention_x86_avx2.cc the AVX2 + FMA body.
 #include "decode_attention.h"
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <vector>
+
+#include "w4a8.h"
 
 namespace lrjax_cpu {
 
@@ -23,52 +28,76 @@ float Dot(const float* x, const float* y, int64_t n) {
   return s;
 }
 
+bool Avx2Serves(int64_t D) {
+#if defined(LRJAX_W4A8_X86)
+  using lrjax_w4a8::Isa;
+  if (D % 8 != 0 || !(lrjax_w4a8::CpuIsaMask() >> int(Isa::kAvx2) & 1)) return false;
+  const char* cap = std::getenv("LRJAX_W4A8_ISA");
+  return cap == nullptr || std::strcmp(cap, lrjax_w4a8::IsaName(Isa::kScalar)) != 0;
+#else
+  (void)D;
+  return false;
+#endif
+}
+
+// Below this many bytes of K and V a call, the pool's hand-off costs more than it saves.
+constexpr int64_t kParallelBytes = 64 << 10;
+
 }  // namespace
+
+void AttendHeadScalar(const AttendArgs& a, int64_t b, int64_t h, float* scratch) {
+  const int64_t G = a.Hq / a.Hkv, D = a.D;
+  int64_t first, n;
+  bool none;
+  VisibleKeys(a, b, &first, &n, &none);
+  float* scores = scratch;       // [G, n]
+  float* acc = scratch + G * n;  // [G, D]
+  const float* kh = a.k + ((b * a.Hkv + h) * a.T + first) * D;
+  const float* vh = a.v + ((b * a.Hkv + h) * a.T + first) * D;
+  const float* qh = a.q + (b * a.Hq + h * G) * D;
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t g = 0; g < G; ++g)
+      scores[g * n + t] = none ? 0.f : Dot(qh + g * D, kh + t * D, D) / a.root;
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * n;
+    const float m = *std::max_element(sg, sg + n);
+    float sum = 0.f;
+    for (int64_t t = 0; t < n; ++t) sum += (sg[t] = std::exp(sg[t] - m));
+    for (int64_t t = 0; t < n; ++t) sg[t] /= sum;
+  }
+  std::fill(acc, acc + G * D, 0.f);
+  for (int64_t t = 0; t < n; ++t) {
+    const float* vt = vh + t * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const float w = scores[g * n + t];
+      float* ag = acc + g * D;
+      for (int64_t d = 0; d < D; ++d) ag[d] += w * vt[d];
+    }
+  }
+  std::copy(acc, acc + G * D, a.out + (b * a.Hq + h * G) * D);
+}
+
+const char* DecodeAttentionIsa(int64_t D) { return Avx2Serves(D) ? "avx2" : "scalar"; }
 
 void DecodeAttentionF32(const float* q, const float* k, const float* v, const int32_t* pos,
                         float* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t T, int64_t D,
                         int64_t length, int64_t window) {
-  const int64_t G = Hq / Hkv;
-  const float root = std::sqrt(static_cast<float>(D));
-  thread_local std::vector<float> scores, acc;
-  scores.resize(static_cast<size_t>(G * length));
-  acc.resize(static_cast<size_t>(G * D));
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t p = pos[b];
-    int64_t first = 0, end = std::min<int64_t>(p + 1, length);
-    if (window > 0) first = std::max<int64_t>(p - window + 1, 0);
-    const bool none = end <= first;  // all masked: a uniform softmax over [0, length)
-    if (none) first = 0, end = length;
-    const int64_t n = end - first;
-    for (int64_t h = 0; h < Hkv; ++h) {
-      const float* kh = k + ((b * Hkv + h) * T + first) * D;
-      const float* vh = v + ((b * Hkv + h) * T + first) * D;
-      const float* qh = q + (b * Hq + h * G) * D;
-      for (int64_t t = 0; t < n; ++t) {
-        const float* kt = kh + t * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qh + g * D;
-          scores[g * n + t] = none ? 0.f : Dot(qg, kt, D) / root;
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * n;
-        const float m = *std::max_element(sg, sg + n);
-        float sum = 0.f;
-        for (int64_t t = 0; t < n; ++t) sum += (sg[t] = std::exp(sg[t] - m));
-        for (int64_t t = 0; t < n; ++t) sg[t] /= sum;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < n; ++t) {
-        const float* vt = vh + t * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float w = scores[g * n + t];
-          float* ag = acc.data() + g * D;
-          for (int64_t d = 0; d < D; ++d) ag[d] += w * vt[d];
-        }
-      }
-      std::copy(acc.begin(), acc.end(), out + (b * Hq + h * G) * D);
-    }
+  const AttendArgs a{q, k, v, pos, out, Hq, Hkv, T, D, length, window,
+                     std::sqrt(static_cast<float>(D))};
+  auto body = AttendHeadScalar;
+#if defined(LRJAX_W4A8_X86)
+  if (Avx2Serves(D)) body = AttendHeadAvx2;
+#endif
+  const auto task = [&](int64_t i) {
+    thread_local std::vector<float> scratch;  // per thread, reused
+    scratch.resize(static_cast<size_t>(ScratchFloats(a)));
+    body(a, i / Hkv, i % Hkv, scratch.data());
+  };
+  const int64_t tasks = B * Hkv;
+  if (2 * B * Hkv * length * D * 4 < kParallelBytes) {
+    for (int64_t i = 0; i < tasks; ++i) task(i);
+  } else {
+    lrjax_w4a8::ParallelFor(tasks, task);
   }
 }
 

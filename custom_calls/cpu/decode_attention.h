@@ -1,7 +1,7 @@
 // Decode attention over a dense KV cache on the CPU: one new query a row against the
 // cache buffer in place, the keys past a row's position (and past `length`) never read.
 // The reference is lowering/decode_attention.py's (the models' einsum/softmax); this
-// kernel computes it in f32 on the calling thread, one (row, KV head) after another.
+// kernel computes it in f32, one task per (row, KV head) on the W4A8 kernels' thread pool.
 #pragma once
 #include <cstdint>
 
@@ -14,5 +14,37 @@ namespace lrjax_cpu {
 void DecodeAttentionF32(const float* q, const float* k, const float* v, const int32_t* pos,
                         float* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t T, int64_t D,
                         int64_t length, int64_t window);
+
+// The body that serves head dim D on this CPU: "avx2" (x86 with AVX2 and FMA, D a multiple
+// of 8, unless LRJAX_W4A8_ISA=scalar) or "scalar" (portable C++ the compiler vectorizes).
+const char* DecodeAttentionIsa(int64_t D);
+
+// --- internal: one (row, KV head) per call, one body per ISA --------------------------------
+struct AttendArgs {
+  const float *q, *k, *v;
+  const int32_t* pos;
+  float* out;
+  int64_t Hq, Hkv, T, D, length, window;
+  float root;  // sqrt(D)
+};
+// The visible keys [first, first + n) of row b; none: no key is visible, and [0, length)
+// is attended with all scores 0 (a uniform softmax). static: each ISA's file its own copy.
+static inline void VisibleKeys(const AttendArgs& a, int64_t b, int64_t* first, int64_t* n,
+                               bool* none) {
+  const int64_t p = a.pos[b];
+  int64_t f = 0, end = p + 1 < a.length ? p + 1 : a.length;
+  if (a.window > 0 && p - a.window + 1 > 0) f = p - a.window + 1;
+  *none = end <= f;
+  if (*none) f = 0, end = a.length;
+  *first = f;
+  *n = end - f;
+}
+// Floats of scratch a call needs: G scores per attended key, then G * D accumulators.
+static inline int64_t ScratchFloats(const AttendArgs& a) {
+  return a.Hq / a.Hkv * (a.length + a.D);
+}
+void AttendHeadScalar(const AttendArgs& a, int64_t b, int64_t h, float* scratch);
+// x86 builds only; D % 8 == 0 (decode_attention_x86_avx2.cc)
+void AttendHeadAvx2(const AttendArgs& a, int64_t b, int64_t h, float* scratch);
 
 }  // namespace lrjax_cpu

@@ -4,11 +4,13 @@ the CPU extension as ``lrjax_cpu_decode_attention``.
 
 XLA's lowering of the reference slices the first ``length`` keys of each cache buffer and
 transposes the values before its dots: copies of every layer's attended K and V on each step.
-The kernel reads the buffers in place, only each row's visible keys, on the calling thread
-(no hand-off to a thread pool), in f32: per (row, KV head) the G query heads' scores, the
-softmax as ``jax.nn.softmax`` computes it, then p·V. It serves f32 calls whose attended K and
-V are at most ``MAX_BYTES`` (past that, XLA's threads are not measured against it);
-``LRJAX_CPU_DECODE_ATTENTION=0`` turns it off (for A/B runs).
+The kernel reads the buffers in place, only each row's visible keys, in f32, one task per
+(row, KV head) on the W4A8 kernels' thread pool (inline below 64 KiB of K and V): the G query
+heads' scores, the softmax as ``jax.nn.softmax`` computes it, then p·V. On x86 with AVX2 and
+FMA, head dims that are multiples of 8 take the AVX2 body (decode_attention_x86_avx2.cc), the
+rest the portable one; ``LRJAX_W4A8_ISA=scalar`` forces the portable body. It serves f32
+calls whose attended K and V are at most ``MAX_BYTES`` (past that, XLA's threads are not
+measured against it); ``LRJAX_CPU_DECODE_ATTENTION=0`` turns it off (for A/B runs).
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 namespace lrjax_w4a8 {
@@ -90,6 +91,9 @@ std::string LowRankMatmul(const void* x, DType x_dtype, int64_t M, const Weights
 // at the hardware threads), default: hardware threads. A malformed value is
 // ignored with a one-line warning on stderr.
 int NumThreads();
+// Runs fn(0..n-1) on the kernels' thread pool, the caller working too (w4a8.cc: Pool): each
+// index once; inline when the pool is busy with another call.
+void ParallelFor(int64_t n, const std::function<void(int64_t)>& fn);
 // The thread count for env value `env` (null: unset) on a CPU with `hw`
 // hardware threads (0: unknown); sets *warning when the value is malformed or
 // capped. Pure, for the tests.

@@ -7,6 +7,7 @@
 #include <optional>
 #include <string>
 
+#include "decode_attention.h"
 #include "ffi_dims.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/optional.h"
@@ -215,6 +216,8 @@ NB_MODULE(_w4a8, m) {
     if (layout < 0 || layout > 2) throw nb::value_error("layout must be 0, 1 or 2");
     return std::string(IsaName(SelectIsa(Layout(layout))));
   }, nb::arg("layout"), "ISA the kernel uses for a layout (honours LRJAX_W4A8_ISA).");
+  m.def("attention_isa", [](int64_t d) { return std::string(lrjax_cpu::DecodeAttentionIsa(d)); },
+        nb::arg("d"), "The decode attention's body for head dim d (honours LRJAX_W4A8_ISA).");
   m.def("num_threads", &NumThreads, "Worker threads (LRJAX_W4A8_THREADS, capped).");
   m.def("threads_for", [](std::optional<std::string> env, unsigned hw) {
     std::string warning;

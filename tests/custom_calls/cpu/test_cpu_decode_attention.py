@@ -1,7 +1,11 @@
-"""The CPU decode-attention FFI kernel (custom_calls/cpu/decode_attention.cc) against the
-primitive's reference on fresh random inputs: awkward head counts and dims, lengths short of
-the buffer, windows, positions before, inside and past the attended keys; its registry
-choice; its refusals; the FFI's shape checks."""
+"""The CPU decode-attention FFI kernel (custom_calls/cpu/decode_attention.cc, and its AVX2 body
+decode_attention_x86_avx2.cc) against the primitive's reference on fresh random inputs, each
+body the CPU has: awkward head counts and dims, lengths short of the buffer and past the
+bodies' blocks, windows, positions before, inside and past the attended keys, scores far
+apart and NaN; its registry choice; its refusals; the FFI's shape checks."""
+
+import os
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -23,9 +27,11 @@ pytestmark = pytest.mark.skipif(
 # per dtype (rtol, atol): f32 sums in another order than XLA's dots
 TOL = {"float32": (2e-5, 2e-6)}
 
-# (B, Hq, Hkv, D, T, length, window): G = 1, 4, 7; D under 8, not a multiple of 8, 128
+# (B, Hq, Hkv, D, T, length, window): G = 1, 4, 7; D under 8, not a multiple of 8, 128;
+# D = 40 (the AVX2 body's 32-wide then 8-wide accumulators) over 290 keys (64-key blocks)
 SHAPES = [
   (1, 32, 8, 64, 256, 128, None),
+  (2, 14, 2, 40, 300, 290, None),
   (3, 7, 1, 100, 40, 33, None),
   (2, 4, 4, 3, 20, 20, None),
   (2, 8, 2, 128, 64, 64, 5),
@@ -41,6 +47,25 @@ def _inputs(rng, b, hq, hkv, d, t, pos):
   return q, k, v, jnp.asarray(pos, jnp.int32)
 
 
+def _bodies():
+  if not cpu_lowering.extension_available():
+    return []
+  from lrjax.custom_calls.cpu import _w4a8
+
+  return ["scalar"] + (["avx2"] if _w4a8.attention_isa(8) == "avx2" else [])
+
+
+BODIES = _bodies()
+
+
+def _body_env(body):
+  """The environment that makes the kernel take `body` (where D allows it)."""
+  env = {k: v for k, v in os.environ.items() if k != "LRJAX_W4A8_ISA"}
+  if body == "scalar":
+    env["LRJAX_W4A8_ISA"] = "scalar"
+  return mock.patch.dict(os.environ, env, clear=True)
+
+
 def _check(q, k, v, pos, window, length):
   got = jax.jit(lambda *a: C.decode_attention(*a, window=window, length=length))(q, k, v, pos)
   want = jax.jit(lambda *a: decode_attention_reference(*a, window=window, length=length))(
@@ -50,29 +75,54 @@ def _check(q, k, v, pos, window, length):
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=rtol, atol=atol)
 
 
+@pytest.mark.parametrize("body", BODIES)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_kernel_matches_the_reference(shape, rng):
+def test_kernel_matches_the_reference(shape, body, rng):
+  from lrjax.custom_calls.cpu import _w4a8
+
   b, hq, hkv, d, t, length, window = shape
-  # positions: none visible (-1), the first key, inside, the last attended, past length and T
-  for pos in ([-1] * b, [0] * b, rng.integers(0, length, b), [length - 1] * b, [t + 3] * b):
-    _check(*_inputs(rng, b, hq, hkv, d, t, pos), window, length)
+  with _body_env(body):
+    assert _w4a8.attention_isa(d) == (body if d % 8 == 0 else "scalar")
+    # positions: none visible (-1), the first key, inside, the last attended, past length, T
+    for pos in ([-1] * b, [0] * b, rng.integers(0, length, b), [length - 1] * b, [t + 3] * b):
+      _check(*_inputs(rng, b, hq, hkv, d, t, pos), window, length)
 
 
+@pytest.mark.parametrize("body", BODIES)
+def test_far_apart_and_nan_scores_as_the_reference(body, rng):
+  """Scores hundreds apart (most exps underflow to 0) and a NaN query head: NaN for that
+  head only, as jax.nn.softmax gives."""
+  b, hq, hkv, d, t = 2, 8, 2, 64, 77
+  q, k, v, pos = _inputs(rng, b, hq, hkv, d, t, [76, 40])
+  with _body_env(body):
+    # scores of size ~100 carry f32 rounding of ~1e-5 into each weight, in either order
+    got = jax.jit(lambda *a: C.decode_attention(*a, length=t))(q * 60, k, v, pos)
+    want = decode_attention_reference(q * 60, k, v, pos, length=t)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+    qn = q.at[1, 3, 5].set(jnp.nan)
+    got = np.asarray(jax.jit(lambda *a: C.decode_attention(*a, length=t))(qn, k, v, pos))
+    want = np.asarray(decode_attention_reference(qn, k, v, pos, length=t))
+    assert np.array_equal(np.isnan(got), np.isnan(want)) and np.isnan(got[1, 3 * d]).all()
+    np.testing.assert_allclose(got, want, *TOL["float32"])
+
+
+@pytest.mark.parametrize("body", BODIES)
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
   b=st.integers(1, 3),
   hkv=st.integers(1, 3),
   g=st.integers(1, 5),
-  d=st.integers(1, 40),
-  t=st.integers(1, 48),
+  d=st.one_of(st.integers(1, 40), st.sampled_from([8, 16, 24, 32, 40, 48, 56, 64, 72, 128])),
+  t=st.one_of(st.integers(1, 48), st.integers(60, 140)),
   data=st.data(),
 )
-def test_kernel_matches_the_reference_on_any_shape(b, hkv, g, d, t, data):
+def test_kernel_matches_the_reference_on_any_shape(body, b, hkv, g, d, t, data):
   length = data.draw(st.integers(1, t))
   window = data.draw(st.one_of(st.none(), st.integers(1, t + 2)))
   pos = data.draw(st.lists(st.integers(-2, t + 2), min_size=b, max_size=b))
   seed = data.draw(st.integers(0, 2**31 - 1))
-  _check(*_inputs(np.random.default_rng(seed), b, hkv * g, hkv, d, t, pos), window, length)
+  with _body_env(body):
+    _check(*_inputs(np.random.default_rng(seed), b, hkv * g, hkv, d, t, pos), window, length)
 
 
 def test_the_primitive_lowers_to_the_kernel_on_cpu(rng):
