@@ -1403,6 +1403,8 @@ class W4A8XUVRule:
     from lrjax.lowering import quantized as q
 
     matches, near = [], []
+    firsts: set[int] = set()  # the U of each match
+    op_between: list[tuple[int, NearMiss]] = []  # (V candidate, its near-miss)
     for j, e2 in enumerate(g.eqns):
       if e2.primitive is not q.w4a8_matmul_p or j in taken:
         continue
@@ -1425,15 +1427,18 @@ class W4A8XUVRule:
       if e1 is not None and e1.primitive is not q.w4a8_matmul_p and _walkable(e1):
         for k, _ in _walk_back_w4a8(g, t, q.w4a8_matmul_p):
           if k not in taken:
-            near.append(
-              NearMiss(
-                self.name,
-                g.path,
-                loc,
-                f"rank-space op '{_op_label(e1)}' between the quantized factors: "
-                "lr_xuv_w4a8 takes only one multiplication by a scale [r] or a scalar, "
-                "in f32",
-                scope,
+            op_between.append(
+              (
+                j,
+                NearMiss(
+                  self.name,
+                  g.path,
+                  loc,
+                  f"rank-space op '{_op_label(e1)}' between the quantized factors: "
+                  "lr_xuv_w4a8 takes only one multiplication by a scale [r] or a scalar, "
+                  "in f32",
+                  scope,
+                ),
               )
             )
             break
@@ -1498,6 +1503,7 @@ class W4A8XUVRule:
       )
       if scale_src is not None:
         shapes = shapes.replace(" int4 V", f" ·s[{params['r']}] int4 V")
+      firsts.add(i)
       matches.append(
         Match(
           self.name,
@@ -1514,6 +1520,9 @@ class W4A8XUVRule:
           scope=scope,
         )
       )
+    # A candidate V that is the U of a match is no near miss: e.g. a SwiGLU's down projection,
+    # whose x·U reads act(gate) * up, the up projection's output, not a rank-space value.
+    near += [m for j, m in op_between if j not in firsts]
     return matches, near
 
 

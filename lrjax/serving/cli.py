@@ -95,6 +95,8 @@ def _load(a):
   line = fusion_line(summary)
   log.info("%s", line)
   print(f"lrjax: {line}", file=sys.stderr)
+  for why in summary.get("near_miss_reasons", []):
+    log.info("left unfused: %s", why)
   if tok is None:
     print(f"lrjax: {a.ckpt} has no tokenizer.json: token ids in and out", file=sys.stderr)
   return engine, tok, gen, summary

@@ -655,7 +655,8 @@ class Engine:
   def fusion_report(self) -> dict:
     """What ``lrjax.fuse`` rewrites in this engine's decode step and which kernel serves each op
     on this platform (from ``lrjax.explain``): ``{"fused", "platform", "ops": {pattern: count},
-    "kernels": {pattern: [kernel notes]}, "near_misses": n}``. See :func:`fusion_line`."""
+    "kernels": {pattern: [kernel notes]}, "near_misses": n, "near_miss_reasons": [why]}``.
+    See :func:`fusion_line`."""
     plat = _platform()
     if not self.fuse:
       return {
@@ -664,6 +665,7 @@ class Engine:
         "ops": {},
         "kernels": {},
         "near_misses": 0,
+        "near_miss_reasons": [],
         "grouped": 0,
         "attention": self._attention_lowering(plat),
       }
@@ -852,6 +854,7 @@ def summarize_explain(rep, platform: str) -> dict:
     "ops": ops,
     "kernels": {p: sorted(v) for p, v in kernels.items()},
     "near_misses": len(rep.near_misses),
+    "near_miss_reasons": sorted({f"{n['pattern']}: {n['reason']}" for n in rep.near_misses}),
     "grouped": n_grouped,  # lr_xuv matches bound into the groups
   }
 
@@ -870,7 +873,9 @@ def fusion_line(summary: dict) -> str:
     for p, n in sorted(summary["ops"].items())
   )
   ks = "; ".join(f"{p} -> {', '.join(v)}" for p, v in sorted(summary["kernels"].items()))
-  miss = f"; {summary['near_misses']} near-miss(es) left unfused" if summary["near_misses"] else ""
+  n_miss = summary["near_misses"]
+  why = "lrjax -v or lrjax.explain says why"
+  miss = f"; {n_miss} near-miss(es) left unfused ({why})" if n_miss else ""
   att = f"; decode attention -> {summary['attention']}" if summary.get("attention") else ""
   return f"lrjax.fuse in the decode step: {ops}; on {summary['platform']}: {ks}{miss}{att}"
 

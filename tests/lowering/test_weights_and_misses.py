@@ -245,3 +245,28 @@ def test_w4a8_chain_with_another_op_or_rounded_intermediate_is_refused_and_repor
     assert "lr_xuv_w4a8" not in prims(lrjax.fuse(f), x)
     assert any(why in r for r in _reasons(f, x)), _reasons(f, x)
     np.testing.assert_array_equal(jax.jit(lrjax.fuse(f))(x), jax.jit(f)(x))
+
+
+def test_w4a8_swiglu_fuses_each_projection_and_reports_no_near_miss():
+  """A quantized low-rank SwiGLU MLP: the down projection's x·U reads act(gate) * up, the up
+  projection's output, so it is a U, not a V with a 'mul' before it. Its three projections
+  fuse and nothing is reported; a real op between one projection's factors still is."""
+  gu, gv, uu, uv, du, dv = _q(96, 16), _q(16, 64), _q(96, 16), _q(16, 64), _q(64, 8), _q(8, 96)
+  x = randn((3, 96))
+
+  def mlp(x, mid=lambda t: t):
+    gate, up = _w4a8(_w4a8(x, gu), gv), _w4a8(mid(_w4a8(x, uu)), uv)
+    return _w4a8(_w4a8(jax.nn.silu(gate) * up, du), dv)
+
+  assert prims(lrjax.fuse(mlp), x).count("lr_xuv_w4a8") == 3
+  assert _reasons(mlp, x) == []
+  assert_close(jax.jit(lrjax.fuse(mlp))(x), jax.jit(mlp)(x), jnp.float32)
+  tanh_mid = lambda x: mlp(x, jnp.tanh)  # noqa: E731
+  assert prims(lrjax.fuse(tanh_mid), x).count("lr_xuv_w4a8") == 2
+  assert [r for r in _reasons(tanh_mid, x) if "op 'tanh'" in r], _reasons(tanh_mid, x)
+  # what `lrjax generate` / `serve` print of it (with -v, each reason)
+  from lrjax.serving.engine import fusion_line, summarize_explain
+
+  summary = summarize_explain(lrjax.explain(tanh_mid, x), "cpu")
+  assert "1 near-miss(es) left unfused (lrjax -v" in fusion_line(summary)
+  assert [r for r in summary["near_miss_reasons"] if r.startswith("lr_xuv_w4a8: rank-space op")]
