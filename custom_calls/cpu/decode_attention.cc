@@ -40,8 +40,10 @@ bool Avx2Serves(int64_t D) {
 #endif
 }
 
-// Below this many bytes of K and V a call, the pool's hand-off costs more than it saves.
-constexpr int64_t kParallelBytes = 64 << 10;
+// Below this many bytes of K and V a call (about 30 us on one thread), the calling thread
+// works alone: waking the pool's threads, and taking cores that XLA's own threads are about to
+// use, cost as much as they save.
+constexpr int64_t kParallelBytes = 1 << 20;
 
 }  // namespace
 

@@ -5,12 +5,13 @@ the CPU extension as ``lrjax_cpu_decode_attention``.
 XLA's lowering of the reference slices the first ``length`` keys of each cache buffer and
 transposes the values before its dots: copies of every layer's attended K and V on each step.
 The kernel reads the buffers in place, only each row's visible keys, in f32, one task per
-(row, KV head) on the W4A8 kernels' thread pool (inline below 64 KiB of K and V): the G query
-heads' scores, the softmax as ``jax.nn.softmax`` computes it, then p·V. On x86 with AVX2 and
-FMA, head dims that are multiples of 8 take the AVX2 body (decode_attention_x86_avx2.cc), the
-rest the portable one; ``LRJAX_W4A8_ISA=scalar`` forces the portable body. It serves f32
-calls whose attended K and V are at most ``MAX_BYTES`` (past that, XLA's threads are not
-measured against it); ``LRJAX_CPU_DECODE_ATTENTION=0`` turns it off (for A/B runs).
+(row, KV head) on the W4A8 kernels' thread pool (the calling thread alone under 1 MiB of K
+and V): the G query heads' scores, the softmax as ``jax.nn.softmax`` computes it, then p·V.
+On x86 with AVX2 and FMA, head dims that are multiples of 8 take the AVX2 body
+(decode_attention_x86_avx2.cc), the rest the portable one; ``LRJAX_W4A8_ISA=scalar`` forces
+the portable body. It serves every f32 call (benchmarks/cpu_decode_attention.py times it
+against XLA from 0.5 to 512 MiB of K and V); ``LRJAX_CPU_DECODE_ATTENTION=0`` turns it off
+(for A/B runs).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import numpy as np
 
 TARGET = "lrjax_cpu_decode_attention"
 ENV = "LRJAX_CPU_DECODE_ATTENTION"
-MAX_BYTES = 64 << 20  # attended K and V a call (f32)
 
 
 def decode_attention_reference(q, k, v, pos, *, window=None, length=None):
@@ -43,11 +43,6 @@ def supports(avals_in: Sequence[Any], params: Mapping[str, Any]) -> str | None:
   dts = {str(a.dtype) for a in (q, k, v)}
   if dts != {"float32"}:
     return f"q, k, v are {sorted(dts)}: the CPU kernel takes float32 (XLA serves the rest)"
-  b, hkv, t, d = k.shape
-  length = params.get("length") or t
-  nbytes = 2 * b * hkv * length * d * 4
-  if nbytes > MAX_BYTES:
-    return f"{nbytes >> 20} MiB of K and V a call, over the kernel's {MAX_BYTES >> 20} MiB"
   if not extension_available():
     return f"{_EXT} is not built (pip install lrjax builds it)"
   return None

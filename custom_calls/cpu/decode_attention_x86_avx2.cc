@@ -2,7 +2,8 @@
 // with -mavx2 -mfma and chosen at run time (decode_attention.cc). The portable body's steps,
 // shaped for the vector units: scores four keys at a time (four independent FMA chains, the
 // key rows kept in L1 across the G heads), the softmax eight scores at a time with a
-// polynomial exp, and p·V in blocks of keys with each head's accumulators in registers.
+// polynomial exp, and p·V in blocks of keys with each head's accumulators in registers; K and
+// the next block of V prefetched ahead of their reads.
 // No standard-library templates here: their out-of-line copies, compiled for AVX2, could be
 // the ones the linker keeps for the baseline code.
 #include <immintrin.h>
@@ -55,12 +56,19 @@ inline __m256 Exp(__m256 x0) {
   return _mm256_andnot_ps(_mm256_cmp_ps(x0, lo, _CMP_LT_OQ), out);  // x0 < lo: 0
 }
 
+// Key rows prefetched this far ahead of the scores (for caches past the L3, where the
+// hardware prefetchers alone fall behind).
+constexpr int64_t kKeyAhead = 16;
+
 // Scores of the G heads against keys [0, n): each four-key group's rows stay in L1 while
 // every head reads them.
 void Scores(const float* qh, const float* kh, int64_t G, int64_t D, int64_t n, float* scores) {
   int64_t t = 0;
   for (; t + 4 <= n; t += 4) {
     const float *k0 = kh + t * D, *k1 = k0 + D, *k2 = k1 + D, *k3 = k2 + D;
+    if (t + kKeyAhead + 4 <= n)  // the key rows kKeyAhead on, a 64-byte line at a time
+      for (int64_t off = kKeyAhead * D; off < (kKeyAhead + 4) * D; off += 16)
+        _mm_prefetch(reinterpret_cast<const char*>(k0 + off), _MM_HINT_T0);
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = qh + g * D;
       __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
@@ -153,6 +161,11 @@ void AttendHeadAvx2(const AttendArgs& a, int64_t b, int64_t h, float* scratch) {
   for (int64_t i = 0; i < G * D; ++i) acc[i] = 0.f;
   for (int64_t t0 = 0; t0 < n; t0 += kKeyBlock) {
     const int64_t t1 = t0 + kKeyBlock < n ? t0 + kKeyBlock : n;
+    if (t1 < n) {  // the next block's value rows, while the heads read this one
+      const int64_t e = (t1 + kKeyBlock < n ? t1 + kKeyBlock : n) * D;
+      for (int64_t off = t1 * D; off < e; off += 16)
+        _mm_prefetch(reinterpret_cast<const char*>(vh + off), _MM_HINT_T0);
+    }
     for (int64_t g = 0; g < G; ++g)
       for (int64_t d = 0; d < D; d += 32) {
         const float* w = scores + g * n;

@@ -203,15 +203,21 @@ class Pool {
   // that never woke (a busy machine). A call that finds the pool busy (another
   // XLA thread) runs its tasks inline. Workers run under the caller's
   // floating-point environment (rounding, flush-to-zero), so results never
-  // depend on the thread. After a job, workers and the caller spin for up to
-  // spin_ (LRJAX_W4A8_SPIN_US) before sleeping: a decode step's calls come
+  // depend on the thread. After a job, workers spin for up to spin_
+  // (LRJAX_W4A8_SPIN_US) before sleeping: a W4A8 decode step's calls come
   // microseconds apart, and waking a sleeping thread costs tens of microseconds.
+  // They spin only while jobs come that close: when the gap before this job was
+  // longer than spin_ (e.g. one attention call a layer among XLA's own dots, whose
+  // threads need the cores), they sleep at once.
   void ParallelFor(int64_t n, const std::function<void(int64_t)>& fn) {
     std::unique_lock<std::mutex> busy(job_mu_, std::try_to_lock);
     if (!busy.owns_lock() || workers_.empty() || n <= 1) {
       for (int64_t i = 0; i < n; ++i) fn(i);
       return;
     }
+    const int64_t start = NowNs();
+    const int64_t last = last_end_ns_.load();
+    spin_after_.store(last != 0 && start - last <= spin_ns_);
     auto job = std::make_shared<Job>();
     job->fn = &fn;
     job->n = n;
@@ -231,6 +237,7 @@ class Pool {
     }
     std::lock_guard<std::mutex> l(mu_);
     job_.reset();
+    last_end_ns_.store(NowNs());
   }
 
  private:
@@ -271,7 +278,7 @@ class Pool {
   void Loop() {
     uint64_t seen = 0;
     for (;;) {
-      SpinUntil([&] { return stop_.load() || gen_.load() != seen; });
+      if (spin_after_.load()) SpinUntil([&] { return stop_.load() || gen_.load() != seen; });
       std::shared_ptr<Job> job;
       {
         std::unique_lock<std::mutex> l(mu_);
@@ -292,7 +299,16 @@ class Pool {
     }
   }
 
+  static int64_t NowNs() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+
   const std::chrono::microseconds spin_;
+  const int64_t spin_ns_ = spin_.count() * 1000;
+  std::atomic<int64_t> last_end_ns_{0};  // when the last job finished (0: none yet)
+  std::atomic<bool> spin_after_{false};  // whether workers spin after the current job
   std::vector<std::thread> workers_;
   std::mutex job_mu_, mu_;
   std::condition_variable cv_, done_cv_;
