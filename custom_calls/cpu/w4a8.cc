@@ -510,7 +510,9 @@ bool DigitsValue(const char* env, long long* v) {
 
 }  // namespace
 
-void ParallelFor(int64_t n, const std::function<void(int64_t)>& fn) { GetPool().ParallelFor(n, fn); }
+void ParallelFor(int64_t n, const std::function<void(int64_t)>& fn) {
+  GetPool().ParallelFor(n, fn);
+}
 
 int ThreadsFor(const char* env, unsigned hw, std::string* warning) {
   const int cap = hw == 0 ? kMaxThreadsUnknownHw : int(std::min<unsigned>(hw, 1u << 16));
