@@ -48,35 +48,28 @@ constexpr int64_t kParallelBytes = 1 << 20;
 }  // namespace
 
 void AttendHeadScalar(const AttendArgs& a, int64_t b, int64_t h, float* scratch) {
-  const int64_t G = a.Hq / a.Hkv, D = a.D;
-  int64_t first, n;
-  bool none;
-  VisibleKeys(a, b, &first, &n, &none);
-  float* scores = scratch;       // [G, n]
-  float* acc = scratch + G * n;  // [G, D]
-  const float* kh = a.k + ((b * a.Hkv + h) * a.T + first) * D;
-  const float* vh = a.v + ((b * a.Hkv + h) * a.T + first) * D;
-  const float* qh = a.q + (b * a.Hq + h * G) * D;
+  const Head x = HeadOf(a, b, h, scratch);
+  const int64_t G = x.G, D = a.D, n = x.n;
   for (int64_t t = 0; t < n; ++t)
     for (int64_t g = 0; g < G; ++g)
-      scores[g * n + t] = none ? 0.f : Dot(qh + g * D, kh + t * D, D) / a.root;
+      x.scores[g * n + t] = x.none ? 0.f : Dot(x.q + g * D, x.k + t * D, D) / a.root;
   for (int64_t g = 0; g < G; ++g) {
-    float* sg = scores + g * n;
+    float* sg = x.scores + g * n;
     const float m = *std::max_element(sg, sg + n);
     float sum = 0.f;
     for (int64_t t = 0; t < n; ++t) sum += (sg[t] = std::exp(sg[t] - m));
     for (int64_t t = 0; t < n; ++t) sg[t] /= sum;
   }
-  std::fill(acc, acc + G * D, 0.f);
+  std::fill(x.acc, x.acc + G * D, 0.f);
   for (int64_t t = 0; t < n; ++t) {
-    const float* vt = vh + t * D;
+    const float* vt = x.v + t * D;
     for (int64_t g = 0; g < G; ++g) {
-      const float w = scores[g * n + t];
-      float* ag = acc + g * D;
+      const float w = x.scores[g * n + t];
+      float* ag = x.acc + g * D;
       for (int64_t d = 0; d < D; ++d) ag[d] += w * vt[d];
     }
   }
-  std::copy(acc, acc + G * D, a.out + (b * a.Hq + h * G) * D);
+  std::copy(x.acc, x.acc + G * D, x.out);
 }
 
 const char* DecodeAttentionIsa(int64_t D) { return Avx2Serves(D) ? "avx2" : "scalar"; }

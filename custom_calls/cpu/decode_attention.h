@@ -27,17 +27,32 @@ struct AttendArgs {
   int64_t Hq, Hkv, T, D, length, window;
   float root;  // sqrt(D)
 };
-// The visible keys [first, first + n) of row b; none: no key is visible, and [0, length)
-// is attended with all scores 0 (a uniform softmax). static: each ISA's file its own copy.
-static inline void VisibleKeys(const AttendArgs& a, int64_t b, int64_t* first, int64_t* n,
-                               bool* none) {
+// One (row b, KV head h)'s view: its G query heads, its visible keys [first, first + n) as
+// key and value rows, and its scratch (G scores per key, then G * D accumulators). none: no key
+// is visible, and [0, length) is attended with all scores 0 (a uniform softmax). static: each
+// ISA's file compiles its own copy.
+struct Head {
+  int64_t G, n;
+  bool none;
+  const float *q, *k, *v;  // [G, D], [n, D], [n, D]
+  float *scores, *acc, *out;  // [G, n], [G, D], [G, D]
+};
+static inline Head HeadOf(const AttendArgs& a, int64_t b, int64_t h, float* scratch) {
+  Head x;
+  x.G = a.Hq / a.Hkv;
   const int64_t p = a.pos[b];
-  int64_t f = 0, end = p + 1 < a.length ? p + 1 : a.length;
-  if (a.window > 0 && p - a.window + 1 > 0) f = p - a.window + 1;
-  *none = end <= f;
-  if (*none) f = 0, end = a.length;
-  *first = f;
-  *n = end - f;
+  int64_t first = 0, end = p + 1 < a.length ? p + 1 : a.length;
+  if (a.window > 0 && p - a.window + 1 > 0) first = p - a.window + 1;
+  x.none = end <= first;
+  if (x.none) first = 0, end = a.length;
+  x.n = end - first;
+  x.q = a.q + (b * a.Hq + h * x.G) * a.D;
+  x.k = a.k + ((b * a.Hkv + h) * a.T + first) * a.D;
+  x.v = a.v + ((b * a.Hkv + h) * a.T + first) * a.D;
+  x.scores = scratch;
+  x.acc = scratch + x.G * x.n;
+  x.out = a.out + (b * a.Hq + h * x.G) * a.D;
+  return x;
 }
 // Floats of scratch a call needs: G scores per attended key, then G * D accumulators.
 static inline int64_t ScratchFloats(const AttendArgs& a) {

@@ -143,43 +143,35 @@ constexpr int64_t kKeyBlock = 64;  // value rows kept in L1 while every head rea
 }  // namespace
 
 void AttendHeadAvx2(const AttendArgs& a, int64_t b, int64_t h, float* scratch) {
-  const int64_t G = a.Hq / a.Hkv, D = a.D;
-  int64_t first, n;
-  bool none;
-  VisibleKeys(a, b, &first, &n, &none);
-  float* scores = scratch;       // [G, n]
-  float* acc = scratch + G * n;  // [G, D]
-  const float* kh = a.k + ((b * a.Hkv + h) * a.T + first) * D;
-  const float* vh = a.v + ((b * a.Hkv + h) * a.T + first) * D;
-  const float* qh = a.q + (b * a.Hq + h * G) * D;
-  if (none) {
-    for (int64_t i = 0; i < G * n; ++i) scores[i] = 0.f;
+  const Head x = HeadOf(a, b, h, scratch);
+  const int64_t G = x.G, D = a.D, n = x.n;
+  if (x.none) {
+    for (int64_t i = 0; i < G * n; ++i) x.scores[i] = 0.f;
   } else {
-    Scores(qh, kh, G, D, n, scores);
+    Scores(x.q, x.k, G, D, n, x.scores);
   }
-  for (int64_t g = 0; g < G; ++g) Softmax(scores + g * n, n, a.root);
-  for (int64_t i = 0; i < G * D; ++i) acc[i] = 0.f;
+  for (int64_t g = 0; g < G; ++g) Softmax(x.scores + g * n, n, a.root);
+  for (int64_t i = 0; i < G * D; ++i) x.acc[i] = 0.f;
   for (int64_t t0 = 0; t0 < n; t0 += kKeyBlock) {
     const int64_t t1 = t0 + kKeyBlock < n ? t0 + kKeyBlock : n;
     if (t1 < n) {  // the next block's value rows, while the heads read this one
       const int64_t e = (t1 + kKeyBlock < n ? t1 + kKeyBlock : n) * D;
       for (int64_t off = t1 * D; off < e; off += 16)
-        _mm_prefetch(reinterpret_cast<const char*>(vh + off), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(x.v + off), _MM_HINT_T0);
     }
     for (int64_t g = 0; g < G; ++g)
       for (int64_t d = 0; d < D; d += 32) {
-        const float* w = scores + g * n;
-        float* ag = acc + g * D + d;
+        const float* w = x.scores + g * n;
+        float* ag = x.acc + g * D + d;
         switch (D - d >= 32 ? 4 : (D - d) / 8) {
-          case 4: Accumulate<4>(w, vh + d, D, t0, t1, ag); break;
-          case 3: Accumulate<3>(w, vh + d, D, t0, t1, ag); break;
-          case 2: Accumulate<2>(w, vh + d, D, t0, t1, ag); break;
-          default: Accumulate<1>(w, vh + d, D, t0, t1, ag); break;
+          case 4: Accumulate<4>(w, x.v + d, D, t0, t1, ag); break;
+          case 3: Accumulate<3>(w, x.v + d, D, t0, t1, ag); break;
+          case 2: Accumulate<2>(w, x.v + d, D, t0, t1, ag); break;
+          default: Accumulate<1>(w, x.v + d, D, t0, t1, ag); break;
         }
       }
   }
-  float* o = a.out + (b * a.Hq + h * G) * D;
-  for (int64_t i = 0; i < G * D; ++i) o[i] = acc[i];
+  for (int64_t i = 0; i < G * D; ++i) x.out[i] = x.acc[i];
 }
 
 }  // namespace lrjax_cpu
