@@ -462,6 +462,47 @@ def export(p: argparse.ArgumentParser):
   return run
 
 
+class _CommandParser(argparse.ArgumentParser):
+  """A subcommand's parser. Subcommands take options only: a bare word (``lrjax generate ck``)
+  is an error that names the option it was likely meant for (``--ckpt ck``), instead of
+  argparse's complaint that ``--ckpt`` is missing."""
+
+  def parse_known_args(self, args=None, namespace=None):
+    if args is not None and not any(not a.option_strings for a in self._actions):
+      word = self._stray_word(list(args))
+      if word is not None:
+        self.error(f"unexpected argument {word!r}: options only{self._hint(list(args), word)}")
+    return super().parse_known_args(args, namespace)
+
+  def _stray_word(self, args: list[str]) -> str | None:
+    i = 0
+    while i < len(args):
+      t = args[i]
+      if t == "--":
+        return args[i + 1] if i + 1 < len(args) else None
+      if t.startswith("-") and len(t) > 1:
+        action = self._option_string_actions.get(t.split("=", 1)[0])
+        if action is None:
+          return None  # an unknown or abbreviated option: argparse's own message says which
+        i += 2 if action.nargs != 0 and "=" not in t else 1
+        continue
+      return t
+    return None
+
+  def _hint(self, args: list[str], word: str) -> str:
+    given = {a.split("=", 1)[0] for a in args if a.startswith("-")}
+    for group in self._mutually_exclusive_groups:
+      opts = [a.option_strings[0] for a in group._group_actions]
+      if group.required and not given & set(opts):
+        return f"; did you mean {opts[0]} {word}?" + (
+          f" (or {' or '.join(opts[1:])})" if len(opts) > 1 else ""
+        )
+    for a in self._actions:
+      if a.required and a.option_strings and not given & set(a.option_strings):
+        return f"; did you mean {a.option_strings[0]} {word}?"
+    return ""
+
+
 def build_parser() -> argparse.ArgumentParser:
   for mod in EXTENSIONS:
     try:
@@ -471,7 +512,9 @@ def build_parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(prog="lrjax", description="lrjax: low-rank LLMs on JAX/XLA")
   ap.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
   ap.add_argument("--version", action="version", version=f"lrjax {__version__}")
-  sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+  sub = ap.add_subparsers(
+    dest="command", required=True, metavar="COMMAND", parser_class=_CommandParser
+  )
   for name, (help_, configure) in sorted(_COMMANDS.items()):
     sp = sub.add_parser(name, help=help_, description=help_)
     sp.set_defaults(_run=configure(sp))

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import types
 
+import pytest
 from jax.extend.core import Primitive
 
 import lrjax
@@ -98,3 +99,30 @@ def test_cli_version(tmp_path):
   r = subprocess.run([*cmd, "--version"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
   assert r.returncode == 0, r.stderr[-2000:]
   assert r.stdout.strip() == f"lrjax {lrjax.__version__}", r.stdout
+
+
+@pytest.mark.parametrize(
+  "argv, hint",
+  [
+    (["generate", "ck"], "unexpected argument 'ck': options only; did you mean --ckpt ck?"),
+    (["export", "ck", "--out", "o"], "did you mean --ckpt ck?"),
+    (["convert", "hf", "--out", "o", "--ratio", "0.3"], "did you mean --hf hf? (or --orbax)"),
+    (["eval", "--ckpt", "a", "stray"], "unexpected argument 'stray'"),
+  ],
+)
+def test_a_bare_word_names_the_option_it_was_meant_for(argv, hint, capsys):
+  from lrjax import cli
+
+  with pytest.raises(SystemExit) as e:
+    cli.main(argv)
+  assert e.value.code == 2 and hint in capsys.readouterr().err
+
+
+def test_options_and_their_values_parse_as_before():
+  from lrjax import cli
+
+  ap = cli.build_parser()
+  a = ap.parse_args(["generate", "--ckpt", "ck", "--prompt", "x", "--temperature=0", "--stop", "y"])
+  assert (a.ckpt, a.prompt, a.temperature, a.stop) == ("ck", ["x"], 0.0, ["y"])
+  a = ap.parse_args(["-v", "export", "--ckpt", "ck", "--out", "o", "--overwrite"])
+  assert (a.verbose, a.ckpt, a.out, a.overwrite) == (True, "ck", "o", True)
