@@ -4,6 +4,7 @@ Installed as ``lrjax.lowering`` (on disk: ``lowering/``). What users call is lis
 ``__all__``. The primitive objects (``lr_xuv_p``, ``lr_mlp_p``, ...) live in their modules
 (:mod:`lrjax.lowering.primitives`, :mod:`~lrjax.lowering.group`,
 :mod:`~lrjax.lowering.kv_attention`, :mod:`~lrjax.lowering.decode_attention`,
+:mod:`~lrjax.lowering.attention`,
 :mod:`~lrjax.lowering.quantized`), and the kernel registry
 in :mod:`lrjax.lowering.registry`.
 """
@@ -18,6 +19,7 @@ from lrjax.lowering.primitives import (
 from lrjax.lowering.group import lr_xuv_group
 from lrjax.lowering.batched import lr_xuv_batched, lr_xuv_batched_reference
 from lrjax.lowering.kv_attention import lr_kv_attention, lr_kv_attention_reference
+from lrjax.lowering.attention import attention, attention_reference
 from lrjax.lowering.decode_attention import (
   decode_attention,
   decode_attention_append,
@@ -36,6 +38,8 @@ __all__ = [
   "KernelLowering",
   "MLPRule",
   "XUVRule",
+  "attention",
+  "attention_reference",
   "decode_attention",
   "decode_attention_append",
   "decode_attention_append_reference",

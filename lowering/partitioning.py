@@ -459,6 +459,7 @@ def manual_program(ctx) -> bool:
 # Primitives that only a per-device program binds on local shapes (lrjax.sharding): under SPMD
 # with sharded operands their reference lowers instead, for XLA to partition.
 LOCAL_ONLY = (
+  "attention",
   "lr_mlp_rank",
   "decode_attention",
   "decode_attention_append",

@@ -65,8 +65,11 @@ class BenchSettings:
       v = getattr(self, name)
       if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ValueError(f"{name}={v!r} must be a positive int")
-    if self.gen_len < 2:
-      raise ValueError(f"gen_len={self.gen_len} must be >= 2 (decode needs a second token)")
+    if self.gen_len < 3:
+      raise ValueError(
+        f"gen_len={self.gen_len} must be >= 3 (the inter-token latency is timed between the "
+        "tokens after the first decode step)"
+      )
     if self.slots is not None and (not isinstance(self.slots, int) or self.slots < max(c)):
       raise ValueError(
         f"slots={self.slots!r} must be an int >= the largest concurrency {max(c)} "

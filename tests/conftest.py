@@ -51,6 +51,30 @@ def assert_grad_close(got, want, rtol: float = 1e-5, scale: float = 1e-5):
   np.testing.assert_allclose(np.asarray(got), want, rtol=rtol, atol=atol)
 
 
+def cpu_kernel_bodies(isa_of) -> list[str]:
+  """The bodies a CPU attention kernel has on this machine: "scalar" always, "avx2" where
+  ``isa_of(_w4a8)`` says the CPU takes it; none without the extension."""
+  from lrjax.custom_calls.cpu import lowering as cpu_lowering
+
+  if not cpu_lowering.extension_available():
+    return []
+  from lrjax.custom_calls.cpu import _w4a8
+
+  return ["scalar"] + (["avx2"] if isa_of(_w4a8) == "avx2" else [])
+
+
+def cpu_body_env(body: str):
+  """A context in which the CPU kernels take ``body`` (LRJAX_W4A8_ISA=scalar forces the
+  portable one)."""
+  import os
+  from unittest import mock
+
+  env = {k: v for k, v in os.environ.items() if k != "LRJAX_W4A8_ISA"}
+  if body == "scalar":
+    env["LRJAX_W4A8_ISA"] = "scalar"
+  return mock.patch.dict(os.environ, env, clear=True)
+
+
 def fresh_key():
   """A new PRNG key per call: every test draws fresh random inputs."""
   return jax.random.key(next(_seed) % (2**31))

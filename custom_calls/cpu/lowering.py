@@ -5,11 +5,12 @@ Importing this module imports neither the extension nor the primitives module;
 XLA once and returns ``impl(*operands, **params)`` built on ``jax.ffi.ffi_call``.
 
 Kernels: ``cpu.w4a8_matmul`` (primitive ``w4a8_matmul``), ``cpu.lr_xuv_w4a8``
-(primitive ``lr_xuv_w4a8``) and ``cpu.decode_attention`` (primitive ``decode_attention``,
-decode_attention.py). Runtime CPU dispatch happens inside the extension:
-x86 AVX512-VNNI -> AVX-VNNI -> AVX2 -> scalar, aarch64 i8mm -> dotprod -> NEON ->
-scalar; ``LRJAX_W4A8_ISA`` caps it, ``LRJAX_W4A8_THREADS`` sets the thread count (a
-positive integer, capped at the hardware threads; anything else is an error here).
+(primitive ``lr_xuv_w4a8``), ``cpu.decode_attention`` (primitive ``decode_attention``,
+decode_attention.py) and ``cpu.attention`` (primitive ``attention``, attention.py). Runtime
+CPU dispatch happens inside the extension: x86 AVX512-VNNI -> AVX-VNNI -> AVX2 -> scalar,
+aarch64 i8mm -> dotprod -> NEON -> scalar; ``LRJAX_W4A8_ISA`` caps it, ``LRJAX_W4A8_THREADS``
+sets the thread count (a positive integer, capped at the hardware threads; anything else is
+an error here).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from lrjax.custom_calls.cpu import attention as _prefill_attention
 from lrjax.custom_calls.cpu import decode_attention as _attention
 from lrjax.lowering.registry import KernelLowering, register as _register_kernel
 
@@ -194,6 +196,14 @@ KERNELS = [
     "cpu.decode_attention",
     _attention.supports,
     _attention.load,
+    priority=10,
+  ),
+  KernelLowering(
+    "attention",
+    "cpu",
+    "cpu.attention",
+    _prefill_attention.supports,
+    _prefill_attention.load,
     priority=10,
   ),
 ]

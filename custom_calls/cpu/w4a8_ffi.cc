@@ -7,6 +7,7 @@
 #include <optional>
 #include <string>
 
+#include "attention.h"
 #include "decode_attention.h"
 #include "ffi_dims.h"
 #include "nanobind/nanobind.h"
@@ -183,8 +184,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LrjaxW4A8Xuv, LowRankW4A8Impl,
                                   .Attr<int64_t>("group_v")
                                   .Attr<int64_t>("layout"));
 
-// decode_attention_ffi.cc
+// decode_attention_ffi.cc, attention_ffi.cc
 extern "C" XLA_FFI_Error* LrjaxCpuDecodeAttention(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* LrjaxCpuAttention(XLA_FFI_CallFrame* call_frame);
 
 namespace {
 
@@ -203,6 +205,7 @@ NB_MODULE(_w4a8, m) {
     d["lrjax_w4a8_matmul"] = EncapsulateFfiHandler(LrjaxW4A8Matmul);
     d["lrjax_w4a8_xuv"] = EncapsulateFfiHandler(LrjaxW4A8Xuv);
     d["lrjax_cpu_decode_attention"] = EncapsulateFfiHandler(LrjaxCpuDecodeAttention);
+    d["lrjax_cpu_attention"] = EncapsulateFfiHandler(LrjaxCpuAttention);
     return d;
   });
   m.def("cpu_isas", []() {
@@ -216,6 +219,8 @@ NB_MODULE(_w4a8, m) {
     if (layout < 0 || layout > 2) throw nb::value_error("layout must be 0, 1 or 2");
     return std::string(IsaName(SelectIsa(Layout(layout))));
   }, nb::arg("layout"), "ISA the kernel uses for a layout (honours LRJAX_W4A8_ISA).");
+  m.def("prefill_attention_isa", []() { return std::string(lrjax_cpu::AttentionIsa()); },
+        "The prefill attention's body (honours LRJAX_W4A8_ISA).");
   m.def("attention_isa", [](int64_t d) { return std::string(lrjax_cpu::DecodeAttentionIsa(d)); },
         nb::arg("d"), "The decode attention's body for head dim d (honours LRJAX_W4A8_ISA).");
   m.def("num_threads", &NumThreads, "Worker threads (LRJAX_W4A8_THREADS, capped).");

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lrjax.lowering.attention import attention
 from lrjax.lowering.decode_attention import (
-  attend,
   decode_attention,
   decode_attention_append,
   rope,
@@ -203,15 +203,15 @@ def cached_attention(q, k, v, mask, kv, write_pos, attend_cache, *, window=None)
   ``mask.shape[-1]`` positions (one decode step: the ``decode_attention`` primitive on the
   whole buffers), or over this call's keys alone."""
   if kv is None:
-    return attend(q, k, v, mask), None
+    return attention(q, k, v, mask), None
   kv = tuple(write_kv(c, n, write_pos, heads_first=True) for c, n in zip(kv, (k, v)))
   if not attend_cache:
-    return attend(q, k, v, mask), kv
+    return attention(q, k, v, mask), kv
   t = mask.shape[-1]  # the attended positions (the model's attend_len)
   if q.shape[1] == 1:  # one decode step: the primitive reads the buffers unsliced
     return decode_attention(q[:, 0], *kv, write_pos, window=window, length=t)[:, None], kv
   kt, vt = (c[:, :, :t].astype(q.dtype) for c in kv)
-  return attend(q, kt, vt, mask, heads_first=True), kv
+  return attention(q, kt, vt, mask, heads_first=True), kv
 
 
 def rope_and_attend(q, k, v, positions, inv_freq, mask, kv, write_pos, attend_cache, *,

@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from lrjax.lowering.kv_attention import lr_kv_attention
-from lrjax.models.llama import _mask, apply_rope, attend, decode_mask, rope_inv_freq, write_kv
+from lrjax.lowering.attention import attention
+from lrjax.models.llama import _mask, apply_rope, decode_mask, rope_inv_freq, write_kv
 from lrjax.nn.linear import LowRankLinear
 
 
@@ -105,7 +106,7 @@ def _layer(layer, cfg, h, positions, inv, mask, zk_c, zv_c, write_pos):
     q, k = attn.q_norm(q), attn.k_norm(k)
   kpos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   q, k = apply_rope(q, positions, inv), apply_rope(k, kpos, inv)
-  a = attend(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+  a = attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)
   h = h + attn.o_proj(a)
   return h + layer.mlp(layer.post_attention_layernorm(h)), zk_c, zv_c
 

@@ -23,6 +23,7 @@ FLAGS=(-O2 -std=c++17 -ffp-contract=off -DLRJAX_W4A8_ARM -Wall -Werror -I"$HERE"
 mkdir "$OUT/k"  # the kernels' objects
 $CXX "${FLAGS[@]}" -c "$HERE/w4a8.cc" -o "$OUT/k/w4a8.o"
 $CXX "${FLAGS[@]}" -c "$HERE/decode_attention.cc" -o "$OUT/k/attn.o"
+$CXX "${FLAGS[@]}" -c "$HERE/attention.cc" -o "$OUT/k/prefill.o"  # compiled and linked here
 $CXX "${FLAGS[@]}" -c "$HERE/w4a8_arm_neon.cc" -o "$OUT/k/neon.o"
 $CXX "${FLAGS[@]}" -march=armv8.2-a+dotprod -c "$HERE/w4a8_arm_dotprod.cc" -o "$OUT/k/dotprod.o"
 $CXX "${FLAGS[@]}" -march=armv8.2-a+dotprod+i8mm -c "$HERE/w4a8_arm_i8mm.cc" -o "$OUT/k/i8mm.o"

@@ -18,6 +18,7 @@ case "$(uname -m)" in
     $CXX "${FLAGS[@]}" -mavx2 -mfma -mavxvnni -c "$HERE/w4a8_x86_avxvnni.cc" -o "$OUT/k/avxvnni.o"
     $CXX "${FLAGS[@]}" -mavx2 -mfma -c "$HERE/w4a8_x86_avx2.cc" -o "$OUT/k/avx2.o"
     $CXX "${FLAGS[@]}" -mavx2 -mfma -c "$HERE/decode_attention_x86_avx2.cc" -o "$OUT/k/attn_avx2.o"
+    $CXX "${FLAGS[@]}" -mavx2 -mfma -c "$HERE/attention_x86_avx2.cc" -o "$OUT/k/prefill_avx2.o"
     REQ=scalar
     grep -qw avx2 /proc/cpuinfo && REQ+=",avx2"
     grep -qw avx_vnni /proc/cpuinfo && REQ+=",avxvnni"
@@ -37,6 +38,7 @@ case "$(uname -m)" in
 esac
 $CXX "${FLAGS[@]}" -c "$HERE/w4a8.cc" -o "$OUT/k/w4a8.o"
 $CXX "${FLAGS[@]}" -c "$HERE/decode_attention.cc" -o "$OUT/k/attn.o"
+$CXX "${FLAGS[@]}" -c "$HERE/attention.cc" -o "$OUT/k/prefill.o"  # compiled and linked here
 $CXX "${FLAGS[@]}" -c "$HERE/tests/w4a8_test.cc" -o "$OUT/test.o"
 $CXX "${FLAGS[@]}" -c "$HERE/tests/decode_attention_test.cc" -o "$OUT/attn_test.o"
 $CXX "$OUT"/k/*.o "$OUT/test.o" -o "$OUT/w4a8_test" -lpthread

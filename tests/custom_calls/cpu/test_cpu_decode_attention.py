@@ -4,13 +4,11 @@ body the CPU has: awkward head counts and dims, lengths short of the buffer and 
 bodies' blocks, windows, positions before, inside and past the attended keys, scores far
 apart and NaN; its registry choice; its refusals; the FFI's shape checks."""
 
-import os
-from unittest import mock
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import cpu_body_env, cpu_kernel_bodies
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -49,23 +47,7 @@ def _inputs(rng, b, hq, hkv, d, t, pos):
   return q, k, v, jnp.asarray(pos, jnp.int32)
 
 
-def _bodies():
-  if not cpu_lowering.extension_available():
-    return []
-  from lrjax.custom_calls.cpu import _w4a8
-
-  return ["scalar"] + (["avx2"] if _w4a8.attention_isa(8) == "avx2" else [])
-
-
-BODIES = _bodies()
-
-
-def _body_env(body):
-  """The environment that makes the kernel take `body` (where D allows it)."""
-  env = {k: v for k, v in os.environ.items() if k != "LRJAX_W4A8_ISA"}
-  if body == "scalar":
-    env["LRJAX_W4A8_ISA"] = "scalar"
-  return mock.patch.dict(os.environ, env, clear=True)
+BODIES = cpu_kernel_bodies(lambda ext: ext.attention_isa(8))
 
 
 def _check(q, k, v, pos, window, length):
@@ -83,7 +65,7 @@ def test_kernel_matches_the_reference(shape, body, rng):
   from lrjax.custom_calls.cpu import _w4a8
 
   b, hq, hkv, d, t, length, window = shape
-  with _body_env(body):
+  with cpu_body_env(body):
     assert _w4a8.attention_isa(d) == (body if d % 8 == 0 else "scalar")
     # positions: none visible (-1), the first key, inside, the last attended, past length, T
     for pos in ([-1] * b, [0] * b, rng.integers(0, length, b), [length - 1] * b, [t + 3] * b):
@@ -96,7 +78,7 @@ def test_far_apart_and_nan_scores_as_the_reference(body, rng):
   head only, as jax.nn.softmax gives."""
   b, hq, hkv, d, t = 2, 8, 2, 64, 77
   q, k, v, pos = _inputs(rng, b, hq, hkv, d, t, [76, 40])
-  with _body_env(body):
+  with cpu_body_env(body):
     # scores of size ~100 carry f32 rounding of ~1e-5 into each weight, in either order
     got = jax.jit(lambda *a: C.decode_attention(*a, length=t))(q * 60, k, v, pos)
     want = decode_attention_reference(q * 60, k, v, pos, length=t)
@@ -123,7 +105,7 @@ def test_kernel_matches_the_reference_on_any_shape(body, b, hkv, g, d, t, data):
   window = data.draw(st.one_of(st.none(), st.integers(1, t + 2)))
   pos = data.draw(st.lists(st.integers(-2, t + 2), min_size=b, max_size=b))
   seed = data.draw(st.integers(0, 2**31 - 1))
-  with _body_env(body):
+  with cpu_body_env(body):
     _check(*_inputs(np.random.default_rng(seed), b, hkv * g, hkv, d, t, pos), window, length)
 
 
