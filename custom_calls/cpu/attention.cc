@@ -4,10 +4,9 @@
 #include "attention.h"
 
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 #include <vector>
 
+#include "attention_common.h"
 #include "w4a8.h"
 
 #define LRJAX_ATTN_BLOCK AttendBlockScalar
@@ -19,10 +18,7 @@ namespace {
 
 bool UseAvx2() {
 #if defined(LRJAX_W4A8_X86)
-  using lrjax_w4a8::Isa;
-  if (!(lrjax_w4a8::CpuIsaMask() >> int(Isa::kAvx2) & 1)) return false;
-  const char* cap = std::getenv("LRJAX_W4A8_ISA");
-  return cap == nullptr || std::strcmp(cap, lrjax_w4a8::IsaName(Isa::kScalar)) != 0;
+  return lrjax_w4a8::IsaAllowed(lrjax_w4a8::Isa::kAvx2);
 #else
   return false;
 #endif
@@ -44,11 +40,17 @@ void AttentionF32(const float* q, const float* k, const float* v, const uint8_t*
   if (UseAvx2()) body = AttendBlockAvx2;
 #endif
   const int64_t blocks = (S + kAttnQueryBlock - 1) / kAttnQueryBlock;
-  lrjax_w4a8::ParallelFor(B * Hkv * blocks, [&](int64_t i) {
+  const auto task = [&](int64_t i) {
     thread_local std::vector<float> scratch;  // per thread, reused
     scratch.resize(static_cast<size_t>(AttnScratchFloats(a)));
     body(a, i / (Hkv * blocks), i / blocks % Hkv, i % blocks * kAttnQueryBlock, scratch.data());
-  });
+  };
+  const int64_t tasks = B * Hkv * blocks;
+  if (2 * B * Hkv * T * D * 4 < kAttnParallelBytes) {  // e.g. one decode step's attention
+    for (int64_t i = 0; i < tasks; ++i) task(i);
+  } else {
+    lrjax_w4a8::ParallelFor(tasks, task);
+  }
 }
 
 }  // namespace lrjax_cpu

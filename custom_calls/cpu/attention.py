@@ -13,7 +13,6 @@ FMA (chosen at run time; ``LRJAX_W4A8_ISA=scalar`` forces the first). It serves 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,16 +22,9 @@ ENV = "LRJAX_CPU_ATTENTION"
 
 def supports(avals_in: Sequence[Any], params: Mapping[str, Any]) -> str | None:
   """None where the kernel serves the call, else why not."""
-  from lrjax.custom_calls.cpu.lowering import _EXT, extension_available
+  from lrjax.custom_calls.cpu.lowering import f32_kernel_refusal
 
-  if os.environ.get(ENV, "") == "0":
-    return f"off ({ENV}=0)"
-  dts = {str(a.dtype) for a in avals_in[:3]}
-  if dts != {"float32"}:
-    return f"q, k, v are {sorted(dts)}: the CPU kernel takes float32 (XLA serves the rest)"
-  if not extension_available():
-    return f"{_EXT} is not built (pip install lrjax builds it)"
-  return None
+  return f32_kernel_refusal(avals_in, ENV)
 
 
 def load():

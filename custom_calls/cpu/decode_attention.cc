@@ -7,43 +7,23 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 #include <vector>
 
+#include "attention_common.h"
 #include "w4a8.h"
 
 namespace lrjax_cpu {
 
 namespace {
 
-// x·y in eight interleaved partial sums (vectorizable without -ffast-math), then the tail
-float Dot(const float* x, const float* y, int64_t n) {
-  float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  int64_t d = 0;
-  for (; d + 8 <= n; d += 8)
-    for (int j = 0; j < 8; ++j) part[j] += x[d + j] * y[d + j];
-  float s = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
-  for (; d < n; ++d) s += x[d] * y[d];
-  return s;
-}
-
 bool Avx2Serves(int64_t D) {
 #if defined(LRJAX_W4A8_X86)
-  using lrjax_w4a8::Isa;
-  if (D % 8 != 0 || !(lrjax_w4a8::CpuIsaMask() >> int(Isa::kAvx2) & 1)) return false;
-  const char* cap = std::getenv("LRJAX_W4A8_ISA");
-  return cap == nullptr || std::strcmp(cap, lrjax_w4a8::IsaName(Isa::kScalar)) != 0;
+  return D % 8 == 0 && lrjax_w4a8::IsaAllowed(lrjax_w4a8::Isa::kAvx2);
 #else
   (void)D;
   return false;
 #endif
 }
-
-// Below this many bytes of K and V a call (about 30 us on one thread), the calling thread
-// works alone: waking the pool's threads, and taking cores that XLA's own threads are about to
-// use, cost as much as they save.
-constexpr int64_t kParallelBytes = 1 << 20;
 
 }  // namespace
 
@@ -52,7 +32,7 @@ void AttendHeadScalar(const AttendArgs& a, int64_t b, int64_t h, float* scratch)
   const int64_t G = x.G, D = a.D, n = x.n;
   for (int64_t t = 0; t < n; ++t)
     for (int64_t g = 0; g < G; ++g)
-      x.scores[g * n + t] = x.none ? 0.f : Dot(x.q + g * D, x.k + t * D, D) / a.root;
+      x.scores[g * n + t] = x.none ? 0.f : Dot8(x.q + g * D, x.k + t * D, D) / a.root;
   for (int64_t g = 0; g < G; ++g) {
     float* sg = x.scores + g * n;
     const float m = *std::max_element(sg, sg + n);
@@ -89,7 +69,7 @@ void DecodeAttentionF32(const float* q, const float* k, const float* v, const in
     body(a, i / Hkv, i % Hkv, scratch.data());
   };
   const int64_t tasks = B * Hkv;
-  if (2 * B * Hkv * length * D * 4 < kParallelBytes) {
+  if (2 * B * Hkv * length * D * 4 < kAttnParallelBytes) {
     for (int64_t i = 0; i < tasks; ++i) task(i);
   } else {
     lrjax_w4a8::ParallelFor(tasks, task);

@@ -16,7 +16,6 @@ against XLA from 0.5 to 512 MiB of K and V); ``LRJAX_CPU_DECODE_ATTENTION=0`` tu
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -35,17 +34,9 @@ def decode_attention_reference(q, k, v, pos, *, window=None, length=None):
 
 def supports(avals_in: Sequence[Any], params: Mapping[str, Any]) -> str | None:
   """None where the kernel serves the call, else why not."""
-  from lrjax.custom_calls.cpu.lowering import _EXT, extension_available
+  from lrjax.custom_calls.cpu.lowering import f32_kernel_refusal
 
-  if os.environ.get(ENV, "") == "0":
-    return f"off ({ENV}=0)"
-  q, k, v = avals_in[:3]
-  dts = {str(a.dtype) for a in (q, k, v)}
-  if dts != {"float32"}:
-    return f"q, k, v are {sorted(dts)}: the CPU kernel takes float32 (XLA serves the rest)"
-  if not extension_available():
-    return f"{_EXT} is not built (pip install lrjax builds it)"
-  return None
+  return f32_kernel_refusal(avals_in, ENV)
 
 
 def load():

@@ -128,6 +128,19 @@ def _supports(avals_in: Sequence[Any], params: Mapping[str, Any]) -> str | None:
   return None
 
 
+def f32_kernel_refusal(avals, env: str) -> str | None:
+  """Why a CPU attention kernel (f32 only, turned off by ``env``=0) does not serve a call whose
+  first three operands are ``avals``; None where it does."""
+  if os.environ.get(env, "") == "0":
+    return f"off ({env}=0)"
+  dts = {str(a.dtype) for a in avals[:3]}
+  if dts != {"float32"}:
+    return f"q, k, v are {sorted(dts)}: the CPU kernel takes float32 (XLA serves the rest)"
+  if not extension_available():
+    return f"{_EXT} is not built (pip install lrjax builds it)"
+  return None
+
+
 def _empty_f32():
   """An f32 [0] operand: the kernel's "no bias" / "no scale"."""
   import jax.numpy as jnp

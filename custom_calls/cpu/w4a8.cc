@@ -124,15 +124,31 @@ Tile GetTile(Layout layout, Isa isa) {
 
 bool HasKernel(Layout layout, Isa isa) { return GetTile(layout, isa).fn != nullptr; }
 
-Isa SelectIsa(Layout layout) {
-  static const Isa kOrder[] = {Isa::kI8mm, Isa::kDotprod, Isa::kNeon, Isa::kAvx512Vnni,
-                               Isa::kAvxVnni, Isa::kAvx2, Isa::kScalar};
-  unsigned mask = CpuIsaMask();
+namespace {
+
+const Isa kOrder[] = {Isa::kI8mm, Isa::kDotprod, Isa::kNeon, Isa::kAvx512Vnni,
+                      Isa::kAvxVnni, Isa::kAvx2, Isa::kScalar};
+
+// The ISA LRJAX_W4A8_ISA names, as an int; -1 when unset or unknown (no cap).
+int IsaCap() {
   int cap = -1;
   if (const char* env = std::getenv("LRJAX_W4A8_ISA")) {
     for (Isa i : kOrder)
       if (std::strcmp(env, IsaName(i)) == 0) cap = int(i);
   }
+  return cap;
+}
+
+}  // namespace
+
+bool IsaAllowed(Isa isa) {
+  const int cap = IsaCap();
+  return (CpuIsaMask() >> int(isa) & 1) && (cap < 0 || int(isa) <= cap);
+}
+
+Isa SelectIsa(Layout layout) {
+  unsigned mask = CpuIsaMask();
+  const int cap = IsaCap();
   // Within each architecture the enum order is the preference order.
   Isa best = Isa::kScalar;
   for (Isa i : kOrder) {

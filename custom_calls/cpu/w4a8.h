@@ -56,6 +56,9 @@ unsigned CpuIsaMask();
 // when set; an ISA the CPU lacks, or one without a kernel for the layout, is
 // skipped.
 Isa SelectIsa(Layout layout);
+// Whether this CPU has `isa` and LRJAX_W4A8_ISA does not cap the kernels below it (the
+// attention kernels' choice of body).
+bool IsaAllowed(Isa isa);
 // Kernel ISAs available for a layout in this build (scalar always).
 bool HasKernel(Layout layout, Isa isa);
 
