@@ -20,6 +20,13 @@ TARGET = "lrjax_cpu_attention"
 ENV = "LRJAX_CPU_ATTENTION"
 
 
+def attention_reference(q, k, v, mask, *, heads_first=False):
+  """The op's reference: lowering/attention.py's."""
+  from lrjax.lowering.attention import attention_reference as ref
+
+  return ref(q, k, v, mask, heads_first=heads_first)
+
+
 def supports(avals_in: Sequence[Any], params: Mapping[str, Any]) -> str | None:
   """None where the kernel serves the call, else why not."""
   from lrjax.custom_calls.cpu.lowering import f32_kernel_refusal

@@ -47,7 +47,7 @@ def _causal(b, s, t, start):
 
 def _check(q, k, v, mask, heads_first):
   got = jax.jit(lambda *a: C.attention(*a, heads_first=heads_first))(q, k, v, mask)
-  want = jax.jit(lambda *a: attention_reference(*a, heads_first=heads_first))(q, k, v, mask)
+  want = jax.jit(lambda *a: C.attention_reference(*a, heads_first=heads_first))(q, k, v, mask)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), *TOL["float32"])
 
 
